@@ -1,0 +1,21 @@
+#!/usr/bin/env node
+/** The `kvfence` command: one sub-command per file in this folder, registered here. */
+import { Command, CommanderError } from 'commander'
+import { registerAudit } from './audit.js'
+
+const program = new Command()
+program
+  .name('kvfence')
+  .description('Disaggregated LLM serving that is safe from cross-tenant KV-cache leaks, and an auditor that proves it.')
+  .showHelpAfterError()
+  .exitOverride()
+
+registerAudit(program)
+
+try {
+  await program.parseAsync(process.argv)
+} catch (err) {
+  if (err instanceof CommanderError) process.exit(err.exitCode === 0 ? 0 : 2)
+  process.stderr.write(`kvfence: ${err instanceof Error ? err.message : String(err)}\n`)
+  process.exit(2)
+}

@@ -1,0 +1,80 @@
+/** `kvfence prefill` and `kvfence decode`: start one worker of a disaggregated pair on its own
+ *  (on this host or another). Each prints its bound ports once listening, and tells a parent
+ *  process that forked it through the IPC channel. */
+import type { Command } from 'commander'
+import { pino } from 'pino'
+import { DecodeWorker } from '../engine/decode-worker.js'
+import { buildFaultConfig, faultBanner } from '../engine/faults.js'
+import { PrefillWorker } from '../engine/prefill-worker.js'
+import { createWorkerCore } from '../engine/worker-core.js'
+import { createWorkerServer, listen } from '../engine/worker-server.js'
+import { loadModel } from '../model/weights.js'
+import { bundledModelDir } from '../paths.js'
+import { TransferServer } from '../transfer/index.js'
+import { intOption, collect } from './options.js'
+
+interface WorkerFlags {
+  model: string
+  pages: number
+  pageSize: number
+  host: string
+  port: number
+  transferHost: string
+  transferPort: number
+  injectFault: string[]
+  unsafeDisableGuards: boolean
+  logLevel: string
+}
+
+/** Register `kvfence prefill` and `kvfence decode`. */
+export function registerWorkers(program: Command): void {
+  for (const role of ['prefill', 'decode'] as const) {
+    const cmd = program
+      .command(role)
+      .description(`start a ${role} worker (control plane over HTTP${role === 'decode' ? ', KV transfer receiver over TCP' : ''})`)
+      .option('--model <dir>', 'Hugging Face model directory', bundledModelDir)
+      .option('--pages <n>', 'pages in this worker’s KV pool', intOption, 64)
+      .option('--page-size <n>', 'tokens per page', intOption, 16)
+      .option('--host <host>', 'control-plane address to bind', '127.0.0.1')
+      .option('--port <port>', 'control-plane port (0 picks one)', intOption, role === 'prefill' ? 8101 : 8102)
+      .option('--inject-fault <name>', 'inject a fault (needs KVFENCE_ALLOW_FAULTS=1); repeatable', collect, [])
+      .option('--unsafe-disable-guards', 'turn every safety guard off (needs KVFENCE_ALLOW_FAULTS=1)', false)
+      .option('--log-level <level>', 'pino log level', 'info')
+    if (role === 'decode') {
+      cmd
+        .option('--transfer-host <host>', 'KV transfer receiver address to bind', '127.0.0.1')
+        .option('--transfer-port <port>', 'KV transfer receiver port (0 picks one)', intOption, 8103)
+    }
+    cmd.action(async (flags: WorkerFlags) => {
+      await startWorker(role, flags)
+    })
+  }
+}
+
+async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Promise<void> {
+  const log = pino({ name: `kvfence-${role}`, level: flags.logLevel }, pino.destination(2))
+  const faults = buildFaultConfig(flags.injectFault, flags.unsafeDisableGuards, process.env)
+  const banner = faultBanner(`kvfence ${role}`, faults)
+  if (banner) process.stderr.write(`${banner}\n`)
+  const core = createWorkerCore({ model: loadModel(flags.model), numPages: flags.pages, pageSize: flags.pageSize, faults })
+  let transferPort: number | undefined
+  let server
+  if (role === 'decode') {
+    const worker = new DecodeWorker(core)
+    const receiver = new TransferServer(worker.receiverHooks, { verifyManifest: core.guards.G4, verifyAuth: core.guards.G10 })
+    transferPort = await listen(receiver, flags.transferHost, flags.transferPort)
+    server = createWorkerServer({ role, worker, transferPort: () => transferPort! }, log)
+  } else {
+    server = createWorkerServer({ role, worker: new PrefillWorker(core) }, log)
+  }
+  const port = await listen(server, flags.host, flags.port)
+  const ready = { type: 'ready', role, port, transferPort, capacityTokens: core.pool.capacityTokens }
+  log.info(ready, `${role} worker listening`)
+  process.send?.(ready)
+  const shutdown = () => {
+    server.close()
+    process.exit(0)
+  }
+  process.on('SIGTERM', shutdown)
+  process.on('SIGINT', shutdown)
+}

@@ -1,0 +1,179 @@
+/** Start a cluster on this host: one prefill worker, one decode worker and the router, each its own
+ *  OS process (forked `kvfence prefill|decode|router`), and stop it again. Used by `kvfence serve`,
+ *  `kvfence demo` and the end-to-end tests.
+ *  Knows process management and the parts' flags; knows nothing of requests. */
+import { fork, type ChildProcess } from 'node:child_process'
+import { createWriteStream, mkdirSync } from 'node:fs'
+import { join } from 'node:path'
+import { cliEntry } from '../paths.js'
+
+/** Options of {@link startCluster}. */
+export interface ClusterOptions {
+  modelDir: string
+  /** Tokens per page, for both pools. */
+  pageSize: number
+  prefillPages: number
+  decodePages: number
+  /** Advertised context window (tokens); default: the effective capacity. */
+  contextWindow?: number
+  /** Clamp an advertised context larger than the pools instead of refusing to start (G1). */
+  clampContext?: boolean
+  /** Faults per part (needs KVFENCE_ALLOW_FAULTS=1 in `env`). */
+  prefillFaults?: string[]
+  decodeFaults?: string[]
+  disableGuards?: boolean
+  /** YAML tenants file for the router. */
+  tenantsFile: string
+  /** Router port (0 picks one). */
+  routerPort?: number
+  host?: string
+  /** Folder for the parts' logs (stderr); default: inherit this process's stderr. */
+  logDir?: string
+  logLevel?: string
+  env?: NodeJS.ProcessEnv
+}
+
+/** A running cluster. */
+export interface Cluster {
+  routerUrl: string
+  prefillUrl: string
+  decodeUrl: string
+  /** The child processes, by part. */
+  processes: { prefill: ChildProcess; decode: ChildProcess; router: ChildProcess }
+  /** Stop every part (SIGTERM, then SIGKILL after 3 s) and wait for them to exit. */
+  stop(): Promise<void>
+}
+
+interface Ready {
+  type: 'ready'
+  port: number
+}
+
+/** How long a part may take to start (ms). */
+const startTimeoutMs = 30_000
+
+/** Fork one part and resolve with its ready message. Rejects (with the part's last log lines) if
+ *  it exits or does not report ready within {@link startTimeoutMs}. */
+function startPart(name: string, args: string[], opts: ClusterOptions, started: ChildProcess[]): Promise<{ child: ChildProcess; ready: Ready }> {
+  const env = { ...(opts.env ?? process.env) }
+  const toFile = opts.logDir !== undefined
+  const child = fork(cliEntry, [name, ...args, '--log-level', opts.logLevel ?? 'info'], {
+    env,
+    stdio: toFile ? ['ignore', 'pipe', 'pipe', 'ipc'] : ['ignore', 'inherit', 'inherit', 'ipc'],
+  })
+  started.push(child)
+  const tail: string[] = []
+  if (toFile) {
+    mkdirSync(opts.logDir!, { recursive: true })
+    const log = createWriteStream(join(opts.logDir!, `${name}.log`))
+    for (const stream of [child.stdout!, child.stderr!]) {
+      stream.on('data', (chunk: Buffer) => {
+        log.write(chunk)
+        tail.push(...chunk.toString('utf8').split('\n').filter(Boolean))
+        tail.splice(0, Math.max(0, tail.length - 5))
+      })
+    }
+  }
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(() => fail(`did not start within ${startTimeoutMs} ms`), startTimeoutMs)
+    const fail = (why: string) => {
+      clearTimeout(timer)
+      const last = tail.find((l) => /error|refus|exceed/i.test(l)) ?? tail.at(-1)
+      reject(new Error(`kvfence ${name} ${why}${last ? `: ${oneLine(last)}` : ''}`))
+    }
+    child.once('exit', (code) => fail(`exited with code ${code}`))
+    child.on('message', (msg: Ready) => {
+      if (msg?.type !== 'ready') return
+      clearTimeout(timer)
+      child.removeAllListeners('exit')
+      resolve({ child, ready: msg })
+    })
+  })
+}
+
+/** A log line (pino JSON or text) reduced to its message. */
+function oneLine(line: string): string {
+  try {
+    const parsed = JSON.parse(line) as { msg?: string }
+    return parsed.msg ?? line
+  } catch {
+    return line
+  }
+}
+
+/** Stop processes: SIGTERM, then SIGKILL after 3 s. */
+async function stopAll(children: ChildProcess[]): Promise<void> {
+  await Promise.all(
+    children.map(
+      (child) =>
+        new Promise<void>((resolve) => {
+          if (child.exitCode !== null || child.signalCode !== null) return resolve()
+          const timer = setTimeout(() => child.kill('SIGKILL'), 3_000)
+          child.once('exit', () => {
+            clearTimeout(timer)
+            resolve()
+          })
+          child.kill('SIGTERM')
+        }),
+    ),
+  )
+}
+
+/** Start P, D, then the router pointed at them. Throws (after stopping what started) when a part
+ *  fails to start, e.g. the router refusing an advertised context larger than the pools (G1). */
+export async function startCluster(opts: ClusterOptions): Promise<Cluster> {
+  const host = opts.host ?? '127.0.0.1'
+  const common = (faults: string[] = []) => [
+    '--model',
+    opts.modelDir,
+    '--page-size',
+    String(opts.pageSize),
+    '--host',
+    host,
+    '--port',
+    '0',
+    ...faults.flatMap((f) => ['--inject-fault', f]),
+    ...(opts.disableGuards ? ['--unsafe-disable-guards'] : []),
+  ]
+  const started: ChildProcess[] = []
+  try {
+    const [prefill, decode] = await Promise.all([
+      startPart('prefill', [...common(opts.prefillFaults), '--pages', String(opts.prefillPages)], opts, started),
+      startPart('decode', [...common(opts.decodeFaults), '--pages', String(opts.decodePages), '--transfer-host', host, '--transfer-port', '0'], opts, started),
+    ])
+    const prefillUrl = `http://${host}:${prefill.ready.port}`
+    const decodeUrl = `http://${host}:${decode.ready.port}`
+    const router = await startPart(
+      'router',
+      [
+        '--model',
+        opts.modelDir,
+        '--prefill',
+        prefillUrl,
+        '--decode',
+        decodeUrl,
+        '--tenants',
+        opts.tenantsFile,
+        '--host',
+        host,
+        '--port',
+        String(opts.routerPort ?? 0),
+        ...(opts.contextWindow !== undefined ? ['--context-window', String(opts.contextWindow)] : []),
+        ...(opts.clampContext ? ['--clamp-context'] : []),
+        ...(opts.disableGuards ? ['--unsafe-disable-guards'] : []),
+      ],
+      opts,
+      started,
+    )
+    return {
+      routerUrl: `http://${host}:${router.ready.port}`,
+      prefillUrl,
+      decodeUrl,
+      processes: { prefill: prefill.child, decode: decode.child, router: router.child },
+      stop: () => stopAll(started),
+    }
+  } catch (err) {
+    await stopAll(started)
+    throw err
+  }
+}

@@ -1,0 +1,94 @@
+/** The control plane between the router and the workers: message shapes and their parsers.
+ *
+ *  Transport: plain HTTP/1.1 + JSON on each worker's control port (loopback or a private network).
+ *  - decode worker   `POST /internal/generate`  body {@link GenerateRequest}; answers 200 with an
+ *    NDJSON stream of {@link DecodeEvent} (one JSON object per line), or a non-200 JSON
+ *    `{ error: { code, message } }` when it refuses the request outright.
+ *    The first event is always `reserved` (pages are held for the prompt); only then may the
+ *    router ask the prefill worker to prefill. Closing the HTTP request aborts the request (G8).
+ *  - prefill worker  `POST /internal/prefill`   body {@link PrefillRequest}; answers 200 with
+ *    {@link PrefillResult} once the decode worker has acknowledged every page, or a non-200 JSON
+ *    error. Closing the HTTP request aborts the prefill and its transfer (G8).
+ *  - both            `GET /server_info` → {@link ServerInfo}, `GET /health`, `GET /metrics`.
+ *
+ *  Knows message shapes only; knows nothing of pools, models or tenants' keys. */
+import { z } from 'zod'
+
+/** Sampling parameters as the workers receive them (already validated by the router). */
+export const Sampling = z.object({
+  /** 0 means greedy. */
+  temperature: z.number().min(0).max(2),
+  topP: z.number().gt(0).max(1),
+  /** Seed of the request's random stream; null draws one. */
+  seed: z.number().int().nullable(),
+})
+export type Sampling = z.infer<typeof Sampling>
+
+const requestId = z.string().regex(/^[0-9a-f]{32}$/, 'request id must be 32 hex digits')
+const secret = z.string().regex(/^[0-9a-f]{64}$/, 'transfer secret must be 64 hex digits')
+const tokenIds = z.array(z.number().int().min(0)).min(1)
+
+/** Router → decode worker: reserve pages for a prompt, receive its KV, decode. */
+export const GenerateRequest = z.object({
+  requestId,
+  tenant: z.string().min(1),
+  promptTokenIds: tokenIds,
+  /** Tokens to generate at most, the first token (sampled by prefill) included. */
+  maxTokens: z.number().int().min(1),
+  sampling: Sampling,
+  stopTokenIds: z.array(z.number().int().min(0)),
+  /** Per-request secret issued by the router; the transfer's BEGIN frame must carry its HMAC (G10). */
+  transferSecret: secret,
+})
+export type GenerateRequest = z.infer<typeof GenerateRequest>
+
+/** Router → prefill worker: prefill a prompt and send its KV to a decode worker. */
+export const PrefillRequest = z.object({
+  requestId,
+  tenant: z.string().min(1),
+  promptTokenIds: tokenIds,
+  sampling: Sampling,
+  transferSecret: secret,
+  /** The decode worker's transfer (data-plane) address. */
+  decode: z.object({ host: z.string().min(1), port: z.number().int().min(1).max(65535) }),
+})
+export type PrefillRequest = z.infer<typeof PrefillRequest>
+
+/** Prefill worker's answer once the decode worker acknowledged the transfer. */
+export interface PrefillResult {
+  requestId: string
+  numPages: number
+  numTokens: number
+  firstTokenId: number
+}
+
+/** One line of the decode worker's NDJSON stream. */
+export type DecodeEvent =
+  | { type: 'reserved'; numPages: number }
+  | { type: 'token'; tokenId: number }
+  | {
+      type: 'done'
+      finishReason: 'stop' | 'length'
+      promptTokens: number
+      completionTokens: number
+    }
+  | { type: 'error'; code: string; message: string }
+
+/** What every worker reports at `GET /server_info` (also read by `kvfence audit` from outside). */
+export interface ServerInfo {
+  role: 'prefill' | 'decode'
+  model: string
+  /** Tokens per page. */
+  pageSize: number
+  numPages: number
+  /** Effective KV capacity in tokens = numPages × pageSize. */
+  capacityTokens: number
+  numPagesFree: number
+  numPagesUsed: number
+  /** Longest sequence (prompt + generated tokens) the model's positions allow. */
+  maxPositionEmbeddings: number
+  guardsEnabled: boolean
+  faults: string[]
+  /** Decode worker only: the TCP port its transfer receiver listens on. */
+  transferPort?: number
+}

@@ -1,0 +1,240 @@
+/** Decode worker: reserves pages for a prompt, receives and verifies its KV from the prefill worker,
+ *  then generates tokens for many requests at once (each request steps in turn).
+ *  Knows token ids, tenants and the transfer receiver's hooks; knows nothing of HTTP, keys or text. */
+import { randomBytes } from 'node:crypto'
+import { setImmediate as yieldToLoop } from 'node:timers/promises'
+import { KvfenceError } from '../errors.js'
+import type { PageRef } from '../kv/pool.js'
+import { forward } from '../model/forward.js'
+import { makeRandom, sample } from '../model/sampling.js'
+import type { BeginInfo, ReceiverHooks, Reservation } from '../transfer/index.js'
+import type { DecodeEvent, GenerateRequest } from './control.js'
+import { scatterPage, type WorkerCore } from './worker-core.js'
+
+/** How long a reservation waits for its transfer to begin before it is given up (ms). Only a
+ *  transfer that never began may be given up on a timer: its pages cannot be written any more. */
+export const bootstrapTimeoutMs = 30_000
+
+/** A request between reservation and the end of its transfer. */
+interface Pending {
+  req: GenerateRequest
+  owner: number
+  pageTable: PageRef[]
+  numPromptPages: number
+  secret: Buffer
+  state: 'waiting' | 'receiving' | 'received' | 'failed'
+  settle: (result: { firstTokenId: number } | KvfenceError) => void
+}
+
+/** The decode side of a disaggregated pair. One instance per process. */
+export class DecodeWorker {
+  private readonly pending = new Map<string, Pending>()
+
+  constructor(readonly core: WorkerCore) {}
+
+  /** Hooks for the transfer receiver: secrets of known requests, and reservations verified
+   *  against what the router told this worker (G4). */
+  readonly receiverHooks: ReceiverHooks = {
+    secretFor: (requestId) => this.pending.get(requestId)?.secret,
+    begin: (info) => this.begin(info),
+  }
+
+  /** Generate tokens for `req`, calling `emit` for each event (first `reserved`, then `token`s, then
+   *  `done`). Throws before `reserved` for a request this pool cannot hold (G3,
+   *  `context_length_exceeded`) or momentarily cannot (`capacity_exhausted`); throws after it when
+   *  the transfer fails or is aborted, a guard trips, or `signal` fires (`request_aborted`). */
+  async generate(req: GenerateRequest, signal: AbortSignal, emit: (e: DecodeEvent) => void): Promise<void> {
+    const { pool, model, trips } = this.core
+    const numPrompt = req.promptTokenIds.length
+    const total = numPrompt + req.maxTokens
+    const limit = Math.min(pool.capacityTokens, model.config.maxPositionEmbeddings)
+    if (total > limit && this.core.guards.G3) {
+      throw trips.trip(
+        'G3',
+        `prompt of ${numPrompt} tokens + max_tokens ${req.maxTokens} exceeds this decode worker's KV capacity of ${limit} tokens`,
+        'context_length_exceeded',
+      )
+    }
+    if (this.pending.has(req.requestId)) throw new KvfenceError('invalid_request', `request ${req.requestId} is already running`)
+
+    const owner = this.core.nextOwner()
+    const pageTable = pool.allocate(pool.pagesFor(Math.min(total, limit)), owner, this.core.tenantId(req.tenant))
+    let released = false
+    const release = () => {
+      if (released || pool.isPinned(pageTable)) return
+      released = true
+      pool.release(pageTable, owner)
+    }
+    let received: { firstTokenId: number }
+    try {
+      received = await this.awaitTransfer(req, owner, pageTable, signal, emit, release)
+    } catch (err) {
+      release() // deferred when a transfer still holds the pages: its abort() releases them.
+      throw err
+    }
+
+    try {
+      await this.decode(req, owner, pageTable, received.firstTokenId, signal, emit)
+    } finally {
+      release()
+    }
+  }
+
+  /** Register the reservation, announce it, and wait until its transfer is verified. */
+  private awaitTransfer(
+    req: GenerateRequest,
+    owner: number,
+    pageTable: PageRef[],
+    signal: AbortSignal,
+    emit: (e: DecodeEvent) => void,
+    release: () => void,
+  ): Promise<{ firstTokenId: number }> {
+    const { pool } = this.core
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        if (entry.state === 'waiting') entry.settle(new KvfenceError('transfer_failed', `no transfer for request ${req.requestId} within ${bootstrapTimeoutMs} ms`))
+      }, bootstrapTimeoutMs)
+      const onAbort = () => {
+        // A transfer in flight keeps its pages pinned; they are released when it settles (G7).
+        if (entry.state === 'waiting' || entry.state === 'received') entry.settle(new KvfenceError('request_aborted', 'request aborted by the router'))
+        else if (entry.state === 'receiving') entry.state = 'failed'
+      }
+      const entry: Pending = {
+        req,
+        owner,
+        pageTable,
+        numPromptPages: pool.pagesFor(req.promptTokenIds.length),
+        secret: Buffer.from(req.transferSecret, 'hex'),
+        state: 'waiting',
+        settle: (result) => {
+          clearTimeout(timer)
+          signal.removeEventListener('abort', onAbort)
+          this.pending.delete(req.requestId)
+          if (result instanceof KvfenceError) {
+            entry.state = 'failed'
+            reject(result)
+            release()
+          } else if (signal.aborted) {
+            entry.state = 'failed'
+            reject(new KvfenceError('request_aborted', 'request aborted by the router'))
+            release()
+          } else {
+            entry.state = 'received'
+            resolve(result)
+          }
+        },
+      }
+      this.pending.set(req.requestId, entry)
+      signal.addEventListener('abort', onAbort, { once: true })
+      emit({ type: 'reserved', numPages: pageTable.length })
+      if (signal.aborted) onAbort()
+    })
+  }
+
+  /** A BEGIN arrived with a valid HMAC: check it describes exactly the reserved request (G4) and
+   *  hand the receiver a reservation over the prompt's pages, pinned until the transfer settles (G7). */
+  private begin(info: BeginInfo): Reservation {
+    const { pool, trips, guards } = this.core
+    const entry = this.pending.get(info.requestId)
+    if (!entry || entry.state !== 'waiting') {
+      throw new KvfenceError('transfer_failed', `transfer ${info.transferId}: no reservation waiting for request ${info.requestId}`)
+    }
+    const { req, owner, pageTable } = entry
+    const numPrompt = req.promptTokenIds.length
+    if (guards.G4) {
+      const problems: string[] = []
+      if (info.tenant !== req.tenant) problems.push(`tenant ${info.tenant} ≠ ${req.tenant}`)
+      if (info.numTokens !== numPrompt) problems.push(`token count ${info.numTokens} ≠ ${numPrompt}`)
+      if (info.numPages !== entry.numPromptPages) problems.push(`page count ${info.numPages} ≠ ${entry.numPromptPages}`)
+      if (info.pageBytes !== pool.pageBytes) problems.push(`page bytes ${info.pageBytes} ≠ ${pool.pageBytes}`)
+      if (problems.length > 0) {
+        const err = trips.trip('G4', `transfer ${info.transferId} does not match request ${req.requestId}: ${problems.join(', ')}`, 'transfer_failed')
+        entry.settle(err)
+        throw err
+      }
+    }
+    const promptPages = pageTable.slice(0, entry.numPromptPages)
+    pool.pin(promptPages, owner)
+    entry.state = 'receiving'
+    let isSettled = false
+    const unpinOnce = () => {
+      if (isSettled) return false
+      isSettled = true
+      pool.unpin(promptPages, owner)
+      return true
+    }
+    return {
+      writePage: (ordinal, tokensOnPage, payload) => {
+        // Bounds are checked whatever the guards: a write outside the reservation is never possible.
+        if (ordinal < 0 || ordinal >= promptPages.length || tokensOnPage > pool.shape.pageSize || payload.byteLength !== pool.pageBytes) {
+          throw new KvfenceError('transfer_failed', `transfer ${info.transferId}: page ${ordinal} (${tokensOnPage} tokens, ${payload.byteLength} bytes) is outside the reservation`)
+        }
+        scatterPage(pool, promptPages[ordinal].page, payload)
+        pool.noteWrite(promptPages, owner, ordinal * pool.shape.pageSize, tokensOnPage)
+      },
+      complete: (firstTokenId) => {
+        if (guards.G4) {
+          // Every prompt position must hold KV that arrived for this request.
+          for (let ordinal = 0; ordinal < promptPages.length; ordinal++) {
+            const want = Math.min(pool.shape.pageSize, numPrompt - ordinal * pool.shape.pageSize)
+            const have = pool.fill[promptPages[ordinal].page]
+            if (have !== want) {
+              throw trips.trip('G4', `transfer ${info.transferId}: page ${ordinal} holds ${have} tokens, ${want} expected`, 'transfer_failed')
+            }
+          }
+        }
+        if (firstTokenId < 0 || firstTokenId >= this.core.model.config.vocabSize) {
+          throw new KvfenceError('transfer_failed', `transfer ${info.transferId}: first token ${firstTokenId} outside the vocabulary`)
+        }
+        unpinOnce()
+        if (entry.state === 'failed') {
+          entry.settle(new KvfenceError('request_aborted', 'request aborted by the router'))
+          return
+        }
+        entry.settle({ firstTokenId })
+      },
+      abort: (reason) => {
+        if (!unpinOnce()) return
+        entry.settle(reason instanceof KvfenceError ? reason : new KvfenceError('transfer_failed', String(reason)))
+      },
+    }
+  }
+
+  /** Generate up to `maxTokens` tokens, the first one sampled by the prefill worker. */
+  private async decode(
+    req: GenerateRequest,
+    owner: number,
+    pageTable: PageRef[],
+    firstTokenId: number,
+    signal: AbortSignal,
+    emit: (e: DecodeEvent) => void,
+  ): Promise<void> {
+    const { model, rope, pool } = this.core
+    const numPrompt = req.promptTokenIds.length
+    // Full prompt pages are read-only from now on; the last one may still receive generated tokens.
+    pool.seal(pageTable.slice(0, Math.floor(numPrompt / pool.shape.pageSize)), owner)
+    const random = makeRandom(req.sampling.seed === null ? randomBytes(4).readUInt32LE() : req.sampling.seed + 1)
+    const stop = new Set(req.stopTokenIds)
+    const capacity = pageTable.length * pool.shape.pageSize
+    let token = firstTokenId
+    let numGenerated = 1
+    emit({ type: 'token', tokenId: token })
+    while (numGenerated < req.maxTokens && !stop.has(token)) {
+      if (signal.aborted) throw new KvfenceError('request_aborted', 'request aborted by the router')
+      const pos = numPrompt + numGenerated - 1
+      if (pos >= capacity) break
+      const logits = forward(model, rope, pool, { pageTable, owner }, [token], pos)
+      token = sample(logits, { temperature: req.sampling.temperature, topP: req.sampling.topP, random })
+      numGenerated += 1
+      emit({ type: 'token', tokenId: token })
+      // Let other requests step and aborts arrive between tokens.
+      await yieldToLoop()
+    }
+    emit({
+      type: 'done',
+      finishReason: stop.has(token) ? 'stop' : 'length',
+      promptTokens: numPrompt,
+      completionTokens: numGenerated,
+    })
+  }
+}

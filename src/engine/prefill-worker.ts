@@ -1,0 +1,132 @@
+/** Prefill worker: runs a prompt through the model into its own KV pool, samples the first token,
+ *  and sends the prompt's KV pages to the decode worker, keeping them pinned until it acknowledges.
+ *  Knows token ids, tenants and the transfer client; knows nothing of HTTP, API keys or text. */
+import { randomBytes } from 'node:crypto'
+import { setImmediate as yieldToLoop } from 'node:timers/promises'
+import { KvfenceError } from '../errors.js'
+import type { PageRef } from '../kv/pool.js'
+import { forward } from '../model/forward.js'
+import { makeRandom, sample } from '../model/sampling.js'
+import { TransferClient } from '../transfer/index.js'
+import type { PrefillRequest, PrefillResult } from './control.js'
+import { gatherPage, type WorkerCore } from './worker-core.js'
+
+/** Tokens per prefill step: long prompts are prefilled in chunks so that aborts are seen between them. */
+export const prefillChunkTokens = 256
+
+/** Options of {@link PrefillWorker}. */
+export interface PrefillWorkerOptions {
+  /** Pages per PAGES frame (G9). */
+  maxPagesPerFrame?: number
+}
+
+/** The prefill side of a disaggregated pair. One instance per process. */
+export class PrefillWorker {
+  private readonly clients = new Map<string, TransferClient>()
+
+  constructor(
+    readonly core: WorkerCore,
+    private readonly options: PrefillWorkerOptions = {},
+  ) {}
+
+  /** Prefill `req` and transfer its KV to the decode worker named in it. Resolves once the decode
+   *  worker acknowledged every page. Throws `context_length_exceeded` when the prompt cannot fit this
+   *  pool (G3: a terminal rejection, never a substitution), `capacity_exhausted` when the pool is
+   *  momentarily full, `request_aborted` when `signal` fires, `transfer_failed` on a NACK or teardown. */
+  async prefill(req: PrefillRequest, signal: AbortSignal): Promise<PrefillResult> {
+    const { pool, model, guards, trips } = this.core
+    const numTokens = req.promptTokenIds.length
+    const limit = Math.min(pool.capacityTokens, model.config.maxPositionEmbeddings)
+    let tokens = req.promptTokenIds
+    let isPlaceholder = false
+    if (numTokens > limit) {
+      if (guards.G3 || !this.core.hasFault('placeholder-forward')) {
+        throw trips.trip(
+          'G3',
+          `prompt of ${numTokens} tokens exceeds this prefill worker's KV capacity of ${limit} tokens`,
+          'context_length_exceeded',
+        )
+      }
+      // The incident (fault injection only): the rejected prompt becomes a one-token placeholder.
+      tokens = [model.config.bosTokenId ?? 0]
+      isPlaceholder = true
+    }
+
+    const owner = this.core.nextOwner()
+    const pageTable = pool.allocate(pool.pagesFor(tokens.length), owner, this.core.tenantId(req.tenant))
+    let isPinned = false
+    try {
+      const logits = await this.runPrefill(tokens, pageTable, owner, signal)
+      const firstTokenId = sample(logits, {
+        temperature: req.sampling.temperature,
+        topP: req.sampling.topP,
+        random: makeRandom(req.sampling.seed ?? randomBytes(4).readUInt32LE()),
+      })
+      pool.seal(pageTable, owner)
+      pool.pin(pageTable, owner)
+      isPinned = true
+      const numPages = pool.pagesFor(numTokens)
+      const client = this.clientFor(req.decode.host, req.decode.port)
+      await client.send(
+        {
+          transferId: randomBytes(16).toString('hex'),
+          requestId: req.requestId,
+          tenant: req.tenant,
+          numTokens,
+          numPages,
+          pageBytes: pool.pageBytes,
+          secret: Buffer.from(req.transferSecret, 'hex'),
+          firstTokenId,
+          readPage: (ordinal, dst) => {
+            gatherPage(pool, pageTable[ordinal].page, dst)
+            // A placeholder page claims to be full: "the full KV has arrived".
+            if (isPlaceholder) return pool.shape.pageSize
+            return Math.min(pool.shape.pageSize, numTokens - ordinal * pool.shape.pageSize)
+          },
+          ordinalsToSend: isPlaceholder
+            ? [0]
+            : this.core.hasFault('truncate-transfer')
+              ? Array.from({ length: Math.max(1, numPages - 1) }, (_, i) => i)
+              : undefined,
+          corruptPayload: this.core.hasFault('corrupt-transfer'),
+        },
+        signal,
+      )
+      return { requestId: req.requestId, numPages, numTokens, firstTokenId }
+    } finally {
+      // The send promise settles only when no more page reads can happen: now the pages may go.
+      if (isPinned) pool.unpin(pageTable, owner)
+      pool.release(pageTable, owner)
+    }
+  }
+
+  /** Chunked prefill over the request's pages; returns the last token's logits `[vocabSize]`. */
+  private async runPrefill(tokens: readonly number[], pageTable: PageRef[], owner: number, signal: AbortSignal): Promise<Float32Array> {
+    const { model, rope, pool } = this.core
+    let logits: Float32Array | null = null
+    for (let start = 0; start < tokens.length; start += prefillChunkTokens) {
+      if (signal.aborted) throw new KvfenceError('request_aborted', 'request aborted during prefill')
+      const chunk = tokens.slice(start, start + prefillChunkTokens)
+      logits = forward(model, rope, pool, { pageTable, owner }, chunk, start)
+      await yieldToLoop()
+    }
+    if (signal.aborted) throw new KvfenceError('request_aborted', 'request aborted during prefill')
+    return logits!
+  }
+
+  private clientFor(host: string, port: number): TransferClient {
+    const key = `${host}:${port}`
+    let client = this.clients.get(key)
+    if (!client) {
+      client = new TransferClient({ host, port, maxPagesPerFrame: this.options.maxPagesPerFrame })
+      this.clients.set(key, client)
+    }
+    return client
+  }
+
+  /** Close every transfer connection. */
+  close(): void {
+    for (const client of this.clients.values()) client.close()
+    this.clients.clear()
+  }
+}

@@ -1,0 +1,178 @@
+/** The control-plane HTTP server of one worker (see control.ts for the message shapes):
+ *  `POST /internal/prefill` (prefill role) or `POST /internal/generate` (decode role), plus
+ *  `GET /server_info`, `GET /health`, `GET /metrics`. Closing a request's connection aborts it (G8).
+ *  Knows HTTP and the control messages; the engine work is the workers'. */
+import http from 'node:http'
+import type { AddressInfo } from 'node:net'
+import type { Logger } from 'pino'
+import { Gauge, Registry } from 'prom-client'
+import { KvfenceError } from '../errors.js'
+import { guardIds } from '../kv/guards.js'
+import { GenerateRequest, PrefillRequest, type DecodeEvent, type ServerInfo } from './control.js'
+import type { DecodeWorker } from './decode-worker.js'
+import type { PrefillWorker } from './prefill-worker.js'
+import type { WorkerCore } from './worker-core.js'
+
+/** Largest control-plane body accepted (bytes): a prompt of ~100k token ids. */
+const maxBodyBytes = 4 * 1024 * 1024
+
+/** What {@link createWorkerServer} serves. */
+export type WorkerRole = { role: 'prefill'; worker: PrefillWorker } | { role: 'decode'; worker: DecodeWorker; transferPort: () => number }
+
+/** Build the HTTP server of a worker (not yet listening). */
+export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
+  const core: WorkerCore = role.worker.core
+  const registry = makeMetrics(role.role, core)
+
+  const serverInfo = (): ServerInfo => ({
+    role: role.role,
+    model: core.model.name,
+    pageSize: core.pool.shape.pageSize,
+    numPages: core.pool.shape.numPages,
+    capacityTokens: core.pool.capacityTokens,
+    numPagesFree: core.pool.numFree,
+    numPagesUsed: core.pool.numUsed,
+    maxPositionEmbeddings: core.model.config.maxPositionEmbeddings,
+    guardsEnabled: core.guards.G5,
+    faults: core.faultNames(),
+    ...(role.role === 'decode' ? { transferPort: role.transferPort() } : {}),
+  })
+
+  return http.createServer((req, res) => {
+    const url = req.url ?? '/'
+    const route = `${req.method} ${url.split('?')[0]}`
+    void (async () => {
+      try {
+        if (route === 'GET /health') return sendJson(res, 200, { status: 'ok' })
+        if (route === 'GET /server_info') return sendJson(res, 200, serverInfo())
+        if (route === 'GET /metrics') {
+          res.writeHead(200, { 'content-type': registry.contentType })
+          return res.end(await registry.metrics())
+        }
+        if (route === 'POST /internal/prefill' && role.role === 'prefill') {
+          const body = PrefillRequest.parse(await readJson(req))
+          const abort = abortOnClose(req, res)
+          const result = await role.worker.prefill(body, abort.signal)
+          log.info({ requestId: body.requestId, tenant: body.tenant, numTokens: result.numTokens }, 'prefill done')
+          return sendJson(res, 200, result)
+        }
+        if (route === 'POST /internal/generate' && role.role === 'decode') {
+          const body = GenerateRequest.parse(await readJson(req))
+          const abort = abortOnClose(req, res)
+          let isStreaming = false
+          const emit = (e: DecodeEvent) => {
+            if (!isStreaming) {
+              res.writeHead(200, { 'content-type': 'application/x-ndjson' })
+              isStreaming = true
+            }
+            res.write(`${JSON.stringify(e)}\n`)
+          }
+          try {
+            await role.worker.generate(body, abort.signal, emit)
+          } catch (err) {
+            if (!isStreaming) throw err
+            const e = asKvfenceError(err)
+            log.warn({ requestId: body.requestId, tenant: body.tenant, code: e.code }, 'generate failed')
+            emit({ type: 'error', code: e.code, message: e.message })
+          }
+          return res.end()
+        }
+        throw new KvfenceError('not_found', `no route ${route}`)
+      } catch (err) {
+        const e = asKvfenceError(err)
+        if (e.code === 'internal_error') log.error({ err }, 'worker request failed')
+        if (!res.headersSent) sendJson(res, e.status, { error: { code: e.code, message: e.message } })
+        else res.end()
+      }
+    })()
+  })
+}
+
+/** Listen on host:port (port 0 picks one) and resolve with the bound port. */
+export function listen(server: http.Server | import('node:net').Server, host: string, port: number): Promise<number> {
+  return new Promise((resolve, reject) => {
+    server.once('error', reject)
+    server.listen(port, host, () => {
+      server.off('error', reject)
+      resolve((server.address() as AddressInfo).port)
+    })
+  })
+}
+
+function asKvfenceError(err: unknown): KvfenceError {
+  if (err instanceof KvfenceError) return err
+  if (err && typeof err === 'object' && 'issues' in err) {
+    return new KvfenceError('invalid_request', `invalid control message: ${(err as unknown as Error).message}`)
+  }
+  return new KvfenceError('internal_error', err instanceof Error ? err.message : String(err))
+}
+
+/** An AbortController that fires when the router closes the request before we answered (G8). */
+function abortOnClose(req: http.IncomingMessage, res: http.ServerResponse): AbortController {
+  const ctl = new AbortController()
+  res.on('close', () => {
+    if (!res.writableFinished) ctl.abort()
+  })
+  req.on('aborted', () => ctl.abort())
+  return ctl
+}
+
+async function readJson(req: http.IncomingMessage): Promise<unknown> {
+  const chunks: Buffer[] = []
+  let size = 0
+  for await (const chunk of req) {
+    size += (chunk as Buffer).length
+    if (size > maxBodyBytes) throw new KvfenceError('payload_too_large', `control body over ${maxBodyBytes} bytes`)
+    chunks.push(chunk as Buffer)
+  }
+  try {
+    return JSON.parse(Buffer.concat(chunks).toString('utf8'))
+  } catch {
+    throw new KvfenceError('invalid_request', 'control body is not valid JSON')
+  }
+}
+
+function sendJson(res: http.ServerResponse, status: number, body: unknown): void {
+  res.writeHead(status, { 'content-type': 'application/json' })
+  res.end(JSON.stringify(body))
+}
+
+/** Prometheus metrics of a worker: pool pages by state and guard trips by guard. */
+function makeMetrics(role: string, core: WorkerCore): Registry {
+  const registry = new Registry()
+  registry.setDefaultLabels({ role })
+  new Gauge({
+    name: 'kvfence_kv_pages_used',
+    help: 'KV pool pages owned by requests',
+    registers: [registry],
+    collect() {
+      this.set(core.pool.numUsed)
+    },
+  })
+  new Gauge({
+    name: 'kvfence_kv_pages_free',
+    help: 'KV pool pages on the free list',
+    registers: [registry],
+    collect() {
+      this.set(core.pool.numFree)
+    },
+  })
+  new Gauge({
+    name: 'kvfence_kv_capacity_tokens',
+    help: 'Effective KV capacity of this worker in tokens (numPages x pageSize)',
+    registers: [registry],
+    collect() {
+      this.set(core.pool.capacityTokens)
+    },
+  })
+  new Gauge({
+    name: 'kvfence_guard_trips_total',
+    help: 'Times a safety guard refused an operation, by guard',
+    labelNames: ['guard'],
+    registers: [registry],
+    collect() {
+      for (const id of guardIds) this.set({ guard: id }, core.trips.counts[id])
+    },
+  })
+  return registry
+}

@@ -1,0 +1,59 @@
+/** Coded errors shared by every part of kvfence, and the one table that maps codes to HTTP.
+ *  Knows nothing of transports: the router and the workers turn a KvfenceError into a response. */
+
+/** Every error code kvfence emits, with the HTTP status it maps to and the OpenAI error `type`. */
+export const errorCodes = {
+  invalid_request: { status: 400, type: 'invalid_request_error' },
+  context_length_exceeded: { status: 400, type: 'invalid_request_error' },
+  model_not_found: { status: 404, type: 'invalid_request_error' },
+  invalid_api_key: { status: 401, type: 'authentication_error' },
+  not_found: { status: 404, type: 'invalid_request_error' },
+  payload_too_large: { status: 413, type: 'invalid_request_error' },
+  rate_limited: { status: 429, type: 'rate_limit_error' },
+  capacity_exhausted: { status: 503, type: 'server_error' },
+  worker_unavailable: { status: 503, type: 'server_error' },
+  request_aborted: { status: 499, type: 'server_error' },
+  transfer_failed: { status: 502, type: 'server_error' },
+  guard_violation: { status: 500, type: 'server_error' },
+  internal_error: { status: 500, type: 'server_error' },
+} as const
+
+/** One of the codes of {@link errorCodes}. */
+export type ErrorCode = keyof typeof errorCodes
+
+/** An error with a stable machine-readable code; `message` names the offending values.
+ *  `param` names the request field at fault (OpenAI's `error.param`), when there is one. */
+export class KvfenceError extends Error {
+  constructor(
+    readonly code: ErrorCode,
+    message: string,
+    readonly param: string | null = null,
+  ) {
+    super(message)
+    this.name = 'KvfenceError'
+  }
+
+  /** HTTP status for this error's code. */
+  get status(): number {
+    return errorCodes[this.code].status
+  }
+}
+
+/** Whether `code` is a known {@link ErrorCode} (used when parsing errors from a peer). */
+export function isErrorCode(code: unknown): code is ErrorCode {
+  return typeof code === 'string' && Object.hasOwn(errorCodes, code)
+}
+
+/** The OpenAI error body (`ErrorResponse` in OpenAI's OpenAPI description) for an error. */
+export function toOpenAiError(err: KvfenceError): {
+  error: { message: string; type: string; param: string | null; code: string }
+} {
+  return {
+    error: {
+      message: err.message,
+      type: errorCodes[err.code].type,
+      param: err.param,
+      code: err.code,
+    },
+  }
+}

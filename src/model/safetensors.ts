@@ -1,0 +1,75 @@
+/** Reader for the safetensors format (https://github.com/huggingface/safetensors, "Format"):
+ *  8-byte little-endian u64 header length N, N bytes of JSON header
+ *  `{name: {dtype, shape, data_offsets: [begin, end]}, __metadata__?}`, then the raw little-endian
+ *  tensor bytes, offsets relative to the end of the header. F32, F16 and BF16 are converted to F32.
+ *  Knows bytes and dtypes; knows nothing of model architectures. */
+import { readFileSync } from 'node:fs'
+
+/** A tensor converted to F32, row-major. */
+export interface Tensor {
+  shape: number[]
+  data: Float32Array
+}
+
+const bytesPerElement: Record<string, number> = { F32: 4, F16: 2, BF16: 2 }
+
+/** Parse a safetensors buffer into F32 tensors by name. Throws on a malformed header, an
+ *  unsupported dtype, or offsets outside the file or disagreeing with the shape. */
+export function parseSafetensors(buf: Uint8Array, source = 'safetensors'): Map<string, Tensor> {
+  if (buf.byteLength < 8) throw new Error(`${source}: file too short (${buf.byteLength} bytes)`)
+  const view = new DataView(buf.buffer, buf.byteOffset, buf.byteLength)
+  const headerLen = Number(view.getBigUint64(0, true))
+  if (headerLen > buf.byteLength - 8) throw new Error(`${source}: header length ${headerLen} exceeds the file`)
+  let header: Record<string, unknown>
+  try {
+    header = JSON.parse(new TextDecoder().decode(buf.subarray(8, 8 + headerLen)))
+  } catch {
+    throw new Error(`${source}: header is not valid JSON`)
+  }
+  const dataStart = 8 + headerLen
+  const tensors = new Map<string, Tensor>()
+  for (const [name, entry] of Object.entries(header)) {
+    if (name === '__metadata__') continue
+    const { dtype, shape, data_offsets: offsets } = entry as { dtype: string; shape: number[]; data_offsets: [number, number] }
+    const size = bytesPerElement[dtype]
+    if (size === undefined) throw new Error(`${source}: tensor ${name} has unsupported dtype ${dtype} (F32, F16, BF16 are)`)
+    const count = shape.reduce((a, b) => a * b, 1)
+    const [begin, end] = offsets
+    if (end - begin !== count * size || dataStart + end > buf.byteLength || begin < 0) {
+      throw new Error(`${source}: tensor ${name} offsets [${begin}, ${end}] do not match shape [${shape}] ${dtype}`)
+    }
+    const bytes = buf.subarray(dataStart + begin, dataStart + end)
+    tensors.set(name, { shape, data: toF32(bytes, dtype, count) })
+  }
+  return tensors
+}
+
+/** Read and parse a safetensors file. */
+export function loadSafetensors(file: string): Map<string, Tensor> {
+  return parseSafetensors(readFileSync(file), file)
+}
+
+function toF32(bytes: Uint8Array, dtype: string, count: number): Float32Array {
+  const out = new Float32Array(count)
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength)
+  if (dtype === 'F32') {
+    for (let i = 0; i < count; i++) out[i] = view.getFloat32(i * 4, true)
+  } else if (dtype === 'BF16') {
+    // BF16 is the top half of an F32: shift into place.
+    const u32 = new Uint32Array(out.buffer)
+    for (let i = 0; i < count; i++) u32[i] = view.getUint16(i * 2, true) << 16
+  } else {
+    for (let i = 0; i < count; i++) out[i] = f16ToF32(view.getUint16(i * 2, true))
+  }
+  return out
+}
+
+/** IEEE 754 binary16 → number (subnormals, infinities and NaN included). */
+export function f16ToF32(h: number): number {
+  const sign = h & 0x8000 ? -1 : 1
+  const exp = (h >> 10) & 0x1f
+  const frac = h & 0x3ff
+  if (exp === 0) return sign * frac * 2 ** -24
+  if (exp === 0x1f) return frac ? Number.NaN : sign * Infinity
+  return sign * (1 + frac / 1024) * 2 ** (exp - 15)
+}
