@@ -21,16 +21,22 @@ export function registerKeys(program: Command): void {
   const keys = program.command('keys').description('manage tenant API keys')
   keys
     .command('add <name>')
-    .description('create a key for tenant NAME, store its SHA-256 in the tenants file, print the key once')
+    .description(
+      'create a key for tenant NAME, store its SHA-256 in the tenants file, print the key once',
+    )
     .option('--tenants <file>', 'tenants YAML file (created if missing)', 'tenants.yaml')
     .action((name: string, flags: { tenants: string }) => {
       let tenants: { name: string; keySha256: string }[] = []
       if (existsSync(flags.tenants)) {
         const parsed = TenantsFile.safeParse(parseYaml(readFileSync(flags.tenants, 'utf8')))
-        if (!parsed.success) throw new Error(`${flags.tenants} is not a valid tenants file: ${parsed.error.issues[0]?.message}`)
+        if (!parsed.success)
+          throw new Error(
+            `${flags.tenants} is not a valid tenants file: ${parsed.error.issues[0]?.message}`,
+          )
         tenants = parsed.data.tenants
       }
-      if (tenants.some((t) => t.name === name)) throw new Error(`tenant ${name} already exists in ${flags.tenants}`)
+      if (tenants.some((t) => t.name === name))
+        throw new Error(`tenant ${name} already exists in ${flags.tenants}`)
       const key = newApiKey()
       tenants.push({ name, keySha256: apiKeyDigest(key) })
       writeFileSync(flags.tenants, toYaml({ tenants }), { mode: 0o600 })

@@ -2,14 +2,25 @@
 /** The `kvfence` command: one sub-command per file in this folder, registered here. */
 import { Command, CommanderError } from 'commander'
 import { registerAudit } from './audit.js'
+import { registerDemo } from './demo.js'
+import { registerKeys } from './keys.js'
+import { registerRouter } from './router.js'
+import { registerServe } from './serve.js'
+import { registerWorkers } from './worker.js'
 
 const program = new Command()
 program
   .name('kvfence')
-  .description('Disaggregated LLM serving that is safe from cross-tenant KV-cache leaks, and an auditor that proves it.')
-  .showHelpAfterError()
+  .description(
+    'Disaggregated LLM serving that is safe from cross-tenant KV-cache leaks, and an auditor that proves it.',
+  )
   .exitOverride()
 
+registerDemo(program)
+registerServe(program)
+registerWorkers(program)
+registerRouter(program)
+registerKeys(program)
 registerAudit(program)
 
 try {

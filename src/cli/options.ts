@@ -3,7 +3,8 @@ import { InvalidArgumentError } from 'commander'
 
 /** Parse a non-negative integer flag value. */
 export function intOption(value: string): number {
-  if (!/^\d+$/.test(value)) throw new InvalidArgumentError(`expected a non-negative integer, got "${value}"`)
+  if (!/^\d+$/.test(value))
+    throw new InvalidArgumentError(`expected a non-negative integer, got "${value}"`)
   return Number(value)
 }
 

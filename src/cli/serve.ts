@@ -25,16 +25,32 @@ export function registerServe(program: Command): void {
   program
     .command('serve')
     .description('run router + prefill worker + decode worker on this host')
-    .requiredOption('--tenants <file>', 'tenants YAML file (create one with `kvfence keys add NAME`)')
+    .requiredOption(
+      '--tenants <file>',
+      'tenants YAML file (create one with `kvfence keys add NAME`)',
+    )
     .option('--model <dir>', 'Hugging Face model directory', bundledModelDir)
     .option('--host <host>', 'address to bind', '127.0.0.1')
     .option('--port <port>', 'router port', intOption, 8000)
     .option('--page-size <n>', 'tokens per KV page', intOption, 16)
     .option('--prefill-pages <n>', 'pages in the prefill worker’s KV pool', intOption, 64)
     .option('--decode-pages <n>', 'pages in the decode worker’s KV pool', intOption, 64)
-    .option('--context-window <n>', 'advertised context window (default: the effective KV capacity)', intOption)
-    .option('--clamp-context', 'clamp an advertised context larger than the KV pools instead of refusing to start', false)
-    .option('--inject-fault <name>', 'inject a fault into the prefill worker (needs KVFENCE_ALLOW_FAULTS=1)', collect, [])
+    .option(
+      '--context-window <n>',
+      'advertised context window (default: the effective KV capacity)',
+      intOption,
+    )
+    .option(
+      '--clamp-context',
+      'clamp an advertised context larger than the KV pools instead of refusing to start',
+      false,
+    )
+    .option(
+      '--inject-fault <name>',
+      'inject a fault into the prefill worker (needs KVFENCE_ALLOW_FAULTS=1)',
+      collect,
+      [],
+    )
     .option('--unsafe-disable-guards', 'turn every guard off (needs KVFENCE_ALLOW_FAULTS=1)', false)
     .option('--log-level <level>', 'log level of the parts', 'info')
     .action(async (flags: ServeFlags) => {

@@ -31,19 +31,40 @@ export function registerWorkers(program: Command): void {
   for (const role of ['prefill', 'decode'] as const) {
     const cmd = program
       .command(role)
-      .description(`start a ${role} worker (control plane over HTTP${role === 'decode' ? ', KV transfer receiver over TCP' : ''})`)
+      .description(
+        `start a ${role} worker (control plane over HTTP${role === 'decode' ? ', KV transfer receiver over TCP' : ''})`,
+      )
       .option('--model <dir>', 'Hugging Face model directory', bundledModelDir)
       .option('--pages <n>', 'pages in this worker’s KV pool', intOption, 64)
       .option('--page-size <n>', 'tokens per page', intOption, 16)
       .option('--host <host>', 'control-plane address to bind', '127.0.0.1')
-      .option('--port <port>', 'control-plane port (0 picks one)', intOption, role === 'prefill' ? 8101 : 8102)
-      .option('--inject-fault <name>', 'inject a fault (needs KVFENCE_ALLOW_FAULTS=1); repeatable', collect, [])
-      .option('--unsafe-disable-guards', 'turn every safety guard off (needs KVFENCE_ALLOW_FAULTS=1)', false)
+      .option(
+        '--port <port>',
+        'control-plane port (0 picks one)',
+        intOption,
+        role === 'prefill' ? 8101 : 8102,
+      )
+      .option(
+        '--inject-fault <name>',
+        'inject a fault (needs KVFENCE_ALLOW_FAULTS=1); repeatable',
+        collect,
+        [],
+      )
+      .option(
+        '--unsafe-disable-guards',
+        'turn every safety guard off (needs KVFENCE_ALLOW_FAULTS=1)',
+        false,
+      )
       .option('--log-level <level>', 'pino log level', 'info')
     if (role === 'decode') {
       cmd
         .option('--transfer-host <host>', 'KV transfer receiver address to bind', '127.0.0.1')
-        .option('--transfer-port <port>', 'KV transfer receiver port (0 picks one)', intOption, 8103)
+        .option(
+          '--transfer-port <port>',
+          'KV transfer receiver port (0 picks one)',
+          intOption,
+          8103,
+        )
     }
     cmd.action(async (flags: WorkerFlags) => {
       await startWorker(role, flags)
@@ -56,19 +77,33 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
   const faults = buildFaultConfig(flags.injectFault, flags.unsafeDisableGuards, process.env)
   const banner = faultBanner(`kvfence ${role}`, faults)
   if (banner) process.stderr.write(`${banner}\n`)
-  const core = createWorkerCore({ model: loadModel(flags.model), numPages: flags.pages, pageSize: flags.pageSize, faults })
+  const core = createWorkerCore({
+    model: loadModel(flags.model),
+    numPages: flags.pages,
+    pageSize: flags.pageSize,
+    faults,
+  })
   let transferPort: number | undefined
   let server
   if (role === 'decode') {
     const worker = new DecodeWorker(core)
-    const receiver = new TransferServer(worker.receiverHooks, { verifyManifest: core.guards.G4, verifyAuth: core.guards.G10 })
+    const receiver = new TransferServer(worker.receiverHooks, {
+      verifyManifest: core.guards.G4,
+      verifyAuth: core.guards.G10,
+    })
     transferPort = await listen(receiver, flags.transferHost, flags.transferPort)
     server = createWorkerServer({ role, worker, transferPort: () => transferPort! }, log)
   } else {
     server = createWorkerServer({ role, worker: new PrefillWorker(core) }, log)
   }
   const port = await listen(server, flags.host, flags.port)
-  const ready = { type: 'ready', role, port, transferPort, capacityTokens: core.pool.capacityTokens }
+  const ready = {
+    type: 'ready',
+    role,
+    port,
+    transferPort,
+    capacityTokens: core.pool.capacityTokens,
+  }
   log.info(ready, `${role} worker listening`)
   process.send?.(ready)
   const shutdown = () => {

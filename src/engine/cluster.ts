@@ -54,7 +54,12 @@ const startTimeoutMs = 30_000
 
 /** Fork one part and resolve with its ready message. Rejects (with the part's last log lines) if
  *  it exits or does not report ready within {@link startTimeoutMs}. */
-function startPart(name: string, args: string[], opts: ClusterOptions, started: ChildProcess[]): Promise<{ child: ChildProcess; ready: Ready }> {
+function startPart(
+  name: string,
+  args: string[],
+  opts: ClusterOptions,
+  started: ChildProcess[],
+): Promise<{ child: ChildProcess; ready: Ready }> {
   const env = { ...(opts.env ?? process.env) }
   const toFile = opts.logDir !== undefined
   const child = fork(cliEntry, [name, ...args, '--log-level', opts.logLevel ?? 'info'], {
@@ -75,7 +80,10 @@ function startPart(name: string, args: string[], opts: ClusterOptions, started: 
     }
   }
   return new Promise((resolve, reject) => {
-    const timer = setTimeout(() => fail(`did not start within ${startTimeoutMs} ms`), startTimeoutMs)
+    const timer = setTimeout(
+      () => fail(`did not start within ${startTimeoutMs} ms`),
+      startTimeoutMs,
+    )
     const fail = (why: string) => {
       clearTimeout(timer)
       const last = tail.find((l) => /error|refus|exceed/i.test(l)) ?? tail.at(-1)
@@ -138,8 +146,26 @@ export async function startCluster(opts: ClusterOptions): Promise<Cluster> {
   const started: ChildProcess[] = []
   try {
     const [prefill, decode] = await Promise.all([
-      startPart('prefill', [...common(opts.prefillFaults), '--pages', String(opts.prefillPages)], opts, started),
-      startPart('decode', [...common(opts.decodeFaults), '--pages', String(opts.decodePages), '--transfer-host', host, '--transfer-port', '0'], opts, started),
+      startPart(
+        'prefill',
+        [...common(opts.prefillFaults), '--pages', String(opts.prefillPages)],
+        opts,
+        started,
+      ),
+      startPart(
+        'decode',
+        [
+          ...common(opts.decodeFaults),
+          '--pages',
+          String(opts.decodePages),
+          '--transfer-host',
+          host,
+          '--transfer-port',
+          '0',
+        ],
+        opts,
+        started,
+      ),
     ])
     const prefillUrl = `http://${host}:${prefill.ready.port}`
     const decodeUrl = `http://${host}:${decode.ready.port}`
@@ -158,7 +184,9 @@ export async function startCluster(opts: ClusterOptions): Promise<Cluster> {
         host,
         '--port',
         String(opts.routerPort ?? 0),
-        ...(opts.contextWindow !== undefined ? ['--context-window', String(opts.contextWindow)] : []),
+        ...(opts.contextWindow !== undefined
+          ? ['--context-window', String(opts.contextWindow)]
+          : []),
         ...(opts.clampContext ? ['--clamp-context'] : []),
         ...(opts.disableGuards ? ['--unsafe-disable-guards'] : []),
       ],

@@ -43,7 +43,11 @@ export class DecodeWorker {
    *  `done`). Throws before `reserved` for a request this pool cannot hold (G3,
    *  `context_length_exceeded`) or momentarily cannot (`capacity_exhausted`); throws after it when
    *  the transfer fails or is aborted, a guard trips, or `signal` fires (`request_aborted`). */
-  async generate(req: GenerateRequest, signal: AbortSignal, emit: (e: DecodeEvent) => void): Promise<void> {
+  async generate(
+    req: GenerateRequest,
+    signal: AbortSignal,
+    emit: (e: DecodeEvent) => void,
+  ): Promise<void> {
     const { pool, model, trips } = this.core
     const numPrompt = req.promptTokenIds.length
     const total = numPrompt + req.maxTokens
@@ -55,10 +59,15 @@ export class DecodeWorker {
         'context_length_exceeded',
       )
     }
-    if (this.pending.has(req.requestId)) throw new KvfenceError('invalid_request', `request ${req.requestId} is already running`)
+    if (this.pending.has(req.requestId))
+      throw new KvfenceError('invalid_request', `request ${req.requestId} is already running`)
 
     const owner = this.core.nextOwner()
-    const pageTable = pool.allocate(pool.pagesFor(Math.min(total, limit)), owner, this.core.tenantId(req.tenant))
+    const pageTable = pool.allocate(
+      pool.pagesFor(Math.min(total, limit)),
+      owner,
+      this.core.tenantId(req.tenant),
+    )
     let released = false
     const release = () => {
       if (released || pool.isPinned(pageTable)) return
@@ -92,11 +101,18 @@ export class DecodeWorker {
     const { pool } = this.core
     return new Promise((resolve, reject) => {
       const timer = setTimeout(() => {
-        if (entry.state === 'waiting') entry.settle(new KvfenceError('transfer_failed', `no transfer for request ${req.requestId} within ${bootstrapTimeoutMs} ms`))
+        if (entry.state === 'waiting')
+          entry.settle(
+            new KvfenceError(
+              'transfer_failed',
+              `no transfer for request ${req.requestId} within ${bootstrapTimeoutMs} ms`,
+            ),
+          )
       }, bootstrapTimeoutMs)
       const onAbort = () => {
         // A transfer in flight keeps its pages pinned; they are released when it settles (G7).
-        if (entry.state === 'waiting' || entry.state === 'received') entry.settle(new KvfenceError('request_aborted', 'request aborted by the router'))
+        if (entry.state === 'waiting' || entry.state === 'received')
+          entry.settle(new KvfenceError('request_aborted', 'request aborted by the router'))
         else if (entry.state === 'receiving') entry.state = 'failed'
       }
       const entry: Pending = {
@@ -137,18 +153,28 @@ export class DecodeWorker {
     const { pool, trips, guards } = this.core
     const entry = this.pending.get(info.requestId)
     if (!entry || entry.state !== 'waiting') {
-      throw new KvfenceError('transfer_failed', `transfer ${info.transferId}: no reservation waiting for request ${info.requestId}`)
+      throw new KvfenceError(
+        'transfer_failed',
+        `transfer ${info.transferId}: no reservation waiting for request ${info.requestId}`,
+      )
     }
     const { req, owner, pageTable } = entry
     const numPrompt = req.promptTokenIds.length
     if (guards.G4) {
       const problems: string[] = []
       if (info.tenant !== req.tenant) problems.push(`tenant ${info.tenant} ≠ ${req.tenant}`)
-      if (info.numTokens !== numPrompt) problems.push(`token count ${info.numTokens} ≠ ${numPrompt}`)
-      if (info.numPages !== entry.numPromptPages) problems.push(`page count ${info.numPages} ≠ ${entry.numPromptPages}`)
-      if (info.pageBytes !== pool.pageBytes) problems.push(`page bytes ${info.pageBytes} ≠ ${pool.pageBytes}`)
+      if (info.numTokens !== numPrompt)
+        problems.push(`token count ${info.numTokens} ≠ ${numPrompt}`)
+      if (info.numPages !== entry.numPromptPages)
+        problems.push(`page count ${info.numPages} ≠ ${entry.numPromptPages}`)
+      if (info.pageBytes !== pool.pageBytes)
+        problems.push(`page bytes ${info.pageBytes} ≠ ${pool.pageBytes}`)
       if (problems.length > 0) {
-        const err = trips.trip('G4', `transfer ${info.transferId} does not match request ${req.requestId}: ${problems.join(', ')}`, 'transfer_failed')
+        const err = trips.trip(
+          'G4',
+          `transfer ${info.transferId} does not match request ${req.requestId}: ${problems.join(', ')}`,
+          'transfer_failed',
+        )
         entry.settle(err)
         throw err
       }
@@ -164,10 +190,19 @@ export class DecodeWorker {
       return true
     }
     return {
+      pageSize: pool.shape.pageSize,
       writePage: (ordinal, tokensOnPage, payload) => {
         // Bounds are checked whatever the guards: a write outside the reservation is never possible.
-        if (ordinal < 0 || ordinal >= promptPages.length || tokensOnPage > pool.shape.pageSize || payload.byteLength !== pool.pageBytes) {
-          throw new KvfenceError('transfer_failed', `transfer ${info.transferId}: page ${ordinal} (${tokensOnPage} tokens, ${payload.byteLength} bytes) is outside the reservation`)
+        if (
+          ordinal < 0 ||
+          ordinal >= promptPages.length ||
+          tokensOnPage > pool.shape.pageSize ||
+          payload.byteLength !== pool.pageBytes
+        ) {
+          throw new KvfenceError(
+            'transfer_failed',
+            `transfer ${info.transferId}: page ${ordinal} (${tokensOnPage} tokens, ${payload.byteLength} bytes) is outside the reservation`,
+          )
         }
         scatterPage(pool, promptPages[ordinal].page, payload)
         pool.noteWrite(promptPages, owner, ordinal * pool.shape.pageSize, tokensOnPage)
@@ -179,12 +214,19 @@ export class DecodeWorker {
             const want = Math.min(pool.shape.pageSize, numPrompt - ordinal * pool.shape.pageSize)
             const have = pool.fill[promptPages[ordinal].page]
             if (have !== want) {
-              throw trips.trip('G4', `transfer ${info.transferId}: page ${ordinal} holds ${have} tokens, ${want} expected`, 'transfer_failed')
+              throw trips.trip(
+                'G4',
+                `transfer ${info.transferId}: page ${ordinal} holds ${have} tokens, ${want} expected`,
+                'transfer_failed',
+              )
             }
           }
         }
         if (firstTokenId < 0 || firstTokenId >= this.core.model.config.vocabSize) {
-          throw new KvfenceError('transfer_failed', `transfer ${info.transferId}: first token ${firstTokenId} outside the vocabulary`)
+          throw new KvfenceError(
+            'transfer_failed',
+            `transfer ${info.transferId}: first token ${firstTokenId} outside the vocabulary`,
+          )
         }
         unpinOnce()
         if (entry.state === 'failed') {
@@ -195,7 +237,11 @@ export class DecodeWorker {
       },
       abort: (reason) => {
         if (!unpinOnce()) return
-        entry.settle(reason instanceof KvfenceError ? reason : new KvfenceError('transfer_failed', String(reason)))
+        entry.settle(
+          reason instanceof KvfenceError
+            ? reason
+            : new KvfenceError('transfer_failed', String(reason)),
+        )
       },
     }
   }
@@ -213,7 +259,9 @@ export class DecodeWorker {
     const numPrompt = req.promptTokenIds.length
     // Full prompt pages are read-only from now on; the last one may still receive generated tokens.
     pool.seal(pageTable.slice(0, Math.floor(numPrompt / pool.shape.pageSize)), owner)
-    const random = makeRandom(req.sampling.seed === null ? randomBytes(4).readUInt32LE() : req.sampling.seed + 1)
+    const random = makeRandom(
+      req.sampling.seed === null ? randomBytes(4).readUInt32LE() : req.sampling.seed + 1,
+    )
     const stop = new Set(req.stopTokenIds)
     const capacity = pageTable.length * pool.shape.pageSize
     let token = firstTokenId
@@ -224,7 +272,11 @@ export class DecodeWorker {
       const pos = numPrompt + numGenerated - 1
       if (pos >= capacity) break
       const logits = forward(model, rope, pool, { pageTable, owner }, [token], pos)
-      token = sample(logits, { temperature: req.sampling.temperature, topP: req.sampling.topP, random })
+      token = sample(logits, {
+        temperature: req.sampling.temperature,
+        topP: req.sampling.topP,
+        random,
+      })
       numGenerated += 1
       emit({ type: 'token', tokenId: token })
       // Let other requests step and aborts arrive between tokens.

@@ -18,7 +18,13 @@ export const faultDescriptions = {
 export type FaultName = keyof typeof faultDescriptions
 
 /** Faults that are implemented by the workers today. */
-export const implementedFaults: readonly FaultName[] = ['placeholder-forward', 'skip-scrub', 'stale-epoch', 'corrupt-transfer', 'truncate-transfer']
+export const implementedFaults: readonly FaultName[] = [
+  'placeholder-forward',
+  'skip-scrub',
+  'stale-epoch',
+  'corrupt-transfer',
+  'truncate-transfer',
+]
 
 /** What a worker was told to break. Frozen once built. */
 export interface FaultConfig {
@@ -29,19 +35,29 @@ export interface FaultConfig {
 /** Validate `--inject-fault` names and `--unsafe-disable-guards` against the opt-in variable.
  *  Throws an Error with a one-line message for an unknown or unimplemented fault, or when
  *  faults or disabled guards are asked for without KVFENCE_ALLOW_FAULTS=1. */
-export function buildFaultConfig(names: readonly string[], disableGuards: boolean, env: NodeJS.ProcessEnv): FaultConfig {
+export function buildFaultConfig(
+  names: readonly string[],
+  disableGuards: boolean,
+  env: NodeJS.ProcessEnv,
+): FaultConfig {
   const faults = new Set<FaultName>()
   for (const name of names) {
     if (!Object.hasOwn(faultDescriptions, name)) {
-      throw new Error(`unknown fault "${name}"; known faults: ${Object.keys(faultDescriptions).join(', ')}`)
+      throw new Error(
+        `unknown fault "${name}"; known faults: ${Object.keys(faultDescriptions).join(', ')}`,
+      )
     }
     if (!implementedFaults.includes(name as FaultName)) {
-      throw new Error(`fault "${name}" is not implemented yet; implemented: ${implementedFaults.join(', ')}`)
+      throw new Error(
+        `fault "${name}" is not implemented yet; implemented: ${implementedFaults.join(', ')}`,
+      )
     }
     faults.add(name as FaultName)
   }
   if ((faults.size > 0 || disableGuards) && env.KVFENCE_ALLOW_FAULTS !== '1') {
-    throw new Error('--inject-fault and --unsafe-disable-guards are refused unless KVFENCE_ALLOW_FAULTS=1 is set')
+    throw new Error(
+      '--inject-fault and --unsafe-disable-guards are refused unless KVFENCE_ALLOW_FAULTS=1 is set',
+    )
   }
   return Object.freeze({ faults, guardsEnabled: !disableGuards })
 }
@@ -52,7 +68,9 @@ export function faultBanner(role: string, config: FaultConfig): string | null {
   const lines = [
     `${role}: UNSAFE CONFIGURATION — FOR TESTS AND DEMOS ONLY`,
     ...[...config.faults].map((f) => `  fault injected: ${f} (${faultDescriptions[f]})`),
-    config.guardsEnabled ? '  guards: on' : '  guards: OFF (--unsafe-disable-guards): cross-tenant leaks are possible',
+    config.guardsEnabled
+      ? '  guards: on'
+      : '  guards: OFF (--unsafe-disable-guards): cross-tenant leaks are possible',
   ]
   const width = Math.max(...lines.map((l) => l.length)) + 4
   const bar = '!'.repeat(width)

@@ -27,10 +27,18 @@ export function generateLocal(
   const total = promptTokenIds.length + opts.maxTokens
   const limit = Math.min(pool.capacityTokens, model.config.maxPositionEmbeddings)
   if (total > limit) {
-    throw new KvfenceError('context_length_exceeded', `prompt of ${promptTokenIds.length} tokens + max_tokens ${opts.maxTokens} exceeds ${limit} tokens`, 'max_tokens')
+    throw new KvfenceError(
+      'context_length_exceeded',
+      `prompt of ${promptTokenIds.length} tokens + max_tokens ${opts.maxTokens} exceeds ${limit} tokens`,
+      'max_tokens',
+    )
   }
   const owner = core.nextOwner()
-  const pageTable = pool.allocate(pool.pagesFor(total), owner, core.tenantId(opts.tenant ?? 'local'))
+  const pageTable = pool.allocate(
+    pool.pagesFor(total),
+    owner,
+    core.tenantId(opts.tenant ?? 'local'),
+  )
   try {
     const seq = { pageTable, owner }
     const seed = opts.sampling.seed ?? randomBytes(4).readUInt32LE()
@@ -39,7 +47,9 @@ export function generateLocal(
     let token = sample(logits, { ...params, random: makeRandom(seed) })
     const out = [token]
     const stop = new Set(opts.stopTokenIds)
-    const random = makeRandom(opts.sampling.seed === null ? randomBytes(4).readUInt32LE() : opts.sampling.seed + 1)
+    const random = makeRandom(
+      opts.sampling.seed === null ? randomBytes(4).readUInt32LE() : opts.sampling.seed + 1,
+    )
     while (out.length < opts.maxTokens && !stop.has(token)) {
       logits = forward(model, rope, pool, seq, [token], promptTokenIds.length + out.length - 1)
       token = sample(logits, { ...params, random })

@@ -53,7 +53,11 @@ export class PrefillWorker {
     }
 
     const owner = this.core.nextOwner()
-    const pageTable = pool.allocate(pool.pagesFor(tokens.length), owner, this.core.tenantId(req.tenant))
+    const pageTable = pool.allocate(
+      pool.pagesFor(tokens.length),
+      owner,
+      this.core.tenantId(req.tenant),
+    )
     let isPinned = false
     try {
       const logits = await this.runPrefill(tokens, pageTable, owner, signal)
@@ -101,11 +105,17 @@ export class PrefillWorker {
   }
 
   /** Chunked prefill over the request's pages; returns the last token's logits `[vocabSize]`. */
-  private async runPrefill(tokens: readonly number[], pageTable: PageRef[], owner: number, signal: AbortSignal): Promise<Float32Array> {
+  private async runPrefill(
+    tokens: readonly number[],
+    pageTable: PageRef[],
+    owner: number,
+    signal: AbortSignal,
+  ): Promise<Float32Array> {
     const { model, rope, pool } = this.core
     let logits: Float32Array | null = null
     for (let start = 0; start < tokens.length; start += prefillChunkTokens) {
-      if (signal.aborted) throw new KvfenceError('request_aborted', 'request aborted during prefill')
+      if (signal.aborted)
+        throw new KvfenceError('request_aborted', 'request aborted during prefill')
       const chunk = tokens.slice(start, start + prefillChunkTokens)
       logits = forward(model, rope, pool, { pageTable, owner }, chunk, start)
       await yieldToLoop()

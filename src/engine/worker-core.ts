@@ -38,10 +38,19 @@ export function createWorkerCore(opts: WorkerCoreOptions): WorkerCore {
   const trips = new GuardTrips()
   const { config } = opts.model
   const pool = new KvPool(
-    { numPages: opts.numPages, pageSize: opts.pageSize, numLayers: config.numLayers, numKvHeads: config.numKvHeads, headDim: config.headDim },
+    {
+      numPages: opts.numPages,
+      pageSize: opts.pageSize,
+      numLayers: config.numLayers,
+      numKvHeads: config.numKvHeads,
+      headDim: config.headDim,
+    },
     guards,
     trips,
-    { staleEpoch: opts.faults.faults.has('stale-epoch'), skipScrub: opts.faults.faults.has('skip-scrub') },
+    {
+      staleEpoch: opts.faults.faults.has('stale-epoch'),
+      skipScrub: opts.faults.faults.has('skip-scrub'),
+    },
   )
   let lastOwner = 0
   const tenants = new Map<string, number>()
@@ -68,7 +77,11 @@ export function createWorkerCore(opts: WorkerCoreOptions): WorkerCore {
 /** Copy page `ref` of every layer (K then V, layer by layer) into `dst` (`pool.pageBytes` bytes):
  *  the transfer payload layout of DESIGN.md §6. */
 export function gatherPage(pool: KvPool, page: number, dst: Uint8Array): void {
-  const floats = new Float32Array(dst.buffer, dst.byteOffset, dst.byteLength / 4)
+  // A frame buffer may place the payload at an unaligned offset: gather into aligned scratch then.
+  const isAligned = dst.byteOffset % 4 === 0
+  const floats = isAligned
+    ? new Float32Array(dst.buffer, dst.byteOffset, dst.byteLength / 4)
+    : new Float32Array(dst.byteLength / 4)
   const start = page * pool.pageStride
   let at = 0
   for (let layer = 0; layer < pool.shape.numLayers; layer++) {
@@ -77,12 +90,13 @@ export function gatherPage(pool: KvPool, page: number, dst: Uint8Array): void {
     floats.set(pool.v[layer].subarray(start, start + pool.pageStride), at)
     at += pool.pageStride
   }
+  if (!isAligned) dst.set(new Uint8Array(floats.buffer))
 }
 
 /** Inverse of {@link gatherPage}: write a payload into page `page` of every layer. */
 export function scatterPage(pool: KvPool, page: number, payload: Uint8Array): void {
   // The payload may sit at an unaligned offset in a network buffer: copy it aligned first.
-  const aligned = payload.byteOffset % 4 === 0 ? payload : payload.slice()
+  const aligned = payload.byteOffset % 4 === 0 ? payload : new Uint8Array(payload) // a copy (Buffer#slice would be a view)
   const floats = new Float32Array(aligned.buffer, aligned.byteOffset, aligned.byteLength / 4)
   const start = page * pool.pageStride
   let at = 0

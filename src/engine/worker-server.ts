@@ -17,7 +17,9 @@ import type { WorkerCore } from './worker-core.js'
 const maxBodyBytes = 4 * 1024 * 1024
 
 /** What {@link createWorkerServer} serves. */
-export type WorkerRole = { role: 'prefill'; worker: PrefillWorker } | { role: 'decode'; worker: DecodeWorker; transferPort: () => number }
+export type WorkerRole =
+  | { role: 'prefill'; worker: PrefillWorker }
+  | { role: 'decode'; worker: DecodeWorker; transferPort: () => number }
 
 /** Build the HTTP server of a worker (not yet listening). */
 export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
@@ -53,7 +55,10 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
           const body = PrefillRequest.parse(await readJson(req))
           const abort = abortOnClose(req, res)
           const result = await role.worker.prefill(body, abort.signal)
-          log.info({ requestId: body.requestId, tenant: body.tenant, numTokens: result.numTokens }, 'prefill done')
+          log.info(
+            { requestId: body.requestId, tenant: body.tenant, numTokens: result.numTokens },
+            'prefill done',
+          )
           return sendJson(res, 200, result)
         }
         if (route === 'POST /internal/generate' && role.role === 'decode') {
@@ -72,7 +77,10 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
           } catch (err) {
             if (!isStreaming) throw err
             const e = asKvfenceError(err)
-            log.warn({ requestId: body.requestId, tenant: body.tenant, code: e.code }, 'generate failed')
+            log.warn(
+              { requestId: body.requestId, tenant: body.tenant, code: e.code },
+              'generate failed',
+            )
             emit({ type: 'error', code: e.code, message: e.message })
           }
           return res.end()
@@ -81,7 +89,8 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
       } catch (err) {
         const e = asKvfenceError(err)
         if (e.code === 'internal_error') log.error({ err }, 'worker request failed')
-        if (!res.headersSent) sendJson(res, e.status, { error: { code: e.code, message: e.message } })
+        if (!res.headersSent)
+          sendJson(res, e.status, { error: { code: e.code, message: e.message } })
         else res.end()
       }
     })()
@@ -89,7 +98,11 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
 }
 
 /** Listen on host:port (port 0 picks one) and resolve with the bound port. */
-export function listen(server: http.Server | import('node:net').Server, host: string, port: number): Promise<number> {
+export function listen(
+  server: http.Server | import('node:net').Server,
+  host: string,
+  port: number,
+): Promise<number> {
   return new Promise((resolve, reject) => {
     server.once('error', reject)
     server.listen(port, host, () => {
@@ -102,7 +115,10 @@ export function listen(server: http.Server | import('node:net').Server, host: st
 function asKvfenceError(err: unknown): KvfenceError {
   if (err instanceof KvfenceError) return err
   if (err && typeof err === 'object' && 'issues' in err) {
-    return new KvfenceError('invalid_request', `invalid control message: ${(err as unknown as Error).message}`)
+    return new KvfenceError(
+      'invalid_request',
+      `invalid control message: ${(err as unknown as Error).message}`,
+    )
   }
   return new KvfenceError('internal_error', err instanceof Error ? err.message : String(err))
 }
@@ -122,7 +138,8 @@ async function readJson(req: http.IncomingMessage): Promise<unknown> {
   let size = 0
   for await (const chunk of req) {
     size += (chunk as Buffer).length
-    if (size > maxBodyBytes) throw new KvfenceError('payload_too_large', `control body over ${maxBodyBytes} bytes`)
+    if (size > maxBodyBytes)
+      throw new KvfenceError('payload_too_large', `control body over ${maxBodyBytes} bytes`)
     chunks.push(chunk as Buffer)
   }
   try {

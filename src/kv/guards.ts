@@ -12,15 +12,16 @@ export type Guards = Readonly<Record<GuardId, boolean>>
 
 /** All guards on (the shipped configuration) or all off (only for reproducing faults). */
 export function makeGuards(isEnabled: boolean): Guards {
-  return Object.freeze(Object.fromEntries(guardIds.map((id) => [id, isEnabled])) as Record<GuardId, boolean>)
+  return Object.freeze(
+    Object.fromEntries(guardIds.map((id) => [id, isEnabled])) as Record<GuardId, boolean>,
+  )
 }
 
 /** Counts guard trips per guard id (exported as `kvfence_guard_trips_total{guard}`). */
 export class GuardTrips {
-  readonly counts: Record<GuardId, number> = Object.fromEntries(guardIds.map((id) => [id, 0])) as Record<
-    GuardId,
-    number
-  >
+  readonly counts: Record<GuardId, number> = Object.fromEntries(
+    guardIds.map((id) => [id, 0]),
+  ) as Record<GuardId, number>
 
   /** Record a trip of `guard` and return the error to throw: the request fails, nothing is read. */
   trip(guard: GuardId, message: string, code: ErrorCode = 'guard_violation'): GuardError {

@@ -80,7 +80,8 @@ export class KvPool {
     private readonly faults: PoolFaults = {},
   ) {
     for (const [name, value] of Object.entries(shape)) {
-      if (!Number.isInteger(value) || value < 1) throw new RangeError(`pool ${name} must be a positive integer, got ${value}`)
+      if (!Number.isInteger(value) || value < 1)
+        throw new RangeError(`pool ${name} must be a positive integer, got ${value}`)
     }
     this.shape = Object.freeze({ ...shape })
     this.tokenStride = shape.numKvHeads * shape.headDim
@@ -126,7 +127,10 @@ export class KvPool {
   allocate(numPages: number, owner: number, tenant: number): PageRef[] {
     assert(owner !== noOwner, 'owner 0 is reserved for "no owner"')
     if (!this.canAllocate(numPages)) {
-      throw new KvfenceError('capacity_exhausted', `KV pool has ${this.freeList.length} free pages, ${numPages} needed`)
+      throw new KvfenceError(
+        'capacity_exhausted',
+        `KV pool has ${this.freeList.length} free pages, ${numPages} needed`,
+      )
     }
     const refs: PageRef[] = []
     for (let i = 0; i < numPages; i++) {
@@ -150,10 +154,18 @@ export class KvPool {
     const { pageSize } = this.shape
     // Check every page first: a write refused halfway must not leave fills vouching for KV that the
     // caller, seeing the error, never wrote.
-    for (let pos = start; pos < start + numTokens; pos = (Math.floor(pos / pageSize) + 1) * pageSize) {
+    for (
+      let pos = start;
+      pos < start + numTokens;
+      pos = (Math.floor(pos / pageSize) + 1) * pageSize
+    ) {
       const ordinal = Math.floor(pos / pageSize)
       const ref = pageTable[ordinal]
-      if (ref === undefined) throw this.trips.trip('G5', `write at position ${pos} beyond the page table (${pageTable.length} pages)`)
+      if (ref === undefined)
+        throw this.trips.trip(
+          'G5',
+          `write at position ${pos} beyond the page table (${pageTable.length} pages)`,
+        )
       if (!this.guards.G5) continue
       this.checkOwned(ref, owner, 'write')
       if (this.state[ref.page] !== PageState.reserved) {
@@ -167,7 +179,7 @@ export class KvPool {
         )
       }
     }
-    for (let pos = start; pos < start + numTokens; ) {
+    for (let pos = start; pos < start + numTokens;) {
       const ordinal = Math.floor(pos / pageSize)
       const ref = pageTable[ordinal]
       const end = Math.min((ordinal + 1) * pageSize, start + numTokens)
@@ -184,7 +196,10 @@ export class KvPool {
     const { pageSize } = this.shape
     const numPages = Math.ceil(numTokens / pageSize)
     if (numPages > pageTable.length) {
-      throw this.trips.trip('G5', `read of ${numTokens} tokens beyond the page table (${pageTable.length} pages)`)
+      throw this.trips.trip(
+        'G5',
+        `read of ${numTokens} tokens beyond the page table (${pageTable.length} pages)`,
+      )
     }
     for (let ordinal = 0; ordinal < numPages; ordinal++) {
       const ref = pageTable[ordinal]
@@ -248,7 +263,10 @@ export class KvPool {
       // Check every page first: a release refused halfway would leave the request's table half freed.
       const seen = new Set<number>()
       for (const ref of pageTable) {
-        const isOurs = this.owner[ref.page] === owner && this.epoch[ref.page] === ref.epoch && this.state[ref.page] !== PageState.free
+        const isOurs =
+          this.owner[ref.page] === owner &&
+          this.epoch[ref.page] === ref.epoch &&
+          this.state[ref.page] !== PageState.free
         if (!isOurs || seen.has(ref.page)) {
           // Not ours any more (or a double free): freeing it would hand another request's page out twice.
           throw this.trips.trip('G5', `owner ${owner} released page ${ref.page} it does not own`)
@@ -281,10 +299,16 @@ export class KvPool {
 
   private checkOwned(ref: PageRef, owner: number, what: string): void {
     if (this.owner[ref.page] !== owner) {
-      throw this.trips.trip('G5', `${what} of page ${ref.page} by owner ${owner}, but it belongs to ${this.owner[ref.page] || 'nobody'}`)
+      throw this.trips.trip(
+        'G5',
+        `${what} of page ${ref.page} by owner ${owner}, but it belongs to ${this.owner[ref.page] || 'nobody'}`,
+      )
     }
     if (this.epoch[ref.page] !== ref.epoch) {
-      throw this.trips.trip('G5', `${what} of page ${ref.page} at epoch ${ref.epoch}, but it is at epoch ${this.epoch[ref.page]}`)
+      throw this.trips.trip(
+        'G5',
+        `${what} of page ${ref.page} at epoch ${ref.epoch}, but it is at epoch ${this.epoch[ref.page]}`,
+      )
     }
   }
 
@@ -300,7 +324,10 @@ export class KvPool {
     }
     let numOwned = 0
     for (let page = 0; page < numPages; page++) {
-      assert(this.fill[page] <= pageSize, `page ${page} fill ${this.fill[page]} > page size ${pageSize}`)
+      assert(
+        this.fill[page] <= pageSize,
+        `page ${page} fill ${this.fill[page]} > page size ${pageSize}`,
+      )
       if (this.state[page] === PageState.free) {
         assert.equal(onFreeList[page], 1, `free page ${page} is not on the free list`)
         assert.equal(this.owner[page], noOwner, `free page ${page} has owner ${this.owner[page]}`)
@@ -312,6 +339,10 @@ export class KvPool {
         assert.notEqual(this.owner[page], noOwner, `owned page ${page} has no owner`)
       }
     }
-    assert.equal(numOwned + this.freeList.length, numPages, `pages leaked or double-freed: ${numOwned} owned + ${this.freeList.length} free != ${numPages}`)
+    assert.equal(
+      numOwned + this.freeList.length,
+      numPages,
+      `pages leaked or double-freed: ${numOwned} owned + ${this.freeList.length} free != ${numPages}`,
+    )
   }
 }

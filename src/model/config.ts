@@ -47,16 +47,21 @@ export interface ModelConfig {
 export function parseModelConfig(raw: unknown, source = 'config.json'): ModelConfig {
   const parsed = RawConfig.safeParse(raw)
   if (!parsed.success) {
-    const issues = parsed.error.issues.map((i) => `${i.path.join('.') || '(root)'}: ${i.message}`).join('; ')
+    const issues = parsed.error.issues
+      .map((i) => `${i.path.join('.') || '(root)'}: ${i.message}`)
+      .join('; ')
     throw new Error(`${source}: ${issues}`)
   }
   const c = parsed.data
   const numKvHeads = c.num_key_value_heads ?? c.num_attention_heads
   const headDim = c.head_dim ?? c.hidden_size / c.num_attention_heads
   if (c.num_attention_heads % numKvHeads !== 0) {
-    throw new Error(`${source}: num_attention_heads ${c.num_attention_heads} is not a multiple of num_key_value_heads ${numKvHeads}`)
+    throw new Error(
+      `${source}: num_attention_heads ${c.num_attention_heads} is not a multiple of num_key_value_heads ${numKvHeads}`,
+    )
   }
-  if (!Number.isInteger(headDim) || headDim % 2 !== 0) throw new Error(`${source}: head_dim ${headDim} must be an even integer`)
+  if (!Number.isInteger(headDim) || headDim % 2 !== 0)
+    throw new Error(`${source}: head_dim ${headDim} must be an even integer`)
   const eos = c.eos_token_id
   return Object.freeze({
     modelType: c.model_type ?? 'llama',

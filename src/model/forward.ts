@@ -72,7 +72,14 @@ export function forward(
   startPos: number,
   allLogits = false,
 ): Float32Array {
-  const { hiddenSize: d, intermediateSize: ff, numHeads, numKvHeads, headDim, vocabSize } = model.config
+  const {
+    hiddenSize: d,
+    intermediateSize: ff,
+    numHeads,
+    numKvHeads,
+    headDim,
+    vocabSize,
+  } = model.config
   const n = tokenIds.length
   const qDim = numHeads * headDim
   const kvDim = numKvHeads * headDim
@@ -80,7 +87,9 @@ export function forward(
   const scale = 1 / Math.sqrt(headDim)
   const endPos = startPos + n
   if (endPos > model.config.maxPositionEmbeddings) {
-    throw new RangeError(`positions up to ${endPos} exceed max_position_embeddings ${model.config.maxPositionEmbeddings}`)
+    throw new RangeError(
+      `positions up to ${endPos} exceed max_position_embeddings ${model.config.maxPositionEmbeddings}`,
+    )
   }
 
   // The request claims these positions: ownership and epoch are checked before anything is written.
@@ -88,7 +97,8 @@ export function forward(
 
   // x: [n, d] residual stream.
   const x = new Float32Array(n * d)
-  for (let t = 0; t < n; t++) x.set(model.embed.subarray(tokenIds[t] * d, (tokenIds[t] + 1) * d), t * d)
+  for (let t = 0; t < n; t++)
+    x.set(model.embed.subarray(tokenIds[t] * d, (tokenIds[t] + 1) * d), t * d)
 
   const h = new Float32Array(n * d)
   const q = new Float32Array(n * qDim)
@@ -112,8 +122,10 @@ export function forward(
     matmulT(k, h, w.wk, w.bk, n, d, kvDim)
     matmulT(v, h, w.wv, w.bv, n, d, kvDim)
     for (let t = 0; t < n; t++) {
-      for (let head = 0; head < numHeads; head++) applyRope(q, t * qDim + head * headDim, startPos + t, rope)
-      for (let head = 0; head < numKvHeads; head++) applyRope(k, t * kvDim + head * headDim, startPos + t, rope)
+      for (let head = 0; head < numHeads; head++)
+        applyRope(q, t * qDim + head * headDim, startPos + t, rope)
+      for (let head = 0; head < numKvHeads; head++)
+        applyRope(k, t * kvDim + head * headDim, startPos + t, rope)
     }
 
     // Write the new tokens' K/V into their pages.

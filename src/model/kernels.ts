@@ -33,7 +33,14 @@ export function matmulT(
 }
 
 /** RMSNorm (Zhang & Sennrich 2019) row by row: out = x / sqrt(mean(x²) + eps) ⊙ weight; `[n, d]`. */
-export function rmsNorm(out: Float32Array, x: Float32Array, weight: Float32Array, n: number, d: number, eps: number): void {
+export function rmsNorm(
+  out: Float32Array,
+  x: Float32Array,
+  weight: Float32Array,
+  n: number,
+  d: number,
+  eps: number,
+): void {
   for (let t = 0; t < n; t++) {
     const off = t * d
     let ss = 0

@@ -19,29 +19,59 @@ export function parseSafetensors(buf: Uint8Array, source = 'safetensors'): Map<s
   if (buf.byteLength < 8) throw new Error(`${source}: file too short (${buf.byteLength} bytes)`)
   const view = new DataView(buf.buffer, buf.byteOffset, buf.byteLength)
   const headerLen = Number(view.getBigUint64(0, true))
-  if (headerLen > buf.byteLength - 8) throw new Error(`${source}: header length ${headerLen} exceeds the file`)
-  let header: Record<string, unknown>
+  if (headerLen > buf.byteLength - 8)
+    throw new Error(`${source}: header length ${headerLen} exceeds the file`)
+  let header: unknown
   try {
     header = JSON.parse(new TextDecoder().decode(buf.subarray(8, 8 + headerLen)))
   } catch {
     throw new Error(`${source}: header is not valid JSON`)
   }
+  if (!isObject(header)) throw new Error(`${source}: header is not a JSON object`)
   const dataStart = 8 + headerLen
   const tensors = new Map<string, Tensor>()
   for (const [name, entry] of Object.entries(header)) {
     if (name === '__metadata__') continue
-    const { dtype, shape, data_offsets: offsets } = entry as { dtype: string; shape: number[]; data_offsets: [number, number] }
+    if (!isObject(entry))
+      throw new Error(
+        `${source}: tensor ${name} is not an object with dtype, shape and data_offsets`,
+      )
+    const { dtype, shape, data_offsets: offsets } = entry
+    if (typeof dtype !== 'string' || !Object.hasOwn(bytesPerElement, dtype)) {
+      throw new Error(
+        `${source}: tensor ${name} has unsupported dtype ${dtype} (F32, F16, BF16 are)`,
+      )
+    }
+    if (!Array.isArray(shape) || !shape.every(isCount)) {
+      throw new Error(
+        `${source}: tensor ${name} shape ${JSON.stringify(shape)} is not a list of non-negative integers`,
+      )
+    }
+    if (!Array.isArray(offsets) || offsets.length !== 2 || !offsets.every(isCount)) {
+      throw new Error(
+        `${source}: tensor ${name} data_offsets ${JSON.stringify(offsets)} is not [begin, end]`,
+      )
+    }
     const size = bytesPerElement[dtype]
-    if (size === undefined) throw new Error(`${source}: tensor ${name} has unsupported dtype ${dtype} (F32, F16, BF16 are)`)
     const count = shape.reduce((a, b) => a * b, 1)
     const [begin, end] = offsets
     if (end - begin !== count * size || dataStart + end > buf.byteLength || begin < 0) {
-      throw new Error(`${source}: tensor ${name} offsets [${begin}, ${end}] do not match shape [${shape}] ${dtype}`)
+      throw new Error(
+        `${source}: tensor ${name} offsets [${begin}, ${end}] do not match shape [${shape}] ${dtype}`,
+      )
     }
     const bytes = buf.subarray(dataStart + begin, dataStart + end)
     tensors.set(name, { shape, data: toF32(bytes, dtype, count) })
   }
   return tensors
+}
+
+function isObject(x: unknown): x is Record<string, unknown> {
+  return typeof x === 'object' && x !== null && !Array.isArray(x)
+}
+
+function isCount(x: unknown): x is number {
+  return Number.isSafeInteger(x) && (x as number) >= 0
 }
 
 /** Read and parse a safetensors file. */

@@ -35,7 +35,11 @@ export interface Model {
 }
 
 /** Build a {@link Model} from tensors by HF name. Throws naming any missing or mis-shaped tensor. */
-export function modelFromTensors(name: string, config: ModelConfig, tensors: Map<string, Tensor>): Model {
+export function modelFromTensors(
+  name: string,
+  config: ModelConfig,
+  tensors: Map<string, Tensor>,
+): Model {
   const { hiddenSize: d, intermediateSize: ff, numHeads, numKvHeads, headDim, vocabSize } = config
   const take = (key: string, shape: number[]): Float32Array => {
     const t = tensors.get(key)
@@ -45,7 +49,8 @@ export function modelFromTensors(name: string, config: ModelConfig, tensors: Map
     }
     return t.data
   }
-  const maybe = (key: string, shape: number[]): Float32Array | null => (tensors.has(key) ? take(key, shape) : null)
+  const maybe = (key: string, shape: number[]): Float32Array | null =>
+    tensors.has(key) ? take(key, shape) : null
   const layers: LayerWeights[] = []
   for (let i = 0; i < config.numLayers; i++) {
     const p = `model.layers.${i}.`
@@ -65,8 +70,13 @@ export function modelFromTensors(name: string, config: ModelConfig, tensors: Map
     })
   }
   const embed = take('model.embed_tokens.weight', [vocabSize, d])
-  const lmHead = tensors.has('lm_head.weight') ? take('lm_head.weight', [vocabSize, d]) : config.tieWordEmbeddings ? embed : null
-  if (!lmHead) throw new Error(`model ${name}: missing tensor lm_head.weight and embeddings are not tied`)
+  const lmHead = tensors.has('lm_head.weight')
+    ? take('lm_head.weight', [vocabSize, d])
+    : config.tieWordEmbeddings
+      ? embed
+      : null
+  if (!lmHead)
+    throw new Error(`model ${name}: missing tensor lm_head.weight and embeddings are not tied`)
   return { name, config, embed, layers, norm: take('model.norm.weight', [d]), lmHead }
 }
 

@@ -14,7 +14,9 @@ interface Reference {
   prompts: { text: string; ids: number[]; logits_first: number[]; logits_last: number[] }[]
   greedy: { ids: number[]; tokens: number[]; decoded: string }
 }
-const reference = JSON.parse(readFileSync(join(echoModelDir, 'reference.json'), 'utf8')) as Reference
+const reference = JSON.parse(
+  readFileSync(join(echoModelDir, 'reference.json'), 'utf8'),
+) as Reference
 const model = loadModel(echoModelDir)
 const rope = makeRope(model)
 const c = model.config
@@ -28,7 +30,16 @@ function maxAbsDiff(a: ArrayLike<number>, b: ArrayLike<number>): number {
 
 /** A pool whose request pages are scattered: other owners hold pages in between. */
 function scatteredSequence(pageSize: number, numTokens: number) {
-  const pool = new KvPool({ numPages: 64, pageSize, numLayers: c.numLayers, numKvHeads: c.numKvHeads, headDim: c.headDim }, makeGuards(true))
+  const pool = new KvPool(
+    {
+      numPages: 64,
+      pageSize,
+      numLayers: c.numLayers,
+      numKvHeads: c.numKvHeads,
+      headDim: c.headDim,
+    },
+    makeGuards(true),
+  )
   const pageTable = []
   for (let i = 0; i < pool.pagesFor(numTokens); i++) {
     pool.allocate(1, 99, 1) // someone else's page in between
@@ -44,7 +55,10 @@ describe('forward pass', () => {
       const logits = forward(model, rope, pool, seq, p.ids, 0, true)
       const first = logits.subarray(0, c.vocabSize)
       const last = logits.subarray((p.ids.length - 1) * c.vocabSize)
-      assert.ok(maxAbsDiff(first, p.logits_first) <= 1e-4, `first: ${maxAbsDiff(first, p.logits_first)}`)
+      assert.ok(
+        maxAbsDiff(first, p.logits_first) <= 1e-4,
+        `first: ${maxAbsDiff(first, p.logits_first)}`,
+      )
       assert.ok(maxAbsDiff(last, p.logits_last) <= 1e-4, `last: ${maxAbsDiff(last, p.logits_last)}`)
     }
   })

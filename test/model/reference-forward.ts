@@ -3,7 +3,13 @@
  *  equations. Slow and simple on purpose. */
 import type { Model } from '../../src/model/weights.js'
 
-function linear(x: number[], w: Float32Array, bias: Float32Array | null, inDim: number, outDim: number): number[] {
+function linear(
+  x: number[],
+  w: Float32Array,
+  bias: Float32Array | null,
+  inDim: number,
+  outDim: number,
+): number[] {
   const out = new Array<number>(outDim).fill(0)
   for (let j = 0; j < outDim; j++) {
     let s = bias ? bias[j] : 0
@@ -40,7 +46,8 @@ export function referenceLogits(model: Model, ids: number[]): number[][] {
     const qs = hs.map((h) => linear(h, w.wq, w.bq, d, H * hd))
     const ks = hs.map((h) => linear(h, w.wk, w.bk, d, KV * hd))
     const vs = hs.map((h) => linear(h, w.wv, w.bv, d, KV * hd))
-    const heads = (v: number[], n: number) => Array.from({ length: n }, (_, i) => v.slice(i * hd, (i + 1) * hd))
+    const heads = (v: number[], n: number) =>
+      Array.from({ length: n }, (_, i) => v.slice(i * hd, (i + 1) * hd))
     const qh = qs.map((q, p) => heads(q, H).map((x) => rope(x, p, c.ropeTheta)))
     const kh = ks.map((k, p) => heads(k, KV).map((x) => rope(x, p, c.ropeTheta)))
     const vh = vs.map((v) => heads(v, KV))
@@ -48,7 +55,10 @@ export function referenceLogits(model: Model, ids: number[]): number[][] {
       const attn: number[] = []
       for (let head = 0; head < H; head++) {
         const g = Math.floor(head / (H / KV))
-        const s = Array.from({ length: t + 1 }, (_, p) => qh[t][head].reduce((a, q, i) => a + q * kh[p][g][i], 0) / Math.sqrt(hd))
+        const s = Array.from(
+          { length: t + 1 },
+          (_, p) => qh[t][head].reduce((a, q, i) => a + q * kh[p][g][i], 0) / Math.sqrt(hd),
+        )
         const m = Math.max(...s)
         const e = s.map((a) => Math.exp(a - m))
         const z = e.reduce((a, b) => a + b, 0)
@@ -64,5 +74,7 @@ export function referenceLogits(model: Model, ids: number[]): number[][] {
       return x1.map((a, i) => a + down[i])
     })
   }
-  return xs.map((x) => linear(norm(x, model.norm, c.rmsNormEps), model.lmHead, null, d, c.vocabSize))
+  return xs.map((x) =>
+    linear(norm(x, model.norm, c.rmsNormEps), model.lmHead, null, d, c.vocabSize),
+  )
 }

@@ -1,0 +1,69 @@
+/** The audit's budget: at most `maxRequests` requests, `concurrency` of them in flight, all within
+ *  `maxSeconds`. Every request the auditor sends goes through `Budget.spend`, which reserves the
+ *  request before it is sent, so no limit is ever exceeded, even by one.
+ *  Knows nothing of HTTP. */
+import type { BudgetLimits } from './types.js'
+
+/** Thrown instead of sending a request the budget does not allow. */
+export class BudgetExhaustedError extends Error {
+  constructor(readonly reason: 'requests' | 'seconds') {
+    super(reason === 'requests' ? 'request budget exhausted' : 'time budget exhausted')
+    this.name = 'BudgetExhaustedError'
+  }
+}
+
+export class Budget {
+  readonly limits: BudgetLimits
+  readonly deadline: number // epoch ms
+  private numSent = 0
+  private numInFlight = 0
+  private readonly waiting: (() => void)[] = []
+
+  constructor(limits: BudgetLimits, now: number = Date.now()) {
+    this.limits = Object.freeze({ ...limits })
+    this.deadline = now + limits.maxSeconds * 1000
+  }
+
+  get requestsSent(): number {
+    return this.numSent
+  }
+
+  get remainingRequests(): number {
+    return this.limits.maxRequests - this.numSent
+  }
+
+  /** Milliseconds left before the deadline (never negative). */
+  get remainingMs(): number {
+    return Math.max(0, this.deadline - Date.now())
+  }
+
+  /** Runs `send` as one request: waits for a concurrency slot, then reserves one request and
+   *  passes the time left (ms) so the request can be cut at the deadline. */
+  async spend<T>(send: (remainingMs: number) => Promise<T>): Promise<T> {
+    await this.acquireSlot()
+    try {
+      if (this.numSent >= this.limits.maxRequests) throw new BudgetExhaustedError('requests')
+      const remainingMs = this.remainingMs
+      if (remainingMs <= 0) throw new BudgetExhaustedError('seconds')
+      this.numSent++
+      return await send(remainingMs)
+    } finally {
+      this.releaseSlot()
+    }
+  }
+
+  private async acquireSlot(): Promise<void> {
+    if (this.numInFlight < this.limits.concurrency) {
+      this.numInFlight++
+      return
+    }
+    // The releasing request hands its slot over directly: numInFlight stays the same.
+    await new Promise<void>((resolve) => this.waiting.push(resolve))
+  }
+
+  private releaseSlot(): void {
+    const next = this.waiting.shift()
+    if (next) next()
+    else this.numInFlight--
+  }
+}

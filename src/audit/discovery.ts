@@ -1,0 +1,196 @@
+/** Discovery: what the endpoint says about itself, read once at the start of an audit.
+ *  The advertised context window (what clients are told they may send) and the KV capacity
+ *  (what the cache can actually hold), from whichever of these the server offers:
+ *  - `/v1/models`: `max_model_len` (vLLM, SGLang, kvfence), `context_length`, `context_window`;
+ *  - `/server_info` (kvfence, newer SGLang) or `/get_server_info` (SGLang): kvfence's
+ *    `contextWindow`, `effectiveCapacityTokens`, `workers[].capacityTokens`; SGLang's
+ *    `context_length`, `max_total_num_tokens`, `max_req_input_len`;
+ *  - `/metrics` (vLLM): `vllm:cache_config_info{num_gpu_blocks, block_size}`.
+ *  Knows field names of public APIs; knows nothing of how any engine works inside. */
+import { BudgetExhaustedError } from './budget.js'
+import { tryJson, type HttpResult, type Target } from './target.js'
+import { AuditError } from './types.js'
+
+/** One number read from the endpoint, and where. */
+export interface CapacitySource {
+  readonly endpoint: string
+  readonly field: string
+  readonly tokens: number
+}
+
+export interface EndpointStatus {
+  readonly endpoint: string
+  /** HTTP status, or the failure (`network`, `timeout`, `budget`). */
+  readonly status: number | string
+}
+
+export interface Discovery {
+  /** Model ids listed by `/v1/models`. */
+  readonly modelsListed: readonly string[]
+  /** The model the audit uses: `--model`, else the first one listed, else none. */
+  readonly model: string | null
+  readonly advertised: readonly CapacitySource[]
+  readonly pools: readonly CapacitySource[]
+  /** Largest advertised context window (tokens): what a client may believe it can send. */
+  readonly contextTokens: number | null
+  /** Smallest KV capacity found (tokens): what the endpoint can actually hold. */
+  readonly poolTokens: number | null
+  readonly endpoints: readonly EndpointStatus[]
+}
+
+/** Fields that advertise a context window. */
+const advertisedFields = new Set([
+  'max_model_len',
+  'context_length',
+  'context_window',
+  'contextWindow',
+  'max_context_length',
+])
+/** Fields that state a KV capacity in tokens. */
+const poolFields = new Set([
+  'effectiveCapacityTokens',
+  'capacityTokens',
+  'max_total_num_tokens',
+  'max_total_tokens',
+])
+/** SGLang's longest accepted input is one less than the capacity it derives from. */
+const inputLimitFields = new Set(['max_req_input_len'])
+
+const maxScanDepth = 4
+
+/** Reads `/v1/models`, server info and metrics. Throws `AuditError('target_unreachable')` when the
+ *  first request gets no HTTP answer at all. */
+export async function discover(target: Target, requestedModel: string | null): Promise<Discovery> {
+  const tenant = target.tenants[0]
+  const endpoints: EndpointStatus[] = []
+  const advertised: CapacitySource[] = []
+  const pools: CapacitySource[] = []
+  const record = (endpoint: string, res: HttpResult): void => {
+    endpoints.push({ endpoint, status: res.status ?? res.failure ?? 'network' })
+  }
+
+  const modelsRes = await target.get('/v1/models', { tenant })
+  record('/v1/models', modelsRes)
+  if (modelsRes.status === null) {
+    throw new AuditError(
+      'target_unreachable',
+      `cannot reach ${target.baseUrl}: ${modelsRes.failure === 'timeout' ? 'timed out' : modelsRes.failureDetail}`,
+    )
+  }
+  const models = modelsRes.status === 200 ? listModels(tryJson(modelsRes.body)) : []
+  const model = requestedModel ?? models[0]?.id ?? null
+  const entry = models.find((m) => m.id === model)
+  if (entry) scan(entry.raw, `/v1/models`, `data[${entry.index}]`, 1, advertised, pools)
+
+  try {
+    const infoRes = await target.get('/server_info', { tenant })
+    record('/server_info', infoRes)
+    let info = infoRes.status === 200 ? tryJson(infoRes.body) : null
+    let infoEndpoint = '/server_info'
+    if (!isObject(info)) {
+      const legacyRes = await target.get('/get_server_info', { tenant })
+      record('/get_server_info', legacyRes)
+      info = legacyRes.status === 200 ? tryJson(legacyRes.body) : null
+      infoEndpoint = '/get_server_info'
+    }
+    if (isObject(info)) scan(info, infoEndpoint, '', 0, advertised, pools)
+
+    const metricsRes = await target.get('/metrics', { tenant })
+    record('/metrics', metricsRes)
+    if (metricsRes.status === 200) pools.push(...parseMetrics(metricsRes.body))
+  } catch (err) {
+    if (!(err instanceof BudgetExhaustedError)) throw err
+    endpoints.push({ endpoint: '(remaining discovery)', status: 'budget' })
+  }
+
+  return {
+    modelsListed: models.map((m) => m.id),
+    model,
+    advertised,
+    pools,
+    contextTokens: advertised.length ? Math.max(...advertised.map((s) => s.tokens)) : null,
+    poolTokens: pools.length ? Math.min(...pools.map((s) => s.tokens)) : null,
+    endpoints,
+  }
+}
+
+interface ListedModel {
+  readonly id: string
+  readonly index: number
+  readonly raw: Record<string, unknown>
+}
+
+function listModels(json: unknown): ListedModel[] {
+  if (!isObject(json) || !Array.isArray(json.data)) return []
+  const out: ListedModel[] = []
+  json.data.forEach((raw: unknown, index: number) => {
+    if (isObject(raw) && typeof raw.id === 'string') out.push({ id: raw.id, index, raw })
+  })
+  return out
+}
+
+/** Walks a JSON object (a few levels deep) collecting known capacity fields. */
+function scan(
+  value: unknown,
+  endpoint: string,
+  path: string,
+  depth: number,
+  advertised: CapacitySource[],
+  pools: CapacitySource[],
+): void {
+  if (depth > maxScanDepth) return
+  if (Array.isArray(value)) {
+    value.forEach((item, i) => scan(item, endpoint, `${path}[${i}]`, depth + 1, advertised, pools))
+    return
+  }
+  if (!isObject(value)) return
+  const role = typeof value.role === 'string' ? ` (${value.role})` : ''
+  for (const [key, child] of Object.entries(value)) {
+    const field = path === '' ? key : `${path}.${key}`
+    const tokens = asPositiveInt(child)
+    if (tokens !== null) {
+      if (advertisedFields.has(key)) advertised.push({ endpoint, field, tokens })
+      else if (poolFields.has(key)) pools.push({ endpoint, field: field + role, tokens })
+      else if (inputLimitFields.has(key))
+        pools.push({ endpoint, field: `${field} + 1`, tokens: tokens + 1 })
+    } else if (typeof child === 'object' && child !== null) {
+      scan(child, endpoint, field, depth + 1, advertised, pools)
+    }
+  }
+}
+
+/** Prometheus text: vLLM's `vllm:cache_config_info{block_size="16",num_gpu_blocks="2048",...} 1`
+ *  gives the KV capacity as blocks × block size; SGLang's `sglang:max_total_num_tokens` directly. */
+export function parseMetrics(text: string): CapacitySource[] {
+  const out: CapacitySource[] = []
+  for (const line of text.split('\n')) {
+    if (line.startsWith('vllm:cache_config_info{')) {
+      const labels = new Map<string, string>()
+      for (const m of line.matchAll(/(\w+)="([^"]*)"/g)) labels.set(m[1], m[2])
+      const numBlocks = asPositiveInt(labels.get('num_gpu_blocks'))
+      const blockSize = asPositiveInt(labels.get('block_size'))
+      if (numBlocks !== null && blockSize !== null) {
+        out.push({
+          endpoint: '/metrics',
+          field: 'vllm:cache_config_info num_gpu_blocks × block_size',
+          tokens: numBlocks * blockSize,
+        })
+      }
+    }
+    const sglang = /^sglang:max_total_num_tokens(\{[^}]*\})?\s+([0-9.e+]+)\s*$/.exec(line)
+    const tokens = sglang ? asPositiveInt(Number(sglang[2])) : null
+    if (tokens !== null) {
+      out.push({ endpoint: '/metrics', field: 'sglang:max_total_num_tokens', tokens })
+    }
+  }
+  return out
+}
+
+function asPositiveInt(value: unknown): number | null {
+  const n = typeof value === 'string' && value.trim() !== '' ? Number(value) : value
+  return typeof n === 'number' && Number.isSafeInteger(n) && n > 0 ? n : null
+}
+
+function isObject(value: unknown): value is Record<string, unknown> {
+  return typeof value === 'object' && value !== null && !Array.isArray(value)
+}

@@ -1,0 +1,24 @@
+/** The auditor's public API: `runAudit` (used by `kvfence audit` and `kvfence demo`) and the
+ *  reporters. The auditor speaks HTTP only and imports nothing from the rest of kvfence, so it
+ *  audits any OpenAI-compatible endpoint (kvfence, SGLang, vLLM, ...). */
+export {
+  runAudit,
+  exitCodeFor,
+  auditDefaults,
+  type AuditOptions,
+  type ProgressEvent,
+} from './run.js'
+export { writeJsonReport, formatJsonReport } from './reporters/json.js'
+export { formatProgress, formatSummary } from './reporters/console.js'
+export {
+  AuditError,
+  probeNames,
+  verdictRank,
+  type AuditReport,
+  type BudgetLimits,
+  type Finding,
+  type ProbeName,
+  type Severity,
+  type Tenant,
+  type Verdict,
+} from './types.js'

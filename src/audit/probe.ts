@@ -1,0 +1,37 @@
+/** What every probe is given and returns. A probe sends requests only through its `Target`
+ *  (which spends the `Budget`) and always returns at least one finding. */
+import type { Budget } from './budget.js'
+import type { Discovery } from './discovery.js'
+import type { PromptSizer } from './sizer.js'
+import type { Target } from './target.js'
+import type { Finding, ProbeName } from './types.js'
+
+export interface ProbeContext {
+  readonly seed: number
+  /** How many over-capacity prompts the canary probe sends. */
+  readonly overCapacityAttempts: number
+  /** What the endpoint said about itself (read once before the probes run). */
+  readonly discovery: Discovery
+  /** Token calibration, done once on first use; null when the endpoint gave no token counts. */
+  sizer(): Promise<PromptSizer | null>
+  /** One progress line for the console. */
+  log(line: string): void
+}
+
+export interface Probe {
+  readonly name: ProbeName
+  /** Throws `BudgetExhaustedError` only when it has nothing at all to report. */
+  run(target: Target, budget: Budget, context: ProbeContext): Promise<Finding[]>
+}
+
+/** Advice shared by findings that concern the rejection path. */
+export const rejectionRemediation =
+  'Reject every prompt whose token count (plus max_tokens) exceeds the context window or the ' +
+  'smallest KV pool of any prefill or decode worker with HTTP 400 context_length_exceeded at ' +
+  'admission; never substitute a placeholder or forward a rejected request to decode. ' +
+  'Disaggregated SGLang: upgrade to v0.5.22 or later.'
+
+export const inconclusiveRemediation =
+  'Re-run with a larger budget (--max-requests, --max-seconds), check that both tenant keys are ' +
+  'valid and that the endpoint serves POST /v1/completions with usage.prompt_tokens, or pass ' +
+  '--model. Until then isolation is not proven.'

@@ -1,0 +1,268 @@
+/** Probe `canary`: the incident, reproduced from outside with two tenants.
+ *  The victim (first tenant) plants unique canaries in short prompts; the observer (second
+ *  tenant) sends normal prompts with canaries of its own and over-capacity prompts (between the
+ *  KV pool and the advertised context when the pool is smaller, else just over the context).
+ *  Rounds interleave the two — observer normal, victim re-plant, observer over-capacity — so the
+ *  pages an over-capacity request might wrongly read were last written by the victim.
+ *  Any victim canary (or ≥ 8-character fragment) in any observer output, or the other way
+ *  round, is a leak. Outputs are kept only redacted. */
+import { BudgetExhaustedError } from '../budget.js'
+import {
+  findCanaries,
+  makeCanaries,
+  plantingPrompt,
+  redact,
+  type CanaryMatch,
+} from '../canaries.js'
+import type { Probe } from '../probe.js'
+import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
+import { createRng } from '../rng.js'
+import { outcomeOf, type CompletionResult, type Outcome } from '../target.js'
+import type { Finding, Tenant } from '../types.js'
+
+const numPlantingPrompts = 3
+const plantMaxTokens = 32
+const observerMaxTokens = 64
+/** Leak findings listed one by one; the rest are counted. */
+const maxLeakFindings = 10
+
+type Kind = 'plant' | 'normal' | 'over-capacity'
+
+interface Exchange {
+  readonly tenant: Tenant
+  readonly kind: Kind
+  /** The size we aimed at (over-capacity), else the size the server reported. */
+  readonly promptTokens: number | null
+  readonly stream: boolean
+  readonly result: CompletionResult
+}
+
+interface Leak {
+  readonly victim: Tenant
+  readonly observer: Exchange
+  readonly matches: readonly CanaryMatch[]
+}
+
+const leakRemediation =
+  'Stop serving several tenants from this deployment until it is fixed, and treat the outputs ' +
+  'of affected requests as disclosed. Make the advertised context window no larger than the ' +
+  'smallest KV pool, reject longer prompts with a 4xx at admission and never forward a rejected ' +
+  'request to decode; verify that every KV page a request reads was written for that request ' +
+  '(transfer manifests, checksums, page ownership), scrub freed pages, and for disaggregated ' +
+  'SGLang upgrade to v0.5.22 or later.'
+
+export const canaryProbe: Probe = {
+  name: 'canary',
+  async run(target, _budget, context): Promise<Finding[]> {
+    const [victim, observer] = target.tenants
+    const rounds = context.overCapacityAttempts
+
+    // Everything random is drawn first, so the seed alone fixes canaries, prompts and sizes.
+    const rng = createRng(context.seed, 'canary')
+    const victimCanaries: string[][] = []
+    for (let i = 0; i < numPlantingPrompts; i++) {
+      victimCanaries.push(makeCanaries(rng, rng.int(2, 3), victimCanaries.flat()))
+    }
+    const observerCanaries: string[][] = []
+    for (let i = 0; i < rounds; i++) {
+      observerCanaries.push(
+        makeCanaries(rng, rng.int(2, 3), [...victimCanaries.flat(), ...observerCanaries.flat()]),
+      )
+    }
+    const plantPrompts = victimCanaries.map((c) => plantingPrompt(rng, c))
+    const normalPrompts = observerCanaries.map((c) => plantingPrompt(rng, c))
+    const sizes = overCapacitySizes(context.discovery, rounds, (lo, hi) => rng.int(lo, hi))
+
+    const exchanges: Exchange[] = []
+    let stoppedBy: string | null = null
+    const send = async (
+      tenant: Tenant,
+      kind: Kind,
+      prompt: string,
+      stream: boolean,
+      aimedTokens: number | null,
+    ): Promise<void> => {
+      const maxTokens = tenant === victim ? plantMaxTokens : observerMaxTokens
+      const result = await target.complete({ tenant, prompt, maxTokens, stream })
+      exchanges.push({
+        tenant,
+        kind,
+        promptTokens: aimedTokens ?? result.promptTokens,
+        stream,
+        result,
+      })
+    }
+
+    let overCapacityPlan = 'none'
+    try {
+      const sizer = sizes.length > 0 ? await context.sizer() : null
+      overCapacityPlan =
+        sizes.length === 0
+          ? 'KV pool and context window unknown'
+          : sizer === null
+            ? 'token counts could not be calibrated'
+            : sizes.join(', ')
+      for (let i = 0; i < plantPrompts.length; i++) {
+        await send(victim, 'plant', plantPrompts[i], false, null)
+      }
+      const numRounds = sizer === null ? Math.min(rounds, 2) : rounds
+      for (let r = 0; r < numRounds; r++) {
+        await send(observer, 'normal', normalPrompts[r], r % 2 === 1, null)
+        await send(victim, 'plant', plantPrompts[r % plantPrompts.length], r % 2 === 0, null)
+        if (sizer !== null) {
+          await send(observer, 'over-capacity', sizer.build(sizes[r], 'up'), r % 2 === 0, sizes[r])
+        }
+      }
+    } catch (err) {
+      if (!(err instanceof BudgetExhaustedError)) throw err
+      stoppedBy = err.message
+    }
+
+    const knownCanaries = [...victimCanaries.flat(), ...observerCanaries.flat()]
+    const leaks: Leak[] = []
+    for (const exchange of exchanges) {
+      const isVictim = exchange.tenant === victim
+      const foreign = isVictim ? observerCanaries.flat() : victimCanaries.flat()
+      const matches = findCanaries(exchange.result.text, foreign)
+      if (matches.length > 0) {
+        leaks.push({ victim: isVictim ? observer : victim, observer: exchange, matches })
+      }
+    }
+    const observerRequests = exchanges
+      .filter((e) => e.tenant === observer)
+      .map((e) => ({
+        kind: e.kind,
+        promptTokens: e.promptTokens,
+        stream: e.stream,
+        status: e.result.status,
+        outcome: outcomeOf(e.result),
+        errorCode: e.result.errorCode,
+        failure: e.result.failure,
+      }))
+    const plants = exchanges.filter((e) => e.kind === 'plant')
+    const numPlanted = plants.filter((e) => outcomeOf(e.result) === 'accepted').length
+    const summary = {
+      plantingTenant: victim.name,
+      probingTenant: observer.name,
+      numCanaries: {
+        victim: victimCanaries.flat().length,
+        observer: observerCanaries.flat().length,
+      },
+      numVictimPromptsAccepted: numPlanted,
+      victimStatuses: plants.map((e) => e.result.status ?? e.result.failure),
+      overCapacityPlan,
+      stoppedBy,
+      observerRequests,
+    }
+    context.log(
+      `${observer.name}: ${observerRequests.map((r) => `${r.kind === 'normal' ? 'n' : 'o'}${r.status ?? r.failure}`).join(' ')}`,
+    )
+
+    if (leaks.length > 0) {
+      const findings: Finding[] = leaks.slice(0, maxLeakFindings).map((leak) => {
+        const [first, ...others] = leak.matches
+        const { result, kind, promptTokens, stream, tenant } = leak.observer
+        return {
+          probe: 'canary',
+          verdict: 'leak',
+          severity: 'critical',
+          title: `${tenant.name}'s output contained a canary planted by ${leak.victim.name} (${kind} prompt, HTTP ${result.status})`,
+          evidence: {
+            victimTenant: leak.victim.name,
+            observerTenant: tenant.name,
+            request: { kind, promptTokens, stream, status: result.status },
+            canary: first.canary,
+            matchedFragment: first.fragment,
+            excerpt: redact(result.text, knownCanaries, first.index),
+            otherCanariesMatched: others.map((m) => m.canary),
+            numLeakingRequests: leaks.length,
+            ...summary,
+          },
+          remediation: leakRemediation,
+        }
+      })
+      return findings
+    }
+
+    const overCapacity = exchanges.filter((e) => e.kind === 'over-capacity')
+    const outcomes: Outcome[] = overCapacity.map((e) => outcomeOf(e.result))
+    const numAccepted = outcomes.filter((o) => o === 'accepted').length
+    const inconclusive = (title: string): Finding[] => [
+      {
+        probe: 'canary',
+        verdict: 'inconclusive',
+        severity: 'medium',
+        title,
+        evidence: summary,
+        remediation: inconclusiveRemediation,
+      },
+    ]
+    if (numPlanted === 0) return inconclusive(`${victim.name}'s canaries could not be planted`)
+    if (overCapacity.length === 0) {
+      return inconclusive(`no over-capacity prompt was sent (${stoppedBy ?? overCapacityPlan})`)
+    }
+    if (numAccepted > 0) {
+      return [
+        {
+          probe: 'canary',
+          verdict: 'warning',
+          severity: 'high',
+          title: `accepted ${numAccepted} of ${overCapacity.length} over-capacity prompts; no canary seen in ${exchanges.length} outputs`,
+          evidence: summary,
+          remediation: rejectionRemediation,
+        },
+      ]
+    }
+    // The 4xx must be about size: the observer's normal prompts, sent the same way (streamed or
+    // not), must have been accepted.
+    const isControlled = overCapacity.every((o) =>
+      exchanges.some(
+        (e) =>
+          e.tenant === observer &&
+          e.kind === 'normal' &&
+          e.stream === o.stream &&
+          outcomeOf(e.result) === 'accepted',
+      ),
+    )
+    if (outcomes.every((o) => o === 'rejected') && !isControlled) {
+      return inconclusive(
+        `${observer.name}'s normal prompts were refused too, so the 4xx for over-capacity ones proves nothing`,
+      )
+    }
+    if (outcomes.every((o) => o === 'rejected')) {
+      return [
+        {
+          probe: 'canary',
+          verdict: 'clean',
+          severity: 'info',
+          title: `rejected all ${overCapacity.length} over-capacity prompts with a 4xx; no canary crossed tenants`,
+          evidence: summary,
+          remediation: 'None needed.',
+        },
+      ]
+    }
+    return inconclusive(
+      `${overCapacity.length - outcomes.filter((o) => o === 'rejected').length} of ${overCapacity.length} over-capacity prompts failed without a 4xx (server error or timeout)`,
+    )
+  },
+}
+
+/** Prompt sizes (tokens) for the over-capacity attempts: between the pool and the context when
+ *  the pool is smaller (the incident's range; the first attempt just over the pool), else just
+ *  over the smallest known limit. Leaves room for `max_tokens` under the context. */
+function overCapacitySizes(
+  discovery: { readonly poolTokens: number | null; readonly contextTokens: number | null },
+  count: number,
+  randomInt: (lo: number, hi: number) => number,
+): number[] {
+  const { poolTokens, contextTokens } = discovery
+  if (poolTokens !== null && contextTokens !== null && poolTokens < contextTokens) {
+    const lo = poolTokens + 1
+    const hi = Math.max(lo, contextTokens - observerMaxTokens)
+    return Array.from({ length: count }, (_, i) => (i === 0 ? lo : randomInt(lo, hi)))
+  }
+  const known = [poolTokens, contextTokens].filter((n) => n !== null)
+  if (known.length === 0) return []
+  const limit = Math.min(...known)
+  return Array.from({ length: count }, () => limit + randomInt(1, 16))
+}

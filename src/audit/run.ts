@@ -1,0 +1,236 @@
+/** `runAudit`: validates options, reads what the endpoint says about itself, runs the chosen
+ *  probes within the budget and returns the report. Never throws for what it finds; throws
+ *  `AuditError` only when it cannot audit at all (bad options, target unreachable). */
+import { randomInt } from 'node:crypto'
+import { Budget, BudgetExhaustedError } from './budget.js'
+import { discover } from './discovery.js'
+import type { ProbeContext } from './probe.js'
+import { inconclusiveRemediation } from './probe.js'
+import { probes } from './probes/index.js'
+import { calibrate, type PromptSizer } from './sizer.js'
+import { createTarget } from './target.js'
+import {
+  AuditError,
+  probeNames,
+  type AuditReport,
+  type Finding,
+  type ProbeName,
+  type Tenant,
+  type Verdict,
+  verdictRank,
+} from './types.js'
+
+export interface AuditOptions {
+  /** Base URL of any OpenAI-compatible endpoint (a trailing `/v1` is accepted). */
+  readonly target: string
+  /** At least two tenants with distinct names; the first is the victim, the second the observer. */
+  readonly tenants: readonly Tenant[]
+  /** Model id; default: the first one `/v1/models` lists. */
+  readonly model?: string
+  /** Default: all, in the order capacity, boundary, canary. */
+  readonly probes?: readonly ProbeName[]
+  /** uint32; default: random (and reported, so a run can be repeated). */
+  readonly seed?: number
+  readonly maxRequests?: number // default 100
+  readonly maxSeconds?: number // default 300
+  readonly concurrency?: number // default 2
+  readonly requestTimeoutMs?: number // default 60_000, cut shorter by the deadline
+  readonly overCapacityAttempts?: number // default 6
+  /** Progress, one line at a time (probe started, probe details, probe finished). */
+  readonly onProgress?: (event: ProgressEvent) => void
+}
+
+export type ProgressEvent =
+  | { readonly type: 'probe-start'; readonly probe: ProbeName }
+  | { readonly type: 'probe-log'; readonly probe: ProbeName; readonly message: string }
+  | { readonly type: 'probe-end'; readonly probe: ProbeName; readonly findings: readonly Finding[] }
+
+export const auditDefaults = Object.freeze({
+  maxRequests: 100,
+  maxSeconds: 300,
+  concurrency: 2,
+  requestTimeoutMs: 60_000,
+  overCapacityAttempts: 6,
+})
+
+export async function runAudit(options: AuditOptions): Promise<AuditReport> {
+  const startedAt = new Date()
+  const config = validate(options)
+  const budget = new Budget(config.budget, startedAt.getTime())
+  const emit = options.onProgress ?? (() => {})
+
+  const targetOptions = {
+    baseUrl: config.baseUrl,
+    tenants: config.tenants,
+    budget,
+    requestTimeoutMs: config.requestTimeoutMs,
+  }
+  const discovery = await discover(createTarget({ ...targetOptions, model: null }), config.model)
+  const target = createTarget({ ...targetOptions, model: discovery.model })
+
+  let sizing: Promise<PromptSizer | null> | null = null
+  const findings: Finding[] = []
+  for (const name of config.probes) {
+    emit({ type: 'probe-start', probe: name })
+    const context: ProbeContext = {
+      seed: config.seed,
+      overCapacityAttempts: config.overCapacityAttempts,
+      discovery,
+      sizer: () => (sizing ??= calibrate(target)),
+      log: (message) => emit({ type: 'probe-log', probe: name, message }),
+    }
+    let probeFindings: Finding[]
+    try {
+      probeFindings = await probes[name].run(target, budget, context)
+      if (probeFindings.length === 0) throw new Error('probe returned no finding')
+    } catch (err) {
+      probeFindings = [failedProbe(name, err)]
+    }
+    findings.push(...probeFindings)
+    emit({ type: 'probe-end', probe: name, findings: probeFindings })
+  }
+
+  return {
+    schemaVersion: 1,
+    tool: 'kvfence audit',
+    target: config.baseUrl,
+    model: discovery.model,
+    startedAt: startedAt.toISOString(),
+    durationMs: Date.now() - startedAt.getTime(),
+    seed: config.seed,
+    budget: config.budget,
+    requestsSent: budget.requestsSent,
+    findings,
+  }
+}
+
+/** The exit code `kvfence audit` uses: 1 when a finding's verdict is at or above `failOn` (a leak
+ *  always is), else 0. (2, for a tool error, is the caller's: `runAudit` then throws.) */
+export function exitCodeFor(report: AuditReport, failOn: Verdict = 'leak'): 0 | 1 {
+  const threshold = verdictRank[failOn]
+  return report.findings.some((f) => verdictRank[f.verdict] >= threshold) ? 1 : 0
+}
+
+/** A probe that could not finish is inconclusive, never clean. */
+function failedProbe(probe: ProbeName, err: unknown): Finding {
+  const isBudget = err instanceof BudgetExhaustedError
+  return {
+    probe,
+    verdict: 'inconclusive',
+    severity: 'medium',
+    title: isBudget
+      ? `not run to the end: ${err.message}`
+      : `probe failed: ${err instanceof Error ? err.message : String(err)}`,
+    evidence: { error: err instanceof Error ? err.message : String(err) },
+    remediation: inconclusiveRemediation,
+  }
+}
+
+// ─── Options ─────────────────────────────────────────────────────────────────────────────────
+
+interface AuditConfig {
+  readonly baseUrl: string
+  readonly tenants: readonly Tenant[]
+  readonly model: string | null
+  readonly probes: readonly ProbeName[]
+  readonly seed: number
+  readonly budget: {
+    readonly maxRequests: number
+    readonly maxSeconds: number
+    readonly concurrency: number
+  }
+  readonly requestTimeoutMs: number
+  readonly overCapacityAttempts: number
+}
+
+function validate(options: AuditOptions): AuditConfig {
+  const fail = (message: string): never => {
+    throw new AuditError('invalid_options', message)
+  }
+  const baseUrl = normalizeBaseUrl(options.target, fail)
+
+  if (options.tenants.length < 2) {
+    fail(`need at least two tenants (--tenant NAME=KEY twice), got ${options.tenants.length}`)
+  }
+  const names = new Set<string>()
+  for (const tenant of options.tenants) {
+    if (!/^[\w.@-]+$/.test(tenant.name))
+      fail(`tenant name ${JSON.stringify(tenant.name)} is not a plain word`)
+    if (names.has(tenant.name)) fail(`tenant ${tenant.name} is given twice`)
+    if (tenant.key === '') fail(`tenant ${tenant.name} has an empty key`)
+    names.add(tenant.name)
+  }
+
+  const chosen = options.probes ?? probeNames
+  if (chosen.length === 0) fail('no probe chosen')
+  for (const name of chosen) {
+    if (!probeNames.includes(name))
+      fail(`unknown probe ${JSON.stringify(name)} (known: ${probeNames.join(', ')})`)
+  }
+  const probes = probeNames.filter((n) => chosen.includes(n))
+
+  const intIn = (
+    what: string,
+    value: number | undefined,
+    fallback: number,
+    min: number,
+    max: number,
+  ): number => {
+    const n = value ?? fallback
+    if (!Number.isInteger(n) || n < min || n > max)
+      fail(`${what} must be an integer from ${min} to ${max}, got ${n}`)
+    return n
+  }
+  const maxSeconds = options.maxSeconds ?? auditDefaults.maxSeconds
+  if (!(Number.isFinite(maxSeconds) && maxSeconds > 0))
+    fail(`max seconds must be a positive number, got ${maxSeconds}`)
+
+  return Object.freeze({
+    baseUrl,
+    tenants: Object.freeze(options.tenants.map((t) => Object.freeze({ name: t.name, key: t.key }))),
+    model: options.model ?? null,
+    probes,
+    seed: intIn('seed', options.seed, randomInt(0, 2 ** 32 - 1), 0, 2 ** 32 - 1),
+    budget: Object.freeze({
+      maxRequests: intIn(
+        'max requests',
+        options.maxRequests,
+        auditDefaults.maxRequests,
+        1,
+        1_000_000,
+      ),
+      maxSeconds,
+      concurrency: intIn('concurrency', options.concurrency, auditDefaults.concurrency, 1, 256),
+    }),
+    requestTimeoutMs: intIn(
+      'request timeout (ms)',
+      options.requestTimeoutMs,
+      auditDefaults.requestTimeoutMs,
+      1,
+      3_600_000,
+    ),
+    overCapacityAttempts: intIn(
+      'over-capacity attempts',
+      options.overCapacityAttempts,
+      auditDefaults.overCapacityAttempts,
+      1,
+      100,
+    ),
+  })
+}
+
+/** `http(s)://host[:port][/prefix]`, without credentials, query, trailing slash or `/v1`. */
+function normalizeBaseUrl(raw: string, fail: (message: string) => never): string {
+  let url: URL
+  try {
+    url = new URL(raw)
+  } catch {
+    return fail(`target ${JSON.stringify(raw)} is not a URL`)
+  }
+  if (url.protocol !== 'http:' && url.protocol !== 'https:')
+    fail(`target must be an http(s) URL, got ${url.protocol}`)
+  if (url.username || url.password)
+    fail('target URL must not contain credentials; use --tenant NAME=KEY')
+  const path = url.pathname.replace(/\/+$/, '').replace(/\/v1$/, '')
+  return `${url.protocol}//${url.host}${path}`
+}

@@ -1,0 +1,171 @@
+/** `kvfence audit`: proves (or disproves) tenant isolation of any OpenAI-compatible endpoint from
+ *  outside. Parses flags, runs the audit, prints progress and a summary, writes the JSON report,
+ *  and sets the exit code: 1 for a finding at or above `--fail-on` (always for a leak), 2 for a
+ *  tool error (one line on stderr), 0 otherwise. Never prints a tenant's key. */
+import { Option, type Command } from 'commander'
+import {
+  AuditError,
+  auditDefaults,
+  formatProgress,
+  formatSummary,
+  exitCodeFor,
+  probeNames,
+  runAudit,
+  writeJsonReport,
+  type ProbeName,
+  type Tenant,
+} from '../audit/index.js'
+
+const failOnChoices = ['leak', 'warning', 'inconclusive'] as const
+type FailOn = (typeof failOnChoices)[number]
+
+interface AuditFlags {
+  target: string
+  tenant?: string[]
+  model?: string
+  json?: string
+  probes: string
+  seed?: string
+  maxRequests?: string
+  maxSeconds?: string
+  concurrency?: string
+  failOn: FailOn
+}
+
+export function registerAudit(program: Command): void {
+  program
+    .command('audit')
+    .description(
+      'Audit any OpenAI-compatible endpoint for cross-tenant KV-cache leaks (capacity, boundary and canary probes).',
+    )
+    .requiredOption('--target <url>', 'base URL of the endpoint, e.g. http://127.0.0.1:8000')
+    .option(
+      '--tenant <name=key>',
+      'a tenant and its API key, or NAME=env:VARNAME to read the key from the environment (at least twice)',
+      (value: string, previous: string[] | undefined) => [...(previous ?? []), value],
+    )
+    .option('--model <id>', 'model id (default: the first one /v1/models lists)')
+    .option('--json <file>', 'write the JSON report to this file')
+    .option('--probes <list>', `comma-separated probes to run`, probeNames.join(','))
+    .option('--seed <n>', 'seed for canaries, prompt sizes and order (default: random, reported)')
+    .option('--max-requests <n>', 'request budget', String(auditDefaults.maxRequests))
+    .option('--max-seconds <n>', 'time budget in seconds', String(auditDefaults.maxSeconds))
+    .option('--concurrency <n>', 'requests in flight at most', String(auditDefaults.concurrency))
+    .addOption(
+      new Option('--fail-on <verdict>', 'exit 1 on a finding with this verdict or a worse one')
+        .choices(failOnChoices)
+        .default('leak'),
+    )
+    .showHelpAfterError(false)
+    .action(async (flags: AuditFlags) => {
+      try {
+        process.exitCode = await audit(flags)
+      } catch (err) {
+        const message = err instanceof Error ? err.message : String(err)
+        const prefix = err instanceof AuditError ? '' : 'internal error: '
+        process.stderr.write(`kvfence audit: ${prefix}${message.split('\n')[0]}\n`)
+        process.exitCode = 2
+      }
+    })
+}
+
+async function audit(flags: AuditFlags): Promise<number> {
+  const report = await runAudit({
+    target: flags.target,
+    tenants: parseTenants(flags.tenant ?? [], process.env),
+    model: flags.model,
+    probes: parseProbes(flags.probes),
+    seed: parseCount('--seed', flags.seed, 0),
+    maxRequests: parseCount('--max-requests', flags.maxRequests, 1),
+    maxSeconds: parseSeconds(flags.maxSeconds),
+    concurrency: parseCount('--concurrency', flags.concurrency, 1),
+    onProgress: (event) => process.stdout.write(`${formatProgress(event)}\n`),
+  })
+  process.stdout.write(`\n${formatSummary(report)}\n`)
+  if (flags.json !== undefined) {
+    try {
+      await writeJsonReport(report, flags.json)
+    } catch (err) {
+      const reason = (err as { code?: string }).code ?? (err instanceof Error ? err.message : '')
+      throw new AuditError(
+        'invalid_options',
+        `cannot write the JSON report to ${flags.json}: ${reason}`,
+      )
+    }
+    process.stdout.write(`report written to ${flags.json}\n`)
+  }
+  return exitCodeFor(report, flags.failOn)
+}
+
+/** `NAME=KEY` or `NAME=env:VARNAME`. Errors name the tenant, never the key. */
+export function parseTenants(
+  values: readonly string[],
+  env: Readonly<Record<string, string | undefined>>,
+): Tenant[] {
+  if (values.length < 2) {
+    throw new AuditError(
+      'invalid_options',
+      `need at least two tenants (--tenant NAME=KEY twice), got ${values.length}`,
+    )
+  }
+  return values.map((value, i) => {
+    const at = value.indexOf('=')
+    if (at <= 0) {
+      throw new AuditError(
+        'invalid_options',
+        `--tenant #${i + 1} must look like NAME=KEY or NAME=env:VARNAME`,
+      )
+    }
+    const name = value.slice(0, at)
+    const raw = value.slice(at + 1)
+    if (!raw.startsWith('env:')) return { name, key: raw }
+    const variable = raw.slice('env:'.length)
+    const key = env[variable]
+    if (key === undefined || key === '') {
+      throw new AuditError(
+        'invalid_options',
+        `tenant ${name}: environment variable ${variable} is not set`,
+      )
+    }
+    return { name, key }
+  })
+}
+
+function parseProbes(list: string): ProbeName[] {
+  const names = list
+    .split(',')
+    .map((s) => s.trim())
+    .filter((s) => s !== '')
+  for (const name of names) {
+    if (!(probeNames as readonly string[]).includes(name)) {
+      throw new AuditError(
+        'invalid_options',
+        `unknown probe ${JSON.stringify(name)} (known: ${probeNames.join(', ')})`,
+      )
+    }
+  }
+  return names as ProbeName[]
+}
+
+function parseCount(flag: string, value: string | undefined, min: number): number | undefined {
+  if (value === undefined) return undefined
+  if (!/^\d+$/.test(value) || Number(value) < min || !Number.isSafeInteger(Number(value))) {
+    throw new AuditError(
+      'invalid_options',
+      `${flag} must be an integer ≥ ${min}, got ${JSON.stringify(value)}`,
+    )
+  }
+  return Number(value)
+}
+
+function parseSeconds(value: string | undefined): number | undefined {
+  if (value === undefined) return undefined
+  const n = Number(value)
+  if (!/^\d+(\.\d+)?$/.test(value) || !(n > 0)) {
+    throw new AuditError(
+      'invalid_options',
+      `--max-seconds must be a positive number, got ${JSON.stringify(value)}`,
+    )
+  }
+  return n
+}

@@ -1,0 +1,264 @@
+/** `kvfence demo` (= `npm start`): the incident reproduced, then fenced. Runs a real cluster twice —
+ *  once with the incident's configuration (advertised context larger than the prefill pool, the
+ *  `placeholder-forward` fault, guards off), once as shipped — audits both with two tenants, and
+ *  prints the outcomes side by side. Writes both audit reports to `--out`. */
+import { mkdirSync, writeFileSync } from 'node:fs'
+import { join, resolve } from 'node:path'
+import type { Command } from 'commander'
+import {
+  formatProgress,
+  runAudit,
+  writeJsonReport,
+  type AuditReport,
+  type Finding,
+} from '../audit/index.js'
+import { startCluster, type ClusterOptions } from '../engine/cluster.js'
+import { bundledModelDir } from '../paths.js'
+import { newApiKey, tenantsYaml } from './keys.js'
+import { intOption } from './options.js'
+
+interface DemoFlags {
+  out: string
+  model: string
+  seed: number
+  verbose: boolean
+}
+
+/** The demo's deployment: the incident's shape, scaled down to the bundled model. */
+export const demoShape = {
+  pageSize: 16,
+  /** Prefill pool: 24 pages × 16 = 384 tokens. */
+  prefillPages: 24,
+  /** Decode pool: 64 pages × 16 = 1,024 tokens. */
+  decodePages: 64,
+  /** What the incident's deployment advertised: more than the prefill pool holds. */
+  advertisedContext: 1024,
+} as const
+
+/** The outcome of one run, for the side-by-side table. */
+interface RunOutcome {
+  title: string
+  startup: string
+  contextWindow: string
+  report: AuditReport
+}
+
+/** Register `kvfence demo`. */
+export function registerDemo(program: Command): void {
+  program
+    .command('demo')
+    .description(
+      'reproduce the incident with guards off, then run as shipped; audit both and compare',
+    )
+    .option('--out <dir>', 'folder for the audit reports and logs', 'kvfence-demo')
+    .option('--model <dir>', 'model directory', bundledModelDir)
+    .option('--seed <n>', 'audit seed (same seed, same canaries)', intOption, 20260909)
+    .option('--verbose', 'print every probe step', false)
+    .action(async (flags: DemoFlags) => {
+      const code = await runDemo(flags)
+      process.exitCode = code
+    })
+}
+
+async function runDemo(flags: DemoFlags): Promise<number> {
+  const out = resolve(flags.out)
+  mkdirSync(out, { recursive: true })
+  const tenants = [
+    { name: 'tenant-a', key: newApiKey() },
+    { name: 'tenant-b', key: newApiKey() },
+  ]
+  // Only digests go to disk; the keys live in this process and are handed to the auditor.
+  const tenantsFile = join(out, 'tenants.yaml')
+  writeFileSync(tenantsFile, tenantsYaml(tenants), { mode: 0o600 })
+  const say = (line = '') => process.stdout.write(`${line}\n`)
+  const base: ClusterOptions = {
+    modelDir: flags.model,
+    pageSize: demoShape.pageSize,
+    prefillPages: demoShape.prefillPages,
+    decodePages: demoShape.decodePages,
+    tenantsFile,
+    logLevel: 'info',
+  }
+  const poolTokens = demoShape.prefillPages * demoShape.pageSize
+
+  say('kvfence demo: the incident reproduced, then fenced')
+  say(
+    `deployment: prefill KV pool ${poolTokens} tokens, decode KV pool ${demoShape.decodePages * demoShape.pageSize} tokens, advertised context ${demoShape.advertisedContext} tokens`,
+  )
+  say()
+
+  // 1. The incident.
+  say('── 1/2  the incident: fault placeholder-forward injected, guards off ──')
+  const unsafeCluster = await startCluster({
+    ...base,
+    contextWindow: demoShape.advertisedContext,
+    prefillFaults: ['placeholder-forward'],
+    disableGuards: true,
+    env: { ...process.env, KVFENCE_ALLOW_FAULTS: '1' },
+    logDir: join(out, 'logs', 'unsafe'),
+  })
+  let unsafe: RunOutcome
+  try {
+    say(
+      `cluster up at ${unsafeCluster.routerUrl} (3 processes; logs in ${join(out, 'logs', 'unsafe')})`,
+    )
+    const report = await audit(unsafeCluster.routerUrl, tenants, flags, say)
+    await writeJsonReport(report, join(out, 'unsafe.json'))
+    unsafe = {
+      title: 'incident (fault, guards off)',
+      startup: `started, advertising ${demoShape.advertisedContext} tokens`,
+      contextWindow: `${demoShape.advertisedContext}`,
+      report,
+    }
+  } finally {
+    await unsafeCluster.stop()
+  }
+  say()
+
+  // 2. As shipped: the same advertised context is refused (G1), then clamped to the pool.
+  say('── 2/2  as shipped: guards on ──')
+  let refusal = 'started'
+  try {
+    const c = await startCluster({
+      ...base,
+      contextWindow: demoShape.advertisedContext,
+      logDir: join(out, 'logs', 'safe-refused'),
+    })
+    await c.stop()
+    refusal = 'started (G1 did not refuse!)'
+  } catch (err) {
+    refusal = (err as Error).message
+    say(`G1 refused to start with an advertised context of ${demoShape.advertisedContext} tokens:`)
+    say(`  ${refusal}`)
+  }
+  const safeCluster = await startCluster({
+    ...base,
+    contextWindow: demoShape.advertisedContext,
+    clampContext: true,
+    logDir: join(out, 'logs', 'safe'),
+  })
+  let safe: RunOutcome
+  try {
+    say(`restarted with --clamp-context at ${safeCluster.routerUrl}`)
+    const report = await audit(safeCluster.routerUrl, tenants, flags, say)
+    await writeJsonReport(report, join(out, 'safe.json'))
+    safe = {
+      title: 'as shipped (guards on)',
+      startup: refusal.startsWith('started')
+        ? refusal
+        : `refused ${demoShape.advertisedContext} (G1); clamped`,
+      contextWindow: `${poolTokens} (clamped)`,
+      report,
+    }
+  } finally {
+    await safeCluster.stop()
+  }
+  say()
+  say(sideBySide(unsafe, safe))
+  say()
+  say(`reports: ${join(out, 'unsafe.json')}, ${join(out, 'safe.json')}`)
+  const isExpected = hasLeak(unsafe.report) && !hasLeak(safe.report)
+  if (!isExpected) {
+    say('UNEXPECTED: the incident run should leak and the shipped run should not; see the reports.')
+    return 1
+  }
+  return 0
+}
+
+async function audit(
+  target: string,
+  tenants: { name: string; key: string }[],
+  flags: DemoFlags,
+  say: (l: string) => void,
+): Promise<AuditReport> {
+  return runAudit({
+    target,
+    tenants,
+    seed: flags.seed,
+    probes: ['capacity', 'boundary', 'canary'],
+    onProgress: (event) => {
+      if (flags.verbose || event.type !== 'probe-log') say(`  ${formatProgress(event)}`)
+    },
+  })
+}
+
+function hasLeak(report: AuditReport): boolean {
+  return report.findings.some((f) => f.verdict === 'leak')
+}
+
+/** A canary shown redacted: its first 4 characters, then its length. */
+function redactCanary(canary: string): string {
+  return `${canary.slice(0, 4)}${'•'.repeat(Math.max(0, canary.length - 4))}`
+}
+
+/** Tenant B's over-capacity requests as "HTTP status (error code)" counts, e.g. "6× HTTP 200". */
+function overCapacityOutcome(report: AuditReport): string {
+  const canary = report.findings.find((f) => f.probe === 'canary')
+  const requests = (canary?.evidence.observerRequests ?? []) as {
+    kind: string
+    status: number | null
+    errorCode?: string | null
+  }[]
+  const counts = new Map<string, number>()
+  for (const r of requests.filter((x) => x.kind === 'over-capacity')) {
+    const key =
+      r.status === null ? 'no answer' : `HTTP ${r.status}${r.errorCode ? ` ${r.errorCode}` : ''}`
+    counts.set(key, (counts.get(key) ?? 0) + 1)
+  }
+  return [...counts].map(([k, n]) => `${n}× ${k}`).join(', ') || 'none sent'
+}
+
+function leakCell(report: AuditReport): string[] {
+  const leaks = report.findings.filter((f) => f.verdict === 'leak')
+  if (leaks.length === 0) return ['none']
+  const first = leaks[0] as Finding & {
+    evidence: { canary?: string; excerpt?: string; numLeakingRequests?: number }
+  }
+  const canary = String(first.evidence.canary ?? '')
+  const excerpt = String(first.evidence.excerpt ?? '')
+    .split(canary)
+    .join(redactCanary(canary))
+  return [
+    `YES: ${first.evidence.numLeakingRequests ?? leaks.length} answer(s) to tenant-b carried tenant-a's canary ${redactCanary(canary)}`,
+    `B's answer (redacted): ${excerpt.replace(/·+/g, '…')}`,
+  ]
+}
+
+function verdicts(report: AuditReport): string {
+  return report.findings.map((f) => `${f.probe}=${f.verdict}`).join(' ')
+}
+
+/** The two runs as a two-column table. */
+function sideBySide(a: RunOutcome, b: RunOutcome): string {
+  const rows: [string, string[], string[]][] = [
+    ['', [a.title], [b.title]],
+    ['start-up', [a.startup], [b.startup]],
+    ['context window', [a.contextWindow], [b.contextWindow]],
+    ["B's over-capacity prompts", [overCapacityOutcome(a.report)], [overCapacityOutcome(b.report)]],
+    ["A's data in B's answers", leakCell(a.report), leakCell(b.report)],
+    ['audit verdicts', [verdicts(a.report)], [verdicts(b.report)]],
+  ]
+  const w0 = Math.max(...rows.map((r) => r[0].length))
+  const w1 = Math.min(60, Math.max(...rows.flatMap((r) => r[1].map((s) => s.length))))
+  const lines: string[] = []
+  for (const [label, left, right] of rows) {
+    const height = Math.max(left.length, right.length)
+    for (let i = 0; i < height; i++) {
+      const l = wrap(left[i] ?? '', w1)
+      const r = wrap(right[i] ?? '', 60)
+      for (let j = 0; j < Math.max(l.length, r.length); j++) {
+        lines.push(
+          `${(i === 0 && j === 0 ? label : '').padEnd(w0)} │ ${(l[j] ?? '').padEnd(w1)} │ ${r[j] ?? ''}`,
+        )
+      }
+    }
+    lines.push(`${'─'.repeat(w0)}─┼─${'─'.repeat(w1)}─┼─${'─'.repeat(30)}`)
+  }
+  return lines.join('\n')
+}
+
+function wrap(text: string, width: number): string[] {
+  const out: string[] = []
+  for (let i = 0; i < text.length; i += width) out.push(text.slice(i, i + width))
+  return out.length > 0 ? out : ['']
+}

@@ -1,0 +1,201 @@
+/** Tokenizer and chat template of a Hugging Face model directory (`tokenizer.json`,
+ *  `tokenizer_config.json`), wrapped behind the few calls kvfence needs.
+ *  Knows text and token ids; knows nothing of HTTP, tenants, pools or the model's weights. */
+import { readFileSync } from 'node:fs'
+import { join } from 'node:path'
+import { Tokenizer as HfTokenizer } from '@huggingface/tokenizers'
+import { Template } from '@huggingface/jinja'
+import { KvfenceError } from '../errors.js'
+
+/** One chat message as the chat template sees it (content already flattened to text). */
+export interface ChatMessage {
+  role: string
+  content: string
+}
+
+/** Options of {@link Tokenizer.encode}. */
+export interface EncodeOptions {
+  /** Add BOS/EOS as `tokenizer_config.json` says (default true). False encodes the text alone. */
+  addSpecialTokens?: boolean
+}
+
+/** Options of {@link Tokenizer.decode}. */
+export interface DecodeOptions {
+  /** Drop special tokens (`<s>`, `</s>`, ...) from the text (default true, as vLLM's output). */
+  skipSpecialTokens?: boolean
+}
+
+/** A loaded tokenizer. Immutable; safe to share between requests. */
+export interface Tokenizer {
+  /** Token ids of `text`; with special tokens (default), BOS first when `add_bos_token` says so. */
+  encode(text: string, options?: EncodeOptions): number[]
+  /** Text of `ids`. */
+  decode(ids: readonly number[], options?: DecodeOptions): string
+  /** The prompt text the model's chat template renders for `messages`, with the generation
+   *  prompt appended. Throws `invalid_request` (param `messages`) when the model has no chat
+   *  template or the template rejects the conversation. */
+  applyChatTemplate(messages: readonly ChatMessage[]): string
+  /** Id of the beginning-of-sequence token, or null when the model has none. */
+  readonly bosTokenId: number | null
+  /** Id of the end-of-sequence token, or null when the model has none. */
+  readonly eosTokenId: number | null
+  /** Text of the BOS token (e.g. `<s>`), or null. */
+  readonly bosToken: string | null
+  /** Text of the EOS token (e.g. `</s>`), or null. */
+  readonly eosToken: string | null
+  /** Number of token ids (largest id + 1). */
+  readonly vocabSize: number
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading
+
+/** Loads `tokenizer.json` and `tokenizer_config.json` from a model directory.
+ *  Throws `internal_error` naming the file when one is missing or not a valid tokenizer. */
+export function loadTokenizer(dir: string): Tokenizer {
+  const tokenizerJson = readJsonObject(join(dir, 'tokenizer.json'))
+  const config = readJsonObject(join(dir, 'tokenizer_config.json'))
+  let hf: HfTokenizer
+  try {
+    hf = new HfTokenizer(tokenizerJson, config)
+  } catch (err) {
+    throw new KvfenceError(
+      'internal_error',
+      `${join(dir, 'tokenizer.json')} is not a valid tokenizer: ${errorMessage(err)}`,
+    )
+  }
+
+  const bosToken = specialTokenText(config.bos_token)
+  const eosToken = specialTokenText(config.eos_token)
+  const bosTokenId = tokenId(hf, bosToken, 'bos_token', dir)
+  const eosTokenId = tokenId(hf, eosToken, 'eos_token', dir)
+  // `add_bos_token` / `add_eos_token`, when present, decide; when absent the tokenizer's own
+  // post-processor does (as in transformers).
+  const addBos = typeof config.add_bos_token === 'boolean' ? config.add_bos_token : null
+  const addEos = typeof config.add_eos_token === 'boolean' ? config.add_eos_token : null
+  const template = compileChatTemplate(config.chat_template, dir)
+
+  let maxId = -1
+  for (const id of hf.get_vocab(true).values()) maxId = Math.max(maxId, id)
+
+  return Object.freeze({
+    bosTokenId,
+    eosTokenId,
+    bosToken,
+    eosToken,
+    vocabSize: maxId + 1,
+
+    encode(text: string, options: EncodeOptions = {}): number[] {
+      const withSpecial = options.addSpecialTokens ?? true
+      if (!withSpecial || (addBos === null && addEos === null)) {
+        return hf.encode(text, { add_special_tokens: withSpecial }).ids
+      }
+      const ids = hf.encode(text, { add_special_tokens: false }).ids
+      if (addBos && bosTokenId !== null) ids.unshift(bosTokenId)
+      if (addEos && eosTokenId !== null) ids.push(eosTokenId)
+      return ids
+    },
+
+    decode(ids: readonly number[], options: DecodeOptions = {}): string {
+      if (ids.length === 0) return ''
+      return hf.decode([...ids], {
+        skip_special_tokens: options.skipSpecialTokens ?? true,
+        clean_up_tokenization_spaces: false,
+      })
+    },
+
+    applyChatTemplate(messages: readonly ChatMessage[]): string {
+      if (template === null) {
+        throw new KvfenceError(
+          'invalid_request',
+          'this model has no chat template; use /v1/completions',
+          'messages',
+        )
+      }
+      try {
+        return template.render({
+          messages,
+          add_generation_prompt: true,
+          bos_token: bosToken ?? '',
+          eos_token: eosToken ?? '',
+        })
+      } catch (err) {
+        throw new KvfenceError(
+          'invalid_request',
+          `the chat template rejected the messages: ${errorMessage(err)}`,
+          'messages',
+        )
+      }
+    },
+  })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+function readJsonObject(path: string): Record<string, unknown> {
+  let text: string
+  try {
+    text = readFileSync(path, 'utf8')
+  } catch (err) {
+    throw new KvfenceError('internal_error', `cannot read ${path}: ${errorMessage(err)}`)
+  }
+  let value: unknown
+  try {
+    value = JSON.parse(text)
+  } catch (err) {
+    throw new KvfenceError('internal_error', `${path} is not valid JSON: ${errorMessage(err)}`)
+  }
+  if (typeof value !== 'object' || value === null || Array.isArray(value)) {
+    throw new KvfenceError('internal_error', `${path} must hold a JSON object`)
+  }
+  return value as Record<string, unknown>
+}
+
+/** `bos_token` / `eos_token` are a string or an AddedToken-like `{ content }` object. */
+function specialTokenText(value: unknown): string | null {
+  if (typeof value === 'string') return value
+  if (typeof value === 'object' && value !== null && 'content' in value) {
+    const content = (value as { content: unknown }).content
+    if (typeof content === 'string') return content
+  }
+  return null
+}
+
+function tokenId(hf: HfTokenizer, token: string | null, field: string, dir: string): number | null {
+  if (token === null) return null
+  const id = hf.token_to_id(token)
+  if (id === undefined) {
+    throw new KvfenceError(
+      'internal_error',
+      `${join(dir, 'tokenizer_config.json')}: ${field} ${JSON.stringify(token)} is not in the vocabulary`,
+    )
+  }
+  return id
+}
+
+/** `chat_template` is a string, or a list of `{ name, template }` (the one named `default`). */
+function compileChatTemplate(value: unknown, dir: string): Template | null {
+  let source: string | null = null
+  if (typeof value === 'string') source = value
+  else if (Array.isArray(value)) {
+    const named = value.find(
+      (t: unknown) =>
+        typeof t === 'object' && t !== null && (t as { name?: unknown }).name === 'default',
+    ) as { template?: unknown } | undefined
+    if (typeof named?.template === 'string') source = named.template
+  }
+  if (source === null) return null
+  try {
+    return new Template(source)
+  } catch (err) {
+    throw new KvfenceError(
+      'internal_error',
+      `${join(dir, 'tokenizer_config.json')}: chat_template does not parse: ${errorMessage(err)}`,
+    )
+  }
+}
+
+function errorMessage(err: unknown): string {
+  return err instanceof Error ? err.message : String(err)
+}

@@ -1,0 +1,71 @@
+/** Prompt tokenization and G2 admission: a request is admitted only when its prompt and the
+ *  tokens it may generate fit the advertised context window.
+ *  Knows token counts, the context window and the tokenizer; knows nothing of workers or HTTP. */
+import { KvfenceError } from '../errors.js'
+import type { ChatMessage, Tokenizer } from '../model/tokenizer.js'
+
+/** Prompt token ids of a chat: the chat template's text, encoded. BOS is added by the encoder
+ *  unless the template already wrote it (so that it is never doubled). */
+export function chatPromptTokenIds(
+  tokenizer: Tokenizer,
+  messages: readonly ChatMessage[],
+): number[] {
+  const text = tokenizer.applyChatTemplate(messages)
+  const hasBos = tokenizer.bosToken !== null && text.startsWith(tokenizer.bosToken)
+  return tokenizer.encode(text, { addSpecialTokens: !hasBos })
+}
+
+/** Prompt token ids of a completion: the text encoded (BOS per the tokenizer), or the client's
+ *  token ids as they are after a range check. Throws `invalid_request` (param `prompt`). */
+export function completionPromptTokenIds(
+  tokenizer: Tokenizer,
+  prompt: { text: string } | { tokenIds: number[] },
+): number[] {
+  if ('text' in prompt) {
+    const ids = tokenizer.encode(prompt.text)
+    if (ids.length === 0) {
+      throw new KvfenceError('invalid_request', 'prompt encodes to no tokens', 'prompt')
+    }
+    return ids
+  }
+  const bad = prompt.tokenIds.find((id) => id >= tokenizer.vocabSize)
+  if (bad !== undefined) {
+    throw new KvfenceError(
+      'invalid_request',
+      `token id ${bad} is out of range: the vocabulary has ${tokenizer.vocabSize} tokens`,
+      'prompt',
+    )
+  }
+  return prompt.tokenIds
+}
+
+/** Where the counts came from, for the error's `param` and message. */
+export interface AdmissionFields {
+  promptParam: 'messages' | 'prompt'
+  maxTokensParam: 'max_tokens' | 'max_completion_tokens'
+}
+
+/** G2. Returns the number of tokens the request may generate: `maxTokens`, or when null the rest
+ *  of the window. Throws `context_length_exceeded` giving both numbers when
+ *  `numPromptTokens + maxTokens` (at least 1 generated token) exceeds `contextWindow`. */
+export function admit(
+  numPromptTokens: number,
+  maxTokens: number | null,
+  contextWindow: number,
+  fields: AdmissionFields,
+): number {
+  const numGenerated = maxTokens ?? Math.max(1, contextWindow - numPromptTokens)
+  const numRequested = numPromptTokens + numGenerated
+  if (numRequested <= contextWindow) return numGenerated
+  const where = fields.promptParam === 'messages' ? 'messages' : 'prompt'
+  const completion = maxTokens === null ? 'at least 1' : String(maxTokens)
+  throw new KvfenceError(
+    'context_length_exceeded',
+    `This model's maximum context length is ${contextWindow} tokens. However, you requested ` +
+      `${numRequested} tokens (${numPromptTokens} in the ${where}, ${completion} in the completion). ` +
+      `Please reduce the length of the ${where} or the completion.`,
+    maxTokens === null || numPromptTokens >= contextWindow
+      ? fields.promptParam
+      : fields.maxTokensParam,
+  )
+}

@@ -1,0 +1,69 @@
+/** Small `node:http` helpers for the router: bounded body reading, JSON replies, error replies.
+ *  Knows HTTP and the OpenAI error body; knows nothing of tokens, workers or tenants. */
+import type { IncomingMessage, ServerResponse } from 'node:http'
+import { KvfenceError, toOpenAiError } from '../errors.js'
+
+/** Reads the request body as JSON. Throws `payload_too_large` past `maxBytes` (checked against
+ *  `content-length` first, then while reading) and `invalid_request` for malformed JSON. */
+export async function readJsonBody(req: IncomingMessage, maxBytes: number): Promise<unknown> {
+  const tooLarge = () =>
+    new KvfenceError('payload_too_large', `the request body exceeds the limit of ${maxBytes} bytes`)
+  const declared = Number(req.headers['content-length'])
+  if (Number.isFinite(declared) && declared > maxBytes) throw tooLarge()
+  const chunks: Buffer[] = []
+  let numBytes = 0
+  for await (const chunk of req as AsyncIterable<Buffer>) {
+    numBytes += chunk.length
+    if (numBytes > maxBytes) throw tooLarge()
+    chunks.push(chunk)
+  }
+  const text = Buffer.concat(chunks).toString('utf8')
+  if (text.trim() === '') throw new KvfenceError('invalid_request', 'the request body is empty')
+  try {
+    return JSON.parse(text)
+  } catch (err) {
+    throw new KvfenceError(
+      'invalid_request',
+      `the request body is not valid JSON: ${err instanceof Error ? err.message : String(err)}`,
+    )
+  }
+}
+
+/** Sends a JSON body with `status`. */
+export function sendJson(
+  res: ServerResponse,
+  status: number,
+  body: unknown,
+  headers: Record<string, string> = {},
+): void {
+  const text = JSON.stringify(body)
+  res.writeHead(status, {
+    'content-type': 'application/json',
+    'content-length': String(Buffer.byteLength(text)),
+    ...headers,
+  })
+  res.end(text)
+}
+
+/** Sends the OpenAI error body for `err` with the status of its code (`Retry-After: 1` on
+ *  `capacity_exhausted` and `rate_limited`). When a body was left unread (too large, or refused
+ *  before reading) the connection is closed after the reply. */
+export function sendError(
+  req: IncomingMessage,
+  res: ServerResponse,
+  err: KvfenceError,
+  headers: Record<string, string> = {},
+): void {
+  if (res.headersSent) {
+    res.destroy()
+    return
+  }
+  const extra: Record<string, string> = { ...headers }
+  if (err.code === 'capacity_exhausted' || err.code === 'rate_limited') extra['retry-after'] = '1'
+  const hasBody =
+    req.headers['transfer-encoding'] !== undefined ||
+    (req.headers['content-length'] !== undefined && req.headers['content-length'] !== '0')
+  if (hasBody && !req.readableEnded) extra.connection = 'close' // do not read an unwanted body
+  req.resume()
+  sendJson(res, err.status, toOpenAiError(err), extra)
+}

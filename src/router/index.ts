@@ -1,0 +1,25 @@
+/** The router's public surface: build a handler ({@link createRouter}) or a whole listening
+ *  router ({@link startRouter}), and the parts they are made of. */
+export { createRouter, type RequestHandler, type RouterDeps } from './router.js'
+export { startRouter, type RunningRouter, type StartRouterOptions } from './start.js'
+export { buildRouterConfig, routerConfigDefaults, type RouterConfig } from './config.js'
+export {
+  decideContextWindow,
+  type ContextWindowDecision,
+  type ContextWindowOptions,
+  type WorkerReport,
+} from './capacity.js'
+export {
+  apiKeyDigest,
+  createTenantRegistry,
+  loadTenants,
+  TenantRecord,
+  type TenantRegistry,
+} from './tenants.js'
+export {
+  createWorkerClient,
+  type GenerationEvent,
+  type WorkerClient,
+  type WorkerClientOptions,
+} from './worker-client.js'
+export { createRouterMetrics, type RouterMetrics } from './metrics.js'

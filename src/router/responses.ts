@@ -1,0 +1,170 @@
+/** OpenAI response bodies (`chat.completion`, `chat.completion.chunk`, `text_completion`,
+ *  `list`/`model`) built from plain values, and the SSE framing of a stream.
+ *  Knows OpenAI's response shapes; knows nothing of workers, tokens or tenants. */
+import type { ServerResponse } from 'node:http'
+
+/** OpenAI's `finish_reason` values that kvfence produces. */
+export type FinishReason = 'stop' | 'length'
+
+/** OpenAI's `usage`. */
+export interface Usage {
+  prompt_tokens: number
+  completion_tokens: number
+  total_tokens: number
+}
+
+/** What every response of one request shares. */
+export interface ResponseHeader {
+  /** `chatcmpl-…` or `cmpl-…`. */
+  id: string
+  /** Unix seconds. */
+  created: number
+  model: string
+}
+
+/** `usage` for the given counts. */
+export function usageOf(numPromptTokens: number, numCompletionTokens: number): Usage {
+  return {
+    prompt_tokens: numPromptTokens,
+    completion_tokens: numCompletionTokens,
+    total_tokens: numPromptTokens + numCompletionTokens,
+  }
+}
+
+/** A non-streamed `chat.completion`. */
+export function chatCompletion(
+  h: ResponseHeader,
+  text: string,
+  finishReason: FinishReason,
+  usage: Usage,
+) {
+  return {
+    id: h.id,
+    object: 'chat.completion' as const,
+    created: h.created,
+    model: h.model,
+    choices: [
+      {
+        index: 0,
+        message: { role: 'assistant' as const, content: text, refusal: null },
+        logprobs: null,
+        finish_reason: finishReason,
+      },
+    ],
+    usage,
+  }
+}
+
+/** One `chat.completion.chunk` with one choice. `usage` is present (null) only when the client
+ *  asked for a usage chunk. */
+export function chatChunk(
+  h: ResponseHeader,
+  delta: { role?: 'assistant'; content?: string },
+  finishReason: FinishReason | null,
+  isUsageStreamed: boolean,
+) {
+  return {
+    id: h.id,
+    object: 'chat.completion.chunk' as const,
+    created: h.created,
+    model: h.model,
+    choices: [{ index: 0, delta, logprobs: null, finish_reason: finishReason }],
+    ...(isUsageStreamed ? { usage: null } : {}),
+  }
+}
+
+/** The last chunk of a chat stream with `include_usage`: no choices, the usage. */
+export function chatUsageChunk(h: ResponseHeader, usage: Usage) {
+  return {
+    id: h.id,
+    object: 'chat.completion.chunk' as const,
+    created: h.created,
+    model: h.model,
+    choices: [],
+    usage,
+  }
+}
+
+/** A `text_completion` (streamed chunks have the same shape). `usage` is given for a
+ *  non-streamed response and absent (undefined) on chunks: OpenAI's completion schema has no
+ *  null usage, unlike the chat chunk's. */
+export function textCompletion(
+  h: ResponseHeader,
+  text: string,
+  finishReason: FinishReason | null,
+  usage: Usage | null | undefined,
+) {
+  return {
+    id: h.id,
+    object: 'text_completion' as const,
+    created: h.created,
+    model: h.model,
+    choices: [{ index: 0, text, logprobs: null, finish_reason: finishReason }],
+    ...(usage === undefined ? {} : { usage }),
+  }
+}
+
+/** The last chunk of a completions stream with `include_usage`. */
+export function textUsageChunk(h: ResponseHeader, usage: Usage) {
+  return {
+    id: h.id,
+    object: 'text_completion' as const,
+    created: h.created,
+    model: h.model,
+    choices: [],
+    usage,
+  }
+}
+
+/** `GET /v1/models`: the one served model (`max_model_len` as in vLLM). */
+export function modelList(model: string, created: number, maxModelLen: number) {
+  return { object: 'list' as const, data: [modelCard(model, created, maxModelLen)] }
+}
+
+/** One `model` object. */
+export function modelCard(model: string, created: number, maxModelLen: number) {
+  return {
+    id: model,
+    object: 'model' as const,
+    created,
+    owned_by: 'kvfence',
+    max_model_len: maxModelLen,
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SSE
+
+/** Sends the headers of an SSE stream. */
+export function startSse(res: ServerResponse, extraHeaders: Record<string, string>): void {
+  res.writeHead(200, {
+    'content-type': 'text/event-stream; charset=utf-8',
+    'cache-control': 'no-cache',
+    'x-accel-buffering': 'no',
+    ...extraHeaders,
+  })
+  res.flushHeaders()
+}
+
+/** Writes one `data: {json}` event; resolves when the socket can take more (or is closed). */
+export function writeSse(res: ServerResponse, value: unknown): Promise<void> {
+  return writeRaw(res, `data: ${JSON.stringify(value)}\n\n`)
+}
+
+/** Writes the final `data: [DONE]` and ends the response. */
+export function endSse(res: ServerResponse): void {
+  res.end('data: [DONE]\n\n')
+}
+
+function writeRaw(res: ServerResponse, text: string): Promise<void> {
+  if (res.destroyed || res.write(text)) return Promise.resolve()
+  return new Promise((resolve) => {
+    const done = () => {
+      res.off('drain', done)
+      res.off('close', done)
+      resolve()
+    }
+    res.on('drain', done)
+    res.on('close', done)
+  })
+}

@@ -1,0 +1,287 @@
+/** The OpenAI request bodies kvfence accepts, parsed once at the boundary into typed values.
+ *  Every refusal is a {@link KvfenceError} whose `param` names the offending field.
+ *  Knows OpenAI's request fields; knows nothing of tokens, tenants or workers. */
+import { z } from 'zod'
+import type { Sampling } from '../engine/control.js'
+import { KvfenceError } from '../errors.js'
+import type { ChatMessage } from '../model/tokenizer.js'
+import { maxStopStrings } from './text-stream.js'
+
+/** What both endpoints ask of generation, after parsing. */
+export interface GenerationParams {
+  model: string
+  /** Tokens to generate at most; null = the rest of the context window (vLLM's rule). */
+  maxTokens: number | null
+  /** The field `maxTokens` came from (for error messages). */
+  maxTokensParam: 'max_tokens' | 'max_completion_tokens'
+  sampling: Sampling
+  /** Stop strings (non-empty); the output ends before the first one found. */
+  stop: string[]
+  isStream: boolean
+  /** `stream_options.include_usage`: a last chunk with `usage`. */
+  isUsageStreamed: boolean
+}
+
+/** A parsed `POST /v1/chat/completions` body. */
+export interface ParsedChatRequest extends GenerationParams {
+  messages: ChatMessage[]
+}
+
+/** A parsed `POST /v1/completions` body: one prompt, as text or as token ids. */
+export interface ParsedCompletionRequest extends GenerationParams {
+  prompt: { text: string } | { tokenIds: number[] }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fields
+
+/** Fields only kvfence itself may set (or other engines' internal fields): a client sending one
+ *  is refused, never ignored (vllm#53347: a client-chosen cache salt). */
+export const internalFields = [
+  'cache_salt',
+  'kv_transfer_params',
+  'bootstrap_host',
+  'bootstrap_port',
+  'bootstrap_room',
+  'rid',
+] as const
+
+/** Known OpenAI fields that do not change the output: accepted and ignored. */
+const ignoredFields = new Set([
+  'user',
+  'metadata',
+  'store',
+  'service_tier',
+  'safety_identifier',
+  'prompt_cache_key',
+  'prompt_cache_retention',
+  'parallel_tool_calls',
+  'reasoning_effort',
+  'verbosity',
+])
+
+const isNullish = (v: unknown) => v === null || v === undefined
+const isZero = (v: unknown) => isNullish(v) || v === 0
+const isFalse = (v: unknown) => isNullish(v) || v === false
+const isEmpty = (v: unknown) =>
+  isNullish(v) ||
+  (Array.isArray(v) && v.length === 0) ||
+  (typeof v === 'object' && v !== null && Object.keys(v).length === 0)
+
+/** Known OpenAI features kvfence does not implement: accepted only at their no-op value. */
+const chatInertFields: Record<string, (v: unknown) => boolean> = {
+  frequency_penalty: isZero,
+  presence_penalty: isZero,
+  logit_bias: isEmpty,
+  logprobs: isFalse,
+  top_logprobs: isZero,
+  tools: isEmpty,
+  tool_choice: (v) => isNullish(v) || v === 'none' || v === 'auto',
+  functions: isEmpty,
+  function_call: (v) => isNullish(v) || v === 'none' || v === 'auto',
+  response_format: (v) =>
+    isNullish(v) || (typeof v === 'object' && (v as { type?: unknown }).type === 'text'),
+  modalities: (v) => isNullish(v) || (Array.isArray(v) && v.every((m) => m === 'text')),
+  audio: isNullish,
+  prediction: isNullish,
+  web_search_options: isNullish,
+}
+
+const completionInertFields: Record<string, (v: unknown) => boolean> = {
+  frequency_penalty: isZero,
+  presence_penalty: isZero,
+  logit_bias: isEmpty,
+  logprobs: isNullish,
+  echo: isFalse,
+  suffix: (v) => isNullish(v) || v === '',
+  best_of: (v) => isNullish(v) || v === 1,
+}
+
+const safeInt = z.number().int().min(-Number.MAX_SAFE_INTEGER).max(Number.MAX_SAFE_INTEGER)
+
+const commonFields = {
+  model: z.string().min(1),
+  max_tokens: safeInt.min(1).nullish(),
+  temperature: z.number().min(0).max(2).nullish(),
+  top_p: z.number().gt(0).max(1).nullish(),
+  n: safeInt.min(1).nullish(),
+  stop: z
+    .union([z.string(), z.array(z.string()).max(maxStopStrings)], {
+      error: `stop must be a string or a list of at most ${maxStopStrings} strings`,
+    })
+    .nullish(),
+  seed: safeInt.nullish(),
+  stream: z.boolean().nullish(),
+  stream_options: z
+    .object({ include_usage: z.boolean().nullish(), include_obfuscation: z.boolean().nullish() })
+    .nullish(),
+}
+
+const TextPart = z.object({ type: z.literal('text'), text: z.string() })
+
+const Message = z.object({
+  role: z.enum(['system', 'developer', 'user', 'assistant', 'tool']),
+  content: z.union([z.string(), z.array(TextPart).min(1)], {
+    error: 'content must be a string or a non-empty list of text parts ({ type: "text", text })',
+  }),
+  name: z.string().optional(),
+})
+
+const ChatBody = z.object({
+  ...commonFields,
+  messages: z.array(Message).min(1, 'messages must hold at least one message'),
+  max_completion_tokens: safeInt.min(1).nullish(),
+})
+
+const CompletionBody = z.object({
+  ...commonFields,
+  prompt: z.unknown(),
+})
+
+// ---------------------------------------------------------------------------------------------
+// Parsers
+
+/** Parses a chat completions body; throws `invalid_request` naming the field at fault. */
+export function parseChatRequest(body: unknown): ParsedChatRequest {
+  const object = checkFields(body, Object.keys(ChatBody.shape), chatInertFields)
+  const data = parseWith(ChatBody, object)
+  const useCompletionTokens = !isNullish(data.max_completion_tokens)
+  return {
+    ...generationParams(data),
+    maxTokens: useCompletionTokens ? data.max_completion_tokens! : (data.max_tokens ?? null),
+    maxTokensParam: useCompletionTokens ? 'max_completion_tokens' : 'max_tokens',
+    messages: data.messages.map((m) => ({
+      role: m.role,
+      content: typeof m.content === 'string' ? m.content : m.content.map((p) => p.text).join(''),
+    })),
+  }
+}
+
+/** Parses a completions body; throws `invalid_request` naming the field at fault. */
+export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
+  const object = checkFields(body, Object.keys(CompletionBody.shape), completionInertFields)
+  const data = parseWith(CompletionBody, object)
+  return {
+    ...generationParams(data),
+    maxTokens: data.max_tokens ?? null,
+    maxTokensParam: 'max_tokens',
+    prompt: parsePrompt(data.prompt),
+  }
+}
+
+function generationParams(data: z.infer<typeof CompletionBody> | z.infer<typeof ChatBody>) {
+  if (!isNullish(data.n) && data.n !== 1) {
+    throw new KvfenceError('invalid_request', `n = ${data.n} is not supported: only n = 1`, 'n')
+  }
+  const isStream = data.stream ?? false
+  if (!isStream && !isNullish(data.stream_options)) {
+    throw new KvfenceError(
+      'invalid_request',
+      'stream_options may only be set when stream is true',
+      'stream_options',
+    )
+  }
+  const stop = (typeof data.stop === 'string' ? [data.stop] : (data.stop ?? [])).filter(
+    (s) => s.length > 0,
+  )
+  return {
+    model: data.model,
+    sampling: {
+      temperature: data.temperature ?? 1,
+      topP: data.top_p ?? 1,
+      seed: data.seed ?? null,
+    },
+    stop,
+    isStream,
+    isUsageStreamed: isStream && (data.stream_options?.include_usage ?? false),
+  }
+}
+
+/** One prompt: a non-empty string, or non-empty token ids; a one-element list of either. */
+function parsePrompt(prompt: unknown): ParsedCompletionRequest['prompt'] {
+  const isTokenIds = (v: unknown): v is number[] =>
+    Array.isArray(v) && v.length > 0 && v.every((id) => Number.isSafeInteger(id) && id >= 0)
+  let one = prompt
+  if (Array.isArray(prompt) && prompt.length > 0 && !isTokenIds(prompt)) {
+    if (prompt.length > 1) {
+      throw new KvfenceError(
+        'invalid_request',
+        `a list of ${prompt.length} prompts is not supported: send one prompt per request`,
+        'prompt',
+      )
+    }
+    one = prompt[0]
+  }
+  if (typeof one === 'string') {
+    if (one.length === 0)
+      throw new KvfenceError('invalid_request', 'prompt must not be empty', 'prompt')
+    return { text: one }
+  }
+  if (isTokenIds(one)) return { tokenIds: one }
+  if (one === undefined || one === null) {
+    throw new KvfenceError('invalid_request', 'prompt is required', 'prompt')
+  }
+  if (Array.isArray(one) && one.length === 0) {
+    throw new KvfenceError('invalid_request', 'prompt must not be empty', 'prompt')
+  }
+  throw new KvfenceError(
+    'invalid_request',
+    'prompt must be a string or a list of non-negative integer token ids',
+    'prompt',
+  )
+}
+
+/** Refuses non-objects, internal fields, unknown fields and unsupported features. */
+function checkFields(
+  body: unknown,
+  supported: readonly string[],
+  inert: Record<string, (v: unknown) => boolean>,
+): Record<string, unknown> {
+  if (typeof body !== 'object' || body === null || Array.isArray(body)) {
+    throw new KvfenceError('invalid_request', 'the request body must be a JSON object')
+  }
+  const object = body as Record<string, unknown>
+  for (const field of internalFields) {
+    if (Object.hasOwn(object, field)) {
+      throw new KvfenceError(
+        'invalid_request',
+        `${field} is an internal field set by the server and may not be sent by clients`,
+        field,
+      )
+    }
+  }
+  for (const [field, value] of Object.entries(object)) {
+    if (supported.includes(field) || ignoredFields.has(field)) continue
+    if (Object.hasOwn(inert, field)) {
+      if (inert[field](value)) continue
+      throw new KvfenceError('invalid_request', `${field} is not supported by this server`, field)
+    }
+    throw new KvfenceError(
+      'invalid_request',
+      `Unrecognized request argument supplied: ${field}`,
+      field,
+    )
+  }
+  return object
+}
+
+function parseWith<T extends z.ZodType>(schema: T, value: unknown): z.infer<T> {
+  const parsed = schema.safeParse(value, { reportInput: true })
+  if (parsed.success) return parsed.data
+  const issue = parsed.error.issues[0]
+  const param = paramOf(issue.path)
+  const message =
+    issue.code === 'invalid_type' && issue.input === undefined
+      ? `${param} is required`
+      : `Invalid value for '${param}': ${issue.message}`
+  throw new KvfenceError('invalid_request', message, param === '' ? null : param)
+}
+
+/** OpenAI's spelling of a field path: `messages[0].content`. */
+function paramOf(path: readonly PropertyKey[]): string {
+  let param = ''
+  for (const key of path) {
+    param += typeof key === 'number' ? `[${key}]` : param === '' ? String(key) : `.${String(key)}`
+  }
+  return param
+}

@@ -1,0 +1,202 @@
+/** Starts a router process: loads tenants and tokenizer, asks every worker for its state, performs
+ *  G1 (advertised context window ≤ effective capacity), builds the frozen config and listens.
+ *  Used by `kvfence router` and `kvfence serve`.
+ *  Knows how the router's parts fit together; knows nothing of request handling itself. */
+import http from 'node:http'
+import type { AddressInfo } from 'node:net'
+import { setTimeout as sleep } from 'node:timers/promises'
+import { pino, type Logger } from 'pino'
+import { KvfenceError } from '../errors.js'
+import { loadTokenizer } from '../model/tokenizer.js'
+import { type WorkerReport, decideContextWindow } from './capacity.js'
+import { type RouterConfig, buildRouterConfig, routerConfigDefaults } from './config.js'
+import { createRouterMetrics } from './metrics.js'
+import { createRouter } from './router.js'
+import { type TenantRecord, createTenantRegistry, loadTenants } from './tenants.js'
+import { type WorkerClient, createWorkerClient } from './worker-client.js'
+
+/** Options of {@link startRouter}. */
+export interface StartRouterOptions {
+  /** Model directory holding `tokenizer.json` and `tokenizer_config.json`. */
+  modelDir: string
+  /** Prefill workers' control base URLs, e.g. `http://127.0.0.1:8101`. */
+  prefillUrls: readonly string[]
+  /** Decode workers' control base URLs; the transfer address is this host and the worker's
+   *  reported `transferPort`. */
+  decodeUrls: readonly string[]
+  /** The tenants YAML file (`tenants: [{ name, keySha256 }]`), or its records. */
+  tenants: string | readonly TenantRecord[]
+  /** Interface to listen on (default 127.0.0.1). */
+  host?: string
+  /** Port to listen on (default 8000; 0 = any free port). */
+  port?: number
+  /** Served model name (default: the `model` every worker reports). */
+  modelName?: string
+  /** Advertised context window in tokens (default: the effective capacity). */
+  contextWindow?: number
+  /** G1: clamp an over-large context window instead of refusing to start (default false). */
+  clampContext?: boolean
+  /** False = the incident's configuration (`--unsafe-disable-guards`); default true. */
+  guardsEnabled?: boolean
+  /** Largest request body, in bytes (default 1 MiB). */
+  maxBodyBytes?: number
+  /** Longest silence from a decode worker during a request, in ms (default 120 000). */
+  workerIdleTimeoutMs?: number
+  /** How long to wait for workers to answer `/server_info` at start, in ms (default 10 000). */
+  workerWaitMs?: number
+  /** Logger (default: pino to stdout at info). */
+  log?: Logger
+}
+
+/** A listening router. */
+export interface RunningRouter {
+  /** `http://host:port`. */
+  readonly url: string
+  readonly port: number
+  readonly config: RouterConfig
+  readonly server: http.Server
+  /** Stops listening, closes client and worker connections. */
+  close(): Promise<void>
+}
+
+const workerPollMs = 200
+
+/** Starts the router; rejects (with a one-line message) when a worker is unreachable or G1
+ *  refuses the configuration. */
+export async function startRouter(options: StartRouterOptions): Promise<RunningRouter> {
+  const log = options.log ?? pino({ name: 'kvfence-router' })
+  const guardsEnabled = options.guardsEnabled ?? true
+  const tenants =
+    typeof options.tenants === 'string'
+      ? loadTenants(options.tenants)
+      : createTenantRegistry(options.tenants)
+  const tokenizer = loadTokenizer(options.modelDir)
+  const workers = createWorkerClient({
+    prefillUrls: options.prefillUrls,
+    decodeUrls: options.decodeUrls,
+    idleTimeoutMs: options.workerIdleTimeoutMs,
+    guardsEnabled,
+  })
+  try {
+    const reports = await waitForWorkers(workers, options.workerWaitMs ?? 10_000)
+    const model = checkWorkers(reports, workers, guardsEnabled, log)
+
+    // G1
+    const decision = decideContextWindow(reports, {
+      contextWindow: options.contextWindow,
+      clampContext: options.clampContext ?? false,
+      guardsEnabled,
+    })
+    for (const warning of decision.warnings) log.warn(warning)
+    if (!guardsEnabled) log.warn('UNSAFE: router guards are disabled')
+
+    const config = buildRouterConfig({
+      model: options.modelName ?? model,
+      contextWindow: decision.contextWindow,
+      effectiveCapacityTokens: decision.effectiveCapacityTokens,
+      pageSize: reports.find((r) => r.info.role === 'decode')!.info.pageSize,
+      guardsEnabled,
+      maxBodyBytes: options.maxBodyBytes ?? routerConfigDefaults.maxBodyBytes,
+    })
+    const handler = createRouter({
+      config,
+      tenants,
+      tokenizer,
+      workers,
+      log,
+      metrics: createRouterMetrics(),
+    })
+    const server = http.createServer(handler)
+    await new Promise<void>((resolve, reject) => {
+      server.once('error', reject)
+      server.listen(options.port ?? 8000, options.host ?? '127.0.0.1', () => {
+        server.off('error', reject)
+        resolve()
+      })
+    })
+    const address = server.address() as AddressInfo
+    const host = address.family === 'IPv6' ? `[${address.address}]` : address.address
+    const url = `http://${host}:${address.port}`
+    log.info(
+      {
+        url,
+        model: config.model,
+        contextWindow: config.contextWindow,
+        effectiveCapacityTokens: config.effectiveCapacityTokens,
+        guardsEnabled,
+        numTenants: tenants.names.length,
+      },
+      'router listening',
+    )
+    return {
+      url,
+      port: address.port,
+      config,
+      server,
+      async close() {
+        await new Promise<void>((resolve) => {
+          server.close(() => resolve())
+          server.closeAllConnections()
+        })
+        workers.close()
+      },
+    }
+  } catch (err) {
+    workers.close()
+    throw err
+  }
+}
+
+/** Every worker's `/server_info`, retried while workers are still coming up. */
+async function waitForWorkers(workers: WorkerClient, waitMs: number): Promise<WorkerReport[]> {
+  const deadline = Date.now() + waitMs
+  for (;;) {
+    try {
+      return await workers.serverInfoAll()
+    } catch (err) {
+      const isRetryable = err instanceof KvfenceError && err.code === 'worker_unavailable'
+      if (!isRetryable || Date.now() + workerPollMs > deadline) throw err
+      await sleep(workerPollMs)
+    }
+  }
+}
+
+/** Workers must have the roles they were configured with, serve one model, and (when the
+ *  router's guards are on) have their guards on. Returns the model name. */
+function checkWorkers(
+  reports: readonly WorkerReport[],
+  workers: WorkerClient,
+  guardsEnabled: boolean,
+  log: Logger,
+): string {
+  for (const { url, info } of reports) {
+    const role = workers.prefillUrls.includes(url) ? 'prefill' : 'decode'
+    if (info.role !== role) {
+      throw new KvfenceError(
+        'internal_error',
+        `worker ${url} is a ${info.role} worker, configured as ${role}`,
+      )
+    }
+    if (role === 'decode' && info.transferPort === undefined) {
+      throw new KvfenceError('internal_error', `decode worker ${url} reports no transferPort`)
+    }
+    if (guardsEnabled && !info.guardsEnabled) {
+      throw new KvfenceError(
+        'guard_violation',
+        `${info.role} worker ${url} runs with guards disabled while the router's are on; fix the worker or disable the router's guards too`,
+      )
+    }
+    if (info.faults.length > 0) {
+      log.warn({ worker: url, faults: info.faults }, 'worker runs with injected faults')
+    }
+  }
+  const models = [...new Set(reports.map((r) => r.info.model))]
+  if (models.length !== 1) {
+    throw new KvfenceError('internal_error', `workers serve different models: ${models.join(', ')}`)
+  }
+  const pageSizes = [...new Set(reports.map((r) => r.info.pageSize))]
+  if (pageSizes.length !== 1) {
+    log.warn({ pageSizes }, 'workers report different page sizes')
+  }
+  return models[0]
+}

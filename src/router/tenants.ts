@@ -1,0 +1,121 @@
+/** Tenants and their API keys: the YAML file `tenants: [{ name, keySha256 }]` and the lookup of a
+ *  presented key. Keys are held only as SHA-256 digests and compared in constant time.
+ *  Knows tenant names and key digests; never holds, returns or logs a plain key. */
+import { createHash, timingSafeEqual } from 'node:crypto'
+import { readFileSync } from 'node:fs'
+import { parse as parseYaml } from 'yaml'
+import { z } from 'zod'
+import { KvfenceError } from '../errors.js'
+
+/** One tenant as configured: its name (logged, sent to workers) and its key's SHA-256 (hex). */
+export const TenantRecord = z.strictObject({
+  name: z.string().min(1).max(128),
+  keySha256: z
+    .string()
+    .regex(/^[0-9a-fA-F]{64}$/, "keySha256 must be the 64 hex digits of the key's SHA-256")
+    .transform((s) => s.toLowerCase()),
+})
+export type TenantRecord = z.infer<typeof TenantRecord>
+
+/** The tenants file. */
+export const TenantsFile = z.strictObject({ tenants: z.array(TenantRecord).min(1) })
+
+/** Tenants by key digest. */
+export interface TenantRegistry {
+  /** The tenant whose key is `apiKey`, or null. Costs the same whichever tenant (if any) matches. */
+  authenticate(apiKey: string): { name: string } | null
+  /** Tenant names, in file order. */
+  readonly names: readonly string[]
+}
+
+/** SHA-256 hex digest of an API key: what the tenants file stores as `keySha256`. */
+export function apiKeyDigest(apiKey: string): string {
+  return createHash('sha256').update(apiKey, 'utf8').digest('hex')
+}
+
+/** A registry over `records`; throws `internal_error` on duplicate names or digests. */
+export function createTenantRegistry(records: readonly TenantRecord[]): TenantRegistry {
+  const parsed = z.array(TenantRecord).min(1).safeParse(records)
+  if (!parsed.success) {
+    throw new KvfenceError('internal_error', `tenants: ${describeIssue(parsed.error.issues[0])}`)
+  }
+  const names = new Set<string>()
+  const digests = new Set<string>()
+  for (const t of parsed.data) {
+    if (names.has(t.name))
+      throw new KvfenceError('internal_error', `tenants: duplicate name ${t.name}`)
+    if (digests.has(t.keySha256)) {
+      throw new KvfenceError(
+        'internal_error',
+        `tenants: tenant ${t.name} shares its key with another`,
+      )
+    }
+    names.add(t.name)
+    digests.add(t.keySha256)
+  }
+  const entries = parsed.data.map((t) => ({
+    name: t.name,
+    digest: Buffer.from(t.keySha256, 'hex'), // 32 bytes
+  }))
+
+  return Object.freeze({
+    names: Object.freeze(entries.map((e) => e.name)),
+    authenticate(apiKey: string): { name: string } | null {
+      const presented = createHash('sha256').update(apiKey, 'utf8').digest()
+      let found: string | null = null
+      // Compare with every tenant, without an early exit.
+      for (const e of entries) {
+        if (timingSafeEqual(presented, e.digest) && found === null) found = e.name
+      }
+      return found === null ? null : { name: found }
+    },
+  })
+}
+
+/** Reads and validates a tenants YAML file; throws `internal_error` naming the file and fault. */
+export function loadTenants(path: string): TenantRegistry {
+  let text: string
+  try {
+    text = readFileSync(path, 'utf8')
+  } catch (err) {
+    throw new KvfenceError('internal_error', `cannot read tenants file ${path}: ${message(err)}`)
+  }
+  let value: unknown
+  try {
+    value = parseYaml(text)
+  } catch (err) {
+    throw new KvfenceError(
+      'internal_error',
+      `tenants file ${path} is not valid YAML: ${message(err)}`,
+    )
+  }
+  const parsed = TenantsFile.safeParse(value)
+  if (!parsed.success) {
+    throw new KvfenceError(
+      'internal_error',
+      `tenants file ${path}: ${describeIssue(parsed.error.issues[0])}`,
+    )
+  }
+  try {
+    return createTenantRegistry(parsed.data.tenants)
+  } catch (err) {
+    throw new KvfenceError('internal_error', `tenants file ${path}: ${message(err)}`)
+  }
+}
+
+/** The API key of an `Authorization: Bearer KEY` header, or null. */
+export function bearerKey(header: string | undefined): string | null {
+  if (header === undefined) return null
+  const match = /^Bearer\s+(\S+)\s*$/i.exec(header)
+  return match === null ? null : match[1]
+}
+
+function describeIssue(issue: z.core.$ZodIssue | undefined): string {
+  if (issue === undefined) return 'invalid'
+  const path = issue.path.map(String).join('.')
+  return path === '' ? issue.message : `${path}: ${issue.message}`
+}
+
+function message(err: unknown): string {
+  return err instanceof Error ? err.message : String(err)
+}

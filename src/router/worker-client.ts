@@ -1,0 +1,542 @@
+/** The router side of the control plane (see `src/engine/control.ts`): asks a decode worker to
+ *  reserve pages and stream tokens, asks a prefill worker to fill them, and aborts both when the
+ *  request ends early (G8). HTTP/1.1 + JSON over keep-alive `node:http` agents.
+ *  Knows worker URLs, token ids and request ids; knows nothing of text, API keys or OpenAI shapes. */
+import assert from 'node:assert/strict'
+import http from 'node:http'
+import { z } from 'zod'
+import {
+  GenerateRequest,
+  type PrefillRequest,
+  type PrefillResult,
+  type ServerInfo,
+} from '../engine/control.js'
+import { KvfenceError, isErrorCode } from '../errors.js'
+import type { WorkerReport } from './capacity.js'
+
+/** What {@link WorkerClient.generate} yields: the decode worker's tokens, then one `done`. */
+export type GenerationEvent =
+  | { type: 'token'; tokenId: number }
+  | {
+      type: 'done'
+      finishReason: 'stop' | 'length'
+      promptTokens: number
+      completionTokens: number
+    }
+
+/** The control plane as the router uses it. */
+export interface WorkerClient {
+  /** Base URLs of the prefill workers (e.g. `http://127.0.0.1:8101`). */
+  readonly prefillUrls: readonly string[]
+  /** Base URLs of the decode workers. */
+  readonly decodeUrls: readonly string[]
+  /** `GET {url}/server_info` of one worker; throws `worker_unavailable`. */
+  serverInfo(url: string, signal?: AbortSignal): Promise<ServerInfo>
+  /** `/server_info` of every worker (prefill first); throws `worker_unavailable` if any fails. */
+  serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]>
+  /** Runs one request on a decode and a prefill worker (picked round-robin). Yields the decode
+   *  worker's tokens — the first only after the prefill worker's result was checked against it —
+   *  and a final `done`; throws a {@link KvfenceError} on any failure (never a normal `done`
+   *  after one). Aborting `signal`, or leaving the iteration early, closes both
+   *  worker requests, which aborts the request on both workers (G8). */
+  generate(request: GenerateRequest, signal: AbortSignal): AsyncGenerator<GenerationEvent, void>
+  /** Closes pooled connections. */
+  close(): void
+}
+
+/** Options of {@link createWorkerClient}. */
+export interface WorkerClientOptions {
+  prefillUrls: readonly string[]
+  decodeUrls: readonly string[]
+  /** Longest silence from the decode worker during a request before it fails, in ms. */
+  idleTimeoutMs?: number
+  /** Deadline of a `/server_info` call, in ms. */
+  infoTimeoutMs?: number
+  /** Cross-check the workers' reports (prompt length, first token, counts) before any output
+   *  leaves; false only in the incident's configuration. Default true. */
+  guardsEnabled?: boolean
+}
+
+const defaultIdleTimeoutMs = 120_000
+const defaultInfoTimeoutMs = 5_000
+const maxLineBytes = 1024 * 1024 // longest NDJSON line or JSON reply accepted from a worker
+
+// ---------------------------------------------------------------------------------------------
+// Parsers for what workers send (the boundary: parsed once, trusted inside)
+
+const ServerInfoSchema = z.object({
+  role: z.enum(['prefill', 'decode']),
+  model: z.string(),
+  pageSize: z.number().int().min(1),
+  numPages: z.number().int().min(0),
+  capacityTokens: z.number().int().min(0),
+  numPagesFree: z.number().int().min(0),
+  numPagesUsed: z.number().int().min(0),
+  maxPositionEmbeddings: z.number().int().min(1),
+  guardsEnabled: z.boolean(),
+  faults: z.array(z.string()),
+  transferPort: z.number().int().min(1).max(65535).optional(),
+})
+
+const DecodeEventSchema = z.discriminatedUnion('type', [
+  z.object({ type: z.literal('reserved'), numPages: z.number().int().min(0) }),
+  z.object({ type: z.literal('token'), tokenId: z.number().int().min(0) }),
+  z.object({
+    type: z.literal('done'),
+    finishReason: z.enum(['stop', 'length']),
+    promptTokens: z.number().int().min(0),
+    completionTokens: z.number().int().min(0),
+  }),
+  z.object({ type: z.literal('error'), code: z.string(), message: z.string() }),
+])
+type DecodeEvent = z.infer<typeof DecodeEventSchema>
+
+const PrefillResultSchema = z.object({
+  requestId: z.string(),
+  numPages: z.number().int().min(0),
+  numTokens: z.number().int().min(0),
+  firstTokenId: z.number().int().min(0),
+})
+
+const WorkerErrorSchema = z.object({
+  error: z.object({ code: z.string(), message: z.string() }),
+})
+
+// ---------------------------------------------------------------------------------------------
+// The client
+
+/** A {@link WorkerClient} over `node:http` with one keep-alive agent. */
+export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
+  if (options.prefillUrls.length === 0 || options.decodeUrls.length === 0) {
+    throw new KvfenceError('internal_error', 'need at least one prefill and one decode worker URL')
+  }
+  const prefillUrls = Object.freeze(options.prefillUrls.map(normalizeBaseUrl))
+  const decodeUrls = Object.freeze(options.decodeUrls.map(normalizeBaseUrl))
+  const idleTimeoutMs = options.idleTimeoutMs ?? defaultIdleTimeoutMs
+  const infoTimeoutMs = options.infoTimeoutMs ?? defaultInfoTimeoutMs
+  const guardsEnabled = options.guardsEnabled ?? true
+  const agent = new http.Agent({ keepAlive: true })
+  let nextPrefill = 0
+  let nextDecode = 0
+  /** Decode worker URL → its transfer (data-plane) address, from its `/server_info`. */
+  const transferAddresses = new Map<string, Promise<{ host: string; port: number }>>()
+
+  async function serverInfo(url: string, signal?: AbortSignal): Promise<ServerInfo> {
+    const deadline = AbortSignal.timeout(infoTimeoutMs)
+    const combined = signal === undefined ? deadline : AbortSignal.any([signal, deadline])
+    let res: http.IncomingMessage
+    let body: unknown
+    try {
+      res = await send(agent, `${url}/server_info`, 'GET', null, combined)
+      body = await readJson(res)
+    } catch (err) {
+      throw new KvfenceError('worker_unavailable', `worker ${url}/server_info: ${describe(err)}`)
+    }
+    if (res.statusCode !== 200) {
+      throw new KvfenceError(
+        'worker_unavailable',
+        `worker ${url}/server_info: HTTP ${res.statusCode}`,
+      )
+    }
+    const parsed = ServerInfoSchema.safeParse(body)
+    if (!parsed.success) {
+      throw new KvfenceError(
+        'worker_unavailable',
+        `worker ${url}/server_info: unexpected reply (${issueText(parsed.error.issues[0])})`,
+      )
+    }
+    return parsed.data
+  }
+
+  function transferAddress(decodeUrl: string, signal: AbortSignal) {
+    let address = transferAddresses.get(decodeUrl)
+    if (address === undefined) {
+      address = serverInfo(decodeUrl, signal).then((info) => {
+        if (info.role !== 'decode' || info.transferPort === undefined) {
+          throw new KvfenceError(
+            'worker_unavailable',
+            `worker ${decodeUrl} is not a decode worker with a transfer port (role ${info.role})`,
+          )
+        }
+        return { host: hostOf(decodeUrl), port: info.transferPort }
+      })
+      address.catch(() => transferAddresses.delete(decodeUrl))
+      transferAddresses.set(decodeUrl, address)
+    }
+    return address
+  }
+
+  async function prefill(
+    url: string,
+    request: PrefillRequest,
+    signal: AbortSignal,
+  ): Promise<PrefillResult> {
+    const res = await send(
+      agent,
+      `${url}/internal/prefill`,
+      'POST',
+      JSON.stringify(request),
+      signal,
+    )
+    const body = await readJson(res)
+    if (res.statusCode !== 200) throw workerError('prefill', url, res.statusCode, body)
+    const parsed = PrefillResultSchema.safeParse(body)
+    if (!parsed.success) {
+      throw new KvfenceError(
+        'internal_error',
+        `prefill worker ${url}: unexpected reply (${issueText(parsed.error.issues[0])})`,
+      )
+    }
+    return parsed.data
+  }
+
+  async function* generate(
+    request: GenerateRequest,
+    signal: AbortSignal,
+  ): AsyncGenerator<GenerationEvent, void> {
+    assert.ok(GenerateRequest.safeParse(request).success, 'router built an invalid GenerateRequest')
+    const rid = request.requestId
+    const decodeUrl = decodeUrls[nextDecode++ % decodeUrls.length]
+    const prefillUrl = prefillUrls[nextPrefill++ % prefillUrls.length]
+
+    // One controller closes both worker requests; the first failure recorded wins.
+    const inner = new AbortController()
+    let failure: KvfenceError | null = null
+    const fail = (err: unknown) => {
+      failure ??= asKvfenceError(err, `request ${rid}`)
+      inner.abort()
+    }
+    const onClientAbort = () =>
+      fail(new KvfenceError('request_aborted', `request ${rid} was aborted by the client`))
+    if (signal.aborted) onClientAbort()
+    else signal.addEventListener('abort', onClientAbort, { once: true })
+    let idleTimer: NodeJS.Timeout | undefined
+    const touch = () => {
+      clearTimeout(idleTimer)
+      idleTimer = setTimeout(
+        () =>
+          fail(
+            new KvfenceError(
+              'worker_unavailable',
+              `decode worker ${decodeUrl} sent nothing for ${idleTimeoutMs} ms (request ${rid})`,
+            ),
+          ),
+        idleTimeoutMs,
+      )
+    }
+    let isFinished = false
+
+    try {
+      touch()
+      let res: http.IncomingMessage
+      try {
+        res = await send(
+          agent,
+          `${decodeUrl}/internal/generate`,
+          'POST',
+          JSON.stringify(request),
+          inner.signal,
+        )
+      } catch (err) {
+        throw (
+          failure ??
+          new KvfenceError('worker_unavailable', `decode worker ${decodeUrl}: ${describe(err)}`)
+        )
+      }
+      if (res.statusCode !== 200) {
+        throw workerError(
+          'decode',
+          decodeUrl,
+          res.statusCode,
+          await readJson(res).catch(() => null),
+        )
+      }
+
+      let prefillResult: Promise<PrefillResult> | null = null
+      let numTokens = 0
+      for await (const event of decodeEvents(res, decodeUrl)) {
+        touch()
+        switch (event.type) {
+          case 'reserved': {
+            if (prefillResult !== null)
+              throw protocolError(decodeUrl, rid, 'a second reserved event')
+            const decode = await transferAddress(decodeUrl, inner.signal)
+            prefillResult = prefill(
+              prefillUrl,
+              {
+                requestId: rid,
+                tenant: request.tenant,
+                promptTokenIds: request.promptTokenIds,
+                sampling: request.sampling,
+                transferSecret: request.transferSecret,
+                decode,
+              },
+              inner.signal,
+            )
+            prefillResult.catch((err: unknown) => {
+              if (err instanceof KvfenceError && err.code === 'transfer_failed') {
+                transferAddresses.delete(decodeUrl) // the decode worker may have moved
+              }
+              fail(
+                err instanceof KvfenceError
+                  ? err
+                  : new KvfenceError(
+                      'worker_unavailable',
+                      `prefill worker ${prefillUrl}: ${describe(err)}`,
+                    ),
+              )
+            })
+            break
+          }
+          case 'token':
+            if (prefillResult === null)
+              throw protocolError(decodeUrl, rid, 'a token before reserved')
+            if (numTokens >= request.maxTokens) {
+              throw protocolError(decodeUrl, rid, `more than maxTokens ${request.maxTokens} tokens`)
+            }
+            if (numTokens === 0) {
+              // No output leaves before the prefill worker confirmed this request's transfer.
+              const result = await prefillResult
+              if (guardsEnabled) checkPrefill(result, event.tokenId, request, prefillUrl, decodeUrl)
+            }
+            numTokens++
+            yield event
+            break
+          case 'done': {
+            if (prefillResult === null) throw protocolError(decodeUrl, rid, 'done before reserved')
+            await prefillResult
+            if (guardsEnabled) checkDone(event, numTokens, request, decodeUrl)
+            isFinished = true
+            yield event
+            return
+          }
+          case 'error':
+            throw new KvfenceError(
+              isErrorCode(event.code) ? event.code : 'internal_error',
+              `decode worker ${decodeUrl}: ${event.code}: ${event.message}`,
+            )
+        }
+      }
+      throw new KvfenceError(
+        'worker_unavailable',
+        `decode worker ${decodeUrl} ended request ${rid} without a done event`,
+      )
+    } catch (err) {
+      throw failure ?? asKvfenceError(err, `decode worker ${decodeUrl}`)
+    } finally {
+      clearTimeout(idleTimer)
+      signal.removeEventListener('abort', onClientAbort)
+      if (!isFinished) inner.abort()
+    }
+  }
+
+  return Object.freeze({
+    prefillUrls,
+    decodeUrls,
+    serverInfo,
+    async serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]> {
+      const urls = [...prefillUrls, ...decodeUrls]
+      const infos = await Promise.all(urls.map((url) => serverInfo(url, signal)))
+      return urls.map((url, i) => ({ url, info: infos[i] }))
+    },
+    generate,
+    close(): void {
+      agent.destroy()
+    },
+  })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consistency checks (defence in depth behind the workers' own guards; off with guards off)
+
+/** The prefill worker's result must be for this request, cover the whole prompt, and agree with
+ *  the decode worker on the first token; otherwise the output is of unknown origin. */
+function checkPrefill(
+  result: PrefillResult,
+  firstTokenId: number,
+  request: GenerateRequest,
+  prefillUrl: string,
+  decodeUrl: string,
+): void {
+  const rid = request.requestId
+  const numPromptTokens = request.promptTokenIds.length
+  const problems: string[] = []
+  if (result.requestId !== rid) problems.push(`prefill answered for request ${result.requestId}`)
+  if (result.numTokens !== numPromptTokens) {
+    problems.push(`prefill sent ${result.numTokens} prompt tokens, want ${numPromptTokens}`)
+  }
+  if (result.firstTokenId !== firstTokenId) {
+    problems.push(`first token ${firstTokenId} from decode, ${result.firstTokenId} from prefill`)
+  }
+  if (problems.length > 0) {
+    throw new KvfenceError(
+      'guard_violation',
+      `request ${rid} (prefill ${prefillUrl}, decode ${decodeUrl}): ${problems.join('; ')}`,
+    )
+  }
+}
+
+/** The decode worker's `done` must count the prompt the router sent and the tokens it streamed. */
+function checkDone(
+  done: Extract<DecodeEvent, { type: 'done' }>,
+  numTokens: number,
+  request: GenerateRequest,
+  decodeUrl: string,
+): void {
+  const numPromptTokens = request.promptTokenIds.length
+  const problems: string[] = []
+  if (done.promptTokens !== numPromptTokens) {
+    problems.push(`decode counted ${done.promptTokens} prompt tokens, want ${numPromptTokens}`)
+  }
+  if (done.completionTokens !== numTokens) {
+    problems.push(
+      `decode counted ${done.completionTokens} completion tokens, streamed ${numTokens}`,
+    )
+  }
+  if (problems.length > 0) {
+    throw new KvfenceError(
+      'guard_violation',
+      `request ${request.requestId} (decode ${decodeUrl}): ${problems.join('; ')}`,
+    )
+  }
+}
+
+function protocolError(url: string, rid: string, what: string): KvfenceError {
+  return new KvfenceError('internal_error', `decode worker ${url} sent ${what} for request ${rid}`)
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP plumbing
+
+function send(
+  agent: http.Agent,
+  url: string,
+  method: 'GET' | 'POST',
+  body: string | null,
+  signal: AbortSignal,
+): Promise<http.IncomingMessage> {
+  return new Promise((resolve, reject) => {
+    const headers: http.OutgoingHttpHeaders = { accept: 'application/json' }
+    if (body !== null) {
+      headers['content-type'] = 'application/json'
+      headers['content-length'] = Buffer.byteLength(body)
+    }
+    const req = http.request(url, { method, agent, signal, headers }, resolve)
+    req.on('error', reject)
+    req.end(body ?? undefined)
+  })
+}
+
+async function readJson(res: http.IncomingMessage): Promise<unknown> {
+  const chunks: Buffer[] = []
+  let numBytes = 0
+  for await (const chunk of res as AsyncIterable<Buffer>) {
+    numBytes += chunk.length
+    if (numBytes > maxLineBytes) {
+      res.destroy()
+      throw new Error(`reply longer than ${maxLineBytes} bytes`)
+    }
+    chunks.push(chunk)
+  }
+  const text = Buffer.concat(chunks).toString('utf8')
+  try {
+    return JSON.parse(text)
+  } catch {
+    throw new Error(`reply is not JSON (HTTP ${res.statusCode})`)
+  }
+}
+
+/** The decode worker's NDJSON stream, one parsed event per line. */
+async function* decodeEvents(res: http.IncomingMessage, url: string): AsyncGenerator<DecodeEvent> {
+  res.setEncoding('utf8')
+  let pending = ''
+  for await (const chunk of res as AsyncIterable<string>) {
+    pending += chunk
+    let newline: number
+    while ((newline = pending.indexOf('\n')) !== -1) {
+      const line = pending.slice(0, newline).trim()
+      pending = pending.slice(newline + 1)
+      if (line !== '') yield parseEvent(line, url)
+    }
+    if (pending.length > maxLineBytes) {
+      throw new KvfenceError(
+        'internal_error',
+        `decode worker ${url} sent a line over ${maxLineBytes} bytes`,
+      )
+    }
+  }
+  if (pending.trim() !== '') yield parseEvent(pending.trim(), url)
+}
+
+function parseEvent(line: string, url: string): DecodeEvent {
+  let value: unknown
+  try {
+    value = JSON.parse(line)
+  } catch {
+    throw new KvfenceError('internal_error', `decode worker ${url} sent a line that is not JSON`)
+  }
+  const parsed = DecodeEventSchema.safeParse(value)
+  if (!parsed.success) {
+    throw new KvfenceError(
+      'internal_error',
+      `decode worker ${url} sent an invalid event (${issueText(parsed.error.issues[0])})`,
+    )
+  }
+  return parsed.data
+}
+
+/** The KvfenceError for a worker's non-200 reply `{ error: { code, message } }`. */
+function workerError(
+  role: 'prefill' | 'decode',
+  url: string,
+  status: number | undefined,
+  body: unknown,
+): KvfenceError {
+  const parsed = WorkerErrorSchema.safeParse(body)
+  if (!parsed.success) {
+    return new KvfenceError('worker_unavailable', `${role} worker ${url}: HTTP ${status}`)
+  }
+  const { code, message } = parsed.data.error
+  return new KvfenceError(
+    isErrorCode(code) ? code : 'internal_error',
+    `${role} worker ${url}: ${code}: ${message}`,
+  )
+}
+
+function asKvfenceError(err: unknown, where: string): KvfenceError {
+  if (err instanceof KvfenceError) return err
+  return new KvfenceError('worker_unavailable', `${where}: ${describe(err)}`)
+}
+
+function describe(err: unknown): string {
+  if (err instanceof Error) {
+    const code = (err as NodeJS.ErrnoException).code
+    return code !== undefined && !err.message.includes(code)
+      ? `${code} ${err.message}`
+      : err.message
+  }
+  return String(err)
+}
+
+function issueText(issue: z.core.$ZodIssue | undefined): string {
+  if (issue === undefined) return 'invalid'
+  const path = issue.path.map(String).join('.')
+  return path === '' ? issue.message : `${path}: ${issue.message}`
+}
+
+function normalizeBaseUrl(url: string): string {
+  let parsed: URL
+  try {
+    parsed = new URL(url)
+  } catch {
+    throw new KvfenceError('internal_error', `worker URL ${JSON.stringify(url)} is not a URL`)
+  }
+  if (parsed.protocol !== 'http:') {
+    throw new KvfenceError('internal_error', `worker URL ${url} must use http:`)
+  }
+  return parsed.origin
+}
+
+function hostOf(baseUrl: string): string {
+  return new URL(baseUrl).hostname.replace(/^\[(.*)\]$/, '$1')
+}

@@ -1,0 +1,194 @@
+/** `kvfence audit` as a user runs it: the real CLI in a child process against stand-ins.
+ *  Exit codes: 1 leak, 0 clean, 2 tool error (one line on stderr, no stack trace). */
+import assert from 'node:assert/strict'
+import { execFile } from 'node:child_process'
+import { mkdtemp, readFile, rm } from 'node:fs/promises'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { fileURLToPath } from 'node:url'
+import { after, before, describe, test } from 'node:test'
+import { z } from 'zod'
+import { startStandIn, tenantKeys, unreachableUrl, type StandIn } from './standins.js'
+
+const mainJs = fileURLToPath(new URL('../../src/cli/main.js', import.meta.url))
+
+interface Run {
+  code: number | null
+  stdout: string
+  stderr: string
+}
+
+function kvfence(args: string[], env: Record<string, string> = {}): Promise<Run> {
+  return new Promise((resolve) => {
+    execFile(
+      process.execPath,
+      [mainJs, ...args],
+      { env: { ...process.env, ...env }, timeout: 20_000 },
+      (err, stdout, stderr) => {
+        const code = err && typeof err.code === 'number' ? err.code : err ? null : 0
+        resolve({ code, stdout, stderr })
+      },
+    )
+  })
+}
+
+const tenantFlags = [
+  '--tenant',
+  `alice=${tenantKeys.alice}`,
+  '--tenant',
+  'bob=env:KVFENCE_TEST_BOB_KEY',
+]
+const env = { KVFENCE_TEST_BOB_KEY: tenantKeys.bob }
+
+function assertNoKeys(run: Run): void {
+  for (const key of Object.values(tenantKeys)) {
+    assert.ok(!run.stdout.includes(key) && !run.stderr.includes(key), 'a key was printed')
+  }
+}
+
+function assertOneLineError(run: Run, pattern: RegExp): void {
+  assert.equal(run.code, 2, `exit code ${run.code}; stderr: ${run.stderr}`)
+  const lines = run.stderr.trimEnd().split('\n')
+  assert.equal(lines.length, 1, `stderr has ${lines.length} lines:\n${run.stderr}`)
+  assert.match(lines[0], pattern)
+  assert.doesNotMatch(run.stderr, /\n\s+at /, 'no stack trace')
+}
+
+const Report = z.object({
+  schemaVersion: z.literal(1),
+  tool: z.literal('kvfence audit'),
+  target: z.string(),
+  model: z.string().nullable(),
+  startedAt: z.iso.datetime(),
+  durationMs: z.number().nonnegative(),
+  seed: z.number().int(),
+  budget: z.object({ maxRequests: z.number(), maxSeconds: z.number(), concurrency: z.number() }),
+  requestsSent: z.number().int(),
+  findings: z
+    .array(
+      z.object({
+        probe: z.enum(['capacity', 'boundary', 'canary']),
+        verdict: z.enum(['leak', 'clean', 'inconclusive', 'warning']),
+        severity: z.enum(['critical', 'high', 'medium', 'low', 'info']),
+        title: z.string(),
+        evidence: z.record(z.string(), z.unknown()),
+        remediation: z.string(),
+      }),
+    )
+    .min(3),
+})
+
+describe('kvfence audit (CLI)', () => {
+  const standIns: Partial<Record<'leaky' | 'safe' | 'broken', StandIn>> = {}
+  let dir: string
+  before(async () => {
+    dir = await mkdtemp(join(tmpdir(), 'kvfence-audit-'))
+    for (const kind of ['leaky', 'safe', 'broken'] as const)
+      standIns[kind] = await startStandIn(kind)
+  })
+  after(async () => {
+    for (const s of Object.values(standIns)) await s.close()
+    await rm(dir, { recursive: true, force: true })
+  })
+
+  test('exits 1 on a leaky endpoint, prints a line per probe and a summary, writes the JSON report', async () => {
+    const file = join(dir, 'leaky.json')
+    const run = await kvfence(
+      ['audit', '--target', standIns.leaky!.url, ...tenantFlags, '--seed', '9', '--json', file],
+      env,
+    )
+    assert.equal(run.code, 1, run.stderr)
+    for (const probe of ['capacity', 'boundary', 'canary'])
+      assert.match(run.stdout, new RegExp(`\\[${probe}\\] running`))
+    assert.match(run.stdout, /canary\s+leak\s+critical/)
+    assert.match(run.stdout, /LEAK/)
+    assertNoKeys(run)
+    const report = Report.parse(JSON.parse(await readFile(file, 'utf8')))
+    assert.equal(report.seed, 9)
+    assert.ok(report.findings.some((f) => f.verdict === 'leak'))
+    const text = JSON.stringify(report)
+    for (const key of Object.values(tenantKeys)) assert.ok(!text.includes(key))
+  })
+
+  test('exits 0 on a safe endpoint', async () => {
+    const run = await kvfence(
+      ['audit', '--target', `${standIns.safe!.url}/v1`, ...tenantFlags],
+      env,
+    )
+    assert.equal(run.code, 0, run.stderr)
+    assert.match(run.stdout, /clean: every probe passed/)
+    assertNoKeys(run)
+  })
+
+  test('--fail-on: a warning fails only when asked; inconclusive fails only when asked', async () => {
+    const leakyCapacity = await kvfence(
+      [
+        'audit',
+        '--target',
+        standIns.leaky!.url,
+        ...tenantFlags,
+        '--probes',
+        'capacity',
+        '--fail-on',
+        'warning',
+      ],
+      env,
+    )
+    assert.equal(leakyCapacity.code, 1)
+    const broken = await kvfence(['audit', '--target', standIns.broken!.url, ...tenantFlags], env)
+    assert.equal(broken.code, 0, 'inconclusive is reported, not failed, by default')
+    assert.match(broken.stdout, /isolation not proven/)
+    const brokenStrict = await kvfence(
+      ['audit', '--target', standIns.broken!.url, ...tenantFlags, '--fail-on', 'inconclusive'],
+      env,
+    )
+    assert.equal(brokenStrict.code, 1)
+  })
+
+  test('exits 2 with one line on stderr when the target is unreachable', async () => {
+    const run = await kvfence(['audit', '--target', await unreachableUrl(), ...tenantFlags], env)
+    assertOneLineError(run, /cannot reach http:\/\/127\.0\.0\.1:\d+: ECONNREFUSED/)
+    assertNoKeys(run)
+  })
+
+  test('exits 2 with one line on stderr for bad flags, naming no key', async () => {
+    const url = standIns.safe!.url
+    assertOneLineError(
+      await kvfence(['audit', '--target', url, '--tenant', `alice=${tenantKeys.alice}`]),
+      /at least two tenants/,
+    )
+    assertOneLineError(
+      await kvfence(['audit', '--target', url, ...tenantFlags, '--bogus'], env),
+      /unknown option/,
+    )
+    assertOneLineError(await kvfence(['audit', ...tenantFlags], env), /--target/)
+    assertOneLineError(
+      await kvfence(['audit', '--target', url, ...tenantFlags, '--probes', 'capacity,nope'], env),
+      /unknown probe "nope"/,
+    )
+    assertOneLineError(
+      await kvfence(['audit', '--target', url, ...tenantFlags, '--max-requests', '0'], env),
+      /--max-requests/,
+    )
+    assertOneLineError(
+      await kvfence(['audit', '--target', url, ...tenantFlags, '--fail-on', 'never'], env),
+      /fail-on/,
+    )
+    const missingEnv = await kvfence(['audit', '--target', url, ...tenantFlags])
+    assertOneLineError(
+      missingEnv,
+      /tenant bob: environment variable KVFENCE_TEST_BOB_KEY is not set/,
+    )
+    const dup = await kvfence([
+      'audit',
+      '--target',
+      url,
+      '--tenant',
+      `alice=${tenantKeys.alice}`,
+      '--tenant',
+      `alice=${tenantKeys.bob}`,
+    ])
+    assertOneLineError(dup, /tenant alice is given twice/)
+    assertNoKeys(dup)
+  })
+})

@@ -1,0 +1,225 @@
+/** Stand-in OpenAI-compatible servers for the auditor's tests, on 127.0.0.1, port 0.
+ *  - `leaky`: the incident. Advertises a 1024-token context but holds a 384-token KV pool; a
+ *    prompt between the two is "rejected" inside, replaced by a one-token placeholder, and still
+ *    decoded: every other time the output is read from the stale pool pages the previous
+ *    request left behind (200, coherent, someone else's words).
+ *  - `safe`: same pool, context = pool, longer prompts refused with 400 context_length_exceeded.
+ *  - `broken`: every request answers 500.
+ *  - `refusing`: like `safe`, but every completion is refused with a 400 that has nothing to do
+ *    with size (as when the model id or a parameter is wrong).
+ *  Discovery endpoints take the shape of kvfence, SGLang or vLLM (`flavour`).
+ *  The "model" echoes: its output is the words in its KV pages. A token is a whitespace-separated
+ *  word, plus one BOS token. Every request is counted, with the most ever in flight. */
+import { createServer, type IncomingMessage, type ServerResponse } from 'node:http'
+import type { AddressInfo } from 'node:net'
+
+export type StandInKind = 'leaky' | 'safe' | 'broken' | 'refusing'
+
+export interface StandInStats {
+  numRequests: number
+  numInFlight: number
+  maxInFlight: number
+  numOverCapacity: number
+  paths: string[]
+}
+
+export interface StandIn {
+  readonly url: string
+  readonly stats: StandInStats
+  close(): Promise<void>
+}
+
+export const tenantKeys = { alice: 'sk-alice-0123456789secret', bob: 'sk-bob-9876543210secret' }
+
+export interface StandInOptions {
+  /** Delay before every answer (ms). */
+  readonly delayMs?: number
+  /** Serve `/tokenize` (vLLM shape) and report no usage. */
+  readonly isTokenizeOnly?: boolean
+  /** Which server's discovery endpoints to imitate (default kvfence). */
+  readonly flavour?: 'kvfence' | 'sglang' | 'vllm'
+}
+
+const poolTokens = 384
+
+export async function startStandIn(
+  kind: StandInKind,
+  options: StandInOptions = {},
+): Promise<StandIn> {
+  const contextTokens = kind === 'leaky' ? 1024 : poolTokens
+  const pool: string[] = new Array<string>(poolTokens).fill('')
+  const stats: StandInStats = {
+    numRequests: 0,
+    numInFlight: 0,
+    maxInFlight: 0,
+    numOverCapacity: 0,
+    paths: [],
+  }
+  const keys = new Set(Object.values(tenantKeys))
+
+  const handle = async (req: IncomingMessage, res: ServerResponse): Promise<void> => {
+    const body = await readBody(req)
+    if (options.delayMs) await new Promise((r) => setTimeout(r, options.delayMs))
+    const path = (req.url ?? '/').split('?')[0]
+    if (kind === 'broken')
+      return sendJson(res, 500, { error: { message: 'internal error', type: 'server_error' } })
+    if (!keys.has((req.headers.authorization ?? '').replace(/^Bearer /, ''))) {
+      return sendJson(res, 401, {
+        error: { message: 'bad key', type: 'authentication_error', code: 'invalid_api_key' },
+      })
+    }
+    if (req.method === 'GET' && path === '/v1/models') {
+      return sendJson(res, 200, {
+        object: 'list',
+        data: [{ id: 'tiny-echo', object: 'model', max_model_len: contextTokens }],
+      })
+    }
+    const flavour = options.flavour ?? 'kvfence'
+    if (req.method === 'GET' && path === '/server_info' && flavour === 'kvfence') {
+      return sendJson(res, 200, {
+        contextWindow: contextTokens,
+        effectiveCapacityTokens: poolTokens,
+        workers: [
+          { role: 'prefill', capacityTokens: poolTokens },
+          { role: 'decode', capacityTokens: poolTokens },
+        ],
+      })
+    }
+    if (req.method === 'GET' && path === '/get_server_info' && flavour === 'sglang') {
+      return sendJson(res, 200, {
+        model_path: 'tiny-echo',
+        context_length: null,
+        chunked_prefill_size: 8192,
+        max_prefill_tokens: 16384,
+        internal_states: [{ max_total_num_tokens: poolTokens, max_req_input_len: poolTokens - 1 }],
+      })
+    }
+    if (req.method === 'GET' && path === '/metrics' && flavour === 'vllm') {
+      res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
+      res.end(
+        '# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n' +
+          '# TYPE vllm:cache_config_info gauge\n' +
+          `vllm:cache_config_info{block_size="16",cache_dtype="auto",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="${poolTokens / 16}"} 1.0\n` +
+          'vllm:num_requests_running{model_name="tiny-echo"} 0.0\n',
+      )
+      return
+    }
+    if (req.method === 'POST' && path === '/tokenize' && options.isTokenizeOnly) {
+      const { prompt } = JSON.parse(body) as { prompt: string }
+      return sendJson(res, 200, { count: countTokens(prompt), max_model_len: contextTokens })
+    }
+    if (req.method !== 'POST' || path !== '/v1/completions') {
+      return sendJson(res, 404, { error: { message: 'not found', type: 'invalid_request_error' } })
+    }
+
+    if (kind === 'refusing') {
+      return sendJson(res, 400, {
+        error: { message: 'model not served', type: 'invalid_request_error', param: 'model' },
+      })
+    }
+    const request = JSON.parse(body) as { prompt: string; max_tokens: number; stream?: boolean }
+    const words = request.prompt.trim().split(/\s+/)
+    const numTokens = countTokens(request.prompt)
+    if (numTokens + request.max_tokens > contextTokens) {
+      return sendJson(res, 400, {
+        error: {
+          message: `This model's maximum context length is ${contextTokens} tokens; you requested ${numTokens + request.max_tokens}.`,
+          type: 'invalid_request_error',
+          param: 'prompt',
+          code: 'context_length_exceeded',
+        },
+      })
+    }
+    let output: string[]
+    if (numTokens > poolTokens) {
+      // The incident: rejected inside, swapped for a placeholder, decoded over stale pages.
+      stats.numOverCapacity++
+      pool[0] = '<placeholder>'
+      const isStaleRead = stats.numOverCapacity % 2 === 1
+      output = isStaleRead
+        ? pool.slice(1, 1 + request.max_tokens)
+        : Array(request.max_tokens).fill('the')
+    } else {
+      // Pages are handed out from the start of the pool and freed without scrubbing.
+      pool.splice(0, words.length + 1, '<bos>', ...words)
+      pool.length = poolTokens
+      output = words.slice(0, request.max_tokens)
+    }
+    const usage = options.isTokenizeOnly
+      ? undefined
+      : {
+          prompt_tokens: numTokens,
+          completion_tokens: output.length,
+          total_tokens: numTokens + output.length,
+        }
+    if (!request.stream) {
+      return sendJson(res, 200, {
+        id: 'cmpl-1',
+        object: 'text_completion',
+        model: 'tiny-echo',
+        choices: [{ index: 0, text: ' ' + output.join(' '), finish_reason: 'length' }],
+        usage,
+      })
+    }
+    res.writeHead(200, { 'content-type': 'text/event-stream' })
+    for (const word of output) {
+      res.write(
+        `data: ${JSON.stringify({ object: 'text_completion', choices: [{ index: 0, text: ' ' + word, finish_reason: null }] })}\n\n`,
+      )
+    }
+    if (usage)
+      res.write(`data: ${JSON.stringify({ object: 'text_completion', choices: [], usage })}\n\n`)
+    res.end('data: [DONE]\n\n')
+  }
+
+  const server = createServer((req, res) => {
+    stats.numRequests++
+    stats.numInFlight++
+    stats.maxInFlight = Math.max(stats.maxInFlight, stats.numInFlight)
+    stats.paths.push(`${req.method} ${req.url}`)
+    res.on('close', () => stats.numInFlight--)
+    handle(req, res).catch((err: unknown) => {
+      if (!res.headersSent)
+        sendJson(res, 500, { error: { message: String(err), type: 'server_error' } })
+      else res.end()
+    })
+  })
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  const { port } = server.address() as AddressInfo
+  return {
+    url: `http://127.0.0.1:${port}`,
+    stats,
+    close: () =>
+      new Promise<void>((resolve) => {
+        server.closeAllConnections()
+        server.close(() => resolve())
+      }),
+  }
+}
+
+/** A URL on which nothing listens: a port bound and released. */
+export async function unreachableUrl(): Promise<string> {
+  const server = createServer()
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  const { port } = server.address() as AddressInfo
+  await new Promise<void>((resolve) => server.close(() => resolve()))
+  return `http://127.0.0.1:${port}`
+}
+
+function countTokens(prompt: string): number {
+  return prompt.trim().split(/\s+/).length + 1
+}
+
+function readBody(req: IncomingMessage): Promise<string> {
+  return new Promise((resolve, reject) => {
+    const chunks: Buffer[] = []
+    req.on('data', (c: Buffer) => chunks.push(c))
+    req.on('end', () => resolve(Buffer.concat(chunks).toString('utf8')))
+    req.on('error', reject)
+  })
+}
+
+function sendJson(res: ServerResponse, status: number, body: unknown): void {
+  res.writeHead(status, { 'content-type': 'application/json' })
+  res.end(JSON.stringify(body))
+}

@@ -1,0 +1,387 @@
+/** Test fixtures for the router: a char-level tokenizer written to a temp dir, stand-in prefill
+ *  and decode workers speaking the control plane over real HTTP, a router in front of them, and
+ *  captured logs. Not a test file itself. */
+import assert from 'node:assert/strict'
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import http from 'node:http'
+import type { AddressInfo } from 'node:net'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { Writable } from 'node:stream'
+import OpenAI from 'openai'
+import { pino, type Logger } from 'pino'
+import { GenerateRequest, PrefillRequest, type ServerInfo } from '../../src/engine/control.js'
+import { apiKeyDigest } from '../../src/router/tenants.js'
+import { type RunningRouter, type StartRouterOptions, startRouter } from '../../src/router/start.js'
+
+// ---------------------------------------------------------------------------------------------
+// A char-level tokenizer: 0 <pad>, 1 <s>, 2 </s>, 3 <sep>, 4 "\n", 5.. printable ASCII
+
+export const bosId = 1
+export const eosId = 2
+
+/** The chat template of the test tokenizer: `<role>content\n` per message, then `<assistant>`. */
+export const testChatTemplate =
+  "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+
+/** Token ids of `text` in the test vocabulary (no BOS). */
+export function charIds(text: string): number[] {
+  return [...text].map((ch) => {
+    if (ch === '\n') return 4
+    const code = ch.charCodeAt(0)
+    assert.ok(code >= 32 && code <= 126, `not printable ASCII: ${JSON.stringify(ch)}`)
+    return code - 32 + 5
+  })
+}
+
+/** Writes `tokenizer.json` + `tokenizer_config.json` to a fresh temp dir; returns the dir. */
+export function writeTestTokenizer(
+  config: Record<string, unknown> = {},
+  options: { chatTemplate?: string | null } = {},
+): string {
+  const dir = mkdtempSync(join(tmpdir(), 'kvfence-tok-'))
+  const specials = ['<pad>', '<s>', '</s>', '<sep>']
+  const vocab: Record<string, number> = {}
+  specials.forEach((s, id) => (vocab[s] = id))
+  vocab['\n'] = 4
+  for (let code = 32; code <= 126; code++) vocab[String.fromCharCode(code)] = code - 32 + 5
+  const tokenizer = {
+    version: '1.0',
+    truncation: null,
+    padding: null,
+    added_tokens: specials.map((content, id) => ({
+      id,
+      content,
+      single_word: false,
+      lstrip: false,
+      rstrip: false,
+      normalized: false,
+      special: true,
+    })),
+    normalizer: null,
+    pre_tokenizer: null,
+    post_processor: {
+      type: 'TemplateProcessing',
+      single: [{ SpecialToken: { id: '<s>', type_id: 0 } }, { Sequence: { id: 'A', type_id: 0 } }],
+      pair: [
+        { SpecialToken: { id: '<s>', type_id: 0 } },
+        { Sequence: { id: 'A', type_id: 0 } },
+        { Sequence: { id: 'B', type_id: 1 } },
+      ],
+      special_tokens: { '<s>': { id: '<s>', ids: [1], tokens: ['<s>'] } },
+    },
+    decoder: { type: 'Fuse' },
+    model: {
+      type: 'BPE',
+      dropout: null,
+      unk_token: null,
+      continuing_subword_prefix: null,
+      end_of_word_suffix: null,
+      fuse_unk: false,
+      byte_fallback: false,
+      ignore_merges: false,
+      vocab,
+      merges: [],
+    },
+  }
+  const chatTemplate = options.chatTemplate === undefined ? testChatTemplate : options.chatTemplate
+  const tokenizerConfig = {
+    bos_token: '<s>',
+    eos_token: '</s>',
+    pad_token: '<pad>',
+    add_bos_token: true,
+    add_eos_token: false,
+    ...(chatTemplate === null ? {} : { chat_template: chatTemplate }),
+    ...config,
+  }
+  writeFileSync(join(dir, 'tokenizer.json'), JSON.stringify(tokenizer))
+  writeFileSync(join(dir, 'tokenizer_config.json'), JSON.stringify(tokenizerConfig))
+  return dir
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stand-in workers
+
+/** How the stand-ins behave. */
+export interface StandInOptions {
+  /** Tokens the decode worker streams for a prompt (default: "Hello, tenant!" then EOS). */
+  reply?: (promptTokenIds: readonly number[]) => number[]
+  pageSize?: number
+  numPages?: number
+  maxPositionEmbeddings?: number
+  guardsEnabled?: boolean
+  faults?: string[]
+  model?: string
+  /** Delay between tokens, ms (0 = one event-loop turn). */
+  tokenDelayMs?: number
+  /** Delay of the prefill worker before it answers, ms. */
+  prefillDelayMs?: number
+  /** The decode worker refuses `/internal/generate` outright. */
+  decodeRefusal?: { status: number; code: string; message: string }
+  /** The prefill worker refuses `/internal/prefill`. */
+  prefillRefusal?: { status: number; code: string; message: string }
+  /** The decode worker sends an `error` event after this many tokens. */
+  decodeErrorAfterTokens?: number
+  /** The prefill worker reports this first token instead of the real one. */
+  prefillFirstTokenId?: number
+  /** The prefill worker reports this many prompt tokens sent (the incident's placeholder: 1). */
+  prefillNumTokens?: number
+}
+
+/** Two `node:http` servers implementing the control plane, recording what they receive. */
+export interface StandIns {
+  prefillUrl: string
+  decodeUrl: string
+  transferPort: number
+  generateRequests: GenerateRequest[]
+  prefillRequests: PrefillRequest[]
+  /** Request ids whose HTTP request the router closed before the worker finished. */
+  decodeClosedEarly: string[]
+  prefillClosedEarly: string[]
+  /** Number of HTTP requests of any kind on `/internal/*`. */
+  numInternalRequests(): number
+  close(): Promise<void>
+}
+
+/** The default reply text of the stand-in decode worker. */
+export const defaultReplyText = 'Hello, tenant!'
+
+/** Starts a stand-in prefill worker and decode worker on 127.0.0.1. */
+export async function startStandIns(options: StandInOptions = {}): Promise<StandIns> {
+  const pageSize = options.pageSize ?? 16
+  const numPages = options.numPages ?? 64
+  const reply = options.reply ?? (() => [...charIds(defaultReplyText), eosId])
+  const transferPort = 47_000 + Math.floor(Math.random() * 1000) // never connected to
+  const prefilled = new Map<string, () => void>() // rid → wake the decode worker
+  const prefilledEarly = new Set<string>()
+  const state = {
+    generateRequests: [] as GenerateRequest[],
+    prefillRequests: [] as PrefillRequest[],
+    decodeClosedEarly: [] as string[],
+    prefillClosedEarly: [] as string[],
+  }
+  const info = (role: 'prefill' | 'decode'): ServerInfo => ({
+    role,
+    model: options.model ?? 'echo-test',
+    pageSize,
+    numPages,
+    capacityTokens: numPages * pageSize,
+    numPagesFree: numPages,
+    numPagesUsed: 0,
+    maxPositionEmbeddings: options.maxPositionEmbeddings ?? 4096,
+    guardsEnabled: options.guardsEnabled ?? true,
+    faults: options.faults ?? [],
+    ...(role === 'decode' ? { transferPort } : {}),
+  })
+
+  const decode = http.createServer(async (req, res) => {
+    if (req.method === 'GET' && req.url === '/server_info') return json(res, 200, info('decode'))
+    if (req.method !== 'POST' || req.url !== '/internal/generate') return json(res, 404, {})
+    const request = GenerateRequest.parse(JSON.parse(await readBody(req)))
+    state.generateRequests.push(request)
+    const rid = request.requestId
+    let isClosed = false
+    res.on('close', () => {
+      isClosed = true
+      if (!res.writableEnded) state.decodeClosedEarly.push(rid)
+    })
+    if (options.decodeRefusal) {
+      const { status, code, message } = options.decodeRefusal
+      return json(res, status, { error: { code, message } })
+    }
+    res.writeHead(200, { 'content-type': 'application/x-ndjson' })
+    const emit = (event: object) => res.write(`${JSON.stringify(event)}\n`)
+    emit({ type: 'reserved', numPages: Math.ceil(request.promptTokenIds.length / pageSize) })
+    if (!prefilledEarly.has(rid)) await new Promise<void>((resolve) => prefilled.set(rid, resolve))
+    const tokens = reply(request.promptTokenIds)
+    let numTokens = 0
+    let finishReason: 'stop' | 'length' = 'length'
+    for (const token of tokens) {
+      if (isClosed) return
+      if (numTokens === options.decodeErrorAfterTokens) {
+        emit({ type: 'error', code: 'guard_violation', message: 'page 3 of tenant beta in use' })
+        return res.end()
+      }
+      emit({ type: 'token', tokenId: token })
+      numTokens++
+      await delay(options.tokenDelayMs ?? 0)
+      if (request.stopTokenIds.includes(token)) {
+        finishReason = 'stop'
+        break
+      }
+      if (numTokens >= request.maxTokens) break
+    }
+    if (isClosed) return
+    emit({
+      type: 'done',
+      finishReason,
+      promptTokens: request.promptTokenIds.length,
+      completionTokens: numTokens,
+    })
+    res.end()
+  })
+
+  const prefill = http.createServer(async (req, res) => {
+    if (req.method === 'GET' && req.url === '/server_info') return json(res, 200, info('prefill'))
+    if (req.method !== 'POST' || req.url !== '/internal/prefill') return json(res, 404, {})
+    const request = PrefillRequest.parse(JSON.parse(await readBody(req)))
+    state.prefillRequests.push(request)
+    const rid = request.requestId
+    res.on('close', () => {
+      if (!res.writableEnded) state.prefillClosedEarly.push(rid)
+    })
+    assert.equal(request.decode.port, transferPort, 'router sent the wrong transfer port')
+    assert.equal(request.decode.host, '127.0.0.1', 'router sent the wrong transfer host')
+    await delay(options.prefillDelayMs ?? 1)
+    if (res.destroyed) return
+    if (options.prefillRefusal) {
+      const { status, code, message } = options.prefillRefusal
+      return json(res, status, { error: { code, message } })
+    }
+    const wake = prefilled.get(rid)
+    if (wake) wake()
+    else prefilledEarly.add(rid)
+    json(res, 200, {
+      requestId: rid,
+      numPages: Math.ceil(request.promptTokenIds.length / pageSize),
+      numTokens: options.prefillNumTokens ?? request.promptTokenIds.length,
+      firstTokenId: options.prefillFirstTokenId ?? reply(request.promptTokenIds)[0],
+    })
+  })
+
+  const [decodePort, prefillPort] = await Promise.all([listen(decode), listen(prefill)])
+  return {
+    ...state,
+    prefillUrl: `http://127.0.0.1:${prefillPort}`,
+    decodeUrl: `http://127.0.0.1:${decodePort}`,
+    transferPort,
+    numInternalRequests: () => state.generateRequests.length + state.prefillRequests.length,
+    async close() {
+      for (const server of [decode, prefill]) server.closeAllConnections()
+      await Promise.all([decode, prefill].map((s) => new Promise((r) => s.close(r))))
+    },
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A router in front of stand-ins
+
+/** API keys of the two test tenants. */
+export const keys = { alpha: 'sk-alpha-7f3e9c1d2b', beta: 'sk-beta-41a8d0e6c5' }
+
+/** Captured log lines (pino JSON). */
+export interface LogCapture {
+  log: Logger
+  lines: string[]
+  text(): string
+}
+
+/** A pino logger writing into memory. */
+export function captureLogs(): LogCapture {
+  const lines: string[] = []
+  const sink = new Writable({
+    write(chunk: Buffer, _encoding, callback) {
+      lines.push(chunk.toString('utf8'))
+      callback()
+    },
+  })
+  return { log: pino({ level: 'debug' }, sink), lines, text: () => lines.join('') }
+}
+
+/** Everything a router test needs. */
+export interface Harness {
+  router: RunningRouter
+  workers: StandIns
+  logs: LogCapture
+  tokenizerDir: string
+  /** An OpenAI client for a tenant's key (no retries). */
+  client(apiKey?: string): OpenAI
+  /** `fetch` against the router with tenant alpha's key unless `headers` say otherwise. */
+  post(path: string, body: string | object, headers?: Record<string, string>): Promise<Response>
+  close(): Promise<void>
+}
+
+/** Starts stand-ins and a router (port 0) in front of them. */
+export async function startHarness(
+  standIn: StandInOptions = {},
+  routerOptions: Partial<StartRouterOptions> = {},
+): Promise<Harness> {
+  const workers = await startStandIns(standIn)
+  const logs = captureLogs()
+  const tokenizerDir = writeTestTokenizer()
+  let router: RunningRouter
+  try {
+    router = await startRouter({
+      modelDir: tokenizerDir,
+      prefillUrls: [workers.prefillUrl],
+      decodeUrls: [workers.decodeUrl],
+      tenants: [
+        { name: 'alpha', keySha256: apiKeyDigest(keys.alpha) },
+        { name: 'beta', keySha256: apiKeyDigest(keys.beta) },
+      ],
+      port: 0,
+      log: logs.log,
+      workerWaitMs: 0,
+      ...routerOptions,
+    })
+  } catch (err) {
+    await workers.close()
+    rmSync(tokenizerDir, { recursive: true, force: true })
+    throw err
+  }
+  return {
+    router,
+    workers,
+    logs,
+    tokenizerDir,
+    client: (apiKey = keys.alpha) =>
+      new OpenAI({ baseURL: `${router.url}/v1`, apiKey, maxRetries: 0, timeout: 10_000 }),
+    post: (path, body, headers = {}) =>
+      fetch(`${router.url}${path}`, {
+        method: 'POST',
+        headers: {
+          authorization: `Bearer ${keys.alpha}`,
+          'content-type': 'application/json',
+          ...headers,
+        },
+        body: typeof body === 'string' ? body : JSON.stringify(body),
+      }),
+    async close() {
+      await router.close()
+      await workers.close()
+      rmSync(tokenizerDir, { recursive: true, force: true })
+    },
+  }
+}
+
+/** Polls `predicate` every 5 ms until it holds or `timeoutMs` passes. */
+export async function waitFor(predicate: () => boolean, timeoutMs = 2_000): Promise<void> {
+  const deadline = Date.now() + timeoutMs
+  while (!predicate()) {
+    if (Date.now() > deadline) assert.fail('condition not reached in time')
+    await delay(5)
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+function json(res: http.ServerResponse, status: number, body: unknown): void {
+  res.writeHead(status, { 'content-type': 'application/json' })
+  res.end(JSON.stringify(body))
+}
+
+async function readBody(req: http.IncomingMessage): Promise<string> {
+  const chunks: Buffer[] = []
+  for await (const chunk of req as AsyncIterable<Buffer>) chunks.push(chunk)
+  return Buffer.concat(chunks).toString('utf8')
+}
+
+function delay(ms: number): Promise<void> {
+  return new Promise((resolve) => (ms <= 0 ? setImmediate(resolve) : setTimeout(resolve, ms)))
+}
+
+function listen(server: http.Server): Promise<number> {
+  return new Promise((resolve) =>
+    server.listen(0, '127.0.0.1', () => resolve((server.address() as AddressInfo).port)),
+  )
+}

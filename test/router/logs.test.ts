@@ -1,0 +1,59 @@
+/** The router's log names request ids and tenants, never keys, prompts or completions. */
+import assert from 'node:assert/strict'
+import { describe, it } from 'node:test'
+import { apiKeyDigest } from '../../src/router/tenants.js'
+import { defaultReplyText, keys, startHarness } from './helpers.js'
+
+describe('logging', () => {
+  it('never writes an API key, its digest, a prompt or a completion', async () => {
+    const h = await startHarness()
+    const wrongKey = 'sk-wrong-0c9b8a7f6e'
+    const secretPrompt = 'CANARY-PROMPT-5e1f'
+    try {
+      await h.client().chat.completions.create({
+        model: 'echo-test',
+        messages: [{ role: 'user', content: secretPrompt }],
+      })
+      const stream = await h.client(keys.beta).completions.create({
+        model: 'echo-test',
+        prompt: secretPrompt,
+        stream: true,
+      })
+      for await (const _ of stream) void _
+      await h
+        .client(wrongKey)
+        .models.list()
+        .catch(() => undefined)
+      await h.post('/v1/completions', { model: 'echo-test', prompt: secretPrompt, max_tokens: 0 })
+      await h.post('/v1/completions', {
+        model: 'echo-test',
+        prompt: secretPrompt,
+        cache_salt: keys.beta,
+      })
+      await h.post('/v1/completions', '{"prompt": "' + secretPrompt)
+
+      const text = h.logs.text()
+      assert.ok(h.logs.lines.length >= 6, 'the requests were logged')
+      for (const secret of [keys.alpha, keys.beta, wrongKey]) {
+        assert.ok(!text.includes(secret), 'a key appears in the log')
+        assert.ok(!text.includes(apiKeyDigest(secret)), 'a key digest appears in the log')
+      }
+      assert.ok(!text.includes(secretPrompt), 'a prompt appears in the log')
+      assert.ok(!text.includes(defaultReplyText), 'a completion appears in the log')
+
+      const finished = h.logs.lines
+        .map((l) => JSON.parse(l))
+        .filter((l) => l.msg === 'request finished')
+      assert.equal(finished.length, 5)
+      for (const line of finished) {
+        assert.match(line.rid, /^[0-9a-f]{32}$/)
+        assert.ok(['alpha', 'beta'].includes(line.tenant))
+        for (const field of ['status', 'promptTokens', 'completionTokens', 'ms']) {
+          assert.equal(typeof line[field], 'number', field)
+        }
+      }
+    } finally {
+      await h.close()
+    }
+  })
+})

@@ -1,0 +1,345 @@
+/** Everything the router refuses at its boundary gets an OpenAI error body naming the field at
+ *  fault, and nothing of it reaches a worker. */
+import assert from 'node:assert/strict'
+import { after, before, describe, it } from 'node:test'
+import OpenAI from 'openai'
+import { type Harness, keys, startHarness } from './helpers.js'
+
+const chat = (fields: object) => ({
+  model: 'echo-test',
+  messages: [{ role: 'user', content: 'Hi' }],
+  ...fields,
+})
+const completion = (fields: object) => ({ model: 'echo-test', prompt: 'Hi', ...fields })
+
+/** [name, path, body, status, code, param] */
+const refusals: [string, string, string | object, number, string, string | null][] = [
+  [
+    'malformed JSON',
+    '/v1/chat/completions',
+    '{"model": "echo-test", "messages": [',
+    400,
+    'invalid_request',
+    null,
+  ],
+  ['an empty body', '/v1/completions', '', 400, 'invalid_request', null],
+  ['a JSON array body', '/v1/completions', '[1, 2]', 400, 'invalid_request', null],
+  ['a missing model', '/v1/completions', { prompt: 'Hi' }, 400, 'invalid_request', 'model'],
+  [
+    'an unknown model',
+    '/v1/chat/completions',
+    chat({ model: 'gpt-4o' }),
+    404,
+    'model_not_found',
+    'model',
+  ],
+  [
+    'missing messages',
+    '/v1/chat/completions',
+    { model: 'echo-test' },
+    400,
+    'invalid_request',
+    'messages',
+  ],
+  [
+    'empty messages',
+    '/v1/chat/completions',
+    chat({ messages: [] }),
+    400,
+    'invalid_request',
+    'messages',
+  ],
+  [
+    'a message of the wrong type',
+    '/v1/chat/completions',
+    chat({ messages: [{ role: 'user', content: 5 }] }),
+    400,
+    'invalid_request',
+    'messages[0].content',
+  ],
+  [
+    'an unknown role',
+    '/v1/chat/completions',
+    chat({ messages: [{ role: 'wizard', content: 'x' }] }),
+    400,
+    'invalid_request',
+    'messages[0].role',
+  ],
+  [
+    'an image part',
+    '/v1/chat/completions',
+    chat({
+      messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'x' } }] }],
+    }),
+    400,
+    'invalid_request',
+    'messages[0].content',
+  ],
+  [
+    'max_tokens 0',
+    '/v1/chat/completions',
+    chat({ max_tokens: 0 }),
+    400,
+    'invalid_request',
+    'max_tokens',
+  ],
+  [
+    'negative max_tokens',
+    '/v1/completions',
+    completion({ max_tokens: -3 }),
+    400,
+    'invalid_request',
+    'max_tokens',
+  ],
+  [
+    'fractional max_tokens',
+    '/v1/completions',
+    completion({ max_tokens: 1.5 }),
+    400,
+    'invalid_request',
+    'max_tokens',
+  ],
+  [
+    'max_tokens as a string',
+    '/v1/completions',
+    completion({ max_tokens: '10' }),
+    400,
+    'invalid_request',
+    'max_tokens',
+  ],
+  [
+    'max_completion_tokens 0',
+    '/v1/chat/completions',
+    chat({ max_completion_tokens: 0 }),
+    400,
+    'invalid_request',
+    'max_completion_tokens',
+  ],
+  [
+    'temperature above 2',
+    '/v1/chat/completions',
+    chat({ temperature: 2.5 }),
+    400,
+    'invalid_request',
+    'temperature',
+  ],
+  [
+    'negative temperature',
+    '/v1/completions',
+    completion({ temperature: -0.1 }),
+    400,
+    'invalid_request',
+    'temperature',
+  ],
+  [
+    'temperature as a string',
+    '/v1/completions',
+    completion({ temperature: '1' }),
+    400,
+    'invalid_request',
+    'temperature',
+  ],
+  ['top_p 0', '/v1/chat/completions', chat({ top_p: 0 }), 400, 'invalid_request', 'top_p'],
+  [
+    'top_p above 1',
+    '/v1/completions',
+    completion({ top_p: 1.01 }),
+    400,
+    'invalid_request',
+    'top_p',
+  ],
+  ['n = 2', '/v1/chat/completions', chat({ n: 2 }), 400, 'invalid_request', 'n'],
+  [
+    'five stop strings',
+    '/v1/completions',
+    completion({ stop: ['a', 'b', 'c', 'd', 'e'] }),
+    400,
+    'invalid_request',
+    'stop',
+  ],
+  [
+    'stream_options without stream',
+    '/v1/chat/completions',
+    chat({ stream_options: { include_usage: true } }),
+    400,
+    'invalid_request',
+    'stream_options',
+  ],
+  [
+    'logprobs',
+    '/v1/chat/completions',
+    chat({ logprobs: true }),
+    400,
+    'invalid_request',
+    'logprobs',
+  ],
+  [
+    'tools',
+    '/v1/chat/completions',
+    chat({ tools: [{ type: 'function', function: { name: 'f' } }] }),
+    400,
+    'invalid_request',
+    'tools',
+  ],
+  ['echo', '/v1/completions', completion({ echo: true }), 400, 'invalid_request', 'echo'],
+  [
+    'an unknown field',
+    '/v1/completions',
+    completion({ frobnicate: 1 }),
+    400,
+    'invalid_request',
+    'frobnicate',
+  ],
+  [
+    'an empty prompt',
+    '/v1/completions',
+    completion({ prompt: '' }),
+    400,
+    'invalid_request',
+    'prompt',
+  ],
+  [
+    'an empty prompt list',
+    '/v1/completions',
+    completion({ prompt: [] }),
+    400,
+    'invalid_request',
+    'prompt',
+  ],
+  [
+    'two prompts',
+    '/v1/completions',
+    completion({ prompt: ['a', 'b'] }),
+    400,
+    'invalid_request',
+    'prompt',
+  ],
+  [
+    'a token id outside the vocabulary',
+    '/v1/completions',
+    completion({ prompt: [5, 100] }),
+    400,
+    'invalid_request',
+    'prompt',
+  ],
+  [
+    'a huge max_tokens',
+    '/v1/completions',
+    completion({ max_tokens: 1_000_000_000 }),
+    400,
+    'context_length_exceeded',
+    'max_tokens',
+  ],
+  [
+    'an over-long prompt',
+    '/v1/completions',
+    completion({ prompt: 'x'.repeat(2000) }),
+    400,
+    'context_length_exceeded',
+    'prompt',
+  ],
+  [
+    'a prompt filling the window',
+    '/v1/completions',
+    completion({ prompt: 'x'.repeat(1023) }),
+    400,
+    'context_length_exceeded',
+    'prompt',
+  ],
+  ...(
+    [
+      'cache_salt',
+      'kv_transfer_params',
+      'bootstrap_host',
+      'bootstrap_port',
+      'bootstrap_room',
+      'rid',
+    ] as const
+  ).map((field): [string, string, object, number, string, string] => [
+    `the internal field ${field}`,
+    '/v1/chat/completions',
+    chat({ [field]: field === 'kv_transfer_params' ? { do_remote_prefill: true } : 'x' }),
+    400,
+    'invalid_request',
+    field,
+  ]),
+]
+
+describe('the router refuses invalid requests at its boundary', () => {
+  let h: Harness
+  before(async () => {
+    h = await startHarness()
+  })
+  after(() => h.close())
+
+  for (const [name, path, body, status, code, param] of refusals) {
+    it(`refuses ${name} with ${status} ${code} (param ${param})`, async () => {
+      const res = await h.post(path, body)
+      assert.equal(res.status, status)
+      const error = ((await res.json()) as { error: Record<string, unknown> }).error
+      assert.deepEqual(Object.keys(error).sort(), ['code', 'message', 'param', 'type'])
+      assert.equal(error.code, code)
+      assert.equal(error.param, param)
+      assert.equal(error.type, 'invalid_request_error')
+      assert.equal(typeof error.message, 'string')
+    })
+  }
+
+  it('names both numbers when the context window is exceeded (openai client)', async () => {
+    await assert.rejects(
+      h.client().chat.completions.create({
+        model: 'echo-test',
+        messages: [{ role: 'user', content: 'y'.repeat(1000) }],
+        max_tokens: 50,
+      }),
+      (err: unknown) => {
+        assert.ok(err instanceof OpenAI.BadRequestError)
+        assert.equal(err.code, 'context_length_exceeded')
+        assert.equal(err.param, 'max_tokens')
+        assert.match(err.message, /maximum context length is 1024 tokens/)
+        assert.match(err.message, /1069 tokens \(1019 in the messages, 50 in the completion\)/)
+        return true
+      },
+    )
+  })
+
+  it('refuses a wrong key with 401 (OpenAI.AuthenticationError)', async () => {
+    await assert.rejects(
+      h.client('sk-not-a-tenant').chat.completions.create({
+        model: 'echo-test',
+        messages: [{ role: 'user', content: 'Hi' }],
+      }),
+      (err: unknown) => err instanceof OpenAI.AuthenticationError && err.code === 'invalid_api_key',
+    )
+    await assert.rejects(h.client('sk-not-a-tenant').models.list(), OpenAI.AuthenticationError)
+  })
+
+  it('refuses a missing or malformed Authorization header with 401', async () => {
+    for (const authorization of ['', keys.alpha, `Basic ${keys.alpha}`]) {
+      const res = await h.post('/v1/completions', completion({}), { authorization })
+      assert.equal(res.status, 401)
+      const body = (await res.json()) as { error: { code: string; type: string } }
+      assert.equal(body.error.code, 'invalid_api_key')
+      assert.equal(body.error.type, 'authentication_error')
+    }
+  })
+
+  it('refuses a body over 1 MiB with 413', async () => {
+    const res = await h.post('/v1/completions', completion({ prompt: 'x'.repeat(1024 * 1024 + 1) }))
+    assert.equal(res.status, 413)
+    const body = (await res.json()) as { error: { code: string } }
+    assert.equal(body.error.code, 'payload_too_large')
+  })
+
+  it('answers unknown endpoints with 404', async () => {
+    const res = await fetch(`${h.router.url}/v1/chat/completions`, {
+      headers: { authorization: `Bearer ${keys.alpha}` },
+    })
+    assert.equal(res.status, 404)
+    assert.equal(((await res.json()) as { error: { code: string } }).error.code, 'not_found')
+  })
+
+  it('contacted no worker for any of the refused requests', () => {
+    assert.equal(h.workers.numInternalRequests(), 0)
+  })
+})

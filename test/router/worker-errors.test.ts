@@ -1,0 +1,160 @@
+/** Worker failures reach the client as OpenAI errors — a status, or in a stream an error event —
+ *  and never as a normal finish. Workers' own messages stay in the router's log. */
+import assert from 'node:assert/strict'
+import { describe, it } from 'node:test'
+import OpenAI from 'openai'
+import { startHarness, waitFor } from './helpers.js'
+
+const request = { model: 'echo-test', messages: [{ role: 'user' as const, content: 'Hi' }] }
+
+describe('worker failures', () => {
+  it('a decode worker out of capacity → 503 with Retry-After: 1, streamed or not', async () => {
+    const h = await startHarness({
+      decodeRefusal: { status: 503, code: 'capacity_exhausted', message: '0 of 64 pages free' },
+    })
+    try {
+      for (const stream of [false, true]) {
+        const res = await h.post('/v1/chat/completions', { ...request, stream })
+        assert.equal(res.status, 503)
+        assert.equal(res.headers.get('retry-after'), '1')
+        const { error } = (await res.json()) as { error: Record<string, unknown> }
+        assert.equal(error.code, 'capacity_exhausted')
+        assert.equal(error.type, 'server_error')
+      }
+      await assert.rejects(h.client().chat.completions.create(request), (err: unknown) => {
+        assert.ok(err instanceof OpenAI.InternalServerError)
+        assert.equal(err.status, 503)
+        return true
+      })
+      assert.equal(h.workers.prefillRequests.length, 0, 'no prefill for a refused request')
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('a failed prefill → 502 transfer_failed, and the decode worker request is closed', async () => {
+    const h = await startHarness({
+      prefillRefusal: {
+        status: 502,
+        code: 'transfer_failed',
+        message: 'NACK page 2 of transfer 9',
+      },
+    })
+    try {
+      const res = await h.post('/v1/chat/completions', request)
+      assert.equal(res.status, 502)
+      const { error } = (await res.json()) as { error: { code: string; message: string } }
+      assert.equal(error.code, 'transfer_failed')
+      assert.doesNotMatch(error.message, /NACK|page 2/, 'worker detail stays in the log')
+      assert.match(h.logs.text(), /NACK page 2 of transfer 9/)
+      const rid = h.workers.generateRequests[0].requestId
+      await waitFor(() => h.workers.decodeClosedEarly.includes(rid))
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('an error event mid-stream → an in-stream error, no finish_reason, no [DONE]', async () => {
+    const h = await startHarness({ decodeErrorAfterTokens: 3 })
+    try {
+      const stream = await h.client().chat.completions.create({ ...request, stream: true })
+      const texts: string[] = []
+      await assert.rejects(
+        async () => {
+          for await (const chunk of stream) {
+            assert.equal(chunk.choices[0]?.finish_reason ?? null, null, 'no normal finish')
+            texts.push(chunk.choices[0]?.delta.content ?? '')
+          }
+        },
+        (err: unknown) => {
+          assert.ok(err instanceof OpenAI.APIError)
+          assert.equal(err.code, 'guard_violation')
+          assert.doesNotMatch(err.message, /tenant beta/)
+          return true
+        },
+      )
+      assert.equal(texts.join(''), 'Hel')
+
+      const raw = await (
+        await h.post('/v1/completions', { model: 'echo-test', prompt: 'Hi', stream: true })
+      ).text()
+      const events = raw.split('\n\n').filter((e) => e !== '')
+      assert.ok(!raw.includes('[DONE]'))
+      assert.equal(JSON.parse(events.at(-1)!.slice('data: '.length)).error.code, 'guard_violation')
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('an error event before the output is sent → a plain 500', async () => {
+    const h = await startHarness({ decodeErrorAfterTokens: 0 })
+    try {
+      const res = await h.post('/v1/chat/completions', { ...request, stream: true })
+      assert.equal(res.status, 500)
+      assert.equal(
+        ((await res.json()) as { error: { code: string } }).error.code,
+        'guard_violation',
+      )
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('a first token that prefill and decode disagree on fails the request before any output', async () => {
+    const h = await startHarness({ prefillFirstTokenId: 50 })
+    try {
+      for (const stream of [false, true]) {
+        const res = await h.post('/v1/chat/completions', { ...request, stream })
+        assert.equal(res.status, 500, 'a plain error: not one token was streamed')
+        const { error } = (await res.json()) as { error: { code: string } }
+        assert.equal(error.code, 'guard_violation')
+      }
+      assert.match(h.logs.text(), /first token \d+ from decode, 50 from prefill/)
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('a prefill that covered less than the prompt (a placeholder) fails the request', async () => {
+    const h = await startHarness({ prefillNumTokens: 1 })
+    try {
+      const res = await h.post('/v1/chat/completions', { ...request, stream: true })
+      assert.equal(res.status, 500)
+      assert.equal(
+        ((await res.json()) as { error: { code: string } }).error.code,
+        'guard_violation',
+      )
+      assert.match(h.logs.text(), /prefill sent 1 prompt tokens, want 21/)
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('with guards off, the router passes such a request through (the incident)', async () => {
+    const h = await startHarness(
+      { prefillNumTokens: 1, guardsEnabled: false },
+      { guardsEnabled: false },
+    )
+    try {
+      const completion = await h.client().chat.completions.create(request)
+      assert.equal(completion.choices[0].finish_reason, 'stop')
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('a decode worker that went away → 503 worker_unavailable', async () => {
+    const h = await startHarness()
+    try {
+      await h.workers.close()
+      const res = await h.post('/v1/chat/completions', request)
+      assert.equal(res.status, 503)
+      assert.equal(
+        ((await res.json()) as { error: { code: string } }).error.code,
+        'worker_unavailable',
+      )
+    } finally {
+      await h.close()
+    }
+  })
+})
