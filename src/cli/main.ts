@@ -3,6 +3,7 @@
 import { Command, CommanderError } from 'commander'
 import { registerAudit } from './audit.js'
 import { registerDemo } from './demo.js'
+import { registerGenerate } from './generate.js'
 import { registerKeys } from './keys.js'
 import { registerRouter } from './router.js'
 import { registerServe } from './serve.js'
@@ -18,6 +19,7 @@ program
 
 registerDemo(program)
 registerServe(program)
+registerGenerate(program)
 registerWorkers(program)
 registerRouter(program)
 registerKeys(program)

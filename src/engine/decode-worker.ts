@@ -204,8 +204,9 @@ export class DecodeWorker {
             `transfer ${info.transferId}: page ${ordinal} (${tokensOnPage} tokens, ${payload.byteLength} bytes) is outside the reservation`,
           )
         }
-        scatterPage(pool, promptPages[ordinal].page, payload)
+        // Claim first (owner, epoch, no gap: G5), then write.
         pool.noteWrite(promptPages, owner, ordinal * pool.shape.pageSize, tokensOnPage)
+        scatterPage(pool, promptPages[ordinal].page, payload)
       },
       complete: (firstTokenId) => {
         if (guards.G4) {

@@ -5,7 +5,8 @@
  *  request's page table, after the pool checked owner, epoch and fill of every page (G5).
  *  Knows tensors, positions and page tables; knows nothing of tenants, transfers or HTTP. */
 import type { KvPool, PageRef } from '../kv/pool.js'
-import { matmulT, rmsNorm, silu } from './kernels.js'
+import { rmsNorm, silu } from './kernels.js'
+import { readRow } from './linear.js'
 import type { Model } from './weights.js'
 
 /** The request whose KV a forward pass reads and writes. */
@@ -17,24 +18,54 @@ export interface SequenceKv {
 }
 
 /** Precomputed RoPE tables for positions [0, maxPositions): `cos`, `sin` of shape
- *  `[maxPositions, headDim / 2]` with angle = position × theta^(−2i/headDim). */
+ *  `[maxPositions, headDim / 2]` with angle = position × invFreq[i]. */
 export interface Rope {
   cos: Float32Array
   sin: Float32Array
   half: number
 }
 
-/** Build the RoPE tables of a model (computed in float64, stored as float32). */
-export function makeRope(model: Model): Rope {
-  const { headDim, ropeTheta, maxPositionEmbeddings } = model.config
+/** RoPE inverse frequencies `[headDim / 2]`: theta^(−2i/headDim), then Llama-3's rescaling when the
+ *  config has one (HF `modeling_rope_utils._compute_llama3_parameters`: wavelengths shorter than
+ *  original_max / high_freq_factor kept, longer than original_max / low_freq_factor divided by
+ *  factor, smoothly interpolated between). Rounded to float32 as HF holds them. */
+export function ropeInverseFrequencies(config: Model['config']): Float32Array {
+  const { headDim, ropeTheta, ropeScaling } = config
   const half = headDim / 2
+  const out = new Float32Array(half)
+  for (let i = 0; i < half; i++) {
+    const inv = Math.fround(1 / Math.pow(ropeTheta, (2 * i) / headDim))
+    if (ropeScaling === null) {
+      out[i] = inv
+      continue
+    }
+    const {
+      factor,
+      lowFreqFactor,
+      highFreqFactor,
+      originalMaxPositionEmbeddings: old,
+    } = ropeScaling
+    const wavelen = (2 * Math.PI) / inv
+    if (wavelen < old / highFreqFactor) out[i] = inv
+    else if (wavelen > old / lowFreqFactor) out[i] = inv / factor
+    else {
+      const smooth = (old / wavelen - lowFreqFactor) / (highFreqFactor - lowFreqFactor)
+      out[i] = ((1 - smooth) * inv) / factor + smooth * inv
+    }
+  }
+  return out
+}
+
+/** Build the RoPE tables of a model (angles rounded to float32 as HF computes them). */
+export function makeRope(model: Model): Rope {
+  const { headDim, maxPositionEmbeddings } = model.config
+  const half = headDim / 2
+  const invFreq = ropeInverseFrequencies(model.config)
   const cos = new Float32Array(maxPositionEmbeddings * half)
   const sin = new Float32Array(maxPositionEmbeddings * half)
   for (let i = 0; i < half; i++) {
-    // HF computes inv_freq in float32; round the same way so angles agree at long positions.
-    const invFreq = Math.fround(1 / Math.pow(ropeTheta, (2 * i) / headDim))
     for (let p = 0; p < maxPositionEmbeddings; p++) {
-      const angle = Math.fround(p * invFreq)
+      const angle = Math.fround(p * invFreq[i])
       cos[p * half + i] = Math.cos(angle)
       sin[p * half + i] = Math.sin(angle)
     }
@@ -83,8 +114,6 @@ export function forward(
   const n = tokenIds.length
   const qDim = numHeads * headDim
   const kvDim = numKvHeads * headDim
-  const groupSize = numHeads / numKvHeads
-  const scale = 1 / Math.sqrt(headDim)
   const endPos = startPos + n
   if (endPos > model.config.maxPositionEmbeddings) {
     throw new RangeError(
@@ -95,21 +124,24 @@ export function forward(
   // The request claims these positions: ownership and epoch are checked before anything is written.
   pool.noteWrite(seq.pageTable, seq.owner, startPos, n)
 
-  // x: [n, d] residual stream.
-  const x = new Float32Array(n * d)
-  for (let t = 0; t < n; t++)
-    x.set(model.embed.subarray(tokenIds[t] * d, (tokenIds[t] + 1) * d), t * d)
+  // Activations live in the kernels' scratch memory (reused across calls, so the SIMD kernels
+  // read and write them in place). x: [n, d] residual stream.
+  const K = model.kernels
+  const x = K.scratch('x', n * d)
+  for (let t = 0; t < n; t++) readRow(model.embed, tokenIds[t], x, t * d)
 
-  const h = new Float32Array(n * d)
-  const q = new Float32Array(n * qDim)
-  const k = new Float32Array(n * kvDim)
-  const v = new Float32Array(n * kvDim)
-  const attn = new Float32Array(n * qDim)
-  const o = new Float32Array(n * d)
-  const gate = new Float32Array(n * ff)
-  const up = new Float32Array(n * ff)
-  const scores = new Float32Array(endPos)
-  const offsets = new Int32Array(endPos)
+  const h = K.scratch('h', n * d)
+  const q = K.scratch('q', n * qDim)
+  const k = K.scratch('k', n * kvDim)
+  const v = K.scratch('v', n * kvDim)
+  const attn = K.scratch('attn', n * qDim)
+  const o = K.scratch('o', n * d)
+  const gate = K.scratch('gate', n * ff)
+  const up = K.scratch('up', n * ff)
+  // The request's context gathered from its pages: [endPos, kvDim] each.
+  const kCtx = K.scratch('kCtx', endPos * kvDim)
+  const vCtx = K.scratch('vCtx', endPos * kvDim)
+  const { pageSize } = pool.shape
 
   for (let layer = 0; layer < model.layers.length; layer++) {
     const w = model.layers[layer]
@@ -118,9 +150,9 @@ export function forward(
 
     // Attention block: h = RMSNorm(x); q, k, v projections; RoPE on q and k.
     rmsNorm(h, x, w.inputNorm, n, d, model.config.rmsNormEps)
-    matmulT(q, h, w.wq, w.bq, n, d, qDim)
-    matmulT(k, h, w.wk, w.bk, n, d, kvDim)
-    matmulT(v, h, w.wv, w.bv, n, d, kvDim)
+    K.linear(q, h, w.wq, w.bq, n)
+    K.linear(k, h, w.wk, w.bk, n)
+    K.linear(v, h, w.wv, w.bv, n)
     for (let t = 0; t < n; t++) {
       for (let head = 0; head < numHeads; head++)
         applyRope(q, t * qDim + head * headDim, startPos + t, rope)
@@ -136,48 +168,26 @@ export function forward(
     }
 
     // Every page read below belongs to this request at its epoch and holds the positions read (G5).
+    // Then gather positions [0, endPos) page by page (a page's tokens are contiguous) into kCtx/vCtx.
     pool.checkRead(seq.pageTable, seq.owner, endPos)
-    for (let p = 0; p < endPos; p++) offsets[p] = pool.offsetOf(seq.pageTable, p)
+    for (let first = 0; first < endPos; first += pageSize) {
+      const off = pool.offsetOf(seq.pageTable, first)
+      const count = Math.min(pageSize, endPos - first) * kvDim
+      kCtx.set(poolK.subarray(off, off + count), first * kvDim)
+      vCtx.set(poolV.subarray(off, off + count), first * kvDim)
+    }
 
     // Causal attention: token t (position startPos + t) attends to positions [0, startPos + t].
-    for (let t = 0; t < n; t++) {
-      const numKeys = startPos + t + 1
-      for (let head = 0; head < numHeads; head++) {
-        const qOff = t * qDim + head * headDim
-        const kvHeadOff = Math.floor(head / groupSize) * headDim
-        let max = -Infinity
-        for (let p = 0; p < numKeys; p++) {
-          const kOff = offsets[p] + kvHeadOff
-          let dot = 0
-          for (let i = 0; i < headDim; i++) dot += q[qOff + i] * poolK[kOff + i]
-          const s = dot * scale
-          scores[p] = s
-          if (s > max) max = s
-        }
-        let sum = 0
-        for (let p = 0; p < numKeys; p++) {
-          const e = Math.exp(scores[p] - max)
-          scores[p] = e
-          sum += e
-        }
-        const outOff = t * qDim + head * headDim
-        attn.fill(0, outOff, outOff + headDim)
-        for (let p = 0; p < numKeys; p++) {
-          const weight = scores[p] / sum
-          const vOff = offsets[p] + kvHeadOff
-          for (let i = 0; i < headDim; i++) attn[outOff + i] += weight * poolV[vOff + i]
-        }
-      }
-    }
-    matmulT(o, attn, w.wo, null, n, qDim, d)
+    K.attention(attn, q, kCtx, vCtx, n, startPos, numHeads, numKvHeads, headDim)
+    K.linear(o, attn, w.wo, w.bo, n)
     for (let i = 0; i < n * d; i++) x[i] += o[i]
 
     // MLP block: x += down(silu(gate(h)) * up(h)), h = RMSNorm(x).
     rmsNorm(h, x, w.postNorm, n, d, model.config.rmsNormEps)
-    matmulT(gate, h, w.wGate, null, n, d, ff)
-    matmulT(up, h, w.wUp, null, n, d, ff)
+    K.linear(gate, h, w.wGate, null, n)
+    K.linear(up, h, w.wUp, null, n)
     for (let i = 0; i < n * ff; i++) gate[i] = silu(gate[i]) * up[i]
-    matmulT(o, gate, w.wDown, null, n, ff, d)
+    K.linear(o, gate, w.wDown, null, n)
     for (let i = 0; i < n * d; i++) x[i] += o[i]
   }
 
@@ -185,9 +195,9 @@ export function forward(
   const first = allLogits ? 0 : n - 1
   const rows = n - first
   const last = x.subarray(first * d)
-  const normed = new Float32Array(rows * d)
+  const normed = K.scratch('normed', rows * d)
   rmsNorm(normed, last, model.norm, rows, d, model.config.rmsNormEps)
-  const logits = new Float32Array(rows * vocabSize)
-  matmulT(logits, normed, model.lmHead, null, rows, d, vocabSize)
+  const logits = new Float32Array(rows * vocabSize) // the caller's to keep: not scratch
+  K.linear(logits, normed, model.lmHead, null, rows)
   return logits
 }

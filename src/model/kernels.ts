@@ -1,5 +1,7 @@
-/** Plain TypeScript compute kernels for the forward pass (the reference implementation; faster
- *  kernels must match these). Shapes are row-major; all arrays are float32. */
+/** Plain TypeScript compute kernels for the forward pass: the reference implementation (oracle)
+ *  that the WebAssembly kernels (kernels-wasm.ts) must match. Shapes are row-major; activations
+ *  are float32. */
+import type { Kernels, LinearWeights } from './linear.js'
 
 /** out[n, outDim] = x[n, inDim] · wᵀ + bias, with w of shape `[outDim, inDim]` (PyTorch `nn.Linear`). */
 export function matmulT(
@@ -32,6 +34,80 @@ export function matmulT(
   }
 }
 
+/** As {@link matmulT} with BF16 weights (u16 = the top half of an F32), widened one at a time. */
+export function matmulTBf16(
+  out: Float32Array,
+  x: Float32Array,
+  w: Uint16Array,
+  bias: Float32Array | null,
+  n: number,
+  inDim: number,
+  outDim: number,
+): void {
+  const bits = new Uint32Array(1)
+  const f = new Float32Array(bits.buffer)
+  for (let t = 0; t < n; t++) {
+    const xOff = t * inDim
+    for (let j = 0; j < outDim; j++) {
+      const wOff = j * inDim
+      let s = 0
+      for (let i = 0; i < inDim; i++) {
+        bits[0] = w[wOff + i] << 16
+        s += x[xOff + i] * f[0]
+      }
+      out[t * outDim + j] = s + (bias ? bias[j] : 0)
+    }
+  }
+}
+
+/** Causal grouped-query attention over a contiguous context; see {@link Kernels.attention}. */
+export function attention(
+  out: Float32Array,
+  q: Float32Array,
+  k: Float32Array,
+  v: Float32Array,
+  n: number,
+  startPos: number,
+  numHeads: number,
+  numKvHeads: number,
+  headDim: number,
+): void {
+  const qDim = numHeads * headDim
+  const kvDim = numKvHeads * headDim
+  const groupSize = numHeads / numKvHeads
+  const scale = 1 / Math.sqrt(headDim)
+  const scores = new Float32Array(startPos + n)
+  for (let t = 0; t < n; t++) {
+    const numKeys = startPos + t + 1
+    for (let head = 0; head < numHeads; head++) {
+      const qOff = t * qDim + head * headDim
+      const kvHeadOff = Math.floor(head / groupSize) * headDim
+      let max = -Infinity
+      for (let p = 0; p < numKeys; p++) {
+        const kOff = p * kvDim + kvHeadOff
+        let dot = 0
+        for (let i = 0; i < headDim; i++) dot += q[qOff + i] * k[kOff + i]
+        const s = dot * scale
+        scores[p] = s
+        if (s > max) max = s
+      }
+      let sum = 0
+      for (let p = 0; p < numKeys; p++) {
+        const e = Math.exp(scores[p] - max)
+        scores[p] = e
+        sum += e
+      }
+      const outOff = t * qDim + head * headDim
+      out.fill(0, outOff, outOff + headDim)
+      for (let p = 0; p < numKeys; p++) {
+        const weight = scores[p] / sum
+        const vOff = p * kvDim + kvHeadOff
+        for (let i = 0; i < headDim; i++) out[outOff + i] += weight * v[vOff + i]
+      }
+    }
+  }
+}
+
 /** RMSNorm (Zhang & Sennrich 2019) row by row: out = x / sqrt(mean(x²) + eps) ⊙ weight; `[n, d]`. */
 export function rmsNorm(
   out: Float32Array,
@@ -53,4 +129,24 @@ export function rmsNorm(
 /** SiLU: x · sigmoid(x). */
 export function silu(x: number): number {
   return x / (1 + Math.exp(-x))
+}
+
+/** The plain TypeScript kernels as a {@link Kernels}: weights and scratch on the JS heap. */
+export function createTsKernels(): Kernels {
+  const scratch = new Map<string, Float32Array>()
+  return {
+    name: 'ts',
+    allocF32: (count) => new Float32Array(count),
+    allocU16: (count) => new Uint16Array(count),
+    scratch(slot, count) {
+      let buf = scratch.get(slot)
+      if (!buf || buf.length < count) scratch.set(slot, (buf = new Float32Array(count)))
+      return buf.subarray(0, count)
+    },
+    linear(out, x, w: LinearWeights, bias, n) {
+      if (w.dtype === 'f32') matmulT(out, x, w.data, bias, n, w.inDim, w.outDim)
+      else matmulTBf16(out, x, w.data, bias, n, w.inDim, w.outDim)
+    },
+    attention,
+  }
 }

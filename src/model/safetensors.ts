@@ -13,9 +13,29 @@ export interface Tensor {
 
 const bytesPerElement: Record<string, number> = { F32: 4, F16: 2, BF16: 2 }
 
+/** A tensor as stored: its dtype, shape and little-endian bytes (a view into the file buffer). */
+export interface RawTensor {
+  dtype: 'F32' | 'F16' | 'BF16'
+  shape: number[]
+  bytes: Uint8Array
+}
+
 /** Parse a safetensors buffer into F32 tensors by name. Throws on a malformed header, an
  *  unsupported dtype, or offsets outside the file or disagreeing with the shape. */
 export function parseSafetensors(buf: Uint8Array, source = 'safetensors'): Map<string, Tensor> {
+  const tensors = new Map<string, Tensor>()
+  for (const [name, t] of parseSafetensorsRaw(buf, source)) {
+    tensors.set(name, { shape: t.shape, data: rawToF32(t) })
+  }
+  return tensors
+}
+
+/** Parse a safetensors buffer into tensors as stored (no conversion); same checks as
+ *  {@link parseSafetensors}. */
+export function parseSafetensorsRaw(
+  buf: Uint8Array,
+  source = 'safetensors',
+): Map<string, RawTensor> {
   if (buf.byteLength < 8) throw new Error(`${source}: file too short (${buf.byteLength} bytes)`)
   const view = new DataView(buf.buffer, buf.byteOffset, buf.byteLength)
   const headerLen = Number(view.getBigUint64(0, true))
@@ -29,7 +49,7 @@ export function parseSafetensors(buf: Uint8Array, source = 'safetensors'): Map<s
   }
   if (!isObject(header)) throw new Error(`${source}: header is not a JSON object`)
   const dataStart = 8 + headerLen
-  const tensors = new Map<string, Tensor>()
+  const tensors = new Map<string, RawTensor>()
   for (const [name, entry] of Object.entries(header)) {
     if (name === '__metadata__') continue
     if (!isObject(entry))
@@ -61,7 +81,7 @@ export function parseSafetensors(buf: Uint8Array, source = 'safetensors'): Map<s
       )
     }
     const bytes = buf.subarray(dataStart + begin, dataStart + end)
-    tensors.set(name, { shape, data: toF32(bytes, dtype, count) })
+    tensors.set(name, { dtype: dtype as RawTensor['dtype'], shape, bytes })
   }
   return tensors
 }
@@ -74,23 +94,44 @@ function isCount(x: unknown): x is number {
   return Number.isSafeInteger(x) && (x as number) >= 0
 }
 
-/** Read and parse a safetensors file. */
+/** Read and parse a safetensors file into F32 tensors. */
 export function loadSafetensors(file: string): Map<string, Tensor> {
   return parseSafetensors(readFileSync(file), file)
 }
 
-function toF32(bytes: Uint8Array, dtype: string, count: number): Float32Array {
-  const out = new Float32Array(count)
-  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength)
+/** Number of elements of a tensor. */
+export function numElements(t: { shape: number[] }): number {
+  return t.shape.reduce((a, b) => a * b, 1)
+}
+
+/** A stored tensor converted to F32 (exact for F16 and BF16), into `out` when given. */
+export function rawToF32(
+  t: RawTensor,
+  out: Float32Array = new Float32Array(numElements(t)),
+): Float32Array {
+  const { bytes, dtype } = t
+  const count = numElements(t)
+  // Byte copies assume a little-endian host (x86, ARM as Node runs them), like the file.
   if (dtype === 'F32') {
-    for (let i = 0; i < count; i++) out[i] = view.getFloat32(i * 4, true)
+    new Uint8Array(out.buffer, out.byteOffset, count * 4).set(bytes)
   } else if (dtype === 'BF16') {
     // BF16 is the top half of an F32: shift into place.
-    const u32 = new Uint32Array(out.buffer)
-    for (let i = 0; i < count; i++) u32[i] = view.getUint16(i * 2, true) << 16
+    const u16 = rawToU16(t)
+    const u32 = new Uint32Array(out.buffer, out.byteOffset, count)
+    for (let i = 0; i < count; i++) u32[i] = u16[i] << 16
   } else {
+    const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength)
     for (let i = 0; i < count; i++) out[i] = f16ToF32(view.getUint16(i * 2, true))
   }
+  return out
+}
+
+/** The 16-bit words of an F16 or BF16 tensor, unconverted, into `out` when given. */
+export function rawToU16(
+  t: RawTensor,
+  out: Uint16Array = new Uint16Array(numElements(t)),
+): Uint16Array {
+  new Uint8Array(out.buffer, out.byteOffset, numElements(t) * 2).set(t.bytes)
   return out
 }
 

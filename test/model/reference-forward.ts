@@ -1,6 +1,7 @@
 /** An independent oracle for the forward pass: the whole sequence at once over one contiguous
  *  cache (no pages, no pool, no incremental positions), written straight from the HF Llama
  *  equations. Slow and simple on purpose. */
+import { toF32 } from '../../src/model/linear.js'
 import type { Model } from '../../src/model/weights.js'
 
 function linear(
@@ -36,16 +37,16 @@ function rope(x: number[], pos: number, theta: number): number[] {
   return out
 }
 
-/** Logits `[n][vocab]` for every position of `ids`. */
+/** Logits `[n][vocab]` for every position of `ids` (plain RoPE only: no `rope_scaling`). */
 export function referenceLogits(model: Model, ids: number[]): number[][] {
   const c = model.config
   const { hiddenSize: d, headDim: hd, numHeads: H, numKvHeads: KV } = c
-  let xs = ids.map((id) => Array.from(model.embed.subarray(id * d, (id + 1) * d)))
+  let xs = ids.map((id) => Array.from(toF32(model.embed).subarray(id * d, (id + 1) * d)))
   for (const w of model.layers) {
     const hs = xs.map((x) => norm(x, w.inputNorm, c.rmsNormEps))
-    const qs = hs.map((h) => linear(h, w.wq, w.bq, d, H * hd))
-    const ks = hs.map((h) => linear(h, w.wk, w.bk, d, KV * hd))
-    const vs = hs.map((h) => linear(h, w.wv, w.bv, d, KV * hd))
+    const qs = hs.map((h) => linear(h, toF32(w.wq), w.bq, d, H * hd))
+    const ks = hs.map((h) => linear(h, toF32(w.wk), w.bk, d, KV * hd))
+    const vs = hs.map((h) => linear(h, toF32(w.wv), w.bv, d, KV * hd))
     const heads = (v: number[], n: number) =>
       Array.from({ length: n }, (_, i) => v.slice(i * hd, (i + 1) * hd))
     const qh = qs.map((q, p) => heads(q, H).map((x) => rope(x, p, c.ropeTheta)))
@@ -64,17 +65,17 @@ export function referenceLogits(model: Model, ids: number[]): number[][] {
         const z = e.reduce((a, b) => a + b, 0)
         for (let i = 0; i < hd; i++) attn.push(e.reduce((a, p, j) => a + (p / z) * vh[j][g][i], 0))
       }
-      const o = linear(attn, w.wo, null, H * hd, d)
+      const o = linear(attn, toF32(w.wo), w.bo, H * hd, d)
       const x1 = x.map((a, i) => a + o[i])
       const h2 = norm(x1, w.postNorm, c.rmsNormEps)
-      const gate = linear(h2, w.wGate, null, d, c.intermediateSize)
-      const up = linear(h2, w.wUp, null, d, c.intermediateSize)
+      const gate = linear(h2, toF32(w.wGate), null, d, c.intermediateSize)
+      const up = linear(h2, toF32(w.wUp), null, d, c.intermediateSize)
       const act = gate.map((g2, i) => (g2 / (1 + Math.exp(-g2))) * up[i])
-      const down = linear(act, w.wDown, null, c.intermediateSize, d)
+      const down = linear(act, toF32(w.wDown), null, c.intermediateSize, d)
       return x1.map((a, i) => a + down[i])
     })
   }
   return xs.map((x) =>
-    linear(norm(x, model.norm, c.rmsNormEps), model.lmHead, null, d, c.vocabSize),
+    linear(norm(x, model.norm, c.rmsNormEps), toF32(model.lmHead), null, d, c.vocabSize),
   )
 }

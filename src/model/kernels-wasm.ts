@@ -1,0 +1,173 @@
+/** WebAssembly SIMD kernels (asm/kernels.ts, compiled by `npm run build:wasm` into
+ *  `kernels.wasm` beside this file) behind the {@link Kernels} interface.
+ *
+ *  Weights and scratch live in one shared `WebAssembly.Memory` owned by the returned value; it only
+ *  grows, and a shared memory's old views stay valid when it grows (they are never detached), so
+ *  arrays handed out remain usable for the life of the kernels. Memory is shared so that worker
+ *  threads can later run the same module over the same weights.
+ *  Knows addresses and shapes; knows nothing of models or pools. */
+import { readFileSync } from 'node:fs'
+import { fileURLToPath } from 'node:url'
+import type { Kernels, LinearWeights } from './linear.js'
+
+const pageBytes = 65_536
+/** Below this the module keeps its static data (a 1 KiB exp table at 1024); we allocate above. */
+const heapStart = pageBytes
+/** 4 GiB, the wasm32 limit: only reserves address space. */
+const maxPages = 65_536
+
+interface WasmExports {
+  linearF32(
+    out: number,
+    x: number,
+    w: number,
+    bias: number,
+    n: number,
+    inDim: number,
+    outDim: number,
+  ): void
+  linearBf16(
+    out: number,
+    x: number,
+    w: number,
+    bias: number,
+    n: number,
+    inDim: number,
+    outDim: number,
+  ): void
+  attention(
+    out: number,
+    q: number,
+    k: number,
+    v: number,
+    scores: number,
+    n: number,
+    startPos: number,
+    numHeads: number,
+    numKvHeads: number,
+    headDim: number,
+    scale: number,
+  ): void
+}
+
+/** The part of the WebAssembly JS API used here (the project's `lib` has no DOM types). */
+interface WasmMemory {
+  readonly buffer: ArrayBufferLike
+  grow(pages: number): number
+}
+interface WasmApi {
+  Memory: new (d: { initial: number; maximum: number; shared: boolean }) => WasmMemory
+  Module: new (bytes: Uint8Array) => object
+  Instance: new (module: object, imports: object) => { exports: object }
+}
+const WebAssembly = (globalThis as unknown as { WebAssembly: WasmApi }).WebAssembly
+
+/** Path of the compiled module. */
+export const kernelsWasmPath = fileURLToPath(new URL('./kernels.wasm', import.meta.url))
+
+/** Compile and instantiate the SIMD kernels with a fresh memory. Throws a one-line error when the
+ *  compiled module is missing (run `npm run build:wasm`) or the runtime lacks WebAssembly SIMD. */
+export function createWasmKernels(): Kernels {
+  let bytes: Buffer
+  try {
+    bytes = readFileSync(kernelsWasmPath)
+  } catch {
+    throw new Error(
+      `WebAssembly kernels not built: ${kernelsWasmPath} is missing (run npm run build:wasm)`,
+    )
+  }
+  const memory = new WebAssembly.Memory({ initial: 16, maximum: maxPages, shared: true })
+  let wasm: WasmExports
+  try {
+    const instance = new WebAssembly.Instance(new WebAssembly.Module(bytes), { env: { memory } })
+    wasm = instance.exports as unknown as WasmExports
+  } catch (err) {
+    throw new Error(`cannot load the WebAssembly SIMD kernels: ${(err as Error).message}`)
+  }
+
+  // Every SharedArrayBuffer this memory has handed out (one per size it had): a typed array over
+  // one of them is inside the memory, at address = its byteOffset.
+  const buffers = new WeakSet<ArrayBufferLike>()
+  let top = heapStart
+
+  /** Reserve `bytes` (16-byte aligned) and return the address. */
+  function reserve(numBytes: number): number {
+    const ptr = top
+    top += Math.ceil(numBytes / 16) * 16
+    const needPages = Math.ceil(top / pageBytes) - memory.buffer.byteLength / pageBytes
+    if (top > maxPages * pageBytes)
+      throw new RangeError(`WebAssembly memory full (${top} bytes wanted)`)
+    if (needPages > 0) memory.grow(needPages)
+    return ptr
+  }
+  function buffer(): ArrayBufferLike {
+    const b = memory.buffer
+    buffers.add(b)
+    return b
+  }
+  const slots = new Map<string, { ptr: number; capacity: number }>()
+  function scratch(slot: string, count: number): Float32Array {
+    let s = slots.get(slot)
+    if (!s || s.capacity < count) {
+      const capacity = Math.max(count, (s?.capacity ?? 0) * 2)
+      slots.set(slot, (s = { ptr: reserve(capacity * 4), capacity }))
+    }
+    return new Float32Array(buffer(), s.ptr, count)
+  }
+  /** Address of `a` in the memory, or of a scratch copy of it (`slot`) when it lives elsewhere. */
+  function addressOf(a: Float32Array, slot: string, copyIn: boolean): number {
+    if (buffers.has(a.buffer)) return a.byteOffset
+    const copy = scratch(slot, a.length)
+    if (copyIn) copy.set(a)
+    return copy.byteOffset
+  }
+  function weightAddress(w: LinearWeights): number {
+    if (!buffers.has(w.data.buffer))
+      throw new Error('weights were not allocated by these WebAssembly kernels')
+    return w.data.byteOffset
+  }
+
+  return {
+    name: 'wasm-simd',
+    allocF32(count) {
+      const ptr = reserve(count * 4) // first: it may grow the memory, and buffer() must see that
+      return new Float32Array(buffer(), ptr, count)
+    },
+    allocU16(count) {
+      const ptr = reserve(count * 2)
+      return new Uint16Array(buffer(), ptr, count)
+    },
+    scratch,
+    linear(out, x, w, bias, n) {
+      const outPtr = addressOf(out, 'linear.out', false)
+      const xPtr = addressOf(x, 'linear.x', true)
+      const biasPtr = bias ? addressOf(bias, 'linear.bias', true) : 0
+      const wPtr = weightAddress(w)
+      if (w.dtype === 'f32') wasm.linearF32(outPtr, xPtr, wPtr, biasPtr, n, w.inDim, w.outDim)
+      else wasm.linearBf16(outPtr, xPtr, wPtr, biasPtr, n, w.inDim, w.outDim)
+      if (!buffers.has(out.buffer)) out.set(new Float32Array(buffer(), outPtr, n * w.outDim))
+    },
+    attention(out, q, k, v, n, startPos, numHeads, numKvHeads, headDim) {
+      const outPtr = addressOf(out, 'attention.out', false)
+      const qPtr = addressOf(q, 'attention.q', true)
+      const kPtr = addressOf(k, 'attention.k', true)
+      const vPtr = addressOf(v, 'attention.v', true)
+      const scores = scratch('attention.scores', startPos + n)
+      wasm.attention(
+        outPtr,
+        qPtr,
+        kPtr,
+        vPtr,
+        scores.byteOffset,
+        n,
+        startPos,
+        numHeads,
+        numKvHeads,
+        headDim,
+        1 / Math.sqrt(headDim),
+      )
+      if (!buffers.has(out.buffer))
+        out.set(new Float32Array(buffer(), outPtr, n * numHeads * headDim))
+    },
+  }
+}

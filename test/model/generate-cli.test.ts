@@ -1,0 +1,64 @@
+/** `kvfence generate` run as a real child process on the bundled model: its text equals what
+ *  `generateLocal` produces in this process at temperature 0, and bad flags exit non-zero with a
+ *  one-line message. */
+import assert from 'node:assert/strict'
+import { execFile } from 'node:child_process'
+import { describe, it } from 'node:test'
+import { promisify } from 'node:util'
+import { buildFaultConfig } from '../../src/engine/faults.js'
+import { generateLocal } from '../../src/engine/local-engine.js'
+import { createWorkerCore } from '../../src/engine/worker-core.js'
+import { loadTokenizer } from '../../src/model/tokenizer.js'
+import { loadModel } from '../../src/model/weights.js'
+import { cliPath, echoModelDir } from '../helpers/paths.js'
+
+const run = promisify(execFile)
+
+async function cli(...args: string[]): Promise<{ code: number; stdout: string; stderr: string }> {
+  try {
+    const { stdout, stderr } = await run(process.execPath, [cliPath, 'generate', ...args])
+    return { code: 0, stdout, stderr }
+  } catch (err) {
+    const e = err as { code: number; stdout: string; stderr: string }
+    return { code: e.code, stdout: e.stdout, stderr: e.stderr }
+  }
+}
+
+describe('kvfence generate', () => {
+  it('prints exactly the text of generateLocal at temperature 0', async () => {
+    const prompt = 'The canary is K7Q2-ZX91-PLM4. Repeat: The canary is K7Q2'
+    const tokenizer = loadTokenizer(echoModelDir)
+    const model = loadModel(echoModelDir)
+    const core = createWorkerCore({
+      model,
+      numPages: 8,
+      pageSize: 16,
+      faults: buildFaultConfig([], false, {}),
+    })
+    const ids = tokenizer.encode(prompt)
+    const eos = [
+      ...model.config.eosTokenIds,
+      ...(tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId]),
+    ]
+    const expected = generateLocal(core, ids, {
+      maxTokens: 24,
+      sampling: { temperature: 0, topP: 1, seed: null },
+      stopTokenIds: eos,
+    })
+    const out = await cli('--model', echoModelDir, '--prompt', prompt, '--max-tokens', '24')
+    assert.equal(out.stderr, '')
+    assert.equal(out.code, 0)
+    assert.equal(out.stdout, `${tokenizer.decode(expected.tokenIds)}\n`)
+    assert.ok(expected.tokenIds.length > 0)
+  })
+
+  it('refuses bad flags and a missing model with a one-line error and a non-zero exit', async () => {
+    const badTemp = await cli('--prompt', 'hi', '--temperature', '3')
+    assert.notEqual(badTemp.code, 0)
+    assert.match(badTemp.stderr, /--temperature.*expected a number in \[0, 2\], got "3"/)
+    const noModel = await cli('--prompt', 'hi', '--model', '/nonexistent/model')
+    assert.equal(noModel.code, 2)
+    assert.equal(noModel.stderr.trim().split('\n').length, 1, noModel.stderr)
+    assert.match(noModel.stderr, /^kvfence: .*\/nonexistent\/model/)
+  })
+})
