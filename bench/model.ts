@@ -4,11 +4,13 @@
  *  storage). All figures are medians over repeats, measured in this one run.
  *
  *  Args: `--repeats N` (default 3), `--decode-tokens N` (default 32), `--prefill-tokens N`
- *  (default 1000), `--skip-135m`. Batch 1 only: the engine decodes one sequence per forward call. */
+ *  (default 1000), `--skip-135m`. Decode is measured at batch 1 (`forward`, one sequence per call)
+ *  and at batch 8 (`forwardBatch`, eight sequences per step, as the decode worker's continuous
+ *  batching runs them). */
 import { makeGuards } from '../src/kv/guards.js'
 import { KvPool } from '../src/kv/pool.js'
 import { parseModelConfig } from '../src/model/config.js'
-import { forward, makeRope } from '../src/model/forward.js'
+import { forward, forwardBatch, makeRope } from '../src/model/forward.js'
 import { weightBytes, type LinearWeights } from '../src/model/linear.js'
 import type { RawTensor } from '../src/model/safetensors.js'
 import { loadModel, modelFromTensors, type Model } from '../src/model/weights.js'
@@ -113,6 +115,10 @@ interface Measured {
   decode_tokens_per_s: number
   decode_bound_tokens_per_s: number
   decode_bound_ratio: number
+  /** Tokens per second over all eight sequences of a batched decode step. */
+  decode_tokens_per_s_batch8: number
+  /** Batch-8 over batch-1 decode throughput. */
+  decode_batch8_speedup: number
   prefill_tokens: number
   prefill_tokens_per_s: number
 }
@@ -128,7 +134,11 @@ function measure(
   const pageSize = 16
   const pool = new KvPool(
     {
-      numPages: Math.ceil((prefillTokens + o.decodeTokens + 16) / pageSize) + 1,
+      // One prefill-sized sequence, or eight short decode sequences (16-token prompts).
+      numPages: Math.max(
+        Math.ceil((prefillTokens + o.decodeTokens + 16) / pageSize) + 1,
+        batchSize * Math.ceil((16 + o.decodeTokens) / pageSize),
+      ),
       pageSize,
       numLayers: c.numLayers,
       numKvHeads: c.numKvHeads,
@@ -149,6 +159,7 @@ function measure(
     }
   }
   const decodeRates: number[] = []
+  const batchRates: number[] = []
   const prefillRates: number[] = []
   for (let r = 0; r < o.repeats; r++) {
     decodeRates.push(
@@ -164,6 +175,7 @@ function measure(
         return o.decodeTokens / (Number(process.hrtime.bigint() - t0) / 1e9)
       }),
     )
+    batchRates.push(decodeBatch(model, rope, pool, ids.slice(0, 16), o.decodeTokens))
     prefillRates.push(
       run((seq) => {
         const t0 = process.hrtime.bigint()
@@ -175,6 +187,7 @@ function measure(
   const bytes = decodeWeightBytes(model)
   const bound = (bandwidth * 1e9) / bytes
   const decode = median(decodeRates)
+  const batch8 = median(batchRates)
   return {
     model: model.name,
     storage,
@@ -183,12 +196,52 @@ function measure(
     decode_tokens_per_s: round(decode),
     decode_bound_tokens_per_s: round(bound),
     decode_bound_ratio: round(decode / bound, 3),
+    decode_tokens_per_s_batch8: round(batch8),
+    decode_batch8_speedup: round(batch8 / decode, 2),
     prefill_tokens: prefillTokens,
     prefill_tokens_per_s: round(median(prefillRates)),
   }
 }
 
 const round = (x: number, digits = 1) => Number(x.toFixed(digits))
+
+/** Sequences per step of the batched decode measurement. */
+const batchSize = 8
+
+/** Decode tokens/s over all sequences: {@link batchSize} sequences prefilled with `prompt`, then
+ *  `steps` batched steps of one token each (every weight matrix streamed once per step). */
+function decodeBatch(
+  model: Model,
+  rope: ReturnType<typeof makeRope>,
+  pool: KvPool,
+  prompt: number[],
+  steps: number,
+): number {
+  const seqs = Array.from({ length: batchSize }, (_, i) => ({
+    owner: i + 1,
+    pageTable: pool.allocate(pool.pagesFor(prompt.length + steps), i + 1, 1),
+  }))
+  try {
+    for (const seq of seqs) forward(model, rope, pool, seq, prompt, 0)
+    const tokens = seqs.map((_, i) => i + 1)
+    const t0 = process.hrtime.bigint()
+    for (let step = 0; step < steps; step++) {
+      const results = forwardBatch(
+        model,
+        rope,
+        pool,
+        seqs.map((seq, i) => ({ ...seq, tokenIds: [tokens[i]], startPos: prompt.length + step })),
+      )
+      results.forEach((r, i) => {
+        if ('error' in r) throw r.error
+        tokens[i] = r.logits[0] > r.logits[1] ? 2 : 3
+      })
+    }
+    return (batchSize * steps) / (Number(process.hrtime.bigint() - t0) / 1e9)
+  } finally {
+    for (const seq of seqs) pool.release(seq.pageTable, seq.owner)
+  }
+}
 
 /** Run the model benchmark; returns the JSON described in the module comment. */
 export async function benchModel(args: string[]): Promise<object> {
@@ -217,12 +270,13 @@ export async function benchModel(args: string[]): Promise<object> {
     copy_bandwidth_gb_per_s: round(bandwidth, 2),
     threads: 1,
     batch: 1,
+    batch_batched: batchSize,
     repeats: o.repeats,
     models: results,
     bf16_over_f32_decode:
       f32 && bf16 ? round(bf16.decode_tokens_per_s / f32.decode_tokens_per_s, 2) : null,
     notes: [
-      'batch 1 only: forward() runs one sequence per call (continuous batching is not in the engine yet)',
+      'decode_tokens_per_s: batch 1 (forward, one sequence per call); decode_tokens_per_s_batch8: eight sequences per forwardBatch step, tokens counted over all of them',
       'one thread: the SIMD kernels do not use worker threads yet',
       'decode_bound = copy bandwidth / weight bytes read per token (measured in this run)',
     ],

@@ -16,6 +16,8 @@ export const errorCodes = {
   transfer_failed: { status: 502, type: 'server_error' },
   guard_violation: { status: 500, type: 'server_error' },
   internal_error: { status: 500, type: 'server_error' },
+  /** A configuration file or flag is invalid (a CLI error: one line, exit 2; never an HTTP reply). */
+  config_invalid: { status: 500, type: 'server_error' },
 } as const
 
 /** One of the codes of {@link errorCodes}. */

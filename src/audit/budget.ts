@@ -14,6 +14,7 @@ export class BudgetExhaustedError extends Error {
 
 export class Budget {
   readonly limits: BudgetLimits
+  readonly startedAt: number // epoch ms
   readonly deadline: number // epoch ms
   private numSent = 0
   private numInFlight = 0
@@ -21,6 +22,7 @@ export class Budget {
 
   constructor(limits: BudgetLimits, now: number = Date.now()) {
     this.limits = Object.freeze({ ...limits })
+    this.startedAt = now
     this.deadline = now + limits.maxSeconds * 1000
   }
 
@@ -38,15 +40,16 @@ export class Budget {
   }
 
   /** Runs `send` as one request: waits for a concurrency slot, then reserves one request and
-   *  passes the time left (ms) so the request can be cut at the deadline. */
-  async spend<T>(send: (remainingMs: number) => Promise<T>): Promise<T> {
+   *  passes the time left (ms) so the request can be cut at the deadline, and the request's
+   *  number (1 for the audit's first request). */
+  async spend<T>(send: (remainingMs: number, requestNumber: number) => Promise<T>): Promise<T> {
     await this.acquireSlot()
     try {
       if (this.numSent >= this.limits.maxRequests) throw new BudgetExhaustedError('requests')
       const remainingMs = this.remainingMs
       if (remainingMs <= 0) throw new BudgetExhaustedError('seconds')
       this.numSent++
-      return await send(remainingMs)
+      return await send(remainingMs, this.numSent)
     } finally {
       this.releaseSlot()
     }

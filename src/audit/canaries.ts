@@ -1,7 +1,8 @@
 /** Canaries: unique high-entropy strings a tenant plants in its prompts, and the detector that
  *  looks for them (or any fragment of at least `minFragmentLength` characters) in another
- *  tenant's output. Also the redaction that keeps an observer's output out of reports: on a
- *  production endpoint a leaked output may hold real customers' data.
+ *  tenant's output. Also the redaction that keeps an observer's output out of reports (on a
+ *  production endpoint a leaked output may hold real customers' data) while still showing the
+ *  auditor's own planted material.
  *  Knows nothing of HTTP or tenants. */
 import type { Rng } from './rng.js'
 
@@ -145,14 +146,17 @@ export function findCanaries(
   return out
 }
 
-/** `text` with every character that is not part of an occurrence of a known canary (or of a
- *  fragment of one, ≥ `minFragmentLength`) replaced by `·`, cut to at most `maxLength`
- *  characters around `around` (an index into `text`). */
+/** `text` with every character replaced by `·` except (a) occurrences of a known canary or of a
+ *  fragment of one (≥ `minFragmentLength` characters) and (b) runs of ≥ `minFragmentLength`
+ *  characters that occur verbatim in one of `plantedTexts` (the auditor's own synthetic prompts,
+ *  so an operator sees the victim's words in the observer's answer; never customer data). Cut to
+ *  at most `maxLength` characters around `around` (an index into `text`). */
 export function redact(
   text: string,
   canaries: readonly string[],
   around: number = 0,
   maxLength: number = 160,
+  plantedTexts: readonly string[] = [],
 ): string {
   const start = Math.max(0, Math.min(around - Math.floor(maxLength / 4), text.length - maxLength))
   const window = text.slice(start, start + maxLength)
@@ -164,6 +168,17 @@ export function redact(
         isKept.fill(1, at, at + minFragmentLength)
       }
     }
+  }
+  // Every window position that starts a run of ≥ minFragmentLength characters found verbatim in a
+  // planted text keeps that run (longest one).
+  for (let at = 0; at + minFragmentLength <= window.length; at++) {
+    let longest = 0
+    for (const planted of plantedTexts) {
+      let n = minFragmentLength
+      while (at + n <= window.length && planted.includes(window.slice(at, at + n))) n++
+      longest = Math.max(longest, n - 1)
+    }
+    if (longest >= minFragmentLength) isKept.fill(1, at, at + longest)
   }
   let out = ''
   for (let i = 0; i < window.length; i++) out += isKept[i] ? window[i] : redactionMark

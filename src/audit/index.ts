@@ -10,6 +10,10 @@ export {
 } from './run.js'
 export { writeJsonReport, formatJsonReport } from './reporters/json.js'
 export { formatProgress, formatSummary } from './reporters/console.js'
+export { formatJunitReport, writeJunitReport } from './reporters/junit.js'
+export { formatHtmlReport, writeHtmlReport, readChartJs, plotData } from './reporters/html.js'
+export { loadAuditConfig, parseAuditConfig, type AuditConfigFile } from './config.js'
+export { probes } from './probes/index.js'
 export {
   AuditError,
   probeNames,
@@ -18,6 +22,7 @@ export {
   type BudgetLimits,
   type Finding,
   type ProbeName,
+  type ProbeRun,
   type Severity,
   type Tenant,
   type Verdict,

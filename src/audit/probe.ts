@@ -20,6 +20,8 @@ export interface ProbeContext {
 
 export interface Probe {
   readonly name: ProbeName
+  /** One line for `--list-probes`: what it sends and what it concludes. */
+  readonly description: string
   /** Throws `BudgetExhaustedError` only when it has nothing at all to report. */
   run(target: Target, budget: Budget, context: ProbeContext): Promise<Finding[]>
 }

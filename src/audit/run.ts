@@ -15,6 +15,7 @@ import {
   type AuditReport,
   type Finding,
   type ProbeName,
+  type ProbeRun,
   type Tenant,
   type Verdict,
   verdictRank,
@@ -27,13 +28,13 @@ export interface AuditOptions {
   readonly tenants: readonly Tenant[]
   /** Model id; default: the first one `/v1/models` lists. */
   readonly model?: string
-  /** Default: all, in the order capacity, boundary, canary. */
+  /** Default: all, in the order of `probeNames`. */
   readonly probes?: readonly ProbeName[]
   /** uint32; default: random (and reported, so a run can be repeated). */
   readonly seed?: number
-  readonly maxRequests?: number // default 100
+  readonly maxRequests?: number // default 300
   readonly maxSeconds?: number // default 300
-  readonly concurrency?: number // default 2
+  readonly concurrency?: number // default 4
   readonly requestTimeoutMs?: number // default 60_000, cut shorter by the deadline
   readonly overCapacityAttempts?: number // default 6
   /** Progress, one line at a time (probe started, probe details, probe finished). */
@@ -46,9 +47,9 @@ export type ProgressEvent =
   | { readonly type: 'probe-end'; readonly probe: ProbeName; readonly findings: readonly Finding[] }
 
 export const auditDefaults = Object.freeze({
-  maxRequests: 100,
+  maxRequests: 300,
   maxSeconds: 300,
-  concurrency: 2,
+  concurrency: 4,
   requestTimeoutMs: 60_000,
   overCapacityAttempts: 6,
 })
@@ -70,7 +71,10 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
 
   let sizing: Promise<PromptSizer | null> | null = null
   const findings: Finding[] = []
+  const probeRuns: ProbeRun[] = []
   for (const name of config.probes) {
+    const probeStartedAt = performance.now()
+    const requestsBefore = budget.requestsSent
     emit({ type: 'probe-start', probe: name })
     const context: ProbeContext = {
       seed: config.seed,
@@ -87,6 +91,11 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
       probeFindings = [failedProbe(name, err)]
     }
     findings.push(...probeFindings)
+    probeRuns.push({
+      probe: name,
+      durationMs: Math.round(performance.now() - probeStartedAt),
+      requestsSent: budget.requestsSent - requestsBefore,
+    })
     emit({ type: 'probe-end', probe: name, findings: probeFindings })
   }
 
@@ -100,6 +109,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     seed: config.seed,
     budget: config.budget,
     requestsSent: budget.requestsSent,
+    probeRuns,
     findings,
   }
 }

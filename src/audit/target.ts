@@ -7,8 +7,8 @@ import type { Tenant } from './types.js'
 
 // ─── Raw HTTP ────────────────────────────────────────────────────────────────────────────────
 
-/** Why a request got no usable HTTP answer. */
-export type Failure = 'network' | 'timeout'
+/** Why a request got no usable HTTP answer (`aborted`: the auditor cut it on purpose). */
+export type Failure = 'network' | 'timeout' | 'aborted'
 
 export interface HttpResult {
   /** HTTP status; null when no response arrived (see `failure`). */
@@ -18,11 +18,21 @@ export interface HttpResult {
   readonly failureDetail: string | null
   readonly contentType: string
   readonly body: string
+  /** Milliseconds from sending to the first byte of the response body; null without a body. */
+  readonly firstByteMs: number | null
+  /** This request's number in the audit (1 = the first request sent). */
+  readonly requestNumber: number
+  /** Milliseconds from the audit's start to the end of this request. */
+  readonly atMs: number
 }
 
 export interface GetOptions {
   /** Whose key to send; none when omitted. */
   readonly tenant?: Tenant
+  /** Cut the request this many ms after sending (0: right after the request is written). */
+  readonly abortAfterMs?: number
+  /** Cut the request after this many body chunks have arrived. */
+  readonly abortAfterChunks?: number
 }
 
 // ─── Completions ─────────────────────────────────────────────────────────────────────────────
@@ -32,6 +42,9 @@ export interface CompletionRequest {
   readonly prompt: string
   readonly maxTokens: number
   readonly stream: boolean
+  /** Cut the request on purpose (see {@link GetOptions}); the result's failure is `aborted`. */
+  readonly abortAfterMs?: number
+  readonly abortAfterChunks?: number
 }
 
 export interface CompletionResult {
@@ -41,6 +54,15 @@ export interface CompletionResult {
   readonly text: string
   /** `usage.prompt_tokens` when the server reported it. */
   readonly promptTokens: number | null
+  /** `usage.prompt_tokens_details.cached_tokens` when the server reported it. */
+  readonly cachedTokens: number | null
+  /** Milliseconds from sending to the first byte of a 2xx body (for a stream: the first token's
+   *  event, the TTFT seen from outside). */
+  readonly ttftMs: number | null
+  /** This request's number in the audit, and when it ended (ms since the audit's start): where a
+   *  finding was first seen. */
+  readonly requestNumber: number
+  readonly atMs: number
   /** OpenAI `error.code` (or `error.type`, or a numeric code as text). */
   readonly errorCode: string | null
   /** The server's error message, keys scrubbed, at most 200 characters. */
@@ -77,7 +99,12 @@ function isRejectionCode(code: string | null): boolean {
 
 // ─── Wire shapes (parsed at the boundary, loosely: servers differ) ───────────────────────────
 
-const Usage = z.looseObject({ prompt_tokens: z.number().int().nonnegative().optional() })
+const Usage = z.looseObject({
+  prompt_tokens: z.number().int().nonnegative().optional(),
+  prompt_tokens_details: z
+    .looseObject({ cached_tokens: z.number().int().nonnegative().nullish() })
+    .nullish(),
+})
 const Choice = z.looseObject({
   text: z.string().nullish(),
   message: z.looseObject({ content: z.string().nullish() }).nullish(),
@@ -108,6 +135,13 @@ export interface Target {
   get(path: string, options?: GetOptions): Promise<HttpResult>
   /** Budget-checked POST of JSON (throws `BudgetExhaustedError`). */
   postJson(path: string, body: unknown, options?: GetOptions): Promise<HttpResult>
+  /** Budget-checked POST of a raw body, e.g. malformed JSON (throws `BudgetExhaustedError`). */
+  postRaw(
+    path: string,
+    body: string,
+    contentType: string,
+    options?: GetOptions,
+  ): Promise<HttpResult>
   /** Budget-checked `POST /v1/completions` at temperature 0 (throws `BudgetExhaustedError`). */
   complete(request: CompletionRequest): Promise<CompletionResult>
   /** Replaces every tenant key in `text` (for anything the server sends back that we keep). */
@@ -126,6 +160,9 @@ export interface TargetOptions {
 /** Largest response body read (bytes); the rest is dropped. */
 const maxBodyBytes = 8 * 1024 * 1024
 const maxErrorMessageChars = 200
+/** How long a slot stays taken after the auditor cut its request (ms); servers notice a client
+ *  disconnect within a few ms (measured: 1–4 ms on loopback). */
+const abortGraceMs = 100
 
 export function createTarget(options: TargetOptions): Target {
   const { baseUrl, model, tenants, budget, requestTimeoutMs } = options
@@ -137,47 +174,73 @@ export function createTarget(options: TargetOptions): Target {
     return out
   }
 
-  const send = (path: string, init: RequestInit, tenant: Tenant | undefined): Promise<HttpResult> =>
-    budget.spend(async (remainingMs) => {
+  const send = (path: string, init: RequestInit, opts: GetOptions): Promise<HttpResult> =>
+    budget.spend(async (remainingMs, requestNumber) => {
       const headers = new Headers(init.headers)
-      if (tenant) headers.set('authorization', `Bearer ${tenant.key}`)
-      const signal = AbortSignal.timeout(Math.min(requestTimeoutMs, remainingMs))
+      if (opts.tenant) headers.set('authorization', `Bearer ${opts.tenant.key}`)
+      const cut = new AbortController()
+      const signal = AbortSignal.any([
+        AbortSignal.timeout(Math.min(requestTimeoutMs, remainingMs)),
+        cut.signal,
+      ])
+      const cutTimer =
+        opts.abortAfterMs === undefined
+          ? null
+          : setTimeout(() => cut.abort(), Math.max(0, opts.abortAfterMs))
+      const sentAt = performance.now()
+      let status: number | null = null
+      let contentType = ''
+      const read: { body: string; firstByteMs: number | null } = { body: '', firstByteMs: null }
       try {
         const res = await fetch(`${baseUrl}${path}`, { ...init, headers, signal })
-        const body = await readCapped(res)
+        status = res.status
+        contentType = res.headers.get('content-type') ?? ''
+        await readCapped(res, sentAt, read, opts.abortAfterChunks ?? null, cut)
+        const atMs = Date.now() - budget.startedAt
         return {
-          status: res.status,
+          status,
           failure: null,
           failureDetail: null,
-          contentType: res.headers.get('content-type') ?? '',
-          body,
+          contentType,
+          ...read,
+          requestNumber,
+          atMs,
         }
       } catch (err) {
+        const isCut = cut.signal.aborted
+        // The server sees a cut only when the disconnect reaches it: hold the concurrency slot a
+        // little longer so that the budget's limit also holds from the server's side.
+        if (isCut) await new Promise((r) => setTimeout(r, abortGraceMs))
         const isTimeout =
           err instanceof Error && (err.name === 'TimeoutError' || err.name === 'AbortError')
         return {
-          status: null,
-          failure: isTimeout ? 'timeout' : 'network',
-          failureDetail: scrub(describeNetworkError(err)),
-          contentType: '',
-          body: '',
+          // A cut stream keeps its status and what arrived before the cut.
+          status: isCut ? status : null,
+          failure: isCut ? 'aborted' : isTimeout ? 'timeout' : 'network',
+          failureDetail: isCut ? 'cut by the auditor' : scrub(describeNetworkError(err)),
+          contentType,
+          ...read,
+          requestNumber,
+          atMs: Date.now() - budget.startedAt,
         }
+      } finally {
+        if (cutTimer) clearTimeout(cutTimer)
       }
     })
 
   const get = (path: string, opts: GetOptions = {}): Promise<HttpResult> =>
-    send(path, { method: 'GET' }, opts.tenant)
+    send(path, { method: 'GET' }, opts)
+
+  const postRaw = (
+    path: string,
+    body: string,
+    contentType: string,
+    opts: GetOptions = {},
+  ): Promise<HttpResult> =>
+    send(path, { method: 'POST', headers: { 'content-type': contentType }, body }, opts)
 
   const postJson = (path: string, body: unknown, opts: GetOptions = {}): Promise<HttpResult> =>
-    send(
-      path,
-      {
-        method: 'POST',
-        headers: { 'content-type': 'application/json' },
-        body: JSON.stringify(body),
-      },
-      opts.tenant,
-    )
+    postRaw(path, JSON.stringify(body), 'application/json', opts)
 
   const complete = async (request: CompletionRequest): Promise<CompletionResult> => {
     const body: Record<string, unknown> = {
@@ -189,24 +252,39 @@ export function createTarget(options: TargetOptions): Target {
     // No `stream_options`: not every OpenAI-compatible server accepts it, and streamed usage is
     // not needed.
     if (model !== null) body.model = model
-    const http = await postJson('/v1/completions', body, { tenant: request.tenant })
+    const http = await postJson('/v1/completions', body, {
+      tenant: request.tenant,
+      abortAfterMs: request.abortAfterMs,
+      abortAfterChunks: request.abortAfterChunks,
+    })
     return parseCompletion(http, request.stream, scrub)
   }
 
-  return Object.freeze({ baseUrl, model, tenants, get, postJson, complete, scrub })
+  return Object.freeze({ baseUrl, model, tenants, get, postJson, postRaw, complete, scrub })
 }
 
-async function readCapped(res: Response): Promise<string> {
-  if (!res.body) return ''
+/** Reads the body into `into` (at most {@link maxBodyBytes}), noting when its first byte came;
+ *  aborts `cut` after `abortAfterChunks` chunks. Throws when the body is cut. */
+async function readCapped(
+  res: Response,
+  sentAt: number,
+  into: { body: string; firstByteMs: number | null },
+  abortAfterChunks: number | null,
+  cut: AbortController,
+): Promise<void> {
+  if (!res.body) return
   const decoder = new TextDecoder()
-  let text = ''
   let numBytes = 0
+  let numChunks = 0
+  if (abortAfterChunks === 0) cut.abort()
   for await (const chunk of res.body as unknown as AsyncIterable<Uint8Array>) {
+    into.firstByteMs ??= Math.round((performance.now() - sentAt) * 1000) / 1000
     numBytes += chunk.byteLength
     if (numBytes > maxBodyBytes) break
-    text += decoder.decode(chunk, { stream: true })
+    into.body += decoder.decode(chunk, { stream: true })
+    if (abortAfterChunks !== null && ++numChunks >= abortAfterChunks) cut.abort()
   }
-  return text + decoder.decode()
+  into.body += decoder.decode()
 }
 
 function describeNetworkError(err: unknown): string {
@@ -221,20 +299,41 @@ function describeNetworkError(err: unknown): string {
 
 // ─── Parsing a completion answer (JSON or server-sent events) ────────────────────────────────
 
+/** What the body alone tells; the request's number and time come from the HTTP result. */
+type ParsedBody = Omit<CompletionResult, 'requestNumber' | 'atMs'>
+
 function parseCompletion(
   http: HttpResult,
   isStream: boolean,
   scrub: (text: string) => string,
 ): CompletionResult {
-  const base = { status: http.status, promptTokens: null, errorCode: null, errorMessage: null }
+  const base = {
+    status: http.status,
+    requestNumber: http.requestNumber,
+    atMs: http.atMs,
+    promptTokens: null,
+    cachedTokens: null,
+    ttftMs: null,
+    errorCode: null,
+    errorMessage: null,
+  }
   if (http.status === null) return { ...base, failure: http.failure, text: '' }
   const isOk = http.status >= 200 && http.status < 300
   if (!isOk) return { ...base, ...parseError(tryJson(http.body), scrub), failure: null, text: '' }
   const isSse = isStream || http.contentType.includes('text/event-stream')
-  return isSse ? parseEvents(http, scrub) : parseJsonCompletion(http, scrub)
+  const parsed = isSse ? parseEvents(http, scrub) : parseJsonCompletion(http, scrub)
+  // A cut request stays `aborted` whatever arrived before the cut.
+  const failure = http.failure === 'aborted' ? 'aborted' : parsed.failure
+  return {
+    ...parsed,
+    failure,
+    ttftMs: http.firstByteMs,
+    requestNumber: http.requestNumber,
+    atMs: http.atMs,
+  }
 }
 
-function parseJsonCompletion(http: HttpResult, scrub: (t: string) => string): CompletionResult {
+function parseJsonCompletion(http: HttpResult, scrub: (t: string) => string): ParsedBody {
   const json = tryJson(http.body)
   const parsed = CompletionBody.safeParse(json)
   if (!parsed.success || !parsed.data.choices) {
@@ -244,6 +343,8 @@ function parseJsonCompletion(http: HttpResult, scrub: (t: string) => string): Co
       failure: 'bad_response',
       text: http.body.slice(0, 64 * 1024),
       promptTokens: null,
+      cachedTokens: null,
+      ttftMs: null,
       ...parseError(json, scrub),
     }
   }
@@ -252,14 +353,17 @@ function parseJsonCompletion(http: HttpResult, scrub: (t: string) => string): Co
     failure: null,
     text: parsed.data.choices.map(choiceText).join(''),
     promptTokens: parsed.data.usage?.prompt_tokens ?? null,
+    cachedTokens: parsed.data.usage?.prompt_tokens_details?.cached_tokens ?? null,
+    ttftMs: null,
     errorCode: null,
     errorMessage: null,
   }
 }
 
-function parseEvents(http: HttpResult, scrub: (t: string) => string): CompletionResult {
+function parseEvents(http: HttpResult, scrub: (t: string) => string): ParsedBody {
   let text = ''
   let promptTokens: number | null = null
+  let cachedTokens: number | null = null
   let streamError: { errorCode: string | null; errorMessage: string | null } | null = null
   for (const line of http.body.split(/\r?\n/)) {
     if (!line.startsWith('data:')) continue
@@ -274,14 +378,13 @@ function parseEvents(http: HttpResult, scrub: (t: string) => string): Completion
     if (!parsed.success) continue
     text += (parsed.data.choices ?? []).map(choiceText).join('')
     promptTokens = parsed.data.usage?.prompt_tokens ?? promptTokens
+    cachedTokens = parsed.data.usage?.prompt_tokens_details?.cached_tokens ?? cachedTokens
   }
-  if (streamError)
-    return { status: http.status, failure: 'stream_error', text, promptTokens, ...streamError }
+  const common = { status: http.status, text, promptTokens, cachedTokens, ttftMs: null }
+  if (streamError) return { ...common, failure: 'stream_error', ...streamError }
   return {
-    status: http.status,
+    ...common,
     failure: null,
-    text,
-    promptTokens,
     errorCode: null,
     errorMessage: null,
   }

@@ -6,7 +6,19 @@ export type Verdict = 'leak' | 'clean' | 'inconclusive' | 'warning'
 
 export type Severity = 'critical' | 'high' | 'medium' | 'low' | 'info'
 
-export const probeNames = ['capacity', 'boundary', 'canary'] as const
+/** Every probe, in the order an audit runs them. */
+export const probeNames = [
+  'capacity',
+  'boundary',
+  'canary',
+  'abort-race',
+  'concurrency',
+  'queueing',
+  'page-leak',
+  'determinism',
+  'prefix-timing',
+  'error-handling',
+] as const
 export type ProbeName = (typeof probeNames)[number]
 
 /** A tenant of the audited endpoint. `key` is sent as a bearer token and never printed or stored. */
@@ -31,7 +43,14 @@ export interface BudgetLimits {
   readonly concurrency: number
 }
 
-/** The JSON report (schema version 1). */
+/** How one probe ran (for JUnit test-case times and the HTML report). */
+export interface ProbeRun {
+  readonly probe: ProbeName
+  readonly durationMs: number
+  readonly requestsSent: number
+}
+
+/** The JSON report (schema version 1; `probeRuns` was added without breaking readers). */
 export interface AuditReport {
   readonly schemaVersion: 1
   readonly tool: 'kvfence audit'
@@ -44,6 +63,7 @@ export interface AuditReport {
   readonly seed: number
   readonly budget: BudgetLimits
   readonly requestsSent: number
+  readonly probeRuns: readonly ProbeRun[]
   readonly findings: readonly Finding[]
 }
 
@@ -55,7 +75,7 @@ export const verdictRank: Readonly<Record<Verdict, number>> = {
   leak: 3,
 }
 
-export type AuditErrorCode = 'invalid_options' | 'target_unreachable'
+export type AuditErrorCode = 'invalid_options' | 'invalid_config' | 'target_unreachable'
 
 /** A tool error: the audit could not run at all (bad options, target unreachable). The message
  *  is one line, names tenants but never keys. */

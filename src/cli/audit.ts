@@ -1,7 +1,9 @@
 /** `kvfence audit`: proves (or disproves) tenant isolation of any OpenAI-compatible endpoint from
- *  outside. Parses flags, runs the audit, prints progress and a summary, writes the JSON report,
- *  and sets the exit code: 1 for a finding at or above `--fail-on` (always for a leak), 2 for a
- *  tool error (one line on stderr), 0 otherwise. Never prints a tenant's key. */
+ *  outside. Parses flags (merged over an optional YAML `--config` file, flags winning), runs the
+ *  audit, prints progress and a summary, writes the JSON, JUnit XML and HTML reports asked for, and
+ *  sets the exit code: 1 for a finding at or above `--fail-on` (always for a leak), 2 for a tool
+ *  error (one line on stderr), 0 otherwise. `--list-probes` prints the probes and exits 0.
+ *  Never prints a tenant's key. */
 import { Option, type Command } from 'commander'
 import {
   AuditError,
@@ -9,36 +11,51 @@ import {
   formatProgress,
   formatSummary,
   exitCodeFor,
+  loadAuditConfig,
   probeNames,
+  probes,
   runAudit,
+  writeHtmlReport,
   writeJsonReport,
+  writeJunitReport,
+  type AuditConfigFile,
   type ProbeName,
   type Tenant,
+  type Verdict,
 } from '../audit/index.js'
 
 const failOnChoices = ['leak', 'warning', 'inconclusive'] as const
 type FailOn = (typeof failOnChoices)[number]
 
 interface AuditFlags {
-  target: string
+  target?: string
+  config?: string
+  listProbes?: boolean
   tenant?: string[]
   model?: string
   json?: string
-  probes: string
+  junit?: string
+  html?: string
+  probes?: string
   seed?: string
   maxRequests?: string
   maxSeconds?: string
   concurrency?: string
-  failOn: FailOn
+  failOn?: FailOn
 }
 
 export function registerAudit(program: Command): void {
   program
     .command('audit')
     .description(
-      'Audit any OpenAI-compatible endpoint for cross-tenant KV-cache leaks (capacity, boundary and canary probes).',
+      'Audit any OpenAI-compatible endpoint for cross-tenant KV-cache leaks (see --list-probes).',
     )
-    .requiredOption('--target <url>', 'base URL of the endpoint, e.g. http://127.0.0.1:8000')
+    .option('--target <url>', 'base URL of the endpoint, e.g. http://127.0.0.1:8000')
+    .option(
+      '--config <file>',
+      'YAML config (target, tenants with keyEnv, probes, budget, seed, reports); flags override it',
+    )
+    .option('--list-probes', 'print the probes, what each sends and concludes, and exit')
     .option(
       '--tenant <name=key>',
       'a tenant and its API key, or NAME=env:VARNAME to read the key from the environment (at least twice)',
@@ -46,15 +63,24 @@ export function registerAudit(program: Command): void {
     )
     .option('--model <id>', 'model id (default: the first one /v1/models lists)')
     .option('--json <file>', 'write the JSON report to this file')
-    .option('--probes <list>', `comma-separated probes to run`, probeNames.join(','))
+    .option('--junit <file>', 'write a JUnit XML report (a test case per probe) to this file')
+    .option('--html <file>', 'write a self-contained HTML report with plots to this file')
+    .option(
+      '--probes <list>',
+      `comma-separated probes to run (default: all: ${probeNames.join(',')})`,
+    )
     .option('--seed <n>', 'seed for canaries, prompt sizes and order (default: random, reported)')
-    .option('--max-requests <n>', 'request budget', String(auditDefaults.maxRequests))
-    .option('--max-seconds <n>', 'time budget in seconds', String(auditDefaults.maxSeconds))
-    .option('--concurrency <n>', 'requests in flight at most', String(auditDefaults.concurrency))
+    .option('--max-requests <n>', `request budget (default ${auditDefaults.maxRequests})`)
+    .option('--max-seconds <n>', `time budget in seconds (default ${auditDefaults.maxSeconds})`)
+    .option(
+      '--concurrency <n>',
+      `requests in flight at most (default ${auditDefaults.concurrency})`,
+    )
     .addOption(
-      new Option('--fail-on <verdict>', 'exit 1 on a finding with this verdict or a worse one')
-        .choices(failOnChoices)
-        .default('leak'),
+      new Option(
+        '--fail-on <verdict>',
+        'exit 1 on a finding with this verdict or a worse one (default leak)',
+      ).choices(failOnChoices),
     )
     .showHelpAfterError(false)
     .action(async (flags: AuditFlags) => {
@@ -69,32 +95,67 @@ export function registerAudit(program: Command): void {
     })
 }
 
+/** `--list-probes`: one block per probe, in the order an audit runs them. */
+export function formatProbeList(): string {
+  const width = Math.max(...probeNames.map((n) => n.length))
+  return probeNames.map((name) => `${name.padEnd(width)}  ${probes[name].description}`).join('\n')
+}
+
 async function audit(flags: AuditFlags): Promise<number> {
+  if (flags.listProbes) {
+    process.stdout.write(`${formatProbeList()}\n`)
+    return 0
+  }
+  const file: AuditConfigFile =
+    flags.config === undefined ? {} : await loadAuditConfig(flags.config, process.env)
+  const target = flags.target ?? file.target
+  if (target === undefined) {
+    throw new AuditError(
+      'invalid_options',
+      "required option '--target <url>' not specified (or target: in --config)",
+    )
+  }
+  const tenants =
+    flags.tenant !== undefined || file.tenants === undefined
+      ? parseTenants(flags.tenant ?? [], process.env)
+      : [...file.tenants]
+  const failOn: Verdict = flags.failOn ?? file.failOn ?? 'leak'
+  const reports = {
+    json: flags.json ?? file.reports?.json,
+    junit: flags.junit ?? file.reports?.junit,
+    html: flags.html ?? file.reports?.html,
+  }
   const report = await runAudit({
-    target: flags.target,
-    tenants: parseTenants(flags.tenant ?? [], process.env),
-    model: flags.model,
-    probes: parseProbes(flags.probes),
-    seed: parseCount('--seed', flags.seed, 0),
-    maxRequests: parseCount('--max-requests', flags.maxRequests, 1),
-    maxSeconds: parseSeconds(flags.maxSeconds),
-    concurrency: parseCount('--concurrency', flags.concurrency, 1),
+    target,
+    tenants,
+    model: flags.model ?? file.model,
+    probes: flags.probes === undefined ? file.probes : parseProbes(flags.probes),
+    seed: parseCount('--seed', flags.seed, 0) ?? file.seed,
+    maxRequests: parseCount('--max-requests', flags.maxRequests, 1) ?? file.maxRequests,
+    maxSeconds: parseSeconds(flags.maxSeconds) ?? file.maxSeconds,
+    concurrency: parseCount('--concurrency', flags.concurrency, 1) ?? file.concurrency,
     onProgress: (event) => process.stdout.write(`${formatProgress(event)}\n`),
   })
   process.stdout.write(`\n${formatSummary(report)}\n`)
-  if (flags.json !== undefined) {
-    try {
-      await writeJsonReport(report, flags.json)
-    } catch (err) {
-      const reason = (err as { code?: string }).code ?? (err instanceof Error ? err.message : '')
-      throw new AuditError(
-        'invalid_options',
-        `cannot write the JSON report to ${flags.json}: ${reason}`,
-      )
-    }
-    process.stdout.write(`report written to ${flags.json}\n`)
+  await writeReport('JSON', reports.json, (f) => writeJsonReport(report, f))
+  await writeReport('JUnit', reports.junit, (f) => writeJunitReport(report, f, failOn))
+  await writeReport('HTML', reports.html, (f) => writeHtmlReport(report, f))
+  return exitCodeFor(report, failOn)
+}
+
+async function writeReport(
+  kind: string,
+  file: string | undefined,
+  write: (file: string) => Promise<void>,
+): Promise<void> {
+  if (file === undefined) return
+  try {
+    await write(file)
+  } catch (err) {
+    const reason = (err as { code?: string }).code ?? (err instanceof Error ? err.message : '')
+    throw new AuditError('invalid_options', `cannot write the ${kind} report to ${file}: ${reason}`)
   }
-  return exitCodeFor(report, flags.failOn)
+  process.stdout.write(`${kind} report written to ${file}\n`)
 }
 
 /** `NAME=KEY` or `NAME=env:VARNAME`. Errors name the tenant, never the key. */

@@ -1,10 +1,14 @@
-/** `kvfence keys add NAME`: create a tenant API key, store only its SHA-256 digest in the tenants
- *  file, and print the key once (it cannot be recovered later). */
+/** `kvfence keys add|list|remove`: manage tenant API keys in a YAML file with a `tenants:` list —
+ *  a tenants file or the cluster config file. Only SHA-256 digests are stored; `add` prints the
+ *  new key once (it cannot be recovered later). Edits keep the rest of the file (limits, other
+ *  sections, comments) as it was. */
 import { randomBytes } from 'node:crypto'
 import { existsSync, readFileSync, writeFileSync } from 'node:fs'
 import type { Command } from 'commander'
-import { parse as parseYaml, stringify as toYaml } from 'yaml'
-import { apiKeyDigest, TenantsFile } from '../router/tenants.js'
+import { isMap, isSeq, parseDocument, stringify as toYaml, type Document } from 'yaml'
+import { z } from 'zod'
+import { KvfenceError } from '../errors.js'
+import { apiKeyDigest, TenantRecord } from '../router/tenants.js'
 
 /** A fresh API key: `sk-kvf-` and 256 random bits in hex. */
 export function newApiKey(): string {
@@ -16,31 +20,119 @@ export function tenantsYaml(tenants: readonly { name: string; key: string }[]): 
   return toYaml({ tenants: tenants.map((t) => ({ name: t.name, keySha256: apiKeyDigest(t.key) })) })
 }
 
+/** The file's YAML document and its validated tenants; a missing file is an empty document when
+ *  `mayCreate`. Throws `config_invalid` naming the file and the fault. */
+function readTenantsDocument(
+  path: string,
+  mayCreate: boolean,
+): { doc: Document; tenants: TenantRecord[] } {
+  const isNew = !existsSync(path)
+  if (isNew && !mayCreate) throw new KvfenceError('config_invalid', `${path} does not exist`)
+  const doc = parseDocument(isNew ? '{}' : readFileSync(path, 'utf8'))
+  if (doc.errors.length > 0) {
+    throw new KvfenceError('config_invalid', `${path} is not valid YAML: ${doc.errors[0].message}`)
+  }
+  if (doc.contents !== null && !isMap(doc.contents)) {
+    throw new KvfenceError('config_invalid', `${path}: the file must be a YAML mapping`)
+  }
+  const list = doc.get('tenants')
+  if (list !== undefined && !isSeq(list)) {
+    throw new KvfenceError('config_invalid', `${path}: tenants must be a list`)
+  }
+  const parsed = z.array(TenantRecord).safeParse(doc.toJS()?.tenants ?? [])
+  if (!parsed.success) {
+    const issue = parsed.error.issues[0]
+    throw new KvfenceError(
+      'config_invalid',
+      `${path}: tenants.${issue.path.map(String).join('.')}: ${issue.message}`,
+    )
+  }
+  if (list === undefined) doc.set('tenants', doc.createNode([]))
+  const seq = doc.get('tenants')
+  // Block style, one tenant a line.
+  if (isSeq(seq) && seq.items.length === 0) seq.flow = false
+  if (isNew) doc.contents!.flow = false
+  return { doc, tenants: parsed.data }
+}
+
 /** Register `kvfence keys`. */
 export function registerKeys(program: Command): void {
   const keys = program.command('keys').description('manage tenant API keys')
+  const fileOption = ['--tenants <file>', 'YAML file with a tenants list', 'tenants.yaml'] as const
   keys
     .command('add <name>')
     .description(
       'create a key for tenant NAME, store its SHA-256 in the tenants file, print the key once',
     )
-    .option('--tenants <file>', 'tenants YAML file (created if missing)', 'tenants.yaml')
-    .action((name: string, flags: { tenants: string }) => {
-      let tenants: { name: string; keySha256: string }[] = []
-      if (existsSync(flags.tenants)) {
-        const parsed = TenantsFile.safeParse(parseYaml(readFileSync(flags.tenants, 'utf8')))
-        if (!parsed.success)
-          throw new Error(
-            `${flags.tenants} is not a valid tenants file: ${parsed.error.issues[0]?.message}`,
+    .option(...fileOption)
+    .option('--max-concurrent <n>', 'limit: requests in flight at once', positiveInt)
+    .option(
+      '--tokens-per-minute <n>',
+      'limit: tokens (prompt + max_tokens) per minute',
+      positiveInt,
+    )
+    .action(
+      (
+        name: string,
+        flags: { tenants: string; maxConcurrent?: number; tokensPerMinute?: number },
+      ) => {
+        const { doc, tenants } = readTenantsDocument(flags.tenants, true)
+        if (tenants.some((t) => t.name === name)) {
+          throw new KvfenceError(
+            'config_invalid',
+            `tenant ${name} already exists in ${flags.tenants}`,
           )
-        tenants = parsed.data.tenants
+        }
+        const key = newApiKey()
+        const limits = {
+          ...(flags.maxConcurrent === undefined
+            ? {}
+            : { maxConcurrentRequests: flags.maxConcurrent }),
+          ...(flags.tokensPerMinute === undefined
+            ? {}
+            : { tokensPerMinute: flags.tokensPerMinute }),
+        }
+        const record = TenantRecord.parse({
+          name,
+          keySha256: apiKeyDigest(key),
+          ...(Object.keys(limits).length > 0 ? { limits } : {}),
+        })
+        doc.addIn(['tenants'], doc.createNode(record))
+        writeFileSync(flags.tenants, doc.toString(), { mode: 0o600 })
+        process.stderr.write(`tenant ${name} added to ${flags.tenants}; its key (shown once):\n`)
+        process.stdout.write(`${key}\n`)
+      },
+    )
+  keys
+    .command('list')
+    .description('list tenants and their limits (never keys)')
+    .option(...fileOption)
+    .action((flags: { tenants: string }) => {
+      const { tenants } = readTenantsDocument(flags.tenants, false)
+      for (const t of tenants) {
+        const limits = Object.entries(t.limits ?? {}).map(([k, v]) => `${k}=${v}`)
+        process.stdout.write(`${t.name}\t${limits.length > 0 ? limits.join(' ') : 'no limits'}\n`)
       }
-      if (tenants.some((t) => t.name === name))
-        throw new Error(`tenant ${name} already exists in ${flags.tenants}`)
-      const key = newApiKey()
-      tenants.push({ name, keySha256: apiKeyDigest(key) })
-      writeFileSync(flags.tenants, toYaml({ tenants }), { mode: 0o600 })
-      process.stderr.write(`tenant ${name} added to ${flags.tenants}; its key (shown once):\n`)
-      process.stdout.write(`${key}\n`)
     })
+  keys
+    .command('remove <name>')
+    .description('remove tenant NAME and its key from the tenants file')
+    .option(...fileOption)
+    .action((name: string, flags: { tenants: string }) => {
+      const { doc, tenants } = readTenantsDocument(flags.tenants, false)
+      const index = tenants.findIndex((t) => t.name === name)
+      if (index === -1) {
+        throw new KvfenceError('config_invalid', `tenant ${name} is not in ${flags.tenants}`)
+      }
+      doc.deleteIn(['tenants', index])
+      writeFileSync(flags.tenants, doc.toString(), { mode: 0o600 })
+      process.stderr.write(`tenant ${name} removed from ${flags.tenants}\n`)
+    })
+}
+
+function positiveInt(value: string): number {
+  if (!/^[1-9]\d*$/.test(value)) {
+    throw new KvfenceError('config_invalid', `expected a positive integer, got "${value}"`)
+  }
+  return Number(value)
 }

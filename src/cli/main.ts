@@ -7,6 +7,7 @@ import { registerGenerate } from './generate.js'
 import { registerKeys } from './keys.js'
 import { registerRouter } from './router.js'
 import { registerServe } from './serve.js'
+import { registerSoak } from './soak.js'
 import { registerWorkers } from './worker.js'
 
 const program = new Command()
@@ -23,6 +24,7 @@ registerGenerate(program)
 registerWorkers(program)
 registerRouter(program)
 registerKeys(program)
+registerSoak(program)
 registerAudit(program)
 
 try {

@@ -1,17 +1,25 @@
 /** `kvfence router`: start the OpenAI-compatible router in front of prefill and decode workers
- *  that run elsewhere (or on this host). Tells a parent process that forked it, once listening. */
+ *  that run elsewhere (or on this host), from flags or from a cluster config file
+ *  (`--config FILE`: its router, tenants, and workers given by `url` or its gateway backend).
+ *  Tells a parent process that forked it, once listening. */
 import type { Command } from 'commander'
 import { pino } from 'pino'
+import { loadClusterConfig } from '../config/cluster.js'
 import { buildFaultConfig, faultBanner } from '../engine/faults.js'
+import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
-import { startRouter } from '../router/index.js'
+import { type StartRouterOptions, startRouter } from '../router/index.js'
 import { collect, intOption } from './options.js'
 
 interface RouterFlags {
+  config?: string
+  logContent: boolean
+  maxConcurrent?: number
+  maxQueued?: number
   model: string
   prefill: string[]
   decode: string[]
-  tenants: string
+  tenants?: string
   host: string
   port: number
   contextWindow?: number
@@ -25,12 +33,13 @@ export function registerRouter(program: Command): void {
   program
     .command('router')
     .description('start the OpenAI-compatible router in front of prefill and decode workers')
-    .requiredOption('--prefill <url>', 'a prefill worker’s control URL; repeatable', collect, [])
-    .requiredOption('--decode <url>', 'a decode worker’s control URL; repeatable', collect, [])
-    .requiredOption(
-      '--tenants <file>',
-      'tenants YAML file (create one with `kvfence keys add NAME`)',
-    )
+    .option('--config <file>', 'cluster config YAML (router, tenants, worker URLs or backend)')
+    .option('--prefill <url>', 'a prefill worker’s control URL; repeatable', collect, [])
+    .option('--decode <url>', 'a decode worker’s control URL; repeatable', collect, [])
+    .option('--tenants <file>', 'tenants YAML file (create one with `kvfence keys add NAME`)')
+    .option('--max-concurrent <n>', 'requests running at once; more wait in the queue', intOption)
+    .option('--max-queued <n>', 'requests waiting at most; more get 503', intOption)
+    .option('--log-content', 'log prompts and completions (off by default)', false)
     .option(
       '--model <dir>',
       'model directory (for its tokenizer and chat template)',
@@ -60,15 +69,14 @@ export function registerRouter(program: Command): void {
       if (banner) process.stderr.write(`${banner}\n`)
       const log = pino({ name: 'kvfence-router', level: flags.logLevel }, pino.destination(2))
       const router = await startRouter({
-        modelDir: flags.model,
-        prefillUrls: flags.prefill,
-        decodeUrls: flags.decode,
-        tenants: flags.tenants,
         host: flags.host,
         port: flags.port,
         contextWindow: flags.contextWindow,
         clampContext: flags.clampContext,
+        // With --config, the file's router section wins over these flags.
+        ...(flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config)),
         guardsEnabled: faults.guardsEnabled,
+        ...(flags.logContent ? { logContent: true } : {}),
         log,
       })
       process.send?.({
@@ -81,4 +89,75 @@ export function registerRouter(program: Command): void {
       process.on('SIGTERM', shutdown)
       process.on('SIGINT', shutdown)
     })
+}
+
+function fromFlags(
+  flags: RouterFlags,
+): Partial<StartRouterOptions> & Pick<StartRouterOptions, 'tenants'> {
+  if (flags.prefill.length === 0 || flags.decode.length === 0 || flags.tenants === undefined) {
+    throw new KvfenceError(
+      'config_invalid',
+      'give --config FILE, or --prefill, --decode and --tenants',
+    )
+  }
+  return {
+    modelDir: flags.model,
+    prefillUrls: flags.prefill,
+    decodeUrls: flags.decode,
+    tenants: flags.tenants,
+    queue: {
+      ...(flags.maxConcurrent === undefined ? {} : { maxConcurrentRequests: flags.maxConcurrent }),
+      ...(flags.maxQueued === undefined ? {} : { maxQueuedRequests: flags.maxQueued }),
+    },
+  }
+}
+
+/** The router's part of a cluster config: workers must be given by URL (none started here). */
+function fromConfig(
+  path: string,
+): Partial<StartRouterOptions> & Pick<StartRouterOptions, 'tenants'> {
+  const config = loadClusterConfig(path)
+  const r = config.router
+  const urls = (entries: readonly ({ pages: number } | { url: string })[]) =>
+    entries.map((e, i) => {
+      if ('url' in e) return e.url
+      throw new KvfenceError(
+        'config_invalid',
+        `${path}: workers: kvfence router starts no workers; give worker ${i} a url (or use kvfence serve)`,
+      )
+    })
+  return {
+    tenants: config.tenants,
+    modelDir: config.model ?? bundledModelDir,
+    ...(config.workers === undefined
+      ? {}
+      : { prefillUrls: urls(config.workers.prefill), decodeUrls: urls(config.workers.decode) }),
+    ...(config.backend === undefined
+      ? {}
+      : {
+          gateway: {
+            kind: config.backend.kind,
+            url: config.backend.url,
+            backendModel: config.backend.model,
+            tokenizerDir: config.backend.tokenizerDir,
+            discoveryIntervalMs: config.backend.discoveryIntervalMs,
+            apiKey:
+              config.backend.apiKeyEnv === undefined
+                ? undefined
+                : process.env[config.backend.apiKeyEnv],
+          },
+        }),
+    host: r.host,
+    port: r.port,
+    contextWindow: r.contextWindow,
+    clampContext: r.clampContext,
+    modelName: r.modelName,
+    maxBodyBytes: r.maxBodyBytes,
+    logContent: r.logContent,
+    queue: {
+      maxConcurrentRequests: r.maxConcurrentRequests,
+      maxQueuedRequests: r.maxQueuedRequests,
+      maxQueueWaitMs: r.maxQueueWaitMs,
+    },
+  }
 }

@@ -1,15 +1,23 @@
 /** `kvfence serve`: router + one prefill worker + one decode worker as child processes on this
- *  host, serving a model (the bundled one by default) until interrupted. */
-import type { Command } from 'commander'
+ *  host, serving a model (the bundled one by default) until interrupted; or, with `--config FILE`
+ *  (or `KVFENCE_CONFIG`), the whole cluster a config file describes (see src/config/cluster.ts),
+ *  with `--host`, `--port`, `--log-content` and `--log-level` overriding the file. */
+import { type Command, Option } from 'commander'
+import { pino } from 'pino'
+import { loadClusterConfig } from '../config/cluster.js'
+import { launchCluster } from '../config/launch.js'
 import { startCluster } from '../engine/cluster.js'
+import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
 import { collect, intOption } from './options.js'
 
 interface ServeFlags {
+  config?: string
   model: string
-  tenants: string
-  host: string
-  port: number
+  tenants?: string
+  host?: string
+  port?: number
+  logContent?: boolean
   pageSize: number
   prefillPages: number
   decodePages: number
@@ -17,7 +25,7 @@ interface ServeFlags {
   clampContext: boolean
   injectFault: string[]
   unsafeDisableGuards: boolean
-  logLevel: string
+  logLevel?: string
 }
 
 /** Register `kvfence serve`. */
@@ -25,13 +33,22 @@ export function registerServe(program: Command): void {
   program
     .command('serve')
     .description('run router + prefill worker + decode worker on this host')
-    .requiredOption(
-      '--tenants <file>',
-      'tenants YAML file (create one with `kvfence keys add NAME`)',
+    .addOption(
+      new Option('--config <file>', 'cluster config YAML (router, workers, tenants)').env(
+        'KVFENCE_CONFIG',
+      ),
     )
+    .option('--tenants <file>', 'tenants YAML file (create one with `kvfence keys add NAME`)')
     .option('--model <dir>', 'Hugging Face model directory', bundledModelDir)
-    .option('--host <host>', 'address to bind', '127.0.0.1')
-    .option('--port <port>', 'router port', intOption, 8000)
+    .addOption(
+      new Option('--host <host>', 'address to bind (default 127.0.0.1)').env('KVFENCE_HOST'),
+    )
+    .addOption(
+      new Option('--port <port>', 'router port (default 8000)')
+        .argParser(intOption)
+        .env('KVFENCE_PORT'),
+    )
+    .option('--log-content', 'log prompts and completions (off by default)')
     .option('--page-size <n>', 'tokens per KV page', intOption, 16)
     .option('--prefill-pages <n>', 'pages in the prefill worker’s KV pool', intOption, 64)
     .option('--decode-pages <n>', 'pages in the decode worker’s KV pool', intOption, 64)
@@ -52,13 +69,21 @@ export function registerServe(program: Command): void {
       [],
     )
     .option('--unsafe-disable-guards', 'turn every guard off (needs KVFENCE_ALLOW_FAULTS=1)', false)
-    .option('--log-level <level>', 'log level of the parts', 'info')
+    .addOption(
+      new Option('--log-level <level>', 'log level of the parts (default info)').env(
+        'KVFENCE_LOG_LEVEL',
+      ),
+    )
     .action(async (flags: ServeFlags) => {
+      if (flags.config !== undefined) return serveConfig(flags.config, flags)
+      if (flags.tenants === undefined) {
+        throw new KvfenceError('config_invalid', 'give --config FILE or --tenants FILE')
+      }
       const cluster = await startCluster({
         modelDir: flags.model,
         tenantsFile: flags.tenants,
-        host: flags.host,
-        routerPort: flags.port,
+        host: flags.host ?? '127.0.0.1',
+        routerPort: flags.port ?? 8000,
         pageSize: flags.pageSize,
         prefillPages: flags.prefillPages,
         decodePages: flags.decodePages,
@@ -66,7 +91,7 @@ export function registerServe(program: Command): void {
         clampContext: flags.clampContext,
         prefillFaults: flags.injectFault,
         disableGuards: flags.unsafeDisableGuards,
-        logLevel: flags.logLevel,
+        logLevel: flags.logLevel ?? 'info',
       })
       process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
       let isStopping = false
@@ -86,4 +111,41 @@ export function registerServe(program: Command): void {
         })
       }
     })
+}
+
+/** `serve --config FILE`: the cluster of a config file, flags overriding its router fields. */
+async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
+  const file = loadClusterConfig(path)
+  const config = {
+    ...file,
+    router: {
+      ...file.router,
+      ...(flags.host === undefined ? {} : { host: flags.host }),
+      ...(flags.port === undefined ? {} : { port: flags.port }),
+      ...(flags.logContent ? { logContent: true } : {}),
+      ...(flags.logLevel === undefined
+        ? {}
+        : { logLevel: flags.logLevel as typeof file.router.logLevel }),
+    },
+  }
+  const log = pino({ name: 'kvfence-router', level: config.router.logLevel }, pino.destination(2))
+  const cluster = await launchCluster(config, log)
+  process.stderr.write(`kvfence serving on ${cluster.router.url}/v1 (Ctrl-C stops)\n`)
+  process.send?.({ type: 'ready', role: 'router', port: cluster.router.port })
+  let isStopping = false
+  const stop = async (code: number) => {
+    if (isStopping) return
+    isStopping = true
+    await cluster.stop()
+    process.exit(code)
+  }
+  process.on('SIGINT', () => void stop(0))
+  process.on('SIGTERM', () => void stop(0))
+  for (const child of cluster.children) {
+    child.once('exit', (code) => {
+      if (isStopping) return
+      process.stderr.write(`kvfence: a worker exited (code ${code}); stopping\n`)
+      void stop(1)
+    })
+  }
 }

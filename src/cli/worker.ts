@@ -1,9 +1,10 @@
 /** `kvfence prefill` and `kvfence decode`: start one worker of a disaggregated pair on its own
  *  (on this host or another). Each prints its bound ports once listening, and tells a parent
  *  process that forked it through the IPC channel. */
-import type { Command } from 'commander'
+import { InvalidArgumentError, type Command } from 'commander'
 import { pino } from 'pino'
 import { DecodeWorker } from '../engine/decode-worker.js'
+import { defaultMaxBatch } from '../engine/decode-scheduler.js'
 import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { PrefillWorker } from '../engine/prefill-worker.js'
 import { createWorkerCore } from '../engine/worker-core.js'
@@ -21,8 +22,12 @@ interface WorkerFlags {
   port: number
   transferHost: string
   transferPort: number
+  /** Decode only: most sequences per decode step. */
+  maxBatch: number
   injectFault: string[]
   unsafeDisableGuards: boolean
+  unsafeDisableGuard: string[]
+  transferTimeoutMs?: number
   logLevel: string
 }
 
@@ -55,6 +60,17 @@ export function registerWorkers(program: Command): void {
         'turn every safety guard off (needs KVFENCE_ALLOW_FAULTS=1)',
         false,
       )
+      .option(
+        '--unsafe-disable-guard <id>',
+        'turn one safety guard off, e.g. G7 (needs KVFENCE_ALLOW_FAULTS=1); repeatable',
+        collect,
+        [],
+      )
+      .option(
+        '--transfer-timeout-ms <ms>',
+        'a KV transfer with no progress (or no ACK) for this long fails (default 30000)',
+        intOption,
+      )
       .option('--log-level <level>', 'pino log level', 'info')
     if (role === 'decode') {
       cmd
@@ -65,6 +81,16 @@ export function registerWorkers(program: Command): void {
           intOption,
           8103,
         )
+        .option(
+          '--max-batch <n>',
+          'most sequences per decode step (continuous batching)',
+          (v: string) => {
+            const n = intOption(v)
+            if (n < 1) throw new InvalidArgumentError(`expected an integer ≥ 1, got "${v}"`)
+            return n
+          },
+          defaultMaxBatch,
+        )
     }
     cmd.action(async (flags: WorkerFlags) => {
       await startWorker(role, flags)
@@ -74,7 +100,12 @@ export function registerWorkers(program: Command): void {
 
 async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Promise<void> {
   const log = pino({ name: `kvfence-${role}`, level: flags.logLevel }, pino.destination(2))
-  const faults = buildFaultConfig(flags.injectFault, flags.unsafeDisableGuards, process.env)
+  const faults = buildFaultConfig(
+    flags.injectFault,
+    flags.unsafeDisableGuards,
+    process.env,
+    flags.unsafeDisableGuard,
+  )
   const banner = faultBanner(`kvfence ${role}`, faults)
   if (banner) process.stderr.write(`${banner}\n`)
   const core = createWorkerCore({
@@ -86,15 +117,18 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
   let transferPort: number | undefined
   let server
   if (role === 'decode') {
-    const worker = new DecodeWorker(core)
+    const worker = new DecodeWorker(core, { maxBatch: flags.maxBatch })
     const receiver = new TransferServer(worker.receiverHooks, {
       verifyManifest: core.guards.G4,
       verifyAuth: core.guards.G10,
+      dropAcks: core.hasFault('lost-ack'),
+      ...(flags.transferTimeoutMs === undefined ? {} : { stallTimeoutMs: flags.transferTimeoutMs }),
     })
     transferPort = await listen(receiver, flags.transferHost, flags.transferPort)
     server = createWorkerServer({ role, worker, transferPort: () => transferPort! }, log)
   } else {
-    server = createWorkerServer({ role, worker: new PrefillWorker(core) }, log)
+    const worker = new PrefillWorker(core, { transferTimeoutMs: flags.transferTimeoutMs })
+    server = createWorkerServer({ role, worker }, log)
   }
   const port = await listen(server, flags.host, flags.port)
   const ready = {

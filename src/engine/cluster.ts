@@ -22,6 +22,12 @@ export interface ClusterOptions {
   prefillFaults?: string[]
   decodeFaults?: string[]
   disableGuards?: boolean
+  /** Guards to turn off one by one in both workers (`--unsafe-disable-guard ID`; needs
+   *  KVFENCE_ALLOW_FAULTS=1). The router has no per-guard switch: it then runs with its guards off. */
+  disabledGuards?: string[]
+  /** Extra flags for the prefill / decode worker (e.g. `['--transfer-timeout-ms', '1000']`). */
+  prefillArgs?: string[]
+  decodeArgs?: string[]
   /** YAML tenants file for the router. */
   tenantsFile: string
   /** Router port (0 picks one). */
@@ -142,13 +148,20 @@ export async function startCluster(opts: ClusterOptions): Promise<Cluster> {
     '0',
     ...faults.flatMap((f) => ['--inject-fault', f]),
     ...(opts.disableGuards ? ['--unsafe-disable-guards'] : []),
+    ...(opts.disabledGuards ?? []).flatMap((id) => ['--unsafe-disable-guard', id]),
   ]
+  const isRouterUnsafe = opts.disableGuards === true || (opts.disabledGuards ?? []).length > 0
   const started: ChildProcess[] = []
   try {
     const [prefill, decode] = await Promise.all([
       startPart(
         'prefill',
-        [...common(opts.prefillFaults), '--pages', String(opts.prefillPages)],
+        [
+          ...common(opts.prefillFaults),
+          '--pages',
+          String(opts.prefillPages),
+          ...(opts.prefillArgs ?? []),
+        ],
         opts,
         started,
       ),
@@ -162,6 +175,7 @@ export async function startCluster(opts: ClusterOptions): Promise<Cluster> {
           host,
           '--transfer-port',
           '0',
+          ...(opts.decodeArgs ?? []),
         ],
         opts,
         started,
@@ -188,7 +202,7 @@ export async function startCluster(opts: ClusterOptions): Promise<Cluster> {
           ? ['--context-window', String(opts.contextWindow)]
           : []),
         ...(opts.clampContext ? ['--clamp-context'] : []),
-        ...(opts.disableGuards ? ['--unsafe-disable-guards'] : []),
+        ...(isRouterUnsafe ? ['--unsafe-disable-guards'] : []),
       ],
       opts,
       started,

@@ -55,40 +55,49 @@ export const PrefillRequest = z.object({
 export type PrefillRequest = z.infer<typeof PrefillRequest>
 
 /** Prefill worker's answer once the decode worker acknowledged the transfer. */
-export interface PrefillResult {
-  requestId: string
-  numPages: number
-  numTokens: number
-  firstTokenId: number
-}
+export const PrefillResult = z.object({
+  requestId: z.string(),
+  numPages: z.number().int().min(0),
+  numTokens: z.number().int().min(0),
+  firstTokenId: z.number().int().min(0),
+})
+export type PrefillResult = z.infer<typeof PrefillResult>
 
 /** One line of the decode worker's NDJSON stream. */
-export type DecodeEvent =
-  | { type: 'reserved'; numPages: number }
-  | { type: 'token'; tokenId: number }
-  | {
-      type: 'done'
-      finishReason: 'stop' | 'length'
-      promptTokens: number
-      completionTokens: number
-    }
-  | { type: 'error'; code: string; message: string }
+export const DecodeEvent = z.discriminatedUnion('type', [
+  z.object({ type: z.literal('reserved'), numPages: z.number().int().min(0) }),
+  z.object({ type: z.literal('token'), tokenId: z.number().int().min(0) }),
+  z.object({
+    type: z.literal('done'),
+    finishReason: z.enum(['stop', 'length']),
+    promptTokens: z.number().int().min(0),
+    completionTokens: z.number().int().min(0),
+    /** Prompt tokens whose KV came from a prefix cache (OpenAI's `cached_tokens`); absent = 0. */
+    cachedTokens: z.number().int().min(0).optional(),
+  }),
+  z.object({ type: z.literal('error'), code: z.string(), message: z.string() }),
+])
+export type DecodeEvent = z.infer<typeof DecodeEvent>
 
 /** What every worker reports at `GET /server_info` (also read by `kvfence audit` from outside). */
-export interface ServerInfo {
-  role: 'prefill' | 'decode'
-  model: string
+export const ServerInfo = z.object({
+  role: z.enum(['prefill', 'decode']),
+  model: z.string(),
   /** Tokens per page. */
-  pageSize: number
-  numPages: number
+  pageSize: z.number().int().min(1),
+  numPages: z.number().int().min(0),
   /** Effective KV capacity in tokens = numPages × pageSize. */
-  capacityTokens: number
-  numPagesFree: number
-  numPagesUsed: number
+  capacityTokens: z.number().int().min(0),
+  numPagesFree: z.number().int().min(0),
+  numPagesUsed: z.number().int().min(0),
   /** Longest sequence (prompt + generated tokens) the model's positions allow. */
-  maxPositionEmbeddings: number
-  guardsEnabled: boolean
-  faults: string[]
+  maxPositionEmbeddings: z.number().int().min(1),
+  guardsEnabled: z.boolean(),
+  faults: z.array(z.string()),
   /** Decode worker only: the TCP port its transfer receiver listens on. */
-  transferPort?: number
-}
+  transferPort: z.number().int().min(1).max(65535).optional(),
+  /** Decode worker only: the host its transfer receiver is reached at (`--transfer-host`);
+   *  absent = the host of its control URL. */
+  transferHost: z.string().min(1).optional(),
+})
+export type ServerInfo = z.infer<typeof ServerInfo>

@@ -1,15 +1,14 @@
 /** Decode worker: reserves pages for a prompt, receives and verifies its KV from the prefill worker,
- *  then generates tokens for many requests at once (each request steps in turn).
+ *  then generates tokens for many requests at once (continuous batching: decode-scheduler.ts).
  *  Knows token ids, tenants and the transfer receiver's hooks; knows nothing of HTTP, keys or text. */
 import { randomBytes } from 'node:crypto'
-import { setImmediate as yieldToLoop } from 'node:timers/promises'
 import { KvfenceError } from '../errors.js'
 import type { PageRef } from '../kv/pool.js'
-import { forward } from '../model/forward.js'
 import { makeRandom, sample } from '../model/sampling.js'
 import type { BeginInfo, ReceiverHooks, Reservation } from '../transfer/index.js'
 import type { DecodeEvent, GenerateRequest } from './control.js'
-import { scatterPage, type WorkerCore } from './worker-core.js'
+import { DecodeScheduler } from './decode-scheduler.js'
+import { failureReason, scatterPage, type WorkerCore } from './worker-core.js'
 
 /** How long a reservation waits for its transfer to begin before it is given up (ms). Only a
  *  transfer that never began may be given up on a timer: its pages cannot be written any more. */
@@ -23,14 +22,30 @@ interface Pending {
   numPromptPages: number
   secret: Buffer
   state: 'waiting' | 'receiving' | 'received' | 'failed'
+  /** Why the transfer in flight must stop at its next frame (G8 abort, or an early-release fault
+   *  refused by G7); null while it may go on. */
+  cancel: KvfenceError | null
   settle: (result: { firstTokenId: number } | KvfenceError) => void
+  /** Fault `early-release` only: free the pages now, whatever still writes into them. */
+  releaseNow: () => void
+}
+
+/** Options of {@link DecodeWorker}. */
+export interface DecodeWorkerOptions {
+  /** Most sequences per decode step (`--max-batch`); default `defaultMaxBatch` (32) of
+   *  decode-scheduler.ts. */
+  maxBatch?: number
 }
 
 /** The decode side of a disaggregated pair. One instance per process. */
 export class DecodeWorker {
   private readonly pending = new Map<string, Pending>()
+  private scheduler: DecodeScheduler | undefined
 
-  constructor(readonly core: WorkerCore) {}
+  constructor(
+    readonly core: WorkerCore,
+    private readonly options: DecodeWorkerOptions = {},
+  ) {}
 
   /** Hooks for the transfer receiver: secrets of known requests, and reservations verified
    *  against what the router told this worker (G4). */
@@ -74,9 +89,15 @@ export class DecodeWorker {
       released = true
       pool.release(pageTable, owner)
     }
+    // The fault's premature free: no pin check here, only the pool's own G7 can refuse it.
+    const releaseNow = () => {
+      if (released) return
+      pool.release(pageTable, owner)
+      released = true
+    }
     let received: { firstTokenId: number }
     try {
-      received = await this.awaitTransfer(req, owner, pageTable, signal, emit, release)
+      received = await this.awaitTransfer(req, owner, pageTable, signal, emit, release, releaseNow)
     } catch (err) {
       release() // deferred when a transfer still holds the pages: its abort() releases them.
       throw err
@@ -97,8 +118,9 @@ export class DecodeWorker {
     signal: AbortSignal,
     emit: (e: DecodeEvent) => void,
     release: () => void,
+    releaseNow: () => void,
   ): Promise<{ firstTokenId: number }> {
-    const { pool } = this.core
+    const { pool, guards } = this.core
     return new Promise((resolve, reject) => {
       const timer = setTimeout(() => {
         if (entry.state === 'waiting')
@@ -113,7 +135,13 @@ export class DecodeWorker {
         // A transfer in flight keeps its pages pinned; they are released when it settles (G7).
         if (entry.state === 'waiting' || entry.state === 'received')
           entry.settle(new KvfenceError('request_aborted', 'request aborted by the router'))
-        else if (entry.state === 'receiving') entry.state = 'failed'
+        else if (entry.state === 'receiving') {
+          entry.state = 'failed'
+          // G8: the transfer in flight is cancelled at its next frame (NACK); its pages are freed
+          // once the receiver calls abort(), i.e. once nothing can write them any more (G7).
+          if (guards.G8)
+            entry.cancel ??= new KvfenceError('request_aborted', 'request aborted by the router')
+        }
       }
       const entry: Pending = {
         req,
@@ -122,6 +150,8 @@ export class DecodeWorker {
         numPromptPages: pool.pagesFor(req.promptTokenIds.length),
         secret: Buffer.from(req.transferSecret, 'hex'),
         state: 'waiting',
+        cancel: null,
+        releaseNow,
         settle: (result) => {
           clearTimeout(timer)
           signal.removeEventListener('abort', onAbort)
@@ -150,7 +180,19 @@ export class DecodeWorker {
   /** A BEGIN arrived with a valid HMAC: check it describes exactly the reserved request (G4) and
    *  hand the receiver a reservation over the prompt's pages, pinned until the transfer settles (G7). */
   private begin(info: BeginInfo): Reservation {
-    const { pool, trips, guards } = this.core
+    const { metrics } = this.core
+    try {
+      return this.reserve(info)
+    } catch (err) {
+      // Refused at BEGIN: nothing was reserved, so abort() will not follow; count it here.
+      metrics.transfers.inc({ outcome: 'failed' })
+      metrics.transferFailures.inc({ reason: failureReason(err) })
+      throw err
+    }
+  }
+
+  private reserve(info: BeginInfo): Reservation {
+    const { pool, trips, guards, metrics } = this.core
     const entry = this.pending.get(info.requestId)
     if (!entry || entry.state !== 'waiting') {
       throw new KvfenceError(
@@ -182,6 +224,16 @@ export class DecodeWorker {
     const promptPages = pageTable.slice(0, entry.numPromptPages)
     pool.pin(promptPages, owner)
     entry.state = 'receiving'
+    if (this.core.hasFault('early-release')) {
+      // The bug class of sglang#24527: a cleanup path frees the request's pages while its transfer
+      // still writes into them. G7 (in pool.release) refuses while they are pinned; the refusal
+      // fails the request, and the pages are freed once the transfer settled.
+      try {
+        entry.releaseNow()
+      } catch (err) {
+        entry.cancel = err as KvfenceError
+      }
+    }
     let isSettled = false
     const unpinOnce = () => {
       if (isSettled) return false
@@ -192,6 +244,7 @@ export class DecodeWorker {
     return {
       pageSize: pool.shape.pageSize,
       writePage: (ordinal, tokensOnPage, payload) => {
+        if (entry.cancel !== null) throw entry.cancel // → NACK, then abort() frees the pages
         // Bounds are checked whatever the guards: a write outside the reservation is never possible.
         if (
           ordinal < 0 ||
@@ -209,6 +262,7 @@ export class DecodeWorker {
         scatterPage(pool, promptPages[ordinal].page, payload)
       },
       complete: (firstTokenId) => {
+        if (entry.cancel !== null) throw entry.cancel // → NACK, then abort() frees the pages
         if (guards.G4) {
           // Every prompt position must hold KV that arrived for this request.
           for (let ordinal = 0; ordinal < promptPages.length; ordinal++) {
@@ -230,6 +284,8 @@ export class DecodeWorker {
           )
         }
         unpinOnce()
+        metrics.transfers.inc({ outcome: 'completed' })
+        metrics.transferBytes.inc(promptPages.length * pool.pageBytes)
         if (entry.state === 'failed') {
           entry.settle(new KvfenceError('request_aborted', 'request aborted by the router'))
           return
@@ -237,17 +293,26 @@ export class DecodeWorker {
         entry.settle({ firstTokenId })
       },
       abort: (reason) => {
-        if (!unpinOnce()) return
-        entry.settle(
+        let err =
           reason instanceof KvfenceError
             ? reason
-            : new KvfenceError('transfer_failed', String(reason)),
-        )
+            : new KvfenceError('transfer_failed', String(reason))
+        try {
+          if (!unpinOnce()) return
+        } catch (unpinErr) {
+          // A refused unpin (a guard saw the pages change hands) must still end the request.
+          err = unpinErr instanceof KvfenceError ? unpinErr : err
+        }
+        metrics.transfers.inc({ outcome: 'failed' })
+        metrics.transferFailures.inc({ reason: failureReason(err) })
+        entry.settle(err)
       },
     }
   }
 
-  /** Generate up to `maxTokens` tokens, the first one sampled by the prefill worker. */
+  /** Generate up to `maxTokens` tokens, the first one sampled by the prefill worker, in the
+   *  process's decode loop (continuous batching: this request shares each forward step with every
+   *  other running request, and a failure of another request never ends this one). */
   private async decode(
     req: GenerateRequest,
     owner: number,
@@ -256,38 +321,39 @@ export class DecodeWorker {
     signal: AbortSignal,
     emit: (e: DecodeEvent) => void,
   ): Promise<void> {
-    const { model, rope, pool } = this.core
+    const { pool } = this.core
     const numPrompt = req.promptTokenIds.length
     // Full prompt pages are read-only from now on; the last one may still receive generated tokens.
     pool.seal(pageTable.slice(0, Math.floor(numPrompt / pool.shape.pageSize)), owner)
+    // The request's own stream: decode draws with seed + 1 (prefill drew with seed), whatever
+    // else shares the batch.
     const random = makeRandom(
       req.sampling.seed === null ? randomBytes(4).readUInt32LE() : req.sampling.seed + 1,
     )
-    const stop = new Set(req.stopTokenIds)
-    const capacity = pageTable.length * pool.shape.pageSize
-    let token = firstTokenId
-    let numGenerated = 1
-    emit({ type: 'token', tokenId: token })
-    while (numGenerated < req.maxTokens && !stop.has(token)) {
-      if (signal.aborted) throw new KvfenceError('request_aborted', 'request aborted by the router')
-      const pos = numPrompt + numGenerated - 1
-      if (pos >= capacity) break
-      const logits = forward(model, rope, pool, { pageTable, owner }, [token], pos)
-      token = sample(logits, {
-        temperature: req.sampling.temperature,
-        topP: req.sampling.topP,
-        random,
-      })
-      numGenerated += 1
-      emit({ type: 'token', tokenId: token })
-      // Let other requests step and aborts arrive between tokens.
-      await yieldToLoop()
-    }
-    emit({
-      type: 'done',
-      finishReason: stop.has(token) ? 'stop' : 'length',
-      promptTokens: numPrompt,
-      completionTokens: numGenerated,
+    await this.decodeLoop().run({
+      requestId: req.requestId,
+      owner,
+      pageTable,
+      numPrompt,
+      maxTokens: req.maxTokens,
+      firstTokenId,
+      stopTokenIds: new Set(req.stopTokenIds),
+      sampleNext: (logits) =>
+        sample(logits, {
+          temperature: req.sampling.temperature,
+          topP: req.sampling.topP,
+          random,
+        }),
+      signal,
+      emit,
     })
+  }
+
+  /** The process's one decode loop, made on first use. */
+  private decodeLoop(): DecodeScheduler {
+    this.scheduler ??= new DecodeScheduler(this.core.model, this.core.rope, this.core.pool, {
+      maxBatch: this.options.maxBatch,
+    })
+    return this.scheduler
   }
 }

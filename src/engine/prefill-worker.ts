@@ -2,27 +2,33 @@
  *  and sends the prompt's KV pages to the decode worker, keeping them pinned until it acknowledges.
  *  Knows token ids, tenants and the transfer client; knows nothing of HTTP, API keys or text. */
 import { randomBytes } from 'node:crypto'
-import { setImmediate as yieldToLoop } from 'node:timers/promises'
 import { KvfenceError } from '../errors.js'
 import type { PageRef } from '../kv/pool.js'
-import { forward } from '../model/forward.js'
 import { makeRandom, sample } from '../model/sampling.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
-import { gatherPage, type WorkerCore } from './worker-core.js'
+import { PrefillScheduler } from './prefill-scheduler.js'
+import { failureReason, gatherPage, type WorkerCore } from './worker-core.js'
 
-/** Tokens per prefill step: long prompts are prefilled in chunks so that aborts are seen between them. */
+/** Prompt tokens per prefill step, over all prompts being prefilled: long prompts are prefilled in
+ *  chunks so that other prompts and aborts are served between them. */
 export const prefillChunkTokens = 256
 
 /** Options of {@link PrefillWorker}. */
 export interface PrefillWorkerOptions {
   /** Pages per PAGES frame (G9). */
   maxPagesPerFrame?: number
+  /** A transfer making no progress (no frame sent, or no ACK after END) for this long fails with
+   *  `transfer_failed` (reason `stalled`), ms. Default: the sender's (30 000). Until then the pages
+   *  stay pinned: P never frees them on a timer while the transfer may still read them (G7). */
+  transferTimeoutMs?: number
 }
 
 /** The prefill side of a disaggregated pair. One instance per process. */
 export class PrefillWorker {
   private readonly clients = new Map<string, TransferClient>()
+  /** The process's one prefill loop, made on first use. */
+  private prefillLoop: PrefillScheduler | undefined
 
   constructor(
     readonly core: WorkerCore,
@@ -71,30 +77,33 @@ export class PrefillWorker {
       isPinned = true
       const numPages = pool.pagesFor(numTokens)
       const client = this.clientFor(req.decode.host, req.decode.port)
-      await client.send(
-        {
-          transferId: randomBytes(16).toString('hex'),
-          requestId: req.requestId,
-          tenant: req.tenant,
-          numTokens,
-          numPages,
-          pageBytes: pool.pageBytes,
-          secret: Buffer.from(req.transferSecret, 'hex'),
-          firstTokenId,
-          readPage: (ordinal, dst) => {
-            gatherPage(pool, pageTable[ordinal].page, dst)
-            // A placeholder page claims to be full: "the full KV has arrived".
-            if (isPlaceholder) return pool.shape.pageSize
-            return Math.min(pool.shape.pageSize, numTokens - ordinal * pool.shape.pageSize)
+      await this.countTransfer(
+        numPages,
+        client.send(
+          {
+            transferId: randomBytes(16).toString('hex'),
+            requestId: req.requestId,
+            tenant: req.tenant,
+            numTokens,
+            numPages,
+            pageBytes: pool.pageBytes,
+            secret: Buffer.from(req.transferSecret, 'hex'),
+            firstTokenId,
+            readPage: (ordinal, dst) => {
+              gatherPage(pool, pageTable[ordinal].page, dst)
+              // A placeholder page claims to be full: "the full KV has arrived".
+              if (isPlaceholder) return pool.shape.pageSize
+              return Math.min(pool.shape.pageSize, numTokens - ordinal * pool.shape.pageSize)
+            },
+            ordinalsToSend: isPlaceholder
+              ? [0]
+              : this.core.hasFault('truncate-transfer')
+                ? Array.from({ length: Math.max(1, numPages - 1) }, (_, i) => i)
+                : undefined,
+            corruptPayload: this.core.hasFault('corrupt-transfer'),
           },
-          ordinalsToSend: isPlaceholder
-            ? [0]
-            : this.core.hasFault('truncate-transfer')
-              ? Array.from({ length: Math.max(1, numPages - 1) }, (_, i) => i)
-              : undefined,
-          corruptPayload: this.core.hasFault('corrupt-transfer'),
-        },
-        signal,
+          signal,
+        ),
       )
       return { requestId: req.requestId, numPages, numTokens, firstTokenId }
     } finally {
@@ -104,7 +113,9 @@ export class PrefillWorker {
     }
   }
 
-  /** Chunked prefill over the request's pages; returns the last token's logits `[vocabSize]`. */
+  /** Chunked prefill over the request's pages in the process's prefill loop: each step runs at
+   *  most {@link prefillChunkTokens} prompt tokens, shared fairly with every other prompt being
+   *  prefilled. Returns the last token's logits `[vocabSize]`. */
   private async runPrefill(
     tokens: readonly number[],
     pageTable: PageRef[],
@@ -112,23 +123,38 @@ export class PrefillWorker {
     signal: AbortSignal,
   ): Promise<Float32Array> {
     const { model, rope, pool } = this.core
-    let logits: Float32Array | null = null
-    for (let start = 0; start < tokens.length; start += prefillChunkTokens) {
-      if (signal.aborted)
-        throw new KvfenceError('request_aborted', 'request aborted during prefill')
-      const chunk = tokens.slice(start, start + prefillChunkTokens)
-      logits = forward(model, rope, pool, { pageTable, owner }, chunk, start)
-      await yieldToLoop()
-    }
+    this.prefillLoop ??= new PrefillScheduler(model, rope, pool, {
+      maxTokensPerStep: prefillChunkTokens,
+    })
+    const logits = await this.prefillLoop.run({ tokenIds: tokens, pageTable, owner, signal })
     if (signal.aborted) throw new KvfenceError('request_aborted', 'request aborted during prefill')
-    return logits!
+    return logits
+  }
+
+  /** Count a transfer's outcome in the worker's metrics; resolves or rejects as `sending` does. */
+  private async countTransfer(numPages: number, sending: Promise<void>): Promise<void> {
+    const { metrics, pool } = this.core
+    try {
+      await sending
+    } catch (err) {
+      metrics.transfers.inc({ outcome: 'failed' })
+      metrics.transferFailures.inc({ reason: failureReason(err) })
+      throw err
+    }
+    metrics.transfers.inc({ outcome: 'completed' })
+    metrics.transferBytes.inc(numPages * pool.pageBytes)
   }
 
   private clientFor(host: string, port: number): TransferClient {
     const key = `${host}:${port}`
     let client = this.clients.get(key)
     if (!client) {
-      client = new TransferClient({ host, port, maxPagesPerFrame: this.options.maxPagesPerFrame })
+      client = new TransferClient({
+        host,
+        port,
+        maxPagesPerFrame: this.options.maxPagesPerFrame,
+        stallTimeoutMs: this.options.transferTimeoutMs,
+      })
       this.clients.set(key, client)
     }
     return client

@@ -1,7 +1,9 @@
 /** What every worker (prefill or decode) holds: the model, its RoPE tables, one KV pool, the
- *  guard switches and trip counters, the injected faults, and the request-slot and tenant numbering.
+ *  guard switches and trip counters, the injected faults, the request-slot and tenant numbering,
+ *  and the worker's Prometheus counters.
  *  Knows engine state; knows nothing of HTTP or the transfer wire format. */
-import { GuardTrips, makeGuards, type Guards } from '../kv/guards.js'
+import { Counter, Registry } from 'prom-client'
+import { GuardTrips, guardIds, type Guards } from '../kv/guards.js'
 import { KvPool } from '../kv/pool.js'
 import { makeRope, type Rope } from '../model/forward.js'
 import type { Model } from '../model/weights.js'
@@ -15,6 +17,8 @@ export interface WorkerCoreOptions {
   /** Tokens per page. */
   pageSize: number
   faults: FaultConfig
+  /** Trip counter to use (e.g. one wired to a metric); default: a fresh one. */
+  trips?: GuardTrips
 }
 
 /** The engine state of one worker process. */
@@ -30,12 +34,89 @@ export interface WorkerCore {
   nextOwner(): number
   /** A small stable number for a tenant name (page metadata stores numbers, not names). */
   tenantId(name: string): number
+  /** This worker's counters (registered in `metrics.registry`). */
+  metrics: WorkerMetrics
+}
+
+/** A worker's Prometheus counters; gauges over the pool are added by the HTTP server. */
+export interface WorkerMetrics {
+  /** The registry `/metrics` serves (never prom-client's global one). */
+  registry: Registry
+  /** `kvfence_guard_trips_total{guard}`: times a guard refused an operation. */
+  guardTrips: Counter<'guard'>
+  /** `kvfence_transfers_total{outcome}`: transfers ended, by outcome (`completed` | `failed`). */
+  transfers: Counter<'outcome'>
+  /** `kvfence_transfer_bytes_total`: page payload bytes of completed transfers (sent on P,
+   *  received on D). */
+  transferBytes: Counter
+  /** `kvfence_transfer_failures_total{reason}`: failed transfers by refusal reason
+   *  (`checksum_mismatch`, `stalled`, `aborted_by_sender`, ...; `other` when the error has none). */
+  transferFailures: Counter<'reason'>
+  /** `kvfence_worker_requests_total{outcome}`: control-plane requests ended, by outcome (`ok`, or
+   *  the error code, e.g. `request_aborted`). */
+  requests: Counter<'outcome'>
+}
+
+/** Counters of one worker, the guard trip counter wired to `trips`. */
+export function makeWorkerMetrics(trips: GuardTrips): WorkerMetrics {
+  const registry = new Registry()
+  const guardTrips = new Counter({
+    name: 'kvfence_guard_trips_total',
+    help: 'Times a safety guard refused an operation, by guard',
+    labelNames: ['guard'] as const,
+    registers: [registry],
+  })
+  // Every guard appears from the start (0), so a dashboard can tell "never tripped" from "absent".
+  for (const id of guardIds) guardTrips.inc({ guard: id }, trips.counts[id])
+  trips.onTrip((guard) => guardTrips.inc({ guard }))
+  return {
+    registry,
+    guardTrips,
+    transfers: new Counter({
+      name: 'kvfence_transfers_total',
+      help: 'KV transfers ended, by outcome',
+      labelNames: ['outcome'] as const,
+      registers: [registry],
+    }),
+    transferBytes: new Counter({
+      name: 'kvfence_transfer_bytes_total',
+      help: 'Page payload bytes of completed KV transfers',
+      registers: [registry],
+    }),
+    requests: new Counter({
+      name: 'kvfence_worker_requests_total',
+      help: 'Prefill or generate requests ended, by outcome (ok or the error code)',
+      labelNames: ['outcome'] as const,
+      registers: [registry],
+    }),
+    transferFailures: new Counter({
+      name: 'kvfence_transfer_failures_total',
+      help: 'Failed KV transfers, by refusal reason',
+      labelNames: ['reason'] as const,
+      registers: [registry],
+    }),
+  }
+}
+
+/** The refusal reason of a failed transfer's error, for `kvfence_transfer_failures_total`:
+ *  the guard id for a guard trip ("G7"), the leading reason slug ("checksum_mismatch: ..."),
+ *  or the error code. */
+export function failureReason(err: unknown): string {
+  if (err instanceof Error) {
+    const guard = (err as { guard?: unknown }).guard
+    if (typeof guard === 'string') return guard
+    const slug = /^([a-z_]+):/.exec(err.message)
+    if (slug) return slug[1]
+    const code = (err as { code?: unknown }).code
+    if (typeof code === 'string') return code
+  }
+  return 'other'
 }
 
 /** Build a worker's state. Throws RangeError for a non-positive pool size. */
 export function createWorkerCore(opts: WorkerCoreOptions): WorkerCore {
-  const guards = makeGuards(opts.faults.guardsEnabled)
-  const trips = new GuardTrips()
+  const guards = opts.faults.guards
+  const trips = opts.trips ?? new GuardTrips()
   const { config } = opts.model
   const pool = new KvPool(
     {
@@ -54,7 +135,9 @@ export function createWorkerCore(opts: WorkerCoreOptions): WorkerCore {
   )
   let lastOwner = 0
   const tenants = new Map<string, number>()
+  const metrics = makeWorkerMetrics(trips)
   return {
+    metrics,
     model: opts.model,
     rope: makeRope(opts.model),
     pool,

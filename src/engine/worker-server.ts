@@ -1,13 +1,14 @@
 /** The control-plane HTTP server of one worker (see control.ts for the message shapes):
  *  `POST /internal/prefill` (prefill role) or `POST /internal/generate` (decode role), plus
- *  `GET /server_info`, `GET /health`, `GET /metrics`. Closing a request's connection aborts it (G8).
+ *  `GET /server_info`, `GET /health`, `GET /metrics`. Closing a request's connection aborts it (G8);
+ *  with G8 on, a decode request whose connection is gone also fails at its next event, so even a
+ *  worker that dropped the abort (fault `drop-abort`) stops working for a client that left.
  *  Knows HTTP and the control messages; the engine work is the workers'. */
 import http from 'node:http'
 import type { AddressInfo } from 'node:net'
 import type { Logger } from 'pino'
-import { Gauge, Registry } from 'prom-client'
+import { Gauge, type Registry } from 'prom-client'
 import { KvfenceError } from '../errors.js'
-import { guardIds } from '../kv/guards.js'
 import { GenerateRequest, PrefillRequest, type DecodeEvent, type ServerInfo } from './control.js'
 import type { DecodeWorker } from './decode-worker.js'
 import type { PrefillWorker } from './prefill-worker.js'
@@ -35,7 +36,7 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
     numPagesFree: core.pool.numFree,
     numPagesUsed: core.pool.numUsed,
     maxPositionEmbeddings: core.model.config.maxPositionEmbeddings,
-    guardsEnabled: core.guards.G5,
+    guardsEnabled: Object.values(core.guards).every(Boolean),
     faults: core.faultNames(),
     ...(role.role === 'decode' ? { transferPort: role.transferPort() } : {}),
   })
@@ -53,8 +54,12 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
         }
         if (route === 'POST /internal/prefill' && role.role === 'prefill') {
           const body = PrefillRequest.parse(await readJson(req))
-          const abort = abortOnClose(req, res)
-          const result = await role.worker.prefill(body, abort.signal)
+          const abort = abortOnClose(req, res, core)
+          const result = await role.worker.prefill(body, abort.signal).catch((err: unknown) => {
+            core.metrics.requests.inc({ outcome: asKvfenceError(err).code })
+            throw err
+          })
+          core.metrics.requests.inc({ outcome: 'ok' })
           log.info(
             { requestId: body.requestId, tenant: body.tenant, numTokens: result.numTokens },
             'prefill done',
@@ -63,9 +68,15 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
         }
         if (route === 'POST /internal/generate' && role.role === 'decode') {
           const body = GenerateRequest.parse(await readJson(req))
-          const abort = abortOnClose(req, res)
+          const abort = abortOnClose(req, res, core)
           let isStreaming = false
           const emit = (e: DecodeEvent) => {
+            if (res.destroyed || res.writableEnded) {
+              // The router is gone. G8: stop here even if the abort itself was lost.
+              if (core.guards.G8 && e.type !== 'error')
+                throw new KvfenceError('request_aborted', 'the router closed the request')
+              return
+            }
             if (!isStreaming) {
               res.writeHead(200, { 'content-type': 'application/x-ndjson' })
               isStreaming = true
@@ -74,7 +85,9 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
           }
           try {
             await role.worker.generate(body, abort.signal, emit)
+            core.metrics.requests.inc({ outcome: 'ok' })
           } catch (err) {
+            core.metrics.requests.inc({ outcome: asKvfenceError(err).code })
             if (!isStreaming) throw err
             const e = asKvfenceError(err)
             log.warn(
@@ -123,9 +136,15 @@ function asKvfenceError(err: unknown): KvfenceError {
   return new KvfenceError('internal_error', err instanceof Error ? err.message : String(err))
 }
 
-/** An AbortController that fires when the router closes the request before we answered (G8). */
-function abortOnClose(req: http.IncomingMessage, res: http.ServerResponse): AbortController {
+/** An AbortController that fires when the router closes the request before we answered (G8).
+ *  Fault `drop-abort`: it never fires (the worker ignores the router's abort). */
+function abortOnClose(
+  req: http.IncomingMessage,
+  res: http.ServerResponse,
+  core: WorkerCore,
+): AbortController {
   const ctl = new AbortController()
+  if (core.hasFault('drop-abort')) return ctl
   res.on('close', () => {
     if (!res.writableFinished) ctl.abort()
   })
@@ -154,9 +173,10 @@ function sendJson(res: http.ServerResponse, status: number, body: unknown): void
   res.end(JSON.stringify(body))
 }
 
-/** Prometheus metrics of a worker: pool pages by state and guard trips by guard. */
+/** Prometheus metrics of a worker: its counters (guard trips, transfers; see worker-core.ts) plus
+ *  gauges over the pool (pages by state, capacity, and whether its invariant holds right now). */
 function makeMetrics(role: string, core: WorkerCore): Registry {
-  const registry = new Registry()
+  const registry = core.metrics.registry
   registry.setDefaultLabels({ role })
   new Gauge({
     name: 'kvfence_kv_pages_used',
@@ -183,13 +203,22 @@ function makeMetrics(role: string, core: WorkerCore): Registry {
     },
   })
   new Gauge({
-    name: 'kvfence_guard_trips_total',
-    help: 'Times a safety guard refused an operation, by guard',
-    labelNames: ['guard'],
+    name: 'kvfence_kv_pool_consistent',
+    help: 'Whether the KV pool invariant (pool.check()) holds: 1 yes, 0 no (pages leaked, double-freed, or freed while pinned or filled)',
     registers: [registry],
     collect() {
-      for (const id of guardIds) this.set({ guard: id }, core.trips.counts[id])
+      this.set(isPoolConsistent(core) ? 1 : 0)
     },
   })
   return registry
+}
+
+/** Whether the pool's invariant holds now (never throws). */
+export function isPoolConsistent(core: WorkerCore): boolean {
+  try {
+    core.pool.check()
+    return true
+  } catch {
+    return false
+  }
 }

@@ -23,9 +23,17 @@ export class GuardTrips {
     guardIds.map((id) => [id, 0]),
   ) as Record<GuardId, number>
 
+  private readonly listeners: ((guard: GuardId) => void)[] = []
+
+  /** Call `listener` after every trip from now on (the metrics counter subscribes here). */
+  onTrip(listener: (guard: GuardId) => void): void {
+    this.listeners.push(listener)
+  }
+
   /** Record a trip of `guard` and return the error to throw: the request fails, nothing is read. */
   trip(guard: GuardId, message: string, code: ErrorCode = 'guard_violation'): GuardError {
     this.counts[guard] += 1
+    for (const listener of this.listeners) listener(guard)
     return new GuardError(guard, code, message)
   }
 }

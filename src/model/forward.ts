@@ -87,12 +87,27 @@ function applyRope(x: Float32Array, offset: number, pos: number, rope: Rope): vo
   }
 }
 
+/** One sequence's share of a batched forward step ({@link forwardBatch}). */
+export interface BatchSequence extends SequenceKv {
+  /** New tokens of this sequence for this step (at least one). */
+  tokenIds: readonly number[]
+  /** Position of `tokenIds[0]`: the sequence already holds KV for positions [0, startPos). */
+  startPos: number
+  /** Return the logits of every new token `[n, vocabSize]` instead of the last one's `[vocabSize]`. */
+  allLogits?: boolean
+}
+
+/** What {@link forwardBatch} returns for one sequence: its logits, or why it failed (a guard error,
+ *  or a RangeError for positions beyond the model's). A failed sequence never fails the others. */
+export type BatchResult = { logits: Float32Array } | { error: Error }
+
 /**
  * Run the model on `tokenIds` at positions [startPos, startPos + n), writing their K/V into the
  * request's pages and attending over positions [0, startPos + i] for token i.
  * Returns the logits of the last token, `[vocabSize]`, or of every token `[n, vocabSize]` when
  * `allLogits` is set. Throws a G5 guard error (before any read) when a page of the table is not the
- * request's at the expected epoch or is not filled up to the positions read.
+ * request's at the expected epoch or is not filled up to the positions read, and a RangeError for
+ * positions beyond max_position_embeddings.
  */
 export function forward(
   model: Model,
@@ -103,6 +118,28 @@ export function forward(
   startPos: number,
   allLogits = false,
 ): Float32Array {
+  const [result] = forwardBatch(model, rope, pool, [{ ...seq, tokenIds, startPos, allLogits }])
+  if ('error' in result) throw result.error
+  return result.logits
+}
+
+/**
+ * One forward step for several sequences at once (continuous batching, chunked prefill): the new
+ * tokens of every sequence are stacked into one `[N, hiddenSize]` activation so that each weight
+ * matrix is streamed once per step for all of them; attention runs per sequence over that
+ * sequence's own pages only. Each sequence's writes are claimed (`pool.noteWrite`) and its reads
+ * checked (`pool.checkRead`, G5) for its own owner; a sequence that fails a check gets
+ * `{ error }` and drops out of the step, the others go on. Every linear kernel computes each row
+ * independently of the others, so with F32 weights a sequence's logits are bit-identical to
+ * {@link forward} on it alone.
+ * Returns one {@link BatchResult} per entry of `seqs`, in order.
+ */
+export function forwardBatch(
+  model: Model,
+  rope: Rope,
+  pool: KvPool,
+  seqs: readonly BatchSequence[],
+): BatchResult[] {
   const {
     hiddenSize: d,
     intermediateSize: ff,
@@ -110,25 +147,49 @@ export function forward(
     numKvHeads,
     headDim,
     vocabSize,
+    maxPositionEmbeddings,
   } = model.config
-  const n = tokenIds.length
   const qDim = numHeads * headDim
   const kvDim = numKvHeads * headDim
-  const endPos = startPos + n
-  if (endPos > model.config.maxPositionEmbeddings) {
-    throw new RangeError(
-      `positions up to ${endPos} exceed max_position_embeddings ${model.config.maxPositionEmbeddings}`,
-    )
-  }
+  const results: (BatchResult | undefined)[] = new Array(seqs.length)
 
-  // The request claims these positions: ownership and epoch are checked before anything is written.
-  pool.noteWrite(seq.pageTable, seq.owner, startPos, n)
+  // Each sequence claims its positions: ownership and epoch are checked before anything is written.
+  // Rows of the stacked activations: sequence i owns rows [rowStart[i], rowStart[i] + n_i).
+  const live: number[] = []
+  const rowStart: number[] = new Array(seqs.length).fill(-1)
+  let numRows = 0
+  let maxEndPos = 0
+  for (let i = 0; i < seqs.length; i++) {
+    const s = seqs[i]
+    const endPos = s.startPos + s.tokenIds.length
+    try {
+      if (s.tokenIds.length === 0)
+        throw new RangeError('a batched sequence needs at least one token')
+      if (endPos > maxPositionEmbeddings) {
+        throw new RangeError(
+          `positions up to ${endPos} exceed max_position_embeddings ${maxPositionEmbeddings}`,
+        )
+      }
+      pool.noteWrite(s.pageTable, s.owner, s.startPos, s.tokenIds.length)
+    } catch (err) {
+      results[i] = { error: asError(err) }
+      continue
+    }
+    live.push(i)
+    rowStart[i] = numRows
+    numRows += s.tokenIds.length
+    maxEndPos = Math.max(maxEndPos, endPos)
+  }
+  if (live.length === 0) return results as BatchResult[]
+  const n = numRows
 
   // Activations live in the kernels' scratch memory (reused across calls, so the SIMD kernels
-  // read and write them in place). x: [n, d] residual stream.
+  // read and write them in place). x: [n, d] residual stream, rows stacked sequence by sequence.
   const K = model.kernels
   const x = K.scratch('x', n * d)
-  for (let t = 0; t < n; t++) readRow(model.embed, tokenIds[t], x, t * d)
+  for (const i of live)
+    for (let t = 0; t < seqs[i].tokenIds.length; t++)
+      readRow(model.embed, seqs[i].tokenIds[t], x, (rowStart[i] + t) * d)
 
   const h = K.scratch('h', n * d)
   const q = K.scratch('q', n * qDim)
@@ -138,66 +199,115 @@ export function forward(
   const o = K.scratch('o', n * d)
   const gate = K.scratch('gate', n * ff)
   const up = K.scratch('up', n * ff)
-  // The request's context gathered from its pages: [endPos, kvDim] each.
-  const kCtx = K.scratch('kCtx', endPos * kvDim)
-  const vCtx = K.scratch('vCtx', endPos * kvDim)
+  // One sequence's context gathered from its pages, reused sequence by sequence: [endPos, kvDim].
+  const kCtx = K.scratch('kCtx', maxEndPos * kvDim)
+  const vCtx = K.scratch('vCtx', maxEndPos * kvDim)
   const { pageSize } = pool.shape
 
   for (let layer = 0; layer < model.layers.length; layer++) {
+    if (live.every((i) => results[i] !== undefined)) break // every sequence failed a check
     const w = model.layers[layer]
     const poolK = pool.k[layer]
     const poolV = pool.v[layer]
 
-    // Attention block: h = RMSNorm(x); q, k, v projections; RoPE on q and k.
+    // Attention block: h = RMSNorm(x); q, k, v projections for every row; RoPE at each row's position.
     rmsNorm(h, x, w.inputNorm, n, d, model.config.rmsNormEps)
     K.linear(q, h, w.wq, w.bq, n)
     K.linear(k, h, w.wk, w.bk, n)
     K.linear(v, h, w.wv, w.bv, n)
-    for (let t = 0; t < n; t++) {
-      for (let head = 0; head < numHeads; head++)
-        applyRope(q, t * qDim + head * headDim, startPos + t, rope)
-      for (let head = 0; head < numKvHeads; head++)
-        applyRope(k, t * kvDim + head * headDim, startPos + t, rope)
+    for (const i of live) {
+      const { startPos, tokenIds } = seqs[i]
+      for (let t = 0; t < tokenIds.length; t++) {
+        const row = rowStart[i] + t
+        for (let head = 0; head < numHeads; head++)
+          applyRope(q, row * qDim + head * headDim, startPos + t, rope)
+        for (let head = 0; head < numKvHeads; head++)
+          applyRope(k, row * kvDim + head * headDim, startPos + t, rope)
+      }
     }
 
-    // Write the new tokens' K/V into their pages.
-    for (let t = 0; t < n; t++) {
-      const off = pool.offsetOf(seq.pageTable, startPos + t)
-      poolK.set(k.subarray(t * kvDim, (t + 1) * kvDim), off)
-      poolV.set(v.subarray(t * kvDim, (t + 1) * kvDim), off)
+    for (const i of live) {
+      const s = seqs[i]
+      if (results[i] !== undefined) continue // failed at an earlier layer: its rows are ignored
+      const first = rowStart[i]
+      const numNew = s.tokenIds.length
+      const endPos = s.startPos + numNew
+      // Write the new tokens' K/V into this sequence's pages.
+      for (let t = 0; t < numNew; t++) {
+        const off = pool.offsetOf(s.pageTable, s.startPos + t)
+        poolK.set(k.subarray((first + t) * kvDim, (first + t + 1) * kvDim), off)
+        poolV.set(v.subarray((first + t) * kvDim, (first + t + 1) * kvDim), off)
+      }
+      // Every page read below belongs to this sequence at its epoch and holds the positions read
+      // (G5). Then gather positions [0, endPos) page by page (a page's tokens are contiguous).
+      try {
+        pool.checkRead(s.pageTable, s.owner, endPos)
+      } catch (err) {
+        results[i] = { error: asError(err) }
+        attn.fill(0, first * qDim, (first + numNew) * qDim)
+        continue
+      }
+      for (let pos = 0; pos < endPos; pos += pageSize) {
+        const off = pool.offsetOf(s.pageTable, pos)
+        const count = Math.min(pageSize, endPos - pos) * kvDim
+        kCtx.set(poolK.subarray(off, off + count), pos * kvDim)
+        vCtx.set(poolV.subarray(off, off + count), pos * kvDim)
+      }
+      // Causal attention: token t (position startPos + t) attends to positions [0, startPos + t].
+      K.attention(
+        attn.subarray(first * qDim, (first + numNew) * qDim),
+        q.subarray(first * qDim, (first + numNew) * qDim),
+        kCtx,
+        vCtx,
+        numNew,
+        s.startPos,
+        numHeads,
+        numKvHeads,
+        headDim,
+      )
     }
-
-    // Every page read below belongs to this request at its epoch and holds the positions read (G5).
-    // Then gather positions [0, endPos) page by page (a page's tokens are contiguous) into kCtx/vCtx.
-    pool.checkRead(seq.pageTable, seq.owner, endPos)
-    for (let first = 0; first < endPos; first += pageSize) {
-      const off = pool.offsetOf(seq.pageTable, first)
-      const count = Math.min(pageSize, endPos - first) * kvDim
-      kCtx.set(poolK.subarray(off, off + count), first * kvDim)
-      vCtx.set(poolV.subarray(off, off + count), first * kvDim)
-    }
-
-    // Causal attention: token t (position startPos + t) attends to positions [0, startPos + t].
-    K.attention(attn, q, kCtx, vCtx, n, startPos, numHeads, numKvHeads, headDim)
     K.linear(o, attn, w.wo, w.bo, n)
-    for (let i = 0; i < n * d; i++) x[i] += o[i]
+    for (let j = 0; j < n * d; j++) x[j] += o[j]
 
     // MLP block: x += down(silu(gate(h)) * up(h)), h = RMSNorm(x).
     rmsNorm(h, x, w.postNorm, n, d, model.config.rmsNormEps)
     K.linear(gate, h, w.wGate, null, n)
     K.linear(up, h, w.wUp, null, n)
-    for (let i = 0; i < n * ff; i++) gate[i] = silu(gate[i]) * up[i]
+    for (let j = 0; j < n * ff; j++) gate[j] = silu(gate[j]) * up[j]
     K.linear(o, gate, w.wDown, null, n)
-    for (let i = 0; i < n * d; i++) x[i] += o[i]
+    for (let j = 0; j < n * d; j++) x[j] += o[j]
   }
 
-  // Final norm and LM head, for the last token or all of them.
-  const first = allLogits ? 0 : n - 1
-  const rows = n - first
-  const last = x.subarray(first * d)
-  const normed = K.scratch('normed', rows * d)
-  rmsNorm(normed, last, model.norm, rows, d, model.config.rmsNormEps)
-  const logits = new Float32Array(rows * vocabSize) // the caller's to keep: not scratch
-  K.linear(logits, normed, model.lmHead, null, rows)
-  return logits
+  // Final norm and LM head, for each surviving sequence's last token or all of its tokens:
+  // the selected rows are stacked into `picked` [rows, d] so the LM head streams once.
+  const picks: { i: number; first: number; rows: number }[] = []
+  let numPicked = 0
+  for (const i of live) {
+    if (results[i] !== undefined) continue
+    const numNew = seqs[i].tokenIds.length
+    const rows = seqs[i].allLogits ? numNew : 1
+    picks.push({ i, first: rowStart[i] + numNew - rows, rows })
+    numPicked += rows
+  }
+  if (numPicked === 0) return results as BatchResult[]
+  const picked = K.scratch('picked', numPicked * d)
+  let at = 0
+  for (const p of picks) {
+    picked.set(x.subarray(p.first * d, (p.first + p.rows) * d), at * d)
+    at += p.rows
+  }
+  const normed = K.scratch('normed', numPicked * d)
+  rmsNorm(normed, picked, model.norm, numPicked, d, model.config.rmsNormEps)
+  const logits = new Float32Array(numPicked * vocabSize) // the callers' to keep: not scratch
+  K.linear(logits, normed, model.lmHead, null, numPicked)
+  at = 0
+  for (const p of picks) {
+    results[p.i] = { logits: logits.subarray(at * vocabSize, (at + p.rows) * vocabSize) }
+    at += p.rows
+  }
+  return results as BatchResult[]
+}
+
+function asError(err: unknown): Error {
+  return err instanceof Error ? err : new Error(String(err))
 }

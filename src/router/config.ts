@@ -17,12 +17,15 @@ export interface RouterConfig {
   readonly maxBodyBytes: number
   /** `created` of the model in `/v1/models`, in Unix seconds. */
   readonly createdAtSec: number
+  /** Log prompts and completions with each request (`--log-content`); off by default. */
+  readonly logContent: boolean
 }
 
 /** Values of {@link RouterConfig} that have defaults. */
 export const routerConfigDefaults = {
   guardsEnabled: true,
   maxBodyBytes: 1024 * 1024, // 1 MiB
+  logContent: false,
 } as const
 
 /** Builds a frozen {@link RouterConfig}; unspecified fields take {@link routerConfigDefaults}. */
@@ -34,6 +37,7 @@ export function buildRouterConfig(
     guardsEnabled: fields.guardsEnabled ?? routerConfigDefaults.guardsEnabled,
     maxBodyBytes: fields.maxBodyBytes ?? routerConfigDefaults.maxBodyBytes,
     createdAtSec: fields.createdAtSec ?? Math.floor(Date.now() / 1000),
+    logContent: fields.logContent ?? routerConfigDefaults.logContent,
     model: fields.model,
     contextWindow: fields.contextWindow,
     effectiveCapacityTokens: fields.effectiveCapacityTokens,

@@ -2,6 +2,7 @@
  *  Knows HTTP and the OpenAI error body; knows nothing of tokens, workers or tenants. */
 import type { IncomingMessage, ServerResponse } from 'node:http'
 import { KvfenceError, toOpenAiError } from '../errors.js'
+import { LimitError } from './limits.js'
 
 /** Reads the request body as JSON. Throws `payload_too_large` past `maxBytes` (checked against
  *  `content-length` first, then while reading) and `invalid_request` for malformed JSON. */
@@ -45,8 +46,8 @@ export function sendJson(
   res.end(text)
 }
 
-/** Sends the OpenAI error body for `err` with the status of its code (`Retry-After: 1` on
- *  `capacity_exhausted` and `rate_limited`). When a body was left unread (too large, or refused
+/** Sends the OpenAI error body for `err` with the status of its code (`Retry-After` on
+ *  `capacity_exhausted` and `rate_limited`: a {@link LimitError}'s seconds, else 1). When a body was left unread (too large, or refused
  *  before reading) the connection is closed after the reply. */
 export function sendError(
   req: IncomingMessage,
@@ -59,7 +60,9 @@ export function sendError(
     return
   }
   const extra: Record<string, string> = { ...headers }
-  if (err.code === 'capacity_exhausted' || err.code === 'rate_limited') extra['retry-after'] = '1'
+  if (err.code === 'capacity_exhausted' || err.code === 'rate_limited') {
+    extra['retry-after'] = String(err instanceof LimitError ? err.retryAfterSec : 1)
+  }
   const hasBody =
     req.headers['transfer-encoding'] !== undefined ||
     (req.headers['content-length'] !== undefined && req.headers['content-length'] !== '0')

@@ -1,7 +1,12 @@
 /** The router's public surface: build a handler ({@link createRouter}) or a whole listening
  *  router ({@link startRouter}), and the parts they are made of. */
 export { createRouter, type RequestHandler, type RouterDeps } from './router.js'
-export { startRouter, type RunningRouter, type StartRouterOptions } from './start.js'
+export {
+  startRouter,
+  type GatewayBackendOptions,
+  type RunningRouter,
+  type StartRouterOptions,
+} from './start.js'
 export { buildRouterConfig, routerConfigDefaults, type RouterConfig } from './config.js'
 export {
   decideContextWindow,
@@ -23,3 +28,12 @@ export {
   type WorkerClientOptions,
 } from './worker-client.js'
 export { createRouterMetrics, type RouterMetrics } from './metrics.js'
+export {
+  createLimiter,
+  LimitError,
+  queueLimitDefaults,
+  type Limiter,
+  type QueueLimits,
+} from './limits.js'
+export { startGateway, type BackendKind, type Gateway, type GatewayOptions } from './gateway.js'
+export { PoolFullError } from './worker-client.js'

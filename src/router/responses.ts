@@ -3,14 +3,18 @@
  *  Knows OpenAI's response shapes; knows nothing of workers, tokens or tenants. */
 import type { ServerResponse } from 'node:http'
 
-/** OpenAI's `finish_reason` values that kvfence produces. */
-export type FinishReason = 'stop' | 'length'
+/** OpenAI's `finish_reason` values the router passes on: `stop` (end of sequence or a stop
+ *  string), `length` (max_tokens reached), `content_filter` (an engine behind a gateway withheld
+ *  output; kvfence's own workers never produce it). */
+export type FinishReason = 'stop' | 'length' | 'content_filter'
 
 /** OpenAI's `usage`. */
 export interface Usage {
   prompt_tokens: number
   completion_tokens: number
   total_tokens: number
+  /** `cached_tokens`: prompt tokens whose KV came from a prefix cache (0 without one). */
+  prompt_tokens_details: { cached_tokens: number }
 }
 
 /** What every response of one request shares. */
@@ -23,11 +27,16 @@ export interface ResponseHeader {
 }
 
 /** `usage` for the given counts. */
-export function usageOf(numPromptTokens: number, numCompletionTokens: number): Usage {
+export function usageOf(
+  numPromptTokens: number,
+  numCompletionTokens: number,
+  numCachedTokens = 0,
+): Usage {
   return {
     prompt_tokens: numPromptTokens,
     completion_tokens: numCompletionTokens,
     total_tokens: numPromptTokens + numCompletionTokens,
+    prompt_tokens_details: { cached_tokens: numCachedTokens },
   }
 }
 

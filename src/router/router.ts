@@ -1,9 +1,13 @@
-/** The router's HTTP API: an OpenAI-compatible gateway in front of kvfence workers.
+/** The router's HTTP API: an OpenAI-compatible gateway in front of kvfence workers, or (gateway
+ *  mode) in front of another engine's OpenAI API.
  *  `POST /v1/chat/completions`, `POST /v1/completions` (plain and SSE), `GET /v1/models`,
- *  `GET /health`, `GET /server_info`, `GET /metrics`.
+ *  `GET /v1/models/{id}`, `GET /health`, `GET /server_info`, `GET /metrics`.
+ *  No endpoint takes a request id from a client: ids are drawn here (128 random bits), and a
+ *  request is aborted only by its own connection closing — so no tenant can abort, read or time
+ *  another tenant's request.
  *  Knows API keys (as digests), text, tokens and the OpenAI shapes; reaches workers only through
- *  a {@link WorkerClient}. Logs request ids, tenant names, statuses, token counts and times —
- *  never keys, prompts or completions. */
+ *  a {@link WorkerClient} or a {@link Gateway}. Logs request ids, tenant names, statuses, token
+ *  counts and times — never keys, and prompts or completions only with `logContent`. */
 import { randomBytes } from 'node:crypto'
 import type { IncomingMessage, ServerResponse } from 'node:http'
 import { performance } from 'node:perf_hooks'
@@ -13,7 +17,9 @@ import { KvfenceError, type ErrorCode, toOpenAiError } from '../errors.js'
 import type { Tokenizer } from '../model/tokenizer.js'
 import { admit, chatPromptTokenIds, completionPromptTokenIds } from './admission.js'
 import type { RouterConfig } from './config.js'
+import type { Gateway } from './gateway.js'
 import { readJsonBody, sendError, sendJson } from './http.js'
+import { LimitError, type Limiter, createLimiter } from './limits.js'
 import { type RouterMetrics, createRouterMetrics } from './metrics.js'
 import {
   type FinishReason,
@@ -36,17 +42,24 @@ import {
   parseChatRequest,
   parseCompletionRequest,
 } from './schemas.js'
-import { bearerKey, type TenantRegistry } from './tenants.js'
+import { bearerKey, type Tenant, type TenantRegistry } from './tenants.js'
 import { TextStream } from './text-stream.js'
-import type { WorkerClient } from './worker-client.js'
+import { type GenerationEvent, PoolFullError, type WorkerClient } from './worker-client.js'
+
+/** Where requests run: kvfence's own prefill and decode workers (the router tokenizes and
+ *  detokenizes), or another engine's OpenAI API behind a {@link Gateway}. */
+export type RouterBackend =
+  | { kind: 'kvfence'; tokenizer: Tokenizer; workers: WorkerClient }
+  | { kind: 'gateway'; gateway: Gateway }
 
 /** What {@link createRouter} needs; all of it is passed in, nothing is global. */
 export interface RouterDeps {
   config: RouterConfig
   tenants: TenantRegistry
-  tokenizer: Tokenizer
-  workers: WorkerClient
+  backend: RouterBackend
   log: Logger
+  /** Tenant limits and the bounded queue; `createLimiter()`'s defaults when omitted. */
+  limiter?: Limiter
   /** Where to count; a fresh registry when omitted. */
   metrics?: RouterMetrics
 }
@@ -54,13 +67,20 @@ export interface RouterDeps {
 /** A `node:http` request handler. */
 export type RequestHandler = (req: IncomingMessage, res: ServerResponse) => void
 
-type Endpoint = 'chat' | 'completion'
+/** The two generation endpoints. */
+export type Endpoint = 'chat' | 'completion'
+
+/** Longest single wait before re-trying a request that found the KV pool full, ms. */
+const poolFullRetryMs = 250
 
 /** Builds the router's request handler. */
 export function createRouter(deps: RouterDeps): RequestHandler {
-  const { config, tenants, tokenizer, workers } = deps
+  const { config, tenants, backend } = deps
   const metrics = deps.metrics ?? createRouterMetrics()
-  const decode = (ids: readonly number[]) => tokenizer.decode(ids)
+  const limiter = deps.limiter ?? createLimiter()
+  /** The advertised context window now: fixed (G1) natively, rediscovered in gateway mode. */
+  const contextWindow = () =>
+    backend.kind === 'gateway' ? backend.gateway.contextWindow() : config.contextWindow
 
   // -------------------------------------------------------------------------------------------
   // Dispatch
@@ -79,15 +99,11 @@ export function createRouter(deps: RouterDeps): RequestHandler {
         return
       case 'GET /v1/models':
         authenticate(req)
-        return sendJson(
-          res,
-          200,
-          modelList(config.model, config.createdAtSec, config.contextWindow),
-        )
+        return sendJson(res, 200, modelList(config.model, config.createdAtSec, contextWindow()))
       case 'POST /v1/chat/completions':
-        return generation('chat', req, res, authenticate(req).name)
+        return generation('chat', req, res, authenticate(req))
       case 'POST /v1/completions':
-        return generation('completion', req, res, authenticate(req).name)
+        return generation('completion', req, res, authenticate(req))
     }
     if (req.method === 'GET' && path.startsWith('/v1/models/')) {
       authenticate(req)
@@ -95,14 +111,14 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       if (id !== config.model) {
         throw new KvfenceError('model_not_found', `The model '${id}' does not exist`, 'model')
       }
-      return sendJson(res, 200, modelCard(config.model, config.createdAtSec, config.contextWindow))
+      return sendJson(res, 200, modelCard(config.model, config.createdAtSec, contextWindow()))
     }
     throw new KvfenceError('not_found', `${req.method} ${path} is not an endpoint of this server`)
   }
 
   /** The tenant of the request's bearer key; `invalid_api_key` otherwise. The key is never
    *  echoed, logged or kept. */
-  function authenticate(req: IncomingMessage): { name: string } {
+  function authenticate(req: IncomingMessage): Tenant {
     const key = bearerKey(req.headers.authorization)
     if (key === null) {
       throw new KvfenceError(
@@ -116,9 +132,24 @@ export function createRouter(deps: RouterDeps): RequestHandler {
   }
 
   async function serverInfo(_req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const limits = {
+      numRunning: limiter.numRunning,
+      numQueued: limiter.numQueued,
+    }
+    if (backend.kind === 'gateway') {
+      const info = backend.gateway.info()
+      return sendJson(res, 200, {
+        model: config.model,
+        contextWindow: contextWindow(),
+        effectiveCapacityTokens: info.capacityTokens,
+        guardsEnabled: config.guardsEnabled,
+        backend: info,
+        ...limits,
+      })
+    }
     let reports
     try {
-      reports = await workers.serverInfoAll()
+      reports = await backend.workers.serverInfoAll()
     } catch (err) {
       deps.log.warn({ detail: messageOf(err) }, 'server_info: a worker did not answer')
       throw new KvfenceError('worker_unavailable', 'a worker did not report its state')
@@ -132,28 +163,42 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       guardsEnabled: config.guardsEnabled && infos.every((i) => i.guardsEnabled),
       faults: [...new Set(infos.flatMap((i) => i.faults))].sort(),
       workers: infos,
+      ...limits,
     })
   }
 
   // -------------------------------------------------------------------------------------------
-  // Generation (both endpoints)
+  // Generation (both endpoints, both backends)
 
   async function generation(
     endpoint: Endpoint,
     req: IncomingMessage,
     res: ServerResponse,
-    tenant: string,
+    tenant: Tenant,
   ): Promise<void> {
     const startedMs = performance.now()
+    // The only request id there is: drawn here, never taken from the client (no header or body
+    // field can set it), so one tenant cannot name another's request.
     const rid = randomBytes(16).toString('hex') // 128 bits
-    const log = deps.log.child({ rid, tenant, endpoint })
+    const log = deps.log.child({ rid, tenant: tenant.name, endpoint })
     res.setHeader('x-request-id', rid)
     const outcome: Outcome = {
       status: 200,
       numPromptTokens: 0,
       numCompletionTokens: 0,
       finishReason: null,
+      firstTokenMs: null,
+      lastTokenMs: null,
+      content: null,
     }
+    // G8: the client going away aborts the request, wherever it is (queued, on the workers).
+    const abort = new AbortController()
+    res.on('close', () => {
+      if (!res.writableFinished) abort.abort()
+    })
+    let ticket: { release(numUnusedTokens: number): void } | null = null
+    let numReservedCompletion = 0
+    let slot: { release(): void } | null = null
     try {
       const body = await readJsonBody(req, config.maxBodyBytes)
       const parsed = endpoint === 'chat' ? parseChatRequest(body) : parseCompletionRequest(body)
@@ -164,14 +209,18 @@ export function createRouter(deps: RouterDeps): RequestHandler {
           'model',
         )
       }
-      const promptTokenIds =
-        endpoint === 'chat'
-          ? chatPromptTokenIds(tokenizer, (parsed as ParsedChatRequest).messages)
-          : completionPromptTokenIds(tokenizer, (parsed as ParsedCompletionRequest).prompt)
-      outcome.numPromptTokens = promptTokenIds.length
+      if (config.logContent) {
+        outcome.content = {
+          prompt: endpoint === 'chat' ? (parsed as ParsedChatRequest).messages : body,
+          completion: '',
+        }
+      }
+      const prompt = await promptOf(endpoint, parsed, abort.signal)
+      outcome.numPromptTokens = prompt.numTokens
+      const window = contextWindow()
       let maxTokens: number
       try {
-        maxTokens = admit(promptTokenIds.length, parsed.maxTokens, config.contextWindow, {
+        maxTokens = admit(prompt.numTokens, parsed.maxTokens, window, {
           promptParam: endpoint === 'chat' ? 'messages' : 'prompt',
           maxTokensParam: parsed.maxTokensParam,
         })
@@ -179,26 +228,53 @@ export function createRouter(deps: RouterDeps): RequestHandler {
         metrics.admissionRejections.inc({ reason: 'context_length_exceeded' })
         throw err
       }
-      metrics.promptTokens.inc(promptTokenIds.length)
-
-      const request: GenerateRequest = {
-        requestId: rid,
-        tenant,
-        promptTokenIds,
-        maxTokens,
-        sampling: parsed.sampling,
-        stopTokenIds: tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId],
-        transferSecret: randomBytes(32).toString('hex'), // 256 bits
+      try {
+        ticket = limiter.admitTenant(tenant.name, tenant.limits, prompt.numTokens + maxTokens)
+        numReservedCompletion = maxTokens
+      } catch (err) {
+        metrics.admissionRejections.inc({ reason: 'tenant_limit' })
+        throw err
       }
-      // G8: the client going away aborts both worker requests.
-      const abort = new AbortController()
-      res.on('close', () => {
-        if (!res.writableFinished) abort.abort()
-      })
+      try {
+        slot = await limiter.acquireSlot(abort.signal)
+      } catch (err) {
+        if (err instanceof LimitError) metrics.admissionRejections.inc({ reason: 'queue_full' })
+        throw err
+      }
+      metrics.promptTokens.inc(prompt.numTokens)
+
       const header: ResponseHeader = {
         id: `${endpoint === 'chat' ? 'chatcmpl' : 'cmpl'}-${rid}`,
         created: Math.floor(Date.now() / 1000),
         model: config.model,
+      }
+      if (backend.kind === 'gateway') {
+        const result = await backend.gateway.proxy({
+          endpoint,
+          body: body as Record<string, unknown>,
+          rid,
+          tenant: tenant.name,
+          maxTokens,
+          isStream: parsed.isStream,
+          res,
+          signal: abort.signal,
+          onToken: () => markToken(outcome),
+          log,
+        })
+        outcome.status = result.status
+        outcome.numCompletionTokens = result.numCompletionTokens
+        outcome.finishReason = result.finishReason
+        if (outcome.content) outcome.content.completion = result.text
+        return
+      }
+      const request: GenerateRequest = {
+        requestId: rid,
+        tenant: tenant.name,
+        promptTokenIds: prompt.tokenIds!,
+        maxTokens,
+        sampling: parsed.sampling,
+        stopTokenIds: backend.tokenizer.eosTokenId === null ? [] : [backend.tokenizer.eosTokenId],
+        transferSecret: randomBytes(32).toString('hex'), // 256 bits
       }
       const context = { endpoint, request, parsed, header, signal: abort.signal, res, outcome, log }
       if (parsed.isStream) await respondStreamed(context)
@@ -209,10 +285,21 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       logFailure(log, error)
       if (!res.destroyed) sendError(req, res, publicError(error, rid))
     } finally {
+      slot?.release()
+      ticket?.release(Math.max(0, numReservedCompletion - outcome.numCompletionTokens))
       const ms = Math.round(performance.now() - startedMs)
-      metrics.requests.inc({ endpoint, status: String(outcome.status) })
+      metrics.requests.inc({ endpoint, tenant: tenant.name, status: String(outcome.status) })
       metrics.requestSeconds.observe({ endpoint }, ms / 1000)
       metrics.completionTokens.inc(outcome.numCompletionTokens)
+      if (outcome.firstTokenMs !== null) {
+        metrics.ttftSeconds.observe({ endpoint }, (outcome.firstTokenMs - startedMs) / 1000)
+        if (outcome.numCompletionTokens >= 2 && outcome.lastTokenMs !== null) {
+          metrics.tpotSeconds.observe(
+            { endpoint },
+            (outcome.lastTokenMs - outcome.firstTokenMs) / 1000 / (outcome.numCompletionTokens - 1),
+          )
+        }
+      }
       log.info(
         {
           status: outcome.status,
@@ -220,9 +307,63 @@ export function createRouter(deps: RouterDeps): RequestHandler {
           completionTokens: outcome.numCompletionTokens,
           finishReason: outcome.finishReason,
           ms,
+          ...(outcome.content ?? {}),
         },
         'request finished',
       )
+    }
+  }
+
+  /** The prompt's token count (and, natively, its ids) from the backend's own tokenizer. */
+  async function promptOf(
+    endpoint: Endpoint,
+    parsed: ParsedChatRequest | ParsedCompletionRequest,
+    signal: AbortSignal,
+  ): Promise<{ numTokens: number; tokenIds: number[] | null }> {
+    if (backend.kind === 'gateway') {
+      const numTokens = await backend.gateway.countPromptTokens(endpoint, parsed, signal)
+      return { numTokens, tokenIds: null }
+    }
+    const tokenIds =
+      endpoint === 'chat'
+        ? chatPromptTokenIds(backend.tokenizer, (parsed as ParsedChatRequest).messages)
+        : completionPromptTokenIds(backend.tokenizer, (parsed as ParsedCompletionRequest).prompt)
+    return { numTokens: tokenIds.length, tokenIds }
+  }
+
+  /** The workers' events for a request. A decode worker that refuses it because its KV pool is
+   *  momentarily full (nothing reserved yet) is asked again each time a running request ends,
+   *  until `maxQueueWaitMs`; then 503 with `Retry-After` (G2). */
+  async function* workerEvents(
+    workers: WorkerClient,
+    c: GenerationContext,
+  ): AsyncGenerator<GenerationEvent, void> {
+    const deadline = performance.now() + limiter.maxQueueWaitMs
+    for (;;) {
+      const events = workers.generate(c.request, c.signal)
+      let first: IteratorResult<GenerationEvent, void>
+      try {
+        first = await events.next()
+      } catch (err) {
+        if (!(err instanceof PoolFullError)) throw err
+        const remaining = deadline - performance.now()
+        if (remaining <= 0) {
+          metrics.admissionRejections.inc({ reason: 'pool_full' })
+          throw new LimitError(
+            'capacity_exhausted',
+            `The KV pool has no room for this request right now (waited ${limiter.maxQueueWaitMs} ms); retry later.`,
+            1,
+          )
+        }
+        metrics.poolFullRetries.inc()
+        c.log.debug({ detail: err.message }, 'KV pool full; waiting for room')
+        await limiter.waitForRoom(Math.min(remaining, poolFullRetryMs), c.signal)
+        continue
+      }
+      if (first.done) return
+      yield first.value
+      yield* events
+      return
     }
   }
 
@@ -230,19 +371,34 @@ export function createRouter(deps: RouterDeps): RequestHandler {
   async function runGeneration(
     c: GenerationContext,
     onText: (text: string) => Promise<void>,
-  ): Promise<{ finishReason: FinishReason; numCompletionTokens: number }> {
-    const text = new TextStream(decode, c.parsed.stop)
-    for await (const event of workers.generate(c.request, c.signal)) {
+  ): Promise<{ finishReason: FinishReason; numCompletionTokens: number; cachedTokens: number }> {
+    if (backend.kind !== 'kvfence')
+      throw new KvfenceError('internal_error', 'not a kvfence backend')
+    const text = new TextStream((ids) => backend.tokenizer.decode(ids), c.parsed.stop)
+    const emit = async (piece: string) => {
+      if (c.outcome.content) c.outcome.content.completion += piece
+      await onText(piece)
+    }
+    for await (const event of workerEvents(backend.workers, c)) {
       if (event.type === 'token') {
+        markToken(c.outcome)
         const step = text.push(event.tokenId)
         c.outcome.numCompletionTokens = text.numTokens
-        if (step.text !== '') await onText(step.text)
+        if (step.text !== '') await emit(step.text)
         // Leaving the loop closes both worker requests.
-        if (step.isStopped) return { finishReason: 'stop', numCompletionTokens: text.numTokens }
+        if (step.isStopped) {
+          return { finishReason: 'stop', numCompletionTokens: text.numTokens, cachedTokens: 0 }
+        }
       } else {
         const rest = text.finish()
-        if (rest.text !== '') await onText(rest.text)
-        return { finishReason: event.finishReason, numCompletionTokens: event.completionTokens }
+        if (rest.text !== '') await emit(rest.text)
+        metrics.transfers.inc({ status: 'ok' })
+        metrics.transferPages.inc(event.numTransferredPages)
+        return {
+          finishReason: event.finishReason,
+          numCompletionTokens: event.completionTokens,
+          cachedTokens: event.cachedTokens ?? 0,
+        }
       }
     }
     throw new KvfenceError('internal_error', `request ${c.request.requestId} ended without done`)
@@ -253,7 +409,11 @@ export function createRouter(deps: RouterDeps): RequestHandler {
     const result = await runGeneration(c, async (piece) => {
       text += piece
     })
-    const usage = usageOf(c.outcome.numPromptTokens, result.numCompletionTokens)
+    const usage = usageOf(
+      c.outcome.numPromptTokens,
+      result.numCompletionTokens,
+      result.cachedTokens,
+    )
     c.outcome.numCompletionTokens = result.numCompletionTokens
     c.outcome.finishReason = result.finishReason
     sendJson(
@@ -303,7 +463,11 @@ export function createRouter(deps: RouterDeps): RequestHandler {
           : textCompletion(header, '', result.finishReason, undefined),
       )
       if (isUsageStreamed) {
-        const usage = usageOf(c.outcome.numPromptTokens, result.numCompletionTokens)
+        const usage = usageOf(
+          c.outcome.numPromptTokens,
+          result.numCompletionTokens,
+          result.cachedTokens,
+        )
         await writeSse(
           res,
           endpoint === 'chat' ? chatUsageChunk(header, usage) : textUsageChunk(header, usage),
@@ -323,6 +487,18 @@ export function createRouter(deps: RouterDeps): RequestHandler {
     }
   }
 
+  /** Records a generated token's time (for TTFT and TPOT). */
+  function markToken(outcome: Outcome): void {
+    const now = performance.now()
+    outcome.firstTokenMs ??= now
+    outcome.lastTokenMs = now
+  }
+
+  /** Counts a failed transfer (the KV never reached the decode worker intact). */
+  function noteFailure(error: KvfenceError): void {
+    if (error.code === 'transfer_failed') metrics.transfers.inc({ status: 'failed' })
+  }
+
   return (req, res) => {
     handle(req, res).catch((err: unknown) => {
       const error = asKvfenceError(err)
@@ -332,17 +508,30 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       if (!res.destroyed) sendError(req, res, error)
     })
   }
+
+  function logFailure(log: Logger, err: KvfenceError): void {
+    noteFailure(err)
+    if (err.code === 'request_aborted') log.info({ code: err.code }, 'client went away')
+    else if (err.status >= 500) log.error({ code: err.code, detail: err.message }, 'request failed')
+    // 4xx: the code and field suffice; the message may quote client input.
+    else log.info({ code: err.code, param: err.param }, 'request refused')
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/** What the request log line reports. */
+/** What the request log line and the metrics report. */
 interface Outcome {
   status: number
   numPromptTokens: number
   numCompletionTokens: number
   finishReason: FinishReason | null
+  /** `performance.now()` of the first and the last generated token. */
+  firstTokenMs: number | null
+  lastTokenMs: number | null
+  /** Prompt and completion, kept only with `logContent`. */
+  content: { prompt: unknown; completion: string } | null
 }
 
 interface GenerationContext {
@@ -368,16 +557,10 @@ const publicMessages: Partial<Record<ErrorCode, string>> = {
 }
 
 function publicError(err: KvfenceError, rid: string): KvfenceError {
+  if (err instanceof LimitError) return err // the router's own words, with its Retry-After
   if (err.status < 500 && err.code !== 'request_aborted') return err
   const sentence = publicMessages[err.code] ?? 'Internal error.'
   return new KvfenceError(err.code, `${sentence} (request ${rid})`, null)
-}
-
-function logFailure(log: Logger, err: KvfenceError): void {
-  if (err.code === 'request_aborted') log.info({ code: err.code }, 'client went away')
-  else if (err.status >= 500) log.error({ code: err.code, detail: err.message }, 'request failed')
-  // 4xx: the code and field suffice; the message may quote client input.
-  else log.info({ code: err.code, param: err.param }, 'request refused')
 }
 
 /** The decoded path of a request URL ('' when it does not parse, which matches no route). */

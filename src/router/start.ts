@@ -1,5 +1,6 @@
-/** Starts a router process: loads tenants and tokenizer, asks every worker for its state, performs
- *  G1 (advertised context window ≤ effective capacity), builds the frozen config and listens.
+/** Starts a router process: loads tenants and tokenizer, asks every worker (or, in gateway mode,
+ *  the engine behind it) for its state, performs G1 (advertised context window ≤ effective
+ *  capacity), builds the frozen config and listens.
  *  Used by `kvfence router` and `kvfence serve`.
  *  Knows how the router's parts fit together; knows nothing of request handling itself. */
 import http from 'node:http'
@@ -10,22 +11,38 @@ import { KvfenceError } from '../errors.js'
 import { loadTokenizer } from '../model/tokenizer.js'
 import { type WorkerReport, decideContextWindow } from './capacity.js'
 import { type RouterConfig, buildRouterConfig, routerConfigDefaults } from './config.js'
+import { type GatewayOptions, startGateway } from './gateway.js'
+import { type QueueLimits, createLimiter, queueLimitDefaults } from './limits.js'
 import { createRouterMetrics } from './metrics.js'
-import { createRouter } from './router.js'
+import { type RouterBackend, createRouter } from './router.js'
 import { type TenantRecord, createTenantRegistry, loadTenants } from './tenants.js'
 import { type WorkerClient, createWorkerClient } from './worker-client.js'
+import { scrapeWorkerStats } from './worker-stats.js'
+
+/** Gateway mode: the engine behind the router (see gateway.ts). */
+export type GatewayBackendOptions = Omit<
+  GatewayOptions,
+  'log' | 'servedModel' | 'clampContext' | 'guardsEnabled' | 'contextWindow'
+>
 
 /** Options of {@link startRouter}. */
 export interface StartRouterOptions {
   /** Model directory holding `tokenizer.json` and `tokenizer_config.json`. */
-  modelDir: string
+  modelDir?: string
   /** Prefill workers' control base URLs, e.g. `http://127.0.0.1:8101`. */
-  prefillUrls: readonly string[]
-  /** Decode workers' control base URLs; the transfer address is this host and the worker's
-   *  reported `transferPort`. */
-  decodeUrls: readonly string[]
+  prefillUrls?: readonly string[]
+  /** Decode workers' control base URLs; the transfer address is the worker's reported
+   *  `transferHost` (default: this URL's host) and `transferPort`. */
+  decodeUrls?: readonly string[]
   /** The tenants YAML file (`tenants: [{ name, keySha256 }]`), or its records. */
   tenants: string | readonly TenantRecord[]
+  /** Gateway mode: proxy to this engine instead of kvfence workers (then `modelDir`,
+   *  `prefillUrls` and `decodeUrls` are not used). */
+  gateway?: GatewayBackendOptions
+  /** Router-wide running and queue limits (defaults: `queueLimitDefaults`). */
+  queue?: Partial<QueueLimits>
+  /** Log prompts and completions (default false). */
+  logContent?: boolean
   /** Interface to listen on (default 127.0.0.1). */
   host?: string
   /** Port to listen on (default 8000; 0 = any free port). */
@@ -70,6 +87,45 @@ export async function startRouter(options: StartRouterOptions): Promise<RunningR
     typeof options.tenants === 'string'
       ? loadTenants(options.tenants)
       : createTenantRegistry(options.tenants)
+  const limiter = createLimiter({ ...queueLimitDefaults, ...options.queue })
+  if (options.gateway !== undefined) {
+    const gateway = await startGateway({
+      ...options.gateway,
+      servedModel: options.modelName ?? 'model',
+      contextWindow: options.contextWindow,
+      clampContext: options.clampContext ?? false,
+      guardsEnabled,
+      log,
+    })
+    try {
+      const capacity = gateway.info()
+      const config = buildRouterConfig({
+        model: options.modelName ?? 'model',
+        contextWindow: gateway.contextWindow(),
+        effectiveCapacityTokens: capacity.capacityTokens,
+        pageSize: 1,
+        guardsEnabled,
+        maxBodyBytes: options.maxBodyBytes ?? routerConfigDefaults.maxBodyBytes,
+        logContent: options.logContent ?? false,
+      })
+      const metrics = createRouterMetrics({
+        queue: () => ({ numRunning: limiter.numRunning, numQueued: limiter.numQueued }),
+      })
+      const backend: RouterBackend = { kind: 'gateway', gateway }
+      return await listenRouter(options, config, { tenants, backend, limiter, metrics, log }, () =>
+        gateway.close(),
+      )
+    } catch (err) {
+      gateway.close()
+      throw err
+    }
+  }
+  if (options.modelDir === undefined || !options.prefillUrls || !options.decodeUrls) {
+    throw new KvfenceError(
+      'config_invalid',
+      'a kvfence router needs a model directory, prefill worker URLs and decode worker URLs',
+    )
+  }
   const tokenizer = loadTokenizer(options.modelDir)
   const workers = createWorkerClient({
     prefillUrls: options.prefillUrls,
@@ -97,53 +153,65 @@ export async function startRouter(options: StartRouterOptions): Promise<RunningR
       pageSize: reports.find((r) => r.info.role === 'decode')!.info.pageSize,
       guardsEnabled,
       maxBodyBytes: options.maxBodyBytes ?? routerConfigDefaults.maxBodyBytes,
+      logContent: options.logContent ?? false,
     })
-    const handler = createRouter({
-      config,
-      tenants,
-      tokenizer,
-      workers,
-      log,
-      metrics: createRouterMetrics(),
+    const metrics = createRouterMetrics({
+      queue: () => ({ numRunning: limiter.numRunning, numQueued: limiter.numQueued }),
+      workers: () => scrapeWorkerStats(workers),
     })
-    const server = http.createServer(handler)
-    await new Promise<void>((resolve, reject) => {
-      server.once('error', reject)
-      server.listen(options.port ?? 8000, options.host ?? '127.0.0.1', () => {
-        server.off('error', reject)
-        resolve()
-      })
-    })
-    const address = server.address() as AddressInfo
-    const host = address.family === 'IPv6' ? `[${address.address}]` : address.address
-    const url = `http://${host}:${address.port}`
-    log.info(
-      {
-        url,
-        model: config.model,
-        contextWindow: config.contextWindow,
-        effectiveCapacityTokens: config.effectiveCapacityTokens,
-        guardsEnabled,
-        numTenants: tenants.names.length,
-      },
-      'router listening',
+    const backend: RouterBackend = { kind: 'kvfence', tokenizer, workers }
+    return await listenRouter(options, config, { tenants, backend, limiter, metrics, log }, () =>
+      workers.close(),
     )
-    return {
-      url,
-      port: address.port,
-      config,
-      server,
-      async close() {
-        await new Promise<void>((resolve) => {
-          server.close(() => resolve())
-          server.closeAllConnections()
-        })
-        workers.close()
-      },
-    }
   } catch (err) {
     workers.close()
     throw err
+  }
+}
+
+/** Listens with a router over `deps`; `closeBackend` runs on close. */
+async function listenRouter(
+  options: StartRouterOptions,
+  config: RouterConfig,
+  deps: Omit<Parameters<typeof createRouter>[0], 'config'>,
+  closeBackend: () => void,
+): Promise<RunningRouter> {
+  const { log } = deps
+  const server = http.createServer(createRouter({ ...deps, config }))
+  await new Promise<void>((resolve, reject) => {
+    server.once('error', reject)
+    server.listen(options.port ?? 8000, options.host ?? '127.0.0.1', () => {
+      server.off('error', reject)
+      resolve()
+    })
+  })
+  const address = server.address() as AddressInfo
+  const host = address.family === 'IPv6' ? `[${address.address}]` : address.address
+  const url = `http://${host}:${address.port}`
+  log.info(
+    {
+      url,
+      backend: deps.backend.kind === 'gateway' ? deps.backend.gateway.kind : 'kvfence',
+      model: config.model,
+      contextWindow: config.contextWindow,
+      effectiveCapacityTokens: config.effectiveCapacityTokens,
+      guardsEnabled: config.guardsEnabled,
+      numTenants: deps.tenants.names.length,
+    },
+    'router listening',
+  )
+  return {
+    url,
+    port: address.port,
+    config,
+    server,
+    async close() {
+      await new Promise<void>((resolve) => {
+        server.close(() => resolve())
+        server.closeAllConnections()
+      })
+      closeBackend()
+    },
   }
 }
 

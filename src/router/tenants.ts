@@ -1,5 +1,6 @@
-/** Tenants and their API keys: the YAML file `tenants: [{ name, keySha256 }]` and the lookup of a
- *  presented key. Keys are held only as SHA-256 digests and compared in constant time.
+/** Tenants, their API keys and limits: the YAML file
+ *  `tenants: [{ name, keySha256, limits?: { maxConcurrentRequests?, tokensPerMinute? } }]` and the
+ *  lookup of a presented key. Keys are held only as SHA-256 digests and compared in constant time.
  *  Knows tenant names and key digests; never holds, returns or logs a plain key. */
 import { createHash, timingSafeEqual } from 'node:crypto'
 import { readFileSync } from 'node:fs'
@@ -7,15 +8,33 @@ import { parse as parseYaml } from 'yaml'
 import { z } from 'zod'
 import { KvfenceError } from '../errors.js'
 
-/** One tenant as configured: its name (logged, sent to workers) and its key's SHA-256 (hex). */
+/** A tenant's limits; an absent field is no limit. */
+export const TenantLimits = z.strictObject({
+  /** Requests of this tenant in flight at once (queued ones included); more → 429. */
+  maxConcurrentRequests: z.number().int().min(1).optional(),
+  /** Tokens (prompt + max_tokens, unused completion tokens refunded) per rolling minute;
+   *  more → 429 with the seconds until enough are free in `Retry-After`. */
+  tokensPerMinute: z.number().int().min(1).optional(),
+})
+export type TenantLimits = z.infer<typeof TenantLimits>
+
+/** One tenant as configured: its name (logged, sent to workers), its key's SHA-256 (hex) and its
+ *  limits. */
 export const TenantRecord = z.strictObject({
   name: z.string().min(1).max(128),
   keySha256: z
     .string()
     .regex(/^[0-9a-fA-F]{64}$/, "keySha256 must be the 64 hex digits of the key's SHA-256")
     .transform((s) => s.toLowerCase()),
+  limits: TenantLimits.optional(),
 })
 export type TenantRecord = z.infer<typeof TenantRecord>
+
+/** An authenticated tenant. */
+export interface Tenant {
+  readonly name: string
+  readonly limits: TenantLimits
+}
 
 /** The tenants file. */
 export const TenantsFile = z.strictObject({ tenants: z.array(TenantRecord).min(1) })
@@ -23,7 +42,7 @@ export const TenantsFile = z.strictObject({ tenants: z.array(TenantRecord).min(1
 /** Tenants by key digest. */
 export interface TenantRegistry {
   /** The tenant whose key is `apiKey`, or null. Costs the same whichever tenant (if any) matches. */
-  authenticate(apiKey: string): { name: string } | null
+  authenticate(apiKey: string): Tenant | null
   /** Tenant names, in file order. */
   readonly names: readonly string[]
 }
@@ -54,20 +73,20 @@ export function createTenantRegistry(records: readonly TenantRecord[]): TenantRe
     digests.add(t.keySha256)
   }
   const entries = parsed.data.map((t) => ({
-    name: t.name,
+    tenant: Object.freeze({ name: t.name, limits: Object.freeze({ ...t.limits }) }),
     digest: Buffer.from(t.keySha256, 'hex'), // 32 bytes
   }))
 
   return Object.freeze({
-    names: Object.freeze(entries.map((e) => e.name)),
-    authenticate(apiKey: string): { name: string } | null {
+    names: Object.freeze(entries.map((e) => e.tenant.name)),
+    authenticate(apiKey: string): Tenant | null {
       const presented = createHash('sha256').update(apiKey, 'utf8').digest()
-      let found: string | null = null
+      let found: Tenant | null = null
       // Compare with every tenant, without an early exit.
       for (const e of entries) {
-        if (timingSafeEqual(presented, e.digest) && found === null) found = e.name
+        if (timingSafeEqual(presented, e.digest) && found === null) found = e.tenant
       }
-      return found === null ? null : { name: found }
+      return found
     },
   })
 }

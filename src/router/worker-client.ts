@@ -6,10 +6,11 @@ import assert from 'node:assert/strict'
 import http from 'node:http'
 import { z } from 'zod'
 import {
+  DecodeEvent,
   GenerateRequest,
   type PrefillRequest,
-  type PrefillResult,
-  type ServerInfo,
+  PrefillResult,
+  ServerInfo,
 } from '../engine/control.js'
 import { KvfenceError, isErrorCode } from '../errors.js'
 import type { WorkerReport } from './capacity.js'
@@ -22,7 +23,20 @@ export type GenerationEvent =
       finishReason: 'stop' | 'length'
       promptTokens: number
       completionTokens: number
+      /** Prompt tokens served from a prefix cache, when the decode worker reports it. */
+      cachedTokens?: number
+      /** Pages the prefill worker transferred for this request. */
+      numTransferredPages: number
     }
+
+/** The decode worker refused a request outright with `capacity_exhausted` (its KV pool is
+ *  momentarily full): nothing was reserved or prefilled, so the request may be tried again. */
+export class PoolFullError extends KvfenceError {
+  constructor(message: string) {
+    super('capacity_exhausted', message)
+    this.name = 'PoolFullError'
+  }
+}
 
 /** The control plane as the router uses it. */
 export interface WorkerClient {
@@ -32,6 +46,8 @@ export interface WorkerClient {
   readonly decodeUrls: readonly string[]
   /** `GET {url}/server_info` of one worker; throws `worker_unavailable`. */
   serverInfo(url: string, signal?: AbortSignal): Promise<ServerInfo>
+  /** `GET {url}/metrics` of one worker (Prometheus text); throws `worker_unavailable`. */
+  metricsText(url: string, signal?: AbortSignal): Promise<string>
   /** `/server_info` of every worker (prefill first); throws `worker_unavailable` if any fails. */
   serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]>
   /** Runs one request on a decode and a prefill worker (picked round-robin). Yields the decode
@@ -62,41 +78,8 @@ const defaultInfoTimeoutMs = 5_000
 const maxLineBytes = 1024 * 1024 // longest NDJSON line or JSON reply accepted from a worker
 
 // ---------------------------------------------------------------------------------------------
-// Parsers for what workers send (the boundary: parsed once, trusted inside)
-
-const ServerInfoSchema = z.object({
-  role: z.enum(['prefill', 'decode']),
-  model: z.string(),
-  pageSize: z.number().int().min(1),
-  numPages: z.number().int().min(0),
-  capacityTokens: z.number().int().min(0),
-  numPagesFree: z.number().int().min(0),
-  numPagesUsed: z.number().int().min(0),
-  maxPositionEmbeddings: z.number().int().min(1),
-  guardsEnabled: z.boolean(),
-  faults: z.array(z.string()),
-  transferPort: z.number().int().min(1).max(65535).optional(),
-})
-
-const DecodeEventSchema = z.discriminatedUnion('type', [
-  z.object({ type: z.literal('reserved'), numPages: z.number().int().min(0) }),
-  z.object({ type: z.literal('token'), tokenId: z.number().int().min(0) }),
-  z.object({
-    type: z.literal('done'),
-    finishReason: z.enum(['stop', 'length']),
-    promptTokens: z.number().int().min(0),
-    completionTokens: z.number().int().min(0),
-  }),
-  z.object({ type: z.literal('error'), code: z.string(), message: z.string() }),
-])
-type DecodeEvent = z.infer<typeof DecodeEventSchema>
-
-const PrefillResultSchema = z.object({
-  requestId: z.string(),
-  numPages: z.number().int().min(0),
-  numTokens: z.number().int().min(0),
-  firstTokenId: z.number().int().min(0),
-})
+// Parsers for what workers send (the boundary: parsed once, trusted inside): the shared schemas
+// of control.ts, and the error body.
 
 const WorkerErrorSchema = z.object({
   error: z.object({ code: z.string(), message: z.string() }),
@@ -138,7 +121,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
         `worker ${url}/server_info: HTTP ${res.statusCode}`,
       )
     }
-    const parsed = ServerInfoSchema.safeParse(body)
+    const parsed = ServerInfo.safeParse(body)
     if (!parsed.success) {
       throw new KvfenceError(
         'worker_unavailable',
@@ -146,6 +129,19 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
       )
     }
     return parsed.data
+  }
+
+  async function metricsText(url: string, signal?: AbortSignal): Promise<string> {
+    const deadline = AbortSignal.timeout(infoTimeoutMs)
+    const combined = signal === undefined ? deadline : AbortSignal.any([signal, deadline])
+    try {
+      const res = await send(agent, `${url}/metrics`, 'GET', null, combined)
+      const text = await readText(res)
+      if (res.statusCode !== 200) throw new Error(`HTTP ${res.statusCode}`)
+      return text
+    } catch (err) {
+      throw new KvfenceError('worker_unavailable', `worker ${url}/metrics: ${describe(err)}`)
+    }
   }
 
   function transferAddress(decodeUrl: string, signal: AbortSignal) {
@@ -158,7 +154,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
             `worker ${decodeUrl} is not a decode worker with a transfer port (role ${info.role})`,
           )
         }
-        return { host: hostOf(decodeUrl), port: info.transferPort }
+        return { host: info.transferHost ?? hostOf(decodeUrl), port: info.transferPort }
       })
       address.catch(() => transferAddresses.delete(decodeUrl))
       transferAddresses.set(decodeUrl, address)
@@ -180,7 +176,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     )
     const body = await readJson(res)
     if (res.statusCode !== 200) throw workerError('prefill', url, res.statusCode, body)
-    const parsed = PrefillResultSchema.safeParse(body)
+    const parsed = PrefillResult.safeParse(body)
     if (!parsed.success) {
       throw new KvfenceError(
         'internal_error',
@@ -244,12 +240,13 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
         )
       }
       if (res.statusCode !== 200) {
-        throw workerError(
+        const error = workerError(
           'decode',
           decodeUrl,
           res.statusCode,
           await readJson(res).catch(() => null),
         )
+        throw error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
       }
 
       let prefillResult: Promise<PrefillResult> | null = null
@@ -304,10 +301,18 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
             break
           case 'done': {
             if (prefillResult === null) throw protocolError(decodeUrl, rid, 'done before reserved')
-            await prefillResult
+            const result = await prefillResult
             if (guardsEnabled) checkDone(event, numTokens, request, decodeUrl)
             isFinished = true
-            yield event
+            const { type, finishReason, promptTokens, completionTokens, cachedTokens } = event
+            yield {
+              type,
+              finishReason,
+              promptTokens,
+              completionTokens,
+              ...(cachedTokens === undefined ? {} : { cachedTokens }),
+              numTransferredPages: result.numPages,
+            }
             return
           }
           case 'error':
@@ -334,6 +339,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     prefillUrls,
     decodeUrls,
     serverInfo,
+    metricsText,
     async serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]> {
       const urls = [...prefillUrls, ...decodeUrls]
       const infos = await Promise.all(urls.map((url) => serverInfo(url, signal)))
@@ -428,6 +434,15 @@ function send(
 }
 
 async function readJson(res: http.IncomingMessage): Promise<unknown> {
+  const text = await readText(res)
+  try {
+    return JSON.parse(text)
+  } catch {
+    throw new Error(`reply is not JSON (HTTP ${res.statusCode})`)
+  }
+}
+
+async function readText(res: http.IncomingMessage): Promise<string> {
   const chunks: Buffer[] = []
   let numBytes = 0
   for await (const chunk of res as AsyncIterable<Buffer>) {
@@ -438,12 +453,7 @@ async function readJson(res: http.IncomingMessage): Promise<unknown> {
     }
     chunks.push(chunk)
   }
-  const text = Buffer.concat(chunks).toString('utf8')
-  try {
-    return JSON.parse(text)
-  } catch {
-    throw new Error(`reply is not JSON (HTTP ${res.statusCode})`)
-  }
+  return Buffer.concat(chunks).toString('utf8')
 }
 
 /** The decode worker's NDJSON stream, one parsed event per line. */
@@ -475,7 +485,7 @@ function parseEvent(line: string, url: string): DecodeEvent {
   } catch {
     throw new KvfenceError('internal_error', `decode worker ${url} sent a line that is not JSON`)
   }
-  const parsed = DecodeEventSchema.safeParse(value)
+  const parsed = DecodeEvent.safeParse(value)
   if (!parsed.success) {
     throw new KvfenceError(
       'internal_error',

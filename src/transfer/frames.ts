@@ -568,8 +568,11 @@ function readId(b: Buffer, offset: number): string {
   return b.toString('hex', offset, offset + ID_BYTES)
 }
 
+/** The transfer id at the start of a body, if there is one and it names a transfer (not zero). */
 function peekId(kind: FrameKind, body: Buffer): string | null {
-  return kind !== 'hello' && body.length >= ID_BYTES ? readId(body, 0) : null
+  if (kind === 'hello' || body.length < ID_BYTES) return null
+  const id = readId(body, 0)
+  return id === ZERO_TRANSFER_ID ? null : id
 }
 
 function readUtf8(b: Buffer, start: number, end: number): string | null {
@@ -584,6 +587,9 @@ function decodeBody(kind: FrameKind, b: Buffer): DecodeResult {
   const id = peekId(kind, b)
   const malformed = (message: string): DecodeResult =>
     fail('malformed_frame', `${kind} frame: ${message}`, id)
+  // Only a NACK may carry the zero id (it then refuses the whole connection).
+  if (kind !== 'hello' && kind !== 'nack' && b.length >= ID_BYTES && id === null)
+    return malformed('the zero transfer id is reserved')
   switch (kind) {
     case 'hello': {
       if (b.length !== HELLO_BODY_BYTES)
@@ -604,7 +610,6 @@ function decodeBody(kind: FrameKind, b: Buffer): DecodeResult {
       const tenant = readUtf8(b, BEGIN_FIXED_BYTES, BEGIN_FIXED_BYTES + tenantBytes)
       if (tenant === null) return malformed('tenant is not valid UTF-8')
       const transferId = readId(b, 0)
-      if (transferId === ZERO_TRANSFER_ID) return malformed('the zero transfer id is reserved')
       const numTokens = b.readUInt32BE(32)
       const numPages = b.readUInt32BE(36)
       const pageBytes = b.readUInt32BE(40)

@@ -63,6 +63,18 @@ export class FrameParser {
     return this.numAssembled
   }
 
+  /** Assert the parser's invariants. @throws Error naming the broken one. */
+  check(): void {
+    if (this.numAssembled > this.assembly.length)
+      throw new Error(`${this.numAssembled} bytes held in a ${this.assembly.length}-byte buffer`)
+    if (this.numWanted !== 0 && this.numAssembled >= this.numWanted)
+      throw new Error(`a whole frame of ${this.numWanted} bytes was held back`)
+    if (this.numWanted === 0 && this.numAssembled >= HEADER_BYTES)
+      throw new Error(`a whole header is held without its frame length`)
+    if (this.numWanted > this.maxFrameBytes) throw new Error(`waiting for a frame over the cap`)
+    if (this.hasFailed && this.numAssembled !== 0) throw new Error('a failed parser holds bytes')
+  }
+
   /** Feed the next chunk of the stream. Delivers every frame completed by it, in order, through
    *  the sink. Never throws on malformed input (a sink that throws propagates its own error). */
   push(chunk: Uint8Array): void {

@@ -38,9 +38,14 @@ export interface TransferServerOptions {
   maxEndedIds?: number
   /** Where refusals are reported. Default: nowhere. */
   log?: TransferLog
+  /** Fault injection only (`lost-ack`): never send ACKs. Default false. */
+  dropAcks?: boolean
 }
 
 const silentLog: TransferLog = { warn: () => {} }
+
+/** After refusing a connection, how long its NACKs may take to flush before the socket is destroyed, ms. */
+const closeGraceMs = 1_000
 
 /** The receiver's frozen configuration from `options`. Logs (warn) every guard turned off.
  *  @throws RangeError on a non-positive limit. */
@@ -52,6 +57,7 @@ export function receiverConfig(options: TransferServerOptions = {}): ReceiverCon
     stallTimeoutMs: options.stallTimeoutMs ?? 30_000,
     maxEndedIds: options.maxEndedIds ?? 4096,
     log: options.log ?? silentLog,
+    dropAcks: options.dropAcks ?? false,
   })
   if (!Number.isInteger(config.maxFrameBytes) || config.maxFrameBytes < HEADER_BYTES + 64)
     throw new RangeError(
@@ -164,7 +170,10 @@ export class TransferServer extends net.Server {
           if (!socket.destroyed && socket.writable) socket.write(bytes)
         },
         close: () => {
-          if (!socket.destroyed) socket.end(() => socket.destroy())
+          if (socket.destroyed) return
+          socket.end(() => socket.destroy())
+          // A peer that does not read must not keep a half-closed socket alive.
+          setTimeout(() => socket.destroy(), closeGraceMs).unref()
         },
       },
       this.counters,

@@ -583,7 +583,10 @@ class Peer {
   private useBuffer(buffer: Buffer): void {
     this.current = buffer
     this.numUsed = 0
-    this.counters.maxBytesInFlight = Math.max(this.counters.maxBytesInFlight, this.buffers.numInUseBytes)
+    this.counters.maxBytesInFlight = Math.max(
+      this.counters.maxBytesInFlight,
+      this.buffers.numInUseBytes,
+    )
   }
 
   /** Build one PAGES frame of up to `numPages` pages (from send position `first`) at the end of

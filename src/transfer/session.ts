@@ -15,6 +15,7 @@
  *  | the request is known (hooks.secretFor)                  | unknown_request       | G10    |
  *  | BEGIN's HMAC verifies                                   | bad_hmac              | G10    |
  *  | hooks.begin accepts the fields                          | (the hook's error)    | always |
+ *  | the reservation's pageSize is a positive integer        | hook_failed           | always |
  *  | numTokens fits numPages pages of pageSize, last non-empty | counts_mismatch     | G4     |
  *  | PAGES/END name an active transfer                       | unknown_transfer      | always |
  *  | PAGES/END carry BEGIN's request id                      | request_mismatch      | always |
@@ -27,6 +28,8 @@
  *  | END comes after all numPages pages                      | incomplete            | G4     |
  *  | END's manifest = xxh64 of the received checksums        | manifest_mismatch     | G4     |
  *  | a frame arrives for each active transfer within stallTimeoutMs | stalled        | always |
+ *  | HELLO arrives within stallTimeoutMs (connection)        | stalled               | always |
+ *  | no HELLO/ACK/NACK after HELLO (connection)              | unexpected_frame      | always |
  *  Per-page token exactness plus the counts check imply that the tokens sum to numTokens. */
 import { KvfenceError } from '../errors.js'
 import { verifyBeginMac } from './auth.js'
@@ -105,6 +108,9 @@ export interface ReceiverConfig {
   /** Ended transfer ids remembered per connection, so late frames are dropped, not NACKed. */
   readonly maxEndedIds: number
   readonly log: TransferLog
+  /** Fault injection only (`lost-ack`): complete transfers but never send their ACK, as if it were
+   *  lost on the way to P. */
+  readonly dropAcks: boolean
 }
 
 /** Counts kept across all sessions of one server. Invariant:
@@ -430,7 +436,8 @@ export class ReceiverSession {
       return this.safeAbort(t.reservation, refused, id)
     }
     this.counters.numCompleted++
-    if (this.phase !== 'closed') this.io.write(encodeAck({ transferId: id }))
+    if (this.phase !== 'closed' && !this.config.dropAcks)
+      this.io.write(encodeAck({ transferId: id }))
   }
 
   private onAbort(frame: AbortFrame): void {

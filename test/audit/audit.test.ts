@@ -4,6 +4,7 @@ import assert from 'node:assert/strict'
 import { before, describe, test } from 'node:test'
 import {
   AuditError,
+  probeNames,
   runAudit,
   type AuditOptions,
   type AuditReport,
@@ -101,15 +102,22 @@ describe('audit of a leaky endpoint (the incident: context 1024, KV pool 384)', 
     }
   })
 
-  test('the excerpt is redacted: only canary characters survive', () => {
+  test("the excerpt is redacted: only canaries and words of alice's planted prompts survive", () => {
     const leak = report.findings.find((f) => f.verdict === 'leak') as Finding
     const excerpt = leak.evidence.excerpt as string
     const canary = leak.evidence.canary as string
     assert.ok(excerpt.includes(canary), 'the excerpt shows the leaked canary')
     assert.ok(excerpt.length <= 160)
-    assert.ok(excerpt.includes(redactionMark))
-    for (const run of excerpt.split(redactionMark).filter((r) => r !== '')) {
-      assert.match(run, /^[A-Za-z0-9]{8,24}$/, `non-canary text in the excerpt: ${run}`)
+    // The stand-in echoes alice's stale words after its placeholder: a run of her prompt, longer
+    // than the canary alone, is shown.
+    const runs = excerpt.split(redactionMark).filter((r) => r !== '')
+    assert.ok(
+      runs.some((r) => r.length > canary.length + 8 && r.includes(canary)),
+      `no run of alice's words around the canary: ${excerpt}`,
+    )
+    for (const run of runs) {
+      assert.ok(run.length >= 8, `run shorter than 8 characters: ${run}`)
+      assert.match(run, /^[A-Za-z0-9 ]+$/, `kept text that no planted prompt holds: ${run}`)
     }
   })
 
@@ -125,14 +133,28 @@ describe('audit of a leaky endpoint (the incident: context 1024, KV pool 384)', 
 })
 
 describe('audit verdicts', () => {
-  test('a safe endpoint (context = pool, over-capacity → 400) is clean on every probe', async () => {
-    const { report } = await auditStandIn('safe')
+  test('a safe endpoint (context = pool, over-capacity → 400) is clean on every probe that can tell', async () => {
+    const { report } = await auditStandIn('safe', {
+      probes: [
+        'capacity',
+        'boundary',
+        'canary',
+        'abort-race',
+        'concurrency',
+        'determinism',
+        'error-handling',
+      ],
+    })
     assert.deepEqual(
       report.findings.map((f) => [f.probe, f.verdict, f.severity]),
       [
         ['capacity', 'clean', 'info'],
         ['boundary', 'clean', 'info'],
         ['canary', 'clean', 'info'],
+        ['abort-race', 'clean', 'info'],
+        ['concurrency', 'clean', 'info'],
+        ['determinism', 'clean', 'info'],
+        ['error-handling', 'clean', 'info'],
       ],
     )
     const canary = report.findings[2].evidence.observerRequests as {
@@ -151,11 +173,7 @@ describe('audit verdicts', () => {
     const { report } = await auditStandIn('broken')
     assert.deepEqual(
       report.findings.map((f) => [f.probe, f.verdict]),
-      [
-        ['capacity', 'inconclusive'],
-        ['boundary', 'inconclusive'],
-        ['canary', 'inconclusive'],
-      ],
+      probeNames.map((p) => [p, 'inconclusive']),
     )
   })
 
@@ -163,11 +181,7 @@ describe('audit verdicts', () => {
     const { report } = await auditStandIn('refusing')
     assert.deepEqual(
       report.findings.map((f) => [f.probe, f.verdict]),
-      [
-        ['capacity', 'clean'],
-        ['boundary', 'inconclusive'],
-        ['canary', 'inconclusive'],
-      ],
+      probeNames.map((p) => [p, p === 'capacity' ? 'clean' : 'inconclusive']),
     )
   })
 
@@ -220,7 +234,15 @@ describe('audit verdicts', () => {
     )
     assert.deepEqual(verdicts(report, 'boundary'), [['warning', 'high']])
     const calibration = report.findings[0].evidence.calibration as Record<string, unknown>
-    assert.deepEqual(calibration, { method: 'tokenize', overheadTokens: 1, tokensPerWord: 1 })
+    assert.deepEqual(calibration, {
+      method: 'tokenize',
+      overheadTokens: 1,
+      tokensPerWord: 1,
+      observations: [
+        { words: 16, tokens: 17 },
+        { words: 64, tokens: 65 },
+      ],
+    })
   })
 })
 
@@ -234,10 +256,7 @@ describe('audit budget', () => {
       )
       assert.equal(report.requestsSent, standIn.stats.numRequests)
       assert.ok(report.findings.every((f) => f.verdict !== 'clean'))
-      assert.deepEqual(
-        [...new Set(report.findings.map((f) => f.probe))],
-        ['capacity', 'boundary', 'canary'],
-      )
+      assert.deepEqual([...new Set(report.findings.map((f) => f.probe))], probeNames)
     })
   }
 

@@ -95,6 +95,37 @@ describe('redaction', () => {
   })
 })
 
+describe('redaction of planted material', () => {
+  const planted = 'the river walks near Q7mZr2kWx9PbT4vNcH8d and the stone garden'
+
+  test("keeps runs of ≥ 8 characters of the victim's planted prompt, and nothing else", () => {
+    // " walks near " is in the planted prompt; "customax" and "private" are not; "the " is too short.
+    const text = 'customax walks near the private the '
+    const excerpt = redact(text, [canary], 0, 160, [planted])
+    assert.equal(excerpt, '·'.repeat(8) + ' walks near ' + '·'.repeat(16))
+  })
+
+  test('a 7-character run of planted text stays hidden; the whole leaked sentence shows', () => {
+    assert.equal(redact('xx walks yy', [], 0, 160, [planted]), '·'.repeat(11))
+    const leaked = `B got:${planted.slice(4, 40)} end`
+    assert.equal(
+      redact(leaked, [canary], 0, 160, [planted]),
+      `${'·'.repeat(6)}${planted.slice(4, 40)}${'·'.repeat(4)}`,
+    )
+  })
+
+  test('without planted texts only canaries survive (property: every kept run is planted)', () => {
+    fc.assert(
+      fc.property(fc.string({ maxLength: 200 }), fc.nat(), (noise, cut) => {
+        const piece = planted.slice(cut % 20, (cut % 20) + 8 + (cut % 9))
+        const excerpt = redact(`${noise}${piece}${noise}`, [], noise.length, 160, [planted])
+        for (const run of excerpt.split(redactionMark).filter((r) => r !== ''))
+          assert.ok(planted.includes(run), `kept ${JSON.stringify(run)} is not planted text`)
+      }),
+    )
+  })
+})
+
 describe('canaries', () => {
   test('are 16–24 alphanumerics with digits, capitals and lowercase; prompts are 200–350 characters', () => {
     const rng = createRng(1, 'shape')

@@ -2,12 +2,13 @@
  *  Exit codes: 1 leak, 0 clean, 2 tool error (one line on stderr, no stack trace). */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
-import { mkdtemp, readFile, rm } from 'node:fs/promises'
+import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { after, before, describe, test } from 'node:test'
 import { z } from 'zod'
+import { probeNames } from '../../src/audit/index.js'
 import { startStandIn, tenantKeys, unreachableUrl, type StandIn } from './standins.js'
 
 const mainJs = fileURLToPath(new URL('../../src/cli/main.js', import.meta.url))
@@ -23,7 +24,7 @@ function kvfence(args: string[], env: Record<string, string> = {}): Promise<Run>
     execFile(
       process.execPath,
       [mainJs, ...args],
-      { env: { ...process.env, ...env }, timeout: 20_000 },
+      { env: { ...process.env, ...env }, timeout: 60_000 },
       (err, stdout, stderr) => {
         const code = err && typeof err.code === 'number' ? err.code : err ? null : 0
         resolve({ code, stdout, stderr })
@@ -67,7 +68,7 @@ const Report = z.object({
   findings: z
     .array(
       z.object({
-        probe: z.enum(['capacity', 'boundary', 'canary']),
+        probe: z.enum(probeNames),
         verdict: z.enum(['leak', 'clean', 'inconclusive', 'warning']),
         severity: z.enum(['critical', 'high', 'medium', 'low', 'info']),
         title: z.string(),
@@ -112,11 +113,19 @@ describe('kvfence audit (CLI)', () => {
 
   test('exits 0 on a safe endpoint', async () => {
     const run = await kvfence(
-      ['audit', '--target', `${standIns.safe!.url}/v1`, ...tenantFlags],
+      [
+        'audit',
+        '--target',
+        `${standIns.safe!.url}/v1`,
+        ...tenantFlags,
+        '--probes',
+        'capacity,boundary,canary,abort-race,concurrency,determinism,error-handling',
+      ],
       env,
     )
     assert.equal(run.code, 0, run.stderr)
     assert.match(run.stdout, /clean: every probe passed/)
+    assert.doesNotMatch(run.stdout, /NOT PROVEN/)
     assertNoKeys(run)
   })
 
@@ -138,6 +147,10 @@ describe('kvfence audit (CLI)', () => {
     const broken = await kvfence(['audit', '--target', standIns.broken!.url, ...tenantFlags], env)
     assert.equal(broken.code, 0, 'inconclusive is reported, not failed, by default')
     assert.match(broken.stdout, /isolation not proven/)
+    assert.match(
+      broken.stdout,
+      /^!! ISOLATION NOT PROVEN: 10 probe\(s\) could not tell: capacity, boundary/m,
+    )
     const brokenStrict = await kvfence(
       ['audit', '--target', standIns.broken!.url, ...tenantFlags, '--fail-on', 'inconclusive'],
       env,
@@ -190,5 +203,64 @@ describe('kvfence audit (CLI)', () => {
     ])
     assertOneLineError(dup, /tenant alice is given twice/)
     assertNoKeys(dup)
+  })
+
+  test('--list-probes prints every probe with its description and exits 0 without a target', async () => {
+    const run = await kvfence(['audit', '--list-probes'])
+    assert.equal(run.code, 0, run.stderr)
+    const names = run.stdout
+      .trimEnd()
+      .split('\n')
+      .map((l) => l.split(/\s+/)[0])
+    assert.deepEqual(names, [...probeNames])
+    assert.match(run.stdout, /^prefix-timing\s+TTFT of another tenant's prefix/m)
+  })
+
+  test('--config supplies target, tenants (keys from env), probes, seed and reports; flags override it', async () => {
+    const config = join(dir, 'audit.yaml')
+    const junit = join(dir, 'from-config.xml')
+    const html = join(dir, 'from-flag.html')
+    await writeFile(
+      config,
+      [
+        `target: ${standIns.leaky!.url}`,
+        'tenants:',
+        '  - { name: alice, keyEnv: KVFENCE_TEST_ALICE_KEY }',
+        '  - { name: bob, keyEnv: KVFENCE_TEST_BOB_KEY }',
+        'probes: [capacity, canary]',
+        'seed: 31',
+        'failOn: warning',
+        `reports: { junit: ${junit}, html: ${join(dir, 'overridden.html')} }`,
+      ].join('\n'),
+    )
+    const run = await kvfence(
+      ['audit', '--config', config, '--probes', 'capacity', '--html', html],
+      {
+        ...env,
+        KVFENCE_TEST_ALICE_KEY: tenantKeys.alice,
+      },
+    )
+    assert.equal(run.code, 1, 'failOn: warning from the file, capacity warns')
+    assert.match(run.stdout, /seed 31\)/)
+    assert.doesNotMatch(run.stdout, /\[canary\]/, '--probes overrides the file')
+    assertNoKeys(run)
+    const xml = await readFile(junit, 'utf8')
+    assert.match(xml, /tests="1" failures="1" errors="0" skipped="0"/)
+    assert.match(xml, /<testcase classname="kvfence\.audit" name="capacity"/)
+    assert.match(await readFile(html, 'utf8'), /^<!doctype html>/)
+    await assert.rejects(readFile(join(dir, 'overridden.html')), /ENOENT/)
+  })
+
+  test('a bad --config is a tool error: one line, exit 2', async () => {
+    const config = join(dir, 'bad.yaml')
+    await writeFile(config, 'budget: { concurrency: 0 }\n')
+    assertOneLineError(
+      await kvfence(['audit', '--config', config]),
+      /^kvfence audit: config .*bad\.yaml: budget\.concurrency: /,
+    )
+    assertOneLineError(
+      await kvfence(['audit', '--config', join(dir, 'missing.yaml')]),
+      /^kvfence audit: cannot read config .*missing\.yaml: ENOENT$/,
+    )
   })
 })

@@ -9,7 +9,11 @@
  *    with size (as when the model id or a parameter is wrong).
  *  Discovery endpoints take the shape of kvfence, SGLang or vLLM (`flavour`).
  *  The "model" echoes: its output is the words in its KV pages. A token is a whitespace-separated
- *  word, plus one BOS token. Every request is counted, with the most ever in flight. */
+ *  word, plus one BOS token. Every request is counted, with the most ever in flight.
+ *  Options add the other bug classes the probes look for: a prefix cache shared across tenants
+ *  (`prefixCache`), pages lost on abort (`isPageLeakOnAbort`), an aborted request's words served to
+ *  the next request (`isAbortLeak`), a bounded batch (`maxBatch`), output that changes under load
+ *  (`isLoadSensitive`) and errors answered as 200 (`isErrorAs200`). */
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
 
@@ -21,6 +25,8 @@ export interface StandInStats {
   maxInFlight: number
   numOverCapacity: number
   paths: string[]
+  /** Pages (of 16 tokens) held by completions in flight, plus leaked ones. */
+  numPagesUsed: number
 }
 
 export interface StandIn {
@@ -38,6 +44,27 @@ export interface StandInOptions {
   readonly isTokenizeOnly?: boolean
   /** Which server's discovery endpoints to imitate (default kvfence). */
   readonly flavour?: 'kvfence' | 'sglang' | 'vllm'
+  readonly hitDelayMs?: number
+  readonly missDelayMs?: number
+  /** Prefix cache over the first 32 words: none (default), keyed by tenant, or shared. A hit is
+   *  answered after `hitDelayMs` (default 1), a miss after `missDelayMs` (default 40), and the hit
+   *  reports `cached_tokens` unless `isCachedTokensHidden`. */
+  readonly prefixCache?: 'none' | 'per-tenant' | 'shared'
+  readonly isCachedTokensHidden?: boolean
+  /** Extra delay per generated token (ms), to keep requests in flight. */
+  readonly tokenDelayMs?: number
+  /** Completions processed at once; the rest wait in a queue. */
+  readonly maxBatch?: number
+  /** A completion whose client went away keeps its pages forever. */
+  readonly isPageLeakOnAbort?: boolean
+  /** The words of a completion whose client went away are served to the next completion. */
+  readonly isAbortLeak?: boolean
+  /** A completion started while another runs begins with the other one's words (crossed slots). */
+  readonly isCrossTalk?: boolean
+  /** Output gains a word when another completion is in flight. */
+  readonly isLoadSensitive?: boolean
+  /** Invalid requests are answered 200 with an error text. */
+  readonly isErrorAs200?: boolean
 }
 
 const poolTokens = 384
@@ -54,7 +81,13 @@ export async function startStandIn(
     maxInFlight: 0,
     numOverCapacity: 0,
     paths: [],
+    numPagesUsed: 0,
   }
+  const prefixCache = new Map<string, Set<string>>()
+  let numRunning = 0
+  const queue: (() => void)[] = []
+  let abortedWords: string[] | null = null
+  const runningWords = new Set<string[]>()
   const keys = new Set(Object.values(tenantKeys))
 
   const handle = async (req: IncomingMessage, res: ServerResponse): Promise<void> => {
@@ -80,8 +113,8 @@ export async function startStandIn(
         contextWindow: contextTokens,
         effectiveCapacityTokens: poolTokens,
         workers: [
-          { role: 'prefill', capacityTokens: poolTokens },
-          { role: 'decode', capacityTokens: poolTokens },
+          { role: 'prefill', capacityTokens: poolTokens, numPagesUsed: 0 },
+          { role: 'decode', capacityTokens: poolTokens, numPagesUsed: stats.numPagesUsed },
         ],
       })
     }
@@ -108,6 +141,13 @@ export async function startStandIn(
       const { prompt } = JSON.parse(body) as { prompt: string }
       return sendJson(res, 200, { count: countTokens(prompt), max_model_len: contextTokens })
     }
+    if (req.method === 'GET' && path === '/metrics' && flavour === 'sglang') {
+      res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
+      res.end(
+        `sglang:token_usage{model_name="tiny-echo"} ${stats.numPagesUsed / (poolTokens / 16)}\n`,
+      )
+      return
+    }
     if (req.method !== 'POST' || path !== '/v1/completions') {
       return sendJson(res, 404, { error: { message: 'not found', type: 'invalid_request_error' } })
     }
@@ -117,9 +157,22 @@ export async function startStandIn(
         error: { message: 'model not served', type: 'invalid_request_error', param: 'model' },
       })
     }
-    const request = JSON.parse(body) as { prompt: string; max_tokens: number; stream?: boolean }
+    const parsedBody = parseRequest(body)
+    if (typeof parsedBody === 'string') {
+      if (options.isErrorAs200)
+        return sendJson(res, 200, { object: 'error', message: parsedBody, code: 400 })
+      return sendJson(res, 400, {
+        error: { message: parsedBody, type: 'invalid_request_error', code: 'invalid_request' },
+      })
+    }
+    const request = parsedBody
     const words = request.prompt.trim().split(/\s+/)
     const numTokens = countTokens(request.prompt)
+    if (options.isErrorAs200 && numTokens + request.max_tokens > contextTokens) {
+      return sendJson(res, 200, {
+        choices: [{ index: 0, text: 'Error: input too long', finish_reason: 'stop' }],
+      })
+    }
     if (numTokens + request.max_tokens > contextTokens) {
       return sendJson(res, 400, {
         error: {
@@ -145,12 +198,53 @@ export async function startStandIn(
       pool.length = poolTokens
       output = words.slice(0, request.max_tokens)
     }
+    // Queue behind a full batch, then hold pages while "generating".
+    if (options.maxBatch !== undefined && numRunning >= options.maxBatch) {
+      await new Promise<void>((resolve) => queue.push(resolve))
+    } else numRunning++
+    const numPages = Math.ceil((numTokens + request.max_tokens) / 16)
+    stats.numPagesUsed += numPages
+    let isDone = false
+    const finish = (isAborted: boolean): void => {
+      if (isDone) return
+      isDone = true
+      if (isAborted && options.isAbortLeak) abortedWords = words
+      if (!(isAborted && options.isPageLeakOnAbort)) stats.numPagesUsed -= numPages
+      const next = queue.shift()
+      if (next) next()
+      else numRunning--
+    }
+    res.on('close', () => finish(!res.writableFinished))
+    if (abortedWords !== null) {
+      output = [...abortedWords, ...output]
+      abortedWords = null
+    }
+    if (options.isLoadSensitive && stats.numInFlight > 1) output = [...output, 'loaded']
+    if (options.isCrossTalk && runningWords.size > 0) output = [...[...runningWords][0], ...output]
+    runningWords.add(words)
+    res.on('close', () => runningWords.delete(words))
+    let cachedTokens = 0
+    if (options.prefixCache && options.prefixCache !== 'none') {
+      const key = words.slice(0, 32).join(' ')
+      const owners = prefixCache.get(key) ?? new Set<string>()
+      const tenant = req.headers.authorization ?? ''
+      const isHit = options.prefixCache === 'shared' ? owners.size > 0 : owners.has(tenant)
+      owners.add(tenant)
+      prefixCache.set(key, owners)
+      if (isHit) cachedTokens = 32
+      await sleep(isHit ? (options.hitDelayMs ?? 1) : (options.missDelayMs ?? 40))
+    }
+    const tokenDelayMs = options.tokenDelayMs ?? 0
+    if (!request.stream && tokenDelayMs > 0) await sleep(tokenDelayMs * request.max_tokens)
     const usage = options.isTokenizeOnly
       ? undefined
       : {
           prompt_tokens: numTokens,
           completion_tokens: output.length,
           total_tokens: numTokens + output.length,
+          ...(options.prefixCache && !options.isCachedTokensHidden
+            ? { prompt_tokens_details: { cached_tokens: cachedTokens } }
+            : {}),
         }
     if (!request.stream) {
       return sendJson(res, 200, {
@@ -163,6 +257,8 @@ export async function startStandIn(
     }
     res.writeHead(200, { 'content-type': 'text/event-stream' })
     for (const word of output) {
+      if (tokenDelayMs > 0) await sleep(tokenDelayMs)
+      if (res.destroyed) return
       res.write(
         `data: ${JSON.stringify({ object: 'text_completion', choices: [{ index: 0, text: ' ' + word, finish_reason: null }] })}\n\n`,
       )
@@ -204,6 +300,27 @@ export async function unreachableUrl(): Promise<string> {
   const { port } = server.address() as AddressInfo
   await new Promise<void>((resolve) => server.close(() => resolve()))
   return `http://127.0.0.1:${port}`
+}
+
+function sleep(ms: number): Promise<void> {
+  return new Promise((r) => setTimeout(r, ms))
+}
+
+/** The completion request, or why it is invalid. */
+function parseRequest(
+  body: string,
+): { prompt: string; max_tokens: number; stream?: boolean } | string {
+  let json: unknown
+  try {
+    json = JSON.parse(body)
+  } catch {
+    return 'body is not valid JSON'
+  }
+  const o = json as Record<string, unknown>
+  if (typeof o.prompt !== 'string') return 'prompt is required'
+  if (!Number.isInteger(o.max_tokens) || (o.max_tokens as number) < 1)
+    return 'max_tokens must be a positive integer'
+  return { prompt: o.prompt, max_tokens: o.max_tokens as number, stream: o.stream === true }
 }
 
 function countTokens(prompt: string): number {

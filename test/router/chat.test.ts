@@ -49,6 +49,7 @@ describe('POST /v1/chat/completions', () => {
       prompt_tokens: numPrompt,
       completion_tokens: numCompletion,
       total_tokens: numPrompt + numCompletion,
+      prompt_tokens_details: { cached_tokens: 0 },
     })
   })
 
@@ -132,6 +133,7 @@ describe('POST /v1/chat/completions', () => {
       prompt_tokens: numPrompt,
       completion_tokens: defaultReplyText.length + 1,
       total_tokens: numPrompt + defaultReplyText.length + 1,
+      prompt_tokens_details: { cached_tokens: 0 },
     })
     assert.ok(chunks.slice(0, -1).every((c) => c.usage === null))
   })

@@ -28,6 +28,7 @@ describe('POST /v1/completions', () => {
       prompt_tokens: numPrompt,
       completion_tokens: defaultReplyText.length + 1,
       total_tokens: numPrompt + defaultReplyText.length + 1,
+      prompt_tokens_details: { cached_tokens: 0 },
     })
     const generate = h.workers.generateRequests.at(-1)!
     assert.deepEqual(generate.promptTokenIds, [bosId, ...charIds('Once upon a time')])
@@ -71,6 +72,7 @@ describe('POST /v1/completions', () => {
       prompt_tokens: 3,
       completion_tokens: defaultReplyText.length + 1,
       total_tokens: 3 + defaultReplyText.length + 1,
+      prompt_tokens_details: { cached_tokens: 0 },
     })
   })
 

@@ -116,8 +116,14 @@ export interface StandInOptions {
   tokenDelayMs?: number
   /** Delay of the prefill worker before it answers, ms. */
   prefillDelayMs?: number
-  /** The decode worker refuses `/internal/generate` outright. */
+  /** The decode worker refuses `/internal/generate` outright … */
   decodeRefusal?: { status: number; code: string; message: string }
+  /** … only its first this many requests (default: all). */
+  decodeRefusalTimes?: number
+  /** `cachedTokens` the decode worker reports in `done` (default: absent). */
+  cachedTokens?: number
+  /** Guard trips the workers report at `/metrics` (`kvfence_guard_trips_total`). */
+  guardTrips?: Record<string, number>
   /** The prefill worker refuses `/internal/prefill`. */
   prefillRefusal?: { status: number; code: string; message: string }
   /** The decode worker sends an `error` event after this many tokens. */
@@ -135,6 +141,8 @@ export interface StandIns {
   transferPort: number
   generateRequests: GenerateRequest[]
   prefillRequests: PrefillRequest[]
+  /** `/internal/generate` requests refused by `decodeRefusal`. */
+  numRefused(): number
   /** Request ids whose HTTP request the router closed before the worker finished. */
   decodeClosedEarly: string[]
   prefillClosedEarly: string[]
@@ -174,8 +182,19 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     ...(role === 'decode' ? { transferPort } : {}),
   })
 
+  const metricsText = (role: string) =>
+    '# HELP kvfence_guard_trips_total Times a safety guard refused an operation, by guard\n' +
+    '# TYPE kvfence_guard_trips_total gauge\n' +
+    Object.entries(options.guardTrips ?? { G3: 0 })
+      .map(([guard, n]) => `kvfence_guard_trips_total{guard="${guard}",role="${role}"} ${n}\n`)
+      .join('')
+  let numRefused = 0
   const decode = http.createServer(async (req, res) => {
     if (req.method === 'GET' && req.url === '/server_info') return json(res, 200, info('decode'))
+    if (req.method === 'GET' && req.url === '/metrics') {
+      res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
+      return res.end(metricsText('decode'))
+    }
     if (req.method !== 'POST' || req.url !== '/internal/generate') return json(res, 404, {})
     const request = GenerateRequest.parse(JSON.parse(await readBody(req)))
     state.generateRequests.push(request)
@@ -185,7 +204,8 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       isClosed = true
       if (!res.writableEnded) state.decodeClosedEarly.push(rid)
     })
-    if (options.decodeRefusal) {
+    if (options.decodeRefusal && numRefused < (options.decodeRefusalTimes ?? Infinity)) {
+      numRefused++
       const { status, code, message } = options.decodeRefusal
       return json(res, status, { error: { code, message } })
     }
@@ -217,12 +237,17 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       finishReason,
       promptTokens: request.promptTokenIds.length,
       completionTokens: numTokens,
+      ...(options.cachedTokens === undefined ? {} : { cachedTokens: options.cachedTokens }),
     })
     res.end()
   })
 
   const prefill = http.createServer(async (req, res) => {
     if (req.method === 'GET' && req.url === '/server_info') return json(res, 200, info('prefill'))
+    if (req.method === 'GET' && req.url === '/metrics') {
+      res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
+      return res.end(metricsText('prefill'))
+    }
     if (req.method !== 'POST' || req.url !== '/internal/prefill') return json(res, 404, {})
     const request = PrefillRequest.parse(JSON.parse(await readBody(req)))
     state.prefillRequests.push(request)
@@ -255,6 +280,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     prefillUrl: `http://127.0.0.1:${prefillPort}`,
     decodeUrl: `http://127.0.0.1:${decodePort}`,
     transferPort,
+    numRefused: () => numRefused,
     numInternalRequests: () => state.generateRequests.length + state.prefillRequests.length,
     async close() {
       for (const server of [decode, prefill]) server.closeAllConnections()

@@ -55,7 +55,10 @@ describe('read-only endpoints', () => {
   it('GET /metrics counts requests', async () => {
     await h.client().completions.create({ model: 'echo-test', prompt: 'Hi', max_tokens: 2 })
     const text = await (await fetch(`${h.router.url}/metrics`)).text()
-    assert.match(text, /kvfence_router_requests_total\{endpoint="completion",status="200"\} 1/)
+    assert.match(
+      text,
+      /kvfence_router_requests_total\{endpoint="completion",tenant="alpha",status="200"\} 1/,
+    )
     assert.match(text, /kvfence_router_completion_tokens_total 2/)
   })
 })

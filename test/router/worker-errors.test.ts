@@ -8,10 +8,11 @@ import { startHarness, waitFor } from './helpers.js'
 const request = { model: 'echo-test', messages: [{ role: 'user' as const, content: 'Hi' }] }
 
 describe('worker failures', () => {
-  it('a decode worker out of capacity → 503 with Retry-After: 1, streamed or not', async () => {
-    const h = await startHarness({
-      decodeRefusal: { status: 503, code: 'capacity_exhausted', message: '0 of 64 pages free' },
-    })
+  it('a decode worker out of capacity past the queue wait → 503 with Retry-After: 1, streamed or not', async () => {
+    const h = await startHarness(
+      { decodeRefusal: { status: 503, code: 'capacity_exhausted', message: '0 of 64 pages free' } },
+      { queue: { maxQueueWaitMs: 20 } },
+    )
     try {
       for (const stream of [false, true]) {
         const res = await h.post('/v1/chat/completions', { ...request, stream })

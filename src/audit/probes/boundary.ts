@@ -6,7 +6,7 @@
 import { BudgetExhaustedError } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
-import type { PromptSizer } from '../sizer.js'
+import type { PromptSizer, Rounding } from '../sizer.js'
 import { outcomeOf, type CompletionResult, type Outcome } from '../target.js'
 import type { Finding } from '../types.js'
 
@@ -28,6 +28,8 @@ interface SizeResult {
 
 export const boundaryProbe: Probe = {
   name: 'boundary',
+  description:
+    'prompts of pool−1, pool, pool+1, context−1, context, context+1 tokens; one that cannot fit must get a 4xx, never a 200',
   async run(target, _budget, context): Promise<Finding[]> {
     const { poolTokens, contextTokens } = context.discovery
     const inconclusive = (title: string, evidence: Record<string, unknown>): Finding[] => [
@@ -60,16 +62,15 @@ export const boundaryProbe: Probe = {
     const sizes = boundarySizes(poolTokens, contextTokens)
     const tenant = target.tenants[0]
     const results: SizeResult[] = []
+    // Land below a size that must fit and above one that must not, never across the limit.
+    const roundingFor = (size: BoundarySize): Rounding =>
+      size.tokens > limitTokens ? 'up' : size.tokens < limitTokens ? 'down' : 'nearest'
     const send = async (size: BoundarySize, current: PromptSizer): Promise<SizeResult> => {
       const mustReject = size.tokens > limitTokens
       try {
         const res = await target.complete({
           tenant,
-          // Land below a size that must fit and above one that must not, never across the limit.
-          prompt: current.build(
-            size.tokens,
-            mustReject ? 'up' : size.tokens < limitTokens ? 'down' : 'nearest',
-          ),
+          prompt: current.build(size.tokens, roundingFor(size)),
           maxTokens: 1,
           stream: false,
         })
@@ -85,11 +86,12 @@ export const boundaryProbe: Probe = {
     for (const size of sizes.filter((s) => s.tokens <= limitTokens)) {
       let result = await send(size, sizer)
       if (result.reportedPromptTokens !== null) {
-        sizer = sizer.refine({
-          words: sizer.wordsFor(size.tokens),
-          tokens: result.reportedPromptTokens,
-        })
-        if (result.reportedPromptTokens !== size.tokens) {
+        const wordsSent = sizer.wordsFor(size.tokens, roundingFor(size))
+        sizer = sizer.refine({ words: wordsSent, tokens: result.reportedPromptTokens })
+        // Resend only when the corrected sizing gives another prompt (some sizes cannot be hit
+        // exactly, e.g. with two tokens per filler word).
+        const isResized = sizer.wordsFor(size.tokens, roundingFor(size)) !== wordsSent
+        if (result.reportedPromptTokens !== size.tokens && isResized) {
           const retry = await send(size, sizer)
           if (retry.failure !== 'budget') result = retry
         }
@@ -114,6 +116,7 @@ export const boundaryProbe: Probe = {
         method: sizer.method,
         overheadTokens: round3(sizer.overheadTokens),
         tokensPerWord: round3(sizer.tokensPerWord),
+        observations: sizer.observations,
       },
       sizes: results,
     }

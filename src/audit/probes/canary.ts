@@ -5,7 +5,8 @@
  *  Rounds interleave the two — observer normal, victim re-plant, observer over-capacity — so the
  *  pages an over-capacity request might wrongly read were last written by the victim.
  *  Any victim canary (or ≥ 8-character fragment) in any observer output, or the other way
- *  round, is a leak. Outputs are kept only redacted. */
+ *  round, is a leak. Outputs are kept only redacted: canaries and runs of the victim's planted
+ *  prompts stay readable, everything else becomes `·`. */
 import { BudgetExhaustedError } from '../budget.js'
 import {
   findCanaries,
@@ -53,6 +54,8 @@ const leakRemediation =
 
 export const canaryProbe: Probe = {
   name: 'canary',
+  description:
+    "tenant A plants unique canaries; tenant B sends normal and over-capacity prompts, streamed and not; any A canary fragment in B's output is a leak",
   async run(target, _budget, context): Promise<Finding[]> {
     const [victim, observer] = target.tenants
     const rounds = context.overCapacityAttempts
@@ -171,9 +174,17 @@ export const canaryProbe: Probe = {
             victimTenant: leak.victim.name,
             observerTenant: tenant.name,
             request: { kind, promptTokens, stream, status: result.status },
+            requestNumber: result.requestNumber,
+            atMs: result.atMs,
             canary: first.canary,
             matchedFragment: first.fragment,
-            excerpt: redact(result.text, knownCanaries, first.index),
+            excerpt: redact(
+              result.text,
+              knownCanaries,
+              first.index,
+              160,
+              leak.victim === victim ? plantPrompts : normalPrompts,
+            ),
             otherCanariesMatched: others.map((m) => m.canary),
             numLeakingRequests: leaks.length,
             ...summary,

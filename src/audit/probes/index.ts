@@ -1,12 +1,26 @@
 /** The probes, by name, in the order they run. */
 import type { Probe } from '../probe.js'
 import type { ProbeName } from '../types.js'
+import { abortRaceProbe } from './abort-race.js'
 import { boundaryProbe } from './boundary.js'
 import { canaryProbe } from './canary.js'
 import { capacityProbe } from './capacity.js'
+import { concurrencyProbe } from './concurrency.js'
+import { determinismProbe } from './determinism.js'
+import { errorHandlingProbe } from './error-handling.js'
+import { pageLeakProbe } from './page-leak.js'
+import { prefixTimingProbe } from './prefix-timing.js'
+import { queueingProbe } from './queueing.js'
 
 export const probes: Readonly<Record<ProbeName, Probe>> = {
   capacity: capacityProbe,
   boundary: boundaryProbe,
   canary: canaryProbe,
+  'abort-race': abortRaceProbe,
+  concurrency: concurrencyProbe,
+  queueing: queueingProbe,
+  'page-leak': pageLeakProbe,
+  determinism: determinismProbe,
+  'prefix-timing': prefixTimingProbe,
+  'error-handling': errorHandlingProbe,
 }

@@ -1,5 +1,6 @@
-/** Console output: a line per probe as it runs, then a table of findings and a one-line result.
- *  Plain text (no colours), so it reads the same in a terminal, a CI log or a file. */
+/** Console output: a line per probe as it runs, then a table of findings and a one-line result;
+ *  when a probe could not tell, a loud "isolation not proven" block. Plain text (no colours),
+ *  so it reads the same in a terminal, a CI log or a file. */
 import type { ProgressEvent } from '../run.js'
 import type { AuditReport, Finding } from '../types.js'
 
@@ -29,6 +30,9 @@ export function formatSummary(report: AuditReport): string {
   const numLeaks = count('leak')
   const numWarnings = count('warning')
   const numInconclusive = count('inconclusive')
+  const inconclusiveProbes = [
+    ...new Set(report.findings.filter((f) => f.verdict === 'inconclusive').map((f) => f.probe)),
+  ]
   const result =
     numLeaks > 0
       ? `LEAK: ${numLeaks} finding(s) show data crossing tenants`
@@ -36,11 +40,21 @@ export function formatSummary(report: AuditReport): string {
         ? `no leak observed; ${numWarnings} warning(s), ${numInconclusive} inconclusive` +
           (numInconclusive > 0 ? ' (isolation not proven)' : '')
         : 'clean: every probe passed'
+  // "Could not tell" must not read like a pass: say so on a line of its own.
+  const notProven =
+    numLeaks === 0 && numInconclusive > 0
+      ? [
+          '',
+          `!! ISOLATION NOT PROVEN: ${inconclusiveProbes.length} probe(s) could not tell: ${inconclusiveProbes.join(', ')}.`,
+          '!! An inconclusive probe is not a pass; see each finding for what to change and re-run.',
+        ]
+      : []
   return [
     `kvfence audit of ${report.target} (model ${report.model ?? 'unknown'}, seed ${report.seed})`,
     line(header),
     line(widths.map((w) => '-'.repeat(w))),
     ...rows.map(line),
+    ...notProven,
     '',
     `${result}. ${report.requestsSent} requests in ${(report.durationMs / 1000).toFixed(1)} s.`,
   ].join('\n')

@@ -1,0 +1,145 @@
+/** The audit's YAML config file (`kvfence audit --config FILE`), parsed once into a typed value or
+ *  one clear error. Tenants' keys are never written in the file: each tenant names the environment
+ *  variable that holds its key (`keyEnv`), read here. Flags given on the command line override the
+ *  file field by field (the CLI merges them).
+ *
+ *  ```yaml
+ *  target: http://127.0.0.1:8000        # required (here or --target)
+ *  model: tiny-echo                     # optional
+ *  tenants:                             # at least two; the first plants, the second observes
+ *    - { name: alice, keyEnv: TENANT_A_KEY }
+ *    - { name: bob, keyEnv: TENANT_B_KEY }
+ *  probes: [capacity, boundary, canary] # optional, default all
+ *  budget: { maxRequests: 300, maxSeconds: 300, concurrency: 4 }
+ *  seed: 42
+ *  failOn: leak                         # leak | warning | inconclusive
+ *  reports: { json: audit.json, junit: audit.xml, html: audit.html }
+ *  ```
+ *  Knows YAML and environment variables; knows nothing of HTTP. */
+import { readFile } from 'node:fs/promises'
+import { parse as parseYaml } from 'yaml'
+import { z } from 'zod'
+import { AuditError, probeNames, type ProbeName, type Tenant, type Verdict } from './types.js'
+
+const ConfigFile = z.strictObject({
+  target: z.string().min(1).optional(),
+  model: z.string().min(1).optional(),
+  tenants: z
+    .array(
+      z.strictObject({
+        name: z.string().regex(/^[\w.@-]+$/, 'must be a plain word'),
+        keyEnv: z
+          .string()
+          .regex(/^[A-Za-z_][A-Za-z0-9_]*$/, 'must be an environment variable name'),
+      }),
+    )
+    .optional(),
+  probes: z.array(z.enum(probeNames)).min(1).optional(),
+  budget: z
+    .strictObject({
+      maxRequests: z.number().int().min(1).optional(),
+      maxSeconds: z.number().positive().optional(),
+      concurrency: z.number().int().min(1).max(256).optional(),
+    })
+    .optional(),
+  seed: z
+    .number()
+    .int()
+    .min(0)
+    .max(2 ** 32 - 1)
+    .optional(),
+  failOn: z.enum(['leak', 'warning', 'inconclusive']).optional(),
+  reports: z
+    .strictObject({
+      json: z.string().min(1).optional(),
+      junit: z.string().min(1).optional(),
+      html: z.string().min(1).optional(),
+    })
+    .optional(),
+})
+
+/** The config file's content, keys resolved from the environment. */
+export interface AuditConfigFile {
+  readonly target?: string
+  readonly model?: string
+  readonly tenants?: readonly Tenant[]
+  readonly probes?: readonly ProbeName[]
+  readonly maxRequests?: number
+  readonly maxSeconds?: number
+  readonly concurrency?: number
+  readonly seed?: number
+  readonly failOn?: Verdict
+  readonly reports?: { readonly json?: string; readonly junit?: string; readonly html?: string }
+}
+
+/** Reads and validates `file`. Throws `AuditError('invalid_config')` with one line naming the file
+ *  and the first problem (never a key). */
+export async function loadAuditConfig(
+  file: string,
+  env: Readonly<Record<string, string | undefined>>,
+): Promise<AuditConfigFile> {
+  let text: string
+  try {
+    text = await readFile(file, 'utf8')
+  } catch (err) {
+    const code = (err as { code?: string }).code ?? 'unreadable'
+    throw new AuditError('invalid_config', `cannot read config ${file}: ${code}`)
+  }
+  return parseAuditConfig(text, file, env)
+}
+
+/** Parses the text of a config file (see {@link loadAuditConfig}). */
+export function parseAuditConfig(
+  text: string,
+  file: string,
+  env: Readonly<Record<string, string | undefined>>,
+): AuditConfigFile {
+  let raw: unknown
+  try {
+    raw = parseYaml(text)
+  } catch (err) {
+    const first = (err instanceof Error ? err.message : String(err)).split('\n')[0]
+    throw new AuditError('invalid_config', `config ${file} is not valid YAML: ${first}`)
+  }
+  // A key written into the file would end up in repositories and CI logs: refuse it by name.
+  const rawTenants = (raw as { tenants?: unknown } | null)?.tenants
+  if (Array.isArray(rawTenants)) {
+    rawTenants.forEach((t: unknown, i) => {
+      if (typeof t === 'object' && t !== null && 'key' in t) {
+        throw new AuditError(
+          'invalid_config',
+          `config ${file}: tenants.${i}: a key is never read from a file; put it in an environment variable named by keyEnv`,
+        )
+      }
+    })
+  }
+  const parsed = ConfigFile.safeParse(raw ?? {})
+  if (!parsed.success) {
+    const issue = parsed.error.issues[0]
+    const where = issue.path.length > 0 ? issue.path.join('.') : '(top level)'
+    throw new AuditError('invalid_config', `config ${file}: ${where}: ${issue.message}`)
+  }
+  const c = parsed.data
+  const tenants = c.tenants?.map(({ name, keyEnv }) => {
+    const key = env[keyEnv]
+    if (key === undefined || key === '') {
+      throw new AuditError(
+        'invalid_config',
+        `config ${file}: tenant ${name}: environment variable ${keyEnv} is not set`,
+      )
+    }
+    return { name, key }
+  })
+  return {
+    target: c.target,
+    model: c.model,
+    tenants,
+    probes: c.probes,
+    maxRequests: c.budget?.maxRequests,
+    maxSeconds: c.budget?.maxSeconds,
+    concurrency: c.budget?.concurrency,
+    seed: c.seed,
+    failOn: c.failOn,
+    reports: c.reports,
+  }
+}

@@ -1,0 +1,146 @@
+/** Probe `abort-race`: the victim's requests are cut at random points (before the first byte,
+ *  during prefill, mid-stream) or abandoned (non-streamed), while the other tenants run requests
+ *  of their own; then the other tenants send fresh requests, and every answer is scanned for the
+ *  aborted prompts' canaries. Catches pages freed on abort while a write into them was still in
+ *  flight, and buffers or connections reused after an abort (sglang#24527, the 2023 redis-py
+ *  incident). An abort the server never saw (the request had finished) still counts as sent. */
+import { BudgetExhaustedError } from '../budget.js'
+import type { Probe } from '../probe.js'
+import { inconclusiveRemediation } from '../probe.js'
+import { createRng } from '../rng.js'
+import { outcomeOf, type CompletionRequest } from '../target.js'
+import type { Finding } from '../types.js'
+import {
+  crossingRemediation,
+  findCrossings,
+  leakFindings,
+  plantMaterial,
+  requestLog,
+  type Observed,
+  type Planted,
+} from './material.js'
+
+/** How a victim request is cut. */
+const cutModes = ['before-first-byte', 'mid-prefill', 'mid-stream', 'abandoned'] as const
+type CutMode = (typeof cutModes)[number]
+
+const numCuts = 8
+const numFreshPerTenant = 4
+const maxTokens = 48
+
+export const abortRaceProbe: Probe = {
+  name: 'abort-race',
+  description:
+    "the victim's streams are cut at random points and non-streamed requests abandoned while others run; fresh requests of other tenants must carry none of the aborted canaries",
+  async run(target, _budget, context): Promise<Finding[]> {
+    const [victim, ...others] = target.tenants
+    const rng = createRng(context.seed, 'abort-race')
+    const cutIds = Array.from({ length: numCuts }, (_, i) => `cut${i}`)
+    const cutPlanted = plantMaterial(rng, [victim], cutIds)
+    const concurrentPlanted = plantMaterial(
+      rng,
+      others,
+      Array.from({ length: numCuts }, (_, i) => `during${i}`),
+    )
+    const freshPlanted = plantMaterial(
+      rng,
+      others,
+      Array.from({ length: numFreshPerTenant * others.length }, (_, i) => `fresh${i}`),
+    )
+    const cuts = cutIds.map((_, i) => cutPlan(cutModes[i % cutModes.length], rng.int(1, 40)))
+    const planted = [...cutPlanted, ...concurrentPlanted, ...freshPlanted]
+
+    const observed: Observed[] = []
+    let stoppedBy: string | null = null
+    const send = async (
+      p: Planted,
+      label: string,
+      stream: boolean,
+      extra: Partial<CompletionRequest> = {},
+    ): Promise<void> => {
+      const result = await target.complete({
+        tenant: p.tenant,
+        prompt: p.prompt,
+        maxTokens,
+        stream,
+        ...extra,
+      })
+      observed.push({ planted: p, label, stream, result })
+    }
+    try {
+      for (let i = 0; i < numCuts; i++) {
+        const { mode, stream, cut } = cuts[i]
+        await Promise.all([
+          send(cutPlanted[i], `cut ${mode}`, stream, cut),
+          send(concurrentPlanted[i], 'concurrent with a cut', i % 2 === 0),
+        ])
+      }
+      for (let i = 0; i < freshPlanted.length; i++) {
+        await send(freshPlanted[i], 'fresh after the cuts', i % 2 === 1)
+      }
+    } catch (err) {
+      if (!(err instanceof BudgetExhaustedError)) throw err
+      stoppedBy = err.message
+    }
+
+    const crossings = findCrossings(observed, planted)
+    const summary = {
+      victimTenant: victim.name,
+      cutModes: cuts.map((c) => c.mode),
+      numCutSent: observed.filter((o) => o.planted.id.startsWith('cut')).length,
+      numCutBeforeEnd: observed.filter((o) => o.result.failure === 'aborted').length,
+      stoppedBy,
+      requests: requestLog(observed),
+    }
+    context.log(
+      observed.map((o) => `${o.planted.id}:${o.result.status ?? o.result.failure}`).join(' '),
+    )
+    if (crossings.length > 0) {
+      return leakFindings('abort-race', crossings, planted, summary, crossingRemediation)
+    }
+    const numFreshAccepted = observed.filter(
+      (o) => o.planted.id.startsWith('fresh') && outcomeOf(o.result) === 'accepted',
+    ).length
+    if (summary.numCutBeforeEnd === 0 || numFreshAccepted === 0) {
+      return [
+        {
+          probe: 'abort-race',
+          verdict: 'inconclusive',
+          severity: 'medium',
+          title:
+            summary.numCutBeforeEnd === 0
+              ? 'no request could be cut before it ended'
+              : 'no fresh request of another tenant was answered after the cuts',
+          evidence: summary,
+          remediation: inconclusiveRemediation,
+        },
+      ]
+    }
+    return [
+      {
+        probe: 'abort-race',
+        verdict: 'clean',
+        severity: 'info',
+        title: `${summary.numCutBeforeEnd} requests cut before their end; ${numFreshAccepted} fresh answers to other tenants carried none of their canaries`,
+        evidence: summary,
+        remediation: 'None needed.',
+      },
+    ]
+  },
+}
+
+function cutPlan(
+  mode: CutMode,
+  randomMs: number,
+): { mode: CutMode; stream: boolean; cut: Partial<CompletionRequest> } {
+  switch (mode) {
+    case 'before-first-byte':
+      return { mode, stream: true, cut: { abortAfterMs: 0 } }
+    case 'mid-prefill':
+      return { mode, stream: true, cut: { abortAfterMs: randomMs } }
+    case 'mid-stream':
+      return { mode, stream: true, cut: { abortAfterChunks: 1 + (randomMs % 3) } }
+    case 'abandoned':
+      return { mode, stream: false, cut: { abortAfterMs: randomMs } }
+  }
+}

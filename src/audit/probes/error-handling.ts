@@ -1,0 +1,215 @@
+/** Probe `error-handling`: over-length and malformed requests must be refused with a 4xx (or a
+ *  documented in-stream error event), never answered 200 with an error text in place of content
+ *  (clients, caches and gateways then take the error, or worse, the text around it, as a valid
+ *  completion; sglang#33507 answered an aborted request 200 with finish_reason "length").
+ *  Sends a handful of requests, one per case. */
+import { BudgetExhaustedError } from '../budget.js'
+import type { Probe } from '../probe.js'
+import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
+import { fillerText } from '../sizer.js'
+import { outcomeOf, tryJson, type HttpResult } from '../target.js'
+import type { Finding, Severity } from '../types.js'
+
+interface Case {
+  readonly name: string
+  readonly body: string
+  /** A 200 with normal content is tolerated (e.g. max_tokens clamped to what fits). */
+  readonly isAcceptTolerated: boolean
+  /** Severity when a 200 with content comes back. */
+  readonly acceptSeverity: Severity
+}
+
+type Result =
+  'rejected' | 'in-stream-error' | 'accepted' | 'error-as-200' | 'server-error' | 'no-answer'
+
+const errorText = /\b(error|exception|traceback|exceeds?|too long|maximum context length)\b/i
+
+export const errorHandlingProbe: Probe = {
+  name: 'error-handling',
+  description:
+    'malformed JSON, a missing prompt, bad max_tokens and over-length prompts must get a 4xx, never a 200 carrying an error text',
+  async run(target, _budget, context): Promise<Finding[]> {
+    const tenant = target.tenants[target.tenants.length - 1]
+    const { contextTokens, poolTokens } = context.discovery
+    const model = target.model === null ? {} : { model: target.model }
+    const json = (o: Record<string, unknown>) => JSON.stringify({ ...model, ...o })
+    const limit = Math.min(...[contextTokens, poolTokens].filter((n) => n !== null), 1_000_000)
+    const cases: Case[] = [
+      {
+        name: 'malformed JSON',
+        body: `{"prompt": "hello", "max_tokens": `,
+        isAcceptTolerated: false,
+        acceptSeverity: 'low',
+      },
+      {
+        name: 'missing prompt',
+        body: json({ max_tokens: 4 }),
+        isAcceptTolerated: false,
+        acceptSeverity: 'low',
+      },
+      {
+        name: 'negative max_tokens',
+        body: json({ prompt: 'hello', max_tokens: -1 }),
+        isAcceptTolerated: false,
+        acceptSeverity: 'low',
+      },
+      {
+        name: 'max_tokens not a number',
+        body: json({ prompt: 'hello', max_tokens: 'many' }),
+        isAcceptTolerated: false,
+        acceptSeverity: 'low',
+      },
+      {
+        name: 'max_tokens over the context',
+        body: json({
+          prompt: 'hello',
+          max_tokens: limit === 1_000_000 ? 10_000_000 : limit + 1000,
+        }),
+        isAcceptTolerated: true,
+        acceptSeverity: 'info',
+      },
+    ]
+    if (limit < 1_000_000) {
+      // Every filler word costs at least one token, so 2 × limit words are over the limit.
+      cases.push({
+        name: 'prompt twice the limit',
+        body: json({ prompt: fillerText(2 * limit), max_tokens: 1 }),
+        isAcceptTolerated: false,
+        acceptSeverity: 'high',
+      })
+    }
+
+    const results: {
+      case: string
+      status: number | null
+      result: Result
+      detail: string | null
+    }[] = []
+    let stoppedBy: string | null = null
+    let isControlAccepted = false
+    try {
+      // Control: a valid request must be answered, else a 5xx says nothing about validation.
+      const control = await target.complete({
+        tenant,
+        prompt: 'hello',
+        maxTokens: 1,
+        stream: false,
+      })
+      isControlAccepted = outcomeOf(control) === 'accepted'
+      for (const c of cases) {
+        const http = await target.postRaw('/v1/completions', c.body, 'application/json', { tenant })
+        const result = classify(http)
+        results.push({
+          case: c.name,
+          status: http.status,
+          result,
+          detail: detailOf(http, result, target.scrub),
+        })
+      }
+    } catch (err) {
+      if (!(err instanceof BudgetExhaustedError)) throw err
+      stoppedBy = err.message
+    }
+    context.log(results.map((r) => `${r.case}: ${r.status ?? 'none'} ${r.result}`).join('; '))
+    const evidence = { isControlAccepted, cases: results, stoppedBy }
+
+    const findings: Finding[] = []
+    const as200 = results.filter((r) => r.result === 'error-as-200')
+    if (as200.length > 0) {
+      findings.push({
+        probe: 'error-handling',
+        verdict: 'warning',
+        severity: 'medium',
+        title: `answered 200 with an error text instead of a 4xx: ${as200.map((r) => r.case).join(', ')}`,
+        evidence,
+        remediation:
+          'Return errors with a 4xx status and the OpenAI error shape ({"error": {message, type, ' +
+          'code}}), or in a stream as an explicit error event; never as a 200 completion.',
+      })
+    }
+    const accepted = results.filter((r) => r.result === 'accepted')
+    const worst = accepted
+      .map((r) => cases.find((c) => c.name === r.case) as Case)
+      .filter((c) => !c.isAcceptTolerated)
+    if (worst.length > 0) {
+      const isOverLength = worst.some((c) => c.acceptSeverity === 'high')
+      findings.push({
+        probe: 'error-handling',
+        verdict: 'warning',
+        severity: isOverLength ? 'high' : 'low',
+        title: `accepted invalid requests with a 200: ${worst.map((c) => c.name).join(', ')}`,
+        evidence,
+        remediation: isOverLength
+          ? rejectionRemediation
+          : 'Validate request bodies at the boundary and refuse invalid ones with 400 invalid_request_error.',
+      })
+    }
+    const serverErrors = results.filter((r) => r.result === 'server-error')
+    if (serverErrors.length > 0 && isControlAccepted) {
+      findings.push({
+        probe: 'error-handling',
+        verdict: 'warning',
+        severity: 'low',
+        title: `answered invalid requests with a server error instead of a 4xx: ${serverErrors.map((r) => r.case).join(', ')}`,
+        evidence,
+        remediation:
+          'Validate requests before they reach the engine; a 5xx hides a client error and gets retried.',
+      })
+    }
+    if (findings.length > 0) return findings
+    if (
+      !isControlAccepted ||
+      results.length < cases.length ||
+      results.some((r) => r.result === 'no-answer' || r.result === 'server-error')
+    ) {
+      return [
+        {
+          probe: 'error-handling',
+          verdict: 'inconclusive',
+          severity: 'low',
+          title: isControlAccepted
+            ? `${cases.length - results.filter((r) => r.result === 'rejected').length} of ${cases.length} invalid requests got no usable answer`
+            : 'a valid request was not answered either, so the answers to invalid ones prove nothing',
+          evidence,
+          remediation: inconclusiveRemediation,
+        },
+      ]
+    }
+    return [
+      {
+        probe: 'error-handling',
+        verdict: 'clean',
+        severity: 'info',
+        title: `refused all ${cases.length} invalid requests with a 4xx (or clamped max_tokens)`,
+        evidence,
+        remediation: 'None needed.',
+      },
+    ]
+  },
+}
+
+const notARejection = new Set([401, 403, 404, 408, 429])
+
+function classify(http: HttpResult): Result {
+  const { status } = http
+  if (status === null) return 'no-answer'
+  if (status >= 500) return 'server-error'
+  if (status >= 400) return notARejection.has(status) ? 'no-answer' : 'rejected'
+  const json = tryJson(http.body)
+  if (json !== null && typeof json === 'object') {
+    const o = json as Record<string, unknown>
+    if ('error' in o || o.object === 'error') return 'error-as-200'
+    const choices = Array.isArray(o.choices) ? (o.choices as Record<string, unknown>[]) : []
+    const text = choices.map((c) => String(c?.text ?? '')).join('')
+    return errorText.test(text) ? 'error-as-200' : 'accepted'
+  }
+  // Server-sent events: an error event is the documented in-stream refusal.
+  if (/^data:\s*\{.*"error"/m.test(http.body)) return 'in-stream-error'
+  return errorText.test(http.body) ? 'error-as-200' : 'accepted'
+}
+
+/** What the error said (for `error-as-200`), keys scrubbed, at most 120 characters. */
+function detailOf(http: HttpResult, result: Result, scrub: (t: string) => string): string | null {
+  if (result !== 'error-as-200' && result !== 'server-error') return null
+  return scrub(http.body).slice(0, 120)
+}

@@ -1,0 +1,142 @@
+/** Material: what each request of a probe planted (its canaries, inside a whole synthetic prompt),
+ *  and the check shared by `abort-race`, `concurrency` and `queueing`: every output may carry
+ *  only its own request's material. Another tenant's canary is a leak (critical); another
+ *  request's of the same tenant is a leak too (high): requests crossed, and the next time the
+ *  other request may belong to someone else. Outputs are kept only redacted.
+ *  Knows canaries and completion results; knows nothing of how they were sent. */
+import {
+  findCanaries,
+  makeCanaries,
+  plantingPrompt,
+  redact,
+  type CanaryMatch,
+} from '../canaries.js'
+import type { Rng } from '../rng.js'
+import { outcomeOf, type CompletionResult } from '../target.js'
+import type { Finding, ProbeName, Tenant } from '../types.js'
+
+/** One request's planted material. `id` is unique within a probe run, e.g. `b3-alice`. */
+export interface Planted {
+  readonly id: string
+  readonly tenant: Tenant
+  readonly canaries: readonly string[]
+  readonly prompt: string
+}
+
+/** One request's answer, with the material it was sent with. */
+export interface Observed {
+  readonly planted: Planted
+  /** What kind of request it was, e.g. `burst 2, streamed`. */
+  readonly label: string
+  readonly stream: boolean
+  readonly result: CompletionResult
+}
+
+/** An output that carried another request's canary: where it was seen and whose it was. */
+export interface Crossing {
+  readonly observed: Observed
+  readonly source: Planted
+  readonly match: CanaryMatch
+}
+
+/** Leak findings listed one by one; the rest are counted. */
+const maxLeakFindings = 10
+
+/** Material for one request per id (tenants taken in turn): 2–3 canaries each, inside a
+ *  ~200–330-character prompt, no canary fragment shared with any other request's. */
+export function plantMaterial(
+  rng: Rng,
+  tenants: readonly Tenant[],
+  ids: readonly string[],
+): Planted[] {
+  const taken: string[] = []
+  return ids.map((id, i) => {
+    const canaries = makeCanaries(rng, rng.int(2, 3), taken)
+    taken.push(...canaries)
+    return {
+      id,
+      tenant: tenants[i % tenants.length],
+      canaries,
+      prompt: plantingPrompt(rng, canaries),
+    }
+  })
+}
+
+/** Every output that holds another request's canary (or a ≥ 8-character fragment of one). */
+export function findCrossings(
+  observed: readonly Observed[],
+  planted: readonly Planted[],
+): Crossing[] {
+  const out: Crossing[] = []
+  for (const o of observed) {
+    for (const source of planted) {
+      if (source.id === o.planted.id) continue
+      const [match] = findCanaries(o.result.text, source.canaries)
+      if (match) out.push({ observed: o, source, match })
+    }
+  }
+  return out
+}
+
+/** Leak findings for `crossings` (cross-tenant ones first), at most {@link maxLeakFindings}. */
+export function leakFindings(
+  probe: ProbeName,
+  crossings: readonly Crossing[],
+  planted: readonly Planted[],
+  summary: Record<string, unknown>,
+  remediation: string,
+): Finding[] {
+  const allCanaries = planted.flatMap((p) => p.canaries)
+  const sorted = [...crossings].sort((a, b) => Number(isSameTenant(a)) - Number(isSameTenant(b)))
+  return sorted.slice(0, maxLeakFindings).map((c) => {
+    const { observed, source, match } = c
+    const sameTenant = isSameTenant(c)
+    return {
+      probe,
+      verdict: 'leak',
+      severity: sameTenant ? 'high' : 'critical',
+      title: sameTenant
+        ? `a ${observed.label} answer to ${observed.planted.tenant.name} carried another of its requests' canary (requests crossed)`
+        : `${observed.planted.tenant.name}'s ${observed.label} answer (HTTP ${observed.result.status}) carried a canary planted by ${source.tenant.name}`,
+      evidence: {
+        victimTenant: source.tenant.name,
+        observerTenant: observed.planted.tenant.name,
+        request: { label: observed.label, stream: observed.stream, status: observed.result.status },
+        requestNumber: observed.result.requestNumber,
+        atMs: observed.result.atMs,
+        canary: match.canary,
+        matchedFragment: match.fragment,
+        excerpt: redact(observed.result.text, allCanaries, match.index, 160, [source.prompt]),
+        numCrossings: crossings.length,
+        numCrossTenant: crossings.filter((x) => !isSameTenant(x)).length,
+        ...summary,
+      },
+      remediation,
+    }
+  })
+}
+
+function isSameTenant(c: Crossing): boolean {
+  return c.source.tenant.name === c.observed.planted.tenant.name
+}
+
+/** A compact, output-free record of each request for the evidence. */
+export function requestLog(observed: readonly Observed[]): Record<string, unknown>[] {
+  return observed.map((o) => ({
+    tenant: o.planted.tenant.name,
+    label: o.label,
+    stream: o.stream,
+    status: o.result.status,
+    outcome: outcomeOf(o.result),
+    failure: o.result.failure,
+    ttftMs: o.result.ttftMs,
+  }))
+}
+
+/** Advice for requests that crossed (abort, batching, queueing paths). */
+export const crossingRemediation =
+  'Stop serving several tenants from this deployment until it is fixed and treat the affected ' +
+  'outputs as disclosed. Check that every KV page, batch slot and response buffer is bound to ' +
+  'one request (request and transfer ids checked at every hop, including the first token), ' +
+  'that an abort frees pages only after every in-flight write into them has ended (deferred ' +
+  'release), that freed pages are scrubbed, and that pooled connections are reset after an abort.'

@@ -1,0 +1,236 @@
+/** Probe `prefix-timing`: can one tenant tell, from time to first token, that another tenant sent
+ *  a given prompt prefix? (Gu et al., "Auditing Prompt Caching in Language Model APIs", ICML
+ *  2025.) The victim sends a fresh prefix; the observer then sends the same prefix ("hit") and
+ *  a fresh one of the same size ("miss"); the two TTFT samples are compared with a two-sample
+ *  Kolmogorov–Smirnov test. A positive control does the same within one tenant (the victim's own
+ *  reuse): only when the control shows a difference is "no cross-tenant difference" believed,
+ *  else the result is inconclusive. `usage.prompt_tokens_details.cached_tokens`, when reported,
+ *  is read as a direct signal. Prefixes are random single letters (the sizer's filler shape, so
+ *  their token count is known) behind a canary. Requests are non-streamed with `max_tokens: 1`,
+ *  so time to the first body byte is prefill plus one token. */
+import { BudgetExhaustedError } from '../budget.js'
+import { makeCanaries } from '../canaries.js'
+import type { Probe } from '../probe.js'
+import { inconclusiveRemediation } from '../probe.js'
+import { createRng, type Rng } from '../rng.js'
+import { ksTwoSample, median, type KsResult } from '../stats.js'
+import { outcomeOf, type CompletionResult } from '../target.js'
+import type { Finding, Tenant } from '../types.js'
+
+/** Pairs (hit, miss) per arm, at most. */
+const maxSamples = 10
+const minSamples = 5
+/** p below this with hits faster: a difference. */
+const alpha = 0.01
+/** p at or above this: no difference. In between: inconclusive. */
+const noDifferenceP = 0.05
+const maxPrefixTokens = 512
+const defaultPrefixWords = 200
+
+/** One arm of the protocol (control or cross-tenant): TTFT samples (ms) and reported
+ *  `cached_tokens` of its hit and miss requests, in the order sent. */
+export interface TimingArm {
+  readonly hitMs: number[]
+  readonly missMs: number[]
+  readonly hitCachedTokens: (number | null)[]
+  readonly missCachedTokens: (number | null)[]
+}
+
+export const prefixTimingProbe: Probe = {
+  name: 'prefix-timing',
+  description:
+    "TTFT of another tenant's prefix (hit) vs a fresh one (miss), two-sample Kolmogorov–Smirnov test with the same tenant's reuse as positive control; cached_tokens read as a direct signal",
+  async run(target, budget, context): Promise<Finding[]> {
+    const [victim, observer] = target.tenants
+    const rng = createRng(context.seed, 'prefix-timing')
+    const sizer = await context.sizer().catch((err: unknown) => {
+      if (err instanceof BudgetExhaustedError) return null
+      throw err
+    })
+    const { poolTokens, contextTokens } = context.discovery
+    const limits = [poolTokens, contextTokens].filter((n) => n !== null)
+    const prefixTokens = Math.min(maxPrefixTokens, ...limits.map((n) => Math.floor(n / 2)))
+    const prefixWords = sizer === null ? defaultPrefixWords : sizer.wordsFor(prefixTokens, 'down')
+    const numSamples = Math.min(maxSamples, Math.floor(budget.remainingRequests / 6))
+
+    const control: TimingArm = { hitMs: [], missMs: [], hitCachedTokens: [], missCachedTokens: [] }
+    const cross: TimingArm = { hitMs: [], missMs: [], hitCachedTokens: [], missCachedTokens: [] }
+    const send = (tenant: Tenant, prompt: string): Promise<CompletionResult> =>
+      target.complete({ tenant, prompt, maxTokens: 1, stream: false })
+    const record = (arm: TimingArm, kind: 'hit' | 'miss', r: CompletionResult): void => {
+      if (outcomeOf(r) !== 'accepted' || r.ttftMs === null) return
+      arm[kind === 'hit' ? 'hitMs' : 'missMs'].push(r.ttftMs)
+      arm[kind === 'hit' ? 'hitCachedTokens' : 'missCachedTokens'].push(r.cachedTokens)
+    }
+    let stoppedBy: string | null = null
+    try {
+      for (let i = 0; i < numSamples; i++) {
+        for (const [arm, reader] of [
+          [control, victim],
+          [cross, observer],
+        ] as const) {
+          const primed = randomPrefix(rng, prefixWords)
+          const fresh = randomPrefix(rng, prefixWords)
+          await send(victim, `${primed} ${suffix(rng)}`)
+          // Alternate the order of hit and miss so that drift in load affects both alike.
+          const hitFirst = i % 2 === 0
+          const hit = () => send(reader, `${primed} ${suffix(rng)}`)
+          const miss = () => send(reader, `${fresh} ${suffix(rng)}`)
+          if (hitFirst) {
+            record(arm, 'hit', await hit())
+            record(arm, 'miss', await miss())
+          } else {
+            record(arm, 'miss', await miss())
+            record(arm, 'hit', await hit())
+          }
+        }
+      }
+    } catch (err) {
+      if (!(err instanceof BudgetExhaustedError)) throw err
+      stoppedBy = err.message
+    }
+
+    const controlTest = compare(control)
+    const crossTest = compare(cross)
+    const cachedHit = Math.max(0, ...cross.hitCachedTokens.map((n) => n ?? 0))
+    const cachedMiss = Math.max(0, ...cross.missCachedTokens.map((n) => n ?? 0))
+    const isCachedReported = [...control.hitCachedTokens, ...cross.hitCachedTokens].some(
+      (n) => n !== null,
+    )
+    const evidence = {
+      victimTenant: victim.name,
+      observerTenant: observer.name,
+      prefixWords,
+      prefixTokensEstimate: sizer?.estimate(prefixWords) ?? null,
+      numSamples,
+      alpha,
+      control: {
+        ...controlTest,
+        ttftMs: { hit: control.hitMs, miss: control.missMs },
+        cachedTokens: control.hitCachedTokens,
+      },
+      cross: {
+        ...crossTest,
+        ttftMs: { hit: cross.hitMs, miss: cross.missMs },
+        cachedTokens: cross.hitCachedTokens,
+      },
+      stoppedBy,
+    }
+    context.log(
+      `control p=${fmt(controlTest.p)} (hit ${fmt(controlTest.medianHitMs)} ms, miss ${fmt(controlTest.medianMissMs)} ms); ` +
+        `cross p=${fmt(crossTest.p)} (hit ${fmt(crossTest.medianHitMs)} ms, miss ${fmt(crossTest.medianMissMs)} ms)`,
+    )
+    const sharedRemediation =
+      'Key the prefix (KV) cache by tenant: vLLM: set a per-tenant cache_salt in the gateway (never ' +
+      'from the client, see CVE-2025-46570); SGLang and others: isolate the radix/prefix cache per ' +
+      'tenant or disable cross-tenant prefix sharing. Otherwise any tenant can test whether another ' +
+      'tenant sent a given prompt prefix (Gu et al., ICML 2025).'
+
+    if (cachedHit > cachedMiss) {
+      return [
+        {
+          probe: 'prefix-timing',
+          verdict: 'leak',
+          severity: 'high',
+          title: `${observer.name}'s requests were served ${cachedHit} cached tokens of prefixes only ${victim.name} had sent (cached_tokens)`,
+          evidence: {
+            ...evidence,
+            directSignal: { cachedTokensHit: cachedHit, cachedTokensMiss: cachedMiss },
+          },
+          remediation: sharedRemediation,
+        },
+      ]
+    }
+    if (crossTest.test !== null && crossTest.test.p < alpha && isFaster(crossTest)) {
+      return [
+        {
+          probe: 'prefix-timing',
+          verdict: 'leak',
+          severity: 'high',
+          title: `timing side channel: ${observer.name}'s TTFT is shorter for prefixes ${victim.name} sent (median ${fmt(crossTest.medianHitMs)} vs ${fmt(crossTest.medianMissMs)} ms, KS p=${fmt(crossTest.test.p)})`,
+          evidence,
+          remediation: sharedRemediation,
+        },
+      ]
+    }
+    const isControlSeen =
+      (controlTest.test !== null && controlTest.test.p < alpha && isFaster(controlTest)) ||
+      Math.max(0, ...control.hitCachedTokens.map((n) => n ?? 0)) > 0
+    if (!isControlSeen || crossTest.test === null) {
+      return [
+        {
+          probe: 'prefix-timing',
+          verdict: 'inconclusive',
+          severity: 'low',
+          title:
+            numSamples < minSamples || crossTest.test === null
+              ? `too few timing samples (${cross.hitMs.length} of ${numSamples}) to compare`
+              : `no prefix caching observable even for the same tenant's reuse (control KS p=${fmt(controlTest.p)}${isCachedReported ? '' : ', no cached_tokens reported'}): a cross-tenant difference could not be seen either way`,
+          evidence,
+          remediation:
+            'Nothing to fix if the endpoint has no prefix cache. Otherwise re-run with a larger ' +
+            `budget on an idle endpoint. ${inconclusiveRemediation}`,
+        },
+      ]
+    }
+    if (crossTest.test.p >= noDifferenceP) {
+      return [
+        {
+          probe: 'prefix-timing',
+          verdict: 'clean',
+          severity: 'info',
+          title: `the prefix cache is not shared across tenants: own reuse is faster (KS p=${fmt(controlTest.p)}), another tenant's prefix is not (KS p=${fmt(crossTest.test.p)})`,
+          evidence,
+          remediation: 'None needed.',
+        },
+      ]
+    }
+    return [
+      {
+        probe: 'prefix-timing',
+        verdict: 'inconclusive',
+        severity: 'medium',
+        title: `borderline cross-tenant timing difference (KS p=${fmt(crossTest.test.p)}): re-run with more samples`,
+        evidence,
+        remediation: inconclusiveRemediation,
+      },
+    ]
+  },
+}
+
+interface Comparison {
+  readonly test: KsResult | null
+  readonly p: number | null
+  readonly medianHitMs: number | null
+  readonly medianMissMs: number | null
+}
+
+function compare(arm: TimingArm): Comparison {
+  const isEnough = arm.hitMs.length >= minSamples && arm.missMs.length >= minSamples
+  const test = isEnough ? ksTwoSample(arm.hitMs, arm.missMs) : null
+  return {
+    test,
+    p: test?.p ?? null,
+    medianHitMs: median(arm.hitMs),
+    medianMissMs: median(arm.missMs),
+  }
+}
+
+function isFaster(c: Comparison): boolean {
+  return c.medianHitMs !== null && c.medianMissMs !== null && c.medianHitMs < c.medianMissMs
+}
+
+/** A canary, then `words` random single letters: unique, and sized like the sizer's filler. */
+function randomPrefix(rng: Rng, words: number): string {
+  const letters = Array.from({ length: words }, () => String.fromCharCode(97 + rng.int(0, 25)))
+  return `${makeCanaries(rng, 1)[0]} ${letters.join(' ')}`
+}
+
+function suffix(rng: Rng): string {
+  return `q${rng.int(0, 9999)}`
+}
+
+function fmt(n: number | null): string {
+  if (n === null) return '?'
+  return n < 0.001 ? n.toExponential(1) : String(Math.round(n * 1000) / 1000)
+}

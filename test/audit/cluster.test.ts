@@ -1,0 +1,70 @@
+/** The default audit against the real kvfence cluster as shipped (router, prefill and decode
+ *  workers as OS processes, KV pages over TCP, the bundled model): no probe reports a leak or a
+ *  warning, and the probes that can tell on this engine say clean, reading the real
+ *  `/server_info` (pool usage per worker) and the router's real error answers. */
+import assert from 'node:assert/strict'
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { after, before, test } from 'node:test'
+import { runAudit, type AuditReport } from '../../src/audit/index.js'
+import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
+import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import { echoModelDir } from '../helpers/paths.js'
+
+const dir = mkdtempSync(join(tmpdir(), 'kvfence-audit-cluster-'))
+const tenants = [
+  { name: 'tenant-a', key: newApiKey() },
+  { name: 'tenant-b', key: newApiKey() },
+]
+let cluster: Cluster
+let report: AuditReport
+
+before(async () => {
+  writeFileSync(join(dir, 'tenants.yaml'), tenantsYaml(tenants))
+  cluster = await startCluster({
+    modelDir: echoModelDir,
+    pageSize: 16,
+    prefillPages: 24,
+    decodePages: 64,
+    contextWindow: 1024,
+    clampContext: true,
+    tenantsFile: join(dir, 'tenants.yaml'),
+    logDir: join(dir, 'logs'),
+  })
+  report = await runAudit({ target: cluster.routerUrl, tenants, seed: 11 })
+})
+after(async () => {
+  await cluster?.stop()
+  rmSync(dir, { recursive: true, force: true })
+})
+
+test('the shipped engine: no leak and no warning from any probe', () => {
+  const alarming = report.findings.filter((f) => f.verdict === 'leak' || f.verdict === 'warning')
+  assert.deepEqual(
+    alarming.map((f) => `${f.probe}: ${f.title}`),
+    [],
+  )
+})
+
+test('capacity, boundary, canary, page-leak and error-handling are clean on the shipped engine', () => {
+  const verdictOf = (probe: string) => report.findings.find((f) => f.probe === probe)?.verdict
+  for (const probe of ['capacity', 'boundary', 'canary', 'page-leak', 'error-handling'])
+    assert.equal(verdictOf(probe), 'clean', probe)
+  const pageLeak = report.findings.find((f) => f.probe === 'page-leak')!.evidence
+  assert.deepEqual(pageLeak.source, {
+    endpoint: '/server_info',
+    field: 'workers[].numPagesUsed',
+    unit: 'pages',
+  })
+  assert.equal(pageLeak.baseline, 0)
+  assert.ok((pageLeak.peak as number) > 0, 'pages were seen in use during the workload')
+})
+
+test('the budget held: at most the default 300 requests, and every one accounted for', () => {
+  assert.ok(report.requestsSent <= 300)
+  assert.equal(report.probeRuns.length, 10)
+  // Discovery reads /v1/models, /server_info (kvfence answers it) and /metrics: 3 requests.
+  const numProbeRequests = report.probeRuns.reduce((n, r) => n + r.requestsSent, 0)
+  assert.equal(report.requestsSent - numProbeRequests, 3)
+})

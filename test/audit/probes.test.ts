@@ -1,0 +1,203 @@
+/** The probes beyond capacity/boundary/canary, each against a stand-in with the bug it looks for
+ *  (it must report it) and the same stand-in without it (it must not), over real HTTP. */
+import assert from 'node:assert/strict'
+import { describe, test } from 'node:test'
+import {
+  runAudit,
+  type AuditOptions,
+  type AuditReport,
+  type ProbeName,
+} from '../../src/audit/index.js'
+import { redactionMark } from '../../src/audit/canaries.js'
+import { startStandIn, tenantKeys, type StandInOptions } from './standins.js'
+
+const tenants = [
+  { name: 'alice', key: tenantKeys.alice },
+  { name: 'bob', key: tenantKeys.bob },
+]
+
+async function audit(
+  probe: ProbeName,
+  standInOptions: StandInOptions,
+  options: Partial<AuditOptions> = {},
+): Promise<AuditReport> {
+  const standIn = await startStandIn('safe', standInOptions)
+  try {
+    return await runAudit({ target: standIn.url, tenants, seed: 77, probes: [probe], ...options })
+  } finally {
+    await standIn.close()
+  }
+}
+
+const verdicts = (report: AuditReport): string[][] =>
+  report.findings.map((f) => [f.probe, f.verdict, f.severity])
+const unique = (rows: string[][]): string[][] =>
+  [...new Set(rows.map((r) => r.join(' ')))].map((r) => r.split(' '))
+
+describe('abort-race', () => {
+  test("an aborted request's words served to the next request: leak, critical, alice → bob", async () => {
+    const report = await audit('abort-race', { isAbortLeak: true, tokenDelayMs: 3 })
+    const [first] = report.findings
+    assert.deepEqual(verdicts(report)[0], ['abort-race', 'leak', 'critical'])
+    assert.equal(first.evidence.victimTenant, 'alice')
+    assert.equal(first.evidence.observerTenant, 'bob')
+    const excerpt = first.evidence.excerpt as string
+    assert.ok(excerpt.includes(first.evidence.canary as string))
+    assert.ok(excerpt.includes(redactionMark) || excerpt.length >= 8)
+  })
+
+  test('aborts handled cleanly: clean, with requests really cut', async () => {
+    const report = await audit('abort-race', { tokenDelayMs: 3 })
+    assert.deepEqual(verdicts(report), [['abort-race', 'clean', 'info']])
+    assert.ok((report.findings[0].evidence.numCutBeforeEnd as number) >= 1)
+  })
+})
+
+describe('concurrency', () => {
+  test('crossed batch slots (first words of another request): leak, critical', async () => {
+    const report = await audit('concurrency', { isCrossTalk: true, tokenDelayMs: 2 })
+    assert.ok(report.findings.length >= 1)
+    assert.ok(report.findings.every((f) => f.verdict === 'leak'))
+    assert.deepEqual(verdicts(report)[0], ['concurrency', 'leak', 'critical'])
+  })
+
+  test('separate requests stay separate: clean; --concurrency 1 cannot tell: inconclusive', async () => {
+    assert.deepEqual(verdicts(await audit('concurrency', { tokenDelayMs: 2 })), [
+      ['concurrency', 'clean', 'info'],
+    ])
+    assert.deepEqual(verdicts(await audit('concurrency', {}, { concurrency: 1 })), [
+      ['concurrency', 'inconclusive', 'medium'],
+    ])
+  })
+})
+
+describe('queueing', () => {
+  test('requests queued behind a batch of one are seen waiting and checked: clean', async () => {
+    const report = await audit('queueing', { maxBatch: 1, tokenDelayMs: 2 })
+    assert.deepEqual(verdicts(report), [['queueing', 'clean', 'info']])
+    assert.ok((report.findings[0].evidence.numQueued as number) >= 1)
+  })
+})
+
+describe('page-leak', () => {
+  test('pages lost on abort (kvfence /server_info): warning with the numbers and the samples', async () => {
+    const report = await audit(
+      'page-leak',
+      { isPageLeakOnAbort: true, tokenDelayMs: 3 },
+      { maxSeconds: 3 },
+    )
+    assert.deepEqual(verdicts(report), [['page-leak', 'warning', 'high']])
+    const e = report.findings[0].evidence as {
+      baseline: number
+      settled: number
+      source: { field: string }
+    }
+    assert.equal(e.baseline, 0)
+    assert.ok(e.settled > 0)
+    assert.equal(e.source.field, 'workers[].numPagesUsed')
+    assert.match(
+      report.findings[0].title,
+      /^KV pool usage did not return to its idle baseline: 0 pages before, \d+ pages after/,
+    )
+  })
+
+  test('pages all returned: clean; read from SGLang /metrics sglang:token_usage too', async () => {
+    assert.deepEqual(verdicts(await audit('page-leak', { tokenDelayMs: 3 })), [
+      ['page-leak', 'clean', 'info'],
+    ])
+    const sglang = await audit('page-leak', { tokenDelayMs: 3, flavour: 'sglang' })
+    assert.deepEqual(verdicts(sglang), [['page-leak', 'clean', 'info']])
+    assert.deepEqual(sglang.findings[0].evidence.source, {
+      endpoint: '/metrics',
+      field: 'sglang:token_usage',
+      unit: 'fraction',
+    })
+  })
+
+  test('no usage exposed (vLLM flavour without usage metric): inconclusive', async () => {
+    assert.deepEqual(verdicts(await audit('page-leak', { flavour: 'vllm' })), [
+      ['page-leak', 'inconclusive', 'medium'],
+    ])
+  })
+})
+
+describe('determinism', () => {
+  test('output that changes under load is a warning, never a leak; stable output is clean', async () => {
+    assert.deepEqual(
+      verdicts(await audit('determinism', { isLoadSensitive: true, tokenDelayMs: 2 })),
+      [['determinism', 'warning', 'low']],
+    )
+    assert.deepEqual(verdicts(await audit('determinism', { tokenDelayMs: 2 })), [
+      ['determinism', 'clean', 'info'],
+    ])
+  })
+})
+
+describe('prefix-timing (Gu et al.)', () => {
+  test('a prefix cache shared across tenants that reports cached_tokens: leak (direct signal)', async () => {
+    const report = await audit('prefix-timing', { prefixCache: 'shared' })
+    assert.deepEqual(verdicts(report), [['prefix-timing', 'leak', 'high']])
+    assert.deepEqual(report.findings[0].evidence.directSignal, {
+      cachedTokensHit: 32,
+      cachedTokensMiss: 0,
+    })
+  })
+
+  test('shared, cached_tokens hidden: leak from the TTFT distributions (KS test)', async () => {
+    const report = await audit('prefix-timing', {
+      prefixCache: 'shared',
+      isCachedTokensHidden: true,
+    })
+    assert.deepEqual(verdicts(report), [['prefix-timing', 'leak', 'high']])
+    assert.match(report.findings[0].title, /^timing side channel/)
+    const cross = report.findings[0].evidence.cross as { ttftMs: { hit: number[]; miss: number[] } }
+    assert.equal(cross.ttftMs.hit.length, 10)
+    assert.equal(cross.ttftMs.miss.length, 10)
+  })
+
+  test('a cache keyed by tenant: clean, because the control (own reuse) does show a difference', async () => {
+    const report = await audit('prefix-timing', {
+      prefixCache: 'per-tenant',
+      isCachedTokensHidden: true,
+    })
+    assert.deepEqual(verdicts(report), [['prefix-timing', 'clean', 'info']])
+  })
+
+  test('no prefix cache at all: inconclusive (the control shows nothing, so "no difference" proves nothing)', async () => {
+    const report = await audit('prefix-timing', {})
+    assert.deepEqual(verdicts(report), [['prefix-timing', 'inconclusive', 'low']])
+  })
+})
+
+describe('error-handling', () => {
+  test('errors answered 200 with an error text: warning naming every case', async () => {
+    const report = await audit('error-handling', { isErrorAs200: true })
+    assert.deepEqual(verdicts(report), [['error-handling', 'warning', 'medium']])
+    assert.equal(
+      report.findings[0].title,
+      'answered 200 with an error text instead of a 4xx: malformed JSON, missing prompt, negative max_tokens, max_tokens not a number, max_tokens over the context, prompt twice the limit',
+    )
+  })
+
+  test('every invalid request refused with a 4xx: clean', async () => {
+    const report = await audit('error-handling', {})
+    assert.deepEqual(verdicts(report), [['error-handling', 'clean', 'info']])
+    const cases = report.findings[0].evidence.cases as { status: number }[]
+    assert.deepEqual(
+      cases.map((c) => c.status),
+      [400, 400, 400, 400, 400, 400],
+    )
+  })
+})
+
+test('no probe ever reports a leak against the safe stand-in (all probes, 2 seeds)', async () => {
+  for (const seed of [1, 2]) {
+    const standIn = await startStandIn('safe', { tokenDelayMs: 1, prefixCache: 'per-tenant' })
+    try {
+      const report = await runAudit({ target: standIn.url, tenants, seed })
+      assert.deepEqual(unique(verdicts(report).filter((v) => v[1] === 'leak')), [], `seed ${seed}`)
+    } finally {
+      await standIn.close()
+    }
+  }
+})

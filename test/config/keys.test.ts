@@ -1,0 +1,69 @@
+/** `kvfence keys add|list|remove` on a tenants file or a cluster config: only digests stored,
+ *  the key printed once, limits and the rest of the file kept. */
+import assert from 'node:assert/strict'
+import { execFile } from 'node:child_process'
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { after, describe, it } from 'node:test'
+import { promisify } from 'node:util'
+import { parse } from 'yaml'
+import { cliEntry } from '../../src/paths.js'
+import { apiKeyDigest, loadTenants } from '../../src/router/tenants.js'
+
+const run = promisify(execFile)
+const kvfence = (...args: string[]) => run(process.execPath, [cliEntry, 'keys', ...args])
+const dir = mkdtempSync(join(tmpdir(), 'kvfence-keys-'))
+
+describe('kvfence keys', () => {
+  after(() => rmSync(dir, { recursive: true, force: true }))
+
+  it('adds with limits, lists without keys, removes, and keeps the rest of the file', async () => {
+    const path = join(dir, 'cluster.yaml')
+    writeFileSync(path, '# the cluster\nrouter:\n  port: 9000 # public port\n')
+    const { stdout: key } = await kvfence(
+      'add',
+      'alice',
+      '--tenants',
+      path,
+      '--max-concurrent',
+      '2',
+    )
+    assert.match(key, /^sk-kvf-[0-9a-f]{64}\n$/)
+    await kvfence('add', 'bob', '--tenants', path, '--tokens-per-minute', '5000')
+    const text = readFileSync(path, 'utf8')
+    assert.ok(!text.includes(key.trim()), 'the key is not stored')
+    assert.ok(text.includes('# public port'), 'comments are kept')
+    const value = parse(text)
+    assert.deepEqual(value.router, { port: 9000 })
+    assert.deepEqual(value.tenants[0], {
+      name: 'alice',
+      keySha256: apiKeyDigest(key.trim()),
+      limits: { maxConcurrentRequests: 2 },
+    })
+
+    const { stdout: listed } = await kvfence('list', '--tenants', path)
+    assert.equal(listed, 'alice\tmaxConcurrentRequests=2\nbob\ttokensPerMinute=5000\n')
+
+    await kvfence('remove', 'alice', '--tenants', path)
+    assert.deepEqual(
+      parse(readFileSync(path, 'utf8')).tenants.map((t: { name: string }) => t.name),
+      ['bob'],
+    )
+    await assert.rejects(
+      kvfence('remove', 'alice', '--tenants', path),
+      (err: { code: number; stderr: string }) => {
+        assert.equal(err.code, 2)
+        assert.equal(err.stderr, `kvfence: tenant alice is not in ${path}\n`)
+        return true
+      },
+    )
+  })
+
+  it('a new tenants file loads as a registry that knows the printed key', async () => {
+    const path = join(dir, 'tenants.yaml')
+    const { stdout } = await kvfence('add', 'carol', '--tenants', path)
+    assert.deepEqual(loadTenants(path).authenticate(stdout.trim()), { name: 'carol', limits: {} })
+    await assert.rejects(kvfence('add', 'carol', '--tenants', path), /tenant carol already exists/)
+  })
+})

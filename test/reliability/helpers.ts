@@ -1,0 +1,165 @@
+/** Shared by the reliability tests: start P, D and the router as separate processes of
+ *  `dist/src/cli/main.js` on fixed ports (so one part can be killed and restarted in place), read a
+ *  worker's pool, and wait for conditions with bounded polling. */
+import { fork, type ChildProcess } from 'node:child_process'
+import { mkdtempSync, writeFileSync } from 'node:fs'
+import net from 'node:net'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { setTimeout as sleep } from 'node:timers/promises'
+import OpenAI from 'openai'
+import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
+import { ServerInfo } from '../../src/engine/control.js'
+import { cliPath, echoModelDir } from '../helpers/paths.js'
+
+/** Pool shape of these tests: prefill 32 × 16 = 512 tokens (the context), decode 64 × 16. */
+export const shape = { pageSize: 16, prefillPages: 32, decodePages: 64 }
+
+/** A free TCP port on 127.0.0.1 (bound then released). */
+export function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = net.createServer()
+    server.once('error', reject)
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as net.AddressInfo
+      server.close(() => resolve(port))
+    })
+  })
+}
+
+/** Two tenants with fresh keys in a temporary tenants file. */
+export function makeTenants(): { file: string; a: Tenant; b: Tenant } {
+  const dir = mkdtempSync(join(tmpdir(), 'kvfence-rel-'))
+  const a = { name: 'tenant-a', key: newApiKey() }
+  const b = { name: 'tenant-b', key: newApiKey() }
+  const file = join(dir, 'tenants.yaml')
+  writeFileSync(file, tenantsYaml([a, b]))
+  return { file, a, b }
+}
+
+export interface Tenant {
+  name: string
+  key: string
+}
+
+/** Fork `kvfence <args>` and resolve once it reports ready over IPC; rejects with the part's
+ *  last stderr when it exits or is not ready within `timeoutMs`. */
+export function startPart(args: string[], timeoutMs = 30_000): Promise<ChildProcess> {
+  const child = fork(cliPath, [...args, '--log-level', 'warn'], {
+    stdio: ['ignore', 'ignore', 'pipe', 'ipc'],
+  })
+  let tail = ''
+  child.stderr!.on('data', (chunk: Buffer) => {
+    tail = (tail + chunk.toString('utf8')).slice(-2000)
+  })
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(() => {
+      child.kill('SIGKILL')
+      reject(new Error(`kvfence ${args[0]} did not start: ${tail}`))
+    }, timeoutMs)
+    child.once('exit', (code) => {
+      clearTimeout(timer)
+      reject(new Error(`kvfence ${args[0]} exited with ${code}: ${tail}`))
+    })
+    child.on('message', (msg: { type?: string }) => {
+      if (msg?.type !== 'ready') return
+      clearTimeout(timer)
+      child.removeAllListeners('exit')
+      resolve(child)
+    })
+  })
+}
+
+/** Ports of a cluster started part by part. */
+export interface Ports {
+  prefill: number
+  decode: number
+  transfer: number
+  router: number
+}
+
+export async function allocatePorts(): Promise<Ports> {
+  return {
+    prefill: await freePort(),
+    decode: await freePort(),
+    transfer: await freePort(),
+    router: await freePort(),
+  }
+}
+
+const common = [
+  '--model',
+  echoModelDir,
+  '--page-size',
+  String(shape.pageSize),
+  '--host',
+  '127.0.0.1',
+]
+
+export function startPrefill(ports: Ports): Promise<ChildProcess> {
+  return startPart([
+    'prefill',
+    ...common,
+    '--port',
+    String(ports.prefill),
+    '--pages',
+    String(shape.prefillPages),
+  ])
+}
+
+export function startDecode(ports: Ports, transferPort = ports.transfer): Promise<ChildProcess> {
+  return startPart([
+    'decode', ...common, '--port', String(ports.decode), '--pages', String(shape.decodePages),
+    '--transfer-host', '127.0.0.1', '--transfer-port', String(transferPort),
+  ]) // prettier-ignore
+}
+
+export function startRouterPart(ports: Ports, tenantsFile: string): Promise<ChildProcess> {
+  return startPart([
+    'router', '--model', echoModelDir, '--host', '127.0.0.1', '--port', String(ports.router),
+    '--prefill', `http://127.0.0.1:${ports.prefill}`, '--decode', `http://127.0.0.1:${ports.decode}`,
+    '--tenants', tenantsFile,
+  ]) // prettier-ignore
+}
+
+/** SIGKILL `child` and wait until it has exited. */
+export async function kill9(child: ChildProcess): Promise<void> {
+  if (child.exitCode !== null || child.signalCode !== null) return
+  const exited = new Promise((resolve) => child.once('exit', resolve))
+  child.kill('SIGKILL')
+  await exited
+}
+
+/** SIGTERM, then SIGKILL after 3 s; resolves once every child exited. */
+export async function stopAll(children: (ChildProcess | undefined)[]): Promise<void> {
+  await Promise.all(
+    children.map(async (child) => {
+      if (!child || child.exitCode !== null || child.signalCode !== null) return
+      const exited = new Promise((resolve) => child.once('exit', resolve))
+      const timer = setTimeout(() => child.kill('SIGKILL'), 3_000)
+      child.kill('SIGTERM')
+      await exited
+      clearTimeout(timer)
+    }),
+  )
+}
+
+/** Pages in use on the worker at `url`. */
+export async function pagesUsed(url: string): Promise<number> {
+  const res = await fetch(`${url}/server_info`, { signal: AbortSignal.timeout(5_000) })
+  return ServerInfo.parse(await res.json()).numPagesUsed
+}
+
+/** Poll `probe` every 200 ms until it returns true or `tries` polls passed; returns the last result. */
+export async function eventually(probe: () => Promise<boolean>, tries = 100): Promise<boolean> {
+  for (let i = 0; i < tries; i++) {
+    if (await probe().catch(() => false)) return true
+    await sleep(200)
+  }
+  return false
+}
+
+/** An `openai` client for `baseUrl` (router root) with no retries and a bounded timeout. */
+export function client(baseUrl: string, key: string, timeoutMs = 30_000): OpenAI {
+  return new OpenAI({ baseURL: `${baseUrl}/v1`, apiKey: key, maxRetries: 0, timeout: timeoutMs })
+}
