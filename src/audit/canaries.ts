@@ -94,7 +94,27 @@ export function makeCanaries(rng: Rng, count: number, taken: readonly string[] =
   return out
 }
 
-/** A prompt of ~200–350 characters of filler words with the canaries at random places. */
+/** Planting material: canaries, and a ~200–330-character prompt made of nothing but them.
+ *  The whole prompt is high-entropy (issue: "whole prompts, not one marker"): whatever stretch of it
+ *  a leaking engine regurgitates to another tenant is a canary fragment, so a leak cannot hide in
+ *  copied filler. None shares a fragment with `taken`. */
+export function plantingMaterial(
+  rng: Rng,
+  taken: readonly string[] = [],
+): { canaries: string[]; prompt: string } {
+  const targetChars = rng.int(200, 330)
+  const canaries: string[] = []
+  let numChars = 0
+  while (numChars < targetChars) {
+    const [canary] = makeCanaries(rng, 1, [...taken, ...canaries])
+    canaries.push(canary)
+    numChars += canary.length + 1
+  }
+  return { canaries, prompt: canaries.join(' ') }
+}
+
+/** A prompt of ~200–350 characters of filler words with the canaries at random places (used where
+ *  a prompt must look like ordinary text around a marker, e.g. prefix timing). */
 export function plantingPrompt(rng: Rng, canaries: readonly string[]): string {
   const targetChars = rng.int(200, 330)
   const words: string[] = []

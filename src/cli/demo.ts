@@ -215,17 +215,24 @@ function leakCell(report: AuditReport): string[] {
     evidence: { canary?: string; excerpt?: string; numLeakingRequests?: number }
   }
   const canary = String(first.evidence.canary ?? '')
+  // Every planted word shows only its first 4 characters; the auditor already replaced the rest of
+  // B's answer (anything it did not plant itself) with '·'.
   const excerpt = String(first.evidence.excerpt ?? '')
-    .split(canary)
-    .join(redactCanary(canary))
+    .split(/(·+| )/)
+    .map((part) => (/^(·+| )$/.test(part) ? part : redactCanary(part)))
+    .join('')
   return [
     `YES: ${first.evidence.numLeakingRequests ?? leaks.length} answer(s) to tenant-b carried tenant-a's canary ${redactCanary(canary)}`,
     `B's answer (redacted): ${excerpt.replace(/·+/g, '…')}`,
   ]
 }
 
+/** Verdicts by probe, e.g. `capacity=warning canary=leak×4`. */
 function verdicts(report: AuditReport): string {
-  return report.findings.map((f) => `${f.probe}=${f.verdict}`).join(' ')
+  const counts = new Map<string, number>()
+  for (const f of report.findings)
+    counts.set(`${f.probe}=${f.verdict}`, (counts.get(`${f.probe}=${f.verdict}`) ?? 0) + 1)
+  return [...counts].map(([k, n]) => (n > 1 ? `${k}×${n}` : k)).join(' ')
 }
 
 /** The two runs as a two-column table. */

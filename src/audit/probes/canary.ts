@@ -8,13 +8,7 @@
  *  round, is a leak. Outputs are kept only redacted: canaries and runs of the victim's planted
  *  prompts stay readable, everything else becomes `·`. */
 import { BudgetExhaustedError } from '../budget.js'
-import {
-  findCanaries,
-  makeCanaries,
-  plantingPrompt,
-  redact,
-  type CanaryMatch,
-} from '../canaries.js'
+import { findCanaries, plantingMaterial, redact, type CanaryMatch } from '../canaries.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
@@ -63,17 +57,19 @@ export const canaryProbe: Probe = {
     // Everything random is drawn first, so the seed alone fixes canaries, prompts and sizes.
     const rng = createRng(context.seed, 'canary')
     const victimCanaries: string[][] = []
+    const plantPrompts: string[] = []
     for (let i = 0; i < numPlantingPrompts; i++) {
-      victimCanaries.push(makeCanaries(rng, rng.int(2, 3), victimCanaries.flat()))
+      const material = plantingMaterial(rng, victimCanaries.flat())
+      victimCanaries.push(material.canaries)
+      plantPrompts.push(material.prompt)
     }
     const observerCanaries: string[][] = []
+    const normalPrompts: string[] = []
     for (let i = 0; i < rounds; i++) {
-      observerCanaries.push(
-        makeCanaries(rng, rng.int(2, 3), [...victimCanaries.flat(), ...observerCanaries.flat()]),
-      )
+      const material = plantingMaterial(rng, [...victimCanaries.flat(), ...observerCanaries.flat()])
+      observerCanaries.push(material.canaries)
+      normalPrompts.push(material.prompt)
     }
-    const plantPrompts = victimCanaries.map((c) => plantingPrompt(rng, c))
-    const normalPrompts = observerCanaries.map((c) => plantingPrompt(rng, c))
     const sizes = overCapacitySizes(context.discovery, rounds, (lo, hi) => rng.int(lo, hi))
 
     const exchanges: Exchange[] = []

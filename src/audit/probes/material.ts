@@ -4,13 +4,7 @@
  *  request's of the same tenant is a leak too (high): requests crossed, and the next time the
  *  other request may belong to someone else. Outputs are kept only redacted.
  *  Knows canaries and completion results; knows nothing of how they were sent. */
-import {
-  findCanaries,
-  makeCanaries,
-  plantingPrompt,
-  redact,
-  type CanaryMatch,
-} from '../canaries.js'
+import { findCanaries, plantingMaterial, redact, type CanaryMatch } from '../canaries.js'
 import type { Rng } from '../rng.js'
 import { outcomeOf, type CompletionResult } from '../target.js'
 import type { Finding, ProbeName, Tenant } from '../types.js'
@@ -42,8 +36,8 @@ export interface Crossing {
 /** Leak findings listed one by one; the rest are counted. */
 const maxLeakFindings = 10
 
-/** Material for one request per id (tenants taken in turn): 2–3 canaries each, inside a
- *  ~200–330-character prompt, no canary fragment shared with any other request's. */
+/** Material for one request per id (tenants taken in turn): a ~200–330-character prompt made
+ *  only of canaries, no canary fragment shared with any other request's. */
 export function plantMaterial(
   rng: Rng,
   tenants: readonly Tenant[],
@@ -51,13 +45,13 @@ export function plantMaterial(
 ): Planted[] {
   const taken: string[] = []
   return ids.map((id, i) => {
-    const canaries = makeCanaries(rng, rng.int(2, 3), taken)
+    const { canaries, prompt } = plantingMaterial(rng, taken)
     taken.push(...canaries)
     return {
       id,
       tenant: tenants[i % tenants.length],
       canaries,
-      prompt: plantingPrompt(rng, canaries),
+      prompt,
     }
   })
 }
