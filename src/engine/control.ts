@@ -65,7 +65,17 @@ export type PrefillResult = z.infer<typeof PrefillResult>
 
 /** One line of the decode worker's NDJSON stream. */
 export const DecodeEvent = z.discriminatedUnion('type', [
-  z.object({ type: z.literal('reserved'), numPages: z.number().int().min(0) }),
+  z.object({
+    type: z.literal('reserved'),
+    numPages: z.number().int().min(0),
+    /** Decode worker: the port its transfer receiver listens on now. Sent with each request so a
+     *  router never sends a prefill worker to a port from before a restart; absent = the
+     *  `transferPort` of its `/server_info`. */
+    transferPort: z.number().int().min(1).max(65535).optional(),
+    /** Decode worker: the host its transfer receiver is reached at (`--transfer-host`); absent =
+     *  the host of its control URL. */
+    transferHost: z.string().min(1).optional(),
+  }),
   z.object({ type: z.literal('token'), tokenId: z.number().int().min(0) }),
   z.object({
     type: z.literal('done'),

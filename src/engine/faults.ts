@@ -12,7 +12,8 @@ export const faultDescriptions = {
   'early-release':
     'decode frees a request’s pages as soon as its transfer begins, while the transfer still writes into them',
   'skip-scrub': 'return freed pages to the free list without scrubbing them',
-  'drop-abort': 'ignore aborts from the router (the worker keeps working for a request that is gone)',
+  'drop-abort':
+    'ignore aborts from the router (the worker keeps working for a request that is gone)',
   'stale-epoch': 'reuse a page without bumping its epoch',
   'corrupt-transfer': 'flip bits in transferred page payloads',
   'truncate-transfer': 'send fewer pages than the manifest claims',
@@ -23,9 +24,7 @@ export const faultDescriptions = {
 export type FaultName = keyof typeof faultDescriptions
 
 /** Faults that the workers implement: all of DESIGN.md §5. */
-export const implementedFaults: readonly FaultName[] = Object.keys(
-  faultDescriptions,
-) as FaultName[]
+export const implementedFaults: readonly FaultName[] = Object.keys(faultDescriptions) as FaultName[]
 
 /** What a process was told to break. Frozen once built. */
 export interface FaultConfig {

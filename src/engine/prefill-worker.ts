@@ -76,9 +76,15 @@ export class PrefillWorker {
       pool.pin(pageTable, owner)
       isPinned = true
       const numPages = pool.pagesFor(numTokens)
+      // Faults only: which pages actually go on the wire (default: all of them, in order).
+      const ordinalsToSend = isPlaceholder
+        ? [0]
+        : this.core.hasFault('truncate-transfer')
+          ? Array.from({ length: Math.max(1, numPages - 1) }, (_, i) => i)
+          : undefined
       const client = this.clientFor(req.decode.host, req.decode.port)
       await this.countTransfer(
-        numPages,
+        ordinalsToSend?.length ?? numPages,
         client.send(
           {
             transferId: randomBytes(16).toString('hex'),
@@ -95,11 +101,7 @@ export class PrefillWorker {
               if (isPlaceholder) return pool.shape.pageSize
               return Math.min(pool.shape.pageSize, numTokens - ordinal * pool.shape.pageSize)
             },
-            ordinalsToSend: isPlaceholder
-              ? [0]
-              : this.core.hasFault('truncate-transfer')
-                ? Array.from({ length: Math.max(1, numPages - 1) }, (_, i) => i)
-                : undefined,
+            ordinalsToSend,
             corruptPayload: this.core.hasFault('corrupt-transfer'),
           },
           signal,
@@ -131,8 +133,9 @@ export class PrefillWorker {
     return logits
   }
 
-  /** Count a transfer's outcome in the worker's metrics; resolves or rejects as `sending` does. */
-  private async countTransfer(numPages: number, sending: Promise<void>): Promise<void> {
+  /** Count a transfer of `numPagesSent` pages in the worker's metrics; resolves or rejects as
+   *  `sending` does. */
+  private async countTransfer(numPagesSent: number, sending: Promise<void>): Promise<void> {
     const { metrics, pool } = this.core
     try {
       await sending
@@ -142,7 +145,7 @@ export class PrefillWorker {
       throw err
     }
     metrics.transfers.inc({ outcome: 'completed' })
-    metrics.transferBytes.inc(numPages * pool.pageBytes)
+    metrics.transferBytes.inc(numPagesSent * pool.pageBytes)
   }
 
   private clientFor(host: string, port: number): TransferClient {

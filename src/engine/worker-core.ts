@@ -157,36 +157,34 @@ export function createWorkerCore(opts: WorkerCoreOptions): WorkerCore {
   }
 }
 
-/** Copy page `ref` of every layer (K then V, layer by layer) into `dst` (`pool.pageBytes` bytes):
- *  the transfer payload layout of DESIGN.md §6. */
+/** Copy page `page` of every layer (K then V, layer by layer) into `dst` (`pool.pageBytes` bytes):
+ *  the transfer payload layout of DESIGN.md §6 (floats in the machine's byte order, little-endian
+ *  on every platform Node supports). Copies bytes through views, so `dst` may sit at any offset of
+ *  a frame buffer (payloads are not 4-byte aligned on the wire) and nothing is allocated per page. */
 export function gatherPage(pool: KvPool, page: number, dst: Uint8Array): void {
-  // A frame buffer may place the payload at an unaligned offset: gather into aligned scratch then.
-  const isAligned = dst.byteOffset % 4 === 0
-  const floats = isAligned
-    ? new Float32Array(dst.buffer, dst.byteOffset, dst.byteLength / 4)
-    : new Float32Array(dst.byteLength / 4)
-  const start = page * pool.pageStride
+  const numBytes = pool.pageStride * Float32Array.BYTES_PER_ELEMENT
   let at = 0
   for (let layer = 0; layer < pool.shape.numLayers; layer++) {
-    floats.set(pool.k[layer].subarray(start, start + pool.pageStride), at)
-    at += pool.pageStride
-    floats.set(pool.v[layer].subarray(start, start + pool.pageStride), at)
-    at += pool.pageStride
+    for (const store of [pool.k[layer], pool.v[layer]]) {
+      dst.set(pageBytesOf(store, page, numBytes), at)
+      at += numBytes
+    }
   }
-  if (!isAligned) dst.set(new Uint8Array(floats.buffer))
 }
 
-/** Inverse of {@link gatherPage}: write a payload into page `page` of every layer. */
+/** Inverse of {@link gatherPage}: write a payload (any alignment) into page `page` of every layer. */
 export function scatterPage(pool: KvPool, page: number, payload: Uint8Array): void {
-  // The payload may sit at an unaligned offset in a network buffer: copy it aligned first.
-  const aligned = payload.byteOffset % 4 === 0 ? payload : new Uint8Array(payload) // a copy (Buffer#slice would be a view)
-  const floats = new Float32Array(aligned.buffer, aligned.byteOffset, aligned.byteLength / 4)
-  const start = page * pool.pageStride
+  const numBytes = pool.pageStride * Float32Array.BYTES_PER_ELEMENT
   let at = 0
   for (let layer = 0; layer < pool.shape.numLayers; layer++) {
-    pool.k[layer].set(floats.subarray(at, at + pool.pageStride), start)
-    at += pool.pageStride
-    pool.v[layer].set(floats.subarray(at, at + pool.pageStride), start)
-    at += pool.pageStride
+    for (const store of [pool.k[layer], pool.v[layer]]) {
+      pageBytesOf(store, page, numBytes).set(payload.subarray(at, at + numBytes))
+      at += numBytes
+    }
   }
+}
+
+/** A byte view of page `page` of one layer's K or V storage. */
+function pageBytesOf(store: Float32Array, page: number, numBytes: number): Uint8Array {
+  return new Uint8Array(store.buffer, store.byteOffset + page * numBytes, numBytes)
 }
