@@ -24,6 +24,8 @@ interface WorkerFlags {
   transferPort: number
   /** Decode only: most sequences per decode step. */
   maxBatch: number
+  /** Prefill only: most pool pages the prefix cache may hold (default: a quarter of `pages`). */
+  prefixCachePages?: number
   injectFault: string[]
   unsafeDisableGuards: boolean
   unsafeDisableGuard: string[]
@@ -72,6 +74,13 @@ export function registerWorkers(program: Command): void {
         intOption,
       )
       .option('--log-level <level>', 'pino log level', 'info')
+    if (role === 'prefill') {
+      cmd.option(
+        '--prefix-cache-pages <n>',
+        'most KV pool pages the per-tenant prefix cache may hold, 0 = off (default: a quarter of --pages)',
+        intOption,
+      )
+    }
     if (role === 'decode') {
       cmd
         .option('--transfer-host <host>', 'KV transfer receiver address to bind', '127.0.0.1')
@@ -127,7 +136,13 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     transferPort = await listen(receiver, flags.transferHost, flags.transferPort)
     server = createWorkerServer({ role, worker, transferPort: () => transferPort! }, log)
   } else {
-    const worker = new PrefillWorker(core, { transferTimeoutMs: flags.transferTimeoutMs })
+    const prefixCachePages = flags.prefixCachePages ?? Math.floor(flags.pages / 4)
+    if (prefixCachePages > flags.pages)
+      throw new Error(`--prefix-cache-pages ${prefixCachePages} exceeds --pages ${flags.pages}`)
+    const worker = new PrefillWorker(core, {
+      transferTimeoutMs: flags.transferTimeoutMs,
+      prefixCachePages,
+    })
     server = createWorkerServer({ role, worker }, log)
   }
   const port = await listen(server, flags.host, flags.port)

@@ -60,6 +60,9 @@ export const PrefillResult = z.object({
   numPages: z.number().int().min(0),
   numTokens: z.number().int().min(0),
   firstTokenId: z.number().int().min(0),
+  /** Leading prompt tokens whose KV came from the prefill worker's prefix cache (OpenAI's
+   *  `cached_tokens`); absent = 0. */
+  cachedTokens: z.number().int().min(0).optional(),
 })
 export type PrefillResult = z.infer<typeof PrefillResult>
 
@@ -99,7 +102,10 @@ export const ServerInfo = z.object({
   /** Effective KV capacity in tokens = numPages × pageSize. */
   capacityTokens: z.number().int().min(0),
   numPagesFree: z.number().int().min(0),
+  /** Pages owned by requests (prefix-cache pages not included). */
   numPagesUsed: z.number().int().min(0),
+  /** Prefill worker only: pages held by its prefix cache (evicted on demand). */
+  numPagesCached: z.number().int().min(0).optional(),
   /** Longest sequence (prompt + generated tokens) the model's positions allow. */
   maxPositionEmbeddings: z.number().int().min(1),
   guardsEnabled: z.boolean(),

@@ -24,6 +24,9 @@ export interface PrefillJob {
   /** At least `pool.pagesFor(tokenIds.length)` pages, reserved for `owner`. */
   pageTable: readonly PageRef[]
   owner: number
+  /** Leading tokens whose KV the pages already hold (a prefix-cache hit; default 0); prefill starts
+   *  after them. Must be below `tokenIds.length`: the last token is always computed. */
+  numCached?: number
   /** Aborts the job at the next step boundary (`request_aborted`). */
   signal: AbortSignal
 }
@@ -72,7 +75,17 @@ export class PrefillScheduler {
         reject(new KvfenceError('invalid_request', 'nothing to prefill: the prompt is empty'))
         return
       }
-      this.active.push({ job, numDone: 0, resolve, reject })
+      const numCached = job.numCached ?? 0
+      if (!Number.isInteger(numCached) || numCached < 0 || numCached >= job.tokenIds.length) {
+        reject(
+          new KvfenceError(
+            'internal_error',
+            `cached tokens ${numCached} out of range for a prompt of ${job.tokenIds.length}`,
+          ),
+        )
+        return
+      }
+      this.active.push({ job, numDone: numCached, resolve, reject })
       if (!this.isLooping) void this.loop()
     })
   }

@@ -2,8 +2,10 @@
  *  and sends the prompt's KV pages to the decode worker, keeping them pinned until it acknowledges.
  *  Knows token ids, tenants and the transfer client; knows nothing of HTTP, API keys or text. */
 import { randomBytes } from 'node:crypto'
+import { Counter, Gauge } from 'prom-client'
 import { KvfenceError } from '../errors.js'
 import type { PageRef } from '../kv/pool.js'
+import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
 import { makeRandom, sample } from '../model/sampling.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
@@ -22,6 +24,8 @@ export interface PrefillWorkerOptions {
    *  `transfer_failed` (reason `stalled`), ms. Default: the sender's (30 000). Until then the pages
    *  stay pinned: P never frees them on a timer while the transfer may still read them (G7). */
   transferTimeoutMs?: number
+  /** Most pages of the KV pool the prefix cache may hold; 0 (the default) turns it off. */
+  prefixCachePages?: number
 }
 
 /** The prefill side of a disaggregated pair. One instance per process. */
@@ -29,11 +33,45 @@ export class PrefillWorker {
   private readonly clients = new Map<string, TransferClient>()
   /** The process's one prefill loop, made on first use. */
   private prefillLoop: PrefillScheduler | undefined
+  /** Null when `prefixCachePages` is 0. */
+  private readonly cache: PrefixCache | null
+  private readonly cacheMetrics: PrefixCacheMetrics | null
 
+  /** Throws RangeError for a negative `prefixCachePages` or one above the pool's pages. */
   constructor(
     readonly core: WorkerCore,
     private readonly options: PrefillWorkerOptions = {},
-  ) {}
+  ) {
+    const maxPages = options.prefixCachePages ?? 0
+    if (maxPages > core.pool.shape.numPages)
+      throw new RangeError(
+        `prefix cache pages ${maxPages} exceed the KV pool's ${core.pool.shape.numPages} pages`,
+      )
+    if (maxPages === 0) {
+      this.cache = null
+      this.cacheMetrics = null
+      return
+    }
+    const metrics = makePrefixCacheMetrics(core, () => this.numPagesCached)
+    this.cacheMetrics = metrics
+    this.cache = new PrefixCache(core.pool, {
+      maxPages,
+      nextOwner: core.nextOwner,
+      tenantId: core.tenantId,
+      onEvict: (n) => metrics.evictions.inc(n),
+    })
+  }
+
+  /** Pages the prefix cache holds now (they are evicted on demand, so they do not count against
+   *  a new prompt's capacity). */
+  get numPagesCached(): number {
+    return this.cache?.numPages ?? 0
+  }
+
+  /** The prefix cache's invariant (see {@link PrefixCache.check}); no-op when it is off. */
+  checkCache(): void {
+    this.cache?.check()
+  }
 
   /** Prefill `req` and transfer its KV to the decode worker named in it. Resolves once the decode
    *  worker acknowledged every page. Throws `context_length_exceeded` when the prompt cannot fit this
@@ -59,14 +97,30 @@ export class PrefillWorker {
     }
 
     const owner = this.core.nextOwner()
-    const pageTable = pool.allocate(
-      pool.pagesFor(tokens.length),
-      owner,
-      this.core.tenantId(req.tenant),
-    )
+    // The tenant is the one the router authenticated, so the cache's salt is the server's choice.
+    let hit = isPlaceholder ? null : (this.cache?.lookup(req.tenant, tokens) ?? null)
+    let pageTable: PageRef[]
+    try {
+      pageTable = this.allocatePages(tokens.length, owner, req.tenant)
+    } catch (err) {
+      if (!hit) throw err
+      // The hit's pages are pinned while we copy from them, so they cannot be evicted to make
+      // room; a prompt that needs the whole pool goes without the cache instead of failing.
+      this.cache!.release(hit)
+      hit = null
+      pageTable = this.allocatePages(tokens.length, owner, req.tenant)
+    }
     let isPinned = false
     try {
-      const logits = await this.runPrefill(tokens, pageTable, owner, signal)
+      const numCached = hit ? this.copyHit(hit, pageTable, owner) : 0
+      if (this.cache && !isPlaceholder) {
+        this.cacheMetrics!.requests.inc({ outcome: numCached > 0 ? 'hit' : 'miss' })
+        this.cacheMetrics!.cachedTokens.inc(numCached)
+      }
+      const logits = await this.runPrefill(tokens, pageTable, owner, numCached, signal)
+      // Cache the prompt's full pages (those not cached yet) before the transfer, so that a
+      // concurrent prompt of the same tenant can hit them already.
+      if (this.cache && !isPlaceholder) this.cache.insert(req.tenant, tokens, pageTable, owner)
       const firstTokenId = sample(logits, {
         temperature: req.sampling.temperature,
         topP: req.sampling.topP,
@@ -107,7 +161,13 @@ export class PrefillWorker {
           signal,
         ),
       )
-      return { requestId: req.requestId, numPages, numTokens, firstTokenId }
+      return {
+        requestId: req.requestId,
+        numPages,
+        numTokens,
+        firstTokenId,
+        cachedTokens: numCached,
+      }
     } finally {
       // The send promise settles only when no more page reads can happen: now the pages may go.
       if (isPinned) pool.unpin(pageTable, owner)
@@ -115,20 +175,49 @@ export class PrefillWorker {
     }
   }
 
-  /** Chunked prefill over the request's pages in the process's prefill loop: each step runs at
-   *  most {@link prefillChunkTokens} prompt tokens, shared fairly with every other prompt being
-   *  prefilled. Returns the last token's logits `[vocabSize]`. */
+  /** Reserve the pages of a prompt of `numTokens` tokens for `owner`; when the pool is short,
+   *  evict unpinned prefix-cache pages first. Throws `capacity_exhausted` when even then too few
+   *  pages are free (nothing is allocated then). */
+  private allocatePages(numTokens: number, owner: number, tenant: string): PageRef[] {
+    const { pool } = this.core
+    const numPages = pool.pagesFor(numTokens)
+    if (!pool.canAllocate(numPages)) this.cache?.evictFor(numPages)
+    return pool.allocate(numPages, owner, this.core.tenantId(tenant))
+  }
+
+  /** Copy a prefix-cache hit's KV into the request's first pages, then unpin the cached pages
+   *  (whether or not the copy succeeded). Returns the prompt tokens it covers. */
+  private copyHit(hit: PrefixHit, pageTable: PageRef[], owner: number): number {
+    try {
+      this.cache!.copyInto(hit, pageTable, owner)
+    } finally {
+      this.cache!.release(hit)
+    }
+    return hit.numTokens
+  }
+
+  /** Chunked prefill over the request's pages in the process's prefill loop, starting after the
+   *  `numCached` tokens already in them: each step runs at most {@link prefillChunkTokens} prompt
+   *  tokens, shared fairly with every other prompt being prefilled. Returns the last token's
+   *  logits `[vocabSize]`. */
   private async runPrefill(
     tokens: readonly number[],
     pageTable: PageRef[],
     owner: number,
+    numCached: number,
     signal: AbortSignal,
   ): Promise<Float32Array> {
     const { model, rope, pool } = this.core
     this.prefillLoop ??= new PrefillScheduler(model, rope, pool, {
       maxTokensPerStep: prefillChunkTokens,
     })
-    const logits = await this.prefillLoop.run({ tokenIds: tokens, pageTable, owner, signal })
+    const logits = await this.prefillLoop.run({
+      tokenIds: tokens,
+      pageTable,
+      owner,
+      numCached,
+      signal,
+    })
     if (signal.aborted) throw new KvfenceError('request_aborted', 'request aborted during prefill')
     return logits
   }
@@ -167,5 +256,46 @@ export class PrefillWorker {
   close(): void {
     for (const client of this.clients.values()) client.close()
     this.clients.clear()
+  }
+}
+
+/** Prometheus metrics of the prefix cache, registered in the worker's registry. */
+interface PrefixCacheMetrics {
+  /** `kvfence_prefix_cache_requests_total{outcome}`: prompts looked up, `hit` (≥ 1 page reused) or
+   *  `miss`. */
+  requests: Counter<'outcome'>
+  /** `kvfence_prefix_cache_cached_tokens_total`: prompt tokens whose KV came from the cache. */
+  cachedTokens: Counter
+  /** `kvfence_prefix_cache_evictions_total`: cached pages evicted (released and scrubbed). */
+  evictions: Counter
+}
+
+function makePrefixCacheMetrics(core: WorkerCore, numPages: () => number): PrefixCacheMetrics {
+  const registers = [core.metrics.registry]
+  new Gauge({
+    name: 'kvfence_prefix_cache_pages',
+    help: 'KV pool pages held by the prefix cache (evictable)',
+    registers,
+    collect() {
+      this.set(numPages())
+    },
+  })
+  return {
+    requests: new Counter({
+      name: 'kvfence_prefix_cache_requests_total',
+      help: 'Prompts looked up in the prefix cache, by outcome (hit or miss)',
+      labelNames: ['outcome'] as const,
+      registers,
+    }),
+    cachedTokens: new Counter({
+      name: 'kvfence_prefix_cache_cached_tokens_total',
+      help: 'Prompt tokens whose KV came from the prefix cache',
+      registers,
+    }),
+    evictions: new Counter({
+      name: 'kvfence_prefix_cache_evictions_total',
+      help: 'Prefix cache pages evicted (released and scrubbed)',
+      registers,
+    }),
   }
 }

@@ -14,6 +14,9 @@ import type { DecodeWorker } from './decode-worker.js'
 import type { PrefillWorker } from './prefill-worker.js'
 import type { WorkerCore } from './worker-core.js'
 
+/** How long an idle control connection stays open (ms); the router's agent must time out sooner. */
+export const workerKeepAliveTimeoutMs = 65_000
+
 /** Largest control-plane body accepted (bytes): a prompt of ~100k token ids. */
 const maxBodyBytes = 4 * 1024 * 1024
 
@@ -25,7 +28,9 @@ export type WorkerRole =
 /** Build the HTTP server of a worker (not yet listening). */
 export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
   const core: WorkerCore = role.worker.core
-  const registry = makeMetrics(role.role, core)
+  // Prefix-cache pages are evicted on demand: they count as neither used by requests nor leaked.
+  const numPagesCached = () => (role.role === 'prefill' ? role.worker.numPagesCached : 0)
+  const registry = makeMetrics(role.role, core, numPagesCached)
 
   const serverInfo = (): ServerInfo => ({
     role: role.role,
@@ -34,14 +39,15 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
     numPages: core.pool.shape.numPages,
     capacityTokens: core.pool.capacityTokens,
     numPagesFree: core.pool.numFree,
-    numPagesUsed: core.pool.numUsed,
+    numPagesUsed: core.pool.numUsed - numPagesCached(),
+    ...(role.role === 'prefill' ? { numPagesCached: numPagesCached() } : {}),
     maxPositionEmbeddings: core.model.config.maxPositionEmbeddings,
     guardsEnabled: Object.values(core.guards).every(Boolean),
     faults: core.faultNames(),
     ...(role.role === 'decode' ? { transferPort: role.transferPort() } : {}),
   })
 
-  return http.createServer((req, res) => {
+  const server = http.createServer((req, res) => {
     const url = req.url ?? '/'
     const route = `${req.method} ${url.split('?')[0]}`
     void (async () => {
@@ -81,7 +87,10 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
               res.writeHead(200, { 'content-type': 'application/x-ndjson' })
               isStreaming = true
             }
-            res.write(`${JSON.stringify(e)}\n`)
+            // `reserved` names this worker's transfer port, so a router never sends prefill to a
+            // port a restarted decode worker no longer listens on.
+            const line = e.type === 'reserved' ? { ...e, transferPort: role.transferPort() } : e
+            res.write(`${JSON.stringify(line)}\n`)
           }
           try {
             await role.worker.generate(body, abort.signal, emit)
@@ -108,6 +117,11 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
       }
     })()
   })
+  // Keep idle control connections open longer than the router's agent does (its free-socket timeout is
+  // shorter), so the router never reuses a connection this server is closing (ECONNRESET race).
+  server.keepAliveTimeout = workerKeepAliveTimeoutMs
+  server.headersTimeout = workerKeepAliveTimeoutMs + 1_000
+  return server
 }
 
 /** Listen on host:port (port 0 picks one) and resolve with the bound port. */
@@ -175,7 +189,7 @@ function sendJson(res: http.ServerResponse, status: number, body: unknown): void
 
 /** Prometheus metrics of a worker: its counters (guard trips, transfers; see worker-core.ts) plus
  *  gauges over the pool (pages by state, capacity, and whether its invariant holds right now). */
-function makeMetrics(role: string, core: WorkerCore): Registry {
+function makeMetrics(role: string, core: WorkerCore, numPagesCached: () => number): Registry {
   const registry = core.metrics.registry
   registry.setDefaultLabels({ role })
   new Gauge({
@@ -183,7 +197,7 @@ function makeMetrics(role: string, core: WorkerCore): Registry {
     help: 'KV pool pages owned by requests',
     registers: [registry],
     collect() {
-      this.set(core.pool.numUsed)
+      this.set(core.pool.numUsed - numPagesCached())
     },
   })
   new Gauge({

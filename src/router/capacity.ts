@@ -36,19 +36,7 @@ export function decideContextWindow(
   reports: readonly WorkerReport[],
   options: ContextWindowOptions,
 ): ContextWindowDecision {
-  if (reports.length === 0) throw new KvfenceError('internal_error', 'G1: no workers to check')
-  let effective = Infinity
-  let limitedBy = ''
-  for (const { url, info } of reports) {
-    const limit = Math.min(info.capacityTokens, info.maxPositionEmbeddings)
-    if (limit < effective) {
-      effective = limit
-      limitedBy =
-        info.capacityTokens <= info.maxPositionEmbeddings
-          ? `${info.role} worker ${url} KV pool (${info.numPages} pages × ${info.pageSize} tokens)`
-          : `${info.role} worker ${url} max_position_embeddings`
-    }
-  }
+  const { tokens: effective, limitedBy } = effectiveCapacity(reports)
   const requested = options.contextWindow
   if (requested !== undefined && (!Number.isSafeInteger(requested) || requested < 1)) {
     throw new KvfenceError(
@@ -84,4 +72,27 @@ export function decideContextWindow(
     'guard_violation',
     `G1: ${excess}; lower the context window to ${effective} or pass --clamp-context`,
   )
+}
+
+/** The effective capacity: min over all workers of `capacityTokens` and `maxPositionEmbeddings`,
+ *  in tokens, and which worker and limit set it (for messages). Throws `internal_error` for no
+ *  workers. */
+export function effectiveCapacity(reports: readonly WorkerReport[]): {
+  tokens: number
+  limitedBy: string
+} {
+  if (reports.length === 0) throw new KvfenceError('internal_error', 'G1: no workers to check')
+  let tokens = Infinity
+  let limitedBy = ''
+  for (const { url, info } of reports) {
+    const limit = Math.min(info.capacityTokens, info.maxPositionEmbeddings)
+    if (limit < tokens) {
+      tokens = limit
+      limitedBy =
+        info.capacityTokens <= info.maxPositionEmbeddings
+          ? `${info.role} worker ${url} KV pool (${info.numPages} pages × ${info.pageSize} tokens)`
+          : `${info.role} worker ${url} max_position_embeddings`
+    }
+  }
+  return { tokens, limitedBy }
 }

@@ -5,7 +5,9 @@ import { KvfenceError, toOpenAiError } from '../errors.js'
 import { LimitError } from './limits.js'
 
 /** Reads the request body as JSON. Throws `payload_too_large` past `maxBytes` (checked against
- *  `content-length` first, then while reading) and `invalid_request` for malformed JSON. */
+ *  `content-length` first, then while reading), `invalid_request` for malformed JSON, and
+ *  `request_aborted` when the client closes the connection before the body's end (a client that
+ *  left, not a server error: nothing can be sent to it any more). */
 export async function readJsonBody(req: IncomingMessage, maxBytes: number): Promise<unknown> {
   const tooLarge = () =>
     new KvfenceError('payload_too_large', `the request body exceeds the limit of ${maxBytes} bytes`)
@@ -13,10 +15,19 @@ export async function readJsonBody(req: IncomingMessage, maxBytes: number): Prom
   if (Number.isFinite(declared) && declared > maxBytes) throw tooLarge()
   const chunks: Buffer[] = []
   let numBytes = 0
-  for await (const chunk of req as AsyncIterable<Buffer>) {
-    numBytes += chunk.length
-    if (numBytes > maxBytes) throw tooLarge()
-    chunks.push(chunk)
+  try {
+    for await (const chunk of req as AsyncIterable<Buffer>) {
+      numBytes += chunk.length
+      if (numBytes > maxBytes) throw tooLarge()
+      chunks.push(chunk)
+    }
+  } catch (err) {
+    if (err instanceof KvfenceError) throw err
+    // Node fails the read with `aborted` (ECONNRESET) when the connection closes mid-body.
+    throw new KvfenceError(
+      'request_aborted',
+      `the client closed the connection after ${numBytes} bytes of the request body`,
+    )
   }
   const text = Buffer.concat(chunks).toString('utf8')
   if (text.trim() === '') throw new KvfenceError('invalid_request', 'the request body is empty')

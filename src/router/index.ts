@@ -9,7 +9,14 @@ export {
 } from './start.js'
 export { buildRouterConfig, routerConfigDefaults, type RouterConfig } from './config.js'
 export {
+  createCapacityMonitor,
+  defaultCapacityRecheckMs,
+  type CapacityMonitor,
+  type CapacityState,
+} from './capacity-monitor.js'
+export {
   decideContextWindow,
+  effectiveCapacity,
   type ContextWindowDecision,
   type ContextWindowOptions,
   type WorkerReport,

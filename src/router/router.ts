@@ -16,6 +16,7 @@ import type { GenerateRequest } from '../engine/control.js'
 import { KvfenceError, type ErrorCode, toOpenAiError } from '../errors.js'
 import type { Tokenizer } from '../model/tokenizer.js'
 import { admit, chatPromptTokenIds, completionPromptTokenIds } from './admission.js'
+import type { CapacityMonitor } from './capacity-monitor.js'
 import type { RouterConfig } from './config.js'
 import type { Gateway } from './gateway.js'
 import { readJsonBody, sendError, sendJson } from './http.js'
@@ -49,7 +50,13 @@ import { type GenerationEvent, PoolFullError, type WorkerClient } from './worker
 /** Where requests run: kvfence's own prefill and decode workers (the router tokenizes and
  *  detokenizes), or another engine's OpenAI API behind a {@link Gateway}. */
 export type RouterBackend =
-  | { kind: 'kvfence'; tokenizer: Tokenizer; workers: WorkerClient }
+  | {
+      kind: 'kvfence'
+      tokenizer: Tokenizer
+      workers: WorkerClient
+      /** G1 re-checked while running; without it the window of `config` holds for good. */
+      capacity?: CapacityMonitor
+    }
   | { kind: 'gateway'; gateway: Gateway }
 
 /** What {@link createRouter} needs; all of it is passed in, nothing is global. */
@@ -78,9 +85,14 @@ export function createRouter(deps: RouterDeps): RequestHandler {
   const { config, tenants, backend } = deps
   const metrics = deps.metrics ?? createRouterMetrics()
   const limiter = deps.limiter ?? createLimiter()
-  /** The advertised context window now: fixed (G1) natively, rediscovered in gateway mode. */
+  /** G1 now: natively as last re-checked (or fixed at start), rediscovered in gateway mode. */
+  const capacity = () =>
+    backend.kind === 'kvfence' && backend.capacity !== undefined ? backend.capacity.current() : null
+  /** The advertised context window now. */
   const contextWindow = () =>
-    backend.kind === 'gateway' ? backend.gateway.contextWindow() : config.contextWindow
+    backend.kind === 'gateway'
+      ? backend.gateway.contextWindow()
+      : (capacity()?.contextWindow ?? config.contextWindow)
 
   // -------------------------------------------------------------------------------------------
   // Dispatch
@@ -155,10 +167,12 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       throw new KvfenceError('worker_unavailable', 'a worker did not report its state')
     }
     const infos = reports.map((r) => r.info)
+    const now = capacity()
     sendJson(res, 200, {
       model: config.model,
-      contextWindow: config.contextWindow,
-      effectiveCapacityTokens: config.effectiveCapacityTokens,
+      contextWindow: contextWindow(),
+      effectiveCapacityTokens: now?.effectiveCapacityTokens ?? config.effectiveCapacityTokens,
+      ...(now?.refusal ? { refusing: now.refusal.message } : {}),
       pageSize: config.pageSize,
       guardsEnabled: config.guardsEnabled && infos.every((i) => i.guardsEnabled),
       faults: [...new Set(infos.flatMap((i) => i.faults))].sort(),
@@ -215,6 +229,8 @@ export function createRouter(deps: RouterDeps): RequestHandler {
           completion: '',
         }
       }
+      const refusal = capacity()?.refusal
+      if (refusal) throw refusal // G1: the workers can no longer hold the advertised window
       const prompt = await promptOf(endpoint, parsed, abort.signal)
       outcome.numPromptTokens = prompt.numTokens
       const window = contextWindow()
@@ -283,7 +299,10 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       const error = asKvfenceError(err)
       outcome.status = error.status
       logFailure(log, error)
-      if (!res.destroyed) sendError(req, res, publicError(error, rid))
+      // A request_aborted has no one left to tell.
+      if (!res.destroyed && error.code !== 'request_aborted') {
+        sendError(req, res, publicError(error, rid))
+      }
     } finally {
       slot?.release()
       ticket?.release(Math.max(0, numReservedCompletion - outcome.numCompletionTokens))
@@ -331,16 +350,28 @@ export function createRouter(deps: RouterDeps): RequestHandler {
     return { numTokens: tokenIds.length, tokenIds }
   }
 
-  /** The workers' events for a request. A decode worker that refuses it because its KV pool is
-   *  momentarily full (nothing reserved yet) is asked again each time a running request ends,
-   *  until `maxQueueWaitMs`; then 503 with `Retry-After` (G2). */
+  /** The workers' events for a request. A request refused because a KV pool (decode or prefill)
+   *  is momentarily full, before any token, is tried again each time a running request ends,
+   *  until `maxQueueWaitMs`; then 503 with `Retry-After` (G2). Each retry goes out under a fresh
+   *  request id and transfer secret: the previous attempt's decode request was closed before the
+   *  refusal surfaced, but the decode worker may not have seen that close yet, and must never
+   *  match a transfer to a reservation of another attempt. */
   async function* workerEvents(
     workers: WorkerClient,
     c: GenerationContext,
   ): AsyncGenerator<GenerationEvent, void> {
     const deadline = performance.now() + limiter.maxQueueWaitMs
-    for (;;) {
-      const events = workers.generate(c.request, c.signal)
+    for (let attempt = 0; ; attempt++) {
+      const request: GenerateRequest =
+        attempt === 0
+          ? c.request
+          : {
+              ...c.request,
+              requestId: randomBytes(16).toString('hex'),
+              transferSecret: randomBytes(32).toString('hex'),
+            }
+      if (attempt > 0) c.log.debug({ attempt, workerRid: request.requestId }, 'retrying')
+      const events = workers.generate(request, c.signal)
       let first: IteratorResult<GenerationEvent, void>
       try {
         first = await events.next()
@@ -511,6 +542,10 @@ export function createRouter(deps: RouterDeps): RequestHandler {
 
   function logFailure(log: Logger, err: KvfenceError): void {
     noteFailure(err)
+    if (isWorkerFailure(err) && err !== capacity()?.refusal && backend.kind === 'kvfence') {
+      // A worker that failed may have restarted with a smaller pool: re-check G1 now.
+      backend.capacity?.recheckSoon()
+    }
     if (err.code === 'request_aborted') log.info({ code: err.code }, 'client went away')
     else if (err.status >= 500) log.error({ code: err.code, detail: err.message }, 'request failed')
     // 4xx: the code and field suffice; the message may quote client input.
@@ -570,6 +605,11 @@ function pathOf(url: string | undefined): string {
   } catch {
     return ''
   }
+}
+
+/** A failure that may mean a worker went away or restarted. */
+function isWorkerFailure(err: KvfenceError): boolean {
+  return err.code === 'worker_unavailable' || err.code === 'transfer_failed'
 }
 
 function asKvfenceError(err: unknown): KvfenceError {

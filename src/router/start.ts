@@ -10,6 +10,7 @@ import { pino, type Logger } from 'pino'
 import { KvfenceError } from '../errors.js'
 import { loadTokenizer } from '../model/tokenizer.js'
 import { type WorkerReport, decideContextWindow } from './capacity.js'
+import { createCapacityMonitor, defaultCapacityRecheckMs } from './capacity-monitor.js'
 import { type RouterConfig, buildRouterConfig, routerConfigDefaults } from './config.js'
 import { type GatewayOptions, startGateway } from './gateway.js'
 import { type QueueLimits, createLimiter, queueLimitDefaults } from './limits.js'
@@ -61,6 +62,8 @@ export interface StartRouterOptions {
   workerIdleTimeoutMs?: number
   /** How long to wait for workers to answer `/server_info` at start, in ms (default 10 000). */
   workerWaitMs?: number
+  /** Interval of G1's re-check of the workers' capacity while running, in ms (default 5 000). */
+  capacityRecheckMs?: number
   /** Logger (default: pino to stdout at info). */
   log?: Logger
 }
@@ -159,10 +162,20 @@ export async function startRouter(options: StartRouterOptions): Promise<RunningR
       queue: () => ({ numRunning: limiter.numRunning, numQueued: limiter.numQueued }),
       workers: () => scrapeWorkerStats(workers),
     })
-    const backend: RouterBackend = { kind: 'kvfence', tokenizer, workers }
-    return await listenRouter(options, config, { tenants, backend, limiter, metrics, log }, () =>
-      workers.close(),
-    )
+    const capacity = createCapacityMonitor({
+      workers,
+      initial: reports,
+      contextWindow: options.contextWindow ?? decision.contextWindow,
+      clampContext: options.clampContext ?? false,
+      guardsEnabled,
+      intervalMs: options.capacityRecheckMs ?? defaultCapacityRecheckMs,
+      log,
+    })
+    const backend: RouterBackend = { kind: 'kvfence', tokenizer, workers, capacity }
+    return await listenRouter(options, config, { tenants, backend, limiter, metrics, log }, () => {
+      capacity.close()
+      workers.close()
+    })
   } catch (err) {
     workers.close()
     throw err

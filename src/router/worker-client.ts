@@ -29,8 +29,10 @@ export type GenerationEvent =
       numTransferredPages: number
     }
 
-/** The decode worker refused a request outright with `capacity_exhausted` (its KV pool is
- *  momentarily full): nothing was reserved or prefilled, so the request may be tried again. */
+/** A worker refused a request with `capacity_exhausted` (its KV pool is momentarily full) before
+ *  any token was produced: the decode worker outright (nothing reserved), or the prefill worker
+ *  (the decode worker's reservation is then closed before this is thrown). The request may be
+ *  tried again, under a fresh request id and transfer secret. */
 export class PoolFullError extends KvfenceError {
   constructor(message: string) {
     super('capacity_exhausted', message)
@@ -68,6 +70,9 @@ export interface WorkerClientOptions {
   idleTimeoutMs?: number
   /** Deadline of a `/server_info` call, in ms. */
   infoTimeoutMs?: number
+  /** Idle time after which a pooled connection is closed, in ms (default
+   *  {@link freeSocketTimeoutMs}); must stay below the workers' `keepAliveTimeout`. */
+  freeSocketTimeoutMs?: number
   /** Cross-check the workers' reports (prompt length, first token, counts) before any output
    *  leaves; false only in the incident's configuration. Default true. */
   guardsEnabled?: boolean
@@ -75,6 +80,10 @@ export interface WorkerClientOptions {
 
 const defaultIdleTimeoutMs = 120_000
 const defaultInfoTimeoutMs = 5_000
+/** How long a pooled connection may sit idle before the router closes it, ms. Below the workers'
+ *  `server.keepAliveTimeout` (65 000 ms), so the router, not the worker, ends an idle connection
+ *  and never sends a request on one the worker is closing at that moment. */
+export const freeSocketTimeoutMs = 30_000
 const maxLineBytes = 1024 * 1024 // longest NDJSON line or JSON reply accepted from a worker
 
 // ---------------------------------------------------------------------------------------------
@@ -98,11 +107,18 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
   const idleTimeoutMs = options.idleTimeoutMs ?? defaultIdleTimeoutMs
   const infoTimeoutMs = options.infoTimeoutMs ?? defaultInfoTimeoutMs
   const guardsEnabled = options.guardsEnabled ?? true
-  const agent = new http.Agent({ keepAlive: true })
+  // `timeout` closes a pooled connection that sat idle that long (an in-use one only gets a
+  // 'timeout' event, which nothing here listens to: long silences are `idleTimeoutMs`'s job).
+  const agent = new http.Agent({
+    keepAlive: true,
+    timeout: options.freeSocketTimeoutMs ?? freeSocketTimeoutMs,
+  })
   let nextPrefill = 0
   let nextDecode = 0
-  /** Decode worker URL → its transfer (data-plane) address, from its `/server_info`. */
-  const transferAddresses = new Map<string, Promise<{ host: string; port: number }>>()
+  /** Decode worker URL → its transfer (data-plane) address, from its `/server_info`: the fallback
+   *  for a decode worker whose `reserved` event does not name it. Refreshed by every
+   *  `/server_info` read, dropped on any failure of a request on that worker. */
+  const transferAddresses = new Map<string, Promise<TransferAddress>>()
 
   async function serverInfo(url: string, signal?: AbortSignal): Promise<ServerInfo> {
     const deadline = AbortSignal.timeout(infoTimeoutMs)
@@ -110,7 +126,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     let res: http.IncomingMessage
     let body: unknown
     try {
-      res = await send(agent, `${url}/server_info`, 'GET', null, combined)
+      res = await sendIdempotent(agent, `${url}/server_info`, combined)
       body = await readJson(res)
     } catch (err) {
       throw new KvfenceError('worker_unavailable', `worker ${url}/server_info: ${describe(err)}`)
@@ -128,14 +144,19 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
         `worker ${url}/server_info: unexpected reply (${issueText(parsed.error.issues[0])})`,
       )
     }
-    return parsed.data
+    const info = parsed.data
+    if (info.role === 'decode' && info.transferPort !== undefined && decodeUrls.includes(url)) {
+      const address = { host: info.transferHost ?? hostOf(url), port: info.transferPort }
+      transferAddresses.set(url, Promise.resolve(address))
+    }
+    return info
   }
 
   async function metricsText(url: string, signal?: AbortSignal): Promise<string> {
     const deadline = AbortSignal.timeout(infoTimeoutMs)
     const combined = signal === undefined ? deadline : AbortSignal.any([signal, deadline])
     try {
-      const res = await send(agent, `${url}/metrics`, 'GET', null, combined)
+      const res = await sendIdempotent(agent, `${url}/metrics`, combined)
       const text = await readText(res)
       if (res.statusCode !== 200) throw new Error(`HTTP ${res.statusCode}`)
       return text
@@ -144,7 +165,19 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     }
   }
 
-  function transferAddress(decodeUrl: string, signal: AbortSignal) {
+  /** The decode worker's transfer address: as its `reserved` event names it (current even right
+   *  after a restart on another port), else as its `/server_info` reported it (cached). */
+  function transferAddress(
+    decodeUrl: string,
+    reserved: Extract<DecodeEvent, { type: 'reserved' }>,
+    signal: AbortSignal,
+  ): Promise<TransferAddress> {
+    if (reserved.transferPort !== undefined) {
+      return Promise.resolve({
+        host: reserved.transferHost ?? hostOf(decodeUrl),
+        port: reserved.transferPort,
+      })
+    }
     let address = transferAddresses.get(decodeUrl)
     if (address === undefined) {
       address = serverInfo(decodeUrl, signal).then((info) => {
@@ -175,7 +208,10 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
       signal,
     )
     const body = await readJson(res)
-    if (res.statusCode !== 200) throw workerError('prefill', url, res.statusCode, body)
+    if (res.statusCode !== 200) {
+      const error = workerError('prefill', url, res.statusCode, body)
+      throw error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
+    }
     const parsed = PrefillResult.safeParse(body)
     if (!parsed.success) {
       throw new KvfenceError(
@@ -225,14 +261,15 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     try {
       touch()
       let res: http.IncomingMessage
+      let isReusedSocket: boolean
       try {
-        res = await send(
+        ;({ res, isReusedSocket } = await sendOn(
           agent,
           `${decodeUrl}/internal/generate`,
           'POST',
           JSON.stringify(request),
           inner.signal,
-        )
+        ))
       } catch (err) {
         throw (
           failure ??
@@ -251,13 +288,21 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
 
       let prefillResult: Promise<PrefillResult> | null = null
       let numTokens = 0
+      let done: Extract<DecodeEvent, { type: 'done' }> | null = null
+      // Read to the end of the response even after `done` (which is the last line): leaving the
+      // loop early would destroy the keep-alive connection, costing a new one per request.
       for await (const event of decodeEvents(res, decodeUrl)) {
         touch()
+        if (done !== null) throw protocolError(decodeUrl, rid, `a ${event.type} event after done`)
         switch (event.type) {
           case 'reserved': {
             if (prefillResult !== null)
               throw protocolError(decodeUrl, rid, 'a second reserved event')
-            const decode = await transferAddress(decodeUrl, inner.signal)
+            // A new connection may be to a decode worker restarted since its address was cached.
+            if (!isReusedSocket && event.transferPort === undefined) {
+              transferAddresses.delete(decodeUrl)
+            }
+            const decode = await transferAddress(decodeUrl, event, inner.signal)
             prefillResult = prefill(
               prefillUrl,
               {
@@ -271,9 +316,6 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
               inner.signal,
             )
             prefillResult.catch((err: unknown) => {
-              if (err instanceof KvfenceError && err.code === 'transfer_failed') {
-                transferAddresses.delete(decodeUrl) // the decode worker may have moved
-              }
               fail(
                 err instanceof KvfenceError
                   ? err
@@ -299,22 +341,10 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
             numTokens++
             yield event
             break
-          case 'done': {
+          case 'done':
             if (prefillResult === null) throw protocolError(decodeUrl, rid, 'done before reserved')
-            const result = await prefillResult
-            if (guardsEnabled) checkDone(event, numTokens, request, decodeUrl)
-            isFinished = true
-            const { type, finishReason, promptTokens, completionTokens, cachedTokens } = event
-            yield {
-              type,
-              finishReason,
-              promptTokens,
-              completionTokens,
-              ...(cachedTokens === undefined ? {} : { cachedTokens }),
-              numTransferredPages: result.numPages,
-            }
-            return
-          }
+            done = event
+            break
           case 'error':
             throw new KvfenceError(
               isErrorCode(event.code) ? event.code : 'internal_error',
@@ -322,12 +352,45 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
             )
         }
       }
-      throw new KvfenceError(
-        'worker_unavailable',
-        `decode worker ${decodeUrl} ended request ${rid} without a done event`,
-      )
+      if (done === null || prefillResult === null) {
+        throw new KvfenceError(
+          'worker_unavailable',
+          `decode worker ${decodeUrl} ended request ${rid} without a done event`,
+        )
+      }
+      const result = await prefillResult
+      if (guardsEnabled) checkDone(done, numTokens, request, decodeUrl)
+      isFinished = true
+      const { type, finishReason, promptTokens, completionTokens } = done
+      // Prefix-cache hits happen on the prefill worker; only it knows how many prompt tokens were cached.
+      const cachedTokens = result.cachedTokens ?? done.cachedTokens
+      if (
+        guardsEnabled &&
+        cachedTokens !== undefined &&
+        !(cachedTokens >= 0 && cachedTokens < promptTokens)
+      ) {
+        throw protocolError(
+          prefillUrl,
+          rid,
+          `cachedTokens ${cachedTokens} outside [0, ${promptTokens})`,
+        )
+      }
+      yield {
+        type,
+        finishReason,
+        promptTokens,
+        completionTokens,
+        ...(cachedTokens === undefined ? {} : { cachedTokens }),
+        numTransferredPages: result.numPages,
+      }
     } catch (err) {
-      throw failure ?? asKvfenceError(err, `decode worker ${decodeUrl}`)
+      const error = failure ?? asKvfenceError(err, `decode worker ${decodeUrl}`)
+      // Any failure but the client's own abort may mean the decode worker restarted elsewhere:
+      // read its transfer address afresh next time.
+      if (error.code !== 'request_aborted' && !(error instanceof PoolFullError)) {
+        transferAddresses.delete(decodeUrl)
+      }
+      throw error
     } finally {
       clearTimeout(idleTimer)
       signal.removeEventListener('abort', onClientAbort)
@@ -414,21 +477,60 @@ function protocolError(url: string, rid: string, what: string): KvfenceError {
 // ---------------------------------------------------------------------------------------------
 // HTTP plumbing
 
-function send(
+/** A GET that is safe to repeat: sent once more, on a new connection, when a reused keep-alive
+ *  connection was reset before any reply (the worker closed it as the request went out). POSTs
+ *  are never repeated: a worker may have acted on one. */
+async function sendIdempotent(
   agent: http.Agent,
+  url: string,
+  signal: AbortSignal,
+): Promise<http.IncomingMessage> {
+  try {
+    return await send(agent, url, 'GET', null, signal)
+  } catch (err) {
+    if (!(err instanceof ReusedSocketReset)) throw err
+    return send(false, url, 'GET', null, signal) // a connection of its own, never a pooled one
+  }
+}
+
+/** A request on a reused keep-alive connection was reset before its reply began. */
+class ReusedSocketReset extends Error {
+  readonly code = 'ECONNRESET'
+  constructor(cause: Error) {
+    super(cause.message, { cause })
+  }
+}
+
+function send(
+  agent: http.Agent | false,
   url: string,
   method: 'GET' | 'POST',
   body: string | null,
   signal: AbortSignal,
 ): Promise<http.IncomingMessage> {
+  return sendOn(agent, url, method, body, signal).then((sent) => sent.res)
+}
+
+/** {@link send}, also telling whether the request went out on a reused keep-alive connection. */
+function sendOn(
+  agent: http.Agent | false,
+  url: string,
+  method: 'GET' | 'POST',
+  body: string | null,
+  signal: AbortSignal,
+): Promise<{ res: http.IncomingMessage; isReusedSocket: boolean }> {
   return new Promise((resolve, reject) => {
     const headers: http.OutgoingHttpHeaders = { accept: 'application/json' }
     if (body !== null) {
       headers['content-type'] = 'application/json'
       headers['content-length'] = Buffer.byteLength(body)
     }
-    const req = http.request(url, { method, agent, signal, headers }, resolve)
-    req.on('error', reject)
+    const req = http.request(url, { method, agent, signal, headers }, (res) =>
+      resolve({ res, isReusedSocket: req.reusedSocket }),
+    )
+    req.on('error', (err: NodeJS.ErrnoException) =>
+      reject(req.reusedSocket && err.code === 'ECONNRESET' ? new ReusedSocketReset(err) : err),
+    )
     req.end(body ?? undefined)
   })
 }
@@ -545,6 +647,12 @@ function normalizeBaseUrl(url: string): string {
     throw new KvfenceError('internal_error', `worker URL ${url} must use http:`)
   }
   return parsed.origin
+}
+
+/** Where a prefill worker sends a request's KV pages. */
+interface TransferAddress {
+  host: string
+  port: number
 }
 
 function hostOf(baseUrl: string): string {

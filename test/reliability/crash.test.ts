@@ -194,17 +194,11 @@ describe('crash recovery (kill -9, restart in place)', () => {
     await expectServed(routerUrl(), tenants.a, canaryA)
   })
 
-  it(
-    'decode worker restarted on another transfer port: the first request after it is served',
-    {
-      skip: 'blocked on the router caching a decode worker’s transfer port across its restart (worker-client.ts transferAddresses), see report',
-    },
-    async () => {
-      await kill9(decode!)
-      const ports2 = { ...ports, transfer: (await allocatePorts()).transfer }
-      decode = await startDecode(ports2)
-      await expectServed(routerUrl(), tenants.b, canaryB)
-      assert.ok(await drained(), 'pools did not return to 0 pages')
-    },
-  )
+  it('decode worker restarted on another transfer port: the first request after it is served', async () => {
+    await kill9(decode!)
+    const ports2 = { ...ports, transfer: (await allocatePorts()).transfer }
+    decode = await startDecode(ports2)
+    await expectServed(routerUrl(), tenants.b, canaryB)
+    assert.ok(await drained(), 'pools did not return to 0 pages')
+  })
 })

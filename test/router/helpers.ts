@@ -124,8 +124,13 @@ export interface StandInOptions {
   cachedTokens?: number
   /** Guard trips the workers report at `/metrics` (`kvfence_guard_trips_total`). */
   guardTrips?: Record<string, number>
-  /** The prefill worker refuses `/internal/prefill`. */
+  /** The prefill worker refuses `/internal/prefill` … */
   prefillRefusal?: { status: number; code: string; message: string }
+  /** … only its first this many requests (default: all). */
+  prefillRefusalTimes?: number
+  /** The decode worker names its transfer port in each `reserved` event (as a decode worker that
+   *  follows control.ts does); default false (an older decode worker: `/server_info` only). */
+  isTransferPortReserved?: boolean
   /** The decode worker sends an `error` event after this many tokens. */
   decodeErrorAfterTokens?: number
   /** The prefill worker reports this first token instead of the real one. */
@@ -141,6 +146,16 @@ export interface StandIns {
   transferPort: number
   generateRequests: GenerateRequest[]
   prefillRequests: PrefillRequest[]
+  /** What happened, in order: `generate RID`, `decode-closed RID`, `prefill RID`. */
+  events: string[]
+  /** Stand in for a restart of the decode worker's transfer receiver on another port. */
+  setTransferPort(port: number): void
+  /** Close every connection to the decode worker (as a restart does). */
+  closeDecodeConnections(): void
+  /** TCP connections the decode worker has accepted so far. */
+  numDecodeConnections(): number
+  /** Stand in for a restart of both workers with pools of `numPages` pages. */
+  setNumPages(numPages: number): void
   /** `/internal/generate` requests refused by `decodeRefusal`. */
   numRefused(): number
   /** Request ids whose HTTP request the router closed before the worker finished. */
@@ -157,9 +172,9 @@ export const defaultReplyText = 'Hello, tenant!'
 /** Starts a stand-in prefill worker and decode worker on 127.0.0.1. */
 export async function startStandIns(options: StandInOptions = {}): Promise<StandIns> {
   const pageSize = options.pageSize ?? 16
-  const numPages = options.numPages ?? 64
+  let numPages = options.numPages ?? 64
   const reply = options.reply ?? (() => [...charIds(defaultReplyText), eosId])
-  const transferPort = 47_000 + Math.floor(Math.random() * 1000) // never connected to
+  let transferPort = 47_000 + Math.floor(Math.random() * 1000) // never connected to
   const prefilled = new Map<string, () => void>() // rid → wake the decode worker
   const prefilledEarly = new Set<string>()
   const state = {
@@ -167,6 +182,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     prefillRequests: [] as PrefillRequest[],
     decodeClosedEarly: [] as string[],
     prefillClosedEarly: [] as string[],
+    events: [] as string[],
   }
   const info = (role: 'prefill' | 'decode'): ServerInfo => ({
     role,
@@ -189,6 +205,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       .map(([guard, n]) => `kvfence_guard_trips_total{guard="${guard}",role="${role}"} ${n}\n`)
       .join('')
   let numRefused = 0
+  let numPrefillRefused = 0
   const decode = http.createServer(async (req, res) => {
     if (req.method === 'GET' && req.url === '/server_info') return json(res, 200, info('decode'))
     if (req.method === 'GET' && req.url === '/metrics') {
@@ -199,10 +216,14 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     const request = GenerateRequest.parse(JSON.parse(await readBody(req)))
     state.generateRequests.push(request)
     const rid = request.requestId
+    state.events.push(`generate ${rid}`)
     let isClosed = false
     res.on('close', () => {
       isClosed = true
-      if (!res.writableEnded) state.decodeClosedEarly.push(rid)
+      if (!res.writableEnded) {
+        state.decodeClosedEarly.push(rid)
+        state.events.push(`decode-closed ${rid}`)
+      }
     })
     if (options.decodeRefusal && numRefused < (options.decodeRefusalTimes ?? Infinity)) {
       numRefused++
@@ -211,7 +232,11 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     }
     res.writeHead(200, { 'content-type': 'application/x-ndjson' })
     const emit = (event: object) => res.write(`${JSON.stringify(event)}\n`)
-    emit({ type: 'reserved', numPages: Math.ceil(request.promptTokenIds.length / pageSize) })
+    emit({
+      type: 'reserved',
+      numPages: Math.ceil(request.promptTokenIds.length / pageSize),
+      ...(options.isTransferPortReserved ? { transferPort } : {}),
+    })
     if (!prefilledEarly.has(rid)) await new Promise<void>((resolve) => prefilled.set(rid, resolve))
     const tokens = reply(request.promptTokenIds)
     let numTokens = 0
@@ -252,14 +277,20 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     const request = PrefillRequest.parse(JSON.parse(await readBody(req)))
     state.prefillRequests.push(request)
     const rid = request.requestId
+    state.events.push(`prefill ${rid}`)
     res.on('close', () => {
       if (!res.writableEnded) state.prefillClosedEarly.push(rid)
     })
-    assert.equal(request.decode.port, transferPort, 'router sent the wrong transfer port')
-    assert.equal(request.decode.host, '127.0.0.1', 'router sent the wrong transfer host')
     await delay(options.prefillDelayMs ?? 1)
     if (res.destroyed) return
-    if (options.prefillRefusal) {
+    if (request.decode.host !== '127.0.0.1' || request.decode.port !== transferPort) {
+      // What a real prefill worker meets at a stale address: nobody listening.
+      const where = `${request.decode.host}:${request.decode.port}`
+      const message = `connect ECONNREFUSED ${where} (the decode worker's transfer port is ${transferPort})`
+      return json(res, 502, { error: { code: 'transfer_failed', message } })
+    }
+    if (options.prefillRefusal && numPrefillRefused < (options.prefillRefusalTimes ?? Infinity)) {
+      numPrefillRefused++
       const { status, code, message } = options.prefillRefusal
       return json(res, status, { error: { code, message } })
     }
@@ -274,12 +305,20 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     })
   })
 
+  let numDecodeConnections = 0
+  decode.on('connection', () => numDecodeConnections++)
   const [decodePort, prefillPort] = await Promise.all([listen(decode), listen(prefill)])
   return {
     ...state,
     prefillUrl: `http://127.0.0.1:${prefillPort}`,
     decodeUrl: `http://127.0.0.1:${decodePort}`,
-    transferPort,
+    get transferPort() {
+      return transferPort
+    },
+    setTransferPort: (port: number) => (transferPort = port),
+    closeDecodeConnections: () => decode.closeAllConnections(),
+    numDecodeConnections: () => numDecodeConnections,
+    setNumPages: (n: number) => (numPages = n),
     numRefused: () => numRefused,
     numInternalRequests: () => state.generateRequests.length + state.prefillRequests.length,
     async close() {

@@ -3,7 +3,7 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import OpenAI from 'openai'
-import { startHarness, waitFor } from './helpers.js'
+import { defaultReplyText, startHarness, waitFor } from './helpers.js'
 
 const request = { model: 'echo-test', messages: [{ role: 'user' as const, content: 'Hi' }] }
 
@@ -28,6 +28,56 @@ describe('worker failures', () => {
         return true
       })
       assert.equal(h.workers.prefillRequests.length, 0, 'no prefill for a refused request')
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('a full prefill pool is waited for like a full decode pool: retried under a fresh request id and secret, after the previous decode request was closed', async () => {
+    const h = await startHarness({
+      prefillRefusal: { status: 503, code: 'capacity_exhausted', message: '0 of 64 pages free' },
+      prefillRefusalTimes: 2,
+    })
+    try {
+      const completion = await h.client().chat.completions.create(request)
+      assert.equal(completion.choices[0].message.content, defaultReplyText)
+      const attempts = h.workers.generateRequests
+      assert.equal(attempts.length, 3)
+      assert.equal(new Set(attempts.map((a) => a.requestId)).size, 3)
+      assert.equal(new Set(attempts.map((a) => a.transferSecret)).size, 3)
+      assert.deepEqual(
+        h.workers.prefillRequests.map((p) => [p.requestId, p.transferSecret]),
+        attempts.map((a) => [a.requestId, a.transferSecret]),
+      )
+      // Each refused attempt's decode request was closed before the next attempt went out.
+      const events = h.workers.events
+      for (let i = 0; i < 2; i++) {
+        const closed = events.indexOf(`decode-closed ${attempts[i].requestId}`)
+        assert.ok(closed !== -1, `attempt ${i}'s decode request was left open`)
+        assert.ok(closed < events.indexOf(`generate ${attempts[i + 1].requestId}`))
+      }
+      assert.ok(!h.workers.decodeClosedEarly.includes(attempts[2].requestId))
+      const metrics = await (await fetch(`${h.router.url}/metrics`)).text()
+      assert.match(metrics, /kvfence_router_pool_full_retries_total 2\n/)
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('a prefill pool still full past the queue wait → 503 capacity_exhausted with Retry-After: 1', async () => {
+    const h = await startHarness(
+      { prefillRefusal: { status: 503, code: 'capacity_exhausted', message: '0 pages free' } },
+      { queue: { maxQueueWaitMs: 20 } },
+    )
+    try {
+      const res = await h.post('/v1/chat/completions', request)
+      assert.equal(res.status, 503)
+      assert.equal(res.headers.get('retry-after'), '1')
+      const { error } = (await res.json()) as { error: { code: string } }
+      assert.equal(error.code, 'capacity_exhausted')
+      for (const attempt of h.workers.generateRequests) {
+        await waitFor(() => h.workers.decodeClosedEarly.includes(attempt.requestId))
+      }
     } finally {
       await h.close()
     }

@@ -1,0 +1,296 @@
+/** Router benchmark: what the router adds in front of a prefill/decode pair, measured in one run
+ *  against a fast stand-in pair (no model: the decode worker streams a fixed 15-token reply as fast
+ *  as its event loop turns), so that only the router's own cost shows.
+ *  - Added latency: the same request (16 prompt tokens, 15 generated), one at a time, alternately
+ *    (a) through the router (`POST /v1/completions`, not streamed) and (b) straight to the
+ *    workers, doing the router's control-plane steps by hand (`/internal/generate` on D, on
+ *    `reserved` `/internal/prefill` on P, read to `done`). `router_added_latency_ms_p50` =
+ *    p50(a) − p50(b), likewise p99; target p50 ≤ 0.5 ms.
+ *  - Throughput: 64 concurrent clients, each sending streamed completions back to back for
+ *    `--seconds` (default 3), through the router and, for the ratio, straight to the workers.
+ *  Every figure is the median over `--repeats` (default 5) repeats.
+ *  The stand-ins and the router run in one child process (the stand-ins of test/router/helpers.ts,
+ *  the real `startRouter`); the clients run here, over keep-alive `node:http`.
+ *
+ *  Args: `--repeats N` (default 5), `--requests N` per repeat and path (default 400),
+ *  `--seconds S` of each throughput run (default 3), `--clients N` (default 64). */
+import { fork, type ChildProcess } from 'node:child_process'
+import { randomBytes } from 'node:crypto'
+import http from 'node:http'
+import { performance } from 'node:perf_hooks'
+import { fileURLToPath } from 'node:url'
+import { bosId, charIds, keys, startHarness } from '../test/router/helpers.js'
+
+/** What the child reports once listening. */
+interface Endpoints {
+  routerUrl: string
+  prefillUrl: string
+  decodeUrl: string
+  transferPort: number
+}
+
+const prompt = 'Hello, workers!' // 15 characters: 16 prompt tokens with BOS
+const maxTokens = 15
+
+/** Runs the benchmark and returns its JSON. */
+export async function benchRouter(args: string[]): Promise<object> {
+  const repeats = intFlag(args, '--repeats', 5)
+  const numRequests = intFlag(args, '--requests', 400)
+  const seconds = intFlag(args, '--seconds', 3)
+  const numClients = intFlag(args, '--clients', 64)
+
+  const child = fork(fileURLToPath(import.meta.url), ['--serve'], {
+    stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
+  })
+  try {
+    const endpoints = await new Promise<Endpoints>((resolve, reject) => {
+      child.once('message', (m) => resolve(m as Endpoints))
+      child.once('exit', (code) => reject(new Error(`stand-in process exited with ${code}`)))
+    })
+    const agent = new http.Agent({ keepAlive: true, maxSockets: Infinity })
+    const viaRouter = () => routerRequest(agent, endpoints, false)
+    const direct = () => directRequest(agent, endpoints)
+
+    // Warm up both paths (JIT, connections).
+    for (let i = 0; i < 200; i++) await Promise.all([viaRouter(), direct()])
+
+    const latency = []
+    const throughput = []
+    for (let r = 0; r < repeats; r++) {
+      const routerMs: number[] = []
+      const directMs: number[] = []
+      for (let i = 0; i < numRequests; i++) {
+        routerMs.push(await timed(viaRouter))
+        directMs.push(await timed(direct))
+      }
+      latency.push({
+        routerP50: quantile(routerMs, 0.5),
+        routerP99: quantile(routerMs, 0.99),
+        directP50: quantile(directMs, 0.5),
+        directP99: quantile(directMs, 0.99),
+      })
+      throughput.push({
+        router: await closedLoopRate(
+          () => routerRequest(agent, endpoints, true),
+          numClients,
+          seconds,
+        ),
+        direct: await closedLoopRate(direct, numClients, seconds),
+      })
+    }
+    agent.destroy()
+    const med = (values: number[]) => round(quantile(values, 0.5), 3)
+    const added50 = latency.map((l) => l.routerP50 - l.directP50)
+    const added99 = latency.map((l) => l.routerP99 - l.directP99)
+    return {
+      router_added_latency_ms_p50: med(added50),
+      router_added_latency_ms_p99: med(added99),
+      router_added_latency_target_ms_p50: 0.5,
+      router_latency_ms_p50: med(latency.map((l) => l.routerP50)),
+      router_latency_ms_p99: med(latency.map((l) => l.routerP99)),
+      direct_latency_ms_p50: med(latency.map((l) => l.directP50)),
+      direct_latency_ms_p99: med(latency.map((l) => l.directP99)),
+      streaming_requests_per_s: med(throughput.map((t) => t.router)),
+      direct_requests_per_s: med(throughput.map((t) => t.direct)),
+      router_to_direct_throughput_ratio: med(throughput.map((t) => t.router / t.direct)),
+      clients: numClients,
+      repeats,
+      requests_per_repeat: numRequests,
+      throughput_seconds: seconds,
+      prompt_tokens: prompt.length + 1,
+      completion_tokens: maxTokens,
+      note: 'stand-in workers (no model) in one child process with the router; clients here',
+    }
+  } finally {
+    await stop(child)
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The two paths
+
+/** One completion through the router; the body is read to its end. */
+async function routerRequest(agent: http.Agent, e: Endpoints, isStream: boolean): Promise<void> {
+  const body = JSON.stringify({
+    model: 'echo-test',
+    prompt,
+    max_tokens: maxTokens,
+    temperature: 0,
+    stream: isStream,
+  })
+  const res = await post(agent, `${e.routerUrl}/v1/completions`, body, {
+    authorization: `Bearer ${keys.alpha}`,
+  })
+  const text = await readAll(res)
+  if (res.statusCode !== 200) throw new Error(`router: HTTP ${res.statusCode}: ${text}`)
+}
+
+/** The router's control-plane steps for the same request, by hand. */
+async function directRequest(agent: http.Agent, e: Endpoints): Promise<void> {
+  const requestId = randomBytes(16).toString('hex')
+  const transferSecret = randomBytes(32).toString('hex')
+  const promptTokenIds = [bosId, ...charIds(prompt)]
+  const sampling = { temperature: 0, topP: 1, seed: null }
+  const res = await post(
+    agent,
+    `${e.decodeUrl}/internal/generate`,
+    JSON.stringify({
+      requestId,
+      tenant: 'alpha',
+      promptTokenIds,
+      maxTokens,
+      sampling,
+      stopTokenIds: [],
+      transferSecret,
+    }),
+  )
+  let prefill: Promise<void> | null = null
+  let pending = ''
+  let isDone = false
+  res.setEncoding('utf8')
+  for await (const chunk of res as AsyncIterable<string>) {
+    pending += chunk
+    let newline: number
+    while ((newline = pending.indexOf('\n')) !== -1) {
+      const event = JSON.parse(pending.slice(0, newline)) as { type: string }
+      pending = pending.slice(newline + 1)
+      if (event.type === 'reserved') {
+        const body = JSON.stringify({
+          requestId,
+          tenant: 'alpha',
+          promptTokenIds,
+          sampling,
+          transferSecret,
+          decode: { host: '127.0.0.1', port: e.transferPort },
+        })
+        prefill = post(agent, `${e.prefillUrl}/internal/prefill`, body)
+          .then(readAll)
+          .then(() => {})
+      } else if (event.type === 'done') isDone = true
+    }
+  }
+  await prefill
+  if (!isDone) throw new Error('direct: the decode stand-in ended without done')
+}
+
+/** Completed requests per second of `numClients` clients sending back to back for `seconds`. */
+async function closedLoopRate(
+  request: () => Promise<void>,
+  numClients: number,
+  seconds: number,
+): Promise<number> {
+  const startMs = performance.now()
+  const endMs = startMs + seconds * 1000
+  let numDone = 0
+  await Promise.all(
+    Array.from({ length: numClients }, async () => {
+      while (performance.now() < endMs) {
+        await request()
+        numDone++
+      }
+    }),
+  )
+  return numDone / ((performance.now() - startMs) / 1000)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The child: stand-ins and a router
+
+async function serve(): Promise<void> {
+  const h = await startHarness(
+    { tokenDelayMs: 0, prefillDelayMs: 0, numPages: 4096 },
+    { queue: { maxConcurrentRequests: 256, maxQueuedRequests: 1024 }, logContent: false },
+  )
+  h.logs.log.level = 'warn' // a line per request would be the router's largest cost here
+  // The stand-ins record every request for tests; a benchmark only needs them to answer.
+  setInterval(() => {
+    h.workers.generateRequests.length = 0
+    h.workers.prefillRequests.length = 0
+    h.workers.events.length = 0
+  }, 1000).unref()
+  const endpoints: Endpoints = {
+    routerUrl: h.router.url,
+    prefillUrl: h.workers.prefillUrl,
+    decodeUrl: h.workers.decodeUrl,
+    transferPort: h.workers.transferPort,
+  }
+  process.send?.(endpoints)
+  process.on('disconnect', () => void h.close().finally(() => process.exit(0)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plumbing
+
+function post(
+  agent: http.Agent,
+  url: string,
+  body: string,
+  headers: Record<string, string> = {},
+): Promise<http.IncomingMessage> {
+  return new Promise((resolve, reject) => {
+    const req = http.request(
+      url,
+      {
+        method: 'POST',
+        agent,
+        headers: {
+          'content-type': 'application/json',
+          'content-length': Buffer.byteLength(body),
+          ...headers,
+        },
+      },
+      resolve,
+    )
+    req.on('error', reject)
+    req.end(body)
+  })
+}
+
+async function readAll(res: http.IncomingMessage): Promise<string> {
+  let text = ''
+  res.setEncoding('utf8')
+  for await (const chunk of res as AsyncIterable<string>) text += chunk
+  return text
+}
+
+async function timed(f: () => Promise<void>): Promise<number> {
+  const start = performance.now()
+  await f()
+  return performance.now() - start
+}
+
+/** The `q` quantile of `values` (nearest rank), in their unit. */
+function quantile(values: readonly number[], q: number): number {
+  const sorted = [...values].sort((a, b) => a - b)
+  return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil(q * sorted.length) - 1))]
+}
+
+function round(value: number, digits: number): number {
+  return Number(value.toFixed(digits))
+}
+
+function intFlag(args: readonly string[], name: string, fallback: number): number {
+  const at = args.indexOf(name)
+  if (at === -1) return fallback
+  const value = Number(args[at + 1])
+  if (!Number.isSafeInteger(value) || value < 1) {
+    throw new Error(`${name} needs a positive integer, got ${String(args[at + 1])}`)
+  }
+  return value
+}
+
+async function stop(child: ChildProcess): Promise<void> {
+  if (child.exitCode !== null) return
+  const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()))
+  child.disconnect()
+  const timer = setTimeout(() => child.kill('SIGKILL'), 5_000)
+  await exited
+  clearTimeout(timer)
+}
+
+if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve') {
+  serve().catch((err: unknown) => {
+    process.stderr.write(`bench router: ${err instanceof Error ? err.message : String(err)}\n`)
+    process.exit(2)
+  })
+}

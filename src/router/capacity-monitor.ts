@@ -1,0 +1,158 @@
+/** G1 kept true while the router runs: re-reads every worker's `/server_info` every few seconds
+ *  and soon after a worker failure, because a worker restarted with a smaller KV pool makes the
+ *  window decided at start a promise the pool can no longer keep. When the effective capacity
+ *  drops below the advertised window it shrinks the window (`--clamp-context`) or refuses new
+ *  requests with 503 (guards on) until the workers can hold it again; with guards off it only
+ *  warns (the incident's configuration).
+ *  Knows workers' `ServerInfo`s and the operator's wishes; knows nothing of HTTP or requests. */
+import type { Logger } from 'pino'
+import { KvfenceError } from '../errors.js'
+import type { ServerInfo } from '../engine/control.js'
+import { type WorkerReport, decideContextWindow, effectiveCapacity } from './capacity.js'
+import type { WorkerClient } from './worker-client.js'
+
+/** The window the router admits against now. */
+export interface CapacityState {
+  /** Advertised context window now, in tokens. */
+  readonly contextWindow: number
+  /** Effective capacity at the last check, in tokens (min over workers, as in G1). */
+  readonly effectiveCapacityTokens: number
+  /** Set while the workers cannot hold the advertised window and guards refuse it: every new
+   *  request fails with this (`worker_unavailable`, 503; the message names both numbers). */
+  readonly refusal: KvfenceError | null
+}
+
+/** The running check. */
+export interface CapacityMonitor {
+  current(): CapacityState
+  /** Ask for a re-check soon (after a worker failure); calls while one runs are coalesced. */
+  recheckSoon(): void
+  /** Re-read every worker now and update the state; resolves when done (never rejects: a worker
+   *  that does not answer keeps its last report). */
+  recheck(): Promise<void>
+  /** Stops the timer. */
+  close(): void
+}
+
+/** Options of {@link createCapacityMonitor}. */
+export interface CapacityMonitorOptions {
+  workers: WorkerClient
+  /** The reports G1 decided on at start (prefill first, then decode, as `serverInfoAll`). */
+  initial: readonly WorkerReport[]
+  /** The window promised at start: the operator's `--context-window`, else the window G1
+   *  decided then. Never grown past. */
+  contextWindow: number
+  clampContext: boolean
+  guardsEnabled: boolean
+  /** Interval between checks, ms (default {@link defaultCapacityRecheckMs}). */
+  intervalMs?: number
+  log: Logger
+}
+
+/** Interval of the periodic re-check, ms. */
+export const defaultCapacityRecheckMs = 5_000
+
+/** Starts the periodic check (its timer does not keep the process alive). */
+export function createCapacityMonitor(options: CapacityMonitorOptions): CapacityMonitor {
+  const { workers, log } = options
+  const latest = new Map<string, ServerInfo>(options.initial.map((r) => [r.url, r.info]))
+  const urls = options.initial.map((r) => r.url)
+  let state = decide(options.initial)
+  let running: Promise<void> | null = null
+  let isWanted = false
+
+  /** G1 over the latest reports, against the window promised at start. */
+  function decide(reports: readonly WorkerReport[]): CapacityState {
+    const effective = effectiveCapacity(reports)
+    try {
+      const decision = decideContextWindow(reports, {
+        contextWindow: options.contextWindow,
+        clampContext: options.clampContext,
+        guardsEnabled: options.guardsEnabled,
+      })
+      return {
+        contextWindow: decision.contextWindow,
+        effectiveCapacityTokens: decision.effectiveCapacityTokens,
+        refusal: null,
+      }
+    } catch (err) {
+      if (!(err instanceof KvfenceError) || err.code !== 'guard_violation') throw err
+      return {
+        contextWindow: options.contextWindow,
+        effectiveCapacityTokens: effective.tokens,
+        refusal: new KvfenceError(
+          'worker_unavailable',
+          `G1: the advertised context window ${options.contextWindow} exceeds the effective KV capacity ${effective.tokens} tokens (limited by ${effective.limitedBy}); refusing new requests until the workers can hold it`,
+        ),
+      }
+    }
+  }
+
+  function report(previous: CapacityState, next: CapacityState): void {
+    const numbers = {
+      contextWindow: options.contextWindow,
+      effectiveCapacityTokens: next.effectiveCapacityTokens,
+    }
+    if (next.refusal !== null && previous.refusal === null) {
+      log.error(numbers, next.refusal.message)
+    } else if (next.refusal === null && previous.refusal !== null) {
+      log.info(numbers, `G1: the workers hold the context window again; serving`)
+    }
+    if (next.contextWindow !== previous.contextWindow) {
+      log.warn(
+        { ...numbers, advertised: next.contextWindow },
+        `G1: effective KV capacity is ${next.effectiveCapacityTokens} tokens; context window now ${next.contextWindow} (--clamp-context)`,
+      )
+    }
+    if (
+      !options.guardsEnabled &&
+      next.effectiveCapacityTokens < options.contextWindow &&
+      previous.effectiveCapacityTokens !== next.effectiveCapacityTokens
+    ) {
+      log.warn(
+        numbers,
+        `UNSAFE: context window ${options.contextWindow} exceeds the effective KV capacity ${next.effectiveCapacityTokens} tokens; guards are disabled, so it stays`,
+      )
+    }
+  }
+
+  async function readAll(): Promise<void> {
+    const results = await Promise.allSettled(urls.map((url) => workers.serverInfo(url)))
+    results.forEach((result, i) => {
+      if (result.status === 'fulfilled') latest.set(urls[i], result.value)
+    })
+    const previous = state
+    state = decide(urls.map((url) => ({ url, info: latest.get(url)! })))
+    report(previous, state)
+  }
+
+  function recheck(): Promise<void> {
+    isWanted = true
+    running ??= (async () => {
+      try {
+        while (isWanted) {
+          isWanted = false
+          await readAll()
+        }
+      } catch (err) {
+        log.error(
+          { detail: err instanceof Error ? err.message : String(err) },
+          'G1 re-check failed',
+        )
+      } finally {
+        running = null
+      }
+    })()
+    return running
+  }
+
+  const timer = setInterval(() => void recheck(), options.intervalMs ?? defaultCapacityRecheckMs)
+  timer.unref()
+
+  return Object.freeze({
+    current: () => state,
+    recheckSoon: () => void recheck(),
+    recheck,
+    close: () => clearInterval(timer),
+  })
+}

@@ -1,0 +1,46 @@
+/** `kvfence demo` (what `npm start` runs), as a user runs it: a child process that starts two real
+ *  clusters, audits both, prints the outcomes side by side and writes both reports. */
+import assert from 'node:assert/strict'
+import { execFile } from 'node:child_process'
+import { mkdtempSync, readFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { it } from 'node:test'
+import { promisify } from 'node:util'
+import { cliPath } from '../helpers/paths.js'
+
+interface Report {
+  findings: {
+    probe: string
+    verdict: string
+    severity: string
+    evidence: Record<string, unknown>
+  }[]
+}
+
+it('kvfence demo shows the leak with the fault and none as shipped, and writes both reports', async () => {
+  const out = mkdtempSync(join(tmpdir(), 'kvfence-demo-'))
+  const { stdout } = await promisify(execFile)(process.execPath, [cliPath, 'demo', '--out', out], {
+    timeout: 170_000,
+    env: { ...process.env, KVFENCE_ALLOW_FAULTS: '' },
+  })
+  const unsafe = JSON.parse(readFileSync(join(out, 'unsafe.json'), 'utf8')) as Report
+  const safe = JSON.parse(readFileSync(join(out, 'safe.json'), 'utf8')) as Report
+
+  const leak = unsafe.findings.find((f) => f.verdict === 'leak')
+  assert.ok(leak, 'unsafe.json has no leak finding')
+  assert.equal(leak.probe, 'canary')
+  assert.equal(leak.severity, 'critical')
+  const canary = String(leak.evidence.canary)
+  assert.match(canary, /^[A-Za-z0-9]{16,24}$/)
+  assert.ok(String(leak.evidence.excerpt).includes(String(leak.evidence.matchedFragment)))
+  assert.equal(safe.findings.filter((f) => f.verdict === 'leak').length, 0)
+  assert.equal(safe.findings.find((f) => f.probe === 'canary')?.verdict, 'clean')
+
+  // The console shows both outcomes side by side, the canary only redacted.
+  assert.match(stdout, /B's over-capacity prompts │ \d+× HTTP 200/)
+  assert.match(stdout, /HTTP 400 context_length_exceeded/)
+  assert.match(stdout, /G1 refused to start/)
+  assert.ok(!stdout.includes(canary), 'the console shows the canary unredacted')
+  assert.ok(stdout.includes(canary.slice(0, 4)), 'the console does not show the redacted canary')
+})

@@ -1,0 +1,115 @@
+/** The prefix cache in a real cluster (router, prefill and decode workers as OS processes, KV over
+ *  TCP, the prefill worker's default cache of a quarter of its pool), driven by the official
+ *  `openai` client: a tenant's prompts that share a prefix hit the cache and still answer exactly
+ *  what the single-process engine (`generateLocal`, no cache) answers; another tenant sending the
+ *  same prompt never hits; cached pages are not counted as used, so the pool reads idle again. */
+import assert from 'node:assert/strict'
+import { mkdtempSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { after, before, describe, it } from 'node:test'
+import OpenAI from 'openai'
+import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
+import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import { ServerInfo } from '../../src/engine/control.js'
+import { buildFaultConfig } from '../../src/engine/faults.js'
+import { generateLocal } from '../../src/engine/local-engine.js'
+import { createWorkerCore } from '../../src/engine/worker-core.js'
+import { loadTokenizer } from '../../src/model/tokenizer.js'
+import { loadModel } from '../../src/model/weights.js'
+import { echoModelDir } from '../helpers/paths.js'
+
+const dir = mkdtempSync(join(tmpdir(), 'kvfence-prefix-cache-'))
+const tenants = [
+  { name: 'tenant-a', key: newApiKey() },
+  { name: 'tenant-b', key: newApiKey() },
+]
+writeFileSync(join(dir, 'tenants.yaml'), tenantsYaml(tenants))
+
+const shared =
+  'system: you answer in the voice of the stone garden, Lm4Nb8Vc1Xz0 is the gate code. '
+const prompts = [`${shared}user: what opens the gate?`, `${shared}user: and who keeps it?`]
+
+const tokenizer = loadTokenizer(echoModelDir)
+const local = createWorkerCore({
+  model: loadModel(echoModelDir),
+  numPages: 64,
+  pageSize: 16,
+  faults: buildFaultConfig([], false, {}),
+})
+
+function expected(prompt: string, maxTokens: number): string {
+  const out = generateLocal(local, tokenizer.encode(prompt), {
+    maxTokens,
+    sampling: { temperature: 0, topP: 1, seed: null },
+    stopTokenIds: tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId],
+  })
+  return tokenizer.decode(out.tokenIds)
+}
+
+describe('prefix cache across a real cluster', () => {
+  let cluster: Cluster
+  before(async () => {
+    cluster = await startCluster({
+      modelDir: echoModelDir,
+      pageSize: 16,
+      prefillPages: 64, // default cache: 16 pages
+      decodePages: 64,
+      tenantsFile: join(dir, 'tenants.yaml'),
+      logDir: join(dir, 'logs'),
+    })
+  })
+  after(async () => cluster?.stop())
+
+  /** `usage.prompt_tokens_details.cached_tokens` of the last answer. */
+  let lastCachedTokens: number | undefined
+  async function complete(tenant: number, prompt: string): Promise<string> {
+    const api = new OpenAI({
+      baseURL: `${cluster.routerUrl}/v1`,
+      apiKey: tenants[tenant].key,
+      maxRetries: 0,
+      timeout: 60_000,
+    })
+    const res = await api.completions.create({
+      model: 'echo-tiny',
+      prompt,
+      max_tokens: 24,
+      temperature: 0,
+    })
+    lastCachedTokens = res.usage?.prompt_tokens_details?.cached_tokens
+    return res.choices[0].text
+  }
+
+  /** The prefill worker's prefix-cache counters. */
+  async function cacheCounters(): Promise<{ hit: number; miss: number; tokens: number }> {
+    const text = await (await fetch(`${cluster.prefillUrl}/metrics`)).text()
+    const value = (re: RegExp) => Number(re.exec(text)?.[1] ?? 0)
+    return {
+      hit: value(/^kvfence_prefix_cache_requests_total\{[^}]*outcome="hit"[^}]*\} (\d+)/m),
+      miss: value(/^kvfence_prefix_cache_requests_total\{[^}]*outcome="miss"[^}]*\} (\d+)/m),
+      tokens: value(/^kvfence_prefix_cache_cached_tokens_total\{[^}]*\} (\d+)/m),
+    }
+  }
+
+  it('a tenant’s shared prefix hits and the answer is exactly the single-process one', async () => {
+    assert.equal(await complete(0, prompts[0]), expected(prompts[0], 24))
+    assert.deepEqual(await cacheCounters(), { hit: 0, miss: 1, tokens: 0 })
+    assert.equal(await complete(0, prompts[1]), expected(prompts[1], 24))
+    // The prompts share BOS + 84 + 6 characters ("user: ") = 91 tokens: 5 whole pages, 80 tokens.
+    assert.deepEqual(await cacheCounters(), { hit: 1, miss: 1, tokens: 80 })
+    assert.equal(lastCachedTokens, 80)
+  })
+
+  it('another tenant sending the same prompt never hits', async () => {
+    assert.equal(await complete(1, prompts[0]), expected(prompts[0], 24))
+    assert.deepEqual(await cacheCounters(), { hit: 1, miss: 2, tokens: 80 })
+    assert.equal(lastCachedTokens, 0)
+  })
+
+  it('cached pages are reported apart: no page is used by a request once the load is over', async () => {
+    const info = ServerInfo.parse(await (await fetch(`${cluster.prefillUrl}/server_info`)).json())
+    assert.equal(info.numPagesUsed, 0)
+    // A: prompt 0 (111 tokens, 6 full pages), prompt 1 (108 tokens) adds its 6th page; B: 6 of its own.
+    assert.equal(info.numPagesCached, 13)
+  })
+})
