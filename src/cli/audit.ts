@@ -4,6 +4,7 @@
  *  sets the exit code: 1 for a finding at or above `--fail-on` (always for a leak), 2 for a tool
  *  error (one line on stderr), 0 otherwise. `--list-probes` prints the probes and exits 0.
  *  Never prints a tenant's key. */
+import { MultiBar, Presets } from 'cli-progress'
 import { Option, type Command } from 'commander'
 import {
   AuditError,
@@ -20,6 +21,7 @@ import {
   writeJunitReport,
   type AuditConfigFile,
   type ProbeName,
+  type ProgressEvent,
   type Tenant,
   type Verdict,
 } from '../audit/index.js'
@@ -125,17 +127,19 @@ async function audit(flags: AuditFlags): Promise<number> {
     junit: flags.junit ?? file.reports?.junit,
     html: flags.html ?? file.reports?.html,
   }
+  const probesToRun = flags.probes === undefined ? file.probes : parseProbes(flags.probes)
+  const progress = makeProgress((probesToRun ?? probeNames).length)
   const report = await runAudit({
     target,
     tenants,
     model: flags.model ?? file.model,
-    probes: flags.probes === undefined ? file.probes : parseProbes(flags.probes),
+    probes: probesToRun,
     seed: parseCount('--seed', flags.seed, 0) ?? file.seed,
     maxRequests: parseCount('--max-requests', flags.maxRequests, 1) ?? file.maxRequests,
     maxSeconds: parseSeconds(flags.maxSeconds) ?? file.maxSeconds,
     concurrency: parseCount('--concurrency', flags.concurrency, 1) ?? file.concurrency,
-    onProgress: (event) => process.stdout.write(`${formatProgress(event)}\n`),
-  })
+    onProgress: progress.onEvent,
+  }).finally(progress.stop)
   process.stdout.write(`\n${formatSummary(report)}\n`)
   await writeReport('JSON', reports.json, (f) => writeJsonReport(report, f))
   await writeReport('JUnit', reports.junit, (f) => writeJunitReport(report, f, failOn))
@@ -229,4 +233,38 @@ function parseSeconds(value: string | undefined): number | undefined {
     )
   }
   return n
+}
+
+/** Console progress: in a terminal, a bar over the probes (on stderr) with each probe's result
+ *  printed above it; elsewhere (CI logs, pipes), one plain line per event on stdout. */
+function makeProgress(numProbes: number): {
+  onEvent: (event: ProgressEvent) => void
+  stop: () => void
+} {
+  if (!process.stderr.isTTY) {
+    return {
+      onEvent: (event) => process.stdout.write(`${formatProgress(event)}\n`),
+      stop: () => {},
+    }
+  }
+  const bars = new MultiBar(
+    {
+      format: 'audit [{bar}] {value}/{total} probes  {probe}',
+      hideCursor: true,
+      clearOnComplete: true,
+    },
+    Presets.shades_classic,
+  )
+  const bar = bars.create(numProbes, 0, { probe: '' })
+  return {
+    onEvent: (event) => {
+      if (event.type === 'probe-start') bar.update({ probe: event.probe })
+      if (event.type === 'probe-end') {
+        bars.log(`${formatProgress(event)}\n`)
+        bar.increment()
+        bars.update() // render now: a log line waits for the next redraw, and stop() may come first
+      }
+    },
+    stop: () => bars.stop(),
+  }
 }
