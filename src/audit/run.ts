@@ -8,7 +8,7 @@ import type { ProbeContext } from './probe.js'
 import { inconclusiveRemediation } from './probe.js'
 import { probes } from './probes/index.js'
 import { calibrate, type PromptSizer } from './sizer.js'
-import { createTarget } from './target.js'
+import { createTarget, type Target } from './target.js'
 import {
   AuditError,
   probeNames,
@@ -68,6 +68,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   }
   const discovery = await discover(createTarget({ ...targetOptions, model: null }), config.model)
   const target = createTarget({ ...targetOptions, model: discovery.model })
+  await checkKeys(target)
 
   let sizing: Promise<PromptSizer | null> | null = null
   const findings: Finding[] = []
@@ -170,6 +171,9 @@ function validate(options: AuditOptions): AuditConfig {
     if (tenant.key === '') fail(`tenant ${tenant.name} has an empty key`)
     names.add(tenant.name)
   }
+  // Two names for one key are one tenant: nothing it sees of "the other" proves anything.
+  const keys = new Set(options.tenants.map((t) => t.key))
+  if (keys.size < options.tenants.length) fail('two tenants share one key: give each its own')
 
   const chosen = options.probes ?? probeNames
   if (chosen.length === 0) fail('no probe chosen')
@@ -243,4 +247,26 @@ function normalizeBaseUrl(raw: string, fail: (message: string) => never): string
     fail('target URL must not contain credentials; use --tenant NAME=KEY')
   const path = url.pathname.replace(/\/+$/, '').replace(/\/v1$/, '')
   return `${url.protocol}//${url.host}${path}`
+}
+
+/** Every tenant's key must be accepted: with a refused key each probe would only say
+ *  "inconclusive", and a CI gate on leaks would pass without having tested anything. One
+ *  `GET /v1/models` per tenant; a 401 or 403 is a tool error (exit 2) naming the tenant. */
+async function checkKeys(target: Target): Promise<void> {
+  for (const tenant of target.tenants) {
+    let res
+    try {
+      res = await target.get('/v1/models', { tenant })
+    } catch (err) {
+      // Out of budget: the probes will say inconclusive, which never counts as clean.
+      if (err instanceof BudgetExhaustedError) return
+      throw err
+    }
+    if (res.status === 401 || res.status === 403) {
+      throw new AuditError(
+        'invalid_options',
+        `tenant ${tenant.name}'s key was refused by the target (HTTP ${res.status})`,
+      )
+    }
+  }
 }

@@ -164,6 +164,39 @@ describe('kvfence audit (CLI)', () => {
     assertNoKeys(run)
   })
 
+  test('exits 2 naming the tenant when the target refuses its key (never a silent pass)', async () => {
+    const run = await kvfence(
+      [
+        'audit',
+        '--target',
+        standIns.safe!.url,
+        '--tenant',
+        'alice=sk-revoked',
+        '--tenant',
+        'bob=env:KVFENCE_TEST_BOB_KEY',
+      ],
+      env,
+    )
+    assertOneLineError(run, /tenant alice's key was refused by the target \(HTTP 401\)/)
+  })
+
+  test('exits 2 when two tenants share one key (they would be one tenant)', async () => {
+    const run = await kvfence(
+      [
+        'audit',
+        '--target',
+        standIns.safe!.url,
+        '--tenant',
+        'alice=env:KVFENCE_TEST_BOB_KEY',
+        '--tenant',
+        'bob=env:KVFENCE_TEST_BOB_KEY',
+      ],
+      env,
+    )
+    assertOneLineError(run, /two tenants share one key/)
+    assertNoKeys(run)
+  })
+
   test('exits 2 with one line on stderr for bad flags, naming no key', async () => {
     const url = standIns.safe!.url
     assertOneLineError(

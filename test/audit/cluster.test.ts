@@ -3,25 +3,19 @@
  *  warning, and the probes that can tell on this engine say clean, reading the real
  *  `/server_info` (pool usage per worker) and the router's real error answers. */
 import assert from 'node:assert/strict'
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
-import { tmpdir } from 'node:os'
+import { rmSync } from 'node:fs'
 import { join } from 'node:path'
 import { after, before, test } from 'node:test'
 import { runAudit, type AuditReport } from '../../src/audit/index.js'
-import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
 import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import { twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 
-const dir = mkdtempSync(join(tmpdir(), 'kvfence-audit-cluster-'))
-const tenants = [
-  { name: 'tenant-a', key: newApiKey() },
-  { name: 'tenant-b', key: newApiKey() },
-]
+const { dir, tenants, tenantsFile } = twoTenants('kvfence-audit-cluster-')
 let cluster: Cluster
 let report: AuditReport
 
 before(async () => {
-  writeFileSync(join(dir, 'tenants.yaml'), tenantsYaml(tenants))
   cluster = await startCluster({
     modelDir: echoModelDir,
     pageSize: 16,
@@ -29,7 +23,7 @@ before(async () => {
     decodePages: 64,
     contextWindow: 1024,
     clampContext: true,
-    tenantsFile: join(dir, 'tenants.yaml'),
+    tenantsFile,
     logDir: join(dir, 'logs'),
   })
   report = await runAudit({ target: cluster.routerUrl, tenants, seed: 11 })
@@ -64,7 +58,8 @@ test('capacity, boundary, canary, page-leak and error-handling are clean on the 
 test('the budget held: at most the default 300 requests, and every one accounted for', () => {
   assert.ok(report.requestsSent <= 300)
   assert.equal(report.probeRuns.length, 10)
-  // Discovery reads /v1/models, /server_info (kvfence answers it) and /metrics: 3 requests.
+  // Discovery reads /v1/models, /server_info (kvfence answers it) and /metrics: 3 requests;
+  // then each of the 2 tenants' keys is checked with one GET /v1/models.
   const numProbeRequests = report.probeRuns.reduce((n, r) => n + r.requestsSent, 0)
-  assert.equal(report.requestsSent - numProbeRequests, 3)
+  assert.equal(report.requestsSent - numProbeRequests, 3 + 2)
 })
