@@ -12,6 +12,19 @@ export class BudgetExhaustedError extends Error {
   }
 }
 
+/** Runs `work` until it is done or the budget stops it: resolves `null` when it finished, or the
+ *  {@link BudgetExhaustedError}'s message when the budget ran out part-way (what was sent until
+ *  then stays observed, so a probe can judge what it has). Rethrows any other error. */
+export async function runUntilExhausted(work: () => Promise<void>): Promise<string | null> {
+  try {
+    await work()
+    return null
+  } catch (err) {
+    if (!(err instanceof BudgetExhaustedError)) throw err
+    return err.message
+  }
+}
+
 export class Budget {
   readonly limits: BudgetLimits
   readonly startedAt: number // epoch ms

@@ -179,10 +179,16 @@ export function createTarget(options: TargetOptions): Target {
       const headers = new Headers(init.headers)
       if (opts.tenant) headers.set('authorization', `Bearer ${opts.tenant.key}`)
       const cut = new AbortController()
-      const signal = AbortSignal.any([
-        AbortSignal.timeout(Math.min(requestTimeoutMs, remainingMs)),
-        cut.signal,
-      ])
+      // One plain controller with its own timer, not AbortSignal.any(AbortSignal.timeout(...)):
+      // on Node 20 those composed signals can be garbage-collected before they fire, and the
+      // request then hangs for ever (seen here under load; nodejs/node#55428).
+      const stop = new AbortController()
+      const deadline = setTimeout(
+        () => stop.abort(new DOMException('request timed out', 'TimeoutError')),
+        Math.min(requestTimeoutMs, remainingMs),
+      )
+      cut.signal.addEventListener('abort', () => stop.abort(new DOMException('cut', 'AbortError')))
+      const signal = stop.signal
       const cutTimer =
         opts.abortAfterMs === undefined
           ? null
@@ -225,6 +231,7 @@ export function createTarget(options: TargetOptions): Target {
         }
       } finally {
         if (cutTimer) clearTimeout(cutTimer)
+        clearTimeout(deadline)
       }
     })
 

@@ -2,9 +2,11 @@
  *  that run elsewhere (or on this host), from flags or from a cluster config file
  *  (`--config FILE`: its router, tenants, and workers given by `url` or its gateway backend).
  *  Tells a parent process that forked it, once listening. */
+import { clusterTokenFrom } from '../engine/cluster-token.js'
 import type { Command } from 'commander'
 import { pino } from 'pino'
 import { loadClusterConfig } from '../config/cluster.js'
+import { gatewayOptions, routerSectionOptions } from '../config/launch.js'
 import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
@@ -77,6 +79,7 @@ export function registerRouter(program: Command): void {
         ...(flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config)),
         guardsEnabled: faults.guardsEnabled,
         ...(flags.logContent ? { logContent: true } : {}),
+        clusterToken: clusterTokenFrom(process.env),
         log,
       })
       process.send?.({
@@ -117,7 +120,7 @@ function fromConfig(
   path: string,
 ): Partial<StartRouterOptions> & Pick<StartRouterOptions, 'tenants'> {
   const config = loadClusterConfig(path)
-  const r = config.router
+  const b = config.backend
   const urls = (entries: readonly ({ pages: number } | { url: string })[]) =>
     entries.map((e, i) => {
       if ('url' in e) return e.url
@@ -132,32 +135,14 @@ function fromConfig(
     ...(config.workers === undefined
       ? {}
       : { prefillUrls: urls(config.workers.prefill), decodeUrls: urls(config.workers.decode) }),
-    ...(config.backend === undefined
+    ...(b === undefined
       ? {}
       : {
-          gateway: {
-            kind: config.backend.kind,
-            url: config.backend.url,
-            backendModel: config.backend.model,
-            tokenizerDir: config.backend.tokenizerDir,
-            discoveryIntervalMs: config.backend.discoveryIntervalMs,
-            apiKey:
-              config.backend.apiKeyEnv === undefined
-                ? undefined
-                : process.env[config.backend.apiKeyEnv],
-          },
+          gateway: gatewayOptions(
+            b,
+            b.apiKeyEnv === undefined ? undefined : process.env[b.apiKeyEnv],
+          ),
         }),
-    host: r.host,
-    port: r.port,
-    contextWindow: r.contextWindow,
-    clampContext: r.clampContext,
-    modelName: r.modelName,
-    maxBodyBytes: r.maxBodyBytes,
-    logContent: r.logContent,
-    queue: {
-      maxConcurrentRequests: r.maxConcurrentRequests,
-      maxQueuedRequests: r.maxQueuedRequests,
-      maxQueueWaitMs: r.maxQueueWaitMs,
-    },
+    ...routerSectionOptions(config.router),
   }
 }

@@ -1,6 +1,7 @@
 /** `kvfence prefill` and `kvfence decode`: start one worker of a disaggregated pair on its own
  *  (on this host or another). Each prints its bound ports once listening, and tells a parent
  *  process that forked it through the IPC channel. */
+import { clusterTokenEnv, clusterTokenFrom, isLoopbackHost } from '../engine/cluster-token.js'
 import { InvalidArgumentError, type Command } from 'commander'
 import { pino } from 'pino'
 import { DecodeWorker } from '../engine/decode-worker.js'
@@ -123,6 +124,15 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     pageSize: flags.pageSize,
     faults,
   })
+  const clusterToken = clusterTokenFrom(process.env)
+  if (clusterToken === null) {
+    if (!isLoopbackHost(flags.host)) {
+      throw new Error(
+        `${clusterTokenEnv} is not set: a ${role} worker bound to ${flags.host} would accept control requests naming any tenant from anyone who reaches it`,
+      )
+    }
+    log.warn(`${clusterTokenEnv} is not set: the control plane accepts any local process`)
+  }
   let transferPort: number | undefined
   let server
   if (role === 'decode') {
@@ -134,7 +144,11 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
       ...(flags.transferTimeoutMs === undefined ? {} : { stallTimeoutMs: flags.transferTimeoutMs }),
     })
     transferPort = await listen(receiver, flags.transferHost, flags.transferPort)
-    server = createWorkerServer({ role, worker, transferPort: () => transferPort! }, log)
+    server = createWorkerServer(
+      { role, worker, transferPort: () => transferPort! },
+      log,
+      clusterToken,
+    )
   } else {
     const prefixCachePages = flags.prefixCachePages ?? Math.floor(flags.pages / 4)
     if (prefixCachePages > flags.pages)
@@ -143,7 +157,7 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
       transferTimeoutMs: flags.transferTimeoutMs,
       prefixCachePages,
     })
-    server = createWorkerServer({ role, worker }, log)
+    server = createWorkerServer({ role, worker }, log, clusterToken)
   }
   const port = await listen(server, flags.host, flags.port)
   const ready = {

@@ -1,13 +1,20 @@
 /** Starts what a cluster config describes: the workers it lists with `pages` as child processes
  *  (forked `kvfence prefill|decode`), and the router in this process in front of them, of the
  *  running workers it lists by `url`, or of the engine in `backend` (gateway mode).
- *  Knows process management and how config fields map to the parts' options; knows nothing of
- *  requests. */
-import { fork, type ChildProcess } from 'node:child_process'
+ *  Knows how config fields map to the parts' options (forking and stopping them is
+ *  engine/processes.ts); knows nothing of requests. */
+import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../engine/cluster-token.js'
+import type { ChildProcess } from 'node:child_process'
 import type { Logger } from 'pino'
+import { forkPart, stopAll } from '../engine/processes.js'
 import { KvfenceError } from '../errors.js'
-import { bundledModelDir, cliEntry } from '../paths.js'
-import { type RunningRouter, startRouter } from '../router/start.js'
+import { bundledModelDir } from '../paths.js'
+import {
+  type GatewayBackendOptions,
+  type RunningRouter,
+  type StartRouterOptions,
+  startRouter,
+} from '../router/start.js'
 import type { ClusterConfig } from './cluster.js'
 
 /** A running cluster started from a config. */
@@ -27,24 +34,18 @@ export async function launchCluster(
   log: Logger,
   env: NodeJS.ProcessEnv = process.env,
 ): Promise<LaunchedCluster> {
+  // The workers started here and the router share one control-plane token (a fresh one unless the
+  // environment names it; workers on other hosts must be given the same in their environment).
+  const clusterToken = clusterTokenFrom(env) ?? newClusterToken()
+  env = { ...env, [clusterTokenEnv]: clusterToken }
   const children: ChildProcess[] = []
   const modelDir = config.model ?? bundledModelDir
   const r = config.router
   try {
     const common = {
       tenants: config.tenants,
-      host: r.host,
-      port: r.port,
-      modelName: r.modelName,
-      contextWindow: r.contextWindow,
-      clampContext: r.clampContext,
-      maxBodyBytes: r.maxBodyBytes,
-      logContent: r.logContent,
-      queue: {
-        maxConcurrentRequests: r.maxConcurrentRequests,
-        maxQueuedRequests: r.maxQueuedRequests,
-        maxQueueWaitMs: r.maxQueueWaitMs,
-      },
+      ...routerSectionOptions(r),
+      clusterToken,
       log,
     }
     let router: RunningRouter
@@ -54,17 +55,7 @@ export async function launchCluster(
       if (b.apiKeyEnv !== undefined && !apiKey) {
         throw new KvfenceError('config_invalid', `backend.apiKeyEnv: ${b.apiKeyEnv} is not set`)
       }
-      router = await startRouter({
-        ...common,
-        gateway: {
-          kind: b.kind,
-          url: b.url,
-          backendModel: b.model,
-          tokenizerDir: b.tokenizerDir,
-          discoveryIntervalMs: b.discoveryIntervalMs,
-          apiKey,
-        },
-      })
+      router = await startRouter({ ...common, gateway: gatewayOptions(b, apiKey) })
     } else {
       const workers = config.workers!
       const start = (role: 'prefill' | 'decode', entry: { pages: number } | { url: string }) =>
@@ -100,6 +91,55 @@ export async function launchCluster(
   }
 }
 
+/** The router section of a cluster config as {@link startRouter} options: bind address, served
+ *  name, context window, body limit, content logging and queue limits. Shared with
+ *  `kvfence router --config`. */
+export function routerSectionOptions(
+  r: ClusterConfig['router'],
+): Pick<
+  StartRouterOptions,
+  | 'host'
+  | 'port'
+  | 'modelName'
+  | 'contextWindow'
+  | 'clampContext'
+  | 'maxBodyBytes'
+  | 'logContent'
+  | 'queue'
+> {
+  return {
+    host: r.host,
+    port: r.port,
+    modelName: r.modelName,
+    contextWindow: r.contextWindow,
+    clampContext: r.clampContext,
+    maxBodyBytes: r.maxBodyBytes,
+    logContent: r.logContent,
+    queue: {
+      maxConcurrentRequests: r.maxConcurrentRequests,
+      maxQueuedRequests: r.maxQueuedRequests,
+      maxQueueWaitMs: r.maxQueueWaitMs,
+    },
+  }
+}
+
+/** The backend section of a cluster config as gateway options of {@link startRouter}. `apiKey`
+ *  is the value of the variable `b.apiKeyEnv` names (the caller reads it and decides whether a
+ *  missing one is an error). Shared with `kvfence router --config`. */
+export function gatewayOptions(
+  b: NonNullable<ClusterConfig['backend']>,
+  apiKey: string | undefined,
+): GatewayBackendOptions {
+  return {
+    kind: b.kind,
+    url: b.url,
+    backendModel: b.model,
+    tokenizerDir: b.tokenizerDir,
+    discoveryIntervalMs: b.discoveryIntervalMs,
+    apiKey,
+  }
+}
+
 /** Forks one worker and resolves with its control URL once it reports ready. */
 function startWorker(
   role: 'prefill' | 'decode',
@@ -122,49 +162,19 @@ function startWorker(
   ]
   args.push('--host', host, '--port', '0', '--log-level', logLevel)
   if (role === 'decode') args.push('--transfer-host', host, '--transfer-port', '0')
-  const child = fork(cliEntry, args, { env, stdio: ['ignore', 'inherit', 'inherit', 'ipc'] })
-  children.push(child)
-  return new Promise((resolve, reject) => {
-    const timer = setTimeout(() => {
-      reject(
+  return forkPart(
+    args,
+    {
+      env,
+      timeoutMs: startTimeoutMs,
+      failure: (why) =>
         new KvfenceError(
           'worker_unavailable',
-          `${role} worker did not start in ${startTimeoutMs} ms`,
+          why.kind === 'timeout'
+            ? `${role} worker did not start in ${startTimeoutMs} ms`
+            : `${role} worker exited with code ${why.code} while starting`,
         ),
-      )
-    }, startTimeoutMs)
-    child.once('exit', (code) => {
-      clearTimeout(timer)
-      reject(
-        new KvfenceError(
-          'worker_unavailable',
-          `${role} worker exited with code ${code} while starting`,
-        ),
-      )
-    })
-    child.on('message', (msg: { type?: string; port?: number }) => {
-      if (msg?.type !== 'ready' || msg.port === undefined) return
-      clearTimeout(timer)
-      child.removeAllListeners('exit')
-      resolve(`http://${host.includes(':') ? `[${host}]` : host}:${msg.port}`)
-    })
-  })
-}
-
-/** SIGTERM, then SIGKILL after 3 s; resolves when every child has exited. */
-async function stopAll(children: readonly ChildProcess[]): Promise<void> {
-  await Promise.all(
-    children.map(
-      (child) =>
-        new Promise<void>((resolve) => {
-          if (child.exitCode !== null || child.signalCode !== null) return resolve()
-          const timer = setTimeout(() => child.kill('SIGKILL'), 3_000)
-          child.once('exit', () => {
-            clearTimeout(timer)
-            resolve()
-          })
-          child.kill('SIGTERM')
-        }),
-    ),
-  )
+    },
+    children,
+  ).then(({ ready }) => `http://${host.includes(':') ? `[${host}]` : host}:${ready.port}`)
 }

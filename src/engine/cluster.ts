@@ -1,11 +1,11 @@
 /** Start a cluster on this host: one prefill worker, one decode worker and the router, each its own
  *  OS process (forked `kvfence prefill|decode|router`), and stop it again. Used by `kvfence serve`,
  *  `kvfence demo` and the end-to-end tests.
- *  Knows process management and the parts' flags; knows nothing of requests. */
-import { fork, type ChildProcess } from 'node:child_process'
-import { createWriteStream, mkdirSync } from 'node:fs'
+ *  Knows the parts' flags (forking and stopping them is processes.ts); knows nothing of requests. */
+import { clusterTokenEnv, newClusterToken } from './cluster-token.js'
+import type { ChildProcess } from 'node:child_process'
 import { join } from 'node:path'
-import { cliEntry } from '../paths.js'
+import { forkPart, type ReadyMessage, stopAll } from './processes.js'
 
 /** Options of {@link startCluster}. */
 export interface ClusterOptions {
@@ -50,11 +50,6 @@ export interface Cluster {
   stop(): Promise<void>
 }
 
-interface Ready {
-  type: 'ready'
-  port: number
-}
-
 /** How long a part may take to start (ms). */
 const startTimeoutMs = 30_000
 
@@ -65,77 +60,33 @@ function startPart(
   args: string[],
   opts: ClusterOptions,
   started: ChildProcess[],
-): Promise<{ child: ChildProcess; ready: Ready }> {
-  const env = { ...(opts.env ?? process.env) }
-  const toFile = opts.logDir !== undefined
-  const child = fork(cliEntry, [name, ...args, '--log-level', opts.logLevel ?? 'info'], {
-    env,
-    stdio: toFile ? ['ignore', 'pipe', 'pipe', 'ipc'] : ['ignore', 'inherit', 'inherit', 'ipc'],
-  })
-  started.push(child)
-  const tail: string[] = []
-  if (toFile) {
-    mkdirSync(opts.logDir!, { recursive: true })
-    const log = createWriteStream(join(opts.logDir!, `${name}.log`))
-    for (const stream of [child.stdout!, child.stderr!]) {
-      stream.on('data', (chunk: Buffer) => {
-        log.write(chunk)
-        tail.push(...chunk.toString('utf8').split('\n').filter(Boolean))
-        tail.splice(0, Math.max(0, tail.length - 5))
-      })
-    }
-  }
-  return new Promise((resolve, reject) => {
-    const timer = setTimeout(
-      () => fail(`did not start within ${startTimeoutMs} ms`),
-      startTimeoutMs,
-    )
-    const fail = (why: string) => {
-      clearTimeout(timer)
-      const last = tail.find((l) => /error|refus|exceed/i.test(l)) ?? tail.at(-1)
-      reject(new Error(`kvfence ${name} ${why}${last ? `: ${oneLine(last)}` : ''}`))
-    }
-    child.once('exit', (code) => fail(`exited with code ${code}`))
-    child.on('message', (msg: Ready) => {
-      if (msg?.type !== 'ready') return
-      clearTimeout(timer)
-      child.removeAllListeners('exit')
-      resolve({ child, ready: msg })
-    })
-  })
-}
-
-/** A log line (pino JSON or text) reduced to its message. */
-function oneLine(line: string): string {
-  try {
-    const parsed = JSON.parse(line) as { msg?: string }
-    return parsed.msg ?? line
-  } catch {
-    return line
-  }
-}
-
-/** Stop processes: SIGTERM, then SIGKILL after 3 s. */
-async function stopAll(children: ChildProcess[]): Promise<void> {
-  await Promise.all(
-    children.map(
-      (child) =>
-        new Promise<void>((resolve) => {
-          if (child.exitCode !== null || child.signalCode !== null) return resolve()
-          const timer = setTimeout(() => child.kill('SIGKILL'), 3_000)
-          child.once('exit', () => {
-            clearTimeout(timer)
-            resolve()
-          })
-          child.kill('SIGTERM')
-        }),
-    ),
+): Promise<{ child: ChildProcess; ready: ReadyMessage }> {
+  return forkPart(
+    [name, ...args, '--log-level', opts.logLevel ?? 'info'],
+    {
+      env: { ...(opts.env ?? process.env) },
+      logFile: opts.logDir === undefined ? undefined : join(opts.logDir, `${name}.log`),
+      timeoutMs: startTimeoutMs,
+      failure(why, last) {
+        const reason =
+          why.kind === 'timeout'
+            ? `did not start within ${startTimeoutMs} ms`
+            : `exited with code ${why.code}`
+        return new Error(`kvfence ${name} ${reason}${last ? `: ${last}` : ''}`)
+      },
+    },
+    started,
   )
 }
 
 /** Start P, D, then the router pointed at them. Throws (after stopping what started) when a part
  *  fails to start, e.g. the router refusing an advertised context larger than the pools (G1). */
-export async function startCluster(opts: ClusterOptions): Promise<Cluster> {
+export async function startCluster(options: ClusterOptions): Promise<Cluster> {
+  // One control-plane token for the parts of this cluster, unless the caller's environment names one.
+  const opts = {
+    ...options,
+    env: { [clusterTokenEnv]: newClusterToken(), ...(options.env ?? process.env) },
+  }
   const host = opts.host ?? '127.0.0.1'
   const common = (faults: string[] = []) => [
     '--model',

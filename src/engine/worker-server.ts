@@ -9,6 +9,7 @@ import type { AddressInfo } from 'node:net'
 import type { Logger } from 'pino'
 import { Gauge, type Registry } from 'prom-client'
 import { KvfenceError } from '../errors.js'
+import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
 import { GenerateRequest, PrefillRequest, type DecodeEvent, type ServerInfo } from './control.js'
 import type { DecodeWorker } from './decode-worker.js'
 import type { PrefillWorker } from './prefill-worker.js'
@@ -26,7 +27,11 @@ export type WorkerRole =
   | { role: 'decode'; worker: DecodeWorker; transferPort: () => number }
 
 /** Build the HTTP server of a worker (not yet listening). */
-export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
+export function createWorkerServer(
+  role: WorkerRole,
+  log: Logger,
+  clusterToken: string | null = null,
+): http.Server {
   const core: WorkerCore = role.worker.core
   // Prefix-cache pages are evicted on demand: they count as neither used by requests nor leaked.
   const numPagesCached = () => (role.role === 'prefill' ? role.worker.numPagesCached : 0)
@@ -57,6 +62,17 @@ export function createWorkerServer(role: WorkerRole, log: Logger): http.Server {
         if (route === 'GET /metrics') {
           res.writeHead(200, { 'content-type': registry.contentType })
           return res.end(await registry.metrics())
+        }
+        // The control plane names tenants and issues transfer secrets: only the router may use it.
+        if (
+          route.startsWith('POST /internal/') &&
+          clusterToken !== null &&
+          !isClusterTokenValid(clusterToken, req.headers[clusterTokenHeader])
+        ) {
+          throw new KvfenceError(
+            'invalid_api_key',
+            'control-plane request without the cluster token',
+          )
         }
         if (route === 'POST /internal/prefill' && role.role === 'prefill') {
           const body = PrefillRequest.parse(await readJson(req))

@@ -21,7 +21,7 @@ import type { Logger } from 'pino'
 import { KvfenceError } from '../errors.js'
 import { type Tokenizer, loadTokenizer } from '../model/tokenizer.js'
 import { chatPromptTokenIds, completionPromptTokenIds } from './admission.js'
-import { sendJson } from './http.js'
+import { readReplyText, sendJson } from './http.js'
 import { samplesOf } from './prometheus-text.js'
 import type { FinishReason } from './responses.js'
 import type { ParsedChatRequest, ParsedCompletionRequest } from './schemas.js'
@@ -311,7 +311,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     try {
       const upstream = await open(agent, `${base}${path}`, headers, body, p.signal)
       if (upstream.statusCode !== 200 || !p.isStream) {
-        const text = await readAll(upstream)
+        const text = await readReplyText(upstream, maxReplyBytes)
         return relayWhole(p, upstream.statusCode ?? 502, text)
       }
       return await relayStream(p, upstream)
@@ -513,21 +513,7 @@ async function request(
     req.on('error', reject)
     req.end(text ?? undefined)
   })
-  return { status: res.statusCode ?? 0, body: await readAll(res) }
-}
-
-async function readAll(res: http.IncomingMessage): Promise<string> {
-  const chunks: Buffer[] = []
-  let n = 0
-  for await (const chunk of res as AsyncIterable<Buffer>) {
-    n += chunk.length
-    if (n > maxReplyBytes) {
-      res.destroy()
-      throw new Error(`reply longer than ${maxReplyBytes} bytes`)
-    }
-    chunks.push(chunk)
-  }
-  return Buffer.concat(chunks).toString('utf8')
+  return { status: res.statusCode ?? 0, body: await readReplyText(res, maxReplyBytes) }
 }
 
 function json(text: string): unknown {

@@ -64,6 +64,9 @@ export interface StartRouterOptions {
   workerWaitMs?: number
   /** Interval of G1's re-check of the workers' capacity while running, in ms (default 5 000). */
   capacityRecheckMs?: number
+  /** The token the workers require on their control plane (`KVFENCE_CLUSTER_TOKEN`); null or
+   *  absent sends none, which only workers bound to loopback without a token accept. */
+  clusterToken?: string | null
   /** Logger (default: pino to stdout at info). */
   log?: Logger
 }
@@ -135,6 +138,7 @@ export async function startRouter(options: StartRouterOptions): Promise<RunningR
     decodeUrls: options.decodeUrls,
     idleTimeoutMs: options.workerIdleTimeoutMs,
     guardsEnabled,
+    clusterToken: options.clusterToken ?? null,
   })
   try {
     const reports = await waitForWorkers(workers, options.workerWaitMs ?? 10_000)

@@ -2,6 +2,7 @@
  *  reserve pages and stream tokens, asks a prefill worker to fill them, and aborts both when the
  *  request ends early (G8). HTTP/1.1 + JSON over keep-alive `node:http` agents.
  *  Knows worker URLs, token ids and request ids; knows nothing of text, API keys or OpenAI shapes. */
+import { clusterTokenHeader } from '../engine/cluster-token.js'
 import assert from 'node:assert/strict'
 import http from 'node:http'
 import { z } from 'zod'
@@ -14,6 +15,7 @@ import {
 } from '../engine/control.js'
 import { KvfenceError, isErrorCode } from '../errors.js'
 import type { WorkerReport } from './capacity.js'
+import { readReplyText } from './http.js'
 
 /** What {@link WorkerClient.generate} yields: the decode worker's tokens, then one `done`. */
 export type GenerationEvent =
@@ -76,6 +78,8 @@ export interface WorkerClientOptions {
   /** Cross-check the workers' reports (prompt length, first token, counts) before any output
    *  leaves; false only in the incident's configuration. Default true. */
   guardsEnabled?: boolean
+  /** The cluster token the workers require on `POST /internal/*` (see engine/cluster-token.ts). */
+  clusterToken?: string | null
 }
 
 const defaultIdleTimeoutMs = 120_000
@@ -107,6 +111,9 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
   const idleTimeoutMs = options.idleTimeoutMs ?? defaultIdleTimeoutMs
   const infoTimeoutMs = options.infoTimeoutMs ?? defaultInfoTimeoutMs
   const guardsEnabled = options.guardsEnabled ?? true
+  // Workers take control requests only from the holder of the cluster token.
+  const controlHeaders: http.OutgoingHttpHeaders =
+    options.clusterToken == null ? {} : { [clusterTokenHeader]: options.clusterToken }
   // `timeout` closes a pooled connection that sat idle that long (an in-use one only gets a
   // 'timeout' event, which nothing here listens to: long silences are `idleTimeoutMs`'s job).
   const agent = new http.Agent({
@@ -157,7 +164,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     const combined = signal === undefined ? deadline : AbortSignal.any([signal, deadline])
     try {
       const res = await sendIdempotent(agent, `${url}/metrics`, combined)
-      const text = await readText(res)
+      const text = await readReplyText(res, maxLineBytes)
       if (res.statusCode !== 200) throw new Error(`HTTP ${res.statusCode}`)
       return text
     } catch (err) {
@@ -206,6 +213,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
       'POST',
       JSON.stringify(request),
       signal,
+      controlHeaders,
     )
     const body = await readJson(res)
     if (res.statusCode !== 200) {
@@ -269,6 +277,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
           'POST',
           JSON.stringify(request),
           inner.signal,
+          controlHeaders,
         ))
       } catch (err) {
         throw (
@@ -507,8 +516,9 @@ function send(
   method: 'GET' | 'POST',
   body: string | null,
   signal: AbortSignal,
+  extraHeaders: http.OutgoingHttpHeaders = {},
 ): Promise<http.IncomingMessage> {
-  return sendOn(agent, url, method, body, signal).then((sent) => sent.res)
+  return sendOn(agent, url, method, body, signal, extraHeaders).then((sent) => sent.res)
 }
 
 /** {@link send}, also telling whether the request went out on a reused keep-alive connection. */
@@ -518,9 +528,10 @@ function sendOn(
   method: 'GET' | 'POST',
   body: string | null,
   signal: AbortSignal,
+  extraHeaders: http.OutgoingHttpHeaders = {},
 ): Promise<{ res: http.IncomingMessage; isReusedSocket: boolean }> {
   return new Promise((resolve, reject) => {
-    const headers: http.OutgoingHttpHeaders = { accept: 'application/json' }
+    const headers: http.OutgoingHttpHeaders = { accept: 'application/json', ...extraHeaders }
     if (body !== null) {
       headers['content-type'] = 'application/json'
       headers['content-length'] = Buffer.byteLength(body)
@@ -536,26 +547,12 @@ function sendOn(
 }
 
 async function readJson(res: http.IncomingMessage): Promise<unknown> {
-  const text = await readText(res)
+  const text = await readReplyText(res, maxLineBytes)
   try {
     return JSON.parse(text)
   } catch {
     throw new Error(`reply is not JSON (HTTP ${res.statusCode})`)
   }
-}
-
-async function readText(res: http.IncomingMessage): Promise<string> {
-  const chunks: Buffer[] = []
-  let numBytes = 0
-  for await (const chunk of res as AsyncIterable<Buffer>) {
-    numBytes += chunk.length
-    if (numBytes > maxLineBytes) {
-      res.destroy()
-      throw new Error(`reply longer than ${maxLineBytes} bytes`)
-    }
-    chunks.push(chunk)
-  }
-  return Buffer.concat(chunks).toString('utf8')
 }
 
 /** The decode worker's NDJSON stream, one parsed event per line. */

@@ -34,15 +34,8 @@ import { FrameParser } from './parser.js'
 import { asKvfenceError, refusal } from './refusals.js'
 import { SendBuffers } from './send-buffers.js'
 
-/** One transfer P sends to D. Ids are 32 lowercase hex digits. */
-export interface OutgoingTransfer {
-  transferId: string
-  requestId: string
-  tenant: string
-  numTokens: number
-  numPages: number
-  /** Bytes of every page payload. */
-  pageBytes: number
+/** One transfer P sends to D: BEGIN's fields (ids are 32 lowercase hex digits) and the rest. */
+export interface OutgoingTransfer extends BeginFields {
   /** The router-issued per-request secret (≥ 16 bytes); BEGIN carries its HMAC. */
   secret: Buffer
   firstTokenId: number

@@ -41,6 +41,7 @@ import {
   encodeHello,
   encodeNack,
   type AbortFrame,
+  type BeginFields,
   type BeginFrame,
   type EndFrame,
   type Frame,
@@ -62,16 +63,8 @@ export interface ReceiverHooks {
   begin(info: BeginInfo): Reservation
 }
 
-/** A verified BEGIN's fields. Ids are 32 lowercase hex digits. */
-export interface BeginInfo {
-  transferId: string
-  requestId: string
-  tenant: string
-  numTokens: number
-  numPages: number
-  /** Bytes of every page payload. */
-  pageBytes: number
-}
+/** A verified BEGIN's fields (those its MAC covers). Ids are 32 lowercase hex digits. */
+export type BeginInfo = BeginFields
 
 /** Pages reserved on D for one transfer. */
 export interface Reservation {

@@ -9,12 +9,9 @@ import {
   type ProbeName,
 } from '../../src/audit/index.js'
 import { redactionMark } from '../../src/audit/canaries.js'
-import { startStandIn, tenantKeys, type StandInOptions } from './standins.js'
+import { standInTenants, startStandIn, type StandInOptions } from './standins.js'
 
-const tenants = [
-  { name: 'alice', key: tenantKeys.alice },
-  { name: 'bob', key: tenantKeys.bob },
-]
+const tenants = standInTenants
 
 async function audit(
   probe: ProbeName,

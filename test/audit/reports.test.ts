@@ -19,7 +19,7 @@ import {
   type AuditReport,
   type Finding,
 } from '../../src/audit/index.js'
-import { startStandIn, tenantKeys } from './standins.js'
+import { standInTenants, startStandIn, tenantKeys } from './standins.js'
 
 const chromium = '/usr/bin/chromium'
 
@@ -151,10 +151,7 @@ describe('HTML report', () => {
     try {
       report = await runAudit({
         target: standIn.url,
-        tenants: [
-          { name: 'alice', key: tenantKeys.alice },
-          { name: 'bob', key: tenantKeys.bob },
-        ],
+        tenants: standInTenants,
         seed: 5,
         probes: ['capacity', 'boundary', 'page-leak', 'prefix-timing'],
       })

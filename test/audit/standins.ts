@@ -36,6 +36,11 @@ export interface StandIn {
 }
 
 export const tenantKeys = { alice: 'sk-alice-0123456789secret', bob: 'sk-bob-9876543210secret' }
+/** The stand-ins' two tenants as the auditor takes them (`--tenant name=key`). */
+export const standInTenants = [
+  { name: 'alice', key: tenantKeys.alice },
+  { name: 'bob', key: tenantKeys.bob },
+]
 
 export interface StandInOptions {
   /** Delay before every answer (ms). */

@@ -4,28 +4,18 @@
  *  one sequence at a time) produces, at temperature 0 and with a fixed seed at temperature 0.8,
  *  alone and under concurrent load from two tenants. */
 import assert from 'node:assert/strict'
-import { mkdtempSync, writeFileSync } from 'node:fs'
-import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
-import OpenAI from 'openai'
-import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
 import { startCluster, type Cluster } from '../../src/engine/cluster.js'
-import type { ServerInfo } from '../../src/engine/control.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { createWorkerCore } from '../../src/engine/worker-core.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
 import { loadModel } from '../../src/model/weights.js'
+import { openaiClient as client, serverInfo, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 
-const dir = mkdtempSync(join(tmpdir(), 'kvfence-equivalence-'))
-const tenants = [
-  { name: 'tenant-a', key: newApiKey() },
-  { name: 'tenant-b', key: newApiKey() },
-]
-const tenantsFile = join(dir, 'tenants.yaml')
-writeFileSync(tenantsFile, tenantsYaml(tenants))
+const { dir, tenants, tenantsFile } = twoTenants('kvfence-equivalence-')
 
 const prompts = [
   'the river walks near the stone garden and Qx7vR2mK9pLt4Wz8 holds the quiet light',
@@ -73,10 +63,6 @@ function expected(
     finishReason: out.finishReason,
     completionTokens: out.tokenIds.length,
   }
-}
-
-function client(baseURL: string, key: string): OpenAI {
-  return new OpenAI({ baseURL: `${baseURL}/v1`, apiKey: key, maxRetries: 0, timeout: 60_000 })
 }
 
 interface Ask {
@@ -178,7 +164,7 @@ describe('disaggregated decode emits exactly the single-process tokens', () => {
 
   it('returns every page of both pools when the load is over', async () => {
     for (const url of [cluster.prefillUrl, cluster.decodeUrl]) {
-      const info = (await (await fetch(`${url}/server_info`)).json()) as ServerInfo
+      const info = await serverInfo(url)
       assert.equal(info.numPagesUsed, 0, url)
     }
   })

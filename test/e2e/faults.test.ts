@@ -7,26 +7,23 @@
  *  (`generateLocal`), never from the echo model's copying, so these tests hold for any weights.
  *  One cluster per configuration, all started at once. See docs/faults.md. */
 import assert from 'node:assert/strict'
-import { mkdtempSync, writeFileSync } from 'node:fs'
-import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import OpenAI from 'openai'
-import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
-import type { ServerInfo } from '../../src/engine/control.js'
 import { startCluster, type Cluster, type ClusterOptions } from '../../src/engine/cluster.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { createWorkerCore } from '../../src/engine/worker-core.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
 import { loadModel } from '../../src/model/weights.js'
+import { openaiClient, pagesUsed, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 
-const dir = mkdtempSync(join(tmpdir(), 'kvfence-faults-'))
-const tenantA = { name: 'tenant-a', key: newApiKey() }
-const tenantB = { name: 'tenant-b', key: newApiKey() }
-const tenantsFile = join(dir, 'tenants.yaml')
-writeFileSync(tenantsFile, tenantsYaml([tenantA, tenantB]))
+const {
+  dir,
+  tenants: [tenantA, tenantB],
+  tenantsFile,
+} = twoTenants('kvfence-faults-')
 const unsafeEnv = { ...process.env, KVFENCE_ALLOW_FAULTS: '1' }
 
 /** Both pools 24 × 16 = 384 tokens: the advertised context is 384. */
@@ -93,23 +90,7 @@ function get(name: ConfigName): Cluster {
 }
 
 function client(cluster: Cluster, key: string): OpenAI {
-  return new OpenAI({
-    baseURL: `${cluster.routerUrl}/v1`,
-    apiKey: key,
-    maxRetries: 0,
-    timeout: 30_000,
-  })
-}
-
-async function info(url: string): Promise<ServerInfo> {
-  return (await (await fetch(`${url}/server_info`)).json()) as ServerInfo
-}
-
-/** Used pages on [P, D]. */
-async function pagesUsed(cluster: Cluster): Promise<number[]> {
-  return Promise.all(
-    [cluster.prefillUrl, cluster.decodeUrl].map(async (u) => (await info(u)).numPagesUsed),
-  )
+  return openaiClient(cluster.routerUrl, key, 30_000)
 }
 
 /** Wait until both pools are back to 0 used pages (the workers free asynchronously after an error

@@ -2,26 +2,23 @@
  *  official `openai` client as the tenants: with the fault injected and guards off, tenant B's
  *  HTTP 200 answer carries tenant A's canary; as shipped, B gets 400 context_length_exceeded. */
 import assert from 'node:assert/strict'
-import { mkdtempSync, writeFileSync } from 'node:fs'
-import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import OpenAI from 'openai'
-import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
-import type { ServerInfo } from '../../src/engine/control.js'
 import { startCluster, type Cluster, type ClusterOptions } from '../../src/engine/cluster.js'
 import { createWorkerCore } from '../../src/engine/worker-core.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { loadModel } from '../../src/model/weights.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
+import { openaiClient as client, pagesUsed, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 
-const dir = mkdtempSync(join(tmpdir(), 'kvfence-e2e-'))
-const tenantA = { name: 'tenant-a', key: newApiKey() }
-const tenantB = { name: 'tenant-b', key: newApiKey() }
-const tenantsFile = join(dir, 'tenants.yaml')
-writeFileSync(tenantsFile, tenantsYaml([tenantA, tenantB]))
+const {
+  dir,
+  tenants: [tenantA, tenantB],
+  tenantsFile,
+} = twoTenants('kvfence-e2e-')
 
 /** The demo's shape: prefill pool 24 × 16 = 384 tokens, decode pool 64 × 16 = 1,024 tokens. */
 const shape: ClusterOptions = {
@@ -36,19 +33,6 @@ const canary = 'Qx7vR2mK9pLt4Wz8'
 const plantPrompt = `the river walks near the stone garden and ${canary} holds the quiet light over the green field after the summer rain, the small market opens before the morning bread`
 /** 450 characters + BOS = 451 tokens: over the prefill pool (384), under the advertised 1,024. */
 const overCapacityPrompt = 'b '.repeat(225)
-
-function client(baseURL: string, key: string): OpenAI {
-  return new OpenAI({ baseURL: `${baseURL}/v1`, apiKey: key, maxRetries: 0, timeout: 60_000 })
-}
-
-async function pagesUsed(cluster: Cluster): Promise<number[]> {
-  return Promise.all(
-    [cluster.prefillUrl, cluster.decodeUrl].map(
-      async (url) =>
-        ((await (await fetch(`${url}/server_info`)).json()) as ServerInfo).numPagesUsed,
-    ),
-  )
-}
 
 /** Longest run (≥ 8 characters) of `secret` found in `text`, or ''. */
 function fragmentOf(text: string, secret: string): string {

@@ -4,12 +4,8 @@
  *  what the single-process engine (`generateLocal`, no cache) answers; another tenant sending the
  *  same prompt never hits; cached pages are not counted as used, so the pool reads idle again. */
 import assert from 'node:assert/strict'
-import { mkdtempSync, writeFileSync } from 'node:fs'
-import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
-import OpenAI from 'openai'
-import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
 import { startCluster, type Cluster } from '../../src/engine/cluster.js'
 import { ServerInfo } from '../../src/engine/control.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
@@ -17,14 +13,10 @@ import { generateLocal } from '../../src/engine/local-engine.js'
 import { createWorkerCore } from '../../src/engine/worker-core.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
 import { loadModel } from '../../src/model/weights.js'
+import { openaiClient, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 
-const dir = mkdtempSync(join(tmpdir(), 'kvfence-prefix-cache-'))
-const tenants = [
-  { name: 'tenant-a', key: newApiKey() },
-  { name: 'tenant-b', key: newApiKey() },
-]
-writeFileSync(join(dir, 'tenants.yaml'), tenantsYaml(tenants))
+const { dir, tenants, tenantsFile } = twoTenants('kvfence-prefix-cache-')
 
 const shared =
   'system: you answer in the voice of the stone garden, Lm4Nb8Vc1Xz0 is the gate code. '
@@ -55,7 +47,7 @@ describe('prefix cache across a real cluster', () => {
       pageSize: 16,
       prefillPages: 64, // default cache: 16 pages
       decodePages: 64,
-      tenantsFile: join(dir, 'tenants.yaml'),
+      tenantsFile,
       logDir: join(dir, 'logs'),
     })
   })
@@ -64,12 +56,7 @@ describe('prefix cache across a real cluster', () => {
   /** `usage.prompt_tokens_details.cached_tokens` of the last answer. */
   let lastCachedTokens: number | undefined
   async function complete(tenant: number, prompt: string): Promise<string> {
-    const api = new OpenAI({
-      baseURL: `${cluster.routerUrl}/v1`,
-      apiKey: tenants[tenant].key,
-      maxRetries: 0,
-      timeout: 60_000,
-    })
+    const api = openaiClient(cluster.routerUrl, tenants[tenant].key)
     const res = await api.completions.create({
       model: 'echo-tiny',
       prompt,

@@ -6,6 +6,7 @@ import { KvfenceError } from '../../src/errors.js'
 import type { DecodeEvent, GenerateRequest } from '../../src/engine/control.js'
 import { DecodeWorker } from '../../src/engine/decode-worker.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
+import { generateLocal } from '../../src/engine/local-engine.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import { createWorkerCore, type WorkerCore } from '../../src/engine/worker-core.js'
 import { listen } from '../../src/engine/worker-server.js'
@@ -19,6 +20,23 @@ let model: Model | null = null
 export function echoModel(): Model {
   model ??= loadModel(echoModelDir)
   return model
+}
+
+/** What the single-process engine (`generateLocal`: one 64-page pool of 16-token pages, no
+ *  faults) generates greedily for `promptTokenIds`, up to `maxTokens` tokens and with no stop
+ *  tokens: the independent answer a pair's tokens are compared with. */
+export function greedyOracle(promptTokenIds: number[], maxTokens: number): number[] {
+  const core = createWorkerCore({
+    model: echoModel(),
+    numPages: 64,
+    pageSize: 16,
+    faults: buildFaultConfig([], false, {}),
+  })
+  return generateLocal(core, promptTokenIds, {
+    maxTokens,
+    sampling: { temperature: 0, topP: 1, seed: null },
+    stopTokenIds: [],
+  }).tokenIds
 }
 
 /** Options of {@link startPair}. */

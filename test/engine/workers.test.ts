@@ -7,12 +7,16 @@
 import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
 import { after, describe, it } from 'node:test'
-import { buildFaultConfig } from '../../src/engine/faults.js'
-import { generateLocal } from '../../src/engine/local-engine.js'
-import { createWorkerCore } from '../../src/engine/worker-core.js'
 import { GuardError } from '../../src/kv/guards.js'
 import { TransferClient } from '../../src/transfer/index.js'
-import { echoModel, makeRequest, runRequest, startPair, tokensOf, type Pair } from './pair.js'
+import {
+  greedyOracle as oracle,
+  makeRequest,
+  runRequest,
+  startPair,
+  tokensOf,
+  type Pair,
+} from './pair.js'
 
 const pairs: Pair[] = []
 after(async () => {
@@ -26,20 +30,6 @@ async function pair(opts: Parameters<typeof startPair>[0] = {}): Promise<Pair> {
 
 /** 70 tokens: 5 pages of 16 on both sides (the last one partly filled). */
 const prompt = tokensOf('the river walks near the stone garden and Qx7vR2mK9pLt4Wz8 holds it!!')
-
-function oracle(promptTokenIds: number[], maxTokens: number): number[] {
-  const core = createWorkerCore({
-    model: echoModel(),
-    numPages: 64,
-    pageSize: 16,
-    faults: buildFaultConfig([], false, {}),
-  })
-  return generateLocal(core, promptTokenIds, {
-    maxTokens,
-    sampling: { temperature: 0, topP: 1, seed: null },
-    stopTokenIds: [],
-  }).tokenIds
-}
 
 /** Both pools are back to their idle baseline and consistent. */
 function assertIdle(pair: Pair): void {

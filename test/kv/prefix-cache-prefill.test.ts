@@ -7,13 +7,10 @@
 import assert from 'node:assert/strict'
 import { after, before, describe, it } from 'node:test'
 import type { PrefillResult } from '../../src/engine/control.js'
-import { buildFaultConfig } from '../../src/engine/faults.js'
-import { generateLocal } from '../../src/engine/local-engine.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
-import { createWorkerCore } from '../../src/engine/worker-core.js'
 import type { PageRef } from '../../src/kv/pool.js'
 import {
-  echoModel,
+  greedyOracle as oracle,
   makeRequest,
   runRequest,
   startPair,
@@ -27,20 +24,6 @@ const prefix = 'stone garden: Lm4Nb8Vc1Xz0 / green field: Pq2Rs6Tu9Wy3 / river: 
  *  so 4 full pages (64 tokens). A1 is 86 tokens (5 full pages), A2 96 (6 full pages). */
 const promptA1 = tokensOf(`${prefix} -- first question`)
 const promptA2 = tokensOf(`${prefix} :: and a second, longer one`)
-
-function oracle(promptTokenIds: number[], maxTokens: number): number[] {
-  const core = createWorkerCore({
-    model: echoModel(),
-    numPages: 64,
-    pageSize,
-    faults: buildFaultConfig([], false, {}),
-  })
-  return generateLocal(core, promptTokenIds, {
-    maxTokens,
-    sampling: { temperature: 0, topP: 1, seed: null },
-    stopTokenIds: [],
-  }).tokenIds
-}
 
 /** Prompt tokens a hit covers: whole pages of the common prefix, the last prompt token excluded. */
 function expectedCached(cachedPrompt: number[], prompt: number[]): number {

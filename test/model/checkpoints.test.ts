@@ -7,15 +7,14 @@ import { createHash } from 'node:crypto'
 import { readdirSync, readFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { describe, it } from 'node:test'
-import { makeGuards } from '../../src/kv/guards.js'
-import { KvPool } from '../../src/kv/pool.js'
 import { parseModelConfig } from '../../src/model/config.js'
 import { forward, makeRope } from '../../src/model/forward.js'
 import { createTsKernels } from '../../src/model/kernels.js'
 import { toF32 } from '../../src/model/linear.js'
 import { loadSafetensors, parseSafetensorsRaw } from '../../src/model/safetensors.js'
-import { loadModel, modelFromTensors, type Model } from '../../src/model/weights.js'
+import { loadModel, modelFromTensors } from '../../src/model/weights.js'
 import { repoRoot } from '../helpers/paths.js'
+import { maxAbsDiff, scatteredSequence } from './helpers.js'
 
 interface Reference {
   storage_dtype: 'F32' | 'BF16' | 'F16'
@@ -32,34 +31,6 @@ const sha256 = (a: Float32Array) =>
   createHash('sha256')
     .update(new Uint8Array(a.buffer, a.byteOffset, a.byteLength))
     .digest('hex')
-
-function maxAbsDiff(a: ArrayLike<number>, b: ArrayLike<number>): number {
-  assert.equal(a.length, b.length)
-  let m = 0
-  for (let i = 0; i < a.length; i++) m = Math.max(m, Math.abs(a[i] - b[i]))
-  return m
-}
-
-/** A pool where the request's pages alternate with another owner's. */
-function scatteredSequence(model: Model, pageSize: number, numTokens: number) {
-  const c = model.config
-  const pool = new KvPool(
-    {
-      numPages: 64,
-      pageSize,
-      numLayers: c.numLayers,
-      numKvHeads: c.numKvHeads,
-      headDim: c.headDim,
-    },
-    makeGuards(true),
-  )
-  const pageTable = []
-  for (let i = 0; i < pool.pagesFor(numTokens); i++) {
-    pool.allocate(1, 99, 1)
-    pageTable.push(...pool.allocate(1, 7, 2))
-  }
-  return { pool, seq: { pageTable, owner: 7 } }
-}
 
 describe('tiny checkpoints of each supported architecture', () => {
   it('covers Llama, Llama-3 RoPE scaling, Qwen2, SmolLM2 and F32/BF16/F16 storage', () => {

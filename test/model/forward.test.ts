@@ -2,12 +2,11 @@ import assert from 'node:assert/strict'
 import { readFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { describe, it } from 'node:test'
-import { makeGuards } from '../../src/kv/guards.js'
-import { KvPool } from '../../src/kv/pool.js'
 import { forward, makeRope } from '../../src/model/forward.js'
 import { argmax } from '../../src/model/sampling.js'
 import { loadModel } from '../../src/model/weights.js'
 import { echoModelDir } from '../helpers/paths.js'
+import { maxAbsDiff, scatteredSequence } from './helpers.js'
 import { referenceLogits } from './reference-forward.js'
 
 interface Reference {
@@ -21,37 +20,10 @@ const model = loadModel(echoModelDir)
 const rope = makeRope(model)
 const c = model.config
 
-function maxAbsDiff(a: ArrayLike<number>, b: ArrayLike<number>): number {
-  assert.equal(a.length, b.length)
-  let m = 0
-  for (let i = 0; i < a.length; i++) m = Math.max(m, Math.abs(a[i] - b[i]))
-  return m
-}
-
-/** A pool whose request pages are scattered: other owners hold pages in between. */
-function scatteredSequence(pageSize: number, numTokens: number) {
-  const pool = new KvPool(
-    {
-      numPages: 64,
-      pageSize,
-      numLayers: c.numLayers,
-      numKvHeads: c.numKvHeads,
-      headDim: c.headDim,
-    },
-    makeGuards(true),
-  )
-  const pageTable = []
-  for (let i = 0; i < pool.pagesFor(numTokens); i++) {
-    pool.allocate(1, 99, 1) // someone else's page in between
-    pageTable.push(...pool.allocate(1, 7, 2))
-  }
-  return { pool, seq: { pageTable, owner: 7 } }
-}
-
 describe('forward pass', () => {
   it('matches the PyTorch reference logits written by the training script (≤ 1e-4)', () => {
     for (const p of reference.prompts) {
-      const { pool, seq } = scatteredSequence(16, p.ids.length)
+      const { pool, seq } = scatteredSequence(model, 16, p.ids.length)
       const logits = forward(model, rope, pool, seq, p.ids, 0, true)
       const first = logits.subarray(0, c.vocabSize)
       const last = logits.subarray((p.ids.length - 1) * c.vocabSize)
@@ -66,9 +38,9 @@ describe('forward pass', () => {
   it('over scattered pages, token by token, equals one pass over one contiguous page (≤ 1e-5)', () => {
     const ids = reference.prompts[1].ids.slice(0, 40)
     // The same engine over a single page that holds the whole sequence: one contiguous cache.
-    const contiguous = scatteredSequence(64, ids.length)
+    const contiguous = scatteredSequence(model, 64, ids.length)
     const whole = forward(model, rope, contiguous.pool, contiguous.seq, ids, 0, true)
-    const { pool, seq } = scatteredSequence(4, ids.length)
+    const { pool, seq } = scatteredSequence(model, 4, ids.length)
     // Prefill the first 25 tokens in one step, then decode the rest one token at a time.
     const logits = forward(model, rope, pool, seq, ids.slice(0, 25), 0, true)
     const rowOf = (all: Float32Array, t: number) =>
@@ -87,7 +59,7 @@ describe('forward pass', () => {
   it('equals an independent float64 forward written from the HF equations (≤ 1e-4)', () => {
     const ids = reference.prompts[1].ids.slice(0, 40)
     const oracle = referenceLogits(model, ids)
-    const { pool, seq } = scatteredSequence(4, ids.length)
+    const { pool, seq } = scatteredSequence(model, 4, ids.length)
     const logits = forward(model, rope, pool, seq, ids, 0, true)
     for (let t = 0; t < ids.length; t++) {
       const row = logits.subarray(t * c.vocabSize, (t + 1) * c.vocabSize)
@@ -98,7 +70,7 @@ describe('forward pass', () => {
 
   it('greedy decoding of the fixed prompt gives the golden tokens', () => {
     const { ids, tokens } = reference.greedy
-    const { pool, seq } = scatteredSequence(16, ids.length + tokens.length)
+    const { pool, seq } = scatteredSequence(model, 16, ids.length + tokens.length)
     let logits = forward(model, rope, pool, seq, ids, 0)
     const out: number[] = []
     for (let i = 0; i < tokens.length; i++) {

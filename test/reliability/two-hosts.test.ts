@@ -4,6 +4,7 @@
  *  is slowed and cut during a large prompt's transfer: the request ends in a clean error, both
  *  pools return to 0 pages, and once the link is back the next request is served with the oracle's
  *  tokens. Needs root and `ip netns` (CI runs as root); skipped, with the reason, elsewhere. */
+import { clusterTokenEnv, newClusterToken } from '../../src/engine/cluster-token.js'
 import assert from 'node:assert/strict'
 import { execFileSync, spawn, type ChildProcess } from 'node:child_process'
 import { rmSync } from 'node:fs'
@@ -44,6 +45,8 @@ function unavailable(): string | null {
 }
 const skipReason = unavailable()
 
+const clusterToken = newClusterToken()
+
 /** Run `kvfence <args>` inside namespace `ns` and resolve once it reports ready over IPC. */
 function startIn(ns: string, args: string[]): Promise<ChildProcess> {
   const child = spawn(
@@ -51,6 +54,8 @@ function startIn(ns: string, args: string[]): Promise<ChildProcess> {
     ['netns', 'exec', ns, process.execPath, cliPath, ...args, '--log-level', 'warn'],
     {
       stdio: ['ignore', 'ignore', 'pipe', 'ipc'],
+      // Workers bound to a non-loopback address need the control-plane token; all parts share it.
+      env: { ...process.env, [clusterTokenEnv]: clusterToken },
     },
   )
   let tail = ''

@@ -4,7 +4,7 @@
  *  aborted prompts' canaries. Catches pages freed on abort while a write into them was still in
  *  flight, and buffers or connections reused after an abort (sglang#24527, the 2023 redis-py
  *  incident). An abort the server never saw (the request had finished) still counts as sent. */
-import { BudgetExhaustedError } from '../budget.js'
+import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
@@ -51,7 +51,6 @@ export const abortRaceProbe: Probe = {
     const planted = [...cutPlanted, ...concurrentPlanted, ...freshPlanted]
 
     const observed: Observed[] = []
-    let stoppedBy: string | null = null
     const send = async (
       p: Planted,
       label: string,
@@ -67,7 +66,7 @@ export const abortRaceProbe: Probe = {
       })
       observed.push({ planted: p, label, stream, result })
     }
-    try {
+    const stoppedBy = await runUntilExhausted(async () => {
       for (let i = 0; i < numCuts; i++) {
         const { mode, stream, cut } = cuts[i]
         await Promise.all([
@@ -78,10 +77,7 @@ export const abortRaceProbe: Probe = {
       for (let i = 0; i < freshPlanted.length; i++) {
         await send(freshPlanted[i], 'fresh after the cuts', i % 2 === 1)
       }
-    } catch (err) {
-      if (!(err instanceof BudgetExhaustedError)) throw err
-      stoppedBy = err.message
-    }
+    })
 
     const crossings = findCrossings(observed, planted)
     const summary = {

@@ -7,7 +7,7 @@
  *  Any victim canary (or ≥ 8-character fragment) in any observer output, or the other way
  *  round, is a leak. Outputs are kept only redacted: canaries and runs of the victim's planted
  *  prompts stay readable, everything else becomes `·`. */
-import { BudgetExhaustedError } from '../budget.js'
+import { runUntilExhausted } from '../budget.js'
 import { findCanaries, plantingMaterial, redact, type CanaryMatch } from '../canaries.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
@@ -73,7 +73,6 @@ export const canaryProbe: Probe = {
     const sizes = overCapacitySizes(context.discovery, rounds, (lo, hi) => rng.int(lo, hi))
 
     const exchanges: Exchange[] = []
-    let stoppedBy: string | null = null
     const send = async (
       tenant: Tenant,
       kind: Kind,
@@ -93,7 +92,7 @@ export const canaryProbe: Probe = {
     }
 
     let overCapacityPlan = 'none'
-    try {
+    const stoppedBy = await runUntilExhausted(async () => {
       const sizer = sizes.length > 0 ? await context.sizer() : null
       overCapacityPlan =
         sizes.length === 0
@@ -112,10 +111,7 @@ export const canaryProbe: Probe = {
           await send(observer, 'over-capacity', sizer.build(sizes[r], 'up'), r % 2 === 0, sizes[r])
         }
       }
-    } catch (err) {
-      if (!(err instanceof BudgetExhaustedError)) throw err
-      stoppedBy = err.message
-    }
+    })
 
     const knownCanaries = [...victimCanaries.flat(), ...observerCanaries.flat()]
     const leaks: Leak[] = []

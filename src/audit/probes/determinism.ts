@@ -3,7 +3,7 @@
  *  composition changes floating-point reduction order in most engines), but they make A/B
  *  comparisons and reproductions unreliable, and an output that changes only under load deserves
  *  a look. Always a warning at most, never a leak. */
-import { BudgetExhaustedError } from '../budget.js'
+import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
@@ -52,8 +52,7 @@ export const determinismProbe: Probe = {
     }
     const alone: CompletionResult[] = []
     const loaded: CompletionResult[] = []
-    let stoppedBy: string | null = null
-    try {
+    const stoppedBy = await runUntilExhausted(async () => {
       for (let i = 0; i < numAlone; i++) alone.push(await ask())
       const perRound = Math.max(1, budget.limits.concurrency - 1)
       for (let r = 0; r < numUnderLoad; r++) {
@@ -68,10 +67,7 @@ export const determinismProbe: Probe = {
         const [mine] = await Promise.all([ask(), ...others])
         loaded.push(mine)
       }
-    } catch (err) {
-      if (!(err instanceof BudgetExhaustedError)) throw err
-      stoppedBy = err.message
-    }
+    })
     const accepted = (rs: CompletionResult[]) => rs.filter((r) => outcomeOf(r) === 'accepted')
     const okAlone = accepted(alone)
     const okLoaded = accepted(loaded)

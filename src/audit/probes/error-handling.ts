@@ -3,7 +3,7 @@
  *  (clients, caches and gateways then take the error, or worse, the text around it, as a valid
  *  completion; sglang#33507 answered an aborted request 200 with finish_reason "length").
  *  Sends a handful of requests, one per case. */
-import { BudgetExhaustedError } from '../budget.js'
+import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
 import { fillerText } from '../sizer.js'
@@ -85,9 +85,8 @@ export const errorHandlingProbe: Probe = {
       result: Result
       detail: string | null
     }[] = []
-    let stoppedBy: string | null = null
     let isControlAccepted = false
-    try {
+    const stoppedBy = await runUntilExhausted(async () => {
       // Control: a valid request must be answered, else a 5xx says nothing about validation.
       const control = await target.complete({
         tenant,
@@ -106,10 +105,7 @@ export const errorHandlingProbe: Probe = {
           detail: detailOf(http, result, target.scrub),
         })
       }
-    } catch (err) {
-      if (!(err instanceof BudgetExhaustedError)) throw err
-      stoppedBy = err.message
-    }
+    })
     context.log(results.map((r) => `${r.case}: ${r.status ?? 'none'} ${r.result}`).join('; '))
     const evidence = { isControlAccepted, cases: results, stoppedBy }
 

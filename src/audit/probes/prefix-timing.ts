@@ -8,7 +8,7 @@
  *  is read as a direct signal. Prefixes are random single letters (the sizer's filler shape, so
  *  their token count is known) behind a canary. Requests are non-streamed with `max_tokens: 1`,
  *  so time to the first body byte is prefill plus one token. */
-import { BudgetExhaustedError } from '../budget.js'
+import { BudgetExhaustedError, runUntilExhausted } from '../budget.js'
 import { makeCanaries } from '../canaries.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
@@ -62,8 +62,7 @@ export const prefixTimingProbe: Probe = {
       arm[kind === 'hit' ? 'hitMs' : 'missMs'].push(r.ttftMs)
       arm[kind === 'hit' ? 'hitCachedTokens' : 'missCachedTokens'].push(r.cachedTokens)
     }
-    let stoppedBy: string | null = null
-    try {
+    const stoppedBy = await runUntilExhausted(async () => {
       for (let i = 0; i < numSamples; i++) {
         for (const [arm, reader] of [
           [control, victim],
@@ -85,10 +84,7 @@ export const prefixTimingProbe: Probe = {
           }
         }
       }
-    } catch (err) {
-      if (!(err instanceof BudgetExhaustedError)) throw err
-      stoppedBy = err.message
-    }
+    })
 
     const controlTest = compare(control)
     const crossTest = compare(cross)

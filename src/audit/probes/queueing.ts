@@ -4,7 +4,7 @@
  *  (+ 20 ms). Queued answers are checked like `concurrency`'s: only their own material. Catches
  *  queue, lease and timeout paths that hand a waiting request pages or results that expired or
  *  belonged to another request (vllm#52234). A 429/503 is a bounded queue doing its job. */
-import { BudgetExhaustedError } from '../budget.js'
+import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
@@ -46,7 +46,6 @@ export const queueingProbe: Probe = {
     )
     const planted = [...baseline, ...holders, ...waiters]
     const observed: Observed[] = []
-    let stoppedBy: string | null = null
     const send = async (i: number, label: string, maxTokens: number, stream: boolean) => {
       const p = planted[i]
       const result = await target.complete({
@@ -57,7 +56,7 @@ export const queueingProbe: Probe = {
       })
       observed.push({ planted: p, label, stream, result })
     }
-    try {
+    const stoppedBy = await runUntilExhausted(async () => {
       for (let i = 0; i < baseline.length; i++) await send(i, 'unloaded', waiterMaxTokens, true)
       const holding = holders.map((_, i) =>
         send(baseline.length + i, 'holding the batch', holderMaxTokens, true),
@@ -68,10 +67,7 @@ export const queueingProbe: Probe = {
         send(baseline.length + holders.length + i, 'queued', waiterMaxTokens, i % 2 === 0),
       )
       await Promise.all([...holding, ...waiting])
-    } catch (err) {
-      if (!(err instanceof BudgetExhaustedError)) throw err
-      stoppedBy = err.message
-    }
+    })
     const ttft = (label: string) =>
       observed
         .filter(

@@ -1,0 +1,104 @@
+/** Forking kvfence parts (`kvfence prefill|decode|router …`) as child processes, waiting for the
+ *  ready message each sends over IPC once listening, and stopping them again. Shared by
+ *  `startCluster` (engine/cluster.ts) and `launchCluster` (config/launch.ts); knows nothing of
+ *  the parts' flags or of requests. */
+import { fork, type ChildProcess } from 'node:child_process'
+import { createWriteStream, mkdirSync } from 'node:fs'
+import { dirname } from 'node:path'
+import { cliEntry } from '../paths.js'
+
+/** What a part sends its parent once listening (src/cli/worker.ts, src/cli/router.ts); parts add
+ *  more fields (role, transferPort, …). */
+export interface ReadyMessage {
+  type: 'ready'
+  /** The port it listens on. */
+  port: number
+}
+
+/** Why a part failed to start: it did not report ready in time, or it exited first. */
+export type StartFailure = { kind: 'timeout' } | { kind: 'exit'; code: number | null }
+
+/** Options of {@link forkPart}. */
+export interface ForkPartOptions {
+  env: NodeJS.ProcessEnv
+  /** Write the part's stdout and stderr to this file (its folder is made) instead of inheriting
+   *  this process's; its last lines then reach `failure`. */
+  logFile?: string
+  /** How long the part may take to report ready (ms). */
+  timeoutMs: number
+  /** The error to reject with; `lastLine` is the last log line worth showing (an error if any),
+   *  only when `logFile` is set. */
+  failure(why: StartFailure, lastLine: string | undefined): Error
+}
+
+/** Forks `kvfence ...args` and resolves with the child and its ready message. The child is pushed
+ *  onto `started` at once, so the caller can stop it (with {@link stopAll}) on any failure.
+ *  Rejects with `opts.failure(...)` if the part exits or does not report ready in time. */
+export function forkPart(
+  args: readonly string[],
+  opts: ForkPartOptions,
+  started: ChildProcess[],
+): Promise<{ child: ChildProcess; ready: ReadyMessage }> {
+  const toFile = opts.logFile !== undefined
+  const child = fork(cliEntry, args, {
+    env: opts.env,
+    stdio: toFile ? ['ignore', 'pipe', 'pipe', 'ipc'] : ['ignore', 'inherit', 'inherit', 'ipc'],
+  })
+  started.push(child)
+  // The last few lines, so that a failure to start can say why.
+  const tail: string[] = []
+  if (toFile) {
+    mkdirSync(dirname(opts.logFile!), { recursive: true })
+    const log = createWriteStream(opts.logFile!)
+    for (const stream of [child.stdout!, child.stderr!]) {
+      stream.on('data', (chunk: Buffer) => {
+        log.write(chunk)
+        tail.push(...chunk.toString('utf8').split('\n').filter(Boolean))
+        tail.splice(0, Math.max(0, tail.length - 5))
+      })
+    }
+  }
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(() => fail({ kind: 'timeout' }), opts.timeoutMs)
+    const fail = (why: StartFailure) => {
+      clearTimeout(timer)
+      const last = tail.find((l) => /error|refus|exceed/i.test(l)) ?? tail.at(-1)
+      reject(opts.failure(why, last === undefined ? undefined : oneLine(last)))
+    }
+    child.once('exit', (code) => fail({ kind: 'exit', code }))
+    child.on('message', (msg: Partial<ReadyMessage> | undefined) => {
+      if (msg?.type !== 'ready' || msg.port === undefined) return
+      clearTimeout(timer)
+      child.removeAllListeners('exit')
+      resolve({ child, ready: msg as ReadyMessage })
+    })
+  })
+}
+
+/** A log line (pino JSON or text) reduced to its message. */
+function oneLine(line: string): string {
+  try {
+    const parsed = JSON.parse(line) as { msg?: string }
+    return parsed.msg ?? line
+  } catch {
+    return line
+  }
+}
+
+/** Stops child processes: SIGTERM, then SIGKILL after 3 s; resolves when every one has exited. */
+export async function stopAll(children: readonly ChildProcess[]): Promise<void> {
+  await Promise.all(
+    children.map(
+      (child) =>
+        new Promise<void>((resolve) => {
+          if (child.exitCode !== null || child.signalCode !== null) return resolve()
+          const timer = setTimeout(() => child.kill('SIGKILL'), 3_000)
+          child.once('exit', () => {
+            clearTimeout(timer)
+            resolve()
+          })
+          child.kill('SIGTERM')
+        }),
+    ),
+  )
+}

@@ -1,0 +1,54 @@
+/** Shared set-up for tests against a real cluster (src/engine/cluster.ts): a temporary folder with
+ *  a tenants file of two tenants, an `openai` client, and the workers' `/server_info`. */
+import { mkdtempSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import OpenAI from 'openai'
+import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
+import type { ServerInfo } from '../../src/engine/control.js'
+
+/** A tenant of a test cluster, with its plain API key. */
+export interface TestTenant {
+  name: string
+  key: string
+}
+
+/** A fresh folder (`mkdtemp` under the OS temp dir, named `prefix…`) holding `tenants.yaml` with
+ *  `tenant-a` and `tenant-b`, each with a new API key. */
+export function twoTenants(prefix: string): {
+  dir: string
+  tenants: [TestTenant, TestTenant]
+  tenantsFile: string
+} {
+  const dir = mkdtempSync(join(tmpdir(), prefix))
+  const tenants: [TestTenant, TestTenant] = [
+    { name: 'tenant-a', key: newApiKey() },
+    { name: 'tenant-b', key: newApiKey() },
+  ]
+  const tenantsFile = join(dir, 'tenants.yaml')
+  writeFileSync(tenantsFile, tenantsYaml(tenants))
+  return { dir, tenants, tenantsFile }
+}
+
+/** The official `openai` client for the router at `baseURL`, with no retries (a test sees every
+ *  answer as sent) and a `timeoutMs` timeout. */
+export function openaiClient(baseURL: string, key: string, timeoutMs = 60_000): OpenAI {
+  return new OpenAI({ baseURL: `${baseURL}/v1`, apiKey: key, maxRetries: 0, timeout: timeoutMs })
+}
+
+/** A worker's `/server_info` (not validated: the tests compare its fields). */
+export async function serverInfo(url: string): Promise<ServerInfo> {
+  return (await (await fetch(`${url}/server_info`)).json()) as ServerInfo
+}
+
+/** Used pages of [prefill, decode]. */
+export async function pagesUsed(cluster: {
+  prefillUrl: string
+  decodeUrl: string
+}): Promise<number[]> {
+  return Promise.all(
+    [cluster.prefillUrl, cluster.decodeUrl].map(
+      async (url) => (await serverInfo(url)).numPagesUsed,
+    ),
+  )
+}
