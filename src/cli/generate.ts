@@ -49,6 +49,7 @@ export function registerGenerate(program: Command): void {
     .action((flags: GenerateFlags) => {
       const tokenizer = loadTokenizer(flags.model)
       const model = loadModel(flags.model)
+      if (flags.prompt === '') throw new Error('--prompt is empty')
       const promptTokenIds = tokenizer.encode(flags.prompt)
       if (promptTokenIds.length === 0) throw new Error('--prompt encodes to no tokens')
       const total = promptTokenIds.length + flags.maxTokens

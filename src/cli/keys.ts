@@ -92,11 +92,19 @@ export function registerKeys(program: Command): void {
             ? {}
             : { tokensPerMinute: flags.tokensPerMinute }),
         }
-        const record = TenantRecord.parse({
+        const parsed = TenantRecord.safeParse({
           name,
           keySha256: apiKeyDigest(key),
           ...(Object.keys(limits).length > 0 ? { limits } : {}),
         })
+        if (!parsed.success) {
+          const issue = parsed.error.issues[0]
+          throw new KvfenceError(
+            'config_invalid',
+            `tenant ${JSON.stringify(name)}: ${issue?.message}`,
+          )
+        }
+        const record = parsed.data
         doc.addIn(['tenants'], doc.createNode(record))
         writeFileSync(flags.tenants, doc.toString(), { mode: 0o600 })
         process.stderr.write(`tenant ${name} added to ${flags.tenants}; its key (shown once):\n`)

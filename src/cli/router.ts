@@ -138,11 +138,17 @@ function fromConfig(
     ...(b === undefined
       ? {}
       : {
-          gateway: gatewayOptions(
-            b,
-            b.apiKeyEnv === undefined ? undefined : process.env[b.apiKeyEnv],
-          ),
+          gateway: gatewayOptions(b, backendApiKey(b.apiKeyEnv)),
         }),
     ...routerSectionOptions(config.router),
   }
+}
+
+/** The backend's API key from the variable `apiKeyEnv` names; an unset or empty variable is an
+ *  error (sending no key instead would be a silent substitution), as in `kvfence serve --config`. */
+function backendApiKey(apiKeyEnv: string | undefined): string | undefined {
+  if (apiKeyEnv === undefined) return undefined
+  const key = process.env[apiKeyEnv]
+  if (!key) throw new KvfenceError('config_invalid', `backend.apiKeyEnv: ${apiKeyEnv} is not set`)
+  return key
 }

@@ -21,7 +21,12 @@ export type TenantLimits = z.infer<typeof TenantLimits>
 /** One tenant as configured: its name (logged, sent to workers), its key's SHA-256 (hex) and its
  *  limits. */
 export const TenantRecord = z.strictObject({
-  name: z.string().min(1).max(128),
+  // Names go to logs, metric labels and worker page metadata: plain words only.
+  name: z
+    .string()
+    .min(1)
+    .max(128)
+    .regex(/^[A-Za-z0-9._@-]+$/, 'a tenant name is letters, digits and . _ @ - only'),
   keySha256: z
     .string()
     .regex(/^[0-9a-fA-F]{64}$/, "keySha256 must be the 64 hex digits of the key's SHA-256")

@@ -60,6 +60,18 @@ describe('kvfence keys', () => {
     )
   })
 
+  it('refuses a tenant name that is not a plain word (names go to logs and metric labels)', async () => {
+    const path = join(dir, 'names.yaml')
+    const err = await kvfence('add', 'bad name!', '--tenants', path).then(
+      () => null,
+      (e: { code: number; stderr: string }) => e,
+    )
+    assert.ok(err, 'accepted "bad name!"')
+    assert.equal(err.code, 2)
+    assert.match(err.stderr, /a tenant name is letters, digits and \. _ @ - only/)
+    assert.equal(err.stderr.trim().split('\n').length, 1, err.stderr)
+  })
+
   it('a new tenants file loads as a registry that knows the printed key', async () => {
     const path = join(dir, 'tenants.yaml')
     const { stdout } = await kvfence('add', 'carol', '--tenants', path)

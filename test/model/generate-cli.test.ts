@@ -60,5 +60,8 @@ describe('kvfence generate', () => {
     assert.equal(noModel.code, 2)
     assert.equal(noModel.stderr.trim().split('\n').length, 1, noModel.stderr)
     assert.match(noModel.stderr, /^kvfence: .*\/nonexistent\/model/)
+    const empty = await cli('--prompt', '')
+    assert.equal(empty.code, 2)
+    assert.equal(empty.stderr.trim(), 'kvfence: --prompt is empty')
   })
 })
