@@ -45,7 +45,12 @@ import {
 } from './schemas.js'
 import { bearerKey, type Tenant, type TenantRegistry } from './tenants.js'
 import { TextStream } from './text-stream.js'
-import { type GenerationEvent, PoolFullError, type WorkerClient } from './worker-client.js'
+import {
+  type GenerationEvent,
+  PoolFullError,
+  type WorkerClient,
+  WorkerReportedError,
+} from './worker-client.js'
 
 /** Where requests run: kvfence's own prefill and decode workers (the router tokenizes and
  *  detokenizes), or another engine's OpenAI API behind a {@link Gateway}. */
@@ -593,6 +598,13 @@ const publicMessages: Partial<Record<ErrorCode, string>> = {
 
 function publicError(err: KvfenceError, rid: string): KvfenceError {
   if (err instanceof LimitError) return err // the router's own words, with its Retry-After
+  if (err instanceof WorkerReportedError && err.status < 500) {
+    const sentence =
+      err.code === 'context_length_exceeded'
+        ? "The prompt and max_tokens exceed what the workers' KV pools can hold."
+        : 'A worker refused this request.'
+    return new KvfenceError(err.code, `${sentence} (request ${rid})`, null)
+  }
   if (err.status < 500 && err.code !== 'request_aborted') return err
   const sentence = publicMessages[err.code] ?? 'Internal error.'
   return new KvfenceError(err.code, `${sentence} (request ${rid})`, null)

@@ -13,7 +13,7 @@ import {
   PrefillResult,
   ServerInfo,
 } from '../engine/control.js'
-import { KvfenceError, isErrorCode } from '../errors.js'
+import { KvfenceError, isErrorCode, type ErrorCode } from '../errors.js'
 import type { WorkerReport } from './capacity.js'
 import { readReplyText } from './http.js'
 
@@ -355,7 +355,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
             done = event
             break
           case 'error':
-            throw new KvfenceError(
+            throw new WorkerReportedError(
               isErrorCode(event.code) ? event.code : 'internal_error',
               `decode worker ${decodeUrl}: ${event.code}: ${event.message}`,
             )
@@ -606,10 +606,19 @@ function workerError(
     return new KvfenceError('worker_unavailable', `${role} worker ${url}: HTTP ${status}`)
   }
   const { code, message } = parsed.data.error
-  return new KvfenceError(
+  return new WorkerReportedError(
     isErrorCode(code) ? code : 'internal_error',
     `${role} worker ${url}: ${code}: ${message}`,
   )
+}
+
+/** An error a worker reported. Its message names the worker (and may name pages or peers): the
+ *  router logs it and tells the client only the code and a fixed sentence, even for a 4xx. */
+export class WorkerReportedError extends KvfenceError {
+  constructor(code: ErrorCode, message: string) {
+    super(code, message)
+    this.name = 'WorkerReportedError'
+  }
 }
 
 function asKvfenceError(err: unknown, where: string): KvfenceError {

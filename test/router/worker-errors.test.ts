@@ -137,6 +137,26 @@ describe('worker failures', () => {
     }
   })
 
+  it("a worker's own 4xx (its G3 re-check) reaches the client without the worker's words", async () => {
+    const h = await startHarness({
+      prefillRefusal: {
+        status: 400,
+        code: 'context_length_exceeded',
+        message: 'G3: prompt of 301 tokens exceeds this prefill worker’s KV capacity of 128 tokens',
+      },
+    })
+    try {
+      const res = await h.post('/v1/chat/completions', request)
+      assert.equal(res.status, 400)
+      const { error } = (await res.json()) as { error: { code: string; message: string } }
+      assert.equal(error.code, 'context_length_exceeded')
+      assert.doesNotMatch(error.message, /G3|worker http|127\.0\.0\.1|128 tokens/)
+      assert.match(error.message, /exceed what the workers' KV pools can hold/)
+    } finally {
+      await h.close()
+    }
+  })
+
   it('an error event before the output is sent → a plain 500', async () => {
     const h = await startHarness({ decodeErrorAfterTokens: 0 })
     try {
