@@ -102,12 +102,27 @@ export function createRouter(deps: RouterDeps): RequestHandler {
   // -------------------------------------------------------------------------------------------
   // Dispatch
 
+  /** `GET /health`: 200 only when requests can be served — every worker answers and G1 holds —
+   *  so a load balancer stops sending traffic to a router whose workers are gone. */
+  async function health(res: ServerResponse): Promise<void> {
+    const refusal = capacity()?.refusal ?? null
+    if (refusal !== null) return sendJson(res, 503, { status: 'unavailable', reason: 'G1' })
+    if (backend.kind === 'kvfence') {
+      try {
+        await backend.workers.serverInfoAll(AbortSignal.timeout(healthTimeoutMs))
+      } catch {
+        return sendJson(res, 503, { status: 'unavailable', reason: 'a worker is unreachable' })
+      }
+    }
+    return sendJson(res, 200, { status: 'ok' })
+  }
+
   async function handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
     const path = pathOf(req.url)
     const route = `${req.method} ${path}`
     switch (route) {
       case 'GET /health':
-        return sendJson(res, 200, { status: 'ok' })
+        return health(res)
       case 'GET /server_info':
         return serverInfo(req, res)
       case 'GET /metrics':
@@ -560,6 +575,9 @@ export function createRouter(deps: RouterDeps): RequestHandler {
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
+
+/** How long `/health` waits for the workers' `/server_info` (ms). */
+const healthTimeoutMs = 2_000
 
 /** What the request log line and the metrics report. */
 interface Outcome {

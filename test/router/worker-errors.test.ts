@@ -217,7 +217,14 @@ describe('worker failures', () => {
   it('a decode worker that went away → 503 worker_unavailable', async () => {
     const h = await startHarness()
     try {
+      assert.equal((await fetch(`${h.router.url}/health`)).status, 200)
       await h.workers.close()
+      const health = await fetch(`${h.router.url}/health`)
+      assert.equal(health.status, 503, '/health must not say ok while a worker is gone')
+      assert.deepEqual(await health.json(), {
+        status: 'unavailable',
+        reason: 'a worker is unreachable',
+      })
       const res = await h.post('/v1/chat/completions', request)
       assert.equal(res.status, 503)
       assert.equal(
