@@ -4,13 +4,17 @@
  *  (set KVFENCE_OPENAI_SPEC to its path). */
 import assert from 'node:assert/strict'
 import { existsSync, readFileSync } from 'node:fs'
+import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { Ajv2020, type ErrorObject, type ValidateFunction } from 'ajv/dist/2020.js'
 import addFormatsModule from 'ajv-formats'
 import { parse as parseYaml } from 'yaml'
+import { repoRoot } from '../helpers/paths.js'
 import { type Harness, keys, startHarness } from './helpers.js'
 
-const specPath = process.env.KVFENCE_OPENAI_SPEC ?? '/work/shared/specs/openai-openapi.yaml'
+// The project's shared/ folder sits beside the repository (also in CI).
+const specPath =
+  process.env.KVFENCE_OPENAI_SPEC ?? join(repoRoot, '..', 'shared', 'specs', 'openai-openapi.yaml')
 const hasSpec = existsSync(specPath)
 const specId = 'https://kvfence.test/openai-openapi.json'
 // ajv-formats is CommonJS with a default export; under NodeNext its default is the module.

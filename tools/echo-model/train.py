@@ -1,6 +1,6 @@
 """Train the echo model: a 2-layer Llama that copies text (and canaries) out of whatever KV it sees.
 
-Curriculum (each phase measured to matter, see /work/shared/STACK.md):
+Curriculum (each phase measured to matter, see the project's shared STACK.md):
   1. previous-token: predict the token before the current one, which builds a previous-token head;
   2. induction: a random string of random period (8-48) repeated to the end of the sequence
      (or, --induction offset, repeated once at a random offset) until the loss < 0.3 or 800 steps;
