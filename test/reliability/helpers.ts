@@ -2,7 +2,7 @@
  *  `dist/src/cli/main.js` on fixed ports (so one part can be killed and restarted in place), read a
  *  worker's pool, and wait for conditions with bounded polling. */
 import { fork, type ChildProcess } from 'node:child_process'
-import { mkdtempSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs'
 import net from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -15,16 +15,43 @@ import { cliPath, echoModelDir } from '../helpers/paths.js'
 /** Pool shape of these tests: prefill 32 × 16 = 512 tokens (the context), decode 64 × 16. */
 export const shape = { pageSize: 16, prefillPages: 32, decodePages: 64 }
 
-/** A free TCP port on 127.0.0.1 (bound then released). */
-export function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
+/** Lowest port of the kernel's ephemeral range (Linux `ip_local_port_range`; 32768 elsewhere). */
+function ephemeralLow(): number {
+  try {
+    const low = Number(
+      readFileSync('/proc/sys/net/ipv4/ip_local_port_range', 'utf8').split(/\s+/)[0],
+    )
+    return Number.isInteger(low) && low > 2048 ? low : 32768
+  } catch {
+    return 32768
+  }
+}
+
+const taken = new Set<number>()
+
+/** Whether `port` can be bound on 127.0.0.1 right now (bound, then released). */
+function canBind(port: number): Promise<boolean> {
+  return new Promise((resolve) => {
     const server = net.createServer()
-    server.once('error', reject)
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as net.AddressInfo
-      server.close(() => resolve(port))
-    })
+    server.once('error', () => resolve(false))
+    server.listen(port, '127.0.0.1', () => server.close(() => resolve(true)))
   })
+}
+
+/** A free TCP port on 127.0.0.1 *below the kernel's ephemeral range*. A part killed and restarted
+ *  in place must find its port again: a port from the ephemeral range (what `listen(0)` gives) can
+ *  be taken meanwhile as the local port of any outgoing connection on the machine, and the restart
+ *  then fails with EADDRINUSE (seen in CI). */
+export async function freePort(): Promise<number> {
+  const high = ephemeralLow()
+  const low = Math.max(1025, high - 12_000)
+  for (let tries = 0; tries < 200; tries++) {
+    const port = low + Math.floor(Math.random() * (high - low))
+    if (taken.has(port) || !(await canBind(port))) continue
+    taken.add(port)
+    return port
+  }
+  throw new Error(`no free port found in ${low}..${high - 1}`)
 }
 
 /** Two tenants with fresh keys in a temporary tenants file. */
