@@ -9,7 +9,7 @@ import { createRng } from '../audit/rng.js'
 import { Oracle, type SoakRequest } from './oracle.js'
 import { makePrompt, promptLength, tenantCanaries } from './prompts.js'
 import { sendAndDisconnect, sendWithClient, type Target } from './requests.js'
-import { median, pagesUsed, rssBytes } from './sampler.js'
+import { pagesUsed, rssBytes, rssGrowth, sumValues } from './sampler.js'
 import {
   maxRssGrowthRatio,
   minRssJudgedMs,
@@ -128,15 +128,9 @@ export async function runSoak(
   // Drain: every page must come back ------------------------------------------------------------
   const pagesAtEnd = await drain(target, options.drainTimeoutMs)
 
-  // RSS growth after warm-up --------------------------------------------------------------------
-  const window = Math.max(options.sampleEveryMs * 3, loadMs * 0.15)
-  const warmupEnd = loadMs * options.warmupFraction
-  const total = (s: RssSample) => Object.values(s.bytes).reduce((a, b) => a + b, 0)
-  const early = rss.filter((s) => s.atMs >= warmupEnd && s.atMs < warmupEnd + window).map(total)
-  const late = rss.filter((s) => s.atMs >= loadMs - window && s.atMs <= loadMs).map(total)
-  const rssEarly = median(early)
-  const rssLate = median(late)
-  const ratio = rssEarly > 0 ? rssLate / rssEarly : 0
+  // RSS growth after warm-up (a fitted line, see rssGrowth) ---------------------------------------------
+  const growth = rssGrowth(rss, loadMs, options.warmupFraction)
+  const total = (s: RssSample) => sumValues(s.bytes)
   const lastSample = rss.at(-1)
 
   const report: SoakReport = {
@@ -158,19 +152,20 @@ export async function runSoak(
     page_leaks: Math.max(0, pagesAtEnd.prefill) + Math.max(0, pagesAtEnd.decode),
     pages_used_at_end: pagesAtEnd,
     max_pages_used: maxPages,
-    rss_growth_ratio: Math.round(ratio * 1000) / 1000,
+    rss_growth_ratio: Math.round(growth.ratio * 1000) / 1000,
     rss_judged: loadMs >= minRssJudgedMs,
     rss_mb: {
-      after_warmup: toMb(rssEarly),
-      at_end: toMb(rssLate),
+      after_warmup: toMb(growth.fittedAfterWarmup),
+      at_end: toMb(growth.fittedAtEnd),
       timeline: timeline(rss, total),
       per_process_at_end: Object.fromEntries(
         Object.entries(lastSample?.bytes ?? {}).map(([k, v]) => [k, toMb(v)]),
       ),
+      per_process_slope_mb_per_min: mapValues(growth.slopePerMinute, toMb),
     },
     examples: tally.examples,
   }
-  report.failures = failuresOf(report, early.length > 0 && late.length > 0)
+  report.failures = failuresOf(report, growth.hasSamples)
   report.ok = report.failures.length === 0
   return report
 }
@@ -326,6 +321,13 @@ async function drain(target: SoakTarget, timeoutMs: number) {
     if (isDrained || Date.now() >= deadline) return { prefill, decode }
     await sleep(250)
   }
+}
+
+function mapValues(
+  record: Record<string, number>,
+  f: (v: number) => number,
+): Record<string, number> {
+  return Object.fromEntries(Object.entries(record).map(([k, v]) => [k, f(v)]))
 }
 
 /** About 12 points `[seconds, MB]` of the summed RSS over the run, for a reader to see a trend. */

@@ -3,6 +3,7 @@
  *  Knows /proc and the workers' `/server_info`; knows nothing of requests. */
 import { readFileSync } from 'node:fs'
 import { ServerInfo } from '../engine/control.js'
+import type { RssSample } from './types.js'
 
 /** Resident set size of process `pid` in bytes (VmRSS), or null when it is gone or /proc has
  *  no such field (not Linux). */
@@ -25,10 +26,66 @@ export async function pagesUsed(url: string, timeoutMs = 5_000): Promise<number>
   return ServerInfo.parse(await res.json()).numPagesUsed
 }
 
-/** The median of `values` (0 for none). */
-export function median(values: readonly number[]): number {
-  if (values.length === 0) return 0
-  const sorted = [...values].sort((a, b) => a - b)
-  const mid = sorted.length >> 1
-  return sorted.length % 2 === 1 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2
+/** What {@link rssGrowth} finds. */
+export interface RssGrowth {
+  /** The fitted summed RSS at the end of the load ÷ the fitted value at the end of warm-up; 0 when
+   *  fewer than 3 samples follow warm-up. */
+  ratio: number
+  /** Fitted summed RSS at the end of warm-up and at the end of the load, bytes. */
+  fittedAfterWarmup: number
+  fittedAtEnd: number
+  /** Per process, the fitted slope in bytes per minute. */
+  slopePerMinute: Record<string, number>
+  /** Whether at least 3 samples follow warm-up. */
+  hasSamples: boolean
+}
+
+/** RSS growth over a load of `loadMs`: a least-squares line through the summed RSS of every sample
+ *  after warm-up, read at the end of warm-up and at the end of the load. A garbage-collected
+ *  process's RSS saws by tens of MB between collections, and one major collection can hand memory
+ *  back for a while; comparing two short windows (medians or minima) then reads GC phase as growth
+ *  or hides it, while a line through several GC cycles follows only what is retained. */
+export function rssGrowth(
+  samples: readonly RssSample[],
+  loadMs: number,
+  warmupFraction: number,
+): RssGrowth {
+  const warmupEnd = loadMs * warmupFraction
+  const kept = samples.filter((s) => s.atMs >= warmupEnd && s.atMs <= loadMs)
+  const names = [...new Set(kept.flatMap((s) => Object.keys(s.bytes)))]
+  const slopePerMinute: Record<string, number> = {}
+  for (const name of names)
+    slopePerMinute[name] = fitLine(kept, (s) => s.bytes[name] ?? 0).slope * 60_000
+  if (kept.length < 3)
+    return { ratio: 0, fittedAfterWarmup: 0, fittedAtEnd: 0, slopePerMinute, hasSamples: false }
+  const line = fitLine(kept, (s) => sumValues(s.bytes))
+  const fittedAfterWarmup = line.at(warmupEnd)
+  const fittedAtEnd = line.at(loadMs)
+  return {
+    ratio: fittedAfterWarmup > 0 ? fittedAtEnd / fittedAfterWarmup : 0,
+    fittedAfterWarmup,
+    fittedAtEnd,
+    slopePerMinute,
+    hasSamples: true,
+  }
+}
+
+/** Ordinary least squares of `y(s)` on `s.atMs`: slope in bytes per ms and the line's value. */
+function fitLine(samples: readonly RssSample[], y: (s: RssSample) => number) {
+  const n = samples.length
+  const meanX = samples.reduce((a, s) => a + s.atMs, 0) / n
+  const meanY = samples.reduce((a, s) => a + y(s), 0) / n
+  let sxy = 0
+  let sxx = 0
+  for (const s of samples) {
+    sxy += (s.atMs - meanX) * (y(s) - meanY)
+    sxx += (s.atMs - meanX) ** 2
+  }
+  const slope = sxx > 0 ? sxy / sxx : 0
+  return { slope, at: (x: number) => meanY + slope * (x - meanX) }
+}
+
+/** Sum of a record's values. */
+export function sumValues(record: Record<string, number>): number {
+  return Object.values(record).reduce((a, b) => a + b, 0)
 }

@@ -96,18 +96,23 @@ export interface SoakReport {
   pages_used_at_end: { prefill: number; decode: number }
   /** Most pages seen in use at once, per worker. */
   max_pages_used: { prefill: number; decode: number }
-  /** Must stay < {@link maxRssGrowthRatio}: summed RSS of the cluster's processes late in the
-   *  load over the same just after warm-up (medians of each window). */
+  /** Must stay < {@link maxRssGrowthRatio}: a least-squares line through the cluster's summed
+   *  RSS after warm-up, its value at the end of the load ÷ its value at the end of warm-up (a line
+   *  through several GC cycles, not two short windows: GC sawtooth is not growth). */
   rss_growth_ratio: number
   /** Whether `rss_growth_ratio` was judged: only for loads of at least {@link minRssJudgedMs}
    *  (the processes' V8 heaps grow for the first ~50 s of load before they settle). */
   rss_judged: boolean
   rss_mb: {
+    /** The fitted summed RSS at the end of warm-up (the ratio's denominator). */
     after_warmup: number
+    /** The fitted summed RSS at the end of the load (the ratio's numerator). */
     at_end: number
     /** About 12 points `[seconds since start, MB]` of the summed RSS. */
     timeline: [number, number][]
     per_process_at_end: Record<string, number>
+    /** Per process, the fitted RSS slope after warm-up, MB per minute. */
+    per_process_slope_mb_per_min: Record<string, number>
   }
   /** At most 5 examples per problem kind, redacted to the canary found or the first differing
    *  token position (no prompt text). */

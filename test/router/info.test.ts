@@ -60,5 +60,9 @@ describe('read-only endpoints', () => {
       /kvfence_router_requests_total\{endpoint="completion",tenant="alpha",status="200"\} 1/,
     )
     assert.match(text, /kvfence_router_completion_tokens_total 2/)
+    // The router's own memory, as prom-client's default metrics name it, from this process.
+    const rss = /^process_resident_memory_bytes (\d+)$/m.exec(text)
+    assert.ok(rss && Number(rss[1]) > 1024 * 1024, 'no process_resident_memory_bytes')
+    assert.match(text, /^nodejs_heap_size_used_bytes \d+$/m)
   })
 })
