@@ -3,10 +3,14 @@
  *  and a SmolLM2-135M-shaped checkpoint with random weights generated in memory (F32 and BF16
  *  storage). All figures are medians over repeats, measured in this one run.
  *
+ *  Every model is measured with 1 and 2 compute threads in the same run (`threads` in each row;
+ *  `thread_speedups` gives the 2-over-1 ratios).
+ *
  *  Args: `--repeats N` (default 3), `--decode-tokens N` (default 32), `--prefill-tokens N`
- *  (default 1000), `--skip-135m`. Decode is measured at batch 1 (`forward`, one sequence per call)
- *  and at batch 8 (`forwardBatch`, eight sequences per step, as the decode worker's continuous
- *  batching runs them). */
+ *  (default 1000), `--threads N` (the most threads measured, default 2: rows for 1 and N),
+ *  `--skip-135m`. Decode is measured at batch 1 (`forward`, one sequence per call) and at
+ *  batch 8 (`forwardBatch`, eight sequences per step, as the decode worker's continuous batching
+ *  runs them). */
 import { makeGuards } from '../src/kv/guards.js'
 import { KvPool } from '../src/kv/pool.js'
 import { parseModelConfig } from '../src/model/config.js'
@@ -111,6 +115,7 @@ interface Measured {
   model: string
   storage: string
   kernels: string
+  threads: number
   parameters_bytes_per_token: number
   decode_tokens_per_s: number
   decode_bound_tokens_per_s: number
@@ -192,6 +197,7 @@ function measure(
     model: model.name,
     storage,
     kernels: model.kernels.name,
+    threads: model.kernels.threads,
     parameters_bytes_per_token: bytes,
     decode_tokens_per_s: round(decode),
     decode_bound_tokens_per_s: round(bound),
@@ -250,34 +256,67 @@ export async function benchModel(args: string[]): Promise<object> {
     decodeTokens: flag(args, '--decode-tokens', 32),
     prefillTokens: flag(args, '--prefill-tokens', 1000),
   }
+  const maxThreads = flag(args, '--threads', 2)
+  const threadCounts = maxThreads > 1 ? [1, maxThreads] : [1]
   const bandwidth = copyBandwidth(5)
   const results: Measured[] = []
-  results.push(measure(loadModel(echoModelDir), 'F32', bandwidth, o))
+  /** Measure one checkpoint at every thread count, each in its own kernels (closed after). */
+  const measureAll = (make: (threads: number) => Model, storage: string) => {
+    for (const threads of threadCounts) {
+      const model = make(threads)
+      try {
+        results.push(measure(model, storage, bandwidth, o))
+      } finally {
+        model.kernels.close()
+      }
+    }
+  }
+  measureAll((threads) => loadModel(echoModelDir, { threads }), 'F32')
   if (!args.includes('--skip-135m')) {
     for (const dtype of ['F32', 'BF16'] as const) {
       const config = parseModelConfig(smolLm2Config, 'SmolLM2-135M shape')
-      const model = modelFromTensors(
-        `SmolLM2-135M-shape`,
-        config,
-        randomTensors(smolLm2Config, dtype),
+      const tensors = randomTensors(smolLm2Config, dtype)
+      measureAll(
+        (threads) => modelFromTensors(`SmolLM2-135M-shape`, config, tensors, { threads }),
+        dtype,
       )
-      results.push(measure(model, dtype, bandwidth, o))
     }
   }
-  const f32 = results.find((r) => r.model === 'SmolLM2-135M-shape' && r.storage === 'F32')
-  const bf16 = results.find((r) => r.model === 'SmolLM2-135M-shape' && r.storage === 'BF16')
+  const row = (model: string, storage: string, threads: number) =>
+    results.find((r) => r.model === model && r.storage === storage && r.threads === threads)
+  const ratio = (a: number | undefined, b: number | undefined) =>
+    a !== undefined && b !== undefined ? round(a / b, 2) : null
+  const smol = 'SmolLM2-135M-shape'
+  const threadSpeedups = results
+    .filter((r) => r.threads === maxThreads && maxThreads > 1)
+    .map((r) => {
+      const one = row(r.model, r.storage, 1)
+      return {
+        model: r.model,
+        storage: r.storage,
+        threads: `${maxThreads} over 1`,
+        decode: ratio(r.decode_tokens_per_s, one?.decode_tokens_per_s),
+        decode_batch8: ratio(r.decode_tokens_per_s_batch8, one?.decode_tokens_per_s_batch8),
+        prefill: ratio(r.prefill_tokens_per_s, one?.prefill_tokens_per_s),
+      }
+    })
   return {
     copy_bandwidth_gb_per_s: round(bandwidth, 2),
-    threads: 1,
+    threads: threadCounts,
     batch: 1,
     batch_batched: batchSize,
     repeats: o.repeats,
     models: results,
-    bf16_over_f32_decode:
-      f32 && bf16 ? round(bf16.decode_tokens_per_s / f32.decode_tokens_per_s, 2) : null,
+    thread_speedups: threadSpeedups,
+    bf16_over_f32_decode: Object.fromEntries(
+      threadCounts.map((t) => [
+        `threads_${t}`,
+        ratio(row(smol, 'BF16', t)?.decode_tokens_per_s, row(smol, 'F32', t)?.decode_tokens_per_s),
+      ]),
+    ),
     notes: [
       'decode_tokens_per_s: batch 1 (forward, one sequence per call); decode_tokens_per_s_batch8: eight sequences per forwardBatch step, tokens counted over all of them',
-      'one thread: the SIMD kernels do not use worker threads yet',
+      'threads: the WebAssembly SIMD kernels split each linear by output rows (attention by heads) between the calling thread and threads − 1 helper threads over one shared memory; results are bit-identical to 1 thread',
       'decode_bound = copy bandwidth / weight bytes read per token (measured in this run)',
     ],
   }

@@ -15,13 +15,14 @@ import {
 import { startCluster, type ClusterOptions } from '../engine/cluster.js'
 import { bundledModelDir } from '../paths.js'
 import { newApiKey, tenantsYaml } from './keys.js'
-import { intOption } from './options.js'
+import { intOption, threadArgs, threadsHelp, threadsOption } from './options.js'
 
 interface DemoFlags {
   out: string
   model: string
   seed: number
   verbose: boolean
+  threads?: number
 }
 
 /** The demo's deployment: the incident's shape, scaled down to the bundled model. */
@@ -54,6 +55,7 @@ export function registerDemo(program: Command): void {
     .option('--model <dir>', 'model directory', bundledModelDir)
     .option('--seed <n>', 'audit seed (same seed, same canaries)', intOption, 20260909)
     .option('--verbose', 'print every probe step', false)
+    .option('--threads <n>', threadsHelp, threadsOption)
     .action(async (flags: DemoFlags) => {
       const code = await runDemo(flags)
       process.exitCode = code
@@ -78,6 +80,7 @@ async function runDemo(flags: DemoFlags): Promise<number> {
     decodePages: demoShape.decodePages,
     tenantsFile,
     logLevel: 'info',
+    ...threadArgs(flags.threads),
   }
   const poolTokens = demoShape.prefillPages * demoShape.pageSize
 

@@ -8,6 +8,28 @@ export function intOption(value: string): number {
   return Number(value)
 }
 
+/** Parse `--threads N`: compute threads per model, 1 to 64. */
+export function threadsOption(value: string): number {
+  const n = /^\d+$/.test(value) ? Number(value) : NaN
+  if (!(n >= 1 && n <= 64))
+    throw new InvalidArgumentError(`expected an integer from 1 to 64, got "${value}"`)
+  return n
+}
+
+/** Help text of `--threads`. */
+export const threadsHelp = 'compute threads per model (default: min(2, available cores))'
+
+/** Cluster options that pass `--threads N` to both workers when given (else they use their
+ *  default). */
+export function threadArgs(threads: number | undefined): {
+  prefillArgs?: string[]
+  decodeArgs?: string[]
+} {
+  if (threads === undefined) return {}
+  const args = ['--threads', String(threads)]
+  return { prefillArgs: args, decodeArgs: args }
+}
+
 /** Collect a repeatable flag into an array. */
 export function collect(value: string, previous: string[]): string[] {
   return [...previous, value]

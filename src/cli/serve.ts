@@ -9,7 +9,7 @@ import { launchCluster } from '../config/launch.js'
 import { startCluster } from '../engine/cluster.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
-import { collect, intOption } from './options.js'
+import { collect, intOption, threadArgs, threadsHelp, threadsOption } from './options.js'
 
 interface ServeFlags {
   config?: string
@@ -26,6 +26,7 @@ interface ServeFlags {
   injectFault: string[]
   unsafeDisableGuards: boolean
   logLevel?: string
+  threads?: number
 }
 
 /** Register `kvfence serve`. */
@@ -69,12 +70,15 @@ export function registerServe(program: Command): void {
       [],
     )
     .option('--unsafe-disable-guards', 'turn every guard off (needs KVFENCE_ALLOW_FAULTS=1)', false)
+    .option('--threads <n>', `${threadsHelp}; not with --config`, threadsOption)
     .addOption(
       new Option('--log-level <level>', 'log level of the parts (default info)').env(
         'KVFENCE_LOG_LEVEL',
       ),
     )
     .action(async (flags: ServeFlags) => {
+      if (flags.config !== undefined && flags.threads !== undefined)
+        throw new KvfenceError('config_invalid', '--threads is not used with --config')
       if (flags.config !== undefined) return serveConfig(flags.config, flags)
       if (flags.tenants === undefined) {
         throw new KvfenceError('config_invalid', 'give --config FILE or --tenants FILE')
@@ -92,6 +96,7 @@ export function registerServe(program: Command): void {
         prefillFaults: flags.injectFault,
         disableGuards: flags.unsafeDisableGuards,
         logLevel: flags.logLevel ?? 'info',
+        ...threadArgs(flags.threads),
       })
       process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
       let isStopping = false

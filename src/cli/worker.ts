@@ -10,10 +10,10 @@ import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { PrefillWorker } from '../engine/prefill-worker.js'
 import { createWorkerCore } from '../engine/worker-core.js'
 import { createWorkerServer, listen } from '../engine/worker-server.js'
-import { loadModel } from '../model/weights.js'
+import { defaultThreads, loadModel } from '../model/weights.js'
 import { bundledModelDir } from '../paths.js'
 import { TransferServer } from '../transfer/index.js'
-import { intOption, collect } from './options.js'
+import { intOption, collect, threadsHelp, threadsOption } from './options.js'
 
 interface WorkerFlags {
   model: string
@@ -32,6 +32,7 @@ interface WorkerFlags {
   unsafeDisableGuard: string[]
   transferTimeoutMs?: number
   logLevel: string
+  threads?: number
 }
 
 /** Register `kvfence prefill` and `kvfence decode`. */
@@ -75,6 +76,7 @@ export function registerWorkers(program: Command): void {
         intOption,
       )
       .option('--log-level <level>', 'pino log level', 'info')
+      .option('--threads <n>', threadsHelp, threadsOption)
     if (role === 'prefill') {
       cmd.option(
         '--prefix-cache-pages <n>',
@@ -119,7 +121,7 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
   const banner = faultBanner(`kvfence ${role}`, faults)
   if (banner) process.stderr.write(`${banner}\n`)
   const core = createWorkerCore({
-    model: loadModel(flags.model),
+    model: loadModel(flags.model, { threads: flags.threads ?? defaultThreads() }),
     numPages: flags.pages,
     pageSize: flags.pageSize,
     faults,

@@ -139,7 +139,7 @@ export function createWorkerCore(opts: WorkerCoreOptions): WorkerCore {
   return {
     metrics,
     model: opts.model,
-    rope: makeRope(opts.model),
+    rope: makeRope(opts.model, opts.numPages * opts.pageSize), // no position beyond the pool
     pool,
     guards,
     trips,

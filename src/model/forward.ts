@@ -17,12 +17,14 @@ export interface SequenceKv {
   owner: number
 }
 
-/** Precomputed RoPE tables for positions [0, maxPositions): `cos`, `sin` of shape
- *  `[maxPositions, headDim / 2]` with angle = position × invFreq[i]. */
+/** Precomputed RoPE tables for positions [0, positions): `cos`, `sin` of shape
+ *  `[positions, headDim / 2]` with angle = position × invFreq[i]. */
 export interface Rope {
   cos: Float32Array
   sin: Float32Array
   half: number
+  /** Positions the tables hold; a forward pass beyond them is refused (RangeError). */
+  positions: number
 }
 
 /** RoPE inverse frequencies `[headDim / 2]`: theta^(−2i/headDim), then Llama-3's rescaling when the
@@ -56,21 +58,28 @@ export function ropeInverseFrequencies(config: Model['config']): Float32Array {
   return out
 }
 
-/** Build the RoPE tables of a model (angles rounded to float32 as HF computes them). */
-export function makeRope(model: Model): Rope {
+/** Build the RoPE tables of a model (angles rounded to float32 as HF computes them) for positions
+ *  [0, min(maxPositions, max_position_embeddings)). Pass `maxPositions` when fewer positions can
+ *  ever be held (e.g. a KV pool's capacity in tokens): the full tables of a long-context model are
+ *  large (131,072 positions × 64 angles × 2 tables × 4 bytes = 64 MiB). Throws a RangeError when
+ *  `maxPositions` is not a positive integer. */
+export function makeRope(model: Model, maxPositions?: number): Rope {
   const { headDim, maxPositionEmbeddings } = model.config
+  if (maxPositions !== undefined && (!Number.isInteger(maxPositions) || maxPositions < 1))
+    throw new RangeError(`RoPE positions must be a positive integer, got ${maxPositions}`)
+  const positions = Math.min(maxPositions ?? maxPositionEmbeddings, maxPositionEmbeddings)
   const half = headDim / 2
   const invFreq = ropeInverseFrequencies(model.config)
-  const cos = new Float32Array(maxPositionEmbeddings * half)
-  const sin = new Float32Array(maxPositionEmbeddings * half)
+  const cos = new Float32Array(positions * half)
+  const sin = new Float32Array(positions * half)
   for (let i = 0; i < half; i++) {
-    for (let p = 0; p < maxPositionEmbeddings; p++) {
+    for (let p = 0; p < positions; p++) {
       const angle = Math.fround(p * invFreq[i])
       cos[p * half + i] = Math.cos(angle)
       sin[p * half + i] = Math.sin(angle)
     }
   }
-  return { cos, sin, half }
+  return { cos, sin, half, positions }
 }
 
 /** Rotate `x[offset .. offset + headDim)` in place by position `pos` (rotate-half convention). */
@@ -98,7 +107,8 @@ export interface BatchSequence extends SequenceKv {
 }
 
 /** What {@link forwardBatch} returns for one sequence: its logits, or why it failed (a guard error,
- *  or a RangeError for positions beyond the model's). A failed sequence never fails the others. */
+ *  or a RangeError for positions beyond the model's or the RoPE table's). A failed sequence never
+ *  fails the others. */
 export type BatchResult = { logits: Float32Array } | { error: Error }
 
 /**
@@ -107,7 +117,7 @@ export type BatchResult = { logits: Float32Array } | { error: Error }
  * Returns the logits of the last token, `[vocabSize]`, or of every token `[n, vocabSize]` when
  * `allLogits` is set. Throws a G5 guard error (before any read) when a page of the table is not the
  * request's at the expected epoch or is not filled up to the positions read, and a RangeError for
- * positions beyond max_position_embeddings.
+ * positions beyond max_position_embeddings or the RoPE table.
  */
 export function forward(
   model: Model,
@@ -170,6 +180,8 @@ export function forwardBatch(
           `positions up to ${endPos} exceed max_position_embeddings ${maxPositionEmbeddings}`,
         )
       }
+      if (endPos > rope.positions)
+        throw new RangeError(`positions up to ${endPos} exceed the RoPE table (${rope.positions})`)
       pool.noteWrite(s.pageTable, s.owner, s.startPos, s.tokenIds.length)
     } catch (err) {
       results[i] = { error: asError(err) }

@@ -3,52 +3,24 @@
  *
  *  Weights and scratch live in one shared `WebAssembly.Memory` owned by the returned value; it only
  *  grows, and a shared memory's old views stay valid when it grows (they are never detached), so
- *  arrays handed out remain usable for the life of the kernels. Memory is shared so that worker
- *  threads can later run the same module over the same weights.
+ *  arrays handed out remain usable for the life of the kernels. Memory is shared so that helper
+ *  threads (threads/) run the same module over the same weights and activations: with
+ *  `threads` > 1 each linear is cut into chunks of output rows, and attention into heads × token
+ *  blocks, which the calling thread and the helpers claim (threads/protocol.ts); every output
+ *  element is computed by the same code over the same inputs as with one thread, so results are
+ *  bit-identical whatever the thread count.
  *  Knows addresses and shapes; knows nothing of models or pools. */
 import { readFileSync } from 'node:fs'
 import { fileURLToPath } from 'node:url'
 import type { Kernels, LinearWeights } from './linear.js'
+import { Op, type KernelExports } from './threads/protocol.js'
+import { startTeam, type ThreadTeam } from './threads/team.js'
 
 const pageBytes = 65_536
 /** Below this the module keeps its static data (a 1 KiB exp table at 1024); we allocate above. */
 const heapStart = pageBytes
 /** 4 GiB, the wasm32 limit: only reserves address space. */
 const maxPages = 65_536
-
-interface WasmExports {
-  linearF32(
-    out: number,
-    x: number,
-    w: number,
-    bias: number,
-    n: number,
-    inDim: number,
-    outDim: number,
-  ): void
-  linearBf16(
-    out: number,
-    x: number,
-    w: number,
-    bias: number,
-    n: number,
-    inDim: number,
-    outDim: number,
-  ): void
-  attention(
-    out: number,
-    q: number,
-    k: number,
-    v: number,
-    scores: number,
-    n: number,
-    startPos: number,
-    numHeads: number,
-    numKvHeads: number,
-    headDim: number,
-    scale: number,
-  ): void
-}
 
 /** The part of the WebAssembly JS API used here (the project's `lib` has no DOM types). */
 interface WasmMemory {
@@ -65,9 +37,28 @@ const WebAssembly = (globalThis as unknown as { WebAssembly: WasmApi }).WebAssem
 /** Path of the compiled module. */
 export const kernelsWasmPath = fileURLToPath(new URL('./kernels.wasm', import.meta.url))
 
-/** Compile and instantiate the SIMD kernels with a fresh memory. Throws a one-line error when the
- *  compiled module is missing (run `npm run build:wasm`) or the runtime lacks WebAssembly SIMD. */
-export function createWasmKernels(): Kernels {
+/** Options of {@link createWasmKernels}. */
+export interface WasmKernelOptions {
+  /** Threads computing each kernel call, the caller's included (default 1: no helper threads).
+   *  A positive integer. */
+  threads?: number
+  /** Calls with fewer multiply-adds than this run on the calling thread alone (default 262,144, about 10 µs on one thread:
+   *  waking the helpers would cost more than it saves). Tests pass 0 to split every call. */
+  parallelMinWork?: number
+}
+
+/** Default of {@link WasmKernelOptions.parallelMinWork}. */
+const defaultParallelMinWork = 262_144
+
+/** Compile and instantiate the SIMD kernels with a fresh memory, and start `threads − 1` helper
+ *  threads over it. Throws a one-line error when the compiled module is missing (run
+ *  `npm run build:wasm`), the runtime lacks WebAssembly SIMD or threads, `threads` is not a
+ *  positive integer, or a helper thread fails to start (never falls back to fewer threads).
+ *  Call `close()` to stop the helpers (they never keep the process alive). */
+export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
+  const threads = options.threads ?? 1
+  if (!Number.isInteger(threads) || threads < 1 || threads > 64)
+    throw new Error(`threads must be an integer from 1 to 64, got ${threads}`)
   let bytes: Buffer
   try {
     bytes = readFileSync(kernelsWasmPath)
@@ -77,13 +68,17 @@ export function createWasmKernels(): Kernels {
     )
   }
   const memory = new WebAssembly.Memory({ initial: 16, maximum: maxPages, shared: true })
-  let wasm: WasmExports
+  let wasm: KernelExports
+  let module: object
   try {
-    const instance = new WebAssembly.Instance(new WebAssembly.Module(bytes), { env: { memory } })
-    wasm = instance.exports as unknown as WasmExports
+    module = new WebAssembly.Module(bytes)
+    const instance = new WebAssembly.Instance(module, { env: { memory } })
+    wasm = instance.exports as unknown as KernelExports
   } catch (err) {
     throw new Error(`cannot load the WebAssembly SIMD kernels: ${(err as Error).message}`)
   }
+  const parallelMinWork = options.parallelMinWork ?? defaultParallelMinWork
+  let team: ThreadTeam | null = threads > 1 ? startTeam(threads, module, memory, wasm) : null
 
   // Every SharedArrayBuffer this memory has handed out (one per size it had): a typed array over
   // one of them is inside the memory, at address = its byteOffset.
@@ -129,6 +124,11 @@ export function createWasmKernels(): Kernels {
 
   return {
     name: 'wasm-simd',
+    threads,
+    close() {
+      team?.close()
+      team = null
+    },
     allocF32(count) {
       const ptr = reserve(count * 4) // first: it may grow the memory, and buffer() must see that
       return new Float32Array(buffer(), ptr, count)
@@ -143,29 +143,57 @@ export function createWasmKernels(): Kernels {
       const xPtr = addressOf(x, 'linear.x', true)
       const biasPtr = bias ? addressOf(bias, 'linear.bias', true) : 0
       const wPtr = weightAddress(w)
-      if (w.dtype === 'f32') wasm.linearF32(outPtr, xPtr, wPtr, biasPtr, n, w.inDim, w.outDim)
-      else wasm.linearBf16(outPtr, xPtr, wPtr, biasPtr, n, w.inDim, w.outDim)
-      if (!buffers.has(out.buffer)) out.set(new Float32Array(buffer(), outPtr, n * w.outDim))
+      const { inDim, outDim } = w
+      if (team && n * inDim * outDim >= parallelMinWork) {
+        const op = w.dtype === 'f32' ? Op.linearF32 : Op.linearBf16
+        team.run(op, [outPtr, xPtr, wPtr, biasPtr, n, inDim, outDim])
+      } else if (w.dtype === 'f32')
+        wasm.linearF32(outPtr, xPtr, wPtr, biasPtr, n, inDim, outDim, 0, outDim)
+      else wasm.linearBf16(outPtr, xPtr, wPtr, biasPtr, n, inDim, outDim, 0, outDim)
+      if (!buffers.has(out.buffer)) out.set(new Float32Array(buffer(), outPtr, n * outDim))
     },
     attention(out, q, k, v, n, startPos, numHeads, numKvHeads, headDim) {
       const outPtr = addressOf(out, 'attention.out', false)
       const qPtr = addressOf(q, 'attention.q', true)
       const kPtr = addressOf(k, 'attention.k', true)
       const vPtr = addressOf(v, 'attention.v', true)
-      const scores = scratch('attention.scores', startPos + n)
-      wasm.attention(
-        outPtr,
-        qPtr,
-        kPtr,
-        vPtr,
-        scores.byteOffset,
-        n,
-        startPos,
-        numHeads,
-        numKvHeads,
-        headDim,
-        1 / Math.sqrt(headDim),
-      )
+      const numKeys = startPos + n
+      const work = n * numKeys * numHeads * headDim
+      if (team && numHeads > 1 && work >= parallelMinWork) {
+        // One scores row per thread, 16-byte aligned.
+        const stride = Math.ceil(numKeys / 4) * 4
+        const scores = scratch('attention.scores', stride * team.threads)
+        team.run(Op.attention, [
+          outPtr,
+          qPtr,
+          kPtr,
+          vPtr,
+          scores.byteOffset,
+          n,
+          startPos,
+          numHeads,
+          numKvHeads,
+          headDim,
+          stride * 4,
+        ])
+      } else {
+        const scores = scratch('attention.scores', numKeys)
+        wasm.attention(
+          outPtr,
+          qPtr,
+          kPtr,
+          vPtr,
+          scores.byteOffset,
+          n,
+          startPos,
+          numHeads,
+          numKvHeads,
+          headDim,
+          1 / Math.sqrt(headDim),
+          0,
+          numHeads,
+        )
+      }
       if (!buffers.has(out.buffer))
         out.set(new Float32Array(buffer(), outPtr, n * numHeads * headDim))
     },

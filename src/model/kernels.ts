@@ -136,6 +136,8 @@ export function createTsKernels(): Kernels {
   const scratch = new Map<string, Float32Array>()
   return {
     name: 'ts',
+    threads: 1,
+    close() {},
     allocF32: (count) => new Float32Array(count),
     allocU16: (count) => new Uint16Array(count),
     scratch(slot, count) {

@@ -27,6 +27,11 @@ export type LinearWeights =
 export interface Kernels {
   /** `ts` (the plain TypeScript oracle) or `wasm-simd`. */
   readonly name: string
+  /** Threads each call computes on, the caller's included (1: the calling thread only). */
+  readonly threads: number
+  /** Stop any helper threads (idempotent). The kernels stay usable on the calling thread alone,
+   *  with bit-identical results. */
+  close(): void
   /** A zeroed, long-lived F32 array in the kernels' memory (weights). */
   allocF32(count: number): Float32Array
   /** A zeroed, long-lived u16 array in the kernels' memory (BF16 weights). */

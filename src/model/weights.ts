@@ -5,6 +5,7 @@
  *  `model.layers.{i}.mlp.{gate,up,down}_proj.weight`, `model.layers.{i}.{input,post_attention}_layernorm.weight`,
  *  `model.norm.weight`, `lm_head.weight` (absent, or ignored, when embeddings are tied, as in HF). */
 import { existsSync, readFileSync } from 'node:fs'
+import { availableParallelism } from 'node:os'
 import { basename, join } from 'node:path'
 import { loadModelConfig, type ModelConfig } from './config.js'
 import { createWasmKernels } from './kernels-wasm.js'
@@ -43,9 +44,19 @@ export interface Model {
 export interface LoadOptions {
   /** Kernels to compute with and to hold the weights (default: the WebAssembly SIMD kernels). */
   kernels?: Kernels
+  /** Threads of the default WebAssembly kernels, the caller's included (default 1; see
+   *  {@link defaultThreads} for serving). Not allowed together with `kernels`. Close the model's
+   *  kernels (`model.kernels.close()`) to stop the helper threads. */
+  threads?: number
   /** Keep BF16-stored matrices as BF16 (exact; half the bytes per token). Default true; false
    *  widens them to F32. F16 is always widened to F32 (exact). */
   keepBf16?: boolean
+}
+
+/** Compute threads a serving process (and `kvfence generate`) uses when none are asked for:
+ *  min(2, available cores). Library callers get 1 unless they ask. */
+export function defaultThreads(): number {
+  return Math.min(2, availableParallelism())
 }
 
 /** Buffers some checkpoints carry that the forward pass recomputes; skipped, not refused. */
@@ -59,7 +70,24 @@ export function modelFromTensors(
   tensors: Map<string, RawTensor>,
   options: LoadOptions = {},
 ): Model {
-  const kernels = options.kernels ?? createWasmKernels()
+  if (options.kernels && options.threads !== undefined)
+    throw new Error('give either kernels or threads, not both')
+  const kernels = options.kernels ?? createWasmKernels({ threads: options.threads })
+  try {
+    return buildModel(name, config, tensors, kernels, options)
+  } catch (err) {
+    if (!options.kernels) kernels.close() // ours: do not leave helper threads behind
+    throw err
+  }
+}
+
+function buildModel(
+  name: string,
+  config: ModelConfig,
+  tensors: Map<string, RawTensor>,
+  kernels: Kernels,
+  options: LoadOptions,
+): Model {
   const keepBf16 = options.keepBf16 ?? true
   const { hiddenSize: d, intermediateSize: ff, numHeads, numKvHeads, headDim, vocabSize } = config
   const used = new Set<string>()

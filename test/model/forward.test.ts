@@ -79,4 +79,24 @@ describe('forward pass', () => {
     }
     assert.deepEqual(out, tokens)
   })
+
+  it('builds RoPE tables only up to a cap, equal to the full tables there, and refuses beyond', () => {
+    const capped = makeRope(model, 24)
+    assert.equal(capped.positions, 24)
+    assert.equal(rope.positions, c.maxPositionEmbeddings)
+    assert.equal(capped.cos.length, 24 * rope.half)
+    assert.deepEqual(capped.cos, rope.cos.subarray(0, 24 * rope.half))
+    assert.deepEqual(capped.sin, rope.sin.subarray(0, 24 * rope.half))
+    // A cap above the model's positions changes nothing.
+    assert.equal(makeRope(model, c.maxPositionEmbeddings + 5).positions, c.maxPositionEmbeddings)
+    assert.throws(() => makeRope(model, 0), /RoPE positions must be a positive integer, got 0/)
+    const ids = reference.prompts[1].ids.slice(0, 30)
+    const { pool, seq } = scatteredSequence(model, 4, ids.length)
+    const full = forward(model, rope, pool, seq, ids.slice(0, 24), 0)
+    assert.deepEqual(forward(model, capped, pool, seq, ids.slice(0, 24), 0), full)
+    assert.throws(
+      () => forward(model, capped, pool, seq, ids.slice(24, 25), 24),
+      /positions up to 25 exceed the RoPE table \(24\)/,
+    )
+  })
 })

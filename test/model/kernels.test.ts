@@ -108,6 +108,75 @@ describe('WebAssembly SIMD kernels', () => {
     }
   })
 
+  for (const dtype of ['f32', 'bf16'] as const) {
+    it(`linear with ${dtype} weights gives each token the same bits alone or in a batch`, () => {
+      // n = 9: two groups of four tokens (the batched path) and one token alone; outDim 19 leaves
+      // three rows after the 4-row groups of the one-token path.
+      const [n, inDim, outDim] = [9, 77, 19]
+      const rnd = random(300)
+      const x = fill(new Float32Array(n * inDim), rnd)
+      const bias = fill(new Float32Array(outDim), rnd)
+      const w = weights(wasm, dtype, outDim, inDim, 7)
+      for (const b of [null, bias]) {
+        const batched = new Float32Array(n * outDim)
+        wasm.linear(batched, x, w, b, n)
+        for (let t = 0; t < n; t++) {
+          const alone = new Float32Array(outDim)
+          wasm.linear(alone, x.subarray(t * inDim, (t + 1) * inDim), w, b, 1)
+          assert.deepEqual(
+            new Uint32Array(alone.buffer),
+            new Uint32Array(batched.slice(t * outDim, (t + 1) * outDim).buffer),
+            `${dtype} token ${t}${b ? ' with bias' : ''}`,
+          )
+        }
+      }
+    })
+  }
+
+  it('split between 1, 2 and 3 threads, linear and attention give the same bits', () => {
+    const teams = [2, 3].map((threads) => createWasmKernels({ threads, parallelMinWork: 0 }))
+    try {
+      for (const dtype of ['f32', 'bf16'] as const) {
+        for (const [i, [n, inDim, outDim]] of [...shapes, [5, 33, 7], [2, 16, 3]].entries()) {
+          const rnd = random(400 + i)
+          const x = fill(new Float32Array(n * inDim), rnd)
+          const bias = i % 2 ? fill(new Float32Array(outDim), rnd) : null
+          const want = new Float32Array(n * outDim)
+          wasm.linear(want, x, weights(wasm, dtype, outDim, inDim, i), bias, n)
+          for (const k of teams) {
+            const got = new Float32Array(n * outDim)
+            k.linear(got, x, weights(k, dtype, outDim, inDim, i), bias, n)
+            assert.deepEqual(
+              new Uint32Array(got.buffer),
+              new Uint32Array(want.buffer),
+              `${dtype} [${n}, ${inDim}] → ${outDim}, ${k.threads} threads`,
+            )
+          }
+        }
+      }
+      for (const [i, [n, startPos, H, KV, hd]] of [
+        [1, 37, 9, 3, 64],
+        [5, 0, 6, 2, 6],
+        [3, 20, 2, 1, 10],
+        [1, 4, 1, 1, 8],
+      ].entries()) {
+        const rnd = random(500 + i)
+        const q = fill(new Float32Array(n * H * hd), rnd)
+        const k = fill(new Float32Array((startPos + n) * KV * hd), rnd)
+        const v = fill(new Float32Array((startPos + n) * KV * hd), rnd)
+        const want = new Float32Array(n * H * hd)
+        wasm.attention(want, q, k, v, n, startPos, H, KV, hd)
+        for (const team of teams) {
+          const got = new Float32Array(n * H * hd)
+          team.attention(got, q, k, v, n, startPos, H, KV, hd)
+          assert.deepEqual(new Uint32Array(got.buffer), new Uint32Array(want.buffer), `case ${i}`)
+        }
+      }
+    } finally {
+      for (const k of teams) k.close()
+    }
+  })
+
   it('refuses weights that live outside its memory', () => {
     const foreign = weights(ts, 'f32', 2, 4, 1)
     assert.throws(

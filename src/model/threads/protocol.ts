@@ -1,0 +1,205 @@
+/** The control block shared by the compute threads of one set of WebAssembly kernels, and how a
+ *  job's work is split between them. The block is its own small SharedArrayBuffer (not part of the
+ *  WebAssembly memory, which grows): i32 words, written by the calling thread before it publishes
+ *  a job by bumping {@link Ctrl.generation}, read by the helper threads after they see the bump.
+ *  Knows words and ranges; knows nothing of models. */
+
+/** Word indices of the control block (Int32Array). */
+export const Ctrl = {
+  /** The current job's sequence number, bumped (and notified) by the caller for every job;
+   *  helpers wait on it. */
+  generation: 0,
+  /** Chunks of the current job computed so far (the caller waits for all of them). */
+  finished: 1,
+  /** Helpers that started and are ready for jobs (set once at start). */
+  ready: 2,
+  /** Non-zero when a helper failed (at start or in a job); {@link Ctrl.errorText} says why. */
+  failed: 3,
+  /** What to run: one of {@link Op}. */
+  op: 4,
+  /** Chunks the current job is cut into (at most {@link maxChunks}). */
+  chunks: 5,
+  /** The next chunk to claim, tagged with the job's sequence number ({@link ticket}). */
+  ticket: 6,
+  /** Threads taking part, the caller included (thread 0). */
+  threads: 7,
+  /** First of the job's i32 arguments (see {@link Op}). */
+  args: 8,
+  /** Byte offset of a UTF-8 error message (up to {@link errorBytes}) written by a failing helper. */
+  errorText: 32,
+} as const
+
+/** Bytes reserved for a helper's error message. */
+export const errorBytes = 512
+/** Size of the control block in bytes. */
+export const ctrlBytes = Ctrl.errorText * 4 + errorBytes
+
+/** Jobs. Arguments, in order from {@link Ctrl.args}:
+ *  - `linearF32`, `linearBf16`: out, x, w, bias, n, inDim, outDim (byte addresses, counts);
+ *  - `attention`: out, q, k, v, scores, n, startPos, numHeads, numKvHeads, headDim, scoresStride
+ *    (thread i uses scores + i × scoresStride bytes; every token's scores fit in one row). */
+export const Op = { stop: 0, linearF32: 1, linearBf16: 2, attention: 3 } as const
+
+/** Most chunks per job: the chunk index lives in the ticket's low 8 bits. */
+export const maxChunks = 255
+/** Chunks per thread of a linear: enough that a thread the OS does not run right now (a loaded
+ *  machine) leaves only small pieces for the others to take over. */
+const chunksPerThread = 8
+/** Rows a linear's output is split on: a multiple of 4 (the kernels' row group) per chunk. */
+const rowAlign = 4
+
+/** The ticket word for chunk `chunk` of job `seq`: the job's sequence number (23 bits) above the
+ *  chunk index, so that a claim for a finished job can never take a chunk of the next one. */
+export function ticket(seq: number, chunk: number): number {
+  return ((seq & 0x7fffff) << 8) | chunk
+}
+
+/** Fewest multiply-adds per chunk of a linear (a few µs): smaller chunks cost more in claims and
+ *  cache misses than they gain in balance. */
+const minChunkWork = 65_536
+
+/** Chunks to cut a job into: a linear by groups of output rows, attention by heads and blocks of
+ *  tokens. */
+export function chunkCount(op: number, args: readonly number[], threads: number): number {
+  if (op === Op.attention) {
+    // Heads × blocks of tokens (prefill): the causal mask makes later tokens dearer, and nine
+    // heads do not split evenly over two threads.
+    const heads = Math.min(args[7], maxChunks)
+    const blocks = Math.min(
+      args[5],
+      Math.ceil((chunksPerThread * threads) / heads),
+      Math.floor(maxChunks / heads),
+    )
+    return heads * Math.max(1, blocks)
+  }
+  const work = args[4] * args[5] * args[6]
+  const byWork = Math.max(threads, Math.floor(work / minChunkWork))
+  return Math.min(Math.ceil(args[6] / rowAlign), chunksPerThread * threads, byWork, maxChunks)
+}
+
+/** Chunk `index`'s share [start, end) of `count` rows cut into `chunks` chunks, each a multiple of
+ *  `align` rows (the last ones may be empty). */
+export function share(count: number, index: number, chunks: number, align = 1): [number, number] {
+  const size = Math.ceil(count / chunks / align) * align
+  return [Math.min(count, index * size), Math.min(count, (index + 1) * size)]
+}
+
+/** The exports of the compiled kernels (asm/kernels.ts); addresses are bytes in the shared memory. */
+export interface KernelExports {
+  linearF32(
+    out: number,
+    x: number,
+    w: number,
+    bias: number,
+    n: number,
+    inDim: number,
+    outDim: number,
+    rowStart: number,
+    rowEnd: number,
+  ): void
+  linearBf16(
+    out: number,
+    x: number,
+    w: number,
+    bias: number,
+    n: number,
+    inDim: number,
+    outDim: number,
+    rowStart: number,
+    rowEnd: number,
+  ): void
+  attention(
+    out: number,
+    q: number,
+    k: number,
+    v: number,
+    scores: number,
+    n: number,
+    startPos: number,
+    numHeads: number,
+    numKvHeads: number,
+    headDim: number,
+    scale: number,
+    headStart: number,
+    headEnd: number,
+  ): void
+}
+
+/** Claim and compute chunks of job `seq` until none is left (every thread, the caller included,
+ *  runs this over the same arguments: a chunk is computed by the same code whichever thread
+ *  takes it, so the result is bit-identical to one thread running the whole job). `thread` picks
+ *  the thread's own attention scores row. A chunk that throws is still counted as finished (so
+ *  that nobody waits for it) and the error rethrown. */
+export function workOn(wasm: KernelExports, ctrl: Int32Array, seq: number, thread: number): void {
+  const chunks = ctrl[Ctrl.chunks]
+  for (;;) {
+    const t = Atomics.load(ctrl, Ctrl.ticket)
+    const chunk = t & 0xff
+    if (t >>> 8 !== (seq & 0x7fffff) || chunk >= chunks) return
+    if (Atomics.compareExchange(ctrl, Ctrl.ticket, t, t + 1) !== t) continue
+    try {
+      runChunk(wasm, ctrl, chunk, chunks, thread)
+    } finally {
+      if (Atomics.add(ctrl, Ctrl.finished, 1) + 1 === chunks) Atomics.notify(ctrl, Ctrl.finished)
+    }
+  }
+}
+
+function runChunk(
+  wasm: KernelExports,
+  ctrl: Int32Array,
+  chunk: number,
+  chunks: number,
+  thread: number,
+): void {
+  const a = Ctrl.args
+  switch (ctrl[Ctrl.op]) {
+    case Op.linearF32:
+    case Op.linearBf16: {
+      const [start, end] = share(ctrl[a + 6], chunk, chunks, rowAlign)
+      if (start >= end) return
+      const fn = ctrl[Ctrl.op] === Op.linearF32 ? wasm.linearF32 : wasm.linearBf16
+      fn(
+        ctrl[a],
+        ctrl[a + 1],
+        ctrl[a + 2],
+        ctrl[a + 3],
+        ctrl[a + 4],
+        ctrl[a + 5],
+        ctrl[a + 6],
+        start,
+        end,
+      )
+      return
+    }
+    case Op.attention: {
+      const numHeads = ctrl[a + 7]
+      const headChunks = Math.min(numHeads, maxChunks)
+      const blocks = chunks / headChunks
+      const [start, end] = share(numHeads, chunk % headChunks, headChunks)
+      // The last (dearest) token block is handed out first.
+      const [t0, t1] = share(ctrl[a + 5], blocks - 1 - Math.floor(chunk / headChunks), blocks)
+      if (start >= end || t0 >= t1) return
+      const headDim = ctrl[a + 9]
+      const qRowBytes = numHeads * headDim * 4
+      wasm.attention(
+        ctrl[a] + t0 * qRowBytes,
+        ctrl[a + 1] + t0 * qRowBytes,
+        ctrl[a + 2],
+        ctrl[a + 3],
+        ctrl[a + 4] + thread * ctrl[a + 10],
+        t1 - t0,
+        ctrl[a + 6] + t0,
+        numHeads,
+        ctrl[a + 8],
+        headDim,
+        1 / Math.sqrt(headDim),
+        start,
+        end,
+      )
+      return
+    }
+    default:
+      throw new Error(`unknown kernel job ${ctrl[Ctrl.op]}`)
+  }
+}
