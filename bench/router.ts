@@ -8,6 +8,11 @@
  *    p50(a) − p50(b), likewise p99; target p50 ≤ 0.5 ms.
  *  - Throughput: 64 concurrent clients, each sending streamed completions back to back for
  *    `--seconds` (default 3), through the router and, for the ratio, straight to the workers.
+ *  - Socket writes: `router_socket_writes_per_streamed_request`, the router's writes to client
+ *    sockets (`_write`/`_writev` calls, counted in the child) per streamed request of the
+ *    throughput run: 1 for the headers, then one per event-loop turn in which the stream had
+ *    something to send (src/router/http.ts `coalesceWrites`). Deterministic while the stand-in
+ *    sends one token per turn; fewer means tokens were coalesced.
  *  Every figure is the median over `--repeats` (default 5) repeats.
  *  The stand-ins and the router run in one child process (the stand-ins of test/router/helpers.ts,
  *  the real `startRouter`); the clients run here, over keep-alive `node:http`.
@@ -17,6 +22,7 @@
 import { fork, type ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import http from 'node:http'
+import net from 'node:net'
 import { performance } from 'node:perf_hooks'
 import { fileURLToPath } from 'node:url'
 import { bosId, charIds, keys, startHarness } from '../test/router/helpers.js'
@@ -69,13 +75,17 @@ export async function benchRouter(args: string[]): Promise<object> {
         directP50: quantile(directMs, 0.5),
         directP99: quantile(directMs, 0.99),
       })
+      const writesBefore = await numRouterWrites(child)
+      const viaRouterStreamed = await closedLoopRate(
+        () => routerRequest(agent, endpoints, true),
+        numClients,
+        seconds,
+      )
+      const numWrites = (await numRouterWrites(child)) - writesBefore
       throughput.push({
-        router: await closedLoopRate(
-          () => routerRequest(agent, endpoints, true),
-          numClients,
-          seconds,
-        ),
-        direct: await closedLoopRate(direct, numClients, seconds),
+        router: viaRouterStreamed.rate,
+        direct: (await closedLoopRate(direct, numClients, seconds)).rate,
+        writesPerRequest: numWrites / viaRouterStreamed.numDone,
       })
     }
     agent.destroy()
@@ -93,6 +103,7 @@ export async function benchRouter(args: string[]): Promise<object> {
       streaming_requests_per_s: med(throughput.map((t) => t.router)),
       direct_requests_per_s: med(throughput.map((t) => t.direct)),
       router_to_direct_throughput_ratio: med(throughput.map((t) => t.router / t.direct)),
+      router_socket_writes_per_streamed_request: med(throughput.map((t) => t.writesPerRequest)),
       clients: numClients,
       repeats,
       requests_per_repeat: numRequests,
@@ -173,12 +184,13 @@ async function directRequest(agent: http.Agent, e: Endpoints): Promise<void> {
   if (!isDone) throw new Error('direct: the decode stand-in ended without done')
 }
 
-/** Completed requests per second of `numClients` clients sending back to back for `seconds`. */
+/** Completed requests per second of `numClients` clients sending back to back for `seconds`, and
+ *  how many completed. */
 async function closedLoopRate(
   request: () => Promise<void>,
   numClients: number,
   seconds: number,
-): Promise<number> {
+): Promise<{ rate: number; numDone: number }> {
   const startMs = performance.now()
   const endMs = startMs + seconds * 1000
   let numDone = 0
@@ -190,7 +202,20 @@ async function closedLoopRate(
       }
     }),
   )
-  return numDone / ((performance.now() - startMs) / 1000)
+  return { rate: numDone / ((performance.now() - startMs) / 1000), numDone }
+}
+
+/** The child's count of socket writes to the router's clients so far. */
+function numRouterWrites(child: ChildProcess): Promise<number> {
+  return new Promise((resolve) => {
+    const onMessage = (m: { type?: string; numWrites?: number }) => {
+      if (m.type !== 'writes') return
+      child.off('message', onMessage)
+      resolve(m.numWrites!)
+    }
+    child.on('message', onMessage)
+    child.send({ type: 'writes' })
+  })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -208,6 +233,22 @@ async function serve(): Promise<void> {
     h.workers.prefillRequests.length = 0
     h.workers.events.length = 0
   }, 1000).unref()
+  // Count the router's socket writes to its clients (server-side sockets on the router's port).
+  let numWrites = 0
+  const socketProto = net.Socket.prototype as unknown as Record<
+    '_write' | '_writev',
+    (this: net.Socket & { server?: unknown }, ...args: unknown[]) => void
+  >
+  for (const method of ['_write', '_writev'] as const) {
+    const original = socketProto[method]
+    socketProto[method] = function (...args) {
+      if (this.server !== undefined && this.localPort === h.router.port) numWrites++
+      return original.apply(this, args)
+    }
+  }
+  process.on('message', (m: { type?: string }) => {
+    if (m.type === 'writes') process.send?.({ type: 'writes', numWrites })
+  })
   const endpoints: Endpoints = {
     routerUrl: h.router.url,
     prefillUrl: h.workers.prefillUrl,

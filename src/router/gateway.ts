@@ -18,10 +18,18 @@ import http from 'node:http'
 import https from 'node:https'
 import type { ServerResponse } from 'node:http'
 import type { Logger } from 'pino'
-import { KvfenceError } from '../errors.js'
+import { KvfenceError, toOpenAiError } from '../errors.js'
 import { type Tokenizer, loadTokenizer } from '../model/tokenizer.js'
 import { chatPromptTokenIds, completionPromptTokenIds } from './admission.js'
-import { readReplyText, sendJson } from './http.js'
+import {
+  type RelayHeader,
+  isErrorEvent,
+  openAiChunk,
+  openAiError,
+  openAiUsage,
+  openAiWhole,
+} from './engine-replies.js'
+import { coalesceWrites, drained, readReplyText, sendJson } from './http.js'
 import { samplesOf } from './prometheus-text.js'
 import type { FinishReason } from './responses.js'
 import type { ParsedChatRequest, ParsedCompletionRequest } from './schemas.js'
@@ -326,16 +334,23 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     }
   }
 
-  /** A whole (non-streamed, or error) reply: passed on with the router's id and model name; an
-   *  answer that ended in an abort is an error, never a normal finish (sglang#33507). */
+  /** A whole (non-streamed, or error) reply, rebuilt in OpenAI's shape with the router's id and
+   *  model name (engine-replies.ts). An engine's 4xx is passed on with its status; a 5xx or an
+   *  unreadable answer is `worker_unavailable` (the engine's words go to the log, not to the
+   *  tenant); an answer that ended in an abort is an error, never a normal finish
+   *  (sglang#33507). */
   function relayWhole(p: ProxyRequest, status: number, text: string): ProxyOutcome {
     const reply = asObject(json(text))
     if (status !== 200) {
-      if (reply !== null && asObject(reply.error) !== null) {
-        sendJson(p.res, status, reply)
+      const error = openAiError(reply, status)
+      if (status >= 400 && status < 500) {
+        sendJson(p.res, status, { error })
         return { status, numCompletionTokens: 0, finishReason: null, text: '' }
       }
-      throw new KvfenceError('worker_unavailable', `backend answered HTTP ${status}`)
+      throw new KvfenceError(
+        'worker_unavailable',
+        `backend answered HTTP ${status}: ${error.message}`,
+      )
     }
     const choices = Array.isArray(reply?.choices) ? reply.choices.map(asObject) : []
     const choice = choices[0]
@@ -346,12 +361,10 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         `backend reply for ${p.rid} has no valid finish_reason (${JSON.stringify(finish)})`,
       )
     }
-    const usage = asObject(reply.usage)
-    const numCompletionTokens = positive(usage?.completion_tokens) ?? 0
+    const usage = openAiUsage(reply.usage)
+    const numCompletionTokens = usage?.completion_tokens ?? 0
     if (numCompletionTokens > 0) p.onToken()
-    reply.id = `${p.endpoint === 'chat' ? 'chatcmpl' : 'cmpl'}-${p.rid}`
-    reply.model = options.servedModel
-    sendJson(p.res, 200, reply)
+    sendJson(p.res, 200, openAiWhole(reply, p.endpoint, relayHeader(p)))
     const message = asObject(choice.message)
     return {
       status: 200,
@@ -361,27 +374,55 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     }
   }
 
-  /** An SSE reply, event by event, each with the router's id and model name. */
+  /** The router's id and served model name for `p`'s bodies. */
+  function relayHeader(p: ProxyRequest): RelayHeader {
+    return {
+      id: `${p.endpoint === 'chat' ? 'chatcmpl' : 'cmpl'}-${p.rid}`,
+      model: options.servedModel,
+    }
+  }
+
+  /** An SSE reply, event by event, each rebuilt in OpenAI's shape with the router's id and model
+   *  name. An engine's error event or abort ends the stream with the router's own error event
+   *  (no `[DONE]`), as a failure after the first token does natively. */
   async function relayStream(
     p: ProxyRequest,
     upstream: http.IncomingMessage,
   ): Promise<ProxyOutcome> {
-    const id = `${p.endpoint === 'chat' ? 'chatcmpl' : 'cmpl'}-${p.rid}`
+    const header = relayHeader(p)
+    const streamOptions = asObject(p.body.stream_options)
+    const isUsageStreamed = streamOptions?.include_usage === true
     let isStarted = false
     let numChunks = 0
     let text = ''
     let finishReason: FinishReason | null = null
     let pending = ''
-    const write = (line: string) => {
+    const start = () => {
+      if (isStarted) return
+      isStarted = true
+      p.res.writeHead(200, {
+        'content-type': 'text/event-stream; charset=utf-8',
+        'cache-control': 'no-cache',
+        'x-accel-buffering': 'no',
+      })
+      coalesceWrites(p.res)
+    }
+    /** Ends the stream with an error event in OpenAI's shape (kvfence's code); before any output
+     *  the failure is a plain HTTP error instead, as natively. */
+    const fail = (detail: string): ProxyOutcome => {
       if (!isStarted) {
-        isStarted = true
-        p.res.writeHead(200, {
-          'content-type': 'text/event-stream; charset=utf-8',
-          'cache-control': 'no-cache',
-          'x-accel-buffering': 'no',
-        })
+        upstream.destroy()
+        throw new KvfenceError('worker_unavailable', `backend stream for ${p.rid}: ${detail}`)
       }
-      return p.res.write(line)
+      p.log.warn({ detail }, 'backend stream failed')
+      const error = new KvfenceError(
+        'worker_unavailable',
+        `The backend stopped the request (request ${p.rid}).`,
+        null,
+      )
+      p.res.end(`data: ${JSON.stringify(toOpenAiError(error))}\n\n`)
+      upstream.destroy()
+      return { status: error.status, numCompletionTokens: numChunks, finishReason: null, text }
     }
     upstream.setEncoding('utf8')
     for await (const chunk of upstream as AsyncIterable<string>) {
@@ -393,17 +434,16 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         const data = event.startsWith('data: ') ? event.slice(6) : null
         if (data === null) continue
         if (data.trim() === '[DONE]') {
-          write('data: [DONE]\n\n')
+          start()
+          p.res.write('data: [DONE]\n\n')
           continue
         }
         const value = asObject(json(data))
         if (value === null) continue
-        if (asObject(value.error) !== null) {
-          write(`data: ${JSON.stringify(value)}\n\n`)
-          continue
+        if (isErrorEvent(value)) {
+          const { message, type } = openAiError(value, 500)
+          return fail(`backend error event (${type}): ${message}`)
         }
-        value.id = id
-        value.model = options.servedModel
         for (const choice of Array.isArray(value.choices) ? value.choices.map(asObject) : []) {
           const delta = asObject(choice?.delta)
           const piece = delta?.content ?? choice?.text
@@ -414,20 +454,16 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
           }
           const finish = choice?.finish_reason
           if (finish != null) {
+            // An engine-side abort is not a normal finish.
             if (!validFinishReasons.has(String(finish))) {
-              // An engine-side abort is not a normal finish: end with an error event.
-              p.res.end(
-                `data: ${JSON.stringify({ error: { message: `The request was stopped by the backend (request ${p.rid}).`, type: 'server_error', param: null, code: 'worker_unavailable' } })}\n\n`,
-              )
-              upstream.destroy()
-              return { status: 502, numCompletionTokens: numChunks, finishReason: null, text }
+              return fail(`backend finished with ${JSON.stringify(finish)}`)
             }
             finishReason = finish as FinishReason
           }
         }
-        if (!write(`data: ${JSON.stringify(value)}\n\n`)) {
-          await new Promise((resolve) => p.res.once('drain', resolve))
-        }
+        start()
+        const out = openAiChunk(value, p.endpoint, header, isUsageStreamed)
+        if (!p.res.write(`data: ${JSON.stringify(out)}\n\n`)) await drained(p.res)
       }
     }
     if (!isStarted) throw new KvfenceError('worker_unavailable', 'backend stream was empty')
