@@ -6,16 +6,22 @@ import { createWorkerCore } from '../engine/worker-core.js'
 import { generateLocal } from '../engine/local-engine.js'
 import { buildFaultConfig } from '../engine/faults.js'
 import { loadTokenizer } from '../model/tokenizer.js'
-import { loadModel } from '../model/weights.js'
+import { defaultThreads, loadModel } from '../model/weights.js'
 import { bundledModelDir } from '../paths.js'
-import { intOption } from './options.js'
+import { intOption, threadsHelp, threadsOption } from './options.js'
 
 interface GenerateFlags {
   model: string
   prompt: string
   maxTokens: number
   temperature: number
+  topP: number
+  topK?: number
+  minP: number
+  presencePenalty: number
+  frequencyPenalty: number
   seed?: number
+  threads?: number
 }
 
 /** Tokens per KV page of the one-process pool. */
@@ -26,6 +32,23 @@ function temperatureOption(value: string): number {
   if (value.trim() === '' || !Number.isFinite(t) || t < 0 || t > 2)
     throw new InvalidArgumentError(`expected a number in [0, 2], got "${value}"`)
   return t
+}
+
+/** A parser of a number flag in [min, max] (the API's range of the same field). */
+function rangeOption(min: number, max: number): (value: string) => number {
+  return (value) => {
+    const x = Number(value)
+    if (value.trim() === '' || !Number.isFinite(x) || x < min || x > max)
+      throw new InvalidArgumentError(`expected a number in [${min}, ${max}], got "${value}"`)
+    return x
+  }
+}
+
+function topPOption(value: string): number {
+  const p = Number(value)
+  if (value.trim() === '' || !(p > 0 && p <= 1))
+    throw new InvalidArgumentError(`expected a number in (0, 1], got "${value}"`)
+  return p
 }
 
 function positiveIntOption(value: string): number {
@@ -45,11 +68,17 @@ export function registerGenerate(program: Command): void {
     .requiredOption('--prompt <text>', 'prompt text (completed as is, no chat template)')
     .option('--max-tokens <n>', 'tokens to generate at most', positiveIntOption, 64)
     .option('--temperature <t>', 'sampling temperature; 0 is greedy', temperatureOption, 0)
+    .option('--top-p <p>', 'nucleus mass in (0, 1]', topPOption, 1)
+    .option('--top-k <k>', 'keep the k most probable tokens (default: off)', positiveIntOption)
+    .option('--min-p <p>', 'keep tokens ≥ p × the top probability', rangeOption(0, 1), 0)
+    .option('--presence-penalty <x>', "OpenAI's presence penalty", rangeOption(-2, 2), 0)
+    .option('--frequency-penalty <x>', "OpenAI's frequency penalty", rangeOption(-2, 2), 0)
     .option('--seed <n>', 'seed of the sampling random stream (same seed, same tokens)', intOption)
+    .option('--threads <n>', threadsHelp, threadsOption)
     .action((flags: GenerateFlags) => {
       const tokenizer = loadTokenizer(flags.model)
-      const model = loadModel(flags.model)
       if (flags.prompt === '') throw new Error('--prompt is empty')
+      const model = loadModel(flags.model, { threads: flags.threads ?? defaultThreads() })
       const promptTokenIds = tokenizer.encode(flags.prompt)
       if (promptTokenIds.length === 0) throw new Error('--prompt encodes to no tokens')
       const total = promptTokenIds.length + flags.maxTokens
@@ -63,7 +92,15 @@ export function registerGenerate(program: Command): void {
       if (tokenizer.eosTokenId !== null) eos.push(tokenizer.eosTokenId)
       const result = generateLocal(core, promptTokenIds, {
         maxTokens: flags.maxTokens,
-        sampling: { temperature: flags.temperature, topP: 1, seed: flags.seed ?? null },
+        sampling: {
+          temperature: flags.temperature,
+          topP: flags.topP,
+          topK: flags.topK ?? null,
+          minP: flags.minP,
+          presencePenalty: flags.presencePenalty,
+          frequencyPenalty: flags.frequencyPenalty,
+          seed: flags.seed ?? null,
+        },
         stopTokenIds: eos,
       })
       process.stdout.write(`${tokenizer.decode(result.tokenIds)}\n`)

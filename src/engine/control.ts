@@ -14,15 +14,34 @@
  *  Knows message shapes only; knows nothing of pools, models or tenants' keys. */
 import { z } from 'zod'
 
-/** Sampling parameters as the workers receive them (already validated by the router). */
+/** Sampling parameters as the workers receive them (already validated by the router, which
+ *  names the OpenAI field of any refusal). The steps and their order: src/model/sampling.ts. */
 export const Sampling = z.object({
   /** 0 means greedy. */
   temperature: z.number().min(0).max(2),
   topP: z.number().gt(0).max(1),
+  /** Keep the k most probable tokens; null or absent = off (the API's top_k -1 or 0). */
+  topK: z.number().int().min(1).nullish(),
+  /** Keep tokens at least min_p × the top token's probability; 0 or absent = off. */
+  minP: z.number().min(0).max(1).optional(),
+  /** OpenAI's presence and frequency penalties over the tokens generated so far; absent = 0. */
+  presencePenalty: z.number().min(-2).max(2).optional(),
+  frequencyPenalty: z.number().min(-2).max(2).optional(),
   /** Seed of the request's random stream; null draws one. */
   seed: z.number().int().nullable(),
+  /** Report each generated token's log-probability and this many top alternatives (raw model
+   *  log-softmax, see `tokenLogprobs` in src/model/sampling.ts); null or absent = none. */
+  numLogprobs: z.number().int().min(0).max(20).nullish(),
 })
 export type Sampling = z.infer<typeof Sampling>
+
+/** A generated token's log-probabilities (natural log, ≥ −9999): the token's own and its `top`
+ *  alternatives, most likely first. Present only when the request's `numLogprobs` is not null. */
+export const TokenLogprobs = z.object({
+  logprob: z.number(),
+  top: z.array(z.object({ tokenId: z.number().int().min(0), logprob: z.number() })).max(20),
+})
+export type TokenLogprobs = z.infer<typeof TokenLogprobs>
 
 const requestId = z.string().regex(/^[0-9a-f]{32}$/, 'request id must be 32 hex digits')
 const secret = z.string().regex(/^[0-9a-f]{64}$/, 'transfer secret must be 64 hex digits')
@@ -60,6 +79,9 @@ export const PrefillResult = z.object({
   numPages: z.number().int().min(0),
   numTokens: z.number().int().min(0),
   firstTokenId: z.number().int().min(0),
+  /** The first token's log-probabilities, when the request asked for them (the decode worker
+   *  never sees the prompt's logits, so they reach the router here). */
+  firstTokenLogprobs: TokenLogprobs.optional(),
   /** Leading prompt tokens whose KV came from the prefill worker's prefix cache (OpenAI's
    *  `cached_tokens`); absent = 0. */
   cachedTokens: z.number().int().min(0).optional(),
@@ -79,7 +101,12 @@ export const DecodeEvent = z.discriminatedUnion('type', [
      *  the host of its control URL. */
     transferHost: z.string().min(1).optional(),
   }),
-  z.object({ type: z.literal('token'), tokenId: z.number().int().min(0) }),
+  z.object({
+    type: z.literal('token'),
+    tokenId: z.number().int().min(0),
+    /** Only when asked for; absent on the first token, whose come in {@link PrefillResult}. */
+    logprobs: TokenLogprobs.optional(),
+  }),
   z.object({
     type: z.literal('done'),
     finishReason: z.enum(['stop', 'length']),

@@ -9,6 +9,7 @@ import type { KvPool, PageRef } from '../kv/pool.js'
 import { forwardBatch, type Rope } from '../model/forward.js'
 import type { Model } from '../model/weights.js'
 import type { DecodeEvent } from './control.js'
+import type { SampledToken } from './request-sampler.js'
 
 /** Default most sequences per decode step (`kvfence decode --max-batch`). */
 export const defaultMaxBatch = 32
@@ -41,8 +42,10 @@ export interface DecodeSequence {
   /** The first generated token (sampled by the prefill worker). */
   firstTokenId: number
   stopTokenIds: ReadonlySet<number>
-  /** Picks the next token from `[vocabSize]` logits with this sequence's own random stream. */
-  sampleNext: (logits: Float32Array) => number
+  /** Picks the next token from `[vocabSize]` logits with this sequence's own random stream (and
+   *  its own counts of generated tokens, for the penalties: see engine/request-sampler.ts), with
+   *  its log-probabilities when the request asked for them. */
+  sampleNext: (logits: Float32Array) => SampledToken
   /** Aborts the sequence at the next step boundary (`request_aborted`). */
   signal: AbortSignal
   /** Receives `token` events, then `done`. */
@@ -53,6 +56,8 @@ export interface DecodeSequence {
 interface Running {
   seq: DecodeSequence
   lastToken: number
+  /** Of `lastToken`, when asked for (never for the first token: prefill reports those). */
+  lastLogprobs: SampledToken['logprobs']
   numGenerated: number
   /** Positions the page table holds. */
   capacity: number
@@ -113,6 +118,7 @@ export class DecodeScheduler {
       const r: Running = {
         seq,
         lastToken: seq.firstTokenId,
+        lastLogprobs: undefined,
         numGenerated: 1,
         capacity: seq.pageTable.length * this.pool.shape.pageSize,
         resolve,
@@ -182,7 +188,9 @@ export class DecodeScheduler {
         continue
       }
       try {
-        r.lastToken = r.seq.sampleNext(result.logits)
+        const next = r.seq.sampleNext(result.logits)
+        r.lastToken = next.tokenId
+        r.lastLogprobs = next.logprobs
       } catch (err) {
         this.fail(r, err instanceof Error ? err : new Error(String(err)))
         continue
@@ -196,7 +204,11 @@ export class DecodeScheduler {
   private emitToken(r: Running): boolean {
     const { seq } = r
     try {
-      seq.emit({ type: 'token', tokenId: r.lastToken })
+      seq.emit(
+        r.lastLogprobs === undefined
+          ? { type: 'token', tokenId: r.lastToken }
+          : { type: 'token', tokenId: r.lastToken, logprobs: r.lastLogprobs },
+      )
       const isStop = seq.stopTokenIds.has(r.lastToken)
       // The next step would write position numPrompt + numGenerated - 1.
       const isFull = seq.numPrompt + r.numGenerated - 1 >= r.capacity

@@ -1,13 +1,12 @@
 /** Decode worker: reserves pages for a prompt, receives and verifies its KV from the prefill worker,
  *  then generates tokens for many requests at once (continuous batching: decode-scheduler.ts).
  *  Knows token ids, tenants and the transfer receiver's hooks; knows nothing of HTTP, keys or text. */
-import { randomBytes } from 'node:crypto'
 import { KvfenceError } from '../errors.js'
 import type { PageRef } from '../kv/pool.js'
-import { makeRandom, sample } from '../model/sampling.js'
 import type { BeginInfo, ReceiverHooks, Reservation } from '../transfer/index.js'
 import type { DecodeEvent, GenerateRequest } from './control.js'
 import { DecodeScheduler } from './decode-scheduler.js'
+import { RequestSampler } from './request-sampler.js'
 import { failureReason, scatterPage, type WorkerCore } from './worker-core.js'
 
 /** How long a reservation waits for its transfer to begin before it is given up (ms). Only a
@@ -325,11 +324,10 @@ export class DecodeWorker {
     const numPrompt = req.promptTokenIds.length
     // Full prompt pages are read-only from now on; the last one may still receive generated tokens.
     pool.seal(pageTable.slice(0, Math.floor(numPrompt / pool.shape.pageSize)), owner)
-    // The request's own stream: decode draws with seed + 1 (prefill drew with seed), whatever
-    // else shares the batch.
-    const random = makeRandom(
-      req.sampling.seed === null ? randomBytes(4).readUInt32LE() : req.sampling.seed + 1,
-    )
+    // The request's own stream (decode draws with seed + 1, prefill drew with seed), whatever
+    // else shares the batch; its penalties count the first token too.
+    const sampler = new RequestSampler(req.sampling, 'decode')
+    sampler.record(firstTokenId)
     await this.decodeLoop().run({
       requestId: req.requestId,
       owner,
@@ -338,12 +336,7 @@ export class DecodeWorker {
       maxTokens: req.maxTokens,
       firstTokenId,
       stopTokenIds: new Set(req.stopTokenIds),
-      sampleNext: (logits) =>
-        sample(logits, {
-          temperature: req.sampling.temperature,
-          topP: req.sampling.topP,
-          random,
-        }),
+      sampleNext: (logits) => sampler.next(logits),
       signal,
       emit,
     })

@@ -1,23 +1,27 @@
 /** The single-process engine: prefill and decode in one pool, no transfer. It is the simplest tour of
  *  the engine API (`kvfence generate`) and the oracle the disaggregated path must match token for token.
  *  Knows token ids; knows nothing of tenants' keys, HTTP or text. */
-import { randomBytes } from 'node:crypto'
 import { KvfenceError } from '../errors.js'
 import { forward } from '../model/forward.js'
-import { makeRandom, sample } from '../model/sampling.js'
+import type { TokenLogprobs } from '../model/sampling.js'
 import type { Sampling } from './control.js'
+import { RequestSampler } from './request-sampler.js'
 import type { WorkerCore } from './worker-core.js'
 
 /** What {@link generateLocal} returns. */
 export interface LocalResult {
   tokenIds: number[]
   finishReason: 'stop' | 'length'
+  /** Per token of `tokenIds`, when `sampling.numLogprobs` is set; else absent. */
+  logprobs?: TokenLogprobs[]
 }
 
 /** Prefill `promptTokenIds`, then generate up to `maxTokens` tokens (stopping after a stop token).
- *  Samples exactly as the disaggregated path does (prefill draws with `seed`, decode with `seed + 1`),
- *  so at temperature 0, or with a seed, both emit the same tokens. Throws `context_length_exceeded`
- *  when prompt + max_tokens exceed the pool or the model's positions. */
+ *  Samples exactly as the disaggregated path does (the same {@link RequestSampler} pipeline: the
+ *  first token with the `prefill` stream, the rest with the `decode` stream, penalties counting
+ *  every generated token), so at temperature 0, or with a seed, both emit the same tokens and the
+ *  same log-probabilities. Throws `context_length_exceeded` when prompt + max_tokens exceed the
+ *  pool or the model's positions. */
 export function generateLocal(
   core: WorkerCore,
   promptTokenIds: readonly number[],
@@ -41,21 +45,24 @@ export function generateLocal(
   )
   try {
     const seq = { pageTable, owner }
-    const seed = opts.sampling.seed ?? randomBytes(4).readUInt32LE()
-    const params = { temperature: opts.sampling.temperature, topP: opts.sampling.topP }
     let logits = forward(model, rope, pool, seq, promptTokenIds, 0)
-    let token = sample(logits, { ...params, random: makeRandom(seed) })
-    const out = [token]
+    const first = new RequestSampler(opts.sampling, 'prefill').next(logits)
+    const out = [first]
+    const decode = new RequestSampler(opts.sampling, 'decode')
+    decode.record(first.tokenId)
     const stop = new Set(opts.stopTokenIds)
-    const random = makeRandom(
-      opts.sampling.seed === null ? randomBytes(4).readUInt32LE() : opts.sampling.seed + 1,
-    )
+    let token = first.tokenId
     while (out.length < opts.maxTokens && !stop.has(token)) {
       logits = forward(model, rope, pool, seq, [token], promptTokenIds.length + out.length - 1)
-      token = sample(logits, { ...params, random })
-      out.push(token)
+      const next = decode.next(logits)
+      token = next.tokenId
+      out.push(next)
     }
-    return { tokenIds: out, finishReason: stop.has(token) ? 'stop' : 'length' }
+    return {
+      tokenIds: out.map((t) => t.tokenId),
+      finishReason: stop.has(token) ? 'stop' : 'length',
+      ...(opts.sampling.numLogprobs == null ? {} : { logprobs: out.map((t) => t.logprobs!) }),
+    }
   } finally {
     pool.release(pageTable, owner)
   }

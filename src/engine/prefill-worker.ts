@@ -6,10 +6,10 @@ import { Counter, Gauge } from 'prom-client'
 import { KvfenceError } from '../errors.js'
 import type { PageRef } from '../kv/pool.js'
 import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
-import { makeRandom, sample } from '../model/sampling.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
 import { PrefillScheduler } from './prefill-scheduler.js'
+import { RequestSampler } from './request-sampler.js'
 import { failureReason, gatherPage, type WorkerCore } from './worker-core.js'
 
 /** Prompt tokens per prefill step, over all prompts being prefilled: long prompts are prefilled in
@@ -121,11 +121,10 @@ export class PrefillWorker {
       // Cache the prompt's full pages (those not cached yet) before the transfer, so that a
       // concurrent prompt of the same tenant can hit them already.
       if (this.cache && !isPlaceholder) this.cache.insert(req.tenant, tokens, pageTable, owner)
-      const firstTokenId = sample(logits, {
-        temperature: req.sampling.temperature,
-        topP: req.sampling.topP,
-        random: makeRandom(req.sampling.seed ?? randomBytes(4).readUInt32LE()),
-      })
+      // The same pipeline as every later token (penalties have no history yet); its
+      // log-probabilities go back to the router in the result, the decode worker never sees them.
+      const first = new RequestSampler(req.sampling, 'prefill').next(logits)
+      const firstTokenId = first.tokenId
       pool.seal(pageTable, owner)
       pool.pin(pageTable, owner)
       isPinned = true
@@ -166,6 +165,7 @@ export class PrefillWorker {
         numPages,
         numTokens,
         firstTokenId,
+        ...(first.logprobs === undefined ? {} : { firstTokenLogprobs: first.logprobs }),
         cachedTokens: numCached,
       }
     } finally {

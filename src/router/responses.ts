@@ -2,6 +2,8 @@
  *  `list`/`model`) built from plain values, and the SSE framing of a stream.
  *  Knows OpenAI's response shapes; knows nothing of workers, tokens or tenants. */
 import type { ServerResponse } from 'node:http'
+import { drained } from './http.js'
+import type { ChatLogprobs, CompletionLogprobs } from './logprobs.js'
 
 /** OpenAI's `finish_reason` values the router passes on: `stop` (end of sequence or a stop
  *  string), `length` (max_tokens reached), `content_filter` (an engine behind a gateway withheld
@@ -40,12 +42,13 @@ export function usageOf(
   }
 }
 
-/** A non-streamed `chat.completion`. */
+/** A non-streamed `chat.completion`; `logprobs` null unless the client asked for them. */
 export function chatCompletion(
   h: ResponseHeader,
   text: string,
   finishReason: FinishReason,
   usage: Usage,
+  logprobs: ChatLogprobs | null = null,
 ) {
   return {
     id: h.id,
@@ -56,7 +59,7 @@ export function chatCompletion(
       {
         index: 0,
         message: { role: 'assistant' as const, content: text, refusal: null },
-        logprobs: null,
+        logprobs,
         finish_reason: finishReason,
       },
     ],
@@ -65,19 +68,20 @@ export function chatCompletion(
 }
 
 /** One `chat.completion.chunk` with one choice. `usage` is present (null) only when the client
- *  asked for a usage chunk. */
+ *  asked for a usage chunk; `logprobs` are those of the tokens whose text this chunk carries. */
 export function chatChunk(
   h: ResponseHeader,
   delta: { role?: 'assistant'; content?: string },
   finishReason: FinishReason | null,
   isUsageStreamed: boolean,
+  logprobs: ChatLogprobs | null = null,
 ) {
   return {
     id: h.id,
     object: 'chat.completion.chunk' as const,
     created: h.created,
     model: h.model,
-    choices: [{ index: 0, delta, logprobs: null, finish_reason: finishReason }],
+    choices: [{ index: 0, delta, logprobs, finish_reason: finishReason }],
     ...(isUsageStreamed ? { usage: null } : {}),
   }
 }
@@ -96,19 +100,20 @@ export function chatUsageChunk(h: ResponseHeader, usage: Usage) {
 
 /** A `text_completion` (streamed chunks have the same shape). `usage` is given for a
  *  non-streamed response and absent (undefined) on chunks: OpenAI's completion schema has no
- *  null usage, unlike the chat chunk's. */
+ *  null usage, unlike the chat chunk's. `logprobs` null unless the client asked for them. */
 export function textCompletion(
   h: ResponseHeader,
   text: string,
   finishReason: FinishReason | null,
   usage: Usage | null | undefined,
+  logprobs: CompletionLogprobs | null = null,
 ) {
   return {
     id: h.id,
     object: 'text_completion' as const,
     created: h.created,
     model: h.model,
-    choices: [{ index: 0, text, logprobs: null, finish_reason: finishReason }],
+    choices: [{ index: 0, text, logprobs, finish_reason: finishReason }],
     ...(usage === undefined ? {} : { usage }),
   }
 }
@@ -167,13 +172,5 @@ export function endSse(res: ServerResponse): void {
 
 function writeRaw(res: ServerResponse, text: string): Promise<void> {
   if (res.destroyed || res.write(text)) return Promise.resolve()
-  return new Promise((resolve) => {
-    const done = () => {
-      res.off('drain', done)
-      res.off('close', done)
-      resolve()
-    }
-    res.on('drain', done)
-    res.on('close', done)
-  })
+  return drained(res)
 }

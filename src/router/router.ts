@@ -19,7 +19,7 @@ import { admit, chatPromptTokenIds, completionPromptTokenIds } from './admission
 import type { CapacityMonitor } from './capacity-monitor.js'
 import type { RouterConfig } from './config.js'
 import type { Gateway } from './gateway.js'
-import { readJsonBody, sendError, sendJson } from './http.js'
+import { coalesceWrites, readJsonBody, sendError, sendJson } from './http.js'
 import { LimitError, type Limiter, createLimiter } from './limits.js'
 import { type RouterMetrics, createRouterMetrics } from './metrics.js'
 import {
@@ -40,9 +40,16 @@ import {
 import {
   type ParsedChatRequest,
   type ParsedCompletionRequest,
+  checkStopTokenIds,
   parseChatRequest,
   parseCompletionRequest,
 } from './schemas.js'
+import {
+  CompletionLogprobsBuilder,
+  type GeneratedLogprobs,
+  chatLogprobs,
+  tokenTextOf,
+} from './logprobs.js'
 import { bearerKey, type Tenant, type TenantRegistry } from './tenants.js'
 import { TextStream } from './text-stream.js'
 import {
@@ -303,13 +310,15 @@ export function createRouter(deps: RouterDeps): RequestHandler {
         if (outcome.content) outcome.content.completion = result.text
         return
       }
+      checkStopTokenIds(parsed.stopTokenIds, backend.tokenizer.vocabSize)
+      const eos = backend.tokenizer.eosTokenId === null ? [] : [backend.tokenizer.eosTokenId]
       const request: GenerateRequest = {
         requestId: rid,
         tenant: tenant.name,
         promptTokenIds: prompt.tokenIds!,
         maxTokens,
         sampling: parsed.sampling,
-        stopTokenIds: backend.tokenizer.eosTokenId === null ? [] : [backend.tokenizer.eosTokenId],
+        stopTokenIds: [...new Set([...eos, ...parsed.stopTokenIds])],
         transferSecret: randomBytes(32).toString('hex'), // 256 bits
       }
       const context = { endpoint, request, parsed, header, signal: abort.signal, res, outcome, log }
@@ -412,33 +421,64 @@ export function createRouter(deps: RouterDeps): RequestHandler {
         continue
       }
       if (first.done) return
-      yield first.value
-      yield* events
+      try {
+        yield first.value
+        yield* events
+      } finally {
+        // A consumer that stops at the first event (a stop string in the first token) must still
+        // close both worker requests (G8); `yield*` forwards that only from the second event on.
+        await events.return()
+      }
       return
     }
   }
 
-  /** Runs the request on the workers, feeding every piece of new text to `onText`. */
+  /** Runs the request on the workers, feeding every piece of new text to `onText` with the
+   *  log-probabilities of the tokens received since the previous piece (when asked for; else
+   *  none). Those of tokens after the last piece are in the result's `logprobs`. */
   async function runGeneration(
     c: GenerationContext,
-    onText: (text: string) => Promise<void>,
-  ): Promise<{ finishReason: FinishReason; numCompletionTokens: number; cachedTokens: number }> {
+    onText: (text: string, logprobs: GeneratedLogprobs[]) => Promise<void>,
+  ): Promise<{
+    finishReason: FinishReason
+    numCompletionTokens: number
+    cachedTokens: number
+    logprobs: GeneratedLogprobs[]
+  }> {
     if (backend.kind !== 'kvfence')
       throw new KvfenceError('internal_error', 'not a kvfence backend')
     const text = new TextStream((ids) => backend.tokenizer.decode(ids), c.parsed.stop)
+    const isLogprobs = c.request.sampling.numLogprobs != null
+    let pending: GeneratedLogprobs[] = []
     const emit = async (piece: string) => {
       if (c.outcome.content) c.outcome.content.completion += piece
-      await onText(piece)
+      const logprobs = pending
+      pending = []
+      await onText(piece, logprobs)
     }
     for await (const event of workerEvents(backend.workers, c)) {
       if (event.type === 'token') {
         markToken(c.outcome)
+        if (isLogprobs) {
+          if (event.logprobs === undefined) {
+            throw new KvfenceError(
+              'internal_error',
+              `request ${c.request.requestId}: a worker sent token ${text.numTokens} without log-probabilities`,
+            )
+          }
+          pending.push({ tokenId: event.tokenId, logprobs: event.logprobs })
+        }
         const step = text.push(event.tokenId)
         c.outcome.numCompletionTokens = text.numTokens
         if (step.text !== '') await emit(step.text)
         // Leaving the loop closes both worker requests.
         if (step.isStopped) {
-          return { finishReason: 'stop', numCompletionTokens: text.numTokens, cachedTokens: 0 }
+          return {
+            finishReason: 'stop',
+            numCompletionTokens: text.numTokens,
+            cachedTokens: 0,
+            logprobs: pending,
+          }
         }
       } else {
         const rest = text.finish()
@@ -449,17 +489,29 @@ export function createRouter(deps: RouterDeps): RequestHandler {
           finishReason: event.finishReason,
           numCompletionTokens: event.completionTokens,
           cachedTokens: event.cachedTokens ?? 0,
+          logprobs: pending,
         }
       }
     }
     throw new KvfenceError('internal_error', `request ${c.request.requestId} ended without done`)
   }
 
+  /** The text of a token id, for log-probabilities (kvfence backend only). */
+  function tokenText() {
+    if (backend.kind !== 'kvfence')
+      throw new KvfenceError('internal_error', 'not a kvfence backend')
+    return tokenTextOf((ids, options) => backend.tokenizer.decode(ids, options))
+  }
+
   async function respondWhole(c: GenerationContext): Promise<void> {
     let text = ''
-    const result = await runGeneration(c, async (piece) => {
+    const logprobs: GeneratedLogprobs[] = []
+    const result = await runGeneration(c, async (piece, pieceLogprobs) => {
       text += piece
+      logprobs.push(...pieceLogprobs)
     })
+    logprobs.push(...result.logprobs)
+    const isLogprobs = c.request.sampling.numLogprobs != null
     const usage = usageOf(
       c.outcome.numPromptTokens,
       result.numCompletionTokens,
@@ -471,8 +523,20 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       c.res,
       200,
       c.endpoint === 'chat'
-        ? chatCompletion(c.header, text, result.finishReason, usage)
-        : textCompletion(c.header, text, result.finishReason, usage),
+        ? chatCompletion(
+            c.header,
+            text,
+            result.finishReason,
+            usage,
+            isLogprobs ? chatLogprobs(logprobs, tokenText()) : null,
+          )
+        : textCompletion(
+            c.header,
+            text,
+            result.finishReason,
+            usage,
+            isLogprobs ? new CompletionLogprobsBuilder(tokenText()).next(logprobs) : null,
+          ),
     )
   }
 
@@ -482,11 +546,20 @@ export function createRouter(deps: RouterDeps): RequestHandler {
   async function respondStreamed(c: GenerationContext): Promise<void> {
     const { res, header, endpoint } = c
     const isUsageStreamed = c.parsed.isUsageStreamed
+    const isLogprobs = c.request.sampling.numLogprobs != null
+    const texts = isLogprobs ? tokenText() : null
+    const completionLogprobs = texts === null ? null : new CompletionLogprobsBuilder(texts)
+    /** A chunk's `logprobs` for `entries` (null when not asked for). */
+    const chatChunkLogprobs = (entries: GeneratedLogprobs[]) =>
+      texts === null ? null : chatLogprobs(entries, texts)
+    const textChunkLogprobs = (entries: GeneratedLogprobs[]) =>
+      completionLogprobs === null ? null : completionLogprobs.next(entries)
     let isStarted = false
     const start = async () => {
       if (isStarted) return
       isStarted = true
       startSse(res, {})
+      coalesceWrites(res) // tokens of one event-loop turn leave in one socket write
       if (endpoint === 'chat') {
         await writeSse(
           res,
@@ -495,23 +568,43 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       }
     }
     try {
-      const result = await runGeneration(c, async (piece) => {
+      const result = await runGeneration(c, async (piece, logprobs) => {
         await start()
         await writeSse(
           res,
           endpoint === 'chat'
-            ? chatChunk(header, { content: piece }, null, isUsageStreamed)
-            : textCompletion(header, piece, null, undefined),
+            ? chatChunk(
+                header,
+                { content: piece },
+                null,
+                isUsageStreamed,
+                chatChunkLogprobs(logprobs),
+              )
+            : textCompletion(header, piece, null, undefined, textChunkLogprobs(logprobs)),
         )
       })
       c.outcome.numCompletionTokens = result.numCompletionTokens
       c.outcome.finishReason = result.finishReason
       await start()
+      // The last chunk carries the log-probabilities of tokens whose text was held back or empty
+      // (a stop string, an end-of-sequence token).
       await writeSse(
         res,
         endpoint === 'chat'
-          ? chatChunk(header, {}, result.finishReason, isUsageStreamed)
-          : textCompletion(header, '', result.finishReason, undefined),
+          ? chatChunk(
+              header,
+              {},
+              result.finishReason,
+              isUsageStreamed,
+              chatChunkLogprobs(result.logprobs),
+            )
+          : textCompletion(
+              header,
+              '',
+              result.finishReason,
+              undefined,
+              textChunkLogprobs(result.logprobs),
+            ),
       )
       if (isUsageStreamed) {
         const usage = usageOf(

@@ -14,9 +14,13 @@ export interface GenerationParams {
   maxTokens: number | null
   /** The field `maxTokens` came from (for error messages). */
   maxTokensParam: 'max_tokens' | 'max_completion_tokens'
+  /** Validated; `numLogprobs` set when the response carries log-probabilities. */
   sampling: Sampling
   /** Stop strings (non-empty); the output ends before the first one found. */
   stop: string[]
+  /** vLLM's `stop_token_ids`: generation stops after any of these (besides EOS), finish reason
+   *  `stop`. Non-negative; checked against the vocabulary by {@link checkStopTokenIds}. */
+  stopTokenIds: number[]
   isStream: boolean
   /** `stream_options.include_usage`: a last chunk with `usage`. */
   isUsageStreamed: boolean
@@ -61,7 +65,6 @@ const ignoredFields = new Set([
 ])
 
 const isNullish = (v: unknown) => v === null || v === undefined
-const isZero = (v: unknown) => isNullish(v) || v === 0
 const isFalse = (v: unknown) => isNullish(v) || v === false
 const isEmpty = (v: unknown) =>
   isNullish(v) ||
@@ -70,11 +73,7 @@ const isEmpty = (v: unknown) =>
 
 /** Known OpenAI features kvfence does not implement: accepted only at their no-op value. */
 const chatInertFields: Record<string, (v: unknown) => boolean> = {
-  frequency_penalty: isZero,
-  presence_penalty: isZero,
   logit_bias: isEmpty,
-  logprobs: isFalse,
-  top_logprobs: isZero,
   tools: isEmpty,
   tool_choice: (v) => isNullish(v) || v === 'none' || v === 'auto',
   functions: isEmpty,
@@ -88,14 +87,16 @@ const chatInertFields: Record<string, (v: unknown) => boolean> = {
 }
 
 const completionInertFields: Record<string, (v: unknown) => boolean> = {
-  frequency_penalty: isZero,
-  presence_penalty: isZero,
   logit_bias: isEmpty,
-  logprobs: isNullish,
   echo: isFalse,
   suffix: (v) => isNullish(v) || v === '',
   best_of: (v) => isNullish(v) || v === 1,
 }
+
+/** Most alternatives per token of chat's `top_logprobs` (OpenAI's limit). */
+export const maxChatTopLogprobs = 20
+/** Most alternatives per token of the completions' `logprobs` (OpenAI's limit). */
+export const maxCompletionLogprobs = 5
 
 const safeInt = z.number().int().min(-Number.MAX_SAFE_INTEGER).max(Number.MAX_SAFE_INTEGER)
 
@@ -111,6 +112,12 @@ const commonFields = {
     })
     .nullish(),
   seed: safeInt.nullish(),
+  // vLLM's extensions: top_k -1 or 0 turns it off.
+  top_k: safeInt.min(-1).nullish(),
+  min_p: z.number().min(0).max(1).nullish(),
+  presence_penalty: z.number().min(-2).max(2).nullish(),
+  frequency_penalty: z.number().min(-2).max(2).nullish(),
+  stop_token_ids: z.array(safeInt.min(0)).nullish(),
   stream: z.boolean().nullish(),
   stream_options: z
     .object({ include_usage: z.boolean().nullish(), include_obfuscation: z.boolean().nullish() })
@@ -131,11 +138,14 @@ const ChatBody = z.object({
   ...commonFields,
   messages: z.array(Message).min(1, 'messages must hold at least one message'),
   max_completion_tokens: safeInt.min(1).nullish(),
+  logprobs: z.boolean().nullish(),
+  top_logprobs: safeInt.min(0).max(maxChatTopLogprobs).nullish(),
 })
 
 const CompletionBody = z.object({
   ...commonFields,
   prompt: z.unknown(),
+  logprobs: safeInt.min(0).max(maxCompletionLogprobs).nullish(),
 })
 
 // ---------------------------------------------------------------------------------------------
@@ -145,9 +155,17 @@ const CompletionBody = z.object({
 export function parseChatRequest(body: unknown): ParsedChatRequest {
   const object = checkFields(body, Object.keys(ChatBody.shape), chatInertFields)
   const data = parseWith(ChatBody, object)
+  if (data.logprobs !== true && (data.top_logprobs ?? 0) > 0) {
+    throw new KvfenceError(
+      'invalid_request',
+      'top_logprobs may only be set when logprobs is true',
+      'top_logprobs',
+    )
+  }
+  const numLogprobs = data.logprobs === true ? (data.top_logprobs ?? 0) : null
   const useCompletionTokens = !isNullish(data.max_completion_tokens)
   return {
-    ...generationParams(data),
+    ...generationParams(data, numLogprobs),
     maxTokens: useCompletionTokens ? data.max_completion_tokens! : (data.max_tokens ?? null),
     maxTokensParam: useCompletionTokens ? 'max_completion_tokens' : 'max_tokens',
     messages: data.messages.map((m) => ({
@@ -162,14 +180,18 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   const object = checkFields(body, Object.keys(CompletionBody.shape), completionInertFields)
   const data = parseWith(CompletionBody, object)
   return {
-    ...generationParams(data),
+    ...generationParams(data, data.logprobs ?? null),
     maxTokens: data.max_tokens ?? null,
     maxTokensParam: 'max_tokens',
     prompt: parsePrompt(data.prompt),
   }
 }
 
-function generationParams(data: z.infer<typeof CompletionBody> | z.infer<typeof ChatBody>) {
+/** What both endpoints share; `numLogprobs` is the endpoint's own reading of its logprobs fields. */
+function generationParams(
+  data: z.infer<typeof CompletionBody> | z.infer<typeof ChatBody>,
+  numLogprobs: number | null,
+) {
   if (!isNullish(data.n) && data.n !== 1) {
     throw new KvfenceError('invalid_request', `n = ${data.n} is not supported: only n = 1`, 'n')
   }
@@ -189,12 +211,30 @@ function generationParams(data: z.infer<typeof CompletionBody> | z.infer<typeof 
     sampling: {
       temperature: data.temperature ?? 1,
       topP: data.top_p ?? 1,
+      topK: isNullish(data.top_k) || data.top_k! <= 0 ? null : data.top_k!,
+      minP: data.min_p ?? 0,
+      presencePenalty: data.presence_penalty ?? 0,
+      frequencyPenalty: data.frequency_penalty ?? 0,
       seed: data.seed ?? null,
+      numLogprobs,
     },
     stop,
+    stopTokenIds: data.stop_token_ids ?? [],
     isStream,
     isUsageStreamed: isStream && (data.stream_options?.include_usage ?? false),
   }
+}
+
+/** Refuses a `stop_token_ids` entry outside a vocabulary of `vocabSize` tokens (400 naming
+ *  `stop_token_ids`); the router checks against its tokenizer, which the parser does not know. */
+export function checkStopTokenIds(ids: readonly number[], vocabSize: number): void {
+  const bad = ids.findIndex((id) => id >= vocabSize)
+  if (bad === -1) return
+  throw new KvfenceError(
+    'invalid_request',
+    `Invalid value for 'stop_token_ids[${bad}]': token id ${ids[bad]} is out of range: the vocabulary has ${vocabSize} tokens`,
+    'stop_token_ids',
+  )
 }
 
 /** One prompt: a non-empty string, or non-empty token ids; a one-element list of either. */

@@ -12,6 +12,7 @@ import {
   type PrefillRequest,
   PrefillResult,
   ServerInfo,
+  type TokenLogprobs,
 } from '../engine/control.js'
 import { KvfenceError, isErrorCode, type ErrorCode } from '../errors.js'
 import type { WorkerReport } from './capacity.js'
@@ -19,7 +20,13 @@ import { readReplyText } from './http.js'
 
 /** What {@link WorkerClient.generate} yields: the decode worker's tokens, then one `done`. */
 export type GenerationEvent =
-  | { type: 'token'; tokenId: number }
+  | {
+      type: 'token'
+      tokenId: number
+      /** Only when the request asked for log-probabilities (the first token's come from the
+       *  prefill worker's result). */
+      logprobs?: TokenLogprobs
+    }
   | {
       type: 'done'
       finishReason: 'stop' | 'length'
@@ -346,6 +353,12 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
               // No output leaves before the prefill worker confirmed this request's transfer.
               const result = await prefillResult
               if (guardsEnabled) checkPrefill(result, event.tokenId, request, prefillUrl, decodeUrl)
+              numTokens++
+              // The first token was sampled by the prefill worker: its log-probabilities too.
+              yield result.firstTokenLogprobs === undefined
+                ? event
+                : { ...event, logprobs: result.firstTokenLogprobs }
+              break
             }
             numTokens++
             yield event

@@ -1,12 +1,15 @@
 /** Disaggregated decode emits exactly the single-process tokens: a real cluster (router, prefill
  *  and decode workers as OS processes, KV pages over TCP, chunked prefill and continuous batching)
  *  answers the official `openai` client with exactly what `generateLocal` (one process, one pool,
- *  one sequence at a time) produces, at temperature 0 and with a fixed seed at temperature 0.8,
- *  alone and under concurrent load from two tenants. */
+ *  one sequence at a time) produces, at temperature 0, with a fixed seed at temperature 0.8, and
+ *  with a fixed seed under top-k, min-p and the presence/frequency penalties (whose counts the
+ *  prefill and decode workers each keep: the first token on one, the rest on the other), alone and
+ *  under concurrent load from two tenants. */
 import assert from 'node:assert/strict'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import type { Sampling } from '../../src/engine/control.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { createWorkerCore } from '../../src/engine/worker-core.js'
@@ -46,16 +49,34 @@ interface Want {
   completionTokens: number
 }
 
+/** The sampling fields beyond temperature and seed, as the API spells them. */
+interface Extra {
+  top_k?: number
+  min_p?: number
+  presence_penalty?: number
+  frequency_penalty?: number
+}
+
 /** What the single-process engine answers. */
 function expected(
   prompt: string,
   maxTokens: number,
   temperature: number,
   seed: number | null,
+  extra: Extra = {},
 ): Want {
+  const sampling: Sampling = {
+    temperature,
+    topP: 1,
+    topK: extra.top_k ?? null,
+    minP: extra.min_p ?? 0,
+    presencePenalty: extra.presence_penalty ?? 0,
+    frequencyPenalty: extra.frequency_penalty ?? 0,
+    seed,
+  }
   const out = generateLocal(local, tokenizer.encode(prompt), {
     maxTokens,
-    sampling: { temperature, topP: 1, seed },
+    sampling,
     stopTokenIds: eos,
   })
   return {
@@ -72,6 +93,7 @@ interface Ask {
   seed: number | null
   tenant: number
   stream: boolean
+  extra?: Extra
 }
 
 /** What the cluster answers, streamed or not. */
@@ -83,6 +105,7 @@ async function ask(cluster: Cluster, a: Ask): Promise<Want> {
     max_tokens: a.maxTokens,
     temperature: a.temperature,
     ...(a.seed === null ? {} : { seed: a.seed }),
+    ...a.extra,
   }
   if (!a.stream) {
     const res = await api.completions.create(body)
@@ -111,7 +134,7 @@ async function ask(cluster: Cluster, a: Ask): Promise<Want> {
 }
 
 /** Eight requests from two tenants, mixed lengths, half of them streamed. */
-function load(temperature: number, seedBase: number | null): Ask[] {
+function load(temperature: number, seedBase: number | null, extra: Extra = {}): Ask[] {
   return prompts.map((prompt, i) => ({
     prompt,
     maxTokens: 12 + 7 * i,
@@ -119,6 +142,7 @@ function load(temperature: number, seedBase: number | null): Ask[] {
     seed: seedBase === null ? null : seedBase + i,
     tenant: i % 2,
     stream: i % 3 === 0,
+    extra,
   }))
 }
 
@@ -160,6 +184,23 @@ describe('disaggregated decode emits exactly the single-process tokens', () => {
       const got = await Promise.all(asks.map((a) => ask(cluster, a)))
       got.forEach((g, i) => assert.deepEqual(g, want[i], `round ${round}: ${asks[i].prompt}`))
     }
+  })
+
+  it('with a fixed seed under top_k, min_p and penalties, alone and under concurrent load', async () => {
+    const extra = { top_k: 12, min_p: 0.03, presence_penalty: 0.6, frequency_penalty: 0.35 }
+    const asks = load(1.1, 9090, extra)
+    const want = asks.map((a) => expected(a.prompt, a.maxTokens, 1.1, a.seed, extra))
+    for (const i of [1, 5]) assert.deepEqual(await ask(cluster, asks[i]), want[i])
+    const got = await Promise.all(asks.map((a) => ask(cluster, a)))
+    got.forEach((g, i) => assert.deepEqual(g, want[i], asks[i].prompt))
+    // The penalties are in effect: without them the same seeds give other text somewhere.
+    const plain = asks.map((a) =>
+      expected(a.prompt, a.maxTokens, 1.1, a.seed, { top_k: 12, min_p: 0.03 }),
+    )
+    assert.ok(
+      plain.some((p, i) => p.text !== want[i].text),
+      'penalties changed nothing',
+    )
   })
 
   it('returns every page of both pools when the load is over', async () => {

@@ -210,7 +210,7 @@ function prepare(
       maxTokens,
       firstTokenId,
       stopTokenIds: new Set(eos),
-      sampleNext: (l) => sample(l, { ...params, random }),
+      sampleNext: (l) => ({ tokenId: sample(l, { ...params, random }) }),
       signal: hooks.signal ?? new AbortController().signal,
       emit: (e) => {
         events.push(e)

@@ -52,6 +52,55 @@ describe('kvfence generate', () => {
     assert.ok(expected.tokenIds.length > 0)
   })
 
+  it('sampling flags: top-k 1 at temperature 1.5 is greedy; a seeded mix equals generateLocal', async () => {
+    const prompt = 'the river walks near the stone garden and the light opens over'
+    const greedy = await cli('--model', echoModelDir, '--prompt', prompt, '--max-tokens', '20')
+    // Keeping the single most probable token leaves nothing to draw: the argmax, whatever the
+    // temperature or seed.
+    const topK1 = await cli(
+      '--model', echoModelDir, '--prompt', prompt, '--max-tokens', '20',
+      '--temperature', '1.5', '--top-k', '1', '--seed', '7',
+    ) // prettier-ignore
+    assert.equal(topK1.code, 0, topK1.stderr)
+    assert.equal(topK1.stdout, greedy.stdout)
+
+    const tokenizer = loadTokenizer(echoModelDir)
+    const model = loadModel(echoModelDir)
+    const core = createWorkerCore({
+      model,
+      numPages: 8,
+      pageSize: 16,
+      faults: buildFaultConfig([], false, {}),
+    })
+    const eos = [
+      ...model.config.eosTokenIds,
+      ...(tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId]),
+    ]
+    const sampling = {
+      temperature: 1.2,
+      topP: 0.95,
+      topK: 5,
+      minP: 0.05,
+      presencePenalty: 0.3,
+      frequencyPenalty: 0.5,
+      seed: 11,
+    }
+    const expected = generateLocal(core, tokenizer.encode(prompt), {
+      maxTokens: 20,
+      sampling,
+      stopTokenIds: eos,
+    })
+    const mixed = await cli(
+      '--model', echoModelDir, '--prompt', prompt, '--max-tokens', '20', '--temperature', '1.2',
+      '--top-p', '0.95', '--top-k', '5', '--min-p', '0.05', '--presence-penalty', '0.3',
+      '--frequency-penalty', '0.5', '--seed', '11',
+    ) // prettier-ignore
+    assert.equal(mixed.code, 0, mixed.stderr)
+    assert.equal(mixed.stdout, `${tokenizer.decode(expected.tokenIds)}\n`)
+    assert.notEqual(mixed.stdout, greedy.stdout, 'the sampled run should differ from greedy')
+    model.kernels.close()
+  })
+
   it('refuses bad flags and a missing model with a one-line error and a non-zero exit', async () => {
     const badTemp = await cli('--prompt', 'hi', '--temperature', '3')
     assert.notEqual(badTemp.code, 0)
@@ -60,6 +109,13 @@ describe('kvfence generate', () => {
     assert.equal(noModel.code, 2)
     assert.equal(noModel.stderr.trim().split('\n').length, 1, noModel.stderr)
     assert.match(noModel.stderr, /^kvfence: .*\/nonexistent\/model/)
+    const badMinP = await cli('--prompt', 'hi', '--min-p', '1.5')
+    assert.notEqual(badMinP.code, 0)
+    assert.match(badMinP.stderr, /--min-p/)
+    assert.equal(badMinP.stderr.trim().split('\n').length, 1, badMinP.stderr)
+    const badPenalty = await cli('--prompt', 'hi', '--frequency-penalty', '-3')
+    assert.notEqual(badPenalty.code, 0)
+    assert.match(badPenalty.stderr, /--frequency-penalty/)
     const empty = await cli('--prompt', '')
     assert.equal(empty.code, 2)
     assert.equal(empty.stderr.trim(), 'kvfence: --prompt is empty')

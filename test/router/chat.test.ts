@@ -11,6 +11,7 @@ import {
   keys,
   startHarness,
   testChatTemplate,
+  waitFor,
 } from './helpers.js'
 
 /** Prompt tokens of one user message under the test template: BOS + the rendered text. */
@@ -73,7 +74,16 @@ describe('POST /v1/chat/completions', () => {
       ...charIds('<system>Be brief.\n<user>Hi\n<assistant>'),
     ])
     assert.equal(generate.maxTokens, 3)
-    assert.deepEqual(generate.sampling, { temperature: 0, topP: 1, seed: 7 })
+    assert.deepEqual(generate.sampling, {
+      temperature: 0,
+      topP: 1,
+      topK: null,
+      minP: 0,
+      presencePenalty: 0,
+      frequencyPenalty: 0,
+      seed: 7,
+      numLogprobs: null,
+    })
     assert.deepEqual(generate.stopTokenIds, [eosId])
     assert.deepEqual(prefill.promptTokenIds, generate.promptTokenIds)
     assert.equal(prefill.transferSecret, generate.transferSecret)
@@ -177,5 +187,125 @@ describe('POST /v1/chat/completions', () => {
     }
     assert.equal(text, 'Hello, ')
     assert.equal(finish, 'stop')
+  })
+
+  it('passes top_k, min_p, the penalties, the seed and logprobs to the workers as validated', async () => {
+    /** What the workers were asked for; the reply's status (the stand-ins send no
+     *  log-probabilities, so a request asking for them fails with 500, never answers without). */
+    const ask = async (extra: Record<string, unknown>, status = 200) => {
+      const before = h.workers.generateRequests.length
+      const res = await h.post('/v1/chat/completions', {
+        model: 'echo-test',
+        messages: [{ role: 'user', content: 'Hi' }],
+        max_tokens: 2,
+        ...extra,
+      })
+      assert.equal(res.status, status, await res.text())
+      const generate = h.workers.generateRequests[before]
+      const prefill = h.workers.prefillRequests.find((p) => p.requestId === generate.requestId)!
+      assert.deepEqual(prefill.sampling, generate.sampling)
+      return generate
+    }
+    const generate = await ask(
+      {
+        temperature: 0.7,
+        top_p: 0.9,
+        top_k: 5,
+        min_p: 0.05,
+        presence_penalty: -0.5,
+        frequency_penalty: 1.5,
+        seed: 11,
+        logprobs: true,
+        top_logprobs: 3,
+      },
+      500,
+    )
+    assert.deepEqual(generate.sampling, {
+      temperature: 0.7,
+      topP: 0.9,
+      topK: 5,
+      minP: 0.05,
+      presencePenalty: -0.5,
+      frequencyPenalty: 1.5,
+      seed: 11,
+      numLogprobs: 3,
+    })
+    // vLLM's spellings of "no top-k": -1 and 0; logprobs without top_logprobs: the token's own only.
+    assert.equal((await ask({ top_k: -1 })).sampling.topK, null)
+    assert.equal((await ask({ top_k: 0 })).sampling.topK, null)
+    assert.equal((await ask({ logprobs: true }, 500)).sampling.numLogprobs, 0)
+    assert.equal((await ask({ logprobs: false, top_logprobs: 0 })).sampling.numLogprobs, null)
+  })
+
+  it('stops after a stop_token_ids token (kept in the text, as vLLM does) with finish_reason stop', async () => {
+    const comma = charIds(',')[0]
+    const before = h.workers.generateRequests.length
+    const completion = await h.client().chat.completions.create({
+      model: 'echo-test',
+      messages: [{ role: 'user', content: 'Hi' }],
+      // @ts-expect-error vLLM's extension, not in the openai client's types
+      stop_token_ids: [comma, 90],
+    })
+    assert.deepEqual(h.workers.generateRequests[before].stopTokenIds, [eosId, comma, 90])
+    assert.equal(completion.choices[0].message.content, 'Hello,')
+    assert.equal(completion.choices[0].finish_reason, 'stop')
+    assert.equal(completion.usage?.completion_tokens, 'Hello,'.length)
+  })
+
+  it('refuses out-of-range sampling values with 400 naming the field', async () => {
+    const cases: [Record<string, unknown>, string][] = [
+      [{ top_k: -2 }, 'top_k'],
+      [{ top_k: 1.5 }, 'top_k'],
+      [{ min_p: 1.01 }, 'min_p'],
+      [{ min_p: -0.1 }, 'min_p'],
+      [{ presence_penalty: 2.5 }, 'presence_penalty'],
+      [{ frequency_penalty: -2.01 }, 'frequency_penalty'],
+      [{ logprobs: true, top_logprobs: 21 }, 'top_logprobs'],
+      [{ logprobs: true, top_logprobs: -1 }, 'top_logprobs'],
+      [{ top_logprobs: 2 }, 'top_logprobs'],
+      [{ logprobs: 1 }, 'logprobs'],
+      [{ stop_token_ids: [5, -1] }, 'stop_token_ids[1]'],
+      [{ stop_token_ids: 5 }, 'stop_token_ids'],
+      // The test vocabulary has ids 0..99.
+      [{ stop_token_ids: [100] }, 'stop_token_ids'],
+      [{ seed: 0.5 }, 'seed'],
+    ]
+    const numInternal = h.workers.numInternalRequests()
+    for (const [extra, param] of cases) {
+      await assert.rejects(
+        h.client().chat.completions.create({
+          model: 'echo-test',
+          messages: [{ role: 'user', content: 'Hi' }],
+          ...extra,
+        }),
+        (err: unknown) => {
+          const e = err as { status?: number; param?: string; code?: string }
+          assert.equal(e.status, 400, JSON.stringify(extra))
+          assert.equal(e.code, 'invalid_request', JSON.stringify(extra))
+          assert.equal(e.param, param, JSON.stringify(extra))
+          return true
+        },
+      )
+    }
+    assert.equal(
+      h.workers.numInternalRequests(),
+      numInternal,
+      'no refused request reached a worker',
+    )
+  })
+
+  it('closes the worker requests when the output ends at the very first token (G8)', async () => {
+    const before = h.workers.generateRequests.length
+    const completion = await h.client().chat.completions.create({
+      model: 'echo-test',
+      messages: [{ role: 'user', content: 'Hi' }],
+      stop: 'H',
+      max_tokens: 50,
+    })
+    assert.equal(completion.choices[0].message.content, '')
+    assert.equal(completion.choices[0].finish_reason, 'stop')
+    assert.equal(completion.usage?.completion_tokens, 1)
+    const rid = h.workers.generateRequests[before].requestId
+    await waitFor(() => h.workers.decodeClosedEarly.includes(rid))
   })
 })

@@ -100,4 +100,72 @@ describe('POST /v1/completions', () => {
     assert.equal(events.at(-1), 'data: [DONE]')
     assert.equal(JSON.parse(events.at(-2)!.slice(6)).choices[0].finish_reason, 'length')
   })
+
+  it('passes logprobs (0..5 alternatives) and the sampling fields to the workers', async () => {
+    const before = h.workers.generateRequests.length
+    const res = await h.post('/v1/completions', {
+      model: 'echo-test',
+      prompt: 'Hi',
+      max_tokens: 2,
+      logprobs: 5,
+      top_k: 40,
+      min_p: 0.1,
+      presence_penalty: 2,
+      frequency_penalty: -2,
+    })
+    // The stand-ins send no log-probabilities: an error, never an answer without them.
+    assert.equal(res.status, 500)
+    assert.deepEqual(h.workers.generateRequests[before].sampling, {
+      temperature: 1,
+      topP: 1,
+      topK: 40,
+      minP: 0.1,
+      presencePenalty: 2,
+      frequencyPenalty: -2,
+      seed: null,
+      numLogprobs: 5,
+    })
+  })
+
+  it('stops after a stop_token_ids token with finish_reason stop, streamed too', async () => {
+    const body = {
+      model: 'echo-test',
+      prompt: 'Hi',
+      // vLLM's extension, not in the openai client's types
+      stop_token_ids: charIds('l'),
+    } as unknown as { model: string; prompt: string }
+    const completion = await h.client().completions.create(body)
+    assert.equal(completion.choices[0].text, 'Hel')
+    assert.equal(completion.choices[0].finish_reason, 'stop')
+    assert.equal(completion.usage?.completion_tokens, 3)
+    const stream = await h.client().completions.create({ ...body, stream: true })
+    let text = ''
+    let finish = null
+    for await (const chunk of stream) {
+      text += chunk.choices[0]?.text ?? ''
+      finish = chunk.choices[0]?.finish_reason ?? finish
+    }
+    assert.deepEqual([text, finish], ['Hel', 'stop'])
+  })
+
+  it('refuses logprobs outside 0..5 and out-of-range sampling values with 400 naming the field', async () => {
+    const cases: [Record<string, unknown>, string][] = [
+      [{ logprobs: 6 }, 'logprobs'],
+      [{ logprobs: -1 }, 'logprobs'],
+      [{ logprobs: true }, 'logprobs'],
+      [{ top_logprobs: 2 }, 'top_logprobs'], // a chat field
+      [{ top_k: -3 }, 'top_k'],
+      [{ min_p: 2 }, 'min_p'],
+      [{ presence_penalty: -3 }, 'presence_penalty'],
+      [{ frequency_penalty: 2.5 }, 'frequency_penalty'],
+      [{ stop_token_ids: [1000] }, 'stop_token_ids'],
+    ]
+    for (const [extra, param] of cases) {
+      const res = await h.post('/v1/completions', { model: 'echo-test', prompt: 'Hi', ...extra })
+      const body = (await res.json()) as { error: { param: string; code: string } }
+      assert.equal(res.status, 400, JSON.stringify(extra))
+      assert.equal(body.error.code, 'invalid_request', JSON.stringify(extra))
+      assert.equal(body.error.param, param, JSON.stringify(extra))
+    }
+  })
 })

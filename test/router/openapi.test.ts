@@ -3,65 +3,15 @@
  *  `$ref`s resolve into the spec's own component schemas. Skipped when the spec file is not present
  *  (set KVFENCE_OPENAI_SPEC to its path). */
 import assert from 'node:assert/strict'
-import { existsSync, readFileSync } from 'node:fs'
-import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
-import { Ajv2020, type ErrorObject, type ValidateFunction } from 'ajv/dist/2020.js'
-import addFormatsModule from 'ajv-formats'
-import { parse as parseYaml } from 'yaml'
-import { repoRoot } from '../helpers/paths.js'
+import type { ValidateFunction } from 'ajv/dist/2020.js'
+import { hasSpec, loadValidators, specPath, specSkip, violations } from '../helpers/openapi.js'
+import { CompletionLogprobsBuilder, chatLogprobs } from '../../src/router/logprobs.js'
+import { chatChunk, chatCompletion, textCompletion, usageOf } from '../../src/router/responses.js'
 import { type Harness, keys, startHarness } from './helpers.js'
 
-// The project's shared/ folder sits beside the repository (also in CI).
-const specPath =
-  process.env.KVFENCE_OPENAI_SPEC ?? join(repoRoot, '..', 'shared', 'specs', 'openai-openapi.yaml')
-const hasSpec = existsSync(specPath)
-const specId = 'https://kvfence.test/openai-openapi.json'
-// ajv-formats is CommonJS with a default export; under NodeNext its default is the module.
-const addFormats = addFormatsModule as unknown as typeof addFormatsModule.default
-
-/** OpenAPI 3.0's `nullable: true`, which OpenAI's 3.1 description still carries beside `type`,
- *  `$ref` and `allOf`, as 3.1 spells it: the schema or null. (3.1 dropped the keyword, so no
- *  2020-12 validator knows it; Ajv's own `nullable` needs a sibling `type`, and
- *  @openapi-contrib/openapi-schema-to-json-schema@5.1.0 drops the null beside `$ref`/`allOf` and
- *  refuses 3.1 type arrays.) */
-function upgradeNullable(node: unknown): unknown {
-  if (Array.isArray(node)) return node.map(upgradeNullable)
-  if (node === null || typeof node !== 'object') return node
-  const { nullable, ...rest } = node as Record<string, unknown>
-  const upgraded = Object.fromEntries(
-    Object.entries(rest).map(([key, value]) => [key, upgradeNullable(value)]),
-  )
-  return nullable === true ? { anyOf: [upgraded, { type: 'null' }] } : upgraded
-}
-
-/** Validators of the spec's component schemas, by name. */
-function loadValidators(path: string): (name: string) => ValidateFunction {
-  const spec = parseYaml(readFileSync(path, 'utf8')) as { components: { schemas: unknown } }
-  // strict off: the spec carries OpenAPI-only keywords (discriminator, x-oaiMeta, example).
-  const ajv = new Ajv2020({ strict: false, allErrors: true })
-  addFormats(ajv)
-  // OpenAI's own formats on numbers and maps; only `unixtime` occurs in the schemas checked here.
-  ajv.addFormat('unixtime', { type: 'number', validate: (n) => Number.isSafeInteger(n) && n >= 0 })
-  for (const format of ['map', 'double', 'float', 'int64', 'binary', 'file', 'png']) {
-    ajv.addFormat(format, true)
-  }
-  ajv.addSchema({ $id: specId, components: { schemas: upgradeNullable(spec.components.schemas) } })
-  return (name) => {
-    const validate = ajv.getSchema(`${specId}#/components/schemas/${name}`)
-    assert.ok(validate, `the spec has no schema ${name}`)
-    return validate
-  }
-}
-
-/** `instancePath message` of each of Ajv's errors (empty when `value` is valid). */
-function violations(validate: ValidateFunction, value: unknown): string[] {
-  if (validate(value)) return []
-  return (validate.errors ?? []).map((e: ErrorObject) => `${e.instancePath} ${e.message ?? ''}`)
-}
-
 // Each test is skipped (and counted as skipped, never as passed) when the spec is not there.
-const skip = hasSpec ? false : `no OpenAPI description at ${specPath} (set KVFENCE_OPENAI_SPEC)`
+const skip = specSkip
 
 describe('responses match the OpenAI OpenAPI description', () => {
   let h: Harness
@@ -162,6 +112,41 @@ describe('responses match the OpenAI OpenAPI description', () => {
     check(
       'ErrorResponse',
       await (await h.post('/v1/completions', {}, { authorization: 'Bearer nope' })).json(),
+    )
+  })
+
+  // Real workers' logprobs are checked against the spec in test/e2e/sampling.test.ts; here the
+  // router's builders, with the edge cases a small model rarely produces.
+  it('bodies with logprobs, chat and completions, whole and chunked', { skip }, () => {
+    const texts = ['é', '</s>', '__proto__', 'a']
+    const tokenText = (id: number) => texts[id]
+    const entries = [
+      { tokenId: 0, logprobs: { logprob: -0.25, top: [{ tokenId: 0, logprob: -0.25 }] } },
+      { tokenId: 2, logprobs: { logprob: -9999, top: [] } },
+      {
+        tokenId: 1,
+        logprobs: {
+          logprob: -1.5,
+          top: [
+            { tokenId: 3, logprob: -0.5 },
+            { tokenId: 1, logprob: -1.5 },
+          ],
+        },
+      },
+    ]
+    const h1 = { id: 'chatcmpl-1', created: 1, model: 'm' }
+    const chat = chatLogprobs(entries, tokenText)
+    assert.deepEqual(chat.content[0].bytes, [0xc3, 0xa9])
+    check('CreateChatCompletionResponse', chatCompletion(h1, 'é', 'stop', usageOf(3, 3), chat))
+    check('CreateChatCompletionStreamResponse', chatChunk(h1, { content: 'é' }, null, true, chat))
+    check('CreateChatCompletionStreamResponse', chatChunk(h1, {}, 'stop', false, chat))
+    const completion = new CompletionLogprobsBuilder(tokenText).next(entries)
+    assert.deepEqual(completion.text_offset, [0, 1, 10])
+    assert.equal(Object.getPrototypeOf(completion.top_logprobs[1]), Object.prototype)
+    assert.deepEqual(Object.keys(completion.top_logprobs[1]), ['__proto__'])
+    check(
+      'CreateCompletionResponse',
+      textCompletion({ ...h1, id: 'cmpl-1' }, 'é', 'stop', usageOf(3, 3), completion),
     )
   })
 })

@@ -166,9 +166,9 @@ const refusals: [string, string, string | object, number, string, string | null]
     'stream_options',
   ],
   [
-    'logprobs',
+    'logprobs that is not a boolean',
     '/v1/chat/completions',
-    chat({ logprobs: true }),
+    chat({ logprobs: 'yes' }),
     400,
     'invalid_request',
     'logprobs',
