@@ -1,32 +1,67 @@
-/** Audit benchmark: how fast the default audit finds each fault of the engine, and whether it ever
- *  cries wolf on the engine as shipped. Starts real clusters (router, prefill and decode workers as
- *  OS processes, the bundled model) in the demo's shape: prefill pool 384 tokens, decode pool
- *  1,024, advertised context 1,024.
- *  - Per fault (injected into both workers, every guard off): the default audit (all probes,
- *    default budget) with one seed; `detectRequests` and `detectSeconds` are the request number
- *    and time of the first answer that carried another tenant's canary (null: not detected).
- *    `placeholder-forward`'s are reported as `incident_detect_requests` / `_seconds` (target ≤ 30).
+/** Audit benchmark: which faults of the engine the auditor finds from the outside, how fast it
+ *  finds the incident, and whether it ever cries wolf on the engine as shipped. Starts real
+ *  clusters (router, prefill and decode workers as OS processes, the bundled model) in the demo's
+ *  shape: prefill pool 384 tokens, decode pool 1,024, advertised context 1,024.
+ *  - Baseline: every guard off, no fault, the default audit. With guards off the router advertises
+ *    1,024 tokens over a 384-token pool (G1 off), so `capacity` warns there already; a probe counts
+ *    as seeing a fault only when it is more alarmed than in this baseline.
+ *  - Per fault (injected into both workers, every guard off): the probes that can see that fault's
+ *    effect ({@link probesFor}), one seed, at most `--fault-seconds` (default 120). `outcome` is
+ *    `detected` when one of them gave a `leak` or `warning` above its baseline verdict
+ *    (`detectedBy` names them), else `inconclusive` when one could not tell (e.g. every request
+ *    hung: the auditor never calls that clean), else `not detected`.
+ *    `detectRequests` / `detectSeconds`: request number and time of the first answer that carried
+ *    another tenant's canary (leaks only; null otherwise). `placeholder-forward`'s are also
+ *    reported as `incident_detect_requests` / `_seconds` (target ≤ 30); its probes are the default
+ *    audit's first three, so its request numbers are the default audit's.
  *  - As shipped (guards on, context clamped to the pool): the default audit over `--seeds N`
  *    seeds (default 5); `false_findings` counts leak and warning findings (target 0).
  *
  *  Args: `--faults a,b` (default: every fault), `--seeds N` (default 5), `--seed S` (first seed,
- *  default 1). */
+ *  default 1), `--fault-seconds N` (default 120). */
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { runAudit, type AuditReport } from '../src/audit/index.js'
+import { verdictRank, type Finding, type ProbeName, type Verdict } from '../src/audit/types.js'
 import { newApiKey, tenantsYaml } from '../src/cli/keys.js'
 import { startCluster, type ClusterOptions } from '../src/engine/cluster.js'
-import { faultDescriptions } from '../src/engine/faults.js'
+import { faultDescriptions, type FaultName } from '../src/engine/faults.js'
 import { echoModelDir } from '../test/helpers/paths.js'
+
+/** Per fault, the probes whose observation can show its effect from outside (docs/faults.md,
+ *  "guards off, observable as"), in the order an audit runs them:
+ *  - foreign text in a 200 (the incident): `canary`, after `boundary` sized the prompts;
+ *  - pages freed under a live request, aborts ignored, a transfer never acknowledged: the pool
+ *    stays above its idle baseline or requests hang (`page-leak`, `abort-race`, `error-handling`);
+ *  - damaged or missing KV: answers that change with load or between runs (`determinism`), or
+ *    another tenant's stale KV read in place of the missing page (`canary`, `concurrency`);
+ *  - stale KV kept on free (`skip-scrub`), reuse without a new epoch (`stale-epoch`): only a read of
+ *    it would show, so the probes that look for foreign text (`canary`, `abort-race`). */
+export const probesFor: Readonly<Record<FaultName, readonly ProbeName[]>> = {
+  'placeholder-forward': ['capacity', 'boundary', 'canary'],
+  'early-release': ['concurrency', 'page-leak', 'determinism'],
+  'skip-scrub': ['canary', 'abort-race', 'concurrency'],
+  'drop-abort': ['abort-race', 'page-leak'],
+  'stale-epoch': ['canary', 'abort-race', 'concurrency'],
+  'corrupt-transfer': ['canary', 'concurrency', 'determinism'],
+  'truncate-transfer': ['canary', 'concurrency', 'determinism'],
+  'lost-ack': ['page-leak', 'error-handling'],
+}
 
 interface FaultResult {
   readonly fault: string
+  readonly probes: readonly ProbeName[]
+  /** `detected`: a probe alarmed above its baseline; `inconclusive`: none did, and at least one
+   *  could not tell (the auditor never calls that clean); `not detected`: every probe was clean. */
+  readonly outcome: 'detected' | 'inconclusive' | 'not detected'
   readonly detected: boolean
+  /** `probe: verdict: title` of each finding above its probe's baseline verdict. */
+  readonly detectedBy: string[]
+  /** `probe: title` of each inconclusive finding. */
+  readonly inconclusive: string[]
   readonly detectRequests: number | null
   readonly detectSeconds: number | null
-  /** Probes that reported a leak. */
-  readonly leakProbes: string[]
   readonly requestsSent: number
   readonly auditSeconds: number
 }
@@ -41,7 +76,9 @@ export async function benchAudit(args: string[]): Promise<object> {
   }
   const numSeeds = Number(flag(args, '--seeds') ?? 5)
   const firstSeed = Number(flag(args, '--seed') ?? 1)
+  const faultSeconds = Number(flag(args, '--fault-seconds') ?? 120)
   if (!Number.isInteger(numSeeds) || numSeeds < 0) throw new Error('--seeds must be an integer ≥ 0')
+  if (!(faultSeconds > 0)) throw new Error('--fault-seconds must be > 0')
 
   const dir = mkdtempSync(join(tmpdir(), 'kvfence-bench-audit-'))
   const tenants = [
@@ -58,43 +95,63 @@ export async function benchAudit(args: string[]): Promise<object> {
     tenantsFile: join(dir, 'tenants.yaml'),
     logDir: join(dir, 'logs'),
   }
-  const audit = async (options: ClusterOptions, seed: number): Promise<AuditReport> => {
+  const unsafe = (fault: string | null): ClusterOptions => ({
+    ...shape,
+    prefillFaults: fault === null ? [] : [fault],
+    decodeFaults: fault === null ? [] : [fault],
+    disableGuards: true,
+    env: { ...process.env, KVFENCE_ALLOW_FAULTS: '1' },
+  })
+  const audit = async (
+    options: ClusterOptions,
+    seed: number,
+    limits: { probes?: readonly ProbeName[]; maxSeconds?: number } = {},
+  ): Promise<AuditReport> => {
     const cluster = await startCluster(options)
     try {
-      return await runAudit({ target: cluster.routerUrl, tenants, seed })
+      return await runAudit({ target: cluster.routerUrl, tenants, seed, ...limits })
     } finally {
       await cluster.stop()
     }
   }
 
   try {
+    const baseline = worstVerdicts((await audit(unsafe(null), firstSeed)).findings)
     const perFault: FaultResult[] = []
-    for (const fault of faults) {
-      const report = await audit(
-        {
-          ...shape,
-          prefillFaults: [fault],
-          decodeFaults: [fault],
-          disableGuards: true,
-          env: { ...process.env, KVFENCE_ALLOW_FAULTS: '1' },
-        },
-        firstSeed,
+    for (const fault of faults as FaultName[]) {
+      const probes = probesFor[fault]
+      const report = await audit(unsafe(fault), firstSeed, { probes, maxSeconds: faultSeconds })
+      const alarms = report.findings.filter(
+        (f) =>
+          (f.verdict === 'leak' || f.verdict === 'warning') &&
+          verdictRank[f.verdict] > verdictRank[baseline.get(f.probe) ?? 'clean'],
       )
-      const leaks = report.findings.filter((f) => f.verdict === 'leak')
+      const leaks = alarms.filter((f) => f.verdict === 'leak')
       const numbers = leaks
         .map((f) => f.evidence.requestNumber)
         .filter((n): n is number => typeof n === 'number')
       const first = numbers.length > 0 ? Math.min(...numbers) : null
       const firstLeak = leaks.find((f) => f.evidence.requestNumber === first)
+      const inconclusive = report.findings
+        .filter((f) => f.verdict === 'inconclusive')
+        .map((f) => `${f.probe}: ${f.title}`)
       perFault.push({
         fault,
-        detected: leaks.length > 0,
+        probes,
+        outcome:
+          alarms.length > 0
+            ? 'detected'
+            : inconclusive.length > 0
+              ? 'inconclusive'
+              : 'not detected',
+        detected: alarms.length > 0,
+        detectedBy: alarms.map((f) => `${f.probe}: ${f.verdict}: ${f.title}`),
+        inconclusive,
         detectRequests: first,
         detectSeconds:
           firstLeak && typeof firstLeak.evidence.atMs === 'number'
             ? firstLeak.evidence.atMs / 1000
             : null,
-        leakProbes: [...new Set(leaks.map((f) => f.probe))],
         requestsSent: report.requestsSent,
         auditSeconds: report.durationMs / 1000,
       })
@@ -119,14 +176,29 @@ export async function benchAudit(args: string[]): Promise<object> {
       incident_detect_requests: incident?.detectRequests ?? null,
       incident_detect_seconds: incident?.detectSeconds ?? null,
       incident_detect_target_requests: 30,
+      faults_detected: perFault.filter((r) => r.outcome === 'detected').map((r) => r.fault),
+      faults_inconclusive: perFault.filter((r) => r.outcome === 'inconclusive').map((r) => r.fault),
+      faults_not_detected: perFault.filter((r) => r.outcome === 'not detected').map((r) => r.fault),
       false_findings: shipped.reduce((n, s) => n + s.falseFindings.length, 0),
       shipped_seeds: numSeeds,
+      baseline: Object.fromEntries(baseline),
       faults: perFault,
       shipped,
     }
   } finally {
     rmSync(dir, { recursive: true, force: true })
   }
+}
+
+/** The most alarming verdict of each probe among `findings`. */
+function worstVerdicts(findings: readonly Finding[]): Map<ProbeName, Verdict> {
+  const worst = new Map<ProbeName, Verdict>()
+  for (const f of findings) {
+    const seen = worst.get(f.probe)
+    if (seen === undefined || verdictRank[f.verdict] > verdictRank[seen])
+      worst.set(f.probe, f.verdict)
+  }
+  return worst
 }
 
 function flag(args: string[], name: string): string | undefined {

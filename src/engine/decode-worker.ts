@@ -233,7 +233,13 @@ export class DecodeWorker {
         entry.cancel = err as KvfenceError
       }
     }
+    /** True once complete() returned or abort() ran: the transfer is over. */
     let isSettled = false
+    // The receiver never calls a hook after the transfer ended; refuse anyway, so that a late write
+    // or a second complete() can neither touch the pages (decoding by now, or another request's)
+    // nor count the transfer twice.
+    const ended = () =>
+      new KvfenceError('transfer_failed', `transfer ${info.transferId} has already ended`)
     const unpinOnce = () => {
       if (isSettled) return false
       isSettled = true
@@ -243,6 +249,7 @@ export class DecodeWorker {
     return {
       pageSize: pool.shape.pageSize,
       writePage: (ordinal, tokensOnPage, payload) => {
+        if (isSettled) throw ended()
         if (entry.cancel !== null) throw entry.cancel // → NACK, then abort() frees the pages
         // Bounds are checked whatever the guards: a write outside the reservation is never possible.
         if (
@@ -261,6 +268,7 @@ export class DecodeWorker {
         scatterPage(pool, promptPages[ordinal].page, payload)
       },
       complete: (firstTokenId) => {
+        if (isSettled) throw ended()
         if (entry.cancel !== null) throw entry.cancel // → NACK, then abort() frees the pages
         if (guards.G4) {
           // Every prompt position must hold KV that arrived for this request.

@@ -43,7 +43,8 @@ export interface OutgoingTransfer extends BeginFields {
   readPage(ordinal: number, dst: Uint8Array): number
   /** Fault injection only: which ordinals to actually send (default: all, in order). */
   ordinalsToSend?: number[]
-  /** Fault injection only: flip a bit in each payload after its checksum was computed. */
+  /** Fault injection only: flip one bit in each payload after its checksum was computed (the top
+   *  exponent bit of the payload's middle float32). */
   corruptPayload?: boolean
 }
 
@@ -604,7 +605,10 @@ class Peer {
         const payload = buffer.subarray(payloadStart, payloadStart + t.pageBytes)
         const tokensOnPage = t.readPage(ordinal, payload)
         const checksum = pageChecksum(payload)
-        if (t.corruptPayload === true) payload[payload.length >> 1] ^= 0x01
+        // The top exponent bit of the middle float32 (little-endian): a flip that changes the value
+        // by ~2^±128, as a real bit error can; a low mantissa bit would change no token downstream.
+        if (t.corruptPayload === true)
+          payload[Math.min(((payload.length >> 3) << 2) + 3, payload.length - 1)] ^= 0x40
         writePageHead(buffer, offset, ordinal, tokensOnPage, t.pageBytes, checksum)
         manifest.add(checksum)
         offset = payloadStart + t.pageBytes

@@ -5,6 +5,7 @@
  *  both pools return to 0 used pages. Guards off: the fault's effect is observable — read from the
  *  workers' `/metrics` and `/server_info` or from tokens differing from the single-process engine
  *  (`generateLocal`), never from the echo model's copying, so these tests hold for any weights.
+ *  One fault has no effect to observe, and its test says so: `stale-epoch` (see docs/faults.md).
  *  One cluster per configuration, all started at once. See docs/faults.md. */
 import assert from 'node:assert/strict'
 import { join } from 'node:path'
@@ -56,7 +57,21 @@ const configs = {
     disableGuards: true,
     prefillArgs: ['--transfer-timeout-ms', '1500'],
   },
+  // Prefill-side drop-abort needs a prefill long enough to be abandoned while it runs: 64-page pools.
+  prefillDropAbortOn: { prefillFaults: ['drop-abort'], prefillPages: 64, decodePages: 64 },
+  prefillDropAbortOff: {
+    prefillFaults: ['drop-abort'],
+    prefillPages: 64,
+    decodePages: 64,
+    disableGuards: true,
+  },
+  staleEpochOff: {
+    prefillFaults: ['stale-epoch'],
+    decodeFaults: ['stale-epoch'],
+    disableGuards: true,
+  },
   corruptOn: { prefillFaults: ['corrupt-transfer'] },
+  corruptOff: { prefillFaults: ['corrupt-transfer'], disableGuards: true },
   truncateOn: { prefillFaults: ['truncate-transfer'] },
   truncateOff: { prefillFaults: ['truncate-transfer', 'skip-scrub'], disableGuards: true },
 } satisfies Record<string, Partial<ClusterOptions>>
@@ -270,6 +285,114 @@ describe('drop-abort (decode ignores the router’s abort)', () => {
   })
 })
 
+describe('drop-abort in the prefill worker (prefill ignores the router’s abort)', () => {
+  /** 960 characters + BOS = 961 tokens: four prefill chunks of at most 256 tokens, long enough for
+   *  the client to leave while the prompt is still being prefilled. */
+  const longPrompt = 'b '.repeat(480)
+
+  /** Send `longPrompt` and walk away as soon as the prefill worker holds pages for it (its prefill
+   *  has started; D has reserved its pages and waits for the transfer). */
+  async function abandonDuringPrefill(cluster: Cluster): Promise<void> {
+    const abort = new AbortController()
+    const pending = client(cluster, tenantA.key).completions.create(
+      { model: 'echo-tiny', prompt: longPrompt, max_tokens: 8, temperature: 0 },
+      { signal: abort.signal },
+    )
+    const deadline = Date.now() + 10_000
+    while ((await pagesUsed(cluster))[0] === 0) {
+      assert.ok(Date.now() < deadline, 'the prefill worker never took pages for the prompt')
+      await new Promise((r) => setTimeout(r, 1))
+    }
+    abort.abort()
+    await assert.rejects(pending, OpenAI.APIUserAbortError)
+  }
+
+  /** The outcomes the workers counted, as `{prefill: {outcome: n}, decode: {...}}` (n > 0 only). */
+  async function outcomes(cluster: Cluster): Promise<Record<string, Record<string, number>>> {
+    const out: Record<string, Record<string, number>> = {}
+    for (const [part, url] of [
+      ['prefill', cluster.prefillUrl],
+      ['decode', cluster.decodeUrl],
+    ]) {
+      const text = await (await fetch(`${url}/metrics`)).text()
+      out[part] = {}
+      for (const m of text.matchAll(
+        /^kvfence_worker_requests_total\{outcome="(\w+)"[^}]*\} (\d+)$/gm,
+      ))
+        if (Number(m[2]) > 0) out[part][m[1]] = Number(m[2])
+    }
+    return out
+  }
+
+  it('guards on: D let the request go (G8), so the prefill finished for nobody is refused at BEGIN (G10); pools idle', async () => {
+    const cluster = get('prefillDropAbortOn')
+    await abandonDuringPrefill(cluster)
+    await assertIdle(cluster)
+    // P ran the prompt to its end and tried to send it; D no longer knew the request's secret.
+    assert.deepEqual(await outcomes(cluster), {
+      prefill: { transfer_failed: 1 },
+      decode: { request_aborted: 1 },
+    })
+    assert.equal(
+      await metric(
+        cluster.prefillUrl,
+        'kvfence_transfer_failures_total',
+        'reason="unknown_request"',
+      ),
+      1,
+    )
+    assert.equal(
+      await metric(cluster.decodeUrl, 'kvfence_transfers_total', 'outcome="completed"'),
+      0,
+    )
+    // The other tenant is served as if nothing happened.
+    const b = await ask(client(cluster, tenantB.key), otherPrompt, { maxTokens: 24, stream: true })
+    assert.equal(b.error, null)
+    assert.equal(b.text, oracleText(otherPrompt, 24))
+    await assertIdle(cluster)
+    assertUp(cluster)
+  })
+
+  it('guards off: prefill runs the abandoned prompt to its end and sends it; only the missing reservation on D refuses it', async () => {
+    const cluster = get('prefillDropAbortOff')
+    await abandonDuringPrefill(cluster)
+    await assertIdle(cluster)
+    // Without the fault P counts `request_aborted` and sends nothing. Here it finished the prefill,
+    // held its pages meanwhile and sent the transfer; D (which did see the abort) had already freed
+    // the reservation, so its BEGIN finds none ("no reservation waiting": code transfer_failed).
+    assert.deepEqual(await outcomes(cluster), {
+      prefill: { transfer_failed: 1 },
+      decode: { request_aborted: 1 },
+    })
+    assert.equal(await metric(cluster.prefillUrl, 'kvfence_transfers_total', 'outcome="failed"'), 1)
+    assert.equal(
+      await metric(
+        cluster.decodeUrl,
+        'kvfence_transfer_failures_total',
+        'reason="transfer_failed"',
+      ),
+      1,
+    )
+  })
+})
+
+describe('stale-epoch (pages reused without bumping their epoch)', () => {
+  it('guards off: no observable effect — both tenants get exactly the single-process text', async () => {
+    // A finding, not a pass: the epoch is the second key of G5's read check; owner ids are never
+    // reused while a process lives, and no code path keeps a page table past its release, so no
+    // stale entry exists for a stale epoch to let through (DESIGN.md §5 asks for an effect).
+    const cluster = get('staleEpochOff')
+    const a = await ask(client(cluster, tenantA.key), plantPrompt, { maxTokens: 24 })
+    const b = await ask(client(cluster, tenantB.key), otherPrompt, { maxTokens: 24, stream: true })
+    assert.equal(a.error, null)
+    assert.equal(b.error, null)
+    assert.equal(a.text, oracleText(plantPrompt, 24))
+    assert.equal(b.text, oracleText(otherPrompt, 24))
+    assertNoCanary(b.text)
+    await assertIdle(cluster)
+  })
+})
+
 describe('lost-ack (decode’s ACK never reaches prefill)', () => {
   it('guards on: P holds its pages until its transfer timeout, then the request fails cleanly', async () => {
     const cluster = get('lostAckOn')
@@ -326,6 +449,31 @@ describe('corrupt-transfer and truncate-transfer (prefill sends bad pages)', () 
     )
     await assertIdle(cluster)
     assertUp(cluster)
+  })
+
+  it('corrupt, guards off: D accepts the flipped pages and both tenants get HTTP 200 with other tokens', async () => {
+    const cluster = get('corruptOff')
+    const a = await ask(client(cluster, tenantA.key), plantPrompt, { maxTokens: 24 })
+    const b = await ask(client(cluster, tenantB.key), otherPrompt, { maxTokens: 24, stream: true })
+    assert.equal(a.error, null, 'HTTP 200')
+    assert.equal(b.error, null, 'HTTP 200')
+    // One exponent bit per page: the decode attends over a key ~2^128 off and answers otherwise.
+    assert.notEqual(a.text, oracleText(plantPrompt, 24))
+    assert.notEqual(b.text, oracleText(otherPrompt, 24))
+    assertNoCanary(b.text) // corrupted, not another tenant's: this fault damages, it does not leak
+    assert.equal(
+      await metric(cluster.decodeUrl, 'kvfence_transfers_total', 'outcome="completed"'),
+      2,
+    )
+    assert.equal(
+      await metric(
+        cluster.decodeUrl,
+        'kvfence_transfer_failures_total',
+        'reason="checksum_mismatch"',
+      ),
+      0,
+    )
+    await assertIdle(cluster)
   })
 
   it('truncate, guards on: the manifest (G4) refuses the short transfer, clean error, pools idle', async () => {

@@ -100,6 +100,9 @@ export const pageLeakProbe: Probe = {
           ...extra,
         })
       const long = send(0, { maxTokens: 128 })
+      // A sample that runs out of budget skips the allSettled below; the requests' own
+      // rejections must not then go unhandled (that would end the process).
+      long.catch(() => {})
       await new Promise((r) => setTimeout(r, 30))
       await sample('workload')
       const rest = planted
@@ -107,6 +110,7 @@ export const pageLeakProbe: Probe = {
         .map((_, k) =>
           send(k + 1, { maxTokens: 32, ...(k % 2 === 1 ? { abortAfterChunks: 1 } : {}) }),
         )
+      for (const r of rest) r.catch(() => {})
       await sample('workload')
       for (const r of await Promise.allSettled([long, ...rest]))
         if (r.status === 'rejected' && !(r.reason instanceof BudgetExhaustedError)) throw r.reason
