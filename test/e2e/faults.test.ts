@@ -199,7 +199,13 @@ function oracleText(prompt: string, maxTokens: number): string {
     sampling: { temperature: 0, topP: 1, seed: null },
     stopTokenIds: [],
   })
-  return tokenizer.decode(local.tokenIds)
+  const text = tokenizer.decode(local.tokenIds)
+  // An empty oracle would make every comparison below pass on a broken model.
+  assert.ok(
+    text.trim().length > 0,
+    `the single-process engine gave no text for ${maxTokens} tokens`,
+  )
+  return text
 }
 
 describe('early-release (decode frees pages while their transfer writes)', () => {
