@@ -100,13 +100,27 @@ export class DecodeScheduler {
     return this.waiting.length
   }
 
+  /** Sequences in the loop: running plus waiting. */
+  get numSequences(): number {
+    return this.running.length + this.waiting.length
+  }
+
+  /** Whether `numIncoming` more sequences would still fit (running + waiting ≤ maxBatch +
+   *  maxWaiting). The decode worker asks before reserving pages, so that a full loop refuses a
+   *  request before its prefill and transfer are spent, not after. */
+  hasRoomFor(numIncoming: number): boolean {
+    return (
+      this.running.length + this.waiting.length + numIncoming <= this.maxBatch + this.maxWaiting
+    )
+  }
+
   /** Emit the first token, then decode `seq` in the shared loop until it stops. Resolves once its
    *  `done` event was emitted; rejects with `request_aborted` when its signal fires, with a guard
    *  error (G5) when a read of its pages is refused, with `internal_error` when its logits cannot be
    *  sampled, and with `capacity_exhausted` (nothing emitted) when too many sequences wait. The
    *  caller releases the pages once this settles: no step touches them afterwards. */
   run(seq: DecodeSequence): Promise<void> {
-    if (this.running.length + this.waiting.length >= this.maxBatch + this.maxWaiting) {
+    if (!this.hasRoomFor(1)) {
       return Promise.reject(
         new KvfenceError(
           'capacity_exhausted',

@@ -34,6 +34,8 @@ export interface DecodeWorkerOptions {
   /** Most sequences per decode step (`--max-batch`); default `defaultMaxBatch` (32) of
    *  decode-scheduler.ts. */
   maxBatch?: number
+  /** Most verified sequences waiting for a batch slot; default `defaultMaxWaiting` (256). */
+  maxWaiting?: number
 }
 
 /** The decode side of a disaggregated pair. One instance per process. */
@@ -75,6 +77,15 @@ export class DecodeWorker {
     }
     if (this.pending.has(req.requestId))
       throw new KvfenceError('invalid_request', `request ${req.requestId} is already running`)
+    // Refuse a full decode loop now, before any page is reserved or any prefill is spent: the
+    // router retries `capacity_exhausted` before `reserved` (back-pressure), while a refusal after
+    // the transfer could only fail the request. Reservations still awaiting their transfer count.
+    const loop = this.decodeLoop()
+    if (!loop.hasRoomFor(this.pending.size + 1))
+      throw new KvfenceError(
+        'capacity_exhausted',
+        `decode worker busy: ${loop.numSequences} sequences decoding and ${this.pending.size} awaiting their transfer`,
+      )
 
     const owner = this.core.nextOwner()
     const pageTable = pool.allocate(
@@ -354,6 +365,7 @@ export class DecodeWorker {
   private decodeLoop(): DecodeScheduler {
     this.scheduler ??= new DecodeScheduler(this.core.model, this.core.rope, this.core.pool, {
       maxBatch: this.options.maxBatch,
+      maxWaiting: this.options.maxWaiting,
     })
     return this.scheduler
   }

@@ -7,7 +7,8 @@ import assert from 'node:assert/strict'
 import { spawnSync } from 'node:child_process'
 import { describe, it } from 'node:test'
 import { DecodeScheduler, type DecodeSequence } from '../../src/engine/decode-scheduler.js'
-import type { DecodeEvent } from '../../src/engine/control.js'
+import type { DecodeEvent, GenerateRequest } from '../../src/engine/control.js'
+import { DecodeWorker } from '../../src/engine/decode-worker.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { fairShares, PrefillScheduler } from '../../src/engine/prefill-scheduler.js'
@@ -432,5 +433,50 @@ describe('PrefillScheduler (chunked prefill)', () => {
       (c as PromiseFulfilledResult<Float32Array>).value,
       aloneLogits(wasmModel, ok, 0)[0].subarray((ok.length - 1) * vocabSize),
     )
+  })
+})
+
+describe('DecodeWorker: a full decode loop refuses before reserving', () => {
+  const request = (n: number): GenerateRequest => ({
+    requestId: n.toString(16).padStart(32, '0'),
+    tenant: 'alpha',
+    promptTokenIds: [5, 6, 7, 8],
+    maxTokens: 4,
+    sampling: { temperature: 0, topP: 1, seed: null },
+    stopTokenIds: [],
+    transferSecret: 'ab'.repeat(32),
+  })
+
+  it('with room for one sequence, a second request gets capacity_exhausted and no page', async () => {
+    const core = makeCore()
+    const decode = new DecodeWorker(core, { maxBatch: 1, maxWaiting: 0 })
+    const first = new AbortController()
+    const firstEvents: DecodeEvent[] = []
+    const firstDone = decode
+      .generate(request(1), first.signal, (e) => firstEvents.push(e))
+      .catch((e: unknown) => e)
+    // The first holds its reservation, waiting for its transfer (1 prompt page + room to decode).
+    assert.deepEqual(firstEvents, [{ type: 'reserved', numPages: 1 }])
+    const usedByFirst = core.pool.numUsed
+
+    const secondEvents: DecodeEvent[] = []
+    await assert.rejects(
+      decode.generate(request(2), new AbortController().signal, (e) => secondEvents.push(e)),
+      { code: 'capacity_exhausted' },
+    )
+    assert.deepEqual(secondEvents, [], 'refused before its reserved event')
+    assert.equal(core.pool.numUsed, usedByFirst, 'the refused request reserved no page')
+
+    first.abort()
+    assert.equal(((await firstDone) as { code?: string }).code, 'request_aborted')
+    assert.equal(core.pool.numUsed, 0)
+    // Room again: the next request is reserved.
+    const third = new AbortController()
+    const thirdEvents: DecodeEvent[] = []
+    const thirdDone = decode.generate(request(3), third.signal, (e) => thirdEvents.push(e))
+    assert.equal(thirdEvents[0]?.type, 'reserved')
+    third.abort()
+    await thirdDone.catch(() => {})
+    assert.equal(core.pool.numUsed, 0)
   })
 })
