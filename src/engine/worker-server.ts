@@ -9,6 +9,7 @@ import type { AddressInfo } from 'node:net'
 import type { Logger } from 'pino'
 import { Gauge, type Registry } from 'prom-client'
 import { KvfenceError } from '../errors.js'
+import { metricsText } from '../process-metrics.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
 import { GenerateRequest, PrefillRequest, type DecodeEvent, type ServerInfo } from './control.js'
 import type { DecodeWorker } from './decode-worker.js'
@@ -61,7 +62,7 @@ export function createWorkerServer(
         if (route === 'GET /server_info') return sendJson(res, 200, serverInfo())
         if (route === 'GET /metrics') {
           res.writeHead(200, { 'content-type': registry.contentType })
-          return res.end(await registry.metrics())
+          return res.end(await metricsText(registry))
         }
         // The control plane names tenants and issues transfer secrets: only the router may use it.
         if (

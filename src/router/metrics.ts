@@ -1,9 +1,9 @@
 /** The router's Prometheus metrics, in a registry of their own (no global default registry):
  *  requests by tenant and status, TTFT and TPOT, admission refusals, transfers, the queue, and
- *  each worker's KV pages and guard trips (read from the workers when scraped), and prom-client's
- *  default process metrics (memory, heap, GC, event-loop lag).
+ *  each worker's KV pages and guard trips (read from the workers when scraped). `GET /metrics`
+ *  appends the process's default metrics (src/process-metrics.ts).
  *  Knows counts and durations; knows nothing of prompts, texts or keys. */
-import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client'
+import { Counter, Gauge, Histogram, Registry } from 'prom-client'
 
 /** One worker's state as scraped from its `/server_info` and `/metrics`. */
 export interface WorkerStats {
@@ -56,9 +56,6 @@ export interface MetricSources {
 export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics {
   const registry = new Registry()
   const registers = [registry]
-  // The process's own figures (process_resident_memory_bytes, nodejs_heap_size_used_bytes, GC
-  // and event-loop lag): how an operator tells a leak from GC sawtooth, collected at scrape time.
-  collectDefaultMetrics({ register: registry })
   const latency = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 
   if (sources.queue) {

@@ -21,6 +21,7 @@ import type { RouterConfig } from './config.js'
 import type { Gateway } from './gateway.js'
 import { coalesceWrites, readJsonBody, sendError, sendJson } from './http.js'
 import { LimitError, type Limiter, createLimiter } from './limits.js'
+import { metricsText } from '../process-metrics.js'
 import { type RouterMetrics, createRouterMetrics } from './metrics.js'
 import {
   type FinishReason,
@@ -134,7 +135,7 @@ export function createRouter(deps: RouterDeps): RequestHandler {
         return serverInfo(req, res)
       case 'GET /metrics':
         res.writeHead(200, { 'content-type': metrics.registry.contentType })
-        res.end(await metrics.registry.metrics())
+        res.end(await metricsText(metrics.registry))
         return
       case 'GET /v1/models':
         authenticate(req)

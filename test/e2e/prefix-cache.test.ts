@@ -99,4 +99,15 @@ describe('prefix cache across a real cluster', () => {
     // A: prompt 0 (111 tokens, 6 full pages), prompt 1 (108 tokens) adds its 6th page; B: 6 of its own.
     assert.equal(info.numPagesCached, 13)
   })
+  it("a worker's /metrics also carries its process's memory figures (prom-client defaults)", async () => {
+    const text = await (await fetch(`${cluster.prefillUrl}/metrics`)).text()
+    const rss = /^process_resident_memory_bytes (\d+)$/m.exec(text)
+    assert.ok(rss && Number(rss[1]) > 1024 * 1024, 'no process_resident_memory_bytes')
+    assert.match(text, /^nodejs_heap_size_used_bytes \d+$/m)
+    assert.match(
+      text,
+      /^kvfence_guard_trips_total\{guard="G5",role="prefill"\} 0$/m,
+      'its own metrics are still there',
+    )
+  })
 })
