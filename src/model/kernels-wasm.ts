@@ -42,10 +42,8 @@ export interface WasmKernelOptions {
   /** Threads computing each kernel call, the caller's included (default 1: no helper threads).
    *  A positive integer. */
   threads?: number
-  /** Calls with fewer multiply-adds than this run on the calling thread alone (default 262,144,
-   *  about 10 µs on one thread: waking the helpers would cost more than it saves). Larger calls
-   *  are split unless the team is backing off after late helpers (threads/team.ts,
-   *  `splitNext`). Tests pass 0 to split every call, never backing off. */
+  /** Calls with fewer multiply-adds than this run on the calling thread alone (default 262,144, about 10 µs on one thread:
+   *  waking the helpers would cost more than it saves). Tests pass 0 to split every call. */
   parallelMinWork?: number
 }
 
@@ -81,8 +79,6 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
   }
   const parallelMinWork = options.parallelMinWork ?? defaultParallelMinWork
   let team: ThreadTeam | null = threads > 1 ? startTeam(threads, module, memory, wasm) : null
-  /** Whether a call big enough to split is split now (always with parallelMinWork 0). */
-  const split = (t: ThreadTeam): boolean => parallelMinWork === 0 || t.splitNext()
 
   // Every SharedArrayBuffer this memory has handed out (one per size it had): a typed array over
   // one of them is inside the memory, at address = its byteOffset.
@@ -148,7 +144,7 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
       const biasPtr = bias ? addressOf(bias, 'linear.bias', true) : 0
       const wPtr = weightAddress(w)
       const { inDim, outDim } = w
-      if (team && n * inDim * outDim >= parallelMinWork && split(team)) {
+      if (team && n * inDim * outDim >= parallelMinWork) {
         const op = w.dtype === 'f32' ? Op.linearF32 : Op.linearBf16
         team.run(op, [outPtr, xPtr, wPtr, biasPtr, n, inDim, outDim])
       } else if (w.dtype === 'f32')
@@ -163,7 +159,7 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
       const vPtr = addressOf(v, 'attention.v', true)
       const numKeys = startPos + n
       const work = n * numKeys * numHeads * headDim
-      if (team && numHeads > 1 && work >= parallelMinWork && split(team)) {
+      if (team && numHeads > 1 && work >= parallelMinWork) {
         // One scores row per thread, 16-byte aligned.
         const stride = Math.ceil(numKeys / 4) * 4
         const scores = scratch('attention.scores', stride * team.threads)

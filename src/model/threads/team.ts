@@ -22,13 +22,6 @@ const startTimeoutMs = 30_000
 const spinMs = 0.2
 /** A job whose helpers show no progress for this long is declared stuck (a helper died). */
 const stallMs = 120_000
-/** Calls {@link ThreadTeam.splitNext} keeps on the caller after the first late job, doubled for
- *  every further late one up to {@link maxBackoffCalls}. */
-const firstBackoffCalls = 8
-/** Longest back-off: one probe per ~1,000 calls (a few forward steps of a small model). */
-const maxBackoffCalls = 1024
-/** A join shorter than this is never counted as late (a futex wake-up costs ~50 µs). */
-const lateFloorMs = 0.05
 
 /** A started set of compute threads. */
 export interface ThreadTeam {
@@ -37,14 +30,6 @@ export interface ThreadTeam {
   /** Run `op` with `args` (see {@link Op}), its chunks taken by the caller and the helpers.
    *  Returns when every chunk is done. Throws when a helper failed or stopped responding. */
   run(op: number, args: readonly number[]): void
-  /** Whether the next call is worth splitting: false for a while after a job in which the caller
-   *  waited for the helpers longer than it computed itself. That happens when the machine has
-   *  more runnable threads than cores: a helper that claimed a chunk and was then preempted
-   *  holds the whole job up for a scheduler slice (milliseconds), so on a loaded machine two
-   *  threads ran small calls at half the speed of one. The caller then computes calls alone
-   *  (same results: chunking never changes a bit) for 8 calls, doubling up to 1,024 while the
-   *  probes stay late, and splits again as soon as one is not. */
-  splitNext(): boolean
   /** Stop and release the helpers (idempotent). After it, `run` throws. */
   close(): void
 }
@@ -114,20 +99,10 @@ export function startTeam(
     Atomics.wait(ctrl, Ctrl.ready, ready, 50)
   }
 
-  /** Calls left to keep on the caller, and the current back-off length (0: not backing off). */
-  let skip = 0
-  let backoff = 0
-
   return {
     threads,
-    splitNext() {
-      if (skip === 0) return true
-      skip--
-      return false
-    },
     run(op, args) {
       if (closed) throw new Error('the compute threads were closed')
-      const t0 = performance.now()
       const chunks = chunkCount(op, args, threads)
       const seq = (ctrl[Ctrl.generation] + 1) & 0x7fffff
       // Everything the helpers read is written before the generation word publishes the job.
@@ -146,13 +121,7 @@ export function startTeam(
       } catch (err) {
         own = err
       }
-      const t1 = performance.now()
       join(chunks)
-      const waited = performance.now() - t1
-      if (waited > lateFloorMs && waited > t1 - t0) {
-        backoff = Math.min(maxBackoffCalls, Math.max(firstBackoffCalls, backoff * 2))
-        skip = backoff
-      } else backoff = 0
       if (own !== undefined) throw own
       if (Atomics.load(ctrl, Ctrl.failed)) {
         const text = errorText()
