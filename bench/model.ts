@@ -6,11 +6,18 @@
  *  Every model is measured with 1 and 2 compute threads in the same run (`threads` in each row;
  *  `thread_speedups` gives the 2-over-1 ratios).
  *
+ *  Decode is measured at batch 1 (`forward`, one sequence per call) and at batch 8
+ *  (`forwardBatch`, eight sequences per step, as the decode worker's continuous batching runs
+ *  them).
+ *
  *  Args: `--repeats N` (default 3), `--decode-tokens N` (default 32), `--prefill-tokens N`
  *  (default 1000), `--threads N` (the most threads measured, default 2: rows for 1 and N),
- *  `--skip-135m`. Decode is measured at batch 1 (`forward`, one sequence per call) and at
- *  batch 8 (`forwardBatch`, eight sequences per step, as the decode worker's continuous batching
- *  runs them). */
+ *  `--min-ms N` (each figure of a repeat is timed over at least N ms of whole runs, default 300),
+ *  `--skip-135m`.
+ *
+ *  The bound: decode_bound_tokens_per_s = copy bandwidth ÷ weight bytes read per token, with the
+ *  copy bandwidth measured in the same run by as many threads as the row computes with (one
+ *  thread's bandwidth is not a bound for two). */
 import { makeGuards } from '../src/kv/guards.js'
 import { KvPool } from '../src/kv/pool.js'
 import { parseModelConfig } from '../src/model/config.js'
@@ -19,6 +26,7 @@ import { weightBytes, type LinearWeights } from '../src/model/linear.js'
 import type { RawTensor } from '../src/model/safetensors.js'
 import { loadModel, modelFromTensors, type Model } from '../src/model/weights.js'
 import { echoModelDir } from '../test/helpers/paths.js'
+import { lastLevelCacheBytes, openCopyMeter, type CopyMeter } from './copy-bandwidth.js'
 
 /** SmolLM2-135M's config.json (HuggingFaceTB/SmolLM2-135M), max positions cut to what is run. */
 const smolLm2Config = {
@@ -47,21 +55,6 @@ function flag(args: string[], name: string, fallback: number): number {
   const v = Number(args[at + 1])
   if (!Number.isInteger(v) || v <= 0) throw new Error(`${name} needs a positive integer`)
   return v
-}
-
-/** Large-buffer copy bandwidth, GB/s (read + write counted as bytes copied, as memcpy figures are). */
-function copyBandwidth(repeats: number): number {
-  const n = 64 * 1024 * 1024 // 256 MiB of F32: far beyond the caches, like the weights
-  const src = new Float32Array(n).fill(1)
-  const dst = new Float32Array(n)
-  const rates: number[] = []
-  for (let r = 0; r < repeats + 1; r++) {
-    const t0 = process.hrtime.bigint()
-    dst.set(src)
-    const s = Number(process.hrtime.bigint() - t0) / 1e9
-    if (r > 0) rates.push(src.byteLength / s / 1e9) // the first pass faults pages in
-  }
-  return median(rates)
 }
 
 /** Random weights of a config as stored tensors (uniform, ±0.05; norms 1), F32 or BF16. */
@@ -117,6 +110,8 @@ interface Measured {
   kernels: string
   threads: number
   parameters_bytes_per_token: number
+  /** Copy bandwidth with as many threads as this row computes with (GB/s): the bound's divisor. */
+  copy_bandwidth_gb_per_s: number
   decode_tokens_per_s: number
   decode_bound_tokens_per_s: number
   decode_bound_ratio: number
@@ -128,12 +123,37 @@ interface Measured {
   prefill_tokens_per_s: number
 }
 
-function measure(
-  model: Model,
-  storage: string,
-  bandwidth: number,
-  o: { repeats: number; decodeTokens: number; prefillTokens: number },
-): Measured {
+interface Options {
+  repeats: number
+  decodeTokens: number
+  prefillTokens: number
+  /** Each figure of a repeat is timed over at least this long (ms), in whole runs. */
+  minMs: number
+}
+
+/** One repeat's rates (tokens/s) of a model. */
+interface Rates {
+  decode: number
+  batch8: number
+  prefill: number
+}
+
+/** Tokens/s of `runOnce` (which times itself: returns [tokens, seconds]) repeated until at least
+ *  `minMs` of timed work: a tiny model's 32-token decode lasts ~3 ms, where one preemption by
+ *  another process or a timer tick would decide the figure. */
+function rateOver(minMs: number, runOnce: () => [number, number]): number {
+  let tokens = 0
+  let seconds = 0
+  do {
+    const [t, s] = runOnce()
+    tokens += t
+    seconds += s
+  } while (seconds * 1000 < minMs)
+  return tokens / seconds
+}
+
+/** A function that measures one repeat (batch-1 decode, batch-8 decode, prefill) of `model`. */
+function repeatOf(model: Model, o: Options): () => Rates {
   const c = model.config
   const prefillTokens = Math.min(o.prefillTokens, c.maxPositionEmbeddings - 1)
   const pageSize = 16
@@ -154,7 +174,7 @@ function measure(
   const rope = makeRope(model)
   const ids = Array.from({ length: prefillTokens }, (_, i) => (i * 7919 + 13) % c.vocabSize)
   const run = (
-    fn: (seq: { pageTable: ReturnType<KvPool['allocate']>; owner: number }) => number,
+    fn: (seq: { pageTable: ReturnType<KvPool['allocate']>; owner: number }) => [number, number],
   ) => {
     const pageTable = pool.allocate(pool.shape.numPages, 1, 1)
     try {
@@ -163,11 +183,9 @@ function measure(
       pool.release(pageTable, 1)
     }
   }
-  const decodeRates: number[] = []
-  const batchRates: number[] = []
-  const prefillRates: number[] = []
-  for (let r = 0; r < o.repeats; r++) {
-    decodeRates.push(
+  const seconds = (t0: bigint) => Number(process.hrtime.bigint() - t0) / 1e9
+  return () => ({
+    decode: rateOver(o.minMs, () =>
       run((seq) => {
         const prompt = ids.slice(0, 16)
         forward(model, rope, pool, seq, prompt, 0)
@@ -177,35 +195,48 @@ function measure(
           const logits = forward(model, rope, pool, seq, [token], prompt.length + i)
           token = logits[0] > logits[1] ? 2 : 3
         }
-        return o.decodeTokens / (Number(process.hrtime.bigint() - t0) / 1e9)
+        return [o.decodeTokens, seconds(t0)]
       }),
-    )
-    batchRates.push(decodeBatch(model, rope, pool, ids.slice(0, 16), o.decodeTokens))
-    prefillRates.push(
+    ),
+    batch8: rateOver(o.minMs, () =>
+      decodeBatch(model, rope, pool, ids.slice(0, 16), o.decodeTokens),
+    ),
+    prefill: rateOver(o.minMs, () =>
       run((seq) => {
         const t0 = process.hrtime.bigint()
         forward(model, rope, pool, seq, ids, 0)
-        return prefillTokens / (Number(process.hrtime.bigint() - t0) / 1e9)
+        return [prefillTokens, seconds(t0)]
       }),
-    )
-  }
+    ),
+  })
+}
+
+/** A row of the JSON from a model's repeats, against the copy bandwidth of its thread count. */
+function summarise(
+  model: Model,
+  storage: string,
+  bandwidth: number,
+  rates: Rates[],
+  o: Options,
+): Measured {
   const bytes = decodeWeightBytes(model)
   const bound = (bandwidth * 1e9) / bytes
-  const decode = median(decodeRates)
-  const batch8 = median(batchRates)
+  const decode = median(rates.map((r) => r.decode))
+  const batch8 = median(rates.map((r) => r.batch8))
   return {
     model: model.name,
     storage,
     kernels: model.kernels.name,
     threads: model.kernels.threads,
     parameters_bytes_per_token: bytes,
+    copy_bandwidth_gb_per_s: round(bandwidth, 2),
     decode_tokens_per_s: round(decode),
     decode_bound_tokens_per_s: round(bound),
     decode_bound_ratio: round(decode / bound, 3),
     decode_tokens_per_s_batch8: round(batch8),
     decode_batch8_speedup: round(batch8 / decode, 2),
-    prefill_tokens: prefillTokens,
-    prefill_tokens_per_s: round(median(prefillRates)),
+    prefill_tokens: Math.min(o.prefillTokens, model.config.maxPositionEmbeddings - 1),
+    prefill_tokens_per_s: round(median(rates.map((r) => r.prefill))),
   }
 }
 
@@ -214,15 +245,16 @@ const round = (x: number, digits = 1) => Number(x.toFixed(digits))
 /** Sequences per step of the batched decode measurement. */
 const batchSize = 8
 
-/** Decode tokens/s over all sequences: {@link batchSize} sequences prefilled with `prompt`, then
- *  `steps` batched steps of one token each (every weight matrix streamed once per step). */
+/** Decode of {@link batchSize} sequences prefilled with `prompt` (untimed), then `steps` batched
+ *  steps of one token each (every weight matrix streamed once per step): [tokens over all
+ *  sequences, seconds]. */
 function decodeBatch(
   model: Model,
   rope: ReturnType<typeof makeRope>,
   pool: KvPool,
   prompt: number[],
   steps: number,
-): number {
+): [number, number] {
   const seqs = Array.from({ length: batchSize }, (_, i) => ({
     owner: i + 1,
     pageTable: pool.allocate(pool.pagesFor(prompt.length + steps), i + 1, 1),
@@ -243,44 +275,83 @@ function decodeBatch(
         tokens[i] = r.logits[0] > r.logits[1] ? 2 : 3
       })
     }
-    return (batchSize * steps) / (Number(process.hrtime.bigint() - t0) / 1e9)
+    return [batchSize * steps, Number(process.hrtime.bigint() - t0) / 1e9]
   } finally {
     for (const seq of seqs) pool.release(seq.pageTable, seq.owner)
   }
 }
 
+/** Copy bandwidth measured per thread count: ≥ 4× the last-level cache (at least 256 MiB), like
+ *  the weights of a real model, which no cache holds. */
+function copyBytes(): number {
+  return Math.min(2 * 1024 ** 3, Math.max(256 * 1024 ** 2, 4 * lastLevelCacheBytes()))
+}
+
+/** Rounds (median) of each copy-bandwidth sample. */
+const copyRounds = 3
+
+/** The untimed warm-up repeat of each model (short: it only has to get the JIT past its first
+ *  tiers on every path a repeat takes). */
+const warmUp: Options = { repeats: 1, decodeTokens: 8, prefillTokens: 64, minMs: 50 }
+
 /** Run the model benchmark; returns the JSON described in the module comment. */
 export async function benchModel(args: string[]): Promise<object> {
-  const o = {
+  const o: Options = {
     repeats: flag(args, '--repeats', 3),
     decodeTokens: flag(args, '--decode-tokens', 32),
     prefillTokens: flag(args, '--prefill-tokens', 1000),
+    minMs: flag(args, '--min-ms', 300),
   }
   const maxThreads = flag(args, '--threads', 2)
   const threadCounts = maxThreads > 1 ? [1, maxThreads] : [1]
-  const bandwidth = copyBandwidth(5)
+  const meters = new Map<number, CopyMeter>()
+  /** Every bandwidth sample per thread count, GB/s. */
+  const samples = new Map<number, number[]>(threadCounts.map((t) => [t, []]))
   const results: Measured[] = []
-  /** Measure one checkpoint at every thread count, each in its own kernels (closed after). */
+  /** Measure one checkpoint at every thread count, each in its own kernels (closed after). The
+   *  thread counts take turns within each repeat after one untimed warm-up each, so that neither
+   *  JIT warm-up nor a change in the machine's load favours the one measured later; each timed
+   *  repeat is followed by a copy-bandwidth sample with the same thread count, so that a row's
+   *  bound is measured under the load its speeds were. */
   const measureAll = (make: (threads: number) => Model, storage: string) => {
-    for (const threads of threadCounts) {
-      const model = make(threads)
-      try {
-        results.push(measure(model, storage, bandwidth, o))
-      } finally {
-        model.kernels.close()
-      }
+    const models: Model[] = []
+    try {
+      for (const threads of threadCounts) models.push(make(threads))
+      const repeats = models.map((m) => repeatOf(m, o))
+      const rates: Rates[][] = models.map(() => [])
+      const rowSamples: number[][] = models.map(() => [])
+      for (const m of models) repeatOf(m, warmUp)()
+      for (let r = 0; r < o.repeats; r++)
+        repeats.forEach((once, i) => {
+          rates[i].push(once())
+          const threads = models[i].kernels.threads
+          const gbPerS = meters.get(threads)!.measure(copyRounds)
+          rowSamples[i].push(gbPerS)
+          samples.get(threads)!.push(gbPerS)
+        })
+      models.forEach((m, i) =>
+        results.push(summarise(m, storage, median(rowSamples[i]), rates[i], o)),
+      )
+    } finally {
+      for (const m of models) m.kernels.close()
     }
   }
-  measureAll((threads) => loadModel(echoModelDir, { threads }), 'F32')
-  if (!args.includes('--skip-135m')) {
-    for (const dtype of ['F32', 'BF16'] as const) {
-      const config = parseModelConfig(smolLm2Config, 'SmolLM2-135M shape')
-      const tensors = randomTensors(smolLm2Config, dtype)
-      measureAll(
-        (threads) => modelFromTensors(`SmolLM2-135M-shape`, config, tensors, { threads }),
-        dtype,
-      )
+  try {
+    for (const threads of threadCounts)
+      meters.set(threads, await openCopyMeter(threads, copyBytes()))
+    measureAll((threads) => loadModel(echoModelDir, { threads }), 'F32')
+    if (!args.includes('--skip-135m')) {
+      for (const dtype of ['F32', 'BF16'] as const) {
+        const config = parseModelConfig(smolLm2Config, 'SmolLM2-135M shape')
+        const tensors = randomTensors(smolLm2Config, dtype)
+        measureAll(
+          (threads) => modelFromTensors(`SmolLM2-135M-shape`, config, tensors, { threads }),
+          dtype,
+        )
+      }
     }
+  } finally {
+    for (const meter of meters.values()) await meter.close()
   }
   const row = (model: string, storage: string, threads: number) =>
     results.find((r) => r.model === model && r.storage === storage && r.threads === threads)
@@ -301,7 +372,14 @@ export async function benchModel(args: string[]): Promise<object> {
       }
     })
   return {
-    copy_bandwidth_gb_per_s: round(bandwidth, 2),
+    copy_bandwidth: threadCounts.map((t) => ({
+      threads: t,
+      gb_per_s: round(median(samples.get(t)!), 2),
+      gb_per_s_min: round(Math.min(...samples.get(t)!), 2),
+      gb_per_s_max: round(Math.max(...samples.get(t)!), 2),
+      samples: samples.get(t)!.length,
+      bytes: meters.get(t)!.bytes,
+    })),
     threads: threadCounts,
     batch: 1,
     batch_batched: batchSize,
@@ -317,7 +395,8 @@ export async function benchModel(args: string[]): Promise<object> {
     notes: [
       'decode_tokens_per_s: batch 1 (forward, one sequence per call); decode_tokens_per_s_batch8: eight sequences per forwardBatch step, tokens counted over all of them',
       'threads: the WebAssembly SIMD kernels split each linear by output rows (attention by heads) between the calling thread and threads − 1 helper threads over one shared memory; results are bit-identical to 1 thread',
-      'decode_bound = copy bandwidth / weight bytes read per token (measured in this run)',
+      'decode_bound = copy bandwidth / weight bytes read per token; the copy bandwidth of a row is measured in this run with as many threads as the row computes with (each copying its own share of a buffer ≥ 4× the last-level cache, all starting together; median of 3 rounds after each timed repeat, median over the repeats); a model whose weights fit in the caches (the bundled echo model: 1.5 MB) is not bound by it and can pass 1',
+      'each figure is timed over ≥ --min-ms of whole runs per repeat; the thread counts of a model take turns within each repeat after a short untimed warm-up each',
     ],
   }
 }

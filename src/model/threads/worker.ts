@@ -23,8 +23,15 @@ const WebAssembly = (
 /** How long a helper spins on the generation word before sleeping: covers the gaps between the
  *  matmuls of one forward step, so that a job does not pay a futex wake-up. */
 const spinMs = 0.3
-/** Sleep slice: a wake-up lost to a memory grow costs at most this (see STACK.md). */
-const sleepMs = 20
+/** First sleep slice after the spin; each further slice of the same idle spell is twice as long,
+ *  up to {@link maxSleepMs}. Every wait stays bounded because a wake-up can be lost (seen once
+ *  when the memory grew, STACK.md). A lost wake-up never stalls a job: the caller claims every
+ *  chunk nobody else took, so a helper that oversleeps only leaves the caller computing alone
+ *  until its slice ends. */
+const firstSleepMs = 20
+/** Longest sleep slice: an idle helper wakes about once a second (the 20 ms slice it had before
+ *  cost 50 wake-ups a second, 16× the idle CPU of a process without helpers). */
+const maxSleepMs = 1000
 
 const data = workerData as HelperData
 const ctrl = new Int32Array(data.ctrl)
@@ -46,7 +53,7 @@ function serve(wasm: KernelExports): void {
     if (gen === seen) {
       const until = performance.now() + spinMs
       while (gen === seen && performance.now() < until) gen = Atomics.load(ctrl, Ctrl.generation)
-      while (gen === seen) {
+      for (let sleepMs = firstSleepMs; gen === seen; sleepMs = Math.min(maxSleepMs, sleepMs * 2)) {
         Atomics.wait(ctrl, Ctrl.generation, seen, sleepMs)
         gen = Atomics.load(ctrl, Ctrl.generation)
       }
