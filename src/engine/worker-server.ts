@@ -116,7 +116,8 @@ export function createWorkerServer(
             core.metrics.requests.inc({ outcome: asKvfenceError(err).code })
             if (!isStreaming) throw err
             const e = asKvfenceError(err)
-            log.warn(
+            // A client going away is normal traffic (info); anything else deserves a warning.
+            log[e.code === 'request_aborted' ? 'info' : 'warn'](
               { requestId: body.requestId, tenant: body.tenant, code: e.code },
               'generate failed',
             )
