@@ -31,6 +31,13 @@ export interface ForkPartOptions {
   failure(why: StartFailure, lastLine: string | undefined): Error
 }
 
+/** The node flags a part inherits from this process: all but the debugger's (`--inspect*`: every
+ *  child would clash on the debug port) and the test runner's (`--test*`: a part is not a test
+ *  file). */
+export function partExecArgv(execArgv: readonly string[]): string[] {
+  return execArgv.filter((a) => !/^--(inspect|test|debug)/.test(a))
+}
+
 /** Forks `kvfence ...args` and resolves with the child and its ready message. The child is pushed
  *  onto `started` at once, so the caller can stop it (with {@link stopAll}) on any failure.
  *  Rejects with `opts.failure(...)` if the part exits or does not report ready in time. */
@@ -42,6 +49,7 @@ export function forkPart(
   const toFile = opts.logFile !== undefined
   const child = fork(cliEntry, args, {
     env: opts.env,
+    execArgv: partExecArgv(process.execArgv),
     stdio: toFile ? ['ignore', 'pipe', 'pipe', 'ipc'] : ['ignore', 'inherit', 'inherit', 'ipc'],
   })
   started.push(child)
