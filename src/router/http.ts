@@ -5,8 +5,11 @@ import type { IncomingMessage, ServerResponse } from 'node:http'
 import { KvfenceError, toOpenAiError } from '../errors.js'
 import { LimitError } from './limits.js'
 
+const strictUtf8 = new TextDecoder('utf-8', { fatal: true })
+
 /** Reads the request body as JSON. Throws `payload_too_large` past `maxBytes` (checked against
- *  `content-length` first, then while reading), `invalid_request` for malformed JSON, and
+ *  `content-length` first, then while reading), `invalid_request` for bytes that are not UTF-8
+ *  (RFC 8259 §8.1) or malformed JSON, and
  *  `request_aborted` when the client closes the connection before the body's end (a client that
  *  left, not a server error: nothing can be sent to it any more). */
 export async function readJsonBody(req: IncomingMessage, maxBytes: number): Promise<unknown> {
@@ -30,7 +33,13 @@ export async function readJsonBody(req: IncomingMessage, maxBytes: number): Prom
       `the client closed the connection after ${numBytes} bytes of the request body`,
     )
   }
-  const text = Buffer.concat(chunks).toString('utf8')
+  let text: string
+  try {
+    // fatal: bytes that are not UTF-8 are refused, never replaced with U+FFFD behind the client's back.
+    text = strictUtf8.decode(Buffer.concat(chunks))
+  } catch {
+    throw new KvfenceError('invalid_request', 'the request body is not valid UTF-8')
+  }
   if (text.trim() === '') throw new KvfenceError('invalid_request', 'the request body is empty')
   try {
     return JSON.parse(text)

@@ -324,6 +324,24 @@ describe('the router refuses invalid requests at its boundary', () => {
     }
   })
 
+  it('refuses a body that is not UTF-8 with 400 (never replaced with U+FFFD)', async () => {
+    const prefix = Buffer.from('{"model": "echo-test", "prompt": "Hi ')
+    const body = Buffer.concat([
+      prefix,
+      Buffer.from([0xff, 0xfe]),
+      Buffer.from('", "max_tokens": 2}'),
+    ])
+    const res = await fetch(`${h.router.url}/v1/completions`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${keys.alpha}`, 'content-type': 'application/json' },
+      body,
+    })
+    assert.equal(res.status, 400)
+    const error = ((await res.json()) as { error: { code: string; message: string } }).error
+    assert.equal(error.code, 'invalid_request')
+    assert.equal(error.message, 'the request body is not valid UTF-8')
+  })
+
   it('refuses a body over 1 MiB with 413', async () => {
     const res = await h.post('/v1/completions', completion({ prompt: 'x'.repeat(1024 * 1024 + 1) }))
     assert.equal(res.status, 413)
