@@ -16,7 +16,7 @@ interface GenerateFlags {
   maxTokens: number
   temperature: number
   topP: number
-  topK?: number
+  topK?: number | null
   minP: number
   presencePenalty: number
   frequencyPenalty: number
@@ -52,9 +52,17 @@ function topPOption(value: string): number {
 }
 
 function positiveIntOption(value: string): number {
-  const n = intOption(value)
-  if (n < 1) throw new InvalidArgumentError(`expected a positive integer, got "${value}"`)
-  return n
+  if (!/^\d+$/.test(value) || Number(value) < 1)
+    throw new InvalidArgumentError(`expected a positive integer, got "${value}"`)
+  return Number(value)
+}
+
+/** `--top-k`: an integer ≥ -1; -1 and 0 turn it off, as `top_k` of the HTTP API (vLLM's rule). */
+function topKOption(value: string): number | null {
+  if (!/^-?\d+$/.test(value) || Number(value) < -1)
+    throw new InvalidArgumentError(`expected an integer ≥ -1 (-1 or 0: off), got "${value}"`)
+  const k = Number(value)
+  return k >= 1 ? k : null
 }
 
 /** Register `kvfence generate` on the program. */
@@ -69,7 +77,11 @@ export function registerGenerate(program: Command): void {
     .option('--max-tokens <n>', 'tokens to generate at most', positiveIntOption, 64)
     .option('--temperature <t>', 'sampling temperature; 0 is greedy', temperatureOption, 0)
     .option('--top-p <p>', 'nucleus mass in (0, 1]', topPOption, 1)
-    .option('--top-k <k>', 'keep the k most probable tokens (default: off)', positiveIntOption)
+    .option(
+      '--top-k <k>',
+      'keep the k most probable tokens (-1 or 0: off, the default)',
+      topKOption,
+    )
     .option('--min-p <p>', 'keep tokens ≥ p × the top probability', rangeOption(0, 1), 0)
     .option('--presence-penalty <x>', "OpenAI's presence penalty", rangeOption(-2, 2), 0)
     .option('--frequency-penalty <x>', "OpenAI's frequency penalty", rangeOption(-2, 2), 0)

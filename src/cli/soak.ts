@@ -79,10 +79,10 @@ export function registerSoak(program: Command): void {
     )
     .option('--log-dir <dir>', 'keep the cluster parts’ logs in this folder')
     .action(async (flags: SoakFlags) => {
-      if (flags.tenants < 2) throw new InvalidArgumentError('--tenants must be at least 2')
-      if (flags.loops < 1) throw new InvalidArgumentError('--loops must be at least 1')
+      if (flags.tenants < 2) throw new Error('--tenants must be at least 2')
+      if (flags.loops < 1) throw new Error('--loops must be at least 1')
       if (flags.minutes !== undefined && flags.seconds !== undefined)
-        throw new InvalidArgumentError('give --minutes or --seconds, not both')
+        throw new Error('give --minutes or --seconds, not both')
       const durationMs =
         flags.seconds !== undefined
           ? flags.seconds * 1000

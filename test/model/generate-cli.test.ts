@@ -63,6 +63,21 @@ describe('kvfence generate', () => {
     ) // prettier-ignore
     assert.equal(topK1.code, 0, topK1.stderr)
     assert.equal(topK1.stdout, greedy.stdout)
+    // -1 and 0 turn top-k off, as on the HTTP API: at temperature 0 that is the greedy text.
+    for (const off of ['0', '-1']) {
+      const res = await cli(
+        '--model',
+        echoModelDir,
+        '--prompt',
+        prompt,
+        '--max-tokens',
+        '20',
+        '--top-k',
+        off,
+      )
+      assert.equal(res.code, 0, res.stderr)
+      assert.equal(res.stdout, greedy.stdout)
+    }
 
     const tokenizer = loadTokenizer(echoModelDir)
     const model = loadModel(echoModelDir)
@@ -113,6 +128,12 @@ describe('kvfence generate', () => {
     assert.notEqual(badMinP.code, 0)
     assert.match(badMinP.stderr, /--min-p/)
     assert.equal(badMinP.stderr.trim().split('\n').length, 1, badMinP.stderr)
+    const badTopK = await cli('--prompt', 'hi', '--top-k', '-2')
+    assert.equal(badTopK.code, 2)
+    assert.equal(
+      badTopK.stderr.trim(),
+      `error: option '--top-k <k>' argument '-2' is invalid. expected an integer ≥ -1 (-1 or 0: off), got "-2"`,
+    )
     const badPenalty = await cli('--prompt', 'hi', '--frequency-penalty', '-3')
     assert.notEqual(badPenalty.code, 0)
     assert.match(badPenalty.stderr, /--frequency-penalty/)

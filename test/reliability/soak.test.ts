@@ -3,12 +3,14 @@
  *  aborts and disconnects. Its JSON report must show no contamination, no oracle mismatch, no page
  *  left in use, no hang, no over-context prompt answered, and RSS sampled (judged under 5 % growth only in runs of 3 minutes or more). */
 import assert from 'node:assert/strict'
+import { execFile } from 'node:child_process'
 import { mkdtempSync, readFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { it } from 'node:test'
 import { Command } from 'commander'
 import { registerSoak } from '../../src/cli/soak.js'
+import { cliPath } from '../helpers/paths.js'
 import type { SoakReport } from '../../src/soak/index.js'
 
 it('a 60-second soak with aborts and disconnects keeps every invariant', async () => {
@@ -49,4 +51,21 @@ it('a 60-second soak with aborts and disconnects keeps every invariant', async (
       Object.values(report.errors).reduce((a, b) => a + b, 0),
     'every request is accounted for exactly once',
   )
+})
+
+it('kvfence soak refuses bad flags with a one-line message and exit 2 before starting anything', async () => {
+  const cases: [string[], string][] = [
+    [['--tenants', '1'], 'kvfence: --tenants must be at least 2'],
+    [['--loops', '0'], 'kvfence: --loops must be at least 1'],
+    [['--minutes', '1', '--seconds', '5'], 'kvfence: give --minutes or --seconds, not both'],
+  ]
+  for (const [args, message] of cases) {
+    const { code, stderr } = await new Promise<{ code: number | null; stderr: string }>((resolve) =>
+      execFile(process.execPath, [cliPath, 'soak', ...args], (err, _stdout, stderr) =>
+        resolve({ code: err ? ((err as { code?: number }).code ?? null) : 0, stderr }),
+      ),
+    )
+    assert.equal(code, 2, args.join(' '))
+    assert.equal(stderr.trim(), message)
+  }
 })
