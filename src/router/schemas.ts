@@ -226,14 +226,14 @@ function generationParams(
 }
 
 /** Refuses a `stop_token_ids` entry outside a vocabulary of `vocabSize` tokens (400 naming
- *  `stop_token_ids`); the router checks against its tokenizer, which the parser does not know. */
+ *  `stop_token_ids[i]`); the router checks against its tokenizer, which the parser does not know. */
 export function checkStopTokenIds(ids: readonly number[], vocabSize: number): void {
   const bad = ids.findIndex((id) => id >= vocabSize)
   if (bad === -1) return
   throw new KvfenceError(
     'invalid_request',
     `Invalid value for 'stop_token_ids[${bad}]': token id ${ids[bad]} is out of range: the vocabulary has ${vocabSize} tokens`,
-    'stop_token_ids',
+    `stop_token_ids[${bad}]`,
   )
 }
 

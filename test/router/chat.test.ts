@@ -267,7 +267,7 @@ describe('POST /v1/chat/completions', () => {
       [{ stop_token_ids: [5, -1] }, 'stop_token_ids[1]'],
       [{ stop_token_ids: 5 }, 'stop_token_ids'],
       // The test vocabulary has ids 0..99.
-      [{ stop_token_ids: [100] }, 'stop_token_ids'],
+      [{ stop_token_ids: [100] }, 'stop_token_ids[0]'],
       [{ seed: 0.5 }, 'seed'],
     ]
     const numInternal = h.workers.numInternalRequests()

@@ -158,7 +158,7 @@ describe('POST /v1/completions', () => {
       [{ min_p: 2 }, 'min_p'],
       [{ presence_penalty: -3 }, 'presence_penalty'],
       [{ frequency_penalty: 2.5 }, 'frequency_penalty'],
-      [{ stop_token_ids: [1000] }, 'stop_token_ids'],
+      [{ stop_token_ids: [1000] }, 'stop_token_ids[0]'],
     ]
     for (const [extra, param] of cases) {
       const res = await h.post('/v1/completions', { model: 'echo-test', prompt: 'Hi', ...extra })
