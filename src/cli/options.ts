@@ -8,6 +8,17 @@ export function intOption(value: string): number {
   return Number(value)
 }
 
+/** Parse a TCP port flag: an integer from 0 (the system picks one) to 65535. */
+export function portOption(value: string): number {
+  const n = /^\d+$/.test(value) ? Number(value) : NaN
+  if (!(n >= 0 && n <= 65535))
+    throw new InvalidArgumentError(`expected a port from 0 to 65535, got "${value}"`)
+  return n
+}
+
+/** pino's log levels, for `--log-level` (checked before any part starts). */
+export const logLevels = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const
+
 /** Parse `--threads N`: compute threads per model, 1 to 64. */
 export function threadsOption(value: string): number {
   const n = /^\d+$/.test(value) ? Number(value) : NaN

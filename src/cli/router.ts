@@ -3,7 +3,7 @@
  *  (`--config FILE`: its router, tenants, and workers given by `url` or its gateway backend).
  *  Tells a parent process that forked it, once listening. */
 import { clusterTokenFrom } from '../engine/cluster-token.js'
-import type { Command } from 'commander'
+import { Option, type Command } from 'commander'
 import { pino } from 'pino'
 import { loadClusterConfig } from '../config/cluster.js'
 import { gatewayOptions, routerSectionOptions } from '../config/launch.js'
@@ -11,7 +11,7 @@ import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
 import { type StartRouterOptions, startRouter } from '../router/index.js'
-import { collect, intOption } from './options.js'
+import { collect, intOption, logLevels, portOption } from './options.js'
 
 interface RouterFlags {
   config?: string
@@ -48,7 +48,7 @@ export function registerRouter(program: Command): void {
       bundledModelDir,
     )
     .option('--host <host>', 'address to bind', '127.0.0.1')
-    .option('--port <port>', 'port (0 picks one)', intOption, 8000)
+    .option('--port <port>', 'port (0 picks one)', portOption, 8000)
     .option(
       '--context-window <n>',
       'advertised context window (default: the effective KV capacity)',
@@ -64,7 +64,9 @@ export function registerRouter(program: Command): void {
       'turn the router’s guards off (needs KVFENCE_ALLOW_FAULTS=1)',
       false,
     )
-    .option('--log-level <level>', 'pino log level', 'info')
+    .addOption(
+      new Option('--log-level <level>', 'pino log level').choices(logLevels).default('info'),
+    )
     .action(async (flags: RouterFlags) => {
       const faults = buildFaultConfig([], flags.unsafeDisableGuards, process.env)
       const banner = faultBanner('kvfence router', faults)

@@ -9,7 +9,15 @@ import { launchCluster } from '../config/launch.js'
 import { startCluster } from '../engine/cluster.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
-import { collect, intOption, threadArgs, threadsHelp, threadsOption } from './options.js'
+import {
+  collect,
+  intOption,
+  threadArgs,
+  threadsHelp,
+  threadsOption,
+  logLevels,
+  portOption,
+} from './options.js'
 
 interface ServeFlags {
   config?: string
@@ -46,7 +54,7 @@ export function registerServe(program: Command): void {
     )
     .addOption(
       new Option('--port <port>', 'router port (default 8000)')
-        .argParser(intOption)
+        .argParser(portOption)
         .env('KVFENCE_PORT'),
     )
     .option('--log-content', 'log prompts and completions (off by default)')
@@ -72,9 +80,9 @@ export function registerServe(program: Command): void {
     .option('--unsafe-disable-guards', 'turn every guard off (needs KVFENCE_ALLOW_FAULTS=1)', false)
     .option('--threads <n>', `${threadsHelp}; not with --config`, threadsOption)
     .addOption(
-      new Option('--log-level <level>', 'log level of the parts (default info)').env(
-        'KVFENCE_LOG_LEVEL',
-      ),
+      new Option('--log-level <level>', 'log level of the parts (default info)')
+        .choices(logLevels)
+        .env('KVFENCE_LOG_LEVEL'),
     )
     .action(async (flags: ServeFlags) => {
       if (flags.config !== undefined && flags.threads !== undefined)

@@ -2,7 +2,7 @@
  *  (on this host or another). Each prints its bound ports once listening, and tells a parent
  *  process that forked it through the IPC channel. */
 import { clusterTokenEnv, clusterTokenFrom, isLoopbackHost } from '../engine/cluster-token.js'
-import { InvalidArgumentError, type Command } from 'commander'
+import { InvalidArgumentError, Option, type Command } from 'commander'
 import { pino } from 'pino'
 import { DecodeWorker } from '../engine/decode-worker.js'
 import { defaultMaxBatch } from '../engine/decode-scheduler.js'
@@ -13,7 +13,7 @@ import { createWorkerServer, listen } from '../engine/worker-server.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
 import { bundledModelDir } from '../paths.js'
 import { TransferServer } from '../transfer/index.js'
-import { intOption, collect, threadsHelp, threadsOption } from './options.js'
+import { intOption, collect, threadsHelp, threadsOption, logLevels, portOption } from './options.js'
 
 interface WorkerFlags {
   model: string
@@ -50,7 +50,7 @@ export function registerWorkers(program: Command): void {
       .option(
         '--port <port>',
         'control-plane port (0 picks one)',
-        intOption,
+        portOption,
         role === 'prefill' ? 8101 : 8102,
       )
       .option(
@@ -75,7 +75,9 @@ export function registerWorkers(program: Command): void {
         'a KV transfer with no progress (or no ACK) for this long fails (default 30000)',
         intOption,
       )
-      .option('--log-level <level>', 'pino log level', 'info')
+      .addOption(
+        new Option('--log-level <level>', 'pino log level').choices(logLevels).default('info'),
+      )
       .option('--threads <n>', threadsHelp, threadsOption)
     if (role === 'prefill') {
       cmd.option(
@@ -90,7 +92,7 @@ export function registerWorkers(program: Command): void {
         .option(
           '--transfer-port <port>',
           'KV transfer receiver port (0 picks one)',
-          intOption,
+          portOption,
           8103,
         )
         .option(

@@ -1,0 +1,35 @@
+/** Out-of-range ports and unknown log levels are refused by the CLI before any part starts: one
+ *  line naming the flag, exit 2 (they used to surface from Node or pino after workers started). */
+import assert from 'node:assert/strict'
+import { execFile } from 'node:child_process'
+import { describe, it } from 'node:test'
+import { cliPath } from '../helpers/paths.js'
+
+function run(args: string[]): Promise<{ code: number | null; stdout: string; stderr: string }> {
+  return new Promise((resolve) =>
+    execFile(process.execPath, [cliPath, ...args], { timeout: 20_000 }, (err, stdout, stderr) =>
+      resolve({ code: err ? ((err as { code?: number }).code ?? null) : 0, stdout, stderr }),
+    ),
+  )
+}
+
+const levels = 'Allowed choices are fatal, error, warn, info, debug, trace, silent.'
+const cases: [string[], string][] = [
+  [['serve', '--port', '70000'], `error: option '--port <port>' argument '70000' is invalid. expected a port from 0 to 65535, got "70000"`],
+  [['decode', '--transfer-port', '99999'], `error: option '--transfer-port <port>' argument '99999' is invalid. expected a port from 0 to 65535, got "99999"`],
+  [['prefill', '--port', '-1'], `error: option '--port <port>' argument '-1' is invalid. expected a port from 0 to 65535, got "-1"`],
+  [['router', '--port', '65536'], `error: option '--port <port>' argument '65536' is invalid. expected a port from 0 to 65535, got "65536"`],
+  [['serve', '--log-level', 'chatty'], `error: option '--log-level <level>' argument 'chatty' is invalid. ${levels}`],
+  [['decode', '--log-level', 'chatty'], `error: option '--log-level <level>' argument 'chatty' is invalid. ${levels}`],
+] // prettier-ignore
+
+describe('CLI flag ranges', () => {
+  for (const [args, message] of cases) {
+    it(`kvfence ${args.join(' ')}`, async () => {
+      const res = await run(args)
+      assert.equal(res.code, 2)
+      assert.equal(res.stderr.trim(), message)
+      assert.equal(res.stdout, '')
+    })
+  }
+})
