@@ -36,6 +36,9 @@ function readTenantsDocument(
     throw new KvfenceError('config_invalid', `${path}: the file must be a YAML mapping`)
   }
   const list = doc.get('tenants')
+  // Listing or removing in a file with no tenants list is a wrong path, not an empty list.
+  if (list === undefined && !mayCreate)
+    throw new KvfenceError('config_invalid', `${path} has no tenants list (is it a tenants file?)`)
   if (list !== undefined && !isSeq(list)) {
     throw new KvfenceError('config_invalid', `${path}: tenants must be a list`)
   }

@@ -78,4 +78,20 @@ describe('kvfence keys', () => {
     assert.deepEqual(loadTenants(path).authenticate(stdout.trim()), { name: 'carol', limits: {} })
     await assert.rejects(kvfence('add', 'carol', '--tenants', path), /tenant carol already exists/)
   })
+  it('list and remove refuse a file with no tenants list (a wrong path is not an empty list)', async () => {
+    const path = join(dir, 'package-like.yaml')
+    writeFileSync(path, '{"name": "x", "version": "1.0.0"}\n')
+    for (const args of [['list'], ['remove', 'bob']]) {
+      const err = await kvfence(...args, '--tenants', path).then(
+        () => null,
+        (e: { code: number; stderr: string }) => e,
+      )
+      assert.ok(err, `${args[0]} accepted a file with no tenants list`)
+      assert.equal(err.code, 2)
+      assert.equal(
+        err.stderr.trim(),
+        `kvfence: ${path} has no tenants list (is it a tenants file?)`,
+      )
+    }
+  })
 })
