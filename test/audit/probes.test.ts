@@ -9,6 +9,7 @@ import {
   type ProbeName,
 } from '../../src/audit/index.js'
 import { redactionMark } from '../../src/audit/canaries.js'
+import { cleanTitle } from '../../src/audit/probes/prefix-timing.js'
 import { standInTenants, startStandIn, type StandInOptions } from './standins.js'
 
 const tenants = standInTenants
@@ -73,6 +74,37 @@ describe('queueing', () => {
     const report = await audit('queueing', { maxBatch: 1, tokenDelayMs: 2 })
     assert.deepEqual(verdicts(report), [['queueing', 'clean', 'info']])
     assert.ok((report.findings[0].evidence.numQueued as number) >= 1)
+    assert.deepEqual(report.findings[0].evidence.refusals, [])
+  })
+
+  test('the waiting tenant refused by its own rate limit (429 rate_limited), endpoint far from full: inconclusive, not clean', async () => {
+    // The stand-in has no batch limit; bob's first 2 completions (the unloaded baseline) pass,
+    // his 4 waiting requests get kvfence's 429 for a tenant over its tokens per minute.
+    const report = await audit('queueing', {
+      rateLimit: { tenant: 'bob', numAllowed: 2 },
+      tokenDelayMs: 2,
+    })
+    assert.deepEqual(verdicts(report), [['queueing', 'inconclusive', 'low']])
+    const { title, evidence } = report.findings[0]
+    assert.equal(
+      title,
+      "no request could be made to queue behind another tenant's: of 4 waiting requests 0 were answered without waiting and 4 refused (4 × 429 rate_limited); 4 were refused by their own tenant's rate limit, which says nothing of a full endpoint",
+    )
+    assert.deepEqual(evidence.queuedTtftMs, [])
+    assert.deepEqual(
+      evidence.refusals,
+      Array(4).fill({ status: 429, errorCode: 'rate_limited', kind: 'tenant limit' }),
+    )
+  })
+
+  test('a full endpoint refusing with 503 capacity_exhausted while the victim holds it: clean, as before', async () => {
+    // Batch of one, no queue: the first holder runs, every other request is refused at once.
+    const report = await audit('queueing', { maxBatch: 1, maxQueued: 0, tokenDelayMs: 5 })
+    assert.deepEqual(verdicts(report), [['queueing', 'clean', 'info']])
+    assert.equal(
+      report.findings[0].title,
+      "the full endpoint refused 4 requests for capacity (4 × 503 capacity_exhausted) while 1 of alice's generations held it, instead of queueing them; the 0 it answered carried only their own material",
+    )
   })
 })
 
@@ -158,6 +190,20 @@ describe('prefix-timing (Gu et al.)', () => {
       isCachedTokensHidden: true,
     })
     assert.deepEqual(verdicts(report), [['prefix-timing', 'clean', 'info']])
+    assert.match(report.findings[0].title, /\(decided by TTFT\): own reuse is faster \(KS p=/)
+  })
+
+  test('clean decided by cached_tokens while TTFT shows nothing (control KS p=0.994): the title says so, never "faster"', () => {
+    assert.equal(
+      cleanTitle({
+        controlCached: 32,
+        isControlFaster: false,
+        controlP: 0.994,
+        crossCached: 0,
+        crossP: 0.7869,
+      }),
+      "the prefix cache is not shared across tenants (decided by cached_tokens): own reuse reported 32 cached tokens, another tenant's prefix reported 0; TTFT did not show the caching (own reuse KS p=0.994, another tenant's KS p=0.787)",
+    )
   })
 
   test('no prefix cache at all: inconclusive (the control shows nothing, so "no difference" proves nothing)', async () => {

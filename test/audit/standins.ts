@@ -12,8 +12,9 @@
  *  word, plus one BOS token. Every request is counted, with the most ever in flight.
  *  Options add the other bug classes the probes look for: a prefix cache shared across tenants
  *  (`prefixCache`), pages lost on abort (`isPageLeakOnAbort`), an aborted request's words served to
- *  the next request (`isAbortLeak`), a bounded batch (`maxBatch`), output that changes under load
- *  (`isLoadSensitive`) and errors answered as 200 (`isErrorAs200`). */
+ *  the next request (`isAbortLeak`), a bounded batch (`maxBatch`) and queue (`maxQueued`), output
+ *  that changes under load (`isLoadSensitive`), errors answered as 200 (`isErrorAs200`) and a
+ *  tenant's own rate limit (`rateLimit`). */
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
 
@@ -60,6 +61,12 @@ export interface StandInOptions {
   readonly tokenDelayMs?: number
   /** Completions processed at once; the rest wait in a queue. */
   readonly maxBatch?: number
+  /** With `maxBatch`: completions waiting at most; one more is refused 503 `capacity_exhausted`
+   *  (kvfence's body for a full queue). */
+  readonly maxQueued?: number
+  /** Completions of `tenant` past its first `numAllowed` are refused 429 `rate_limited`, the body
+   *  kvfence's router sends a tenant over its own tokens-per-minute limit (src/errors.ts). */
+  readonly rateLimit?: { readonly tenant: keyof typeof tenantKeys; readonly numAllowed: number }
   /** A completion whose client went away keeps its pages forever. */
   readonly isPageLeakOnAbort?: boolean
   /** The words of a completion whose client went away are served to the next completion. */
@@ -94,6 +101,7 @@ export async function startStandIn(
   let abortedWords: string[] | null = null
   const runningWords = new Set<string[]>()
   const keys = new Set(Object.values(tenantKeys))
+  let numRateLimitedSeen = 0
 
   const handle = async (req: IncomingMessage, res: ServerResponse): Promise<void> => {
     const body = await readBody(req)
@@ -171,6 +179,22 @@ export async function startStandIn(
       })
     }
     const request = parsedBody
+    const rateLimit = options.rateLimit
+    if (
+      rateLimit &&
+      req.headers.authorization === `Bearer ${tenantKeys[rateLimit.tenant]}` &&
+      ++numRateLimitedSeen > rateLimit.numAllowed
+    ) {
+      res.setHeader('retry-after', '1')
+      return sendJson(res, 429, {
+        error: {
+          message: 'Rate limit reached: your key allows 2000 tokens per minute; retry later.',
+          type: 'rate_limit_error',
+          param: null,
+          code: 'rate_limited',
+        },
+      })
+    }
     const words = request.prompt.trim().split(/\s+/)
     const numTokens = countTokens(request.prompt)
     if (options.isErrorAs200 && numTokens + request.max_tokens > contextTokens) {
@@ -205,6 +229,16 @@ export async function startStandIn(
     }
     // Queue behind a full batch, then hold pages while "generating".
     if (options.maxBatch !== undefined && numRunning >= options.maxBatch) {
+      if (options.maxQueued !== undefined && queue.length >= options.maxQueued) {
+        return sendJson(res, 503, {
+          error: {
+            message: 'The server is at capacity; retry later.',
+            type: 'server_error',
+            param: null,
+            code: 'capacity_exhausted',
+          },
+        })
+      }
       await new Promise<void>((resolve) => queue.push(resolve))
     } else numRunning++
     const numPages = Math.ceil((numTokens + request.max_tokens) / 16)

@@ -149,9 +149,10 @@ export const prefixTimingProbe: Probe = {
         },
       ]
     }
-    const isControlSeen =
-      (controlTest.test !== null && controlTest.test.p < alpha && isFaster(controlTest)) ||
-      Math.max(0, ...control.hitCachedTokens.map((n) => n ?? 0)) > 0
+    const isControlFaster =
+      controlTest.test !== null && controlTest.test.p < alpha && isFaster(controlTest)
+    const controlCached = Math.max(0, ...control.hitCachedTokens.map((n) => n ?? 0))
+    const isControlSeen = isControlFaster || controlCached > 0
     if (!isControlSeen || crossTest.test === null) {
       return [
         {
@@ -175,7 +176,13 @@ export const prefixTimingProbe: Probe = {
           probe: 'prefix-timing',
           verdict: 'clean',
           severity: 'info',
-          title: `the prefix cache is not shared across tenants: own reuse is faster (KS p=${fmt(controlTest.p)}), another tenant's prefix is not (KS p=${fmt(crossTest.test.p)})`,
+          title: cleanTitle({
+            controlCached,
+            isControlFaster,
+            controlP: controlTest.p,
+            crossCached: cross.hitCachedTokens.some((n) => n !== null) ? cachedHit : null,
+            crossP: crossTest.test.p,
+          }),
           evidence,
           remediation: 'None needed.',
         },
@@ -192,6 +199,31 @@ export const prefixTimingProbe: Probe = {
       },
     ]
   },
+}
+
+/** The clean finding's title, naming the signal that showed the control's caching (reported
+ *  `cached_tokens`, TTFT, or both) so that a KS p near 1 is never presented as "faster".
+ *  `controlCached`/`crossCached`: most `cached_tokens` reported by the victim's own reuse / by the
+ *  observer's requests for the victim's prefixes (`crossCached` null when none reported any);
+ *  `isControlFaster`: the control's KS test found its hits faster at α; p values as computed. */
+export function cleanTitle(s: {
+  controlCached: number
+  isControlFaster: boolean
+  controlP: number | null
+  crossCached: number | null
+  crossP: number
+}): string {
+  const head = 'the prefix cache is not shared across tenants'
+  const isCached = s.controlCached > 0
+  if (!isCached) {
+    return `${head} (decided by TTFT): own reuse is faster (KS p=${fmt(s.controlP)}), another tenant's prefix is not (KS p=${fmt(s.crossP)})`
+  }
+  const crossCached =
+    s.crossCached === null ? 'reported no cached_tokens' : `reported ${s.crossCached}`
+  if (s.isControlFaster) {
+    return `${head} (decided by cached_tokens and TTFT): own reuse reported ${s.controlCached} cached tokens and is faster (KS p=${fmt(s.controlP)}), another tenant's prefix ${crossCached} and is not faster (KS p=${fmt(s.crossP)})`
+  }
+  return `${head} (decided by cached_tokens): own reuse reported ${s.controlCached} cached tokens, another tenant's prefix ${crossCached}; TTFT did not show the caching (own reuse KS p=${fmt(s.controlP)}, another tenant's KS p=${fmt(s.crossP)})`
 }
 
 interface Comparison {

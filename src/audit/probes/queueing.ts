@@ -3,7 +3,13 @@
  *  them. A request counts as queued when its time to first byte is over 3× the unloaded one
  *  (+ 20 ms). Queued answers are checked like `concurrency`'s: only their own material. Catches
  *  queue, lease and timeout paths that hand a waiting request pages or results that expired or
- *  belonged to another request (vllm#52234). A 429/503 is a bounded queue doing its job. */
+ *  belonged to another request (vllm#52234).
+ *  The verdict rests only on what the HTTP answers say. Clean needs either requests seen waiting,
+ *  or the endpoint itself refusing for capacity (a 503 whose error code says so, e.g.
+ *  `capacity_exhausted`, `queue_full`) while the victim's generations were still running: a
+ *  bounded queue doing its job. A 429, or any error code that names a rate limit, is the waiting
+ *  tenant's own limit, not a full endpoint: that, or any other refusal, leaves the probe
+ *  inconclusive, since no request was made to queue behind another tenant's. */
 import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
@@ -19,6 +25,17 @@ import {
   requestLog,
   type Observed,
 } from './material.js'
+
+/** Why a waiting request was refused: its own tenant's limit, the endpoint being full, or a
+ *  reason the answer does not give. */
+type RefusalKind = 'tenant limit' | 'capacity' | 'unexplained'
+
+/** Error codes (OpenAI `error.code`, or `type`) that name a per-tenant rate limit or quota. */
+const tenantLimitCode = /rate.?limit|quota|too.?many.?requests|per.?(minute|second|day)/i
+/** Error codes that say the endpoint (not the tenant) is out of room. */
+// Not `unavailable`: a 503 `worker_unavailable` or `service_unavailable` is an outage, not a full
+// endpoint.
+const capacityCode = /capacity|queue|overload|busy|full|exhausted|no.?room/i
 
 const holderMaxTokens = 256
 const waiterMaxTokens = 16
@@ -77,19 +94,42 @@ export const queueingProbe: Probe = {
         .map((o) => o.result.ttftMs as number)
     const unloadedMs = median(ttft('unloaded'))
     const waited = unloadedMs === null ? [] : ttft('queued').filter((t) => t > 3 * unloadedMs + 20)
-    const numShed = observed.filter(
-      (o) => o.label === 'queued' && (o.result.status === 429 || o.result.status === 503),
-    ).length
+    // The victim's generations that were answered end at `atMs`: a refusal before the last of
+    // them came while the endpoint held them.
+    const holdersAnswered = observed.filter(
+      (o) => o.label === 'holding the batch' && outcomeOf(o.result) === 'accepted',
+    )
+    const heldUntilMs = Math.max(-Infinity, ...holdersAnswered.map((o) => o.result.atMs))
+    const refusals = observed
+      .filter((o) => o.label === 'queued' && (o.result.status === 429 || o.result.status === 503))
+      .map((o) => ({
+        status: o.result.status as number,
+        errorCode: o.result.errorCode,
+        kind: refusalKind(
+          o.result.status as number,
+          o.result.errorCode,
+          o.result.atMs < heldUntilMs,
+        ),
+      }))
+    const numRefused = (kind: RefusalKind) => refusals.filter((r) => r.kind === kind).length
+    const queuedTtftMs = ttft('queued')
     const summary = {
       holders: numHolders,
+      holdersAnswered: holdersAnswered.length,
       unloadedTtftMs: unloadedMs,
-      queuedTtftMs: ttft('queued'),
+      queuedTtftMs,
       numQueued: waited.length,
-      numShed,
+      numShed: refusals.length,
+      refusals,
       stoppedBy,
       requests: requestLog(observed),
     }
-    context.log(`unloaded TTFT ${unloadedMs} ms; queued ${summary.queuedTtftMs.join(', ')} ms`)
+    const ms = (n: number) => n.toFixed(1)
+    context.log(
+      `unloaded TTFT ${unloadedMs === null ? 'unknown (none answered)' : `${ms(unloadedMs)} ms`}; ` +
+        `waiting requests' TTFT ${queuedTtftMs.length > 0 ? `${queuedTtftMs.map(ms).join(', ')} ms` : 'none (none answered)'}` +
+        (refusals.length > 0 ? `; refused: ${describeRefusals(refusals)}` : ''),
+    )
     const crossings = findCrossings(observed, planted)
     if (crossings.length > 0) {
       return leakFindings('queueing', crossings, planted, summary, crossingRemediation)
@@ -97,16 +137,42 @@ export const queueingProbe: Probe = {
     const numWaitersAnswered = observed.filter(
       (o) => o.label === 'queued' && outcomeOf(o.result) === 'accepted',
     ).length
-    if (waited.length === 0 && numShed > 0 && numShed + numWaitersAnswered === waiters.length) {
+    const numForCapacity = numRefused('capacity')
+    if (
+      waited.length === 0 &&
+      numForCapacity > 0 &&
+      numForCapacity + numWaitersAnswered === waiters.length
+    ) {
       // A full endpoint that refuses instead of queueing has no queue path to get wrong.
       return [
         {
           probe: 'queueing',
           verdict: 'clean',
           severity: 'info',
-          title: `the full endpoint refused ${numShed} requests with 429/503 instead of queueing them; the ${numWaitersAnswered} it answered carried only their own material`,
+          title: `the full endpoint refused ${numForCapacity} requests for capacity (${describeRefusals(refusals)}) while ${holdersAnswered.length} of ${victim.name}'s generations held it, instead of queueing them; the ${numWaitersAnswered} it answered carried only their own material`,
           evidence: summary,
           remediation: 'None needed.',
+        },
+      ]
+    }
+    if (waited.length === 0 && refusals.length > 0) {
+      const numTenantLimit = numRefused('tenant limit')
+      const why =
+        numTenantLimit > 0
+          ? `${numTenantLimit} were refused by their own tenant's rate limit, which says nothing of a full endpoint`
+          : `the refusals do not say the endpoint was full while ${victim.name}'s generations ran`
+      return [
+        {
+          probe: 'queueing',
+          verdict: 'inconclusive',
+          severity: 'low',
+          title: `no request could be made to queue behind another tenant's: of ${waiters.length} waiting requests ${numWaitersAnswered} were answered without waiting and ${refusals.length} refused (${describeRefusals(refusals)}); ${why}`,
+          evidence: summary,
+          remediation:
+            (numTenantLimit > 0
+              ? `Give the observing tenants (${others.map((t) => t.name).join(', ')}) room under their rate limits for the audit (tokens and requests per minute), or run this probe alone or after their limits refill. `
+              : '') +
+            `To make the endpoint queue, re-run with a --concurrency above its batch size. ${inconclusiveRemediation}`,
         },
       ]
     }
@@ -133,4 +199,29 @@ export const queueingProbe: Probe = {
       },
     ]
   },
+}
+
+/** A waiting request's 429/503, read from its status and error code: a 429 or a rate-limit code
+ *  is the tenant's own limit; a 503 with a capacity code while the victim's generations were
+ *  running (`isWhileHeld`) is the endpoint being full; anything else tells nothing. */
+function refusalKind(status: number, errorCode: string | null, isWhileHeld: boolean): RefusalKind {
+  if (status === 429 || (errorCode !== null && tenantLimitCode.test(errorCode))) {
+    return 'tenant limit'
+  }
+  if (status === 503 && errorCode !== null && capacityCode.test(errorCode) && isWhileHeld) {
+    return 'capacity'
+  }
+  return 'unexplained'
+}
+
+/** `3 × 429 rate_limited, 1 × 503 (no code)`: refusals grouped by status and code. */
+function describeRefusals(
+  refusals: readonly { status: number; errorCode: string | null }[],
+): string {
+  const counts = new Map<string, number>()
+  for (const r of refusals) {
+    const key = `${r.status} ${r.errorCode ?? '(no code)'}`
+    counts.set(key, (counts.get(key) ?? 0) + 1)
+  }
+  return [...counts].map(([key, n]) => `${n} × ${key}`).join(', ')
 }
