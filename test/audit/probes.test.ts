@@ -185,12 +185,22 @@ describe('prefix-timing (Gu et al.)', () => {
   })
 
   test('a cache keyed by tenant: clean, because the control (own reuse) does show a difference', async () => {
-    const report = await audit('prefix-timing', {
-      prefixCache: 'per-tenant',
-      isCachedTokensHidden: true,
-    })
-    assert.deepEqual(verdicts(report), [['prefix-timing', 'clean', 'info']])
-    assert.match(report.findings[0].title, /\(decided by TTFT\): own reuse is faster \(KS p=/)
+    // The cross-tenant arms time the same 40 ms path, so their KS p-value is uniform: one run in
+    // 20 lands under 0.05 and is (rightly) called borderline. Up to 3 independent runs: never a
+    // leak, and clean in one of them (all 3 borderline: p ≈ 1e-4).
+    for (let run = 0; ; run++) {
+      const report = await audit('prefix-timing', {
+        prefixCache: 'per-tenant',
+        isCachedTokensHidden: true,
+      })
+      const [[, verdict]] = verdicts(report)
+      assert.notEqual(verdict, 'leak', report.findings[0].title)
+      if (verdict === 'inconclusive' && /^borderline/.test(report.findings[0].title) && run < 2)
+        continue
+      assert.deepEqual(verdicts(report), [['prefix-timing', 'clean', 'info']])
+      assert.match(report.findings[0].title, /\(decided by TTFT\): own reuse is faster \(KS p=/)
+      break
+    }
   })
 
   test('clean decided by cached_tokens while TTFT shows nothing (control KS p=0.994): the title says so, never "faster"', () => {
