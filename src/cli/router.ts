@@ -132,7 +132,9 @@ function fromConfig(
       )
     })
   return {
-    tenants: config.tenants,
+    // The router re-reads the tenants list from this file when it changes (`keys add/remove`).
+    tenants: path,
+    tenantsReader: (file) => loadClusterConfig(file).tenants,
     modelDir: config.model ?? bundledModelDir,
     ...(config.workers === undefined
       ? {}

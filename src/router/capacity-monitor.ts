@@ -3,13 +3,15 @@
  *  window decided at start a promise the pool can no longer keep. When the effective capacity
  *  drops below the advertised window it shrinks the window (`--clamp-context`) or refuses new
  *  requests with 503 (guards on) until the workers can hold it again; with guards off it only
- *  warns (the incident's configuration).
+ *  warns (the incident's configuration). Each check also asks every worker whether it takes the
+ *  router's cluster token: while one refuses it, new requests fail with 503 `worker_unavailable`
+ *  (the operator's misconfiguration, not the tenant's key) and `/health` is 503.
  *  Knows workers' `ServerInfo`s and the operator's wishes; knows nothing of HTTP or requests. */
 import type { Logger } from 'pino'
 import { KvfenceError } from '../errors.js'
 import type { ServerInfo } from '../engine/control.js'
 import { type WorkerReport, decideContextWindow, effectiveCapacity } from './capacity.js'
-import type { WorkerClient } from './worker-client.js'
+import { ClusterTokenRefusedError, type WorkerClient } from './worker-client.js'
 
 /** The window the router admits against now. */
 export interface CapacityState {
@@ -17,9 +19,13 @@ export interface CapacityState {
   readonly contextWindow: number
   /** Effective capacity at the last check, in tokens (min over workers, as in G1). */
   readonly effectiveCapacityTokens: number
-  /** Set while the workers cannot hold the advertised window and guards refuse it: every new
-   *  request fails with this (`worker_unavailable`, 503; the message names both numbers). */
+  /** Set while the workers cannot hold the advertised window and guards refuse it (the message
+   *  names both numbers), or while a worker refuses the router's cluster token (the message names
+   *  the workers): every new request fails with this (`worker_unavailable`, 503). */
   readonly refusal: KvfenceError | null
+  /** Why `refusal` is set: G1 (the window), or `cluster_token` (a worker refuses the router's
+   *  token; this wins over G1). Null when serving. */
+  readonly refusalReason: 'G1' | 'cluster_token' | null
 }
 
 /** The running check. */
@@ -58,6 +64,9 @@ export function createCapacityMonitor(options: CapacityMonitorOptions): Capacity
   const latest = new Map<string, ServerInfo>(options.initial.map((r) => [r.url, r.info]))
   const urls = options.initial.map((r) => r.url)
   let state = decide(options.initial)
+  /** Workers that refused the cluster token at their last probe (a silent one keeps its last). */
+  const refusingToken = new Set<string>()
+  let tokenRefusal: KvfenceError | null = null
   let running: Promise<void> | null = null
   let isWanted = false
 
@@ -74,6 +83,7 @@ export function createCapacityMonitor(options: CapacityMonitorOptions): Capacity
         contextWindow: decision.contextWindow,
         effectiveCapacityTokens: decision.effectiveCapacityTokens,
         refusal: null,
+        refusalReason: null,
       }
     } catch (err) {
       if (!(err instanceof KvfenceError) || err.code !== 'guard_violation') throw err
@@ -84,6 +94,7 @@ export function createCapacityMonitor(options: CapacityMonitorOptions): Capacity
           'worker_unavailable',
           `G1: the advertised context window ${options.contextWindow} exceeds the effective KV capacity ${effective.tokens} tokens (limited by ${effective.limitedBy}); refusing new requests until the workers can hold it`,
         ),
+        refusalReason: 'G1',
       }
     }
   }
@@ -116,8 +127,34 @@ export function createCapacityMonitor(options: CapacityMonitorOptions): Capacity
     }
   }
 
+  /** Probes every worker's acceptance of the cluster token; logs changes at error / info. */
+  async function checkTokens(): Promise<void> {
+    const results = await Promise.allSettled(urls.map((url) => workers.acceptsClusterToken(url)))
+    results.forEach((result, i) => {
+      if (result.status !== 'fulfilled') return
+      if (result.value) refusingToken.delete(urls[i])
+      else refusingToken.add(urls[i])
+    })
+    const previous = tokenRefusal
+    const refusing = urls.filter((url) => refusingToken.has(url))
+    if (refusing.length === 0) {
+      tokenRefusal = null
+      if (previous !== null) log.info("the workers take the router's cluster token again; serving")
+      return
+    }
+    tokenRefusal = new ClusterTokenRefusedError(`worker ${refusing.join(', ')}`, undefined)
+    if (previous?.message !== tokenRefusal.message) {
+      log.error(
+        { workers: refusing },
+        `${tokenRefusal.message}; every request fails with 503 until the tokens match`,
+      )
+    }
+  }
+
   async function readAll(): Promise<void> {
     const results = await Promise.allSettled(urls.map((url) => workers.serverInfo(url)))
+    // After, not alongside: one pooled connection per worker serves both.
+    await checkTokens()
     results.forEach((result, i) => {
       if (result.status === 'fulfilled') latest.set(urls[i], result.value)
     })
@@ -150,7 +187,10 @@ export function createCapacityMonitor(options: CapacityMonitorOptions): Capacity
   timer.unref()
 
   return Object.freeze({
-    current: () => state,
+    current: (): CapacityState =>
+      tokenRefusal === null
+        ? state
+        : { ...state, refusal: tokenRefusal, refusalReason: 'cluster_token' },
     recheckSoon: () => void recheck(),
     recheck,
     close: () => clearInterval(timer),

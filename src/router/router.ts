@@ -114,7 +114,11 @@ export function createRouter(deps: RouterDeps): RequestHandler {
    *  so a load balancer stops sending traffic to a router whose workers are gone. */
   async function health(res: ServerResponse): Promise<void> {
     const refusal = capacity()?.refusal ?? null
-    if (refusal !== null) return sendJson(res, 503, { status: 'unavailable', reason: 'G1' })
+    if (refusal !== null) {
+      // G1, or a worker that refuses the router's cluster token (the operator's to fix).
+      const reason = capacity()?.refusalReason ?? 'G1'
+      return sendJson(res, 503, { status: 'unavailable', reason })
+    }
     if (backend.kind === 'kvfence') {
       try {
         await backend.workers.serverInfoAll(AbortSignal.timeout(healthTimeoutMs))

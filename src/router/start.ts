@@ -16,7 +16,12 @@ import { type GatewayOptions, startGateway } from './gateway.js'
 import { type QueueLimits, createLimiter, queueLimitDefaults } from './limits.js'
 import { createRouterMetrics } from './metrics.js'
 import { type RouterBackend, createRouter } from './router.js'
-import { type TenantRecord, createTenantRegistry, loadTenants } from './tenants.js'
+import {
+  type TenantRecord,
+  type TenantsWatcher,
+  createTenantRegistry,
+  watchTenants,
+} from './tenants.js'
 import { type WorkerClient, createWorkerClient } from './worker-client.js'
 import { scrapeWorkerStats } from './worker-stats.js'
 
@@ -35,8 +40,14 @@ export interface StartRouterOptions {
   /** Decode workers' control base URLs; the transfer address is the worker's reported
    *  `transferHost` (default: this URL's host) and `transferPort`. */
   decodeUrls?: readonly string[]
-  /** The tenants YAML file (`tenants: [{ name, keySha256 }]`), or its records. */
+  /** The tenants YAML file (`tenants: [{ name, keySha256 }]`), or its records. A file is
+   *  re-read whenever it changes (see `watchTenants`); records are fixed. */
   tenants: string | readonly TenantRecord[]
+  /** How often the tenants file's metadata is polled for changes, ms (default 1 000). */
+  tenantsPollMs?: number
+  /** Reads the records out of the `tenants` file (default: it is a tenants file); e.g. the
+   *  cluster config's reader when `tenants` is a cluster config file. Throws on a bad file. */
+  tenantsReader?: (path: string) => readonly TenantRecord[]
   /** Gateway mode: proxy to this engine instead of kvfence workers (then `modelDir`,
    *  `prefillUrls` and `decodeUrls` are not used). */
   gateway?: GatewayBackendOptions
@@ -88,11 +99,30 @@ const workerPollMs = 200
  *  refuses the configuration. */
 export async function startRouter(options: StartRouterOptions): Promise<RunningRouter> {
   const log = options.log ?? pino({ name: 'kvfence-router' })
-  const guardsEnabled = options.guardsEnabled ?? true
-  const tenants =
+  const watcher =
     typeof options.tenants === 'string'
-      ? loadTenants(options.tenants)
-      : createTenantRegistry(options.tenants)
+      ? watchTenants(options.tenants, {
+          log,
+          intervalMs: options.tenantsPollMs,
+          read: options.tenantsReader,
+        })
+      : null
+  try {
+    return await startWithTenants(options, log, watcher)
+  } catch (err) {
+    watcher?.close()
+    throw err
+  }
+}
+
+/** {@link startRouter} once the tenants are loaded; stops `watcher` when the router closes. */
+async function startWithTenants(
+  options: StartRouterOptions,
+  log: Logger,
+  watcher: TenantsWatcher | null,
+): Promise<RunningRouter> {
+  const guardsEnabled = options.guardsEnabled ?? true
+  const tenants = watcher?.registry ?? createTenantRegistry(options.tenants as TenantRecord[])
   const limiter = createLimiter({ ...queueLimitDefaults, ...options.queue })
   if (options.gateway !== undefined) {
     const gateway = await startGateway({
@@ -118,8 +148,14 @@ export async function startRouter(options: StartRouterOptions): Promise<RunningR
         queue: () => ({ numRunning: limiter.numRunning, numQueued: limiter.numQueued }),
       })
       const backend: RouterBackend = { kind: 'gateway', gateway }
-      return await listenRouter(options, config, { tenants, backend, limiter, metrics, log }, () =>
-        gateway.close(),
+      return await listenRouter(
+        options,
+        config,
+        { tenants, backend, limiter, metrics, log },
+        () => {
+          watcher?.close()
+          gateway.close()
+        },
       )
     } catch (err) {
       gateway.close()
@@ -176,7 +212,10 @@ export async function startRouter(options: StartRouterOptions): Promise<RunningR
       log,
     })
     const backend: RouterBackend = { kind: 'kvfence', tokenizer, workers, capacity }
+    // Whether the workers take this router's cluster token, known before the first request.
+    await capacity.recheck()
     return await listenRouter(options, config, { tenants, backend, limiter, metrics, log }, () => {
+      watcher?.close()
       capacity.close()
       workers.close()
     })

@@ -3,7 +3,8 @@
  *  lookup of a presented key. Keys are held only as SHA-256 digests and compared in constant time.
  *  Knows tenant names and key digests; never holds, returns or logs a plain key. */
 import { createHash, timingSafeEqual } from 'node:crypto'
-import { readFileSync } from 'node:fs'
+import { type Stats, readFileSync, unwatchFile, watchFile } from 'node:fs'
+import type { Logger } from 'pino'
 import { parse as parseYaml } from 'yaml'
 import { z } from 'zod'
 import { KvfenceError } from '../errors.js'
@@ -125,6 +126,99 @@ export function loadTenants(path: string): TenantRegistry {
   } catch (err) {
     throw new KvfenceError('internal_error', `tenants file ${path}: ${message(err)}`)
   }
+}
+
+/** A tenants file kept in force while the router runs (see {@link watchTenants}). */
+export interface TenantsWatcher {
+  /** The tenants as last read successfully; every call sees one whole file, never a mix. */
+  readonly registry: TenantRegistry
+  /** Re-reads the file now: true if the new tenants took effect, false (logged at error) if the
+   *  file was unreadable or invalid and the previous tenants stay. */
+  reload(): boolean
+  /** Stops watching the file. */
+  close(): void
+}
+
+/** Default interval at which {@link watchTenants} polls the file's metadata, ms. */
+export const defaultTenantsPollMs = 1_000
+
+/** Loads the tenants file at `path` (throws as {@link loadTenants} does) and keeps it in force:
+ *  `keys add` / `keys remove` take effect within about `intervalMs` (default
+ *  {@link defaultTenantsPollMs}) without a restart. Polls the file's metadata (`fs.watchFile`:
+ *  a stat per interval, so it also follows a file replaced by rename and works on any file
+ *  system) and, when it changed, reads the whole file and swaps the registry in one assignment.
+ *  A file that no longer parses or validates (including one with no tenants) leaves the previous
+ *  tenants in force and is logged at error: an operator's typo must neither lock every tenant out
+ *  nor bring the router down. The poll does not keep the process alive. */
+export function watchTenants(
+  path: string,
+  options: {
+    log: Logger
+    intervalMs?: number
+    /** Reads the tenant records out of `path` (default: `path` is a tenants file); throws on a
+     *  file that is unreadable or invalid. `kvfence router --config` passes the cluster config's. */
+    read?: (path: string) => readonly TenantRecord[]
+  },
+): TenantsWatcher {
+  const { log, read } = options
+  const load = (): TenantRegistry => {
+    if (read === undefined) return loadTenants(path)
+    const records = read(path)
+    try {
+      return createTenantRegistry(records)
+    } catch (err) {
+      throw new KvfenceError('internal_error', `tenants file ${path}: ${message(err)}`)
+    }
+  }
+  let current = load()
+
+  function reload(): boolean {
+    let next: TenantRegistry
+    try {
+      next = load()
+    } catch (err) {
+      log.error(
+        { tenantsFile: path, detail: message(err) },
+        'tenants file reload failed; the previous tenants stay in force',
+      )
+      return false
+    }
+    const before = new Set(current.names)
+    const after = new Set(next.names)
+    current = next // one assignment: a request authenticates against the old file or the new
+    log.info(
+      {
+        tenantsFile: path,
+        numTenants: next.names.length,
+        added: next.names.filter((n) => !before.has(n)),
+        removed: [...before].filter((n) => !after.has(n)),
+      },
+      'tenants file reloaded',
+    )
+    return true
+  }
+
+  const onChange = (now: Stats, previous: Stats) => {
+    const isChanged =
+      now.mtimeMs !== previous.mtimeMs || now.size !== previous.size || now.ino !== previous.ino
+    if (isChanged) reload()
+  }
+  watchFile(
+    path,
+    { interval: options.intervalMs ?? defaultTenantsPollMs, persistent: false },
+    onChange,
+  )
+
+  return Object.freeze({
+    registry: Object.freeze({
+      get names() {
+        return current.names
+      },
+      authenticate: (apiKey: string) => current.authenticate(apiKey),
+    }),
+    reload,
+    close: () => unwatchFile(path, onChange),
+  })
 }
 
 /** The API key of an `Authorization: Bearer KEY` header, or null. */

@@ -49,6 +49,21 @@ export class PoolFullError extends KvfenceError {
   }
 }
 
+/** A worker answered a control-plane request with 401/403: it does not take the router's cluster
+ *  token. That is the operator's misconfiguration (the router's `KVFENCE_CLUSTER_TOKEN` differs
+ *  from the workers'), never the tenant's, so it is `worker_unavailable` (503), not the worker's
+ *  `invalid_api_key`. The message names the worker, never the token. */
+export class ClusterTokenRefusedError extends KvfenceError {
+  /** `worker` names it, e.g. `prefill worker http://127.0.0.1:8101`; `status` is its reply's. */
+  constructor(worker: string, status: number | undefined) {
+    super(
+      'worker_unavailable',
+      `${worker} refused the router's cluster token${status === undefined ? '' : ` (HTTP ${status})`}: the router's KVFENCE_CLUSTER_TOKEN differs from the workers'`,
+    )
+    this.name = 'ClusterTokenRefusedError'
+  }
+}
+
 /** The control plane as the router uses it. */
 export interface WorkerClient {
   /** Base URLs of the prefill workers (e.g. `http://127.0.0.1:8101`). */
@@ -59,6 +74,12 @@ export interface WorkerClient {
   serverInfo(url: string, signal?: AbortSignal): Promise<ServerInfo>
   /** `GET {url}/metrics` of one worker (Prometheus text); throws `worker_unavailable`. */
   metricsText(url: string, signal?: AbortSignal): Promise<string>
+  /** Whether the worker at `url` takes the router's cluster token: true unless it answers a
+   *  control-plane probe (`POST /internal/cluster_token_check`) with 401/403. Workers check the
+   *  token before routing any `POST /internal/*`, so the probe does nothing on the worker (a
+   *  worker that takes the token answers 404). Throws `worker_unavailable` when it does not
+   *  answer. */
+  acceptsClusterToken(url: string, signal?: AbortSignal): Promise<boolean>
   /** `/server_info` of every worker (prefill first); throws `worker_unavailable` if any fails. */
   serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]>
   /** Runs one request on a decode and a prefill worker (picked round-robin). Yields the decode
@@ -176,6 +197,25 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
       return text
     } catch (err) {
       throw new KvfenceError('worker_unavailable', `worker ${url}/metrics: ${describe(err)}`)
+    }
+  }
+
+  async function acceptsClusterToken(url: string, signal?: AbortSignal): Promise<boolean> {
+    const deadline = AbortSignal.timeout(infoTimeoutMs)
+    const combined = signal === undefined ? deadline : AbortSignal.any([signal, deadline])
+    try {
+      const res = await send(
+        agent,
+        `${url}/internal/cluster_token_check`,
+        'POST',
+        '{}',
+        combined,
+        controlHeaders,
+      )
+      await readReplyText(res, maxLineBytes) // drained, so the connection goes back to the pool
+      return res.statusCode !== 401 && res.statusCode !== 403
+    } catch (err) {
+      throw new KvfenceError('worker_unavailable', `worker ${url} token check: ${describe(err)}`)
     }
   }
 
@@ -425,6 +465,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     decodeUrls,
     serverInfo,
     metricsText,
+    acceptsClusterToken,
     async serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]> {
       const urls = [...prefillUrls, ...decodeUrls]
       const infos = await Promise.all(urls.map((url) => serverInfo(url, signal)))
@@ -614,6 +655,8 @@ function workerError(
   status: number | undefined,
   body: unknown,
 ): KvfenceError {
+  if (status === 401 || status === 403)
+    return new ClusterTokenRefusedError(`${role} worker ${url}`, status)
   const parsed = WorkerErrorSchema.safeParse(body)
   if (!parsed.success) {
     return new KvfenceError('worker_unavailable', `${role} worker ${url}: HTTP ${status}`)

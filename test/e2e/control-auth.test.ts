@@ -2,13 +2,17 @@
  *  it: a process that reaches a worker's port without the cluster token is refused, and cannot
  *  act as a tenant (e.g. probe that tenant's prefix cache). */
 import assert from 'node:assert/strict'
-import { execFile } from 'node:child_process'
+import { type ChildProcess, execFile } from 'node:child_process'
+import { readFileSync } from 'node:fs'
 import { randomBytes } from 'node:crypto'
 import { promisify } from 'node:util'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { clusterTokenHeader } from '../../src/engine/cluster-token.js'
 import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import { forkPart, stopAll } from '../../src/engine/processes.js'
+import { ClusterTokenRefusedError, createWorkerClient } from '../../src/router/worker-client.js'
+import OpenAI from 'openai'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
 
@@ -76,6 +80,95 @@ describe('control-plane authentication', () => {
       temperature: 0,
     })
     assert.equal(res.usage?.completion_tokens, 4)
+  })
+
+  it('blames a wrong router token on the operator: 503 worker_unavailable, /health 503, an error log', async () => {
+    const wrongToken = randomBytes(32).toString('hex')
+    const logFile = join(dir, 'logs', 'wrong-token-router.log')
+    const started: ChildProcess[] = []
+    try {
+      const { ready } = await forkPart(
+        [
+          'router',
+          '--model',
+          echoModelDir,
+          '--prefill',
+          cluster.prefillUrl,
+          '--decode',
+          cluster.decodeUrl,
+          '--tenants',
+          tenantsFile,
+          '--port',
+          '0',
+        ],
+        {
+          env: { ...process.env, KVFENCE_CLUSTER_TOKEN: wrongToken },
+          logFile,
+          timeoutMs: 30_000,
+          failure: (why, last) => new Error(`router did not start (${why.kind}): ${last}`),
+        },
+        started,
+      )
+      const routerUrl = `http://127.0.0.1:${ready.port}`
+
+      const health = await fetch(`${routerUrl}/health`)
+      assert.equal(health.status, 503)
+      assert.deepEqual(await health.json(), { status: 'unavailable', reason: 'cluster_token' })
+
+      const err = await openaiClient(routerUrl, tenants[0].key)
+        .completions.create({ model: 'echo-tiny', prompt: 'abc', max_tokens: 2 })
+        .then(
+          () => assert.fail('a request was served by workers that refuse the router'),
+          (e: unknown) => e,
+        )
+      assert.ok(err instanceof OpenAI.APIError)
+      assert.equal(err.status, 503)
+      assert.equal(err.code, 'worker_unavailable')
+      assert.equal(err.type, 'server_error')
+
+      const lines = readFileSync(logFile, 'utf8')
+        .split('\n')
+        .filter((l) => l !== '')
+        .map((l) => JSON.parse(l) as { level: number; msg: string })
+      const errors = lines.filter(
+        (l) => l.level === 50 && l.msg.includes("refused the router's cluster token"),
+      )
+      assert.ok(errors.length >= 1, 'the cause is logged at error')
+      assert.match(errors[0].msg, /KVFENCE_CLUSTER_TOKEN differs from the workers'/)
+      assert.ok(!readFileSync(logFile, 'utf8').includes(wrongToken), 'the token is never logged')
+      assert.ok(!readFileSync(logFile, 'utf8').includes(tenants[0].key), 'nor the tenant key')
+    } finally {
+      await stopAll(started)
+    }
+  })
+
+  it("maps a worker's 401 on a control request to worker_unavailable, naming the cause", async () => {
+    const workers = createWorkerClient({
+      prefillUrls: [cluster.prefillUrl],
+      decodeUrls: [cluster.decodeUrl],
+      clusterToken: 'not-the-token',
+    })
+    try {
+      assert.equal(await workers.acceptsClusterToken(cluster.decodeUrl), false)
+      const run = async () => {
+        for await (const _ of workers.generate(
+          generateBody('tenant-a'),
+          AbortSignal.timeout(30_000),
+        ))
+          assert.fail('a token came back without the cluster token')
+      }
+      await assert.rejects(run(), (err: unknown) => {
+        assert.ok(err instanceof ClusterTokenRefusedError)
+        assert.equal(err.code, 'worker_unavailable')
+        assert.equal(
+          err.message,
+          `decode worker ${cluster.decodeUrl} refused the router's cluster token (HTTP 401): the router's KVFENCE_CLUSTER_TOKEN differs from the workers'`,
+        )
+        return true
+      })
+    } finally {
+      workers.close()
+    }
   })
 
   it('a worker bound beyond loopback refuses to start without a token (one line, exit 2)', async () => {
