@@ -11,6 +11,7 @@ import { after, describe, it } from 'node:test'
 import { promisify } from 'node:util'
 import { forward, forwardBatch, makeRope } from '../../src/model/forward.js'
 import { createWasmKernels, kernelsWasmPath } from '../../src/model/kernels-wasm.js'
+import { Op } from '../../src/model/threads/protocol.js'
 import { startTeam } from '../../src/model/threads/team.js'
 import { loadModel, type Model } from '../../src/model/weights.js'
 import { echoModelDir, repoRoot } from '../helpers/paths.js'
@@ -138,6 +139,29 @@ describe('compute thread life cycle', () => {
       /^Error: cannot start compute threads: compute thread 1: .*WebAssembly\.Module/,
     )
   })
+
+  it(
+    'a job whose chunks trap fails at once with the trap, not after the stall timeout',
+    { timeout: 60_000 },
+    () => {
+      const { WebAssembly: wa } = globalThis as unknown as {
+        WebAssembly: {
+          Memory: new (d: object) => object
+          Module: new (b: Uint8Array) => object
+          Instance: new (m: object, i: object) => { exports: object }
+        }
+      }
+      const memory = new wa.Memory({ initial: 1, maximum: 16, shared: true })
+      const module = new wa.Module(readFileSync(kernelsWasmPath))
+      const own = new wa.Instance(module, { env: { memory } }).exports as never
+      const team = startTeam(2, module, memory, own)
+      // A 64 × 4096 F32 weight read from a one-page (64 KiB) memory: every chunk traps. The
+      // caller's own chunk is never counted as finished, so waiting for it used to stall 120 s.
+      assert.throws(() => team.run(Op.linearF32, [0, 0, 0, 0, 4, 4096, 64]), /out of bounds/)
+      assert.throws(() => team.run(Op.linearF32, [0, 0, 0, 0, 4, 4096, 64]), /were closed/)
+      team.close()
+    },
+  )
 
   it('never keeps a process alive: it exits with the helpers running, and after close', async () => {
     const modelUrl = new URL('../../src/model/weights.js', import.meta.url).href

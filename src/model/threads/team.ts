@@ -115,14 +115,15 @@ export function startTeam(
       Atomics.notify(ctrl, Ctrl.generation)
       // The caller takes chunks too: if a helper is not running right now (a loaded machine), the
       // caller ends up computing everything rather than waiting for it.
-      let own: unknown
       try {
         workOn(wasm, ctrl, seq, 0)
       } catch (err) {
-        own = err
+        // The chunk the caller held will never be counted: waiting for it would stall. Stop the
+        // team and report the caller's own error.
+        close()
+        throw err
       }
       join(chunks)
-      if (own !== undefined) throw own
       if (Atomics.load(ctrl, Ctrl.failed)) {
         const text = errorText()
         close()
@@ -144,6 +145,13 @@ export function startTeam(
     let last = done
     let lastChange = Date.now()
     while (done !== chunks) {
+      // A helper whose chunk threw (e.g. a wasm trap) never counts it: fail now with its error,
+      // not after the stall timeout.
+      if (Atomics.load(ctrl, Ctrl.failed)) {
+        const text = errorText()
+        close()
+        throw new Error(text)
+      }
       Atomics.wait(ctrl, Ctrl.finished, done, 1)
       done = Atomics.load(ctrl, Ctrl.finished)
       if (done !== last) {
