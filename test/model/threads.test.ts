@@ -57,6 +57,21 @@ function logitsOf(model: Model): Float32Array[] {
   return out.map((l) => l.slice())
 }
 
+/** The compiled kernels over a fresh one-page (64 KiB) shared memory: module, memory, and the
+ *  calling thread's own instance. */
+function oneKernelInstance(): { memory: object; module: object; own: never } {
+  const { WebAssembly: wa } = globalThis as unknown as {
+    WebAssembly: {
+      Memory: new (d: object) => object
+      Module: new (b: Uint8Array) => object
+      Instance: new (m: object, i: object) => { exports: object }
+    }
+  }
+  const memory = new wa.Memory({ initial: 1, maximum: 16, shared: true })
+  const module = new wa.Module(readFileSync(kernelsWasmPath))
+  return { memory, module, own: new wa.Instance(module, { env: { memory } }).exports as never }
+}
+
 describe('compute threads give bit-identical logits', () => {
   const cases: { name: string; dir: string; keepBf16: boolean; reference: boolean }[] = [
     { name: 'echo-tiny (F32)', dir: echoModelDir, keepBf16: true, reference: false },
@@ -123,16 +138,7 @@ describe('compute thread life cycle', () => {
   })
 
   it('fails loudly, naming the cause, when a helper thread cannot start', () => {
-    const { WebAssembly: wa } = globalThis as unknown as {
-      WebAssembly: {
-        Memory: new (d: object) => object
-        Module: new (b: Uint8Array) => object
-        Instance: new (m: object, i: object) => { exports: object }
-      }
-    }
-    const memory = new wa.Memory({ initial: 1, maximum: 16, shared: true })
-    const module = new wa.Module(readFileSync(kernelsWasmPath))
-    const own = new wa.Instance(module, { env: { memory } }).exports as never
+    const { memory, own } = oneKernelInstance()
     // Not a WebAssembly module: the helper cannot instantiate it.
     assert.throws(
       () => startTeam(2, { notAModule: true }, memory, own),
@@ -144,16 +150,7 @@ describe('compute thread life cycle', () => {
     'a job whose chunks trap fails at once with the trap, not after the stall timeout',
     { timeout: 60_000 },
     () => {
-      const { WebAssembly: wa } = globalThis as unknown as {
-        WebAssembly: {
-          Memory: new (d: object) => object
-          Module: new (b: Uint8Array) => object
-          Instance: new (m: object, i: object) => { exports: object }
-        }
-      }
-      const memory = new wa.Memory({ initial: 1, maximum: 16, shared: true })
-      const module = new wa.Module(readFileSync(kernelsWasmPath))
-      const own = new wa.Instance(module, { env: { memory } }).exports as never
+      const { memory, module, own } = oneKernelInstance()
       const team = startTeam(2, module, memory, own)
       // A 64 × 4096 F32 weight read from a one-page (64 KiB) memory: every chunk traps. The
       // caller's own chunk is never counted as finished, so waiting for it used to stall 120 s.
