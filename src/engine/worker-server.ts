@@ -75,6 +75,11 @@ export function createWorkerServer(
             'control-plane request without the cluster token',
           )
         }
+        // The router's probe of its cluster token: reached only past the check above.
+        if (route === 'POST /internal/cluster_token_check') {
+          req.resume()
+          return sendJson(res, 200, { ok: true })
+        }
         if (route === 'POST /internal/prefill' && role.role === 'prefill') {
           const body = PrefillRequest.parse(await readJson(req))
           const abort = abortOnClose(req, res, core)

@@ -75,10 +75,9 @@ export interface WorkerClient {
   /** `GET {url}/metrics` of one worker (Prometheus text); throws `worker_unavailable`. */
   metricsText(url: string, signal?: AbortSignal): Promise<string>
   /** Whether the worker at `url` takes the router's cluster token: true unless it answers a
-   *  control-plane probe (`POST /internal/cluster_token_check`) with 401/403. Workers check the
-   *  token before routing any `POST /internal/*`, so the probe does nothing on the worker (a
-   *  worker that takes the token answers 404). Throws `worker_unavailable` when it does not
-   *  answer. */
+   *  control-plane probe (`POST /internal/cluster_token_check`) with 401/403 (a worker that takes
+   *  the token answers 200; one from before that route, 404). Throws `worker_unavailable` when it
+   *  does not answer. */
   acceptsClusterToken(url: string, signal?: AbortSignal): Promise<boolean>
   /** `/server_info` of every worker (prefill first); throws `worker_unavailable` if any fails. */
   serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]>

@@ -8,7 +8,7 @@ import { randomBytes } from 'node:crypto'
 import { promisify } from 'node:util'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
-import { clusterTokenHeader } from '../../src/engine/cluster-token.js'
+import { clusterTokenHeader, newClusterToken } from '../../src/engine/cluster-token.js'
 import { startCluster, type Cluster } from '../../src/engine/cluster.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
 import { ClusterTokenRefusedError, createWorkerClient } from '../../src/router/worker-client.js'
@@ -30,6 +30,8 @@ function generateBody(tenant: string) {
   }
 }
 
+const clusterToken = newClusterToken()
+
 describe('control-plane authentication', () => {
   let cluster: Cluster
   before(async () => {
@@ -40,9 +42,31 @@ describe('control-plane authentication', () => {
       decodePages: 64,
       tenantsFile,
       logDir: join(dir, 'logs'),
+      env: { ...process.env, KVFENCE_CLUSTER_TOKEN: clusterToken },
     })
   })
   after(async () => cluster?.stop())
+
+  it('answers the token probe 200 with the token and 401 without it, on both workers', async () => {
+    for (const url of [cluster.prefillUrl, cluster.decodeUrl]) {
+      const probe = (headers: Record<string, string>) =>
+        fetch(`${url}/internal/cluster_token_check`, { method: 'POST', headers, body: '{}' })
+      const ok = await probe({ [clusterTokenHeader]: clusterToken })
+      assert.equal(ok.status, 200)
+      assert.deepEqual(await ok.json(), { ok: true })
+      assert.equal((await probe({ [clusterTokenHeader]: 'not-the-token' })).status, 401)
+      const workers = createWorkerClient({
+        prefillUrls: [cluster.prefillUrl],
+        decodeUrls: [cluster.decodeUrl],
+        clusterToken,
+      })
+      try {
+        assert.equal(await workers.acceptsClusterToken(url), true)
+      } finally {
+        workers.close()
+      }
+    }
+  })
 
   it('refuses a control request without the cluster token, or with a wrong one (401)', async () => {
     const cases: Record<string, string>[] = [{}, { [clusterTokenHeader]: 'not-the-token' }]
