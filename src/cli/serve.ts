@@ -142,7 +142,7 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
     },
   }
   const log = pino({ name: 'kvfence-router', level: config.router.logLevel }, pino.destination(2))
-  const cluster = await launchCluster(config, log)
+  const cluster = await launchCluster(config, log, process.env, path)
   process.stderr.write(`kvfence serving on ${cluster.router.url}/v1 (Ctrl-C stops)\n`)
   process.send?.({ type: 'ready', role: 'router', port: cluster.router.port })
   let isStopping = false

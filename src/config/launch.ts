@@ -15,7 +15,7 @@ import {
   type StartRouterOptions,
   startRouter,
 } from '../router/start.js'
-import type { ClusterConfig } from './cluster.js'
+import { type ClusterConfig, loadClusterConfig } from './cluster.js'
 
 /** A running cluster started from a config. */
 export interface LaunchedCluster {
@@ -28,11 +28,14 @@ export interface LaunchedCluster {
 
 const startTimeoutMs = 30_000
 
-/** Starts the cluster of `config`; on failure stops what it started and rethrows. */
+/** Starts the cluster of `config`; on failure stops what it started and rethrows. With
+ *  `configPath` (the file `config` was read from), the router re-reads that file's `tenants` list
+ *  whenever the file changes, so key changes need no restart. */
 export async function launchCluster(
   config: ClusterConfig,
   log: Logger,
   env: NodeJS.ProcessEnv = process.env,
+  configPath?: string,
 ): Promise<LaunchedCluster> {
   // The workers started here and the router share one control-plane token (a fresh one unless the
   // environment names it; workers on other hosts must be given the same in their environment).
@@ -43,7 +46,9 @@ export async function launchCluster(
   const r = config.router
   try {
     const common = {
-      tenants: config.tenants,
+      ...(configPath === undefined
+        ? { tenants: config.tenants }
+        : { tenants: configPath, tenantsReader: (f: string) => loadClusterConfig(f).tenants }),
       ...routerSectionOptions(r),
       clusterToken,
       log,

@@ -150,6 +150,28 @@ describe('kvfence serve --config with workers started from { pages }', () => {
             ['decode', 80, pageSize, 80 * pageSize],
           ],
         )
+
+        // Key changes in the config file reach the running router: alice's key is revoked and
+        // bob's admitted, without a restart (bounded polling, no timing assertion).
+        const bobKey = newApiKey()
+        writeConfig('serve.yaml', {
+          router: { port: 0, logLevel: 'warn' },
+          workers,
+          tenants: [{ name: 'bob', keySha256: apiKeyDigest(bobKey) }],
+        })
+        const status = async (k: string) =>
+          (await fetch(`${url}/v1/models`, { headers: { authorization: `Bearer ${k}` } })).status
+        let statuses: number[] = []
+        for (let i = 0; i < 100; i++) {
+          statuses = [await status(key), await status(bobKey)]
+          if (statuses[0] === 401 && statuses[1] === 200) break
+          await new Promise((r) => setTimeout(r, 200))
+        }
+        assert.deepEqual(
+          statuses,
+          [401, 200],
+          'alice revoked and bob admitted from the config file',
+        )
       } finally {
         child.kill('SIGTERM')
       }
