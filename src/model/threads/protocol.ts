@@ -84,30 +84,24 @@ export function share(count: number, index: number, chunks: number, align = 1): 
   return [Math.min(count, index * size), Math.min(count, (index + 1) * size)]
 }
 
+/** One linear kernel: output rows [rowStart, rowEnd) of `out[n, outDim] = x[n, inDim] · wᵀ + bias`;
+ *  addresses are bytes in the shared memory (bias 0 = none). */
+export type LinearExport = (
+  out: number,
+  x: number,
+  w: number,
+  bias: number,
+  n: number,
+  inDim: number,
+  outDim: number,
+  rowStart: number,
+  rowEnd: number,
+) => void
+
 /** The exports of the compiled kernels (asm/kernels.ts); addresses are bytes in the shared memory. */
 export interface KernelExports {
-  linearF32(
-    out: number,
-    x: number,
-    w: number,
-    bias: number,
-    n: number,
-    inDim: number,
-    outDim: number,
-    rowStart: number,
-    rowEnd: number,
-  ): void
-  linearBf16(
-    out: number,
-    x: number,
-    w: number,
-    bias: number,
-    n: number,
-    inDim: number,
-    outDim: number,
-    rowStart: number,
-    rowEnd: number,
-  ): void
+  linearF32: LinearExport
+  linearBf16: LinearExport
   attention(
     out: number,
     q: number,
