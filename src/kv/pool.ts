@@ -6,8 +6,8 @@
  *
  *  Page life: free → reserved (owner writes) → sealed (read-only) → free, with a pin count that
  *  forbids freeing while a transfer reads or writes the page (G7). Every allocation bumps the
- *  page's epoch; every free scrubs the page with the poison value (G6). Reads check owner, epoch
- *  and fill (G5). */
+ *  page's epoch; every page starts poisoned and every free scrubs it again (G6). Reads check
+ *  owner, epoch and fill (G5). */
 import assert from 'node:assert/strict'
 import { KvfenceError } from '../errors.js'
 import { GuardTrips, type Guards } from './guards.js'
@@ -88,8 +88,13 @@ export class KvPool {
     this.pageStride = shape.pageSize * this.tokenStride
     this.pageBytes = shape.numLayers * 2 * this.pageStride * Float32Array.BYTES_PER_ELEMENT
     const floats = shape.numPages * this.pageStride
-    this.k = Array.from({ length: shape.numLayers }, () => new Float32Array(floats))
-    this.v = Array.from({ length: shape.numLayers }, () => new Float32Array(floats))
+    // With G6 on, poisoned from the start like a scrubbed page: a never-used page reads back the
+    // same value as a freed one. Either way every page is written now, so the pool's memory is
+    // resident from start-up instead of creeping up as load first reaches each page.
+    const initial = guards.G6 ? poisonValue : 0
+    const store = (): Float32Array => new Float32Array(floats).fill(initial)
+    this.k = Array.from({ length: shape.numLayers }, store)
+    this.v = Array.from({ length: shape.numLayers }, store)
     this.state = new Uint8Array(shape.numPages)
     this.owner = new Uint32Array(shape.numPages)
     this.tenant = new Uint32Array(shape.numPages)

@@ -112,8 +112,6 @@ class Model {
   readonly isSealed = new Array<boolean>(numPages).fill(false)
   readonly fill = new Array<number>(numPages).fill(0)
   readonly pins = new Array<number>(numPages).fill(0)
-  /** Whether the page was ever released (so G6 says it holds only NaN while free). */
-  readonly wasReleased = new Array<boolean>(numPages).fill(false)
   /** Tag of the write that last wrote each token slot `[page × pageSize + slot]`. */
   readonly written = new Array<number>(numPages * pageSize).fill(0)
   /** Each owner's live page table. */
@@ -315,7 +313,6 @@ function step(pool: KvPool, model: Model, action: Action, seen: Coverage): void 
         model.owner[page] = 0
         model.isSealed[page] = false
         model.fill[page] = 0
-        model.wasReleased[page] = true
         model.free.push(page)
       }
       // Only the actor's own table (or an empty one) gets here.
@@ -376,13 +373,11 @@ function checkInvariants(pool: KvPool, model: Model): void {
           : PageState.reserved
     assert.equal(pool.state[page], wantState, `state of page ${page}`)
     if (pool.state[page] !== PageState.free) continue
-    // A free page holds only the poison value once released (G6), and zeros if never allocated.
+    // A free page holds only the poison value: scrubbed on release (G6), poisoned from the start.
     for (let layer = 0; layer < numLayers; layer++) {
       for (const kv of [pool.k[layer], pool.v[layer]]) {
         const floats = kv.subarray(page * pool.pageStride, (page + 1) * pool.pageStride)
-        const isClean = model.wasReleased[page]
-          ? floats.every(Number.isNaN)
-          : floats.every((x) => x === 0)
+        const isClean = floats.every(Number.isNaN)
         assert.ok(isClean, `free page ${page} layer ${layer} holds ${floats}`)
       }
     }

@@ -266,6 +266,21 @@ describe('KV pool G5: ownership, epoch and fill on every read and write', () => 
 })
 
 describe('KV pool G6: scrub on free', () => {
+  it('a fresh pool holds the poison value in every page, as if each had been scrubbed', () => {
+    const { pool } = makePool()
+    for (let page = 0; page < shape.numPages; page++) {
+      const floats = pageFloats(pool, page)
+      assert.equal(floats.length, 2 * 2 * 8) // layers × (K, V) × floats per page
+      assert.ok(
+        floats.every((x) => Number.isNaN(x)),
+        `page ${page}: ${floats}`,
+      )
+    }
+    // With G6 off nothing is scrubbed, not even at start-up: zeros, as fresh memory holds.
+    const { pool: unscrubbed } = makePool({ off: ['G6'] })
+    assert.deepEqual(pageFloats(unscrubbed, 5), new Array(2 * 2 * 8).fill(0))
+  })
+
   it('after release every float of the page’s K and V in every layer is NaN; other pages keep theirs', () => {
     const { pool } = makePool()
     const table = pool.allocate(2, 1, 10) // pages 0, 1
