@@ -3,8 +3,9 @@
  *  new key once (it cannot be recovered later). Edits keep the rest of the file (limits, other
  *  sections, comments) as it was. */
 import { randomBytes } from 'node:crypto'
-import { existsSync, readFileSync, writeFileSync } from 'node:fs'
+import { existsSync, readFileSync } from 'node:fs'
 import type { Command } from 'commander'
+import writeFileAtomic from 'write-file-atomic'
 import { isMap, isSeq, parseDocument, stringify as toYaml, type Document } from 'yaml'
 import { z } from 'zod'
 import { KvfenceError } from '../errors.js'
@@ -109,7 +110,7 @@ export function registerKeys(program: Command): void {
         }
         const record = parsed.data
         doc.addIn(['tenants'], doc.createNode(record))
-        writeFileSync(flags.tenants, doc.toString(), { mode: 0o600 })
+        writeTenantsFile(flags.tenants, doc)
         process.stderr.write(`tenant ${name} added to ${flags.tenants}; its key (shown once):\n`)
         process.stdout.write(`${key}\n`)
       },
@@ -136,9 +137,16 @@ export function registerKeys(program: Command): void {
         throw new KvfenceError('config_invalid', `tenant ${name} is not in ${flags.tenants}`)
       }
       doc.deleteIn(['tenants', index])
-      writeFileSync(flags.tenants, doc.toString(), { mode: 0o600 })
+      writeTenantsFile(flags.tenants, doc)
       process.stderr.write(`tenant ${name} removed from ${flags.tenants}\n`)
     })
+}
+
+/** Replace the file in one step (a temporary file, fsynced, renamed over it): a router reloading
+ *  the file (`watchTenants`) never reads it half-written, and a crash leaves the old file whole.
+ *  An existing file keeps its mode and owner; a new one is readable by its owner only. */
+function writeTenantsFile(path: string, doc: Document): void {
+  writeFileAtomic.sync(path, doc.toString(), existsSync(path) ? {} : { mode: 0o600 })
 }
 
 function positiveInt(value: string): number {

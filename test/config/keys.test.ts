@@ -2,7 +2,7 @@
  *  the key printed once, limits and the rest of the file kept. */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { chmodSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
@@ -58,6 +58,26 @@ describe('kvfence keys', () => {
         return true
       },
     )
+  })
+
+  it('replaces the file in one rename (a reloading router never reads half a file), keeping its mode', async () => {
+    const path = join(dir, 'shared.yaml')
+    writeFileSync(path, 'tenants: []\n')
+    chmodSync(path, 0o640) // e.g. readable by the router's group
+    const before = statSync(path)
+    await kvfence('add', 'carol', '--tenants', path)
+    const after = statSync(path)
+    // A write in place keeps the inode; write-then-rename gives the path a new one.
+    assert.notEqual(after.ino, before.ino)
+    assert.equal(after.mode & 0o777, 0o640)
+    assert.deepEqual(
+      parse(readFileSync(path, 'utf8')).tenants.map((t: { name: string }) => t.name),
+      ['carol'],
+    )
+    // A file the command creates is readable by its owner only.
+    const created = join(dir, 'new.yaml')
+    await kvfence('add', 'dave', '--tenants', created)
+    assert.equal(statSync(created).mode & 0o777, 0o600)
   })
 
   it('refuses a tenant name that is not a plain word (names go to logs and metric labels)', async () => {
