@@ -131,7 +131,19 @@ function summary(r: SoakReport): string {
     `  errors: ${errors || 'none'}`,
     `  contaminated ${r.contaminated_responses}, oracle mismatches ${r.oracle_mismatches}, over-context answered ${r.over_context_accepted}, hung ${r.hung_requests}`,
     `  page leaks ${r.page_leaks} (max used: prefill ${r.max_pages_used.prefill}, decode ${r.max_pages_used.decode}), RSS growth ${r.rss_growth_ratio}${r.rss_judged ? '' : ' (not judged: run ≥ 3 minutes)'} (${r.rss_mb.after_warmup} → ${r.rss_mb.at_end} MB)`,
+    `  heap retained after major GCs (reported, not judged): ${heapLine(r) || 'fewer than 3 collections after warm-up'}`,
     ...r.failures.map((f) => `  FAIL: ${f}`),
     '',
   ].join('\n')
+}
+
+/** `prefill 18.1 → 18.3 MB (+0.03 MB/min, 6 GCs), …` for processes with a fitted line. */
+function heapLine(r: SoakReport): string {
+  return Object.entries(r.heap_after_gc_mb)
+    .filter(([, h]) => h.collections >= 3)
+    .map(
+      ([name, h]) =>
+        `${name} ${h.after_warmup} → ${h.at_end} MB (${h.slope_mb_per_min >= 0 ? '+' : ''}${h.slope_mb_per_min} MB/min, ${h.collections} GCs)`,
+    )
+    .join(', ')
 }

@@ -9,7 +9,14 @@ import { createRng } from '../audit/rng.js'
 import { Oracle, type SoakRequest } from './oracle.js'
 import { makePrompt, promptLength, tenantCanaries } from './prompts.js'
 import { sendAndDisconnect, sendWithClient, type Target } from './requests.js'
-import { pagesUsed, rssBytes, rssGrowth, sumValues } from './sampler.js'
+import {
+  heapAfterMajorGc,
+  heapTrends,
+  pagesUsed,
+  rssBytes,
+  rssGrowth,
+  sumValues,
+} from './sampler.js'
 import {
   maxRssGrowthRatio,
   minRssJudgedMs,
@@ -71,7 +78,21 @@ export async function runSoak(
     maxPages.prefill = Math.max(maxPages.prefill, p)
     maxPages.decode = Math.max(maxPages.decode, d)
   }
+  // The heap each process retains after major GCs, from its /metrics, every few samples (a
+  // scrape costs more than a /proc read, and major GCs come seconds apart).
+  const heap: RssSample[] = []
+  const urls = { router: target.routerUrl, prefill: target.prefillUrl, decode: target.decodeUrl }
+  const sampleHeap = async () => {
+    const atMs = Date.now() - startMs
+    const bytes: Record<string, number> = {}
+    for (const [name, url] of Object.entries(urls)) {
+      const value = await heapAfterMajorGc(url).catch(() => null)
+      if (value !== null) bytes[name] = value
+    }
+    heap.push({ atMs, bytes })
+  }
   const sampler = setInterval(() => void sample(), options.sampleEveryMs)
+  const heapSampler = setInterval(() => void sampleHeap(), options.sampleEveryMs * 5)
   const reporter = setInterval(
     () =>
       progress(
@@ -122,6 +143,7 @@ export async function runSoak(
   await Promise.all(loops)
   const loadMs = Date.now() - startMs
   clearInterval(sampler)
+  clearInterval(heapSampler)
   clearInterval(reporter)
   await sample()
 
@@ -163,6 +185,12 @@ export async function runSoak(
       ),
       per_process_slope_mb_per_min: mapValues(growth.slopePerMinute, toMb),
     },
+    heap_after_gc_mb: mapValues(heapTrends(heap, loadMs, options.warmupFraction), (t) => ({
+      collections: t.collections,
+      after_warmup: toMb(t.fittedAfterWarmup),
+      at_end: toMb(t.fittedAtEnd),
+      slope_mb_per_min: toMb(t.slopePerMinute),
+    })),
     examples: tally.examples,
   }
   report.failures = failuresOf(report, growth.hasSamples)
@@ -323,10 +351,7 @@ async function drain(target: SoakTarget, timeoutMs: number) {
   }
 }
 
-function mapValues(
-  record: Record<string, number>,
-  f: (v: number) => number,
-): Record<string, number> {
+function mapValues<T, U>(record: Record<string, T>, f: (v: T) => U): Record<string, U> {
   return Object.fromEntries(Object.entries(record).map(([k, v]) => [k, f(v)]))
 }
 

@@ -1,8 +1,11 @@
 /** Samples of the cluster's health during a soak: resident memory of each process (from
- *  `/proc/PID/status`, Linux) and KV pages in use on each worker (its `/server_info`).
- *  Knows /proc and the workers' `/server_info`; knows nothing of requests. */
+ *  `/proc/PID/status`, Linux), the heap each retains after major GCs (its `/metrics`) and KV pages
+ *  in use on each worker (its `/server_info`).
+ *  Knows /proc, `/metrics` and the workers' `/server_info`; knows nothing of requests. */
 import { readFileSync } from 'node:fs'
 import { ServerInfo } from '../engine/control.js'
+import { heapAfterMajorGcMetric } from '../process-metrics.js'
+import { samplesOf } from '../router/prometheus-text.js'
 import type { RssSample } from './types.js'
 
 /** Resident set size of process `pid` in bytes (VmRSS), or null when it is gone or /proc has
@@ -24,6 +27,58 @@ export async function pagesUsed(url: string, timeoutMs = 5_000): Promise<number>
   const res = await fetch(`${url}/server_info`, { signal: AbortSignal.timeout(timeoutMs) })
   if (!res.ok) throw new Error(`${url}/server_info: HTTP ${res.status}`)
   return ServerInfo.parse(await res.json()).numPagesUsed
+}
+
+/** The heap the process at `url` retained after its latest major GC (its `/metrics` gauge
+ *  `kvfence_heap_used_after_major_gc_bytes`), bytes; null before its first major GC. Throws when
+ *  the process does not answer within `timeoutMs` or serves no such gauge. */
+export async function heapAfterMajorGc(url: string, timeoutMs = 5_000): Promise<number | null> {
+  const res = await fetch(`${url}/metrics`, { signal: AbortSignal.timeout(timeoutMs) })
+  if (!res.ok) throw new Error(`${url}/metrics: HTTP ${res.status}`)
+  const [sample] = samplesOf(await res.text(), heapAfterMajorGcMetric)
+  if (sample === undefined) throw new Error(`${url}/metrics has no ${heapAfterMajorGcMetric}`)
+  return sample.value > 0 ? sample.value : null
+}
+
+/** Per process, the trend of the heap retained after major GCs over the load after warm-up. */
+export interface HeapTrend {
+  /** Distinct post-GC values seen after warm-up (one per major GC that changed it). */
+  collections: number
+  /** Fitted values at the end of warm-up and at the end of the load, bytes (0 with < 3 values). */
+  fittedAfterWarmup: number
+  fittedAtEnd: number
+  /** Fitted slope, bytes per minute. */
+  slopePerMinute: number
+}
+
+/** The retained-heap trend of each process: a least-squares line through the distinct post-GC
+ *  values sampled after warm-up (a repeated value is the same collection sampled twice). Unlike
+ *  RSS, this floor does not move when V8 merely grows its heap, so a rising line is a leak. */
+export function heapTrends(
+  samples: readonly RssSample[],
+  loadMs: number,
+  warmupFraction: number,
+): Record<string, HeapTrend> {
+  const warmupEnd = loadMs * warmupFraction
+  const kept = samples.filter((s) => s.atMs >= warmupEnd && s.atMs <= loadMs)
+  const names = [...new Set(kept.flatMap((s) => Object.keys(s.bytes)))]
+  const out: Record<string, HeapTrend> = {}
+  for (const name of names) {
+    const distinct: RssSample[] = []
+    for (const s of kept) {
+      const value = s.bytes[name]
+      if (value !== undefined && value !== distinct.at(-1)?.bytes[name]) distinct.push(s)
+    }
+    const hasLine = distinct.length >= 3
+    const line = fitLine(distinct, (s) => s.bytes[name])
+    out[name] = {
+      collections: distinct.length,
+      fittedAfterWarmup: hasLine ? line.at(warmupEnd) : 0,
+      fittedAtEnd: hasLine ? line.at(loadMs) : 0,
+      slopePerMinute: hasLine ? line.slope * 60_000 : 0,
+    }
+  }
+  return out
 }
 
 /** What {@link rssGrowth} finds. */

@@ -114,6 +114,13 @@ export interface SoakReport {
     /** Per process, the fitted RSS slope after warm-up, MB per minute. */
     per_process_slope_mb_per_min: Record<string, number>
   }
+  /** Per process, the V8 heap retained after major GCs (`kvfence_heap_used_after_major_gc_bytes`)
+   *  after warm-up, MB: a line through one value per collection. Reported, not judged: it tells a
+   *  leak (a rising floor) from V8 growing its heap when RSS rises. */
+  heap_after_gc_mb: Record<
+    string,
+    { collections: number; after_warmup: number; at_end: number; slope_mb_per_min: number }
+  >
   /** At most 5 examples per problem kind, redacted to the canary found or the first differing
    *  token position (no prompt text). */
   examples: string[]

@@ -1,8 +1,9 @@
 /** The soak's RSS growth rule on hand-made samples: a GC sawtooth is not growth, a steady rise
- *  is, by exactly the amount a line through it says. */
+ *  is, by exactly the amount a line through it says. And the retained-heap trend: one point per
+ *  major GC, however often the same value is sampled. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
-import { rssGrowth } from '../../src/soak/sampler.js'
+import { heapTrends, rssGrowth } from '../../src/soak/sampler.js'
 import type { RssSample } from '../../src/soak/types.js'
 
 const MB = 1024 * 1024
@@ -42,5 +43,30 @@ describe('rssGrowth', () => {
     const g = rssGrowth(few, 100_000, 0.25)
     assert.equal(g.ratio, 0)
     assert.equal(g.hasSamples, false)
+  })
+})
+
+describe('heapTrends', () => {
+  it('fits one point per collection: a value sampled many times counts once', () => {
+    // Post-GC heap of the router steps 20 → 22 → 24 → 26 MB at t = 25, 50, 75, 100 s and is
+    // sampled every second; the decode worker stays at 30 MB (one collection seen). Distinct
+    // router points after warm-up (25 s): (25, 20), (50, 22), (75, 24), (100, 26): exactly on
+    // the line 20 + 2·(t − 25)/25 MB, so 20 MB at 25 s, 26 MB at 100 s, 4.8 MB per minute.
+    const steps = samples((t) => ({ router: 20 + 2 * Math.floor((t - 25) / 25), decode: 30 }))
+    const trends = heapTrends(
+      steps.filter((s) => s.atMs >= 25_000),
+      100_000,
+      0.25,
+    )
+    assert.equal(trends.router.collections, 4)
+    assert.ok(Math.abs(trends.router.fittedAfterWarmup - 20 * MB) < 1e-3)
+    assert.ok(Math.abs(trends.router.fittedAtEnd - 26 * MB) < 1e-3)
+    assert.ok(Math.abs(trends.router.slopePerMinute - 4.8 * MB) < 1e-3)
+    assert.deepEqual(trends.decode, {
+      collections: 1,
+      fittedAfterWarmup: 0,
+      fittedAtEnd: 0,
+      slopePerMinute: 0,
+    })
   })
 })

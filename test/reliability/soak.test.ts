@@ -36,6 +36,11 @@ it('a 60-second soak with aborts and disconnects keeps every invariant', async (
   // it (runs of 3 minutes or more do, and fail above 1.05).
   assert.equal(report.rss_judged, false)
   assert.ok(report.rss_growth_ratio > 0, 'no RSS was sampled')
+  // The retained heap is sampled from each part's /metrics (a part may see no major GC in 60 s).
+  for (const [name, h] of Object.entries(report.heap_after_gc_mb)) {
+    assert.ok(['router', 'prefill', 'decode'].includes(name), name)
+    assert.ok(h.collections >= 1)
+  }
   // The run exercised what it claims to: answers checked, over-context prompts refused, both kinds
   // of early ending, and streams.
   assert.ok(report.completed > 0, 'no request completed')
