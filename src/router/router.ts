@@ -316,7 +316,10 @@ export function createRouter(deps: RouterDeps): RequestHandler {
         return
       }
       checkStopTokenIds(parsed.stopTokenIds, backend.tokenizer.vocabSize)
-      const eos = backend.tokenizer.eosTokenId === null ? [] : [backend.tokenizer.eosTokenId]
+      const eos =
+        backend.tokenizer.eosTokenId === null || parsed.ignoreEos
+          ? []
+          : [backend.tokenizer.eosTokenId]
       const request: GenerateRequest = {
         requestId: rid,
         tenant: tenant.name,

@@ -21,6 +21,8 @@ export interface GenerationParams {
   /** vLLM's `stop_token_ids`: generation stops after any of these (besides EOS), finish reason
    *  `stop`. Non-negative; checked against the vocabulary by {@link checkStopTokenIds}. */
   stopTokenIds: number[]
+  /** vLLM's and SGLang's `ignore_eos`: the model's EOS token does not end the output. */
+  ignoreEos: boolean
   isStream: boolean
   /** `stream_options.include_usage`: a last chunk with `usage`. */
   isUsageStreamed: boolean
@@ -84,6 +86,8 @@ const chatInertFields: Record<string, (v: unknown) => boolean> = {
   audio: isNullish,
   prediction: isNullish,
   web_search_options: isNullish,
+  // vLLM's and SGLang's chat requests take it; their serving benchmarks send `best_of: 1`.
+  best_of: (v) => isNullish(v) || v === 1,
 }
 
 const completionInertFields: Record<string, (v: unknown) => boolean> = {
@@ -118,6 +122,8 @@ const commonFields = {
   presence_penalty: z.number().min(-2).max(2).nullish(),
   frequency_penalty: z.number().min(-2).max(2).nullish(),
   stop_token_ids: z.array(safeInt.min(0)).nullish(),
+  // vLLM's and SGLang's extension (their serving benchmarks always send it): do not stop at EOS.
+  ignore_eos: z.boolean().nullish(),
   stream: z.boolean().nullish(),
   stream_options: z
     .object({ include_usage: z.boolean().nullish(), include_obfuscation: z.boolean().nullish() })
@@ -220,6 +226,7 @@ function generationParams(
     },
     stop,
     stopTokenIds: data.stop_token_ids ?? [],
+    ignoreEos: data.ignore_eos ?? false,
     isStream,
     isUsageStreamed: isStream && (data.stream_options?.include_usage ?? false),
   }

@@ -252,6 +252,32 @@ describe('POST /v1/chat/completions', () => {
     assert.equal(completion.usage?.completion_tokens, 'Hello,'.length)
   })
 
+  it('ignore_eos (vLLM/SGLang): EOS is not a stop token; the output runs on to max_tokens', async () => {
+    const before = h.workers.generateRequests.length
+    const completion = await h.client().chat.completions.create({
+      model: 'echo-test',
+      messages: [{ role: 'user', content: 'Hi' }],
+      max_tokens: 15,
+      // @ts-expect-error vLLM's and SGLang's extension, not in the openai client's types
+      ignore_eos: true,
+      best_of: 1, // sent by SGLang's serving benchmark: accepted at its no-op value
+    })
+    assert.deepEqual(h.workers.generateRequests[before].stopTokenIds, [])
+    // The stand-in's 14 characters, then EOS counted as a generated token (a special token: no
+    // text), then max_tokens: finish_reason length.
+    assert.equal(completion.choices[0].message.content, defaultReplyText)
+    assert.equal(completion.usage?.completion_tokens, 15)
+    assert.equal(completion.choices[0].finish_reason, 'length')
+    // ignore_eos: false is the default: EOS stops the output.
+    await h.client().chat.completions.create({
+      model: 'echo-test',
+      messages: [{ role: 'user', content: 'Hi' }],
+      // @ts-expect-error as above
+      ignore_eos: false,
+    })
+    assert.deepEqual(h.workers.generateRequests[before + 1].stopTokenIds, [eosId])
+  })
+
   it('refuses out-of-range sampling values with 400 naming the field', async () => {
     const cases: [Record<string, unknown>, string][] = [
       [{ top_k: -2 }, 'top_k'],
@@ -269,6 +295,8 @@ describe('POST /v1/chat/completions', () => {
       // The test vocabulary has ids 0..99.
       [{ stop_token_ids: [100] }, 'stop_token_ids[0]'],
       [{ seed: 0.5 }, 'seed'],
+      [{ ignore_eos: 'yes' }, 'ignore_eos'],
+      [{ best_of: 2 }, 'best_of'],
     ]
     const numInternal = h.workers.numInternalRequests()
     for (const [extra, param] of cases) {

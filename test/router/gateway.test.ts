@@ -35,8 +35,11 @@ describe('gateway mode', () => {
       const completion = await client(router).completions.create({
         model: 'served',
         prompt: 'one two three',
+        // @ts-expect-error vLLM's extension (its serving benchmark sends it): passed on as sent
+        ignore_eos: true,
       })
       assert.equal(completion.choices[0].text, 'w0 w1 w2 ')
+      assert.equal(engine.completions[0].ignore_eos, true)
       assert.equal(completion.model, 'served')
       assert.match(completion.id, /^cmpl-[0-9a-f]{32}$/)
       // The engine may generate only what admission counted: 128 − 3 prompt tokens.
