@@ -65,6 +65,13 @@ export function forkPart(
         tail.splice(0, Math.max(0, tail.length - 5))
       })
     }
+    // A part killed by a signal (or a native crash) writes nothing itself: say how it ended, after
+    // whatever it wrote last ('close' follows the end of its output).
+    child.once('close', (code, signal) => {
+      log.end(
+        `kvfence: process ${child.pid} ended (${signal ? `signal ${signal}` : `exit code ${code}`})\n`,
+      )
+    })
   }
   return new Promise((resolve, reject) => {
     const timer = setTimeout(() => fail({ kind: 'timeout' }), opts.timeoutMs)

@@ -1,7 +1,13 @@
-/** Which node flags a forked part inherits. */
+/** Which node flags a forked part inherits, and what its log file says when it dies. */
 import assert from 'node:assert/strict'
+import type { ChildProcess } from 'node:child_process'
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { once } from 'node:events'
 import { describe, it } from 'node:test'
-import { partExecArgv } from '../../src/engine/processes.js'
+import { forkPart, partExecArgv } from '../../src/engine/processes.js'
+import { echoModelDir } from '../helpers/paths.js'
 
 describe('partExecArgv', () => {
   it('drops the debugger and test-runner flags, keeps the rest in order', () => {
@@ -17,5 +23,35 @@ describe('partExecArgv', () => {
       ]),
       ['--max-old-space-size=512', '--enable-source-maps'],
     )
+  })
+})
+
+describe('forkPart', () => {
+  it("ends a part's log file with how the process ended, even when it was killed (SIGKILL)", async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'kvfence-part-'))
+    const logFile = join(dir, 'decode.log')
+    const started: ChildProcess[] = []
+    try {
+      const { child } = await forkPart(
+        ['decode', '--model', echoModelDir, '--port', '0', '--pages', '8', '--page-size', '16'],
+        {
+          env: process.env,
+          logFile,
+          timeoutMs: 30_000,
+          failure: (why, last) => new Error(`decode did not start (${why.kind}): ${last}`),
+        },
+        started,
+      )
+      const closed = once(child, 'close')
+      child.kill('SIGKILL') // writes nothing itself, as after a native crash
+      await closed
+      await new Promise((resolve) => setTimeout(resolve, 50)) // the log stream's last write
+      const lines = readFileSync(logFile, 'utf8').trim().split('\n')
+      assert.match(lines[0], /"name":"kvfence-decode"/) // the part's own output comes first
+      assert.equal(lines.at(-1), `kvfence: process ${child.pid} ended (signal SIGKILL)`)
+    } finally {
+      for (const c of started) c.kill('SIGKILL')
+      rmSync(dir, { recursive: true, force: true })
+    }
   })
 })
