@@ -2,7 +2,7 @@
  *  clusters, audits both, prints the outcomes side by side and writes both reports. */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
-import { mkdtempSync, readFileSync } from 'node:fs'
+import { mkdtempSync, readFileSync, readdirSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { it } from 'node:test'
@@ -35,7 +35,12 @@ it('kvfence demo shows the leak with the fault and none as shipped, and writes b
   assert.match(canary, /^[A-Za-z0-9]{16,24}$/)
   assert.ok(String(leak.evidence.excerpt).includes(String(leak.evidence.matchedFragment)))
   assert.equal(safe.findings.filter((f) => f.verdict === 'leak').length, 0)
-  assert.equal(safe.findings.find((f) => f.probe === 'canary')?.verdict, 'clean')
+  assert.equal(
+    safe.findings.find((f) => f.probe === 'canary')?.verdict,
+    'clean',
+    `safe canary finding: ${JSON.stringify(safe.findings.find((f) => f.probe === 'canary'))}; ` +
+      `last lines of the as-shipped parts' logs: ${logTails(join(out, 'logs', 'safe'))}`,
+  )
 
   // The console shows both outcomes side by side, the canary only redacted.
   assert.match(stdout, /B's over-capacity prompts │ \d+× HTTP 200/)
@@ -44,3 +49,13 @@ it('kvfence demo shows the leak with the fault and none as shipped, and writes b
   assert.ok(!stdout.includes(canary), 'the console shows the canary unredacted')
   assert.ok(stdout.includes(canary.slice(0, 4)), 'the console does not show the redacted canary')
 })
+
+/** The last 3 lines of each log file in `dir`, for a failure message. */
+function logTails(dir: string): string {
+  return readdirSync(dir)
+    .map((name) => {
+      const lines = readFileSync(join(dir, name), 'utf8').trim().split('\n')
+      return `${name}: ${lines.slice(-3).join(' | ')}`
+    })
+    .join('; ')
+}
