@@ -2,7 +2,7 @@
  *  once with the incident's configuration (advertised context larger than the prefill pool, the
  *  `placeholder-forward` fault, guards off), once as shipped — audits both with two tenants, and
  *  prints the outcomes side by side. Writes both audit reports to `--out`. */
-import { mkdirSync, writeFileSync } from 'node:fs'
+import { writeFileSync } from 'node:fs'
 import { join, resolve } from 'node:path'
 import type { Command } from 'commander'
 import {
@@ -13,6 +13,7 @@ import {
   type Finding,
 } from '../audit/index.js'
 import { startCluster, type ClusterOptions } from '../engine/cluster.js'
+import { makeDir } from '../make-dir.js'
 import { bundledModelDir } from '../paths.js'
 import { newApiKey, tenantsYaml } from './keys.js'
 import { intOption, threadArgs, threadsHelp, threadsOption } from './options.js'
@@ -64,7 +65,7 @@ export function registerDemo(program: Command): void {
 
 async function runDemo(flags: DemoFlags): Promise<number> {
   const out = resolve(flags.out)
-  mkdirSync(out, { recursive: true })
+  makeDir(out)
   const tenants = [
     { name: 'tenant-a', key: newApiKey() },
     { name: 'tenant-b', key: newApiKey() },

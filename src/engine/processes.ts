@@ -3,8 +3,9 @@
  *  `startCluster` (engine/cluster.ts) and `launchCluster` (config/launch.ts); knows nothing of
  *  the parts' flags or of requests. */
 import { fork, type ChildProcess } from 'node:child_process'
-import { createWriteStream, mkdirSync } from 'node:fs'
+import { createWriteStream } from 'node:fs'
 import { dirname } from 'node:path'
+import { makeDir } from '../make-dir.js'
 import { cliEntry } from '../paths.js'
 
 /** What a part sends its parent once listening (src/cli/worker.ts, src/cli/router.ts); parts add
@@ -56,7 +57,7 @@ export function forkPart(
   // The last few lines, so that a failure to start can say why.
   const tail: string[] = []
   if (toFile) {
-    mkdirSync(dirname(opts.logFile!), { recursive: true })
+    makeDir(dirname(opts.logFile!))
     const log = createWriteStream(opts.logFile!)
     for (const stream of [child.stdout!, child.stderr!]) {
       stream.on('data', (chunk: Buffer) => {
