@@ -104,9 +104,15 @@ export function registerServe(program: Command): void {
         prefillFaults: flags.injectFault,
         disableGuards: flags.unsafeDisableGuards,
         logLevel: flags.logLevel ?? 'info',
+        ...(flags.logContent ? { routerArgs: ['--log-content'] } : {}),
         ...threadArgs(flags.threads),
       })
       process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
+      process.send?.({
+        type: 'ready',
+        role: 'router',
+        port: Number(new URL(cluster.routerUrl).port),
+      })
       let isStopping = false
       const stop = async () => {
         isStopping = true
@@ -116,10 +122,12 @@ export function registerServe(program: Command): void {
       process.on('SIGINT', () => void stop())
       process.on('SIGTERM', () => void stop())
       for (const child of Object.values(cluster.processes)) {
-        child.once('exit', (code) => {
+        child.once('exit', (code, signal) => {
           if (isStopping) return
           isStopping = true
-          process.stderr.write(`kvfence: a part of the cluster exited (code ${code}); stopping\n`)
+          process.stderr.write(
+            `kvfence: a part of the cluster ${howEnded(code, signal)}; stopping\n`,
+          )
           void cluster.stop().then(() => process.exit(1))
         })
       }
@@ -155,10 +163,15 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
   process.on('SIGINT', () => void stop(0))
   process.on('SIGTERM', () => void stop(0))
   for (const child of cluster.children) {
-    child.once('exit', (code) => {
+    child.once('exit', (code, signal) => {
       if (isStopping) return
-      process.stderr.write(`kvfence: a worker exited (code ${code}); stopping\n`)
+      process.stderr.write(`kvfence: a worker ${howEnded(code, signal)}; stopping\n`)
       void stop(1)
     })
   }
+}
+
+/** `exited with code 3` or `was killed by SIGKILL`. */
+function howEnded(code: number | null, signal: NodeJS.Signals | null): string {
+  return signal !== null ? `was killed by ${signal}` : `exited with code ${code}`
 }

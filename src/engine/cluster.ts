@@ -28,6 +28,8 @@ export interface ClusterOptions {
   /** Extra flags for the prefill / decode worker (e.g. `['--transfer-timeout-ms', '1000']`). */
   prefillArgs?: string[]
   decodeArgs?: string[]
+  /** Extra flags for the router (e.g. `['--log-content']`). */
+  routerArgs?: string[]
   /** YAML tenants file for the router. */
   tenantsFile: string
   /** Router port (0 picks one). */
@@ -154,6 +156,7 @@ export async function startCluster(options: ClusterOptions): Promise<Cluster> {
           : []),
         ...(opts.clampContext ? ['--clamp-context'] : []),
         ...(isRouterUnsafe ? ['--unsafe-disable-guards'] : []),
+        ...(opts.routerArgs ?? []),
       ],
       opts,
       started,

@@ -1,0 +1,54 @@
+/** `kvfence serve --tenants FILE` (the embedded cluster, no config file): its router flags reach
+ *  the router process. */
+import assert from 'node:assert/strict'
+import { fork } from 'node:child_process'
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { once } from 'node:events'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { after, it } from 'node:test'
+import OpenAI from 'openai'
+import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
+import { cliEntry } from '../../src/paths.js'
+
+const dir = mkdtempSync(join(tmpdir(), 'kvfence-serve-'))
+after(() => rmSync(dir, { recursive: true, force: true }))
+
+/** Starts `serve --tenants` with `extra` flags; resolves with its port and its stderr so far. */
+async function serve(extra: string[]) {
+  const key = newApiKey()
+  const tenantsFile = join(dir, `tenants-${extra.length}.yaml`)
+  writeFileSync(tenantsFile, tenantsYaml([{ name: 'alpha', key }]))
+  const child = fork(
+    cliEntry,
+    ['serve', '--tenants', tenantsFile, '--port', '0', '--prefill-pages', '16', ...extra],
+    { stdio: ['ignore', 'ignore', 'pipe', 'ipc'] },
+  )
+  let stderr = ''
+  child.stderr!.on('data', (chunk: Buffer) => (stderr += chunk.toString('utf8')))
+  const port = await new Promise<number>((resolve, reject) => {
+    child.once('exit', (code) => reject(new Error(`serve exited with ${code}: ${stderr}`)))
+    child.on(
+      'message',
+      (m: { type: string; port: number }) => m.type === 'ready' && resolve(m.port),
+    )
+  })
+  const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: key, maxRetries: 0 })
+  return { child, client, stderr: () => stderr }
+}
+
+it('serve --tenants --log-content logs prompts; without the flag it does not', async () => {
+  for (const logContent of [true, false]) {
+    const marker = `zq${logContent ? 'on' : 'off'}marker`
+    const { child, client, stderr } = await serve(logContent ? ['--log-content'] : [])
+    try {
+      await client.completions.create({ model: 'echo-tiny', prompt: marker, max_tokens: 2 })
+      await new Promise((resolve) => setTimeout(resolve, 300)) // the router's log line
+      assert.equal(stderr().includes(marker), logContent, stderr())
+    } finally {
+      const exited = once(child, 'exit')
+      child.kill('SIGTERM')
+      await exited
+    }
+  }
+})
