@@ -54,7 +54,6 @@ export const internalFields = [
 
 /** Known OpenAI fields that do not change the output: accepted and ignored. */
 const ignoredFields = new Set([
-  'user',
   'metadata',
   'store',
   'service_tier',
@@ -73,9 +72,13 @@ const isEmpty = (v: unknown) =>
   (Array.isArray(v) && v.length === 0) ||
   (typeof v === 'object' && v !== null && Object.keys(v).length === 0)
 
+/** `logit_bias`'s no-op value: no map, or an empty one (a list is not a map). */
+const isEmptyMap = (v: unknown) =>
+  isNullish(v) || (typeof v === 'object' && !Array.isArray(v) && Object.keys(v!).length === 0)
+
 /** Known OpenAI features kvfence does not implement: accepted only at their no-op value. */
 const chatInertFields: Record<string, (v: unknown) => boolean> = {
-  logit_bias: isEmpty,
+  logit_bias: isEmptyMap,
   tools: isEmpty,
   tool_choice: (v) => isNullish(v) || v === 'none' || v === 'auto',
   functions: isEmpty,
@@ -91,7 +94,7 @@ const chatInertFields: Record<string, (v: unknown) => boolean> = {
 }
 
 const completionInertFields: Record<string, (v: unknown) => boolean> = {
-  logit_bias: isEmpty,
+  logit_bias: isEmptyMap,
   echo: isFalse,
   suffix: (v) => isNullish(v) || v === '',
   best_of: (v) => isNullish(v) || v === 1,
@@ -122,6 +125,8 @@ const commonFields = {
   presence_penalty: z.number().min(-2).max(2).nullish(),
   frequency_penalty: z.number().min(-2).max(2).nullish(),
   stop_token_ids: z.array(safeInt.min(0)).nullish(),
+  // OpenAI's end-user id: accepted and not used, but a string like OpenAI's.
+  user: z.string().nullish(),
   // vLLM's and SGLang's extension (their serving benchmarks always send it): do not stop at EOS.
   ignore_eos: z.boolean().nullish(),
   stream: z.boolean().nullish(),

@@ -23,6 +23,22 @@ const refusals: [string, string, string | object, number, string, string | null]
     null,
   ],
   ['an empty body', '/v1/completions', '', 400, 'invalid_request', null],
+  [
+    'a user that is not a string',
+    '/v1/completions',
+    completion({ user: {} }),
+    400,
+    'invalid_request',
+    'user',
+  ],
+  [
+    'a logit_bias list',
+    '/v1/chat/completions',
+    chat({ logit_bias: [] }),
+    400,
+    'invalid_request',
+    'logit_bias',
+  ],
   ['a JSON array body', '/v1/completions', '[1, 2]', 400, 'invalid_request', null],
   ['a missing model', '/v1/completions', { prompt: 'Hi' }, 400, 'invalid_request', 'model'],
   [
