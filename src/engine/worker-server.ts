@@ -121,10 +121,12 @@ export function createWorkerServer(
             core.metrics.requests.inc({ outcome: asKvfenceError(err).code })
             if (!isStreaming) throw err
             const e = asKvfenceError(err)
-            // A client going away is normal traffic (info); anything else deserves a warning.
-            log[e.code === 'request_aborted' ? 'info' : 'warn'](
+            // The router ending a request (its client left, or a stop string ended the text) is
+            // normal traffic (info); anything else deserves a warning.
+            const isAbort = e.code === 'request_aborted'
+            log[isAbort ? 'info' : 'warn'](
               { requestId: body.requestId, tenant: body.tenant, code: e.code },
-              'generate failed',
+              isAbort ? 'generate ended by the router' : 'generate failed',
             )
             emit({ type: 'error', code: e.code, message: e.message })
           }
