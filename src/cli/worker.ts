@@ -82,7 +82,7 @@ export function registerWorkers(program: Command): void {
     if (role === 'prefill') {
       cmd.option(
         '--prefix-cache-pages <n>',
-        'most KV pool pages the per-tenant prefix cache may hold, 0 = off (default: a quarter of --pages)',
+        'most KV pool pages the prefix cache may hold (keyed per tenant, its pages shared by all: see docs/threat-model.md), 0 = off (default: a quarter of --pages)',
         intOption,
       )
     }
