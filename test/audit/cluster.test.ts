@@ -43,8 +43,10 @@ test('the shipped engine: no leak and no warning from any probe', () => {
 
 test('capacity, boundary, canary, page-leak and error-handling are clean on the shipped engine', () => {
   const verdictOf = (probe: string) => report.findings.find((f) => f.probe === probe)?.verdict
-  for (const probe of ['capacity', 'boundary', 'canary', 'page-leak', 'error-handling'])
-    assert.equal(verdictOf(probe), 'clean', probe)
+  for (const probe of ['capacity', 'boundary', 'canary', 'page-leak', 'error-handling']) {
+    const finding = report.findings.find((f) => f.probe === probe)
+    assert.equal(verdictOf(probe), 'clean', `${probe}: ${JSON.stringify(finding).slice(0, 2000)}`)
+  }
   const pageLeak = report.findings.find((f) => f.probe === 'page-leak')!.evidence
   assert.deepEqual(pageLeak.source, {
     endpoint: '/server_info',

@@ -34,6 +34,10 @@ export interface UsageSample {
 }
 
 const numWorkload = 8
+/** Most pool samples taken while the workload runs: a fast engine (the bundled model decodes 128
+ *  tokens in ~10 ms) can finish every request between two fixed samples, so sampling goes on,
+ *  back to back, until the pool is seen in use or the workload has ended. */
+const maxWorkloadSamples = 16
 const pollIntervalMs = 200
 const maxSettleMs = 10_000
 const maxPolls = 40
@@ -103,16 +107,24 @@ export const pageLeakProbe: Probe = {
       // A sample that runs out of budget skips the allSettled below; the requests' own
       // rejections must not then go unhandled (that would end the process).
       long.catch(() => {})
-      await new Promise((r) => setTimeout(r, 30))
-      await sample('workload')
-      const rest = planted
-        .slice(1)
-        .map((_, k) =>
-          send(k + 1, { maxTokens: 32, ...(k % 2 === 1 ? { abortAfterChunks: 1 } : {}) }),
-        )
+      // The other requests run at most (concurrency − 2) at a time: one slot is the long
+      // generation's, one stays free so that samples are not queued behind the workload (they
+      // would only run once it had ended, and see an idle pool).
+      const width = Math.max(1, budget.limits.concurrency - 2)
+      const queue = planted.slice(1).map((_, k) => k + 1)
+      const lane = async (): Promise<void> => {
+        for (let i = queue.shift(); i !== undefined; i = queue.shift())
+          await send(i, { maxTokens: 32, ...(i % 2 === 0 ? { abortAfterChunks: 1 } : {}) })
+      }
+      const rest = Array.from({ length: width }, lane)
       for (const r of rest) r.catch(() => {})
-      await sample('workload')
-      for (const r of await Promise.allSettled([long, ...rest]))
+      let isWorkloadDone = false
+      const workload = Promise.allSettled([long, ...rest]).finally(() => (isWorkloadDone = true))
+      for (let n = 0; n < maxWorkloadSamples && !isWorkloadDone; n++) {
+        const used = await sample('workload')
+        if (used !== null && used > baseline) break
+      }
+      for (const r of await workload)
         if (r.status === 'rejected' && !(r.reason instanceof BudgetExhaustedError)) throw r.reason
 
       const settleUntil = performance.now() + Math.min(maxSettleMs, budget.remainingMs - 500)
