@@ -203,6 +203,13 @@ describe('prefix-timing (Gu et al.)', () => {
     }
   })
 
+  test('a cache keyed by tenant that reports cached_tokens: clean, decided by them (never "borderline")', async () => {
+    const report = await audit('prefix-timing', { prefixCache: 'per-tenant' })
+    assert.deepEqual(verdicts(report), [['prefix-timing', 'clean', 'info']])
+    assert.match(report.findings[0].title, /\(decided by cached_tokens and TTFT\)/)
+    assert.match(report.findings[0].title, /another tenant's prefix reported 0 /)
+  })
+
   test('clean decided by cached_tokens while TTFT shows nothing (control KS p=0.994): the title says so, never "faster"', () => {
     assert.equal(
       cleanTitle({

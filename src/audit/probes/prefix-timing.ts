@@ -170,7 +170,13 @@ export const prefixTimingProbe: Probe = {
         },
       ]
     }
-    if (crossTest.test.p >= noDifferenceP) {
+    // One-sided from here: a cache hit can only make a request faster, so another tenant's
+    // prefixes answered slower are no sign of sharing. And where the server reports
+    // cached_tokens, shows them for the same tenant's reuse and reports 0 for another tenant's
+    // prefixes, that direct signal outweighs a borderline TTFT difference (noise on a busy host).
+    const isDirectlyUnshared =
+      controlCached > 0 && cross.hitCachedTokens.some((n) => n !== null) && cachedHit === 0
+    if (crossTest.test.p >= noDifferenceP || !isFaster(crossTest) || isDirectlyUnshared) {
       return [
         {
           probe: 'prefix-timing',
