@@ -4,6 +4,8 @@
  *  sets the exit code: 1 for a finding at or above `--fail-on` (always for a leak), 2 for a tool
  *  error (one line on stderr), 0 otherwise. `--list-probes` prints the probes and exits 0.
  *  Never prints a tenant's key. */
+import { accessSync, constants, existsSync, statSync } from 'node:fs'
+import { dirname, resolve } from 'node:path'
 import { MultiBar, Presets } from 'cli-progress'
 import { Option, type Command } from 'commander'
 import {
@@ -127,6 +129,10 @@ async function audit(flags: AuditFlags): Promise<number> {
     junit: flags.junit ?? file.reports?.junit,
     html: flags.html ?? file.reports?.html,
   }
+  // A report that cannot be written is an error now, not after the audit spent its budget.
+  checkWritable('JSON', reports.json)
+  checkWritable('JUnit', reports.junit)
+  checkWritable('HTML', reports.html)
   const probesToRun = flags.probes === undefined ? file.probes : parseProbes(flags.probes)
   const progress = makeProgress((probesToRun ?? probeNames).length)
   const report = await runAudit({
@@ -145,6 +151,20 @@ async function audit(flags: AuditFlags): Promise<number> {
   await writeReport('JUnit', reports.junit, (f) => writeJunitReport(report, f, failOn))
   await writeReport('HTML', reports.html, (f) => writeHtmlReport(report, f))
   return exitCodeFor(report, failOn)
+}
+
+/** Throws `invalid_options` (as {@link writeReport} would, later) when `file`'s folder is missing
+ *  or not writable, or `file` is a folder. */
+function checkWritable(kind: string, file: string | undefined): void {
+  if (file === undefined) return
+  const fail = (reason: string) =>
+    new AuditError('invalid_options', `cannot write the ${kind} report to ${file}: ${reason}`)
+  try {
+    accessSync(dirname(resolve(file)), constants.W_OK)
+  } catch (err) {
+    throw fail((err as { code?: string }).code ?? String(err))
+  }
+  if (existsSync(file) && statSync(file).isDirectory()) throw fail('EISDIR')
 }
 
 async function writeReport(

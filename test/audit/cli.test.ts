@@ -238,6 +238,23 @@ describe('kvfence audit (CLI)', () => {
     assertNoKeys(dup)
   })
 
+  test('a report that cannot be written is refused before any request (exit 2, one line)', async () => {
+    const safe = standIns.safe!
+    const before = safe.stats.numRequests
+    for (const [flag, path, reason] of [
+      ['--json', '/nonexistent-kvfence-dir/report.json', 'ENOENT'],
+      ['--html', tmpdir(), 'EISDIR'],
+    ]) {
+      const run = await kvfence(['audit', '--target', safe.url, ...tenantFlags, flag, path], env)
+      const kind = flag === '--json' ? 'JSON' : 'HTML'
+      assertOneLineError(
+        run,
+        new RegExp(`^kvfence audit: cannot write the ${kind} report to ${path}: ${reason}$`),
+      )
+    }
+    assert.equal(safe.stats.numRequests, before, 'the audit sent requests before refusing')
+  })
+
   test('--list-probes prints every probe with its description and exits 0 without a target', async () => {
     const run = await kvfence(['audit', '--list-probes'])
     assert.equal(run.code, 0, run.stderr)
