@@ -8,6 +8,13 @@ export function intOption(value: string): number {
   return Number(value)
 }
 
+/** Parse a count that must be at least 1 (pages, tokens per page, a context window). */
+export function positiveIntOption(value: string): number {
+  if (!/^[1-9]\d*$/.test(value))
+    throw new InvalidArgumentError(`expected a positive integer, got "${value}"`)
+  return Number(value)
+}
+
 /** Parse a TCP port flag: an integer from 0 (the system picks one) to 65535. */
 export function portOption(value: string): number {
   const n = /^\d+$/.test(value) ? Number(value) : NaN

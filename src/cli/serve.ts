@@ -7,11 +7,13 @@ import { pino } from 'pino'
 import { loadClusterConfig } from '../config/cluster.js'
 import { launchCluster } from '../config/launch.js'
 import { startCluster } from '../engine/cluster.js'
+import { buildFaultConfig } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
+import { loadTenants } from '../router/tenants.js'
 import {
   collect,
-  intOption,
+  positiveIntOption,
   threadArgs,
   threadsHelp,
   threadsOption,
@@ -58,13 +60,13 @@ export function registerServe(program: Command): void {
         .env('KVFENCE_PORT'),
     )
     .option('--log-content', 'log prompts and completions (off by default)')
-    .option('--page-size <n>', 'tokens per KV page', intOption, 16)
-    .option('--prefill-pages <n>', 'pages in the prefill worker’s KV pool', intOption, 64)
-    .option('--decode-pages <n>', 'pages in the decode worker’s KV pool', intOption, 64)
+    .option('--page-size <n>', 'tokens per KV page', positiveIntOption, 16)
+    .option('--prefill-pages <n>', 'pages in the prefill worker’s KV pool', positiveIntOption, 64)
+    .option('--decode-pages <n>', 'pages in the decode worker’s KV pool', positiveIntOption, 64)
     .option(
       '--context-window <n>',
       'advertised context window (default: the effective KV capacity)',
-      intOption,
+      positiveIntOption,
     )
     .option(
       '--clamp-context',
@@ -91,6 +93,9 @@ export function registerServe(program: Command): void {
       if (flags.tenants === undefined) {
         throw new KvfenceError('config_invalid', 'give --config FILE or --tenants FILE')
       }
+      // What the parts would refuse, refused before any of them starts (one line, no part's logs).
+      loadTenants(flags.tenants)
+      buildFaultConfig(flags.injectFault, flags.unsafeDisableGuards, process.env)
       const cluster = await startCluster({
         modelDir: flags.model,
         tenantsFile: flags.tenants,

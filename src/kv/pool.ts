@@ -92,7 +92,17 @@ export class KvPool {
     // same value as a freed one. Either way every page is written now, so the pool's memory is
     // resident from start-up instead of creeping up as load first reaches each page.
     const initial = guards.G6 ? poisonValue : 0
-    const store = (): Float32Array => new Float32Array(floats).fill(initial)
+    const store = (): Float32Array => {
+      try {
+        return new Float32Array(floats).fill(initial)
+      } catch (err) {
+        const gib = (2 * shape.numLayers * floats * 4) / 2 ** 30
+        throw new RangeError(
+          `a KV pool of ${shape.numPages} pages × ${shape.pageSize} tokens needs ${gib.toFixed(1)} GiB ` +
+            `(${(err as Error).message}): give fewer pages`,
+        )
+      }
+    }
     this.k = Array.from({ length: shape.numLayers }, store)
     this.v = Array.from({ length: shape.numLayers }, store)
     this.state = new Uint8Array(shape.numPages)

@@ -21,6 +21,10 @@ const cases: [string[], string][] = [
   [['router', '--port', '65536'], `error: option '--port <port>' argument '65536' is invalid. expected a port from 0 to 65535, got "65536"`],
   [['serve', '--log-level', 'chatty'], `error: option '--log-level <level>' argument 'chatty' is invalid. ${levels}`],
   [['decode', '--log-level', 'chatty'], `error: option '--log-level <level>' argument 'chatty' is invalid. ${levels}`],
+  [['serve', '--page-size', '0'], `error: option '--page-size <n>' argument '0' is invalid. expected a positive integer, got "0"`],
+  [['serve', '--prefill-pages', '0'], `error: option '--prefill-pages <n>' argument '0' is invalid. expected a positive integer, got "0"`],
+  // Checked before any part starts: one line, and no part's log lines before it.
+  [['serve', '--tenants', '/nonexistent-kvfence/tenants.yaml'], `kvfence: cannot read tenants file /nonexistent-kvfence/tenants.yaml: ENOENT: no such file or directory, open '/nonexistent-kvfence/tenants.yaml'`],
 ] // prettier-ignore
 
 describe('CLI flag ranges', () => {

@@ -265,6 +265,17 @@ describe('KV pool G5: ownership, epoch and fill on every read and write', () => 
   })
 })
 
+describe('KV pool size', () => {
+  it('a pool too large to allocate is a RangeError naming its size and the fix', () => {
+    const huge = { ...shape, numPages: 2 ** 31 }
+    assert.throws(() => new KvPool(huge, guardsWithout()), {
+      name: 'RangeError',
+      message:
+        /^a KV pool of 2147483648 pages × 4 tokens needs 256\.0 GiB \(.*\): give fewer pages$/,
+    })
+  })
+})
+
 describe('KV pool G6: scrub on free', () => {
   it('a fresh pool holds the poison value in every page, as if each had been scrubbed', () => {
     const { pool } = makePool()
