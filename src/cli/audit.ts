@@ -4,8 +4,7 @@
  *  sets the exit code: 1 for a finding at or above `--fail-on` (always for a leak), 2 for a tool
  *  error (one line on stderr), 0 otherwise. `--list-probes` prints the probes and exits 0.
  *  Never prints a tenant's key. */
-import { accessSync, constants, existsSync, statSync } from 'node:fs'
-import { dirname, resolve } from 'node:path'
+import { closeSync, existsSync, openSync, rmSync } from 'node:fs'
 import { MultiBar, Presets } from 'cli-progress'
 import { Option, type Command } from 'commander'
 import {
@@ -153,18 +152,19 @@ async function audit(flags: AuditFlags): Promise<number> {
   return exitCodeFor(report, failOn)
 }
 
-/** Throws `invalid_options` (as {@link writeReport} would, later) when `file`'s folder is missing
- *  or not writable, or `file` is a folder. */
+/** Throws `invalid_options` (as {@link writeReport} would, later) when `file` cannot be opened for
+ *  writing: the file is opened for appending (nothing is written) and, if this made it, removed.
+ *  Checking the folder's permissions is not enough (under /proc they allow what open refuses). */
 function checkWritable(kind: string, file: string | undefined): void {
   if (file === undefined) return
-  const fail = (reason: string) =>
-    new AuditError('invalid_options', `cannot write the ${kind} report to ${file}: ${reason}`)
+  const existed = existsSync(file)
   try {
-    accessSync(dirname(resolve(file)), constants.W_OK)
+    closeSync(openSync(file, 'a'))
   } catch (err) {
-    throw fail((err as { code?: string }).code ?? String(err))
+    const reason = (err as { code?: string }).code ?? String(err)
+    throw new AuditError('invalid_options', `cannot write the ${kind} report to ${file}: ${reason}`)
   }
-  if (existsSync(file) && statSync(file).isDirectory()) throw fail('EISDIR')
+  if (!existed) rmSync(file, { force: true })
 }
 
 async function writeReport(

@@ -99,7 +99,7 @@ export class KvPool {
         const gib = (2 * shape.numLayers * floats * 4) / 2 ** 30
         throw new RangeError(
           `a KV pool of ${shape.numPages} pages × ${shape.pageSize} tokens needs ${gib.toFixed(1)} GiB ` +
-            `(${(err as Error).message}): give fewer pages`,
+            `(${(err as Error).message}): give fewer or smaller pages`,
         )
       }
     }

@@ -244,6 +244,8 @@ describe('kvfence audit (CLI)', () => {
     for (const [flag, path, reason] of [
       ['--json', '/nonexistent-kvfence-dir/report.json', 'ENOENT'],
       ['--html', tmpdir(), 'EISDIR'],
+      // The folder's mode allows it, yet no file can be made there.
+      ['--json', '/proc/kvfence-report.json', 'ENOENT'],
     ]) {
       const run = await kvfence(['audit', '--target', safe.url, ...tenantFlags, flag, path], env)
       const kind = flag === '--json' ? 'JSON' : 'HTML'

@@ -271,7 +271,7 @@ describe('KV pool size', () => {
     assert.throws(() => new KvPool(huge, guardsWithout()), {
       name: 'RangeError',
       message:
-        /^a KV pool of 2147483648 pages × 4 tokens needs 256\.0 GiB \(.*\): give fewer pages$/,
+        /^a KV pool of 2147483648 pages × 4 tokens needs 256\.0 GiB \(.*\): give fewer or smaller pages$/,
     })
   })
 })
