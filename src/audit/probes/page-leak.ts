@@ -35,7 +35,7 @@ export interface UsageSample {
 
 const numWorkload = 8
 /** Most pool samples taken while the workload runs: a fast engine (the bundled model decodes 128
- *  tokens in ~10 ms) can finish every request between two fixed samples, so sampling goes on,
+ *  tokens in 10–20 ms) can finish every request between two fixed samples, so sampling goes on,
  *  back to back, until the pool is seen in use or the workload has ended. */
 const maxWorkloadSamples = 16
 const pollIntervalMs = 200
