@@ -48,6 +48,10 @@ const chunksPerThread = 8
 /** Rows a linear's output is split on: a multiple of 4 (the kernels' row group) per chunk. */
 const rowAlign = 4
 
+/** The ticket word while the caller writes a job: its tag (0xffffff) is no job's sequence number,
+ *  so every claim fails until the job is published. */
+export const sealedTicket = -1
+
 /** The ticket word for chunk `chunk` of job `seq`: the job's sequence number (23 bits) above the
  *  chunk index, so that a claim for a finished job can never take a chunk of the next one. */
 export function ticket(seq: number, chunk: number): number {
@@ -125,11 +129,17 @@ export interface KernelExports {
  *  the thread's own attention scores row. A chunk that throws is still counted as finished (so
  *  that nobody waits for it) and the error rethrown. */
 export function workOn(wasm: KernelExports, ctrl: Int32Array, seq: number, thread: number): void {
-  const chunks = ctrl[Ctrl.chunks]
   for (;;) {
     const t = Atomics.load(ctrl, Ctrl.ticket)
+    if (t >>> 8 !== (seq & 0x7fffff)) return
+    // Read after the ticket showed this job, never before: a helper that saw job `seq` published
+    // can be overtaken by the caller finishing it alone and writing the next job's chunk count.
+    // A count read then, with this job's last ticket, let a stray claim through (counted into the
+    // next job: its caller waited forever, or went on before a chunk was done). The caller seals
+    // the ticket before it rewrites anything, so a claim that succeeds saw this job's count.
+    const chunks = Atomics.load(ctrl, Ctrl.chunks)
     const chunk = t & 0xff
-    if (t >>> 8 !== (seq & 0x7fffff) || chunk >= chunks) return
+    if (chunk >= chunks) return
     if (Atomics.compareExchange(ctrl, Ctrl.ticket, t, t + 1) !== t) continue
     try {
       runChunk(wasm, ctrl, chunk, chunks, thread)

@@ -10,6 +10,7 @@ import {
   ctrlBytes,
   errorBytes,
   Op,
+  sealedTicket,
   ticket,
   workOn,
   type KernelExports,
@@ -105,7 +106,10 @@ export function startTeam(
       if (closed) throw new Error('the compute threads were closed')
       const chunks = chunkCount(op, args, threads)
       const seq = (ctrl[Ctrl.generation] + 1) & 0x7fffff
-      // Everything the helpers read is written before the generation word publishes the job.
+      // Seal the ticket first: a helper still looking at the previous job must not claim a chunk
+      // while its words are rewritten. Everything the helpers read is written before the
+      // generation word publishes the job.
+      Atomics.store(ctrl, Ctrl.ticket, sealedTicket)
       ctrl[Ctrl.op] = op
       for (let i = 0; i < args.length; i++) ctrl[Ctrl.args + i] = args[i]
       ctrl[Ctrl.chunks] = chunks
