@@ -4,7 +4,7 @@
 //
 // Every argument is a byte address in the one (imported, shared) memory or a count; nothing is
 // allocated here. Matrices are row-major; weights are `[outDim, inDim]` (PyTorch `nn.Linear`).
-// BF16 weights are the top 16 bits of an F32: widened in registers by a 16-bit shift.
+// BF16 weights are the top 16 bits of an F32: widened in registers by interleaving with zeros.
 
 // ---------------------------------------------------------------------------------------------
 // Linear layers: out[n, outDim] = x[n, inDim] · Wᵀ + bias (bias = 0: none), for output columns
@@ -21,12 +21,23 @@ function hsum(v: v128): f32 {
   )
 }
 
-function bf16Lo(v: v128): v128 {
-  return i32x4.shl(i32x4.extend_low_i16x8_u(v), 16)
+// BF16 weights are widened by interleaving them with zeros: 16-bit lanes [0, w0, 0, w1, …] read
+// as i32 lanes are w_k << 16, the F32 value of w_k (V8 emits one unpack instruction per four
+// weights: two per eight, where zero-extending to i32 and shifting took four). The alternative
+// without shuffles (eight weights as four i32 lanes, the odd ones masked by two shifts, the even
+// ones shifted, x reordered to match once per call) measured the same within the noise at 1
+// thread under load (decode 36.0–39.1 against 36.8–37.5 ms per pass over the 135M shape's
+// weights; prefill 587–592 against 597–598 ms per two layers at 1,000 tokens), and this one
+// leaves x as it is.
+
+/** The F32 values of BF16 weights 0..3 of the eight in `raw`. */
+function bf16Lo(raw: v128): v128 {
+  return v128.shuffle<i16>(v128.splat<i32>(0), raw, 0, 8, 1, 9, 2, 10, 3, 11)
 }
 
-function bf16Hi(v: v128): v128 {
-  return i32x4.shl(i32x4.extend_high_i16x8_u(v), 16)
+/** The F32 values of BF16 weights 4..7 of the eight in `raw`. */
+function bf16Hi(raw: v128): v128 {
+  return v128.shuffle<i16>(v128.splat<i32>(0), raw, 4, 12, 5, 13, 6, 14, 7, 15)
 }
 
 /** x_lo·w_lo + x_hi·w_hi: eight products folded into four lanes, in one fixed order. */
@@ -318,6 +329,85 @@ function bf16Tokens4Row1(
   storeOut(out, bias, t + 3, j, outDim, s3)
 }
 
+/** BF16, one token (x row at xt) × rows j..j+7: each x load serves eight rows (decode). */
+function bf16Token1Rows8(
+  out: usize,
+  xt: usize,
+  w: usize,
+  bias: usize,
+  t: i32,
+  j: i32,
+  inDim: i32,
+  outDim: i32,
+  vecEnd: i32,
+): void {
+  const wRowBytes = (<usize>inDim) << 1
+  const w0 = w + <usize>j * wRowBytes
+  let a0 = f32x4.splat(0)
+  let a1 = f32x4.splat(0)
+  let a2 = f32x4.splat(0)
+  let a3 = f32x4.splat(0)
+  let a4 = f32x4.splat(0)
+  let a5 = f32x4.splat(0)
+  let a6 = f32x4.splat(0)
+  let a7 = f32x4.splat(0)
+  let i = 0
+  for (; i < vecEnd; i += 8) {
+    const xl = v128.load(xt + ((<usize>i) << 2))
+    const xh = v128.load(xt + ((<usize>i) << 2), 16)
+    let r = w0 + ((<usize>i) << 1)
+    let raw = v128.load(r)
+    a0 = f32x4.add(a0, bf16Dot(xl, xh, bf16Lo(raw), bf16Hi(raw)))
+    r += wRowBytes
+    raw = v128.load(r)
+    a1 = f32x4.add(a1, bf16Dot(xl, xh, bf16Lo(raw), bf16Hi(raw)))
+    r += wRowBytes
+    raw = v128.load(r)
+    a2 = f32x4.add(a2, bf16Dot(xl, xh, bf16Lo(raw), bf16Hi(raw)))
+    r += wRowBytes
+    raw = v128.load(r)
+    a3 = f32x4.add(a3, bf16Dot(xl, xh, bf16Lo(raw), bf16Hi(raw)))
+    r += wRowBytes
+    raw = v128.load(r)
+    a4 = f32x4.add(a4, bf16Dot(xl, xh, bf16Lo(raw), bf16Hi(raw)))
+    r += wRowBytes
+    raw = v128.load(r)
+    a5 = f32x4.add(a5, bf16Dot(xl, xh, bf16Lo(raw), bf16Hi(raw)))
+    r += wRowBytes
+    raw = v128.load(r)
+    a6 = f32x4.add(a6, bf16Dot(xl, xh, bf16Lo(raw), bf16Hi(raw)))
+    r += wRowBytes
+    raw = v128.load(r)
+    a7 = f32x4.add(a7, bf16Dot(xl, xh, bf16Lo(raw), bf16Hi(raw)))
+  }
+  bf16RowEnd(out, xt, w0, bias, t, j, inDim, outDim, i, a0)
+  bf16RowEnd(out, xt, w0 + wRowBytes, bias, t, j + 1, inDim, outDim, i, a1)
+  bf16RowEnd(out, xt, w0 + 2 * wRowBytes, bias, t, j + 2, inDim, outDim, i, a2)
+  bf16RowEnd(out, xt, w0 + 3 * wRowBytes, bias, t, j + 3, inDim, outDim, i, a3)
+  bf16RowEnd(out, xt, w0 + 4 * wRowBytes, bias, t, j + 4, inDim, outDim, i, a4)
+  bf16RowEnd(out, xt, w0 + 5 * wRowBytes, bias, t, j + 5, inDim, outDim, i, a5)
+  bf16RowEnd(out, xt, w0 + 6 * wRowBytes, bias, t, j + 6, inDim, outDim, i, a6)
+  bf16RowEnd(out, xt, w0 + 7 * wRowBytes, bias, t, j + 7, inDim, outDim, i, a7)
+}
+
+/** Finish one output of a one-token BF16 row: lanes of `a` added, scalar tail from `from`, bias. */
+function bf16RowEnd(
+  out: usize,
+  xt: usize,
+  wr: usize,
+  bias: usize,
+  t: i32,
+  j: i32,
+  inDim: i32,
+  outDim: i32,
+  from: i32,
+  a: v128,
+): void {
+  let s = hsum(a)
+  for (let i = from; i < inDim; i++) s += load<f32>(xt + ((<usize>i) << 2)) * bf16At(wr, i)
+  storeOut(out, bias, t, j, outDim, s)
+}
+
 /** F32 weights. Four tokens share each weight load (prefill); one token streams four rows (decode). */
 export function linearF32(
   out: usize,
@@ -438,6 +528,7 @@ export function linearBf16(
   for (; t < n; t++) {
     const xt = x + <usize>t * xRowBytes
     let j = rowStart
+    for (; j + 7 < rowEnd; j += 8) bf16Token1Rows8(out, xt, w, bias, t, j, inDim, outDim, vecEnd)
     for (; j + 3 < rowEnd; j += 4) {
       const w0 = w + <usize>j * wRowBytes
       const w1 = w0 + wRowBytes
@@ -506,13 +597,411 @@ export function linearBf16(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Causal attention over a contiguous context (the caller gathered it through the page table)
+// Vectorised e^x (Cephes `expf`, S. L. Moshier): x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in two
+// parts so n·C1 is exact), e^r by a degree-7 polynomial, then × 2^n built in the exponent bits.
+// 2^n is applied as 2^⌊n/2⌋ · 2^(n−⌊n/2⌋) so that n = 128 (x up to 89) overflows to +∞ and n down
+// to −150 underflows through the subnormals to 0 instead of wrapping the exponent field.
+// Max relative error against Math.exp over x ∈ [−87, 88] (normal results): 8.1e-8, measured on
+// 7,000,001 evenly spaced points, so under one f32 ulp (2^-23 ≈ 1.19e-7); test/model/exp.test.ts
+// sweeps it against a 1.2e-7 bound. −∞ → 0, +∞ → +∞, NaN → NaN.
+
+const expLog2e: f32 = Mathf.LOG2E
+const expC1: f32 = 0.693359375
+const expC2: f32 = -2.1219444e-4
+
+function pow2i(n: v128): v128 {
+  return i32x4.shl(i32x4.add(n, i32x4.splat(127)), 23)
+}
+
+/** e^x in every lane of x. */
+function expV(x: v128): v128 {
+  x = f32x4.min(f32x4.max(x, f32x4.splat(-104)), f32x4.splat(89))
+  const n = f32x4.nearest(f32x4.mul(x, f32x4.splat(expLog2e)))
+  let r = f32x4.sub(x, f32x4.mul(n, f32x4.splat(expC1)))
+  r = f32x4.sub(r, f32x4.mul(n, f32x4.splat(expC2)))
+  const z = f32x4.mul(r, r)
+  let p = f32x4.splat(1.98756915e-4)
+  p = f32x4.add(f32x4.mul(p, r), f32x4.splat(1.3981999507e-3))
+  p = f32x4.add(f32x4.mul(p, r), f32x4.splat(8.3334519073e-3))
+  p = f32x4.add(f32x4.mul(p, r), f32x4.splat(4.1665795894e-2))
+  p = f32x4.add(f32x4.mul(p, r), f32x4.splat(1.6666665459e-1))
+  p = f32x4.add(f32x4.mul(p, r), f32x4.splat(5.0000001201e-1))
+  const y = f32x4.add(f32x4.add(f32x4.mul(p, z), r), f32x4.splat(1))
+  const ni = i32x4.trunc_sat_f32x4_s(n)
+  const n1 = i32x4.shr_s(ni, 1)
+  return f32x4.mul(f32x4.mul(y, pow2i(n1)), pow2i(i32x4.sub(ni, n1)))
+}
+
+/** e^x of one value, by the same arithmetic as a lane of {@link expV}. */
+function expS(x: f32): f32 {
+  return f32x4.extract_lane(expV(f32x4.splat(x)), 0)
+}
+
+/** out[i] = e^x[i] for i < count (the vector exp of the softmax and SiLU, exported for its test). */
+export function expF32(out: usize, x: usize, count: i32): void {
+  let i = 0
+  for (; i + 3 < count; i += 4) {
+    const o = (<usize>i) << 2
+    v128.store(out + o, expV(v128.load(x + o)))
+  }
+  for (; i < count; i++) store<f32>(out + ((<usize>i) << 2), expS(load<f32>(x + ((<usize>i) << 2))))
+}
+
+/** Sum of the lanes as (l0 + l2) + (l1 + l3): the order {@link sum4} uses per lane. */
+function sum1(a: v128): f32 {
+  return (
+    f32x4.extract_lane(a, 0) +
+    f32x4.extract_lane(a, 2) +
+    (f32x4.extract_lane(a, 1) + f32x4.extract_lane(a, 3))
+  )
+}
+
+/** [Σ a0, Σ a1, Σ a2, Σ a3]: four horizontal sums in one vector, each as (l0 + l2) + (l1 + l3). */
+function sum4(a0: v128, a1: v128, a2: v128, a3: v128): v128 {
+  const s01 = f32x4.add(f32x4.shuffle(a0, a1, 0, 1, 4, 5), f32x4.shuffle(a0, a1, 2, 3, 6, 7))
+  const s23 = f32x4.add(f32x4.shuffle(a2, a3, 0, 1, 4, 5), f32x4.shuffle(a2, a3, 2, 3, 6, 7))
+  return f32x4.add(f32x4.shuffle(s01, s23, 0, 2, 4, 6), f32x4.shuffle(s01, s23, 1, 3, 5, 7))
+}
+
+/** Σ q[i]·k[i] over the scalar tail i ∈ [from, to) (head sizes not a multiple of 4). */
+function dotTail(q: usize, k: usize, from: i32, to: i32): f32 {
+  let s: f32 = 0
+  for (let i = from; i < to; i++)
+    s += load<f32>(q + ((<usize>i) << 2)) * load<f32>(k + ((<usize>i) << 2))
+  return s
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal attention over a contiguous context (the caller gathered it through the page table,
+// after the pool checked every page: this kernel never sees a page)
+
+/** Per-instance results of {@link scorePair} (each thread has its own instance, so its own). */
+let pairMaxA: f32 = -Infinity
+let pairMaxB: f32 = -Infinity
+
+/** Scaled scores q·k_p · scale of one query row (q at qh) for keys p ∈ [from, to) into
+ *  scores[p]: four keys at a time (one shuffle tree instead of four horizontal sums), then one
+ *  at a time. Returns max(max, those scores). Each score's arithmetic is the same whichever path
+ *  computes it (lane sums (l0 + l2) + (l1 + l3), then the tail, then × scale). */
+function scoreRow(
+  qh: usize,
+  kh: usize,
+  kvRowBytes: usize,
+  scores: usize,
+  from: i32,
+  to: i32,
+  headDim: i32,
+  scale: f32,
+  max: f32,
+): f32 {
+  const vecEnd = headDim & ~3
+  const scaleV = f32x4.splat(scale)
+  let maxV = f32x4.splat(max)
+  let p = from
+  for (; p + 3 < to; p += 4) {
+    const k0 = kh + <usize>p * kvRowBytes
+    const k1 = k0 + kvRowBytes
+    const k2 = k1 + kvRowBytes
+    const k3 = k2 + kvRowBytes
+    let a0 = f32x4.splat(0)
+    let a1 = f32x4.splat(0)
+    let a2 = f32x4.splat(0)
+    let a3 = f32x4.splat(0)
+    for (let i = 0; i < vecEnd; i += 4) {
+      const o = (<usize>i) << 2
+      const qv = v128.load(qh + o)
+      a0 = f32x4.add(a0, f32x4.mul(qv, v128.load(k0 + o)))
+      a1 = f32x4.add(a1, f32x4.mul(qv, v128.load(k1 + o)))
+      a2 = f32x4.add(a2, f32x4.mul(qv, v128.load(k2 + o)))
+      a3 = f32x4.add(a3, f32x4.mul(qv, v128.load(k3 + o)))
+    }
+    let s = sum4(a0, a1, a2, a3)
+    if (vecEnd < headDim) s = f32x4.add(s, tail4(qh, k0, kvRowBytes, vecEnd, headDim))
+    s = f32x4.mul(s, scaleV)
+    v128.store(scores + ((<usize>p) << 2), s)
+    maxV = f32x4.max(maxV, s)
+  }
+  max = Mathf.max(
+    Mathf.max(f32x4.extract_lane(maxV, 0), f32x4.extract_lane(maxV, 1)),
+    Mathf.max(f32x4.extract_lane(maxV, 2), f32x4.extract_lane(maxV, 3)),
+  )
+  for (; p < to; p++) {
+    const kp = kh + <usize>p * kvRowBytes
+    let a = f32x4.splat(0)
+    for (let i = 0; i < vecEnd; i += 4) {
+      const o = (<usize>i) << 2
+      a = f32x4.add(a, f32x4.mul(v128.load(qh + o), v128.load(kp + o)))
+    }
+    const s = (sum1(a) + dotTail(qh, kp, vecEnd, headDim)) * scale
+    store<f32>(scores + ((<usize>p) << 2), s)
+    max = Mathf.max(max, s)
+  }
+  return max
+}
+
+/** The scalar tails of four keys' dot products (rows k0, k0 + kvRowBytes, …) as one vector. */
+function tail4(qh: usize, k0: usize, kvRowBytes: usize, from: i32, to: i32): v128 {
+  let tail = f32x4.splat(dotTail(qh, k0, from, to))
+  tail = f32x4.replace_lane(tail, 1, dotTail(qh, k0 + kvRowBytes, from, to))
+  tail = f32x4.replace_lane(tail, 2, dotTail(qh, k0 + 2 * kvRowBytes, from, to))
+  return f32x4.replace_lane(tail, 3, dotTail(qh, k0 + 3 * kvRowBytes, from, to))
+}
+
+/** {@link scoreRow} for two query rows (qa, qb) over the same keys p ∈ [0, to), to a multiple of
+ *  4: every key load serves both rows. Same arithmetic per score as scoreRow. Their maxima go to
+ *  pairMaxA, pairMaxB. */
+function scorePair(
+  qa: usize,
+  qb: usize,
+  kh: usize,
+  kvRowBytes: usize,
+  sa: usize,
+  sb: usize,
+  to: i32,
+  headDim: i32,
+  scale: f32,
+): void {
+  const vecEnd = headDim & ~3
+  const scaleV = f32x4.splat(scale)
+  let maxA = f32x4.splat(-Infinity)
+  let maxB = f32x4.splat(-Infinity)
+  for (let p = 0; p < to; p += 4) {
+    const k0 = kh + <usize>p * kvRowBytes
+    const k1 = k0 + kvRowBytes
+    const k2 = k1 + kvRowBytes
+    const k3 = k2 + kvRowBytes
+    let a0 = f32x4.splat(0)
+    let a1 = f32x4.splat(0)
+    let a2 = f32x4.splat(0)
+    let a3 = f32x4.splat(0)
+    let b0 = f32x4.splat(0)
+    let b1 = f32x4.splat(0)
+    let b2 = f32x4.splat(0)
+    let b3 = f32x4.splat(0)
+    for (let i = 0; i < vecEnd; i += 4) {
+      const o = (<usize>i) << 2
+      const qav = v128.load(qa + o)
+      const qbv = v128.load(qb + o)
+      let kv = v128.load(k0 + o)
+      a0 = f32x4.add(a0, f32x4.mul(qav, kv))
+      b0 = f32x4.add(b0, f32x4.mul(qbv, kv))
+      kv = v128.load(k1 + o)
+      a1 = f32x4.add(a1, f32x4.mul(qav, kv))
+      b1 = f32x4.add(b1, f32x4.mul(qbv, kv))
+      kv = v128.load(k2 + o)
+      a2 = f32x4.add(a2, f32x4.mul(qav, kv))
+      b2 = f32x4.add(b2, f32x4.mul(qbv, kv))
+      kv = v128.load(k3 + o)
+      a3 = f32x4.add(a3, f32x4.mul(qav, kv))
+      b3 = f32x4.add(b3, f32x4.mul(qbv, kv))
+    }
+    let s = sum4(a0, a1, a2, a3)
+    let r = sum4(b0, b1, b2, b3)
+    if (vecEnd < headDim) {
+      s = f32x4.add(s, tail4(qa, k0, kvRowBytes, vecEnd, headDim))
+      r = f32x4.add(r, tail4(qb, k0, kvRowBytes, vecEnd, headDim))
+    }
+    s = f32x4.mul(s, scaleV)
+    r = f32x4.mul(r, scaleV)
+    v128.store(sa + ((<usize>p) << 2), s)
+    v128.store(sb + ((<usize>p) << 2), r)
+    maxA = f32x4.max(maxA, s)
+    maxB = f32x4.max(maxB, r)
+  }
+  pairMaxA = Mathf.max(
+    Mathf.max(f32x4.extract_lane(maxA, 0), f32x4.extract_lane(maxA, 1)),
+    Mathf.max(f32x4.extract_lane(maxA, 2), f32x4.extract_lane(maxA, 3)),
+  )
+  pairMaxB = Mathf.max(
+    Mathf.max(f32x4.extract_lane(maxB, 0), f32x4.extract_lane(maxB, 1)),
+    Mathf.max(f32x4.extract_lane(maxB, 2), f32x4.extract_lane(maxB, 3)),
+  )
+}
+
+/** Softmax of scores[0, numKeys) in place, as the probabilities e^(s − max) · (1 / Σ e): the
+ *  vector exp four at a time, the sum per lane (lanes added (l0 + l2) + (l1 + l3)), then the
+ *  scalar tail; each probability is the exact f32 product the weighted sum of V uses. */
+function softmaxRow(scores: usize, numKeys: i32, max: f32): void {
+  const maxS = f32x4.splat(max)
+  let sumV = f32x4.splat(0)
+  let p = 0
+  for (; p + 3 < numKeys; p += 4) {
+    const sp = scores + ((<usize>p) << 2)
+    const e = expV(f32x4.sub(v128.load(sp), maxS))
+    v128.store(sp, e)
+    sumV = f32x4.add(sumV, e)
+  }
+  let sum = sum1(sumV)
+  for (; p < numKeys; p++) {
+    const sp = scores + ((<usize>p) << 2)
+    const e = expS(load<f32>(sp) - max)
+    store<f32>(sp, e)
+    sum += e
+  }
+  const inv: f32 = 1 / sum
+  const invV = f32x4.splat(inv)
+  p = 0
+  for (; p + 3 < numKeys; p += 4) {
+    const sp = scores + ((<usize>p) << 2)
+    v128.store(sp, f32x4.mul(v128.load(sp), invV))
+  }
+  for (; p < numKeys; p++) {
+    const sp = scores + ((<usize>p) << 2)
+    store<f32>(sp, load<f32>(sp) * inv)
+  }
+}
+
+/** oh[c] = Σ_{p < numKeys} probs[p] · v_p[c] for the head's columns c (V rows at vh, kvRowBytes
+ *  apart), summed in key order from 0, the output held in registers 32 columns at a time. */
+function weightedRow(
+  oh: usize,
+  probs: usize,
+  vh: usize,
+  kvRowBytes: usize,
+  numKeys: i32,
+  headDim: i32,
+): void {
+  let i = 0
+  for (; i + 31 < headDim; i += 32) {
+    let c0 = f32x4.splat(0)
+    let c1 = f32x4.splat(0)
+    let c2 = f32x4.splat(0)
+    let c3 = f32x4.splat(0)
+    let c4 = f32x4.splat(0)
+    let c5 = f32x4.splat(0)
+    let c6 = f32x4.splat(0)
+    let c7 = f32x4.splat(0)
+    let vp = vh + ((<usize>i) << 2)
+    for (let p = 0; p < numKeys; p++) {
+      const w = v128.load32_splat(probs + ((<usize>p) << 2))
+      c0 = f32x4.add(c0, f32x4.mul(w, v128.load(vp)))
+      c1 = f32x4.add(c1, f32x4.mul(w, v128.load(vp, 16)))
+      c2 = f32x4.add(c2, f32x4.mul(w, v128.load(vp, 32)))
+      c3 = f32x4.add(c3, f32x4.mul(w, v128.load(vp, 48)))
+      c4 = f32x4.add(c4, f32x4.mul(w, v128.load(vp, 64)))
+      c5 = f32x4.add(c5, f32x4.mul(w, v128.load(vp, 80)))
+      c6 = f32x4.add(c6, f32x4.mul(w, v128.load(vp, 96)))
+      c7 = f32x4.add(c7, f32x4.mul(w, v128.load(vp, 112)))
+      vp += kvRowBytes
+    }
+    const ob = oh + ((<usize>i) << 2)
+    v128.store(ob, c0)
+    v128.store(ob, c1, 16)
+    v128.store(ob, c2, 32)
+    v128.store(ob, c3, 48)
+    v128.store(ob, c4, 64)
+    v128.store(ob, c5, 80)
+    v128.store(ob, c6, 96)
+    v128.store(ob, c7, 112)
+  }
+  weightedColumns(oh, probs, vh, kvRowBytes, numKeys, i, headDim)
+}
+
+/** The columns [from, headDim) of {@link weightedRow}: four at a time, then one at a time. */
+function weightedColumns(
+  oh: usize,
+  probs: usize,
+  vh: usize,
+  kvRowBytes: usize,
+  numKeys: i32,
+  from: i32,
+  headDim: i32,
+): void {
+  let i = from
+  for (; i + 3 < headDim; i += 4) {
+    let c = f32x4.splat(0)
+    let vp = vh + ((<usize>i) << 2)
+    for (let p = 0; p < numKeys; p++) {
+      c = f32x4.add(c, f32x4.mul(v128.load32_splat(probs + ((<usize>p) << 2)), v128.load(vp)))
+      vp += kvRowBytes
+    }
+    v128.store(oh + ((<usize>i) << 2), c)
+  }
+  for (; i < headDim; i++) {
+    let c: f32 = 0
+    let vp = vh + ((<usize>i) << 2)
+    for (let p = 0; p < numKeys; p++) {
+      c += load<f32>(probs + ((<usize>p) << 2)) * load<f32>(vp)
+      vp += kvRowBytes
+    }
+    store<f32>(oh + ((<usize>i) << 2), c)
+  }
+}
+
+/** {@link weightedRow} for two rows whose keys are [0, numKeys) and [0, numKeys + 1) (tokens t
+ *  and t + 1): each V load serves both, 16 columns at a time; the second row's last key is added
+ *  last, as weightedRow adds it. */
+function weightedPair(
+  oa: usize,
+  ob: usize,
+  pa: usize,
+  pb: usize,
+  vh: usize,
+  kvRowBytes: usize,
+  numKeys: i32,
+  headDim: i32,
+): void {
+  let i = 0
+  for (; i + 15 < headDim; i += 16) {
+    let c0 = f32x4.splat(0)
+    let c1 = f32x4.splat(0)
+    let c2 = f32x4.splat(0)
+    let c3 = f32x4.splat(0)
+    let d0 = f32x4.splat(0)
+    let d1 = f32x4.splat(0)
+    let d2 = f32x4.splat(0)
+    let d3 = f32x4.splat(0)
+    let vp = vh + ((<usize>i) << 2)
+    for (let p = 0; p < numKeys; p++) {
+      const wa = v128.load32_splat(pa + ((<usize>p) << 2))
+      const wb = v128.load32_splat(pb + ((<usize>p) << 2))
+      let x = v128.load(vp)
+      c0 = f32x4.add(c0, f32x4.mul(wa, x))
+      d0 = f32x4.add(d0, f32x4.mul(wb, x))
+      x = v128.load(vp, 16)
+      c1 = f32x4.add(c1, f32x4.mul(wa, x))
+      d1 = f32x4.add(d1, f32x4.mul(wb, x))
+      x = v128.load(vp, 32)
+      c2 = f32x4.add(c2, f32x4.mul(wa, x))
+      d2 = f32x4.add(d2, f32x4.mul(wb, x))
+      x = v128.load(vp, 48)
+      c3 = f32x4.add(c3, f32x4.mul(wa, x))
+      d3 = f32x4.add(d3, f32x4.mul(wb, x))
+      vp += kvRowBytes
+    }
+    const wb = v128.load32_splat(pb + ((<usize>numKeys) << 2))
+    d0 = f32x4.add(d0, f32x4.mul(wb, v128.load(vp)))
+    d1 = f32x4.add(d1, f32x4.mul(wb, v128.load(vp, 16)))
+    d2 = f32x4.add(d2, f32x4.mul(wb, v128.load(vp, 32)))
+    d3 = f32x4.add(d3, f32x4.mul(wb, v128.load(vp, 48)))
+    const o = (<usize>i) << 2
+    v128.store(oa + o, c0)
+    v128.store(oa + o, c1, 16)
+    v128.store(oa + o, c2, 32)
+    v128.store(oa + o, c3, 48)
+    v128.store(ob + o, d0)
+    v128.store(ob + o, d1, 16)
+    v128.store(ob + o, d2, 32)
+    v128.store(ob + o, d3, 48)
+  }
+  weightedColumns(oa, pa, vh, kvRowBytes, numKeys, i, headDim)
+  weightedColumns(ob, pb, vh, kvRowBytes, numKeys + 1, i, headDim)
+}
 
 /** out[n, numHeads·headDim], query heads [headStart, headEnd) only: token t (position
  *  startPos + t) attends to context rows [0, startPos + t]; query head h reads KV head
  *  h / (numHeads / numKvHeads).
  *  q: [n, numHeads·headDim]; k, v: [startPos + n, numKvHeads·headDim]; scores: f32 scratch of
- *  startPos + n entries. */
+ *  2 × ⌈(startPos + n) / 4⌉ × 4 entries (two rows; never written past them).
+ *
+ *  Per query row, three passes over a scores row that stays in L1: scaled q·k four keys at a
+ *  time, then the softmax by the vector exp (probabilities stored), then Σ p·v with the output
+ *  held in registers. Tokens go in pairs (t, t + 1) where they can: every K and V load then
+ *  serves two rows, halving the traffic from L2, which bounds these loops. (A FlashAttention-
+ *  style online softmax would save the n × n score matrix a GPU writes to HBM; here there are
+ *  only two L1-resident rows, and the running rescale would cost more than the second pass.)
+ *  Every query row's arithmetic depends only on its own position, never on n, headStart, the
+ *  pairing or where a thread's block starts: bit-identical splits. */
 export function attention(
   out: usize,
   q: usize,
@@ -531,51 +1020,156 @@ export function attention(
   const qDim = numHeads * headDim
   const kvDim = numKvHeads * headDim
   const groupSize = numHeads / numKvHeads
-  const vecEnd = headDim & ~3
   const kvRowBytes = (<usize>kvDim) << 2
-  for (let t = 0; t < n; t++) {
+  const headBytes = (<usize>headDim) << 2
+  const qRowBytes = (<usize>qDim) << 2
+  const scoresB = scores + (((<usize>(startPos + n + 3)) & ~3) << 2)
+  let t = 0
+  for (; t + 1 < n; t += 2) {
+    const numKeys = startPos + t + 1 // token t's; token t + 1 has one more
+    const pairEnd = numKeys & ~3
+    for (let head = headStart; head < headEnd; head++) {
+      const qa = q + <usize>t * qRowBytes + <usize>head * headBytes
+      const qb = qa + qRowBytes
+      const kvOff = <usize>(head / groupSize) * headBytes
+      scorePair(qa, qb, k + kvOff, kvRowBytes, scores, scoresB, pairEnd, headDim, scale)
+      const maxA = scoreRow(
+        qa,
+        k + kvOff,
+        kvRowBytes,
+        scores,
+        pairEnd,
+        numKeys,
+        headDim,
+        scale,
+        pairMaxA,
+      )
+      const maxB = scoreRow(
+        qb,
+        k + kvOff,
+        kvRowBytes,
+        scoresB,
+        pairEnd,
+        numKeys + 1,
+        headDim,
+        scale,
+        pairMaxB,
+      )
+      softmaxRow(scores, numKeys, maxA)
+      softmaxRow(scoresB, numKeys + 1, maxB)
+      const oa = out + <usize>t * qRowBytes + <usize>head * headBytes
+      weightedPair(oa, oa + qRowBytes, scores, scoresB, v + kvOff, kvRowBytes, numKeys, headDim)
+    }
+  }
+  for (; t < n; t++) {
     const numKeys = startPos + t + 1
     for (let head = headStart; head < headEnd; head++) {
-      const qh = q + ((<usize>t * <usize>qDim + <usize>head * <usize>headDim) << 2)
-      const kvOff = <usize>(head / groupSize) * ((<usize>headDim) << 2)
-      let max: f32 = -Infinity
-      for (let p = 0; p < numKeys; p++) {
-        const kp = k + <usize>p * kvRowBytes + kvOff
-        let a = f32x4.splat(0)
-        let i = 0
-        for (; i < vecEnd; i += 4) {
-          const o = (<usize>i) << 2
-          a = f32x4.add(a, f32x4.mul(v128.load(qh + o), v128.load(kp + o)))
-        }
-        let dot = hsum(a)
-        for (; i < headDim; i++)
-          dot += load<f32>(qh + ((<usize>i) << 2)) * load<f32>(kp + ((<usize>i) << 2))
-        const s = dot * scale
-        store<f32>(scores + ((<usize>p) << 2), s)
-        if (s > max) max = s
+      const qh = q + <usize>t * qRowBytes + <usize>head * headBytes
+      const kvOff = <usize>(head / groupSize) * headBytes
+      const max = scoreRow(qh, k + kvOff, kvRowBytes, scores, 0, numKeys, headDim, scale, -Infinity)
+      softmaxRow(scores, numKeys, max)
+      const oh = out + <usize>t * qRowBytes + <usize>head * headBytes
+      weightedRow(oh, scores, v + kvOff, kvRowBytes, numKeys, headDim)
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element-wise steps of the forward pass (single-threaded: memory-bound and cheap next to the
+// linears, but several times faster here than in JS). Oracles: src/model/kernels.ts.
+
+/** RMSNorm row by row: out[t] = x[t] / sqrt(mean(x[t]²) + eps) ⊙ weight; x, out: [n, d]. */
+export function rmsNorm(out: usize, x: usize, weight: usize, n: i32, d: i32, eps: f64): void {
+  const vecEnd = d & ~3
+  const rowBytes = (<usize>d) << 2
+  for (let t = 0; t < n; t++) {
+    const xr = x + <usize>t * rowBytes
+    const or = out + <usize>t * rowBytes
+    let a = f32x4.splat(0)
+    let i = 0
+    for (; i < vecEnd; i += 4) {
+      const xv = v128.load(xr + ((<usize>i) << 2))
+      a = f32x4.add(a, f32x4.mul(xv, xv))
+    }
+    let ss = sum1(a)
+    for (; i < d; i++) {
+      const xi = load<f32>(xr + ((<usize>i) << 2))
+      ss += xi * xi
+    }
+    const inv = <f32>(1 / Math.sqrt(<f64>ss / <f64>d + eps))
+    const iv = f32x4.splat(inv)
+    i = 0
+    for (; i < vecEnd; i += 4) {
+      const o = (<usize>i) << 2
+      v128.store(or + o, f32x4.mul(f32x4.mul(v128.load(xr + o), iv), v128.load(weight + o)))
+    }
+    for (; i < d; i++) {
+      const o = (<usize>i) << 2
+      store<f32>(or + o, load<f32>(xr + o) * inv * load<f32>(weight + o))
+    }
+  }
+}
+
+/** SwiGLU in place: gate[i] = silu(gate[i]) · up[i], silu(g) = g / (1 + e^−g); count floats. */
+export function swiglu(gate: usize, up: usize, count: i32): void {
+  const one = f32x4.splat(1)
+  let i = 0
+  for (; i + 3 < count; i += 4) {
+    const o = (<usize>i) << 2
+    const g = v128.load(gate + o)
+    const s = f32x4.div(g, f32x4.add(one, expV(f32x4.neg(g))))
+    v128.store(gate + o, f32x4.mul(s, v128.load(up + o)))
+  }
+  for (; i < count; i++) {
+    const o = (<usize>i) << 2
+    const g = load<f32>(gate + o)
+    store<f32>(gate + o, (g / (1 + expS(-g))) * load<f32>(up + o))
+  }
+}
+
+/** Residual add: x[i] += y[i] for i < count. */
+export function addInPlace(x: usize, y: usize, count: i32): void {
+  let i = 0
+  for (; i + 3 < count; i += 4) {
+    const o = (<usize>i) << 2
+    v128.store(x + o, f32x4.add(v128.load(x + o), v128.load(y + o)))
+  }
+  for (; i < count; i++) {
+    const o = (<usize>i) << 2
+    store<f32>(x + o, load<f32>(x + o) + load<f32>(y + o))
+  }
+}
+
+/** RoPE in place, rotate-half convention: row t of x ([n, numHeads·headDim]) is rotated by the
+ *  angles whose cosines and sines are row t of cos, sin ([n, headDim / 2]); every head alike. */
+export function rope(x: usize, cos: usize, sin: usize, n: i32, numHeads: i32, headDim: i32): void {
+  const half = headDim >> 1
+  const halfBytes = (<usize>half) << 2
+  const headBytes = (<usize>headDim) << 2
+  for (let t = 0; t < n; t++) {
+    const ct = cos + <usize>t * halfBytes
+    const st = sin + <usize>t * halfBytes
+    for (let head = 0; head < numHeads; head++) {
+      const xa = x + (<usize>t * <usize>numHeads + <usize>head) * headBytes
+      const xb = xa + halfBytes
+      let i = 0
+      for (; i + 3 < half; i += 4) {
+        const o = (<usize>i) << 2
+        const a = v128.load(xa + o)
+        const b = v128.load(xb + o)
+        const c = v128.load(ct + o)
+        const s = v128.load(st + o)
+        v128.store(xa + o, f32x4.sub(f32x4.mul(a, c), f32x4.mul(b, s)))
+        v128.store(xb + o, f32x4.add(f32x4.mul(b, c), f32x4.mul(a, s)))
       }
-      let sum: f32 = 0
-      for (let p = 0; p < numKeys; p++) {
-        const e = Mathf.exp(load<f32>(scores + ((<usize>p) << 2)) - max)
-        store<f32>(scores + ((<usize>p) << 2), e)
-        sum += e
-      }
-      const inv: f32 = 1 / sum
-      const oh = out + ((<usize>t * <usize>qDim + <usize>head * <usize>headDim) << 2)
-      memory.fill(oh, 0, (<usize>headDim) << 2)
-      for (let p = 0; p < numKeys; p++) {
-        const wgt = load<f32>(scores + ((<usize>p) << 2)) * inv
-        const wv = f32x4.splat(wgt)
-        const vp = v + <usize>p * kvRowBytes + kvOff
-        let i = 0
-        for (; i < vecEnd; i += 4) {
-          const o = (<usize>i) << 2
-          v128.store(oh + o, f32x4.add(v128.load(oh + o), f32x4.mul(wv, v128.load(vp + o))))
-        }
-        for (; i < headDim; i++) {
-          const o = (<usize>i) << 2
-          store<f32>(oh + o, load<f32>(oh + o) + wgt * load<f32>(vp + o))
-        }
+      for (; i < half; i++) {
+        const o = (<usize>i) << 2
+        const a = load<f32>(xa + o)
+        const b = load<f32>(xb + o)
+        const c = load<f32>(ct + o)
+        const s = load<f32>(st + o)
+        store<f32>(xa + o, a * c - b * s)
+        store<f32>(xb + o, b * c + a * s)
       }
     }
   }

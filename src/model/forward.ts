@@ -5,7 +5,6 @@
  *  request's page table, after the pool checked owner, epoch and fill of every page (G5).
  *  Knows tensors, positions and page tables; knows nothing of tenants, transfers or HTTP. */
 import type { KvPool, PageRef } from '../kv/pool.js'
-import { rmsNorm, silu } from './kernels.js'
 import { readRow } from './linear.js'
 import type { Model } from './weights.js'
 
@@ -80,20 +79,6 @@ export function makeRope(model: Model, maxPositions?: number): Rope {
     }
   }
   return { cos, sin, half, positions }
-}
-
-/** Rotate `x[offset .. offset + headDim)` in place by position `pos` (rotate-half convention). */
-function applyRope(x: Float32Array, offset: number, pos: number, rope: Rope): void {
-  const { cos, sin, half } = rope
-  const base = pos * half
-  for (let i = 0; i < half; i++) {
-    const a = x[offset + i]
-    const b = x[offset + i + half]
-    const c = cos[base + i]
-    const s = sin[base + i]
-    x[offset + i] = a * c - b * s
-    x[offset + i + half] = b * c + a * s
-  }
 }
 
 /** One sequence's share of a batched forward step ({@link forwardBatch}). */
@@ -215,6 +200,17 @@ export function forwardBatch(
   const kCtx = K.scratch('kCtx', maxEndPos * kvDim)
   const vCtx = K.scratch('vCtx', maxEndPos * kvDim)
   const { pageSize } = pool.shape
+  // RoPE angles of every stacked row at its own position: [n, headDim / 2] cosines and sines.
+  const { half } = rope
+  const ropeCos = K.scratch('ropeCos', n * half)
+  const ropeSin = K.scratch('ropeSin', n * half)
+  for (const i of live) {
+    const { startPos, tokenIds } = seqs[i]
+    const from = startPos * half
+    const to = (startPos + tokenIds.length) * half
+    ropeCos.set(rope.cos.subarray(from, to), rowStart[i] * half)
+    ropeSin.set(rope.sin.subarray(from, to), rowStart[i] * half)
+  }
 
   for (let layer = 0; layer < model.layers.length; layer++) {
     if (live.every((i) => results[i] !== undefined)) break // every sequence failed a check
@@ -223,20 +219,12 @@ export function forwardBatch(
     const poolV = pool.v[layer]
 
     // Attention block: h = RMSNorm(x); q, k, v projections for every row; RoPE at each row's position.
-    rmsNorm(h, x, w.inputNorm, n, d, model.config.rmsNormEps)
+    K.rmsNorm(h, x, w.inputNorm, n, d, model.config.rmsNormEps)
     K.linear(q, h, w.wq, w.bq, n)
     K.linear(k, h, w.wk, w.bk, n)
     K.linear(v, h, w.wv, w.bv, n)
-    for (const i of live) {
-      const { startPos, tokenIds } = seqs[i]
-      for (let t = 0; t < tokenIds.length; t++) {
-        const row = rowStart[i] + t
-        for (let head = 0; head < numHeads; head++)
-          applyRope(q, row * qDim + head * headDim, startPos + t, rope)
-        for (let head = 0; head < numKvHeads; head++)
-          applyRope(k, row * kvDim + head * headDim, startPos + t, rope)
-      }
-    }
+    K.rope(q, ropeCos, ropeSin, n, numHeads, headDim)
+    K.rope(k, ropeCos, ropeSin, n, numKvHeads, headDim)
 
     for (const i of live) {
       const s = seqs[i]
@@ -279,15 +267,15 @@ export function forwardBatch(
       )
     }
     K.linear(o, attn, w.wo, w.bo, n)
-    for (let j = 0; j < n * d; j++) x[j] += o[j]
+    K.addInPlace(x, o, n * d)
 
     // MLP block: x += down(silu(gate(h)) * up(h)), h = RMSNorm(x).
-    rmsNorm(h, x, w.postNorm, n, d, model.config.rmsNormEps)
+    K.rmsNorm(h, x, w.postNorm, n, d, model.config.rmsNormEps)
     K.linear(gate, h, w.wGate, null, n)
     K.linear(up, h, w.wUp, null, n)
-    for (let j = 0; j < n * ff; j++) gate[j] = silu(gate[j]) * up[j]
+    K.swiglu(gate, up, n * ff)
     K.linear(o, gate, w.wDown, null, n)
-    for (let j = 0; j < n * d; j++) x[j] += o[j]
+    K.addInPlace(x, o, n * d)
   }
 
   // Final norm and LM head, for each surviving sequence's last token or all of its tokens:
@@ -309,7 +297,7 @@ export function forwardBatch(
     at += p.rows
   }
   const normed = K.scratch('normed', numPicked * d)
-  rmsNorm(normed, picked, model.norm, numPicked, d, model.config.rmsNormEps)
+  K.rmsNorm(normed, picked, model.norm, numPicked, d, model.config.rmsNormEps)
   const logits = new Float32Array(numPicked * vocabSize) // the callers' to keep: not scratch
   K.linear(logits, normed, model.lmHead, null, numPicked)
   at = 0

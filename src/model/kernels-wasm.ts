@@ -42,13 +42,19 @@ export interface WasmKernelOptions {
   /** Threads computing each kernel call, the caller's included (default 1: no helper threads).
    *  A positive integer. */
   threads?: number
-  /** Calls with fewer multiply-adds than this run on the calling thread alone (default 262,144, about 10 µs on one thread:
-   *  waking the helpers would cost more than it saves). Tests pass 0 to split every call. */
+  /** Calls with fewer multiply-adds than this run on the calling thread alone (default 65,536,
+   *  a few µs: handing out less would cost more than it saves; a helper spins between the calls
+   *  of a forward step, so a job starts without a wake-up). Decode's 576 × 192 K and V
+   *  projections of SmolLM2-135M (110,592) are split. Tests pass 0 to split every call. */
   parallelMinWork?: number
 }
 
+/** Work of one SwiGLU element counted in multiply-adds (the exp, a division, a product): what
+ *  {@link WasmKernelOptions.parallelMinWork} compares against. */
+const swigluWork = 32
+
 /** Default of {@link WasmKernelOptions.parallelMinWork}. */
-const defaultParallelMinWork = 262_144
+const defaultParallelMinWork = 65_536
 
 /** Compile and instantiate the SIMD kernels with a fresh memory, and start `threads − 1` helper
  *  threads over it. Throws a one-line error when the compiled module is missing (run
@@ -160,8 +166,8 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
       const numKeys = startPos + n
       const work = n * numKeys * numHeads * headDim
       if (team && numHeads > 1 && work >= parallelMinWork) {
-        // One scores row per thread, 16-byte aligned.
-        const stride = Math.ceil(numKeys / 4) * 4
+        // Two scores rows per thread (the kernel takes query rows in pairs), 16-byte aligned.
+        const stride = 2 * Math.ceil(numKeys / 4) * 4
         const scores = scratch('attention.scores', stride * team.threads)
         team.run(Op.attention, [
           outPtr,
@@ -177,7 +183,7 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
           stride * 4,
         ])
       } else {
-        const scores = scratch('attention.scores', numKeys)
+        const scores = scratch('attention.scores', 2 * Math.ceil(numKeys / 4) * 4)
         wasm.attention(
           outPtr,
           qPtr,
@@ -197,5 +203,47 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
       if (!buffers.has(out.buffer))
         out.set(new Float32Array(buffer(), outPtr, n * numHeads * headDim))
     },
+    // Element-wise steps (asm/kernels.ts), on the calling thread but for a big SwiGLU.
+    rmsNorm(out, x, weight, n, d, eps) {
+      const outPtr = addressOf(out, 'rmsNorm.out', false)
+      const xPtr = addressOf(x, 'rmsNorm.x', true)
+      const wPtr = addressOf(weight, 'rmsNorm.weight', true)
+      elementwise().rmsNorm(outPtr, xPtr, wPtr, n, d, eps)
+      if (!buffers.has(out.buffer)) out.set(new Float32Array(buffer(), outPtr, n * d))
+    },
+    swiglu(gate, up, count) {
+      const gPtr = addressOf(gate.subarray(0, count), 'swiglu.gate', true)
+      const uPtr = addressOf(up.subarray(0, count), 'swiglu.up', true)
+      // Split between the threads when big (prefill: the exp of 1.5 M gates per layer at 1,000
+      // tokens would otherwise leave the helpers idle); element-wise, so bit-identical.
+      if (team && count * swigluWork >= parallelMinWork) team.run(Op.swiglu, [gPtr, uPtr, count])
+      else wasm.swiglu(gPtr, uPtr, count)
+      if (!buffers.has(gate.buffer)) gate.set(new Float32Array(buffer(), gPtr, count))
+    },
+    addInPlace(x, y, count) {
+      const xPtr = addressOf(x.subarray(0, count), 'add.x', true)
+      elementwise().addInPlace(xPtr, addressOf(y.subarray(0, count), 'add.y', true), count)
+      if (!buffers.has(x.buffer)) x.set(new Float32Array(buffer(), xPtr, count))
+    },
+    rope(x, cos, sin, n, numHeads, headDim) {
+      const count = n * numHeads * headDim
+      const angles = (n * headDim) / 2 // floats of cos (and of sin) used
+      const xPtr = addressOf(x.subarray(0, count), 'rope.x', true)
+      const cPtr = addressOf(cos.subarray(0, angles), 'rope.cos', true)
+      const sPtr = addressOf(sin.subarray(0, angles), 'rope.sin', true)
+      elementwise().rope(xPtr, cPtr, sPtr, n, numHeads, headDim)
+      if (!buffers.has(x.buffer)) x.set(new Float32Array(buffer(), xPtr, count))
+    },
   }
+  /** The element-wise exports, typed here (threads/protocol.ts types the threaded ones). */
+  function elementwise(): ElementwiseExports {
+    return wasm as unknown as ElementwiseExports
+  }
+}
+
+/** Element-wise exports of asm/kernels.ts; addresses are bytes in the shared memory. */
+interface ElementwiseExports {
+  rmsNorm(out: number, x: number, weight: number, n: number, d: number, eps: number): void
+  addInPlace(x: number, y: number, count: number): void
+  rope(x: number, cos: number, sin: number, n: number, numHeads: number, headDim: number): void
 }

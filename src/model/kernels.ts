@@ -131,6 +131,44 @@ export function silu(x: number): number {
   return x / (1 + Math.exp(-x))
 }
 
+/** SwiGLU (Shazeer 2020) in place: gate[i] = silu(gate[i]) · up[i] for i < count. */
+export function swiglu(gate: Float32Array, up: Float32Array, count: number): void {
+  for (let i = 0; i < count; i++) gate[i] = silu(gate[i]) * up[i]
+}
+
+/** Residual add: x[i] += y[i] for i < count. */
+export function addInPlace(x: Float32Array, y: Float32Array, count: number): void {
+  for (let i = 0; i < count; i++) x[i] += y[i]
+}
+
+/** RoPE in place (rotate-half convention, HF `apply_rotary_pos_emb`): row t of x
+ *  `[n, numHeads·headDim]` is rotated by the angles whose cosines and sines are row t of `cos`,
+ *  `sin` `[n, headDim / 2]`, every head alike: (a, b) → (a·cos − b·sin, b·cos + a·sin) for a in
+ *  the first half of a head and b the matching element of the second. */
+export function rope(
+  x: Float32Array,
+  cos: Float32Array,
+  sin: Float32Array,
+  n: number,
+  numHeads: number,
+  headDim: number,
+): void {
+  const half = headDim / 2
+  for (let t = 0; t < n; t++) {
+    for (let head = 0; head < numHeads; head++) {
+      const off = (t * numHeads + head) * headDim
+      for (let i = 0; i < half; i++) {
+        const a = x[off + i]
+        const b = x[off + i + half]
+        const c = cos[t * half + i]
+        const s = sin[t * half + i]
+        x[off + i] = a * c - b * s
+        x[off + i + half] = b * c + a * s
+      }
+    }
+  }
+}
+
 /** The plain TypeScript kernels as a {@link Kernels}: weights and scratch on the JS heap. */
 export function createTsKernels(): Kernels {
   const scratch = new Map<string, Float32Array>()
@@ -150,5 +188,9 @@ export function createTsKernels(): Kernels {
       else matmulTBf16(out, x, w.data, bias, n, w.inDim, w.outDim)
     },
     attention,
+    rmsNorm,
+    swiglu,
+    addInPlace,
+    rope,
   }
 }

@@ -61,6 +61,29 @@ export interface Kernels {
     numKvHeads: number,
     headDim: number,
   ): void
+  /** RMSNorm row by row: out = x / sqrt(mean(x²) + eps) ⊙ weight; x, out: `[n, d]`. */
+  rmsNorm(
+    out: Float32Array,
+    x: Float32Array,
+    weight: Float32Array,
+    n: number,
+    d: number,
+    eps: number,
+  ): void
+  /** SwiGLU in place: gate[i] = silu(gate[i]) · up[i] for i < count. */
+  swiglu(gate: Float32Array, up: Float32Array, count: number): void
+  /** Residual add in place: x[i] += y[i] for i < count. */
+  addInPlace(x: Float32Array, y: Float32Array, count: number): void
+  /** RoPE in place (rotate-half): row t of x `[n, numHeads·headDim]` by row t of cos, sin
+   *  `[n, headDim / 2]`. */
+  rope(
+    x: Float32Array,
+    cos: Float32Array,
+    sin: Float32Array,
+    n: number,
+    numHeads: number,
+    headDim: number,
+  ): void
 }
 
 /** F32 value of BF16 bits `b` (exact). */

@@ -1,6 +1,6 @@
 /** The WebAssembly SIMD kernels against the plain TypeScript oracle (src/model/kernels.ts) on
  *  random shapes, including ragged ones that exercise every SIMD tail path: ≤ 1e-5 relative to the
- *  largest output magnitude. */
+ *  largest output magnitude (the residual add: the same bits). */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { createTsKernels } from '../../src/model/kernels.js'
@@ -93,6 +93,11 @@ describe('WebAssembly SIMD kernels', () => {
       [5, 0, 6, 2, 6],
       [8, 11, 8, 8, 4],
       [3, 20, 2, 1, 10],
+      // Long contexts (the four-key score blocks, their leftovers and the vector exp's tail) and
+      // head sizes that use the 32-column output blocks, 4-column blocks and scalar columns.
+      [6, 301, 3, 1, 36],
+      [2, 9, 2, 2, 70],
+      [5, 250, 9, 3, 64],
     ]
     for (const [i, [n, startPos, H, KV, hd]] of cases.entries()) {
       const rnd = random(200 + i)
@@ -105,6 +110,72 @@ describe('WebAssembly SIMD kernels', () => {
       const got = new Float32Array(n * H * hd)
       wasm.attention(got, q, k, v, n, startPos, H, KV, hd)
       assertClose(got, want, `attention case ${i}`)
+    }
+  })
+
+  it('attention softmax stays finite and exact-weighted with scores far apart', () => {
+    // One key far ahead of the others: e^(s − max) underflows to 0 for the rest, so the output is
+    // that key's V row exactly (weights 1 and 0), as in the oracle.
+    const [n, startPos, hd] = [1, 6, 8]
+    const q = new Float32Array(hd).fill(10)
+    const k = new Float32Array((startPos + n) * hd).fill(-10)
+    k.fill(10, 3 * hd, 4 * hd)
+    const v = fill(new Float32Array((startPos + n) * hd), random(250))
+    const got = new Float32Array(hd)
+    wasm.attention(got, q, k, v, n, startPos, 1, 1, hd)
+    assert.deepEqual(got, v.slice(3 * hd, 4 * hd))
+  })
+
+  it('RMSNorm, SwiGLU, RoPE and the residual add match the TypeScript oracle', () => {
+    // [n, d]: rows of 576 (SmolLM2) and ragged widths that exercise the scalar tails.
+    for (const [i, [n, d]] of [
+      [1, 576],
+      [5, 37],
+      [3, 3],
+    ].entries()) {
+      const rnd = random(600 + i)
+      const x = fill(new Float32Array(n * d), rnd).map((e) => e * 3)
+      const weight = fill(new Float32Array(d), rnd)
+      const want = new Float32Array(n * d)
+      const got = new Float32Array(n * d)
+      ts.rmsNorm(want, x, weight, n, d, 1e-5)
+      wasm.rmsNorm(got, x, weight, n, d, 1e-5)
+      assertClose(got, want, `rmsNorm [${n}, ${d}]`)
+
+      // SwiGLU over gates from −40 to 40 (e^−g far from 1 both ways); in place on the gate.
+      const gate = fill(new Float32Array(n * d), rnd).map((e) => e * 40)
+      const up = fill(new Float32Array(n * d), rnd)
+      const wantGate = gate.slice()
+      ts.swiglu(wantGate, up, n * d)
+      const gotGate = wasm.scratch('test.gate', n * d)
+      gotGate.set(gate)
+      wasm.swiglu(gotGate, up, n * d)
+      assertClose(gotGate, wantGate, `swiglu ${n * d}`)
+
+      // The residual add is one f32 addition per element: the same bits.
+      const y = fill(new Float32Array(n * d), rnd)
+      const wantSum = x.slice()
+      ts.addInPlace(wantSum, y, n * d)
+      const gotSum = x.slice()
+      wasm.addInPlace(gotSum, y, n * d)
+      assert.deepEqual(gotSum, wantSum, `addInPlace ${n * d}`)
+    }
+    // RoPE: [n, heads, headDim] with half-head widths that are and are not multiples of 4.
+    for (const [i, [n, heads, hd]] of [
+      [4, 9, 64],
+      [3, 2, 6],
+      [2, 3, 18],
+    ].entries()) {
+      const rnd = random(700 + i)
+      const x = fill(new Float32Array(n * heads * hd), rnd)
+      const angles = fill(new Float32Array((n * hd) / 2), rnd).map((e) => e * 100)
+      const cos = angles.map(Math.cos)
+      const sin = angles.map(Math.sin)
+      const want = x.slice()
+      ts.rope(want, cos, sin, n, heads, hd)
+      const got = x.slice()
+      wasm.rope(got, cos, sin, n, heads, hd)
+      assertClose(got, want, `rope [${n}, ${heads}, ${hd}]`)
     }
   })
 
@@ -133,7 +204,7 @@ describe('WebAssembly SIMD kernels', () => {
     })
   }
 
-  it('split between 1, 2 and 3 threads, linear and attention give the same bits', () => {
+  it('split between 1, 2 and 3 threads, linear, attention and SwiGLU give the same bits', () => {
     const teams = [2, 3].map((threads) => createWasmKernels({ threads, parallelMinWork: 0 }))
     try {
       for (const dtype of ['f32', 'bf16'] as const) {
@@ -172,9 +243,62 @@ describe('WebAssembly SIMD kernels', () => {
           assert.deepEqual(new Uint32Array(got.buffer), new Uint32Array(want.buffer), `case ${i}`)
         }
       }
+      // SwiGLU, split on multiples of four elements (1,003: a scalar tail in the last chunk).
+      const rnd = random(550)
+      const gate = fill(new Float32Array(1003), rnd).map((e) => e * 20)
+      const up = fill(new Float32Array(1003), rnd)
+      const want = gate.slice()
+      wasm.swiglu(want, up, gate.length)
+      for (const team of teams) {
+        const got = gate.slice()
+        team.swiglu(got, up, gate.length)
+        assert.deepEqual(new Uint32Array(got.buffer), new Uint32Array(want.buffer), 'swiglu')
+      }
     } finally {
       for (const k of teams) k.close()
     }
+  })
+
+  it('linear with bf16 weights gives exact hand-checked sums on every path', () => {
+    // Integer x and weights ±m · 2^-k (m ≤ 5): every product and partial sum is exact in f32
+    // whatever the order, so the sum computed here in float64 is the exact answer. inDim 19: two
+    // blocks of eight (weights widened four at a time from each half) and a scalar tail of three;
+    // outDim 11: one eight-row group, then two single rows (decode), and 4-token groups of two rows
+    // and of one row (prefill); n 5: one group of four tokens and one token alone.
+    const [n, inDim, outDim] = [5, 19, 11]
+    const x = Float32Array.from(
+      { length: n * inDim },
+      (_, k) => (k % inDim) + 1 + Math.floor(k / inDim),
+    )
+    const wf = Float32Array.from(
+      { length: outDim * inDim },
+      (_, k) => ((k % inDim) % 2 ? -1 : 1) * 2 ** -(Math.floor(k / inDim) % 3) * ((k % 5) + 1),
+    )
+    const want = new Float32Array(n * outDim)
+    for (let t = 0; t < n; t++)
+      for (let j = 0; j < outDim; j++) {
+        let s = 0
+        for (let i = 0; i < inDim; i++) s += x[t * inDim + i] * wf[j * inDim + i]
+        want[t * outDim + j] = s + j
+      }
+    const bias = Float32Array.from({ length: outDim }, (_, j) => j)
+    const data = wasm.allocU16(outDim * inDim)
+    const u32 = new Uint32Array(wf.buffer)
+    for (let k = 0; k < u32.length; k++) data[k] = u32[k] >>> 16
+    const w: LinearWeights = { dtype: 'bf16', outDim, inDim, data }
+    assert.deepEqual(
+      new Uint16Array(new Uint32Array(wf.buffer).map((u) => u & 0xffff)),
+      new Uint16Array(wf.length),
+      'weights exact in bf16',
+    )
+    for (const rows of [n, 1]) {
+      const got = new Float32Array(rows * outDim)
+      wasm.linear(got, x.subarray(0, rows * inDim), w, bias, rows)
+      assert.deepEqual(got, want.subarray(0, rows * outDim), `${rows} token(s)`)
+    }
+    const oracle = new Float32Array(n * outDim)
+    ts.linear(oracle, x, w, bias, n)
+    assert.deepEqual(oracle, want)
   })
 
   it('refuses weights that live outside its memory', () => {

@@ -25,28 +25,36 @@ export const Ctrl = {
   threads: 7,
   /** First of the job's i32 arguments (see {@link Op}). */
   args: 8,
-  /** Byte offset of a UTF-8 error message (up to {@link errorBytes}) written by a failing helper. */
+  /** Word offset of a UTF-8 error message (up to {@link errorBytes}) written by a failing helper. */
   errorText: 32,
+  /** Word `holding + i`: the ticket of the chunk helper i is computing, or −1 (none); only read to
+   *  say what a stalled job waits for. */
+  holding: 160,
+  /** Word `lastSeen + i`: the last job (generation) helper i woke up for. */
+  lastSeen: 224,
 } as const
 
 /** Bytes reserved for a helper's error message. */
 export const errorBytes = 512
+/** Most threads of a team (the holding and lastSeen words are one per thread). */
+export const maxThreads = 64
 /** Size of the control block in bytes. */
-export const ctrlBytes = Ctrl.errorText * 4 + errorBytes
+export const ctrlBytes = (Ctrl.lastSeen + maxThreads) * 4
 
 /** Jobs. Arguments, in order from {@link Ctrl.args}:
  *  - `linearF32`, `linearBf16`: out, x, w, bias, n, inDim, outDim (byte addresses, counts);
  *  - `attention`: out, q, k, v, scores, n, startPos, numHeads, numKvHeads, headDim, scoresStride
- *    (thread i uses scores + i × scoresStride bytes; every token's scores fit in one row). */
-export const Op = { stop: 0, linearF32: 1, linearBf16: 2, attention: 3 } as const
+ *    (thread i uses scores + i × scoresStride bytes: two rows of ⌈(startPos + n) / 4⌉ × 4 floats);
+ *  - `swiglu`: gate, up, count (in place on gate; split on multiples of 4 elements). */
+export const Op = { stop: 0, linearF32: 1, linearBf16: 2, attention: 3, swiglu: 4 } as const
 
 /** Most chunks per job: the chunk index lives in the ticket's low 8 bits. */
 export const maxChunks = 255
 /** Chunks per thread of a linear: enough that a thread the OS does not run right now (a loaded
  *  machine) leaves only small pieces for the others to take over. */
 const chunksPerThread = 8
-/** Rows a linear's output is split on: a multiple of 4 (the kernels' row group) per chunk. */
-const rowAlign = 4
+/** Rows a linear's output is split on: a multiple of 8 (the one-token kernels' row group) per chunk. */
+const rowAlign = 8
 
 /** The ticket word while the caller writes a job: its tag (0xffffff) is no job's sequence number,
  *  so every claim fails until the job is published. */
@@ -62,6 +70,9 @@ export function ticket(seq: number, chunk: number): number {
  *  cache misses than they gain in balance. */
 const minChunkWork = 65_536
 
+/** Fewest elements per chunk of an element-wise job (each costs tens of operations: the exp). */
+const minChunkElements = 16_384
+
 /** Chunks to cut a job into: a linear by groups of output rows, attention by heads and blocks of
  *  tokens. */
 export function chunkCount(op: number, args: readonly number[], threads: number): number {
@@ -76,8 +87,12 @@ export function chunkCount(op: number, args: readonly number[], threads: number)
     )
     return heads * Math.max(1, blocks)
   }
+  if (op === Op.swiglu)
+    return Math.max(1, Math.min(chunksPerThread * threads, Math.ceil(args[2] / minChunkElements)))
   const work = args[4] * args[5] * args[6]
-  const byWork = Math.max(threads, Math.floor(work / minChunkWork))
+  // A multiple of the thread count: with 5 chunks for 2 threads one of them would do 3 (decode's
+  // 576 × 576 projections).
+  const byWork = Math.ceil(Math.max(threads, Math.floor(work / minChunkWork)) / threads) * threads
   return Math.min(Math.ceil(args[6] / rowAlign), chunksPerThread * threads, byWork, maxChunks)
 }
 
@@ -106,6 +121,8 @@ export type LinearExport = (
 export interface KernelExports {
   linearF32: LinearExport
   linearBf16: LinearExport
+  /** SwiGLU in place: gate[i] = silu(gate[i]) · up[i] for i < count (byte addresses). */
+  swiglu(gate: number, up: number, count: number): void
   attention(
     out: number,
     q: number,
@@ -141,9 +158,11 @@ export function workOn(wasm: KernelExports, ctrl: Int32Array, seq: number, threa
     const chunk = t & 0xff
     if (chunk >= chunks) return
     if (Atomics.compareExchange(ctrl, Ctrl.ticket, t, t + 1) !== t) continue
+    Atomics.store(ctrl, Ctrl.holding + thread, t)
     try {
       runChunk(wasm, ctrl, chunk, chunks, thread)
     } finally {
+      Atomics.store(ctrl, Ctrl.holding + thread, -1)
       if (Atomics.add(ctrl, Ctrl.finished, 1) + 1 === chunks) Atomics.notify(ctrl, Ctrl.finished)
     }
   }
@@ -201,6 +220,11 @@ function runChunk(
         start,
         end,
       )
+      return
+    }
+    case Op.swiglu: {
+      const [start, end] = share(ctrl[a + 2], chunk, chunks, 4)
+      if (start < end) wasm.swiglu(ctrl[a] + start * 4, ctrl[a + 1] + start * 4, end - start)
       return
     }
     default:

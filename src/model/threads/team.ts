@@ -9,6 +9,7 @@ import {
   Ctrl,
   ctrlBytes,
   errorBytes,
+  maxThreads,
   Op,
   sealedTicket,
   ticket,
@@ -48,6 +49,7 @@ export function startTeam(
   const sab = new SharedArrayBuffer(ctrlBytes)
   const ctrl = new Int32Array(sab)
   ctrl[Ctrl.threads] = threads
+  ctrl.fill(-1, Ctrl.holding, Ctrl.holding + maxThreads)
   const helpers: Worker[] = []
   const script = new URL('./worker.js', import.meta.url)
   const errorText = (): string =>
@@ -137,6 +139,18 @@ export function startTeam(
     close,
   }
 
+  /** What a stalled job waits for: its chunks finished, and what each helper holds and last saw. */
+  function stallReport(done: number, chunks: number): string {
+    const gen = ctrl[Ctrl.generation]
+    const parts = [`job ${gen} (op ${ctrl[Ctrl.op]}): ${done} of ${chunks} chunks finished`]
+    for (let i = 1; i < threads; i++) {
+      const held = Atomics.load(ctrl, Ctrl.holding + i)
+      const holds = held < 0 ? 'holds no chunk' : `holds chunk ${held & 0xff} of job ${held >>> 8}`
+      parts.push(`thread ${i} ${holds}, last woke for job ${Atomics.load(ctrl, Ctrl.lastSeen + i)}`)
+    }
+    return parts.join('; ')
+  }
+
   /** Wait until every chunk of the current job is computed (the helpers finish the chunks they
    *  took): spin first (chunks are small), then sleep in short slices (a lost wake-up costs one
    *  slice, never a hang). */
@@ -163,7 +177,9 @@ export function startTeam(
         lastChange = Date.now()
       } else if (Date.now() - lastChange > stallMs) {
         close()
-        throw new Error(`a compute thread stopped responding (no progress for ${stallMs / 1000} s)`)
+        throw new Error(
+          `a compute thread stopped responding (no progress for ${stallMs / 1000} s; ${stallReport(done, chunks)})`,
+        )
       }
     }
   }

@@ -59,6 +59,7 @@ function serve(wasm: KernelExports): void {
       }
     }
     seen = gen
+    Atomics.store(ctrl, Ctrl.lastSeen + data.index, gen)
     if (ctrl[Ctrl.op] === Op.stop) return
     try {
       workOn(wasm, ctrl, gen, data.index)
