@@ -112,6 +112,9 @@ export function registerWorkers(program: Command): void {
   }
 }
 
+/** Exit code of a worker whose compute threads failed (EX_SOFTWARE, sysexits.h). */
+const computeFailureExit = 70
+
 async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Promise<void> {
   const log = pino({ name: `kvfence-${role}`, level: flags.logLevel }, pino.destination(2))
   const faults = buildFaultConfig(
@@ -123,7 +126,20 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
   const banner = faultBanner(`kvfence ${role}`, faults)
   if (banner) process.stderr.write(`${banner}\n`)
   const core = createWorkerCore({
-    model: loadModel(flags.model, { threads: flags.threads ?? defaultThreads() }),
+    model: loadModel(flags.model, {
+      threads: flags.threads ?? defaultThreads(),
+      // A helper thread that failed or stopped may still be writing the shared memory: no later
+      // result can be trusted. Let the failed step's requests get their errors, then exit so that
+      // the supervisor (serve, systemd, Kubernetes) starts a fresh worker.
+      onComputeFailure: (err) => {
+        log.fatal(
+          { err: err.message },
+          `compute threads failed; exiting with code ${computeFailureExit}`,
+        )
+        setTimeout(() => process.exit(computeFailureExit), 200).unref()
+        process.exitCode = computeFailureExit
+      },
+    }),
     numPages: flags.pages,
     pageSize: flags.pageSize,
     faults,

@@ -14,7 +14,7 @@ import { readFileSync } from 'node:fs'
 import { fileURLToPath } from 'node:url'
 import type { Kernels, LinearWeights } from './linear.js'
 import { Op, type KernelExports } from './threads/protocol.js'
-import { startTeam, type ThreadTeam } from './threads/team.js'
+import { startTeam, type ComputeThreadsError, type ThreadTeam } from './threads/team.js'
 
 const pageBytes = 65_536
 /** Below this the module keeps its static data (a 1 KiB exp table at 1024); we allocate above. */
@@ -47,6 +47,10 @@ export interface WasmKernelOptions {
    *  of a forward step, so a job starts without a wake-up). Decode's 576 × 192 K and V
    *  projections of SmolLM2-135M (110,592) are split. Tests pass 0 to split every call. */
   parallelMinWork?: number
+  /** Called once when the helper threads fail (a trap, a helper error, or a helper that stopped
+   *  responding for 120 s), before the kernel call throws. The kernels are unusable from then on
+   *  (every split call throws): a serving process should exit and be restarted. */
+  onFailure?: (err: ComputeThreadsError) => void
 }
 
 /** Work of one SwiGLU element counted in multiply-adds (the exp, a division, a product): what
@@ -84,7 +88,8 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
     throw new Error(`cannot load the WebAssembly SIMD kernels: ${(err as Error).message}`)
   }
   const parallelMinWork = options.parallelMinWork ?? defaultParallelMinWork
-  let team: ThreadTeam | null = threads > 1 ? startTeam(threads, module, memory, wasm) : null
+  let team: ThreadTeam | null =
+    threads > 1 ? startTeam(threads, module, memory, wasm, options.onFailure) : null
 
   // Every SharedArrayBuffer this memory has handed out (one per size it had): a typed array over
   // one of them is inside the memory, at address = its byteOffset.

@@ -8,7 +8,7 @@ import { existsSync, readFileSync } from 'node:fs'
 import { availableParallelism } from 'node:os'
 import { basename, join } from 'node:path'
 import { loadModelConfig, type ModelConfig } from './config.js'
-import { createWasmKernels } from './kernels-wasm.js'
+import { createWasmKernels, type WasmKernelOptions } from './kernels-wasm.js'
 import type { Kernels, LinearWeights } from './linear.js'
 import { parseSafetensorsRaw, rawToF32, rawToU16, type RawTensor } from './safetensors.js'
 
@@ -51,6 +51,9 @@ export interface LoadOptions {
   /** Keep BF16-stored matrices as BF16 (exact; half the bytes per token). Default true; false
    *  widens them to F32. F16 is always widened to F32 (exact). */
   keepBf16?: boolean
+  /** Passed to the default WebAssembly kernels ({@link WasmKernelOptions.onFailure}): called once
+   *  when their compute threads fail. Not allowed together with `kernels`. */
+  onComputeFailure?: WasmKernelOptions['onFailure']
 }
 
 /** Compute threads a serving process (and `kvfence generate`) uses when none are asked for:
@@ -70,9 +73,11 @@ export function modelFromTensors(
   tensors: Map<string, RawTensor>,
   options: LoadOptions = {},
 ): Model {
-  if (options.kernels && options.threads !== undefined)
+  if (options.kernels && (options.threads !== undefined || options.onComputeFailure))
     throw new Error('give either kernels or threads, not both')
-  const kernels = options.kernels ?? createWasmKernels({ threads: options.threads })
+  const kernels =
+    options.kernels ??
+    createWasmKernels({ threads: options.threads, onFailure: options.onComputeFailure })
   try {
     return buildModel(name, config, tensors, kernels, options)
   } catch (err) {

@@ -12,7 +12,7 @@ import { promisify } from 'node:util'
 import { forward, forwardBatch, makeRope } from '../../src/model/forward.js'
 import { createWasmKernels, kernelsWasmPath } from '../../src/model/kernels-wasm.js'
 import { Op } from '../../src/model/threads/protocol.js'
-import { startTeam } from '../../src/model/threads/team.js'
+import { ComputeThreadsError, startTeam } from '../../src/model/threads/team.js'
 import { loadModel, type Model } from '../../src/model/weights.js'
 import { echoModelDir, repoRoot } from '../helpers/paths.js'
 import { maxAbsDiff, scatteredSequence } from './helpers.js'
@@ -147,16 +147,23 @@ describe('compute thread life cycle', () => {
   })
 
   it(
-    'a job whose chunks trap fails at once with the trap, not after the stall timeout',
+    'a job whose chunks trap fails at once with the trap, not after the stall timeout, and tells the owner once',
     { timeout: 60_000 },
     () => {
       const { memory, module, own } = oneKernelInstance()
-      const team = startTeam(2, module, memory, own)
+      const failures: Error[] = []
+      const team = startTeam(2, module, memory, own, (err) => failures.push(err))
       // A 64 × 4096 F32 weight read from a one-page (64 KiB) memory: every chunk traps. The
       // caller's own chunk is never counted as finished, so waiting for it used to stall 120 s.
-      assert.throws(() => team.run(Op.linearF32, [0, 0, 0, 0, 4, 4096, 64]), /out of bounds/)
+      assert.throws(
+        () => team.run(Op.linearF32, [0, 0, 0, 0, 4, 4096, 64]),
+        (err: Error) => err instanceof ComputeThreadsError && /out of bounds/.test(err.message),
+      )
       assert.throws(() => team.run(Op.linearF32, [0, 0, 0, 0, 4, 4096, 64]), /were closed/)
       team.close()
+      // The owner is told once (a serving worker exits on it), with the error that was thrown.
+      assert.equal(failures.length, 1)
+      assert.match(failures[0].message, /out of bounds/)
     },
   )
 

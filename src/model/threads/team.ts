@@ -36,8 +36,16 @@ export interface ThreadTeam {
   close(): void
 }
 
+/** A job could not be completed: a helper failed, a chunk trapped, or a helper stopped
+ *  responding. The team is closed by then; a helper may still be running a chunk, so the memory
+ *  its job wrote is not to be trusted (a serving process should exit). */
+export class ComputeThreadsError extends Error {
+  override readonly name = 'ComputeThreadsError'
+}
+
 /** Start `threads − 1` helpers (threads ≥ 2) that instantiate `module` over `memory`; `wasm` is the
- *  caller's own instance of the same module. Blocks until every helper is ready; throws a one-line
+ *  caller's own instance of the same module. `onFailure` is called once, before `run` throws, when
+ *  a job fails ({@link ComputeThreadsError}). Blocks until every helper is ready; throws a one-line
  *  error naming the cause when one fails to start or none starts within 30 s. The helpers are
  *  `unref()`ed: they never keep the process alive. */
 export function startTeam(
@@ -45,6 +53,7 @@ export function startTeam(
   module: object,
   memory: object,
   wasm: KernelExports,
+  onFailure?: (err: ComputeThreadsError) => void,
 ): ThreadTeam {
   const sab = new SharedArrayBuffer(ctrlBytes)
   const ctrl = new Int32Array(sab)
@@ -64,6 +73,14 @@ export function startTeam(
     Atomics.add(ctrl, Ctrl.generation, 1)
     Atomics.notify(ctrl, Ctrl.generation)
     for (const h of helpers) void h.terminate()
+  }
+  /** Close the team after a failed job and tell `onFailure` (once); returns the error to throw. */
+  const fail = (message: string): ComputeThreadsError => {
+    const err = new ComputeThreadsError(message)
+    const isFirst = !closed
+    close()
+    if (isFirst) onFailure?.(err)
+    return err
   }
 
   try {
@@ -126,15 +143,10 @@ export function startTeam(
       } catch (err) {
         // The chunk the caller held will never be counted: waiting for it would stall. Stop the
         // team and report the caller's own error.
-        close()
-        throw err
+        throw fail(err instanceof Error ? err.message : String(err))
       }
       join(chunks)
-      if (Atomics.load(ctrl, Ctrl.failed)) {
-        const text = errorText()
-        close()
-        throw new Error(text)
-      }
+      if (Atomics.load(ctrl, Ctrl.failed)) throw fail(errorText())
     },
     close,
   }
@@ -165,19 +177,14 @@ export function startTeam(
     while (done !== chunks) {
       // A helper whose chunk threw (e.g. a wasm trap) never counts it: fail now with its error,
       // not after the stall timeout.
-      if (Atomics.load(ctrl, Ctrl.failed)) {
-        const text = errorText()
-        close()
-        throw new Error(text)
-      }
+      if (Atomics.load(ctrl, Ctrl.failed)) throw fail(errorText())
       Atomics.wait(ctrl, Ctrl.finished, done, 1)
       done = Atomics.load(ctrl, Ctrl.finished)
       if (done !== last) {
         last = done
         lastChange = Date.now()
       } else if (Date.now() - lastChange > stallMs) {
-        close()
-        throw new Error(
+        throw fail(
           `a compute thread stopped responding (no progress for ${stallMs / 1000} s; ${stallReport(done, chunks)})`,
         )
       }
