@@ -11,6 +11,8 @@ import { KvfenceError } from '../errors.js'
 export interface ChatMessage {
   role: string
   content: string
+  /** The participant's name (OpenAI's `name`), passed to the template as `message.name`. */
+  name?: string
 }
 
 /** Options of {@link Tokenizer.encode}. */

@@ -135,9 +135,21 @@ const commonFields = {
     .nullish(),
 }
 
-const TextPart = z.object({ type: z.literal('text'), text: z.string() })
+const TextPart = z.strictObject({ type: z.literal('text'), text: z.string() })
 
-const Message = z.object({
+/** Fields of OpenAI's chat messages this server does not take (it has no tools, functions or
+ *  audio): refused by name rather than dropped, since the model would see another conversation. */
+const unsupportedMessageFields = new Set([
+  'tool_calls',
+  'tool_call_id',
+  'function_call',
+  'audio',
+  'refusal',
+])
+
+// Strict, like OpenAI's own validation: a misspelt field (`contnet`, `nmae`) is an error, not
+// silently ignored.
+const Message = z.strictObject({
   role: z.enum(['system', 'developer', 'user', 'assistant', 'tool']),
   content: z.union([z.string(), z.array(TextPart).min(1)], {
     error: 'content must be a string or a non-empty list of text parts ({ type: "text", text })',
@@ -182,6 +194,8 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
     messages: data.messages.map((m) => ({
       role: m.role,
       content: typeof m.content === 'string' ? m.content : m.content.map((p) => p.text).join(''),
+      // Given to the chat template (as vLLM does); most templates do not use it.
+      ...(m.name === undefined ? {} : { name: m.name }),
     })),
   }
 }
@@ -320,7 +334,21 @@ function checkFields(
 function parseWith<T extends z.ZodType>(schema: T, value: unknown): z.infer<T> {
   const parsed = schema.safeParse(value, { reportInput: true })
   if (parsed.success) return parsed.data
-  const issue = parsed.error.issues[0]
+  // A field this server does not know says more than what else is wrong with the same message
+  // (an assistant message with `tool_calls` usually has a null `content` too).
+  const issue =
+    parsed.error.issues.find((i) => i.code === 'unrecognized_keys') ?? parsed.error.issues[0]
+  if (issue.code === 'unrecognized_keys') {
+    const key = issue.keys[0]
+    const param = `${paramOf(issue.path)}.${key}`
+    throw new KvfenceError(
+      'invalid_request',
+      unsupportedMessageFields.has(key)
+        ? `${param} is not supported by this server`
+        : `Unrecognized request argument supplied: ${param}`,
+      param,
+    )
+  }
   const param = paramOf(issue.path)
   const message =
     issue.code === 'invalid_type' && issue.input === undefined

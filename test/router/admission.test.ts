@@ -4,6 +4,7 @@ import { rmSync } from 'node:fs'
 import { after, describe, it } from 'node:test'
 import { admit, chatPromptTokenIds, completionPromptTokenIds } from '../../src/router/admission.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
+import { parseChatRequest } from '../../src/router/schemas.js'
 import { KvfenceError } from '../../src/errors.js'
 import { bosId, charIds, writeTestTokenizer } from './helpers.js'
 
@@ -62,6 +63,31 @@ describe('prompt tokens', () => {
       bosId,
       ...charIds('Hi'),
     ])
+  })
+
+  it("gives a message's name to the chat template", () => {
+    const dir = writeTestTokenizer(
+      {},
+      {
+        chatTemplate:
+          "{% for m in messages %}{{ m['name'] or '-' }}:{{ m['content'] }};{% endfor %}",
+      },
+    )
+    try {
+      const { messages } = parseChatRequest({
+        model: 'm',
+        messages: [
+          { role: 'user', content: 'Hi', name: 'ann' },
+          { role: 'user', content: 'Yo' },
+        ],
+      })
+      assert.deepEqual(chatPromptTokenIds(loadTokenizer(dir), messages), [
+        bosId,
+        ...charIds('ann:Hi;-:Yo;'),
+      ])
+    } finally {
+      rmSync(dir, { recursive: true, force: true })
+    }
   })
 
   it('takes token-id prompts as they are, within the vocabulary', () => {

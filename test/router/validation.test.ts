@@ -74,6 +74,31 @@ const refusals: [string, string, string | object, number, string, string | null]
     'messages[0].content',
   ],
   [
+    'a misspelt field in a chat message',
+    '/v1/chat/completions',
+    chat({ messages: [{ role: 'user', content: 'Hi', nmae: 'ann' }] }),
+    400,
+    'invalid_request',
+    'messages[0].nmae',
+  ],
+  [
+    'tool_calls in an assistant message',
+    '/v1/chat/completions',
+    chat({
+      messages: [
+        { role: 'user', content: 'Hi' },
+        {
+          role: 'assistant',
+          content: null,
+          tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }],
+        },
+      ],
+    }),
+    400,
+    'invalid_request',
+    'messages[1].tool_calls',
+  ],
+  [
     'an unknown role',
     '/v1/chat/completions',
     chat({ messages: [{ role: 'wizard', content: 'x' }] }),
@@ -300,6 +325,23 @@ describe('the router refuses invalid requests at its boundary', () => {
       assert.equal(typeof error.message, 'string')
     })
   }
+
+  it('names the message field it does not take, and why', async () => {
+    const messageOf = async (messages: object[]) =>
+      (
+        (await (await h.post('/v1/chat/completions', chat({ messages }))).json()) as {
+          error: { message: string }
+        }
+      ).error.message
+    assert.equal(
+      await messageOf([{ role: 'user', content: 'Hi', nmae: 'ann' }]),
+      'Unrecognized request argument supplied: messages[0].nmae',
+    )
+    assert.equal(
+      await messageOf([{ role: 'tool', content: '42', tool_call_id: 'c1' }]),
+      'messages[0].tool_call_id is not supported by this server',
+    )
+  })
 
   it('names both numbers when the context window is exceeded (openai client)', async () => {
     await assert.rejects(
