@@ -8,6 +8,7 @@ export const errorCodes = {
   model_not_found: { status: 404, type: 'invalid_request_error' },
   invalid_api_key: { status: 401, type: 'authentication_error' },
   not_found: { status: 404, type: 'invalid_request_error' },
+  method_not_allowed: { status: 405, type: 'invalid_request_error' },
   payload_too_large: { status: 413, type: 'invalid_request_error' },
   rate_limited: { status: 429, type: 'rate_limit_error' },
   capacity_exhausted: { status: 503, type: 'server_error' },
@@ -38,6 +39,18 @@ export class KvfenceError extends Error {
   /** HTTP status for this error's code. */
   get status(): number {
     return errorCodes[this.code].status
+  }
+}
+
+/** A request with a method the path does not take (HTTP 405); `allow` is the `Allow` header's
+ *  value (RFC 9110 §15.5.6: the methods the path does take). */
+export class MethodNotAllowedError extends KvfenceError {
+  constructor(
+    method: string,
+    path: string,
+    readonly allow: string,
+  ) {
+    super('method_not_allowed', `${method} is not allowed on ${path}; use ${allow}`)
   }
 }
 

@@ -2,7 +2,7 @@
  *  coalesced streaming writes.
  *  Knows HTTP and the OpenAI error body; knows nothing of tokens, workers or tenants. */
 import type { IncomingMessage, ServerResponse } from 'node:http'
-import { KvfenceError, toOpenAiError } from '../errors.js'
+import { KvfenceError, MethodNotAllowedError, toOpenAiError } from '../errors.js'
 import { LimitError } from './limits.js'
 
 const strictUtf8 = new TextDecoder('utf-8', { fatal: true })
@@ -98,6 +98,7 @@ export function sendError(
     return
   }
   const extra: Record<string, string> = { ...headers }
+  if (err instanceof MethodNotAllowedError) extra.allow = err.allow
   if (err.code === 'capacity_exhausted' || err.code === 'rate_limited') {
     extra['retry-after'] = String(err instanceof LimitError ? err.retryAfterSec : 1)
   }

@@ -13,7 +13,7 @@ import type { IncomingMessage, ServerResponse } from 'node:http'
 import { performance } from 'node:perf_hooks'
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../engine/control.js'
-import { KvfenceError, type ErrorCode, toOpenAiError } from '../errors.js'
+import { KvfenceError, MethodNotAllowedError, type ErrorCode, toOpenAiError } from '../errors.js'
 import type { Tokenizer } from '../model/tokenizer.js'
 import { admit, chatPromptTokenIds, completionPromptTokenIds } from './admission.js'
 import type { CapacityMonitor } from './capacity-monitor.js'
@@ -157,6 +157,8 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       }
       return sendJson(res, 200, modelCard(config.model, config.createdAtSec, contextWindow()))
     }
+    const allow = allowedMethods.get(path)
+    if (allow !== undefined) throw new MethodNotAllowedError(req.method ?? '?', path, allow)
     throw new KvfenceError('not_found', `${req.method} ${path} is not an endpoint of this server`)
   }
 
@@ -676,6 +678,17 @@ export function createRouter(deps: RouterDeps): RequestHandler {
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
+
+/** The method each fixed path takes: another method on one of them is a 405 with `Allow`, not a
+ *  404 saying the endpoint does not exist. */
+const allowedMethods = new Map([
+  ['/health', 'GET'],
+  ['/server_info', 'GET'],
+  ['/metrics', 'GET'],
+  ['/v1/models', 'GET'],
+  ['/v1/chat/completions', 'POST'],
+  ['/v1/completions', 'POST'],
+])
 
 /** How long `/health` waits for the workers' `/server_info` (ms). */
 const healthTimeoutMs = 2_000

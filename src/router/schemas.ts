@@ -76,28 +76,51 @@ const isEmpty = (v: unknown) =>
 const isEmptyMap = (v: unknown) =>
   isNullish(v) || (typeof v === 'object' && !Array.isArray(v) && Object.keys(v!).length === 0)
 
-/** Known OpenAI features kvfence does not implement: accepted only at their no-op value. */
-const chatInertFields: Record<string, (v: unknown) => boolean> = {
-  logit_bias: isEmptyMap,
-  tools: isEmpty,
-  tool_choice: (v) => isNullish(v) || v === 'none' || v === 'auto',
-  functions: isEmpty,
-  function_call: (v) => isNullish(v) || v === 'none' || v === 'auto',
-  response_format: (v) =>
-    isNullish(v) || (typeof v === 'object' && (v as { type?: unknown }).type === 'text'),
-  modalities: (v) => isNullish(v) || (Array.isArray(v) && v.every((m) => m === 'text')),
-  audio: isNullish,
-  prediction: isNullish,
-  web_search_options: isNullish,
-  // vLLM's and SGLang's chat requests take it; their serving benchmarks send `best_of: 1`.
-  best_of: (v) => isNullish(v) || v === 1,
+/** A known OpenAI feature kvfence does not implement: accepted only at its no-op value. */
+interface InertField {
+  /** Whether `v` is the no-op value. */
+  accepts: (v: unknown) => boolean
+  /** The accepted values, for the error message. */
+  noOp: string
 }
 
-const completionInertFields: Record<string, (v: unknown) => boolean> = {
-  logit_bias: isEmptyMap,
-  echo: isFalse,
-  suffix: (v) => isNullish(v) || v === '',
-  best_of: (v) => isNullish(v) || v === 1,
+const bestOfOne: InertField = { accepts: (v) => isNullish(v) || v === 1, noOp: '1' }
+const noLogitBias: InertField = { accepts: isEmptyMap, noOp: 'an empty map' }
+
+/** Known OpenAI features kvfence does not implement: accepted only at their no-op value. */
+const chatInertFields: Record<string, InertField> = {
+  logit_bias: noLogitBias,
+  tools: { accepts: isEmpty, noOp: 'an empty list' },
+  tool_choice: {
+    accepts: (v) => isNullish(v) || v === 'none' || v === 'auto',
+    noOp: '"none" or "auto"',
+  },
+  functions: { accepts: isEmpty, noOp: 'an empty list' },
+  function_call: {
+    accepts: (v) => isNullish(v) || v === 'none' || v === 'auto',
+    noOp: '"none" or "auto"',
+  },
+  response_format: {
+    accepts: (v) =>
+      isNullish(v) || (typeof v === 'object' && (v as { type?: unknown }).type === 'text'),
+    noOp: '{ "type": "text" }',
+  },
+  modalities: {
+    accepts: (v) => isNullish(v) || (Array.isArray(v) && v.every((m) => m === 'text')),
+    noOp: '["text"]',
+  },
+  audio: { accepts: isNullish, noOp: 'null' },
+  prediction: { accepts: isNullish, noOp: 'null' },
+  web_search_options: { accepts: isNullish, noOp: 'null' },
+  // vLLM's and SGLang's chat requests take it; their serving benchmarks send `best_of: 1`.
+  best_of: bestOfOne,
+}
+
+const completionInertFields: Record<string, InertField> = {
+  logit_bias: noLogitBias,
+  echo: { accepts: isFalse, noOp: 'false' },
+  suffix: { accepts: (v) => isNullish(v) || v === '', noOp: '""' },
+  best_of: bestOfOne,
 }
 
 /** Most alternatives per token of chat's `top_logprobs` (OpenAI's limit). */
@@ -301,7 +324,7 @@ function parsePrompt(prompt: unknown): ParsedCompletionRequest['prompt'] {
 function checkFields(
   body: unknown,
   supported: readonly string[],
-  inert: Record<string, (v: unknown) => boolean>,
+  inert: Record<string, InertField>,
 ): Record<string, unknown> {
   if (typeof body !== 'object' || body === null || Array.isArray(body)) {
     throw new KvfenceError('invalid_request', 'the request body must be a JSON object')
@@ -319,8 +342,12 @@ function checkFields(
   for (const [field, value] of Object.entries(object)) {
     if (supported.includes(field) || ignoredFields.has(field)) continue
     if (Object.hasOwn(inert, field)) {
-      if (inert[field](value)) continue
-      throw new KvfenceError('invalid_request', `${field} is not supported by this server`, field)
+      if (inert[field].accepts(value)) continue
+      throw new KvfenceError(
+        'invalid_request',
+        `${field} is not supported by this server (only its no-op value is accepted: ${inert[field].noOp})`,
+        field,
+      )
     }
     throw new KvfenceError(
       'invalid_request',

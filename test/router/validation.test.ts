@@ -343,6 +343,20 @@ describe('the router refuses invalid requests at its boundary', () => {
     )
   })
 
+  it('names the no-op value of a feature it accepts only at that value', async () => {
+    const messageOf = async (body: object) =>
+      ((await (await h.post('/v1/completions', body)).json()) as { error: { message: string } })
+        .error.message
+    assert.equal(
+      await messageOf(completion({ best_of: 0 })),
+      'best_of is not supported by this server (only its no-op value is accepted: 1)',
+    )
+    assert.equal(
+      await messageOf(completion({ echo: true })),
+      'echo is not supported by this server (only its no-op value is accepted: false)',
+    )
+  })
+
   it('names both numbers when the context window is exceeded (openai client)', async () => {
     await assert.rejects(
       h.client().chat.completions.create({
@@ -407,12 +421,26 @@ describe('the router refuses invalid requests at its boundary', () => {
     assert.equal(body.error.code, 'payload_too_large')
   })
 
-  it('answers unknown endpoints with 404', async () => {
-    const res = await fetch(`${h.router.url}/v1/chat/completions`, {
-      headers: { authorization: `Bearer ${keys.alpha}` },
+  it('answers unknown endpoints with 404, and a known one asked with the wrong method with 405 and Allow', async () => {
+    const get = (path: string) =>
+      fetch(`${h.router.url}${path}`, { headers: { authorization: `Bearer ${keys.alpha}` } })
+    const unknown = await get('/v1/embeddings')
+    assert.equal(unknown.status, 404)
+    assert.equal(((await unknown.json()) as { error: { code: string } }).error.code, 'not_found')
+    const wrongMethod = await get('/v1/chat/completions')
+    assert.equal(wrongMethod.status, 405)
+    assert.equal(wrongMethod.headers.get('allow'), 'POST')
+    assert.deepEqual(await wrongMethod.json(), {
+      error: {
+        message: 'GET is not allowed on /v1/chat/completions; use POST',
+        type: 'invalid_request_error',
+        param: null,
+        code: 'method_not_allowed',
+      },
     })
-    assert.equal(res.status, 404)
-    assert.equal(((await res.json()) as { error: { code: string } }).error.code, 'not_found')
+    const post = await h.post('/v1/models', {})
+    assert.equal(post.status, 405)
+    assert.equal(post.headers.get('allow'), 'GET')
   })
 
   it('contacted no worker for any of the refused requests', () => {
