@@ -2,6 +2,9 @@
  *  host, serving a model (the bundled one by default) until interrupted; or, with `--config FILE`
  *  (or `KVFENCE_CONFIG`), the whole cluster a config file describes (see src/config/cluster.ts),
  *  with `--host`, `--port`, `--log-content` and `--log-level` overriding the file. */
+import { existsSync } from 'node:fs'
+import { createServer } from 'node:net'
+import { join } from 'node:path'
 import { type Command, Option } from 'commander'
 import { pino } from 'pino'
 import { loadClusterConfig } from '../config/cluster.js'
@@ -9,6 +12,7 @@ import { launchCluster } from '../config/launch.js'
 import { startCluster } from '../engine/cluster.js'
 import { buildFaultConfig } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
+import { loadModelConfig } from '../model/config.js'
 import { bundledModelDir } from '../paths.js'
 import { loadTenants } from '../router/tenants.js'
 import {
@@ -96,6 +100,8 @@ export function registerServe(program: Command): void {
       // What the parts would refuse, refused before any of them starts (one line, no part's logs).
       loadTenants(flags.tenants)
       buildFaultConfig(flags.injectFault, flags.unsafeDisableGuards, process.env)
+      checkModelDir(flags.model)
+      await checkPortFree(flags.host ?? '127.0.0.1', flags.port ?? 8000)
       const cluster = await startCluster({
         modelDir: flags.model,
         tenantsFile: flags.tenants,
@@ -173,6 +179,41 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
       process.stderr.write(`kvfence: a worker ${howEnded(code, signal)}; stopping\n`)
       void stop(1)
     })
+  }
+}
+
+/** The model folder's config.json parses and its weights file is there: what a worker would
+ *  otherwise find only after the others started. Throws `config_invalid` (one line). */
+function checkModelDir(dir: string): void {
+  try {
+    loadModelConfig(dir)
+  } catch (err) {
+    throw new KvfenceError('config_invalid', (err as Error).message)
+  }
+  if (!existsSync(join(dir, 'model.safetensors')))
+    throw new KvfenceError('config_invalid', `no model.safetensors in model directory ${dir}`)
+}
+
+/** Resolves when `host:port` can be listened on now (it is closed again at once); throws
+ *  `config_invalid` naming the address otherwise. A port taken between this check and the
+ *  router's start still fails, with the router's own line. */
+async function checkPortFree(host: string, port: number): Promise<void> {
+  const server = createServer()
+  try {
+    await new Promise<void>((resolve, reject) => {
+      server.once('error', reject)
+      server.listen(port, host, resolve)
+    })
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code
+    throw new KvfenceError(
+      'config_invalid',
+      code === 'EADDRINUSE'
+        ? `${host}:${port} is already in use: give another --port`
+        : `cannot listen on ${host}:${port}: ${(err as Error).message}`,
+    )
+  } finally {
+    await new Promise((resolve) => server.close(resolve))
   }
 }
 

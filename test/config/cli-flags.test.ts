@@ -2,7 +2,11 @@
  *  line naming the flag, exit 2 (they used to surface from Node or pino after workers started). */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
-import { describe, it } from 'node:test'
+import { mkdirSync, rmSync } from 'node:fs'
+import { createServer } from 'node:net'
+import { join } from 'node:path'
+import { after, describe, it } from 'node:test'
+import { twoTenants } from '../helpers/cluster.js'
 import { cliPath } from '../helpers/paths.js'
 
 function run(args: string[]): Promise<{ code: number | null; stdout: string; stderr: string }> {
@@ -36,4 +40,33 @@ describe('CLI flag ranges', () => {
       assert.equal(res.stdout, '')
     })
   }
+})
+
+describe('serve checks the model folder and its port before any part starts', () => {
+  const { dir, tenantsFile } = twoTenants('kvfence-cli-flags-')
+  after(() => rmSync(dir, { recursive: true, force: true }))
+
+  it('a model folder without config.json: one line, exit 2 (was the worker line plus "exited")', async () => {
+    const empty = join(dir, 'empty-model')
+    mkdirSync(empty)
+    const res = await run(['serve', '--tenants', tenantsFile, '--model', empty])
+    assert.equal(res.code, 2)
+    assert.equal(res.stderr.trim(), `kvfence: no config.json in model directory ${empty}`)
+  })
+
+  it('a port in use: one line naming it, exit 2, before any worker logs', async () => {
+    const taken = createServer()
+    await new Promise<void>((resolve) => taken.listen(0, '127.0.0.1', resolve))
+    const { port } = taken.address() as { port: number }
+    try {
+      const res = await run(['serve', '--tenants', tenantsFile, '--port', String(port)])
+      assert.equal(res.code, 2)
+      assert.equal(
+        res.stderr.trim(),
+        `kvfence: 127.0.0.1:${port} is already in use: give another --port`,
+      )
+    } finally {
+      taken.close()
+    }
+  })
 })
