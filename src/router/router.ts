@@ -259,7 +259,8 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       }
       if (config.logContent) {
         outcome.content = {
-          prompt: endpoint === 'chat' ? (parsed as ParsedChatRequest).messages : body,
+          // The prompt alone (messages, text or token ids), never the rest of the body.
+          prompt: endpoint === 'chat' ? (parsed as ParsedChatRequest).messages : promptText(parsed),
           completion: '',
         }
       }
@@ -740,6 +741,12 @@ function publicError(err: KvfenceError, rid: string): KvfenceError {
   if (err.status < 500 && err.code !== 'request_aborted') return err
   const sentence = publicMessages[err.code] ?? 'Internal error.'
   return new KvfenceError(err.code, `${sentence} (request ${rid})`, null)
+}
+
+/** A completions request's prompt as logged with `logContent`: its text, or its token ids. */
+function promptText(parsed: ParsedChatRequest | ParsedCompletionRequest): string | number[] {
+  const { prompt } = parsed as ParsedCompletionRequest
+  return 'text' in prompt ? prompt.text : prompt.tokenIds
 }
 
 /** The decoded path of a request URL ('' when it does not parse, which matches no route). */

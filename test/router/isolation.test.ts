@@ -122,6 +122,12 @@ describe('operations', () => {
       const line = h.logs.lines.map((l) => JSON.parse(l)).find((l) => l.msg === 'request finished')
       assert.deepEqual(line.prompt, [{ role: 'user', content: secret }])
       assert.equal(line.completion, 'Hello, tenant!')
+      // Completions: the prompt itself, not the whole body (it was logged with every field).
+      await h.client().completions.create({ model: 'echo-test', prompt: secret, max_tokens: 3 })
+      const lines = h.logs.lines
+        .map((l) => JSON.parse(l))
+        .filter((l) => l.msg === 'request finished')
+      assert.equal(lines.at(-1).prompt, secret)
       assert.ok(!h.logs.text().includes(keys.alpha))
     } finally {
       await h.close()
