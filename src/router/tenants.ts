@@ -25,8 +25,8 @@ export const TenantRecord = z.strictObject({
   // Names go to logs, metric labels and worker page metadata: plain words only.
   name: z
     .string()
-    .min(1)
-    .max(128)
+    .min(1, 'a tenant name may not be empty')
+    .max(128, 'a tenant name is at most 128 characters')
     .regex(/^[A-Za-z0-9._@-]+$/, 'a tenant name is letters, digits and . _ @ - only'),
   keySha256: z
     .string()

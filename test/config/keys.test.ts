@@ -90,6 +90,12 @@ describe('kvfence keys', () => {
     assert.equal(err.code, 2)
     assert.match(err.stderr, /a tenant name is letters, digits and \. _ @ - only/)
     assert.equal(err.stderr.trim().split('\n').length, 1, err.stderr)
+    const empty = await kvfence('add', '', '--tenants', path).then(
+      () => null,
+      (e: { code: number; stderr: string }) => e,
+    )
+    assert.equal(empty?.code, 2)
+    assert.equal(empty?.stderr.trim(), 'kvfence: tenant "": a tenant name may not be empty')
   })
 
   it('a new tenants file loads as a registry that knows the printed key', async () => {
