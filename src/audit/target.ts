@@ -320,7 +320,11 @@ function describeNetworkError(err: unknown): string {
   const cause = (err as { cause?: unknown }).cause
   if (cause instanceof Error) {
     const code = (cause as { code?: unknown }).code
-    return typeof code === 'string' ? code : cause.message
+    if (typeof code === 'string') return code
+    // fetch refuses the Fetch standard's "bad ports" (1, 9, 25, 6000, …) before connecting.
+    if (cause.message === 'bad port')
+      return 'fetch refuses to connect to this port (a "bad port" of the Fetch standard, https://fetch.spec.whatwg.org/#port-blocking): serve the endpoint on another port'
+    return cause.message
   }
   return err.message
 }

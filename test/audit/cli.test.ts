@@ -162,6 +162,12 @@ describe('kvfence audit (CLI)', () => {
     const run = await kvfence(['audit', '--target', await unreachableUrl(), ...tenantFlags], env)
     assertOneLineError(run, /cannot reach http:\/\/127\.0\.0\.1:\d+: ECONNREFUSED/)
     assertNoKeys(run)
+    // Port 1 is one fetch never connects to: say so, not undici's bare "bad port".
+    const blocked = await kvfence(['audit', '--target', 'http://127.0.0.1:1', ...tenantFlags], env)
+    assertOneLineError(
+      blocked,
+      /cannot reach http:\/\/127\.0\.0\.1:1: fetch refuses to connect to this port \(a "bad port" of the Fetch standard/,
+    )
   })
 
   test('exits 2 naming the tenant when the target refuses its key (never a silent pass)', async () => {
