@@ -85,7 +85,8 @@ export function sendJson(
 }
 
 /** Sends the OpenAI error body for `err` with the status of its code (`Retry-After` on
- *  `capacity_exhausted` and `rate_limited`: a {@link LimitError}'s seconds, else 1). When a body was left unread (too large, or refused
+ *  `capacity_exhausted` and `rate_limited`: a {@link LimitError}'s seconds, else 1; instead
+ *  `x-should-retry: false` for a LimitError no wait can cure). When a body was left unread (too large, or refused
  *  before reading) the connection is closed after the reply. */
 export function sendError(
   req: IncomingMessage,
@@ -99,7 +100,11 @@ export function sendError(
   }
   const extra: Record<string, string> = { ...headers }
   if (err instanceof MethodNotAllowedError) extra.allow = err.allow
-  if (err.code === 'capacity_exhausted' || err.code === 'rate_limited') {
+  if (err instanceof LimitError && err.retryAfterSec === null) {
+    // Retrying the same request cannot succeed: tell the client not to (the openai SDKs obey
+    // this header; without it they retry every 429, with Retry-After, twice).
+    extra['x-should-retry'] = 'false'
+  } else if (err.code === 'capacity_exhausted' || err.code === 'rate_limited') {
     extra['retry-after'] = String(err instanceof LimitError ? err.retryAfterSec : 1)
   }
   const hasBody =

@@ -1,18 +1,19 @@
 /** Load limits in front of the workers: per-tenant concurrency and token rate (→ 429), and one
  *  bounded FIFO queue for the whole router (→ 503 when full or waited on too long). Every refusal
- *  says how long to wait (`Retry-After`).
+ *  says how long to wait (`Retry-After`), or that waiting cannot help.
  *  Knows tenant names, token counts and time; knows nothing of HTTP bodies, workers or keys. */
 import assert from 'node:assert/strict'
 import { KvfenceError } from '../errors.js'
 import type { TenantLimits } from './tenants.js'
 
-/** A refusal for load, with the seconds the client should wait before trying again. */
+/** A refusal for load, with the seconds the client should wait before trying again, or null
+ *  when no wait can help (the request is larger than the tenant's whole limit). */
 export class LimitError extends KvfenceError {
   constructor(
     code: 'rate_limited' | 'capacity_exhausted',
     message: string,
-    /** Whole seconds for `Retry-After` (≥ 1). */
-    readonly retryAfterSec: number,
+    /** Whole seconds for `Retry-After` (≥ 1), or null: retrying the same request cannot succeed. */
+    readonly retryAfterSec: number | null,
   ) {
     super(code, message)
     this.name = 'LimitError'
@@ -122,7 +123,7 @@ export function createLimiter(
         throw new LimitError(
           'rate_limited',
           `Rate limit reached: this request may use ${numTokens} tokens (prompt + max_tokens), more than the limit of your key, ${tpm} tokens per minute; lower max_tokens or shorten the prompt.`,
-          60,
+          null, // no wait refills a bucket past its size
         )
       }
       const bucket = refill(tenant, tpm)

@@ -167,6 +167,42 @@ describe('limits at the router', () => {
     }
   })
 
+  it('a request larger than the whole tokens-per-minute limit: 429 that tells clients not to retry', async () => {
+    const h = await startHarness(
+      {},
+      {
+        tenants: [
+          { name: 'alpha', keySha256: apiKeyDigest(keys.alpha), limits: { tokensPerMinute: 60 } },
+        ],
+      },
+    )
+    try {
+      // 21 prompt tokens + max_tokens 100 > 60: no wait can make room for it.
+      const raw = await h.post('/v1/chat/completions', { ...chat, max_tokens: 100 })
+      assert.equal(raw.status, 429)
+      assert.equal(raw.headers.get('x-should-retry'), 'false')
+      assert.equal(raw.headers.get('retry-after'), null)
+      // The official client (2 retries by default) gives up at once: one more request, not three
+      // (it used to wait Retry-After: 60 before each retry).
+      const client = new OpenAI({
+        baseURL: `${h.router.url}/v1`,
+        apiKey: keys.alpha,
+        maxRetries: 2,
+      })
+      await assert.rejects(
+        client.chat.completions.create({ ...chat, max_tokens: 100 }),
+        (err: unknown) => err instanceof OpenAI.RateLimitError,
+      )
+      const metrics = await (await fetch(`${h.router.url}/metrics`)).text()
+      assert.match(
+        metrics,
+        /kvfence_router_requests_total\{endpoint="chat",tenant="alpha",status="429"\} 2\n/,
+      )
+    } finally {
+      await h.close()
+    }
+  })
+
   it('the router queue full → 503 with Retry-After', async () => {
     const h = await startHarness(
       { tokenDelayMs: 30 },
