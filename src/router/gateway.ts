@@ -2,7 +2,8 @@
  *  the engine may lack — the safe rejection path. At start and periodically it discovers what the
  *  engine can really hold, advertises no more (G1), counts each prompt with the engine's own
  *  tokenizer and refuses over-capacity prompts with 400 before they reach the engine (G2), sets
- *  the request id itself, and aborts on the engine when the client goes away (G8).
+ *  the request id itself, keys the engine's prefix cache by tenant (`cache_salt`, per tenant), and
+ *  aborts on the engine when the client goes away (G8).
  *
  *  Discovery (the engines' documented shapes):
  *  - SGLang `GET /server_info` (older: `/get_server_info`): `max_total_num_tokens` (KV pool,
@@ -14,6 +15,7 @@
  *    → `{count}` (or `tokens`), unless a `tokenizer.json` directory is given.
  *  Knows the engines' HTTP APIs and OpenAI bodies; knows nothing of tenants' keys or kvfence's
  *  workers. */
+import { createHmac, randomBytes } from 'node:crypto'
 import http from 'node:http'
 import https from 'node:https'
 import type { ServerResponse } from 'node:http'
@@ -241,6 +243,20 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     }
   }
 
+  // One salt per tenant, HMAC-SHA-256 of its name under a secret drawn at start: stable for the
+  // router's life (a tenant keeps its cache hits), different for every tenant, and not computable
+  // by anyone who can read the engine's requests or logs.
+  const saltSecret = randomBytes(32)
+  const salts = new Map<string, string>()
+  const cacheSaltOf = (tenant: string): string => {
+    let salt = salts.get(tenant)
+    if (salt === undefined) {
+      salt = createHmac('sha256', saltSecret).update(tenant).digest('base64url')
+      salts.set(tenant, salt)
+    }
+    return salt
+  }
+
   const intervalMs = options.discoveryIntervalMs ?? defaultIntervalMs
   const timer = intervalMs > 0 ? setInterval(() => void rediscover(), intervalMs) : null
   timer?.unref()
@@ -302,6 +318,9 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
 
   async function proxy(p: ProxyRequest): Promise<ProxyOutcome> {
     const body: Record<string, unknown> = { ...p.body, model: backendModel }
+    // The engine's prefix cache is shared by every tenant unless a salt separates them: vLLM and
+    // SGLang both key it by `cache_salt` (a client cannot send one: schemas.ts refuses it).
+    body.cache_salt = cacheSaltOf(p.tenant)
     // The engine may never generate past what admission counted.
     if (p.endpoint === 'chat' && body.max_completion_tokens != null) {
       body.max_completion_tokens = p.maxTokens

@@ -281,7 +281,7 @@ export async function startEngine(
   return engine
 }
 
-/** A router (port 0, served name `served`, tenant alpha) in gateway mode in front of `engine`;
+/** A router (port 0, served name `served`, tenants alpha and beta) in gateway mode in front of `engine`;
  *  discovery only at start unless `discoveryIntervalMs` says otherwise. */
 export async function startGatewayRouter(
   engine: Engine,
@@ -296,7 +296,10 @@ export async function startGatewayRouter(
     },
     modelName: 'served',
     contextWindow: extra.contextWindow,
-    tenants: [{ name: 'alpha', keySha256: apiKeyDigest(keys.alpha) }],
+    tenants: [
+      { name: 'alpha', keySha256: apiKeyDigest(keys.alpha) },
+      { name: 'beta', keySha256: apiKeyDigest(keys.beta) },
+    ],
     port: 0,
     log: captureLogs().log,
   })

@@ -8,8 +8,8 @@ import type { RunningRouter } from '../../src/router/start.js'
 import { startEngine, startGatewayRouter } from './engines.js'
 import { keys, waitFor, writeTestTokenizer } from './helpers.js'
 
-const client = (router: RunningRouter) =>
-  new OpenAI({ baseURL: `${router.url}/v1`, apiKey: keys.alpha, maxRetries: 0 })
+const client = (router: RunningRouter, apiKey = keys.alpha) =>
+  new OpenAI({ baseURL: `${router.url}/v1`, apiKey, maxRetries: 0 })
 
 describe('gateway mode', () => {
   it('vLLM: advertises num_gpu_blocks × block_size, counts with /tokenize, refuses over-capacity prompts before the engine', async () => {
@@ -125,6 +125,35 @@ describe('gateway mode', () => {
       rmSync(tokenizerDir, { recursive: true, force: true })
     }
   })
+
+  for (const kind of ['vllm', 'sglang'] as const) {
+    it(`${kind}: every request carries its tenant's cache_salt, so tenants never share the engine's prefix cache`, async () => {
+      const engine = await startEngine(kind, { poolTokens: 4096, maxModelLen: 4096 })
+      // The SGLang stand-in has no /tokenize: the gateway counts with a tokenizer.json.
+      const tokenizerDir = kind === 'sglang' ? writeTestTokenizer() : undefined
+      const router = await startGatewayRouter(engine, { tokenizerDir })
+      try {
+        const send = (key: string) =>
+          client(router, key).completions.create({
+            model: 'served',
+            prompt: 'one two three',
+            max_tokens: 2,
+          })
+        await send(keys.alpha)
+        await send(keys.alpha)
+        await send(keys.beta)
+        const salts = engine.completions.map((b) => b.cache_salt)
+        // HMAC-SHA-256 in base64url: 43 characters, nothing of the tenant's name in it.
+        for (const salt of salts) assert.match(String(salt), /^[A-Za-z0-9_-]{43}$/)
+        assert.equal(salts[0], salts[1], "one tenant's requests share a salt (and its cache hits)")
+        assert.notEqual(salts[0], salts[2], 'two tenants never do')
+      } finally {
+        await router.close()
+        await engine.close()
+        if (tokenizerDir) rmSync(tokenizerDir, { recursive: true, force: true })
+      }
+    })
+  }
 
   it('refuses to start when asked to advertise more than the engine holds (G1)', async () => {
     const engine = await startEngine('vllm', { poolTokens: 128, maxModelLen: 4096 })
