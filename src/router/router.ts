@@ -159,7 +159,10 @@ export function createRouter(deps: RouterDeps): RequestHandler {
     }
     const allow = allowedMethods.get(path)
     if (allow !== undefined) throw new MethodNotAllowedError(req.method ?? '?', path, allow)
-    throw new KvfenceError('not_found', `${req.method} ${path} is not an endpoint of this server`)
+    throw new KvfenceError(
+      'not_found',
+      `${req.method} ${path === '' ? 'of this path' : path} is not an endpoint of this server`,
+    )
   }
 
   /** The tenant of the request's bearer key; `invalid_api_key` otherwise. The key is never
@@ -266,6 +269,14 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       }
       const refusal = capacity()?.refusal
       if (refusal) throw refusal // G1: the workers can no longer hold the advertised window
+      try {
+        // Before tokenizing: a tenant at its limit must not spend the event loop every tenant
+        // shares on prompts that are refused anyway (16 parallel 1 MB prompts stalled others 11 s).
+        limiter.checkTenantRoom(tenant.name, tenant.limits)
+      } catch (err) {
+        metrics.admissionRejections.inc({ reason: 'tenant_limit' })
+        throw err
+      }
       const prompt = await promptOf(endpoint, parsed, abort.signal)
       outcome.numPromptTokens = prompt.numTokens
       const window = contextWindow()
@@ -749,13 +760,27 @@ function promptText(parsed: ParsedChatRequest | ParsedCompletionRequest): string
   return 'text' in prompt ? prompt.text : prompt.tokenIds
 }
 
-/** The decoded path of a request URL ('' when it does not parse, which matches no route). */
+/** The decoded path of a request URL ('' when it does not parse or has a dot segment: it then
+ *  matches no route). */
 function pathOf(url: string | undefined): string {
-  try {
-    return decodeURIComponent(new URL(url ?? '/', 'http://router').pathname)
-  } catch {
-    return ''
+  // The raw path, never a resolved one: `new URL` turns `/v1/%2e%2e/metrics` into `/metrics`,
+  // which let a request through a proxy that forwards only `/v1/*` reach the operators' paths.
+  const raw = (url ?? '/').split(/[?#]/, 1)[0]
+  if (!raw.startsWith('/')) return ''
+  const segments: string[] = []
+  for (const segment of raw.split('/')) {
+    let decoded: string
+    try {
+      decoded = decodeURIComponent(segment)
+    } catch {
+      return ''
+    }
+    // Dot segments name no route: refuse them rather than resolve them. (An encoded slash stays
+    // inside its segment: `meta-llama%2FLlama-3` is one model id, and routes match exactly.)
+    if (decoded === '.' || decoded === '..') return ''
+    segments.push(decoded)
   }
+  return segments.join('/')
 }
 
 /** A failure that may mean a worker went away or restarted. */

@@ -2,6 +2,7 @@
  *  (128 random bits), never taken from a client, and no endpoint takes one. Also: the operations
  *  surface (`/metrics` with worker state, `--log-content`, `cached_tokens`). */
 import assert from 'node:assert/strict'
+import http from 'node:http'
 import { describe, it } from 'node:test'
 import { keys, startHarness } from './helpers.js'
 
@@ -106,6 +107,42 @@ describe('operations', () => {
     try {
       const completion = await h.client().chat.completions.create(chat)
       assert.equal(completion.usage?.prompt_tokens_details?.cached_tokens, 16)
+    } finally {
+      await h.close()
+    }
+  })
+
+  it("no /v1/ path reaches the operators' paths through dot segments or encoded slashes", async () => {
+    // Sent as written (fetch would resolve the dots first): a proxy that forwards only /v1/* passes them.
+    const paths = [
+      '/v1/%2e%2e/metrics',
+      '/v1/../server_info',
+      '/v1/models/../../metrics',
+      '/v1/%2E%2E/server_info',
+      '/v1/./models',
+      '/v1/%2e%2e%2fmetrics',
+    ]
+    const h = await startHarness()
+    try {
+      for (const path of paths) {
+        const status = await new Promise<number>((resolve, reject) => {
+          const req = http.request(
+            {
+              host: '127.0.0.1',
+              port: Number(new URL(h.router.url).port),
+              path,
+              headers: { authorization: `Bearer ${keys.alpha}` },
+            },
+            (res) => {
+              res.resume()
+              resolve(res.statusCode ?? 0)
+            },
+          )
+          req.on('error', reject)
+          req.end()
+        })
+        assert.equal(status, 404, path)
+      }
     } finally {
       await h.close()
     }
