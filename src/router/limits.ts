@@ -56,6 +56,10 @@ export interface Limiter {
    *  throws {@link LimitError} `rate_limited` (429) when the tenant is at its concurrency limit or
    *  out of tokens for now. */
   admitTenant(tenant: string, limits: TenantLimits, numTokens: number): TenantTicket
+  /** Throws what {@link Limiter.admitTenant} would for the tenant's concurrency limit, reserving
+   *  nothing: checked before a prompt is tokenized, so that a tenant at its limit cannot spend
+   *  the router's event loop on prompts that will be refused anyway. */
+  checkTenantRoom(tenant: string, limits: TenantLimits): void
   /** A running slot, at once or after waiting in the queue; throws {@link LimitError}
    *  `capacity_exhausted` (503) when the queue is full or the wait exceeds `maxQueueWaitMs`,
    *  and `request_aborted` when `signal` fires first. */
@@ -106,7 +110,7 @@ export function createLimiter(
     return bucket
   }
 
-  function admitTenant(tenant: string, limits: TenantLimits, numTokens: number): TenantTicket {
+  function checkTenantRoom(tenant: string, limits: TenantLimits): void {
     const numRunningOfTenant = running.get(tenant) ?? 0
     const maxConcurrent = limits.maxConcurrentRequests
     if (maxConcurrent !== undefined && numRunningOfTenant >= maxConcurrent) {
@@ -116,6 +120,10 @@ export function createLimiter(
         1,
       )
     }
+  }
+
+  function admitTenant(tenant: string, limits: TenantLimits, numTokens: number): TenantTicket {
+    checkTenantRoom(tenant, limits)
     const tpm = limits.tokensPerMinute
     let charged = 0
     if (tpm !== undefined) {
@@ -138,7 +146,7 @@ export function createLimiter(
       bucket.tokens -= numTokens
       charged = numTokens
     }
-    running.set(tenant, numRunningOfTenant + 1)
+    running.set(tenant, (running.get(tenant) ?? 0) + 1)
     let isReleased = false
     return {
       release(numUnusedTokens: number): void {
@@ -241,6 +249,7 @@ export function createLimiter(
 
   return {
     admitTenant,
+    checkTenantRoom,
     acquireSlot,
     waitForRoom,
     get numQueued() {

@@ -131,6 +131,15 @@ describe('limits at the router', () => {
       assert.equal(error.code, 'rate_limited')
       assert.equal(error.type, 'rate_limit_error')
       await assert.rejects(h.client().chat.completions.create(chat), OpenAI.RateLimitError)
+      // Refused before its prompt is tokenized: token ids outside the vocabulary, which
+      // tokenizing would refuse with 400, get the 429 (a tenant at its limit cannot make the
+      // router tokenize large prompts for nothing).
+      const untokenized = await h.post('/v1/completions', {
+        model: 'echo-test',
+        prompt: [100_000],
+        max_tokens: 1,
+      })
+      assert.equal(untokenized.status, 429)
       const other = await h.client(keys.beta).chat.completions.create(chat)
       assert.equal(other.choices[0].finish_reason, 'stop')
       await slow
@@ -140,7 +149,7 @@ describe('limits at the router', () => {
         metrics,
         /kvfence_router_requests_total\{endpoint="chat",tenant="alpha",status="429"\} 2/,
       )
-      assert.match(metrics, /kvfence_router_admission_rejections_total\{reason="tenant_limit"\} 2/)
+      assert.match(metrics, /kvfence_router_admission_rejections_total\{reason="tenant_limit"\} 3/)
     } finally {
       await h.close()
     }
