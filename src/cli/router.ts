@@ -12,6 +12,7 @@ import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
 import { type StartRouterOptions, startRouter } from '../router/index.js'
 import { collect, intOption, logLevels, portOption } from './options.js'
+import { reportReadyToParent } from './parent.js'
 
 interface RouterFlags {
   config?: string
@@ -84,15 +85,21 @@ export function registerRouter(program: Command): void {
         clusterToken: clusterTokenFrom(process.env),
         log,
       })
-      process.send?.({
-        type: 'ready',
-        role: 'router',
-        port: router.port,
-        contextWindow: router.config.contextWindow,
-      })
       const shutdown = () => void router.close().then(() => process.exit(0))
       process.on('SIGTERM', shutdown)
       process.on('SIGINT', shutdown)
+      reportReadyToParent(
+        {
+          type: 'ready',
+          role: 'router',
+          port: router.port,
+          contextWindow: router.config.contextWindow,
+        },
+        () => {
+          log.warn('the process that started this router is gone; stopping')
+          shutdown()
+        },
+      )
     })
 }
 

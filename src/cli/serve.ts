@@ -13,6 +13,7 @@ import { startCluster } from '../engine/cluster.js'
 import { buildFaultConfig } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
 import { loadModelConfig } from '../model/config.js'
+import { reportReadyToParent } from './parent.js'
 import { bundledModelDir } from '../paths.js'
 import { loadTenants } from '../router/tenants.js'
 import {
@@ -119,11 +120,6 @@ export function registerServe(program: Command): void {
         ...threadArgs(flags.threads),
       })
       process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
-      process.send?.({
-        type: 'ready',
-        role: 'router',
-        port: Number(new URL(cluster.routerUrl).port),
-      })
       let isStopping = false
       const stop = async () => {
         isStopping = true
@@ -132,6 +128,10 @@ export function registerServe(program: Command): void {
       }
       process.on('SIGINT', () => void stop())
       process.on('SIGTERM', () => void stop())
+      reportReadyToParent(
+        { type: 'ready', role: 'router', port: Number(new URL(cluster.routerUrl).port) },
+        () => void stop(),
+      )
       for (const child of Object.values(cluster.processes)) {
         child.once('exit', (code, signal) => {
           if (isStopping) return
@@ -163,7 +163,6 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
   const log = pino({ name: 'kvfence-router', level: config.router.logLevel }, pino.destination(2))
   const cluster = await launchCluster(config, log, process.env, path)
   process.stderr.write(`kvfence serving on ${cluster.router.url}/v1 (Ctrl-C stops)\n`)
-  process.send?.({ type: 'ready', role: 'router', port: cluster.router.port })
   let isStopping = false
   const stop = async (code: number) => {
     if (isStopping) return
@@ -173,6 +172,10 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
   }
   process.on('SIGINT', () => void stop(0))
   process.on('SIGTERM', () => void stop(0))
+  reportReadyToParent(
+    { type: 'ready', role: 'router', port: cluster.router.port },
+    () => void stop(0),
+  )
   for (const child of cluster.children) {
     child.once('exit', (code, signal) => {
       if (isStopping) return

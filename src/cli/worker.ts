@@ -13,6 +13,7 @@ import { createWorkerServer, listen } from '../engine/worker-server.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
 import { bundledModelDir } from '../paths.js'
 import { TransferServer } from '../transfer/index.js'
+import { reportReadyToParent } from './parent.js'
 import { intOption, collect, threadsHelp, threadsOption, logLevels, portOption } from './options.js'
 
 interface WorkerFlags {
@@ -188,11 +189,14 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     capacityTokens: core.pool.capacityTokens,
   }
   log.info(ready, `${role} worker listening`)
-  process.send?.(ready)
   const shutdown = () => {
     server.close()
     process.exit(0)
   }
   process.on('SIGTERM', shutdown)
   process.on('SIGINT', shutdown)
+  reportReadyToParent(ready, () => {
+    log.warn('the process that started this worker is gone; stopping')
+    shutdown()
+  })
 }

@@ -2,7 +2,7 @@
  *  the router process. */
 import assert from 'node:assert/strict'
 import { fork } from 'node:child_process'
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { once } from 'node:events'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -51,4 +51,42 @@ it('serve --tenants --log-content logs prompts; without the flag it does not', a
       await exited
     }
   }
+})
+
+/** PIDs of the live processes whose parent is `pid` (from /proc). */
+function childrenOf(pid: number): number[] {
+  return readdirSync('/proc')
+    .filter((name) => /^\d+$/.test(name))
+    .filter((name) => {
+      try {
+        return (
+          /^PPid:\s+(\d+)$/m.exec(readFileSync(`/proc/${name}/status`, 'utf8'))?.[1] === String(pid)
+        )
+      } catch {
+        return false // ended while we looked
+      }
+    })
+    .map(Number)
+}
+
+const isAlive = (pid: number) => {
+  try {
+    process.kill(pid, 0)
+    return true
+  } catch {
+    return false
+  }
+}
+
+it('serve killed with SIGKILL leaves no part running (each part stops when its parent is gone)', async () => {
+  const { child } = await serve(['--threads', '1'])
+  const parts = childrenOf(child.pid!)
+  assert.equal(parts.length, 3, 'router, prefill and decode')
+  child.kill('SIGKILL')
+  await once(child, 'exit')
+  const deadline = Date.now() + 15_000
+  while (parts.some(isAlive) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50))
+  const left = parts.filter(isAlive)
+  for (const pid of left) process.kill(pid, 'SIGKILL') // do not leave them to the next test
+  assert.deepEqual(left, [], 'parts still running after serve was killed')
 })
