@@ -10,6 +10,7 @@ export const errorCodes = {
   not_found: { status: 404, type: 'invalid_request_error' },
   method_not_allowed: { status: 405, type: 'invalid_request_error' },
   payload_too_large: { status: 413, type: 'invalid_request_error' },
+  unsupported_media_type: { status: 415, type: 'invalid_request_error' },
   rate_limited: { status: 429, type: 'rate_limit_error' },
   capacity_exhausted: { status: 503, type: 'server_error' },
   worker_unavailable: { status: 503, type: 'server_error' },

@@ -15,6 +15,15 @@ const strictUtf8 = new TextDecoder('utf-8', { fatal: true })
 export async function readJsonBody(req: IncomingMessage, maxBytes: number): Promise<unknown> {
   const tooLarge = () =>
     new KvfenceError('payload_too_large', `the request body exceeds the limit of ${maxBytes} bytes`)
+  const encoding = req.headers['content-encoding']?.trim().toLowerCase()
+  if (encoding !== undefined && encoding !== '' && encoding !== 'identity') {
+    // Not decompressed here: reading gzip bytes as JSON would fail obscurely, and reading a plain
+    // body labelled gzip would accept what the client says it did not send (RFC 9110 §8.4: 415).
+    throw new KvfenceError(
+      'unsupported_media_type',
+      `Content-Encoding ${encoding} is not supported: send the body uncompressed`,
+    )
+  }
   const declared = Number(req.headers['content-length'])
   if (Number.isFinite(declared) && declared > maxBytes) throw tooLarge()
   const chunks: Buffer[] = []

@@ -414,6 +414,27 @@ describe('the router refuses invalid requests at its boundary', () => {
     assert.equal(error.message, 'the request body is not valid UTF-8')
   })
 
+  it('refuses a compressed body with 415 (it is never decompressed, nor read as plain)', async () => {
+    const res = await fetch(`${h.router.url}/v1/completions`, {
+      method: 'POST',
+      headers: {
+        authorization: `Bearer ${keys.alpha}`,
+        'content-type': 'application/json',
+        'content-encoding': 'gzip',
+      },
+      body: JSON.stringify(completion({})),
+    })
+    assert.equal(res.status, 415)
+    assert.deepEqual(await res.json(), {
+      error: {
+        message: 'Content-Encoding gzip is not supported: send the body uncompressed',
+        type: 'invalid_request_error',
+        param: null,
+        code: 'unsupported_media_type',
+      },
+    })
+  })
+
   it('refuses a body over 1 MiB with 413', async () => {
     const res = await h.post('/v1/completions', completion({ prompt: 'x'.repeat(1024 * 1024 + 1) }))
     assert.equal(res.status, 413)
