@@ -15,15 +15,17 @@ export interface GeneratedLogprobs {
 /** The text of one token id. */
 export type TokenText = (tokenId: number) => string
 
-/** A {@link TokenText} over `decode` (special tokens kept), memoized per id. */
+/** A {@link TokenText} over `decode`, memoized per id: special tokens kept (their names, for
+ *  `tokens`), or with `skipSpecialTokens` skipped as in the completion text (for offsets). */
 export function tokenTextOf(
   decode: (ids: readonly number[], options: { skipSpecialTokens: boolean }) => string,
+  skipSpecialTokens = false,
 ): TokenText {
   const cache = new Map<number, string>()
   return (id) => {
     let text = cache.get(id)
     if (text === undefined) {
-      text = decode([id], { skipSpecialTokens: false })
+      text = decode([id], { skipSpecialTokens })
       cache.set(id, text)
     }
     return text
@@ -78,10 +80,16 @@ export interface CompletionLogprobs {
 /** Builds the completions `logprobs` of a response in pieces (one per streamed chunk), keeping
  *  `text_offset` running across them. */
 export class CompletionLogprobsBuilder {
-  /** Code points of the token texts so far. */
+  /** Code points of the completion text so far. */
   private offset = 0
 
-  constructor(private readonly tokenText: TokenText) {}
+  /** `tokenText` names the tokens (special tokens included); `shownText`, when given, is a
+   *  token's text as the completion shows it (special tokens skipped: empty), which is what
+   *  `text_offset` counts. Without it the two are the same. */
+  constructor(
+    private readonly tokenText: TokenText,
+    private readonly shownText: TokenText = tokenText,
+  ) {}
 
   /** The `logprobs` object for the next `entries` of the response. */
   next(entries: readonly GeneratedLogprobs[]): CompletionLogprobs {
@@ -104,7 +112,7 @@ export class CompletionLogprobsBuilder {
       // fromEntries defines own properties, so even a token "__proto__" is a plain key.
       out.top_logprobs.push(Object.fromEntries(top))
       out.text_offset.push(this.offset)
-      this.offset += [...token].length
+      this.offset += [...this.shownText(e.tokenId)].length
     }
     return out
   }

@@ -518,11 +518,12 @@ export function createRouter(deps: RouterDeps): RequestHandler {
     throw new KvfenceError('internal_error', `request ${c.request.requestId} ended without done`)
   }
 
-  /** The text of a token id, for log-probabilities (kvfence backend only). */
-  function tokenText() {
+  /** The text of a token id, for log-probabilities (kvfence backend only); with `shown`, as the
+   *  completion text shows it (special tokens skipped). */
+  function tokenText(shown = false) {
     if (backend.kind !== 'kvfence')
       throw new KvfenceError('internal_error', 'not a kvfence backend')
-    return tokenTextOf((ids, options) => backend.tokenizer.decode(ids, options))
+    return tokenTextOf((ids, options) => backend.tokenizer.decode(ids, options), shown)
   }
 
   async function respondWhole(c: GenerationContext): Promise<void> {
@@ -557,7 +558,9 @@ export function createRouter(deps: RouterDeps): RequestHandler {
             text,
             result.finishReason,
             usage,
-            isLogprobs ? new CompletionLogprobsBuilder(tokenText()).next(logprobs) : null,
+            isLogprobs
+              ? new CompletionLogprobsBuilder(tokenText(), tokenText(true)).next(logprobs)
+              : null,
           ),
     )
   }
@@ -570,7 +573,8 @@ export function createRouter(deps: RouterDeps): RequestHandler {
     const isUsageStreamed = c.parsed.isUsageStreamed
     const isLogprobs = c.request.sampling.numLogprobs != null
     const texts = isLogprobs ? tokenText() : null
-    const completionLogprobs = texts === null ? null : new CompletionLogprobsBuilder(texts)
+    const completionLogprobs =
+      texts === null ? null : new CompletionLogprobsBuilder(texts, tokenText(true))
     /** A chunk's `logprobs` for `entries` (null when not asked for). */
     const chatChunkLogprobs = (entries: GeneratedLogprobs[]) =>
       texts === null ? null : chatLogprobs(entries, texts)
@@ -682,6 +686,8 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       backend.capacity?.recheckSoon()
     }
     if (err.code === 'request_aborted') log.info({ code: err.code }, 'client went away')
+    // Load shedding is the router working as configured, not a failure to page anyone about.
+    else if (err instanceof LimitError) log.warn({ code: err.code }, 'request shed for load')
     else if (err.status >= 500) log.error({ code: err.code, detail: err.message }, 'request failed')
     // 4xx: the code and field suffice; the message may quote client input.
     else log.info({ code: err.code, param: err.param }, 'request refused')

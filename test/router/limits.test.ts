@@ -237,6 +237,13 @@ describe('limits at the router', () => {
       const [a, b] = await Promise.all([running, queued])
       assert.equal(a.choices[0].finish_reason, 'stop')
       assert.equal(b.choices[0].finish_reason, 'stop')
+      // Shedding load is logged as a warning, not as an error an operator would be paged for.
+      const lines = h.logs.lines.map((l) => JSON.parse(l) as { level: number; msg: string })
+      assert.ok(lines.some((l) => l.level === 40 && l.msg === 'request shed for load'))
+      assert.deepEqual(
+        lines.filter((l) => l.level >= 50),
+        [],
+      )
     } finally {
       await h.close()
     }
