@@ -3,11 +3,13 @@
  *  new key once (it cannot be recovered later). Edits keep the rest of the file (limits, other
  *  sections, comments) as it was. */
 import { randomBytes } from 'node:crypto'
-import { existsSync, readFileSync } from 'node:fs'
+import { existsSync } from 'node:fs'
 import type { Command } from 'commander'
 import writeFileAtomic from 'write-file-atomic'
-import { isMap, isSeq, parseDocument, stringify as toYaml, type Document } from 'yaml'
+import { isMap, isSeq, stringify as toYaml, type Document } from 'yaml'
 import { z } from 'zod'
+import { describeIssue } from '../config/issues.js'
+import { parseYamlDocument, readYamlFileText } from '../config/yaml-file.js'
 import { KvfenceError } from '../errors.js'
 import { apiKeyDigest, TenantRecord } from '../router/tenants.js'
 
@@ -29,10 +31,14 @@ function readTenantsDocument(
 ): { doc: Document; tenants: TenantRecord[] } {
   const isNew = !existsSync(path)
   if (isNew && !mayCreate) throw new KvfenceError('config_invalid', `${path} does not exist`)
-  const doc = parseDocument(isNew ? '{}' : readFileSync(path, 'utf8'))
-  if (doc.errors.length > 0) {
-    throw new KvfenceError('config_invalid', `${path} is not valid YAML: ${doc.errors[0].message}`)
-  }
+  // Errors name the position and kind of fault only: the file holds key digests (see
+  // src/config/yaml-file.ts). A directory, a device or a file over 16 MiB is refused unread.
+  const label = `tenants file ${path}`
+  const doc = parseYamlDocument(
+    isNew ? '{}' : readYamlFileText(path, label, 'config_invalid'),
+    label,
+    'config_invalid',
+  )
   if (doc.contents !== null && !isMap(doc.contents)) {
     throw new KvfenceError('config_invalid', `${path}: the file must be a YAML mapping`)
   }
@@ -43,12 +49,19 @@ function readTenantsDocument(
   if (list !== undefined && !isSeq(list)) {
     throw new KvfenceError('config_invalid', `${path}: tenants must be a list`)
   }
-  const parsed = z.array(TenantRecord).safeParse(doc.toJS()?.tenants ?? [])
+  let value: { tenants?: unknown } | null
+  try {
+    value = doc.toJS() as { tenants?: unknown } | null
+  } catch {
+    // The library's message names the alias: file content.
+    throw new KvfenceError('config_invalid', `${label} is not valid YAML: a bad alias`)
+  }
+  const parsed = z.array(TenantRecord).safeParse(value?.tenants ?? [])
   if (!parsed.success) {
     const issue = parsed.error.issues[0]
     throw new KvfenceError(
       'config_invalid',
-      `${path}: tenants.${issue.path.map(String).join('.')}: ${issue.message}`,
+      `${path}: ${describeIssue({ ...issue, path: ['tenants', ...issue.path] })}`,
     )
   }
   if (list === undefined) doc.set('tenants', doc.createNode([]))
@@ -146,7 +159,14 @@ export function registerKeys(program: Command): void {
  *  the file (`watchTenants`) never reads it half-written, and a crash leaves the old file whole.
  *  An existing file keeps its mode and owner; a new one is readable by its owner only. */
 function writeTenantsFile(path: string, doc: Document): void {
-  writeFileAtomic.sync(path, doc.toString(), existsSync(path) ? {} : { mode: 0o600 })
+  try {
+    writeFileAtomic.sync(path, doc.toString(), existsSync(path) ? {} : { mode: 0o600 })
+  } catch (err) {
+    // The library's message names its temporary file (`t.yaml.2727288112`): name the real one,
+    // keeping the system's reason ("ENOENT: no such file or directory").
+    const reason = /^E[A-Z]+: [^,]*/.exec((err as Error).message)?.[0] ?? (err as Error).message
+    throw new KvfenceError('config_invalid', `cannot write tenants file ${path}: ${reason}`)
+  }
 }
 
 function positiveInt(value: string): number {

@@ -8,19 +8,19 @@
  *  router: { host: 127.0.0.1, port: 8000, maxConcurrentRequests: 64, maxQueuedRequests: 256 }
  *  workers:
  *    pageSize: 16
- *    prefill: [{ pages: 64 }]          # started here …
+ *    prefill: [{ pages: 64, prefixCachePages: 0 }]   # started here (prefix cache off) …
  *    decode: [{ url: http://10.0.0.7:8102 }]   # … or already running elsewhere
  *  tenants:
  *    - { name: alice, keySha256: <64 hex>, limits: { maxConcurrentRequests: 4, tokensPerMinute: 100000 } }
  *  ```
  *  Knows the file's shape and defaults; knows nothing of starting processes or serving. */
-import { readFileSync } from 'node:fs'
 import { dirname, isAbsolute, resolve } from 'node:path'
-import { parse as parseYaml } from 'yaml'
 import { z } from 'zod'
 import { KvfenceError } from '../errors.js'
 import { queueLimitDefaults } from '../router/limits.js'
 import { TenantRecord } from '../router/tenants.js'
+import { describeIssue } from './issues.js'
+import { loadYamlFile } from './yaml-file.js'
 
 const port = z.number().int().min(0).max(65535)
 const positive = z.number().int().min(1)
@@ -43,18 +43,48 @@ export const RouterSection = z.strictObject({
   logLevel: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']).default('info'),
 })
 
+const workerShapeError =
+  'a worker is { pages: N } (started here) or { url: http://host:port } (running)'
+
 /** A worker: started here with a pool of `pages`, or already running at `url`. */
 export const WorkerEntry = z.union(
   [z.strictObject({ pages: positive }), z.strictObject({ url: httpUrl })],
-  { error: 'a worker is { pages: N } (started here) or { url: http://host:port } (running)' },
+  {
+    error: workerShapeError,
+  },
 )
 export type WorkerEntry = z.infer<typeof WorkerEntry>
+
+// Checked by a refinement rather than z.number().int(): a wrong type inside a union member makes
+// zod report only the union's message, which would not name the field.
+const prefixCacheBudget = z
+  .unknown()
+  .refine((v) => Number.isInteger(v) && (v as number) >= 0, 'must be an integer ≥ 0')
+  .transform((v) => v as number)
+
+/** A prefill worker: as {@link WorkerEntry}; one started here may also set `prefixCachePages`,
+ *  the most pool pages its prefix cache may hold (`kvfence prefill --prefix-cache-pages`; 0 turns
+ *  the cache off, closing the load side channel of docs/threat-model.md; default: a quarter of
+ *  `pages`). */
+export const PrefillWorkerEntry = z.union(
+  [
+    z
+      .strictObject({ pages: positive, prefixCachePages: prefixCacheBudget.optional() })
+      .refine((e) => e.prefixCachePages === undefined || e.prefixCachePages <= e.pages, {
+        error: 'may not exceed pages',
+        path: ['prefixCachePages'],
+      }),
+    z.strictObject({ url: httpUrl }),
+  ],
+  { error: workerShapeError.replace('{ pages: N }', '{ pages: N, prefixCachePages?: N }') },
+)
+export type PrefillWorkerEntry = z.infer<typeof PrefillWorkerEntry>
 
 /** Native kvfence workers. */
 export const WorkersSection = z.strictObject({
   /** Tokens per KV page of the workers started here. */
   pageSize: positive.default(16),
-  prefill: z.array(WorkerEntry).min(1),
+  prefill: z.array(PrefillWorkerEntry).min(1),
   decode: z.array(WorkerEntry).min(1),
 })
 
@@ -92,12 +122,7 @@ export type ClusterConfig = z.infer<typeof ClusterConfig>
 export function parseClusterConfig(value: unknown, source: string, baseDir: string): ClusterConfig {
   const parsed = ClusterConfig.safeParse(value ?? {})
   if (!parsed.success) {
-    const issue = parsed.error.issues[0]
-    const field = issue.path.map(String).join('.')
-    throw new KvfenceError(
-      'config_invalid',
-      `${source}: ${field === '' ? '' : `${field}: `}${issue.message}`,
-    )
+    throw new KvfenceError('config_invalid', `${source}: ${describeIssue(parsed.error.issues[0])}`)
   }
   const config = parsed.data
   const at = (p: string | undefined) => (p === undefined || isAbsolute(p) ? p : resolve(baseDir, p))
@@ -116,23 +141,11 @@ export function parseClusterConfig(value: unknown, source: string, baseDir: stri
   })
 }
 
-/** Reads and parses a cluster config file; throws `config_invalid` with a one-line message. */
+/** Reads and parses a cluster config file; throws `config_invalid` with a one-line message that
+ *  quotes nothing of the file but field names (it holds tenants: see src/config/yaml-file.ts).
+ *  Refuses a directory, a device or a file over 16 MiB. */
 export function loadClusterConfig(path: string): ClusterConfig {
-  let text: string
-  try {
-    text = readFileSync(path, 'utf8')
-  } catch (err) {
-    throw new KvfenceError('config_invalid', `cannot read config file ${path}: ${messageOf(err)}`)
-  }
-  let value: unknown
-  try {
-    value = parseYaml(text)
-  } catch (err) {
-    throw new KvfenceError(
-      'config_invalid',
-      `${path} is not valid YAML: ${messageOf(err).split('\n')[0]}`,
-    )
-  }
+  const value = loadYamlFile(path, `config file ${path}`, 'config_invalid')
   return parseClusterConfig(value, path, dirname(resolve(path)))
 }
 
@@ -142,8 +155,4 @@ function deepFreeze<T>(value: T): T {
     for (const child of Object.values(value)) deepFreeze(child)
   }
   return value
-}
-
-function messageOf(err: unknown): string {
-  return err instanceof Error ? err.message : String(err)
 }

@@ -63,19 +63,13 @@ export async function launchCluster(
       router = await startRouter({ ...common, gateway: gatewayOptions(b, apiKey) })
     } else {
       const workers = config.workers!
-      const start = (role: 'prefill' | 'decode', entry: { pages: number } | { url: string }) =>
+      const start = (
+        role: 'prefill' | 'decode',
+        entry: { pages: number; prefixCachePages?: number } | { url: string },
+      ) =>
         'url' in entry
           ? Promise.resolve(entry.url)
-          : startWorker(
-              role,
-              modelDir,
-              entry.pages,
-              workers.pageSize,
-              r.host,
-              r.logLevel,
-              env,
-              children,
-            )
+          : startWorker(role, modelDir, entry, workers.pageSize, r.host, r.logLevel, env, children)
       const [prefillUrls, decodeUrls] = await Promise.all([
         Promise.all(workers.prefill.map((e) => start('prefill', e))),
         Promise.all(workers.decode.map((e) => start('decode', e))),
@@ -145,11 +139,13 @@ export function gatewayOptions(
   }
 }
 
-/** Forks one worker and resolves with its control URL once it reports ready. */
+/** Forks one worker and resolves with its control URL once it reports ready. `pool.pages` is its
+ *  KV pool; `pool.prefixCachePages`, if set, its prefix cache budget (prefill only: the schema
+ *  allows it on prefill entries alone). */
 function startWorker(
   role: 'prefill' | 'decode',
   modelDir: string,
-  pages: number,
+  pool: { pages: number; prefixCachePages?: number },
   pageSize: number,
   host: string,
   logLevel: string,
@@ -161,10 +157,12 @@ function startWorker(
     '--model',
     modelDir,
     '--pages',
-    String(pages),
+    String(pool.pages),
     '--page-size',
     String(pageSize),
   ]
+  if (pool.prefixCachePages !== undefined)
+    args.push('--prefix-cache-pages', String(pool.prefixCachePages))
   args.push('--host', host, '--port', '0', '--log-level', logLevel)
   if (role === 'decode') args.push('--transfer-host', host, '--transfer-port', '0')
   return forkPart(

@@ -14,6 +14,9 @@ export interface ClusterOptions {
   pageSize: number
   prefillPages: number
   decodePages: number
+  /** Most pool pages the prefill worker's prefix cache may hold (`--prefix-cache-pages`; 0 turns
+   *  the cache off, see docs/threat-model.md); default: the worker's (a quarter of its pages). */
+  prefixCachePages?: number
   /** Advertised context window (tokens); default: the effective capacity. */
   contextWindow?: number
   /** Clamp an advertised context larger than the pools instead of refusing to start (G1). */
@@ -113,6 +116,9 @@ export async function startCluster(options: ClusterOptions): Promise<Cluster> {
           ...common(opts.prefillFaults),
           '--pages',
           String(opts.prefillPages),
+          ...(opts.prefixCachePages === undefined
+            ? []
+            : ['--prefix-cache-pages', String(opts.prefixCachePages)]),
           ...(opts.prefillArgs ?? []),
         ],
         opts,

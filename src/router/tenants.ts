@@ -3,10 +3,11 @@
  *  lookup of a presented key. Keys are held only as SHA-256 digests and compared in constant time.
  *  Knows tenant names and key digests; never holds, returns or logs a plain key. */
 import { createHash, timingSafeEqual } from 'node:crypto'
-import { type Stats, readFileSync, unwatchFile, watchFile } from 'node:fs'
+import { type Stats, unwatchFile, watchFile } from 'node:fs'
 import type { Logger } from 'pino'
-import { parse as parseYaml } from 'yaml'
 import { z } from 'zod'
+import { describeIssue } from '../config/issues.js'
+import { loadYamlFile } from '../config/yaml-file.js'
 import { KvfenceError } from '../errors.js'
 
 /** A tenant's limits; an absent field is no limit. */
@@ -97,23 +98,11 @@ export function createTenantRegistry(records: readonly TenantRecord[]): TenantRe
   })
 }
 
-/** Reads and validates a tenants YAML file; throws `internal_error` naming the file and fault. */
+/** Reads and validates a tenants YAML file; throws `internal_error` naming the file and fault in
+ *  one line that quotes nothing of the file but field names and tenant names (it may be logged:
+ *  see src/config/yaml-file.ts). Refuses a directory, a device or a file over 16 MiB. */
 export function loadTenants(path: string): TenantRegistry {
-  let text: string
-  try {
-    text = readFileSync(path, 'utf8')
-  } catch (err) {
-    throw new KvfenceError('internal_error', `cannot read tenants file ${path}: ${message(err)}`)
-  }
-  let value: unknown
-  try {
-    value = parseYaml(text)
-  } catch (err) {
-    throw new KvfenceError(
-      'internal_error',
-      `tenants file ${path} is not valid YAML: ${message(err)}`,
-    )
-  }
+  const value = loadYamlFile(path, `tenants file ${path}`, 'internal_error')
   const parsed = TenantsFile.safeParse(value)
   if (!parsed.success) {
     throw new KvfenceError(
@@ -226,12 +215,6 @@ export function bearerKey(header: string | undefined): string | null {
   if (header === undefined) return null
   const match = /^Bearer\s+(\S+)\s*$/i.exec(header)
   return match === null ? null : match[1]
-}
-
-function describeIssue(issue: z.core.$ZodIssue | undefined): string {
-  if (issue === undefined) return 'invalid'
-  const path = issue.path.map(String).join('.')
-  return path === '' ? issue.message : `${path}: ${issue.message}`
 }
 
 function message(err: unknown): string {
