@@ -18,6 +18,7 @@ import { bundledModelDir } from '../paths.js'
 import { loadTenants } from '../router/tenants.js'
 import {
   collect,
+  intOption,
   positiveIntOption,
   threadArgs,
   threadsHelp,
@@ -36,6 +37,7 @@ interface ServeFlags {
   pageSize: number
   prefillPages: number
   decodePages: number
+  prefixCachePages?: number
   contextWindow?: number
   clampContext: boolean
   injectFault: string[]
@@ -69,6 +71,11 @@ export function registerServe(program: Command): void {
     .option('--prefill-pages <n>', 'pages in the prefill worker’s KV pool', positiveIntOption, 64)
     .option('--decode-pages <n>', 'pages in the decode worker’s KV pool', positiveIntOption, 64)
     .option(
+      '--prefix-cache-pages <n>',
+      'most of the prefill worker’s KV pages its prefix cache may hold, 0 = off (shared by all tenants: see docs/threat-model.md; default: a quarter of --prefill-pages); not with --config',
+      intOption,
+    )
+    .option(
       '--context-window <n>',
       'advertised context window (default: the effective KV capacity)',
       positiveIntOption,
@@ -94,12 +101,24 @@ export function registerServe(program: Command): void {
     .action(async (flags: ServeFlags) => {
       if (flags.config !== undefined && flags.threads !== undefined)
         throw new KvfenceError('config_invalid', '--threads is not used with --config')
+      if (flags.config !== undefined && flags.prefixCachePages !== undefined) {
+        throw new KvfenceError(
+          'config_invalid',
+          '--prefix-cache-pages is not used with --config (set prefixCachePages in workers.prefill)',
+        )
+      }
       if (flags.config !== undefined) return serveConfig(flags.config, flags)
       if (flags.tenants === undefined) {
         throw new KvfenceError('config_invalid', 'give --config FILE or --tenants FILE')
       }
       // What the parts would refuse, refused before any of them starts (one line, no part's logs).
       loadTenants(flags.tenants)
+      if (flags.prefixCachePages !== undefined && flags.prefixCachePages > flags.prefillPages) {
+        throw new KvfenceError(
+          'config_invalid',
+          `--prefix-cache-pages ${flags.prefixCachePages} exceeds --prefill-pages ${flags.prefillPages}`,
+        )
+      }
       buildFaultConfig(flags.injectFault, flags.unsafeDisableGuards, process.env)
       checkModelDir(flags.model)
       await checkPortFree(flags.host ?? '127.0.0.1', flags.port ?? 8000)
@@ -111,6 +130,7 @@ export function registerServe(program: Command): void {
         pageSize: flags.pageSize,
         prefillPages: flags.prefillPages,
         decodePages: flags.decodePages,
+        prefixCachePages: flags.prefixCachePages,
         contextWindow: flags.contextWindow,
         clampContext: flags.clampContext,
         prefillFaults: flags.injectFault,

@@ -27,6 +27,7 @@ const cases: [string[], string][] = [
   [['decode', '--log-level', 'chatty'], `error: option '--log-level <level>' argument 'chatty' is invalid. ${levels}`],
   [['serve', '--page-size', '0'], `error: option '--page-size <n>' argument '0' is invalid. expected a positive integer, got "0"`],
   [['serve', '--prefill-pages', '0'], `error: option '--prefill-pages <n>' argument '0' is invalid. expected a positive integer, got "0"`],
+  [['serve', '--prefix-cache-pages', '-1'], `error: option '--prefix-cache-pages <n>' argument '-1' is invalid. expected a non-negative integer, got "-1"`],
   // Checked before any part starts: one line, and no part's log lines before it.
   [['serve', '--tenants', '/nonexistent-kvfence/tenants.yaml'], `kvfence: cannot read tenants file /nonexistent-kvfence/tenants.yaml: ENOENT: no such file or directory, open '/nonexistent-kvfence/tenants.yaml'`],
 ] // prettier-ignore
@@ -52,6 +53,12 @@ describe('serve checks the model folder and its port before any part starts', ()
     const res = await run(['serve', '--tenants', tenantsFile, '--model', empty])
     assert.equal(res.code, 2)
     assert.equal(res.stderr.trim(), `kvfence: no config.json in model directory ${empty}`)
+  })
+
+  it('--prefix-cache-pages over --prefill-pages: one line, exit 2', async () => {
+    const res = await run(['serve', '--tenants', tenantsFile, '--prefix-cache-pages', '65'])
+    assert.equal(res.code, 2)
+    assert.equal(res.stderr.trim(), 'kvfence: --prefix-cache-pages 65 exceeds --prefill-pages 64')
   })
 
   it('a port in use: one line naming it, exit 2, before any worker logs', async () => {
