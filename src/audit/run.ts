@@ -77,17 +77,26 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     const probeStartedAt = performance.now()
     const requestsBefore = budget.requestsSent
     emit({ type: 'probe-start', probe: name })
+    let isAbandoned = false
     const context: ProbeContext = {
       seed: config.seed,
       overCapacityAttempts: config.overCapacityAttempts,
       discovery,
       sizer: () => (sizing ??= calibrate(target)),
-      log: (message) => emit({ type: 'probe-log', probe: name, message }),
+      log: (message) => {
+        if (!isAbandoned) emit({ type: 'probe-log', probe: name, message })
+      },
     }
     let probeFindings: Finding[]
     try {
-      probeFindings = await probes[name].run(target, budget, context)
-      if (probeFindings.length === 0) throw new Error('probe returned no finding')
+      const outcome = await withinDeadline(probes[name].run(target, budget, context), budget)
+      if (outcome === 'overran') {
+        isAbandoned = true
+        probeFindings = [overranProbe(name, budget)]
+      } else {
+        probeFindings = outcome
+        if (probeFindings.length === 0) throw new Error('probe returned no finding')
+      }
     } catch (err) {
       probeFindings = [failedProbe(name, err)]
     }
@@ -120,6 +129,44 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
 export function exitCodeFor(report: AuditReport, failOn: Verdict = 'leak'): 0 | 1 {
   const threshold = verdictRank[failOn]
   return report.findings.some((f) => verdictRank[f.verdict] >= threshold) ? 1 : 0
+}
+
+/** How long after the budget's deadline a probe may still take to conclude from what it saw
+ *  (its requests are all cut at the deadline, so this is analysis and bookkeeping only). A probe
+ *  still running then is abandoned: the audit ends within `maxSeconds` + this + the time to write
+ *  the reports (docs/auditing.md promises a few seconds in all). */
+export const probeGraceMs = 2_000
+
+/** `run`'s findings, or 'overran' when it has not ended {@link probeGraceMs} after the budget's
+ *  deadline. An abandoned probe can send nothing more (every request is refused past the
+ *  deadline); its late rejection is swallowed. */
+async function withinDeadline(
+  run: Promise<Finding[]>,
+  budget: Budget,
+): Promise<Finding[] | 'overran'> {
+  let timer: ReturnType<typeof setTimeout> | undefined
+  const overran = new Promise<'overran'>((resolve) => {
+    timer = setTimeout(() => resolve('overran'), budget.remainingMs + probeGraceMs)
+  })
+  run.catch(() => {})
+  try {
+    return await Promise.race([run, overran])
+  } finally {
+    clearTimeout(timer)
+  }
+}
+
+/** A probe abandoned at the deadline: inconclusive, never clean. */
+function overranProbe(probe: ProbeName, budget: Budget): Finding {
+  const seconds = budget.limits.maxSeconds
+  return {
+    probe,
+    verdict: 'inconclusive',
+    severity: 'medium',
+    title: `not run to the end: still running ${probeGraceMs / 1000} s after the ${seconds} s time budget`,
+    evidence: { maxSeconds: seconds, graceMs: probeGraceMs },
+    remediation: inconclusiveRemediation,
+  }
 }
 
 /** A probe that could not finish is inconclusive, never clean. */

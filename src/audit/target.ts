@@ -7,8 +7,11 @@ import type { Tenant } from './types.js'
 
 // ─── Raw HTTP ────────────────────────────────────────────────────────────────────────────────
 
-/** Why a request got no usable HTTP answer (`aborted`: the auditor cut it on purpose). */
-export type Failure = 'network' | 'timeout' | 'aborted'
+/** Why a request got no usable (or no complete) HTTP answer: `aborted`, the auditor cut it on
+ *  purpose; `timeout`, the request's timeout or the budget's deadline cut it; `truncated`, the
+ *  body grew past its cap (a stream that never ends, a server ignoring `max_tokens`) and was
+ *  cut there, so the answer was never seen whole. */
+export type Failure = 'network' | 'timeout' | 'aborted' | 'truncated'
 
 export interface HttpResult {
   /** HTTP status; null when no response arrived (see `failure`). */
@@ -33,6 +36,9 @@ export interface GetOptions {
   readonly abortAfterMs?: number
   /** Cut the request after this many body chunks have arrived. */
   readonly abortAfterChunks?: number
+  /** Largest body read (bytes, default {@link maxBodyBytes}); past it the request is cut and its
+   *  failure is `truncated`. */
+  readonly maxBodyBytes?: number
 }
 
 // ─── Completions ─────────────────────────────────────────────────────────────────────────────
@@ -73,7 +79,9 @@ export interface CompletionResult {
  *  - `accepted`: a 2xx answer (for an invalid prompt, this is the dangerous path);
  *  - `rejected`: a 4xx that refuses the request itself (not auth, not a missing model, not a
  *    rate limit), or an in-stream error of that kind;
- *  - `failed`: anything else (5xx, timeouts, connection errors, auth errors): tells nothing. */
+ *  - `failed`: anything else (5xx, timeouts, connection errors, auth errors): tells nothing.
+ *  A 2xx cut at its size cap (`truncated`) is still `accepted` (the server took the request);
+ *  where the answer's content is judged, use {@link isAnsweredWhole}. */
 export type Outcome = 'accepted' | 'rejected' | 'failed'
 
 const notARejection = new Set([401, 403, 404, 408, 429, 499])
@@ -87,6 +95,13 @@ export function outcomeOf(result: CompletionResult): Outcome {
   }
   if (status >= 400 && status < 500 && !notARejection.has(status)) return 'rejected'
   return 'failed'
+}
+
+/** True for an accepted answer that was read to its end (or cut on purpose by the auditor): not
+ *  `truncated` at its size cap, so its text can be judged. A probe that calls an answer clean
+ *  must have read it whole. */
+export function isAnsweredWhole(result: CompletionResult): boolean {
+  return outcomeOf(result) === 'accepted' && result.failure !== 'truncated'
 }
 
 function isRejectionCode(code: string | null): boolean {
@@ -157,8 +172,15 @@ export interface TargetOptions {
   readonly requestTimeoutMs: number
 }
 
-/** Largest response body read (bytes); the rest is dropped. */
+/** Largest response body read (bytes) unless a request asks for less; past it the request is
+ *  cut and reported `truncated`. */
 const maxBodyBytes = 8 * 1024 * 1024
+/** A completion's body cap: room for `max_tokens` streamed events of up to 4 KiB each (an OpenAI
+ *  or vLLM event with logprobs off is 150–400 bytes) plus 64 KiB for usage and errors. More is a
+ *  stream that does not end at `max_tokens`. */
+function completionBodyCap(maxTokens: number): number {
+  return Math.min(maxBodyBytes, 64 * 1024 + Math.max(1, maxTokens) * 4096)
+}
 const maxErrorMessageChars = 200
 /** How long a slot stays taken after the auditor cut its request (ms); servers notice a client
  *  disconnect within a few ms (measured: 1–4 ms on loopback). */
@@ -213,15 +235,16 @@ export function createTarget(options: TargetOptions): Target {
         ])
         status = res.status
         contentType = res.headers.get('content-type') ?? ''
-        await Promise.race([
-          readCapped(res, sentAt, read, opts.abortAfterChunks ?? null, cut),
+        const cap = opts.maxBodyBytes ?? maxBodyBytes
+        const isTruncated = await Promise.race([
+          readCapped(res, sentAt, read, opts.abortAfterChunks ?? null, cut, cap),
           onAbort,
         ])
         const atMs = Date.now() - budget.startedAt
         return {
           status,
-          failure: null,
-          failureDetail: null,
+          failure: isTruncated ? 'truncated' : null,
+          failureDetail: isTruncated ? `body cut at ${cap} bytes: it did not end` : null,
           contentType,
           ...read,
           requestNumber,
@@ -278,6 +301,7 @@ export function createTarget(options: TargetOptions): Target {
       tenant: request.tenant,
       abortAfterMs: request.abortAfterMs,
       abortAfterChunks: request.abortAfterChunks,
+      maxBodyBytes: completionBodyCap(request.maxTokens),
     })
     return parseCompletion(http, request.stream, scrub)
   }
@@ -285,16 +309,19 @@ export function createTarget(options: TargetOptions): Target {
   return Object.freeze({ baseUrl, model, tenants, get, postJson, postRaw, complete, scrub })
 }
 
-/** Reads the body into `into` (at most {@link maxBodyBytes}), noting when its first byte came;
- *  aborts `cut` after `abortAfterChunks` chunks. Throws when the body is cut. */
+/** Reads the body into `into` (at most `capBytes`), noting when its first byte came; aborts `cut`
+ *  after `abortAfterChunks` chunks. Resolves true when the body went past `capBytes` (it is then
+ *  cancelled: a stream that never ends must not be read until the deadline, and a huge text
+ *  makes every later scan of it slow). Throws when the body is cut. */
 async function readCapped(
   res: Response,
   sentAt: number,
   into: { body: string; firstByteMs: number | null },
   abortAfterChunks: number | null,
   cut: AbortController,
-): Promise<void> {
-  if (!res.body) return
+  capBytes: number,
+): Promise<boolean> {
+  if (!res.body) return false
   const decoder = new TextDecoder()
   let numBytes = 0
   let numChunks = 0
@@ -302,7 +329,11 @@ async function readCapped(
   for await (const chunk of res.body as unknown as AsyncIterable<Uint8Array>) {
     into.firstByteMs ??= Math.round((performance.now() - sentAt) * 1000) / 1000
     numBytes += chunk.byteLength
-    if (numBytes > maxBodyBytes) break
+    if (numBytes > capBytes) {
+      // Keep what fits; leaving the loop cancels the body (the connection is dropped).
+      into.body += decoder.decode(chunk.subarray(0, chunk.byteLength - (numBytes - capBytes)))
+      return true
+    }
     into.body += decoder.decode(chunk, { stream: true })
     if (abortAfterChunks !== null && ++numChunks >= abortAfterChunks) {
       // Cut here, not at the next read (which may never settle): leaving the loop cancels the
@@ -313,6 +344,7 @@ async function readCapped(
     }
   }
   into.body += decoder.decode()
+  return false
 }
 
 function describeNetworkError(err: unknown): string {
@@ -354,8 +386,9 @@ function parseCompletion(
   if (!isOk) return { ...base, ...parseError(tryJson(http.body), scrub), failure: null, text: '' }
   const isSse = isStream || http.contentType.includes('text/event-stream')
   const parsed = isSse ? parseEvents(http, scrub) : parseJsonCompletion(http, scrub)
-  // A cut request stays `aborted` whatever arrived before the cut.
-  const failure = http.failure === 'aborted' ? 'aborted' : parsed.failure
+  // A cut request stays `aborted` (or `truncated`) whatever arrived before the cut.
+  const failure =
+    http.failure === 'aborted' || http.failure === 'truncated' ? http.failure : parsed.failure
   return {
     ...parsed,
     failure,

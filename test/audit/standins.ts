@@ -14,7 +14,7 @@
  *  (`prefixCache`), pages lost on abort (`isPageLeakOnAbort`), an aborted request's words served to
  *  the next request (`isAbortLeak`), a bounded batch (`maxBatch`) and queue (`maxQueued`), output
  *  that changes under load (`isLoadSensitive`), errors answered as 200 (`isErrorAs200`) and a
- *  tenant's own rate limit (`rateLimit`). */
+ *  tenant's own rate limit (`rateLimit`), and answers that never end (`isEndless`). */
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
 
@@ -57,6 +57,9 @@ export interface StandInOptions {
    *  reports `cached_tokens` unless `isCachedTokensHidden`. */
   readonly prefixCache?: 'none' | 'per-tenant' | 'shared'
   readonly isCachedTokensHidden?: boolean
+  /** With a shared cache: `cached_tokens` counts only hits on the tenant's own entries (a shared
+   *  layer the count does not see, like an external KV store keyed by tokens alone). */
+  readonly isCrossHitUncounted?: boolean
   /** Extra delay per generated token (ms), to keep requests in flight. */
   readonly tokenDelayMs?: number
   /** Completions processed at once; the rest wait in a queue. */
@@ -77,6 +80,10 @@ export interface StandInOptions {
   readonly isLoadSensitive?: boolean
   /** Invalid requests are answered 200 with an error text. */
   readonly isErrorAs200?: boolean
+  /** Every completion is answered 200 with a stream of token events that never ends (whatever
+   *  `stream` and `max_tokens` asked): one event every `tokenDelayMs` ms, or as fast as the
+   *  client reads when that is 0 or unset. */
+  readonly isEndless?: boolean
 }
 
 const poolTokens = 384
@@ -170,6 +177,7 @@ export async function startStandIn(
         error: { message: 'model not served', type: 'invalid_request_error', param: 'model' },
       })
     }
+    if (options.isEndless) return streamForever(res, options.tokenDelayMs ?? 0)
     const parsedBody = parseRequest(body)
     if (typeof parsedBody === 'string') {
       if (options.isErrorAs200)
@@ -268,9 +276,10 @@ export async function startStandIn(
       const owners = prefixCache.get(key) ?? new Set<string>()
       const tenant = req.headers.authorization ?? ''
       const isHit = options.prefixCache === 'shared' ? owners.size > 0 : owners.has(tenant)
+      const isCounted = isHit && (!options.isCrossHitUncounted || owners.has(tenant))
       owners.add(tenant)
       prefixCache.set(key, owners)
-      if (isHit) cachedTokens = 32
+      if (isCounted) cachedTokens = 32
       await sleep(isHit ? (options.hitDelayMs ?? 1) : (options.missDelayMs ?? 40))
     }
     const tokenDelayMs = options.tokenDelayMs ?? 0
@@ -339,6 +348,22 @@ export async function unreachableUrl(): Promise<string> {
   const { port } = server.address() as AddressInfo
   await new Promise<void>((resolve) => server.close(() => resolve()))
   return `http://127.0.0.1:${port}`
+}
+
+/** Token events until the client goes away: every `delayMs` ms, or (0) whenever the socket
+ *  takes more. */
+function streamForever(res: ServerResponse, delayMs: number): void {
+  res.writeHead(200, { 'content-type': 'text/event-stream' })
+  const event = `data: ${JSON.stringify({ object: 'text_completion', choices: [{ index: 0, text: ' more', finish_reason: null }] })}\n\n`
+  if (delayMs > 0) {
+    const timer = setInterval(() => res.write(event), delayMs)
+    res.on('close', () => clearInterval(timer))
+    return
+  }
+  const pump = (): void => {
+    while (!res.destroyed) if (!res.write(event)) return void res.once('drain', pump)
+  }
+  pump()
 }
 
 function sleep(ms: number): Promise<void> {

@@ -8,7 +8,7 @@ import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
-import { outcomeOf, type CompletionRequest } from '../target.js'
+import { isAnsweredWhole, type CompletionRequest } from '../target.js'
 import type { Finding } from '../types.js'
 import {
   crossingRemediation,
@@ -95,9 +95,17 @@ export const abortRaceProbe: Probe = {
       return leakFindings('abort-race', crossings, planted, summary, crossingRemediation)
     }
     const numFreshAccepted = observed.filter(
-      (o) => o.planted.id.startsWith('fresh') && outcomeOf(o.result) === 'accepted',
+      (o) => o.planted.id.startsWith('fresh') && isAnsweredWhole(o.result),
     ).length
-    if (summary.numCutBeforeEnd === 0 || numFreshAccepted === 0) {
+    // Another tenant's answer that never ended (cut at the deadline or at its size cap: a
+    // stream that does not stop) was not seen whole: the canary could be in the part not read,
+    // so such answers forbid `clean`.
+    const unfinished = observed.filter(
+      (o) =>
+        !o.planted.id.startsWith('cut') &&
+        (o.result.failure === 'timeout' || o.result.failure === 'truncated'),
+    )
+    if (summary.numCutBeforeEnd === 0 || numFreshAccepted === 0 || unfinished.length > 0) {
       return [
         {
           probe: 'abort-race',
@@ -106,7 +114,9 @@ export const abortRaceProbe: Probe = {
           title:
             summary.numCutBeforeEnd === 0
               ? 'no request could be cut before it ended'
-              : 'no fresh request of another tenant was answered after the cuts',
+              : unfinished.length > 0
+                ? `${unfinished.length} answers to other tenants never ended (${unfinished.filter((o) => o.result.failure === 'timeout').length} cut by the time limit, ${unfinished.filter((o) => o.result.failure === 'truncated').length} past their size cap): what they would have carried was not seen`
+                : 'no fresh request of another tenant was answered after the cuts',
           evidence: summary,
           remediation: inconclusiveRemediation,
         },

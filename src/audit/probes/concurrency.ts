@@ -6,7 +6,7 @@ import { BudgetExhaustedError } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
-import { outcomeOf } from '../target.js'
+import { isAnsweredWhole } from '../target.js'
 import type { Finding } from '../types.js'
 import {
   crossingRemediation,
@@ -71,8 +71,7 @@ export const concurrencyProbe: Probe = {
         }
       }
       acceptedPerBurst.push(
-        settled.filter((s) => s.status === 'fulfilled' && outcomeOf(s.value.result) === 'accepted')
-          .length,
+        settled.filter((s) => s.status === 'fulfilled' && isAnsweredWhole(s.value.result)).length,
       )
     }
     const crossings = findCrossings(observed, planted)

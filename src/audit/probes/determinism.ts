@@ -7,7 +7,7 @@ import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
-import { outcomeOf, type CompletionResult } from '../target.js'
+import { isAnsweredWhole, type CompletionResult } from '../target.js'
 import type { Finding } from '../types.js'
 import { plantMaterial } from './material.js'
 
@@ -68,7 +68,7 @@ export const determinismProbe: Probe = {
         loaded.push(mine)
       }
     })
-    const accepted = (rs: CompletionResult[]) => rs.filter((r) => outcomeOf(r) === 'accepted')
+    const accepted = (rs: CompletionResult[]) => rs.filter(isAnsweredWhole)
     const okAlone = accepted(alone)
     const okLoaded = accepted(loaded)
     const reference = okAlone[0]?.text

@@ -138,9 +138,14 @@ export const pageLeakProbe: Probe = {
       stoppedBy = err.message
     }
 
-    const peak = Math.max(...samples.map((s) => s.used))
+    // null, not Math.max()'s -Infinity, when no sample was read (out of budget before the first).
+    const peak = samples.length === 0 ? null : Math.max(...samples.map((s) => s.used))
     const evidence = { source, baseline, peak, settled, stoppedBy, samples }
-    context.log(`pool usage: idle ${baseline}, peak ${peak}, after ${settled}`)
+    context.log(
+      samples.length === 0
+        ? `pool usage not read (${stoppedBy ?? 'no answer'})`
+        : `pool usage: idle ${baseline ?? '?'}, peak ${peak}, after ${settled ?? '?'}`,
+    )
     if (baseline === null || settled === null) {
       return inconclusive(
         `pool usage could not be read to the end (${stoppedBy ?? 'no answer'})`,
@@ -163,7 +168,7 @@ export const pageLeakProbe: Probe = {
         },
       ]
     }
-    if (peak <= baseline) {
+    if (peak === null || peak <= baseline) {
       return inconclusive(
         'pool usage never moved during the workload: the metric may not be live',
         evidence,

@@ -24,6 +24,8 @@ const minSamples = 5
 const alpha = 0.01
 /** p at or above this: no difference. In between: inconclusive. */
 const noDifferenceP = 0.05
+/** KS p-value under which TTFT alone outweighs a server's cached_tokens of 0 (a warning). */
+const strongAlpha = 0.001
 const maxPrefixTokens = 512
 const defaultPrefixWords = 200
 
@@ -137,13 +139,44 @@ export const prefixTimingProbe: Probe = {
         },
       ]
     }
-    if (crossTest.test !== null && crossTest.test.p < alpha && isFaster(crossTest)) {
+    const controlCached = Math.max(0, ...control.hitCachedTokens.map((n) => n ?? 0))
+    // cached_tokens decides when it answers: the server counted cache hits for the same tenant's
+    // reuse, and reported a count (0) for every one of another tenant's requests for those
+    // prefixes. TTFT is then only corroboration: on a busy host its KS test errs (a noise
+    // "faster" at p < 0.01 about one run in 200, a missed control more often), and a verdict
+    // must not hang on that when the server said what its cache did.
+    const isDirectlyUnshared =
+      controlCached > 0 &&
+      cross.hitCachedTokens.length >= minSamples &&
+      cross.hitCachedTokens.every((n) => n === 0)
+    const isCrossFaster = crossTest.test !== null && crossTest.test.p < alpha && isFaster(crossTest)
+    if (
+      isCrossFaster &&
+      isDirectlyUnshared &&
+      crossTest.test !== null &&
+      crossTest.test.p < strongAlpha
+    ) {
+      // cached_tokens says unshared, but the timing says otherwise, strongly (noise gets here about
+      // one run in 1,000): a cache layer that cached_tokens does not count (an external KV store
+      // keyed by tokens alone, sglang#37160) looks exactly like this. Not clean, not proven.
+      return [
+        {
+          probe: 'prefix-timing',
+          verdict: 'warning',
+          severity: 'medium',
+          title: `${observer.name}'s TTFT is shorter for prefixes ${victim.name} sent (median ${fmt(crossTest.medianHitMs)} vs ${fmt(crossTest.medianMissMs)} ms, KS p=${fmt(crossTest.p)}) although the server reported 0 cached tokens for them: a cache layer that cached_tokens does not count may be shared`,
+          evidence,
+          remediation: `Check every cache layer (radix tree, host or external KV stores) for a per-tenant key; re-run to tell a real difference from noise. ${sharedRemediation}`,
+        },
+      ]
+    }
+    if (isCrossFaster && !isDirectlyUnshared) {
       return [
         {
           probe: 'prefix-timing',
           verdict: 'leak',
           severity: 'high',
-          title: `timing side channel: ${observer.name}'s TTFT is shorter for prefixes ${victim.name} sent (median ${fmt(crossTest.medianHitMs)} vs ${fmt(crossTest.medianMissMs)} ms, KS p=${fmt(crossTest.test.p)})`,
+          title: `timing side channel: ${observer.name}'s TTFT is shorter for prefixes ${victim.name} sent (median ${fmt(crossTest.medianHitMs)} vs ${fmt(crossTest.medianMissMs)} ms, KS p=${fmt(crossTest.p)})`,
           evidence,
           remediation: sharedRemediation,
         },
@@ -151,7 +184,6 @@ export const prefixTimingProbe: Probe = {
     }
     const isControlFaster =
       controlTest.test !== null && controlTest.test.p < alpha && isFaster(controlTest)
-    const controlCached = Math.max(0, ...control.hitCachedTokens.map((n) => n ?? 0))
     const isControlSeen = isControlFaster || controlCached > 0
     if (!isControlSeen || crossTest.test === null) {
       return [
@@ -171,11 +203,8 @@ export const prefixTimingProbe: Probe = {
       ]
     }
     // One-sided from here: a cache hit can only make a request faster, so another tenant's
-    // prefixes answered slower are no sign of sharing. And where the server reports
-    // cached_tokens, shows them for the same tenant's reuse and reports 0 for another tenant's
-    // prefixes, that direct signal outweighs a borderline TTFT difference (noise on a busy host).
-    const isDirectlyUnshared =
-      controlCached > 0 && cross.hitCachedTokens.some((n) => n !== null) && cachedHit === 0
+    // prefixes answered slower are no sign of sharing. And cached_tokens, where it answers (see
+    // isDirectlyUnshared), outweighs any TTFT difference.
     if (crossTest.test.p >= noDifferenceP || !isFaster(crossTest) || isDirectlyUnshared) {
       return [
         {
@@ -188,6 +217,7 @@ export const prefixTimingProbe: Probe = {
             controlP: controlTest.p,
             crossCached: cross.hitCachedTokens.some((n) => n !== null) ? cachedHit : null,
             crossP: crossTest.test.p,
+            isCrossFaster,
           }),
           evidence,
           remediation: 'None needed.',
@@ -218,6 +248,8 @@ export function cleanTitle(s: {
   controlP: number | null
   crossCached: number | null
   crossP: number
+  /** Another tenant's TTFT looked faster at α although it reported no cached token (noise). */
+  isCrossFaster?: boolean
 }): string {
   const head = 'the prefix cache is not shared across tenants'
   const isCached = s.controlCached > 0
@@ -226,8 +258,14 @@ export function cleanTitle(s: {
   }
   const crossCached =
     s.crossCached === null ? 'reported no cached_tokens' : `reported ${s.crossCached}`
+  const crossTiming = s.isCrossFaster
+    ? `looks faster by TTFT (KS p=${fmt(s.crossP)}) with no cached token: timing noise, not a cache hit`
+    : `is not faster (KS p=${fmt(s.crossP)})`
   if (s.isControlFaster) {
-    return `${head} (decided by cached_tokens and TTFT): own reuse reported ${s.controlCached} cached tokens and is faster (KS p=${fmt(s.controlP)}), another tenant's prefix ${crossCached} and is not faster (KS p=${fmt(s.crossP)})`
+    return `${head} (decided by cached_tokens and TTFT): own reuse reported ${s.controlCached} cached tokens and is faster (KS p=${fmt(s.controlP)}), another tenant's prefix ${crossCached} and ${crossTiming}`
+  }
+  if (s.isCrossFaster) {
+    return `${head} (decided by cached_tokens): own reuse reported ${s.controlCached} cached tokens, another tenant's prefix ${crossCached}; TTFT did not show the caching (own reuse KS p=${fmt(s.controlP)}) and another tenant's ${crossTiming}`
   }
   return `${head} (decided by cached_tokens): own reuse reported ${s.controlCached} cached tokens, another tenant's prefix ${crossCached}; TTFT did not show the caching (own reuse KS p=${fmt(s.controlP)}, another tenant's KS p=${fmt(s.crossP)})`
 }

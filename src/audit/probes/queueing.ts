@@ -14,7 +14,7 @@ import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
-import { outcomeOf } from '../target.js'
+import { isAnsweredWhole, outcomeOf } from '../target.js'
 import { median } from '../stats.js'
 import type { Finding } from '../types.js'
 import {
@@ -135,7 +135,7 @@ export const queueingProbe: Probe = {
       return leakFindings('queueing', crossings, planted, summary, crossingRemediation)
     }
     const numWaitersAnswered = observed.filter(
-      (o) => o.label === 'queued' && outcomeOf(o.result) === 'accepted',
+      (o) => o.label === 'queued' && isAnsweredWhole(o.result),
     ).length
     const numForCapacity = numRefused('capacity')
     if (
