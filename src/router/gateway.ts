@@ -46,8 +46,9 @@ export interface GatewayOptions {
   url: string
   /** The model id the engine serves (sent as `model`); default: the first of its `/v1/models`. */
   backendModel?: string
-  /** Served model name (in responses). */
-  servedModel: string
+  /** Served model name (in `/v1/models` and responses); default: the engine's model id, so that
+   *  clients keep the name they used against the engine. */
+  servedModel?: string
   /** A directory with the engine's `tokenizer.json` (+ `tokenizer_config.json`); default: the
    *  engine's `/tokenize`. */
   tokenizerDir?: string
@@ -106,6 +107,8 @@ export interface ProxyOutcome {
 export interface Gateway {
   readonly kind: BackendKind
   readonly url: string
+  /** The model name clients use: the configured one, or the engine's model id. */
+  readonly servedModel: string
   /** The context window advertised now (≤ what the engine holds, unless guards are off). */
   contextWindow(): number
   /** For `/server_info`. */
@@ -155,6 +158,8 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   let backendModel = options.backendModel ?? null
   let capacity = await discover()
   let window = decideWindow(capacity, true)
+  // discover() has thrown unless the engine named its model.
+  const servedModel = options.servedModel ?? (backendModel as string | null) ?? 'model'
 
   async function discover(): Promise<BackendCapacity> {
     const models = await call('/v1/models', 'GET', null).catch(() => null)
@@ -397,7 +402,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   function relayHeader(p: ProxyRequest): RelayHeader {
     return {
       id: `${p.endpoint === 'chat' ? 'chatcmpl' : 'cmpl'}-${p.rid}`,
-      model: options.servedModel,
+      model: servedModel,
     }
   }
 
@@ -493,6 +498,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   return {
     kind: options.kind,
     url: base,
+    servedModel,
     contextWindow: () => window,
     info: () => ({ kind: options.kind, url: base, contextWindow: window, ...capacity }),
     countPromptTokens,

@@ -59,7 +59,8 @@ export interface StartRouterOptions {
   host?: string
   /** Port to listen on (default 8000; 0 = any free port). */
   port?: number
-  /** Served model name (default: the `model` every worker reports). */
+  /** Served model name (default: the `model` every worker reports; in gateway mode, the
+   *  engine's model id). */
   modelName?: string
   /** Advertised context window in tokens (default: the effective capacity). */
   contextWindow?: number
@@ -127,7 +128,7 @@ async function startWithTenants(
   if (options.gateway !== undefined) {
     const gateway = await startGateway({
       ...options.gateway,
-      servedModel: options.modelName ?? 'model',
+      servedModel: options.modelName,
       contextWindow: options.contextWindow,
       clampContext: options.clampContext ?? false,
       guardsEnabled,
@@ -136,7 +137,7 @@ async function startWithTenants(
     try {
       const capacity = gateway.info()
       const config = buildRouterConfig({
-        model: options.modelName ?? 'model',
+        model: gateway.servedModel,
         contextWindow: gateway.contextWindow(),
         effectiveCapacityTokens: capacity.capacityTokens,
         pageSize: 1,

@@ -285,7 +285,13 @@ export async function startEngine(
  *  discovery only at start unless `discoveryIntervalMs` says otherwise. */
 export async function startGatewayRouter(
   engine: Engine,
-  extra: { tokenizerDir?: string; contextWindow?: number; discoveryIntervalMs?: number } = {},
+  extra: {
+    tokenizerDir?: string
+    contextWindow?: number
+    discoveryIntervalMs?: number
+    /** Served model name; null: none configured (the engine's own id is served). */
+    modelName?: string | null
+  } = {},
 ): Promise<RunningRouter> {
   return startRouter({
     gateway: {
@@ -294,7 +300,7 @@ export async function startGatewayRouter(
       tokenizerDir: extra.tokenizerDir,
       discoveryIntervalMs: extra.discoveryIntervalMs ?? 0,
     },
-    modelName: 'served',
+    ...(extra.modelName === null ? {} : { modelName: extra.modelName ?? 'served' }),
     contextWindow: extra.contextWindow,
     tenants: [
       { name: 'alpha', keySha256: apiKeyDigest(keys.alpha) },

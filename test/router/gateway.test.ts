@@ -155,6 +155,27 @@ describe('gateway mode', () => {
     })
   }
 
+  it("serves the engine's own model id when no modelName is configured", async () => {
+    const engine = await startEngine('vllm', { poolTokens: 4096, maxModelLen: 4096 })
+    const router = await startGatewayRouter(engine, { modelName: null })
+    try {
+      const models = await client(router).models.list()
+      assert.deepEqual(
+        models.data.map((m) => m.id),
+        ['tiny-engine'],
+      )
+      const completion = await client(router).completions.create({
+        model: 'tiny-engine',
+        prompt: 'one two',
+        max_tokens: 2,
+      })
+      assert.equal(completion.model, 'tiny-engine')
+    } finally {
+      await router.close()
+      await engine.close()
+    }
+  })
+
   it('refuses to start when asked to advertise more than the engine holds (G1)', async () => {
     const engine = await startEngine('vllm', { poolTokens: 128, maxModelLen: 4096 })
     try {
