@@ -47,6 +47,9 @@ export interface Tokenizer {
   readonly eosToken: string | null
   /** Number of token ids (largest id + 1). */
   readonly vocabSize: number
+  /** Length (UTF-16 code units) of the longest vocabulary entry, added tokens included: no token
+   *  stands for more text than that, before normalization. */
+  readonly maxTokenChars: number
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -78,7 +81,11 @@ export function loadTokenizer(dir: string): Tokenizer {
   const template = compileChatTemplate(config.chat_template, dir)
 
   let maxId = -1
-  for (const id of hf.get_vocab(true).values()) maxId = Math.max(maxId, id)
+  let maxTokenChars = 1
+  for (const [text, id] of hf.get_vocab(true)) {
+    maxId = Math.max(maxId, id)
+    maxTokenChars = Math.max(maxTokenChars, text.length)
+  }
 
   return Object.freeze({
     bosTokenId,
@@ -86,6 +93,7 @@ export function loadTokenizer(dir: string): Tokenizer {
     bosToken,
     eosToken,
     vocabSize: maxId + 1,
+    maxTokenChars,
 
     encode(text: string, options: EncodeOptions = {}): number[] {
       const withSpecial = options.addSpecialTokens ?? true

@@ -50,16 +50,29 @@ export interface Slot {
   release(): void
 }
 
+/** A request counted against its tenant's concurrency limit; `release` (idempotent) stops
+ *  counting it. */
+export interface RoomHold {
+  release(): void
+}
+
 /** The limiter: one per router. */
 export interface Limiter {
   /** Admits a request of `tenant` that may use `numTokens` tokens (prompt + max completion);
    *  throws {@link LimitError} `rate_limited` (429) when the tenant is at its concurrency limit or
    *  out of tokens for now. */
-  admitTenant(tenant: string, limits: TenantLimits, numTokens: number): TenantTicket
-  /** Throws what {@link Limiter.admitTenant} would for the tenant's concurrency limit, reserving
-   *  nothing: checked before a prompt is tokenized, so that a tenant at its limit cannot spend
-   *  the router's event loop on prompts that will be refused anyway. */
-  checkTenantRoom(tenant: string, limits: TenantLimits): void
+  admitTenant(
+    tenant: string,
+    limits: TenantLimits,
+    numTokens: number,
+    hold?: RoomHold,
+  ): TenantTicket
+  /** Counts a request of `tenant` against its concurrency limit from now (before its prompt is
+   *  tokenized), or throws what {@link Limiter.admitTenant} would for that limit: a tenant at its
+   *  limit cannot make the router's event loop, which every tenant shares, tokenize prompts that
+   *  will be refused anyway, and prompts being tokenized count as in flight. Pass the hold to
+   *  `admitTenant`; release it if the request ends before that. */
+  holdTenantRoom(tenant: string, limits: TenantLimits): RoomHold
   /** A running slot, at once or after waiting in the queue; throws {@link LimitError}
    *  `capacity_exhausted` (503) when the queue is full or the wait exceeds `maxQueueWaitMs`,
    *  and `request_aborted` when `signal` fires first. */
@@ -110,7 +123,7 @@ export function createLimiter(
     return bucket
   }
 
-  function checkTenantRoom(tenant: string, limits: TenantLimits): void {
+  function holdTenantRoom(tenant: string, limits: TenantLimits): RoomHold {
     const numRunningOfTenant = running.get(tenant) ?? 0
     const maxConcurrent = limits.maxConcurrentRequests
     if (maxConcurrent !== undefined && numRunningOfTenant >= maxConcurrent) {
@@ -120,10 +133,40 @@ export function createLimiter(
         1,
       )
     }
+    running.set(tenant, numRunningOfTenant + 1)
+    let isReleased = false
+    return {
+      release(): void {
+        if (isReleased) return
+        isReleased = true
+        const n = running.get(tenant)! - 1
+        if (n === 0) running.delete(tenant)
+        else running.set(tenant, n)
+      },
+    }
   }
 
-  function admitTenant(tenant: string, limits: TenantLimits, numTokens: number): TenantTicket {
-    checkTenantRoom(tenant, limits)
+  function admitTenant(
+    tenant: string,
+    limits: TenantLimits,
+    numTokens: number,
+    hold?: RoomHold,
+  ): TenantTicket {
+    const room = hold ?? holdTenantRoom(tenant, limits)
+    try {
+      return chargeTokens(tenant, limits, numTokens, room)
+    } catch (err) {
+      if (hold === undefined) room.release() // ours: a refused request is not in flight
+      throw err
+    }
+  }
+
+  function chargeTokens(
+    tenant: string,
+    limits: TenantLimits,
+    numTokens: number,
+    room: RoomHold,
+  ): TenantTicket {
     const tpm = limits.tokensPerMinute
     let charged = 0
     if (tpm !== undefined) {
@@ -146,15 +189,12 @@ export function createLimiter(
       bucket.tokens -= numTokens
       charged = numTokens
     }
-    running.set(tenant, (running.get(tenant) ?? 0) + 1)
     let isReleased = false
     return {
       release(numUnusedTokens: number): void {
         if (isReleased) return
         isReleased = true
-        const n = running.get(tenant)! - 1
-        if (n === 0) running.delete(tenant)
-        else running.set(tenant, n)
+        room.release()
         if (tpm !== undefined && charged > 0) {
           const bucket = refill(tenant, tpm)
           bucket.tokens = Math.min(tpm, bucket.tokens + Math.min(charged, numUnusedTokens))
@@ -249,7 +289,7 @@ export function createLimiter(
 
   return {
     admitTenant,
-    checkTenantRoom,
+    holdTenantRoom,
     acquireSlot,
     waitForRoom,
     get numQueued() {

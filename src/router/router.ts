@@ -20,7 +20,7 @@ import type { CapacityMonitor } from './capacity-monitor.js'
 import type { RouterConfig } from './config.js'
 import type { Gateway } from './gateway.js'
 import { coalesceWrites, readJsonBody, sendError, sendJson } from './http.js'
-import { LimitError, type Limiter, createLimiter } from './limits.js'
+import { LimitError, type Limiter, type RoomHold, createLimiter } from './limits.js'
 import { metricsText } from '../process-metrics.js'
 import { type RouterMetrics, createRouterMetrics } from './metrics.js'
 import {
@@ -248,6 +248,7 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       if (!res.writableFinished) abort.abort()
     })
     let ticket: { release(numUnusedTokens: number): void } | null = null
+    let room: RoomHold | null = null
     let numReservedCompletion = 0
     let slot: { release(): void } | null = null
     try {
@@ -270,9 +271,10 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       const refusal = capacity()?.refusal
       if (refusal) throw refusal // G1: the workers can no longer hold the advertised window
       try {
-        // Before tokenizing: a tenant at its limit must not spend the event loop every tenant
-        // shares on prompts that are refused anyway (16 parallel 1 MB prompts stalled others 11 s).
-        limiter.checkTenantRoom(tenant.name, tenant.limits)
+        // Before tokenizing, and held while tokenizing: a tenant at its limit must not spend the
+        // event loop every tenant shares on prompts that are refused anyway (16 parallel 1 MB
+        // prompts of a tenant limited to 1 stalled every other tenant 12 s).
+        room = limiter.holdTenantRoom(tenant.name, tenant.limits)
       } catch (err) {
         metrics.admissionRejections.inc({ reason: 'tenant_limit' })
         throw err
@@ -291,7 +293,7 @@ export function createRouter(deps: RouterDeps): RequestHandler {
         throw err
       }
       try {
-        ticket = limiter.admitTenant(tenant.name, tenant.limits, prompt.numTokens + maxTokens)
+        ticket = limiter.admitTenant(tenant.name, tenant.limits, prompt.numTokens + maxTokens, room)
         numReservedCompletion = maxTokens
       } catch (err) {
         metrics.admissionRejections.inc({ reason: 'tenant_limit' })
@@ -357,6 +359,7 @@ export function createRouter(deps: RouterDeps): RequestHandler {
     } finally {
       slot?.release()
       ticket?.release(Math.max(0, numReservedCompletion - outcome.numCompletionTokens))
+      room?.release() // a request refused or failed before its ticket (idempotent after it)
       const ms = Math.round(performance.now() - startedMs)
       metrics.requests.inc({ endpoint, tenant: tenant.name, status: String(outcome.status) })
       metrics.requestSeconds.observe({ endpoint }, ms / 1000)
@@ -394,11 +397,39 @@ export function createRouter(deps: RouterDeps): RequestHandler {
       const numTokens = await backend.gateway.countPromptTokens(endpoint, parsed, signal)
       return { numTokens, tokenIds: null }
     }
+    refuseUntokenizable(endpoint, parsed, backend.tokenizer.maxTokenChars)
     const tokenIds =
       endpoint === 'chat'
         ? chatPromptTokenIds(backend.tokenizer, (parsed as ParsedChatRequest).messages)
         : completionPromptTokenIds(backend.tokenizer, (parsed as ParsedCompletionRequest).prompt)
     return { numTokens: tokenIds.length, tokenIds }
+  }
+
+  /** G2 before tokenizing, for prompts too long to fit in any tokenization: tokenizing runs on the
+   *  event loop every tenant shares (a 1 MB prompt takes most of a second), so one that cannot
+   *  fit is refused by its length alone. No token stands for more than `maxTokenChars` characters
+   *  before normalization, and normalization shrinks text by at most a few times (NFKC composing
+   *  Hangul jamo: 3 to 1), so a text over window × maxTokenChars × 4 characters needs more tokens
+   *  than the window holds. Anything shorter is tokenized and counted exactly. */
+  function refuseUntokenizable(
+    endpoint: Endpoint,
+    parsed: ParsedChatRequest | ParsedCompletionRequest,
+    maxTokenChars: number,
+  ): void {
+    const numChars =
+      endpoint === 'chat'
+        ? (parsed as ParsedChatRequest).messages.reduce((n, m) => n + m.content.length, 0)
+        : 'text' in (parsed as ParsedCompletionRequest).prompt
+          ? ((parsed as ParsedCompletionRequest).prompt as { text: string }).text.length
+          : 0
+    const window = contextWindow()
+    if (numChars <= window * maxTokenChars * 4) return
+    metrics.admissionRejections.inc({ reason: 'context_length_exceeded' })
+    throw new KvfenceError(
+      'context_length_exceeded',
+      `This model's maximum context length is ${window} tokens; a prompt of ${numChars} characters cannot fit in it (no token of this model stands for more than ${maxTokenChars} characters).`,
+      endpoint === 'chat' ? 'messages' : 'prompt',
+    )
   }
 
   /** The workers' events for a request. A request refused because a KV pool (decode or prefill)

@@ -414,6 +414,28 @@ describe('the router refuses invalid requests at its boundary', () => {
     assert.equal(error.message, 'the request body is not valid UTF-8')
   })
 
+  it('refuses a prompt too long for any tokenization by its length, before tokenizing it', async () => {
+    // A 0.9 MB prompt: tokenizing it would hold the event loop every tenant shares for most of a
+    // second; no tokenization of it fits the window, which its length alone shows.
+    const prompt = 'ab '.repeat(300_000) // 900,000 characters, under the 1 MiB body limit
+    for (const [path, body] of [
+      ['/v1/completions', completion({ prompt })],
+      ['/v1/chat/completions', chat({ messages: [{ role: 'user', content: prompt }] })],
+    ] as const) {
+      const res = await h.post(path, body)
+      assert.equal(res.status, 400)
+      const { error } = (await res.json()) as {
+        error: { code: string; message: string; param: string }
+      }
+      assert.equal(error.code, 'context_length_exceeded')
+      assert.equal(error.param, path === '/v1/completions' ? 'prompt' : 'messages')
+      assert.match(
+        error.message,
+        /^This model's maximum context length is \d+ tokens; a prompt of 900000 characters cannot fit in it \(no token of this model stands for more than \d+ characters\)\.$/,
+      )
+    }
+  })
+
   it('refuses a compressed body with 415 (it is never decompressed, nor read as plain)', async () => {
     const res = await fetch(`${h.router.url}/v1/completions`, {
       method: 'POST',
