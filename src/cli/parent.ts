@@ -4,11 +4,26 @@
  *  workers running with parent PID 1, holding their ports.
  *  Knows Node's IPC channel; knows nothing of what the part serves. */
 
+/** Exits (code 1) if the parent's IPC channel closes while this part is still starting: a part
+ *  whose parent died mid-start has no one to report to and must not linger (a router waiting for
+ *  its workers outlived a killed `serve` by ~10 s). {@link reportReadyToParent} replaces it with
+ *  the part's own shutdown once it is ready. No-op without IPC. */
+export function exitIfParentGoesDuringStart(): void {
+  if (process.send === undefined) return
+  if (!process.connected) process.exit(1)
+  process.once('disconnect', exitDuringStart)
+}
+
+function exitDuringStart(): void {
+  process.exit(1)
+}
+
 /** Send `message` to the parent when this process was forked with an IPC channel, and call
  *  `onParentGone` once if that channel is closed now or closes later (the parent exited, was
  *  killed, or disconnected). A process started without IPC (from a shell) does nothing here. */
 export function reportReadyToParent(message: object, onParentGone: () => void): void {
   if (process.send === undefined) return
+  process.removeListener('disconnect', exitDuringStart)
   let isGone = false
   const gone = () => {
     if (isGone) return

@@ -12,7 +12,7 @@ import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
 import { type StartRouterOptions, startRouter } from '../router/index.js'
 import { collect, intOption, logLevels, portOption } from './options.js'
-import { reportReadyToParent } from './parent.js'
+import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
 
 interface RouterFlags {
   config?: string
@@ -69,6 +69,7 @@ export function registerRouter(program: Command): void {
       new Option('--log-level <level>', 'pino log level').choices(logLevels).default('info'),
     )
     .action(async (flags: RouterFlags) => {
+      exitIfParentGoesDuringStart()
       const faults = buildFaultConfig([], flags.unsafeDisableGuards, process.env)
       const banner = faultBanner('kvfence router', faults)
       if (banner) process.stderr.write(`${banner}\n`)

@@ -13,7 +13,7 @@ import { startCluster } from '../engine/cluster.js'
 import { buildFaultConfig } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
 import { loadModelConfig } from '../model/config.js'
-import { reportReadyToParent } from './parent.js'
+import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
 import { bundledModelDir } from '../paths.js'
 import { loadTenants } from '../router/tenants.js'
 import {
@@ -99,6 +99,7 @@ export function registerServe(program: Command): void {
         .env('KVFENCE_LOG_LEVEL'),
     )
     .action(async (flags: ServeFlags) => {
+      exitIfParentGoesDuringStart()
       if (flags.config !== undefined && flags.threads !== undefined)
         throw new KvfenceError('config_invalid', '--threads is not used with --config')
       if (flags.config !== undefined && flags.prefixCachePages !== undefined) {

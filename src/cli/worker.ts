@@ -13,7 +13,7 @@ import { createWorkerServer, listen } from '../engine/worker-server.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
 import { bundledModelDir } from '../paths.js'
 import { TransferServer } from '../transfer/index.js'
-import { reportReadyToParent } from './parent.js'
+import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
 import { intOption, collect, threadsHelp, threadsOption, logLevels, portOption } from './options.js'
 
 interface WorkerFlags {
@@ -108,6 +108,7 @@ export function registerWorkers(program: Command): void {
         )
     }
     cmd.action(async (flags: WorkerFlags) => {
+      exitIfParentGoesDuringStart()
       await startWorker(role, flags)
     })
   }

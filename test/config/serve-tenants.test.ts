@@ -90,3 +90,28 @@ it('serve killed with SIGKILL leaves no part running (each part stops when its p
   for (const pid of left) process.kill(pid, 'SIGKILL') // do not leave them to the next test
   assert.deepEqual(left, [], 'parts still running after serve was killed')
 })
+
+it('a part whose parent goes away while it is still starting exits at once (not when its start-up gives up)', async () => {
+  // A router pointed at workers that do not answer keeps trying them for ~10 s before it fails.
+  const key = newApiKey()
+  const tenantsFile = join(dir, 'tenants-start.yaml')
+  writeFileSync(tenantsFile, tenantsYaml([{ name: 'alpha', key }]))
+  const child = fork(
+    cliEntry,
+    [
+      'router',
+      ...['--prefill', 'http://127.0.0.1:9', '--decode', 'http://127.0.0.1:9'],
+      ...['--tenants', tenantsFile, '--port', '0'],
+    ],
+    { stdio: ['ignore', 'ignore', 'ignore', 'ipc'] },
+  )
+  await new Promise((r) => setTimeout(r, 1_000))
+  const startedMs = Date.now()
+  child.disconnect() // as when serve is killed
+  const [code] = (await once(child, 'exit')) as [number | null]
+  assert.equal(code, 1)
+  assert.ok(
+    Date.now() - startedMs < 5_000,
+    `exited ${Date.now() - startedMs} ms after its parent left`,
+  )
+})
