@@ -35,7 +35,8 @@ export type GenerationEvent =
       finishReason: 'stop' | 'length'
       promptTokens: number
       completionTokens: number
-      /** Prompt tokens served from a prefix cache, when the decode worker reports it. */
+      /** Prompt tokens served from a prefix cache, when a worker reports it (the prefill
+       *  worker's count, else the decode worker's). */
       cachedTokens?: number
       /** Pages the prefill worker transferred for this request. */
       numTransferredPages: number

@@ -21,6 +21,7 @@ import {
   WorkerReportedError,
   type DecodeSide,
   type GenerationEvent,
+  type HandoffOptions,
   type PrefillSide,
   type ReservedEvent,
   type TransferAddress,
@@ -306,7 +307,7 @@ async function* generateOn(
   decodeUrl: string,
   prefillUrl: string,
   request: GenerateRequest,
-  options: Parameters<typeof handOff>[3],
+  options: HandoffOptions,
 ): AsyncGenerator<GenerationEvent, void> {
   try {
     yield* handOff(request, decodeSide(t, decodeUrl), prefillSide(t, prefillUrl), options)
