@@ -265,7 +265,7 @@ describe('hand-off: P’s result must confirm D’s first token (checkPrefill)',
   })
 })
 
-describe('hand-off: any failure ends the request on both sides', () => {
+describe('hand-off: D failing after P succeeded ends the request on both sides', () => {
   it('D reporting an error after P succeeded: the error, after the tokens already released', async () => {
     const log: string[] = []
     const failure: DecodeEvent = {
@@ -324,7 +324,9 @@ describe('hand-off: any failure ends the request on both sides', () => {
       'out error',
     ])
   })
+})
 
+describe('hand-off: P failing, the client’s abort, leaving early or D’s silence abort both sides', () => {
   it('P failing while D waits for the KV: P’s error, D aborted, nothing released', async () => {
     const log: string[] = []
     const decode = fakeDecode(log, [reserved], 'hang')

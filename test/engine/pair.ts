@@ -144,7 +144,8 @@ export interface Outcome {
  *  `hooks.prefillSignal` P alone; `hooks.onToken(n)` runs as D emits its n-th token, before the
  *  hand-off releases it. P is given only `hooks.prefillSignal`, never the hand-off's: the worker
  *  tests observe how P's transfer ends on its own (a NACK, a stall), which an abort from the
- *  hand-off on D's failure would pre-empt. D gets the hand-off's, so a failed prefill aborts it. */
+ *  hand-off on D's failure would pre-empt. D gets the hand-off's, so a failed prefill aborts it.
+ *  The hand-off's own checks are on, as in the router as shipped. */
 export async function runRequest(
   pair: Pair,
   req: GenerateRequest,
