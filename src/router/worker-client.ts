@@ -1,7 +1,10 @@
-/** The router side of the control plane (see `src/engine/control.ts`): asks a decode worker to
- *  reserve pages and stream tokens, asks a prefill worker to fill them, and aborts both when the
- *  request ends early (G8). HTTP/1.1 + JSON over keep-alive `node:http` agents.
- *  Knows worker URLs, token ids and request ids; knows nothing of text, API keys or OpenAI shapes. */
+/** The router's transport of the control plane (see `src/engine/control.ts`): HTTP/1.1 + JSON
+ *  (NDJSON for the decode worker's stream) over one keep-alive `node:http` agent, with the
+ *  workers' replies parsed at this boundary. One request's steps across the two workers, and the
+ *  checks before any token leaves, are `src/engine/handoff.ts`'s: this file gives it the two
+ *  workers as sides, picked round-robin.
+ *  Knows worker URLs, HTTP status codes, connections and request ids; knows nothing of text, API
+ *  keys or OpenAI shapes. */
 import { clusterTokenHeader } from '../engine/cluster-token.js'
 import assert from 'node:assert/strict'
 import http from 'node:http'
@@ -12,31 +15,22 @@ import {
   type PrefillRequest,
   PrefillResult,
   ServerInfo,
-  type TokenLogprobs,
 } from '../engine/control.js'
-import { KvfenceError, isErrorCode, type ErrorCode } from '../errors.js'
+import {
+  handOff,
+  WorkerReportedError,
+  type DecodeSide,
+  type GenerationEvent,
+  type HandoffOptions,
+  type PrefillSide,
+  type ReservedEvent,
+  type TransferAddress,
+} from '../engine/handoff.js'
+import { KvfenceError, isErrorCode } from '../errors.js'
 import type { WorkerReport } from './capacity.js'
 import { readReplyText } from './http.js'
 
-/** What {@link WorkerClient.generate} yields: the decode worker's tokens, then one `done`. */
-export type GenerationEvent =
-  | {
-      type: 'token'
-      tokenId: number
-      /** Only when the request asked for log-probabilities (the first token's come from the
-       *  prefill worker's result). */
-      logprobs?: TokenLogprobs
-    }
-  | {
-      type: 'done'
-      finishReason: 'stop' | 'length'
-      promptTokens: number
-      completionTokens: number
-      /** Prompt tokens served from a prefix cache, when the decode worker reports it. */
-      cachedTokens?: number
-      /** Pages the prefill worker transferred for this request. */
-      numTransferredPages: number
-    }
+export { WorkerReportedError, type GenerationEvent }
 
 /** A worker refused a request with `capacity_exhausted` (its KV pool is momentarily full) before
  *  any token was produced: the decode worker outright (nothing reserved), or the prefill worker
@@ -81,11 +75,12 @@ export interface WorkerClient {
   acceptsClusterToken(url: string, signal?: AbortSignal): Promise<boolean>
   /** `/server_info` of every worker (prefill first); throws `worker_unavailable` if any fails. */
   serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]>
-  /** Runs one request on a decode and a prefill worker (picked round-robin). Yields the decode
-   *  worker's tokens — the first only after the prefill worker's result was checked against it —
-   *  and a final `done`; throws a {@link KvfenceError} on any failure (never a normal `done`
-   *  after one). Aborting `signal`, or leaving the iteration early, closes both
-   *  worker requests, which aborts the request on both workers (G8). */
+  /** Runs one request on a decode and a prefill worker (picked round-robin) through
+   *  `handOff` (engine/handoff.ts). Yields the decode worker's tokens — the first only after the
+   *  prefill worker's result was checked against it — and a final `done`; throws a
+   *  {@link KvfenceError} on any failure (never a normal `done` after one). Aborting `signal`, or
+   *  leaving the iteration early, closes both worker requests, which aborts the request on both
+   *  workers (G8). */
   generate(request: GenerateRequest, signal: AbortSignal): AsyncGenerator<GenerationEvent, void>
   /** Closes pooled connections. */
   close(): void
@@ -128,6 +123,21 @@ const WorkerErrorSchema = z.object({
 // ---------------------------------------------------------------------------------------------
 // The client
 
+/** What every call of one client shares. */
+interface Transport {
+  readonly agent: http.Agent
+  /** Sent on every `POST /internal/*`: workers take control requests only from the holder of
+   *  the cluster token. */
+  readonly controlHeaders: http.OutgoingHttpHeaders
+  /** Deadline of a `/server_info`, `/metrics` or token-check call, ms. */
+  readonly infoTimeoutMs: number
+  readonly decodeUrls: readonly string[]
+  /** Decode worker URL → its transfer (data-plane) address, from its `/server_info`: the fallback
+   *  for a decode worker whose `reserved` event does not name it. Refreshed by every
+   *  `/server_info` read, dropped on any failure of a request on that worker. */
+  readonly transferAddresses: Map<string, Promise<TransferAddress>>
+}
+
 /** A {@link WorkerClient} over `node:http` with one keep-alive agent. */
 export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
   if (options.prefillUrls.length === 0 || options.decodeUrls.length === 0) {
@@ -135,405 +145,257 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
   }
   const prefillUrls = Object.freeze(options.prefillUrls.map(normalizeBaseUrl))
   const decodeUrls = Object.freeze(options.decodeUrls.map(normalizeBaseUrl))
+  const transport: Transport = {
+    // `timeout` closes a pooled connection that sat idle that long (an in-use one only gets a
+    // 'timeout' event, which nothing here listens to: long silences are `idleTimeoutMs`'s job).
+    agent: new http.Agent({
+      keepAlive: true,
+      timeout: options.freeSocketTimeoutMs ?? freeSocketTimeoutMs,
+    }),
+    controlHeaders:
+      options.clusterToken == null ? {} : { [clusterTokenHeader]: options.clusterToken },
+    infoTimeoutMs: options.infoTimeoutMs ?? defaultInfoTimeoutMs,
+    decodeUrls,
+    transferAddresses: new Map(),
+  }
   const idleTimeoutMs = options.idleTimeoutMs ?? defaultIdleTimeoutMs
-  const infoTimeoutMs = options.infoTimeoutMs ?? defaultInfoTimeoutMs
   const guardsEnabled = options.guardsEnabled ?? true
-  // Workers take control requests only from the holder of the cluster token.
-  const controlHeaders: http.OutgoingHttpHeaders =
-    options.clusterToken == null ? {} : { [clusterTokenHeader]: options.clusterToken }
-  // `timeout` closes a pooled connection that sat idle that long (an in-use one only gets a
-  // 'timeout' event, which nothing here listens to: long silences are `idleTimeoutMs`'s job).
-  const agent = new http.Agent({
-    keepAlive: true,
-    timeout: options.freeSocketTimeoutMs ?? freeSocketTimeoutMs,
-  })
   let nextPrefill = 0
   let nextDecode = 0
-  /** Decode worker URL → its transfer (data-plane) address, from its `/server_info`: the fallback
-   *  for a decode worker whose `reserved` event does not name it. Refreshed by every
-   *  `/server_info` read, dropped on any failure of a request on that worker. */
-  const transferAddresses = new Map<string, Promise<TransferAddress>>()
-
-  async function serverInfo(url: string, signal?: AbortSignal): Promise<ServerInfo> {
-    const deadline = AbortSignal.timeout(infoTimeoutMs)
-    const combined = signal === undefined ? deadline : AbortSignal.any([signal, deadline])
-    let res: http.IncomingMessage
-    let body: unknown
-    try {
-      res = await sendIdempotent(agent, `${url}/server_info`, combined)
-      body = await readJson(res)
-    } catch (err) {
-      throw new KvfenceError('worker_unavailable', `worker ${url}/server_info: ${describe(err)}`)
-    }
-    if (res.statusCode !== 200) {
-      throw new KvfenceError(
-        'worker_unavailable',
-        `worker ${url}/server_info: HTTP ${res.statusCode}`,
-      )
-    }
-    const parsed = ServerInfo.safeParse(body)
-    if (!parsed.success) {
-      throw new KvfenceError(
-        'worker_unavailable',
-        `worker ${url}/server_info: unexpected reply (${issueText(parsed.error.issues[0])})`,
-      )
-    }
-    const info = parsed.data
-    if (info.role === 'decode' && info.transferPort !== undefined && decodeUrls.includes(url)) {
-      const address = { host: info.transferHost ?? hostOf(url), port: info.transferPort }
-      transferAddresses.set(url, Promise.resolve(address))
-    }
-    return info
-  }
-
-  async function metricsText(url: string, signal?: AbortSignal): Promise<string> {
-    const deadline = AbortSignal.timeout(infoTimeoutMs)
-    const combined = signal === undefined ? deadline : AbortSignal.any([signal, deadline])
-    try {
-      const res = await sendIdempotent(agent, `${url}/metrics`, combined)
-      const text = await readReplyText(res, maxLineBytes)
-      if (res.statusCode !== 200) throw new Error(`HTTP ${res.statusCode}`)
-      return text
-    } catch (err) {
-      throw new KvfenceError('worker_unavailable', `worker ${url}/metrics: ${describe(err)}`)
-    }
-  }
-
-  async function acceptsClusterToken(url: string, signal?: AbortSignal): Promise<boolean> {
-    const deadline = AbortSignal.timeout(infoTimeoutMs)
-    const combined = signal === undefined ? deadline : AbortSignal.any([signal, deadline])
-    try {
-      const res = await send(
-        agent,
-        `${url}/internal/cluster_token_check`,
-        'POST',
-        '{}',
-        combined,
-        controlHeaders,
-      )
-      await readReplyText(res, maxLineBytes) // drained, so the connection goes back to the pool
-      return res.statusCode !== 401 && res.statusCode !== 403
-    } catch (err) {
-      throw new KvfenceError('worker_unavailable', `worker ${url} token check: ${describe(err)}`)
-    }
-  }
-
-  /** The decode worker's transfer address: as its `reserved` event names it (current even right
-   *  after a restart on another port), else as its `/server_info` reported it (cached). */
-  function transferAddress(
-    decodeUrl: string,
-    reserved: Extract<DecodeEvent, { type: 'reserved' }>,
-    signal: AbortSignal,
-  ): Promise<TransferAddress> {
-    if (reserved.transferPort !== undefined) {
-      return Promise.resolve({
-        host: reserved.transferHost ?? hostOf(decodeUrl),
-        port: reserved.transferPort,
-      })
-    }
-    let address = transferAddresses.get(decodeUrl)
-    if (address === undefined) {
-      address = serverInfo(decodeUrl, signal).then((info) => {
-        if (info.role !== 'decode' || info.transferPort === undefined) {
-          throw new KvfenceError(
-            'worker_unavailable',
-            `worker ${decodeUrl} is not a decode worker with a transfer port (role ${info.role})`,
-          )
-        }
-        return { host: info.transferHost ?? hostOf(decodeUrl), port: info.transferPort }
-      })
-      address.catch(() => transferAddresses.delete(decodeUrl))
-      transferAddresses.set(decodeUrl, address)
-    }
-    return address
-  }
-
-  async function prefill(
-    url: string,
-    request: PrefillRequest,
-    signal: AbortSignal,
-  ): Promise<PrefillResult> {
-    const res = await send(
-      agent,
-      `${url}/internal/prefill`,
-      'POST',
-      JSON.stringify(request),
-      signal,
-      controlHeaders,
-    )
-    const body = await readJson(res)
-    if (res.statusCode !== 200) {
-      const error = workerError('prefill', url, res.statusCode, body)
-      throw error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
-    }
-    const parsed = PrefillResult.safeParse(body)
-    if (!parsed.success) {
-      throw new KvfenceError(
-        'internal_error',
-        `prefill worker ${url}: unexpected reply (${issueText(parsed.error.issues[0])})`,
-      )
-    }
-    return parsed.data
-  }
 
   async function* generate(
     request: GenerateRequest,
     signal: AbortSignal,
   ): AsyncGenerator<GenerationEvent, void> {
     assert.ok(GenerateRequest.safeParse(request).success, 'router built an invalid GenerateRequest')
-    const rid = request.requestId
     const decodeUrl = decodeUrls[nextDecode++ % decodeUrls.length]
     const prefillUrl = prefillUrls[nextPrefill++ % prefillUrls.length]
-
-    // One controller closes both worker requests; the first failure recorded wins.
-    const inner = new AbortController()
-    let failure: KvfenceError | null = null
-    const fail = (err: unknown) => {
-      failure ??= asKvfenceError(err, `request ${rid}`)
-      inner.abort()
-    }
-    const onClientAbort = () =>
-      fail(new KvfenceError('request_aborted', `request ${rid} was aborted by the client`))
-    if (signal.aborted) onClientAbort()
-    else signal.addEventListener('abort', onClientAbort, { once: true })
-    let idleTimer: NodeJS.Timeout | undefined
-    const touch = () => {
-      clearTimeout(idleTimer)
-      idleTimer = setTimeout(
-        () =>
-          fail(
-            new KvfenceError(
-              'worker_unavailable',
-              `decode worker ${decodeUrl} sent nothing for ${idleTimeoutMs} ms (request ${rid})`,
-            ),
-          ),
-        idleTimeoutMs,
-      )
-    }
-    let isFinished = false
-
-    try {
-      touch()
-      let res: http.IncomingMessage
-      let isReusedSocket: boolean
-      try {
-        ;({ res, isReusedSocket } = await sendOn(
-          agent,
-          `${decodeUrl}/internal/generate`,
-          'POST',
-          JSON.stringify(request),
-          inner.signal,
-          controlHeaders,
-        ))
-      } catch (err) {
-        throw (
-          failure ??
-          new KvfenceError('worker_unavailable', `decode worker ${decodeUrl}: ${describe(err)}`)
-        )
-      }
-      if (res.statusCode !== 200) {
-        const error = workerError(
-          'decode',
-          decodeUrl,
-          res.statusCode,
-          await readJson(res).catch(() => null),
-        )
-        throw error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
-      }
-
-      let prefillResult: Promise<PrefillResult> | null = null
-      let numTokens = 0
-      let done: Extract<DecodeEvent, { type: 'done' }> | null = null
-      // Read to the end of the response even after `done` (which is the last line): leaving the
-      // loop early would destroy the keep-alive connection, costing a new one per request.
-      for await (const event of decodeEvents(res, decodeUrl)) {
-        touch()
-        if (done !== null) throw protocolError(decodeUrl, rid, `a ${event.type} event after done`)
-        switch (event.type) {
-          case 'reserved': {
-            if (prefillResult !== null)
-              throw protocolError(decodeUrl, rid, 'a second reserved event')
-            // A new connection may be to a decode worker restarted since its address was cached.
-            if (!isReusedSocket && event.transferPort === undefined) {
-              transferAddresses.delete(decodeUrl)
-            }
-            const decode = await transferAddress(decodeUrl, event, inner.signal)
-            prefillResult = prefill(
-              prefillUrl,
-              {
-                requestId: rid,
-                tenant: request.tenant,
-                promptTokenIds: request.promptTokenIds,
-                sampling: request.sampling,
-                transferSecret: request.transferSecret,
-                decode,
-              },
-              inner.signal,
-            )
-            prefillResult.catch((err: unknown) => {
-              fail(
-                err instanceof KvfenceError
-                  ? err
-                  : new KvfenceError(
-                      'worker_unavailable',
-                      `prefill worker ${prefillUrl}: ${describe(err)}`,
-                    ),
-              )
-            })
-            break
-          }
-          case 'token':
-            if (prefillResult === null)
-              throw protocolError(decodeUrl, rid, 'a token before reserved')
-            if (numTokens >= request.maxTokens) {
-              throw protocolError(decodeUrl, rid, `more than maxTokens ${request.maxTokens} tokens`)
-            }
-            if (numTokens === 0) {
-              // No output leaves before the prefill worker confirmed this request's transfer.
-              const result = await prefillResult
-              if (guardsEnabled) checkPrefill(result, event.tokenId, request, prefillUrl, decodeUrl)
-              numTokens++
-              // The first token was sampled by the prefill worker: its log-probabilities too.
-              yield result.firstTokenLogprobs === undefined
-                ? event
-                : { ...event, logprobs: result.firstTokenLogprobs }
-              break
-            }
-            numTokens++
-            yield event
-            break
-          case 'done':
-            if (prefillResult === null) throw protocolError(decodeUrl, rid, 'done before reserved')
-            done = event
-            break
-          case 'error':
-            throw new WorkerReportedError(
-              isErrorCode(event.code) ? event.code : 'internal_error',
-              `decode worker ${decodeUrl}: ${event.code}: ${event.message}`,
-            )
-        }
-      }
-      if (done === null || prefillResult === null) {
-        throw new KvfenceError(
-          'worker_unavailable',
-          `decode worker ${decodeUrl} ended request ${rid} without a done event`,
-        )
-      }
-      const result = await prefillResult
-      if (guardsEnabled) checkDone(done, numTokens, request, decodeUrl)
-      isFinished = true
-      const { type, finishReason, promptTokens, completionTokens } = done
-      // Prefix-cache hits happen on the prefill worker; only it knows how many prompt tokens were cached.
-      const cachedTokens = result.cachedTokens ?? done.cachedTokens
-      if (
-        guardsEnabled &&
-        cachedTokens !== undefined &&
-        !(cachedTokens >= 0 && cachedTokens < promptTokens)
-      ) {
-        throw protocolError(
-          prefillUrl,
-          rid,
-          `cachedTokens ${cachedTokens} outside [0, ${promptTokens})`,
-        )
-      }
-      yield {
-        type,
-        finishReason,
-        promptTokens,
-        completionTokens,
-        ...(cachedTokens === undefined ? {} : { cachedTokens }),
-        numTransferredPages: result.numPages,
-      }
-    } catch (err) {
-      const error = failure ?? asKvfenceError(err, `decode worker ${decodeUrl}`)
-      // Any failure but the client's own abort may mean the decode worker restarted elsewhere:
-      // read its transfer address afresh next time.
-      if (error.code !== 'request_aborted' && !(error instanceof PoolFullError)) {
-        transferAddresses.delete(decodeUrl)
-      }
-      throw error
-    } finally {
-      clearTimeout(idleTimer)
-      signal.removeEventListener('abort', onClientAbort)
-      if (!isFinished) inner.abort()
-    }
+    yield* generateOn(transport, decodeUrl, prefillUrl, request, {
+      signal,
+      guardsEnabled,
+      idleTimeoutMs,
+    })
   }
 
   return Object.freeze({
     prefillUrls,
     decodeUrls,
-    serverInfo,
-    metricsText,
-    acceptsClusterToken,
+    serverInfo: (url: string, signal?: AbortSignal) => serverInfo(transport, url, signal),
+    metricsText: (url: string, signal?: AbortSignal) => metricsText(transport, url, signal),
+    acceptsClusterToken: (url: string, signal?: AbortSignal) =>
+      acceptsClusterToken(transport, url, signal),
     async serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]> {
       const urls = [...prefillUrls, ...decodeUrls]
-      const infos = await Promise.all(urls.map((url) => serverInfo(url, signal)))
+      const infos = await Promise.all(urls.map((url) => serverInfo(transport, url, signal)))
       return urls.map((url, i) => ({ url, info: infos[i] }))
     },
     generate,
     close(): void {
-      agent.destroy()
+      transport.agent.destroy()
     },
   })
 }
 
+/** `signal` bounded by the client's info deadline. */
+function infoSignal(t: Transport, signal: AbortSignal | undefined): AbortSignal {
+  const deadline = AbortSignal.timeout(t.infoTimeoutMs)
+  return signal === undefined ? deadline : AbortSignal.any([signal, deadline])
+}
+
+/** `GET {url}/server_info`, parsed; a decode worker's transfer address is cached from it. */
+async function serverInfo(t: Transport, url: string, signal?: AbortSignal): Promise<ServerInfo> {
+  let res: http.IncomingMessage
+  let body: unknown
+  try {
+    res = await sendIdempotent(t.agent, `${url}/server_info`, infoSignal(t, signal))
+    body = await readJson(res)
+  } catch (err) {
+    throw new KvfenceError('worker_unavailable', `worker ${url}/server_info: ${describe(err)}`)
+  }
+  if (res.statusCode !== 200) {
+    throw new KvfenceError(
+      'worker_unavailable',
+      `worker ${url}/server_info: HTTP ${res.statusCode}`,
+    )
+  }
+  const parsed = ServerInfo.safeParse(body)
+  if (!parsed.success) {
+    throw new KvfenceError(
+      'worker_unavailable',
+      `worker ${url}/server_info: unexpected reply (${issueText(parsed.error.issues[0])})`,
+    )
+  }
+  const info = parsed.data
+  if (info.role === 'decode' && info.transferPort !== undefined && t.decodeUrls.includes(url)) {
+    const address = { host: info.transferHost ?? hostOf(url), port: info.transferPort }
+    t.transferAddresses.set(url, Promise.resolve(address))
+  }
+  return info
+}
+
+async function metricsText(t: Transport, url: string, signal?: AbortSignal): Promise<string> {
+  try {
+    const res = await sendIdempotent(t.agent, `${url}/metrics`, infoSignal(t, signal))
+    const text = await readReplyText(res, maxLineBytes)
+    if (res.statusCode !== 200) throw new Error(`HTTP ${res.statusCode}`)
+    return text
+  } catch (err) {
+    throw new KvfenceError('worker_unavailable', `worker ${url}/metrics: ${describe(err)}`)
+  }
+}
+
+async function acceptsClusterToken(
+  t: Transport,
+  url: string,
+  signal?: AbortSignal,
+): Promise<boolean> {
+  try {
+    const res = await send(
+      t.agent,
+      `${url}/internal/cluster_token_check`,
+      'POST',
+      '{}',
+      infoSignal(t, signal),
+      t.controlHeaders,
+    )
+    await readReplyText(res, maxLineBytes) // drained, so the connection goes back to the pool
+    return res.statusCode !== 401 && res.statusCode !== 403
+  } catch (err) {
+    throw new KvfenceError('worker_unavailable', `worker ${url} token check: ${describe(err)}`)
+  }
+}
+
+/** The decode worker's transfer address: as its `reserved` event names it (current even right
+ *  after a restart on another port), else as its `/server_info` reported it (cached). */
+function transferAddress(
+  t: Transport,
+  decodeUrl: string,
+  reserved: ReservedEvent,
+  signal: AbortSignal,
+): Promise<TransferAddress> {
+  if (reserved.transferPort !== undefined) {
+    return Promise.resolve({
+      host: reserved.transferHost ?? hostOf(decodeUrl),
+      port: reserved.transferPort,
+    })
+  }
+  let address = t.transferAddresses.get(decodeUrl)
+  if (address === undefined) {
+    address = serverInfo(t, decodeUrl, signal).then((info) => {
+      if (info.role !== 'decode' || info.transferPort === undefined) {
+        throw new KvfenceError(
+          'worker_unavailable',
+          `worker ${decodeUrl} is not a decode worker with a transfer port (role ${info.role})`,
+        )
+      }
+      return { host: info.transferHost ?? hostOf(decodeUrl), port: info.transferPort }
+    })
+    address.catch(() => t.transferAddresses.delete(decodeUrl))
+    t.transferAddresses.set(decodeUrl, address)
+  }
+  return address
+}
+
 // ---------------------------------------------------------------------------------------------
-// Consistency checks (defence in depth behind the workers' own guards; off with guards off)
+// One request: the two workers as the hand-off's sides
 
-/** The prefill worker's result must be for this request, cover the whole prompt, and agree with
- *  the decode worker on the first token; otherwise the output is of unknown origin. */
-function checkPrefill(
-  result: PrefillResult,
-  firstTokenId: number,
-  request: GenerateRequest,
+/** {@link handOff} on one decode and one prefill worker. Any failure but the client's own abort
+ *  or a full pool may mean the decode worker restarted elsewhere: its cached transfer address is
+ *  then dropped, to be read afresh next time. */
+async function* generateOn(
+  t: Transport,
+  decodeUrl: string,
   prefillUrl: string,
-  decodeUrl: string,
-): void {
-  const rid = request.requestId
-  const numPromptTokens = request.promptTokenIds.length
-  const problems: string[] = []
-  if (result.requestId !== rid) problems.push(`prefill answered for request ${result.requestId}`)
-  if (result.numTokens !== numPromptTokens) {
-    problems.push(`prefill sent ${result.numTokens} prompt tokens, want ${numPromptTokens}`)
-  }
-  if (result.firstTokenId !== firstTokenId) {
-    problems.push(`first token ${firstTokenId} from decode, ${result.firstTokenId} from prefill`)
-  }
-  if (problems.length > 0) {
-    throw new KvfenceError(
-      'guard_violation',
-      `request ${rid} (prefill ${prefillUrl}, decode ${decodeUrl}): ${problems.join('; ')}`,
-    )
-  }
-}
-
-/** The decode worker's `done` must count the prompt the router sent and the tokens it streamed. */
-function checkDone(
-  done: Extract<DecodeEvent, { type: 'done' }>,
-  numTokens: number,
   request: GenerateRequest,
-  decodeUrl: string,
-): void {
-  const numPromptTokens = request.promptTokenIds.length
-  const problems: string[] = []
-  if (done.promptTokens !== numPromptTokens) {
-    problems.push(`decode counted ${done.promptTokens} prompt tokens, want ${numPromptTokens}`)
-  }
-  if (done.completionTokens !== numTokens) {
-    problems.push(
-      `decode counted ${done.completionTokens} completion tokens, streamed ${numTokens}`,
-    )
-  }
-  if (problems.length > 0) {
-    throw new KvfenceError(
-      'guard_violation',
-      `request ${request.requestId} (decode ${decodeUrl}): ${problems.join('; ')}`,
-    )
+  options: HandoffOptions,
+): AsyncGenerator<GenerationEvent, void> {
+  try {
+    yield* handOff(request, decodeSide(t, decodeUrl), prefillSide(t, prefillUrl), options)
+  } catch (err) {
+    const isClientAbort = err instanceof KvfenceError && err.code === 'request_aborted'
+    if (!isClientAbort && !(err instanceof PoolFullError)) t.transferAddresses.delete(decodeUrl)
+    throw err
   }
 }
 
-function protocolError(url: string, rid: string, what: string): KvfenceError {
-  return new KvfenceError('internal_error', `decode worker ${url} sent ${what} for request ${rid}`)
+/** The decode worker at `url` for one request: `POST /internal/generate`, its NDJSON events.
+ *  A refusal with `capacity_exhausted` is a {@link PoolFullError}; every failure a KvfenceError. */
+function decodeSide(t: Transport, url: string): DecodeSide {
+  let isReusedSocket = false
+  return {
+    name: url,
+    async *generate(request, signal) {
+      let res: http.IncomingMessage
+      try {
+        ;({ res, isReusedSocket } = await sendOn(
+          t.agent,
+          `${url}/internal/generate`,
+          'POST',
+          JSON.stringify(request),
+          signal,
+          t.controlHeaders,
+        ))
+      } catch (err) {
+        throw new KvfenceError('worker_unavailable', `decode worker ${url}: ${describe(err)}`)
+      }
+      if (res.statusCode !== 200) {
+        const body = await readJson(res).catch(() => null)
+        const error = workerError('decode', url, res.statusCode, body)
+        throw error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
+      }
+      try {
+        yield* decodeEvents(res, url)
+      } catch (err) {
+        throw asKvfenceError(err, `decode worker ${url}`)
+      }
+    },
+    transferAddress(reserved, signal) {
+      // A new connection may be to a decode worker restarted since its address was cached.
+      if (!isReusedSocket && reserved.transferPort === undefined) t.transferAddresses.delete(url)
+      return transferAddress(t, url, reserved, signal)
+    },
+  }
+}
+
+/** The prefill worker at `url`: `POST /internal/prefill`, its parsed result. A refusal with
+ *  `capacity_exhausted` is a {@link PoolFullError}; every failure a KvfenceError. */
+function prefillSide(t: Transport, url: string): PrefillSide {
+  return {
+    name: url,
+    prefill: (request, signal) =>
+      prefill(t, url, request, signal).catch((err: unknown) => {
+        throw asKvfenceError(err, `prefill worker ${url}`)
+      }),
+  }
+}
+
+async function prefill(
+  t: Transport,
+  url: string,
+  request: PrefillRequest,
+  signal: AbortSignal,
+): Promise<PrefillResult> {
+  const res = await send(
+    t.agent,
+    `${url}/internal/prefill`,
+    'POST',
+    JSON.stringify(request),
+    signal,
+    t.controlHeaders,
+  )
+  const body = await readJson(res)
+  if (res.statusCode !== 200) {
+    const error = workerError('prefill', url, res.statusCode, body)
+    throw error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
+  }
+  const parsed = PrefillResult.safeParse(body)
+  if (!parsed.success) {
+    throw new KvfenceError(
+      'internal_error',
+      `prefill worker ${url}: unexpected reply (${issueText(parsed.error.issues[0])})`,
+    )
+  }
+  return parsed.data
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -667,15 +529,6 @@ function workerError(
   )
 }
 
-/** An error a worker reported. Its message names the worker (and may name pages or peers): the
- *  router logs it and tells the client only the code and a fixed sentence, even for a 4xx. */
-export class WorkerReportedError extends KvfenceError {
-  constructor(code: ErrorCode, message: string) {
-    super(code, message)
-    this.name = 'WorkerReportedError'
-  }
-}
-
 function asKvfenceError(err: unknown, where: string): KvfenceError {
   if (err instanceof KvfenceError) return err
   return new KvfenceError('worker_unavailable', `${where}: ${describe(err)}`)
@@ -708,12 +561,6 @@ function normalizeBaseUrl(url: string): string {
     throw new KvfenceError('internal_error', `worker URL ${url} must use http:`)
   }
   return parsed.origin
-}
-
-/** Where a prefill worker sends a request's KV pages. */
-interface TransferAddress {
-  host: string
-  port: number
 }
 
 function hostOf(baseUrl: string): string {

@@ -1,11 +1,17 @@
-/** An in-process prefill + decode pair over real loopback TCP, driven the way the router drives the
- *  real processes: decode `generate()` first, and on its `reserved` event, prefill `prefill()`.
+/** An in-process prefill + decode pair over real loopback TCP, driven by the router's own hand-off
+ *  (`handOff` of src/engine/handoff.ts: D reserves first, then P prefills with D's address).
  *  Used by the worker tests; each pair has its own pools, guards and faults. */
 import { randomBytes } from 'node:crypto'
 import { KvfenceError } from '../../src/errors.js'
 import type { DecodeEvent, GenerateRequest } from '../../src/engine/control.js'
 import { DecodeWorker } from '../../src/engine/decode-worker.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
+import {
+  handOff,
+  type DecodeSide,
+  type GenerationEvent,
+  type PrefillSide,
+} from '../../src/engine/handoff.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import { createWorkerCore, type WorkerCore } from '../../src/engine/worker-core.js'
@@ -120,16 +126,26 @@ export function makeRequest(
 
 /** How one request ended on each side. */
 export interface Outcome {
+  /** Every event D emitted, as it emitted it (the hand-off may hold the first token back). */
   events: DecodeEvent[]
+  /** The tokens of {@link Outcome.events}. */
   tokenIds: number[]
   /** D's error, or null when generate() resolved. */
   decodeError: KvfenceError | null
   /** P's error, null when prefill() resolved, undefined when it never ran. */
   prefillError: KvfenceError | null | undefined
+  /** What the hand-off let out, as the router's client would see it. */
+  released: GenerationEvent[]
+  /** The hand-off's error (how the router would end the request), or null. */
+  error: KvfenceError | null
 }
 
-/** Run `req` through the pair as the router does. `hooks.onReserved` runs on D's `reserved`
- *  event (before prefill starts); `hooks.onToken` on each token. Both signals default to fresh ones. */
+/** Run `req` through the pair with the router's hand-off. `hooks.decodeSignal` aborts D alone,
+ *  `hooks.prefillSignal` P alone; `hooks.onToken(n)` runs as D emits its n-th token, before the
+ *  hand-off releases it. P is given only `hooks.prefillSignal`, never the hand-off's: the worker
+ *  tests observe how P's transfer ends on its own (a NACK, a stall), which an abort from the
+ *  hand-off on D's failure would pre-empt. D gets the hand-off's, so a failed prefill aborts it.
+ *  The hand-off's own checks are on, as in the router as shipped. */
 export async function runRequest(
   pair: Pair,
   req: GenerateRequest,
@@ -140,49 +156,97 @@ export async function runRequest(
   } = {},
 ): Promise<Outcome> {
   const events: DecodeEvent[] = []
+  let decodeRun: Promise<KvfenceError | null> = Promise.resolve(null)
   let prefillRun: Promise<KvfenceError | null> | undefined
-  // As the router does: a failed prefill aborts the decode request too.
-  const routerAbort = new AbortController()
-  const decodeSignal =
-    hooks.decodeSignal === undefined
-      ? routerAbort.signal
-      : AbortSignal.any([hooks.decodeSignal, routerAbort.signal])
-  const decodeError = await pair.decode
-    .generate(req, decodeSignal, (e) => {
-      events.push(e)
-      if (e.type === 'reserved') {
-        prefillRun = pair.prefill
-          .prefill(
-            {
-              requestId: req.requestId,
-              tenant: req.tenant,
-              promptTokenIds: req.promptTokenIds,
-              sampling: req.sampling,
-              transferSecret: req.transferSecret,
-              decode: { host: '127.0.0.1', port: pair.port },
-            },
-            hooks.prefillSignal ?? new AbortController().signal,
-          )
-          .then(
-            () => null,
-            (err: unknown) => {
-              routerAbort.abort()
-              return asError(err)
-            },
-          )
-      }
-      if (e.type === 'token') hooks.onToken?.(events.filter((x) => x.type === 'token').length)
-    })
-    .then(
-      () => null,
-      (err: unknown) => asError(err),
-    )
+  const decode: DecodeSide = {
+    name: 'in-process D',
+    generate: (request, signal) => {
+      const stream = new EventStream()
+      const decodeSignal =
+        hooks.decodeSignal === undefined ? signal : AbortSignal.any([hooks.decodeSignal, signal])
+      decodeRun = pair.decode
+        .generate(request, decodeSignal, (e) => {
+          events.push(e)
+          stream.push(e)
+          if (e.type === 'token') hooks.onToken?.(events.filter((x) => x.type === 'token').length)
+        })
+        .then(
+          () => {
+            stream.end()
+            return null
+          },
+          (err: unknown) => {
+            stream.fail(err)
+            return asError(err)
+          },
+        )
+      return stream
+    },
+    transferAddress: () => Promise.resolve({ host: '127.0.0.1', port: pair.port }),
+  }
+  const prefill: PrefillSide = {
+    name: 'in-process P',
+    prefill: (request) => {
+      const run = pair.prefill.prefill(request, hooks.prefillSignal ?? new AbortController().signal)
+      prefillRun = run.then(
+        () => null,
+        (err: unknown) => asError(err),
+      )
+      return run
+    },
+  }
+  const released: GenerationEvent[] = []
+  let error: KvfenceError | null = null
+  try {
+    for await (const e of handOff(req, decode, prefill, { signal: new AbortController().signal }))
+      released.push(e)
+  } catch (err) {
+    error = asError(err)
+  }
+  const decodeError = await decodeRun
   const prefillError = prefillRun === undefined ? undefined : await prefillRun
   return {
     events,
     tokenIds: events.flatMap((e) => (e.type === 'token' ? [e.tokenId] : [])),
     decodeError,
     prefillError,
+    released,
+    error,
+  }
+}
+
+/** D's events, pushed by its `emit` callback, as the async iterable a {@link DecodeSide} yields:
+ *  D never waits for its reader, so events queue here while the hand-off holds a token. */
+class EventStream implements AsyncIterable<DecodeEvent> {
+  private readonly queue: DecodeEvent[] = []
+  private ending: { error: unknown } | 'done' | null = null
+  private wake: (() => void) | null = null
+
+  push(e: DecodeEvent): void {
+    this.queue.push(e)
+    this.wake?.()
+  }
+  end(): void {
+    this.ending ??= 'done'
+    this.wake?.()
+  }
+  fail(error: unknown): void {
+    this.ending ??= { error }
+    this.wake?.()
+  }
+
+  async *[Symbol.asyncIterator](): AsyncGenerator<DecodeEvent> {
+    for (;;) {
+      const e = this.queue.shift()
+      if (e !== undefined) {
+        yield e
+        continue
+      }
+      if (this.ending === 'done') return
+      if (this.ending !== null) throw this.ending.error
+      await new Promise<void>((resolve) => (this.wake = resolve))
+      this.wake = null
+    }
   }
 }
 
