@@ -8,10 +8,10 @@
  *  (the operator's misconfiguration, not the tenant's key) and `/health` is 503.
  *  Knows workers' `ServerInfo`s and the operator's wishes; knows nothing of HTTP or requests. */
 import type { Logger } from 'pino'
-import { KvfenceError } from '../errors.js'
-import type { ServerInfo } from '../engine/control.js'
-import { type WorkerReport, decideContextWindow, effectiveCapacity } from './capacity.js'
-import { ClusterTokenRefusedError, type WorkerClient } from './worker-client.js'
+import { KvfenceError } from '../../errors.js'
+import type { ServerInfo } from '../../engine/control.js'
+import { type WorkerReport, decideContextWindow, effectiveCapacity } from '../capacity.js'
+import { ClusterTokenRefusedError, type WorkerClient } from '../worker-client.js'
 
 /** The window the router admits against now. */
 export interface CapacityState {
