@@ -63,106 +63,27 @@ export function createCapacityMonitor(options: CapacityMonitorOptions): Capacity
   const { workers, log } = options
   const latest = new Map<string, ServerInfo>(options.initial.map((r) => [r.url, r.info]))
   const urls = options.initial.map((r) => r.url)
-  let state = decide(options.initial)
-  /** Workers that refused the cluster token at their last probe (a silent one keeps its last). */
-  const refusingToken = new Set<string>()
-  let tokenRefusal: KvfenceError | null = null
+  const tokens = createTokenCheck(urls, workers, log)
+  let state = decide(options.initial, options)
   let running: Promise<void> | null = null
   let isWanted = false
-
-  /** G1 over the latest reports, against the window promised at start. */
-  function decide(reports: readonly WorkerReport[]): CapacityState {
-    const effective = effectiveCapacity(reports)
-    try {
-      const decision = decideContextWindow(reports, {
-        contextWindow: options.contextWindow,
-        clampContext: options.clampContext,
-        guardsEnabled: options.guardsEnabled,
-      })
-      return {
-        contextWindow: decision.contextWindow,
-        effectiveCapacityTokens: decision.effectiveCapacityTokens,
-        refusal: null,
-        refusalReason: null,
-      }
-    } catch (err) {
-      if (!(err instanceof KvfenceError) || err.code !== 'guard_violation') throw err
-      return {
-        contextWindow: options.contextWindow,
-        effectiveCapacityTokens: effective.tokens,
-        refusal: new KvfenceError(
-          'worker_unavailable',
-          `G1: the advertised context window ${options.contextWindow} exceeds the effective KV capacity ${effective.tokens} tokens (limited by ${effective.limitedBy}); refusing new requests until the workers can hold it`,
-        ),
-        refusalReason: 'G1',
-      }
-    }
-  }
-
-  function report(previous: CapacityState, next: CapacityState): void {
-    const numbers = {
-      contextWindow: options.contextWindow,
-      effectiveCapacityTokens: next.effectiveCapacityTokens,
-    }
-    if (next.refusal !== null && previous.refusal === null) {
-      log.error(numbers, next.refusal.message)
-    } else if (next.refusal === null && previous.refusal !== null) {
-      log.info(numbers, `G1: the workers hold the context window again; serving`)
-    }
-    if (next.contextWindow !== previous.contextWindow) {
-      log.warn(
-        { ...numbers, advertised: next.contextWindow },
-        `G1: effective KV capacity is ${next.effectiveCapacityTokens} tokens; context window now ${next.contextWindow} (--clamp-context)`,
-      )
-    }
-    if (
-      !options.guardsEnabled &&
-      next.effectiveCapacityTokens < options.contextWindow &&
-      previous.effectiveCapacityTokens !== next.effectiveCapacityTokens
-    ) {
-      log.warn(
-        numbers,
-        `UNSAFE: context window ${options.contextWindow} exceeds the effective KV capacity ${next.effectiveCapacityTokens} tokens; guards are disabled, so it stays`,
-      )
-    }
-  }
-
-  /** Probes every worker's acceptance of the cluster token; logs changes at error / info. */
-  async function checkTokens(): Promise<void> {
-    const results = await Promise.allSettled(urls.map((url) => workers.acceptsClusterToken(url)))
-    results.forEach((result, i) => {
-      if (result.status !== 'fulfilled') return
-      if (result.value) refusingToken.delete(urls[i])
-      else refusingToken.add(urls[i])
-    })
-    const previous = tokenRefusal
-    const refusing = urls.filter((url) => refusingToken.has(url))
-    if (refusing.length === 0) {
-      tokenRefusal = null
-      if (previous !== null) log.info("the workers take the router's cluster token again; serving")
-      return
-    }
-    tokenRefusal = new ClusterTokenRefusedError(`worker ${refusing.join(', ')}`, undefined)
-    if (previous?.message !== tokenRefusal.message) {
-      log.error(
-        { workers: refusing },
-        `${tokenRefusal.message}; every request fails with 503 until the tokens match`,
-      )
-    }
-  }
 
   async function readAll(): Promise<void> {
     const results = await Promise.allSettled(urls.map((url) => workers.serverInfo(url)))
     // After, not alongside: one pooled connection per worker serves both.
-    await checkTokens()
+    await tokens.check()
     results.forEach((result, i) => {
       if (result.status === 'fulfilled') latest.set(urls[i], result.value)
     })
     const previous = state
-    state = decide(urls.map((url) => ({ url, info: latest.get(url)! })))
-    report(previous, state)
+    state = decide(
+      urls.map((url) => ({ url, info: latest.get(url)! })),
+      options,
+    )
+    report(previous, state, options)
   }
 
+  /** Re-reads until no re-check is wanted any more; calls while one runs join it. */
   function recheck(): Promise<void> {
     isWanted = true
     running ??= (async () => {
@@ -187,12 +108,112 @@ export function createCapacityMonitor(options: CapacityMonitorOptions): Capacity
   timer.unref()
 
   return Object.freeze({
-    current: (): CapacityState =>
-      tokenRefusal === null
-        ? state
-        : { ...state, refusal: tokenRefusal, refusalReason: 'cluster_token' },
+    current: (): CapacityState => {
+      const refusal = tokens.refusal()
+      return refusal === null ? state : { ...state, refusal, refusalReason: 'cluster_token' }
+    },
     recheckSoon: () => void recheck(),
     recheck,
     close: () => clearInterval(timer),
   })
+}
+
+/** G1 over the latest reports, against the window promised at start: a window the workers
+ *  cannot hold (guards on, no clamping) becomes a refusal naming both numbers. */
+function decide(reports: readonly WorkerReport[], options: CapacityMonitorOptions): CapacityState {
+  const effective = effectiveCapacity(reports)
+  try {
+    const decision = decideContextWindow(reports, {
+      contextWindow: options.contextWindow,
+      clampContext: options.clampContext,
+      guardsEnabled: options.guardsEnabled,
+    })
+    return {
+      contextWindow: decision.contextWindow,
+      effectiveCapacityTokens: decision.effectiveCapacityTokens,
+      refusal: null,
+      refusalReason: null,
+    }
+  } catch (err) {
+    if (!(err instanceof KvfenceError) || err.code !== 'guard_violation') throw err
+    return {
+      contextWindow: options.contextWindow,
+      effectiveCapacityTokens: effective.tokens,
+      refusal: new KvfenceError(
+        'worker_unavailable',
+        `G1: the advertised context window ${options.contextWindow} exceeds the effective KV capacity ${effective.tokens} tokens (limited by ${effective.limitedBy}); refusing new requests until the workers can hold it`,
+      ),
+      refusalReason: 'G1',
+    }
+  }
+}
+
+/** Logs what changed between two states: a refusal starting or ending (error / info), a clamped
+ *  window (warn), and with guards off a capacity below the window (warn). */
+function report(
+  previous: CapacityState,
+  next: CapacityState,
+  options: CapacityMonitorOptions,
+): void {
+  const { log } = options
+  const numbers = {
+    contextWindow: options.contextWindow,
+    effectiveCapacityTokens: next.effectiveCapacityTokens,
+  }
+  if (next.refusal !== null && previous.refusal === null) {
+    log.error(numbers, next.refusal.message)
+  } else if (next.refusal === null && previous.refusal !== null) {
+    log.info(numbers, `G1: the workers hold the context window again; serving`)
+  }
+  if (next.contextWindow !== previous.contextWindow) {
+    log.warn(
+      { ...numbers, advertised: next.contextWindow },
+      `G1: effective KV capacity is ${next.effectiveCapacityTokens} tokens; context window now ${next.contextWindow} (--clamp-context)`,
+    )
+  }
+  if (
+    !options.guardsEnabled &&
+    next.effectiveCapacityTokens < options.contextWindow &&
+    previous.effectiveCapacityTokens !== next.effectiveCapacityTokens
+  ) {
+    log.warn(
+      numbers,
+      `UNSAFE: context window ${options.contextWindow} exceeds the effective KV capacity ${next.effectiveCapacityTokens} tokens; guards are disabled, so it stays`,
+    )
+  }
+}
+
+/** Whether every worker takes the router's cluster token: `check` probes them all (a worker that
+ *  does not answer keeps its last result) and logs changes at error / info; `refusal` is the
+ *  error every request fails with while one refuses, else null. */
+function createTokenCheck(urls: readonly string[], workers: WorkerClient, log: Logger) {
+  /** Workers that refused the cluster token at their last probe. */
+  const refusingToken = new Set<string>()
+  let tokenRefusal: KvfenceError | null = null
+  return {
+    refusal: () => tokenRefusal,
+    async check(): Promise<void> {
+      const results = await Promise.allSettled(urls.map((url) => workers.acceptsClusterToken(url)))
+      results.forEach((result, i) => {
+        if (result.status !== 'fulfilled') return
+        if (result.value) refusingToken.delete(urls[i])
+        else refusingToken.add(urls[i])
+      })
+      const previous = tokenRefusal
+      const refusing = urls.filter((url) => refusingToken.has(url))
+      if (refusing.length === 0) {
+        tokenRefusal = null
+        if (previous !== null)
+          log.info("the workers take the router's cluster token again; serving")
+        return
+      }
+      tokenRefusal = new ClusterTokenRefusedError(`worker ${refusing.join(', ')}`, undefined)
+      if (previous?.message !== tokenRefusal.message) {
+        log.error(
+          { workers: refusing },
+          `${tokenRefusal.message}; every request fails with 503 until the tokens match`,
+        )
+      }
+    },
+  }
 }
