@@ -45,7 +45,7 @@ export interface StartRouterOptions {
   /** The tenants YAML file (`tenants: [{ name, keySha256 }]`), or its records. A file is
    *  re-read whenever it changes (see `watchTenants`); records are fixed. */
   tenants: string | readonly TenantRecord[]
-  /** How often the tenants file's metadata is polled for changes, ms (default 1 000). */
+  /** How often the tenants file's metadata is polled for changes, ms (default: `watchTenants`'). */
   tenantsPollMs?: number
   /** Reads the records out of the `tenants` file (default: it is a tenants file); e.g. the
    *  cluster config's reader when `tenants` is a cluster config file. Throws on a bad file. */
@@ -70,13 +70,16 @@ export interface StartRouterOptions {
   clampContext?: boolean
   /** False = the incident's configuration (`--unsafe-disable-guards`); default true. */
   guardsEnabled?: boolean
-  /** Largest request body, in bytes (default 1 MiB). */
+  /** Largest request body, in bytes (default `routerConfigDefaults.maxBodyBytes`). */
   maxBodyBytes?: number
-  /** Longest silence from a decode worker during a request, in ms (default 120 000). */
+  /** Longest silence from a decode worker during a request, in ms (default: the worker
+   *  client's). */
   workerIdleTimeoutMs?: number
-  /** How long to wait for workers to answer `/server_info` at start, in ms (default 10 000). */
+  /** How long to wait for workers to answer `/server_info` at start, in ms (default
+   *  {@link defaultWorkerWaitMs}). */
   workerWaitMs?: number
-  /** Interval of G1's re-check of the workers' capacity while running, in ms (default 5 000). */
+  /** Interval of G1's re-check of the workers' capacity while running, in ms (default
+   *  {@link defaultCapacityRecheckMs}). */
   capacityRecheckMs?: number
   /** The token the workers require on their control plane (`KVFENCE_CLUSTER_TOKEN`); null or
    *  absent sends none, which only workers bound to loopback without a token accept. */
@@ -96,7 +99,10 @@ export interface RunningRouter {
   close(): Promise<void>
 }
 
+/** Interval between polls of workers still coming up, ms. */
 const workerPollMs = 200
+/** How long start-up waits for the workers, ms. */
+const defaultWorkerWaitMs = 10_000
 
 /** Starts the router; rejects (with a one-line message) when a worker is unreachable or G1
  *  refuses the configuration. */
@@ -207,7 +213,7 @@ async function startNativeBackend(
     clusterToken: options.clusterToken ?? null,
   })
   try {
-    const reports = await waitForWorkers(workers, options.workerWaitMs ?? 10_000)
+    const reports = await waitForWorkers(workers, options.workerWaitMs ?? defaultWorkerWaitMs)
     const model = checkWorkers(reports, workers, guardsEnabled, log)
     const decision = decideContextWindow(reports, {
       contextWindow: options.contextWindow,

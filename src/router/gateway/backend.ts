@@ -38,11 +38,12 @@ export interface GatewayOptions {
   clampContext: boolean
   /** False = allow advertising more than the engine holds (the incident's configuration). */
   guardsEnabled: boolean
-  /** How often to re-discover capacity, ms (default 30 000; 0 = only at start). */
+  /** How often to re-discover capacity, ms (default {@link defaultIntervalMs}; 0 = only at
+   *  start). */
   discoveryIntervalMs?: number
   /** Bearer key for the engine's API, if it wants one (never a tenant's key). */
   apiKey?: string
-  /** Deadline of discovery and tokenize calls, ms (default 5 000). */
+  /** Deadline of discovery and tokenize calls, ms (default {@link defaultTimeoutMs}). */
   timeoutMs?: number
   log: Logger
 }
@@ -60,7 +61,9 @@ export interface Gateway extends Backend {
   rediscover(): Promise<void>
 }
 
+/** Interval of the periodic re-discovery, ms. */
 const defaultIntervalMs = 30_000
+/** Deadline of discovery and tokenize calls, ms. */
 const defaultTimeoutMs = 5_000
 
 /** Discovers the engine's capacity, decides the window (G1) and returns the gateway. Throws
