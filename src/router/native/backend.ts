@@ -4,6 +4,7 @@
  *  answer's bodies respond.ts's.
  *  Knows the tokenizer, the worker client and the capacity monitor; knows nothing of keys or
  *  limits. */
+import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
@@ -102,16 +103,12 @@ function workerRequest(tokenizer: Tokenizer, job: GenerationJob): GenerateReques
   const { parsed } = job
   checkStopTokenIds(parsed.stopTokenIds, tokenizer.vocabSize)
   const eos = tokenizer.eosTokenId === null || parsed.ignoreEos ? [] : [tokenizer.eosTokenId]
-  if (job.prompt.tokenIds === null) {
-    throw new KvfenceError(
-      'internal_error',
-      `request ${job.rid}: a native prompt without token ids`,
-    )
-  }
+  const { tokenIds } = job.prompt
+  assert(tokenIds !== null, `request ${job.rid}: a prompt prepared without token ids`)
   return {
     requestId: job.rid,
     tenant: job.tenant,
-    promptTokenIds: job.prompt.tokenIds,
+    promptTokenIds: tokenIds,
     maxTokens: job.maxTokens,
     sampling: parsed.sampling,
     stopTokenIds: [...new Set([...eos, ...parsed.stopTokenIds])],
