@@ -23,8 +23,6 @@ import { asKvfenceError } from './public-errors.js'
 import { modelCard, modelList } from './responses.js'
 import { bearerKey, type Tenant, type TenantRegistry } from './tenants.js'
 
-export type { Endpoint } from './schemas.js'
-
 /** What {@link createRouter} needs; all of it is passed in, nothing is global. The backend shares
  *  the limiter and the metrics. */
 export interface RouterDeps {
