@@ -3,6 +3,7 @@
  *  Knows token counts, the context window and the tokenizer; knows nothing of workers or HTTP. */
 import { KvfenceError } from '../errors.js'
 import type { ChatMessage, Tokenizer } from '../model/tokenizer.js'
+import { type ParsedRequest, promptNumChars, promptParamOf } from './schemas.js'
 
 /** Prompt token ids of a chat: the chat template's text, encoded. BOS is added by the encoder
  *  unless the template already wrote it (so that it is never doubled). */
@@ -39,6 +40,13 @@ export function completionPromptTokenIds(
   return prompt.tokenIds
 }
 
+/** Prompt token ids of a parsed request of either endpoint (see the two functions above). */
+export function promptTokenIds(tokenizer: Tokenizer, parsed: ParsedRequest): number[] {
+  return parsed.endpoint === 'chat'
+    ? chatPromptTokenIds(tokenizer, parsed.messages)
+    : completionPromptTokenIds(tokenizer, parsed.prompt)
+}
+
 /** Where the counts came from, for the error's `param` and message. */
 export interface AdmissionFields {
   promptParam: 'messages' | 'prompt'
@@ -67,5 +75,25 @@ export function admit(
     maxTokens === null || numPromptTokens >= contextWindow
       ? fields.promptParam
       : fields.maxTokensParam,
+  )
+}
+
+/** G2 before counting, for prompts too long to fit in any tokenization: tokenizing runs on the
+ *  event loop every tenant shares (a 1 MB prompt takes most of a second), so one that cannot fit
+ *  is refused by its length alone. No token stands for more than `maxTokenChars` characters
+ *  before normalization, and normalization shrinks text by at most a few times (NFKC composing
+ *  Hangul jamo: 3 to 1), so a text over window × maxTokenChars × 4 characters needs more tokens
+ *  than the window holds. Anything shorter is counted exactly. Throws `context_length_exceeded`. */
+export function refuseUntokenizable(
+  parsed: ParsedRequest,
+  contextWindow: number,
+  maxTokenChars: number,
+): void {
+  const numChars = promptNumChars(parsed)
+  if (numChars <= contextWindow * maxTokenChars * 4) return
+  throw new KvfenceError(
+    'context_length_exceeded',
+    `This model's maximum context length is ${contextWindow} tokens; a prompt of ${numChars} characters cannot fit in it (no token of this model stands for more than ${maxTokenChars} characters).`,
+    promptParamOf(parsed),
   )
 }

@@ -13,7 +13,7 @@ export {
   defaultCapacityRecheckMs,
   type CapacityMonitor,
   type CapacityState,
-} from './capacity-monitor.js'
+} from './native/capacity-monitor.js'
 export {
   decideContextWindow,
   effectiveCapacity,
@@ -42,5 +42,12 @@ export {
   type Limiter,
   type QueueLimits,
 } from './limits.js'
-export { startGateway, type BackendKind, type Gateway, type GatewayOptions } from './gateway.js'
+export {
+  startGateway,
+  type BackendKind,
+  type Gateway,
+  type GatewayOptions,
+} from './gateway/backend.js'
+export { createNativeBackend, type NativeBackendOptions } from './native/backend.js'
+export type { Backend, GenerationJob, Outcome, PreparedPrompt } from './backend.js'
 export { PoolFullError } from './worker-client.js'

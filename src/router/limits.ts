@@ -58,13 +58,13 @@ export interface RoomHold {
 
 /** The limiter: one per router. */
 export interface Limiter {
-  /** Admits a request of `tenant` that may use `numTokens` tokens (prompt + max completion);
+  /** Admits a request of `tenant` that may use `numRequestedTokens` tokens (prompt + max completion);
    *  throws {@link LimitError} `rate_limited` (429) when the tenant is at its concurrency limit or
    *  out of tokens for now. */
   admitTenant(
     tenant: string,
     limits: TenantLimits,
-    numTokens: number,
+    numRequestedTokens: number,
     hold?: RoomHold,
   ): TenantTicket
   /** Counts a request of `tenant` against its concurrency limit from now (before its prompt is
@@ -104,12 +104,36 @@ export function createLimiter(
   queue: QueueLimits = queueLimitDefaults,
   nowMs: () => number = () => performance.now(),
 ): Limiter {
+  const tenants = createTenantLimiter(nowMs)
+  const slots = createSlotQueue(queue)
+  return {
+    admitTenant: tenants.admitTenant,
+    holdTenantRoom: tenants.holdTenantRoom,
+    acquireSlot: slots.acquireSlot,
+    waitForRoom: slots.waitForRoom,
+    get numQueued() {
+      return slots.numQueued()
+    },
+    get numRunning() {
+      return slots.numRunning()
+    },
+    maxQueueWaitMs: queue.maxQueueWaitMs,
+    check(): void {
+      slots.check()
+      tenants.check()
+    },
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per tenant: concurrency and token rate
+
+/** The tenant half of a {@link Limiter}: requests in flight and a token bucket per tenant. */
+function createTenantLimiter(nowMs: () => number) {
   const running = new Map<string, number>() // tenant → requests in flight
   const buckets = new Map<string, Bucket>() // tenant → token bucket (tokensPerMinute)
-  const waiters: Waiter[] = []
-  let numRunning = 0
-  let roomListeners: (() => void)[] = []
 
+  /** The tenant's bucket, refilled for the time since it was last touched. */
   function refill(tenant: string, tokensPerMinute: number): Bucket {
     const now = nowMs()
     let bucket = buckets.get(tenant)
@@ -134,90 +158,113 @@ export function createLimiter(
       )
     }
     running.set(tenant, numRunningOfTenant + 1)
-    let isReleased = false
-    return {
-      release(): void {
-        if (isReleased) return
-        isReleased = true
-        const n = running.get(tenant)! - 1
-        if (n === 0) running.delete(tenant)
-        else running.set(tenant, n)
-      },
-    }
+    return once(() => {
+      const n = running.get(tenant)! - 1
+      if (n === 0) running.delete(tenant)
+      else running.set(tenant, n)
+    })
   }
 
   function admitTenant(
     tenant: string,
     limits: TenantLimits,
-    numTokens: number,
+    numRequestedTokens: number,
     hold?: RoomHold,
   ): TenantTicket {
     const room = hold ?? holdTenantRoom(tenant, limits)
     try {
-      return chargeTokens(tenant, limits, numTokens, room)
+      const tpm = limits.tokensPerMinute
+      const numCharged =
+        tpm === undefined ? 0 : chargeTokens(() => refill(tenant, tpm), tpm, numRequestedTokens)
+      return ticketOf(room, (numUnusedTokens) => {
+        if (tpm === undefined || numCharged === 0) return
+        const bucket = refill(tenant, tpm)
+        bucket.tokens = Math.min(tpm, bucket.tokens + Math.min(numCharged, numUnusedTokens))
+      })
     } catch (err) {
       if (hold === undefined) room.release() // ours: a refused request is not in flight
       throw err
     }
   }
 
-  function chargeTokens(
-    tenant: string,
-    limits: TenantLimits,
-    numTokens: number,
-    room: RoomHold,
-  ): TenantTicket {
-    const tpm = limits.tokensPerMinute
-    let charged = 0
-    if (tpm !== undefined) {
-      if (numTokens > tpm) {
-        throw new LimitError(
-          'rate_limited',
-          `Rate limit reached: this request may use ${numTokens} tokens (prompt + max_tokens), more than the limit of your key, ${tpm} tokens per minute; lower max_tokens or shorten the prompt.`,
-          null, // no wait refills a bucket past its size
-        )
-      }
-      const bucket = refill(tenant, tpm)
-      if (bucket.tokens < numTokens) {
-        const waitMs = ((numTokens - bucket.tokens) * 60_000) / tpm
-        throw new LimitError(
-          'rate_limited',
-          `Rate limit reached: this request may use ${numTokens} tokens, ${Math.floor(bucket.tokens)} of your key's ${tpm} tokens per minute are left.`,
-          Math.max(1, Math.ceil(waitMs / 1000)),
-        )
-      }
-      bucket.tokens -= numTokens
-      charged = numTokens
-    }
-    let isReleased = false
-    return {
-      release(numUnusedTokens: number): void {
-        if (isReleased) return
-        isReleased = true
-        room.release()
-        if (tpm !== undefined && charged > 0) {
-          const bucket = refill(tenant, tpm)
-          bucket.tokens = Math.min(tpm, bucket.tokens + Math.min(charged, numUnusedTokens))
-        }
-      },
-    }
+  return {
+    holdTenantRoom,
+    admitTenant,
+    check(): void {
+      for (const [tenant, n] of running) assert.ok(n > 0, `tenant ${tenant} counts ${n} requests`)
+    },
   }
+}
 
+/** Takes `numRequestedTokens` from the tenant's bucket (`refilled`, of `tpm` tokens per minute) and
+ *  returns them; throws `rate_limited` with the wait that refills enough, or with none when no
+ *  wait can. */
+function chargeTokens(refilled: () => Bucket, tpm: number, numRequestedTokens: number): number {
+  if (numRequestedTokens > tpm) {
+    throw new LimitError(
+      'rate_limited',
+      `Rate limit reached: this request may use ${numRequestedTokens} tokens (prompt + max_tokens), more than the limit of your key, ${tpm} tokens per minute; lower max_tokens or shorten the prompt.`,
+      null, // no wait refills a bucket past its size
+    )
+  }
+  const bucket = refilled()
+  if (bucket.tokens < numRequestedTokens) {
+    const waitMs = ((numRequestedTokens - bucket.tokens) * 60_000) / tpm
+    throw new LimitError(
+      'rate_limited',
+      `Rate limit reached: this request may use ${numRequestedTokens} tokens, ${Math.floor(bucket.tokens)} of your key's ${tpm} tokens per minute are left.`,
+      Math.max(1, Math.ceil(waitMs / 1000)),
+    )
+  }
+  bucket.tokens -= numRequestedTokens
+  return numRequestedTokens
+}
+
+/** A ticket releasing `room` and then refunding (`refund`) once, however often it is released. */
+function ticketOf(room: RoomHold, refund: (numUnusedTokens: number) => void): TenantTicket {
+  let isReleased = false
+  return {
+    release(numUnusedTokens: number): void {
+      if (isReleased) return
+      isReleased = true
+      room.release()
+      refund(numUnusedTokens)
+    },
+  }
+}
+
+/** A hold whose `release` runs `release` once, however often it is called. */
+function once(release: () => void): RoomHold & Slot {
+  let isReleased = false
+  return {
+    release(): void {
+      if (isReleased) return
+      isReleased = true
+      release()
+    },
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Router-wide: running slots and the FIFO queue
+
+/** The router-wide half of a {@link Limiter}. */
+function createSlotQueue(queue: QueueLimits) {
+  const waiters: Waiter[] = []
+  let numRunning = 0
+  let roomListeners: (() => void)[] = []
+
+  /** A running slot; releasing it hands it to the next waiter and wakes those waiting for room. */
   function makeSlot(): Slot {
-    let isReleased = false
-    return {
-      release(): void {
-        if (isReleased) return
-        isReleased = true
-        const next = waiters.shift()
-        if (next !== undefined)
-          next.grant() // the slot passes on; numRunning is unchanged
-        else numRunning--
-        const listeners = roomListeners
-        roomListeners = []
-        for (const listener of listeners) listener()
-      },
-    }
+    return once(() => {
+      const next = waiters.shift()
+      if (next !== undefined)
+        next.grant() // the slot passes on; numRunning is unchanged
+      else numRunning--
+      const listeners = roomListeners
+      roomListeners = []
+      for (const listener of listeners) listener()
+    })
   }
 
   function acquireSlot(signal: AbortSignal): Promise<Slot> {
@@ -288,17 +335,10 @@ export function createLimiter(
   }
 
   return {
-    admitTenant,
-    holdTenantRoom,
     acquireSlot,
     waitForRoom,
-    get numQueued() {
-      return waiters.length
-    },
-    get numRunning() {
-      return numRunning
-    },
-    maxQueueWaitMs: queue.maxQueueWaitMs,
+    numQueued: () => waiters.length,
+    numRunning: () => numRunning,
     check(): void {
       assert.ok(
         numRunning >= 0 && numRunning <= queue.maxConcurrentRequests,
@@ -312,7 +352,6 @@ export function createLimiter(
         waiters.length === 0 || numRunning === queue.maxConcurrentRequests,
         `${waiters.length} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run`,
       )
-      for (const [tenant, n] of running) assert.ok(n > 0, `tenant ${tenant} counts ${n} requests`)
     },
   }
 }

@@ -30,12 +30,47 @@ export interface GenerationParams {
 
 /** A parsed `POST /v1/chat/completions` body. */
 export interface ParsedChatRequest extends GenerationParams {
+  endpoint: 'chat'
   messages: ChatMessage[]
 }
 
 /** A parsed `POST /v1/completions` body: one prompt, as text or as token ids. */
 export interface ParsedCompletionRequest extends GenerationParams {
+  endpoint: 'completion'
   prompt: { text: string } | { tokenIds: number[] }
+}
+
+/** A parsed body of either generation endpoint, tagged by the endpoint. */
+export type ParsedRequest = ParsedChatRequest | ParsedCompletionRequest
+
+/** The two generation endpoints. */
+export type Endpoint = ParsedRequest['endpoint']
+
+/** The parser of each endpoint's body. */
+export const requestParsers: { readonly [E in Endpoint]: (body: unknown) => ParsedRequest } = {
+  chat: (body) => parseChatRequest(body),
+  completion: (body) => parseCompletionRequest(body),
+}
+
+/** The field holding each endpoint's prompt. */
+const promptParams = { chat: 'messages', completion: 'prompt' } as const
+
+/** The field holding a request's prompt, for errors' `param`. */
+export function promptParamOf(parsed: ParsedRequest): 'messages' | 'prompt' {
+  return promptParams[parsed.endpoint]
+}
+
+/** The characters of a request's prompt text (0 for a prompt given as token ids). */
+export function promptNumChars(parsed: ParsedRequest): number {
+  if (parsed.endpoint === 'chat') return parsed.messages.reduce((n, m) => n + m.content.length, 0)
+  return 'text' in parsed.prompt ? parsed.prompt.text.length : 0
+}
+
+/** A request's prompt as logged with `logContent`: the messages, the text or the token ids —
+ *  never the rest of the body. */
+export function loggedPromptOf(parsed: ParsedRequest): unknown {
+  if (parsed.endpoint === 'chat') return parsed.messages
+  return 'text' in parsed.prompt ? parsed.prompt.text : parsed.prompt.tokenIds
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -211,6 +246,7 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
   const numLogprobs = data.logprobs === true ? (data.top_logprobs ?? 0) : null
   const useCompletionTokens = !isNullish(data.max_completion_tokens)
   return {
+    endpoint: 'chat',
     ...generationParams(data, numLogprobs),
     maxTokens: useCompletionTokens ? data.max_completion_tokens! : (data.max_tokens ?? null),
     maxTokensParam: useCompletionTokens ? 'max_completion_tokens' : 'max_tokens',
@@ -228,6 +264,7 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   const object = checkFields(body, Object.keys(CompletionBody.shape), completionInertFields)
   const data = parseWith(CompletionBody, object)
   return {
+    endpoint: 'completion',
     ...generationParams(data, data.logprobs ?? null),
     maxTokens: data.max_tokens ?? null,
     maxTokensParam: 'max_tokens',

@@ -10,12 +10,14 @@ import { pino, type Logger } from 'pino'
 import { KvfenceError } from '../errors.js'
 import { loadTokenizer } from '../model/tokenizer.js'
 import { type WorkerReport, decideContextWindow } from './capacity.js'
-import { createCapacityMonitor, defaultCapacityRecheckMs } from './capacity-monitor.js'
+import type { Backend } from './backend.js'
 import { type RouterConfig, buildRouterConfig, routerConfigDefaults } from './config.js'
-import { type GatewayOptions, startGateway } from './gateway.js'
-import { type QueueLimits, createLimiter, queueLimitDefaults } from './limits.js'
-import { createRouterMetrics } from './metrics.js'
-import { type RouterBackend, createRouter } from './router.js'
+import { type GatewayOptions, startGateway } from './gateway/backend.js'
+import { type Limiter, type QueueLimits, createLimiter, queueLimitDefaults } from './limits.js'
+import { type RouterMetrics, createRouterMetrics } from './metrics.js'
+import { createNativeBackend } from './native/backend.js'
+import { createCapacityMonitor, defaultCapacityRecheckMs } from './native/capacity-monitor.js'
+import { createRouter } from './router.js'
 import {
   type TenantRecord,
   type TenantsWatcher,
@@ -25,7 +27,7 @@ import {
 import { type WorkerClient, createWorkerClient } from './worker-client.js'
 import { scrapeWorkerStats } from './worker-stats.js'
 
-/** Gateway mode: the engine behind the router (see gateway.ts). */
+/** Gateway mode: the engine behind the router (see gateway/backend.ts). */
 export type GatewayBackendOptions = Omit<
   GatewayOptions,
   'log' | 'servedModel' | 'clampContext' | 'guardsEnabled' | 'contextWindow'
@@ -43,7 +45,7 @@ export interface StartRouterOptions {
   /** The tenants YAML file (`tenants: [{ name, keySha256 }]`), or its records. A file is
    *  re-read whenever it changes (see `watchTenants`); records are fixed. */
   tenants: string | readonly TenantRecord[]
-  /** How often the tenants file's metadata is polled for changes, ms (default 1 000). */
+  /** How often the tenants file's metadata is polled for changes, ms (default: `watchTenants`'). */
   tenantsPollMs?: number
   /** Reads the records out of the `tenants` file (default: it is a tenants file); e.g. the
    *  cluster config's reader when `tenants` is a cluster config file. Throws on a bad file. */
@@ -68,13 +70,16 @@ export interface StartRouterOptions {
   clampContext?: boolean
   /** False = the incident's configuration (`--unsafe-disable-guards`); default true. */
   guardsEnabled?: boolean
-  /** Largest request body, in bytes (default 1 MiB). */
+  /** Largest request body, in bytes (default `routerConfigDefaults.maxBodyBytes`). */
   maxBodyBytes?: number
-  /** Longest silence from a decode worker during a request, in ms (default 120 000). */
+  /** Longest silence from a decode worker during a request, in ms (default: the worker
+   *  client's). */
   workerIdleTimeoutMs?: number
-  /** How long to wait for workers to answer `/server_info` at start, in ms (default 10 000). */
+  /** How long to wait for workers to answer `/server_info` at start, in ms (default
+   *  {@link defaultWorkerWaitMs}). */
   workerWaitMs?: number
-  /** Interval of G1's re-check of the workers' capacity while running, in ms (default 5 000). */
+  /** Interval of G1's re-check of the workers' capacity while running, in ms (default
+   *  {@link defaultCapacityRecheckMs}). */
   capacityRecheckMs?: number
   /** The token the workers require on their control plane (`KVFENCE_CLUSTER_TOKEN`); null or
    *  absent sends none, which only workers bound to loopback without a token accept. */
@@ -94,7 +99,10 @@ export interface RunningRouter {
   close(): Promise<void>
 }
 
+/** Interval between polls of workers still coming up, ms. */
 const workerPollMs = 200
+/** How long start-up waits for the workers, ms. */
+const defaultWorkerWaitMs = 10_000
 
 /** Starts the router; rejects (with a one-line message) when a worker is unreachable or G1
  *  refuses the configuration. */
@@ -122,53 +130,80 @@ async function startWithTenants(
   log: Logger,
   watcher: TenantsWatcher | null,
 ): Promise<RunningRouter> {
-  const guardsEnabled = options.guardsEnabled ?? true
   const tenants = watcher?.registry ?? createTenantRegistry(options.tenants as TenantRecord[])
   const limiter = createLimiter({ ...queueLimitDefaults, ...options.queue })
-  if (options.gateway !== undefined) {
-    const gateway = await startGateway({
-      ...options.gateway,
-      servedModel: options.modelName,
-      contextWindow: options.contextWindow,
-      clampContext: options.clampContext ?? false,
-      guardsEnabled,
-      log,
+  const started =
+    options.gateway !== undefined
+      ? await startGatewayBackend(options, options.gateway, limiter, log)
+      : await startNativeBackend(options, limiter, log)
+  const { backend } = started
+  try {
+    const config = buildRouterConfig({
+      ...started.config,
+      guardsEnabled: options.guardsEnabled ?? true,
+      maxBodyBytes: options.maxBodyBytes ?? routerConfigDefaults.maxBodyBytes,
+      logContent: options.logContent ?? false,
     })
-    try {
-      const capacity = gateway.info()
-      const config = buildRouterConfig({
-        model: gateway.servedModel,
-        contextWindow: gateway.contextWindow(),
-        effectiveCapacityTokens: capacity.capacityTokens,
-        pageSize: 1,
-        guardsEnabled,
-        maxBodyBytes: options.maxBodyBytes ?? routerConfigDefaults.maxBodyBytes,
-        logContent: options.logContent ?? false,
-      })
-      const metrics = createRouterMetrics({
-        queue: () => ({ numRunning: limiter.numRunning, numQueued: limiter.numQueued }),
-      })
-      const backend: RouterBackend = { kind: 'gateway', gateway }
-      return await listenRouter(
-        options,
-        config,
-        { tenants, backend, limiter, metrics, log },
-        () => {
-          watcher?.close()
-          gateway.close()
-        },
-      )
-    } catch (err) {
-      gateway.close()
-      throw err
-    }
+    const deps = { tenants, backend, limiter, metrics: started.metrics, log }
+    return await listenRouter(options, config, deps, () => {
+      watcher?.close()
+      backend.close()
+    })
+  } catch (err) {
+    backend.close()
+    throw err
   }
+}
+
+/** A started backend, the deployment's numbers for the router's config, and the metrics the
+ *  backend counts into. */
+interface StartedBackend {
+  backend: Backend
+  config: Pick<RouterConfig, 'model' | 'contextWindow' | 'effectiveCapacityTokens' | 'pageSize'>
+  metrics: RouterMetrics
+}
+
+/** Gateway mode: discovers the engine and decides the window (G1). */
+async function startGatewayBackend(
+  options: StartRouterOptions,
+  gatewayOptions: GatewayBackendOptions,
+  limiter: Limiter,
+  log: Logger,
+): Promise<StartedBackend> {
+  const gateway = await startGateway({
+    ...gatewayOptions,
+    servedModel: options.modelName,
+    contextWindow: options.contextWindow,
+    clampContext: options.clampContext ?? false,
+    guardsEnabled: options.guardsEnabled ?? true,
+    log,
+  })
+  return {
+    backend: gateway,
+    config: {
+      model: gateway.servedModel,
+      contextWindow: gateway.contextWindow(),
+      effectiveCapacityTokens: gateway.capacity().capacityTokens,
+      pageSize: 1,
+    },
+    metrics: createRouterMetrics({ queue: () => queueOf(limiter) }),
+  }
+}
+
+/** kvfence workers: waits for them, checks them, decides the window (G1) and starts its
+ *  re-check; knows before the first request whether the workers take the cluster token. */
+async function startNativeBackend(
+  options: StartRouterOptions,
+  limiter: Limiter,
+  log: Logger,
+): Promise<StartedBackend> {
   if (options.modelDir === undefined || !options.prefillUrls || !options.decodeUrls) {
     throw new KvfenceError(
       'config_invalid',
       'a kvfence router needs a model directory, prefill worker URLs and decode worker URLs',
     )
   }
+  const guardsEnabled = options.guardsEnabled ?? true
   const tokenizer = loadTokenizer(options.modelDir)
   const workers = createWorkerClient({
     prefillUrls: options.prefillUrls,
@@ -178,10 +213,8 @@ async function startWithTenants(
     clusterToken: options.clusterToken ?? null,
   })
   try {
-    const reports = await waitForWorkers(workers, options.workerWaitMs ?? 10_000)
+    const reports = await waitForWorkers(workers, options.workerWaitMs ?? defaultWorkerWaitMs)
     const model = checkWorkers(reports, workers, guardsEnabled, log)
-
-    // G1
     const decision = decideContextWindow(reports, {
       contextWindow: options.contextWindow,
       clampContext: options.clampContext ?? false,
@@ -189,18 +222,9 @@ async function startWithTenants(
     })
     for (const warning of decision.warnings) log.warn(warning)
     if (!guardsEnabled) log.warn('UNSAFE: router guards are disabled')
-
-    const config = buildRouterConfig({
-      model: options.modelName ?? model,
-      contextWindow: decision.contextWindow,
-      effectiveCapacityTokens: decision.effectiveCapacityTokens,
-      pageSize: reports.find((r) => r.info.role === 'decode')!.info.pageSize,
-      guardsEnabled,
-      maxBodyBytes: options.maxBodyBytes ?? routerConfigDefaults.maxBodyBytes,
-      logContent: options.logContent ?? false,
-    })
+    const pageSize = reports.find((r) => r.info.role === 'decode')!.info.pageSize
     const metrics = createRouterMetrics({
-      queue: () => ({ numRunning: limiter.numRunning, numQueued: limiter.numQueued }),
+      queue: () => queueOf(limiter),
       workers: () => scrapeWorkerStats(workers),
     })
     const capacity = createCapacityMonitor({
@@ -212,18 +236,33 @@ async function startWithTenants(
       intervalMs: options.capacityRecheckMs ?? defaultCapacityRecheckMs,
       log,
     })
-    const backend: RouterBackend = { kind: 'kvfence', tokenizer, workers, capacity }
-    // Whether the workers take this router's cluster token, known before the first request.
-    await capacity.recheck()
-    return await listenRouter(options, config, { tenants, backend, limiter, metrics, log }, () => {
-      watcher?.close()
-      capacity.close()
-      workers.close()
+    const backend = createNativeBackend({
+      tokenizer,
+      workers,
+      capacity,
+      pageSize,
+      guardsEnabled,
+      limiter,
+      metrics,
+      log,
     })
+    await capacity.recheck()
+    const config = {
+      model: options.modelName ?? model,
+      contextWindow: decision.contextWindow,
+      effectiveCapacityTokens: decision.effectiveCapacityTokens,
+      pageSize,
+    }
+    return { backend, config, metrics }
   } catch (err) {
     workers.close()
     throw err
   }
+}
+
+/** The limiter's queue, for the metrics. */
+function queueOf(limiter: Limiter) {
+  return { numRunning: limiter.numRunning, numQueued: limiter.numQueued }
 }
 
 /** Listens with a router over `deps`; `closeBackend` runs on close. */
@@ -248,7 +287,7 @@ async function listenRouter(
   log.info(
     {
       url,
-      backend: deps.backend.kind === 'gateway' ? deps.backend.gateway.kind : 'kvfence',
+      backend: deps.backend.name,
       model: config.model,
       contextWindow: config.contextWindow,
       effectiveCapacityTokens: config.effectiveCapacityTokens,

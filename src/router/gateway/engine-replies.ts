@@ -141,15 +141,15 @@ export function openAiChunk(
 export function openAiUsage(value: unknown): OpenAiUsage | null {
   const usage = objectOf(value)
   if (usage === null) return null
-  const promptTokens = usage.prompt_tokens
-  const completionTokens = usage.completion_tokens ?? 0 // vLLM: Optional, 0 by default
-  const totalTokens = usage.total_tokens
-  if (![promptTokens, completionTokens, totalTokens].every(isCount)) return null
+  const numPromptTokens = usage.prompt_tokens
+  const numCompletionTokens = usage.completion_tokens ?? 0 // vLLM: Optional, 0 by default
+  const numTotalTokens = usage.total_tokens
+  if (![numPromptTokens, numCompletionTokens, numTotalTokens].every(isCount)) return null
   const cached = objectOf(usage.prompt_tokens_details)?.cached_tokens
   return {
-    prompt_tokens: promptTokens as number,
-    completion_tokens: completionTokens as number,
-    total_tokens: totalTokens as number,
+    prompt_tokens: numPromptTokens as number,
+    completion_tokens: numCompletionTokens as number,
+    total_tokens: numTotalTokens as number,
     ...(isCount(cached) ? { prompt_tokens_details: { cached_tokens: cached } } : {}),
   }
 }

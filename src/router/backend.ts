@@ -1,0 +1,92 @@
+/** Where the router's requests run, as the router sees it: one interface with two
+ *  implementations — kvfence's own prefill and decode workers (native/), and another engine's
+ *  OpenAI API (gateway/). The router authenticates, parses, admits and accounts; a backend knows
+ *  its window, counts prompts and answers the admitted request on the client's response.
+ *  Knows parsed requests, token counts and the response; knows nothing of keys, routes or limits. */
+import type { ServerResponse } from 'node:http'
+import { performance } from 'node:perf_hooks'
+import type { Logger } from 'pino'
+import type { KvfenceError } from '../errors.js'
+import type { FinishReason, ResponseHeader } from './responses.js'
+import type { ParsedRequest } from './schemas.js'
+
+/** A backend: see the module's header. */
+export interface Backend {
+  /** What runs the requests, for logs: `kvfence`, `sglang` or `vllm`. */
+  readonly name: string
+  /** The advertised context window now, tokens (G1: ≤ what the backend holds, guards on). */
+  contextWindow(): number
+  /** Set while every new request must be refused (G1 no longer holds, or a worker refuses the
+   *  router's cluster token); the error to answer with. */
+  refusal(): KvfenceError | null
+  /** Null when requests can be served now, else why not (`/health`'s `reason`). */
+  unavailableReason(): Promise<string | null>
+  /** The backend's fields of `/server_info` (the router adds the model, window and queue).
+   *  Throws `worker_unavailable` when a part does not report. */
+  serverInfo(): Promise<Record<string, unknown>>
+  /** Characters the longest token stands for, when known: a prompt longer than
+   *  window × this × 4 characters cannot fit and is refused before it is counted. */
+  readonly maxTokenChars: number | null
+  /** Counts (and when the backend needs them, tokenizes) a request's prompt. Throws
+   *  `invalid_request`, `context_length_exceeded` or `worker_unavailable`. */
+  preparePrompt(parsed: ParsedRequest, signal: AbortSignal): Promise<PreparedPrompt>
+  /** Runs an admitted request and answers it on `job.res` (plain or SSE), filling
+   *  `job.outcome`. Throws before the answer has started (the router sends the error); after
+   *  that, a failure ends the stream with an error event and goes to `job.logFailure`. */
+  generate(job: GenerationJob): Promise<void>
+  /** Hears of every failed request (a failed worker may call for a re-check of G1). */
+  noteFailure(error: KvfenceError): void
+  /** Stops timers and closes connections. */
+  close(): void
+}
+
+/** A prompt counted by {@link Backend.preparePrompt}. */
+export interface PreparedPrompt {
+  readonly numPromptTokens: number
+  /** The prompt's token ids, when the backend runs on ids (kvfence workers); null when it only
+   *  counts them (gateway mode). */
+  readonly tokenIds: number[] | null
+}
+
+/** An authenticated, parsed and admitted request, for {@link Backend.generate}. */
+export interface GenerationJob {
+  readonly parsed: ParsedRequest
+  /** The client's body as validated (no internal fields). */
+  readonly body: Record<string, unknown>
+  /** The router's request id (128 random bits, hex). */
+  readonly rid: string
+  readonly tenant: string
+  readonly prompt: PreparedPrompt
+  /** Completion tokens admitted at most. */
+  readonly maxTokens: number
+  /** The id, `created` and model of the response bodies. */
+  readonly header: ResponseHeader
+  readonly res: ServerResponse
+  /** Fires when the client goes away (G8). */
+  readonly signal: AbortSignal
+  readonly log: Logger
+  /** What the request log and the metrics report; the backend fills it as it goes. */
+  readonly outcome: Outcome
+  /** Logs (and counts) a failure that ended an answer already started. */
+  logFailure(error: KvfenceError): void
+}
+
+/** What the request log line and the metrics report of one request. */
+export interface Outcome {
+  status: number
+  numPromptTokens: number
+  numCompletionTokens: number
+  finishReason: FinishReason | null
+  /** `performance.now()` of the first and the last generated token. */
+  firstTokenMs: number | null
+  lastTokenMs: number | null
+  /** Prompt and completion, kept only with `logContent`. */
+  content: { prompt: unknown; completion: string } | null
+}
+
+/** Records a generated token's time (for TTFT and TPOT). */
+export function markToken(outcome: Outcome): void {
+  const now = performance.now()
+  outcome.firstTokenMs ??= now
+  outcome.lastTokenMs = now
+}

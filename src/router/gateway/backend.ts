@@ -1,0 +1,155 @@
+/** Gateway mode: the router in front of another engine's OpenAI API (SGLang, vLLM), adding what
+ *  the engine may lack — the safe rejection path. At start and periodically it discovers what the
+ *  engine can really hold and advertises no more (G1, discovery.ts), counts each prompt with the
+ *  engine's own tokenizer so that the router refuses over-capacity prompts with 400 before they
+ *  reach the engine (G2, prompt-count.ts), and relays admitted requests under the router's own
+ *  request id, with the prefix cache keyed by tenant and aborts on the engine (G8, relay.ts).
+ *  What differs per engine is in engines.ts.
+ *  Knows the engines' HTTP APIs and OpenAI bodies; knows nothing of tenants' keys or kvfence's
+ *  workers. */
+import type { Logger } from 'pino'
+import { loadTokenizer } from '../../model/tokenizer.js'
+import type { Backend } from '../backend.js'
+import { type EngineHttp, createEngineHttp, messageOf } from './engine-http.js'
+import { type BackendCapacity, decideWindow, discover } from './discovery.js'
+import { type BackendKind, engines } from './engines.js'
+import { countPromptTokens } from './prompt-count.js'
+import { createCacheSalts, relay } from './relay.js'
+
+export type { BackendKind } from './engines.js'
+export type { BackendCapacity } from './discovery.js'
+
+/** Options of {@link startGateway}. */
+export interface GatewayOptions {
+  kind: BackendKind
+  /** The engine's base URL, e.g. `http://10.0.0.5:30000`. */
+  url: string
+  /** The model id the engine serves (sent as `model`); default: the first of its `/v1/models`. */
+  backendModel?: string
+  /** Served model name (in `/v1/models` and responses); default: the engine's model id, so that
+   *  clients keep the name they used against the engine. */
+  servedModel?: string
+  /** A directory with the engine's `tokenizer.json` (+ `tokenizer_config.json`); default: the
+   *  engine's `/tokenize`. */
+  tokenizerDir?: string
+  /** Advertised context window; default: what the engine can hold. */
+  contextWindow?: number
+  /** Clamp an over-large window instead of refusing to start (G1). */
+  clampContext: boolean
+  /** False = allow advertising more than the engine holds (the incident's configuration). */
+  guardsEnabled: boolean
+  /** How often to re-discover capacity, ms (default {@link defaultIntervalMs}; 0 = only at
+   *  start). */
+  discoveryIntervalMs?: number
+  /** Bearer key for the engine's API, if it wants one (never a tenant's key). */
+  apiKey?: string
+  /** Deadline of discovery and tokenize calls, ms (default {@link defaultTimeoutMs}). */
+  timeoutMs?: number
+  log: Logger
+}
+
+/** A running gateway: a {@link Backend} and what the router's start needs of it. */
+export interface Gateway extends Backend {
+  readonly kind: BackendKind
+  /** The engine's base URL. */
+  readonly url: string
+  /** The model name clients use: the configured one, or the engine's model id. */
+  readonly servedModel: string
+  /** What the engine reported at the last discovery. */
+  capacity(): BackendCapacity
+  /** Re-reads the engine's capacity now (also done every `discoveryIntervalMs`). */
+  rediscover(): Promise<void>
+}
+
+/** Interval of the periodic re-discovery, ms. */
+const defaultIntervalMs = 30_000
+/** Deadline of discovery and tokenize calls, ms. */
+const defaultTimeoutMs = 5_000
+
+/** Discovers the engine's capacity, decides the window (G1) and returns the gateway. Throws
+ *  `config_invalid` for a URL that is not http(s), `worker_unavailable` when the engine does not
+ *  answer or reports no capacity, and `guard_violation` when `contextWindow` exceeds what it
+ *  holds (without clamping). */
+export async function startGateway(options: GatewayOptions): Promise<Gateway> {
+  const http = createEngineHttp(options.url, options.apiKey, options.timeoutMs ?? defaultTimeoutMs)
+  const tokenizer = options.tokenizerDir === undefined ? null : loadTokenizer(options.tokenizerDir)
+  const found = await discover(options.kind, http, options.backendModel ?? null)
+  const { backendModel } = found
+  let capacity = found.capacity
+  let window = decideWindow(capacity, true, http.base, options)
+  const servedModel = options.servedModel ?? backendModel
+
+  async function rediscover(): Promise<void> {
+    const next = await rediscovered(options, http, backendModel)
+    if (next === null) return
+    if (next.window !== window || next.capacity.capacityTokens !== capacity.capacityTokens) {
+      options.log.info(
+        { capacityTokens: next.capacity.capacityTokens, contextWindow: next.window },
+        'backend capacity changed',
+      )
+    }
+    ;({ capacity, window } = next)
+  }
+  const intervalMs = options.discoveryIntervalMs ?? defaultIntervalMs
+  const timer = intervalMs > 0 ? setInterval(() => void rediscover(), intervalMs) : null
+  timer?.unref()
+
+  const relayContext = {
+    http,
+    engine: engines[options.kind],
+    backendModel,
+    cacheSaltOf: createCacheSalts(),
+  }
+  return {
+    name: options.kind,
+    kind: options.kind,
+    url: http.base,
+    servedModel,
+    capacity: () => capacity,
+    rediscover,
+    contextWindow: () => window,
+    refusal: () => null,
+    unavailableReason: () => Promise.resolve(null),
+    serverInfo: () =>
+      Promise.resolve({
+        effectiveCapacityTokens: capacity.capacityTokens,
+        guardsEnabled: options.guardsEnabled,
+        backend: { kind: options.kind, url: http.base, contextWindow: window, ...capacity },
+      }),
+    maxTokenChars: null,
+    async preparePrompt(parsed, signal) {
+      const context = { http, tokenizer, backendModel, guardsEnabled: options.guardsEnabled }
+      const numPromptTokens = await countPromptTokens(
+        { ...context, maxInputTokens: capacity.maxInputTokens },
+        parsed,
+        signal,
+      )
+      return { numPromptTokens, tokenIds: null }
+    },
+    generate: (job) => relay(relayContext, job),
+    noteFailure() {},
+    close() {
+      if (timer !== null) clearInterval(timer)
+      http.close()
+    },
+  }
+}
+
+/** The capacity and window after a re-discovery, or null when the engine did not answer
+ *  (logged: the caller keeps the last). */
+async function rediscovered(
+  options: GatewayOptions,
+  http: EngineHttp,
+  backendModel: string,
+): Promise<{ capacity: BackendCapacity; window: number } | null> {
+  try {
+    const capacity = (await discover(options.kind, http, backendModel)).capacity
+    return { capacity, window: decideWindow(capacity, false, http.base, options) }
+  } catch (err) {
+    options.log.warn(
+      { detail: messageOf(err) },
+      'backend capacity discovery failed; keeping the last',
+    )
+    return null
+  }
+}

@@ -1,0 +1,95 @@
+/** Gateway mode's G1: what the engine can really hold (its model, KV pool and limits, read from
+ *  its own endpoints) and the context window the router advertises over it.
+ *  Knows the engines' discovery endpoints and the operator's wishes; knows nothing of requests. */
+import type { Logger } from 'pino'
+import { KvfenceError } from '../../errors.js'
+import { type EngineHttp, asObject, json, positive } from './engine-http.js'
+import { type BackendKind, engines } from './engines.js'
+
+/** What the engine said about itself. */
+export interface BackendCapacity {
+  /** KV pool in tokens. */
+  capacityTokens: number
+  /** Longest sequence the model allows (`context_length` / `max_model_len`), when reported. */
+  maxModelLen: number | null
+  /** Longest prompt the engine accepts (`max_req_input_len`), when reported. */
+  maxInputTokens: number | null
+}
+
+/** One discovery's findings: the engine's model id and capacity. */
+export interface Discovery {
+  backendModel: string
+  capacity: BackendCapacity
+}
+
+/** Reads the engine's model (`backendModel` when given, else the first of its `/v1/models`) and
+ *  capacity. Throws `worker_unavailable` when it lists no model or reports no KV capacity. */
+export async function discover(
+  kind: BackendKind,
+  http: EngineHttp,
+  backendModel: string | null,
+): Promise<Discovery> {
+  const models = await http.call('/v1/models', 'GET', null).catch(() => null)
+  const listed = models?.status === 200 ? asObject(json(models.body))?.data : undefined
+  const entries = Array.isArray(listed) ? listed.map(asObject) : []
+  const model =
+    backendModel ?? (typeof entries[0]?.id === 'string' ? (entries[0].id as string) : null)
+  const entry = entries.find((e) => e?.id === model)
+  const report = await engines[kind].readCapacity(http)
+  if (model === null) {
+    throw new KvfenceError(
+      'worker_unavailable',
+      `${kind} backend ${http.base}: no model listed at /v1/models`,
+    )
+  }
+  if (report.capacityTokens === null) {
+    throw new KvfenceError(
+      'worker_unavailable',
+      `${kind} backend ${http.base}: cannot read its KV capacity (${engines[kind].capacitySource})`,
+    )
+  }
+  return {
+    backendModel: model,
+    capacity: {
+      capacityTokens: report.capacityTokens,
+      maxModelLen: report.maxModelLen ?? positive(entry?.max_model_len),
+      maxInputTokens: report.maxInputTokens,
+    },
+  }
+}
+
+/** The operator's wishes for the window (see `GatewayOptions`). */
+export interface WindowOptions {
+  kind: BackendKind
+  contextWindow?: number
+  clampContext: boolean
+  guardsEnabled: boolean
+  log: Logger
+}
+
+/** G1 over the engine's numbers. At start an over-large window is refused (`guard_violation`,
+ *  unless clamped); later the window follows the engine down (with a warning), never above the
+ *  operator's wish. With guards off the wish stands, with a warning. */
+export function decideWindow(
+  c: BackendCapacity,
+  isStart: boolean,
+  base: string,
+  options: WindowOptions,
+): number {
+  const effective = Math.min(c.capacityTokens, c.maxModelLen ?? Infinity)
+  const requested = options.contextWindow
+  if (requested === undefined || requested <= effective) return requested ?? effective
+  const excess = `context window ${requested} exceeds what ${options.kind} backend ${base} holds: ${effective} tokens (KV pool ${c.capacityTokens}, max_model_len ${c.maxModelLen ?? 'unknown'})`
+  if (!options.guardsEnabled) {
+    options.log.warn(`UNSAFE: ${excess}; guards are disabled`)
+    return requested
+  }
+  if (isStart && !options.clampContext) {
+    throw new KvfenceError(
+      'guard_violation',
+      `G1: ${excess}; lower the context window to ${effective} or pass --clamp-context`,
+    )
+  }
+  options.log.warn(`G1: ${excess}; clamped to ${effective}`)
+  return effective
+}

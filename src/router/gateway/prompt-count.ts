@@ -1,0 +1,81 @@
+/** Gateway mode's prompt count (for G2): by the engine's own tokenizer — a local copy of its
+ *  `tokenizer.json` when one is configured, else the engine's `POST /tokenize`
+ *  `{model, prompt|messages}` → `{count}` (or `tokens`). A prompt given as token ids is its length.
+ *  Knows parsed requests and the engine's `/tokenize`; knows nothing of tenants or limits. */
+import { KvfenceError } from '../../errors.js'
+import type { Tokenizer } from '../../model/tokenizer.js'
+import { promptTokenIds } from '../admission.js'
+import { type ParsedRequest, promptParamOf } from '../schemas.js'
+import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
+
+/** What counting needs to know of the engine. */
+export interface PromptCountContext {
+  http: EngineHttp
+  /** A local copy of the engine's tokenizer, or null to ask the engine. */
+  tokenizer: Tokenizer | null
+  backendModel: string
+  /** The engine's longest accepted prompt (null: not reported). */
+  maxInputTokens: number | null
+  guardsEnabled: boolean
+}
+
+/** The prompt's token count; throws `context_length_exceeded` (400) when it exceeds the engine's
+ *  longest accepted input (guards on), `worker_unavailable` when the engine cannot count it. */
+export async function countPromptTokens(
+  c: PromptCountContext,
+  parsed: ParsedRequest,
+  signal: AbortSignal,
+): Promise<number> {
+  const numPromptTokens =
+    parsed.endpoint === 'completion' && 'tokenIds' in parsed.prompt
+      ? parsed.prompt.tokenIds.length
+      : c.tokenizer !== null
+        ? promptTokenIds(c.tokenizer, parsed).length
+        : await countByEngine(c, tokenizeBody(parsed, c.backendModel), signal)
+  if (c.guardsEnabled && c.maxInputTokens !== null && numPromptTokens > c.maxInputTokens) {
+    throw new KvfenceError(
+      'context_length_exceeded',
+      `This model accepts at most ${c.maxInputTokens} prompt tokens; your prompt has ${numPromptTokens}. Please shorten it.`,
+      promptParamOf(parsed),
+    )
+  }
+  return numPromptTokens
+}
+
+/** The `/tokenize` body of a prompt given as messages or text (token ids are sent as ids). */
+function tokenizeBody(parsed: ParsedRequest, model: string): Record<string, unknown> {
+  if (parsed.endpoint === 'chat') return { model, messages: parsed.messages }
+  return { model, prompt: 'text' in parsed.prompt ? parsed.prompt.text : parsed.prompt.tokenIds }
+}
+
+/** The engine's `/tokenize` count of a prompt. */
+async function countByEngine(
+  c: PromptCountContext,
+  body: Record<string, unknown>,
+  signal: AbortSignal,
+): Promise<number> {
+  let res
+  try {
+    res = await c.http.call(
+      '/tokenize',
+      'POST',
+      body,
+      AbortSignal.any([signal, AbortSignal.timeout(c.http.timeoutMs)]),
+    )
+  } catch (err) {
+    throw new KvfenceError(
+      'worker_unavailable',
+      `backend ${c.http.base}/tokenize: ${messageOf(err)}`,
+    )
+  }
+  const reply = res.status === 200 ? asObject(json(res.body)) : null
+  const count =
+    positive(reply?.count) ?? (Array.isArray(reply?.tokens) ? reply.tokens.length : null)
+  if (count === null) {
+    throw new KvfenceError(
+      'worker_unavailable',
+      `backend ${c.http.base}/tokenize did not count the prompt (HTTP ${res.status}); configure tokenizerDir`,
+    )
+  }
+  return count
+}

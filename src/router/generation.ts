@@ -1,0 +1,173 @@
+/** One generation request in the router, for both endpoints and any backend: draw its id, parse
+ *  its body, admit it (admission-pipeline.ts), let the backend answer it, and account for it —
+ *  the metrics and one log line, whatever happened.
+ *  Knows HTTP bodies, tenants and the backend interface; knows nothing of workers or engines. */
+import { randomBytes } from 'node:crypto'
+import type { IncomingMessage, ServerResponse } from 'node:http'
+import { performance } from 'node:perf_hooks'
+import type { Logger } from 'pino'
+import { KvfenceError } from '../errors.js'
+import { admitRequest, emptyHolds, releaseHolds } from './admission-pipeline.js'
+import type { Backend, Outcome } from './backend.js'
+import type { RouterConfig } from './config.js'
+import { readJsonBody, sendError } from './http.js'
+import { LimitError, type Limiter } from './limits.js'
+import type { RouterMetrics } from './metrics.js'
+import { asKvfenceError, publicError } from './public-errors.js'
+import type { ResponseHeader } from './responses.js'
+import { type Endpoint, type ParsedRequest, loggedPromptOf, requestParsers } from './schemas.js'
+import type { Tenant } from './tenants.js'
+
+/** What a generation request needs; all of it passed in. */
+export interface GenerationDeps {
+  config: RouterConfig
+  backend: Backend
+  limiter: Limiter
+  metrics: RouterMetrics
+  log: Logger
+}
+
+/** The prefix of each endpoint's response ids. */
+const idPrefixes: { readonly [E in Endpoint]: string } = { chat: 'chatcmpl', completion: 'cmpl' }
+
+/** Serves `POST` of `endpoint` for `tenant` (authenticated). Never rejects: a failure is answered
+ *  (unless the client went away) and logged. */
+export async function serveGeneration(
+  deps: GenerationDeps,
+  endpoint: Endpoint,
+  req: IncomingMessage,
+  res: ServerResponse,
+  tenant: Tenant,
+): Promise<void> {
+  const startedMs = performance.now()
+  // The only request id there is: drawn here, never taken from the client (no header or body
+  // field can set it), so one tenant cannot name another's request.
+  const rid = randomBytes(16).toString('hex') // 128 bits
+  const log = deps.log.child({ rid, tenant: tenant.name, endpoint })
+  res.setHeader('x-request-id', rid)
+  const outcome = emptyOutcome()
+  const signal = abortOnClose(res)
+  const holds = emptyHolds()
+  try {
+    const body = await readJsonBody(req, deps.config.maxBodyBytes)
+    const parsed = parseRequest(deps.config, endpoint, body)
+    if (deps.config.logContent) outcome.content = { prompt: loggedPromptOf(parsed), completion: '' }
+    const { prompt, maxTokens } = await admitRequest(
+      deps,
+      { tenant, parsed, signal, outcome },
+      holds,
+    )
+    const header: ResponseHeader = {
+      id: `${idPrefixes[endpoint]}-${rid}`,
+      created: Math.floor(Date.now() / 1000),
+      model: deps.config.model,
+    }
+    await deps.backend.generate({
+      parsed,
+      body: body as Record<string, unknown>, // an object: the parser has checked it
+      rid,
+      tenant: tenant.name,
+      prompt,
+      maxTokens,
+      header,
+      res,
+      signal,
+      log,
+      outcome,
+      logFailure: (error) => logFailure(deps.backend, log, error),
+    })
+  } catch (err) {
+    const error = asKvfenceError(err)
+    outcome.status = error.status
+    logFailure(deps.backend, log, error)
+    // A request_aborted has no one left to tell.
+    if (!res.destroyed && error.code !== 'request_aborted') {
+      sendError(req, res, publicError(error, rid))
+    }
+  } finally {
+    releaseHolds(holds, outcome.numCompletionTokens)
+    account(deps, endpoint, tenant, outcome, startedMs, log)
+  }
+}
+
+/** The body parsed for `endpoint`; `model_not_found` unless it names the served model. */
+function parseRequest(config: RouterConfig, endpoint: Endpoint, body: unknown): ParsedRequest {
+  const parsed = requestParsers[endpoint](body)
+  if (parsed.model !== config.model) {
+    throw new KvfenceError(
+      'model_not_found',
+      `The model '${parsed.model}' does not exist; this server serves '${config.model}'`,
+      'model',
+    )
+  }
+  return parsed
+}
+
+/** G8: a signal that fires when the client goes away, wherever the request is (queued, on the
+ *  backend). */
+function abortOnClose(res: ServerResponse): AbortSignal {
+  const abort = new AbortController()
+  res.on('close', () => {
+    if (!res.writableFinished) abort.abort()
+  })
+  return abort.signal
+}
+
+function emptyOutcome(): Outcome {
+  return {
+    status: 200,
+    numPromptTokens: 0,
+    numCompletionTokens: 0,
+    finishReason: null,
+    firstTokenMs: null,
+    lastTokenMs: null,
+    content: null,
+  }
+}
+
+/** Logs a failed request at the level its kind deserves; the backend hears of it first. */
+function logFailure(backend: Backend, log: Logger, err: KvfenceError): void {
+  backend.noteFailure(err)
+  if (err.code === 'request_aborted') log.info({ code: err.code }, 'client went away')
+  // Load shedding is the router working as configured, not a failure to page anyone about.
+  else if (err instanceof LimitError) log.warn({ code: err.code }, 'request shed for load')
+  else if (err.status >= 500) log.error({ code: err.code, detail: err.message }, 'request failed')
+  // 4xx: the code and field suffice; the message may quote client input.
+  else log.info({ code: err.code, param: err.param }, 'request refused')
+}
+
+/** The request's metrics and its log line. */
+function account(
+  deps: GenerationDeps,
+  endpoint: Endpoint,
+  tenant: Tenant,
+  outcome: Outcome,
+  startedMs: number,
+  log: Logger,
+): void {
+  const { metrics } = deps
+  const ms = Math.round(performance.now() - startedMs)
+  metrics.requests.inc({ endpoint, tenant: tenant.name, status: String(outcome.status) })
+  metrics.requestSeconds.observe({ endpoint }, ms / 1000)
+  metrics.completionTokens.inc(outcome.numCompletionTokens)
+  if (outcome.firstTokenMs !== null) {
+    metrics.ttftSeconds.observe({ endpoint }, (outcome.firstTokenMs - startedMs) / 1000)
+    if (outcome.numCompletionTokens >= 2 && outcome.lastTokenMs !== null) {
+      metrics.tpotSeconds.observe(
+        { endpoint },
+        (outcome.lastTokenMs - outcome.firstTokenMs) / 1000 / (outcome.numCompletionTokens - 1),
+      )
+    }
+  }
+  log.info(
+    {
+      status: outcome.status,
+      promptTokens: outcome.numPromptTokens,
+      completionTokens: outcome.numCompletionTokens,
+      finishReason: outcome.finishReason,
+      ms,
+      ...(outcome.content ?? {}),
+    },
+    'request finished',
+  )
+}

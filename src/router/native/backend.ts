@@ -1,0 +1,138 @@
+/** The native backend: kvfence's own prefill and decode workers. The router tokenizes prompts
+ *  here and detokenizes the workers' tokens into text; G1 is the capacity monitor's
+ *  (capacity-monitor.ts), the workers' events and their retries are generation.ts's, and the
+ *  answer's bodies respond.ts's.
+ *  Knows the tokenizer, the worker client and the capacity monitor; knows nothing of keys or
+ *  limits. */
+import assert from 'node:assert/strict'
+import { randomBytes } from 'node:crypto'
+import type { Logger } from 'pino'
+import type { GenerateRequest } from '../../engine/control.js'
+import { KvfenceError } from '../../errors.js'
+import type { Tokenizer } from '../../model/tokenizer.js'
+import { promptTokenIds } from '../admission.js'
+import type { Backend, GenerationJob } from '../backend.js'
+import type { Limiter } from '../limits.js'
+import type { RouterMetrics } from '../metrics.js'
+import { messageOf } from '../public-errors.js'
+import { checkStopTokenIds } from '../schemas.js'
+import type { WorkerClient } from '../worker-client.js'
+import type { CapacityMonitor } from './capacity-monitor.js'
+import { type GenerationDeps, runGeneration } from './worker-run.js'
+import { repliesOf } from './replies.js'
+import { respondStreamed, respondWhole } from './respond.js'
+
+/** Options of {@link createNativeBackend}. */
+export interface NativeBackendOptions {
+  tokenizer: Tokenizer
+  workers: WorkerClient
+  /** G1 re-checked while running. */
+  capacity: CapacityMonitor
+  /** Tokens per KV page, as the workers report (for `/server_info`). */
+  pageSize: number
+  /** The router's guards (false only in the incident's configuration). */
+  guardsEnabled: boolean
+  /** For waiting on a full KV pool. */
+  limiter: Pick<Limiter, 'maxQueueWaitMs' | 'waitForRoom'>
+  metrics: RouterMetrics
+  log: Logger
+}
+
+/** How long `/health` waits for the workers' `/server_info` (ms). */
+const healthTimeoutMs = 2_000
+
+/** The native {@link Backend}; `close` stops the capacity monitor and the worker client. */
+export function createNativeBackend(options: NativeBackendOptions): Backend {
+  const { tokenizer, workers, capacity, metrics } = options
+  const deps: GenerationDeps = { tokenizer, workers, limiter: options.limiter, metrics }
+  return {
+    name: 'kvfence',
+    contextWindow: () => capacity.current().contextWindow,
+    refusal: () => capacity.current().refusal,
+    async unavailableReason() {
+      const now = capacity.current()
+      // G1, or a worker that refuses the router's cluster token (the operator's to fix).
+      if (now.refusal !== null) return now.refusalReason ?? 'G1'
+      try {
+        await workers.serverInfoAll(AbortSignal.timeout(healthTimeoutMs))
+        return null
+      } catch {
+        return 'a worker is unreachable'
+      }
+    },
+    serverInfo: () => serverInfo(options),
+    maxTokenChars: tokenizer.maxTokenChars,
+    async preparePrompt(parsed) {
+      const tokenIds = promptTokenIds(tokenizer, parsed)
+      return { numPromptTokens: tokenIds.length, tokenIds }
+    },
+    async generate(job) {
+      const run = {
+        request: workerRequest(tokenizer, job),
+        stop: job.parsed.stop,
+        signal: job.signal,
+        log: job.log,
+        outcome: job.outcome,
+      }
+      const replies = repliesOf[job.parsed.endpoint]({
+        header: job.header,
+        isUsageStreamed: job.parsed.isUsageStreamed,
+        logprobsTokenizer: run.request.sampling.numLogprobs != null ? tokenizer : null,
+      })
+      const respond = job.parsed.isStream ? respondStreamed : respondWhole
+      await respond(job, replies, (onText) => runGeneration(deps, run, onText))
+    },
+    noteFailure(error) {
+      if (error.code === 'transfer_failed') metrics.transfers.inc({ status: 'failed' })
+      const isWorkerFailure =
+        error.code === 'worker_unavailable' || error.code === 'transfer_failed'
+      // A worker that failed may have restarted with a smaller pool: re-check G1 now.
+      if (isWorkerFailure && error !== capacity.current().refusal) capacity.recheckSoon()
+    },
+    close() {
+      capacity.close()
+      workers.close()
+    },
+  }
+}
+
+/** The request the workers run for `job`: its prompt's ids, sampling, the stop token ids (EOS
+ *  unless ignored) and a fresh transfer secret (256 bits). Throws `invalid_request` for a stop
+ *  token id outside the vocabulary. */
+function workerRequest(tokenizer: Tokenizer, job: GenerationJob): GenerateRequest {
+  const { parsed } = job
+  checkStopTokenIds(parsed.stopTokenIds, tokenizer.vocabSize)
+  const eos = tokenizer.eosTokenId === null || parsed.ignoreEos ? [] : [tokenizer.eosTokenId]
+  const { tokenIds } = job.prompt
+  assert(tokenIds !== null, `request ${job.rid}: a prompt prepared without token ids`)
+  return {
+    requestId: job.rid,
+    tenant: job.tenant,
+    promptTokenIds: tokenIds,
+    maxTokens: job.maxTokens,
+    sampling: parsed.sampling,
+    stopTokenIds: [...new Set([...eos, ...parsed.stopTokenIds])],
+    transferSecret: randomBytes(32).toString('hex'),
+  }
+}
+
+/** The workers' fields of `/server_info`; `worker_unavailable` when one does not answer. */
+async function serverInfo(options: NativeBackendOptions): Promise<Record<string, unknown>> {
+  let reports
+  try {
+    reports = await options.workers.serverInfoAll()
+  } catch (err) {
+    options.log.warn({ detail: messageOf(err) }, 'server_info: a worker did not answer')
+    throw new KvfenceError('worker_unavailable', 'a worker did not report its state')
+  }
+  const infos = reports.map((r) => r.info)
+  const now = options.capacity.current()
+  return {
+    effectiveCapacityTokens: now.effectiveCapacityTokens,
+    ...(now.refusal ? { refusing: now.refusal.message } : {}),
+    pageSize: options.pageSize,
+    guardsEnabled: options.guardsEnabled && infos.every((i) => i.guardsEnabled),
+    faults: [...new Set(infos.flatMap((i) => i.faults))].sort(),
+    workers: infos,
+  }
+}

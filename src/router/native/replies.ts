@@ -1,0 +1,91 @@
+/** The OpenAI bodies of a natively generated answer, one builder per endpoint, chosen once per
+ *  request (responses.ts builds the bodies, logprobs.ts their log-probabilities).
+ *  Knows the endpoints' body shapes and log-probability formats; knows nothing of workers. */
+import type { Tokenizer } from '../../model/tokenizer.js'
+import {
+  CompletionLogprobsBuilder,
+  type GeneratedLogprobs,
+  chatLogprobs,
+  tokenTextOf,
+} from '../logprobs.js'
+import {
+  type FinishReason,
+  type ResponseHeader,
+  type Usage,
+  chatChunk,
+  chatCompletion,
+  chatUsageChunk,
+  textCompletion,
+  textUsageChunk,
+} from '../responses.js'
+import type { Endpoint } from '../schemas.js'
+
+/** The bodies of one response. `entries` are the log-probabilities of the tokens whose text the
+ *  body carries (ignored when the client did not ask for them). */
+export interface Replies {
+  /** The whole, non-streamed answer. */
+  whole(text: string, finish: FinishReason, usage: Usage, entries: GeneratedLogprobs[]): unknown
+  /** The chunk that opens a stream, or null when the endpoint has none. */
+  opening(): unknown
+  /** A chunk carrying a piece of text. */
+  piece(text: string, entries: GeneratedLogprobs[]): unknown
+  /** The chunk carrying the finish reason (and the log-probabilities of tokens whose text was
+   *  held back or empty: a stop string, an end-of-sequence token). */
+  last(finish: FinishReason, entries: GeneratedLogprobs[]): unknown
+  /** The usage chunk (`stream_options.include_usage`). */
+  usage(usage: Usage): unknown
+}
+
+/** What a response's bodies depend on. */
+export interface RepliesOptions {
+  header: ResponseHeader
+  /** `stream_options.include_usage`. */
+  isUsageStreamed: boolean
+  /** Names tokens in log-probabilities; null when the client did not ask for them. */
+  logprobsTokenizer: Tokenizer | null
+}
+
+/** Builds one response's {@link Replies}. */
+export type RepliesOf = (options: RepliesOptions) => Replies
+
+/** The text of a token id by `tokenizer`; with `shown`, as the completion text shows it
+ *  (special tokens skipped). */
+function tokenText(tokenizer: Tokenizer, shown = false) {
+  return tokenTextOf((ids, options) => tokenizer.decode(ids, options), shown)
+}
+
+function chatReplies({ header: h, isUsageStreamed, logprobsTokenizer }: RepliesOptions): Replies {
+  const texts = logprobsTokenizer === null ? null : tokenText(logprobsTokenizer)
+  const logprobs = (entries: GeneratedLogprobs[]) =>
+    texts === null ? null : chatLogprobs(entries, texts)
+  return {
+    whole: (text, finish, usage, entries) =>
+      chatCompletion(h, text, finish, usage, logprobs(entries)),
+    opening: () => chatChunk(h, { role: 'assistant', content: '' }, null, isUsageStreamed),
+    piece: (text, entries) =>
+      chatChunk(h, { content: text }, null, isUsageStreamed, logprobs(entries)),
+    last: (finish, entries) => chatChunk(h, {}, finish, isUsageStreamed, logprobs(entries)),
+    usage: (usage) => chatUsageChunk(h, usage),
+  }
+}
+
+function completionReplies({ header: h, logprobsTokenizer: t }: RepliesOptions): Replies {
+  const builder =
+    t === null ? null : new CompletionLogprobsBuilder(tokenText(t), tokenText(t, true))
+  const logprobs = (entries: GeneratedLogprobs[]) =>
+    builder === null ? null : builder.next(entries)
+  return {
+    whole: (text, finish, usage, entries) =>
+      textCompletion(h, text, finish, usage, logprobs(entries)),
+    opening: () => null,
+    piece: (text, entries) => textCompletion(h, text, null, undefined, logprobs(entries)),
+    last: (finish, entries) => textCompletion(h, '', finish, undefined, logprobs(entries)),
+    usage: (usage) => textUsageChunk(h, usage),
+  }
+}
+
+/** Each endpoint's builder. */
+export const repliesOf: { readonly [E in Endpoint]: RepliesOf } = {
+  chat: chatReplies,
+  completion: completionReplies,
+}

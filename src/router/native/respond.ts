@@ -1,0 +1,84 @@
+/** The answer to a natively generated request, on the client's response: one JSON body, or SSE.
+ *  Knows the response and the OpenAI bodies (through replies.ts); knows nothing of workers. */
+import { toOpenAiError } from '../../errors.js'
+import type { GenerationJob } from '../backend.js'
+import { coalesceWrites, sendJson } from '../http.js'
+import type { GeneratedLogprobs } from '../logprobs.js'
+import { asKvfenceError, publicError } from '../public-errors.js'
+import { endSse, startSse, usageOf, writeSse } from '../responses.js'
+import type { GenerationResult } from './worker-run.js'
+import type { Replies } from './replies.js'
+
+/** Runs a generation, giving each piece of text to `onText`, as {@link runGeneration} does. */
+export type Generate = (
+  onText: (text: string, logprobs: GeneratedLogprobs[]) => Promise<void>,
+) => Promise<GenerationResult>
+
+/** One JSON body once the generation has ended. */
+export async function respondWhole(
+  job: GenerationJob,
+  replies: Replies,
+  generate: Generate,
+): Promise<void> {
+  let text = ''
+  const logprobs: GeneratedLogprobs[] = []
+  const result = await generate(async (piece, pieceLogprobs) => {
+    text += piece
+    logprobs.push(...pieceLogprobs)
+  })
+  logprobs.push(...result.logprobs)
+  const usage = usageOf(
+    job.outcome.numPromptTokens,
+    result.numCompletionTokens,
+    result.cachedTokens,
+  )
+  job.outcome.numCompletionTokens = result.numCompletionTokens
+  job.outcome.finishReason = result.finishReason
+  sendJson(job.res, 200, replies.whole(text, result.finishReason, usage, logprobs))
+}
+
+/** SSE. Headers go out with the first text, so that a refusal before any output (capacity,
+ *  a failed prefill) is still a plain HTTP error; a failure after it is an in-stream error
+ *  event followed by the end of the stream, never a normal finish. */
+export async function respondStreamed(
+  job: GenerationJob,
+  replies: Replies,
+  generate: Generate,
+): Promise<void> {
+  const { res } = job
+  let isStarted = false
+  const start = async () => {
+    if (isStarted) return
+    isStarted = true
+    startSse(res, {})
+    coalesceWrites(res) // tokens of one event-loop turn leave in one socket write
+    const opening = replies.opening()
+    if (opening !== null) await writeSse(res, opening)
+  }
+  try {
+    const result = await generate(async (piece, logprobs) => {
+      await start()
+      await writeSse(res, replies.piece(piece, logprobs))
+    })
+    job.outcome.numCompletionTokens = result.numCompletionTokens
+    job.outcome.finishReason = result.finishReason
+    await start()
+    await writeSse(res, replies.last(result.finishReason, result.logprobs))
+    if (job.parsed.isUsageStreamed) {
+      const { numPromptTokens } = job.outcome
+      await writeSse(
+        res,
+        replies.usage(usageOf(numPromptTokens, result.numCompletionTokens, result.cachedTokens)),
+      )
+    }
+    endSse(res)
+  } catch (err) {
+    if (!isStarted) throw err
+    const error = asKvfenceError(err)
+    job.outcome.status = error.status
+    job.logFailure(error)
+    if (!res.destroyed) {
+      res.end(`data: ${JSON.stringify(toOpenAiError(publicError(error, job.rid)))}\n\n`)
+    }
+  }
+}

@@ -1,0 +1,168 @@
+/** A request on kvfence's workers, as text: the workers' token events (a request refused for a
+ *  momentarily full KV pool tried again until the queue's wait runs out, G2), detokenized into
+ *  pieces of text that end before any stop string, with the tokens' log-probabilities.
+ *  Knows the worker client's events, the tokenizer and stop strings; knows nothing of HTTP. */
+import { randomBytes } from 'node:crypto'
+import { performance } from 'node:perf_hooks'
+import type { Logger } from 'pino'
+import type { GenerateRequest } from '../../engine/control.js'
+import { KvfenceError } from '../../errors.js'
+import type { Tokenizer } from '../../model/tokenizer.js'
+import { type Outcome, markToken } from '../backend.js'
+import { LimitError, type Limiter } from '../limits.js'
+import type { GeneratedLogprobs } from '../logprobs.js'
+import type { RouterMetrics } from '../metrics.js'
+import type { FinishReason } from '../responses.js'
+import { TextStream } from '../text-stream.js'
+import { type GenerationEvent, PoolFullError, type WorkerClient } from '../worker-client.js'
+
+/** Longest single wait before re-trying a request that found the KV pool full, ms. */
+const poolFullRetryMs = 250
+
+/** What running a request on the workers needs. */
+export interface GenerationDeps {
+  tokenizer: Tokenizer
+  workers: WorkerClient
+  /** For waiting on a full KV pool: until a running request ends, at most `maxQueueWaitMs`. */
+  limiter: Pick<Limiter, 'maxQueueWaitMs' | 'waitForRoom'>
+  metrics: RouterMetrics
+}
+
+/** One request on the workers. */
+export interface WorkerRun {
+  request: GenerateRequest
+  /** Stop strings: the text ends before the first one found. */
+  stop: readonly string[]
+  signal: AbortSignal
+  log: Logger
+  /** Filled as tokens arrive: times, the completion's token count and (with `logContent`) text. */
+  outcome: Outcome
+}
+
+/** How a generation ended. `logprobs` are those of tokens after the last piece of text. */
+export interface GenerationResult {
+  finishReason: FinishReason
+  numCompletionTokens: number
+  cachedTokens: number
+  logprobs: GeneratedLogprobs[]
+}
+
+/** Runs the request on the workers, feeding every piece of new text to `onText` with the
+ *  log-probabilities of the tokens received since the previous piece (when asked for; else
+ *  none). Leaving early (a stop string) closes both worker requests. */
+export async function runGeneration(
+  deps: GenerationDeps,
+  run: WorkerRun,
+  onText: (text: string, logprobs: GeneratedLogprobs[]) => Promise<void>,
+): Promise<GenerationResult> {
+  const text = new TextStream((ids) => deps.tokenizer.decode(ids), run.stop)
+  const isLogprobs = run.request.sampling.numLogprobs != null
+  let pending: GeneratedLogprobs[] = []
+  const emit = async (piece: string) => {
+    if (run.outcome.content) run.outcome.content.completion += piece
+    const logprobs = pending
+    pending = []
+    await onText(piece, logprobs)
+  }
+  for await (const event of workerEvents(deps, run)) {
+    if (event.type === 'token') {
+      markToken(run.outcome)
+      if (isLogprobs) pending.push(logprobsOf(event, run.request.requestId, text.numTokens))
+      const step = text.push(event.tokenId)
+      run.outcome.numCompletionTokens = text.numTokens
+      if (step.text !== '') await emit(step.text)
+      if (step.isStopped) {
+        return {
+          finishReason: 'stop',
+          numCompletionTokens: text.numTokens,
+          cachedTokens: 0,
+          logprobs: pending,
+        }
+      }
+    } else {
+      const rest = text.finish()
+      if (rest.text !== '') await emit(rest.text)
+      deps.metrics.transfers.inc({ status: 'ok' })
+      deps.metrics.transferPages.inc(event.numTransferredPages)
+      return {
+        finishReason: event.finishReason,
+        numCompletionTokens: event.completionTokens,
+        cachedTokens: event.cachedTokens ?? 0,
+        logprobs: pending,
+      }
+    }
+  }
+  throw new KvfenceError('internal_error', `request ${run.request.requestId} ended without done`)
+}
+
+/** A token event's log-probabilities; `internal_error` when the worker sent none. */
+function logprobsOf(
+  event: Extract<GenerationEvent, { type: 'token' }>,
+  requestId: string,
+  index: number,
+): GeneratedLogprobs {
+  if (event.logprobs === undefined) {
+    throw new KvfenceError(
+      'internal_error',
+      `request ${requestId}: a worker sent token ${index} without log-probabilities`,
+    )
+  }
+  return { tokenId: event.tokenId, logprobs: event.logprobs }
+}
+
+/** The workers' events for a request. A request refused because a KV pool (decode or prefill)
+ *  is momentarily full, before any token, is tried again each time a running request ends,
+ *  until `maxQueueWaitMs`; then 503 with `Retry-After` (G2). Each retry goes out under a fresh
+ *  request id and transfer secret: the previous attempt's decode request was closed before the
+ *  refusal surfaced, but the decode worker may not have seen that close yet, and must never
+ *  match a transfer to a reservation of another attempt. */
+async function* workerEvents(
+  deps: GenerationDeps,
+  run: WorkerRun,
+): AsyncGenerator<GenerationEvent, void> {
+  const { limiter, metrics } = deps
+  const deadline = performance.now() + limiter.maxQueueWaitMs
+  for (let attempt = 0; ; attempt++) {
+    const request = attempt === 0 ? run.request : freshAttempt(run.request)
+    if (attempt > 0) run.log.debug({ attempt, workerRid: request.requestId }, 'retrying')
+    const events = deps.workers.generate(request, run.signal)
+    let first: IteratorResult<GenerationEvent, void>
+    try {
+      first = await events.next()
+    } catch (err) {
+      if (!(err instanceof PoolFullError)) throw err
+      const remaining = deadline - performance.now()
+      if (remaining <= 0) {
+        metrics.admissionRejections.inc({ reason: 'pool_full' })
+        throw new LimitError(
+          'capacity_exhausted',
+          `The KV pool has no room for this request right now (waited ${limiter.maxQueueWaitMs} ms); retry later.`,
+          1,
+        )
+      }
+      metrics.poolFullRetries.inc()
+      run.log.debug({ detail: err.message }, 'KV pool full; waiting for room')
+      await limiter.waitForRoom(Math.min(remaining, poolFullRetryMs), run.signal)
+      continue
+    }
+    if (first.done) return
+    try {
+      yield first.value
+      yield* events
+    } finally {
+      // A consumer that stops at the first event (a stop string in the first token) must still
+      // close both worker requests (G8); `yield*` forwards that only from the second event on.
+      await events.return()
+    }
+    return
+  }
+}
+
+/** `request` under a fresh request id and transfer secret, for a retry. */
+function freshAttempt(request: GenerateRequest): GenerateRequest {
+  return {
+    ...request,
+    requestId: randomBytes(16).toString('hex'),
+    transferSecret: randomBytes(32).toString('hex'),
+  }
+}
