@@ -5,7 +5,7 @@
  *  Knows sequences, page tables and token ids; knows nothing of transfers, HTTP, tenants or text. */
 import { setImmediate as yieldToLoop } from 'node:timers/promises'
 import { KvfenceError } from '../errors.js'
-import type { KvPool, PageRef } from '../kv/pool.js'
+import type { KvPool, PageLease } from '../kv/pool.js'
 import { forwardBatch, type Rope } from '../model/forward.js'
 import type { Model } from '../model/weights.js'
 import type { DecodeEvent } from './control.js'
@@ -31,10 +31,8 @@ export interface DecodeSchedulerOptions {
 export interface DecodeSequence {
   /** For error messages only. */
   requestId: string
-  /** Request slot owning the pages. */
-  owner: number
   /** Pages for prompt + generated tokens; ordinal i holds positions [i × pageSize, (i+1) × pageSize). */
-  pageTable: readonly PageRef[]
+  lease: PageLease
   /** Prompt tokens already in the pages. */
   numPrompt: number
   /** Tokens to generate at most, the first one included. */
@@ -134,7 +132,7 @@ export class DecodeScheduler {
         lastToken: seq.firstTokenId,
         lastLogprobs: undefined,
         numGenerated: 1,
-        capacity: seq.pageTable.length * this.pool.shape.pageSize,
+        capacity: seq.lease.pages.length * this.pool.shape.pageSize,
         resolve,
         reject,
       }
@@ -181,8 +179,7 @@ export class DecodeScheduler {
         this.rope,
         this.pool,
         batch.map((r) => ({
-          pageTable: r.seq.pageTable,
-          owner: r.seq.owner,
+          lease: r.seq.lease,
           tokenIds: [r.lastToken],
           startPos: r.seq.numPrompt + r.numGenerated - 1,
         })),

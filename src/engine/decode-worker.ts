@@ -2,7 +2,7 @@
  *  then generates tokens for many requests at once (continuous batching: decode-scheduler.ts).
  *  Knows token ids, tenants and the transfer receiver's hooks; knows nothing of HTTP, keys or text. */
 import { KvfenceError } from '../errors.js'
-import type { PageRef } from '../kv/pool.js'
+import { leasePrefix, type PageLease } from '../kv/pool.js'
 import type { BeginInfo, ReceiverHooks, Reservation } from '../transfer/index.js'
 import type { DecodeEvent, GenerateRequest } from './control.js'
 import { DecodeScheduler } from './decode-scheduler.js'
@@ -16,8 +16,7 @@ export const bootstrapTimeoutMs = 30_000
 /** A request between reservation and the end of its transfer. */
 interface Pending {
   req: GenerateRequest
-  owner: number
-  pageTable: PageRef[]
+  lease: PageLease
   numPromptPages: number
   secret: Buffer
   state: 'waiting' | 'receiving' | 'received' | 'failed'
@@ -88,33 +87,33 @@ export class DecodeWorker {
       )
 
     const owner = this.core.nextOwner()
-    const pageTable = pool.allocate(
+    const lease = pool.allocate(
       pool.pagesFor(Math.min(total, limit)),
       owner,
       this.core.tenantId(req.tenant),
     )
     let released = false
     const release = () => {
-      if (released || pool.isPinned(pageTable)) return
+      if (released || pool.isPinned(lease)) return
       released = true
-      pool.release(pageTable, owner)
+      pool.release(lease)
     }
     // The fault's premature free: no pin check here, only the pool's own G7 can refuse it.
     const releaseNow = () => {
       if (released) return
-      pool.release(pageTable, owner)
+      pool.release(lease)
       released = true
     }
     let received: { firstTokenId: number }
     try {
-      received = await this.awaitTransfer(req, owner, pageTable, signal, emit, release, releaseNow)
+      received = await this.awaitTransfer(req, lease, signal, emit, release, releaseNow)
     } catch (err) {
       release() // deferred when a transfer still holds the pages: its abort() releases them.
       throw err
     }
 
     try {
-      await this.decode(req, owner, pageTable, received.firstTokenId, signal, emit)
+      await this.decode(req, lease, received.firstTokenId, signal, emit)
     } finally {
       release()
     }
@@ -123,8 +122,7 @@ export class DecodeWorker {
   /** Register the reservation, announce it, and wait until its transfer is verified. */
   private awaitTransfer(
     req: GenerateRequest,
-    owner: number,
-    pageTable: PageRef[],
+    lease: PageLease,
     signal: AbortSignal,
     emit: (e: DecodeEvent) => void,
     release: () => void,
@@ -155,8 +153,7 @@ export class DecodeWorker {
       }
       const entry: Pending = {
         req,
-        owner,
-        pageTable,
+        lease,
         numPromptPages: pool.pagesFor(req.promptTokenIds.length),
         secret: Buffer.from(req.transferSecret, 'hex'),
         state: 'waiting',
@@ -182,7 +179,7 @@ export class DecodeWorker {
       }
       this.pending.set(req.requestId, entry)
       signal.addEventListener('abort', onAbort, { once: true })
-      emit({ type: 'reserved', numPages: pageTable.length })
+      emit({ type: 'reserved', numPages: lease.pages.length })
       if (signal.aborted) onAbort()
     })
   }
@@ -210,7 +207,7 @@ export class DecodeWorker {
         `transfer ${info.transferId}: no reservation waiting for request ${info.requestId}`,
       )
     }
-    const { req, owner, pageTable } = entry
+    const { req, lease } = entry
     const numPrompt = req.promptTokenIds.length
     if (guards.G4) {
       const problems: string[] = []
@@ -231,8 +228,8 @@ export class DecodeWorker {
         throw err
       }
     }
-    const promptPages = pageTable.slice(0, entry.numPromptPages)
-    pool.pin(promptPages, owner)
+    const promptPages = leasePrefix(lease, entry.numPromptPages)
+    pool.pin(promptPages)
     entry.state = 'receiving'
     if (this.core.hasFault('early-release')) {
       // The bug class of sglang#24527: a cleanup path frees the request's pages while its transfer
@@ -254,7 +251,7 @@ export class DecodeWorker {
     const unpinOnce = () => {
       if (isSettled) return false
       isSettled = true
-      pool.unpin(promptPages, owner)
+      pool.unpin(promptPages)
       return true
     }
     return {
@@ -265,7 +262,7 @@ export class DecodeWorker {
         // Bounds are checked whatever the guards: a write outside the reservation is never possible.
         if (
           ordinal < 0 ||
-          ordinal >= promptPages.length ||
+          ordinal >= promptPages.pages.length ||
           tokensOnPage > pool.shape.pageSize ||
           payload.byteLength !== pool.pageBytes
         ) {
@@ -275,17 +272,17 @@ export class DecodeWorker {
           )
         }
         // Claim first (owner, epoch, no gap: G5), then write.
-        pool.noteWrite(promptPages, owner, ordinal * pool.shape.pageSize, tokensOnPage)
-        scatterPage(pool, promptPages[ordinal].page, payload)
+        pool.noteWrite(promptPages, ordinal * pool.shape.pageSize, tokensOnPage)
+        scatterPage(pool, promptPages.pages[ordinal].page, payload)
       },
       complete: (firstTokenId) => {
         if (isSettled) throw ended()
         if (entry.cancel !== null) throw entry.cancel // → NACK, then abort() frees the pages
         if (guards.G4) {
           // Every prompt position must hold KV that arrived for this request.
-          for (let ordinal = 0; ordinal < promptPages.length; ordinal++) {
+          for (let ordinal = 0; ordinal < promptPages.pages.length; ordinal++) {
             const want = Math.min(pool.shape.pageSize, numPrompt - ordinal * pool.shape.pageSize)
-            const have = pool.fill[promptPages[ordinal].page]
+            const have = pool.fill[promptPages.pages[ordinal].page]
             if (have !== want) {
               throw trips.trip(
                 'G4',
@@ -303,7 +300,7 @@ export class DecodeWorker {
         }
         unpinOnce()
         metrics.transfers.inc({ outcome: 'completed' })
-        metrics.transferBytes.inc(promptPages.length * pool.pageBytes)
+        metrics.transferBytes.inc(promptPages.pages.length * pool.pageBytes)
         if (entry.state === 'failed') {
           entry.settle(new KvfenceError('request_aborted', 'request aborted by the router'))
           return
@@ -333,8 +330,7 @@ export class DecodeWorker {
    *  other running request, and a failure of another request never ends this one). */
   private async decode(
     req: GenerateRequest,
-    owner: number,
-    pageTable: PageRef[],
+    lease: PageLease,
     firstTokenId: number,
     signal: AbortSignal,
     emit: (e: DecodeEvent) => void,
@@ -342,15 +338,14 @@ export class DecodeWorker {
     const { pool } = this.core
     const numPrompt = req.promptTokenIds.length
     // Full prompt pages are read-only from now on; the last one may still receive generated tokens.
-    pool.seal(pageTable.slice(0, Math.floor(numPrompt / pool.shape.pageSize)), owner)
+    pool.seal(leasePrefix(lease, Math.floor(numPrompt / pool.shape.pageSize)))
     // The request's own stream (decode draws with seed + 1, prefill drew with seed), whatever
     // else shares the batch; its penalties count the first token too.
     const sampler = new RequestSampler(req.sampling, 'decode')
     sampler.record(firstTokenId)
     await this.decodeLoop().run({
       requestId: req.requestId,
-      owner,
-      pageTable,
+      lease,
       numPrompt,
       maxTokens: req.maxTokens,
       firstTokenId,

@@ -38,13 +38,9 @@ export function generateLocal(
     )
   }
   const owner = core.nextOwner()
-  const pageTable = pool.allocate(
-    pool.pagesFor(total),
-    owner,
-    core.tenantId(opts.tenant ?? 'local'),
-  )
+  const lease = pool.allocate(pool.pagesFor(total), owner, core.tenantId(opts.tenant ?? 'local'))
   try {
-    const seq = { pageTable, owner }
+    const seq = { lease }
     let logits = forward(model, rope, pool, seq, promptTokenIds, 0)
     const first = new RequestSampler(opts.sampling, 'prefill').next(logits)
     const out = [first]
@@ -64,6 +60,6 @@ export function generateLocal(
       ...(opts.sampling.numLogprobs == null ? {} : { logprobs: out.map((t) => t.logprobs!) }),
     }
   } finally {
-    pool.release(pageTable, owner)
+    pool.release(lease)
   }
 }

@@ -6,7 +6,7 @@
  *  Knows prompts, page tables and token ids; knows nothing of transfers, HTTP, tenants or text. */
 import { setImmediate as yieldToLoop } from 'node:timers/promises'
 import { KvfenceError } from '../errors.js'
-import type { KvPool, PageRef } from '../kv/pool.js'
+import type { KvPool, PageLease } from '../kv/pool.js'
 import { forwardBatch, type Rope } from '../model/forward.js'
 import type { Model } from '../model/weights.js'
 
@@ -21,9 +21,8 @@ export interface PrefillSchedulerOptions {
 /** A prompt to prefill into pages its owner holds. */
 export interface PrefillJob {
   tokenIds: readonly number[]
-  /** At least `pool.pagesFor(tokenIds.length)` pages, reserved for `owner`. */
-  pageTable: readonly PageRef[]
-  owner: number
+  /** At least `pool.pagesFor(tokenIds.length)` pages. */
+  lease: PageLease
   /** Leading tokens whose KV the pages already hold (a prefix-cache hit; default 0); prefill starts
    *  after them. Must be below `tokenIds.length`: the last token is always computed. */
   numCached?: number
@@ -130,8 +129,7 @@ export class PrefillScheduler {
         this.rope,
         this.pool,
         chunks.map(({ a, numTokens }) => ({
-          pageTable: a.job.pageTable,
-          owner: a.job.owner,
+          lease: a.job.lease,
           tokenIds: a.job.tokenIds.slice(a.numDone, a.numDone + numTokens),
           startPos: a.numDone,
         })),

@@ -4,7 +4,7 @@
 import { randomBytes } from 'node:crypto'
 import { Counter, Gauge } from 'prom-client'
 import { KvfenceError } from '../errors.js'
-import type { PageRef } from '../kv/pool.js'
+import type { PageLease } from '../kv/pool.js'
 import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
@@ -99,34 +99,34 @@ export class PrefillWorker {
     const owner = this.core.nextOwner()
     // The tenant is the one the router authenticated, so the cache's salt is the server's choice.
     let hit = isPlaceholder ? null : (this.cache?.lookup(req.tenant, tokens) ?? null)
-    let pageTable: PageRef[]
+    let lease: PageLease
     try {
-      pageTable = this.allocatePages(tokens.length, owner, req.tenant)
+      lease = this.allocatePages(tokens.length, owner, req.tenant)
     } catch (err) {
       if (!hit) throw err
       // The hit's pages are pinned while we copy from them, so they cannot be evicted to make
       // room; a prompt that needs the whole pool goes without the cache instead of failing.
       this.cache!.release(hit)
       hit = null
-      pageTable = this.allocatePages(tokens.length, owner, req.tenant)
+      lease = this.allocatePages(tokens.length, owner, req.tenant)
     }
     let isPinned = false
     try {
-      const numCached = hit ? this.copyHit(hit, pageTable, owner) : 0
+      const numCached = hit ? this.copyHit(hit, lease) : 0
       if (this.cache && !isPlaceholder) {
         this.cacheMetrics!.requests.inc({ outcome: numCached > 0 ? 'hit' : 'miss' })
         this.cacheMetrics!.cachedTokens.inc(numCached)
       }
-      const logits = await this.runPrefill(tokens, pageTable, owner, numCached, signal)
+      const logits = await this.runPrefill(tokens, lease, numCached, signal)
       // Cache the prompt's full pages (those not cached yet) before the transfer, so that a
       // concurrent prompt of the same tenant can hit them already.
-      if (this.cache && !isPlaceholder) this.cache.insert(req.tenant, tokens, pageTable, owner)
+      if (this.cache && !isPlaceholder) this.cache.insert(req.tenant, tokens, lease)
       // The same pipeline as every later token (penalties have no history yet); its
       // log-probabilities go back to the router in the result, the decode worker never sees them.
       const first = new RequestSampler(req.sampling, 'prefill').next(logits)
       const firstTokenId = first.tokenId
-      pool.seal(pageTable, owner)
-      pool.pin(pageTable, owner)
+      pool.seal(lease)
+      pool.pin(lease)
       isPinned = true
       const numPages = pool.pagesFor(numTokens)
       // Faults only: which pages actually go on the wire (default: all of them, in order).
@@ -149,7 +149,7 @@ export class PrefillWorker {
             secret: Buffer.from(req.transferSecret, 'hex'),
             firstTokenId,
             readPage: (ordinal, dst) => {
-              gatherPage(pool, pageTable[ordinal].page, dst)
+              gatherPage(pool, lease.pages[ordinal].page, dst)
               // A placeholder page claims to be full: "the full KV has arrived".
               if (isPlaceholder) return pool.shape.pageSize
               return Math.min(pool.shape.pageSize, numTokens - ordinal * pool.shape.pageSize)
@@ -170,15 +170,15 @@ export class PrefillWorker {
       }
     } finally {
       // The send promise settles only when no more page reads can happen: now the pages may go.
-      if (isPinned) pool.unpin(pageTable, owner)
-      pool.release(pageTable, owner)
+      if (isPinned) pool.unpin(lease)
+      pool.release(lease)
     }
   }
 
   /** Reserve the pages of a prompt of `numTokens` tokens for `owner`; when the pool is short,
    *  evict unpinned prefix-cache pages first. Throws `capacity_exhausted` when even then too few
    *  pages are free (nothing is allocated then). */
-  private allocatePages(numTokens: number, owner: number, tenant: string): PageRef[] {
+  private allocatePages(numTokens: number, owner: number, tenant: string): PageLease {
     const { pool } = this.core
     const numPages = pool.pagesFor(numTokens)
     if (!pool.canAllocate(numPages)) this.cache?.evictFor(numPages)
@@ -187,9 +187,9 @@ export class PrefillWorker {
 
   /** Copy a prefix-cache hit's KV into the request's first pages, then unpin the cached pages
    *  (whether or not the copy succeeded). Returns the prompt tokens it covers. */
-  private copyHit(hit: PrefixHit, pageTable: PageRef[], owner: number): number {
+  private copyHit(hit: PrefixHit, lease: PageLease): number {
     try {
-      this.cache!.copyInto(hit, pageTable, owner)
+      this.cache!.copyInto(hit, lease)
     } finally {
       this.cache!.release(hit)
     }
@@ -202,8 +202,7 @@ export class PrefillWorker {
    *  logits `[vocabSize]`. */
   private async runPrefill(
     tokens: readonly number[],
-    pageTable: PageRef[],
-    owner: number,
+    lease: PageLease,
     numCached: number,
     signal: AbortSignal,
   ): Promise<Float32Array> {
@@ -213,8 +212,7 @@ export class PrefillWorker {
     })
     const logits = await this.prefillLoop.run({
       tokenIds: tokens,
-      pageTable,
-      owner,
+      lease,
       numCached,
       signal,
     })

@@ -14,7 +14,7 @@ import { generateLocal } from '../../src/engine/local-engine.js'
 import { fairShares, PrefillScheduler } from '../../src/engine/prefill-scheduler.js'
 import { createWorkerCore, type WorkerCore } from '../../src/engine/worker-core.js'
 import { GuardError } from '../../src/kv/guards.js'
-import type { PageRef } from '../../src/kv/pool.js'
+import { leasePrefix, type PageLease } from '../../src/kv/pool.js'
 import { forward, forwardBatch, makeRope } from '../../src/model/forward.js'
 import { createTsKernels } from '../../src/model/kernels.js'
 import { makeRandom, sample } from '../../src/model/sampling.js'
@@ -46,9 +46,9 @@ function makeCore(model: Model = wasmModel, numPages = 128): WorkerCore {
   })
 }
 
-function own(core: WorkerCore, numTokens: number): { pageTable: PageRef[]; owner: number } {
+function own(core: WorkerCore, numTokens: number): { lease: PageLease } {
   const owner = core.nextOwner()
-  return { owner, pageTable: core.pool.allocate(core.pool.pagesFor(numTokens), owner, 1) }
+  return { lease: core.pool.allocate(core.pool.pagesFor(numTokens), owner, 1) }
 }
 
 /** Logits of every prompt token and of `steps` greedy decode steps, one sequence at a time. */
@@ -107,7 +107,7 @@ describe('forwardBatch', () => {
     const seqB = own(core, b.length)
     const seqC = own(core, c.length)
     // B's pages were freed and handed to another request: B's page table is stale.
-    core.pool.release(seqB.pageTable, seqB.owner)
+    core.pool.release(seqB.lease)
     own(core, b.length)
     const results = forwardBatch(wasmModel, core.rope, core.pool, [
       { ...seqA, tokenIds: a, startPos: 0, allLogits: true },
@@ -150,10 +150,10 @@ describe('forwardBatch', () => {
       { ...seqB, tokenIds: b, startPos: 16 },
     ])
     assert.deepEqual(results[0], { logits: aloneLogits(wasmModel, a, 0)[0] })
-    const page = seqB.pageTable[0].page
+    const page = seqB.lease.pages[0].page
     assert.equal(
       (results[1] as { error: Error }).error.message,
-      `G5: page ${page} holds 0 tokens; owner ${seqB.owner} reads 16 (unwritten KV)`,
+      `G5: page ${page} holds 0 tokens; owner ${seqB.lease.owner} reads 16 (unwritten KV)`,
     )
   })
 
@@ -189,24 +189,23 @@ function prepare(
   core: WorkerCore,
   spec: Spec,
   hooks: { signal?: AbortSignal; onToken?: (n: number) => void } = {},
-): { seq: DecodeSequence; tokens: number[]; events: DecodeEvent[]; pageTable: PageRef[] } {
+): { seq: DecodeSequence; tokens: number[]; events: DecodeEvent[]; lease: PageLease } {
   const { ids, maxTokens, temperature, seed } = spec
-  const { owner, pageTable } = own(core, ids.length + maxTokens)
-  const logits = forward(core.model, core.rope, core.pool, { pageTable, owner }, ids, 0)
+  const { lease } = own(core, ids.length + maxTokens)
+  const logits = forward(core.model, core.rope, core.pool, { lease }, ids, 0)
   const params = { temperature, topP: 1 }
   const firstTokenId = sample(logits, { ...params, random: makeRandom(seed ?? 0) })
-  core.pool.seal(pageTable.slice(0, Math.floor(ids.length / 16)), owner)
+  core.pool.seal(leasePrefix(lease, Math.floor(ids.length / 16)))
   const random = makeRandom((seed ?? 0) + 1)
   const tokens: number[] = []
   const events: DecodeEvent[] = []
   return {
     tokens,
     events,
-    pageTable,
+    lease,
     seq: {
-      requestId: `r${owner}`,
-      owner,
-      pageTable,
+      requestId: `r${lease.owner}`,
+      lease,
       numPrompt: ids.length,
       maxTokens,
       firstTokenId,
@@ -258,7 +257,7 @@ describe('DecodeScheduler (continuous batching)', () => {
         promptTokens: specs[i].ids.length,
         completionTokens: r.tokens.length,
       })
-      core.pool.release(r.pageTable, r.seq.owner)
+      core.pool.release(r.lease)
     })
     // Six sequences, at most four per step: the batch was full, and the last ones joined later.
     assert.equal(Math.max(...sizes), 4)
@@ -294,7 +293,7 @@ describe('DecodeScheduler (continuous batching)', () => {
           onToken: (n) => {
             // An early-release bug: after its 3rd token, sequence 1's pages go to another request.
             if (i === 1 && n === 3) {
-              core.pool.release(runs[1].pageTable, runs[1].seq.owner)
+              core.pool.release(runs[1].lease)
               own(core, 16)
             }
           },
@@ -419,7 +418,7 @@ describe('PrefillScheduler (chunked prefill)', () => {
     const abort = new AbortController()
     const ok = prompts[3]
     const stale = own(core, 10)
-    core.pool.release(stale.pageTable, stale.owner) // freed: the job's page table is stale
+    core.pool.release(stale.lease) // freed: the job's page table is stale
     const runs = [
       loop.run({ tokenIds: prompts[2], ...own(core, prompts[2].length), signal: abort.signal }),
       loop.run({ tokenIds: prompts[1], ...stale, signal: new AbortController().signal }),
