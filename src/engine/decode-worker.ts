@@ -2,21 +2,21 @@
  *  then generates tokens for many requests at once (continuous batching: decode-scheduler.ts).
  *  Knows token ids, tenants and the transfer receiver's hooks; knows nothing of HTTP, keys or text. */
 import { KvfenceError } from '../errors.js'
-import { leasePrefix, type PageLease } from '../kv/pool.js'
+import { leasePrefix } from '../kv/pool.js'
 import type { BeginInfo, ReceiverHooks, Reservation } from '../transfer/index.js'
 import type { DecodeEvent, GenerateRequest } from './control.js'
 import { DecodeScheduler } from './decode-scheduler.js'
 import { RequestSampler } from './request-sampler.js'
+import { Sequence } from './sequence.js'
 import { failureReason, scatterPage, type WorkerCore } from './worker-core.js'
 
 /** How long a reservation waits for its transfer to begin before it is given up (ms). Only a
  *  transfer that never began may be given up on a timer: its pages cannot be written any more. */
 export const bootstrapTimeoutMs = 30_000
 
-/** A request between reservation and the end of its transfer. */
+/** A sequence between reservation and the end of its transfer. */
 interface Pending {
-  req: GenerateRequest
-  lease: PageLease
+  seq: Sequence
   numPromptPages: number
   secret: Buffer
   state: 'waiting' | 'receiving' | 'received' | 'failed'
@@ -64,13 +64,13 @@ export class DecodeWorker {
     emit: (e: DecodeEvent) => void,
   ): Promise<void> {
     const { pool, model, trips } = this.core
-    const numPrompt = req.promptTokenIds.length
-    const total = numPrompt + req.maxTokens
+    const numPromptTokens = req.promptTokenIds.length
+    const total = numPromptTokens + req.maxTokens
     const limit = Math.min(pool.capacityTokens, model.config.maxPositionEmbeddings)
     if (total > limit && this.core.guards.G3) {
       throw trips.trip(
         'G3',
-        `prompt of ${numPrompt} tokens + max_tokens ${req.maxTokens} exceeds this decode worker's KV capacity of ${limit} tokens`,
+        `prompt of ${numPromptTokens} tokens + max_tokens ${req.maxTokens} exceeds this decode worker's KV capacity of ${limit} tokens`,
         'context_length_exceeded',
       )
     }
@@ -92,6 +92,15 @@ export class DecodeWorker {
       owner,
       this.core.tenantId(req.tenant),
     )
+    const seq = new Sequence({
+      id: req.requestId,
+      tenant: req.tenant,
+      promptTokenIds: req.promptTokenIds,
+      sampling: req.sampling,
+      maxTokens: req.maxTokens,
+      stopTokenIds: new Set(req.stopTokenIds),
+      lease,
+    })
     let released = false
     const release = () => {
       if (released || pool.isPinned(lease)) return
@@ -106,14 +115,21 @@ export class DecodeWorker {
     }
     let received: { firstTokenId: number }
     try {
-      received = await this.awaitTransfer(req, lease, signal, emit, release, releaseNow)
+      received = await this.awaitTransfer(
+        seq,
+        req.transferSecret,
+        signal,
+        emit,
+        release,
+        releaseNow,
+      )
     } catch (err) {
       release() // deferred when a transfer still holds the pages: its abort() releases them.
       throw err
     }
 
     try {
-      await this.decode(req, lease, received.firstTokenId, signal, emit)
+      await this.decode(seq, received.firstTokenId, signal, emit)
     } finally {
       release()
     }
@@ -121,8 +137,8 @@ export class DecodeWorker {
 
   /** Register the reservation, announce it, and wait until its transfer is verified. */
   private awaitTransfer(
-    req: GenerateRequest,
-    lease: PageLease,
+    seq: Sequence,
+    transferSecret: string,
     signal: AbortSignal,
     emit: (e: DecodeEvent) => void,
     release: () => void,
@@ -135,7 +151,7 @@ export class DecodeWorker {
           entry.settle(
             new KvfenceError(
               'transfer_failed',
-              `no transfer for request ${req.requestId} within ${bootstrapTimeoutMs} ms`,
+              `no transfer for request ${seq.id} within ${bootstrapTimeoutMs} ms`,
             ),
           )
       }, bootstrapTimeoutMs)
@@ -152,17 +168,16 @@ export class DecodeWorker {
         }
       }
       const entry: Pending = {
-        req,
-        lease,
-        numPromptPages: pool.pagesFor(req.promptTokenIds.length),
-        secret: Buffer.from(req.transferSecret, 'hex'),
+        seq,
+        numPromptPages: pool.pagesFor(seq.numPromptTokens),
+        secret: Buffer.from(transferSecret, 'hex'),
         state: 'waiting',
         cancel: null,
         releaseNow,
         settle: (result) => {
           clearTimeout(timer)
           signal.removeEventListener('abort', onAbort)
-          this.pending.delete(req.requestId)
+          this.pending.delete(seq.id)
           if (result instanceof KvfenceError) {
             entry.state = 'failed'
             reject(result)
@@ -177,9 +192,9 @@ export class DecodeWorker {
           }
         },
       }
-      this.pending.set(req.requestId, entry)
+      this.pending.set(seq.id, entry)
       signal.addEventListener('abort', onAbort, { once: true })
-      emit({ type: 'reserved', numPages: lease.pages.length })
+      emit({ type: 'reserved', numPages: seq.lease.pages.length })
       if (signal.aborted) onAbort()
     })
   }
@@ -207,13 +222,13 @@ export class DecodeWorker {
         `transfer ${info.transferId}: no reservation waiting for request ${info.requestId}`,
       )
     }
-    const { req, lease } = entry
-    const numPrompt = req.promptTokenIds.length
+    const { seq } = entry
+    const { numPromptTokens } = seq
     if (guards.G4) {
       const problems: string[] = []
-      if (info.tenant !== req.tenant) problems.push(`tenant ${info.tenant} ≠ ${req.tenant}`)
-      if (info.numTokens !== numPrompt)
-        problems.push(`token count ${info.numTokens} ≠ ${numPrompt}`)
+      if (info.tenant !== seq.tenant) problems.push(`tenant ${info.tenant} ≠ ${seq.tenant}`)
+      if (info.numTokens !== numPromptTokens)
+        problems.push(`token count ${info.numTokens} ≠ ${numPromptTokens}`)
       if (info.numPages !== entry.numPromptPages)
         problems.push(`page count ${info.numPages} ≠ ${entry.numPromptPages}`)
       if (info.pageBytes !== pool.pageBytes)
@@ -221,14 +236,14 @@ export class DecodeWorker {
       if (problems.length > 0) {
         const err = trips.trip(
           'G4',
-          `transfer ${info.transferId} does not match request ${req.requestId}: ${problems.join(', ')}`,
+          `transfer ${info.transferId} does not match request ${seq.id}: ${problems.join(', ')}`,
           'transfer_failed',
         )
         entry.settle(err)
         throw err
       }
     }
-    const promptPages = leasePrefix(lease, entry.numPromptPages)
+    const promptPages = leasePrefix(seq.lease, entry.numPromptPages)
     pool.pin(promptPages)
     entry.state = 'receiving'
     if (this.core.hasFault('early-release')) {
@@ -281,7 +296,10 @@ export class DecodeWorker {
         if (guards.G4) {
           // Every prompt position must hold KV that arrived for this request.
           for (let ordinal = 0; ordinal < promptPages.pages.length; ordinal++) {
-            const want = Math.min(pool.shape.pageSize, numPrompt - ordinal * pool.shape.pageSize)
+            const want = Math.min(
+              pool.shape.pageSize,
+              numPromptTokens - ordinal * pool.shape.pageSize,
+            )
             const have = pool.fill[promptPages.pages[ordinal].page]
             if (have !== want) {
               throw trips.trip(
@@ -329,27 +347,21 @@ export class DecodeWorker {
    *  process's decode loop (continuous batching: this request shares each forward step with every
    *  other running request, and a failure of another request never ends this one). */
   private async decode(
-    req: GenerateRequest,
-    lease: PageLease,
+    seq: Sequence,
     firstTokenId: number,
     signal: AbortSignal,
     emit: (e: DecodeEvent) => void,
   ): Promise<void> {
     const { pool } = this.core
-    const numPrompt = req.promptTokenIds.length
     // Full prompt pages are read-only from now on; the last one may still receive generated tokens.
-    pool.seal(leasePrefix(lease, Math.floor(numPrompt / pool.shape.pageSize)))
+    pool.seal(leasePrefix(seq.lease, Math.floor(seq.numPromptTokens / pool.shape.pageSize)))
     // The request's own stream (decode draws with seed + 1, prefill drew with seed), whatever
     // else shares the batch; its penalties count the first token too.
-    const sampler = new RequestSampler(req.sampling, 'decode')
+    const sampler = new RequestSampler(seq.sampling, 'decode')
     sampler.record(firstTokenId)
     await this.decodeLoop().run({
-      requestId: req.requestId,
-      lease,
-      numPrompt,
-      maxTokens: req.maxTokens,
+      seq,
       firstTokenId,
-      stopTokenIds: new Set(req.stopTokenIds),
       sampleNext: (logits) => sampler.next(logits),
       signal,
       emit,

@@ -10,6 +10,7 @@ import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
 import { PrefillScheduler } from './prefill-scheduler.js'
 import { RequestSampler } from './request-sampler.js'
+import { Sequence } from './sequence.js'
 import { failureReason, gatherPage, type WorkerCore } from './worker-core.js'
 
 /** Prompt tokens per prefill step, over all prompts being prefilled: long prompts are prefilled in
@@ -79,15 +80,15 @@ export class PrefillWorker {
    *  momentarily full, `request_aborted` when `signal` fires, `transfer_failed` on a NACK or teardown. */
   async prefill(req: PrefillRequest, signal: AbortSignal): Promise<PrefillResult> {
     const { pool, model, guards, trips } = this.core
-    const numTokens = req.promptTokenIds.length
+    const numPromptTokens = req.promptTokenIds.length
     const limit = Math.min(pool.capacityTokens, model.config.maxPositionEmbeddings)
     let tokens = req.promptTokenIds
     let isPlaceholder = false
-    if (numTokens > limit) {
+    if (numPromptTokens > limit) {
       if (guards.G3 || !this.core.hasFault('placeholder-forward')) {
         throw trips.trip(
           'G3',
-          `prompt of ${numTokens} tokens exceeds this prefill worker's KV capacity of ${limit} tokens`,
+          `prompt of ${numPromptTokens} tokens exceeds this prefill worker's KV capacity of ${limit} tokens`,
           'context_length_exceeded',
         )
       }
@@ -110,6 +111,16 @@ export class PrefillWorker {
       hit = null
       lease = this.allocatePages(tokens.length, owner, req.tenant)
     }
+    // The sequence runs `tokens`; the transfer still announces the request's own prompt length.
+    const seq = new Sequence({
+      id: req.requestId,
+      tenant: req.tenant,
+      promptTokenIds: tokens,
+      sampling: req.sampling,
+      maxTokens: 1,
+      stopTokenIds: new Set(),
+      lease,
+    })
     let isPinned = false
     try {
       const numCached = hit ? this.copyHit(hit, lease) : 0
@@ -117,7 +128,7 @@ export class PrefillWorker {
         this.cacheMetrics!.requests.inc({ outcome: numCached > 0 ? 'hit' : 'miss' })
         this.cacheMetrics!.cachedTokens.inc(numCached)
       }
-      const logits = await this.runPrefill(tokens, lease, numCached, signal)
+      const logits = await this.runPrefill(seq, numCached, signal)
       // Cache the prompt's full pages (those not cached yet) before the transfer, so that a
       // concurrent prompt of the same tenant can hit them already.
       if (this.cache && !isPlaceholder) this.cache.insert(req.tenant, tokens, lease)
@@ -128,7 +139,7 @@ export class PrefillWorker {
       pool.seal(lease)
       pool.pin(lease)
       isPinned = true
-      const numPages = pool.pagesFor(numTokens)
+      const numPages = pool.pagesFor(numPromptTokens)
       // Faults only: which pages actually go on the wire (default: all of them, in order).
       const ordinalsToSend = isPlaceholder
         ? [0]
@@ -143,7 +154,7 @@ export class PrefillWorker {
             transferId: randomBytes(16).toString('hex'),
             requestId: req.requestId,
             tenant: req.tenant,
-            numTokens,
+            numTokens: numPromptTokens,
             numPages,
             pageBytes: pool.pageBytes,
             secret: Buffer.from(req.transferSecret, 'hex'),
@@ -152,7 +163,7 @@ export class PrefillWorker {
               gatherPage(pool, lease.pages[ordinal].page, dst)
               // A placeholder page claims to be full: "the full KV has arrived".
               if (isPlaceholder) return pool.shape.pageSize
-              return Math.min(pool.shape.pageSize, numTokens - ordinal * pool.shape.pageSize)
+              return Math.min(pool.shape.pageSize, numPromptTokens - ordinal * pool.shape.pageSize)
             },
             ordinalsToSend,
             corruptPayload: this.core.hasFault('corrupt-transfer'),
@@ -163,7 +174,7 @@ export class PrefillWorker {
       return {
         requestId: req.requestId,
         numPages,
-        numTokens,
+        numTokens: numPromptTokens,
         firstTokenId,
         ...(first.logprobs === undefined ? {} : { firstTokenLogprobs: first.logprobs }),
         cachedTokens: numCached,
@@ -196,13 +207,12 @@ export class PrefillWorker {
     return hit.numTokens
   }
 
-  /** Chunked prefill over the request's pages in the process's prefill loop, starting after the
+  /** Chunked prefill of `seq` in the process's prefill loop, starting after the
    *  `numCached` tokens already in them: each step runs at most {@link prefillChunkTokens} prompt
    *  tokens, shared fairly with every other prompt being prefilled. Returns the last token's
    *  logits `[vocabSize]`. */
   private async runPrefill(
-    tokens: readonly number[],
-    lease: PageLease,
+    seq: Sequence,
     numCached: number,
     signal: AbortSignal,
   ): Promise<Float32Array> {
@@ -210,12 +220,7 @@ export class PrefillWorker {
     this.prefillLoop ??= new PrefillScheduler(model, rope, pool, {
       maxTokensPerStep: prefillChunkTokens,
     })
-    const logits = await this.prefillLoop.run({
-      tokenIds: tokens,
-      lease,
-      numCached,
-      signal,
-    })
+    const logits = await this.prefillLoop.run({ seq, numCached, signal })
     if (signal.aborted) throw new KvfenceError('request_aborted', 'request aborted during prefill')
     return logits
   }

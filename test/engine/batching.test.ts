@@ -6,12 +6,13 @@
 import assert from 'node:assert/strict'
 import { spawnSync } from 'node:child_process'
 import { describe, it } from 'node:test'
-import { DecodeScheduler, type DecodeSequence } from '../../src/engine/decode-scheduler.js'
+import { DecodeScheduler, type DecodeJob } from '../../src/engine/decode-scheduler.js'
 import type { DecodeEvent, GenerateRequest } from '../../src/engine/control.js'
 import { DecodeWorker } from '../../src/engine/decode-worker.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { fairShares, PrefillScheduler } from '../../src/engine/prefill-scheduler.js'
+import { Sequence } from '../../src/engine/sequence.js'
 import { createWorkerCore, type WorkerCore } from '../../src/engine/worker-core.js'
 import { GuardError } from '../../src/kv/guards.js'
 import { leasePrefix, type PageLease } from '../../src/kv/pool.js'
@@ -49,6 +50,20 @@ function makeCore(model: Model = wasmModel, numPages = 128): WorkerCore {
 function own(core: WorkerCore, numTokens: number): { lease: PageLease } {
   const owner = core.nextOwner()
   return { lease: core.pool.allocate(core.pool.pagesFor(numTokens), owner, 1) }
+}
+
+/** A sequence of prompt `ids` over `lease` (sampling and stop tokens are the loops' callers' concern
+ *  in these tests). */
+function sequenceOf(ids: readonly number[], lease: PageLease, maxTokens = 1): Sequence {
+  return new Sequence({
+    id: `r${lease.owner}`,
+    tenant: 'alpha',
+    promptTokenIds: ids,
+    sampling: { temperature: 0, topP: 1, seed: null },
+    maxTokens,
+    stopTokenIds: new Set(eos),
+    lease,
+  })
 }
 
 /** Logits of every prompt token and of `steps` greedy decode steps, one sequence at a time. */
@@ -189,7 +204,7 @@ function prepare(
   core: WorkerCore,
   spec: Spec,
   hooks: { signal?: AbortSignal; onToken?: (n: number) => void } = {},
-): { seq: DecodeSequence; tokens: number[]; events: DecodeEvent[]; lease: PageLease } {
+): { job: DecodeJob; tokens: number[]; events: DecodeEvent[]; lease: PageLease } {
   const { ids, maxTokens, temperature, seed } = spec
   const { lease } = own(core, ids.length + maxTokens)
   const logits = forward(core.model, core.rope, core.pool, { lease }, ids, 0)
@@ -203,13 +218,9 @@ function prepare(
     tokens,
     events,
     lease,
-    seq: {
-      requestId: `r${lease.owner}`,
-      lease,
-      numPrompt: ids.length,
-      maxTokens,
+    job: {
+      seq: sequenceOf(ids, lease, maxTokens),
       firstTokenId,
-      stopTokenIds: new Set(eos),
       sampleNext: (l) => ({ tokenId: sample(l, { ...params, random }) }),
       signal: hooks.signal ?? new AbortController().signal,
       emit: (e) => {
@@ -247,7 +258,7 @@ describe('DecodeScheduler (continuous batching)', () => {
       onStep: (n) => sizes.push(n),
     })
     const runs = specs.map((s) => prepare(core, s))
-    await Promise.all(runs.map((r) => loop.run(r.seq)))
+    await Promise.all(runs.map((r) => loop.run(r.job)))
     runs.forEach((r, i) => {
       assert.deepEqual(r.tokens, local(specs[i]), `sequence ${i}`)
       const done = r.events.at(-1)
@@ -273,10 +284,10 @@ describe('DecodeScheduler (continuous batching)', () => {
     let joined: Promise<void> | undefined
     const early = prepare(core, specs[5], {
       onToken: (n) => {
-        if (n === 3) joined = loop.run(late.seq) // while the first is mid-decode
+        if (n === 3) joined = loop.run(late.job) // while the first is mid-decode
       },
     })
-    await loop.run(early.seq)
+    await loop.run(early.job)
     await joined
     assert.deepEqual(early.tokens, local(specs[5]))
     assert.deepEqual(late.tokens, local(specs[2]))
@@ -300,7 +311,7 @@ describe('DecodeScheduler (continuous batching)', () => {
         },
       ),
     )
-    const outcomes = await Promise.allSettled(runs.map((r) => loop.run(r.seq)))
+    const outcomes = await Promise.allSettled(runs.map((r) => loop.run(r.job)))
     assert.equal(outcomes[0].status, 'fulfilled')
     assert.equal(outcomes[2].status, 'fulfilled')
     const reason = (outcomes[1] as PromiseRejectedResult).reason as GuardError
@@ -322,7 +333,7 @@ describe('DecodeScheduler (continuous batching)', () => {
       onToken: (n) => n === 2 && abort.abort(),
     })
     const other = prepare(core, specs[4])
-    const [a, b] = await Promise.allSettled([loop.run(aborted.seq), loop.run(other.seq)])
+    const [a, b] = await Promise.allSettled([loop.run(aborted.job), loop.run(other.job)])
     assert.equal(b.status, 'fulfilled')
     assert.equal((a as PromiseRejectedResult).reason.code, 'request_aborted')
     assert.equal(aborted.tokens.length, 2)
@@ -336,10 +347,10 @@ describe('DecodeScheduler (continuous batching)', () => {
       maxWaiting: 1,
     })
     const runs = specs.slice(0, 3).map((s) => prepare(core, { ...s, maxTokens: 8 }))
-    const first = loop.run(runs[0].seq)
-    const second = loop.run(runs[1].seq)
+    const first = loop.run(runs[0].job)
+    const second = loop.run(runs[1].job)
     await new Promise((r) => setImmediate(r)) // the loop admits the first sequence
-    await assert.rejects(loop.run(runs[2].seq), {
+    await assert.rejects(loop.run(runs[2].job), {
       code: 'capacity_exhausted',
       message: 'decode worker busy: 1 sequences running and 1 waiting',
     })
@@ -399,8 +410,7 @@ describe('PrefillScheduler (chunked prefill)', () => {
       ].map(([name, ids]) =>
         loop
           .run({
-            tokenIds: ids as number[],
-            ...own(core, ids.length),
+            seq: sequenceOf(ids as number[], own(core, ids.length).lease),
             signal: new AbortController().signal,
           })
           .then((l) => (order.push(name as string), l)),
@@ -420,9 +430,15 @@ describe('PrefillScheduler (chunked prefill)', () => {
     const stale = own(core, 10)
     core.pool.release(stale.lease) // freed: the job's page table is stale
     const runs = [
-      loop.run({ tokenIds: prompts[2], ...own(core, prompts[2].length), signal: abort.signal }),
-      loop.run({ tokenIds: prompts[1], ...stale, signal: new AbortController().signal }),
-      loop.run({ tokenIds: ok, ...own(core, ok.length), signal: new AbortController().signal }),
+      loop.run({
+        seq: sequenceOf(prompts[2], own(core, prompts[2].length).lease),
+        signal: abort.signal,
+      }),
+      loop.run({ seq: sequenceOf(prompts[1], stale.lease), signal: new AbortController().signal }),
+      loop.run({
+        seq: sequenceOf(ok, own(core, ok.length).lease),
+        signal: new AbortController().signal,
+      }),
     ]
     setImmediate(() => abort.abort())
     const [a, b, c] = await Promise.allSettled(runs)
