@@ -28,10 +28,9 @@ export function generateLocal(
   promptTokenIds: readonly number[],
   opts: { maxTokens: number; sampling: Sampling; stopTokenIds: readonly number[]; tenant?: string },
 ): LocalResult {
-  const { pool, model, rope } = core
+  const { pool, model, rope, maxSequenceTokens: limit } = core
   const numPromptTokens = promptTokenIds.length
   const total = numPromptTokens + opts.maxTokens
-  const limit = Math.min(pool.capacityTokens, model.config.maxPositionEmbeddings)
   if (total > limit) {
     throw new KvfenceError(
       'context_length_exceeded',

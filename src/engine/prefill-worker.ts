@@ -79,9 +79,8 @@ export class PrefillWorker {
    *  pool (G3: a terminal rejection, never a substitution), `capacity_exhausted` when the pool is
    *  momentarily full, `request_aborted` when `signal` fires, `transfer_failed` on a NACK or teardown. */
   async prefill(req: PrefillRequest, signal: AbortSignal): Promise<PrefillResult> {
-    const { pool, model, guards, trips } = this.core
+    const { pool, model, guards, trips, maxSequenceTokens: limit } = this.core
     const numPromptTokens = req.promptTokenIds.length
-    const limit = Math.min(pool.capacityTokens, model.config.maxPositionEmbeddings)
     let tokens = req.promptTokenIds
     let isPlaceholder = false
     if (numPromptTokens > limit) {
