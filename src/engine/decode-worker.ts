@@ -101,10 +101,10 @@ interface AwaitTransferOptions {
 
 /** Options of {@link DecodeWorker}. */
 export interface DecodeWorkerOptions {
-  /** Most sequences per decode step (`--max-batch`); default `defaultMaxBatch` (32) of
+  /** Most sequences per decode step (`--max-batch`); default `defaultMaxBatch` of
    *  decode-scheduler.ts. */
   maxBatch?: number
-  /** Most verified sequences waiting for a batch slot; default `defaultMaxWaiting` (256). */
+  /** Most verified sequences waiting for a batch slot; default `defaultMaxWaiting` there. */
   maxWaiting?: number
 }
 
