@@ -173,14 +173,12 @@ function repeatOf(model: Model, o: Options): () => Rates {
   )
   const rope = makeRope(model)
   const ids = Array.from({ length: prefillTokens }, (_, i) => (i * 7919 + 13) % c.vocabSize)
-  const run = (
-    fn: (seq: { pageTable: ReturnType<KvPool['allocate']>; owner: number }) => [number, number],
-  ) => {
-    const pageTable = pool.allocate(pool.shape.numPages, 1, 1)
+  const run = (fn: (seq: { lease: ReturnType<KvPool['allocate']> }) => [number, number]) => {
+    const lease = pool.allocate(pool.shape.numPages, 1, 1)
     try {
-      return fn({ pageTable, owner: 1 })
+      return fn({ lease })
     } finally {
-      pool.release(pageTable, 1)
+      pool.release(lease)
     }
   }
   const seconds = (t0: bigint) => Number(process.hrtime.bigint() - t0) / 1e9
@@ -256,8 +254,7 @@ function decodeBatch(
   steps: number,
 ): [number, number] {
   const seqs = Array.from({ length: batchSize }, (_, i) => ({
-    owner: i + 1,
-    pageTable: pool.allocate(pool.pagesFor(prompt.length + steps), i + 1, 1),
+    lease: pool.allocate(pool.pagesFor(prompt.length + steps), i + 1, 1),
   }))
   try {
     for (const seq of seqs) forward(model, rope, pool, seq, prompt, 0)
@@ -277,7 +274,7 @@ function decodeBatch(
     }
     return [batchSize * steps, Number(process.hrtime.bigint() - t0) / 1e9]
   } finally {
-    for (const seq of seqs) pool.release(seq.pageTable, seq.owner)
+    for (const seq of seqs) pool.release(seq.lease)
   }
 }
 

@@ -64,18 +64,18 @@ async function runChild(): Promise<void> {
   const server = new TransferServer({
     secretFor: () => secret,
     begin: () => {
-      const table = pool.allocate(numPages, 1, 1)
-      pool.pin(table, 1)
+      const lease = pool.allocate(numPages, 1, 1)
+      pool.pin(lease)
       // As on a real decode worker, the pages are freed (and scrubbed) later, not before the ACK.
       const done = () => {
-        pool.unpin(table, 1)
-        setImmediate(() => pool.release(table, 1))
+        pool.unpin(lease)
+        setImmediate(() => pool.release(lease))
       }
       return {
         pageSize: shape.pageSize,
         writePage: (ordinal, tokens, payload) => {
-          pool.noteWrite(table, 1, ordinal * shape.pageSize, tokens)
-          scatterPage(pool, table[ordinal].page, payload)
+          pool.noteWrite(lease, ordinal * shape.pageSize, tokens)
+          scatterPage(pool, lease.pages[ordinal].page, payload)
         },
         complete: done,
         abort: done,

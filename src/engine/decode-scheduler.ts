@@ -2,14 +2,15 @@
  *  batched forward pass over every running sequence, samples a token for each, and yields to the
  *  event loop. Sequences join between steps (once their transfer is verified) and leave between
  *  steps (done, aborted or failed); a guard error in one sequence ends that sequence only.
- *  Knows sequences, page tables and token ids; knows nothing of transfers, HTTP, tenants or text. */
+ *  Knows sequences and token ids; knows nothing of transfers, HTTP, tenants or text. */
 import { setImmediate as yieldToLoop } from 'node:timers/promises'
 import { KvfenceError } from '../errors.js'
-import type { KvPool, PageRef } from '../kv/pool.js'
+import type { KvPool } from '../kv/pool.js'
 import { forwardBatch, type Rope } from '../model/forward.js'
 import type { Model } from '../model/weights.js'
 import type { DecodeEvent } from './control.js'
 import type { SampledToken } from './request-sampler.js'
+import type { Sequence } from './sequence.js'
 
 /** Default most sequences per decode step (`kvfence decode --max-batch`). */
 export const defaultMaxBatch = 32
@@ -27,21 +28,13 @@ export interface DecodeSchedulerOptions {
   onStep?: (numSequences: number) => void
 }
 
-/** A sequence ready to decode: its prompt KV is in its pages and verified, the first token sampled. */
-export interface DecodeSequence {
-  /** For error messages only. */
-  requestId: string
-  /** Request slot owning the pages. */
-  owner: number
-  /** Pages for prompt + generated tokens; ordinal i holds positions [i × pageSize, (i+1) × pageSize). */
-  pageTable: readonly PageRef[]
-  /** Prompt tokens already in the pages. */
-  numPrompt: number
-  /** Tokens to generate at most, the first one included. */
-  maxTokens: number
+/** A sequence ready to decode (its prompt KV is in its leased pages and verified, the first token
+ *  sampled), and how the loop talks back to its request. */
+export interface DecodeJob {
+  /** Its lease holds the prompt's pages and room for generated tokens. */
+  seq: Sequence
   /** The first generated token (sampled by the prefill worker). */
   firstTokenId: number
-  stopTokenIds: ReadonlySet<number>
   /** Picks the next token from `[vocabSize]` logits with this sequence's own random stream (and
    *  its own counts of generated tokens, for the penalties: see engine/request-sampler.ts), with
    *  its log-probabilities when the request asked for them. */
@@ -54,13 +47,11 @@ export interface DecodeSequence {
 
 /** A sequence in the loop. */
 interface Running {
-  seq: DecodeSequence
+  job: DecodeJob
   lastToken: number
   /** Of `lastToken`, when asked for (never for the first token: prefill reports those). */
   lastLogprobs: SampledToken['logprobs']
   numGenerated: number
-  /** Positions the page table holds. */
-  capacity: number
   resolve: () => void
   reject: (err: Error) => void
 }
@@ -114,12 +105,12 @@ export class DecodeScheduler {
     )
   }
 
-  /** Emit the first token, then decode `seq` in the shared loop until it stops. Resolves once its
+  /** Emit the first token, then decode `job.seq` in the shared loop until it stops. Resolves once its
    *  `done` event was emitted; rejects with `request_aborted` when its signal fires, with a guard
    *  error (G5) when a read of its pages is refused, with `internal_error` when its logits cannot be
    *  sampled, and with `capacity_exhausted` (nothing emitted) when too many sequences wait. The
    *  caller releases the pages once this settles: no step touches them afterwards. */
-  run(seq: DecodeSequence): Promise<void> {
+  run(job: DecodeJob): Promise<void> {
     if (!this.hasRoomFor(1)) {
       return Promise.reject(
         new KvfenceError(
@@ -130,11 +121,10 @@ export class DecodeScheduler {
     }
     return new Promise<void>((resolve, reject) => {
       const r: Running = {
-        seq,
-        lastToken: seq.firstTokenId,
+        job,
+        lastToken: job.firstTokenId,
         lastLogprobs: undefined,
         numGenerated: 1,
-        capacity: seq.pageTable.length * this.pool.shape.pageSize,
         resolve,
         reject,
       }
@@ -169,7 +159,7 @@ export class DecodeScheduler {
   /** One forward step over the batch, one token for each sequence. */
   private step(): void {
     for (const r of [...this.running, ...this.waiting]) {
-      if (r.seq.signal.aborted)
+      if (r.job.signal.aborted)
         this.fail(r, new KvfenceError('request_aborted', 'request aborted by the router'))
     }
     const batch = [...this.running]
@@ -180,12 +170,9 @@ export class DecodeScheduler {
         this.model,
         this.rope,
         this.pool,
-        batch.map((r) => ({
-          pageTable: r.seq.pageTable,
-          owner: r.seq.owner,
-          tokenIds: [r.lastToken],
-          startPos: r.seq.numPrompt + r.numGenerated - 1,
-        })),
+        batch.map((r) =>
+          r.job.seq.forwardInput([r.lastToken], r.job.seq.numPromptTokens + r.numGenerated - 1),
+        ),
       )
     } catch (err) {
       // Not any one sequence's fault (e.g. the kernels' memory is full): every sequence of the step fails.
@@ -202,7 +189,7 @@ export class DecodeScheduler {
         continue
       }
       try {
-        const next = r.seq.sampleNext(result.logits)
+        const next = r.job.sampleNext(result.logits)
         r.lastToken = next.tokenId
         r.lastLogprobs = next.logprobs
       } catch (err) {
@@ -216,21 +203,23 @@ export class DecodeScheduler {
 
   /** Emit `r`'s last token, and `done` when it was the last one. Returns whether `r` goes on. */
   private emitToken(r: Running): boolean {
-    const { seq } = r
+    const { job } = r
+    const { seq } = job
     try {
-      seq.emit(
+      job.emit(
         r.lastLogprobs === undefined
           ? { type: 'token', tokenId: r.lastToken }
           : { type: 'token', tokenId: r.lastToken, logprobs: r.lastLogprobs },
       )
       const isStop = seq.stopTokenIds.has(r.lastToken)
-      // The next step would write position numPrompt + numGenerated - 1.
-      const isFull = seq.numPrompt + r.numGenerated - 1 >= r.capacity
+      // The next step would write position numPromptTokens + numGenerated - 1.
+      const position = seq.numPromptTokens + r.numGenerated - 1
+      const isFull = position >= seq.capacityTokens(this.pool.shape.pageSize)
       if (!isStop && r.numGenerated < seq.maxTokens && !isFull) return true
-      seq.emit({
+      job.emit({
         type: 'done',
         finishReason: isStop ? 'stop' : 'length',
-        promptTokens: seq.numPrompt,
+        promptTokens: seq.numPromptTokens,
         completionTokens: r.numGenerated,
       })
     } catch (err) {

@@ -6,6 +6,7 @@ import { forward } from '../model/forward.js'
 import type { TokenLogprobs } from '../model/sampling.js'
 import type { Sampling } from './control.js'
 import { RequestSampler } from './request-sampler.js'
+import { Sequence } from './sequence.js'
 import type { WorkerCore } from './worker-core.js'
 
 /** What {@link generateLocal} returns. */
@@ -27,33 +28,36 @@ export function generateLocal(
   promptTokenIds: readonly number[],
   opts: { maxTokens: number; sampling: Sampling; stopTokenIds: readonly number[]; tenant?: string },
 ): LocalResult {
-  const { pool, model, rope } = core
-  const total = promptTokenIds.length + opts.maxTokens
-  const limit = Math.min(pool.capacityTokens, model.config.maxPositionEmbeddings)
+  const { pool, model, rope, maxSequenceTokens: limit } = core
+  const numPromptTokens = promptTokenIds.length
+  const total = numPromptTokens + opts.maxTokens
   if (total > limit) {
     throw new KvfenceError(
       'context_length_exceeded',
-      `prompt of ${promptTokenIds.length} tokens + max_tokens ${opts.maxTokens} exceeds ${limit} tokens`,
+      `prompt of ${numPromptTokens} tokens + max_tokens ${opts.maxTokens} exceeds ${limit} tokens`,
       'max_tokens',
     )
   }
-  const owner = core.nextOwner()
-  const pageTable = pool.allocate(
-    pool.pagesFor(total),
-    owner,
-    core.tenantId(opts.tenant ?? 'local'),
-  )
+  const tenant = opts.tenant ?? 'local'
+  const seq = new Sequence({
+    id: 'local',
+    tenant,
+    promptTokenIds,
+    sampling: opts.sampling,
+    maxTokens: opts.maxTokens,
+    stopTokenIds: new Set(opts.stopTokenIds),
+    lease: pool.allocate(pool.pagesFor(total), core.nextOwner(), core.tenantId(tenant)),
+  })
   try {
-    const seq = { pageTable, owner }
     let logits = forward(model, rope, pool, seq, promptTokenIds, 0)
-    const first = new RequestSampler(opts.sampling, 'prefill').next(logits)
+    const first = new RequestSampler(seq.sampling, 'prefill').next(logits)
     const out = [first]
-    const decode = new RequestSampler(opts.sampling, 'decode')
+    const decode = new RequestSampler(seq.sampling, 'decode')
     decode.record(first.tokenId)
-    const stop = new Set(opts.stopTokenIds)
+    const stop = seq.stopTokenIds
     let token = first.tokenId
-    while (out.length < opts.maxTokens && !stop.has(token)) {
-      logits = forward(model, rope, pool, seq, [token], promptTokenIds.length + out.length - 1)
+    while (out.length < seq.maxTokens && !stop.has(token)) {
+      logits = forward(model, rope, pool, seq, [token], numPromptTokens + out.length - 1)
       const next = decode.next(logits)
       token = next.tokenId
       out.push(next)
@@ -64,6 +68,6 @@ export function generateLocal(
       ...(opts.sampling.numLogprobs == null ? {} : { logprobs: out.map((t) => t.logprobs!) }),
     }
   } finally {
-    pool.release(pageTable, owner)
+    pool.release(seq.lease)
   }
 }

@@ -3,12 +3,13 @@
  *  fairly among every prompt being prefilled, and yields to the event loop between steps. So a
  *  long prompt never holds the worker for more than one step, and a short prompt that arrives
  *  behind it is done within a few steps instead of waiting for the long one.
- *  Knows prompts, page tables and token ids; knows nothing of transfers, HTTP, tenants or text. */
+ *  Knows sequences and token ids; knows nothing of transfers, HTTP, tenants or text. */
 import { setImmediate as yieldToLoop } from 'node:timers/promises'
 import { KvfenceError } from '../errors.js'
-import type { KvPool, PageRef } from '../kv/pool.js'
+import type { KvPool } from '../kv/pool.js'
 import { forwardBatch, type Rope } from '../model/forward.js'
 import type { Model } from '../model/weights.js'
+import type { Sequence } from './sequence.js'
 
 /** Options of {@link PrefillScheduler}. */
 export interface PrefillSchedulerOptions {
@@ -18,14 +19,12 @@ export interface PrefillSchedulerOptions {
   onStep?: (numTokensPerPrompt: number[]) => void
 }
 
-/** A prompt to prefill into pages its owner holds. */
+/** A sequence whose prompt to prefill into its leased pages. */
 export interface PrefillJob {
-  tokenIds: readonly number[]
-  /** At least `pool.pagesFor(tokenIds.length)` pages, reserved for `owner`. */
-  pageTable: readonly PageRef[]
-  owner: number
+  /** Its lease holds at least `pool.pagesFor(seq.numPromptTokens)` pages. */
+  seq: Sequence
   /** Leading tokens whose KV the pages already hold (a prefix-cache hit; default 0); prefill starts
-   *  after them. Must be below `tokenIds.length`: the last token is always computed. */
+   *  after them. Must be below `seq.numPromptTokens`: the last token is always computed. */
   numCached?: number
   /** Aborts the job at the next step boundary (`request_aborted`). */
   signal: AbortSignal
@@ -66,21 +65,22 @@ export class PrefillScheduler {
     return this.active.length
   }
 
-  /** Prefill `job.tokenIds` into its pages; resolves with the last token's logits `[vocabSize]`.
+  /** Prefill `job.seq`'s prompt into its pages; resolves with the last token's logits `[vocabSize]`.
    *  Rejects with `request_aborted` when its signal fires, a guard error (G5) when a write or read
    *  of its pages is refused; no step touches its pages once the promise settled. */
   run(job: PrefillJob): Promise<Float32Array> {
+    const { numPromptTokens } = job.seq
     return new Promise((resolve, reject) => {
-      if (job.tokenIds.length === 0) {
+      if (numPromptTokens === 0) {
         reject(new KvfenceError('invalid_request', 'nothing to prefill: the prompt is empty'))
         return
       }
       const numCached = job.numCached ?? 0
-      if (!Number.isInteger(numCached) || numCached < 0 || numCached >= job.tokenIds.length) {
+      if (!Number.isInteger(numCached) || numCached < 0 || numCached >= numPromptTokens) {
         reject(
           new KvfenceError(
             'internal_error',
-            `cached tokens ${numCached} out of range for a prompt of ${job.tokenIds.length}`,
+            `cached tokens ${numCached} out of range for a prompt of ${numPromptTokens}`,
           ),
         )
         return
@@ -116,7 +116,7 @@ export class PrefillScheduler {
     }
     if (this.active.length === 0) return
     const shares = fairShares(
-      this.active.map((a) => a.job.tokenIds.length - a.numDone),
+      this.active.map((a) => a.job.seq.numPromptTokens - a.numDone),
       this.options.maxTokensPerStep,
       this.turn++,
     )
@@ -129,12 +129,12 @@ export class PrefillScheduler {
         this.model,
         this.rope,
         this.pool,
-        chunks.map(({ a, numTokens }) => ({
-          pageTable: a.job.pageTable,
-          owner: a.job.owner,
-          tokenIds: a.job.tokenIds.slice(a.numDone, a.numDone + numTokens),
-          startPos: a.numDone,
-        })),
+        chunks.map(({ a, numTokens }) =>
+          a.job.seq.forwardInput(
+            a.job.seq.promptTokenIds.slice(a.numDone, a.numDone + numTokens),
+            a.numDone,
+          ),
+        ),
       )
     } catch (err) {
       const e = new KvfenceError('internal_error', `prefill step failed: ${String(err)}`)
@@ -150,7 +150,7 @@ export class PrefillScheduler {
         continue
       }
       a.numDone += numTokens
-      if (a.numDone === a.job.tokenIds.length) this.settle(a, result.logits)
+      if (a.numDone === a.job.seq.numPromptTokens) this.settle(a, result.logits)
     }
   }
 

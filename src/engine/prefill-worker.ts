@@ -4,12 +4,13 @@
 import { randomBytes } from 'node:crypto'
 import { Counter, Gauge } from 'prom-client'
 import { KvfenceError } from '../errors.js'
-import type { PageRef } from '../kv/pool.js'
+import type { PageLease } from '../kv/pool.js'
 import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
 import { PrefillScheduler } from './prefill-scheduler.js'
-import { RequestSampler } from './request-sampler.js'
+import { RequestSampler, type SampledToken } from './request-sampler.js'
+import { Sequence } from './sequence.js'
 import { failureReason, gatherPage, type WorkerCore } from './worker-core.js'
 
 /** Prompt tokens per prefill step, over all prompts being prefilled: long prompts are prefilled in
@@ -21,7 +22,7 @@ export interface PrefillWorkerOptions {
   /** Pages per PAGES frame (G9). */
   maxPagesPerFrame?: number
   /** A transfer making no progress (no frame sent, or no ACK after END) for this long fails with
-   *  `transfer_failed` (reason `stalled`), ms. Default: the sender's (30 000). Until then the pages
+   *  `transfer_failed` (reason `stalled`), ms. Default: the transfer sender's. Until then the pages
    *  stay pinned: P never frees them on a timer while the transfer may still read them (G7). */
   transferTimeoutMs?: number
   /** Most pages of the KV pool the prefix cache may hold; 0 (the default) turns it off. */
@@ -78,107 +79,160 @@ export class PrefillWorker {
    *  pool (G3: a terminal rejection, never a substitution), `capacity_exhausted` when the pool is
    *  momentarily full, `request_aborted` when `signal` fires, `transfer_failed` on a NACK or teardown. */
   async prefill(req: PrefillRequest, signal: AbortSignal): Promise<PrefillResult> {
-    const { pool, model, guards, trips } = this.core
-    const numTokens = req.promptTokenIds.length
-    const limit = Math.min(pool.capacityTokens, model.config.maxPositionEmbeddings)
-    let tokens = req.promptTokenIds
-    let isPlaceholder = false
-    if (numTokens > limit) {
-      if (guards.G3 || !this.core.hasFault('placeholder-forward')) {
-        throw trips.trip(
-          'G3',
-          `prompt of ${numTokens} tokens exceeds this prefill worker's KV capacity of ${limit} tokens`,
-          'context_length_exceeded',
-        )
+    const { pool } = this.core
+    const { tokens, isPlaceholder } = this.promptToRun(req)
+    const { seq, hit } = this.leaseFor(req, tokens, isPlaceholder)
+    let isPinned = false
+    try {
+      const { first, numCached } = await this.firstToken(seq, hit, isPlaceholder, signal)
+      pool.seal(seq.lease)
+      pool.pin(seq.lease)
+      isPinned = true
+      const numPages = await this.sendKv(req, seq, first.tokenId, isPlaceholder, signal)
+      return {
+        requestId: req.requestId,
+        numPages,
+        numTokens: req.promptTokenIds.length,
+        firstTokenId: first.tokenId,
+        ...(first.logprobs === undefined ? {} : { firstTokenLogprobs: first.logprobs }),
+        cachedTokens: numCached,
       }
-      // The incident (fault injection only): the rejected prompt becomes a one-token placeholder.
-      tokens = [model.config.bosTokenId ?? 0]
-      isPlaceholder = true
+    } finally {
+      // The send promise settles only when no more page reads can happen: now the pages may go.
+      if (isPinned) pool.unpin(seq.lease)
+      pool.release(seq.lease)
     }
+  }
 
+  /** The prompt this worker runs: the request's own, or (fault `placeholder-forward` with G3 off)
+   *  a one-token placeholder for one over capacity. Throws G3 `context_length_exceeded` otherwise. */
+  private promptToRun(req: PrefillRequest): {
+    tokens: readonly number[]
+    isPlaceholder: boolean
+  } {
+    const { guards, trips, maxSequenceTokens: limit } = this.core
+    const numPromptTokens = req.promptTokenIds.length
+    if (numPromptTokens <= limit) return { tokens: req.promptTokenIds, isPlaceholder: false }
+    if (guards.G3 || !this.core.hasFault('placeholder-forward')) {
+      throw trips.trip(
+        'G3',
+        `prompt of ${numPromptTokens} tokens exceeds this prefill worker's KV capacity of ${limit} tokens`,
+        'context_length_exceeded',
+      )
+    }
+    // The incident (fault injection only): the rejected prompt becomes a one-token placeholder.
+    return { tokens: [this.core.model.config.bosTokenId ?? 0], isPlaceholder: true }
+  }
+
+  /** Lease pages for `tokens` (evicting prefix-cache pages when short) and make the sequence; look
+   *  the prompt up in the prefix cache first, and give the hit up when the pool has no room while
+   *  it is pinned. Throws `capacity_exhausted` when the pool is full even then. */
+  private leaseFor(
+    req: PrefillRequest,
+    tokens: readonly number[],
+    isPlaceholder: boolean,
+  ): { seq: Sequence; hit: PrefixHit | null } {
     const owner = this.core.nextOwner()
     // The tenant is the one the router authenticated, so the cache's salt is the server's choice.
     let hit = isPlaceholder ? null : (this.cache?.lookup(req.tenant, tokens) ?? null)
-    let pageTable: PageRef[]
+    let lease: PageLease
     try {
-      pageTable = this.allocatePages(tokens.length, owner, req.tenant)
+      lease = this.allocatePages(tokens.length, owner, req.tenant)
     } catch (err) {
       if (!hit) throw err
       // The hit's pages are pinned while we copy from them, so they cannot be evicted to make
       // room; a prompt that needs the whole pool goes without the cache instead of failing.
       this.cache!.release(hit)
       hit = null
-      pageTable = this.allocatePages(tokens.length, owner, req.tenant)
+      lease = this.allocatePages(tokens.length, owner, req.tenant)
     }
-    let isPinned = false
-    try {
-      const numCached = hit ? this.copyHit(hit, pageTable, owner) : 0
-      if (this.cache && !isPlaceholder) {
-        this.cacheMetrics!.requests.inc({ outcome: numCached > 0 ? 'hit' : 'miss' })
-        this.cacheMetrics!.cachedTokens.inc(numCached)
-      }
-      const logits = await this.runPrefill(tokens, pageTable, owner, numCached, signal)
-      // Cache the prompt's full pages (those not cached yet) before the transfer, so that a
-      // concurrent prompt of the same tenant can hit them already.
-      if (this.cache && !isPlaceholder) this.cache.insert(req.tenant, tokens, pageTable, owner)
-      // The same pipeline as every later token (penalties have no history yet); its
-      // log-probabilities go back to the router in the result, the decode worker never sees them.
-      const first = new RequestSampler(req.sampling, 'prefill').next(logits)
-      const firstTokenId = first.tokenId
-      pool.seal(pageTable, owner)
-      pool.pin(pageTable, owner)
-      isPinned = true
-      const numPages = pool.pagesFor(numTokens)
-      // Faults only: which pages actually go on the wire (default: all of them, in order).
-      const ordinalsToSend = isPlaceholder
-        ? [0]
-        : this.core.hasFault('truncate-transfer')
-          ? Array.from({ length: Math.max(1, numPages - 1) }, (_, i) => i)
-          : undefined
-      const client = this.clientFor(req.decode.host, req.decode.port)
-      await this.countTransfer(
-        ordinalsToSend?.length ?? numPages,
-        client.send(
-          {
-            transferId: randomBytes(16).toString('hex'),
-            requestId: req.requestId,
-            tenant: req.tenant,
-            numTokens,
-            numPages,
-            pageBytes: pool.pageBytes,
-            secret: Buffer.from(req.transferSecret, 'hex'),
-            firstTokenId,
-            readPage: (ordinal, dst) => {
-              gatherPage(pool, pageTable[ordinal].page, dst)
-              // A placeholder page claims to be full: "the full KV has arrived".
-              if (isPlaceholder) return pool.shape.pageSize
-              return Math.min(pool.shape.pageSize, numTokens - ordinal * pool.shape.pageSize)
-            },
-            ordinalsToSend,
-            corruptPayload: this.core.hasFault('corrupt-transfer'),
+    // The sequence runs `tokens`; the transfer still announces the request's own prompt length.
+    const seq = new Sequence({
+      id: req.requestId,
+      tenant: req.tenant,
+      promptTokenIds: tokens,
+      sampling: req.sampling,
+      maxTokens: 1,
+      stopTokenIds: new Set(),
+      lease,
+    })
+    return { seq, hit }
+  }
+
+  /** Copy the prefix-cache hit, prefill the rest, cache the prompt's full pages, and sample the
+   *  first token. Returns it with the prompt tokens the cache covered. */
+  private async firstToken(
+    seq: Sequence,
+    hit: PrefixHit | null,
+    isPlaceholder: boolean,
+    signal: AbortSignal,
+  ): Promise<{ first: SampledToken; numCached: number }> {
+    const numCached = hit ? this.copyHit(hit, seq.lease) : 0
+    if (this.cache && !isPlaceholder) {
+      this.cacheMetrics!.requests.inc({ outcome: numCached > 0 ? 'hit' : 'miss' })
+      this.cacheMetrics!.cachedTokens.inc(numCached)
+    }
+    const logits = await this.runPrefill(seq, numCached, signal)
+    // Cache the prompt's full pages (those not cached yet) before the transfer, so that a
+    // concurrent prompt of the same tenant can hit them already.
+    if (this.cache && !isPlaceholder) this.cache.insert(seq.tenant, seq.promptTokenIds, seq.lease)
+    // The same pipeline as every later token (penalties have no history yet); its
+    // log-probabilities go back to the router in the result, the decode worker never sees them.
+    const first = new RequestSampler(seq.sampling, 'prefill').next(logits)
+    return { first, numCached }
+  }
+
+  /** Send the sealed, pinned prompt pages to the decode worker; resolves once it acknowledged
+   *  them, with the number of pages the manifest announced. */
+  private async sendKv(
+    req: PrefillRequest,
+    seq: Sequence,
+    firstTokenId: number,
+    isPlaceholder: boolean,
+    signal: AbortSignal,
+  ): Promise<number> {
+    const { pool } = this.core
+    const { pageSize } = pool.shape
+    const numPromptTokens = req.promptTokenIds.length
+    const numPages = pool.pagesFor(numPromptTokens)
+    // Faults only: which pages actually go on the wire (default: all of them, in order).
+    const ordinalsToSend = isPlaceholder
+      ? [0]
+      : this.core.hasFault('truncate-transfer')
+        ? Array.from({ length: Math.max(1, numPages - 1) }, (_, i) => i)
+        : undefined
+    const client = this.clientFor(req.decode.host, req.decode.port)
+    await this.countTransfer(
+      ordinalsToSend?.length ?? numPages,
+      client.send(
+        {
+          transferId: randomBytes(16).toString('hex'),
+          requestId: req.requestId,
+          tenant: req.tenant,
+          numTokens: numPromptTokens,
+          numPages,
+          pageBytes: pool.pageBytes,
+          secret: Buffer.from(req.transferSecret, 'hex'),
+          firstTokenId,
+          readPage: (ordinal, dst) => {
+            gatherPage(pool, seq.lease.pages[ordinal].page, dst)
+            // A placeholder page claims to be full: "the full KV has arrived".
+            if (isPlaceholder) return pageSize
+            return Math.min(pageSize, numPromptTokens - ordinal * pageSize)
           },
-          signal,
-        ),
-      )
-      return {
-        requestId: req.requestId,
-        numPages,
-        numTokens,
-        firstTokenId,
-        ...(first.logprobs === undefined ? {} : { firstTokenLogprobs: first.logprobs }),
-        cachedTokens: numCached,
-      }
-    } finally {
-      // The send promise settles only when no more page reads can happen: now the pages may go.
-      if (isPinned) pool.unpin(pageTable, owner)
-      pool.release(pageTable, owner)
-    }
+          ordinalsToSend,
+          corruptPayload: this.core.hasFault('corrupt-transfer'),
+        },
+        signal,
+      ),
+    )
+    return numPages
   }
 
   /** Reserve the pages of a prompt of `numTokens` tokens for `owner`; when the pool is short,
    *  evict unpinned prefix-cache pages first. Throws `capacity_exhausted` when even then too few
    *  pages are free (nothing is allocated then). */
-  private allocatePages(numTokens: number, owner: number, tenant: string): PageRef[] {
+  private allocatePages(numTokens: number, owner: number, tenant: string): PageLease {
     const { pool } = this.core
     const numPages = pool.pagesFor(numTokens)
     if (!pool.canAllocate(numPages)) this.cache?.evictFor(numPages)
@@ -187,23 +241,21 @@ export class PrefillWorker {
 
   /** Copy a prefix-cache hit's KV into the request's first pages, then unpin the cached pages
    *  (whether or not the copy succeeded). Returns the prompt tokens it covers. */
-  private copyHit(hit: PrefixHit, pageTable: PageRef[], owner: number): number {
+  private copyHit(hit: PrefixHit, lease: PageLease): number {
     try {
-      this.cache!.copyInto(hit, pageTable, owner)
+      this.cache!.copyInto(hit, lease)
     } finally {
       this.cache!.release(hit)
     }
     return hit.numTokens
   }
 
-  /** Chunked prefill over the request's pages in the process's prefill loop, starting after the
+  /** Chunked prefill of `seq` in the process's prefill loop, starting after the
    *  `numCached` tokens already in them: each step runs at most {@link prefillChunkTokens} prompt
    *  tokens, shared fairly with every other prompt being prefilled. Returns the last token's
    *  logits `[vocabSize]`. */
   private async runPrefill(
-    tokens: readonly number[],
-    pageTable: PageRef[],
-    owner: number,
+    seq: Sequence,
     numCached: number,
     signal: AbortSignal,
   ): Promise<Float32Array> {
@@ -211,13 +263,7 @@ export class PrefillWorker {
     this.prefillLoop ??= new PrefillScheduler(model, rope, pool, {
       maxTokensPerStep: prefillChunkTokens,
     })
-    const logits = await this.prefillLoop.run({
-      tokenIds: tokens,
-      pageTable,
-      owner,
-      numCached,
-      signal,
-    })
+    const logits = await this.prefillLoop.run({ seq, numCached, signal })
     if (signal.aborted) throw new KvfenceError('request_aborted', 'request aborted during prefill')
     return logits
   }

@@ -26,6 +26,9 @@ export interface WorkerCore {
   model: Model
   rope: Rope
   pool: KvPool
+  /** Most tokens one sequence (prompt + generated) may span on this worker: the pool's effective
+   *  capacity or the model's positions, whichever is smaller. What every worker re-checks (G3). */
+  maxSequenceTokens: number
   guards: Guards
   trips: GuardTrips
   hasFault(name: FaultName): boolean
@@ -141,6 +144,7 @@ export function createWorkerCore(opts: WorkerCoreOptions): WorkerCore {
     model: opts.model,
     rope: makeRope(opts.model, opts.numPages * opts.pageSize), // no position beyond the pool
     pool,
+    maxSequenceTokens: Math.min(pool.capacityTokens, config.maxPositionEmbeddings),
     guards,
     trips,
     hasFault: (name) => opts.faults.faults.has(name),

@@ -27,6 +27,17 @@ export type WorkerRole =
   | { role: 'prefill'; worker: PrefillWorker }
   | { role: 'decode'; worker: DecodeWorker; transferPort: () => number }
 
+/** What every route of one worker's server shares. */
+interface ServerContext {
+  role: WorkerRole
+  core: WorkerCore
+  log: Logger
+  clusterToken: string | null
+  registry: Registry
+  /** Pages the prefix cache holds (0 on a decode worker). */
+  numPagesCached: () => number
+}
+
 /** Build the HTTP server of a worker (not yet listening). */
 export function createWorkerServer(
   role: WorkerRole,
@@ -37,8 +48,19 @@ export function createWorkerServer(
   // Prefix-cache pages are evicted on demand: they count as neither used by requests nor leaked.
   const numPagesCached = () => (role.role === 'prefill' ? role.worker.numPagesCached : 0)
   const registry = makeMetrics(role.role, core, numPagesCached)
+  const ctx: ServerContext = { role, core, log, clusterToken, registry, numPagesCached }
+  const server = http.createServer((req, res) => void handle(ctx, req, res))
+  // Keep idle control connections open longer than the router's agent does (its free-socket timeout is
+  // shorter), so the router never reuses a connection this server is closing (ECONNRESET race).
+  server.keepAliveTimeout = workerKeepAliveTimeoutMs
+  server.headersTimeout = workerKeepAliveTimeoutMs + 1_000
+  return server
+}
 
-  const serverInfo = (): ServerInfo => ({
+/** This worker's `/server_info`. */
+function serverInfo(ctx: ServerContext): ServerInfo {
+  const { role, core, numPagesCached } = ctx
+  return {
     role: role.role,
     model: core.model.name,
     pageSize: core.pool.shape.pageSize,
@@ -51,102 +73,118 @@ export function createWorkerServer(
     guardsEnabled: Object.values(core.guards).every(Boolean),
     faults: core.faultNames(),
     ...(role.role === 'decode' ? { transferPort: role.transferPort() } : {}),
-  })
+  }
+}
 
-  const server = http.createServer((req, res) => {
-    const url = req.url ?? '/'
-    const route = `${req.method} ${url.split('?')[0]}`
-    void (async () => {
-      try {
-        if (route === 'GET /health') return sendJson(res, 200, { status: 'ok' })
-        if (route === 'GET /server_info') return sendJson(res, 200, serverInfo())
-        if (route === 'GET /metrics') {
-          res.writeHead(200, { 'content-type': registry.contentType })
-          return res.end(await metricsText(registry))
-        }
-        // The control plane names tenants and issues transfer secrets: only the router may use it.
-        if (
-          route.startsWith('POST /internal/') &&
-          clusterToken !== null &&
-          !isClusterTokenValid(clusterToken, req.headers[clusterTokenHeader])
-        ) {
-          throw new KvfenceError(
-            'invalid_api_key',
-            'control-plane request without the cluster token',
-          )
-        }
-        // The router's probe of its cluster token: reached only past the check above.
-        if (route === 'POST /internal/cluster_token_check') {
-          req.resume()
-          return sendJson(res, 200, { ok: true })
-        }
-        if (route === 'POST /internal/prefill' && role.role === 'prefill') {
-          const body = PrefillRequest.parse(await readJson(req))
-          const abort = abortOnClose(req, res, core)
-          const result = await role.worker.prefill(body, abort.signal).catch((err: unknown) => {
-            core.metrics.requests.inc({ outcome: asKvfenceError(err).code })
-            throw err
-          })
-          core.metrics.requests.inc({ outcome: 'ok' })
-          log.info(
-            { requestId: body.requestId, tenant: body.tenant, numTokens: result.numTokens },
-            'prefill done',
-          )
-          return sendJson(res, 200, result)
-        }
-        if (route === 'POST /internal/generate' && role.role === 'decode') {
-          const body = GenerateRequest.parse(await readJson(req))
-          const abort = abortOnClose(req, res, core)
-          let isStreaming = false
-          const emit = (e: DecodeEvent) => {
-            if (res.destroyed || res.writableEnded) {
-              // The router is gone. G8: stop here even if the abort itself was lost.
-              if (core.guards.G8 && e.type !== 'error')
-                throw new KvfenceError('request_aborted', 'the router closed the request')
-              return
-            }
-            if (!isStreaming) {
-              res.writeHead(200, { 'content-type': 'application/x-ndjson' })
-              isStreaming = true
-            }
-            // `reserved` names this worker's transfer port, so a router never sends prefill to a
-            // port a restarted decode worker no longer listens on.
-            const line = e.type === 'reserved' ? { ...e, transferPort: role.transferPort() } : e
-            res.write(`${JSON.stringify(line)}\n`)
-          }
-          try {
-            await role.worker.generate(body, abort.signal, emit)
-            core.metrics.requests.inc({ outcome: 'ok' })
-          } catch (err) {
-            core.metrics.requests.inc({ outcome: asKvfenceError(err).code })
-            if (!isStreaming) throw err
-            const e = asKvfenceError(err)
-            // The router ending a request (its client left, or a stop string ended the text) is
-            // normal traffic (info); anything else deserves a warning.
-            const isAbort = e.code === 'request_aborted'
-            log[isAbort ? 'info' : 'warn'](
-              { requestId: body.requestId, tenant: body.tenant, code: e.code },
-              isAbort ? 'generate ended by the router' : 'generate failed',
-            )
-            emit({ type: 'error', code: e.code, message: e.message })
-          }
-          return res.end()
-        }
-        throw new KvfenceError('not_found', `no route ${route}`)
-      } catch (err) {
-        const e = asKvfenceError(err)
-        if (e.code === 'internal_error') log.error({ err }, 'worker request failed')
-        if (!res.headersSent)
-          sendJson(res, e.status, { error: { code: e.code, message: e.message } })
-        else res.end()
-      }
-    })()
+/** Route one request; every error becomes a JSON error answer (or ends a stream already begun). */
+async function handle(
+  ctx: ServerContext,
+  req: http.IncomingMessage,
+  res: http.ServerResponse,
+): Promise<void> {
+  const route = `${req.method} ${(req.url ?? '/').split('?')[0]}`
+  const { role } = ctx
+  try {
+    if (route === 'GET /health') return sendJson(res, 200, { status: 'ok' })
+    if (route === 'GET /server_info') return sendJson(res, 200, serverInfo(ctx))
+    if (route === 'GET /metrics') {
+      res.writeHead(200, { 'content-type': ctx.registry.contentType })
+      res.end(await metricsText(ctx.registry))
+      return
+    }
+    // The control plane names tenants and issues transfer secrets: only the router may use it.
+    if (
+      route.startsWith('POST /internal/') &&
+      ctx.clusterToken !== null &&
+      !isClusterTokenValid(ctx.clusterToken, req.headers[clusterTokenHeader])
+    ) {
+      throw new KvfenceError('invalid_api_key', 'control-plane request without the cluster token')
+    }
+    // The router's probe of its cluster token: reached only past the check above.
+    if (route === 'POST /internal/cluster_token_check') {
+      req.resume()
+      return sendJson(res, 200, { ok: true })
+    }
+    if (route === 'POST /internal/prefill' && role.role === 'prefill')
+      return await servePrefill(ctx, role.worker, req, res)
+    if (route === 'POST /internal/generate' && role.role === 'decode')
+      return await serveGenerate(ctx, role, req, res)
+    throw new KvfenceError('not_found', `no route ${route}`)
+  } catch (err) {
+    const e = asKvfenceError(err)
+    if (e.code === 'internal_error') ctx.log.error({ err }, 'worker request failed')
+    if (!res.headersSent) sendJson(res, e.status, { error: { code: e.code, message: e.message } })
+    else res.end()
+  }
+}
+
+/** `POST /internal/prefill`: prefill, transfer, then answer the {@link PrefillResult} as JSON. */
+async function servePrefill(
+  ctx: ServerContext,
+  worker: PrefillWorker,
+  req: http.IncomingMessage,
+  res: http.ServerResponse,
+): Promise<void> {
+  const { core } = ctx
+  const body = PrefillRequest.parse(await readJson(req))
+  const abort = abortOnClose(req, res, core)
+  const result = await worker.prefill(body, abort.signal).catch((err: unknown) => {
+    core.metrics.requests.inc({ outcome: asKvfenceError(err).code })
+    throw err
   })
-  // Keep idle control connections open longer than the router's agent does (its free-socket timeout is
-  // shorter), so the router never reuses a connection this server is closing (ECONNRESET race).
-  server.keepAliveTimeout = workerKeepAliveTimeoutMs
-  server.headersTimeout = workerKeepAliveTimeoutMs + 1_000
-  return server
+  core.metrics.requests.inc({ outcome: 'ok' })
+  ctx.log.info(
+    { requestId: body.requestId, tenant: body.tenant, numTokens: result.numTokens },
+    'prefill done',
+  )
+  sendJson(res, 200, result)
+}
+
+/** `POST /internal/generate`: stream the decode worker's events as NDJSON; a failure after the
+ *  stream began is its last line (`error`). */
+async function serveGenerate(
+  ctx: ServerContext,
+  role: Extract<WorkerRole, { role: 'decode' }>,
+  req: http.IncomingMessage,
+  res: http.ServerResponse,
+): Promise<void> {
+  const { core, log } = ctx
+  const body = GenerateRequest.parse(await readJson(req))
+  const abort = abortOnClose(req, res, core)
+  let isStreaming = false
+  const emit = (e: DecodeEvent) => {
+    if (res.destroyed || res.writableEnded) {
+      // The router is gone. G8: stop here even if the abort itself was lost.
+      if (core.guards.G8 && e.type !== 'error')
+        throw new KvfenceError('request_aborted', 'the router closed the request')
+      return
+    }
+    if (!isStreaming) {
+      res.writeHead(200, { 'content-type': 'application/x-ndjson' })
+      isStreaming = true
+    }
+    // `reserved` names this worker's transfer port, so a router never sends prefill to a
+    // port a restarted decode worker no longer listens on.
+    const line = e.type === 'reserved' ? { ...e, transferPort: role.transferPort() } : e
+    res.write(`${JSON.stringify(line)}\n`)
+  }
+  try {
+    await role.worker.generate(body, abort.signal, emit)
+    core.metrics.requests.inc({ outcome: 'ok' })
+  } catch (err) {
+    core.metrics.requests.inc({ outcome: asKvfenceError(err).code })
+    if (!isStreaming) throw err
+    const e = asKvfenceError(err)
+    // The router ending a request (its client left, or a stop string ended the text) is
+    // normal traffic (info); anything else deserves a warning.
+    const isAbort = e.code === 'request_aborted'
+    log[isAbort ? 'info' : 'warn'](
+      { requestId: body.requestId, tenant: body.tenant, code: e.code },
+      isAbort ? 'generate ended by the router' : 'generate failed',
+    )
+    emit({ type: 'error', code: e.code, message: e.message })
+  }
+  res.end()
 }
 
 /** Listen on host:port (port 0 picks one) and resolve with the bound port. */

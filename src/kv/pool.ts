@@ -1,8 +1,8 @@
 /** The KV pool of one worker: fixed storage for every layer's K and V, cut into pages of
  *  `pageSize` tokens, and the metadata that says who owns each page and what it holds.
  *
- *  Knows pages, owners (request slots), tenants (small ints), epochs and fills; knows nothing of
- *  models, transfers or HTTP. Only this file assigns page states.
+ *  Knows pages, owners (request slots), tenants (small ints), epochs, fills and the leases it hands
+ *  out; knows nothing of models, transfers or HTTP. Only this file assigns page states.
  *
  *  Page life: free → reserved (owner writes) → sealed (read-only) → free, with a pin count that
  *  forbids freeing while a transfer reads or writes the page (G7). Every allocation bumps the
@@ -30,6 +30,28 @@ export interface PoolShape {
 export interface PageRef {
   readonly page: number
   readonly epoch: number
+}
+
+/** What {@link KvPool.allocate} hands out: a request's pages, in position order (ordinal i holds
+ *  positions [i × pageSize, (i+1) × pageSize)), each with the epoch it had when allocated, and the
+ *  owner and tenant they were allocated for. Every pool call on the pages takes the lease.
+ *
+ *  The pool trusts no lease: each call checks every page's owner and epoch against the pool's own
+ *  metadata (G5, G7), so a lease whose pages were released (or one put together by hand) is refused
+ *  once its pages are free or another request's. */
+export interface PageLease {
+  /** Request slot (≥ 1) the pages were allocated for. */
+  readonly owner: number
+  /** The tenant's pool number. */
+  readonly tenant: number
+  /** The page table. */
+  readonly pages: readonly PageRef[]
+}
+
+/** The first `numPages` pages of `lease`, under the same owner and tenant: the prompt's pages of a
+ *  lease that also holds room for generated tokens (a transfer pins and fills only those). */
+export function leasePrefix(lease: PageLease, numPages: number): PageLease {
+  return { owner: lease.owner, tenant: lease.tenant, pages: lease.pages.slice(0, numPages) }
 }
 
 /** Fault switches the pool honours (DESIGN.md §5); all off in normal operation. */
@@ -137,9 +159,10 @@ export class KvPool {
     return numPages <= this.freeList.length
   }
 
-  /** Reserve `numPages` pages for request slot `owner` of tenant `tenant`, bumping each epoch.
-   *  Throws `capacity_exhausted` when the pool has too few free pages (nothing is allocated then). */
-  allocate(numPages: number, owner: number, tenant: number): PageRef[] {
+  /** Reserve `numPages` pages for request slot `owner` of tenant `tenant`, bumping each epoch, and
+   *  return their lease. Throws `capacity_exhausted` when the pool has too few free pages (nothing
+   *  is allocated then). */
+  allocate(numPages: number, owner: number, tenant: number): PageLease {
     assert(owner !== noOwner, 'owner 0 is reserved for "no owner"')
     if (!this.canAllocate(numPages)) {
       throw new KvfenceError(
@@ -158,15 +181,16 @@ export class KvPool {
       this.fill[page] = 0
       refs.push({ page, epoch: this.epoch[page] })
     }
-    return refs
+    return { owner, tenant, pages: refs }
   }
 
-  /** Mark `numTokens` tokens from position `start` of a request's sequence as written by its owner.
+  /** Mark `numTokens` tokens from position `start` of a lease's sequence as written by its owner.
    *  Throws a G5 guard error when a page is not the owner's, at another epoch, or already sealed, or
    *  when the write would leave a hole: a page's fill counts the tokens written from its start, so
    *  a write may begin at most at the page's fill. A refused write changes no fill. */
-  noteWrite(pageTable: readonly PageRef[], owner: number, start: number, numTokens: number): void {
+  noteWrite(lease: PageLease, start: number, numTokens: number): void {
     const { pageSize } = this.shape
+    const { pages: pageTable, owner } = lease
     // Check every page first: a write refused halfway must not leave fills vouching for KV that the
     // caller, seeing the error, never wrote.
     for (
@@ -203,12 +227,13 @@ export class KvPool {
     }
   }
 
-  /** Check that a request may read positions [0, numTokens) through its page table (G5): every page
+  /** Check that a lease's owner may read positions [0, numTokens) through its pages (G5): every page
    *  is the owner's, at the epoch it was allocated with, and filled up to the positions read.
    *  Throws a G5 guard error otherwise; nothing may then be read. No-op when G5 is off. */
-  checkRead(pageTable: readonly PageRef[], owner: number, numTokens: number): void {
+  checkRead(lease: PageLease, numTokens: number): void {
     if (!this.guards.G5) return
     const { pageSize } = this.shape
+    const { pages: pageTable, owner } = lease
     const numPages = Math.ceil(numTokens / pageSize)
     if (numPages > pageTable.length) {
       throw this.trips.trip(
@@ -229,49 +254,54 @@ export class KvPool {
     }
   }
 
-  /** Float offset of token `position` of a request in `k[layer]`/`v[layer]`. */
-  offsetOf(pageTable: readonly PageRef[], position: number): number {
+  /** Float offset of token `position` of a lease's sequence in `k[layer]`/`v[layer]`. */
+  offsetOf(lease: PageLease, position: number): number {
     const { pageSize } = this.shape
-    const ref = pageTable[Math.floor(position / pageSize)]
+    const ref = lease.pages[Math.floor(position / pageSize)]
     return ref.page * this.pageStride + (position % pageSize) * this.tokenStride
   }
 
   /** Make pages read-only: their KV is complete (after prefill, or after a verified transfer). */
-  seal(pageTable: readonly PageRef[], owner: number): void {
-    for (const ref of pageTable) {
+  seal(lease: PageLease): void {
+    const { owner } = lease
+    for (const ref of lease.pages) {
       if (this.guards.G5) this.checkOwned(ref, owner, 'seal')
       this.state[ref.page] = PageState.sealed
     }
   }
 
   /** A transfer starts reading or writing these pages: they cannot be freed until `unpin` (G7). */
-  pin(pageTable: readonly PageRef[], owner: number): void {
-    for (const ref of pageTable) {
+  pin(lease: PageLease): void {
+    const { owner } = lease
+    for (const ref of lease.pages) {
       if (this.guards.G7) this.checkOwned(ref, owner, 'pin')
       this.pins[ref.page] += 1
     }
   }
 
   /** The transfer on these pages has settled (ack, abort handshake or teardown). */
-  unpin(pageTable: readonly PageRef[], owner: number): void {
-    for (const ref of pageTable) {
+  unpin(lease: PageLease): void {
+    const { owner } = lease
+    for (const ref of lease.pages) {
       assert(this.pins[ref.page] > 0, `page ${ref.page} unpinned more often than pinned`)
       if (this.guards.G7) this.checkOwned(ref, owner, 'unpin')
       this.pins[ref.page] -= 1
     }
   }
 
-  /** Whether any page of the table still has a transfer in flight. */
-  isPinned(pageTable: readonly PageRef[]): boolean {
-    return pageTable.some((ref) => this.pins[ref.page] > 0)
+  /** Whether any page of the lease still has a transfer in flight. */
+  isPinned(lease: PageLease): boolean {
+    return lease.pages.some((ref) => this.pins[ref.page] > 0)
   }
 
-  /** Return a request's pages to the free list, scrubbing each with the poison value (G6).
+  /** Return a lease's pages to the free list, scrubbing each with the poison value (G6).
    *  With G7 on, throws a guard error if a page is still pinned: the caller must wait for the
    *  transfer to settle (deferred release). With G5 on, throws if a page is not the request's at its
-   *  epoch (or appears twice); either way a refused release frees nothing. */
-  release(pageTable: readonly PageRef[], owner: number): void {
-    if (this.guards.G7 && this.isPinned(pageTable)) {
+   *  epoch (or appears twice); either way a refused release frees nothing. After a release the
+   *  lease is spent: its pages are free or another lease's, so G5 refuses every later use of it. */
+  release(lease: PageLease): void {
+    const { pages: pageTable, owner } = lease
+    if (this.guards.G7 && this.isPinned(lease)) {
       throw this.trips.trip('G7', `owner ${owner} released pages while a transfer is in flight`)
     }
     if (this.guards.G5) {

@@ -20,7 +20,7 @@
  *  DESIGN.md §10 on vllm#53347). */
 import assert from 'node:assert/strict'
 import { createHash, createHmac, randomBytes } from 'node:crypto'
-import { PageState, type KvPool, type PageRef } from './pool.js'
+import { PageState, type KvPool, type PageLease, type PageRef } from './pool.js'
 
 /** Options of {@link PrefixCache}. */
 export interface PrefixCacheOptions {
@@ -39,7 +39,8 @@ interface Entry {
   readonly key: string
   readonly tenant: string
   readonly owner: number
-  readonly ref: PageRef
+  /** The one page's lease, held by the tenant's cache owner. */
+  readonly lease: PageLease
 }
 
 /** A hit: the cached pages of a prompt's longest cached prefix, pinned until {@link PrefixCache.release}. */
@@ -48,6 +49,8 @@ export interface PrefixHit {
   readonly owner: number
   /** Cached pages of prompt pages 0..n-1, in order. */
   readonly refs: readonly PageRef[]
+  /** The cached pages as one lease of the cache owner (what is pinned and read). */
+  readonly lease: PageLease
   /** Prompt tokens covered: refs.length × pageSize. */
   readonly numTokens: number
 }
@@ -118,41 +121,41 @@ export class PrefixCache {
     if (found.length === 0) return null
     this.touch(found)
     const owner = found[0].owner
-    const refs = found.map((e) => e.ref)
-    this.pool.pin(refs, owner)
-    return { owner, refs, numTokens: refs.length * this.pool.shape.pageSize }
+    const refs = found.map((e) => e.lease.pages[0])
+    const lease: PageLease = { owner, tenant: found[0].lease.tenant, pages: refs }
+    this.pool.pin(lease)
+    return { owner, refs, lease, numTokens: refs.length * this.pool.shape.pageSize }
   }
 
   /** Unpin a hit's pages (its KV has been copied or the request failed). */
   release(hit: PrefixHit): void {
-    this.pool.unpin(hit.refs, hit.owner)
+    this.pool.unpin(hit.lease)
   }
 
-  /** Copy a hit's KV into the first `hit.refs.length` pages of a request's page table, claiming
-   *  them first (`noteWrite`, G5) and checking the cached pages' owner, epoch and fill (`checkRead`).
+  /** Copy a hit's KV into the first `hit.refs.length` pages of a request's lease, claiming them
+   *  first (`noteWrite`, G5) and checking the cached pages' owner, epoch and fill (`checkRead`).
    *  Throws a guard error when either check fails; then nothing was copied. */
-  copyInto(hit: PrefixHit, pageTable: readonly PageRef[], owner: number): void {
-    this.pool.checkRead(hit.refs, hit.owner, hit.numTokens)
-    this.pool.noteWrite(pageTable, owner, 0, hit.numTokens)
-    hit.refs.forEach((ref, i) => this.copyPage(ref.page, pageTable[i].page))
+  copyInto(hit: PrefixHit, lease: PageLease): void {
+    this.pool.checkRead(hit.lease, hit.numTokens)
+    this.pool.noteWrite(lease, 0, hit.numTokens)
+    hit.refs.forEach((ref, i) => this.copyPage(ref.page, lease.pages[i].page))
   }
 
-  /** Cache the full pages of a prefilled prompt: `pageTable` (owned by `owner`, holding KV for every
-   *  token of `tokenIds`) is copied page by page into new pages of the tenant's cache owner. Pages
+  /** Cache the full pages of a prefilled prompt: the pages of `lease` (holding KV for every token of
+   *  `tokenIds`) are copied page by page into new pages of the tenant's cache owner. Pages
    *  already cached are only marked used. A new page is taken only from the free list, and only
    *  while at least `numPagesReserve` pages stay free; at `maxPages` the least recently used
    *  unpinned page is evicted first. Returns the number of pages added. */
   insert(
     tenant: string,
     tokenIds: readonly number[],
-    pageTable: readonly PageRef[],
-    owner: number,
+    lease: PageLease,
     numPagesReserve = 0,
   ): number {
     if (!this.isEnabled) return 0
     const keys = this.keysOf(tenant, tokenIds)
     if (keys.length === 0) return 0
-    this.pool.checkRead(pageTable, owner, keys.length * this.pool.shape.pageSize)
+    this.pool.checkRead(lease, keys.length * this.pool.shape.pageSize)
     const cacheOwner = this.ownerOf(tenant)
     const chain: Entry[] = []
     let numAdded = 0
@@ -164,11 +167,11 @@ export class PrefixCache {
       }
       if (this.entries.size >= this.options.maxPages && this.evictOne(new Set(chain)) === 0) break
       if (this.pool.numFree <= numPagesReserve) break
-      const [ref] = this.pool.allocate(1, cacheOwner, this.options.tenantId(tenant))
-      this.pool.noteWrite([ref], cacheOwner, 0, this.pool.shape.pageSize)
-      this.copyPage(pageTable[i].page, ref.page)
-      this.pool.seal([ref], cacheOwner)
-      const entry = { key: keys[i], tenant, owner: cacheOwner, ref }
+      const copy = this.pool.allocate(1, cacheOwner, this.options.tenantId(tenant))
+      this.pool.noteWrite(copy, 0, this.pool.shape.pageSize)
+      this.copyPage(lease.pages[i].page, copy.pages[0].page)
+      this.pool.seal(copy)
+      const entry = { key: keys[i], tenant, owner: cacheOwner, lease: copy }
       this.entries.set(entry.key, entry)
       chain.push(entry)
       numAdded += 1
@@ -205,7 +208,7 @@ export class PrefixCache {
     )
     const seen = new Set<number>()
     for (const e of this.entries.values()) {
-      const { page, epoch } = e.ref
+      const { page, epoch } = e.lease.pages[0]
       assert(!seen.has(page), `page ${page} is cached twice`)
       seen.add(page)
       assert.equal(this.owners.get(e.tenant), e.owner, `page ${page}: not its tenant's cache owner`)
@@ -221,9 +224,9 @@ export class PrefixCache {
    *  when no page can go. */
   private evictOne(keep: ReadonlySet<Entry>): number {
     for (const e of this.entries.values()) {
-      if (keep.has(e) || this.pool.pins[e.ref.page] > 0) continue
+      if (keep.has(e) || this.pool.isPinned(e.lease)) continue
       this.entries.delete(e.key)
-      this.pool.release([e.ref], e.owner)
+      this.pool.release(e.lease)
       this.options.onEvict?.(1)
       return 1
     }

@@ -4,16 +4,14 @@
  *  K and V live only in the worker's {@link KvPool}; attention reads them only through the
  *  request's page table, after the pool checked owner, epoch and fill of every page (G5).
  *  Knows tensors, positions and page tables; knows nothing of tenants, transfers or HTTP. */
-import type { KvPool, PageRef } from '../kv/pool.js'
+import type { KvPool, PageLease } from '../kv/pool.js'
 import { readRow } from './linear.js'
 import type { Model } from './weights.js'
 
 /** The request whose KV a forward pass reads and writes. */
 export interface SequenceKv {
-  /** Page table: ordinal i holds positions [i × pageSize, (i+1) × pageSize). */
-  pageTable: readonly PageRef[]
-  /** Request slot owning the pages. */
-  owner: number
+  /** The request's pages (ordinal i holds positions [i × pageSize, (i+1) × pageSize)) and owner. */
+  lease: PageLease
 }
 
 /** Precomputed RoPE tables for positions [0, positions): `cos`, `sin` of shape
@@ -167,7 +165,7 @@ export function forwardBatch(
       }
       if (endPos > rope.positions)
         throw new RangeError(`positions up to ${endPos} exceed the RoPE table (${rope.positions})`)
-      pool.noteWrite(s.pageTable, s.owner, s.startPos, s.tokenIds.length)
+      pool.noteWrite(s.lease, s.startPos, s.tokenIds.length)
     } catch (err) {
       results[i] = { error: asError(err) }
       continue
@@ -234,21 +232,21 @@ export function forwardBatch(
       const endPos = s.startPos + numNew
       // Write the new tokens' K/V into this sequence's pages.
       for (let t = 0; t < numNew; t++) {
-        const off = pool.offsetOf(s.pageTable, s.startPos + t)
+        const off = pool.offsetOf(s.lease, s.startPos + t)
         poolK.set(k.subarray((first + t) * kvDim, (first + t + 1) * kvDim), off)
         poolV.set(v.subarray((first + t) * kvDim, (first + t + 1) * kvDim), off)
       }
       // Every page read below belongs to this sequence at its epoch and holds the positions read
       // (G5). Then gather positions [0, endPos) page by page (a page's tokens are contiguous).
       try {
-        pool.checkRead(s.pageTable, s.owner, endPos)
+        pool.checkRead(s.lease, endPos)
       } catch (err) {
         results[i] = { error: asError(err) }
         attn.fill(0, first * qDim, (first + numNew) * qDim)
         continue
       }
       for (let pos = 0; pos < endPos; pos += pageSize) {
-        const off = pool.offsetOf(s.pageTable, pos)
+        const off = pool.offsetOf(s.lease, pos)
         const count = Math.min(pageSize, endPos - pos) * kvDim
         kCtx.set(poolK.subarray(off, off + count), pos * kvDim)
         vCtx.set(poolV.subarray(off, off + count), pos * kvDim)

@@ -6,15 +6,16 @@
 import assert from 'node:assert/strict'
 import { spawnSync } from 'node:child_process'
 import { describe, it } from 'node:test'
-import { DecodeScheduler, type DecodeSequence } from '../../src/engine/decode-scheduler.js'
+import { DecodeScheduler, type DecodeJob } from '../../src/engine/decode-scheduler.js'
 import type { DecodeEvent, GenerateRequest } from '../../src/engine/control.js'
 import { DecodeWorker } from '../../src/engine/decode-worker.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { fairShares, PrefillScheduler } from '../../src/engine/prefill-scheduler.js'
+import { Sequence } from '../../src/engine/sequence.js'
 import { createWorkerCore, type WorkerCore } from '../../src/engine/worker-core.js'
 import { GuardError } from '../../src/kv/guards.js'
-import type { PageRef } from '../../src/kv/pool.js'
+import { leasePrefix, type PageLease } from '../../src/kv/pool.js'
 import { forward, forwardBatch, makeRope } from '../../src/model/forward.js'
 import { createTsKernels } from '../../src/model/kernels.js'
 import { makeRandom, sample } from '../../src/model/sampling.js'
@@ -46,9 +47,23 @@ function makeCore(model: Model = wasmModel, numPages = 128): WorkerCore {
   })
 }
 
-function own(core: WorkerCore, numTokens: number): { pageTable: PageRef[]; owner: number } {
+function own(core: WorkerCore, numTokens: number): { lease: PageLease } {
   const owner = core.nextOwner()
-  return { owner, pageTable: core.pool.allocate(core.pool.pagesFor(numTokens), owner, 1) }
+  return { lease: core.pool.allocate(core.pool.pagesFor(numTokens), owner, 1) }
+}
+
+/** A sequence of prompt `ids` over `lease` (sampling and stop tokens are the loops' callers' concern
+ *  in these tests). */
+function sequenceOf(ids: readonly number[], lease: PageLease, maxTokens = 1): Sequence {
+  return new Sequence({
+    id: `r${lease.owner}`,
+    tenant: 'alpha',
+    promptTokenIds: ids,
+    sampling: { temperature: 0, topP: 1, seed: null },
+    maxTokens,
+    stopTokenIds: new Set(eos),
+    lease,
+  })
 }
 
 /** Logits of every prompt token and of `steps` greedy decode steps, one sequence at a time. */
@@ -107,7 +122,7 @@ describe('forwardBatch', () => {
     const seqB = own(core, b.length)
     const seqC = own(core, c.length)
     // B's pages were freed and handed to another request: B's page table is stale.
-    core.pool.release(seqB.pageTable, seqB.owner)
+    core.pool.release(seqB.lease)
     own(core, b.length)
     const results = forwardBatch(wasmModel, core.rope, core.pool, [
       { ...seqA, tokenIds: a, startPos: 0, allLogits: true },
@@ -150,10 +165,10 @@ describe('forwardBatch', () => {
       { ...seqB, tokenIds: b, startPos: 16 },
     ])
     assert.deepEqual(results[0], { logits: aloneLogits(wasmModel, a, 0)[0] })
-    const page = seqB.pageTable[0].page
+    const page = seqB.lease.pages[0].page
     assert.equal(
       (results[1] as { error: Error }).error.message,
-      `G5: page ${page} holds 0 tokens; owner ${seqB.owner} reads 16 (unwritten KV)`,
+      `G5: page ${page} holds 0 tokens; owner ${seqB.lease.owner} reads 16 (unwritten KV)`,
     )
   })
 
@@ -189,28 +204,23 @@ function prepare(
   core: WorkerCore,
   spec: Spec,
   hooks: { signal?: AbortSignal; onToken?: (n: number) => void } = {},
-): { seq: DecodeSequence; tokens: number[]; events: DecodeEvent[]; pageTable: PageRef[] } {
+): { job: DecodeJob; tokens: number[]; events: DecodeEvent[]; lease: PageLease } {
   const { ids, maxTokens, temperature, seed } = spec
-  const { owner, pageTable } = own(core, ids.length + maxTokens)
-  const logits = forward(core.model, core.rope, core.pool, { pageTable, owner }, ids, 0)
+  const { lease } = own(core, ids.length + maxTokens)
+  const logits = forward(core.model, core.rope, core.pool, { lease }, ids, 0)
   const params = { temperature, topP: 1 }
   const firstTokenId = sample(logits, { ...params, random: makeRandom(seed ?? 0) })
-  core.pool.seal(pageTable.slice(0, Math.floor(ids.length / 16)), owner)
+  core.pool.seal(leasePrefix(lease, Math.floor(ids.length / 16)))
   const random = makeRandom((seed ?? 0) + 1)
   const tokens: number[] = []
   const events: DecodeEvent[] = []
   return {
     tokens,
     events,
-    pageTable,
-    seq: {
-      requestId: `r${owner}`,
-      owner,
-      pageTable,
-      numPrompt: ids.length,
-      maxTokens,
+    lease,
+    job: {
+      seq: sequenceOf(ids, lease, maxTokens),
       firstTokenId,
-      stopTokenIds: new Set(eos),
       sampleNext: (l) => ({ tokenId: sample(l, { ...params, random }) }),
       signal: hooks.signal ?? new AbortController().signal,
       emit: (e) => {
@@ -248,7 +258,7 @@ describe('DecodeScheduler (continuous batching)', () => {
       onStep: (n) => sizes.push(n),
     })
     const runs = specs.map((s) => prepare(core, s))
-    await Promise.all(runs.map((r) => loop.run(r.seq)))
+    await Promise.all(runs.map((r) => loop.run(r.job)))
     runs.forEach((r, i) => {
       assert.deepEqual(r.tokens, local(specs[i]), `sequence ${i}`)
       const done = r.events.at(-1)
@@ -258,7 +268,7 @@ describe('DecodeScheduler (continuous batching)', () => {
         promptTokens: specs[i].ids.length,
         completionTokens: r.tokens.length,
       })
-      core.pool.release(r.pageTable, r.seq.owner)
+      core.pool.release(r.lease)
     })
     // Six sequences, at most four per step: the batch was full, and the last ones joined later.
     assert.equal(Math.max(...sizes), 4)
@@ -274,10 +284,10 @@ describe('DecodeScheduler (continuous batching)', () => {
     let joined: Promise<void> | undefined
     const early = prepare(core, specs[5], {
       onToken: (n) => {
-        if (n === 3) joined = loop.run(late.seq) // while the first is mid-decode
+        if (n === 3) joined = loop.run(late.job) // while the first is mid-decode
       },
     })
-    await loop.run(early.seq)
+    await loop.run(early.job)
     await joined
     assert.deepEqual(early.tokens, local(specs[5]))
     assert.deepEqual(late.tokens, local(specs[2]))
@@ -294,14 +304,14 @@ describe('DecodeScheduler (continuous batching)', () => {
           onToken: (n) => {
             // An early-release bug: after its 3rd token, sequence 1's pages go to another request.
             if (i === 1 && n === 3) {
-              core.pool.release(runs[1].pageTable, runs[1].seq.owner)
+              core.pool.release(runs[1].lease)
               own(core, 16)
             }
           },
         },
       ),
     )
-    const outcomes = await Promise.allSettled(runs.map((r) => loop.run(r.seq)))
+    const outcomes = await Promise.allSettled(runs.map((r) => loop.run(r.job)))
     assert.equal(outcomes[0].status, 'fulfilled')
     assert.equal(outcomes[2].status, 'fulfilled')
     const reason = (outcomes[1] as PromiseRejectedResult).reason as GuardError
@@ -323,7 +333,7 @@ describe('DecodeScheduler (continuous batching)', () => {
       onToken: (n) => n === 2 && abort.abort(),
     })
     const other = prepare(core, specs[4])
-    const [a, b] = await Promise.allSettled([loop.run(aborted.seq), loop.run(other.seq)])
+    const [a, b] = await Promise.allSettled([loop.run(aborted.job), loop.run(other.job)])
     assert.equal(b.status, 'fulfilled')
     assert.equal((a as PromiseRejectedResult).reason.code, 'request_aborted')
     assert.equal(aborted.tokens.length, 2)
@@ -337,10 +347,10 @@ describe('DecodeScheduler (continuous batching)', () => {
       maxWaiting: 1,
     })
     const runs = specs.slice(0, 3).map((s) => prepare(core, { ...s, maxTokens: 8 }))
-    const first = loop.run(runs[0].seq)
-    const second = loop.run(runs[1].seq)
+    const first = loop.run(runs[0].job)
+    const second = loop.run(runs[1].job)
     await new Promise((r) => setImmediate(r)) // the loop admits the first sequence
-    await assert.rejects(loop.run(runs[2].seq), {
+    await assert.rejects(loop.run(runs[2].job), {
       code: 'capacity_exhausted',
       message: 'decode worker busy: 1 sequences running and 1 waiting',
     })
@@ -400,8 +410,7 @@ describe('PrefillScheduler (chunked prefill)', () => {
       ].map(([name, ids]) =>
         loop
           .run({
-            tokenIds: ids as number[],
-            ...own(core, ids.length),
+            seq: sequenceOf(ids as number[], own(core, ids.length).lease),
             signal: new AbortController().signal,
           })
           .then((l) => (order.push(name as string), l)),
@@ -419,11 +428,17 @@ describe('PrefillScheduler (chunked prefill)', () => {
     const abort = new AbortController()
     const ok = prompts[3]
     const stale = own(core, 10)
-    core.pool.release(stale.pageTable, stale.owner) // freed: the job's page table is stale
+    core.pool.release(stale.lease) // freed: the job's page table is stale
     const runs = [
-      loop.run({ tokenIds: prompts[2], ...own(core, prompts[2].length), signal: abort.signal }),
-      loop.run({ tokenIds: prompts[1], ...stale, signal: new AbortController().signal }),
-      loop.run({ tokenIds: ok, ...own(core, ok.length), signal: new AbortController().signal }),
+      loop.run({
+        seq: sequenceOf(prompts[2], own(core, prompts[2].length).lease),
+        signal: abort.signal,
+      }),
+      loop.run({ seq: sequenceOf(prompts[1], stale.lease), signal: new AbortController().signal }),
+      loop.run({
+        seq: sequenceOf(ok, own(core, ok.length).lease),
+        signal: new AbortController().signal,
+      }),
     ]
     setImmediate(() => abort.abort())
     const [a, b, c] = await Promise.allSettled(runs)

@@ -158,7 +158,7 @@ interface Req {
 function harness(): {
   core: WorkerCore
   decode: DecodeWorker
-  live: Map<number, PageRef[]>
+  live: Map<number, readonly PageRef[]>
   everAllocated: Set<number>
   violations: string[]
   numPromptOf: Map<number, number>
@@ -176,7 +176,7 @@ function harness(): {
   const h = {
     core,
     decode,
-    live: new Map<number, PageRef[]>(),
+    live: new Map<number, readonly PageRef[]>(),
     everAllocated: new Set<number>(),
     violations: [] as string[],
     numPromptOf: new Map<number, number>(),
@@ -185,22 +185,23 @@ function harness(): {
   }
   const allocate = pool.allocate.bind(pool)
   pool.allocate = (n, owner, tenant) => {
-    const refs = allocate(n, owner, tenant)
+    const lease = allocate(n, owner, tenant)
     assert.ok(h.allocatingFor, 'an allocation outside generate()')
-    h.live.set(owner, refs)
+    h.live.set(owner, lease.pages)
     h.numPromptOf.set(owner, h.allocatingFor.numPrompt)
     h.markerOf.set(owner, h.allocatingFor.marker)
-    for (const ref of refs) h.everAllocated.add(ref.page)
-    return refs
+    for (const ref of lease.pages) h.everAllocated.add(ref.page)
+    return lease
   }
   const release = pool.release.bind(pool)
-  pool.release = (table, owner) => {
-    release(table, owner)
-    h.live.delete(owner)
+  pool.release = (lease) => {
+    release(lease)
+    h.live.delete(lease.owner)
   }
   // Checked here independently of G5 (which the original call then applies as shipped).
   const checkRead = pool.checkRead.bind(pool)
-  pool.checkRead = (table, owner, numTokens) => {
+  pool.checkRead = (lease, numTokens) => {
+    const { owner, pages: table } = lease
     const mine = h.live.get(owner)
     const numPrompt = h.numPromptOf.get(owner) ?? 0
     const marker = h.markerOf.get(owner)
@@ -216,16 +217,16 @@ function harness(): {
         h.violations.push(`owner ${owner} read page ${ref.page} (ordinal ${ordinal}), not its own`)
     }
     for (let pos = 0; pos < Math.min(numTokens, numPrompt); pos++) {
-      const at = pool.offsetOf(table, pos)
+      const at = pool.offsetOf(lease, pos)
       for (let layer = 0; layer < pool.shape.numLayers; layer++)
         for (const store of [pool.k[layer], pool.v[layer]])
           for (let i = at; i < at + pool.tokenStride; i++)
             if (store[i] !== marker) {
               h.violations.push(`owner ${owner} read ${store[i]} at prompt position ${pos}`)
-              return checkRead(table, owner, numTokens)
+              return checkRead(lease, numTokens)
             }
     }
-    return checkRead(table, owner, numTokens)
+    return checkRead(lease, numTokens)
   }
   return h
 }

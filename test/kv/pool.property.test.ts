@@ -8,7 +8,7 @@ import { describe, it } from 'node:test'
 import fc from 'fast-check'
 import { KvfenceError } from '../../src/errors.js'
 import { GuardError, makeGuards, type GuardId } from '../../src/kv/guards.js'
-import { KvPool, PageState, type PageRef } from '../../src/kv/pool.js'
+import { KvPool, PageState, type PageLease, type PageRef } from '../../src/kv/pool.js'
 
 const shape = { numPages: 12, pageSize: 4, numLayers: 2, numKvHeads: 1, headDim: 2 }
 const { numPages, pageSize, numLayers } = shape
@@ -16,6 +16,14 @@ const tokenStride = shape.numKvHeads * shape.headDim
 const owners = [1, 2, 3, 4, 5]
 /** Owners 1, 2 are tenant 1; 3, 4 tenant 2; 5 tenant 3. */
 const tenantOf = (owner: number) => (owner <= 2 ? 1 : owner <= 4 ? 2 : 3)
+
+/** A page table presented to the pool as `owner`'s (the model keeps each owner's pages, from all its
+ *  allocations, as one table; the pool trusts no lease and checks every page). */
+const by = (owner: number, pages: readonly PageRef[]): PageLease => ({
+  owner,
+  tenant: tenantOf(owner),
+  pages,
+})
 
 type Action =
   | { kind: 'allocate'; actor: number; numPages: number }
@@ -196,7 +204,11 @@ function step(pool: KvPool, model: Model, action: Action, seen: Coverage): void 
         model.fill[page] = 0
         expected.push({ page, epoch: model.numAllocations[page] })
       }
-      assert.deepEqual(pool.allocate(n, actor, tenantOf(actor)), expected)
+      assert.deepEqual(pool.allocate(n, actor, tenantOf(actor)), {
+        owner: actor,
+        tenant: tenantOf(actor),
+        pages: expected,
+      })
       note('allocated')
       model.tables.get(actor)!.push(...expected)
       return
@@ -207,20 +219,20 @@ function step(pool: KvPool, model: Model, action: Action, seen: Coverage): void 
       const start = Math.max(0, model.frontier(table) + delta)
       if (!model.mayWrite(table, actor, start, n)) {
         expectRefusal(
-          () => pool.noteWrite(table, actor, start, n),
+          () => pool.noteWrite(by(actor, table), start, n),
           'G5',
           `write [${start}, ${start + n})`,
           seen,
         )
         return
       }
-      pool.noteWrite(table, actor, start, n)
+      pool.noteWrite(by(actor, table), start, n)
       note('wrote')
       // Write the KV as the forward pass would, tagged so that a later read can tell whose it is.
       const tag = ++model.numWrites
       for (let pos = start; pos < start + n; pos++) {
         const ref = table[Math.floor(pos / pageSize)]
-        const off = pool.offsetOf(table, pos)
+        const off = pool.offsetOf(by(actor, table), pos)
         assert.equal(off, (ref.page * pageSize + (pos % pageSize)) * tokenStride)
         for (let layer = 0; layer < numLayers; layer++) {
           for (let i = 0; i < tokenStride; i++) {
@@ -238,10 +250,10 @@ function step(pool: KvPool, model: Model, action: Action, seen: Coverage): void 
       const table = tableOf(actor, action.tableOf)
       const n = Math.max(1, model.frontier(table) + delta)
       if (!model.mayRead(table, actor, n)) {
-        expectRefusal(() => pool.checkRead(table, actor, n), 'G5', `read of ${n} tokens`, seen)
+        expectRefusal(() => pool.checkRead(by(actor, table), n), 'G5', `read of ${n} tokens`, seen)
         return
       }
-      pool.checkRead(table, actor, n)
+      pool.checkRead(by(actor, table), n)
       note('read')
       // Everything the read may touch is the reader's, at the epoch it holds, and what it wrote.
       for (let pos = 0; pos < n; pos++) {
@@ -254,7 +266,7 @@ function step(pool: KvPool, model: Model, action: Action, seen: Coverage): void 
         assert.equal(pool.epoch[ref.page], ref.epoch)
         assert.equal(pool.tenant[ref.page], tenantOf(actor))
         const tag = model.written[ref.page * pageSize + (pos % pageSize)]
-        const off = pool.offsetOf(table, pos)
+        const off = pool.offsetOf(by(actor, table), pos)
         for (let layer = 0; layer < numLayers; layer++) {
           for (let i = 0; i < tokenStride; i++) {
             assert.equal(pool.k[layer][off + i], tag * 8 + layer * 2 + i, `K at position ${pos}`)
@@ -268,10 +280,10 @@ function step(pool: KvPool, model: Model, action: Action, seen: Coverage): void 
       const { actor } = action
       const table = tableOf(actor, action.tableOf)
       if (table.length > 0 && !table.every((ref) => model.isOwnedBy(ref, actor))) {
-        expectRefusal(() => pool.seal(table, actor), 'G5', 'cross-owner seal', seen)
+        expectRefusal(() => pool.seal(by(actor, table)), 'G5', 'cross-owner seal', seen)
         return
       }
-      pool.seal(table, actor)
+      pool.seal(by(actor, table))
       for (const ref of table) model.isSealed[ref.page] = true
       return
     }
@@ -279,10 +291,10 @@ function step(pool: KvPool, model: Model, action: Action, seen: Coverage): void 
       const { actor } = action
       const table = tableOf(actor, action.tableOf)
       if (table.length > 0 && !table.every((ref) => model.isOwnedBy(ref, actor))) {
-        expectRefusal(() => pool.pin(table, actor), 'G5', 'cross-owner pin', seen)
+        expectRefusal(() => pool.pin(by(actor, table)), 'G5', 'cross-owner pin', seen)
         return
       }
-      pool.pin(table, actor)
+      pool.pin(by(actor, table))
       note('pinned')
       for (const ref of table) model.pins[ref.page] += 1
       return
@@ -291,7 +303,7 @@ function step(pool: KvPool, model: Model, action: Action, seen: Coverage): void 
       const table = model.tables.get(action.actor)!
       // Unpinning more often than pinning is a programming error (an assert), not a guard: skip.
       if (!table.every((ref) => model.pins[ref.page] > 0)) return
-      pool.unpin(table, action.actor)
+      pool.unpin(by(action.actor, table))
       for (const ref of table) model.pins[ref.page] -= 1
       return
     }
@@ -299,14 +311,14 @@ function step(pool: KvPool, model: Model, action: Action, seen: Coverage): void 
       const { actor } = action
       const table = tableOf(actor, action.tableOf)
       if (table.some((ref) => model.pins[ref.page] > 0)) {
-        expectRefusal(() => pool.release(table, actor), 'G7', 'release of pinned pages', seen)
+        expectRefusal(() => pool.release(by(actor, table)), 'G7', 'release of pinned pages', seen)
         return
       }
       if (!table.every((ref) => model.isOwnedBy(ref, actor))) {
-        expectRefusal(() => pool.release(table, actor), 'G5', 'cross-owner release', seen)
+        expectRefusal(() => pool.release(by(actor, table)), 'G5', 'cross-owner release', seen)
         return
       }
-      pool.release(table, actor)
+      pool.release(by(actor, table))
       note('released')
       for (let i = table.length - 1; i >= 0; i--) {
         const { page } = table[i]
@@ -326,13 +338,13 @@ function step(pool: KvPool, model: Model, action: Action, seen: Coverage): void 
       note('stale')
       const what = `${action.op} through a released table of owner ${owner}`
       if (action.op === 'read')
-        expectRefusal(() => pool.checkRead(table, owner, 1), 'G5', what, seen)
+        expectRefusal(() => pool.checkRead(by(owner, table), 1), 'G5', what, seen)
       if (action.op === 'write')
-        expectRefusal(() => pool.noteWrite(table, owner, 0, 1), 'G5', what, seen)
-      if (action.op === 'seal') expectRefusal(() => pool.seal(table, owner), 'G5', what, seen)
+        expectRefusal(() => pool.noteWrite(by(owner, table), 0, 1), 'G5', what, seen)
+      if (action.op === 'seal') expectRefusal(() => pool.seal(by(owner, table)), 'G5', what, seen)
       if (action.op === 'release') {
         const guard = table.some((ref) => model.pins[ref.page] > 0) ? 'G7' : 'G5'
-        expectRefusal(() => pool.release(table, owner), guard, what, seen)
+        expectRefusal(() => pool.release(by(owner, table)), guard, what, seen)
       }
       return
     }
@@ -418,5 +430,92 @@ describe('KV pool against a model of page ownership', () => {
         `only ${seen[outcome] ?? 0} × ${outcome}: ${JSON.stringify(seen)}`,
       )
     }
+  })
+})
+
+/** One step of the lease property: allocate a lease, release a live one, or use a released one. */
+type LeaseAction =
+  | { kind: 'allocate'; owner: number; numPages: number }
+  | { kind: 'release'; index: number }
+  | { kind: 'reuse'; index: number; op: 'read' | 'write' | 'seal' | 'pin' | 'release' }
+
+const leaseActionArb: fc.Arbitrary<LeaseAction> = fc.oneof(
+  {
+    weight: 3,
+    arbitrary: fc.record({
+      kind: fc.constant('allocate' as const),
+      owner: ownerArb,
+      numPages: fc.integer({ min: 0, max: 4 }),
+    }),
+  },
+  { weight: 2, arbitrary: fc.record({ kind: fc.constant('release' as const), index: fc.nat() }) },
+  {
+    weight: 2,
+    arbitrary: fc.record({
+      kind: fc.constant('reuse' as const),
+      index: fc.nat(),
+      op: fc.constantFrom(
+        'read' as const,
+        'write' as const,
+        'seal' as const,
+        'pin' as const,
+        'release' as const,
+      ),
+    }),
+  },
+)
+
+describe('KV pool leases', () => {
+  it('never hands out one page in two live leases, and refuses every use of a released lease (G5)', () => {
+    let numRefused = 0
+    fc.assert(
+      fc.property(fc.array(leaseActionArb, { minLength: 5, maxLength: 60 }), (actions) => {
+        const pool = new KvPool(shape, makeGuards(true))
+        const live: PageLease[] = []
+        const released: PageLease[] = []
+        for (const action of actions) {
+          if (action.kind === 'allocate' && pool.canAllocate(action.numPages)) {
+            const lease = pool.allocate(action.numPages, action.owner, tenantOf(action.owner))
+            assert.equal(lease.owner, action.owner)
+            assert.equal(lease.tenant, tenantOf(action.owner))
+            assert.equal(lease.pages.length, action.numPages)
+            live.push(lease)
+          } else if (action.kind === 'release' && live.length > 0) {
+            const [lease] = live.splice(action.index % live.length, 1)
+            pool.release(lease)
+            released.push(lease)
+          } else if (action.kind === 'reuse') {
+            // An empty lease names no page: nothing to refuse.
+            const spent = released.filter((l) => l.pages.length > 0)
+            if (spent.length === 0) continue
+            const lease = spent[action.index % spent.length]
+            const use = {
+              read: () => pool.checkRead(lease, 1),
+              write: () => pool.noteWrite(lease, 0, 1),
+              seal: () => pool.seal(lease),
+              pin: () => pool.pin(lease),
+              release: () => pool.release(lease),
+            }[action.op]
+            assert.throws(use, (err: unknown) => err instanceof GuardError && err.guard === 'G5')
+            numRefused += 1
+          }
+          pool.check()
+          // Live leases are disjoint, and each of their pages is theirs at their epoch.
+          const holder = new Map<number, PageLease>()
+          for (const lease of live) {
+            for (const ref of lease.pages) {
+              assert.equal(holder.get(ref.page), undefined, `page ${ref.page} in two leases`)
+              holder.set(ref.page, lease)
+              assert.equal(pool.owner[ref.page], lease.owner)
+              assert.equal(pool.epoch[ref.page], ref.epoch)
+              assert.equal(pool.pins[ref.page], 0, `a refused pin left page ${ref.page} pinned`)
+            }
+          }
+          assert.equal(pool.numUsed, holder.size)
+        }
+      }),
+      { numRuns: 200 },
+    )
+    assert.ok(numRefused >= 50, `only ${numRefused} uses of released leases were tried`)
   })
 })

@@ -12,7 +12,13 @@ import {
   type GuardId,
   type Guards,
 } from '../../src/kv/guards.js'
-import { KvPool, PageState, type PageRef, type PoolFaults } from '../../src/kv/pool.js'
+import {
+  KvPool,
+  PageState,
+  type PageLease,
+  type PageRef,
+  type PoolFaults,
+} from '../../src/kv/pool.js'
 
 /** 6 pages of 4 tokens, 2 layers, 1 KV head of dim 2: 8 floats per page per layer. */
 const shape = { numPages: 6, pageSize: 4, numLayers: 2, numKvHeads: 1, headDim: 2 }
@@ -37,13 +43,13 @@ function kValue(tag: number, layer: number, pos: number, i: number): number {
 /** Claim positions [start, start + n) and write their K/V in every layer, as the forward pass does. */
 function writeTokens(
   pool: KvPool,
-  table: PageRef[],
+  table: PageLease,
   owner: number,
   start: number,
   n: number,
   tag: number,
 ) {
-  pool.noteWrite(table, owner, start, n)
+  pool.noteWrite(by(owner, table), start, n)
   for (let pos = start; pos < start + n; pos++) {
     const off = pool.offsetOf(table, pos)
     for (let layer = 0; layer < shape.numLayers; layer++) {
@@ -81,6 +87,12 @@ function expectedPage(tag: number, ordinal: number): number[] {
   return out
 }
 
+/** `pages` (a lease's, or any) presented to the pool as owner `owner`'s: how a stale or another
+ *  request's page table reaches the pool, which trusts no lease. */
+function by(owner: number, pages: PageLease | readonly PageRef[]): PageLease {
+  return { owner, tenant: 0, pages: 'pages' in pages ? pages.pages : pages }
+}
+
 function isGuardTrip(guard: GuardId, message: RegExp) {
   return (err: unknown) => {
     assert.ok(err instanceof GuardError, `expected a GuardError, got ${String(err)}`)
@@ -97,17 +109,17 @@ describe('KV pool G5: ownership, epoch and fill on every read and write', () => 
     const victim = pool.allocate(1, 1, 10)
     writeTokens(pool, victim, 1, 0, 4, 1)
     assert.throws(
-      () => pool.checkRead(victim, 2, 4),
+      () => pool.checkRead(by(2, victim), 4),
       isGuardTrip('G5', /^G5: read of page 0 by owner 2, but it belongs to 1$/),
     )
     assert.equal(trips.counts.G5, 1)
-    pool.checkRead(victim, 1, 4) // the owner itself may read
+    pool.checkRead(victim, 4) // the owner itself may read
 
     // G5 off: the same read goes through, the cross-tenant leak.
     const off = makePool({ off: ['G5'] })
     const page = off.pool.allocate(1, 1, 10)
     writeTokens(off.pool, page, 1, 0, 4, 1)
-    off.pool.checkRead(page, 2, 4)
+    off.pool.checkRead(by(2, page), 4)
     assert.equal(off.trips.counts.G5, 0)
   })
 
@@ -115,24 +127,24 @@ describe('KV pool G5: ownership, epoch and fill on every read and write', () => 
     // The same request slot (owner 1) gets page 0 back: only the epoch tells the two apart.
     const { pool } = makePool()
     const old = pool.allocate(1, 1, 10)
-    assert.deepEqual(old, [{ page: 0, epoch: 1 }])
+    assert.deepEqual(old.pages, [{ page: 0, epoch: 1 }])
     writeTokens(pool, old, 1, 0, 4, 1)
-    pool.release(old, 1)
+    pool.release(old)
     const now = pool.allocate(1, 1, 20)
-    assert.deepEqual(now, [{ page: 0, epoch: 2 }])
+    assert.deepEqual(now.pages, [{ page: 0, epoch: 2 }])
     writeTokens(pool, now, 1, 0, 4, 2)
     assert.throws(
-      () => pool.checkRead(old, 1, 4),
+      () => pool.checkRead(old, 4),
       isGuardTrip('G5', /^G5: read of page 0 at epoch 1, but it is at epoch 2$/),
     )
-    pool.checkRead(now, 1, 4)
+    pool.checkRead(now, 4)
 
     // G5 off: the stale table reads the page's new contents (tenant 20's KV).
     const off = makePool({ off: ['G5'] })
     const stale = off.pool.allocate(1, 1, 10)
-    off.pool.release(stale, 1)
+    off.pool.release(stale)
     writeTokens(off.pool, off.pool.allocate(1, 1, 20), 1, 0, 4, 2)
-    off.pool.checkRead(stale, 1, 4)
+    off.pool.checkRead(stale, 4)
   })
 
   it('refuses a read beyond the fill (unwritten KV) and beyond the page table', () => {
@@ -140,30 +152,30 @@ describe('KV pool G5: ownership, epoch and fill on every read and write', () => 
     const table = pool.allocate(2, 1, 10) // pages 0, 1
     writeTokens(pool, table, 1, 0, 5, 1) // page 0 holds 4 tokens, page 1 holds 1
     assert.deepEqual([pool.fill[0], pool.fill[1]], [4, 1])
-    pool.checkRead(table, 1, 5)
+    pool.checkRead(table, 5)
     assert.throws(
-      () => pool.checkRead(table, 1, 6),
+      () => pool.checkRead(table, 6),
       isGuardTrip('G5', /^G5: page 1 holds 1 tokens; owner 1 reads 2 \(unwritten KV\)$/),
     )
     assert.throws(
-      () => pool.checkRead(table, 1, 9),
+      () => pool.checkRead(table, 9),
       isGuardTrip('G5', /^G5: read of 9 tokens beyond the page table \(2 pages\)$/),
     )
 
     const off = makePool({ off: ['G5'] })
     const offTable = off.pool.allocate(2, 1, 10)
     writeTokens(off.pool, offTable, 1, 0, 5, 1)
-    off.pool.checkRead(offTable, 1, 8) // reads 3 positions nobody wrote
+    off.pool.checkRead(offTable, 8) // reads 3 positions nobody wrote
   })
 
   it('refuses a write into a sealed page and leaves its fill', () => {
     const { pool } = makePool()
     const table = pool.allocate(1, 1, 10)
     writeTokens(pool, table, 1, 0, 2, 1)
-    pool.seal(table, 1)
+    pool.seal(table)
     assert.equal(pool.state[0], PageState.sealed)
     assert.throws(
-      () => pool.noteWrite(table, 1, 2, 1),
+      () => pool.noteWrite(table, 2, 1),
       isGuardTrip('G5', /^G5: page 0 is sealed; owner 1 may not write it$/),
     )
     assert.equal(pool.fill[0], 2)
@@ -171,8 +183,8 @@ describe('KV pool G5: ownership, epoch and fill on every read and write', () => 
     const off = makePool({ off: ['G5'] })
     const offTable = off.pool.allocate(1, 1, 10)
     writeTokens(off.pool, offTable, 1, 0, 2, 1)
-    off.pool.seal(offTable, 1)
-    off.pool.noteWrite(offTable, 1, 2, 1)
+    off.pool.seal(offTable)
+    off.pool.noteWrite(offTable, 2, 1)
     assert.equal(off.pool.fill[0], 3)
   })
 
@@ -181,19 +193,22 @@ describe('KV pool G5: ownership, epoch and fill on every read and write', () => 
     const victim = pool.allocate(1, 1, 10)
     writeTokens(pool, victim, 1, 0, 2, 1)
     assert.throws(
-      () => pool.noteWrite(victim, 2, 2, 1),
+      () => pool.noteWrite(by(2, victim), 2, 1),
       isGuardTrip('G5', /^G5: write of page 0 by owner 2, but it belongs to 1$/),
     )
     assert.equal(pool.fill[0], 2)
     // Nor may another owner seal or pin it.
-    assert.throws(() => pool.seal(victim, 2), isGuardTrip('G5', /^G5: seal of page 0 by owner 2/))
-    assert.throws(() => pool.pin(victim, 2), isGuardTrip('G5', /^G5: pin of page 0 by owner 2/))
+    assert.throws(
+      () => pool.seal(by(2, victim)),
+      isGuardTrip('G5', /^G5: seal of page 0 by owner 2/),
+    )
+    assert.throws(() => pool.pin(by(2, victim)), isGuardTrip('G5', /^G5: pin of page 0 by owner 2/))
     assert.deepEqual([pool.state[0], pool.pins[0]], [PageState.reserved, 0])
 
     const off = makePool({ off: ['G5'] })
     const offVictim = off.pool.allocate(1, 1, 10)
     writeTokens(off.pool, offVictim, 1, 0, 2, 1)
-    off.pool.noteWrite(offVictim, 2, 2, 1)
+    off.pool.noteWrite(by(2, offVictim), 2, 1)
     assert.equal(off.pool.fill[0], 3)
   })
 
@@ -204,27 +219,27 @@ describe('KV pool G5: ownership, epoch and fill on every read and write', () => 
     const { pool } = makePool({ faults: { skipScrub: true } })
     const first = pool.allocate(1, 1, 10)
     writeTokens(pool, first, 1, 0, 4, 1)
-    pool.release(first, 1)
+    pool.release(first)
     const second = pool.allocate(1, 2, 20)
     writeTokens(pool, second, 2, 0, 1, 2)
     assert.throws(
-      () => pool.noteWrite(second, 2, 3, 1),
+      () => pool.noteWrite(second, 3, 1),
       isGuardTrip('G5', /^G5: write at position 3 leaves positions 1\.\.2 of page 0 unwritten$/),
     )
     assert.equal(pool.fill[0], 1)
     assert.throws(
-      () => pool.checkRead(second, 2, 4),
+      () => pool.checkRead(second, 4),
       isGuardTrip('G5', /holds 1 tokens; owner 2 reads 4/),
     )
     // Contiguous writes, rewrites below the fill and a later page first are all fine.
     writeTokens(pool, second, 2, 1, 2, 2)
     writeTokens(pool, second, 2, 0, 3, 2)
     assert.equal(pool.fill[0], 3)
-    const more = [...second, ...pool.allocate(1, 2, 20)]
+    const more = by(2, [...second.pages, ...pool.allocate(1, 2, 20).pages])
     writeTokens(pool, more, 2, 4, 4, 2) // page ordinal 1 before the end of page ordinal 0
     writeTokens(pool, more, 2, 3, 1, 2)
-    pool.checkRead(more, 2, 8)
-    assert.deepEqual(pageFloats(pool, more[1].page), expectedPage(2, 1))
+    pool.checkRead(more, 8)
+    assert.deepEqual(pageFloats(pool, more.pages[1].page), expectedPage(2, 1))
   })
 
   it('a refused write changes no fill, so the positions it named stay unreadable', () => {
@@ -233,12 +248,12 @@ describe('KV pool G5: ownership, epoch and fill on every read and write', () => 
     writeTokens(pool, table, 1, 0, 2, 1)
     // Positions 2..5: 2 and 3 are on page 0, 4 and 5 beyond the one-page table.
     assert.throws(
-      () => pool.noteWrite(table, 1, 2, 4),
+      () => pool.noteWrite(table, 2, 4),
       isGuardTrip('G5', /^G5: write at position 4 beyond the page table \(1 pages\)$/),
     )
     assert.equal(pool.fill[0], 2)
     assert.throws(
-      () => pool.checkRead(table, 1, 4),
+      () => pool.checkRead(table, 4),
       isGuardTrip('G5', /holds 2 tokens; owner 1 reads 4/),
     )
   })
@@ -246,20 +261,23 @@ describe('KV pool G5: ownership, epoch and fill on every read and write', () => 
   it('a refused release frees nothing', () => {
     const { pool } = makePool()
     const table = pool.allocate(2, 1, 10) // pages 0, 1
-    pool.release([table[0]], 1) // page 0 goes back early …
-    assert.deepEqual(pool.allocate(1, 2, 20), [{ page: 0, epoch: 2 }]) // … and now is owner 2's
+    pool.release(by(1, [table.pages[0]])) // page 0 goes back early …
+    assert.deepEqual(pool.allocate(1, 2, 20).pages, [{ page: 0, epoch: 2 }]) // … and now is owner 2's
     assert.throws(
-      () => pool.release(table, 1),
+      () => pool.release(table),
       isGuardTrip('G5', /^G5: owner 1 released page 0 it does not own$/),
     )
     assert.deepEqual([pool.owner[0], pool.owner[1]], [2, 1])
     assert.deepEqual([pool.state[0], pool.state[1]], [PageState.reserved, PageState.reserved])
     assert.equal(pool.numFree, 4)
     // A table naming the same page twice is refused too, before anything is freed.
-    assert.throws(() => pool.release([table[1], table[1]], 1), isGuardTrip('G5', /released page 1/))
+    assert.throws(
+      () => pool.release(by(1, [table.pages[1], table.pages[1]])),
+      isGuardTrip('G5', /released page 1/),
+    )
     assert.equal(pool.owner[1], 1)
     pool.check()
-    pool.release([table[1]], 1)
+    pool.release(by(1, [table.pages[1]]))
     assert.equal(pool.numFree, 5)
     pool.check()
   })
@@ -300,7 +318,7 @@ describe('KV pool G6: scrub on free', () => {
     writeTokens(pool, other, 2, 0, 4, 2)
     assert.deepEqual(pageFloats(pool, 0), expectedPage(1, 0))
     assert.deepEqual(pageFloats(pool, 1), expectedPage(1, 1))
-    pool.release(table, 1)
+    pool.release(table)
     for (const page of [0, 1]) {
       const floats = pageFloats(pool, page)
       assert.equal(floats.length, 2 * 2 * 8) // layers × (K, V) × floats per page
@@ -317,7 +335,7 @@ describe('KV pool G6: scrub on free', () => {
       const { pool } = makePool(opts)
       const table = pool.allocate(2, 1, 10)
       writeTokens(pool, table, 1, 0, 8, 1)
-      pool.release(table, 1)
+      pool.release(table)
       assert.deepEqual(pageFloats(pool, 0), expectedPage(1, 0))
       assert.deepEqual(pageFloats(pool, 1), expectedPage(1, 1))
     }
@@ -329,12 +347,12 @@ describe('KV pool G7: deferred release', () => {
     const { pool, trips } = makePool()
     const table = pool.allocate(2, 1, 10)
     writeTokens(pool, table, 1, 0, 6, 1)
-    pool.pin(table, 1)
-    pool.pin(table.slice(1), 1) // a second transfer on page 1
+    pool.pin(table)
+    pool.pin(by(1, table.pages.slice(1))) // a second transfer on page 1
     assert.equal(pool.isPinned(table), true)
     const expectRefused = () => {
       assert.throws(
-        () => pool.release(table, 1),
+        () => pool.release(table),
         isGuardTrip('G7', /^G7: owner 1 released pages while a transfer is in flight$/),
       )
       assert.deepEqual([...pool.owner.subarray(0, 2)], [1, 1])
@@ -345,13 +363,13 @@ describe('KV pool G7: deferred release', () => {
       pool.check()
     }
     expectRefused()
-    pool.unpin(table, 1)
+    pool.unpin(table)
     assert.deepEqual([...pool.pins.subarray(0, 2)], [0, 1])
     expectRefused() // page 1 still has a transfer in flight
     assert.equal(trips.counts.G7, 2)
-    pool.unpin(table.slice(1), 1)
+    pool.unpin(by(1, table.pages.slice(1)))
     assert.equal(pool.isPinned(table), false)
-    pool.release(table, 1)
+    pool.release(table)
     assert.deepEqual([...pool.state.subarray(0, 2)], [PageState.free, PageState.free])
     assert.equal(pool.numFree, 6)
     pool.check()
@@ -360,12 +378,12 @@ describe('KV pool G7: deferred release', () => {
   it('with G7 off the release of a pinned page goes through (the early-release bug class)', () => {
     const { pool } = makePool({ off: ['G7'] })
     const table = pool.allocate(1, 1, 10)
-    pool.pin(table, 1)
-    pool.release(table, 1)
+    pool.pin(table)
+    pool.release(table)
     assert.equal(pool.state[0], PageState.free)
     assert.throws(() => pool.check(), /free page 0 is pinned/)
     // The next request gets the page while the transfer may still write into it.
-    assert.deepEqual(pool.allocate(1, 2, 20), [{ page: 0, epoch: 2 }])
+    assert.deepEqual(pool.allocate(1, 2, 20).pages, [{ page: 0, epoch: 2 }])
     assert.equal(pool.pins[0], 1)
   })
 })
@@ -373,23 +391,23 @@ describe('KV pool G7: deferred release', () => {
 describe('KV pool allocation', () => {
   it('bumps a page’s epoch on every allocation: 1 at first, 2 after free and reallocation', () => {
     const { pool } = makePool()
-    assert.deepEqual(pool.allocate(1, 1, 10), [{ page: 0, epoch: 1 }])
+    assert.deepEqual(pool.allocate(1, 1, 10).pages, [{ page: 0, epoch: 1 }])
     assert.equal(pool.epoch[0], 1)
-    pool.release([{ page: 0, epoch: 1 }], 1)
+    pool.release(by(1, [{ page: 0, epoch: 1 }]))
     assert.equal(pool.epoch[0], 1) // freeing does not bump
-    assert.deepEqual(pool.allocate(1, 3, 30), [{ page: 0, epoch: 2 }])
+    assert.deepEqual(pool.allocate(1, 3, 30).pages, [{ page: 0, epoch: 2 }])
     assert.equal(pool.epoch[0], 2)
     assert.equal(pool.epoch[1], 0) // never allocated
 
     // stale-epoch fault: the page comes back at epoch 0 both times, so an old table still matches.
     const stale = makePool({ faults: { staleEpoch: true } }).pool
     const old = stale.allocate(1, 1, 10)
-    assert.deepEqual(old, [{ page: 0, epoch: 0 }])
-    stale.release(old, 1)
+    assert.deepEqual(old.pages, [{ page: 0, epoch: 0 }])
+    stale.release(old)
     const now = stale.allocate(1, 1, 20)
-    assert.deepEqual(now, [{ page: 0, epoch: 0 }])
+    assert.deepEqual(now.pages, [{ page: 0, epoch: 0 }])
     writeTokens(stale, now, 1, 0, 4, 2)
-    stale.checkRead(old, 1, 4)
+    stale.checkRead(old, 4)
   })
 
   it('reuses freed pages LIFO: a table freed as [a, b, c] is allocated again as [a, b, c]', () => {
@@ -397,45 +415,43 @@ describe('KV pool allocation', () => {
     // Release 1 pushes 1, 0 → [1 0]; release 3 pushes 5, 4 → [1 0 5 4]. Owner 4 pops [4 5 0].
     const { pool } = makePool()
     assert.deepEqual(
-      pool.allocate(2, 1, 10).map((r) => r.page),
+      pool.allocate(2, 1, 10).pages.map((r) => r.page),
       [0, 1],
     )
     assert.deepEqual(
-      pool.allocate(2, 2, 20).map((r) => r.page),
+      pool.allocate(2, 2, 20).pages.map((r) => r.page),
       [2, 3],
     )
     assert.deepEqual(
-      pool.allocate(2, 3, 30).map((r) => r.page),
+      pool.allocate(2, 3, 30).pages.map((r) => r.page),
       [4, 5],
     )
-    pool.release(pool.allocate(0, 9, 9), 9) // an empty table is a no-op
+    pool.release(pool.allocate(0, 9, 9)) // an empty table is a no-op
     pool.release(
-      [
+      by(1, [
         { page: 0, epoch: 1 },
         { page: 1, epoch: 1 },
-      ],
-      1,
+      ]),
     )
     pool.release(
-      [
+      by(3, [
         { page: 4, epoch: 1 },
         { page: 5, epoch: 1 },
-      ],
-      3,
+      ]),
     )
     const abc = pool.allocate(3, 4, 40)
-    assert.deepEqual(abc, [
+    assert.deepEqual(abc.pages, [
       { page: 4, epoch: 2 },
       { page: 5, epoch: 2 },
       { page: 0, epoch: 2 },
     ])
-    pool.release(abc, 4)
-    assert.deepEqual(pool.allocate(3, 5, 50), [
+    pool.release(abc)
+    assert.deepEqual(pool.allocate(3, 5, 50).pages, [
       { page: 4, epoch: 3 },
       { page: 5, epoch: 3 },
       { page: 0, epoch: 3 },
     ])
-    assert.deepEqual(pool.allocate(1, 6, 60), [{ page: 1, epoch: 2 }])
+    assert.deepEqual(pool.allocate(1, 6, 60).pages, [{ page: 1, epoch: 2 }])
     pool.check()
   })
 
@@ -455,7 +471,7 @@ describe('KV pool allocation', () => {
     assert.deepEqual([...pool.owner], [1, 1, 1, 1, 0, 0])
     assert.deepEqual([...pool.epoch], [1, 1, 1, 1, 0, 0])
     pool.check()
-    assert.deepEqual(pool.allocate(2, 2, 20), [
+    assert.deepEqual(pool.allocate(2, 2, 20).pages, [
       { page: 4, epoch: 1 },
       { page: 5, epoch: 1 },
     ])
@@ -470,7 +486,7 @@ describe('KV pool check()', () => {
     const { pool } = makePool()
     const table = pool.allocate(2, 1, 10)
     writeTokens(pool, table, 1, 0, 6, 1)
-    pool.pin(table.slice(0, 1), 1)
+    pool.pin(by(1, table.pages.slice(0, 1)))
     pool.allocate(1, 2, 20)
     pool.check()
     return pool

@@ -8,7 +8,7 @@ import assert from 'node:assert/strict'
 import { after, before, describe, it } from 'node:test'
 import type { PrefillResult } from '../../src/engine/control.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
-import type { PageRef } from '../../src/kv/pool.js'
+import type { PageLease } from '../../src/kv/pool.js'
 import {
   greedyOracle as oracle,
   makeRequest,
@@ -103,14 +103,15 @@ describe('prefill with a prefix cache', () => {
     const { pool } = pair.p
     const reads: { owner: number; tenants: number[]; owners: number[] }[] = []
     const checkRead = pool.checkRead.bind(pool)
-    pool.checkRead = (table: readonly PageRef[], owner: number, numTokens: number) => {
-      const pages = table.slice(0, pool.pagesFor(numTokens)).map((r) => r.page)
+    pool.checkRead = (lease: PageLease, numTokens: number) => {
+      const { owner } = lease
+      const pages = lease.pages.slice(0, pool.pagesFor(numTokens)).map((r) => r.page)
       reads.push({
         owner,
         tenants: pages.map((p) => pool.tenant[p]),
         owners: pages.map((p) => pool.owner[p]),
       })
-      checkRead(table, owner, numTokens)
+      checkRead(lease, numTokens)
     }
     try {
       const b = await ask('tenant-b', promptA1, 24)

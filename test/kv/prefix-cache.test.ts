@@ -5,7 +5,7 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { GuardError, GuardTrips, makeGuards } from '../../src/kv/guards.js'
-import { KvPool, PageState, type PageRef } from '../../src/kv/pool.js'
+import { KvPool, PageState, type PageLease } from '../../src/kv/pool.js'
 import { PrefixCache } from '../../src/kv/prefix-cache.js'
 
 /** Pages of 4 tokens, 2 layers, 1 KV head of dim 2: 8 floats per page per layer. */
@@ -68,7 +68,7 @@ const kValue = (tag: number, layer: number, pos: number, i: number) =>
 function prefilled(s: Setup, tenant: string, numTokens: number, tag: number) {
   const owner = s.owner()
   const table = s.pool.allocate(s.pool.pagesFor(numTokens), owner, s.tenantId(tenant))
-  s.pool.noteWrite(table, owner, 0, numTokens)
+  s.pool.noteWrite(table, 0, numTokens)
   for (let pos = 0; pos < numTokens; pos++) {
     const off = s.pool.offsetOf(table, pos)
     for (let layer = 0; layer < 2; layer++) {
@@ -78,12 +78,12 @@ function prefilled(s: Setup, tenant: string, numTokens: number, tag: number) {
       }
     }
   }
-  s.pool.seal(table, owner)
+  s.pool.seal(table)
   return { owner, table }
 }
 
 /** K of float `i` of position `pos` of a page table, in `layer`. */
-function kAt(pool: KvPool, table: readonly PageRef[], layer: number, pos: number, i: number) {
+function kAt(pool: KvPool, table: PageLease, layer: number, pos: number, i: number) {
   return pool.k[layer][pool.offsetOf(table, pos) + i]
 }
 
@@ -94,9 +94,9 @@ describe('prefix cache', () => {
     const s = setup(16, 8)
     const prompt = tokens(10) // pages [0..3] [4..7] full, [8..9] partial
     const a = prefilled(s, 'a', 10, 1)
-    assert.equal(s.cache.insert('a', prompt, a.table, a.owner), 2)
+    assert.equal(s.cache.insert('a', prompt, a.table), 2)
     s.check()
-    s.pool.release(a.table, a.owner)
+    s.pool.release(a.table)
     s.check()
     assert.equal(s.cache.numPages, 2)
 
@@ -122,13 +122,13 @@ describe('prefix cache', () => {
   it('copies cached K/V exactly into the request’s own pages, claimed first (G5)', () => {
     const s = setup(16, 8)
     const a = prefilled(s, 'a', 8, 7)
-    s.cache.insert('a', tokens(8), a.table, a.owner)
-    s.pool.release(a.table, a.owner) // scrubs the request's pages: the cache holds copies
+    s.cache.insert('a', tokens(8), a.table)
+    s.pool.release(a.table) // scrubs the request's pages: the cache holds copies
     s.check()
     const owner = s.owner()
     const table = s.pool.allocate(3, owner, s.tenantId('a'))
     const hit = s.cache.lookup('a', tokens(9))!
-    s.cache.copyInto(hit, table, owner)
+    s.cache.copyInto(hit, table)
     s.cache.release(hit)
     s.check()
     for (let pos = 0; pos < 8; pos++) {
@@ -140,32 +140,32 @@ describe('prefix cache', () => {
       }
     }
     // The copy counts as the owner's write: it may read 8 tokens and append at position 8.
-    assert.deepEqual([...table.map((r) => s.pool.fill[r.page])], [4, 4, 0])
-    s.pool.checkRead(table, owner, 8)
-    s.pool.noteWrite(table, owner, 8, 1)
-    s.pool.release(table, owner)
+    assert.deepEqual([...table.pages.map((r) => s.pool.fill[r.page])], [4, 4, 0])
+    s.pool.checkRead(table, 8)
+    s.pool.noteWrite(table, 8, 1)
+    s.pool.release(table)
     s.check()
   })
 
   it('refuses to copy into pages the request does not own, and copies nothing (G5)', () => {
     const s = setup(16, 8)
     const a = prefilled(s, 'a', 8, 3)
-    s.cache.insert('a', tokens(8), a.table, a.owner)
+    s.cache.insert('a', tokens(8), a.table)
     const other = s.owner()
     const table = s.pool.allocate(3, other, s.tenantId('a'))
     const hit = s.cache.lookup('a', tokens(9))!
-    assert.throws(() => s.cache.copyInto(hit, table, s.owner()), GuardError)
+    assert.throws(() => s.cache.copyInto(hit, { ...table, owner: s.owner() }), GuardError)
     s.cache.release(hit)
     // Never-used pages hold the poison value: the refused copy left them untouched.
     assert.ok(Number.isNaN(kAt(s.pool, table, 0, 0, 0)))
-    assert.deepEqual([...table.map((r) => s.pool.fill[r.page])], [0, 0, 0])
+    assert.deepEqual([...table.pages.map((r) => s.pool.fill[r.page])], [0, 0, 0])
     s.check()
   })
 
   it('another tenant never hits: same tokens, different salt, different keys', () => {
     const s = setup(16, 8)
     const a = prefilled(s, 'a', 12, 1)
-    s.cache.insert('a', tokens(12), a.table, a.owner)
+    s.cache.insert('a', tokens(12), a.table)
     s.check()
     assert.equal(s.cache.lookup('b', tokens(12)), null)
     const keysA = s.cache.keysOf('a', tokens(12))
@@ -174,7 +174,7 @@ describe('prefix cache', () => {
     for (const k of keysB) assert.ok(!keysA.includes(k))
     // B caching the same prompt gets its own pages under its own cache owner.
     const b = prefilled(s, 'b', 12, 2)
-    assert.equal(s.cache.insert('b', tokens(12), b.table, b.owner), 3)
+    assert.equal(s.cache.insert('b', tokens(12), b.table), 3)
     s.check()
     const hitA = s.cache.lookup('a', tokens(13))!
     const hitB = s.cache.lookup('b', tokens(13))!
@@ -183,7 +183,7 @@ describe('prefix cache', () => {
       assert.equal(s.pool.tenant[ref.page], s.tenantId('b'))
       assert.ok(!hitA.refs.some((r) => r.page === ref.page))
     }
-    assert.equal(kAt(s.pool, [hitB.refs[0]], 0, 0, 0), kValue(2, 0, 0, 0))
+    assert.equal(kAt(s.pool, hitB.lease, 0, 0, 0), kValue(2, 0, 0, 0))
     s.cache.release(hitA)
     s.cache.release(hitB)
     s.check()
@@ -192,7 +192,7 @@ describe('prefix cache', () => {
   it('keys name a whole prefix: an equal page after a different one does not hit', () => {
     const s = setup(16, 8)
     const a = prefilled(s, 'a', 8, 1)
-    s.cache.insert('a', tokens(8), a.table, a.owner)
+    s.cache.insert('a', tokens(8), a.table)
     const otherStart = [50, 51, 52, 53, ...tokens(8).slice(4), 1]
     assert.equal(s.cache.lookup('a', otherStart), null)
     s.check()
@@ -201,11 +201,11 @@ describe('prefix cache', () => {
   it('at maxPages evicts the least recently used page, a chain’s deepest page first', () => {
     const s = setup(16, 3)
     const a = prefilled(s, 'a', 8, 1) // chain a0 → a1
-    s.cache.insert('a', tokens(8), a.table, a.owner)
+    s.cache.insert('a', tokens(8), a.table)
     const b = prefilled(s, 'a', 8, 2) // chain b0 → b1, other tokens, same tenant
     const bTokens = tokens(8, 40)
     // Full at 3 pages: b1 evicts a's deepest page (a1), never a0 (which would orphan a1).
-    assert.equal(s.cache.insert('a', bTokens, b.table, b.owner), 2)
+    assert.equal(s.cache.insert('a', bTokens, b.table), 2)
     s.check()
     assert.deepEqual(s.evicted, [1])
     assert.equal(s.cache.numPages, 3)
@@ -213,7 +213,7 @@ describe('prefix cache', () => {
     const hitB = s.cache.lookup('a', [...bTokens, 1])!
     assert.equal(hitA.numTokens, 4)
     assert.equal(hitB.numTokens, 8)
-    assert.equal(kAt(s.pool, hitB.refs, 0, 7, 1), kValue(2, 0, 7, 1))
+    assert.equal(kAt(s.pool, hitB.lease, 0, 7, 1), kValue(2, 0, 7, 1))
     s.cache.release(hitA)
     s.cache.release(hitB)
     s.check()
@@ -222,8 +222,8 @@ describe('prefix cache', () => {
   it('never evicts a pinned page; evicted pages are scrubbed and free (G6)', () => {
     const s = setup(8, 8)
     const a = prefilled(s, 'a', 8, 1)
-    s.cache.insert('a', tokens(8), a.table, a.owner)
-    s.pool.release(a.table, a.owner)
+    s.cache.insert('a', tokens(8), a.table)
+    s.pool.release(a.table)
     const hit = s.cache.lookup('a', tokens(9))! // pins both cached pages
     assert.equal(s.cache.evictFor(8), 0)
     assert.equal(s.cache.numPages, 2)
@@ -248,14 +248,14 @@ describe('prefix cache', () => {
   it('takes only free pages beyond the reserve, and none from running requests', () => {
     const s = setup(4, 8)
     const a = prefilled(s, 'a', 12, 1) // 3 of 4 pages
-    assert.equal(s.cache.insert('a', tokens(12), a.table, a.owner, 1), 0)
+    assert.equal(s.cache.insert('a', tokens(12), a.table, 1), 0)
     s.check()
-    assert.equal(s.cache.insert('a', tokens(12), a.table, a.owner), 1)
+    assert.equal(s.cache.insert('a', tokens(12), a.table), 1)
     assert.equal(s.pool.numFree, 0)
     s.check()
     // Pages already cached are reused, not copied again.
-    assert.equal(s.cache.insert('a', tokens(12), a.table, a.owner), 0)
-    s.pool.release(a.table, a.owner)
+    assert.equal(s.cache.insert('a', tokens(12), a.table), 0)
+    s.pool.release(a.table)
     s.check()
   })
 
@@ -263,7 +263,7 @@ describe('prefix cache', () => {
     const s = setup(8, 0)
     const a = prefilled(s, 'a', 8, 1)
     assert.equal(s.cache.isEnabled, false)
-    assert.equal(s.cache.insert('a', tokens(8), a.table, a.owner), 0)
+    assert.equal(s.cache.insert('a', tokens(8), a.table), 0)
     assert.equal(s.cache.lookup('a', tokens(9)), null)
     assert.equal(s.pool.numUsed, 2)
     s.check()

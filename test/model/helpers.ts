@@ -27,10 +27,10 @@ export function scatteredSequence(model: Model, pageSize: number, numTokens: num
     },
     makeGuards(true),
   )
-  const pageTable = []
+  const pages = []
   for (let i = 0; i < pool.pagesFor(numTokens); i++) {
     pool.allocate(1, 99, 1) // someone else's page in between
-    pageTable.push(...pool.allocate(1, 7, 2))
+    pages.push(...pool.allocate(1, 7, 2).pages)
   }
-  return { pool, seq: { pageTable, owner: 7 } }
+  return { pool, seq: { lease: { owner: 7, tenant: 2, pages } } }
 }

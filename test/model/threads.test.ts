@@ -39,10 +39,7 @@ function logitsOf(model: Model): Float32Array[] {
   const out = [forward(model, rope, pool, seq, ids, 0, true)]
   out.push(forward(model, rope, pool, seq, [5 % vocab], 23))
   out.push(forward(model, rope, pool, seq, [9 % vocab], 24))
-  const seqs = [0, 1, 2].map((i) => ({
-    owner: 100 + i,
-    pageTable: pool.allocate(pool.pagesFor(6), 100 + i, 1),
-  }))
+  const seqs = [0, 1, 2].map((i) => ({ lease: pool.allocate(pool.pagesFor(6), 100 + i, 1) }))
   seqs.forEach((s, i) => forward(model, rope, pool, s, ids.slice(i, i + 5), 0))
   const step = forwardBatch(
     model,
