@@ -42,11 +42,14 @@
  *  | +12 | 8    | checksum     | u64: xxh64(payload, seed 0)                             |
  *  | +20 | p    | payload      | for each layer, K then V rows of that page              |
  *
- *  END (P → D) — body 44 bytes
+ *  END (P → D) — body 76 bytes
  *  | 0   | 16   | transferId   |                                                         |
  *  | 16  | 16   | requestId    | must equal BEGIN's                                      |
  *  | 32  | 8    | manifest     | u64: xxh64 of the pages' checksums (u64 BE each), in ordinal order |
  *  | 40  | 4    | firstTokenId | u32: the token prefill sampled                          |
+ *  | 44  | 32   | mac          | HMAC-SHA256(secret, END_MAC_CONTEXT ‖ transferId ‖ requestId ‖ |
+ *  |     |      |              |   numTokens u32 ‖ numPages u32 ‖ each page checksum u64, |
+ *  |     |      |              |   in ordinal order ‖ firstTokenId u32) (auth.ts)        |
  *
  *  ACK (D → P) — body 16 bytes
  *  | 0   | 16   | transferId   |                                                         |
@@ -68,15 +71,16 @@ import { isErrorCode, type ErrorCode } from '../errors.js'
 
 // ─── Constants ──────────────────────────────────────────────────────────────────────────────────
 
-/** The protocol version HELLO carries; a peer speaking another version is refused. */
-export const PROTOCOL_VERSION = 1
+/** The protocol version HELLO carries; a peer speaking another version is refused.
+ *  2: END carries a MAC over the manifest (version 1's END had none). */
+export const PROTOCOL_VERSION = 2
 /** First two bytes of every frame: "KV". */
 export const MAGIC = 0x4b56
 /** Bytes of the frame header. */
 export const HEADER_BYTES = 8
 /** Bytes of a transfer id or request id on the wire (128 bits). */
 export const ID_BYTES = 16
-/** Bytes of BEGIN's HMAC-SHA256. */
+/** Bytes of BEGIN's and END's HMAC-SHA256. */
 export const MAC_BYTES = 32
 /** Longest tenant name, in UTF-8 bytes. */
 export const MAX_TENANT_BYTES = 256
@@ -98,7 +102,7 @@ export const PAGES_HEAD_BYTES = 34
 /** Bytes of one page entry before its payload. */
 export const PAGE_HEAD_BYTES = 20
 /** Body bytes of END. */
-export const END_BODY_BYTES = 44
+export const END_BODY_BYTES = 76
 /** Body bytes of ACK. */
 export const ACK_BODY_BYTES = 16
 
@@ -178,6 +182,8 @@ export interface EndFrame {
   /** xxh64 over the pages' checksums in ordinal order (see checksum.ts). */
   manifestChecksum: bigint
   firstTokenId: number
+  /** HMAC-SHA256 over the manifest ({@link MAC_BYTES} bytes; auth.ts `EndMacBuilder`). */
+  mac: Uint8Array
 }
 
 /** ACK: the receiver verified and took the transfer. */
@@ -427,15 +433,19 @@ export function encodePages(frame: Omit<PagesFrame, 'kind'>): Buffer {
   return out
 }
 
-/** END frame bytes. @throws TypeError on a malformed id, RangeError on values out of range. */
+/** END frame bytes. @throws TypeError on a malformed id or a MAC that is not 32 bytes,
+ *  RangeError on values out of range. */
 export function encodeEnd(frame: Omit<EndFrame, 'kind'>): Buffer {
   checkU32('firstTokenId', frame.firstTokenId, 0)
+  if (frame.mac.length !== MAC_BYTES)
+    throw new TypeError(`mac must be ${MAC_BYTES} bytes, got ${frame.mac.length}`)
   const out = Buffer.allocUnsafe(HEADER_BYTES + END_BODY_BYTES)
   let offset = writeHeader(out, 0, 'end', END_BODY_BYTES)
   offset = writeId(out, offset, frame.transferId)
   offset = writeId(out, offset, frame.requestId)
   out.writeBigUInt64BE(frame.manifestChecksum, offset)
   out.writeUInt32BE(frame.firstTokenId, offset + 8)
+  out.set(frame.mac, offset + 12)
   return out
 }
 
@@ -676,6 +686,7 @@ function decodeBody(kind: FrameKind, b: Buffer): DecodeResult {
           requestId: readId(b, 16),
           manifestChecksum: b.readBigUInt64BE(32),
           firstTokenId: b.readUInt32BE(40),
+          mac: b.subarray(44, 44 + MAC_BYTES),
         },
       }
     }

@@ -30,6 +30,7 @@ export type RefusalReason =
   | 'checksum_mismatch'
   | 'incomplete'
   | 'manifest_mismatch'
+  | 'bad_end_mac'
   // either side
   | 'stalled'
   | 'aborted_by_sender'

@@ -2,13 +2,14 @@
  *  TCP connection to it, opened on first use (HELLO first), reopened after a teardown, and shared
  *  by every transfer to that address (multiplexed by transfer id). Each transfer is BEGIN
  *  (authenticated, G10), bounded PAGES batches built in place in reused send buffers under a byte
- *  budget (G9), and END with the manifest (G4); it settles on ACK, NACK, abort, stall or teardown —
+ *  budget (G9), and END with the manifest (G4) and its MAC (G10); it settles on ACK, NACK, abort,
+ *  stall or teardown —
  *  and only once no more reads of its pages can happen, so P may unpin them then (G7).
  *  Knows sockets and frames; knows nothing of pools or the model: pages are read through
  *  {@link OutgoingTransfer.readPage}. */
 import net from 'node:net'
 import { KvfenceError } from '../errors.js'
-import { beginMac } from './auth.js'
+import { beginMac, EndMacBuilder } from './auth.js'
 import { ManifestHasher, pageChecksum } from './checksum.js'
 import {
   DEFAULT_MAX_FRAME_BYTES,
@@ -258,6 +259,12 @@ interface Outgoing {
   timer: NodeJS.Timeout | null
 }
 
+/** What END carries about the pages sent, built page by page in send order. */
+interface PageDigests {
+  readonly manifest: ManifestHasher
+  readonly endMac: EndMacBuilder
+}
+
 /** Connection phases. Only Peer assigns them. */
 type PeerPhase = 'awaiting_hello' | 'open' | 'closed'
 
@@ -404,7 +411,10 @@ class Peer {
         this.config.maxPagesPerFrame,
         Math.floor((this.config.maxFrameBytes - HEADER_BYTES - PAGES_HEAD_BYTES) / entryBytes),
       )
-      const manifest = new ManifestHasher()
+      const digests: PageDigests = {
+        manifest: new ManifestHasher(),
+        endMac: new EndMacBuilder(t.secret, t),
+      }
       let numSent = 0
       const minBytes = pagesFrameBytes(1, t.pageBytes)
       while (numSent < numToSend) {
@@ -417,7 +427,7 @@ class Peer {
           (this.current!.length - this.numUsed - HEADER_BYTES - PAGES_HEAD_BYTES) / entryBytes,
         )
         const numPages = Math.min(maxPerFrame, numToSend - numSent, numFitting)
-        const numBuilt = this.buildPages(s, numSent, numPages, manifest)
+        const numBuilt = this.buildPages(s, numSent, numPages, digests)
         if (s.failure !== null || numBuilt === 0) return
         numSent += numBuilt
         s.timer?.refresh()
@@ -425,8 +435,9 @@ class Peer {
       const end = encodeEnd({
         transferId: t.transferId,
         requestId: t.requestId,
-        manifestChecksum: manifest.digest(),
+        manifestChecksum: digests.manifest.digest(),
         firstTokenId: t.firstTokenId,
+        mac: digests.endMac.digest(t.firstTokenId),
       })
       s.phase = 'awaiting_ack'
       this.appendControl(end)
@@ -586,12 +597,7 @@ class Peer {
   /** Build one PAGES frame of up to `numPages` pages (from send position `first`) at the end of
    *  `current`, reading each page straight into the frame. Returns the pages built; 0 (frame
    *  discarded) if the transfer failed or the connection closed while reading. */
-  private buildPages(
-    s: Outgoing,
-    first: number,
-    numPages: number,
-    manifest: ManifestHasher,
-  ): number {
+  private buildPages(s: Outgoing, first: number, numPages: number, digests: PageDigests): number {
     const { t } = s
     const buffer = this.current!
     const start = this.numUsed
@@ -610,7 +616,8 @@ class Peer {
         if (t.corruptPayload === true)
           payload[Math.min(((payload.length >> 3) << 2) + 3, payload.length - 1)] ^= 0x40
         writePageHead(buffer, offset, ordinal, tokensOnPage, t.pageBytes, checksum)
-        manifest.add(checksum)
+        digests.manifest.add(checksum)
+        digests.endMac.add(checksum)
         offset = payloadStart + t.pageBytes
       }
       if (s.failure !== null || this.current !== buffer || numBuilt === 0) return 0
