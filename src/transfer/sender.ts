@@ -32,7 +32,7 @@ import {
   type Frame,
 } from './frames.js'
 import { FrameParser } from './parser.js'
-import { asKvfenceError, refusal } from './refusals.js'
+import { asKvfenceError, refusal, refusalFromWire } from './refusals.js'
 import { SendBuffers } from './send-buffers.js'
 
 /** One transfer P sends to D: BEGIN's fields (ids are 32 lowercase hex digits) and the rest. */
@@ -503,7 +503,7 @@ class Peer {
     if (this.phase === 'closed') return
     if (this.phase === 'awaiting_hello') {
       if (frame.kind === 'nack' && frame.transferId === ZERO_TRANSFER_ID)
-        return this.destroy(new KvfenceError('transfer_failed', frame.message))
+        return this.destroy(refusalFromWire(frame.message))
       if (frame.kind !== 'hello')
         return this.destroy(
           refusal('unexpected_frame', `${this.name} sent ${frame.kind} before HELLO`),
@@ -534,12 +534,12 @@ class Peer {
       }
       case 'nack': {
         if (frame.transferId === ZERO_TRANSFER_ID)
-          return this.destroy(new KvfenceError('transfer_failed', frame.message))
+          return this.destroy(refusalFromWire(frame.message))
         const s = this.transfers.get(frame.transferId)
         if (s === undefined) return // already settled here
         return this.fail(
           s,
-          new KvfenceError('transfer_failed', `${frame.message} [decode worker: ${frame.code}]`),
+          refusalFromWire(frame.message, `${frame.message} [decode worker: ${frame.code}]`),
           false,
         )
       }

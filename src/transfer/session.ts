@@ -54,7 +54,7 @@ import {
   type PagesFrame,
 } from './frames.js'
 import { FrameParser } from './parser.js'
-import { asKvfenceError, reasonOf, refusal } from './refusals.js'
+import { asKvfenceError, refusal, TransferError } from './refusals.js'
 
 // ─── The hooks' contract ────────────────────────────────────────────────────────────────────────
 
@@ -520,7 +520,7 @@ export class ReceiverSession {
   private nack(id: string, err: KvfenceError): void {
     this.counters.numRefused++
     this.config.log.warn(
-      { transferId: id, code: err.code, reason: reasonOf(err) },
+      { transferId: id, code: err.code, reason: err instanceof TransferError ? err.reason : null },
       'transfer refused',
     )
     if (this.phase !== 'closed')
