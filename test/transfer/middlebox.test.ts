@@ -173,7 +173,7 @@ describe(
 
     it('replay: an earlier request’s recorded PAGES and END under the new BEGIN are refused (bad_end_mac)', async () => {
       const { out, tid } = await attack('replay')
-    await until(() => reasonsOf('relay', tid).length === 1)
+      await until(() => reasonsOf('relay', tid).length === 1)
       assert.deepEqual(reasonsOf('relay', tid), ['bad_end_mac'])
       assert.ok(out.prefillError, 'P saw the NACK')
       assert.match(out.prefillError.message, /^bad_end_mac: /)
