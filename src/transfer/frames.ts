@@ -42,11 +42,14 @@
  *  | +12 | 8    | checksum     | u64: xxh64(payload, seed 0)                             |
  *  | +20 | p    | payload      | for each layer, K then V rows of that page              |
  *
- *  END (P → D) — body 44 bytes
+ *  END (P → D) — body 76 bytes
  *  | 0   | 16   | transferId   |                                                         |
  *  | 16  | 16   | requestId    | must equal BEGIN's                                      |
  *  | 32  | 8    | manifest     | u64: xxh64 of the pages' checksums (u64 BE each), in ordinal order |
  *  | 40  | 4    | firstTokenId | u32: the token prefill sampled                          |
+ *  | 44  | 32   | mac          | HMAC-SHA256(secret, END_MAC_CONTEXT ‖ transferId ‖ requestId ‖ |
+ *  |     |      |              |   numTokens u32 ‖ numPages u32 ‖ each page checksum u64, |
+ *  |     |      |              |   in ordinal order ‖ firstTokenId u32) (auth.ts)        |
  *
  *  ACK (D → P) — body 16 bytes
  *  | 0   | 16   | transferId   |                                                         |
@@ -68,15 +71,16 @@ import { isErrorCode, type ErrorCode } from '../errors.js'
 
 // ─── Constants ──────────────────────────────────────────────────────────────────────────────────
 
-/** The protocol version HELLO carries; a peer speaking another version is refused. */
-export const PROTOCOL_VERSION = 1
+/** The protocol version HELLO carries; a peer speaking another version is refused.
+ *  2: END carries a MAC over the manifest (version 1's END had none). */
+export const PROTOCOL_VERSION = 2
 /** First two bytes of every frame: "KV". */
 export const MAGIC = 0x4b56
 /** Bytes of the frame header. */
 export const HEADER_BYTES = 8
 /** Bytes of a transfer id or request id on the wire (128 bits). */
 export const ID_BYTES = 16
-/** Bytes of BEGIN's HMAC-SHA256. */
+/** Bytes of BEGIN's and END's HMAC-SHA256. */
 export const MAC_BYTES = 32
 /** Longest tenant name, in UTF-8 bytes. */
 export const MAX_TENANT_BYTES = 256
@@ -98,7 +102,7 @@ export const PAGES_HEAD_BYTES = 34
 /** Bytes of one page entry before its payload. */
 export const PAGE_HEAD_BYTES = 20
 /** Body bytes of END. */
-export const END_BODY_BYTES = 44
+export const END_BODY_BYTES = 76
 /** Body bytes of ACK. */
 export const ACK_BODY_BYTES = 16
 
@@ -178,6 +182,8 @@ export interface EndFrame {
   /** xxh64 over the pages' checksums in ordinal order (see checksum.ts). */
   manifestChecksum: bigint
   firstTokenId: number
+  /** HMAC-SHA256 over the manifest ({@link MAC_BYTES} bytes; auth.ts `EndMacBuilder`). */
+  mac: Uint8Array
 }
 
 /** ACK: the receiver verified and took the transfer. */
@@ -427,15 +433,19 @@ export function encodePages(frame: Omit<PagesFrame, 'kind'>): Buffer {
   return out
 }
 
-/** END frame bytes. @throws TypeError on a malformed id, RangeError on values out of range. */
+/** END frame bytes. @throws TypeError on a malformed id or a MAC that is not 32 bytes,
+ *  RangeError on values out of range. */
 export function encodeEnd(frame: Omit<EndFrame, 'kind'>): Buffer {
   checkU32('firstTokenId', frame.firstTokenId, 0)
+  if (frame.mac.length !== MAC_BYTES)
+    throw new TypeError(`mac must be ${MAC_BYTES} bytes, got ${frame.mac.length}`)
   const out = Buffer.allocUnsafe(HEADER_BYTES + END_BODY_BYTES)
   let offset = writeHeader(out, 0, 'end', END_BODY_BYTES)
   offset = writeId(out, offset, frame.transferId)
   offset = writeId(out, offset, frame.requestId)
   out.writeBigUInt64BE(frame.manifestChecksum, offset)
   out.writeUInt32BE(frame.firstTokenId, offset + 8)
+  out.set(frame.mac, offset + 12)
   return out
 }
 
@@ -583,141 +593,158 @@ function readUtf8(b: Buffer, start: number, end: number): string | null {
   }
 }
 
+/** Reports a malformed body of the frame being decoded, naming its transfer when known. */
+type Malformed = (message: string) => DecodeResult
+
 function decodeBody(kind: FrameKind, b: Buffer): DecodeResult {
   const id = peekId(kind, b)
-  const malformed = (message: string): DecodeResult =>
-    fail('malformed_frame', `${kind} frame: ${message}`, id)
+  const malformed: Malformed = (message) => fail('malformed_frame', `${kind} frame: ${message}`, id)
   // Only a NACK may carry the zero id (it then refuses the whole connection).
   if (kind !== 'hello' && kind !== 'nack' && b.length >= ID_BYTES && id === null)
     return malformed('the zero transfer id is reserved')
-  switch (kind) {
-    case 'hello': {
-      if (b.length !== HELLO_BODY_BYTES)
-        return malformed(`body is ${b.length} bytes, want ${HELLO_BODY_BYTES}`)
-      return { ok: true, frame: { kind, version: b.readUInt16BE(0) } }
-    }
-    case 'begin': {
-      if (b.length < BEGIN_FIXED_BYTES + MAC_BYTES)
-        return malformed(
-          `body is ${b.length} bytes, want at least ${BEGIN_FIXED_BYTES + MAC_BYTES + 1}`,
-        )
-      const tenantBytes = b.readUInt16BE(44)
-      if (tenantBytes < 1 || tenantBytes > MAX_TENANT_BYTES)
-        return malformed(`tenant of ${tenantBytes} bytes (want 1..${MAX_TENANT_BYTES})`)
-      const want = BEGIN_FIXED_BYTES + tenantBytes + MAC_BYTES
-      if (b.length !== want)
-        return malformed(`body is ${b.length} bytes, want ${want} for a ${tenantBytes}-byte tenant`)
-      const tenant = readUtf8(b, BEGIN_FIXED_BYTES, BEGIN_FIXED_BYTES + tenantBytes)
-      if (tenant === null) return malformed('tenant is not valid UTF-8')
-      const transferId = readId(b, 0)
-      const numTokens = b.readUInt32BE(32)
-      const numPages = b.readUInt32BE(36)
-      const pageBytes = b.readUInt32BE(40)
-      if (numTokens < 1 || numPages < 1 || pageBytes < 1)
-        return malformed(
-          `numTokens ${numTokens}, numPages ${numPages}, pageBytes ${pageBytes} must all be ≥ 1`,
-        )
-      const macStart = BEGIN_FIXED_BYTES + tenantBytes
-      return {
-        ok: true,
-        frame: {
-          kind,
-          transferId,
-          requestId: readId(b, 16),
-          tenant,
-          numTokens,
-          numPages,
-          pageBytes,
-          mac: b.subarray(macStart, macStart + MAC_BYTES),
-        },
-      }
-    }
-    case 'pages': {
-      if (b.length < PAGES_HEAD_BYTES)
-        return malformed(`body is ${b.length} bytes, want at least ${PAGES_HEAD_BYTES}`)
-      const numPagesInFrame = b.readUInt16BE(32)
-      if (numPagesInFrame < 1 || numPagesInFrame > MAX_PAGES_PER_FRAME)
-        return malformed(`${numPagesInFrame} pages in one frame (want 1..${MAX_PAGES_PER_FRAME})`)
-      const pages: PageEntry[] = []
-      let offset = PAGES_HEAD_BYTES
-      for (let i = 0; i < numPagesInFrame; i++) {
-        if (b.length - offset < PAGE_HEAD_BYTES)
-          return malformed(`page entry ${i} is truncated at byte ${offset}`)
-        const payloadBytes = b.readUInt32BE(offset + 8)
-        if (payloadBytes < 1) return malformed(`page entry ${i} has an empty payload`)
-        const payloadStart = offset + PAGE_HEAD_BYTES
-        if (b.length - payloadStart < payloadBytes)
-          return malformed(
-            `page entry ${i} declares ${payloadBytes} payload bytes, ${b.length - payloadStart} remain`,
-          )
-        pages.push({
-          ordinal: b.readUInt32BE(offset),
-          tokensOnPage: b.readUInt32BE(offset + 4),
-          checksum: b.readBigUInt64BE(offset + 12),
-          payload: b.subarray(payloadStart, payloadStart + payloadBytes),
-        })
-        offset = payloadStart + payloadBytes
-      }
-      if (offset !== b.length)
-        return malformed(`${b.length - offset} bytes after the last page entry`)
-      return {
-        ok: true,
-        frame: { kind, transferId: readId(b, 0), requestId: readId(b, 16), pages },
-      }
-    }
-    case 'end': {
-      if (b.length !== END_BODY_BYTES)
-        return malformed(`body is ${b.length} bytes, want ${END_BODY_BYTES}`)
-      return {
-        ok: true,
-        frame: {
-          kind,
-          transferId: readId(b, 0),
-          requestId: readId(b, 16),
-          manifestChecksum: b.readBigUInt64BE(32),
-          firstTokenId: b.readUInt32BE(40),
-        },
-      }
-    }
-    case 'ack': {
-      if (b.length !== ACK_BODY_BYTES)
-        return malformed(`body is ${b.length} bytes, want ${ACK_BODY_BYTES}`)
-      return { ok: true, frame: { kind, transferId: readId(b, 0) } }
-    }
-    case 'nack': {
-      if (b.length < ID_BYTES + 1 + 1 + 2) return malformed(`body is ${b.length} bytes, too short`)
-      const codeBytes = b.readUInt8(ID_BYTES)
-      if (codeBytes < 1 || codeBytes > MAX_CODE_BYTES)
-        return malformed(`code of ${codeBytes} bytes`)
-      const codeEnd = ID_BYTES + 1 + codeBytes
-      if (b.length < codeEnd + 2) return malformed(`body is ${b.length} bytes, code runs past it`)
-      const messageBytes = b.readUInt16BE(codeEnd)
-      if (messageBytes > MAX_MESSAGE_BYTES) return malformed(`message of ${messageBytes} bytes`)
-      if (b.length !== codeEnd + 2 + messageBytes)
-        return malformed(`body is ${b.length} bytes, want ${codeEnd + 2 + messageBytes}`)
-      const message = readUtf8(b, codeEnd + 2, b.length)
-      if (message === null) return malformed('message is not valid UTF-8')
-      const code = b.toString('latin1', ID_BYTES + 1, codeEnd)
-      // A code this build does not know (a newer peer) still refuses the transfer.
-      return {
-        ok: true,
-        frame: {
-          kind,
-          transferId: readId(b, 0),
-          code: isErrorCode(code) ? code : 'transfer_failed',
-          message: isErrorCode(code) ? message : `${code}: ${message}`,
-        },
-      }
-    }
-    case 'abort': {
-      if (b.length < ID_BYTES + 2) return malformed(`body is ${b.length} bytes, too short`)
-      const reasonBytes = b.readUInt16BE(ID_BYTES)
-      if (reasonBytes > MAX_MESSAGE_BYTES) return malformed(`reason of ${reasonBytes} bytes`)
-      if (b.length !== ID_BYTES + 2 + reasonBytes)
-        return malformed(`body is ${b.length} bytes, want ${ID_BYTES + 2 + reasonBytes}`)
-      const reason = readUtf8(b, ID_BYTES + 2, b.length)
-      if (reason === null) return malformed('reason is not valid UTF-8')
-      return { ok: true, frame: { kind, transferId: readId(b, 0), reason } }
-    }
+  return bodyDecoders[kind](b, malformed)
+}
+
+/** One decoder per frame kind: the body's bytes (exactly), checked, to a frame. */
+const bodyDecoders: Record<FrameKind, (b: Buffer, malformed: Malformed) => DecodeResult> = {
+  hello: decodeHelloBody,
+  begin: decodeBeginBody,
+  pages: decodePagesBody,
+  end: decodeEndBody,
+  ack: decodeAckBody,
+  nack: decodeNackBody,
+  abort: decodeAbortBody,
+}
+
+function decodeHelloBody(b: Buffer, malformed: Malformed): DecodeResult {
+  if (b.length !== HELLO_BODY_BYTES)
+    return malformed(`body is ${b.length} bytes, want ${HELLO_BODY_BYTES}`)
+  return { ok: true, frame: { kind: 'hello', version: b.readUInt16BE(0) } }
+}
+
+function decodeBeginBody(b: Buffer, malformed: Malformed): DecodeResult {
+  if (b.length < BEGIN_FIXED_BYTES + MAC_BYTES)
+    return malformed(
+      `body is ${b.length} bytes, want at least ${BEGIN_FIXED_BYTES + MAC_BYTES + 1}`,
+    )
+  const tenantBytes = b.readUInt16BE(44)
+  if (tenantBytes < 1 || tenantBytes > MAX_TENANT_BYTES)
+    return malformed(`tenant of ${tenantBytes} bytes (want 1..${MAX_TENANT_BYTES})`)
+  const want = BEGIN_FIXED_BYTES + tenantBytes + MAC_BYTES
+  if (b.length !== want)
+    return malformed(`body is ${b.length} bytes, want ${want} for a ${tenantBytes}-byte tenant`)
+  const tenant = readUtf8(b, BEGIN_FIXED_BYTES, BEGIN_FIXED_BYTES + tenantBytes)
+  if (tenant === null) return malformed('tenant is not valid UTF-8')
+  const numTokens = b.readUInt32BE(32)
+  const numPages = b.readUInt32BE(36)
+  const pageBytes = b.readUInt32BE(40)
+  if (numTokens < 1 || numPages < 1 || pageBytes < 1)
+    return malformed(
+      `numTokens ${numTokens}, numPages ${numPages}, pageBytes ${pageBytes} must all be ≥ 1`,
+    )
+  const macStart = BEGIN_FIXED_BYTES + tenantBytes
+  return {
+    ok: true,
+    frame: {
+      kind: 'begin',
+      transferId: readId(b, 0),
+      requestId: readId(b, 16),
+      tenant,
+      numTokens,
+      numPages,
+      pageBytes,
+      mac: b.subarray(macStart, macStart + MAC_BYTES),
+    },
   }
+}
+
+function decodePagesBody(b: Buffer, malformed: Malformed): DecodeResult {
+  if (b.length < PAGES_HEAD_BYTES)
+    return malformed(`body is ${b.length} bytes, want at least ${PAGES_HEAD_BYTES}`)
+  const numPagesInFrame = b.readUInt16BE(32)
+  if (numPagesInFrame < 1 || numPagesInFrame > MAX_PAGES_PER_FRAME)
+    return malformed(`${numPagesInFrame} pages in one frame (want 1..${MAX_PAGES_PER_FRAME})`)
+  const pages: PageEntry[] = []
+  let offset = PAGES_HEAD_BYTES
+  for (let i = 0; i < numPagesInFrame; i++) {
+    if (b.length - offset < PAGE_HEAD_BYTES)
+      return malformed(`page entry ${i} is truncated at byte ${offset}`)
+    const payloadBytes = b.readUInt32BE(offset + 8)
+    if (payloadBytes < 1) return malformed(`page entry ${i} has an empty payload`)
+    const payloadStart = offset + PAGE_HEAD_BYTES
+    if (b.length - payloadStart < payloadBytes)
+      return malformed(
+        `page entry ${i} declares ${payloadBytes} payload bytes, ${b.length - payloadStart} remain`,
+      )
+    pages.push({
+      ordinal: b.readUInt32BE(offset),
+      tokensOnPage: b.readUInt32BE(offset + 4),
+      checksum: b.readBigUInt64BE(offset + 12),
+      payload: b.subarray(payloadStart, payloadStart + payloadBytes),
+    })
+    offset = payloadStart + payloadBytes
+  }
+  if (offset !== b.length) return malformed(`${b.length - offset} bytes after the last page entry`)
+  return {
+    ok: true,
+    frame: { kind: 'pages', transferId: readId(b, 0), requestId: readId(b, 16), pages },
+  }
+}
+
+function decodeEndBody(b: Buffer, malformed: Malformed): DecodeResult {
+  if (b.length !== END_BODY_BYTES)
+    return malformed(`body is ${b.length} bytes, want ${END_BODY_BYTES}`)
+  return {
+    ok: true,
+    frame: {
+      kind: 'end',
+      transferId: readId(b, 0),
+      requestId: readId(b, 16),
+      manifestChecksum: b.readBigUInt64BE(32),
+      firstTokenId: b.readUInt32BE(40),
+      mac: b.subarray(44, 44 + MAC_BYTES),
+    },
+  }
+}
+
+function decodeAckBody(b: Buffer, malformed: Malformed): DecodeResult {
+  if (b.length !== ACK_BODY_BYTES)
+    return malformed(`body is ${b.length} bytes, want ${ACK_BODY_BYTES}`)
+  return { ok: true, frame: { kind: 'ack', transferId: readId(b, 0) } }
+}
+
+function decodeNackBody(b: Buffer, malformed: Malformed): DecodeResult {
+  if (b.length < ID_BYTES + 1 + 1 + 2) return malformed(`body is ${b.length} bytes, too short`)
+  const codeBytes = b.readUInt8(ID_BYTES)
+  if (codeBytes < 1 || codeBytes > MAX_CODE_BYTES) return malformed(`code of ${codeBytes} bytes`)
+  const codeEnd = ID_BYTES + 1 + codeBytes
+  if (b.length < codeEnd + 2) return malformed(`body is ${b.length} bytes, code runs past it`)
+  const messageBytes = b.readUInt16BE(codeEnd)
+  if (messageBytes > MAX_MESSAGE_BYTES) return malformed(`message of ${messageBytes} bytes`)
+  if (b.length !== codeEnd + 2 + messageBytes)
+    return malformed(`body is ${b.length} bytes, want ${codeEnd + 2 + messageBytes}`)
+  const message = readUtf8(b, codeEnd + 2, b.length)
+  if (message === null) return malformed('message is not valid UTF-8')
+  const code = b.toString('latin1', ID_BYTES + 1, codeEnd)
+  // A code this build does not know (a newer peer) still refuses the transfer.
+  return {
+    ok: true,
+    frame: {
+      kind: 'nack',
+      transferId: readId(b, 0),
+      code: isErrorCode(code) ? code : 'transfer_failed',
+      message: isErrorCode(code) ? message : `${code}: ${message}`,
+    },
+  }
+}
+
+function decodeAbortBody(b: Buffer, malformed: Malformed): DecodeResult {
+  if (b.length < ID_BYTES + 2) return malformed(`body is ${b.length} bytes, too short`)
+  const reasonBytes = b.readUInt16BE(ID_BYTES)
+  if (reasonBytes > MAX_MESSAGE_BYTES) return malformed(`reason of ${reasonBytes} bytes`)
+  if (b.length !== ID_BYTES + 2 + reasonBytes)
+    return malformed(`body is ${b.length} bytes, want ${ID_BYTES + 2 + reasonBytes}`)
+  const reason = readUtf8(b, ID_BYTES + 2, b.length)
+  if (reason === null) return malformed('reason is not valid UTF-8')
+  return { ok: true, frame: { kind: 'abort', transferId: readId(b, 0), reason } }
 }

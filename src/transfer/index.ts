@@ -19,4 +19,4 @@ export type {
   TransferServerStats,
 } from './receiver.js'
 export { PROTOCOL_VERSION, newTransferId, isHexId, DEFAULT_MAX_FRAME_BYTES } from './frames.js'
-export { reasonOf, type RefusalReason } from './refusals.js'
+export { TransferError, type RefusalReason } from './refusals.js'

@@ -28,7 +28,7 @@ export interface TransferServerOptions {
   /** G4: verify ordering, completeness, token counts, checksums and manifest. Default true.
    *  False is the unsafe mode that reproduces the incident: whatever arrived is ACKed. */
   verifyManifest?: boolean
-  /** G10: verify BEGIN's HMAC under the request's secret. Default true. */
+  /** G10: verify BEGIN's and END's MACs under the request's secret. Default true. */
   verifyAuth?: boolean
   /** Cap on one frame, header included, bytes. Default 64 MiB. */
   maxFrameBytes?: number

@@ -1,57 +1,84 @@
 /** Why a transfer ends without success: a stable reason slug for every check of the transfer
- *  protocol, carried as the first word of the error's message ("<reason>: <detail>") so that both
- *  sides, logs and tests can tell one refusal from another without parsing prose.
+ *  protocol, carried as {@link TransferError.reason} and also as the first word of the error's
+ *  message ("<reason>: <detail>"), which is what a NACK puts on the wire, so that both sides, logs
+ *  and tests can tell one refusal from another without parsing prose.
  *  Knows reasons and error codes; knows nothing of sockets or pools. */
 import { KvfenceError, type ErrorCode } from '../errors.js'
-import type { FrameErrorReason } from './frames.js'
 
 /** Every reason a transfer or connection can be refused or torn down. */
-export type RefusalReason =
-  | FrameErrorReason
+export const refusalReasons = [
+  // stream-level and frame decoding (frames.ts FrameErrorReason)
+  'bad_magic',
+  'bad_flags',
+  'unknown_kind',
+  'frame_too_large',
+  'malformed_frame',
   // connection
-  | 'unsupported_version'
-  | 'unexpected_frame'
-  | 'connection_closed'
-  | 'server_closed'
-  | 'client_closed'
+  'unsupported_version',
+  'unexpected_frame',
+  'connection_closed',
+  'server_closed',
+  'client_closed',
   // BEGIN
-  | 'unknown_request'
-  | 'bad_hmac'
-  | 'duplicate_transfer'
-  | 'counts_mismatch'
+  'unknown_request',
+  'bad_hmac',
+  'duplicate_transfer',
+  'counts_mismatch',
   // PAGES / END
-  | 'unknown_transfer'
-  | 'request_mismatch'
-  | 'ordinal_out_of_range'
-  | 'page_bytes_mismatch'
-  | 'page_overfull'
-  | 'page_out_of_order'
-  | 'tokens_mismatch'
-  | 'checksum_mismatch'
-  | 'incomplete'
-  | 'manifest_mismatch'
+  'unknown_transfer',
+  'request_mismatch',
+  'ordinal_out_of_range',
+  'page_bytes_mismatch',
+  'page_overfull',
+  'page_out_of_order',
+  'tokens_mismatch',
+  'checksum_mismatch',
+  'incomplete',
+  'manifest_mismatch',
+  'bad_end_mac',
   // either side
-  | 'stalled'
-  | 'aborted_by_sender'
-  | 'refused_by_receiver'
-  | 'unexpected_ack'
-  | 'hook_failed'
+  'stalled',
+  'aborted_by_sender',
+  'refused_by_receiver',
+  'unexpected_ack',
+  'hook_failed',
+] as const
 
-/** A KvfenceError whose message is `"<reason>: <detail>"`. */
+/** One of {@link refusalReasons}. */
+export type RefusalReason = (typeof refusalReasons)[number]
+
+const knownReasons: ReadonlySet<string> = new Set(refusalReasons)
+
+/** A transfer refusal: a KvfenceError with a typed reason. Its message is `"<reason>: <detail>"`
+ *  (what a NACK carries and logs show), except for refusals read off a NACK, which keep the
+ *  receiver's message as it came (see {@link refusalFromWire}). */
+export class TransferError extends KvfenceError {
+  constructor(
+    readonly reason: RefusalReason,
+    code: ErrorCode,
+    message: string,
+  ) {
+    super(code, message)
+    this.name = 'TransferError'
+  }
+}
+
+/** A TransferError whose message is `"<reason>: <detail>"`. */
 export function refusal(
   reason: RefusalReason,
   detail: string,
   code: ErrorCode = 'transfer_failed',
-): KvfenceError {
-  return new KvfenceError(code, `${reason}: ${detail}`)
+): TransferError {
+  return new TransferError(reason, code, `${reason}: ${detail}`)
 }
 
-/** The reason slug at the start of an error message ("checksum_mismatch: ..." → "checksum_mismatch"),
- *  or null if the message does not start with one. */
-export function reasonOf(err: unknown): string | null {
-  if (!(err instanceof Error)) return null
-  const match = /^([a-z_]+):/.exec(err.message)
-  return match ? match[1] : null
+/** The refusal a peer's NACK message stands for, keeping `message` as it is: its reason is the
+ *  message's first word when that is a known reason, else `refused_by_receiver` (a hook's own
+ *  error, or a newer peer's reason). The one place a reason is read back from text: the wire. */
+export function refusalFromWire(wireMessage: string, message = wireMessage): TransferError {
+  const slug = /^([a-z_]+):/.exec(wireMessage)?.[1]
+  const reason = slug !== undefined && knownReasons.has(slug) ? (slug as RefusalReason) : null
+  return new TransferError(reason ?? 'refused_by_receiver', 'transfer_failed', message)
 }
 
 /** `err` as a KvfenceError: itself if it is one, else `internal_error` naming `what` failed. */

@@ -27,12 +27,16 @@
  *  | xxh64(payload) = the page's checksum                    | checksum_mismatch     | G4     |
  *  | END comes after all numPages pages                      | incomplete            | G4     |
  *  | END's manifest = xxh64 of the received checksums        | manifest_mismatch     | G4     |
+ *  | END's MAC verifies over ids, counts, received checksums, first token | bad_end_mac | G10 |
  *  | a frame arrives for each active transfer within stallTimeoutMs | stalled        | always |
  *  | HELLO arrives within stallTimeoutMs (connection)        | stalled               | always |
  *  | no HELLO/ACK/NACK after HELLO (connection)              | unexpected_frame      | always |
- *  Per-page token exactness plus the counts check imply that the tokens sum to numTokens. */
+ *  Per-page token exactness plus the counts check imply that the tokens sum to numTokens. END's MAC
+ *  covers the checksums as received; with G4 on they are the payloads' own, so the MAC binds the
+ *  pages' bytes to the request's secret (a peer who sees the connection cannot splice in other
+ *  pages); with G4 off it binds only the checksums claimed. */
 import { KvfenceError } from '../errors.js'
-import { verifyBeginMac } from './auth.js'
+import { EndMacBuilder, verifyBeginMac } from './auth.js'
 import { ManifestHasher, pageChecksum } from './checksum.js'
 import {
   PROTOCOL_VERSION,
@@ -50,7 +54,7 @@ import {
   type PagesFrame,
 } from './frames.js'
 import { FrameParser } from './parser.js'
-import { asKvfenceError, reasonOf, refusal } from './refusals.js'
+import { asKvfenceError, refusal, TransferError } from './refusals.js'
 
 // ─── The hooks' contract ────────────────────────────────────────────────────────────────────────
 
@@ -92,7 +96,7 @@ export interface TransferLog {
 export interface ReceiverConfig {
   /** G4: verify ordering, completeness, token counts, checksums and manifest. */
   readonly verifyManifest: boolean
-  /** G10: verify BEGIN's HMAC under the request's secret. */
+  /** G10: verify BEGIN's and END's MACs under the request's secret. */
   readonly verifyAuth: boolean
   /** Cap on one frame, header included, bytes. */
   readonly maxFrameBytes: number
@@ -136,6 +140,9 @@ interface ActiveTransfer {
   /** Pages written; in G4 mode also the next ordinal expected. */
   numPagesWritten: number
   readonly manifest: ManifestHasher
+  /** END's MAC under the request's secret, fed each page's checksum as written (G10; null when
+   *  authentication is off). */
+  readonly endMac: EndMacBuilder | null
   readonly timer: NodeJS.Timeout
   /** False once the transfer left `transfers`; hooks may end it re-entrantly. */
   isOpen: boolean
@@ -261,6 +268,7 @@ export class ReceiverSession {
         id,
         refusal('duplicate_transfer', `transfer ${id} was already begun on this connection`),
       )
+    let endMac: EndMacBuilder | null = null
     if (this.config.verifyAuth) {
       let secret: Buffer | undefined
       try {
@@ -275,6 +283,7 @@ export class ReceiverSession {
         )
       if (!verifyBeginMac(secret, frame, frame.mac))
         return this.refuse(id, refusal('bad_hmac', `transfer ${id} for request ${frame.requestId}`))
+      endMac = new EndMacBuilder(secret, frame)
     }
     const info: BeginInfo = Object.freeze({
       transferId: id,
@@ -305,6 +314,7 @@ export class ReceiverSession {
       reservation,
       numPagesWritten: 0,
       manifest: new ManifestHasher(),
+      endMac,
       timer: setTimeout(
         () =>
           this.refuse(
@@ -352,6 +362,7 @@ export class ReceiverSession {
       if (!t.isOpen) return
       t.numPagesWritten++
       t.manifest.add(page.checksum)
+      t.endMac?.add(page.checksum)
     }
   }
 
@@ -419,6 +430,12 @@ export class ReceiverSession {
           ),
         )
     }
+    // G10: the pages and first token are the request's own, not another transfer's spliced in.
+    if (t.endMac !== null && !t.endMac.verify(frame.firstTokenId, frame.mac))
+      return this.refuse(
+        id,
+        refusal('bad_end_mac', `transfer ${id} for request ${t.info.requestId}: END's MAC`),
+      )
     this.end(t)
     try {
       t.reservation.complete(frame.firstTokenId)
@@ -503,7 +520,7 @@ export class ReceiverSession {
   private nack(id: string, err: KvfenceError): void {
     this.counters.numRefused++
     this.config.log.warn(
-      { transferId: id, code: err.code, reason: reasonOf(err) },
+      { transferId: id, code: err.code, reason: err instanceof TransferError ? err.reason : null },
       'transfer refused',
     )
     if (this.phase !== 'closed')

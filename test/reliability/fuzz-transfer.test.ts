@@ -104,6 +104,7 @@ const frames = fc.oneof(
           requestId: f.requestId,
           manifestChecksum: 0n,
           firstTokenId: f.firstTokenId,
+          mac: randomBytes(32),
         }),
       ]),
     ),

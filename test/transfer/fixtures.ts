@@ -5,7 +5,7 @@ import { randomBytes } from 'node:crypto'
 import { once } from 'node:events'
 import net from 'node:net'
 import { KvfenceError } from '../../src/errors.js'
-import { beginMac } from '../../src/transfer/auth.js'
+import { beginMac, endMac } from '../../src/transfer/auth.js'
 import { manifestChecksum, pageChecksum } from '../../src/transfer/checksum.js'
 import {
   PROTOCOL_VERSION,
@@ -45,7 +45,7 @@ export const rid = 'fedcba9876543210fedcba9876543210'
 /** One frame of every kind (payload and MAC are plain Uint8Arrays so deepEqual compares bytes). */
 export function oneOfEachKind(): Frame[] {
   return [
-    { kind: 'hello', version: 1 },
+    { kind: 'hello', version: PROTOCOL_VERSION },
     {
       kind: 'begin',
       transferId: tid,
@@ -76,6 +76,7 @@ export function oneOfEachKind(): Frame[] {
       requestId: rid,
       manifestChecksum: 0x1234_5678_9abc_def0n,
       firstTokenId: 0xffff_ffff,
+      mac: new Uint8Array(32).fill(9),
     },
     { kind: 'ack', transferId: tid },
     {
@@ -331,20 +332,35 @@ export function pagesBytes(
   })
 }
 
-/** END of `spec` with the manifest of pages `ordinals` (default: all, in order). */
+/** END of `spec` with the manifest and MAC of pages `ordinals` (default: all, in order), as a
+ *  sender of those pages would build it. Overrides: the manifest field alone, the request id
+ *  (MAC'd as the spec's), the checksums the MAC covers (default: those of the pages sent, i.e. what
+ *  a sender claimed in its PAGES), the secret and the first token id. */
 export function endBytes(
   spec: TransferSpec,
   ordinals?: number[],
-  override: { manifest?: bigint; requestId?: string } = {},
+  override: {
+    manifest?: bigint
+    requestId?: string
+    checksums?: bigint[]
+    secret?: Buffer
+    firstTokenId?: number
+  } = {},
 ): Buffer {
   const sent = ordinals ?? spec.pages.map((_, i) => i)
+  const checksums = sent.map((o) => pageChecksum(spec.pages[o % spec.numPages]))
+  const firstTokenId = override.firstTokenId ?? spec.firstTokenId
   return encodeEnd({
     transferId: spec.transferId,
     requestId: override.requestId ?? spec.requestId,
-    manifestChecksum:
-      override.manifest ??
-      manifestChecksum(sent.map((o) => pageChecksum(spec.pages[o % spec.numPages]))),
-    firstTokenId: spec.firstTokenId,
+    manifestChecksum: override.manifest ?? manifestChecksum(checksums),
+    firstTokenId,
+    mac: endMac(
+      override.secret ?? spec.secret,
+      spec,
+      override.checksums ?? checksums,
+      firstTokenId,
+    ),
   })
 }
 

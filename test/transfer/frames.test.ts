@@ -22,7 +22,8 @@ import { oneOfEachKind, rid, tid } from './fixtures.js'
 
 /** Views → plain Uint8Arrays so that deepEqual compares content, not backing buffers. */
 function plain(frame: Frame): Frame {
-  if (frame.kind === 'begin') return { ...frame, mac: Uint8Array.from(frame.mac) }
+  if (frame.kind === 'begin' || frame.kind === 'end')
+    return { ...frame, mac: Uint8Array.from(frame.mac) }
   if (frame.kind === 'pages')
     return {
       ...frame,
@@ -66,8 +67,9 @@ describe('frames', () => {
         requestId: rid,
         manifestChecksum: 0x0102030405060708n,
         firstTokenId: 258,
+        mac: Buffer.alloc(32, 0xab),
       }),
-      hex(`4b56 04 00 0000002c  ${tid} ${rid} 0102030405060708 00000102`),
+      hex(`4b56 04 00 0000004c  ${tid} ${rid} 0102030405060708 00000102 ${'ab'.repeat(32)}`),
     )
   })
 
@@ -146,6 +148,7 @@ describe('frames', () => {
       requestId: rid,
       manifestChecksum: 1n,
       firstTokenId: 1,
+      mac: Buffer.alloc(32),
     })
     // END body cut to 40 bytes (header says 40 too): a wrong length for the kind.
     const short = Buffer.from(end.subarray(0, 48))

@@ -6,11 +6,18 @@ import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import fc from 'fast-check'
 import { KvfenceError } from '../../src/errors.js'
-import { encodeAbort, encodeAck, encodePages } from '../../src/transfer/frames.js'
+import {
+  encodeAbort,
+  encodeAck,
+  encodeEnd,
+  encodePages,
+  type EndFrame,
+} from '../../src/transfer/frames.js'
 import {
   RecordingHooks,
   SessionHarness,
   beginBytes,
+  decodeAll,
   endBytes,
   helloBytes,
   makeSpec,
@@ -21,6 +28,14 @@ import {
 } from './fixtures.js'
 
 const unsafe = { verifyManifest: false, verifyAuth: false }
+
+/** The fields of the one END frame in `bytes`. */
+function decodeEndOf(bytes: Uint8Array): Omit<EndFrame, 'kind'> {
+  const frame = decodeAll(bytes)[0]
+  assert.ok(frame.kind === 'end')
+  const { kind: _kind, ...fields } = frame
+  return fields
+}
 
 function harness(spec: TransferSpec, options = {}): SessionHarness {
   const h = new SessionHarness(options)
@@ -297,6 +312,59 @@ describe('receiver session: PAGES and END checks', () => {
     assertRefused(h, spec, 'manifest_mismatch')
   })
 
+  it('refuses END whose MAC is not under the request’s secret (bad_end_mac, G10)', () => {
+    const spec = makeSpec(10, 4)
+    const [begin, pages] = transferBytes(spec)
+    const forged = endBytes(spec, undefined, { secret: Buffer.alloc(32, 1) })
+    const h = harness(spec).push(begin, pages, forged)
+    assertRefused(h, spec, 'bad_end_mac')
+  })
+
+  it('refuses END whose MAC covers another first token (bad_end_mac, G10)', () => {
+    const spec = makeSpec(10, 4)
+    const [begin, pages] = transferBytes(spec)
+    const end = endBytes(spec)
+    end.writeUInt32BE(spec.firstTokenId + 1, 8 + 40) // firstTokenId, after the header
+    const h = harness(spec).push(begin, pages, end)
+    assertRefused(h, spec, 'bad_end_mac')
+  })
+
+  it('refuses another request’s pages and END spliced under a genuine BEGIN (bad_end_mac, G10)', () => {
+    // The victim's BEGIN is genuine; pages, manifest and END MAC are an earlier request's (same
+    // shape, its own secret), relabelled with the victim's ids as a middlebox would.
+    const victim = makeSpec(10, 4)
+    const earlier = {
+      ...makeSpec(10, 4),
+      transferId: victim.transferId,
+      requestId: victim.requestId,
+    }
+    const h = harness(victim).push(beginBytes(victim), ...transferBytes(earlier).slice(1))
+    assertRefused(h, victim, 'bad_end_mac')
+    // Every page passed its checksum and the manifest matched: only END's MAC tells them apart.
+    assert.equal(h.hooks.of(victim.transferId).written.size, 3)
+  })
+
+  it('refuses altered pages with a matching manifest under the genuine END’s MAC (bad_end_mac, G10)', () => {
+    const spec = makeSpec(10, 4)
+    const altered = { ...spec, pages: spec.pages.map((p) => p.map((b) => b ^ 0xff)) }
+    const genuineMac = decodeAll(endBytes(spec))[0]
+    assert.ok(genuineMac.kind === 'end')
+    const end = encodeEnd({ ...decodeEndOf(endBytes(altered)), mac: genuineMac.mac })
+    const h = harness(spec).push(beginBytes(spec), transferBytes(altered)[1], end)
+    assertRefused(h, spec, 'bad_end_mac')
+  })
+
+  it('with verifyAuth off, ACKs an END whose MAC is wrong (G10 switches the check)', () => {
+    const spec = makeSpec(10, 4)
+    const [begin, pages] = transferBytes(spec)
+    const h = harness(spec, { verifyAuth: false }).push(
+      begin,
+      pages,
+      endBytes(spec, undefined, { secret: Buffer.alloc(32, 1) }),
+    )
+    assertCompleted(h, spec)
+  })
+
   it('with verifyManifest off, ACKs a truncated, corrupted transfer (the incident’s unsafe mode)', () => {
     const spec = makeSpec(10, 4)
     const bad = encodePages({
@@ -307,7 +375,7 @@ describe('receiver session: PAGES and END checks', () => {
     const h = harness(spec, { verifyManifest: false }).push(
       beginBytes(spec),
       bad,
-      endBytes(spec, [0], { manifest: 2n }),
+      endBytes(spec, [0], { manifest: 2n, checksums: [1n] }),
     )
     assertCompleted(h, spec)
     assert.equal(h.hooks.of(spec.transferId).written.size, 1)
@@ -360,7 +428,8 @@ describe('receiver session: failures stay contained', () => {
     const spec = makeSpec()
     const h = new SessionHarness()
     h.hooks.expect(spec)
-    h.push(helloBytes(2), ...transferBytes(spec))
+    // Version 1 is the previous protocol, whose END carried no MAC.
+    h.push(helloBytes(1), ...transferBytes(spec))
     assert.deepEqual(h.nackReasonsFor('0'.repeat(32)), ['unsupported_version'])
     assert.equal(h.isIoClosed, true)
     assert.equal(h.hooks.reservations.length, 0)
