@@ -7,6 +7,7 @@ import { GuardTrips, guardIds, type Guards } from '../kv/guards.js'
 import { KvPool } from '../kv/pool.js'
 import { makeRope, type Rope } from '../model/forward.js'
 import type { Model } from '../model/weights.js'
+import { TransferError } from '../transfer/index.js'
 import type { FaultConfig, FaultName } from './faults.js'
 
 /** Options of {@link createWorkerCore}. */
@@ -102,14 +103,13 @@ export function makeWorkerMetrics(trips: GuardTrips): WorkerMetrics {
 }
 
 /** The refusal reason of a failed transfer's error, for `kvfence_transfer_failures_total`:
- *  the guard id for a guard trip ("G7"), the leading reason slug ("checksum_mismatch: ..."),
+ *  the guard id for a guard trip ("G7"), a {@link TransferError}'s reason ("checksum_mismatch"),
  *  or the error code. */
 export function failureReason(err: unknown): string {
   if (err instanceof Error) {
     const guard = (err as { guard?: unknown }).guard
     if (typeof guard === 'string') return guard
-    const slug = /^([a-z_]+):/.exec(err.message)
-    if (slug) return slug[1]
+    if (err instanceof TransferError) return err.reason
     const code = (err as { code?: unknown }).code
     if (typeof code === 'string') return code
   }
