@@ -451,6 +451,7 @@ function coverageTable(): string {
   return [
     renderCoverageTable(coverage, exercised),
     `No cell of this matrix saw ${notExercised.join(', ')} refuse; the tables above name the tests that do.`,
+    '',
     `Faults that act outside the P/D pair path:`,
     '',
     outside,
