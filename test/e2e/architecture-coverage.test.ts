@@ -8,7 +8,7 @@
  *  defence is checked too: with the first guard of a fault off, the next one must refuse.
  *
  *  The matrix is closed: a models/test folder, a supported model type or a fault it has no row or
- *  driver for fails the first test, naming it. What each guard refused, per architecture, is the
+ *  driver for fails the first two tests, naming it. What each guard refused, per architecture, is the
  *  table of docs/faults.md § "Architecture coverage"; the last test compares it with what was
  *  measured and fails, printing the table to paste, when they differ (it never writes the doc,
  *  unless KVFENCE_UPDATE_DOCS=1 asks it to). */
@@ -52,9 +52,9 @@ const matrixFolders = [
  *  loaded with (config.ts reads Mistral without a sliding window as Llama). */
 const borrowedWeights: Record<string, string> = { mistral: 'llama-gqa-4-1' }
 
-/** Faults that act outside the P/D pair path, with where they act instead. Each is covered by a
- *  test that starts real processes; none of them touches model data, so it has no architecture
- *  to cover. */
+/** Faults that act outside the P/D pair path, each with where it acts instead and the test that
+ *  covers it there (printed in the docs table). drop-abort ignores a control-plane abort: no model
+ *  data is involved, so its architecture coverage is that of the guard behind it. */
 const outsidePairPath: Record<string, string> = {
   'drop-abort':
     'acts in the control server (worker-server.ts ignores the router closing the request), which the in-process pair does not use; test/e2e/faults.test.ts › drop-abort',
@@ -92,6 +92,9 @@ interface Expectation {
   /** Asserts the fault really acted (for a cell that ends in exact tokens, where nothing else
    *  would show it), with both pools idle. */
   footprint?: (pair: Pair) => void
+  /** P's pinned pages as D emitted each request's first token, when the cell is about what P
+   *  holds while D decodes (null: D emitted no token). */
+  pinnedOnP?: readonly (number | null)[]
 }
 
 /** One cell: a fault (or a fault with the guard that stops it first switched off) on a fresh
@@ -222,9 +225,17 @@ const drivers: Record<string, Cell[]> = {
   'lost-ack': [
     {
       name: 'lost-ack',
-      pair: { decodeFaults: ['lost-ack'], transferTimeoutMs: 300 },
+      // D has every page and decodes, but P, never ACKed, keeps all 3 prompt pages pinned (G7)
+      // until its transfer times out; the hand-off releases nothing P has not confirmed. The
+      // timeout leaves D ample time for its first token on a loaded machine.
+      pair: { decodeFaults: ['lost-ack'], transferTimeoutMs: 1_000 },
       numRequests: 1,
-      expect: { end: ['transfer_failed'], trips: {}, reasons: { p: { stalled: 1 } } },
+      expect: {
+        end: ['transfer_failed'],
+        trips: {},
+        reasons: { p: { stalled: 1 } },
+        pinnedOnP: [Math.ceil(promptLength / pageSize)],
+      },
     },
   ],
 }
@@ -270,8 +281,15 @@ async function runCell(model: Model, cell: Cell, oracle: number[]): Promise<Meas
   try {
     const prompt = promptFor(model)
     const outcomes: Outcome[] = []
-    for (let i = 0; i < cell.numRequests; i++)
-      outcomes.push(await runRequest(pair, makeRequest(tenants[i % 2], prompt, maxTokens)))
+    const pinnedOnP: (number | null)[] = []
+    for (let i = 0; i < cell.numRequests; i++) {
+      pinnedOnP.push(null)
+      const onToken = (n: number) => {
+        if (n === 1) pinnedOnP[i] = pair.p.pool.pins.filter((pins) => pins > 0).length
+      }
+      const req = makeRequest(tenants[i % 2], prompt, maxTokens)
+      outcomes.push(await runRequest(pair, req, { onToken }))
+    }
     const isShipped = !cell.pair.off?.length
     for (const [i, out] of outcomes.entries()) assertEnd(cell.expect.end, out, oracle, isShipped, i)
     // Pages are freed once every transfer settled, which may follow the request's end.
@@ -283,6 +301,7 @@ async function runCell(model: Model, cell: Cell, oracle: number[]): Promise<Meas
       pair.d.pool.check()
     }
     expect.footprint?.(pair)
+    if (expect.pinnedOnP) assert.deepEqual(pinnedOnP, expect.pinnedOnP, "P's pinned pages")
     assert.deepEqual(tripsOf(pair.p), expect.trips.p ?? {}, 'guard trips on P')
     assert.deepEqual(tripsOf(pair.d), expect.trips.d ?? {}, 'guard trips on D')
     const reasons = { p: await reasonsOf(pair.p), d: await reasonsOf(pair.d) }
