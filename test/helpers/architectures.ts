@@ -44,8 +44,6 @@ export interface Architecture {
   /** The models/test folder it covers, or null (echo-tiny, or a model type built from another
    *  folder's weights). */
   folder: string | null
-  /** Why it is in the matrix (the table's "covers" column). */
-  covers: string
   load(): Model
 }
 
@@ -84,13 +82,11 @@ export function architectures(
   const rows: Architecture[] = folders.map((folder) => ({
     name: folder,
     folder,
-    covers: `models/test/${folder}`,
     load: () => loadModel(join(testModelsDir, folder)),
   }))
   rows.push({
     name: 'echo-tiny',
     folder: null,
-    covers: 'models/echo-tiny (bundled)',
     load: () => loadModel(echoModelDir),
   })
   for (const modelType of modelTypes) {
@@ -99,7 +95,6 @@ export function architectures(
     rows.push({
       name: `${modelType} (${donor} weights)`,
       folder: null,
-      covers: `model_type "${modelType}" (no checkpoint of its own)`,
       load: () => loadAs(donor, modelType),
     })
   }
