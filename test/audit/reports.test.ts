@@ -38,10 +38,34 @@ const handMade: AuditReport = {
   budget: { maxRequests: 300, maxSeconds: 300, concurrency: 4 },
   requestsSent: 42,
   probeRuns: [
-    { probe: 'capacity', durationMs: 10, requestsSent: 0 },
-    { probe: 'boundary', durationMs: 1500, requestsSent: 8 },
-    { probe: 'canary', durationMs: 2000, requestsSent: 20 },
-    { probe: 'page-leak', durationMs: 250, requestsSent: 3 },
+    {
+      probe: 'capacity',
+      durationMs: 10,
+      requestsSent: 0,
+      completions: { sent: 0, answered: 0, refused: 0, failed: 0, cut: 0 },
+      inconclusiveReasons: [],
+    },
+    {
+      probe: 'boundary',
+      durationMs: 1500,
+      requestsSent: 8,
+      completions: { sent: 8, answered: 4, refused: 4, failed: 0, cut: 0 },
+      inconclusiveReasons: [],
+    },
+    {
+      probe: 'canary',
+      durationMs: 2000,
+      requestsSent: 20,
+      completions: { sent: 20, answered: 14, refused: 6, failed: 0, cut: 0 },
+      inconclusiveReasons: [],
+    },
+    {
+      probe: 'page-leak',
+      durationMs: 250,
+      requestsSent: 3,
+      completions: { sent: 0, answered: 0, refused: 0, failed: 0, cut: 0 },
+      inconclusiveReasons: ['no usage exposed'],
+    },
   ],
   findings: [
     finding('capacity', 'clean', 'fits'),
@@ -50,6 +74,7 @@ const handMade: AuditReport = {
     finding('canary', 'leak', 'again'),
     finding('page-leak', 'inconclusive', 'no usage exposed'),
   ],
+  completions: [],
 }
 
 describe('JUnit XML report', () => {

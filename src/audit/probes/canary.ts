@@ -81,7 +81,8 @@ export const canaryProbe: Probe = {
       aimedTokens: number | null,
     ): Promise<void> => {
       const maxTokens = tenant === victim ? plantMaxTokens : observerMaxTokens
-      const result = await target.complete({ tenant, prompt, maxTokens, stream })
+      const isValid = kind !== 'over-capacity'
+      const result = await target.complete({ tenant, prompt, maxTokens, stream, isValid })
       exchanges.push({
         tenant,
         kind,
