@@ -8,6 +8,7 @@ import { describe, test } from 'node:test'
 import {
   AuditError,
   exitCodeFor,
+  formatJunitReport,
   runAudit,
   type AuditOptions,
   type AuditReport,
@@ -134,9 +135,34 @@ describe('valid requests that fail are an availability finding', () => {
       `/health answered 200 while ${e.numValidFailed} of ${e.numValidSent} valid requests failed`,
     )
     assert.equal(exitCodeFor(report, 'warning'), 1)
+    // The JUnit report fails exactly when the exit code is 1: the availability case too.
+    assert.match(
+      formatJunitReport(report, 'warning'),
+      /<testcase classname="kvfence\.audit" name="availability" time="0\.000">\n {6}<failure type="warning" message="\d+ of \d+ valid requests failed/,
+    )
     // Per probe: the counts add up to what the ledger recorded.
     const sum = report.probeRuns.reduce((n, r) => n + r.completions.failed, 0)
     assert.equal(sum, report.completions.filter((c) => c.fate === 'failed').length)
     assert.ok(sum >= e.numValidFailed)
+  })
+})
+
+describe('page-leak takes its baseline before any probe runs', () => {
+  test('pages an earlier abort holds (released only after 14 s), 0 running: a warning', async () => {
+    const report = await withStandIn('safe', { abortHoldMs: 14_000, tokenDelayMs: 3 }, (url) =>
+      runAudit({ target: url, tenants, seed: 1, probes: ['abort-race', 'page-leak'] }),
+    )
+    const finding = report.findings.find((f) => f.probe === 'page-leak')!
+    assert.deepEqual([finding.verdict, finding.severity], ['warning', 'high'])
+    const e = finding.evidence as { preAuditUsage: number; held: number; numRunning: number }
+    assert.equal(e.preAuditUsage, 0)
+    assert.equal(e.numRunning, 0)
+    assert.ok(e.held > 0)
+    assert.match(
+      finding.title,
+      new RegExp(
+        `^KV pages held while the endpoint reports 0 requests running: ${e.held} pages in use before the workload, 0 pages before the audit, still after \\d+\\.\\d s$`,
+      ),
+    )
   })
 })
