@@ -105,6 +105,35 @@ export class Ledger {
     }
   }
 
+  /** Why a probe's valid completions went unanswered, in words for a title, e.g.
+   *  `2 of 5 valid requests not answered (HTTP 500 ×2); 1 cut at the time budget's deadline`,
+   *  with `marks`, the statuses or failures it names (`500`, `timeout`), so that a title that
+   *  already names them all is left alone; null when every one was answered or cut by the
+   *  auditor on purpose. */
+  unansweredReason(probe: ProbeName): { text: string; marks: string[] } | null {
+    const valid = this.entries.filter((e) => e.probe === probe && e.isValid)
+    const atDeadline = valid.filter((e) => e.fate === 'cut' && e.failure === 'timeout').length
+    const notAnswered = valid.filter((e) => e.fate === 'failed' || e.fate === 'refused')
+    const judged = valid.filter((e) => e.fate !== 'cut').length
+    const parts: string[] = []
+    const marks = new Set<string>()
+    if (notAnswered.length > 0) {
+      for (const e of notAnswered) marks.add(e.status === null ? (e.failure ?? '') : `${e.status}`)
+      const by: Record<string, number> = {}
+      for (const e of notAnswered) by[describe(e)] = (by[describe(e)] ?? 0) + 1
+      const causes = Object.entries(by)
+        .sort(([, a], [, b]) => b - a)
+        .map(([cause, n]) => `${cause} ×${n}`)
+        .join(', ')
+      parts.push(`${notAnswered.length} of ${judged} valid requests not answered (${causes})`)
+    }
+    if (atDeadline > 0) {
+      parts.push(`${atDeadline} cut at the time budget's deadline`)
+      marks.add('deadline')
+    }
+    return parts.length === 0 ? null : { text: parts.join('; '), marks: [...marks] }
+  }
+
   /** Every completion, in the order they ended (no text, no key). */
   timeline(): CompletionEntry[] {
     return this.entries.map(({ isValid: _isValid, ...entry }) => entry)

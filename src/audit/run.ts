@@ -109,6 +109,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     } catch (err) {
       probeFindings = [failedProbe(name, err)]
     }
+    probeFindings = probeFindings.map((f) => withReason(f, ledger.unansweredReason(name)))
     findings.push(...probeFindings)
     probeRuns.push({
       probe: name,
@@ -181,6 +182,23 @@ async function withinDeadline(
   } finally {
     clearTimeout(timer)
   }
+}
+
+/** An inconclusive finding whose title does not yet say why: what stopped the probe (its
+ *  evidence's `stoppedBy`, e.g. "time budget exhausted") and what became of its valid requests
+ *  (`unanswered`, from the ledger) are added to the title. Other findings are returned as they are. */
+export function withReason(
+  finding: Finding,
+  unanswered: { text: string; marks: readonly string[] } | null,
+): Finding {
+  if (finding.verdict !== 'inconclusive') return finding
+  const stoppedBy = finding.evidence.stoppedBy
+  const reasons: string[] = []
+  if (typeof stoppedBy === 'string' && !finding.title.includes(stoppedBy)) reasons.push(stoppedBy)
+  if (unanswered !== null && !unanswered.marks.every((m) => finding.title.includes(m)))
+    reasons.push(unanswered.text)
+  if (reasons.length === 0) return finding
+  return { ...finding, title: `${finding.title} (${reasons.join('; ')})` }
 }
 
 /** A probe abandoned at the deadline: inconclusive, never clean. */

@@ -166,3 +166,50 @@ describe('page-leak takes its baseline before any probe runs', () => {
     )
   })
 })
+
+describe('every inconclusive says why in its title', () => {
+  const endless = { isEndless: true, tokenDelayMs: 20 }
+
+  test('error-handling whose control was cut at the deadline: says so, and its log line is not empty', async () => {
+    const logs: string[] = []
+    const report = await withStandIn('safe', endless, (url) =>
+      runAudit({
+        target: url,
+        tenants,
+        seed: 1,
+        probes: ['error-handling'],
+        maxSeconds: 2,
+        onProgress: (e) => void (e.type === 'probe-log' && logs.push(e.message)),
+      }),
+    )
+    assert.deepEqual(
+      report.findings.map((f) => [f.probe, f.verdict, f.title]),
+      [
+        [
+          'error-handling',
+          'inconclusive',
+          "the valid control request was not answered (no answer before its time limit), so answers to invalid ones would prove nothing (time budget exhausted; 1 cut at the time budget's deadline)",
+        ],
+      ],
+    )
+    assert.deepEqual(logs, ['no invalid request sent (time budget exhausted)'])
+    assert.deepEqual(report.probeRuns[0].inconclusiveReasons, [report.findings[0].title])
+    assert.deepEqual(report.probeRuns[0].completions, {
+      sent: 1,
+      answered: 0,
+      refused: 0,
+      failed: 0,
+      cut: 1,
+    })
+  })
+
+  test('queueing with no unloaded answer: no "?" for the unloaded time, and the deadline named', async () => {
+    const report = await withStandIn('safe', endless, (url) =>
+      runAudit({ target: url, tenants, seed: 1, probes: ['queueing'], maxSeconds: 2 }),
+    )
+    const [finding] = report.findings
+    assert.equal(finding.verdict, 'inconclusive')
+    assert.doesNotMatch(finding.title, /\?/)
+    assert.match(finding.title, /cut at the time budget's deadline/)
+  })
+})
