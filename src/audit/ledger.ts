@@ -96,10 +96,10 @@ export class Ledger {
       numSent: valid.length,
       numAnswered: valid.filter((e) => e.fate === 'answered').length,
       numFailed: failed.length,
-      failedBy: tally(failed, describe),
+      failedBy: tally(failed, causeOf),
       refusedBy: tally(
         valid.filter((e) => e.fate === 'refused'),
-        describe,
+        causeOf,
       ),
       failedByProbe: tally(failed, (e) => e.probe ?? '(none)'),
     }
@@ -120,7 +120,7 @@ export class Ledger {
     if (notAnswered.length > 0) {
       for (const e of notAnswered) marks.add(e.status === null ? (e.failure ?? '') : `${e.status}`)
       const by: Record<string, number> = {}
-      for (const e of notAnswered) by[describe(e)] = (by[describe(e)] ?? 0) + 1
+      for (const e of notAnswered) by[causeOf(e)] = (by[causeOf(e)] ?? 0) + 1
       const causes = Object.entries(by)
         .sort(([, a], [, b]) => b - a)
         .map(([cause, n]) => `${cause} ×${n}`)
@@ -141,7 +141,7 @@ export class Ledger {
 }
 
 /** `HTTP 502`, `timeout`, `network`, `HTTP 200 stream_error`. */
-export function describe(e: { status: number | null; failure: string | null }): string {
+export function causeOf(e: { status: number | null; failure: string | null }): string {
   if (e.status === null) return e.failure ?? 'no answer'
   return e.failure === 'stream_error' || e.failure === 'bad_response'
     ? `HTTP ${e.status} ${e.failure}`

@@ -1,6 +1,9 @@
 /** `runAudit`: validates options, reads what the endpoint says about itself, runs the chosen
  *  probes within the budget and returns the report. Never throws for what it finds; throws
- *  `AuditError` only when it cannot audit at all (bad options, target unreachable). */
+ *  `AuditError` only when it cannot audit at all (bad options, target unreachable, a key refused)
+ *  or when the target answered none of the valid completions sent (`no_completion_answered`,
+ *  with the report of what was seen attached): then nothing was audited, and an audit that
+ *  returned a report would read as "no leak observed". */
 import { randomInt } from 'node:crypto'
 import { Budget, BudgetExhaustedError } from './budget.js'
 import { discover, type Discovery } from './discovery.js'

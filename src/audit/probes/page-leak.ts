@@ -51,22 +51,10 @@ export const pageLeakProbe: Probe = {
       return usage.used
     }
     const inconclusive = (title: string, evidence: Record<string, unknown>): Finding[] => [
-      {
-        probe: 'page-leak',
-        verdict: 'inconclusive',
-        severity: 'medium',
-        title,
-        evidence,
-        remediation:
-          'Expose KV pool usage to the auditor (kvfence /server_info, vLLM /metrics ' +
-          'vllm:kv_cache_usage_perc, SGLang /metrics sglang:token_usage) and run it while the ' +
-          `endpoint is otherwise idle. ${inconclusiveRemediation}`,
-      },
+      inconclusiveFinding(title, evidence),
     ]
-
     /** Pages over the pre-audit baseline before this probe sent anything: waits (polling) for
-     *  them to be released, and returns the warning when they are not (or inconclusive when the
-     *  endpoint says other requests are running); null when they were released. */
+     *  them to be released; the finding when they are not, null when they were. */
     const heldPages = async (preAudit: number, first: number): Promise<Finding[] | null> => {
       const waitUntil = performance.now() + Math.min(maxSettleMs, budget.remainingMs - 500)
       let now = first
@@ -77,39 +65,8 @@ export const pageLeakProbe: Probe = {
       }
       if (now <= preAudit) return null
       const numRunning = await readRunning(target)
-      const waitedS = ((performance.now() - startedAt) / 1000).toFixed(1)
-      const unit = (source as PoolUsage | null)?.unit === 'pages' ? ' pages' : ''
-      const evidence = {
-        source,
-        preAuditUsage: preAudit,
-        held: now,
-        numRunning,
-        waitedMs: Math.round(performance.now() - startedAt),
-        samples,
-      }
-      if (numRunning !== null && numRunning > 0) {
-        return inconclusive(
-          `pool usage over its pre-audit baseline (${preAudit}, now ${now}) while the endpoint reports ${numRunning} requests running that are not the auditor's: other traffic hides the baseline`,
-          evidence,
-        )
-      }
-      const running =
-        numRunning === null
-          ? "with none of the auditor's requests in flight"
-          : 'while the endpoint reports 0 requests running'
-      return [
-        {
-          probe: 'page-leak',
-          verdict: 'warning',
-          severity: 'high',
-          title: `KV pages held ${running}: ${now}${unit} in use before the workload, ${preAudit}${unit} before the audit, still after ${waitedS} s`,
-          evidence,
-          remediation:
-            'Find the release path earlier requests took (an abort, a client disconnect, a ' +
-            'failed transfer) that keeps pages until a timeout: every page must go back to the ' +
-            'free list, scrubbed, as soon as nothing can still write into it.',
-        },
-      ]
+      const elapsedMs = Math.round(performance.now() - startedAt)
+      return [heldPagesFinding(source, preAudit, now, numRunning, elapsedMs, samples)]
     }
 
     let stoppedBy: string | null = null
@@ -251,4 +208,63 @@ export const pageLeakProbe: Probe = {
       },
     ]
   },
+}
+
+const inconclusiveRemediationOfPool =
+  'Expose KV pool usage to the auditor (kvfence /server_info, vLLM /metrics ' +
+  'vllm:kv_cache_usage_perc, SGLang /metrics sglang:token_usage) and run it while the ' +
+  `endpoint is otherwise idle. ${inconclusiveRemediation}`
+
+function inconclusiveFinding(title: string, evidence: Record<string, unknown>): Finding {
+  return {
+    probe: 'page-leak',
+    verdict: 'inconclusive',
+    severity: 'medium',
+    title,
+    evidence,
+    remediation: inconclusiveRemediationOfPool,
+  }
+}
+
+/** Pages still over the pre-audit baseline (`preAudit`) after waiting: a warning when nothing
+ *  runs, or when the endpoint does not say (`numRunning` null); inconclusive when it reports
+ *  requests running that are not the auditor's. */
+function heldPagesFinding(
+  source: Omit<PoolUsage, 'used'> | null,
+  preAudit: number,
+  held: number,
+  numRunning: number | null,
+  elapsedMs: number,
+  samples: readonly UsageSample[],
+): Finding {
+  const evidence = {
+    source,
+    preAuditUsage: preAudit,
+    held,
+    numRunning,
+    waitedMs: elapsedMs,
+    samples,
+  }
+  if (numRunning !== null && numRunning > 0) {
+    return inconclusiveFinding(
+      `pool usage over its pre-audit baseline (${preAudit}, now ${held}) while the endpoint reports ${numRunning} requests running that are not the auditor's: other traffic hides the baseline`,
+      evidence,
+    )
+  }
+  const unit = source?.unit === 'pages' ? ' pages' : ''
+  const running =
+    numRunning === null
+      ? "with none of the auditor's requests in flight"
+      : 'while the endpoint reports 0 requests running'
+  return {
+    probe: 'page-leak',
+    verdict: 'warning',
+    severity: 'high',
+    title: `KV pages held ${running}: ${held}${unit} in use before the workload, ${preAudit}${unit} before the audit, still after ${(elapsedMs / 1000).toFixed(1)} s`,
+    evidence,
+    remediation:
+      'Find the release path earlier requests took (an abort, a client disconnect, a failed ' +
+      'transfer) that keeps pages until a timeout: every page must go back to the free list, ' +
+      'scrubbed, as soon as nothing can still write into it.',
+  }
 }
