@@ -191,8 +191,8 @@ export async function benchAudit(args: string[]): Promise<object> {
 }
 
 /** The most alarming verdict of each probe among `findings`. */
-function worstVerdicts(findings: readonly Finding[]): Map<ProbeName, Verdict> {
-  const worst = new Map<ProbeName, Verdict>()
+function worstVerdicts(findings: readonly Finding[]): Map<Finding['probe'], Verdict> {
+  const worst = new Map<Finding['probe'], Verdict>()
   for (const f of findings) {
     const seen = worst.get(f.probe)
     if (seen === undefined || verdictRank[f.verdict] > verdictRank[seen])

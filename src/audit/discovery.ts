@@ -8,6 +8,12 @@
  *  - `/metrics` (vLLM): `vllm:cache_config_info{num_gpu_blocks, block_size}`.
  *  Knows field names of public APIs; knows nothing of how any engine works inside. */
 import { BudgetExhaustedError } from './budget.js'
+import {
+  runningFromMetrics,
+  usageFromInfo,
+  usageFromMetrics,
+  type PoolUsage,
+} from './pool-usage.js'
 import { tryJson, type HttpResult, type Target } from './target.js'
 import { AuditError } from './types.js'
 
@@ -35,6 +41,11 @@ export interface Discovery {
   readonly contextTokens: number | null
   /** Smallest KV capacity found (tokens): what the endpoint can actually hold. */
   readonly poolTokens: number | null
+  /** KV pool usage before any probe ran (the idle baseline page-leak compares with), or null when
+   *  the endpoint exposes none. Read from the same answers as the capacity, no request of its own. */
+  readonly idleUsage: PoolUsage | null
+  /** Requests the endpoint said were running then (`/metrics`), or null when it says nothing. */
+  readonly numRunning: number | null
   readonly endpoints: readonly EndpointStatus[]
 }
 
@@ -65,6 +76,8 @@ export async function discover(target: Target, requestedModel: string | null): P
   const endpoints: EndpointStatus[] = []
   const advertised: CapacitySource[] = []
   const pools: CapacitySource[] = []
+  let idleUsage: PoolUsage | null = null
+  let numRunning: number | null = null
   const record = (endpoint: string, res: HttpResult): void => {
     endpoints.push({ endpoint, status: res.status ?? res.failure ?? 'network' })
   }
@@ -93,11 +106,18 @@ export async function discover(target: Target, requestedModel: string | null): P
       info = legacyRes.status === 200 ? tryJson(legacyRes.body) : null
       infoEndpoint = '/get_server_info'
     }
-    if (isObject(info)) scan(info, infoEndpoint, '', 0, advertised, pools)
+    if (isObject(info)) {
+      scan(info, infoEndpoint, '', 0, advertised, pools)
+      idleUsage = usageFromInfo(info, infoEndpoint)
+    }
 
     const metricsRes = await target.get('/metrics', { tenant })
     record('/metrics', metricsRes)
-    if (metricsRes.status === 200) pools.push(...parseMetrics(metricsRes.body))
+    if (metricsRes.status === 200) {
+      pools.push(...parseMetrics(metricsRes.body))
+      idleUsage ??= usageFromMetrics(metricsRes.body)
+      numRunning = runningFromMetrics(metricsRes.body)
+    }
   } catch (err) {
     if (!(err instanceof BudgetExhaustedError)) throw err
     endpoints.push({ endpoint: '(remaining discovery)', status: 'budget' })
@@ -110,6 +130,8 @@ export async function discover(target: Target, requestedModel: string | null): P
     pools,
     contextTokens: advertised.length ? Math.max(...advertised.map((s) => s.tokens)) : null,
     poolTokens: pools.length ? Math.min(...pools.map((s) => s.tokens)) : null,
+    idleUsage,
+    numRunning,
     endpoints,
   }
 }

@@ -1,14 +1,18 @@
 /** `runAudit`: validates options, reads what the endpoint says about itself, runs the chosen
  *  probes within the budget and returns the report. Never throws for what it finds; throws
- *  `AuditError` only when it cannot audit at all (bad options, target unreachable). */
+ *  `AuditError` only when it cannot audit at all (bad options, target unreachable, a key refused)
+ *  or when the target answered none of the valid completions sent (`no_completion_answered`,
+ *  with the report of what was seen attached): then nothing was audited, and an audit that
+ *  returned a report would read as "no leak observed". */
 import { randomInt } from 'node:crypto'
 import { Budget, BudgetExhaustedError } from './budget.js'
-import { discover } from './discovery.js'
+import { discover, type Discovery } from './discovery.js'
+import { Ledger } from './ledger.js'
 import type { ProbeContext } from './probe.js'
 import { inconclusiveRemediation } from './probe.js'
 import { probes } from './probes/index.js'
 import { calibrate, type PromptSizer } from './sizer.js'
-import { createTarget, type Target } from './target.js'
+import { createTarget, type HttpResult, type Target } from './target.js'
 import {
   AuditError,
   probeNames,
@@ -60,11 +64,18 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   const budget = new Budget(config.budget, startedAt.getTime())
   const emit = options.onProgress ?? (() => {})
 
+  // The first valid completion that fails asks /health once: a health check that says all is
+  // well while requests fail keeps a load balancer sending traffic here.
+  let health: Promise<HealthReading> | null = null
+  const ledger = new Ledger(() => {
+    health ??= readHealth(target)
+  })
   const targetOptions = {
     baseUrl: config.baseUrl,
     tenants: config.tenants,
     budget,
     requestTimeoutMs: config.requestTimeoutMs,
+    ledger,
   }
   const discovery = await discover(createTarget({ ...targetOptions, model: null }), config.model)
   const target = createTarget({ ...targetOptions, model: discovery.model })
@@ -77,6 +88,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     const probeStartedAt = performance.now()
     const requestsBefore = budget.requestsSent
     emit({ type: 'probe-start', probe: name })
+    ledger.setProbe(name)
     let isAbandoned = false
     const context: ProbeContext = {
       seed: config.seed,
@@ -100,16 +112,24 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     } catch (err) {
       probeFindings = [failedProbe(name, err)]
     }
+    probeFindings = probeFindings.map((f) => withReason(f, ledger.unansweredReason(name)))
     findings.push(...probeFindings)
     probeRuns.push({
       probe: name,
       durationMs: Math.round(performance.now() - probeStartedAt),
       requestsSent: budget.requestsSent - requestsBefore,
+      completions: ledger.counts(name),
+      inconclusiveReasons: probeFindings
+        .filter((f) => f.verdict === 'inconclusive')
+        .map((f) => f.title),
     })
     emit({ type: 'probe-end', probe: name, findings: probeFindings })
   }
+  ledger.setProbe(null)
+  const healthReading = health === null ? null : await (health as Promise<HealthReading>)
+  findings.push(...availabilityFindings(ledger, healthReading))
 
-  return {
+  const report: AuditReport = {
     schemaVersion: 1,
     tool: 'kvfence audit',
     target: config.baseUrl,
@@ -121,11 +141,22 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     requestsSent: budget.requestsSent,
     probeRuns,
     findings,
+    completions: ledger.timeline(),
   }
+  const valid = ledger.validSummary()
+  if (valid.numSent > 0 && valid.numAnswered === 0) {
+    throw new AuditError(
+      'no_completion_answered',
+      noAnswerMessage(valid, config.baseUrl, discovery, healthReading),
+      report,
+    )
+  }
+  return report
 }
 
 /** The exit code `kvfence audit` uses: 1 when a finding's verdict is at or above `failOn` (a leak
- *  always is), else 0. (2, for a tool error, is the caller's: `runAudit` then throws.) */
+ *  always is), else 0. (2, for a tool error, is the caller's: `runAudit` then throws, e.g. for a
+ *  target that answered none of the valid completions.) */
 export function exitCodeFor(report: AuditReport, failOn: Verdict = 'leak'): 0 | 1 {
   const threshold = verdictRank[failOn]
   return report.findings.some((f) => verdictRank[f.verdict] >= threshold) ? 1 : 0
@@ -156,6 +187,23 @@ async function withinDeadline(
   }
 }
 
+/** An inconclusive finding whose title does not yet say why: what stopped the probe (its
+ *  evidence's `stoppedBy`, e.g. "time budget exhausted") and what became of its valid requests
+ *  (`unanswered`, from the ledger) are added to the title. Other findings are returned as they are. */
+export function withReason(
+  finding: Finding,
+  unanswered: { text: string; marks: readonly string[] } | null,
+): Finding {
+  if (finding.verdict !== 'inconclusive') return finding
+  const stoppedBy = finding.evidence.stoppedBy
+  const reasons: string[] = []
+  if (typeof stoppedBy === 'string' && !finding.title.includes(stoppedBy)) reasons.push(stoppedBy)
+  if (unanswered !== null && !unanswered.marks.every((m) => finding.title.includes(m)))
+    reasons.push(unanswered.text)
+  if (reasons.length === 0) return finding
+  return { ...finding, title: `${finding.title} (${reasons.join('; ')})` }
+}
+
 /** A probe abandoned at the deadline: inconclusive, never clean. */
 function overranProbe(probe: ProbeName, budget: Budget): Finding {
   const seconds = budget.limits.maxSeconds
@@ -182,6 +230,107 @@ function failedProbe(probe: ProbeName, err: unknown): Finding {
     evidence: { error: err instanceof Error ? err.message : String(err) },
     remediation: inconclusiveRemediation,
   }
+}
+
+// ─── Availability ────────────────────────────────────────────────────────────────────────────
+
+/** What `GET /health` answered: an HTTP status, or why none came (`timeout`, `network`,
+ *  `budget`). */
+interface HealthReading {
+  readonly endpoint: '/health'
+  readonly status: number | string
+}
+
+async function readHealth(target: Target): Promise<HealthReading> {
+  let res: HttpResult
+  try {
+    res = await target.get('/health', { tenant: target.tenants[0] })
+  } catch (err) {
+    if (err instanceof BudgetExhaustedError) return { endpoint: '/health', status: 'budget' }
+    throw err
+  }
+  return { endpoint: '/health', status: res.status ?? res.failure ?? 'network' }
+}
+
+/** Valid completions that failed (5xx, timeouts, broken streams) are a warning whatever the
+ *  probes made of them: a probe that could not tell says inconclusive, but an endpoint failing
+ *  valid requests is itself a finding. A `/health` that answered 200 meanwhile is another. */
+function availabilityFindings(ledger: Ledger, health: HealthReading | null): Finding[] {
+  const valid = ledger.validSummary()
+  if (valid.numFailed === 0) return []
+  const byCause = Object.entries(valid.failedBy)
+    .sort(([, a], [, b]) => b - a)
+    .map(([cause, n]) => `${cause} ×${n}`)
+    .join(', ')
+  const evidence = {
+    numValidSent: valid.numSent,
+    numValidAnswered: valid.numAnswered,
+    numValidFailed: valid.numFailed,
+    failedBy: valid.failedBy,
+    refusedBy: valid.refusedBy,
+    failedByProbe: valid.failedByProbe,
+    health,
+  }
+  const findings: Finding[] = [
+    {
+      probe: 'availability',
+      verdict: 'warning',
+      severity: valid.numFailed * 10 >= valid.numSent ? 'high' : 'medium',
+      title: `${valid.numFailed} of ${valid.numSent} valid requests failed (${byCause})`,
+      evidence,
+      remediation:
+        'Find why the endpoint fails requests it should answer (its logs at the times in the ' +
+        "report's completions); probes that saw these failures could not tell, and a failing " +
+        'transfer or decode path is where stale pages get read.',
+    },
+  ]
+  if (health !== null && health.status === 200) {
+    findings.push({
+      probe: 'availability',
+      verdict: 'warning',
+      severity: 'high',
+      title: `/health answered 200 while ${valid.numFailed} of ${valid.numSent} valid requests failed`,
+      evidence,
+      remediation:
+        'Make the health check exercise the path requests take (a short completion, or the ' +
+        "workers' own state), so that a load balancer stops sending traffic to an endpoint that " +
+        'fails them.',
+    })
+  }
+  return findings
+}
+
+/** The one line of the `no_completion_answered` tool error: what came back, and the likely cause. */
+function noAnswerMessage(
+  valid: ReturnType<Ledger['validSummary']>,
+  baseUrl: string,
+  discovery: Discovery,
+  health: HealthReading | null,
+): string {
+  const causes = { ...valid.failedBy, ...valid.refusedBy }
+  const sorted = Object.entries(causes).sort(([, a], [, b]) => b - a)
+  const byCause = sorted.map(([cause, n]) => `${cause} ×${n}`).join(', ')
+  const top = sorted[0]?.[0] ?? ''
+  const model = discovery.model
+  const isModelUnlisted =
+    model !== null && discovery.modelsListed.length > 0 && !discovery.modelsListed.includes(model)
+  let hint: string
+  if (top === 'HTTP 404' && isModelUnlisted)
+    hint = `model ${JSON.stringify(model)} is not one /v1/models lists (${discovery.modelsListed.slice(0, 5).join(', ')}): check --model`
+  else if (top === 'HTTP 404')
+    hint = `check --model and the target's path prefix (${baseUrl}/v1/completions was asked)`
+  else if (top === 'HTTP 405' || top === 'HTTP 501')
+    hint = `${baseUrl} does not serve POST /v1/completions: check that --target is an OpenAI-compatible endpoint, with its path prefix`
+  else if (top.startsWith('HTTP 4'))
+    hint =
+      'every one was refused: check --model and that the endpoint takes prompt, max_tokens and temperature'
+  else if (top === 'timeout') hint = 'none was answered within the request timeout'
+  else hint = 'the endpoint failed every one'
+  const healthNote = health === null ? '' : `; /health answered ${health.status}`
+  return (
+    `the target answered none of the ${valid.numSent} valid completions sent to ${baseUrl}/v1/completions ` +
+    `(${byCause})${healthNote}: ${hint}. Nothing was audited`
+  )
 }
 
 // ─── Options ─────────────────────────────────────────────────────────────────────────────────

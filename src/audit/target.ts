@@ -3,6 +3,7 @@
  *  (kvfence, SGLang, vLLM, ...). Knows nothing of how the server works inside. */
 import { z } from 'zod'
 import { Budget } from './budget.js'
+import type { Ledger } from './ledger.js'
 import type { Tenant } from './types.js'
 
 // ─── Raw HTTP ────────────────────────────────────────────────────────────────────────────────
@@ -51,6 +52,10 @@ export interface CompletionRequest {
   /** Cut the request on purpose (see {@link GetOptions}); the result's failure is `aborted`. */
   readonly abortAfterMs?: number
   readonly abortAfterChunks?: number
+  /** False for a prompt sent to be refused (over the context or the KV pool); default true. A
+   *  valid request that fails is an availability finding; one that is never answered, a tool
+   *  error. */
+  readonly isValid?: boolean
 }
 
 export interface CompletionResult {
@@ -170,6 +175,8 @@ export interface TargetOptions {
   readonly budget: Budget
   /** Upper bound for one request; the budget's deadline may cut it shorter. */
   readonly requestTimeoutMs: number
+  /** Where every completion's fate is recorded; none when omitted. */
+  readonly ledger?: Ledger
 }
 
 /** Largest response body read (bytes) unless a request asks for less; past it the request is
@@ -187,7 +194,7 @@ const maxErrorMessageChars = 200
 const abortGraceMs = 100
 
 export function createTarget(options: TargetOptions): Target {
-  const { baseUrl, model, tenants, budget, requestTimeoutMs } = options
+  const { baseUrl, model, tenants, budget, requestTimeoutMs, ledger } = options
   const keys = tenants.map((t) => t.key).filter((k) => k.length >= 4)
 
   const scrub = (text: string): string => {
@@ -303,7 +310,9 @@ export function createTarget(options: TargetOptions): Target {
       abortAfterChunks: request.abortAfterChunks,
       maxBodyBytes: completionBodyCap(request.maxTokens),
     })
-    return parseCompletion(http, request.stream, scrub)
+    const result = parseCompletion(http, request.stream, scrub)
+    ledger?.record(request.tenant.name, request.isValid ?? true, result, budget.remainingMs === 0)
+    return result
   }
 
   return Object.freeze({ baseUrl, model, tenants, get, postJson, postRaw, complete, scrub })

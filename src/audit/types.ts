@@ -27,9 +27,13 @@ export interface Tenant {
   readonly key: string
 }
 
+/** What a finding is about: a probe, or `availability`, the audit's own check over every probe's
+ *  requests (valid requests that failed, a health check that said all was well meanwhile). */
+export type FindingSource = ProbeName | 'availability'
+
 /** One conclusion of one probe. `evidence` is JSON and holds no key and no unredacted output. */
 export interface Finding {
-  readonly probe: ProbeName
+  readonly probe: FindingSource
   readonly verdict: Verdict
   readonly severity: Severity
   readonly title: string
@@ -43,14 +47,52 @@ export interface BudgetLimits {
   readonly concurrency: number
 }
 
+/** What became of one completion:
+ *  - `answered`: a 2xx answer with a completion in it;
+ *  - `refused`: a 4xx, or a 503 (the endpoint said no: size, model, key, its own limits);
+ *  - `failed`: a 5xx other than 503, a timeout before the deadline, a broken connection or
+ *    stream, a 2xx without a completion: the endpoint did not do its job;
+ *  - `cut`: the auditor cut it (on purpose, or at the budget's deadline). */
+export type CompletionFate = 'answered' | 'refused' | 'failed' | 'cut'
+
+/** Completions of one probe (or of the audit), by fate. `sent` is their sum. */
+export interface CompletionCounts {
+  readonly sent: number
+  readonly answered: number
+  readonly refused: number
+  readonly failed: number
+  readonly cut: number
+}
+
+/** One completion in the report's timeline: no text, no key. */
+export interface CompletionEntry {
+  /** The request's number in the audit (1 = the first request sent, of any kind). */
+  readonly requestNumber: number
+  /** Milliseconds from the audit's start to the end of the request. */
+  readonly atMs: number
+  /** The tenant's name. */
+  readonly tenant: string
+  /** The probe that sent it (null: the audit's own requests). */
+  readonly probe: ProbeName | null
+  readonly status: number | null
+  readonly failure: string | null
+  readonly fate: CompletionFate
+}
+
 /** How one probe ran (for JUnit test-case times and the HTML report). */
 export interface ProbeRun {
   readonly probe: ProbeName
   readonly durationMs: number
+  /** Every HTTP request the probe sent (completions, reads of server info, malformed bodies). */
   readonly requestsSent: number
+  /** Its completions, by fate. */
+  readonly completions: CompletionCounts
+  /** The titles of its inconclusive findings: why it could not tell (empty when it could). */
+  readonly inconclusiveReasons: readonly string[]
 }
 
-/** The JSON report (schema version 1; `probeRuns` was added without breaking readers). */
+/** The JSON report, schema version 1 (docs/report-schema.json; fields are only ever added, and a
+ *  change that breaks readers gets a new version). */
 export interface AuditReport {
   readonly schemaVersion: 1
   readonly tool: 'kvfence audit'
@@ -65,6 +107,8 @@ export interface AuditReport {
   readonly requestsSent: number
   readonly probeRuns: readonly ProbeRun[]
   readonly findings: readonly Finding[]
+  /** Every completion the audit sent, in the order they ended. */
+  readonly completions: readonly CompletionEntry[]
 }
 
 /** Verdicts from least to most alarming; `--fail-on V` fails on V and everything after it. */
@@ -75,14 +119,20 @@ export const verdictRank: Readonly<Record<Verdict, number>> = {
   leak: 3,
 }
 
-export type AuditErrorCode = 'invalid_options' | 'invalid_config' | 'target_unreachable'
+/** `no_completion_answered`: the target answered none of the valid completions the audit sent
+ *  (not an OpenAI endpoint, a wrong model or path prefix, an engine failing every request). */
+export type AuditErrorCode =
+  'invalid_options' | 'invalid_config' | 'target_unreachable' | 'no_completion_answered'
 
 /** A tool error: the audit could not run at all (bad options, target unreachable). The message
  *  is one line, names tenants but never keys. */
 export class AuditError extends Error {
+  /** `report`: what the audit saw before it gave up, when it got that far (for
+   *  `no_completion_answered`). */
   constructor(
     readonly code: AuditErrorCode,
     message: string,
+    readonly report?: AuditReport,
   ) {
     super(message)
     this.name = 'AuditError'

@@ -8,6 +8,7 @@ import type { Command } from 'commander'
 import {
   formatProgress,
   runAudit,
+  writeHtmlReport,
   writeJsonReport,
   type AuditReport,
   type Finding,
@@ -108,6 +109,7 @@ async function runDemo(flags: DemoFlags): Promise<number> {
     )
     const report = await audit(unsafeCluster.routerUrl, tenants, flags, say)
     await writeJsonReport(report, join(out, 'unsafe.json'))
+    await writeHtmlReport(report, join(out, 'unsafe.html'))
     unsafe = {
       title: 'incident (fault, guards off)',
       startup: `started, advertising ${demoShape.advertisedContext} tokens`,
@@ -146,6 +148,7 @@ async function runDemo(flags: DemoFlags): Promise<number> {
     say(`restarted with --clamp-context at ${safeCluster.routerUrl}`)
     const report = await audit(safeCluster.routerUrl, tenants, flags, say)
     await writeJsonReport(report, join(out, 'safe.json'))
+    await writeHtmlReport(report, join(out, 'safe.html'))
     safe = {
       title: 'as shipped (guards on)',
       startup: refusal.startsWith('started')
@@ -160,7 +163,9 @@ async function runDemo(flags: DemoFlags): Promise<number> {
   say()
   say(sideBySide(unsafe, safe))
   say()
-  say(`reports: ${join(out, 'unsafe.json')}, ${join(out, 'safe.json')}`)
+  say(
+    `reports: ${['unsafe.json', 'unsafe.html', 'safe.json', 'safe.html'].map((f) => join(out, f)).join(', ')}`,
+  )
   const isExpected = hasLeak(unsafe.report) && !hasLeak(safe.report)
   if (!isExpected) {
     say('UNEXPECTED: the incident run should leak and the shipped run should not; see the reports.')

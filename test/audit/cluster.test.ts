@@ -10,6 +10,7 @@ import { runAudit, type AuditReport } from '../../src/audit/index.js'
 import { startCluster, type Cluster } from '../../src/engine/cluster.js'
 import { twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
+import { reportValidator } from './schema-validator.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-audit-cluster-')
 let cluster: Cluster
@@ -64,4 +65,15 @@ test('the budget held: at most the default 300 requests, and every one accounted
   // then each of the 2 tenants' keys is checked with one GET /v1/models.
   const numProbeRequests = report.probeRuns.reduce((n, r) => n + r.requestsSent, 0)
   assert.equal(report.requestsSent - numProbeRequests, 3 + 2)
+})
+
+test('the report validates against docs/report-schema.json; no valid request failed', () => {
+  const { validate, errorsOf } = reportValidator()
+  assert.ok(validate(JSON.parse(JSON.stringify(report))), errorsOf())
+  assert.deepEqual(
+    report.findings.filter((f) => f.probe === 'availability').map((f) => f.title),
+    [],
+  )
+  const numCompletions = report.probeRuns.reduce((n, r) => n + r.completions.sent, 0)
+  assert.equal(numCompletions, report.completions.length)
 })

@@ -38,10 +38,34 @@ const handMade: AuditReport = {
   budget: { maxRequests: 300, maxSeconds: 300, concurrency: 4 },
   requestsSent: 42,
   probeRuns: [
-    { probe: 'capacity', durationMs: 10, requestsSent: 0 },
-    { probe: 'boundary', durationMs: 1500, requestsSent: 8 },
-    { probe: 'canary', durationMs: 2000, requestsSent: 20 },
-    { probe: 'page-leak', durationMs: 250, requestsSent: 3 },
+    {
+      probe: 'capacity',
+      durationMs: 10,
+      requestsSent: 0,
+      completions: { sent: 0, answered: 0, refused: 0, failed: 0, cut: 0 },
+      inconclusiveReasons: [],
+    },
+    {
+      probe: 'boundary',
+      durationMs: 1500,
+      requestsSent: 8,
+      completions: { sent: 8, answered: 4, refused: 4, failed: 0, cut: 0 },
+      inconclusiveReasons: [],
+    },
+    {
+      probe: 'canary',
+      durationMs: 2000,
+      requestsSent: 20,
+      completions: { sent: 20, answered: 14, refused: 6, failed: 0, cut: 0 },
+      inconclusiveReasons: [],
+    },
+    {
+      probe: 'page-leak',
+      durationMs: 250,
+      requestsSent: 3,
+      completions: { sent: 0, answered: 0, refused: 0, failed: 0, cut: 0 },
+      inconclusiveReasons: ['no usage exposed'],
+    },
   ],
   findings: [
     finding('capacity', 'clean', 'fits'),
@@ -50,6 +74,7 @@ const handMade: AuditReport = {
     finding('canary', 'leak', 'again'),
     finding('page-leak', 'inconclusive', 'no usage exposed'),
   ],
+  completions: [],
 }
 
 describe('JUnit XML report', () => {
@@ -153,7 +178,7 @@ describe('HTML report', () => {
         target: standIn.url,
         tenants: standInTenants,
         seed: 5,
-        probes: ['capacity', 'boundary', 'page-leak', 'prefix-timing'],
+        probes: ['capacity', 'boundary', 'canary', 'page-leak', 'prefix-timing'],
       })
     } finally {
       await standIn.close()
@@ -174,7 +199,7 @@ describe('HTML report', () => {
     const data = plotData(report)
     assert.equal(data.ttft?.length, 4)
     assert.deepEqual(
-      data.boundary?.map((b) => [b.promptTokens, b.status, b.meaning]),
+      data.boundary?.sizes.map((b) => [b.promptTokens, b.status, b.meaning]),
       [
         [383, 200, 'accepted'],
         [384, 200, 'accepted'],
@@ -187,22 +212,26 @@ describe('HTML report', () => {
     assert.ok((data.pool?.samples.length ?? 0) >= 3)
   })
 
-  test('headless Chromium draws the three charts (canvases with painted pixels)', async (t) => {
+  test("headless Chromium draws every chart and the tenant matrix, from the report's data", async (t) => {
     if (!existsSync(chromium)) {
       t.skip(`${chromium} is not installed (apt-get install -y chromium)`)
       return
     }
-    // The check runs in the page after load: it counts painted pixels of every canvas.
+    // The check runs in the page after load: painted pixels of every canvas, what each chart's
+    // datasets hold (label, colour, points), and the matrix table's cells.
     const checker = `<script>addEventListener('load', () => {
-      const rows = [...document.querySelectorAll('canvas')].map((c) => {
+      const charts = [...document.querySelectorAll('canvas')].map((c) => {
         const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
         let painted = 0;
         for (let i = 3; i < px.length; i += 4) if (px[i] !== 0) painted++;
-        return c.id + '=' + painted + (Chart.getChart(c) ? ':chart' : ':none');
+        const chart = Chart.getChart(c);
+        const datasets = chart ? chart.data.datasets.map((d) => ({ label: d.label, color: d.backgroundColor, points: d.data.map((p) => [p.x, p.y]) })) : null;
+        return { id: c.id, painted, datasets };
       });
+      const cells = [...document.querySelectorAll('#tenant-matrix td')].map((td) => [td.dataset.observer, td.dataset.source, Number(td.textContent)]);
       const pre = document.createElement('pre');
       pre.id = 'kvfence-check';
-      pre.textContent = rows.join(' ');
+      pre.textContent = JSON.stringify({ charts, cells });
       document.body.appendChild(pre);
     });</script>`
     const file = join(dir, 'report.html')
@@ -225,23 +254,103 @@ describe('HTML report', () => {
     )
     const check = /<pre id="kvfence-check">([^<]*)<\/pre>/.exec(dom)
     assert.ok(check, 'the page ran its scripts')
-    const canvases = Object.fromEntries(
-      check[1].split(' ').map((row) => {
-        const [id, rest] = row.split('=')
-        const [painted, chart] = rest.split(':')
-        return [id, { painted: Number(painted), chart }]
-      }),
-    )
-    assert.deepEqual(Object.keys(canvases).sort(), ['boundary-chart', 'pool-chart', 'ttft-chart'])
-    for (const [id, c] of Object.entries(canvases)) {
-      assert.equal(c.chart, 'chart', `${id} has a Chart.js chart`)
-      assert.ok(c.painted > 2000, `${id}: only ${c.painted} painted pixels`)
+    const unescape = (text: string) =>
+      text
+        .replace(/&quot;/g, '"')
+        .replace(/&lt;/g, '<')
+        .replace(/&gt;/g, '>')
+        .replace(/&amp;/g, '&')
+    const { charts, cells } = JSON.parse(unescape(check[1])) as {
+      charts: {
+        id: string
+        painted: number
+        datasets: { label: string; color: unknown; points: [unknown, unknown][] }[] | null
+      }[]
+      cells: [string, string, number][]
     }
+    assert.deepEqual(charts.map((c) => c.id).sort(), [
+      'boundary-chart',
+      'pool-chart',
+      'timeline-chart',
+      'ttft-chart',
+    ])
+    for (const c of charts) {
+      assert.ok(c.datasets !== null, `${c.id} has a Chart.js chart`)
+      assert.ok(c.painted > 2000, `${c.id}: only ${c.painted} painted pixels`)
+      // One colour per dataset, so that each legend entry shows the colour of what it names.
+      for (const d of c.datasets!) assert.equal(typeof d.color, 'string', `${c.id} ${d.label}`)
+    }
+    const chart = (id: string) => charts.find((c) => c.id === id)!.datasets!
+
+    // Boundary: outcomes, not HTTP statuses, as the height; the limits drawn as markers.
+    const boundaryEvidence = report.findings.find((f) => f.probe === 'boundary')!.evidence as {
+      sizes: { promptTokens: number; status: number; outcome: string; mustReject: boolean }[]
+    }
+    const boundary = chart('boundary-chart')
+    const outcomes = boundary
+      .filter((d) => !/tokens$/.test(d.label))
+      .flatMap((d) => d.points.map(([x, y]) => [x, y, d.label]))
+      .sort((a, b) => (a[0] as number) - (b[0] as number))
+    assert.deepEqual(
+      outcomes,
+      boundaryEvidence.sizes.map((s, i) => [
+        i,
+        s.outcome === 'accepted' ? 'accepted (200)' : 'refused (4xx)',
+        s.outcome === 'rejected'
+          ? 'refused with a 4xx'
+          : s.mustReject
+            ? 'accepted over the limit (the incident)'
+            : 'accepted, fits',
+      ]),
+    )
+    assert.deepEqual(
+      boundary.filter((d) => /tokens$/.test(d.label)).map((d) => d.label),
+      ['KV pool: 384 tokens', 'advertised context: 1024 tokens'],
+    )
+
+    // Pool usage: exactly the samples page-leak read, as points, and its baseline.
+    const pageLeak = report.findings.find((f) => f.probe === 'page-leak')!.evidence as {
+      samples: { tMs: number; used: number }[]
+    }
+    const readings = chart('pool-chart').filter((d) => d.label.endsWith('readings (pages)'))
+    assert.deepEqual(
+      readings.flatMap((d) => d.points).sort((a, b) => (a[0] as number) - (b[0] as number)),
+      pageLeak.samples.map((s) => [s.tMs, s.used]).sort((a, b) => a[0] - b[0]),
+    )
+    assert.ok(pageLeak.samples.length >= 8, `only ${pageLeak.samples.length} pool samples`)
+
+    // Matrix: bob's answers that held alice's canaries, as the canary findings count them.
+    const canary = report.findings.filter((f) => f.probe === 'canary' && f.verdict === 'leak')
+    const numLeaking = canary[0].evidence.numLeakingRequests as number
+    assert.ok(numLeaking >= 1)
+    assert.deepEqual(cells, [
+      ['alice', 'alice', 0],
+      ['alice', 'bob', 0],
+      ['bob', 'alice', numLeaking],
+      ['bob', 'bob', 0],
+    ])
+
+    // Timeline: every completion once per tenant, the leaking ones marked on bob's row.
+    const timeline = chart('timeline-chart')
+    const marked = timeline.find((d) => d.label === 'held foreign material')!.points
+    assert.equal(marked.length, numLeaking)
+    assert.ok(marked.every(([, y]) => y === 'bob'))
+    const drawn = timeline.filter((d) => d.label !== 'held foreign material')
+    assert.equal(
+      drawn.reduce((n, d) => n + d.points.length, 0),
+      report.completions.length,
+    )
   })
 
   test('a report without plot data says so instead of drawing empty charts', async () => {
     const bare = formatHtmlReport(handMade, '/* no chart library needed */')
-    for (const id of ['ttft-chart', 'boundary-chart', 'pool-chart']) {
+    for (const id of [
+      'ttft-chart',
+      'boundary-chart',
+      'pool-chart',
+      'timeline-chart',
+      'tenant-matrix',
+    ]) {
       assert.ok(bare.includes(`id="${id}-none"`), id)
       assert.ok(!bare.includes(`<canvas id="${id}"`), id)
     }

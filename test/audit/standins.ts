@@ -7,18 +7,23 @@
  *  - `broken`: every request answers 500.
  *  - `refusing`: like `safe`, but every completion is refused with a 400 that has nothing to do
  *    with size (as when the model id or a parameter is wrong).
- *  Discovery endpoints take the shape of kvfence, SGLang or vLLM (`flavour`).
+ *  - `static`: not an inference server at all, a plain static file server (`python -m
+ *    http.server`): `GET /` is a page, other GETs 404, every POST 501.
+ *  Discovery endpoints take the shape of kvfence, SGLang or vLLM (`flavour`); `/health` answers
+ *  200 whatever happens to completions. A completion naming another model than `tiny-echo` gets
+ *  404 `model_not_found`.
  *  The "model" echoes: its output is the words in its KV pages. A token is a whitespace-separated
  *  word, plus one BOS token. Every request is counted, with the most ever in flight.
  *  Options add the other bug classes the probes look for: a prefix cache shared across tenants
  *  (`prefixCache`), pages lost on abort (`isPageLeakOnAbort`), an aborted request's words served to
  *  the next request (`isAbortLeak`), a bounded batch (`maxBatch`) and queue (`maxQueued`), output
  *  that changes under load (`isLoadSensitive`), errors answered as 200 (`isErrorAs200`) and a
- *  tenant's own rate limit (`rateLimit`), and answers that never end (`isEndless`). */
+ *  tenant's own rate limit (`rateLimit`), answers that never end (`isEndless`), valid requests
+ *  failed with a 5xx (`failValid`) and pages an abort holds for a while (`abortHoldMs`). */
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
 
-export type StandInKind = 'leaky' | 'safe' | 'broken' | 'refusing'
+export type StandInKind = 'leaky' | 'safe' | 'broken' | 'refusing' | 'static'
 
 export interface StandInStats {
   numRequests: number
@@ -84,6 +89,12 @@ export interface StandInOptions {
    *  `stream` and `max_tokens` asked): one event every `tokenDelayMs` ms, or as fast as the
    *  client reads when that is 0 or unset. */
   readonly isEndless?: boolean
+  /** Every `every`-th valid completion (1: all) is answered `status` with a server error body
+   *  (an engine whose transfer or decode path fails), counted from the first. */
+  readonly failValid?: { readonly status: number; readonly every: number }
+  /** A completion whose client went away keeps its pages this long (ms) before they are freed
+   *  (an abort the engine never hears of, released by a timeout). */
+  readonly abortHoldMs?: number
 }
 
 const poolTokens = 384
@@ -109,6 +120,9 @@ export async function startStandIn(
   const runningWords = new Set<string[]>()
   const keys = new Set(Object.values(tenantKeys))
   let numRateLimitedSeen = 0
+  let numValidSeen = 0
+  let numRunningCompletions = 0
+  const holdTimers = new Set<ReturnType<typeof setTimeout>>()
 
   const handle = async (req: IncomingMessage, res: ServerResponse): Promise<void> => {
     const body = await readBody(req)
@@ -116,6 +130,8 @@ export async function startStandIn(
     const path = (req.url ?? '/').split('?')[0]
     if (kind === 'broken')
       return sendJson(res, 500, { error: { message: 'internal error', type: 'server_error' } })
+    if (kind === 'static') return serveStatic(req, res, path)
+    if (req.method === 'GET' && path === '/health') return sendJson(res, 200, { status: 'ok' })
     if (!keys.has((req.headers.authorization ?? '').replace(/^Bearer /, ''))) {
       return sendJson(res, 401, {
         error: { message: 'bad key', type: 'authentication_error', code: 'invalid_api_key' },
@@ -146,6 +162,11 @@ export async function startStandIn(
         max_prefill_tokens: 16384,
         internal_states: [{ max_total_num_tokens: poolTokens, max_req_input_len: poolTokens - 1 }],
       })
+    }
+    if (req.method === 'GET' && path === '/metrics' && flavour === 'kvfence') {
+      res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
+      res.end(`kvfence_router_requests_running ${numRunningCompletions}\n`)
+      return
     }
     if (req.method === 'GET' && path === '/metrics' && flavour === 'vllm') {
       res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
@@ -187,6 +208,15 @@ export async function startStandIn(
       })
     }
     const request = parsedBody
+    if (request.model !== undefined && request.model !== 'tiny-echo') {
+      return sendJson(res, 404, {
+        error: {
+          message: `The model \`${request.model}\` does not exist.`,
+          type: 'invalid_request_error',
+          code: 'model_not_found',
+        },
+      })
+    }
     const rateLimit = options.rateLimit
     if (
       rateLimit &&
@@ -220,6 +250,13 @@ export async function startStandIn(
         },
       })
     }
+    if (options.failValid && numTokens <= poolTokens) {
+      if (numValidSeen++ % options.failValid.every === 0) {
+        return sendJson(res, options.failValid.status, {
+          error: { message: 'transfer failed', type: 'server_error', code: 'transfer_failed' },
+        })
+      }
+    }
     let output: string[]
     if (numTokens > poolTokens) {
       // The incident: rejected inside, swapped for a placeholder, decoded over stale pages.
@@ -251,12 +288,20 @@ export async function startStandIn(
     } else numRunning++
     const numPages = Math.ceil((numTokens + request.max_tokens) / 16)
     stats.numPagesUsed += numPages
+    numRunningCompletions++
     let isDone = false
     const finish = (isAborted: boolean): void => {
       if (isDone) return
       isDone = true
+      numRunningCompletions--
       if (isAborted && options.isAbortLeak) abortedWords = words
-      if (!(isAborted && options.isPageLeakOnAbort)) stats.numPagesUsed -= numPages
+      if (isAborted && options.abortHoldMs !== undefined) {
+        const timer = setTimeout(() => {
+          holdTimers.delete(timer)
+          stats.numPagesUsed -= numPages
+        }, options.abortHoldMs)
+        holdTimers.add(timer)
+      } else if (!(isAborted && options.isPageLeakOnAbort)) stats.numPagesUsed -= numPages
       const next = queue.shift()
       if (next) next()
       else numRunning--
@@ -335,6 +380,7 @@ export async function startStandIn(
     stats,
     close: () =>
       new Promise<void>((resolve) => {
+        for (const timer of holdTimers) clearTimeout(timer)
         server.closeAllConnections()
         server.close(() => resolve())
       }),
@@ -370,10 +416,25 @@ function sleep(ms: number): Promise<void> {
   return new Promise((r) => setTimeout(r, ms))
 }
 
+/** What `python -m http.server` answers: a listing at `/`, 404 for other GETs, 501 for POST. */
+function serveStatic(req: IncomingMessage, res: ServerResponse, path: string): void {
+  if (req.method === 'GET' && path === '/') {
+    res.writeHead(200, { 'content-type': 'text/html; charset=utf-8' })
+    res.end('<!DOCTYPE HTML><html><body><h1>Directory listing for /</h1></body></html>\n')
+    return
+  }
+  const [status, text] =
+    req.method === 'GET' ? [404, 'File not found'] : [501, 'Unsupported method']
+  res.writeHead(status, { 'content-type': 'text/html;charset=utf-8' })
+  res.end(
+    `<html><body><h1>Error response</h1><p>Error code: ${status}</p><p>${text}</p></body></html>\n`,
+  )
+}
+
 /** The completion request, or why it is invalid. */
 function parseRequest(
   body: string,
-): { prompt: string; max_tokens: number; stream?: boolean } | string {
+): { prompt: string; max_tokens: number; stream?: boolean; model?: string } | string {
   let json: unknown
   try {
     json = JSON.parse(body)
@@ -384,7 +445,12 @@ function parseRequest(
   if (typeof o.prompt !== 'string') return 'prompt is required'
   if (!Number.isInteger(o.max_tokens) || (o.max_tokens as number) < 1)
     return 'max_tokens must be a positive integer'
-  return { prompt: o.prompt, max_tokens: o.max_tokens as number, stream: o.stream === true }
+  return {
+    prompt: o.prompt,
+    max_tokens: o.max_tokens as number,
+    stream: o.stream === true,
+    model: typeof o.model === 'string' ? o.model : undefined,
+  }
 }
 
 function countTokens(prompt: string): number {

@@ -73,6 +73,7 @@ export const boundaryProbe: Probe = {
           prompt: current.build(size.tokens, roundingFor(size)),
           maxTokens: 1,
           stream: false,
+          isValid: !mustReject,
         })
         return toSizeResult(size, res, mustReject)
       } catch (err) {

@@ -81,7 +81,8 @@ export const canaryProbe: Probe = {
       aimedTokens: number | null,
     ): Promise<void> => {
       const maxTokens = tenant === victim ? plantMaxTokens : observerMaxTokens
-      const result = await target.complete({ tenant, prompt, maxTokens, stream })
+      const isValid = kind !== 'over-capacity'
+      const result = await target.complete({ tenant, prompt, maxTokens, stream, isValid })
       exchanges.push({
         tenant,
         kind,
@@ -154,6 +155,12 @@ export const canaryProbe: Probe = {
     )
 
     if (leaks.length > 0) {
+      // Every leaking answer (the findings list at most maxLeakFindings), for the HTML matrix.
+      const crossings = leaks.map((leak) => ({
+        observer: leak.observer.tenant.name,
+        source: leak.victim.name,
+        requestNumber: leak.observer.result.requestNumber,
+      }))
       const findings: Finding[] = leaks.slice(0, maxLeakFindings).map((leak) => {
         const [first, ...others] = leak.matches
         const { result, kind, promptTokens, stream, tenant } = leak.observer
@@ -179,6 +186,7 @@ export const canaryProbe: Probe = {
             ),
             otherCanariesMatched: others.map((m) => m.canary),
             numLeakingRequests: leaks.length,
+            crossings,
             ...summary,
           },
           remediation: leakRemediation,

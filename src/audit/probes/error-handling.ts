@@ -7,7 +7,7 @@ import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
 import { fillerText } from '../sizer.js'
-import { outcomeOf, tryJson, type HttpResult } from '../target.js'
+import { outcomeOf, tryJson, type CompletionResult, type HttpResult } from '../target.js'
 import type { Finding, Severity } from '../types.js'
 
 interface Case {
@@ -86,9 +86,10 @@ export const errorHandlingProbe: Probe = {
       detail: string | null
     }[] = []
     let isControlAccepted = false
+    let control: CompletionResult | null = null
     const stoppedBy = await runUntilExhausted(async () => {
       // Control: a valid request must be answered, else a 5xx says nothing about validation.
-      const control = await target.complete({
+      control = await target.complete({
         tenant,
         prompt: 'hello',
         maxTokens: 1,
@@ -106,8 +107,13 @@ export const errorHandlingProbe: Probe = {
         })
       }
     })
-    context.log(results.map((r) => `${r.case}: ${r.status ?? 'none'} ${r.result}`).join('; '))
-    const evidence = { isControlAccepted, cases: results, stoppedBy }
+    context.log(
+      results.length === 0
+        ? `no invalid request sent (${stoppedBy ?? 'the control was not answered'})`
+        : results.map((r) => `${r.case}: ${r.status ?? 'none'} ${r.result}`).join('; '),
+    )
+    const controlAnswer = control === null ? null : describeAnswer(control)
+    const evidence = { isControlAccepted, control: controlAnswer, cases: results, stoppedBy }
 
     const findings: Finding[] = []
     const as200 = results.filter((r) => r.result === 'error-as-200')
@@ -165,7 +171,9 @@ export const errorHandlingProbe: Probe = {
           severity: 'low',
           title: isControlAccepted
             ? `${cases.length - results.filter((r) => r.result === 'rejected').length} of ${cases.length} invalid requests got no usable answer`
-            : 'a valid request was not answered either, so the answers to invalid ones prove nothing',
+            : controlAnswer === null
+              ? `not run: ${stoppedBy ?? 'no request could be sent'} before the valid control request was sent`
+              : `the valid control request was not answered (${controlAnswer}), so answers to invalid ones would prove nothing`,
           evidence,
           remediation: inconclusiveRemediation,
         },
@@ -185,6 +193,17 @@ export const errorHandlingProbe: Probe = {
 }
 
 const notARejection = new Set([401, 403, 404, 408, 429])
+
+/** `HTTP 503 capacity_exhausted`, `timeout`, `network (ECONNRESET)`: what a completion got. */
+function describeAnswer(result: CompletionResult): string {
+  if (result.status === null)
+    return result.failure === 'timeout'
+      ? 'no answer before its time limit'
+      : (result.failure ?? 'no answer')
+  const code = result.errorCode === null ? '' : ` ${result.errorCode}`
+  const failure = result.failure === null ? '' : ` (${result.failure})`
+  return `HTTP ${result.status}${code}${failure}`
+}
 
 function classify(http: HttpResult): Result {
   const { status } = http

@@ -82,6 +82,12 @@ export function leakFindings(
 ): Finding[] {
   const allCanaries = planted.flatMap((p) => p.canaries)
   const sorted = [...crossings].sort((a, b) => Number(isSameTenant(a)) - Number(isSameTenant(b)))
+  // Every crossing (the findings list at most maxLeakFindings), for the HTML matrix.
+  const all = crossings.map((c) => ({
+    observer: c.observed.planted.tenant.name,
+    source: c.source.tenant.name,
+    requestNumber: c.observed.result.requestNumber,
+  }))
   return sorted.slice(0, maxLeakFindings).map((c) => {
     const { observed, source, match } = c
     const sameTenant = isSameTenant(c)
@@ -103,6 +109,7 @@ export function leakFindings(
         excerpt: redact(observed.result.text, allCanaries, match.index, 160, [source.prompt]),
         numCrossings: crossings.length,
         numCrossTenant: crossings.filter((x) => !isSameTenant(x)).length,
+        crossings: all,
         ...summary,
       },
       remediation,

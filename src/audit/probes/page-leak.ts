@@ -1,29 +1,20 @@
-/** Probe `page-leak`: KV pool usage, read from whatever the endpoint exposes, must return to its
- *  idle baseline once a workload of normal and aborted requests is over. Pages that stay used
- *  after every request has ended are pages whose release path is broken (abort, timeout or
- *  transfer-failure paths): a pool that shrinks until the server refuses work, and pages that may
- *  later be read without being written. Usage sources, first found wins:
- *  - kvfence `/server_info`: `workers[].numPagesUsed` (pages, summed over workers);
- *  - SGLang `/get_server_info` or `/server_info`: `internal_states[].token_usage` (fraction);
- *  - `/metrics`: `kvfence_kv_pages_used` (pages), vLLM `vllm:kv_cache_usage_perc` or
- *    `vllm:gpu_cache_usage_perc` (fraction), SGLang `sglang:token_usage` (fraction).
+/** Probe `page-leak`: KV pool usage, read from whatever the endpoint exposes (see
+ *  ../pool-usage.ts), must be at its idle baseline, the usage discovery read before any probe
+ *  ran, when the probe starts, and return to it once a workload of normal and aborted requests
+ *  is over. Pages that stay used after every request has ended are pages whose release path is
+ *  broken (abort, timeout or transfer-failure paths): a pool that shrinks until the server
+ *  refuses work, and pages that may later be read without being written. Earlier probes' aborts
+ *  are such a workload too, which is why the baseline is taken before them.
  *  A warning, never a leak: no data was seen crossing. */
 import { BudgetExhaustedError } from '../budget.js'
+import { readPoolUsage, readRunning, type PoolUsage } from '../pool-usage.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
-import { tryJson, type Target } from '../target.js'
 import type { Finding } from '../types.js'
 import { plantMaterial } from './material.js'
 
-/** One reading of KV pool usage: where it came from and its value (`pages`, or a `fraction` of
- *  the pool in [0, 1], summed over workers). */
-export interface PoolUsage {
-  readonly endpoint: string
-  readonly field: string
-  readonly unit: 'pages' | 'fraction'
-  readonly used: number
-}
+export { readPoolUsage, usageFromMetrics, type PoolUsage } from '../pool-usage.js'
 
 /** A usage reading in time, for the evidence and the HTML plot. */
 export interface UsageSample {
@@ -34,10 +25,12 @@ export interface UsageSample {
 }
 
 const numWorkload = 8
-/** Most pool samples taken while the workload runs: a fast engine (the bundled model decodes 128
- *  tokens in 10–20 ms) can finish every request between two fixed samples, so sampling goes on,
- *  back to back, until the pool is seen in use or the workload has ended. */
-const maxWorkloadSamples = 16
+/** Most pool samples taken while the workload runs, one every {@link workloadSampleGapMs} or as
+ *  fast as they are answered, until the workload has ended: a fast engine (the bundled model
+ *  decodes 128 tokens in 10–20 ms) can finish every request between two sparse samples, and the
+ *  plot should show the pool filling and draining as it was seen, not a line between two points. */
+const maxWorkloadSamples = 40
+const workloadSampleGapMs = 25
 const pollIntervalMs = 200
 const maxSettleMs = 10_000
 const maxPolls = 40
@@ -58,35 +51,57 @@ export const pageLeakProbe: Probe = {
       return usage.used
     }
     const inconclusive = (title: string, evidence: Record<string, unknown>): Finding[] => [
-      {
-        probe: 'page-leak',
-        verdict: 'inconclusive',
-        severity: 'medium',
-        title,
-        evidence,
-        remediation:
-          'Expose KV pool usage to the auditor (kvfence /server_info, vLLM /metrics ' +
-          'vllm:kv_cache_usage_perc, SGLang /metrics sglang:token_usage) and run it while the ' +
-          `endpoint is otherwise idle. ${inconclusiveRemediation}`,
-      },
+      inconclusiveFinding(title, evidence),
     ]
+    /** Pages over the pre-audit baseline before this probe sent anything: waits (polling) for
+     *  them to be released; the finding when they are not, null when they were. */
+    const heldPages = async (preAudit: number, first: number): Promise<Finding[] | null> => {
+      const waitUntil = performance.now() + Math.min(maxSettleMs, budget.remainingMs - 500)
+      let now = first
+      for (let polls = 0; polls < maxPolls && now > preAudit; polls++) {
+        if (performance.now() >= waitUntil) break
+        await new Promise((r) => setTimeout(r, pollIntervalMs))
+        now = (await sample('idle')) ?? now
+      }
+      if (now <= preAudit) return null
+      const numRunning = await readRunning(target)
+      const elapsedMs = Math.round(performance.now() - startedAt)
+      return [heldPagesFinding(source, preAudit, now, numRunning, elapsedMs, samples)]
+    }
 
     let stoppedBy: string | null = null
     let baseline: number | null = null
     let settled: number | null = null
+    // The pool as discovery read it, before any probe ran (null when read from another source).
+    const before = context.discovery.idleUsage
+    let preAudit: number | null = null
     try {
       const first = await sample('idle')
       if (first === null) {
         return inconclusive('the endpoint exposes no KV pool usage', { samples })
       }
-      const second = await sample('idle')
-      if (second !== first) {
+      const src = source as Omit<PoolUsage, 'used'> | null
+      if (before !== null && src?.endpoint === before.endpoint && src.field === before.field)
+        preAudit = before.used
+      if (preAudit !== null && first < preAudit) {
         return inconclusive(
-          `pool usage moved while idle (${first} then ${second}): other traffic hides the baseline`,
+          `pool usage moved while idle (${preAudit} before the audit, ${first} now): other traffic hides the baseline`,
+          { source, preAuditUsage: preAudit, samples },
+        )
+      }
+      if (preAudit !== null && first > preAudit) {
+        const held = await heldPages(preAudit, first)
+        if (held !== null) return held
+      }
+      const last = samples[samples.length - 1].used
+      const second = await sample('idle')
+      if (second !== last) {
+        return inconclusive(
+          `pool usage moved while idle (${last} then ${second}): other traffic hides the baseline`,
           { source, samples },
         )
       }
-      baseline = first
+      baseline = preAudit ?? last
 
       const rng = createRng(context.seed, 'page-leak')
       const planted = plantMaterial(
@@ -121,8 +136,8 @@ export const pageLeakProbe: Probe = {
       let isWorkloadDone = false
       const workload = Promise.allSettled([long, ...rest]).finally(() => (isWorkloadDone = true))
       for (let n = 0; n < maxWorkloadSamples && !isWorkloadDone; n++) {
-        const used = await sample('workload')
-        if (used !== null && used > baseline) break
+        await sample('workload')
+        await new Promise((r) => setTimeout(r, workloadSampleGapMs))
       }
       for (const r of await workload)
         if (r.status === 'rejected' && !(r.reason instanceof BudgetExhaustedError)) throw r.reason
@@ -140,7 +155,15 @@ export const pageLeakProbe: Probe = {
 
     // null, not Math.max()'s -Infinity, when no sample was read (out of budget before the first).
     const peak = samples.length === 0 ? null : Math.max(...samples.map((s) => s.used))
-    const evidence = { source, baseline, peak, settled, stoppedBy, samples }
+    const evidence = {
+      source,
+      preAuditUsage: preAudit,
+      baseline,
+      peak,
+      settled,
+      stoppedBy,
+      samples,
+    }
     context.log(
       samples.length === 0
         ? `pool usage not read (${stoppedBy ?? 'no answer'})`
@@ -187,72 +210,61 @@ export const pageLeakProbe: Probe = {
   },
 }
 
-/** The endpoint's current KV pool usage, or null when it exposes none. `preferred` (an endpoint
- *  that answered before) is asked first so that every sample reads the same source. */
-export async function readPoolUsage(target: Target, preferred?: string): Promise<PoolUsage | null> {
-  const tenant = target.tenants[0]
-  const endpoints = ['/server_info', '/get_server_info', '/metrics']
-  const order = preferred ? [preferred] : endpoints
-  for (const endpoint of order) {
-    const res = await target.get(endpoint, { tenant })
-    if (res.status !== 200) continue
-    const usage =
-      endpoint === '/metrics'
-        ? usageFromMetrics(res.body)
-        : usageFromInfo(tryJson(res.body), endpoint)
-    if (usage !== null) return usage
+const inconclusiveRemediationOfPool =
+  'Expose KV pool usage to the auditor (kvfence /server_info, vLLM /metrics ' +
+  'vllm:kv_cache_usage_perc, SGLang /metrics sglang:token_usage) and run it while the ' +
+  `endpoint is otherwise idle. ${inconclusiveRemediation}`
+
+function inconclusiveFinding(title: string, evidence: Record<string, unknown>): Finding {
+  return {
+    probe: 'page-leak',
+    verdict: 'inconclusive',
+    severity: 'medium',
+    title,
+    evidence,
+    remediation: inconclusiveRemediationOfPool,
   }
-  return null
 }
 
-function usageFromInfo(json: unknown, endpoint: string): PoolUsage | null {
-  if (typeof json !== 'object' || json === null) return null
-  const info = json as Record<string, unknown>
-  if (Array.isArray(info.workers)) {
-    const used = info.workers.map((w) => (w as Record<string, unknown>)?.numPagesUsed)
-    if (used.length > 0 && used.every((n) => typeof n === 'number')) {
-      return {
-        endpoint,
-        field: 'workers[].numPagesUsed',
-        unit: 'pages',
-        used: (used as number[]).reduce((a, b) => a + b, 0),
-      }
-    }
+/** Pages still over the pre-audit baseline (`preAudit`) after waiting: a warning when nothing
+ *  runs, or when the endpoint does not say (`numRunning` null); inconclusive when it reports
+ *  requests running that are not the auditor's. */
+function heldPagesFinding(
+  source: Omit<PoolUsage, 'used'> | null,
+  preAudit: number,
+  held: number,
+  numRunning: number | null,
+  elapsedMs: number,
+  samples: readonly UsageSample[],
+): Finding {
+  const evidence = {
+    source,
+    preAuditUsage: preAudit,
+    held,
+    numRunning,
+    waitedMs: elapsedMs,
+    samples,
   }
-  if (Array.isArray(info.internal_states)) {
-    const used = info.internal_states.map((s) => (s as Record<string, unknown>)?.token_usage)
-    if (used.length > 0 && used.every((n) => typeof n === 'number')) {
-      return {
-        endpoint,
-        field: 'internal_states[].token_usage',
-        unit: 'fraction',
-        used: (used as number[]).reduce((a, b) => a + b, 0),
-      }
-    }
+  if (numRunning !== null && numRunning > 0) {
+    return inconclusiveFinding(
+      `pool usage over its pre-audit baseline (${preAudit}, now ${held}) while the endpoint reports ${numRunning} requests running that are not the auditor's: other traffic hides the baseline`,
+      evidence,
+    )
   }
-  return null
-}
-
-/** Prometheus text: the sum over label sets of the first usage metric found. */
-export function usageFromMetrics(text: string): PoolUsage | null {
-  const metrics: [string, PoolUsage['unit']][] = [
-    ['kvfence_kv_pages_used', 'pages'],
-    ['vllm:kv_cache_usage_perc', 'fraction'],
-    ['vllm:gpu_cache_usage_perc', 'fraction'],
-    ['sglang:token_usage', 'fraction'],
-  ]
-  for (const [name, unit] of metrics) {
-    let sum = 0
-    let isFound = false
-    for (const line of text.split('\n')) {
-      const m = /^([\w:]+)(\{[^}]*\})?\s+(\S+)/.exec(line)
-      if (!m || m[1] !== name) continue
-      const value = Number(m[3])
-      if (!Number.isFinite(value)) continue
-      sum += value
-      isFound = true
-    }
-    if (isFound) return { endpoint: '/metrics', field: name, unit, used: sum }
+  const unit = source?.unit === 'pages' ? ' pages' : ''
+  const running =
+    numRunning === null
+      ? "with none of the auditor's requests in flight"
+      : 'while the endpoint reports 0 requests running'
+  return {
+    probe: 'page-leak',
+    verdict: 'warning',
+    severity: 'high',
+    title: `KV pages held ${running}: ${held}${unit} in use before the workload, ${preAudit}${unit} before the audit, still after ${(elapsedMs / 1000).toFixed(1)} s`,
+    evidence,
+    remediation:
+      'Find the release path earlier requests took (an abort, a client disconnect, a failed ' +
+      'transfer) that keeps pages until a timeout: every page must go back to the free list, ' +
+      'scrubbed, as soon as nothing can still write into it.',
   }
-  return null
 }

@@ -182,7 +182,10 @@ export const queueingProbe: Probe = {
           probe: 'queueing',
           verdict: 'inconclusive',
           severity: 'low',
-          title: `no request was seen waiting (time to first byte never over 3× the unloaded ${unloadedMs === null ? '?' : ms(unloadedMs)} ms)`,
+          title:
+            unloadedMs === null
+              ? `no unloaded request was answered, so no wait could be measured`
+              : `no request was seen waiting (time to first byte never over 3× the unloaded ${ms(unloadedMs)} ms)`,
           evidence: summary,
           remediation: `The endpoint's batch is larger than --concurrency ${budget.limits.concurrency}: re-run with a higher --concurrency to exercise its queue. ${inconclusiveRemediation}`,
         },

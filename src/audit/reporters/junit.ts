@@ -1,5 +1,6 @@
 /** The JUnit XML report: one test suite for the audit, one test case per probe run, so that CI
- *  systems show the audit like a test run. A probe's worst verdict decides its case:
+ *  systems show the audit like a test run, plus an `availability` case when the audit's own check
+ *  found valid requests failing. A case's worst verdict decides it:
  *  - `leak` → `<failure type="leak">` (always: a leak fails at every `--fail-on`);
  *  - `warning` → `<failure type="warning">` when `--fail-on` is `warning` or `inconclusive`,
  *    else a passed case whose `<system-out>` lists the warnings;
@@ -18,7 +19,11 @@ export function formatJunitReport(report: AuditReport, failOn: Verdict = 'leak')
   let numFailures = 0
   let numErrors = 0
   let numSkipped = 0
-  const cases = report.probeRuns.map((run) => {
+  // The audit's own checks have no run of their own: a case only when they found something.
+  const runs: { probe: string; durationMs: number }[] = [...report.probeRuns]
+  if (report.findings.some((f) => f.probe === 'availability'))
+    runs.push({ probe: 'availability', durationMs: 0 })
+  const cases = runs.map((run) => {
     const findings = report.findings.filter((f) => f.probe === run.probe)
     const worst = worstVerdict(findings)
     const lines = findings.map(

@@ -1,0 +1,149 @@
+/** The ledger: what became of every completion the audit sent, whichever probe sent it. It is
+ *  what lets the audit tell "the endpoint refused or failed everything" apart from "the endpoint
+ *  is safe": per-probe counts for the report, the timeline the HTML report draws, the
+ *  availability finding (valid requests that failed) and the tool error for a target that never
+ *  answered a valid completion (a static file server, a wrong `--model`, a wrong path prefix).
+ *  Knows completion results and tenants' names; knows nothing of how the probes judge them. */
+import type { CompletionResult } from './target.js'
+import type { CompletionCounts, CompletionEntry, CompletionFate, ProbeName } from './types.js'
+
+/** A completion's fate (see {@link CompletionFate}). `isDeadline`: the budget's deadline had
+ *  passed when it ended (a timeout then is the audit's own cut, not the endpoint's fault). */
+export function fateOf(result: CompletionResult, isDeadline: boolean): CompletionFate {
+  const { status, failure } = result
+  if (failure === 'aborted') return 'cut'
+  if (status === null) return failure === 'timeout' && isDeadline ? 'cut' : 'failed'
+  if (status >= 200 && status < 300) {
+    if (failure === 'stream_error' || failure === 'bad_response') return 'failed'
+    return 'answered'
+  }
+  // 429 and 503 are load shed on purpose (a tenant's limit, a full queue): the endpoint said
+  // no, it did not break.
+  if ((status >= 400 && status < 500) || status === 503) return 'refused'
+  return 'failed'
+}
+
+/** What the ledger keeps per completion (the report's `completions`, plus the validity). */
+interface Entry extends CompletionEntry {
+  readonly isValid: boolean
+}
+
+/** Per-audit record of completions. One is made by `runAudit` and handed to the target; the
+ *  probe that is running when a completion ends is the one it is counted for. */
+export class Ledger {
+  private readonly entries: Entry[] = []
+  private probe: ProbeName | null = null
+  private readonly onFailure: () => void
+
+  /** `onFailure` is called (synchronously) whenever a valid completion fails. */
+  constructor(onFailure: () => void = () => {}) {
+    this.onFailure = onFailure
+  }
+
+  /** The probe the next completions belong to (null: before or between probes). */
+  setProbe(probe: ProbeName | null): void {
+    this.probe = probe
+  }
+
+  /** Records one completion. `isValid`: a request the endpoint should answer (false for prompts
+   *  sent to be refused, e.g. over capacity). */
+  record(tenant: string, isValid: boolean, result: CompletionResult, isDeadline: boolean): void {
+    const fate = fateOf(result, isDeadline)
+    this.entries.push({
+      requestNumber: result.requestNumber,
+      atMs: result.atMs,
+      tenant,
+      probe: this.probe,
+      isValid,
+      status: result.status,
+      failure: result.failure,
+      fate,
+    })
+    if (isValid && fate === 'failed') this.onFailure()
+  }
+
+  /** Counts for one probe, or for the whole audit when `probe` is omitted. */
+  counts(probe?: ProbeName): CompletionCounts {
+    const of = probe === undefined ? this.entries : this.entries.filter((e) => e.probe === probe)
+    const n = (fate: CompletionFate) => of.filter((e) => e.fate === fate).length
+    return {
+      sent: of.length,
+      answered: n('answered'),
+      refused: n('refused'),
+      failed: n('failed'),
+      cut: n('cut'),
+    }
+  }
+
+  /** Valid completions only: how many were sent, answered, and how the failed ones ended, as
+   *  `{ "HTTP 502": 9, "timeout": 2 }`. */
+  validSummary(): {
+    numSent: number
+    numAnswered: number
+    numFailed: number
+    failedBy: Record<string, number>
+    refusedBy: Record<string, number>
+    failedByProbe: Record<string, number>
+  } {
+    const valid = this.entries.filter((e) => e.isValid && e.fate !== 'cut')
+    const tally = (list: Entry[], key: (e: Entry) => string): Record<string, number> => {
+      const out: Record<string, number> = {}
+      for (const e of list) out[key(e)] = (out[key(e)] ?? 0) + 1
+      return out
+    }
+    const failed = valid.filter((e) => e.fate === 'failed')
+    return {
+      numSent: valid.length,
+      numAnswered: valid.filter((e) => e.fate === 'answered').length,
+      numFailed: failed.length,
+      failedBy: tally(failed, causeOf),
+      refusedBy: tally(
+        valid.filter((e) => e.fate === 'refused'),
+        causeOf,
+      ),
+      failedByProbe: tally(failed, (e) => e.probe ?? '(none)'),
+    }
+  }
+
+  /** Why a probe's valid completions went unanswered, in words for a title, e.g.
+   *  `2 of 5 valid requests not answered (HTTP 500 ×2); 1 cut at the time budget's deadline`,
+   *  with `marks`, the statuses or failures it names (`500`, `timeout`), so that a title that
+   *  already names them all is left alone; null when every one was answered or cut by the
+   *  auditor on purpose. */
+  unansweredReason(probe: ProbeName): { text: string; marks: string[] } | null {
+    const valid = this.entries.filter((e) => e.probe === probe && e.isValid)
+    const atDeadline = valid.filter((e) => e.fate === 'cut' && e.failure === 'timeout').length
+    const notAnswered = valid.filter((e) => e.fate === 'failed' || e.fate === 'refused')
+    const judged = valid.filter((e) => e.fate !== 'cut').length
+    const parts: string[] = []
+    const marks = new Set<string>()
+    if (notAnswered.length > 0) {
+      for (const e of notAnswered) marks.add(e.status === null ? (e.failure ?? '') : `${e.status}`)
+      const by: Record<string, number> = {}
+      for (const e of notAnswered) by[causeOf(e)] = (by[causeOf(e)] ?? 0) + 1
+      const causes = Object.entries(by)
+        .sort(([, a], [, b]) => b - a)
+        .map(([cause, n]) => `${cause} ×${n}`)
+        .join(', ')
+      parts.push(`${notAnswered.length} of ${judged} valid requests not answered (${causes})`)
+    }
+    if (atDeadline > 0) {
+      parts.push(`${atDeadline} cut at the time budget's deadline`)
+      marks.add('deadline')
+    }
+    return parts.length === 0 ? null : { text: parts.join('; '), marks: [...marks] }
+  }
+
+  /** Every completion, in the order they ended (no text, no key). */
+  timeline(): CompletionEntry[] {
+    return this.entries.map(({ isValid: _isValid, ...entry }) => entry)
+  }
+}
+
+/** `HTTP 502`, `timeout`, `network`, `HTTP 200 stream_error`. */
+export function causeOf(e: { status: number | null; failure: string | null }): string {
+  if (e.status === null) return e.failure ?? 'no answer'
+  return e.failure === 'stream_error' || e.failure === 'bad_response'
+    ? `HTTP ${e.status} ${e.failure}`
+    : `HTTP ${e.status}`
+}

@@ -1,0 +1,97 @@
+/** The JSON report against its published schema (docs/report-schema.json, JSON Schema 2020-12):
+ *  real reports of real audits over loopback validate, the schema's names are the code's, and a
+ *  report that drifts from it (a field added without the schema, a verdict it does not know, a
+ *  count missing) does not. */
+import assert from 'node:assert/strict'
+import { before, describe, test } from 'node:test'
+import {
+  AuditError,
+  formatJsonReport,
+  probeNames,
+  runAudit,
+  type AuditReport,
+} from '../../src/audit/index.js'
+import { readReportSchema, reportValidator } from './schema-validator.js'
+import { standInTenants, startStandIn, type StandInKind, type StandInOptions } from './standins.js'
+
+async function reportOf(
+  kind: StandInKind,
+  standInOptions: StandInOptions = {},
+  probes?: AuditReport['probeRuns'][number]['probe'][],
+): Promise<AuditReport> {
+  const standIn = await startStandIn(kind, standInOptions)
+  try {
+    const report = await runAudit({ target: standIn.url, tenants: standInTenants, seed: 3, probes })
+    // As the file holds it: what readers parse.
+    return JSON.parse(formatJsonReport(report)) as AuditReport
+  } catch (err) {
+    if (err instanceof AuditError && err.report) return err.report
+    throw err
+  } finally {
+    await standIn.close()
+  }
+}
+
+describe('docs/report-schema.json', () => {
+  const { validate, errorsOf } = reportValidator()
+  const reports: Record<string, AuditReport> = {}
+  before(async () => {
+    reports.leaky = await reportOf('leaky', { tokenDelayMs: 1 })
+    reports.availability = await reportOf('safe', { failValid: { status: 500, every: 4 } }, [
+      'boundary',
+      'canary',
+    ])
+    reports.toolError = await reportOf('static')
+  })
+
+  test('names the probes, verdicts and fates the code uses', () => {
+    const defs = readReportSchema().$defs as Record<string, { enum?: string[] }>
+    assert.deepEqual(defs.probeName.enum, [...probeNames])
+    assert.deepEqual(defs.fate.enum, ['answered', 'refused', 'failed', 'cut'])
+  })
+
+  for (const name of ['leaky', 'availability', 'toolError']) {
+    test(`a real report validates: ${name}`, () => {
+      const report = reports[name]
+      assert.ok(validate(report), errorsOf())
+      // What the schema cannot say: per probe, the counts add up, and to the timeline.
+      for (const run of report.probeRuns) {
+        const c = run.completions
+        assert.equal(c.sent, c.answered + c.refused + c.failed + c.cut, run.probe)
+        assert.equal(c.sent, report.completions.filter((e) => e.probe === run.probe).length)
+        const inconclusive = report.findings.filter(
+          (f) => f.probe === run.probe && f.verdict === 'inconclusive',
+        )
+        assert.deepEqual(
+          run.inconclusiveReasons,
+          inconclusive.map((f) => f.title),
+        )
+      }
+    })
+  }
+
+  test('the real reports hold what the schema allows: a leak, an availability warning, inconclusive', () => {
+    assert.ok(reports.leaky.findings.some((f) => f.verdict === 'leak'))
+    assert.ok(reports.availability.findings.some((f) => f.probe === 'availability'))
+    assert.ok(reports.toolError.probeRuns.some((r) => r.inconclusiveReasons.length > 0))
+  })
+
+  test('a report that drifts from the schema does not validate', () => {
+    const base = reports.leaky
+    const bad: [string, unknown][] = [
+      ['an unknown top-level field', { ...base, extra: 1 }],
+      ['no completions', { ...base, completions: undefined }],
+      ['schema version 2', { ...base, schemaVersion: 2 }],
+      ["a verdict 'pass'", { ...base, findings: [{ ...base.findings[0], verdict: 'pass' }] }],
+      [
+        'a probe run without its counts',
+        { ...base, probeRuns: [{ ...base.probeRuns[0], completions: undefined }] },
+      ],
+      ['a start time that is not a date', { ...base, startedAt: 'yesterday' }],
+    ]
+    for (const [what, report] of bad) {
+      const json = JSON.parse(JSON.stringify(report)) as unknown
+      assert.equal(validate(json), false, what)
+    }
+  })
+})
