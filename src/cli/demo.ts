@@ -15,7 +15,7 @@ import {
 import { startCluster, type ClusterOptions } from '../engine/cluster.js'
 import { makeDir } from '../make-dir.js'
 import { bundledModelDir } from '../paths.js'
-import { newApiKey, tenantsYaml } from './keys.js'
+import { newApiKey, tenantsYaml } from '../router/tenant-keys.js'
 import { intOption, threadArgs, threadsHelp, threadsOption } from './options.js'
 
 interface DemoFlags {

@@ -4,7 +4,7 @@
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { newApiKey, tenantsYaml } from '../cli/keys.js'
+import { newApiKey, tenantsYaml } from '../router/tenant-keys.js'
 import { startCluster, type Cluster } from '../engine/cluster.js'
 import type { SoakTarget } from './run.js'
 

@@ -4,7 +4,7 @@ import { mkdtempSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import OpenAI from 'openai'
-import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
+import { newApiKey, tenantsYaml } from '../../src/router/tenant-keys.js'
 import type { ServerInfo } from '../../src/engine/control.js'
 
 /** A tenant of a test cluster, with its plain API key. */

@@ -8,7 +8,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import OpenAI from 'openai'
-import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
+import { newApiKey, tenantsYaml } from '../../src/router/tenant-keys.js'
 import { ServerInfo } from '../../src/engine/control.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 
