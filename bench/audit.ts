@@ -25,7 +25,7 @@ import { join } from 'node:path'
 import { runAudit, type AuditReport } from '../src/audit/index.js'
 import { verdictRank, type Finding, type ProbeName, type Verdict } from '../src/audit/types.js'
 import { newApiKey, tenantsYaml } from '../src/router/tenant-keys.js'
-import { startCluster, type ClusterOptions } from '../src/engine/cluster.js'
+import { startCluster, type ClusterOptions } from '../src/config/launch.js'
 import { faultDescriptions, type FaultName } from '../src/engine/faults.js'
 import { echoModelDir } from '../test/helpers/paths.js'
 

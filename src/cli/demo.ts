@@ -12,7 +12,7 @@ import {
   type AuditReport,
   type Finding,
 } from '../audit/index.js'
-import { startCluster, type ClusterOptions } from '../engine/cluster.js'
+import { startCluster, type ClusterOptions } from '../config/launch.js'
 import { makeDir } from '../make-dir.js'
 import { bundledModelDir } from '../paths.js'
 import { newApiKey, tenantsYaml } from '../router/tenant-keys.js'

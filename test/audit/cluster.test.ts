@@ -7,7 +7,7 @@ import { rmSync } from 'node:fs'
 import { join } from 'node:path'
 import { after, before, test } from 'node:test'
 import { runAudit, type AuditReport } from '../../src/audit/index.js'
-import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import { startCluster, type Cluster } from '../../src/config/launch.js'
 import { twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 

@@ -9,7 +9,7 @@ import { setTimeout as sleep } from 'node:timers/promises'
 import { promisify } from 'node:util'
 import { after, before, describe, it } from 'node:test'
 import OpenAI from 'openai'
-import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import { startCluster, type Cluster } from '../../src/config/launch.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
 
