@@ -8,7 +8,7 @@ import { join } from 'node:path'
 import { after, before, test } from 'node:test'
 import { runAudit, type AuditReport } from '../../src/audit/index.js'
 import { startCluster, type Cluster } from '../../src/config/launch.js'
-import { twoTenants } from '../helpers/cluster.js'
+import { incidentShape, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-audit-cluster-')
@@ -18,9 +18,7 @@ let report: AuditReport
 before(async () => {
   cluster = await startCluster({
     modelDir: echoModelDir,
-    pageSize: 16,
-    prefillPages: 24,
-    decodePages: 64,
+    ...incidentShape,
     contextWindow: 1024,
     clampContext: true,
     tenantsFile,

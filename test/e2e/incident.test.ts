@@ -11,7 +11,7 @@ import { generateLocal } from '../../src/engine/local-engine.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { loadModel } from '../../src/model/weights.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
-import { openaiClient as client, pagesUsed, twoTenants } from '../helpers/cluster.js'
+import { openaiClient as client, incidentShape, pagesUsed, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 
 const {
@@ -23,9 +23,7 @@ const {
 /** The demo's shape: prefill pool 24 × 16 = 384 tokens, decode pool 64 × 16 = 1,024 tokens. */
 const shape: ClusterOptions = {
   modelDir: echoModelDir,
-  pageSize: 16,
-  prefillPages: 24,
-  decodePages: 64,
+  ...incidentShape,
   tenantsFile,
   logDir: join(dir, 'logs'),
 }

@@ -10,7 +10,8 @@ import { after, before, describe, it } from 'node:test'
 import type { ValidateFunction } from 'ajv/dist/2020.js'
 import type { RunningRouter } from '../../src/router/start.js'
 import { hasSpec, loadValidators, specSkip, sseEvents, violations } from '../helpers/openapi.js'
-import { type Engine, engineReplyText, startEngine, startGatewayRouter } from './engines.js'
+import { type Engine, engineReplyText, startEngine } from '../helpers/engines.js'
+import { startGatewayRouter } from './engines.js'
 import { keys, writeTestTokenizer } from './helpers.js'
 
 const skip = specSkip

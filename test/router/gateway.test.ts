@@ -5,7 +5,8 @@ import { rmSync } from 'node:fs'
 import { describe, it } from 'node:test'
 import OpenAI from 'openai'
 import type { RunningRouter } from '../../src/router/start.js'
-import { startEngine, startGatewayRouter } from './engines.js'
+import { startEngine } from '../helpers/engines.js'
+import { startGatewayRouter } from './engines.js'
 import { keys, waitFor, writeTestTokenizer } from './helpers.js'
 
 const client = (router: RunningRouter, apiKey = keys.alpha) =>
