@@ -1,5 +1,5 @@
 /** Gateway mode answers in OpenAI's published shapes whatever the engine behind it sends: every
- *  body the router returns in front of the SGLang and vLLM stand-ins (test/router/engines.ts, in
+ *  body the router returns in front of the SGLang and vLLM stand-ins (test/helpers/engines.ts, in
  *  the engines' own shapes, extra fields and nulls included) validates against OpenAI's OpenAPI
  *  description (test/helpers/openapi.ts): completions and chat completions, plain and streamed,
  *  the model list, and the error bodies of an over-capacity prompt, bad input (refused by the

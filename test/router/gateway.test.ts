@@ -1,5 +1,5 @@
 /** Gateway mode in front of SGLang and vLLM, against stand-ins that reproduce those engines'
- *  documented discovery endpoints and response shapes (test/router/engines.ts). */
+ *  documented discovery endpoints and response shapes (test/helpers/engines.ts). */
 import assert from 'node:assert/strict'
 import { rmSync } from 'node:fs'
 import { describe, it } from 'node:test'
