@@ -23,12 +23,7 @@ function hsum(v: v128): f32 {
 
 // BF16 weights are widened by interleaving them with zeros: 16-bit lanes [0, w0, 0, w1, …] read
 // as i32 lanes are w_k << 16, the F32 value of w_k (V8 emits one unpack instruction per four
-// weights: two per eight, where zero-extending to i32 and shifting took four). The alternative
-// without shuffles (eight weights as four i32 lanes, the odd ones masked by two shifts, the even
-// ones shifted, x reordered to match once per call) measured the same within the noise at 1
-// thread under load (decode 36.0–39.1 against 36.8–37.5 ms per pass over the 135M shape's
-// weights; prefill 587–592 against 597–598 ms per two layers at 1,000 tokens), and this one
-// leaves x as it is.
+// weights), and x is used as it is.
 
 /** The F32 values of BF16 weights 0..3 of the eight in `raw`. */
 function bf16Lo(raw: v128): v128 {
@@ -1138,6 +1133,31 @@ export function addInPlace(x: usize, y: usize, count: i32): void {
     const o = (<usize>i) << 2
     store<f32>(x + o, load<f32>(x + o) + load<f32>(y + o))
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streaming read: what bounds decode, which reads every weight once per token and writes little.
+
+/** out[0] = the sum of x[0..count) (F32), read with the linear kernels' SIMD width: four 4-lane
+ *  accumulators, one 64-byte line per step, so that the loop is limited by memory, not by the
+ *  latency of one chain of adds. The order of the adds is fixed (lanes, then accumulators, then
+ *  the scalar tail): the same sum for the same range. The benchmark's read-bandwidth meter. */
+export function sumF32(out: usize, x: usize, count: i32): void {
+  let a0 = f32x4.splat(0)
+  let a1 = f32x4.splat(0)
+  let a2 = f32x4.splat(0)
+  let a3 = f32x4.splat(0)
+  let i = 0
+  for (; i + 15 < count; i += 16) {
+    const p = x + ((<usize>i) << 2)
+    a0 = f32x4.add(a0, v128.load(p))
+    a1 = f32x4.add(a1, v128.load(p, 16))
+    a2 = f32x4.add(a2, v128.load(p, 32))
+    a3 = f32x4.add(a3, v128.load(p, 48))
+  }
+  let s = hsum(f32x4.add(f32x4.add(a0, a1), f32x4.add(a2, a3)))
+  for (; i < count; i++) s += load<f32>(x + ((<usize>i) << 2))
+  store<f32>(out, s)
 }
 
 /** RoPE in place, rotate-half convention: row t of x ([n, numHeads·headDim]) is rotated by the

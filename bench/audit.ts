@@ -24,8 +24,9 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { runAudit, type AuditReport } from '../src/audit/index.js'
 import { verdictRank, type Finding, type ProbeName, type Verdict } from '../src/audit/types.js'
-import { newApiKey, tenantsYaml } from '../src/cli/keys.js'
-import { startCluster, type ClusterOptions } from '../src/engine/cluster.js'
+import { newApiKey, tenantsYaml } from '../src/router/tenant-keys.js'
+import { demoShape } from '../src/cli/demo.js'
+import { startCluster, type ClusterOptions } from '../src/config/launch.js'
 import { faultDescriptions, type FaultName } from '../src/engine/faults.js'
 import { echoModelDir } from '../test/helpers/paths.js'
 
@@ -88,10 +89,10 @@ export async function benchAudit(args: string[]): Promise<object> {
   writeFileSync(join(dir, 'tenants.yaml'), tenantsYaml(tenants))
   const shape: ClusterOptions = {
     modelDir: echoModelDir,
-    pageSize: 16,
-    prefillPages: 24,
-    decodePages: 64,
-    contextWindow: 1024,
+    pageSize: demoShape.pageSize,
+    prefillPages: demoShape.prefillPages,
+    decodePages: demoShape.decodePages,
+    contextWindow: demoShape.advertisedContext,
     tenantsFile: join(dir, 'tenants.yaml'),
     logDir: join(dir, 'logs'),
   }

@@ -15,9 +15,16 @@
  *  `--min-ms N` (each figure of a repeat is timed over at least N ms of whole runs, default 300),
  *  `--skip-135m`.
  *
- *  The bound: decode_bound_tokens_per_s = copy bandwidth ÷ weight bytes read per token, with the
- *  copy bandwidth measured in the same run by as many threads as the row computes with (one
- *  thread's bandwidth is not a bound for two). */
+ *  The bound: decode_bound_tokens_per_s = read bandwidth ÷ weight bytes read per token, with the
+ *  streaming read bandwidth measured in the same run by as many threads as the row computes with
+ *  (one thread's bandwidth is not a bound for two), through the same kernels' threads and SIMD
+ *  width (read-bandwidth.ts). Decode reads its weights and writes almost nothing, so a copy (a read
+ *  and a write per byte) is no bound for it: the copy bandwidth is kept beside it as a second
+ *  figure (`decode_copy_bound_ratio`).
+ *
+ *  prefill_vs_gemm_peak: the prefill's FLOP/s (its linears, attention over the causal pairs and the
+ *  last token's LM head) over the best FLOP/s one linear of the model's own shapes reaches at the
+ *  prefill's token count with the same kernels and threads, in the same repeat. */
 import { makeGuards } from '../src/kv/guards.js'
 import { KvPool } from '../src/kv/pool.js'
 import { parseModelConfig } from '../src/model/config.js'
@@ -27,6 +34,7 @@ import type { RawTensor } from '../src/model/safetensors.js'
 import { loadModel, modelFromTensors, type Model } from '../src/model/weights.js'
 import { echoModelDir } from '../test/helpers/paths.js'
 import { lastLevelCacheBytes, openCopyMeter, type CopyMeter } from './copy-bandwidth.js'
+import { openReadMeter, type ReadMeter } from './read-bandwidth.js'
 
 /** SmolLM2-135M's config.json (HuggingFaceTB/SmolLM2-135M), max positions cut to what is run. */
 const smolLm2Config = {
@@ -97,11 +105,26 @@ function randomTensors(rawConfig: object, dtype: 'F32' | 'BF16'): Map<string, Ra
   return tensors
 }
 
+/** The matrices of the model's layers and its LM head. */
+function layerMatrices(model: Model): LinearWeights[] {
+  return model.layers.flatMap((w) => [w.wq, w.wk, w.wv, w.wo, w.wGate, w.wUp, w.wDown])
+}
+
+/** FLOPs of a prefill of `numPromptTokens` tokens from position 0: 2 per weight per token in the
+ *  layers' linears, 4 × headDim per head per causal (query, key) pair in attention (QKᵀ, then
+ *  scores × V), and the LM head for the last token only; norms, RoPE and SwiGLU are left out
+ *  (under 1 % at these shapes). */
+function prefillFlops(model: Model, numPromptTokens: number): number {
+  const c = model.config
+  const n = numPromptTokens
+  const linears = layerMatrices(model).reduce((s, w) => s + w.inDim * w.outDim, 0)
+  const attention = c.numLayers * c.numHeads * 4 * c.headDim * ((n * (n + 1)) / 2)
+  return 2 * n * linears + attention + 2 * model.lmHead.inDim * model.lmHead.outDim
+}
+
 /** Bytes of weights one decoded token reads: every matrix once (the tied embedding as LM head). */
 function decodeWeightBytes(model: Model): number {
-  const mats: LinearWeights[] = [model.lmHead]
-  for (const w of model.layers) mats.push(w.wq, w.wk, w.wv, w.wo, w.wGate, w.wUp, w.wDown)
-  return mats.reduce((s, m) => s + weightBytes(m), 0)
+  return [model.lmHead, ...layerMatrices(model)].reduce((s, m) => s + weightBytes(m), 0)
 }
 
 interface Measured {
@@ -110,23 +133,34 @@ interface Measured {
   kernels: string
   threads: number
   parameters_bytes_per_token: number
-  /** Copy bandwidth with as many threads as this row computes with (GB/s): the bound's divisor. */
+  /** Streaming read bandwidth with as many threads as this row computes with (GB/s): the bound's
+   *  divisor. */
+  read_bandwidth_gb_per_s: number
+  /** Copy bandwidth with as many threads (GB/s), for comparison. */
   copy_bandwidth_gb_per_s: number
   decode_tokens_per_s: number
   decode_bound_tokens_per_s: number
+  /** Decode over the read bound. */
   decode_bound_ratio: number
+  /** Decode over copy bandwidth ÷ weight bytes (not a bound: a copy also writes). */
+  decode_copy_bound_ratio: number
   /** Tokens per second over all eight sequences of a batched decode step. */
   decode_tokens_per_s_batch8: number
   /** Batch-8 over batch-1 decode throughput. */
   decode_batch8_speedup: number
   prefill_tokens: number
   prefill_tokens_per_s: number
+  prefill_gflop_per_s: number
+  /** Best FLOP/s of one linear of the model's shapes at the prefill's token count (10⁹/s). */
+  gemm_peak_gflop_per_s: number
+  /** prefill_gflop_per_s over gemm_peak_gflop_per_s. */
+  prefill_vs_gemm_peak: number
 }
 
 interface Options {
   repeats: number
   decodeTokens: number
-  prefillTokens: number
+  numPromptTokens: number
   /** Each figure of a repeat is timed over at least this long (ms), in whole runs. */
   minMs: number
 }
@@ -136,6 +170,8 @@ interface Rates {
   decode: number
   batch8: number
   prefill: number
+  /** Best FLOP/s of one linear at the prefill's token count. */
+  gemm: number
 }
 
 /** Tokens/s of `runOnce` (which times itself: returns [tokens, seconds]) repeated until at least
@@ -155,13 +191,13 @@ function rateOver(minMs: number, runOnce: () => [number, number]): number {
 /** A function that measures one repeat (batch-1 decode, batch-8 decode, prefill) of `model`. */
 function repeatOf(model: Model, o: Options): () => Rates {
   const c = model.config
-  const prefillTokens = Math.min(o.prefillTokens, c.maxPositionEmbeddings - 1)
+  const numPromptTokens = Math.min(o.numPromptTokens, c.maxPositionEmbeddings - 1)
   const pageSize = 16
   const pool = new KvPool(
     {
       // One prefill-sized sequence, or eight short decode sequences (16-token prompts).
       numPages: Math.max(
-        Math.ceil((prefillTokens + o.decodeTokens + 16) / pageSize) + 1,
+        Math.ceil((numPromptTokens + o.decodeTokens + 16) / pageSize) + 1,
         batchSize * Math.ceil((16 + o.decodeTokens) / pageSize),
       ),
       pageSize,
@@ -172,7 +208,8 @@ function repeatOf(model: Model, o: Options): () => Rates {
     makeGuards(true),
   )
   const rope = makeRope(model)
-  const ids = Array.from({ length: prefillTokens }, (_, i) => (i * 7919 + 13) % c.vocabSize)
+  const ids = Array.from({ length: numPromptTokens }, (_, i) => (i * 7919 + 13) % c.vocabSize)
+  const gemm = gemmPeakOf(model, numPromptTokens, o.minMs)
   const run = (fn: (seq: { lease: ReturnType<KvPool['allocate']> }) => [number, number]) => {
     const lease = pool.allocate(pool.shape.numPages, 1, 1)
     try {
@@ -203,38 +240,75 @@ function repeatOf(model: Model, o: Options): () => Rates {
       run((seq) => {
         const t0 = process.hrtime.bigint()
         forward(model, rope, pool, seq, ids, 0)
-        return [prefillTokens, seconds(t0)]
+        return [numPromptTokens, seconds(t0)]
       }),
     ),
+    gemm: gemm(),
   })
 }
 
-/** A row of the JSON from a model's repeats, against the copy bandwidth of its thread count. */
+/** A function that measures the best FLOP/s of one linear over the distinct shapes of the
+ *  model's layer matrices, each at `n` tokens and timed over at least `minMs`. */
+function gemmPeakOf(model: Model, n: number, minMs: number): () => number {
+  const K = model.kernels
+  const shapes = new Map<string, LinearWeights>()
+  for (const w of layerMatrices(model)) shapes.set(`${w.dtype} ${w.outDim}x${w.inDim}`, w)
+  const maxIn = Math.max(...[...shapes.values()].map((w) => w.inDim))
+  const maxOut = Math.max(...[...shapes.values()].map((w) => w.outDim))
+  const x = K.allocF32(n * maxIn).fill(0.01)
+  const out = K.allocF32(n * maxOut)
+  return () => {
+    let best = 0
+    for (const w of shapes.values()) {
+      const flops = 2 * n * w.inDim * w.outDim
+      const rate = rateOver(minMs, () => {
+        const t0 = process.hrtime.bigint()
+        K.linear(out.subarray(0, n * w.outDim), x.subarray(0, n * w.inDim), w, null, n)
+        return [flops, Number(process.hrtime.bigint() - t0) / 1e9]
+      })
+      best = Math.max(best, rate)
+    }
+    return best
+  }
+}
+
+/** A row of the JSON from a model's repeats, against the read and copy bandwidths (GB/s) of its
+ *  thread count. */
 function summarise(
   model: Model,
   storage: string,
-  bandwidth: number,
+  bandwidth: { read: number; copy: number },
   rates: Rates[],
   o: Options,
 ): Measured {
   const bytes = decodeWeightBytes(model)
-  const bound = (bandwidth * 1e9) / bytes
+  const bound = (bandwidth.read * 1e9) / bytes
+  const copyBound = (bandwidth.copy * 1e9) / bytes
   const decode = median(rates.map((r) => r.decode))
   const batch8 = median(rates.map((r) => r.batch8))
+  const numPromptTokens = Math.min(o.numPromptTokens, model.config.maxPositionEmbeddings - 1)
+  const prefill = median(rates.map((r) => r.prefill))
+  const prefillFlopPerS = (prefill / numPromptTokens) * prefillFlops(model, numPromptTokens)
+  const gemm = median(rates.map((r) => r.gemm))
   return {
     model: model.name,
     storage,
     kernels: model.kernels.name,
     threads: model.kernels.threads,
     parameters_bytes_per_token: bytes,
-    copy_bandwidth_gb_per_s: round(bandwidth, 2),
+    read_bandwidth_gb_per_s: round(bandwidth.read, 2),
+    copy_bandwidth_gb_per_s: round(bandwidth.copy, 2),
     decode_tokens_per_s: round(decode),
     decode_bound_tokens_per_s: round(bound),
     decode_bound_ratio: round(decode / bound, 3),
+    decode_copy_bound_ratio: round(decode / copyBound, 3),
     decode_tokens_per_s_batch8: round(batch8),
     decode_batch8_speedup: round(batch8 / decode, 2),
-    prefill_tokens: Math.min(o.prefillTokens, model.config.maxPositionEmbeddings - 1),
-    prefill_tokens_per_s: round(median(rates.map((r) => r.prefill))),
+    prefill_tokens: numPromptTokens,
+    prefill_tokens_per_s: round(prefill),
+    prefill_gflop_per_s: round(prefillFlopPerS / 1e9, 2),
+    gemm_peak_gflop_per_s: round(gemm / 1e9, 2),
+    prefill_vs_gemm_peak: round(prefillFlopPerS / gemm, 3),
   }
 }
 
@@ -278,64 +352,75 @@ function decodeBatch(
   }
 }
 
-/** Copy bandwidth measured per thread count: ≥ 4× the last-level cache (at least 256 MiB), like
- *  the weights of a real model, which no cache holds. */
-function copyBytes(): number {
+/** Bytes read (and copied) per bandwidth round: ≥ 4× the last-level cache (at least 256 MiB),
+ *  like the weights of a real model, which no cache holds. */
+function bandwidthBytes(): number {
   return Math.min(2 * 1024 ** 3, Math.max(256 * 1024 ** 2, 4 * lastLevelCacheBytes()))
 }
 
-/** Rounds (median) of each copy-bandwidth sample. */
-const copyRounds = 3
+/** Rounds (median) of each bandwidth sample. */
+const bandwidthRounds = 3
 
 /** The untimed warm-up repeat of each model (short: it only has to get the JIT past its first
  *  tiers on every path a repeat takes). */
-const warmUp: Options = { repeats: 1, decodeTokens: 8, prefillTokens: 64, minMs: 50 }
+const warmUp: Options = { repeats: 1, decodeTokens: 8, numPromptTokens: 64, minMs: 50 }
 
 /** Run the model benchmark; returns the JSON described in the module comment. */
 export async function benchModel(args: string[]): Promise<object> {
   const o: Options = {
     repeats: flag(args, '--repeats', 3),
     decodeTokens: flag(args, '--decode-tokens', 32),
-    prefillTokens: flag(args, '--prefill-tokens', 1000),
+    numPromptTokens: flag(args, '--prefill-tokens', 1000),
     minMs: flag(args, '--min-ms', 300),
   }
   const maxThreads = flag(args, '--threads', 2)
   const threadCounts = maxThreads > 1 ? [1, maxThreads] : [1]
-  const meters = new Map<number, CopyMeter>()
+  const copyMeters = new Map<number, CopyMeter>()
+  const readMeters = new Map<number, ReadMeter>()
   /** Every bandwidth sample per thread count, GB/s. */
-  const samples = new Map<number, number[]>(threadCounts.map((t) => [t, []]))
+  const copySamples = new Map<number, number[]>(threadCounts.map((t) => [t, []]))
+  const readSamples = new Map<number, number[]>(threadCounts.map((t) => [t, []]))
   const results: Measured[] = []
   /** Measure one checkpoint at every thread count, each in its own kernels (closed after). The
    *  thread counts take turns within each repeat after one untimed warm-up each, so that neither
    *  JIT warm-up nor a change in the machine's load favours the one measured later; each timed
-   *  repeat is followed by a copy-bandwidth sample with the same thread count, so that a row's
-   *  bound is measured under the load its speeds were. */
+   *  repeat is followed by a read- and a copy-bandwidth sample with the same thread count, so
+   *  that a row's bound is measured under the load its speeds were. */
   const measureAll = (make: (threads: number) => Model, storage: string) => {
     const models: Model[] = []
     try {
       for (const threads of threadCounts) models.push(make(threads))
       const repeats = models.map((m) => repeatOf(m, o))
       const rates: Rates[][] = models.map(() => [])
-      const rowSamples: number[][] = models.map(() => [])
+      const rowSamples: { read: number[]; copy: number[] }[] = models.map(() => ({
+        read: [],
+        copy: [],
+      }))
       for (const m of models) repeatOf(m, warmUp)()
       for (let r = 0; r < o.repeats; r++)
         repeats.forEach((once, i) => {
           rates[i].push(once())
           const threads = models[i].kernels.threads
-          const gbPerS = meters.get(threads)!.measure(copyRounds)
-          rowSamples[i].push(gbPerS)
-          samples.get(threads)!.push(gbPerS)
+          const read = readMeters.get(threads)!.measure(bandwidthRounds)
+          const copy = copyMeters.get(threads)!.measure(bandwidthRounds)
+          rowSamples[i].read.push(read)
+          rowSamples[i].copy.push(copy)
+          readSamples.get(threads)!.push(read)
+          copySamples.get(threads)!.push(copy)
         })
-      models.forEach((m, i) =>
-        results.push(summarise(m, storage, median(rowSamples[i]), rates[i], o)),
-      )
+      models.forEach((m, i) => {
+        const bandwidth = { read: median(rowSamples[i].read), copy: median(rowSamples[i].copy) }
+        results.push(summarise(m, storage, bandwidth, rates[i], o))
+      })
     } finally {
       for (const m of models) m.kernels.close()
     }
   }
   try {
-    for (const threads of threadCounts)
-      meters.set(threads, await openCopyMeter(threads, copyBytes()))
+    for (const threads of threadCounts) {
+      copyMeters.set(threads, await openCopyMeter(threads, bandwidthBytes()))
+      readMeters.set(threads, openReadMeter(threads, bandwidthBytes()))
+    }
     measureAll((threads) => loadModel(echoModelDir, { threads }), 'F32')
     if (!args.includes('--skip-135m')) {
       for (const dtype of ['F32', 'BF16'] as const) {
@@ -348,7 +433,8 @@ export async function benchModel(args: string[]): Promise<object> {
       }
     }
   } finally {
-    for (const meter of meters.values()) await meter.close()
+    for (const meter of copyMeters.values()) await meter.close()
+    for (const meter of readMeters.values()) meter.close()
   }
   const row = (model: string, storage: string, threads: number) =>
     results.find((r) => r.model === model && r.storage === storage && r.threads === threads)
@@ -368,15 +454,18 @@ export async function benchModel(args: string[]): Promise<object> {
         prefill: ratio(r.prefill_tokens_per_s, one?.prefill_tokens_per_s),
       }
     })
-  return {
-    copy_bandwidth: threadCounts.map((t) => ({
+  const bandwidthRows = (samples: Map<number, number[]>, meters: Map<number, { bytes: number }>) =>
+    threadCounts.map((t) => ({
       threads: t,
       gb_per_s: round(median(samples.get(t)!), 2),
       gb_per_s_min: round(Math.min(...samples.get(t)!), 2),
       gb_per_s_max: round(Math.max(...samples.get(t)!), 2),
       samples: samples.get(t)!.length,
       bytes: meters.get(t)!.bytes,
-    })),
+    }))
+  return {
+    read_bandwidth: bandwidthRows(readSamples, readMeters),
+    copy_bandwidth: bandwidthRows(copySamples, copyMeters),
     threads: threadCounts,
     batch: 1,
     batch_batched: batchSize,
@@ -392,7 +481,9 @@ export async function benchModel(args: string[]): Promise<object> {
     notes: [
       'decode_tokens_per_s: batch 1 (forward, one sequence per call); decode_tokens_per_s_batch8: eight sequences per forwardBatch step, tokens counted over all of them',
       'threads: the WebAssembly SIMD kernels split each linear by output rows (attention by heads) between the calling thread and threads − 1 helper threads over one shared memory; results are bit-identical to 1 thread',
-      'decode_bound = copy bandwidth / weight bytes read per token; the copy bandwidth of a row is measured in this run with as many threads as the row computes with (each copying its own share of a buffer ≥ 4× the last-level cache, all starting together; median of 3 rounds after each timed repeat, median over the repeats); a model whose weights fit in the caches (the bundled echo model: 1.5 MB) is not bound by it and can pass 1',
+      "decode_bound = read bandwidth / weight bytes read per token; the read bandwidth of a row is measured in this run with as many threads as the row computes with (the kernels' compute threads summing chunks of a buffer ≥ 4× the last-level cache with 128-bit SIMD loads; median of 3 rounds after each timed repeat, median over the repeats); a model whose weights fit in the caches (the bundled echo model: 1.5 MB) is not bound by it and can pass 1",
+      'decode_copy_bound_ratio: decode over copy bandwidth / weight bytes (each thread copying its own share between two private buffers); a copy reads and writes every byte, so this is no bound for decode, which only reads',
+      "prefill_vs_gemm_peak: prefill FLOP/s (2 per weight per token in the layers, 4 x headDim per head per causal pair in attention, the last token's LM head) over the best FLOP/s of one linear of the model's layer shapes at the prefill's token count, same kernels and threads, same repeat",
       'each figure is timed over ≥ --min-ms of whole runs per repeat; the thread counts of a model take turns within each repeat after a short untimed warm-up each',
     ],
   }

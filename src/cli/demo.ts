@@ -1,7 +1,7 @@
 /** `kvfence demo` (= `npm start`): the incident reproduced, then fenced. Runs a real cluster twice —
  *  once with the incident's configuration (advertised context larger than the prefill pool, the
  *  `placeholder-forward` fault, guards off), once as shipped — audits both with two tenants, and
- *  prints the outcomes side by side. Writes both audit reports to `--out`. */
+ *  prints the two outcomes one after the other (80 columns). Writes both audit reports to `--out`. */
 import { writeFileSync } from 'node:fs'
 import { join, resolve } from 'node:path'
 import type { Command } from 'commander'
@@ -13,10 +13,10 @@ import {
   type AuditReport,
   type Finding,
 } from '../audit/index.js'
-import { startCluster, type ClusterOptions } from '../engine/cluster.js'
+import { startCluster, type ClusterOptions } from '../config/launch.js'
 import { makeDir } from '../make-dir.js'
 import { bundledModelDir } from '../paths.js'
-import { newApiKey, tenantsYaml } from './keys.js'
+import { newApiKey, tenantsYaml } from '../router/tenant-keys.js'
 import { intOption, threadArgs, threadsHelp, threadsOption } from './options.js'
 
 interface DemoFlags {
@@ -38,7 +38,7 @@ export const demoShape = {
   advertisedContext: 1024,
 } as const
 
-/** The outcome of one run, for the side-by-side table. */
+/** The outcome of one run, for the outcome table. */
 interface RunOutcome {
   title: string
   startup: string
@@ -88,8 +88,9 @@ async function runDemo(flags: DemoFlags): Promise<number> {
 
   say('kvfence demo: the incident reproduced, then fenced')
   say(
-    `deployment: prefill KV pool ${poolTokens} tokens, decode KV pool ${demoShape.decodePages * demoShape.pageSize} tokens, advertised context ${demoShape.advertisedContext} tokens`,
+    `deployment: prefill KV pool ${poolTokens} tokens, decode KV pool ${demoShape.decodePages * demoShape.pageSize} tokens,`,
   )
+  say(`            advertised context ${demoShape.advertisedContext} tokens`)
   say()
 
   // 1. The incident.
@@ -104,9 +105,8 @@ async function runDemo(flags: DemoFlags): Promise<number> {
   })
   let unsafe: RunOutcome
   try {
-    say(
-      `cluster up at ${unsafeCluster.routerUrl} (3 processes; logs in ${join(out, 'logs', 'unsafe')})`,
-    )
+    say(`cluster up at ${unsafeCluster.routerUrl} (3 processes)`)
+    say(`  logs in ${join(out, 'logs', 'unsafe')}`)
     const report = await audit(unsafeCluster.routerUrl, tenants, flags, say)
     await writeJsonReport(report, join(out, 'unsafe.json'))
     await writeHtmlReport(report, join(out, 'unsafe.html'))
@@ -135,7 +135,7 @@ async function runDemo(flags: DemoFlags): Promise<number> {
   } catch (err) {
     refusal = (err as Error).message
     say(`G1 refused to start with an advertised context of ${demoShape.advertisedContext} tokens:`)
-    say(`  ${refusal}`)
+    for (const line of wrapWords(refusal, tableColumns - 2)) say(`  ${line}`)
   }
   const safeCluster = await startCluster({
     ...base,
@@ -161,7 +161,7 @@ async function runDemo(flags: DemoFlags): Promise<number> {
     await safeCluster.stop()
   }
   say()
-  say(sideBySide(unsafe, safe))
+  say(outcomeTable([unsafe, safe]))
   say()
   say(
     `reports: ${['unsafe.json', 'unsafe.html', 'safe.json', 'safe.html'].map((f) => join(out, f)).join(', ')}`,
@@ -244,37 +244,55 @@ function verdicts(report: AuditReport): string {
   return [...counts].map(([k, n]) => (n > 1 ? `${k}×${n}` : k)).join(' ')
 }
 
-/** The two runs as a two-column table. */
-function sideBySide(a: RunOutcome, b: RunOutcome): string {
-  const rows: [string, string[], string[]][] = [
-    ['', [a.title], [b.title]],
-    ['start-up', [a.startup], [b.startup]],
-    ['context window', [a.contextWindow], [b.contextWindow]],
-    ["B's over-capacity prompts", [overCapacityOutcome(a.report)], [overCapacityOutcome(b.report)]],
-    ["A's data in B's answers", leakCell(a.report), leakCell(b.report)],
-    ['audit verdicts', [verdicts(a.report)], [verdicts(b.report)]],
+/** Columns the outcome table fits in: a default terminal's. */
+const tableColumns = 80
+
+/** The two runs one after the other, each as rows of `label │ value`, values wrapped between
+ *  words so that no line is wider than {@link tableColumns} (a canary is never cut). */
+function outcomeTable(runs: readonly RunOutcome[]): string {
+  const rowsOf = (r: RunOutcome): [string, string[]][] => [
+    ['start-up', [r.startup]],
+    ['context window', [r.contextWindow]],
+    ["B's over-capacity prompts", [overCapacityOutcome(r.report)]],
+    ["A's data in B's answers", leakCell(r.report)],
+    ['audit verdicts', [verdicts(r.report)]],
   ]
-  const w0 = Math.max(...rows.map((r) => r[0].length))
-  const w1 = Math.min(60, Math.max(...rows.flatMap((r) => r[1].map((s) => s.length))))
+  const indent = '  '
+  const labelWidth = Math.max(...rowsOf(runs[0]).map(([label]) => label.length))
+  const valueWidth = tableColumns - indent.length - labelWidth - ' │ '.length
   const lines: string[] = []
-  for (const [label, left, right] of rows) {
-    const height = Math.max(left.length, right.length)
-    for (let i = 0; i < height; i++) {
-      const l = wrap(left[i] ?? '', w1)
-      const r = wrap(right[i] ?? '', 60)
-      for (let j = 0; j < Math.max(l.length, r.length); j++) {
-        lines.push(
-          `${(i === 0 && j === 0 ? label : '').padEnd(w0)} │ ${(l[j] ?? '').padEnd(w1)} │ ${r[j] ?? ''}`,
-        )
-      }
+  runs.forEach((run, n) => {
+    if (n > 0) lines.push('')
+    lines.push(`${n + 1}/${runs.length}  ${run.title}`)
+    for (const [label, values] of rowsOf(run)) {
+      const parts = values.flatMap((v) => wrapWords(v, valueWidth))
+      parts.forEach((part, i) =>
+        lines.push(`${indent}${(i === 0 ? label : '').padEnd(labelWidth)} │ ${part}`.trimEnd()),
+      )
     }
-    lines.push(`${'─'.repeat(w0)}─┼─${'─'.repeat(w1)}─┼─${'─'.repeat(30)}`)
-  }
+  })
   return lines.join('\n')
 }
 
-function wrap(text: string, width: number): string[] {
-  const out: string[] = []
-  for (let i = 0; i < text.length; i += width) out.push(text.slice(i, i + width))
-  return out.length > 0 ? out : ['']
+/** `text` cut into lines of at most `width` characters, between words (a word longer than
+ *  `width` is cut where it must be). */
+function wrapWords(text: string, width: number): string[] {
+  const lines: string[] = []
+  let line = ''
+  for (let word of text.split(' ')) {
+    while (word.length > width) {
+      if (line) lines.push(line)
+      lines.push(word.slice(0, width))
+      word = word.slice(width)
+      line = ''
+    }
+    if (!line) line = word
+    else if (line.length + 1 + word.length <= width) line += ` ${word}`
+    else {
+      lines.push(line)
+      line = word
+    }
+  }
+  lines.push(line)
+  return lines
 }

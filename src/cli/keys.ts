@@ -2,26 +2,16 @@
  *  a tenants file or the cluster config file. Only SHA-256 digests are stored; `add` prints the
  *  new key once (it cannot be recovered later). Edits keep the rest of the file (limits, other
  *  sections, comments) as it was. */
-import { randomBytes } from 'node:crypto'
 import { existsSync } from 'node:fs'
 import type { Command } from 'commander'
 import writeFileAtomic from 'write-file-atomic'
-import { isMap, isSeq, stringify as toYaml, type Document } from 'yaml'
+import { isMap, isSeq, type Document } from 'yaml'
 import { z } from 'zod'
-import { describeIssue } from '../config/issues.js'
-import { parseYamlDocument, readYamlFileText } from '../config/yaml-file.js'
+import { describeIssue } from '../files/issues.js'
+import { parseYamlDocument, readYamlFileText } from '../files/yaml-file.js'
 import { KvfenceError } from '../errors.js'
+import { newApiKey } from '../router/tenant-keys.js'
 import { apiKeyDigest, TenantRecord } from '../router/tenants.js'
-
-/** A fresh API key: `sk-kvf-` and 256 random bits in hex. */
-export function newApiKey(): string {
-  return `sk-kvf-${randomBytes(32).toString('hex')}`
-}
-
-/** The tenants-file YAML for tenants whose keys are given (only digests are written). */
-export function tenantsYaml(tenants: readonly { name: string; key: string }[]): string {
-  return toYaml({ tenants: tenants.map((t) => ({ name: t.name, keySha256: apiKeyDigest(t.key) })) })
-}
 
 /** The file's YAML document and its validated tenants; a missing file is an empty document when
  *  `mayCreate`. Throws `config_invalid` naming the file and the fault. */
@@ -32,7 +22,7 @@ function readTenantsDocument(
   const isNew = !existsSync(path)
   if (isNew && !mayCreate) throw new KvfenceError('config_invalid', `${path} does not exist`)
   // Errors name the position and kind of fault only: the file holds key digests (see
-  // src/config/yaml-file.ts). A directory, a device or a file over 16 MiB is refused unread.
+  // src/files/yaml-file.ts). A directory, a device or a file over 16 MiB is refused unread.
   const label = `tenants file ${path}`
   const doc = parseYamlDocument(
     isNew ? '{}' : readYamlFileText(path, label, 'config_invalid'),

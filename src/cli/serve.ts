@@ -8,8 +8,7 @@ import { join } from 'node:path'
 import { type Command, Option } from 'commander'
 import { pino } from 'pino'
 import { loadClusterConfig } from '../config/cluster.js'
-import { launchCluster } from '../config/launch.js'
-import { startCluster } from '../engine/cluster.js'
+import { clusterConfigPlan, launchCluster, startCluster } from '../config/launch.js'
 import { buildFaultConfig } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
 import { loadModelConfig } from '../model/config.js'
@@ -182,8 +181,8 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
     },
   }
   const log = pino({ name: 'kvfence-router', level: config.router.logLevel }, pino.destination(2))
-  const cluster = await launchCluster(config, log, process.env, path)
-  process.stderr.write(`kvfence serving on ${cluster.router.url}/v1 (Ctrl-C stops)\n`)
+  const cluster = await launchCluster(clusterConfigPlan(config, log, process.env, path))
+  process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
   let isStopping = false
   const stop = async (code: number) => {
     if (isStopping) return
@@ -194,7 +193,7 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
   process.on('SIGINT', () => void stop(0))
   process.on('SIGTERM', () => void stop(0))
   reportReadyToParent(
-    { type: 'ready', role: 'router', port: cluster.router.port },
+    { type: 'ready', role: 'router', port: Number(new URL(cluster.routerUrl).port) },
     () => void stop(0),
   )
   for (const child of cluster.children) {

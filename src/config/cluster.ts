@@ -19,8 +19,8 @@ import { z } from 'zod'
 import { KvfenceError } from '../errors.js'
 import { queueLimitDefaults } from '../router/limits.js'
 import { TenantRecord } from '../router/tenants.js'
-import { describeIssue } from './issues.js'
-import { loadYamlFile } from './yaml-file.js'
+import { describeIssue } from '../files/issues.js'
+import { loadYamlFile } from '../files/yaml-file.js'
 
 const port = z.number().int().min(0).max(65535)
 const positive = z.number().int().min(1)
@@ -142,7 +142,7 @@ export function parseClusterConfig(value: unknown, source: string, baseDir: stri
 }
 
 /** Reads and parses a cluster config file; throws `config_invalid` with a one-line message that
- *  quotes nothing of the file but field names (it holds tenants: see src/config/yaml-file.ts).
+ *  quotes nothing of the file but field names (it holds tenants: see src/files/yaml-file.ts).
  *  Refuses a directory, a device or a file over 16 MiB. */
 export function loadClusterConfig(path: string): ClusterConfig {
   const value = loadYamlFile(path, `config file ${path}`, 'config_invalid')

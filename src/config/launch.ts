@@ -1,11 +1,14 @@
-/** Starts what a cluster config describes: the workers it lists with `pages` as child processes
- *  (forked `kvfence prefill|decode`), and the router in this process in front of them, of the
- *  running workers it lists by `url`, or of the engine in `backend` (gateway mode).
- *  Knows how config fields map to the parts' options (forking and stopping them is
+/** The one cluster launcher: forks the workers a plan lists with a KV pool (`kvfence
+ *  prefill|decode`), takes the running ones it lists by URL, then starts the router in front of
+ *  them, in this process or forked as `kvfence router`; and stops it all again. A plan comes from
+ *  a cluster config ({@link clusterConfigPlan}: `kvfence serve --config`) or from the flags of one
+ *  prefill and one decode worker ({@link startCluster}: `kvfence serve --tenants`, the demo, the
+ *  soak, tests). Knows how plans map to the parts' flags and options (forking and stopping them is
  *  engine/processes.ts); knows nothing of requests. */
-import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../engine/cluster-token.js'
 import type { ChildProcess } from 'node:child_process'
+import { join } from 'node:path'
 import type { Logger } from 'pino'
+import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../engine/cluster-token.js'
 import { forkPart, stopAll } from '../engine/processes.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
@@ -17,76 +20,359 @@ import {
 } from '../router/start.js'
 import { type ClusterConfig, loadClusterConfig } from './cluster.js'
 
-/** A running cluster started from a config. */
+/** A worker of a plan: forked here with its KV pool and flags, or already running at `url`. */
+export type WorkerPlan =
+  | {
+      /** Pages in its KV pool (`--pages`). */
+      pages: number
+      /** Most pages its prefix cache may hold (`--prefix-cache-pages`, prefill only); default:
+       *  the worker's own (a quarter of its pages). */
+      prefixCachePages?: number
+      /** Faults to inject (`--inject-fault`; needs KVFENCE_ALLOW_FAULTS=1 in the plan's env). */
+      faults?: readonly string[]
+      /** Further flags, e.g. `['--transfer-timeout-ms', '1000']`. */
+      args?: readonly string[]
+    }
+  | { url: string }
+
+/** The router of a plan: started in this process with these {@link startRouter} options (the
+ *  launcher adds the workers' URLs, the model, the host and the cluster token), or forked as
+ *  `kvfence router` with these flags. */
+export type RouterPlan =
+  | {
+      runs: 'here'
+      options: Omit<
+        StartRouterOptions,
+        'modelDir' | 'prefillUrls' | 'decodeUrls' | 'host' | 'clusterToken'
+      >
+    }
+  | {
+      runs: 'forked'
+      /** YAML tenants file. */
+      tenantsFile: string
+      /** Port (0 picks one). */
+      port: number
+      /** Advertised context window (tokens); default: the effective capacity. */
+      contextWindow?: number
+      /** Clamp an advertised context larger than the pools instead of refusing to start (G1). */
+      clampContext?: boolean
+      /** Further flags, e.g. `['--log-content']`. */
+      args?: readonly string[]
+    }
+
+/** What {@link launchCluster} starts. */
+export interface LaunchPlan {
+  modelDir: string
+  /** Tokens per page, for every forked worker (unused when none is). */
+  pageSize: number
+  /** Address every part binds. */
+  host: string
+  /** Log level of the forked parts. */
+  logLevel: string
+  /** Folder for the forked parts' logs (`NAME.log`, stdout and stderr); default: they inherit
+   *  this process's, and a failure to start names no log line. */
+  logDir?: string
+  /** The parts' environment (default: this process's). One control-plane token is shared by the
+   *  parts: its `KVFENCE_CLUSTER_TOKEN`, or a fresh one. */
+  env?: NodeJS.ProcessEnv
+  /** Workers; both empty in gateway mode. */
+  prefill: readonly WorkerPlan[]
+  decode: readonly WorkerPlan[]
+  /** Every guard off in the forked parts (`--unsafe-disable-guards`; needs KVFENCE_ALLOW_FAULTS=1). */
+  disableGuards?: boolean
+  /** Guards off one by one in the forked workers (`--unsafe-disable-guard ID`); a forked router,
+   *  which has no per-guard switch, then runs with its guards off. */
+  disabledGuards?: readonly string[]
+  router: RouterPlan
+}
+
+/** A running cluster. */
 export interface LaunchedCluster {
-  readonly router: RunningRouter
-  /** Worker processes started here. */
+  /** `http://host:port` of the router. */
+  readonly routerUrl: string
+  readonly prefillUrls: readonly string[]
+  readonly decodeUrls: readonly string[]
+  /** The router, when it runs in this process. */
+  readonly router?: RunningRouter
+  /** The processes forked here, by part: one per forked worker (in plan order), and the router
+   *  when forked. */
+  readonly processes: {
+    readonly prefill: readonly ChildProcess[]
+    readonly decode: readonly ChildProcess[]
+    readonly router?: ChildProcess
+  }
+  /** Every process forked here. */
   readonly children: readonly ChildProcess[]
-  /** Stops the router, then the workers started here. */
+  /** Stops the router, then the processes forked here (SIGTERM, then SIGKILL after 3 s), and
+   *  waits for them to exit. */
   stop(): Promise<void>
 }
 
+/** How long a part may take to start (ms). */
 const startTimeoutMs = 30_000
 
-/** Starts the cluster of `config`; on failure stops what it started and rethrows. With
- *  `configPath` (the file `config` was read from), the router re-reads that file's `tenants` list
- *  whenever the file changes, so key changes need no restart. */
-export async function launchCluster(
-  config: ClusterConfig,
-  log: Logger,
-  env: NodeJS.ProcessEnv = process.env,
-  configPath?: string,
-): Promise<LaunchedCluster> {
-  // The workers started here and the router share one control-plane token (a fresh one unless the
-  // environment names it; workers on other hosts must be given the same in their environment).
-  const clusterToken = clusterTokenFrom(env) ?? newClusterToken()
-  env = { ...env, [clusterTokenEnv]: clusterToken }
+/** `http://host:port`, with an IPv6 host in brackets. */
+function urlOf(host: string, port: number): string {
+  return `http://${host.includes(':') ? `[${host}]` : host}:${port}`
+}
+
+/** Starts the cluster of `plan`: P and D workers at once, then the router pointed at them.
+ *  Throws (after stopping what started) when a part fails to start, e.g. the router refusing an
+ *  advertised context larger than the pools (G1), with the part's last log line when `logDir` is
+ *  set; a forked part's failure is `worker_unavailable`. */
+export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> {
+  const clusterToken = clusterTokenFrom(plan.env ?? process.env) ?? newClusterToken()
+  const env = { ...(plan.env ?? process.env), [clusterTokenEnv]: clusterToken }
+  const unsafeFlags = [
+    ...(plan.disableGuards ? ['--unsafe-disable-guards'] : []),
+    ...(plan.disabledGuards ?? []).flatMap((id) => ['--unsafe-disable-guard', id]),
+  ]
   const children: ChildProcess[] = []
-  const modelDir = config.model ?? bundledModelDir
-  const r = config.router
+  const fork = async (name: string, args: readonly string[]) => {
+    const { child, ready } = await forkPart(
+      [name, ...args, '--log-level', plan.logLevel],
+      {
+        env,
+        logFile: plan.logDir === undefined ? undefined : join(plan.logDir, `${name}.log`),
+        timeoutMs: startTimeoutMs,
+        failure(why, last) {
+          const reason =
+            why.kind === 'timeout'
+              ? `did not start within ${startTimeoutMs} ms`
+              : `exited with code ${why.code} while starting`
+          return new KvfenceError(
+            'worker_unavailable',
+            `kvfence ${name} ${reason}${last ? `: ${last}` : ''}`,
+          )
+        },
+      },
+      children,
+    )
+    return { child, url: urlOf(plan.host, ready.port) }
+  }
+  const startWorker = async (role: 'prefill' | 'decode', worker: WorkerPlan) => {
+    if ('url' in worker) return { url: worker.url, child: undefined }
+    return fork(role, [
+      '--model',
+      plan.modelDir,
+      '--page-size',
+      String(plan.pageSize),
+      '--host',
+      plan.host,
+      '--port',
+      '0',
+      ...(worker.faults ?? []).flatMap((f) => ['--inject-fault', f]),
+      ...unsafeFlags,
+      '--pages',
+      String(worker.pages),
+      ...(worker.prefixCachePages === undefined
+        ? []
+        : ['--prefix-cache-pages', String(worker.prefixCachePages)]),
+      ...(role === 'decode' ? ['--transfer-host', plan.host, '--transfer-port', '0'] : []),
+      ...(worker.args ?? []),
+    ])
+  }
+  let router: RunningRouter | undefined
   try {
-    const common = {
-      ...(configPath === undefined
-        ? { tenants: config.tenants }
-        : { tenants: configPath, tenantsReader: (f: string) => loadClusterConfig(f).tenants }),
-      ...routerSectionOptions(r),
-      clusterToken,
-      log,
-    }
-    let router: RunningRouter
-    if (config.backend !== undefined) {
-      const b = config.backend
-      const apiKey = b.apiKeyEnv === undefined ? undefined : env[b.apiKeyEnv]
-      if (b.apiKeyEnv !== undefined && !apiKey) {
-        throw new KvfenceError('config_invalid', `backend.apiKeyEnv: ${b.apiKeyEnv} is not set`)
-      }
-      router = await startRouter({ ...common, gateway: gatewayOptions(b, apiKey) })
+    const [prefill, decode] = await Promise.all([
+      Promise.all(plan.prefill.map((w) => startWorker('prefill', w))),
+      Promise.all(plan.decode.map((w) => startWorker('decode', w))),
+    ])
+    const prefillUrls = prefill.map((w) => w.url)
+    const decodeUrls = decode.map((w) => w.url)
+    const forkedWorkers = (ws: typeof prefill) =>
+      ws.flatMap((w) => (w.child === undefined ? [] : [w.child]))
+    let routerUrl: string
+    let routerProcess: ChildProcess | undefined
+    const r = plan.router
+    if (r.runs === 'here') {
+      const workers = r.options.gateway ? {} : { modelDir: plan.modelDir, prefillUrls, decodeUrls }
+      router = await startRouter({ ...r.options, ...workers, host: plan.host, clusterToken })
+      routerUrl = router.url
     } else {
-      const workers = config.workers!
-      const start = (
-        role: 'prefill' | 'decode',
-        entry: { pages: number; prefixCachePages?: number } | { url: string },
-      ) =>
-        'url' in entry
-          ? Promise.resolve(entry.url)
-          : startWorker(role, modelDir, entry, workers.pageSize, r.host, r.logLevel, env, children)
-      const [prefillUrls, decodeUrls] = await Promise.all([
-        Promise.all(workers.prefill.map((e) => start('prefill', e))),
-        Promise.all(workers.decode.map((e) => start('decode', e))),
+      const isRouterUnsafe = unsafeFlags.length > 0
+      const started = await fork('router', [
+        '--model',
+        plan.modelDir,
+        ...prefillUrls.flatMap((u) => ['--prefill', u]),
+        ...decodeUrls.flatMap((u) => ['--decode', u]),
+        '--tenants',
+        r.tenantsFile,
+        '--host',
+        plan.host,
+        '--port',
+        String(r.port),
+        ...(r.contextWindow !== undefined ? ['--context-window', String(r.contextWindow)] : []),
+        ...(r.clampContext ? ['--clamp-context'] : []),
+        ...(isRouterUnsafe ? ['--unsafe-disable-guards'] : []),
+        ...(r.args ?? []),
       ])
-      router = await startRouter({ ...common, modelDir, prefillUrls, decodeUrls })
+      routerUrl = started.url
+      routerProcess = started.child
     }
+    const running = router
     return {
-      router,
+      routerUrl,
+      prefillUrls,
+      decodeUrls,
+      router: running,
+      processes: {
+        prefill: forkedWorkers(prefill),
+        decode: forkedWorkers(decode),
+        router: routerProcess,
+      },
       children,
       async stop() {
-        await router.close()
+        await running?.close()
         await stopAll(children)
       },
     }
   } catch (err) {
     await stopAll(children)
     throw err
+  }
+}
+
+/** The plan of a cluster config: its workers (forked with `pages`, or running at `url`) and the
+ *  router in this process, in front of them or of the engine in `backend` (gateway mode). With
+ *  `configPath` (the file `config` was read from), the router re-reads that file's `tenants`
+ *  whenever it changes, so key changes need no restart. Throws `config_invalid` when the
+ *  variable `backend.apiKeyEnv` names is not set in `env`. */
+export function clusterConfigPlan(
+  config: ClusterConfig,
+  log: Logger,
+  env: NodeJS.ProcessEnv = process.env,
+  configPath?: string,
+): LaunchPlan {
+  const r = config.router
+  const options = {
+    ...(configPath === undefined
+      ? { tenants: config.tenants }
+      : { tenants: configPath, tenantsReader: (f: string) => loadClusterConfig(f).tenants }),
+    ...routerSectionOptions(r),
+    log,
+  }
+  const plan = {
+    modelDir: config.model ?? bundledModelDir,
+    host: r.host,
+    logLevel: r.logLevel,
+    env,
+  }
+  const b = config.backend
+  if (b !== undefined) {
+    const apiKey = b.apiKeyEnv === undefined ? undefined : env[b.apiKeyEnv]
+    if (b.apiKeyEnv !== undefined && !apiKey) {
+      throw new KvfenceError('config_invalid', `backend.apiKeyEnv: ${b.apiKeyEnv} is not set`)
+    }
+    return {
+      ...plan,
+      pageSize: 0,
+      prefill: [],
+      decode: [],
+      router: { runs: 'here', options: { ...options, gateway: gatewayOptions(b, apiKey) } },
+    }
+  }
+  const workers = config.workers!
+  return {
+    ...plan,
+    pageSize: workers.pageSize,
+    prefill: workers.prefill,
+    decode: workers.decode,
+    router: { runs: 'here', options },
+  }
+}
+
+/** Options of {@link startCluster}: one prefill and one decode worker, and the router forked. */
+export interface ClusterOptions {
+  modelDir: string
+  /** Tokens per page, for both pools. */
+  pageSize: number
+  prefillPages: number
+  decodePages: number
+  /** Most pool pages the prefill worker's prefix cache may hold (`--prefix-cache-pages`; 0 turns
+   *  the cache off, see docs/threat-model.md); default: the worker's (a quarter of its pages). */
+  prefixCachePages?: number
+  /** Advertised context window (tokens); default: the effective capacity. */
+  contextWindow?: number
+  /** Clamp an advertised context larger than the pools instead of refusing to start (G1). */
+  clampContext?: boolean
+  /** Faults per part (needs KVFENCE_ALLOW_FAULTS=1 in `env`). */
+  prefillFaults?: string[]
+  decodeFaults?: string[]
+  disableGuards?: boolean
+  /** Guards to turn off one by one in both workers (`--unsafe-disable-guard ID`; needs
+   *  KVFENCE_ALLOW_FAULTS=1). The router has no per-guard switch: it then runs with its guards off. */
+  disabledGuards?: string[]
+  /** Extra flags for the prefill / decode worker (e.g. `['--transfer-timeout-ms', '1000']`). */
+  prefillArgs?: string[]
+  decodeArgs?: string[]
+  /** Extra flags for the router (e.g. `['--log-content']`). */
+  routerArgs?: string[]
+  /** YAML tenants file for the router. */
+  tenantsFile: string
+  /** Router port (0 picks one). */
+  routerPort?: number
+  /** Address every part binds (default 127.0.0.1). */
+  host?: string
+  /** Folder for the parts' logs (stdout and stderr); default: inherit this process's. */
+  logDir?: string
+  /** Log level of the parts (default info). */
+  logLevel?: string
+  env?: NodeJS.ProcessEnv
+}
+
+/** A running cluster of {@link startCluster}: one prefill worker, one decode worker and the
+ *  router, each its own process. */
+export interface Cluster {
+  readonly routerUrl: string
+  readonly prefillUrl: string
+  readonly decodeUrl: string
+  /** The child processes, by part. */
+  readonly processes: { prefill: ChildProcess; decode: ChildProcess; router: ChildProcess }
+  /** Stops every part (SIGTERM, then SIGKILL after 3 s) and waits for them to exit. */
+  stop(): Promise<void>
+}
+
+/** Launches one prefill worker, one decode worker and the router, each forked, as `options`
+ *  say; throws as {@link launchCluster} does. */
+export async function startCluster(options: ClusterOptions): Promise<Cluster> {
+  const cluster = await launchCluster({
+    modelDir: options.modelDir,
+    pageSize: options.pageSize,
+    host: options.host ?? '127.0.0.1',
+    logLevel: options.logLevel ?? 'info',
+    logDir: options.logDir,
+    env: options.env,
+    prefill: [
+      {
+        pages: options.prefillPages,
+        prefixCachePages: options.prefixCachePages,
+        faults: options.prefillFaults,
+        args: options.prefillArgs,
+      },
+    ],
+    decode: [
+      { pages: options.decodePages, faults: options.decodeFaults, args: options.decodeArgs },
+    ],
+    disableGuards: options.disableGuards,
+    disabledGuards: options.disabledGuards,
+    router: {
+      runs: 'forked',
+      tenantsFile: options.tenantsFile,
+      port: options.routerPort ?? 0,
+      contextWindow: options.contextWindow,
+      clampContext: options.clampContext,
+      args: options.routerArgs,
+    },
+  })
+  const { prefill, decode, router } = cluster.processes
+  return {
+    routerUrl: cluster.routerUrl,
+    prefillUrl: cluster.prefillUrls[0],
+    decodeUrl: cluster.decodeUrls[0],
+    // A forked router and one forked worker of each role: the plan above.
+    processes: { prefill: prefill[0], decode: decode[0], router: router! },
+    stop: () => cluster.stop(),
   }
 }
 
@@ -137,47 +423,4 @@ export function gatewayOptions(
     discoveryIntervalMs: b.discoveryIntervalMs,
     apiKey,
   }
-}
-
-/** Forks one worker and resolves with its control URL once it reports ready. `pool.pages` is its
- *  KV pool; `pool.prefixCachePages`, if set, its prefix cache budget (prefill only: the schema
- *  allows it on prefill entries alone). */
-function startWorker(
-  role: 'prefill' | 'decode',
-  modelDir: string,
-  pool: { pages: number; prefixCachePages?: number },
-  pageSize: number,
-  host: string,
-  logLevel: string,
-  env: NodeJS.ProcessEnv,
-  children: ChildProcess[],
-): Promise<string> {
-  const args = [
-    role,
-    '--model',
-    modelDir,
-    '--pages',
-    String(pool.pages),
-    '--page-size',
-    String(pageSize),
-  ]
-  if (pool.prefixCachePages !== undefined)
-    args.push('--prefix-cache-pages', String(pool.prefixCachePages))
-  args.push('--host', host, '--port', '0', '--log-level', logLevel)
-  if (role === 'decode') args.push('--transfer-host', host, '--transfer-port', '0')
-  return forkPart(
-    args,
-    {
-      env,
-      timeoutMs: startTimeoutMs,
-      failure: (why) =>
-        new KvfenceError(
-          'worker_unavailable',
-          why.kind === 'timeout'
-            ? `${role} worker did not start in ${startTimeoutMs} ms`
-            : `${role} worker exited with code ${why.code} while starting`,
-        ),
-    },
-    children,
-  ).then(({ ready }) => `http://${host.includes(':') ? `[${host}]` : host}:${ready.port}`)
 }

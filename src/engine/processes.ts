@@ -1,7 +1,6 @@
 /** Forking kvfence parts (`kvfence prefill|decode|router …`) as child processes, waiting for the
- *  ready message each sends over IPC once listening, and stopping them again. Shared by
- *  `startCluster` (engine/cluster.ts) and `launchCluster` (config/launch.ts); knows nothing of
- *  the parts' flags or of requests. */
+ *  ready message each sends over IPC once listening, and stopping them again. Used by the cluster
+ *  launcher (config/launch.ts); knows nothing of the parts' flags or of requests. */
 import { fork, type ChildProcess } from 'node:child_process'
 import { createWriteStream } from 'node:fs'
 import { dirname } from 'node:path'

@@ -6,8 +6,8 @@ import { createHash, timingSafeEqual } from 'node:crypto'
 import { type Stats, unwatchFile, watchFile } from 'node:fs'
 import type { Logger } from 'pino'
 import { z } from 'zod'
-import { describeIssue } from '../config/issues.js'
-import { loadYamlFile } from '../config/yaml-file.js'
+import { describeIssue } from '../files/issues.js'
+import { loadYamlFile } from '../files/yaml-file.js'
 import { KvfenceError } from '../errors.js'
 
 /** A tenant's limits; an absent field is no limit. */

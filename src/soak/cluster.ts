@@ -4,8 +4,8 @@
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { newApiKey, tenantsYaml } from '../cli/keys.js'
-import { startCluster, type Cluster } from '../engine/cluster.js'
+import { newApiKey, tenantsYaml } from '../router/tenant-keys.js'
+import { startCluster, type Cluster } from '../config/launch.js'
 import type { SoakTarget } from './run.js'
 
 /** Pool shape of the soak's cluster: prefill 32 × 16 = 512 tokens (the context), decode 96 × 16. */

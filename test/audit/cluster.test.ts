@@ -7,8 +7,8 @@ import { rmSync } from 'node:fs'
 import { join } from 'node:path'
 import { after, before, test } from 'node:test'
 import { runAudit, type AuditReport } from '../../src/audit/index.js'
-import { startCluster, type Cluster } from '../../src/engine/cluster.js'
-import { twoTenants } from '../helpers/cluster.js'
+import { startCluster, type Cluster } from '../../src/config/launch.js'
+import { incidentShape, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 import { reportValidator } from './schema-validator.js'
 
@@ -19,9 +19,7 @@ let report: AuditReport
 before(async () => {
   cluster = await startCluster({
     modelDir: echoModelDir,
-    pageSize: 16,
-    prefillPages: 24,
-    decodePages: 64,
+    ...incidentShape,
     contextWindow: 1024,
     clampContext: true,
     tenantsFile,

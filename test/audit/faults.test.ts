@@ -11,7 +11,7 @@ import { rmSync } from 'node:fs'
 import { join } from 'node:path'
 import { after, test } from 'node:test'
 import { AuditError, runAudit, type AuditOptions } from '../../src/audit/index.js'
-import { startCluster, type ClusterOptions } from '../../src/engine/cluster.js'
+import { startCluster, type ClusterOptions } from '../../src/config/launch.js'
 import { twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 

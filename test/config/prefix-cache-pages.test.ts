@@ -1,6 +1,6 @@
 /** `prefixCachePages` of a prefill worker (the threat model's `--prefix-cache-pages 0`) reaches
  *  the worker both ways a cluster is started here: a config file's `workers.prefill` entry
- *  (`serve --config`, launchCluster) and `startCluster`'s option (`serve --tenants`). The worker
+ *  (`serve --config`, clusterConfigPlan) and `startCluster`'s option (`serve --tenants`). The worker
  *  is forked with the flag, and with 0 a repeated prompt is never answered from the cache. A bad
  *  value is one line naming the field. */
 import assert from 'node:assert/strict'
@@ -10,8 +10,7 @@ import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { pino } from 'pino'
 import { parseClusterConfig } from '../../src/config/cluster.js'
-import { launchCluster } from '../../src/config/launch.js'
-import { startCluster } from '../../src/engine/cluster.js'
+import { clusterConfigPlan, launchCluster, startCluster } from '../../src/config/launch.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
@@ -80,7 +79,7 @@ describe('prefixCachePages', () => {
       'c.yaml',
       dir,
     )
-    const cluster = await launchCluster(config, pino({ level: 'silent' }))
+    const cluster = await launchCluster(clusterConfigPlan(config, pino({ level: 'silent' })))
     try {
       const flags = cluster.children.map(prefixCacheFlag)
       const roles = cluster.children.map((c) =>
@@ -90,7 +89,7 @@ describe('prefixCachePages', () => {
         ['decode', undefined],
         ['prefill', '0'],
       ])
-      assert.equal(await cachedTokensOfRepeat(cluster.router.url), 0)
+      assert.equal(await cachedTokensOfRepeat(cluster.routerUrl), 0)
     } finally {
       await cluster.stop()
     }

@@ -8,7 +8,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, it } from 'node:test'
 import OpenAI from 'openai'
-import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
+import { newApiKey, tenantsYaml } from '../../src/router/tenant-keys.js'
 import { cliEntry } from '../../src/paths.js'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-serve-'))

@@ -9,12 +9,12 @@ import { promisify } from 'node:util'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { clusterTokenHeader, newClusterToken } from '../../src/engine/cluster-token.js'
-import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import { startCluster, type Cluster } from '../../src/config/launch.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
 import { ClusterTokenRefusedError, createWorkerClient } from '../../src/router/worker-client.js'
 import OpenAI from 'openai'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
-import { openaiClient, twoTenants } from '../helpers/cluster.js'
+import { incidentShape, openaiClient, twoTenants } from '../helpers/cluster.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-control-auth-')
 
@@ -37,9 +37,7 @@ describe('control-plane authentication', () => {
   before(async () => {
     cluster = await startCluster({
       modelDir: echoModelDir,
-      pageSize: 16,
-      prefillPages: 24,
-      decodePages: 64,
+      ...incidentShape,
       tenantsFile,
       logDir: join(dir, 'logs'),
       env: { ...process.env, KVFENCE_CLUSTER_TOKEN: clusterToken },

@@ -5,13 +5,13 @@ import assert from 'node:assert/strict'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import OpenAI from 'openai'
-import { startCluster, type Cluster, type ClusterOptions } from '../../src/engine/cluster.js'
+import { startCluster, type Cluster, type ClusterOptions } from '../../src/config/launch.js'
 import { createWorkerCore } from '../../src/engine/worker-core.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { loadModel } from '../../src/model/weights.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
-import { openaiClient as client, pagesUsed, twoTenants } from '../helpers/cluster.js'
+import { openaiClient as client, incidentShape, pagesUsed, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 
 const {
@@ -23,9 +23,7 @@ const {
 /** The demo's shape: prefill pool 24 × 16 = 384 tokens, decode pool 64 × 16 = 1,024 tokens. */
 const shape: ClusterOptions = {
   modelDir: echoModelDir,
-  pageSize: 16,
-  prefillPages: 24,
-  decodePages: 64,
+  ...incidentShape,
   tenantsFile,
   logDir: join(dir, 'logs'),
 }

@@ -5,13 +5,13 @@ import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
 import { readFileSync, writeFileSync } from 'node:fs'
 import { join } from 'node:path'
-import { setTimeout as sleep } from 'node:timers/promises'
 import { promisify } from 'node:util'
 import { after, before, describe, it } from 'node:test'
 import OpenAI from 'openai'
-import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import { startCluster, type Cluster } from '../../src/config/launch.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
-import { openaiClient, twoTenants } from '../helpers/cluster.js'
+import { pollUntil } from '../helpers/poll.js'
+import { incidentShape, openaiClient, twoTenants } from '../helpers/cluster.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-tenants-reload-')
 const [tenantA, tenantB] = tenants
@@ -32,12 +32,7 @@ async function keys(...args: string[]): Promise<string> {
 /** Polls `probe` every 100 ms until it returns true; false after `limitMs` (a bound for a hung
  *  reload, far above the 1 s poll: never a timing claim). */
 async function eventually(probe: () => Promise<boolean>, limitMs = 30_000): Promise<boolean> {
-  const deadline = Date.now() + limitMs
-  while (Date.now() < deadline) {
-    if (await probe()) return true
-    await sleep(100)
-  }
-  return false
+  return pollUntil(probe, { timeoutMs: limitMs, intervalMs: 100 })
 }
 
 /** One completion with `key`: its completion token count, or the error's status and code. */
@@ -67,9 +62,7 @@ describe('tenants file reload', () => {
   before(async () => {
     cluster = await startCluster({
       modelDir: echoModelDir,
-      pageSize: 16,
-      prefillPages: 24,
-      decodePages: 64,
+      ...incidentShape,
       tenantsFile,
       logDir: join(dir, 'logs'),
     })

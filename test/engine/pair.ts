@@ -20,6 +20,7 @@ import type { GuardId } from '../../src/kv/guards.js'
 import { loadModel, type Model } from '../../src/model/weights.js'
 import { TransferServer, type TransferServerOptions } from '../../src/transfer/index.js'
 import { echoModelDir } from '../helpers/paths.js'
+import { waitUntil } from '../helpers/poll.js'
 
 let model: Model | null = null
 /** The bundled echo model, loaded once per test file. */
@@ -257,11 +258,7 @@ function asError(err: unknown): KvfenceError {
 
 /** Wait until `cond()` holds (polling every 5 ms), at most `ms`. */
 export async function until(cond: () => boolean, ms = 5_000): Promise<void> {
-  const deadline = Date.now() + ms
-  while (!cond()) {
-    if (Date.now() > deadline) throw new Error(`condition not met within ${ms} ms`)
-    await new Promise((r) => setTimeout(r, 5))
-  }
+  await waitUntil(cond, { timeoutMs: ms, intervalMs: 5 })
 }
 
 /** `text` as the echo model's token ids (char-level: BOS, then one id per character). */

@@ -1,11 +1,16 @@
-/** Shared set-up for tests against a real cluster (src/engine/cluster.ts): a temporary folder with
- *  a tenants file of two tenants, an `openai` client, and the workers' `/server_info`. */
+/** Shared set-up for tests against a real cluster (src/config/launch.ts): the incident's pool
+ *  shape, a temporary folder with a tenants file of two tenants, an `openai` client, and the
+ *  workers' `/server_info`. */
 import { mkdtempSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import OpenAI from 'openai'
-import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
+import { newApiKey, tenantsYaml } from '../../src/router/tenant-keys.js'
 import type { ServerInfo } from '../../src/engine/control.js'
+
+/** The incident's pools, scaled down to the bundled model (the demo's shape): prefill
+ *  24 pages × 16 = 384 tokens, decode 64 × 16 = 1,024 tokens. */
+export const incidentShape = Object.freeze({ pageSize: 16, prefillPages: 24, decodePages: 64 })
 
 /** A tenant of a test cluster, with its plain API key. */
 export interface TestTenant {

@@ -1,9 +1,10 @@
 /** Checking response bodies against OpenAI's published OpenAPI description: its component schemas
  *  (e.g. `CreateChatCompletionResponse`, `ErrorResponse`) compiled by Ajv (JSON Schema 2020-12, the
  *  dialect of OpenAPI 3.1) with `ajv-formats`, `$ref`s resolving into the spec's own components.
- *  The spec is found at KVFENCE_OPENAI_SPEC or in the project's shared/ folder beside the
- *  repository; tests that need it are skipped (and counted as skipped, with {@link specSkip} as
- *  the reason) when it is not there. Not a test file itself. */
+ *  The spec is the copy in test/fixtures/openai-openapi/ (see its README: source commit and
+ *  licence), or the file KVFENCE_OPENAI_SPEC names; tests that need it are skipped (and counted
+ *  as skipped, with {@link specSkip} as the reason) only when that variable names a missing file.
+ *  Not a test file itself. */
 import assert from 'node:assert/strict'
 import { existsSync, readFileSync } from 'node:fs'
 import { join } from 'node:path'
@@ -12,10 +13,10 @@ import addFormatsModule from 'ajv-formats'
 import { parse as parseYaml } from 'yaml'
 import { repoRoot } from './paths.js'
 
-/** Where the spec is looked for (the project's shared/ folder sits beside the repository, also
- *  in CI). */
+/** Where the spec is read: KVFENCE_OPENAI_SPEC, or the copy kept with the tests. */
 export const specPath =
-  process.env.KVFENCE_OPENAI_SPEC ?? join(repoRoot, '..', 'shared', 'specs', 'openai-openapi.yaml')
+  process.env.KVFENCE_OPENAI_SPEC ??
+  join(repoRoot, 'test', 'fixtures', 'openai-openapi', 'openai-openapi.yaml')
 /** Whether the spec file is there. */
 export const hasSpec = existsSync(specPath)
 /** The `skip` option of a test that needs the spec: false when it is there, else the reason. */

@@ -6,11 +6,11 @@ import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs'
 import net from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { setTimeout as sleep } from 'node:timers/promises'
 import OpenAI from 'openai'
-import { newApiKey, tenantsYaml } from '../../src/cli/keys.js'
+import { newApiKey, tenantsYaml } from '../../src/router/tenant-keys.js'
 import { ServerInfo } from '../../src/engine/control.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
+import { pollUntil } from '../helpers/poll.js'
 
 /** Pool shape of these tests: prefill 32 × 16 = 512 tokens (the context), decode 64 × 16. */
 export const shape = { pageSize: 16, prefillPages: 32, decodePages: 64 }
@@ -179,11 +179,7 @@ export async function pagesUsed(url: string): Promise<number> {
 
 /** Poll `probe` every 200 ms until it returns true or `tries` polls passed; returns the last result. */
 export async function eventually(probe: () => Promise<boolean>, tries = 100): Promise<boolean> {
-  for (let i = 0; i < tries; i++) {
-    if (await probe().catch(() => false)) return true
-    await sleep(200)
-  }
-  return false
+  return pollUntil(probe, { timeoutMs: tries * 200, intervalMs: 200 })
 }
 
 /** An `openai` client for `baseUrl` (router root) with no retries and a bounded timeout. */

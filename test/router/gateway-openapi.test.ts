@@ -1,5 +1,5 @@
 /** Gateway mode answers in OpenAI's published shapes whatever the engine behind it sends: every
- *  body the router returns in front of the SGLang and vLLM stand-ins (test/router/engines.ts, in
+ *  body the router returns in front of the SGLang and vLLM stand-ins (test/helpers/engines.ts, in
  *  the engines' own shapes, extra fields and nulls included) validates against OpenAI's OpenAPI
  *  description (test/helpers/openapi.ts): completions and chat completions, plain and streamed,
  *  the model list, and the error bodies of an over-capacity prompt, bad input (refused by the
@@ -10,7 +10,8 @@ import { after, before, describe, it } from 'node:test'
 import type { ValidateFunction } from 'ajv/dist/2020.js'
 import type { RunningRouter } from '../../src/router/start.js'
 import { hasSpec, loadValidators, specSkip, sseEvents, violations } from '../helpers/openapi.js'
-import { type Engine, engineReplyText, startEngine, startGatewayRouter } from './engines.js'
+import { type Engine, engineReplyText, startEngine } from '../helpers/engines.js'
+import { startGatewayRouter } from './engines.js'
 import { keys, writeTestTokenizer } from './helpers.js'
 
 const skip = specSkip

@@ -1,11 +1,12 @@
 /** Gateway mode in front of SGLang and vLLM, against stand-ins that reproduce those engines'
- *  documented discovery endpoints and response shapes (test/router/engines.ts). */
+ *  documented discovery endpoints and response shapes (test/helpers/engines.ts). */
 import assert from 'node:assert/strict'
 import { rmSync } from 'node:fs'
 import { describe, it } from 'node:test'
 import OpenAI from 'openai'
 import type { RunningRouter } from '../../src/router/start.js'
-import { startEngine, startGatewayRouter } from './engines.js'
+import { startEngine } from '../helpers/engines.js'
+import { startGatewayRouter } from './engines.js'
 import { keys, waitFor, writeTestTokenizer } from './helpers.js'
 
 const client = (router: RunningRouter, apiKey = keys.alpha) =>

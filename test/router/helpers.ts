@@ -7,11 +7,11 @@ import http from 'node:http'
 import type { AddressInfo } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { Writable } from 'node:stream'
 import OpenAI from 'openai'
-import { pino, type Logger } from 'pino'
 import { GenerateRequest, PrefillRequest, type ServerInfo } from '../../src/engine/control.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
+import { captureLogs, type LogCapture } from '../helpers/logs.js'
+import { waitUntil } from '../helpers/poll.js'
 import { type RunningRouter, type StartRouterOptions, startRouter } from '../../src/router/start.js'
 
 // ---------------------------------------------------------------------------------------------
@@ -334,24 +334,8 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
 /** API keys of the two test tenants. */
 export const keys = { alpha: 'sk-alpha-7f3e9c1d2b', beta: 'sk-beta-41a8d0e6c5' }
 
-/** Captured log lines (pino JSON). */
-export interface LogCapture {
-  log: Logger
-  lines: string[]
-  text(): string
-}
-
-/** A pino logger writing into memory. */
-export function captureLogs(): LogCapture {
-  const lines: string[] = []
-  const sink = new Writable({
-    write(chunk: Buffer, _encoding, callback) {
-      lines.push(chunk.toString('utf8'))
-      callback()
-    },
-  })
-  return { log: pino({ level: 'debug' }, sink), lines, text: () => lines.join('') }
-}
+/** Captured logs, for the harness and the router's tests (see test/helpers/logs.ts). */
+export { captureLogs, type LogCapture }
 
 /** Everything a router test needs. */
 export interface Harness {
@@ -421,11 +405,7 @@ export async function startHarness(
 
 /** Polls `predicate` every 5 ms until it holds or `timeoutMs` passes. */
 export async function waitFor(predicate: () => boolean, timeoutMs = 2_000): Promise<void> {
-  const deadline = Date.now() + timeoutMs
-  while (!predicate()) {
-    if (Date.now() > deadline) assert.fail('condition not reached in time')
-    await delay(5)
-  }
+  await waitUntil(predicate, { timeoutMs, intervalMs: 5 })
 }
 
 // ---------------------------------------------------------------------------------------------

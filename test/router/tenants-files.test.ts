@@ -7,27 +7,14 @@ import { execFileSync } from 'node:child_process'
 import { mkdirSync, mkdtempSync, rmSync, truncateSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { Writable } from 'node:stream'
 import { after, describe, it } from 'node:test'
-import { pino } from 'pino'
 import { loadClusterConfig } from '../../src/config/cluster.js'
 import { apiKeyDigest, loadTenants, watchTenants } from '../../src/router/tenants.js'
+import { captureLogs } from '../helpers/logs.js'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-tenants-files-'))
 const plainKey = 'sk-kvf-0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0'
 const digest = apiKeyDigest(plainKey)
-
-/** A pino logger at info whose raw output is collected into `text()`. */
-function capture(): { log: pino.Logger; text: () => string } {
-  let text = ''
-  const sink = new Writable({
-    write(chunk: Buffer, _encoding, done) {
-      text += chunk.toString('utf8')
-      done()
-    },
-  })
-  return { log: pino({ level: 'info' }, sink), text: () => text }
-}
 
 const good = `tenants:\n  - name: alpha\n    keySha256: ${digest}\n`
 // What a user's trial logged the digest for: a key line indented by 3 spaces instead of 4.
@@ -43,7 +30,7 @@ describe('tenants file errors quote no file content', () => {
   it('a failed reload logs position and kind of fault, never the digest or a pasted key', () => {
     const path = join(dir, 'tenants.yaml')
     writeFileSync(path, good)
-    const { log, text } = capture()
+    const { log, text } = captureLogs('info')
     const watcher = watchTenants(path, { log, intervalMs: 60_000 })
     try {
       const details: string[] = []
@@ -70,7 +57,7 @@ describe('tenants file errors quote no file content', () => {
     const path = join(dir, 'cluster.yaml')
     const head = 'backend: { kind: vllm, url: "http://127.0.0.1:9" }\n'
     writeFileSync(path, head + good)
-    const { log, text } = capture()
+    const { log, text } = captureLogs('info')
     const watcher = watchTenants(path, {
       log,
       intervalMs: 60_000,

@@ -4,26 +4,13 @@ import assert from 'node:assert/strict'
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { Writable } from 'node:stream'
 import { after, describe, it } from 'node:test'
-import { pino } from 'pino'
 import { loadClusterConfig } from '../../src/config/cluster.js'
 import { LimitError, createLimiter } from '../../src/router/limits.js'
 import { apiKeyDigest, watchTenants } from '../../src/router/tenants.js'
+import { captureLogs } from '../helpers/logs.js'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-tenants-watch-'))
-
-/** A pino logger writing into `lines`. */
-function capture(): { log: pino.Logger; lines: { level: number; msg: string }[] } {
-  const lines: { level: number; msg: string }[] = []
-  const sink = new Writable({
-    write(chunk: Buffer, _encoding, done) {
-      lines.push(JSON.parse(chunk.toString('utf8')) as { level: number; msg: string })
-      done()
-    },
-  })
-  return { log: pino({ level: 'info' }, sink), lines }
-}
 
 function tenantsYaml(tenants: { name: string; key: string; max?: number }[]): string {
   return `tenants:\n${tenants
@@ -47,7 +34,7 @@ describe('watchTenants', () => {
         { name: 'beta', key: 'key-b' },
       ]),
     )
-    const { log, lines } = capture()
+    const { log, records } = captureLogs('info')
     const watcher = watchTenants(path, { log, intervalMs: 60_000 })
     try {
       const registry = watcher.registry
@@ -71,7 +58,7 @@ describe('watchTenants', () => {
         assert.deepEqual(registry.names, ['alpha', 'gamma'])
         assert.deepEqual(registry.authenticate('key-a'), { name: 'alpha', limits: {} })
       }
-      const errors = lines.filter((l) => l.level === 50)
+      const errors = records().filter((l) => l.level === 50)
       assert.equal(errors.length, 3)
       assert.ok(
         errors.every(
@@ -88,7 +75,7 @@ describe('watchTenants', () => {
     const head = 'backend: { kind: vllm, url: "http://127.0.0.1:9" }\n'
     writeFileSync(path, head + tenantsYaml([{ name: 'alpha', key: 'key-a' }]))
     const watcher = watchTenants(path, {
-      log: capture().log,
+      log: captureLogs('info').log,
       intervalMs: 60_000,
       read: (file) => loadClusterConfig(file).tenants,
     })
@@ -115,7 +102,7 @@ describe('watchTenants', () => {
         { name: 'beta', key: 'key-b' },
       ]),
     )
-    const watcher = watchTenants(path, { log: capture().log, intervalMs: 60_000 })
+    const watcher = watchTenants(path, { log: captureLogs('info').log, intervalMs: 60_000 })
     try {
       const limiter = createLimiter()
       const alpha = watcher.registry.authenticate('key-a')!

@@ -36,6 +36,7 @@ import {
   type ReceiverHooks,
   type Reservation,
 } from '../../src/transfer/session.js'
+import { waitUntil } from '../helpers/poll.js'
 
 // ─── Fixed frames ───────────────────────────────────────────────────────────────────────────────
 
@@ -540,9 +541,5 @@ export async function rawConnect(port: number): Promise<{
 
 /** Resolve once `pred()` holds (polling every 2 ms), or reject after `ms`. */
 export async function until(pred: () => boolean, ms = 2_000, what = 'condition'): Promise<void> {
-  const deadline = Date.now() + ms
-  while (!pred()) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`)
-    await new Promise((r) => setTimeout(r, 2))
-  }
+  await waitUntil(pred, { timeoutMs: ms, intervalMs: 2, what })
 }

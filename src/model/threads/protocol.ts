@@ -45,8 +45,17 @@ export const ctrlBytes = (Ctrl.lastSeen + maxThreads) * 4
  *  - `linearF32`, `linearBf16`: out, x, w, bias, n, inDim, outDim (byte addresses, counts);
  *  - `attention`: out, q, k, v, scores, n, startPos, numHeads, numKvHeads, headDim, scoresStride
  *    (thread i uses scores + i × scoresStride bytes: two rows of ⌈(startPos + n) / 4⌉ × 4 floats);
- *  - `swiglu`: gate, up, count (in place on gate; split on multiples of 4 elements). */
-export const Op = { stop: 0, linearF32: 1, linearBf16: 2, attention: 3, swiglu: 4 } as const
+ *  - `swiglu`: gate, up, count (in place on gate; split on multiples of 4 elements);
+ *  - `sumF32`: out, x, count (chunk c stores the sum of its share of x at out + 4c; split on
+ *    multiples of 16 elements): the benchmark's read-bandwidth meter. */
+export const Op = {
+  stop: 0,
+  linearF32: 1,
+  linearBf16: 2,
+  attention: 3,
+  swiglu: 4,
+  sumF32: 5,
+} as const
 
 /** Most chunks per job: the chunk index lives in the ticket's low 8 bits. */
 export const maxChunks = 255
@@ -87,6 +96,7 @@ export function chunkCount(op: number, args: readonly number[], threads: number)
     )
     return heads * Math.max(1, blocks)
   }
+  if (op === Op.sumF32) return Math.min(chunksPerThread * threads, maxChunks)
   if (op === Op.swiglu)
     return Math.max(1, Math.min(chunksPerThread * threads, Math.ceil(args[2] / minChunkElements)))
   const work = args[4] * args[5] * args[6]
@@ -121,6 +131,8 @@ export type LinearExport = (
 export interface KernelExports {
   linearF32: LinearExport
   linearBf16: LinearExport
+  /** out[0] = the sum of the F32 values x[0..count) (byte addresses). */
+  sumF32(out: number, x: number, count: number): void
   /** SwiGLU in place: gate[i] = silu(gate[i]) · up[i] for i < count (byte addresses). */
   swiglu(gate: number, up: number, count: number): void
   attention(
@@ -225,6 +237,11 @@ function runChunk(
     case Op.swiglu: {
       const [start, end] = share(ctrl[a + 2], chunk, chunks, 4)
       if (start < end) wasm.swiglu(ctrl[a] + start * 4, ctrl[a + 1] + start * 4, end - start)
+      return
+    }
+    case Op.sumF32: {
+      const [start, end] = share(ctrl[a + 2], chunk, chunks, 16)
+      wasm.sumF32(ctrl[a] + chunk * 4, ctrl[a + 1] + start * 4, Math.max(0, end - start))
       return
     }
     default:
