@@ -47,6 +47,8 @@ export const probesFor: Readonly<Record<FaultName, readonly ProbeName[]>> = {
   'corrupt-transfer': ['canary', 'concurrency', 'determinism'],
   'truncate-transfer': ['canary', 'concurrency', 'determinism'],
   'lost-ack': ['page-leak', 'error-handling'],
+  // An aborted prefill's unwritten pages published: wrong answers when its prompt comes back.
+  'publish-partial': ['abort-race', 'determinism'],
 }
 
 interface FaultResult {

@@ -38,6 +38,7 @@ interface ServeFlags {
   prefillPages: number
   decodePages: number
   prefixCachePages?: number
+  prefixCachePagesPerTenant?: number
   contextWindow?: number
   clampContext: boolean
   injectFault: string[]
@@ -76,6 +77,11 @@ export function registerServe(program: Command): void {
       intOption,
     )
     .option(
+      '--prefix-cache-pages-per-tenant <n>',
+      'each tenant’s own partition of the prefix cache, so no tenant evicts another’s pages (default: one shared budget); not with --config',
+      intOption,
+    )
+    .option(
       '--context-window <n>',
       'advertised context window (default: the effective KV capacity)',
       positiveIntOption,
@@ -102,10 +108,13 @@ export function registerServe(program: Command): void {
       exitIfParentGoesDuringStart()
       if (flags.config !== undefined && flags.threads !== undefined)
         throw new KvfenceError('config_invalid', '--threads is not used with --config')
-      if (flags.config !== undefined && flags.prefixCachePages !== undefined) {
+      if (
+        flags.config !== undefined &&
+        (flags.prefixCachePages ?? flags.prefixCachePagesPerTenant) !== undefined
+      ) {
         throw new KvfenceError(
           'config_invalid',
-          '--prefix-cache-pages is not used with --config (set prefixCachePages in workers.prefill)',
+          '--prefix-cache-pages(-per-tenant) is not used with --config (set prefixCachePages(PerTenant) in workers.prefill)',
         )
       }
       if (flags.config !== undefined) return serveConfig(flags.config, flags)
@@ -132,6 +141,14 @@ export function registerServe(program: Command): void {
         prefillPages: flags.prefillPages,
         decodePages: flags.decodePages,
         prefixCachePages: flags.prefixCachePages,
+        ...(flags.prefixCachePagesPerTenant === undefined
+          ? {}
+          : {
+              prefillArgs: [
+                '--prefix-cache-pages-per-tenant',
+                String(flags.prefixCachePagesPerTenant),
+              ],
+            }),
         contextWindow: flags.contextWindow,
         clampContext: flags.clampContext,
         prefillFaults: flags.injectFault,

@@ -28,6 +28,9 @@ interface WorkerFlags {
   maxBatch: number
   /** Prefill only: most pool pages the prefix cache may hold (default: a quarter of `pages`). */
   prefixCachePages?: number
+  /** Prefill only: pages of each tenant's own prefix-cache partition (default: none, one shared
+   *  budget). */
+  prefixCachePagesPerTenant?: number
   injectFault: string[]
   unsafeDisableGuards: boolean
   unsafeDisableGuard: string[]
@@ -84,6 +87,11 @@ export function registerWorkers(program: Command): void {
       cmd.option(
         '--prefix-cache-pages <n>',
         'most KV pool pages the prefix cache may hold (keyed per tenant, its pages shared by all: see docs/threat-model.md), 0 = off (default: a quarter of --pages)',
+        intOption,
+      )
+      cmd.option(
+        '--prefix-cache-pages-per-tenant <n>',
+        'give each tenant its own partition of this many prefix-cache pages, so no tenant evicts another’s (closes the load side channel of docs/threat-model.md; default: one budget shared by all)',
         intOption,
       )
     }
@@ -178,6 +186,7 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     const worker = new PrefillWorker(core, {
       transferTimeoutMs: flags.transferTimeoutMs,
       prefixCachePages,
+      prefixCachePagesPerTenant: flags.prefixCachePagesPerTenant,
     })
     server = createWorkerServer({ role, worker }, log, clusterToken)
   }

@@ -65,15 +65,27 @@ const prefixCacheBudget = z
 /** A prefill worker: as {@link WorkerEntry}; one started here may also set `prefixCachePages`,
  *  the most pool pages its prefix cache may hold (`kvfence prefill --prefix-cache-pages`; 0 turns
  *  the cache off, closing the load side channel of docs/threat-model.md; default: a quarter of
- *  `pages`). */
+ *  `pages`), and `prefixCachePagesPerTenant`, each tenant's own partition of it
+ *  (`--prefix-cache-pages-per-tenant`: no tenant evicts another's pages, which closes that side
+ *  channel too; default: one budget shared by all tenants). */
 export const PrefillWorkerEntry = z.union(
   [
     z
-      .strictObject({ pages: positive, prefixCachePages: prefixCacheBudget.optional() })
+      .strictObject({
+        pages: positive,
+        prefixCachePages: prefixCacheBudget.optional(),
+        prefixCachePagesPerTenant: positive.optional(),
+      })
       .refine((e) => e.prefixCachePages === undefined || e.prefixCachePages <= e.pages, {
         error: 'may not exceed pages',
         path: ['prefixCachePages'],
-      }),
+      })
+      .refine(
+        (e) =>
+          e.prefixCachePagesPerTenant === undefined ||
+          e.prefixCachePagesPerTenant <= (e.prefixCachePages ?? Math.floor(e.pages / 4)),
+        { error: 'may not exceed prefixCachePages', path: ['prefixCachePagesPerTenant'] },
+      ),
     z.strictObject({ url: httpUrl }),
   ],
   { error: workerShapeError.replace('{ pages: N }', '{ pages: N, prefixCachePages?: N }') },

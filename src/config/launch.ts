@@ -65,7 +65,9 @@ export async function launchCluster(
       const workers = config.workers!
       const start = (
         role: 'prefill' | 'decode',
-        entry: { pages: number; prefixCachePages?: number } | { url: string },
+        entry:
+          | { pages: number; prefixCachePages?: number; prefixCachePagesPerTenant?: number }
+          | { url: string },
       ) =>
         'url' in entry
           ? Promise.resolve(entry.url)
@@ -145,7 +147,7 @@ export function gatewayOptions(
 function startWorker(
   role: 'prefill' | 'decode',
   modelDir: string,
-  pool: { pages: number; prefixCachePages?: number },
+  pool: { pages: number; prefixCachePages?: number; prefixCachePagesPerTenant?: number },
   pageSize: number,
   host: string,
   logLevel: string,
@@ -163,6 +165,8 @@ function startWorker(
   ]
   if (pool.prefixCachePages !== undefined)
     args.push('--prefix-cache-pages', String(pool.prefixCachePages))
+  if (pool.prefixCachePagesPerTenant !== undefined)
+    args.push('--prefix-cache-pages-per-tenant', String(pool.prefixCachePagesPerTenant))
   args.push('--host', host, '--port', '0', '--log-level', logLevel)
   if (role === 'decode') args.push('--transfer-host', host, '--transfer-port', '0')
   return forkPart(

@@ -18,12 +18,15 @@ export const faultDescriptions = {
   'corrupt-transfer': 'flip bits in transferred page payloads',
   'truncate-transfer': 'send fewer pages than the manifest claims',
   'lost-ack': 'drop the decode worker’s acknowledgement of a transfer before it reaches prefill',
+  'publish-partial':
+    'prefill inserts an aborted or failed prompt’s pages into the prefix cache as if its prefill had completed',
 } as const
 
 /** The name of an injectable fault. */
 export type FaultName = keyof typeof faultDescriptions
 
-/** Faults that the workers implement: all of DESIGN.md §5. */
+/** Faults that the workers implement: all of DESIGN.md §5, and `publish-partial` (the prefix
+ *  cache's, sglang#38319). */
 export const implementedFaults: readonly FaultName[] = Object.keys(faultDescriptions) as FaultName[]
 
 /** What a process was told to break. Frozen once built. */

@@ -14,12 +14,26 @@
  *  pages; a cached page is never handed to a request and never mutated. Eviction is least recently
  *  used, skips pinned pages, and releases through the pool (which scrubs, G6).
  *
+ *  Publishing: only pages sealed by a prefill that completed are inserted (the caller seals first;
+ *  {@link PrefixCache.insert} refuses an unsealed or short page with a G5 trip), so an aborted or
+ *  failed prefill never leaves KV it did not finish in the cache (sglang#38319).
+ *
+ *  Budgets: with `maxPagesPerTenant` unset, every tenant's pages share `maxPages` and eviction is
+ *  least recently used across tenants, so one tenant's load lowers another's hits (the load side
+ *  channel of docs/threat-model.md). With it set, the cache is split into partitions of
+ *  `maxPagesPerTenant` pages, at most `floor(maxPages / maxPagesPerTenant)` of them, each given to
+ *  a tenant the first time it inserts and kept for the process's life; a tenant evicts only its own
+ *  pages, and a tenant that arrives when every partition is taken caches nothing. Then another
+ *  tenant's traffic never changes a tenant's hits, except when the pool itself runs short
+ *  ({@link PrefixCache.evictFor}: a prompt's pages come before any tenant's cache).
+ *
  *  Knows pages, tenants (names and pool numbers) and token ids; knows nothing of models, transfers
  *  or HTTP. Sources followed: the idea of SGLang's radix cache / vLLM's hashed block prefix cache
  *  (with vLLM's per-request `cache_salt` replaced by a server-derived per-tenant salt, see
  *  DESIGN.md §10 on vllm#53347). */
 import assert from 'node:assert/strict'
 import { createHash, createHmac, randomBytes } from 'node:crypto'
+import { GuardTrips, type Guards } from './guards.js'
 import { PageState, type KvPool, type PageLease, type PageRef } from './pool.js'
 
 /** Options of {@link PrefixCache}. */
@@ -30,6 +44,13 @@ export interface PrefixCacheOptions {
   nextOwner: () => number
   /** A tenant's number in page metadata; the worker's `core.tenantId`. */
   tenantId: (tenant: string) => number
+  /** Pages of one tenant's partition (1..maxPages); unset: one budget shared by all tenants. */
+  maxPagesPerTenant?: number
+  /** Whether G5 is on: then {@link PrefixCache.insert} refuses pages a prefill did not seal.
+   *  Default: on. */
+  guards?: Pick<Guards, 'G5'>
+  /** Where a refused insert is counted; the worker's `core.trips`. Default: a fresh counter. */
+  trips?: GuardTrips
   /** Called with the number of pages each eviction released (metrics). */
   onEvict?: (numPages: number) => void
 }
@@ -64,14 +85,31 @@ export class PrefixCache {
   private readonly owners = new Map<string, number>()
   private readonly secret = randomBytes(32)
   private readonly salts = new Map<string, Buffer>()
+  /** Pages each tenant holds now (every tenant with a partition is listed, from its first insert). */
+  private readonly numPagesOf = new Map<string, number>()
 
-  /** Throws RangeError for a negative or non-integer `maxPages`. */
+  /** Throws RangeError for a negative or non-integer `maxPages`, or a `maxPagesPerTenant` that is
+   *  not an integer in 1..maxPages (when maxPages > 0). */
   constructor(
     private readonly pool: KvPool,
     private readonly options: PrefixCacheOptions,
   ) {
-    if (!Number.isInteger(options.maxPages) || options.maxPages < 0)
-      throw new RangeError(`prefix cache pages must be an integer ≥ 0, got ${options.maxPages}`)
+    const { maxPages, maxPagesPerTenant: perTenant } = options
+    if (!Number.isInteger(maxPages) || maxPages < 0)
+      throw new RangeError(`prefix cache pages must be an integer ≥ 0, got ${maxPages}`)
+    if (
+      perTenant !== undefined &&
+      maxPages > 0 &&
+      (!Number.isInteger(perTenant) || perTenant < 1 || perTenant > maxPages)
+    )
+      throw new RangeError(
+        `prefix cache pages per tenant must be an integer in 1..${maxPages}, got ${perTenant}`,
+      )
+  }
+
+  /** Whether each tenant has its own partition (`maxPagesPerTenant` set). */
+  get isPartitioned(): boolean {
+    return this.options.maxPagesPerTenant !== undefined
   }
 
   /** Whether the cache may hold pages at all. */
@@ -141,11 +179,14 @@ export class PrefixCache {
     hit.refs.forEach((ref, i) => this.copyPage(ref.page, lease.pages[i].page))
   }
 
-  /** Cache the full pages of a prefilled prompt: the pages of `lease` (holding KV for every token of
-   *  `tokenIds`) are copied page by page into new pages of the tenant's cache owner. Pages
-   *  already cached are only marked used. A new page is taken only from the free list, and only
-   *  while at least `numPagesReserve` pages stay free; at `maxPages` the least recently used
-   *  unpinned page is evicted first. Returns the number of pages added. */
+  /** Cache the full pages of a prefilled prompt: the pages of `lease` (sealed, holding KV for
+   *  every token of `tokenIds`) are copied page by page into new pages of the tenant's cache owner.
+   *  Pages already cached are only marked used. A new page is taken only from the free list, and
+   *  only while at least `numPagesReserve` pages stay free; at the budget (the tenant's partition,
+   *  or `maxPages` when shared) the least recently used unpinned page the inserter may evict goes
+   *  first. Returns the number of pages added (0 for a tenant without a partition).
+   *  Throws a G5 guard error, caching nothing, when a page to copy is not sealed (its prefill did
+   *  not complete) or not filled, or is not the lease owner's. */
   insert(
     tenant: string,
     tokenIds: readonly number[],
@@ -156,6 +197,8 @@ export class PrefixCache {
     const keys = this.keysOf(tenant, tokenIds)
     if (keys.length === 0) return 0
     this.pool.checkRead(lease, keys.length * this.pool.shape.pageSize)
+    this.checkSealed(lease, keys.length)
+    if (!this.hasPartition(tenant)) return 0
     const cacheOwner = this.ownerOf(tenant)
     const chain: Entry[] = []
     let numAdded = 0
@@ -165,7 +208,8 @@ export class PrefixCache {
         chain.push(cached)
         continue
       }
-      if (this.entries.size >= this.options.maxPages && this.evictOne(new Set(chain)) === 0) break
+      const evictable = this.isPartitioned ? tenant : undefined
+      if (this.isAtBudget(tenant) && this.evictOne(new Set(chain), evictable) === 0) break
       if (this.pool.numFree <= numPagesReserve) break
       const copy = this.pool.allocate(1, cacheOwner, this.options.tenantId(tenant))
       this.pool.noteWrite(copy, 0, this.pool.shape.pageSize)
@@ -173,6 +217,7 @@ export class PrefixCache {
       this.pool.seal(copy)
       const entry = { key: keys[i], tenant, owner: cacheOwner, lease: copy }
       this.entries.set(entry.key, entry)
+      this.numPagesOf.set(tenant, (this.numPagesOf.get(tenant) ?? 0) + 1)
       chain.push(entry)
       numAdded += 1
     }
@@ -181,13 +226,16 @@ export class PrefixCache {
   }
 
   /** Evict least recently used unpinned pages until the pool has `numPages` free pages or nothing
-   *  more can go. Returns the number of pages evicted. */
-  evictFor(numPages: number): number {
+   *  more can go: `tenant`'s own pages first (when given), then any tenant's, since a prompt that
+   *  fits the pool must not fail for the cache's sake. Returns the number of pages evicted. */
+  evictFor(numPages: number, tenant?: string): number {
     let numEvicted = 0
-    while (this.pool.numFree < numPages) {
-      const n = this.evictOne(new Set())
-      if (n === 0) break
-      numEvicted += n
+    for (const only of tenant === undefined ? [undefined] : [tenant, undefined]) {
+      while (this.pool.numFree < numPages) {
+        const n = this.evictOne(new Set(), only)
+        if (n === 0) break
+        numEvicted += n
+      }
     }
     return numEvicted
   }
@@ -218,14 +266,23 @@ export class PrefixCache {
       assert.equal(pool.epoch[page], epoch, `cached page ${page} at epoch ${pool.epoch[page]}`)
       assert.equal(pool.fill[page], pool.shape.pageSize, `cached page ${page} is not full`)
     }
+    const counted = new Map<string, number>()
+    for (const e of this.entries.values()) counted.set(e.tenant, (counted.get(e.tenant) ?? 0) + 1)
+    for (const [tenant, n] of this.numPagesOf) {
+      assert.equal(counted.get(tenant) ?? 0, n, `tenant ${tenant}: ${n} pages counted`)
+      const perTenant = this.options.maxPagesPerTenant
+      if (perTenant !== undefined) assert(n <= perTenant, `tenant ${tenant} over its partition`)
+    }
   }
 
-  /** Evict the least recently used page that is neither pinned nor in `keep`. Returns 1, or 0
-   *  when no page can go. */
-  private evictOne(keep: ReadonlySet<Entry>): number {
+  /** Evict the least recently used page that is neither pinned nor in `keep` (and is `tenant`'s,
+   *  when given). Returns 1, or 0 when no page can go. */
+  private evictOne(keep: ReadonlySet<Entry>, tenant?: string): number {
     for (const e of this.entries.values()) {
       if (keep.has(e) || this.pool.isPinned(e.lease)) continue
+      if (tenant !== undefined && e.tenant !== tenant) continue
       this.entries.delete(e.key)
+      this.numPagesOf.set(e.tenant, this.numPagesOf.get(e.tenant)! - 1)
       this.pool.release(e.lease)
       this.options.onEvict?.(1)
       return 1
@@ -250,6 +307,41 @@ export class PrefixCache {
         store.copyWithin(to * pageStride, from * pageStride, (from + 1) * pageStride)
       }
     }
+  }
+
+  /** G5 at publication: the first `numPages` pages of `lease` are sealed, so the prefill that
+   *  wrote them completed (checkRead has vouched for their owner and fill). */
+  private checkSealed(lease: PageLease, numPages: number): void {
+    if (this.options.guards?.G5 === false) return
+    for (const { page } of lease.pages.slice(0, numPages)) {
+      if (this.pool.state[page] !== PageState.sealed) {
+        throw (this.options.trips ?? new GuardTrips()).trip(
+          'G5',
+          `page ${page} of owner ${lease.owner} is not sealed: its prefill did not complete, so it is not cached`,
+        )
+      }
+    }
+  }
+
+  /** Whether `tenant` may cache: always when the budget is shared; with partitions, when it has
+   *  one or one is left (then it is given one, for the process's life). */
+  private hasPartition(tenant: string): boolean {
+    const perTenant = this.options.maxPagesPerTenant
+    if (perTenant === undefined || this.numPagesOf.has(tenant)) {
+      if (!this.numPagesOf.has(tenant)) this.numPagesOf.set(tenant, 0)
+      return true
+    }
+    if ((this.numPagesOf.size + 1) * perTenant > this.options.maxPages) return false
+    this.numPagesOf.set(tenant, 0)
+    return true
+  }
+
+  /** Whether `tenant` must evict before it adds a page: its partition is full, or (shared budget)
+   *  the whole cache is. */
+  private isAtBudget(tenant: string): boolean {
+    const perTenant = this.options.maxPagesPerTenant
+    if (perTenant === undefined) return this.entries.size >= this.options.maxPages
+    return this.numPagesOf.get(tenant)! >= perTenant
   }
 
   private ownerOf(tenant: string): number {

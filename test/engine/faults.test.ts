@@ -13,13 +13,14 @@ import {
 const allow = { KVFENCE_ALLOW_FAULTS: '1' }
 
 describe('fault and guard switches', () => {
-  it('implements exactly the eight faults of DESIGN.md §5', () => {
+  it('implements exactly the eight faults of DESIGN.md §5 and the prefix cache’s publish-partial', () => {
     assert.deepEqual([...implementedFaults].sort(), [
       'corrupt-transfer',
       'drop-abort',
       'early-release',
       'lost-ack',
       'placeholder-forward',
+      'publish-partial',
       'skip-scrub',
       'stale-epoch',
       'truncate-transfer',
