@@ -49,6 +49,9 @@ export const probesFor: Readonly<Record<FaultName, readonly ProbeName[]>> = {
   'lost-ack': ['page-leak', 'error-handling'],
   // An aborted prefill's unwritten pages published: wrong answers when its prompt comes back.
   'publish-partial': ['abort-race', 'determinism'],
+  // A corrupt page loaded back, or another tenant's: changed answers, or a cross-tenant hit.
+  'offload-load-as-hit': ['determinism'],
+  'offload-key-without-tenant': ['prefix-timing'],
 }
 
 interface FaultResult {

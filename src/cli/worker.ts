@@ -31,6 +31,8 @@ interface WorkerFlags {
   /** Prefill only: pages of each tenant's own prefix-cache partition (default: none, one shared
    *  budget). */
   prefixCachePagesPerTenant?: number
+  /** Prefill only: host-memory bytes of the prefix cache's offload tier (default 0: none). */
+  prefixCacheOffloadBytes?: number
   injectFault: string[]
   unsafeDisableGuards: boolean
   unsafeDisableGuard: string[]
@@ -92,6 +94,11 @@ export function registerWorkers(program: Command): void {
       cmd.option(
         '--prefix-cache-pages-per-tenant <n>',
         'give each tenant its own partition of this many prefix-cache pages, so no tenant evicts another’s (closes the load side channel of docs/threat-model.md; default: one budget shared by all)',
+        intOption,
+      )
+      cmd.option(
+        '--prefix-cache-offload-bytes <n>',
+        'host memory for pages evicted from the prefix cache, loaded back (verified) on a hit (default 0: none)',
         intOption,
       )
     }
@@ -187,6 +194,7 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
       transferTimeoutMs: flags.transferTimeoutMs,
       prefixCachePages,
       prefixCachePagesPerTenant: flags.prefixCachePagesPerTenant,
+      prefixCacheOffloadBytes: flags.prefixCacheOffloadBytes,
     })
     server = createWorkerServer({ role, worker }, log, clusterToken)
   }

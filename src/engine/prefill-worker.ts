@@ -5,6 +5,7 @@ import { randomBytes } from 'node:crypto'
 import { Counter, Gauge } from 'prom-client'
 import { KvfenceError } from '../errors.js'
 import type { PageLease } from '../kv/pool.js'
+import { OffloadRing } from '../kv/offload.js'
 import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
@@ -31,6 +32,10 @@ export interface PrefillWorkerOptions {
    *  tenant's traffic evicts another's pages; unset (the default): one budget shared by all
    *  tenants (see {@link PrefixCache}). */
   prefixCachePagesPerTenant?: number
+  /** Bytes of host memory for the prefix cache's offload tier, where pages evicted from the pool
+   *  go and are loaded back from (verified) on a hit; 0 or unset: no offload tier. With
+   *  partitions, each tenant gets `bytes / floor(prefixCachePages / prefixCachePagesPerTenant)`. */
+  prefixCacheOffloadBytes?: number
 }
 
 /** The prefill side of a disaggregated pair. One instance per process. */
@@ -60,6 +65,17 @@ export class PrefillWorker {
     }
     const metrics = makePrefixCacheMetrics(core, () => this.numPagesCached)
     this.cacheMetrics = metrics
+    const perTenant = options.prefixCachePagesPerTenant
+    const offloadBytes = options.prefixCacheOffloadBytes ?? 0
+    const offload =
+      offloadBytes > 0
+        ? new OffloadRing({
+            bytes: offloadBytes,
+            ...(perTenant === undefined
+              ? {}
+              : { bytesPerTenant: Math.floor(offloadBytes / Math.floor(maxPages / perTenant)) }),
+          })
+        : undefined
     this.cache = new PrefixCache(core.pool, {
       maxPages,
       maxPagesPerTenant: options.prefixCachePagesPerTenant,
@@ -68,6 +84,14 @@ export class PrefillWorker {
       guards: core.guards,
       trips: core.trips,
       onEvict: (n) => metrics.evictions.inc(n),
+      offload,
+      // The model's whole config and the pool's shape: a page written under any other is refused.
+      layout: JSON.stringify({ model: core.model.config, pool: core.pool.shape }),
+      faults: {
+        offloadLoadAsHit: core.hasFault('offload-load-as-hit'),
+        offloadKeyWithoutTenant: core.hasFault('offload-key-without-tenant'),
+      },
+      onOffloadLoad: (outcome) => metrics.offloadLoads.inc({ outcome }),
     })
   }
 
@@ -340,6 +364,9 @@ interface PrefixCacheMetrics {
   cachedTokens: Counter
   /** `kvfence_prefix_cache_evictions_total`: cached pages evicted (released and scrubbed). */
   evictions: Counter
+  /** `kvfence_prefix_cache_offload_loads_total{outcome}`: pages loaded back from the offload tier,
+   *  `hit` (verified, used) or `refused` (failed verification: a miss). */
+  offloadLoads: Counter<'outcome'>
 }
 
 function makePrefixCacheMetrics(core: WorkerCore, numPages: () => number): PrefixCacheMetrics {
@@ -367,6 +394,12 @@ function makePrefixCacheMetrics(core: WorkerCore, numPages: () => number): Prefi
     evictions: new Counter({
       name: 'kvfence_prefix_cache_evictions_total',
       help: 'Prefix cache pages evicted (released and scrubbed)',
+      registers,
+    }),
+    offloadLoads: new Counter({
+      name: 'kvfence_prefix_cache_offload_loads_total',
+      help: 'Prefix cache pages loaded back from the offload tier, by outcome (hit, or refused: a miss)',
+      labelNames: ['outcome'] as const,
       registers,
     }),
   }

@@ -27,6 +27,10 @@
  *  tenant's traffic never changes a tenant's hits, except when the pool itself runs short
  *  ({@link PrefixCache.evictFor}: a prompt's pages come before any tenant's cache).
  *
+ *  Offload: with an {@link OffloadRing}, an evicted page's K/V goes to the ring and a lookup that
+ *  finds a key missing from the pool loads it back, only once the ring verified it (tenant,
+ *  layout, token count, checksum; G4, as a transfer's pages are); a refused load is a miss.
+ *
  *  Knows pages, tenants (names and pool numbers) and token ids; knows nothing of models, transfers
  *  or HTTP. Sources followed: the idea of SGLang's radix cache / vLLM's hashed block prefix cache
  *  (with vLLM's per-request `cache_salt` replaced by a server-derived per-tenant salt, see
@@ -34,6 +38,7 @@
 import assert from 'node:assert/strict'
 import { createHash, createHmac, randomBytes } from 'node:crypto'
 import { GuardTrips, type Guards } from './guards.js'
+import { verifyOffloaded, type OffloadRing } from './offload.js'
 import { PageState, type KvPool, type PageLease, type PageRef } from './pool.js'
 
 /** Options of {@link PrefixCache}. */
@@ -48,11 +53,22 @@ export interface PrefixCacheOptions {
   maxPagesPerTenant?: number
   /** Whether G5 is on: then {@link PrefixCache.insert} refuses pages a prefill did not seal.
    *  Default: on. */
-  guards?: Pick<Guards, 'G5'>
+  guards?: Partial<Pick<Guards, 'G4' | 'G5'>>
   /** Where a refused insert is counted; the worker's `core.trips`. Default: a fresh counter. */
   trips?: GuardTrips
   /** Called with the number of pages each eviction released (metrics). */
   onEvict?: (numPages: number) => void
+  /** Where evicted pages go and come back from; unset: evicted pages are gone. */
+  offload?: OffloadRing
+  /** Identity of the model and page layout, recorded with each offloaded page and required of
+   *  every load. Default: the pool's shape. */
+  layout?: string
+  /** Faults (docs/faults.md): `offloadLoadAsHit` takes a failed read of the offload tier for a
+   *  loaded page (G4's verification then refuses it); `offloadKeyWithoutTenant` keys offloaded
+   *  pages by their tokens alone, without the salt (G4's tenant check then refuses them). */
+  faults?: { offloadLoadAsHit?: boolean; offloadKeyWithoutTenant?: boolean }
+  /** Called for each load from the offload tier: `hit` (verified and used) or `refused` (a miss). */
+  onOffloadLoad?: (outcome: 'hit' | 'refused') => void
 }
 
 /** One cached page. */
@@ -60,6 +76,8 @@ interface Entry {
   readonly key: string
   readonly tenant: string
   readonly owner: number
+  /** Its key in the offload tier (its `key`, unless fault `offload-key-without-tenant`). */
+  readonly offloadKey: string
   /** The one page's lease, held by the tenant's cache owner. */
   readonly lease: PageLease
 }
@@ -125,8 +143,19 @@ export class PrefixCache {
   /** Keys of the full pages of `tokenIds` for `tenant`, in page order: `floor(n / pageSize)` keys,
    *  at most `maxPages` of them. */
   keysOf(tenant: string, tokenIds: readonly number[], maxPages = Infinity): string[] {
+    return this.chainOf(this.saltOf(tenant), tokenIds, maxPages)
+  }
+
+  /** The offload tier's keys of `tokenIds` for `tenant`: {@link keysOf}, or with fault
+   *  `offload-key-without-tenant` the same chain with no salt (every tenant's alike). */
+  private offloadKeysOf(tenant: string, tokenIds: readonly number[], maxPages = Infinity) {
+    if (this.options.faults?.offloadKeyWithoutTenant)
+      return this.chainOf(Buffer.alloc(0), tokenIds, maxPages)
+    return this.keysOf(tenant, tokenIds, maxPages)
+  }
+
+  private chainOf(salt: Buffer, tokenIds: readonly number[], maxPages: number): string[] {
     const { pageSize } = this.pool.shape
-    const salt = this.saltOf(tenant)
     const keys: string[] = []
     let parent = Buffer.alloc(0)
     const numFull = Math.min(Math.floor(tokenIds.length / pageSize), maxPages)
@@ -149,8 +178,10 @@ export class PrefixCache {
     if (!this.isEnabled) return null
     const maxPages = Math.floor((tokenIds.length - 1) / this.pool.shape.pageSize)
     const found: Entry[] = []
-    for (const key of this.keysOf(tenant, tokenIds, maxPages)) {
-      const entry = this.entries.get(key)
+    const keys = this.keysOf(tenant, tokenIds, maxPages)
+    const offloadKeys = this.options.offload ? this.offloadKeysOf(tenant, tokenIds, maxPages) : []
+    for (let i = 0; i < keys.length; i++) {
+      const entry = this.entries.get(keys[i]) ?? this.reload(tenant, keys[i], offloadKeys[i], found)
       if (entry === undefined) break
       // Defence in depth: equal keys from another tenant would need a SHA-256 collision.
       assert.equal(entry.tenant, tenant, 'prefix cache key shared by two tenants')
@@ -200,6 +231,7 @@ export class PrefixCache {
     this.checkSealed(lease, keys.length)
     if (!this.hasPartition(tenant)) return 0
     const cacheOwner = this.ownerOf(tenant)
+    const offloadKeys = this.options.offload ? this.offloadKeysOf(tenant, tokenIds) : keys
     const chain: Entry[] = []
     let numAdded = 0
     for (let i = 0; i < keys.length; i++) {
@@ -215,7 +247,13 @@ export class PrefixCache {
       this.pool.noteWrite(copy, 0, this.pool.shape.pageSize)
       this.copyPage(lease.pages[i].page, copy.pages[0].page)
       this.pool.seal(copy)
-      const entry = { key: keys[i], tenant, owner: cacheOwner, lease: copy }
+      const entry = {
+        key: keys[i],
+        offloadKey: offloadKeys[i],
+        tenant,
+        owner: cacheOwner,
+        lease: copy,
+      }
       this.entries.set(entry.key, entry)
       this.numPagesOf.set(tenant, (this.numPagesOf.get(tenant) ?? 0) + 1)
       chain.push(entry)
@@ -283,6 +321,7 @@ export class PrefixCache {
       if (tenant !== undefined && e.tenant !== tenant) continue
       this.entries.delete(e.key)
       this.numPagesOf.set(e.tenant, this.numPagesOf.get(e.tenant)! - 1)
+      this.offload(e)
       this.pool.release(e.lease)
       this.options.onEvict?.(1)
       return 1
@@ -296,6 +335,103 @@ export class PrefixCache {
     for (let i = chain.length - 1; i >= 0; i--) {
       this.entries.delete(chain[i].key)
       this.entries.set(chain[i].key, chain[i])
+    }
+  }
+
+  /** The layout identity offloaded pages are recorded under and loads must match. */
+  private get layout(): string {
+    const { numLayers, numKvHeads, headDim, pageSize } = this.pool.shape
+    return (
+      this.options.layout ??
+      `layers ${numLayers}, kv heads ${numKvHeads}×${headDim}, page ${pageSize}`
+    )
+  }
+
+  /** Keep an evicted page's K/V in the offload tier, if there is one. */
+  private offload(e: Entry): void {
+    const ring = this.options.offload
+    if (ring === undefined) return
+    const payload = this.pageBytes(e.lease.pages[0].page)
+    ring.store(
+      {
+        key: e.offloadKey,
+        tenant: e.tenant,
+        layout: this.layout,
+        numTokens: this.pool.shape.pageSize,
+      },
+      payload,
+    )
+  }
+
+  /** Load the page under `key` back from the offload tier into a new page of the tenant's cache
+   *  owner, evicting (its own pages, with partitions) as an insert would but never a page of
+   *  `found`. A failed read, or with G4 on a page that fails {@link verifyOffloaded}, is a miss
+   *  (counted as `refused`). Returns the new entry, or undefined for a miss. */
+  private reload(
+    tenant: string,
+    key: string,
+    offloadKey: string | undefined,
+    found: readonly Entry[],
+  ): Entry | undefined {
+    const ring = this.options.offload
+    if (ring === undefined || offloadKey === undefined) return undefined
+    const { pageSize } = this.pool.shape
+    const loaded = ring.load(offloadKey)
+    if (loaded.kind === 'absent') return undefined
+    const expect = {
+      tenant,
+      layout: this.layout,
+      numTokens: pageSize,
+      numBytes: this.pool.pageBytes,
+    }
+    const isRefused =
+      (loaded.kind === 'failed' && !this.options.faults?.offloadLoadAsHit) ||
+      (this.options.guards?.G4 !== false &&
+        verifyOffloaded(loaded.page, offloadKey, expect) !== null)
+    if (isRefused) {
+      this.options.onOffloadLoad?.('refused')
+      return undefined
+    }
+    if (!this.hasPartition(tenant)) return undefined
+    const evictable = this.isPartitioned ? tenant : undefined
+    if (this.isAtBudget(tenant) && this.evictOne(new Set(found), evictable) === 0) return undefined
+    if (this.pool.numFree === 0) return undefined
+    const lease = this.pool.allocate(1, this.ownerOf(tenant), this.options.tenantId(tenant))
+    this.pool.noteWrite(lease, 0, pageSize)
+    this.writePage(lease.pages[0].page, loaded.page.payload)
+    this.pool.seal(lease)
+    ring.delete(offloadKey)
+    const entry = { key, offloadKey, tenant, owner: lease.owner, lease }
+    this.entries.set(key, entry)
+    this.numPagesOf.set(tenant, this.numPagesOf.get(tenant)! + 1)
+    this.options.onOffloadLoad?.('hit')
+    return entry
+  }
+
+  /** A copy of page `page`'s K then V rows for each layer (the transfer's page layout). */
+  private pageBytes(page: number): Uint8Array {
+    const { pageStride } = this.pool
+    const out = new Float32Array(2 * this.pool.shape.numLayers * pageStride)
+    let at = 0
+    for (let layer = 0; layer < this.pool.shape.numLayers; layer++) {
+      for (const store of [this.pool.k[layer], this.pool.v[layer]]) {
+        out.set(store.subarray(page * pageStride, (page + 1) * pageStride), at)
+        at += pageStride
+      }
+    }
+    return new Uint8Array(out.buffer)
+  }
+
+  /** Inverse of {@link pageBytes}: write `payload` (a verified load) into page `page`. */
+  private writePage(page: number, payload: Uint8Array): void {
+    const { pageStride } = this.pool
+    const floats = new Float32Array(Uint8Array.from(payload).buffer)
+    let at = 0
+    for (let layer = 0; layer < this.pool.shape.numLayers; layer++) {
+      for (const store of [this.pool.k[layer], this.pool.v[layer]]) {
+        store.set(floats.subarray(at, at + pageStride), page * pageStride)
+        at += pageStride
+      }
     }
   }
 
