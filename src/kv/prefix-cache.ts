@@ -51,8 +51,8 @@ export interface PrefixCacheOptions {
   tenantId: (tenant: string) => number
   /** Pages of one tenant's partition (1..maxPages); unset: one budget shared by all tenants. */
   maxPagesPerTenant?: number
-  /** Whether G5 is on: then {@link PrefixCache.insert} refuses pages a prefill did not seal.
-   *  Default: on. */
+  /** Which guards are on (each default: on). G5: {@link PrefixCache.insert} refuses pages a
+   *  prefill did not seal or fill. G4: a page loaded from the offload tier is verified first. */
   guards?: Partial<Pick<Guards, 'G4' | 'G5'>>
   /** Where a refused insert is counted; the worker's `core.trips`. Default: a fresh counter. */
   trips?: GuardTrips
@@ -285,7 +285,8 @@ export class PrefixCache {
 
   /** The cache's invariant: every cached page is owned by its tenant's cache owner and that
    *  tenant's pool number, sealed, at the recorded epoch, full (fill = pageSize), and listed once;
-   *  the cache holds at most `maxPages` pages. Throws on violation. */
+   *  the cache holds at most `maxPages` pages, each tenant's count is right and within its
+   *  partition; the offload ring's own invariant holds. Throws on violation. */
   check(): void {
     const { pool } = this
     assert(
@@ -311,6 +312,7 @@ export class PrefixCache {
       const perTenant = this.options.maxPagesPerTenant
       if (perTenant !== undefined) assert(n <= perTenant, `tenant ${tenant} over its partition`)
     }
+    this.options.offload?.check()
   }
 
   /** Evict the least recently used page that is neither pinned nor in `keep` (and is `tenant`'s,
@@ -389,6 +391,8 @@ export class PrefixCache {
       (this.options.guards?.G4 !== false &&
         verifyOffloaded(loaded.page, offloadKey, expect) !== null)
     if (isRefused) {
+      // The entry stays: were another tenant's lookup to drop it, that tenant would change this
+      // one's hits.
       this.options.onOffloadLoad?.('refused')
       return undefined
     }
