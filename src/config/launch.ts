@@ -66,7 +66,12 @@ export async function launchCluster(
       const start = (
         role: 'prefill' | 'decode',
         entry:
-          | { pages: number; prefixCachePages?: number; prefixCachePagesPerTenant?: number }
+          | {
+              pages: number
+              prefixCachePages?: number
+              prefixCachePagesPerTenant?: number
+              prefixCacheOffloadBytes?: number
+            }
           | { url: string },
       ) =>
         'url' in entry
@@ -147,7 +152,12 @@ export function gatewayOptions(
 function startWorker(
   role: 'prefill' | 'decode',
   modelDir: string,
-  pool: { pages: number; prefixCachePages?: number; prefixCachePagesPerTenant?: number },
+  pool: {
+    pages: number
+    prefixCachePages?: number
+    prefixCachePagesPerTenant?: number
+    prefixCacheOffloadBytes?: number
+  },
   pageSize: number,
   host: string,
   logLevel: string,
@@ -167,6 +177,8 @@ function startWorker(
     args.push('--prefix-cache-pages', String(pool.prefixCachePages))
   if (pool.prefixCachePagesPerTenant !== undefined)
     args.push('--prefix-cache-pages-per-tenant', String(pool.prefixCachePagesPerTenant))
+  if (pool.prefixCacheOffloadBytes !== undefined)
+    args.push('--prefix-cache-offload-bytes', String(pool.prefixCacheOffloadBytes))
   args.push('--host', host, '--port', '0', '--log-level', logLevel)
   if (role === 'decode') args.push('--transfer-host', host, '--transfer-port', '0')
   return forkPart(
