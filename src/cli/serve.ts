@@ -38,7 +38,6 @@ interface ServeFlags {
   prefillPages: number
   decodePages: number
   prefixCachePages?: number
-  prefixCachePagesPerTenant?: number
   contextWindow?: number
   clampContext: boolean
   injectFault: string[]
@@ -77,11 +76,6 @@ export function registerServe(program: Command): void {
       intOption,
     )
     .option(
-      '--prefix-cache-pages-per-tenant <n>',
-      'each tenant’s own partition of the prefix cache, so no tenant evicts another’s pages (default: one shared budget); not with --config',
-      intOption,
-    )
-    .option(
       '--context-window <n>',
       'advertised context window (default: the effective KV capacity)',
       positiveIntOption,
@@ -108,13 +102,10 @@ export function registerServe(program: Command): void {
       exitIfParentGoesDuringStart()
       if (flags.config !== undefined && flags.threads !== undefined)
         throw new KvfenceError('config_invalid', '--threads is not used with --config')
-      if (
-        flags.config !== undefined &&
-        (flags.prefixCachePages ?? flags.prefixCachePagesPerTenant) !== undefined
-      ) {
+      if (flags.config !== undefined && flags.prefixCachePages !== undefined) {
         throw new KvfenceError(
           'config_invalid',
-          '--prefix-cache-pages(-per-tenant) is not used with --config (set prefixCachePages(PerTenant) in workers.prefill)',
+          '--prefix-cache-pages is not used with --config (set prefixCachePages in workers.prefill)',
         )
       }
       if (flags.config !== undefined) return serveConfig(flags.config, flags)
@@ -141,14 +132,6 @@ export function registerServe(program: Command): void {
         prefillPages: flags.prefillPages,
         decodePages: flags.decodePages,
         prefixCachePages: flags.prefixCachePages,
-        ...(flags.prefixCachePagesPerTenant === undefined
-          ? {}
-          : {
-              prefillArgs: [
-                '--prefix-cache-pages-per-tenant',
-                String(flags.prefixCachePagesPerTenant),
-              ],
-            }),
         contextWindow: flags.contextWindow,
         clampContext: flags.clampContext,
         prefillFaults: flags.injectFault,
