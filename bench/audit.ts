@@ -48,6 +48,11 @@ export const probesFor: Readonly<Record<FaultName, readonly ProbeName[]>> = {
   'corrupt-transfer': ['canary', 'concurrency', 'determinism'],
   'truncate-transfer': ['canary', 'concurrency', 'determinism'],
   'lost-ack': ['page-leak', 'error-handling'],
+  // An aborted prefill's unwritten pages published: wrong answers when its prompt comes back.
+  'publish-partial': ['abort-race', 'determinism'],
+  // A corrupt page loaded back, or another tenant's: changed answers, or a cross-tenant hit.
+  'offload-load-as-hit': ['determinism'],
+  'offload-key-without-tenant': ['prefix-timing'],
 }
 
 interface FaultResult {

@@ -28,6 +28,11 @@ interface WorkerFlags {
   maxBatch: number
   /** Prefill only: most pool pages the prefix cache may hold (default: a quarter of `pages`). */
   prefixCachePages?: number
+  /** Prefill only: pages of each tenant's own prefix-cache partition (default: none, one shared
+   *  budget). */
+  prefixCachePagesPerTenant?: number
+  /** Prefill only: host-memory bytes of the prefix cache's offload tier (default 0: none). */
+  prefixCacheOffloadBytes?: number
   injectFault: string[]
   unsafeDisableGuards: boolean
   unsafeDisableGuard: string[]
@@ -84,6 +89,16 @@ export function registerWorkers(program: Command): void {
       cmd.option(
         '--prefix-cache-pages <n>',
         'most KV pool pages the prefix cache may hold (keyed per tenant, its pages shared by all: see docs/threat-model.md), 0 = off (default: a quarter of --pages)',
+        intOption,
+      )
+      cmd.option(
+        '--prefix-cache-pages-per-tenant <n>',
+        'give each tenant its own partition of this many prefix-cache pages, so no tenant evicts another’s (closes the load side channel of docs/threat-model.md; default: one budget shared by all)',
+        intOption,
+      )
+      cmd.option(
+        '--prefix-cache-offload-bytes <n>',
+        'host memory for pages evicted from the prefix cache, loaded back (verified) on a hit (default 0: none)',
         intOption,
       )
     }
@@ -178,6 +193,8 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     const worker = new PrefillWorker(core, {
       transferTimeoutMs: flags.transferTimeoutMs,
       prefixCachePages,
+      prefixCachePagesPerTenant: flags.prefixCachePagesPerTenant,
+      prefixCacheOffloadBytes: flags.prefixCacheOffloadBytes,
     })
     server = createWorkerServer({ role, worker }, log, clusterToken)
   }

@@ -61,19 +61,39 @@ const prefixCacheBudget = z
   .unknown()
   .refine((v) => Number.isInteger(v) && (v as number) >= 0, 'must be an integer ≥ 0')
   .transform((v) => v as number)
+const prefixCachePartition = z
+  .unknown()
+  .refine((v) => Number.isInteger(v) && (v as number) >= 1, 'must be an integer ≥ 1')
+  .transform((v) => v as number)
 
 /** A prefill worker: as {@link WorkerEntry}; one started here may also set `prefixCachePages`,
  *  the most pool pages its prefix cache may hold (`kvfence prefill --prefix-cache-pages`; 0 turns
  *  the cache off, closing the load side channel of docs/threat-model.md; default: a quarter of
- *  `pages`). */
+ *  `pages`), and `prefixCachePagesPerTenant`, each tenant's own partition of it
+ *  (`--prefix-cache-pages-per-tenant`: no tenant evicts another's pages, which closes that side
+ *  channel too; default: one budget shared by all tenants), and `prefixCacheOffloadBytes`, the host
+ *  memory of its offload tier (`--prefix-cache-offload-bytes`; default 0: none). */
 export const PrefillWorkerEntry = z.union(
   [
     z
-      .strictObject({ pages: positive, prefixCachePages: prefixCacheBudget.optional() })
+      .strictObject({
+        pages: positive,
+        prefixCachePages: prefixCacheBudget.optional(),
+        prefixCachePagesPerTenant: prefixCachePartition.optional(),
+        prefixCacheOffloadBytes: prefixCacheBudget.optional(),
+      })
       .refine((e) => e.prefixCachePages === undefined || e.prefixCachePages <= e.pages, {
         error: 'may not exceed pages',
         path: ['prefixCachePages'],
-      }),
+      })
+      .refine(
+        (e) =>
+          // Against the worker's default cache size the worker itself checks, when it starts.
+          e.prefixCachePagesPerTenant === undefined ||
+          e.prefixCachePages === undefined ||
+          e.prefixCachePagesPerTenant <= e.prefixCachePages,
+        { error: 'may not exceed prefixCachePages', path: ['prefixCachePagesPerTenant'] },
+      ),
     z.strictObject({ url: httpUrl }),
   ],
   { error: workerShapeError.replace('{ pages: N }', '{ pages: N, prefixCachePages?: N }') },

@@ -28,6 +28,12 @@ export type WorkerPlan =
       /** Most pages its prefix cache may hold (`--prefix-cache-pages`, prefill only); default:
        *  the worker's own (a quarter of its pages). */
       prefixCachePages?: number
+      /** Most pages one tenant's partition of the prefix cache may hold
+       *  (`--prefix-cache-pages-per-tenant`, prefill only); default: one budget shared by all. */
+      prefixCachePagesPerTenant?: number
+      /** Bytes of the prefix cache's host-memory offload tier (`--prefix-cache-offload-bytes`,
+       *  prefill only); default: no offload tier. */
+      prefixCacheOffloadBytes?: number
       /** Faults to inject (`--inject-fault`; needs KVFENCE_ALLOW_FAULTS=1 in the plan's env). */
       faults?: readonly string[]
       /** Further flags, e.g. `['--transfer-timeout-ms', '1000']`. */
@@ -168,6 +174,12 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
       ...(worker.prefixCachePages === undefined
         ? []
         : ['--prefix-cache-pages', String(worker.prefixCachePages)]),
+      ...(worker.prefixCachePagesPerTenant === undefined
+        ? []
+        : ['--prefix-cache-pages-per-tenant', String(worker.prefixCachePagesPerTenant)]),
+      ...(worker.prefixCacheOffloadBytes === undefined
+        ? []
+        : ['--prefix-cache-offload-bytes', String(worker.prefixCacheOffloadBytes)]),
       ...(role === 'decode' ? ['--transfer-host', plan.host, '--transfer-port', '0'] : []),
       ...(worker.args ?? []),
     ])

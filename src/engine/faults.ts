@@ -18,12 +18,20 @@ export const faultDescriptions = {
   'corrupt-transfer': 'flip bits in transferred page payloads',
   'truncate-transfer': 'send fewer pages than the manifest claims',
   'lost-ack': 'drop the decode worker’s acknowledgement of a transfer before it reaches prefill',
+  'publish-partial':
+    'prefill inserts an aborted or failed prompt’s pages into the prefix cache as if its prefill had completed',
+  'offload-load-as-hit':
+    'a prefix-cache page loaded back from the offload tier is used although its verification failed (a failed load counted as a hit)',
+  'offload-key-without-tenant':
+    'the offload tier keys prefix-cache pages by their tokens alone, leaving out the tenant’s salt',
 } as const
 
 /** The name of an injectable fault. */
 export type FaultName = keyof typeof faultDescriptions
 
-/** Faults that the workers implement: all of DESIGN.md §5. */
+/** Faults that the workers implement: all of DESIGN.md §5, and the prefix cache's:
+ *  `publish-partial` (sglang#38319), `offload-load-as-hit` (dynamo#15079, LMCache#4385, #5151),
+ *  `offload-key-without-tenant` (lmdeploy#4930). */
 export const implementedFaults: readonly FaultName[] = Object.keys(faultDescriptions) as FaultName[]
 
 /** What a process was told to break. Frozen once built. */

@@ -5,6 +5,7 @@ import { randomBytes } from 'node:crypto'
 import { Counter, Gauge } from 'prom-client'
 import { KvfenceError } from '../errors.js'
 import type { PageLease } from '../kv/pool.js'
+import { OffloadRing } from '../kv/offload.js'
 import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
@@ -27,6 +28,14 @@ export interface PrefillWorkerOptions {
   transferTimeoutMs?: number
   /** Most pages of the KV pool the prefix cache may hold; 0 (the default) turns it off. */
   prefixCachePages?: number
+  /** Pages of each tenant's own partition of the prefix cache (1..prefixCachePages), so that no
+   *  tenant's traffic evicts another's pages; unset (the default): one budget shared by all
+   *  tenants (see {@link PrefixCache}). */
+  prefixCachePagesPerTenant?: number
+  /** Bytes of host memory for the prefix cache's offload tier, where pages evicted from the pool
+   *  go and are loaded back from (verified) on a hit; 0 or unset: no offload tier. With
+   *  partitions, each tenant gets `bytes / floor(prefixCachePages / prefixCachePagesPerTenant)`. */
+  prefixCacheOffloadBytes?: number
 }
 
 /** The prefill side of a disaggregated pair. One instance per process. */
@@ -38,7 +47,8 @@ export class PrefillWorker {
   private readonly cache: PrefixCache | null
   private readonly cacheMetrics: PrefixCacheMetrics | null
 
-  /** Throws RangeError for a negative `prefixCachePages` or one above the pool's pages. */
+  /** Throws RangeError for a negative `prefixCachePages` or one above the pool's pages, or a
+   *  `prefixCachePagesPerTenant` outside 1..prefixCachePages. */
   constructor(
     readonly core: WorkerCore,
     private readonly options: PrefillWorkerOptions = {},
@@ -55,11 +65,33 @@ export class PrefillWorker {
     }
     const metrics = makePrefixCacheMetrics(core, () => this.numPagesCached)
     this.cacheMetrics = metrics
+    const perTenant = options.prefixCachePagesPerTenant
+    const offloadBytes = options.prefixCacheOffloadBytes ?? 0
+    const offload =
+      offloadBytes > 0
+        ? new OffloadRing({
+            bytes: offloadBytes,
+            ...(perTenant === undefined
+              ? {}
+              : { bytesPerTenant: Math.floor(offloadBytes / Math.floor(maxPages / perTenant)) }),
+          })
+        : undefined
     this.cache = new PrefixCache(core.pool, {
       maxPages,
+      maxPagesPerTenant: options.prefixCachePagesPerTenant,
       nextOwner: core.nextOwner,
       tenantId: core.tenantId,
+      guards: core.guards,
+      trips: core.trips,
       onEvict: (n) => metrics.evictions.inc(n),
+      offload,
+      // The model's whole config and the pool's shape: a page written under any other is refused.
+      layout: JSON.stringify({ model: core.model.config, pool: core.pool.shape }),
+      faults: {
+        offloadLoadAsHit: core.hasFault('offload-load-as-hit'),
+        offloadKeyWithoutTenant: core.hasFault('offload-key-without-tenant'),
+      },
+      onOffloadLoad: (outcome) => metrics.offloadLoads.inc({ outcome }),
     })
   }
 
@@ -86,6 +118,10 @@ export class PrefillWorker {
     try {
       const { first, numCached } = await this.firstToken(seq, hit, isPlaceholder, signal)
       pool.seal(seq.lease)
+      // Published only now, sealed by a completed prefill: the transfer only reads these pages, so
+      // their KV is final here whatever becomes of the transfer; a concurrent prompt of the same
+      // tenant can hit them already.
+      if (this.cache && !isPlaceholder) this.cache.insert(seq.tenant, seq.promptTokenIds, seq.lease)
       pool.pin(seq.lease)
       isPinned = true
       const numPages = await this.sendKv(req, seq, first.tokenId, isPlaceholder, signal)
@@ -159,8 +195,8 @@ export class PrefillWorker {
     return { seq, hit }
   }
 
-  /** Copy the prefix-cache hit, prefill the rest, cache the prompt's full pages, and sample the
-   *  first token. Returns it with the prompt tokens the cache covered. */
+  /** Copy the prefix-cache hit, prefill the rest and sample the first token. Returns it with the
+   *  prompt tokens the cache covered. */
   private async firstToken(
     seq: Sequence,
     hit: PrefixHit | null,
@@ -172,14 +208,28 @@ export class PrefillWorker {
       this.cacheMetrics!.requests.inc({ outcome: numCached > 0 ? 'hit' : 'miss' })
       this.cacheMetrics!.cachedTokens.inc(numCached)
     }
-    const logits = await this.runPrefill(seq, numCached, signal)
-    // Cache the prompt's full pages (those not cached yet) before the transfer, so that a
-    // concurrent prompt of the same tenant can hit them already.
-    if (this.cache && !isPlaceholder) this.cache.insert(seq.tenant, seq.promptTokenIds, seq.lease)
+    let logits: Float32Array
+    try {
+      logits = await this.runPrefill(seq, numCached, signal)
+    } catch (err) {
+      if (this.cache && this.core.hasFault('publish-partial')) this.publishPartial(seq)
+      throw err
+    }
     // The same pipeline as every later token (penalties have no history yet); its
     // log-probabilities go back to the router in the result, the decode worker never sees them.
     const first = new RequestSampler(seq.sampling, 'prefill').next(logits)
     return { first, numCached }
+  }
+
+  /** Fault `publish-partial` (sglang#38319): cache an aborted or failed prefill's pages as if it had
+   *  completed. With G5 on the cache refuses them (not sealed, not filled) and the trip is counted;
+   *  with G5 off their unwritten KV is published. Never throws: the prefill's own error stands. */
+  private publishPartial(seq: Sequence): void {
+    try {
+      this.cache!.insert(seq.tenant, seq.promptTokenIds, seq.lease)
+    } catch {
+      // Refused by G5 and counted in the guard trips.
+    }
   }
 
   /** Send the sealed, pinned prompt pages to the decode worker; resolves once it acknowledged
@@ -235,7 +285,7 @@ export class PrefillWorker {
   private allocatePages(numTokens: number, owner: number, tenant: string): PageLease {
     const { pool } = this.core
     const numPages = pool.pagesFor(numTokens)
-    if (!pool.canAllocate(numPages)) this.cache?.evictFor(numPages)
+    if (!pool.canAllocate(numPages)) this.cache?.evictFor(numPages, tenant)
     return pool.allocate(numPages, owner, this.core.tenantId(tenant))
   }
 
@@ -314,6 +364,9 @@ interface PrefixCacheMetrics {
   cachedTokens: Counter
   /** `kvfence_prefix_cache_evictions_total`: cached pages evicted (released and scrubbed). */
   evictions: Counter
+  /** `kvfence_prefix_cache_offload_loads_total{outcome}`: pages loaded back from the offload tier,
+   *  `hit` (verified, used) or `refused` (failed verification: a miss). */
+  offloadLoads: Counter<'outcome'>
 }
 
 function makePrefixCacheMetrics(core: WorkerCore, numPages: () => number): PrefixCacheMetrics {
@@ -341,6 +394,12 @@ function makePrefixCacheMetrics(core: WorkerCore, numPages: () => number): Prefi
     evictions: new Counter({
       name: 'kvfence_prefix_cache_evictions_total',
       help: 'Prefix cache pages evicted (released and scrubbed)',
+      registers,
+    }),
+    offloadLoads: new Counter({
+      name: 'kvfence_prefix_cache_offload_loads_total',
+      help: 'Prefix cache pages loaded back from the offload tier, by outcome (hit, or refused: a miss)',
+      labelNames: ['outcome'] as const,
       registers,
     }),
   }

@@ -14,12 +14,31 @@
  *  pages; a cached page is never handed to a request and never mutated. Eviction is least recently
  *  used, skips pinned pages, and releases through the pool (which scrubs, G6).
  *
+ *  Publishing: only pages sealed by a prefill that completed are inserted (the caller seals first;
+ *  {@link PrefixCache.insert} refuses an unsealed or short page with a G5 trip), so an aborted or
+ *  failed prefill never leaves KV it did not finish in the cache (sglang#38319).
+ *
+ *  Budgets: with `maxPagesPerTenant` unset, every tenant's pages share `maxPages` and eviction is
+ *  least recently used across tenants, so one tenant's load lowers another's hits (the load side
+ *  channel of docs/threat-model.md). With it set, the cache is split into partitions of
+ *  `maxPagesPerTenant` pages, at most `floor(maxPages / maxPagesPerTenant)` of them, each given to
+ *  a tenant the first time it inserts and kept for the process's life; a tenant evicts only its own
+ *  pages, and a tenant that arrives when every partition is taken caches nothing. Then another
+ *  tenant's traffic never changes a tenant's hits, except when the pool itself runs short
+ *  ({@link PrefixCache.evictFor}: a prompt's pages come before any tenant's cache).
+ *
+ *  Offload: with an {@link OffloadRing}, an evicted page's K/V goes to the ring and a lookup that
+ *  finds a key missing from the pool loads it back, only once the ring verified it (tenant,
+ *  layout, token count, checksum; G4, as a transfer's pages are); a refused load is a miss.
+ *
  *  Knows pages, tenants (names and pool numbers) and token ids; knows nothing of models, transfers
  *  or HTTP. Sources followed: the idea of SGLang's radix cache / vLLM's hashed block prefix cache
  *  (with vLLM's per-request `cache_salt` replaced by a server-derived per-tenant salt, see
  *  DESIGN.md §10 on vllm#53347). */
 import assert from 'node:assert/strict'
 import { createHash, createHmac, randomBytes } from 'node:crypto'
+import { GuardTrips, type Guards } from './guards.js'
+import { verifyOffloaded, type OffloadRing } from './offload.js'
 import { PageState, type KvPool, type PageLease, type PageRef } from './pool.js'
 
 /** Options of {@link PrefixCache}. */
@@ -30,8 +49,26 @@ export interface PrefixCacheOptions {
   nextOwner: () => number
   /** A tenant's number in page metadata; the worker's `core.tenantId`. */
   tenantId: (tenant: string) => number
+  /** Pages of one tenant's partition (1..maxPages); unset: one budget shared by all tenants. */
+  maxPagesPerTenant?: number
+  /** Which guards are on (each default: on). G5: {@link PrefixCache.insert} refuses pages a
+   *  prefill did not seal or fill. G4: a page loaded from the offload tier is verified first. */
+  guards?: Partial<Pick<Guards, 'G4' | 'G5'>>
+  /** Where a refused insert is counted; the worker's `core.trips`. Default: a fresh counter. */
+  trips?: GuardTrips
   /** Called with the number of pages each eviction released (metrics). */
   onEvict?: (numPages: number) => void
+  /** Where evicted pages go and come back from; unset: evicted pages are gone. */
+  offload?: OffloadRing
+  /** Identity of the model and page layout, recorded with each offloaded page and required of
+   *  every load. Default: the pool's shape. */
+  layout?: string
+  /** Faults (docs/faults.md): `offloadLoadAsHit` takes a failed read of the offload tier for a
+   *  loaded page (G4's verification then refuses it); `offloadKeyWithoutTenant` keys offloaded
+   *  pages by their tokens alone, without the salt (G4's tenant check then refuses them). */
+  faults?: { offloadLoadAsHit?: boolean; offloadKeyWithoutTenant?: boolean }
+  /** Called for each load from the offload tier: `hit` (verified and used) or `refused` (a miss). */
+  onOffloadLoad?: (outcome: 'hit' | 'refused') => void
 }
 
 /** One cached page. */
@@ -39,6 +76,8 @@ interface Entry {
   readonly key: string
   readonly tenant: string
   readonly owner: number
+  /** Its key in the offload tier (its `key`, unless fault `offload-key-without-tenant`). */
+  readonly offloadKey: string
   /** The one page's lease, held by the tenant's cache owner. */
   readonly lease: PageLease
 }
@@ -64,14 +103,31 @@ export class PrefixCache {
   private readonly owners = new Map<string, number>()
   private readonly secret = randomBytes(32)
   private readonly salts = new Map<string, Buffer>()
+  /** Pages each tenant holds now (every tenant with a partition is listed, from its first insert). */
+  private readonly numPagesOf = new Map<string, number>()
 
-  /** Throws RangeError for a negative or non-integer `maxPages`. */
+  /** Throws RangeError for a negative or non-integer `maxPages`, or a `maxPagesPerTenant` that is
+   *  not an integer in 1..maxPages (when maxPages > 0). */
   constructor(
     private readonly pool: KvPool,
     private readonly options: PrefixCacheOptions,
   ) {
-    if (!Number.isInteger(options.maxPages) || options.maxPages < 0)
-      throw new RangeError(`prefix cache pages must be an integer ≥ 0, got ${options.maxPages}`)
+    const { maxPages, maxPagesPerTenant: perTenant } = options
+    if (!Number.isInteger(maxPages) || maxPages < 0)
+      throw new RangeError(`prefix cache pages must be an integer ≥ 0, got ${maxPages}`)
+    if (
+      perTenant !== undefined &&
+      maxPages > 0 &&
+      (!Number.isInteger(perTenant) || perTenant < 1 || perTenant > maxPages)
+    )
+      throw new RangeError(
+        `prefix cache pages per tenant must be an integer in 1..${maxPages}, got ${perTenant}`,
+      )
+  }
+
+  /** Whether each tenant has its own partition (`maxPagesPerTenant` set). */
+  get isPartitioned(): boolean {
+    return this.options.maxPagesPerTenant !== undefined
   }
 
   /** Whether the cache may hold pages at all. */
@@ -87,8 +143,19 @@ export class PrefixCache {
   /** Keys of the full pages of `tokenIds` for `tenant`, in page order: `floor(n / pageSize)` keys,
    *  at most `maxPages` of them. */
   keysOf(tenant: string, tokenIds: readonly number[], maxPages = Infinity): string[] {
+    return this.chainOf(this.saltOf(tenant), tokenIds, maxPages)
+  }
+
+  /** The offload tier's keys of `tokenIds` for `tenant`: {@link keysOf}, or with fault
+   *  `offload-key-without-tenant` the same chain with no salt (every tenant's alike). */
+  private offloadKeysOf(tenant: string, tokenIds: readonly number[], maxPages = Infinity) {
+    if (this.options.faults?.offloadKeyWithoutTenant)
+      return this.chainOf(Buffer.alloc(0), tokenIds, maxPages)
+    return this.keysOf(tenant, tokenIds, maxPages)
+  }
+
+  private chainOf(salt: Buffer, tokenIds: readonly number[], maxPages: number): string[] {
     const { pageSize } = this.pool.shape
-    const salt = this.saltOf(tenant)
     const keys: string[] = []
     let parent = Buffer.alloc(0)
     const numFull = Math.min(Math.floor(tokenIds.length / pageSize), maxPages)
@@ -111,8 +178,10 @@ export class PrefixCache {
     if (!this.isEnabled) return null
     const maxPages = Math.floor((tokenIds.length - 1) / this.pool.shape.pageSize)
     const found: Entry[] = []
-    for (const key of this.keysOf(tenant, tokenIds, maxPages)) {
-      const entry = this.entries.get(key)
+    const keys = this.keysOf(tenant, tokenIds, maxPages)
+    const offloadKeys = this.options.offload ? this.offloadKeysOf(tenant, tokenIds, maxPages) : []
+    for (let i = 0; i < keys.length; i++) {
+      const entry = this.entries.get(keys[i]) ?? this.reload(tenant, keys[i], offloadKeys[i], found)
       if (entry === undefined) break
       // Defence in depth: equal keys from another tenant would need a SHA-256 collision.
       assert.equal(entry.tenant, tenant, 'prefix cache key shared by two tenants')
@@ -141,11 +210,14 @@ export class PrefixCache {
     hit.refs.forEach((ref, i) => this.copyPage(ref.page, lease.pages[i].page))
   }
 
-  /** Cache the full pages of a prefilled prompt: the pages of `lease` (holding KV for every token of
-   *  `tokenIds`) are copied page by page into new pages of the tenant's cache owner. Pages
-   *  already cached are only marked used. A new page is taken only from the free list, and only
-   *  while at least `numPagesReserve` pages stay free; at `maxPages` the least recently used
-   *  unpinned page is evicted first. Returns the number of pages added. */
+  /** Cache the full pages of a prefilled prompt: the pages of `lease` (sealed, holding KV for
+   *  every token of `tokenIds`) are copied page by page into new pages of the tenant's cache owner.
+   *  Pages already cached are only marked used. A new page is taken only from the free list, and
+   *  only while at least `numPagesReserve` pages stay free; at the budget (the tenant's partition,
+   *  or `maxPages` when shared) the least recently used unpinned page the inserter may evict goes
+   *  first. Returns the number of pages added (0 for a tenant without a partition).
+   *  Throws a G5 guard error, caching nothing, when a page to copy is not sealed (its prefill did
+   *  not complete) or not filled, or is not the lease owner's. */
   insert(
     tenant: string,
     tokenIds: readonly number[],
@@ -156,7 +228,10 @@ export class PrefixCache {
     const keys = this.keysOf(tenant, tokenIds)
     if (keys.length === 0) return 0
     this.pool.checkRead(lease, keys.length * this.pool.shape.pageSize)
+    this.checkSealed(lease, keys.length)
+    if (!this.hasPartition(tenant)) return 0
     const cacheOwner = this.ownerOf(tenant)
+    const offloadKeys = this.options.offload ? this.offloadKeysOf(tenant, tokenIds) : keys
     const chain: Entry[] = []
     let numAdded = 0
     for (let i = 0; i < keys.length; i++) {
@@ -165,14 +240,22 @@ export class PrefixCache {
         chain.push(cached)
         continue
       }
-      if (this.entries.size >= this.options.maxPages && this.evictOne(new Set(chain)) === 0) break
+      const evictable = this.isPartitioned ? tenant : undefined
+      if (this.isAtBudget(tenant) && this.evictOne(new Set(chain), evictable) === 0) break
       if (this.pool.numFree <= numPagesReserve) break
       const copy = this.pool.allocate(1, cacheOwner, this.options.tenantId(tenant))
       this.pool.noteWrite(copy, 0, this.pool.shape.pageSize)
       this.copyPage(lease.pages[i].page, copy.pages[0].page)
       this.pool.seal(copy)
-      const entry = { key: keys[i], tenant, owner: cacheOwner, lease: copy }
+      const entry = {
+        key: keys[i],
+        offloadKey: offloadKeys[i],
+        tenant,
+        owner: cacheOwner,
+        lease: copy,
+      }
       this.entries.set(entry.key, entry)
+      this.numPagesOf.set(tenant, (this.numPagesOf.get(tenant) ?? 0) + 1)
       chain.push(entry)
       numAdded += 1
     }
@@ -181,13 +264,16 @@ export class PrefixCache {
   }
 
   /** Evict least recently used unpinned pages until the pool has `numPages` free pages or nothing
-   *  more can go. Returns the number of pages evicted. */
-  evictFor(numPages: number): number {
+   *  more can go: `tenant`'s own pages first (when given), then any tenant's, since a prompt that
+   *  fits the pool must not fail for the cache's sake. Returns the number of pages evicted. */
+  evictFor(numPages: number, tenant?: string): number {
     let numEvicted = 0
-    while (this.pool.numFree < numPages) {
-      const n = this.evictOne(new Set())
-      if (n === 0) break
-      numEvicted += n
+    for (const only of tenant === undefined ? [undefined] : [tenant, undefined]) {
+      while (this.pool.numFree < numPages) {
+        const n = this.evictOne(new Set(), only)
+        if (n === 0) break
+        numEvicted += n
+      }
     }
     return numEvicted
   }
@@ -199,7 +285,8 @@ export class PrefixCache {
 
   /** The cache's invariant: every cached page is owned by its tenant's cache owner and that
    *  tenant's pool number, sealed, at the recorded epoch, full (fill = pageSize), and listed once;
-   *  the cache holds at most `maxPages` pages. Throws on violation. */
+   *  the cache holds at most `maxPages` pages, each tenant's count is right and within its
+   *  partition; the offload ring's own invariant holds. Throws on violation. */
   check(): void {
     const { pool } = this
     assert(
@@ -218,14 +305,25 @@ export class PrefixCache {
       assert.equal(pool.epoch[page], epoch, `cached page ${page} at epoch ${pool.epoch[page]}`)
       assert.equal(pool.fill[page], pool.shape.pageSize, `cached page ${page} is not full`)
     }
+    const counted = new Map<string, number>()
+    for (const e of this.entries.values()) counted.set(e.tenant, (counted.get(e.tenant) ?? 0) + 1)
+    for (const [tenant, n] of this.numPagesOf) {
+      assert.equal(counted.get(tenant) ?? 0, n, `tenant ${tenant}: ${n} pages counted`)
+      const perTenant = this.options.maxPagesPerTenant
+      if (perTenant !== undefined) assert(n <= perTenant, `tenant ${tenant} over its partition`)
+    }
+    this.options.offload?.check()
   }
 
-  /** Evict the least recently used page that is neither pinned nor in `keep`. Returns 1, or 0
-   *  when no page can go. */
-  private evictOne(keep: ReadonlySet<Entry>): number {
+  /** Evict the least recently used page that is neither pinned nor in `keep` (and is `tenant`'s,
+   *  when given). Returns 1, or 0 when no page can go. */
+  private evictOne(keep: ReadonlySet<Entry>, tenant?: string): number {
     for (const e of this.entries.values()) {
       if (keep.has(e) || this.pool.isPinned(e.lease)) continue
+      if (tenant !== undefined && e.tenant !== tenant) continue
       this.entries.delete(e.key)
+      this.numPagesOf.set(e.tenant, this.numPagesOf.get(e.tenant)! - 1)
+      this.offload(e)
       this.pool.release(e.lease)
       this.options.onEvict?.(1)
       return 1
@@ -242,6 +340,105 @@ export class PrefixCache {
     }
   }
 
+  /** The layout identity offloaded pages are recorded under and loads must match. */
+  private get layout(): string {
+    const { numLayers, numKvHeads, headDim, pageSize } = this.pool.shape
+    return (
+      this.options.layout ??
+      `layers ${numLayers}, kv heads ${numKvHeads}×${headDim}, page ${pageSize}`
+    )
+  }
+
+  /** Keep an evicted page's K/V in the offload tier, if there is one. */
+  private offload(e: Entry): void {
+    const ring = this.options.offload
+    if (ring === undefined) return
+    const payload = this.pageBytes(e.lease.pages[0].page)
+    ring.store(
+      {
+        key: e.offloadKey,
+        tenant: e.tenant,
+        layout: this.layout,
+        numTokens: this.pool.shape.pageSize,
+      },
+      payload,
+    )
+  }
+
+  /** Load the page under `key` back from the offload tier into a new page of the tenant's cache
+   *  owner, evicting (its own pages, with partitions) as an insert would but never a page of
+   *  `found`. A failed read, or with G4 on a page that fails {@link verifyOffloaded}, is a miss
+   *  (counted as `refused`). Returns the new entry, or undefined for a miss. */
+  private reload(
+    tenant: string,
+    key: string,
+    offloadKey: string | undefined,
+    found: readonly Entry[],
+  ): Entry | undefined {
+    const ring = this.options.offload
+    if (ring === undefined || offloadKey === undefined) return undefined
+    const { pageSize } = this.pool.shape
+    const loaded = ring.load(offloadKey)
+    if (loaded.kind === 'absent') return undefined
+    const expect = {
+      tenant,
+      layout: this.layout,
+      numTokens: pageSize,
+      numBytes: this.pool.pageBytes,
+    }
+    const isRefused =
+      (loaded.kind === 'failed' && !this.options.faults?.offloadLoadAsHit) ||
+      (this.options.guards?.G4 !== false &&
+        verifyOffloaded(loaded.page, offloadKey, expect) !== null)
+    if (isRefused) {
+      // The entry stays: were another tenant's lookup to drop it, that tenant would change this
+      // one's hits.
+      this.options.onOffloadLoad?.('refused')
+      return undefined
+    }
+    if (!this.hasPartition(tenant)) return undefined
+    const evictable = this.isPartitioned ? tenant : undefined
+    if (this.isAtBudget(tenant) && this.evictOne(new Set(found), evictable) === 0) return undefined
+    if (this.pool.numFree === 0) return undefined
+    const lease = this.pool.allocate(1, this.ownerOf(tenant), this.options.tenantId(tenant))
+    this.pool.noteWrite(lease, 0, pageSize)
+    this.writePage(lease.pages[0].page, loaded.page.payload)
+    this.pool.seal(lease)
+    ring.delete(offloadKey)
+    const entry = { key, offloadKey, tenant, owner: lease.owner, lease }
+    this.entries.set(key, entry)
+    this.numPagesOf.set(tenant, this.numPagesOf.get(tenant)! + 1)
+    this.options.onOffloadLoad?.('hit')
+    return entry
+  }
+
+  /** A copy of page `page`'s K then V rows for each layer (the transfer's page layout). */
+  private pageBytes(page: number): Uint8Array {
+    const { pageStride } = this.pool
+    const out = new Float32Array(2 * this.pool.shape.numLayers * pageStride)
+    let at = 0
+    for (let layer = 0; layer < this.pool.shape.numLayers; layer++) {
+      for (const store of [this.pool.k[layer], this.pool.v[layer]]) {
+        out.set(store.subarray(page * pageStride, (page + 1) * pageStride), at)
+        at += pageStride
+      }
+    }
+    return new Uint8Array(out.buffer)
+  }
+
+  /** Inverse of {@link pageBytes}: write `payload` (a verified load) into page `page`. */
+  private writePage(page: number, payload: Uint8Array): void {
+    const { pageStride } = this.pool
+    const floats = new Float32Array(Uint8Array.from(payload).buffer)
+    let at = 0
+    for (let layer = 0; layer < this.pool.shape.numLayers; layer++) {
+      for (const store of [this.pool.k[layer], this.pool.v[layer]]) {
+        store.set(floats.subarray(at, at + pageStride), page * pageStride)
+        at += pageStride
+      }
+    }
+  }
+
   /** Copy every layer's K and V of page `from` to page `to`. */
   private copyPage(from: number, to: number): void {
     const { pageStride } = this.pool
@@ -250,6 +447,41 @@ export class PrefixCache {
         store.copyWithin(to * pageStride, from * pageStride, (from + 1) * pageStride)
       }
     }
+  }
+
+  /** G5 at publication: the first `numPages` pages of `lease` are sealed, so the prefill that
+   *  wrote them completed (checkRead has vouched for their owner and fill). */
+  private checkSealed(lease: PageLease, numPages: number): void {
+    if (this.options.guards?.G5 === false) return
+    for (const { page } of lease.pages.slice(0, numPages)) {
+      if (this.pool.state[page] !== PageState.sealed) {
+        throw (this.options.trips ?? new GuardTrips()).trip(
+          'G5',
+          `page ${page} of owner ${lease.owner} is not sealed: its prefill did not complete, so it is not cached`,
+        )
+      }
+    }
+  }
+
+  /** Whether `tenant` may cache: always when the budget is shared; with partitions, when it has
+   *  one or one is left (then it is given one, for the process's life). */
+  private hasPartition(tenant: string): boolean {
+    const perTenant = this.options.maxPagesPerTenant
+    if (perTenant === undefined || this.numPagesOf.has(tenant)) {
+      if (!this.numPagesOf.has(tenant)) this.numPagesOf.set(tenant, 0)
+      return true
+    }
+    if ((this.numPagesOf.size + 1) * perTenant > this.options.maxPages) return false
+    this.numPagesOf.set(tenant, 0)
+    return true
+  }
+
+  /** Whether `tenant` must evict before it adds a page: its partition is full, or (shared budget)
+   *  the whole cache is. */
+  private isAtBudget(tenant: string): boolean {
+    const perTenant = this.options.maxPagesPerTenant
+    if (perTenant === undefined) return this.entries.size >= this.options.maxPages
+    return this.numPagesOf.get(tenant)! >= perTenant
   }
 
   private ownerOf(tenant: string): number {

@@ -13,13 +13,16 @@ import {
 const allow = { KVFENCE_ALLOW_FAULTS: '1' }
 
 describe('fault and guard switches', () => {
-  it('implements exactly the eight faults of DESIGN.md §5', () => {
+  it('implements exactly the eight faults of DESIGN.md §5 and the prefix cache’s three', () => {
     assert.deepEqual([...implementedFaults].sort(), [
       'corrupt-transfer',
       'drop-abort',
       'early-release',
       'lost-ack',
+      'offload-key-without-tenant',
+      'offload-load-as-hit',
       'placeholder-forward',
+      'publish-partial',
       'skip-scrub',
       'stale-epoch',
       'truncate-transfer',

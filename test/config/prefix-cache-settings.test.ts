@@ -1,0 +1,41 @@
+/** The prefix cache's per-tenant partition (`prefixCachePagesPerTenant`) and offload tier
+ *  (`prefixCacheOffloadBytes`) on a config file's prefill entry: accepted when in range, and a bad
+ *  value is one line naming the field. */
+import assert from 'node:assert/strict'
+import { describe, it } from 'node:test'
+import { parseClusterConfig } from '../../src/config/cluster.js'
+import { newApiKey } from '../../src/cli/keys.js'
+import { apiKeyDigest } from '../../src/router/tenants.js'
+
+const records = [{ name: 'tenant-a', keySha256: apiKeyDigest(newApiKey()) }]
+const config = (prefill: unknown[]) => () =>
+  parseClusterConfig(
+    { workers: { prefill, decode: [{ pages: 8 }] }, tenants: records },
+    'c.yaml',
+    '/',
+  )
+
+describe('prefix-cache settings of a prefill entry', () => {
+  it('accepts a partition within the cache and any offload size ≥ 0', () => {
+    const entry = {
+      pages: 64,
+      prefixCachePages: 16,
+      prefixCachePagesPerTenant: 8,
+      prefixCacheOffloadBytes: 0,
+    }
+    assert.deepEqual(config([entry])().workers!.prefill, [entry])
+  })
+
+  it('is one line naming the field when bad', () => {
+    const at = 'c.yaml: workers.prefill.0'
+    const cases: [unknown, string][] = [
+      [{ pages: 64, prefixCachePages: 16, prefixCachePagesPerTenant: 17 }, `${at}.prefixCachePagesPerTenant: may not exceed prefixCachePages`],
+      [{ pages: 64, prefixCachePagesPerTenant: 0 }, `${at}.prefixCachePagesPerTenant: must be an integer ≥ 1`],
+      [{ pages: 64, prefixCachePagesPerTenant: 'all' }, `${at}.prefixCachePagesPerTenant: must be an integer ≥ 1`],
+      [{ pages: 64, prefixCacheOffloadBytes: -1 }, `${at}.prefixCacheOffloadBytes: must be an integer ≥ 0`],
+    ] // prettier-ignore
+    for (const [entry, message] of cases) {
+      assert.throws(config([entry]), { name: 'KvfenceError', message })
+    }
+  })
+})

@@ -1,0 +1,89 @@
+/** The prefix cache's offload tier in a real cluster (router, prefill and decode workers as OS
+ *  processes; the prefill worker started with `--prefix-cache-pages 8
+ *  --prefix-cache-offload-bytes 1048576`), driven by the official `openai` client: tenant A's
+ *  pages, evicted from the 8-page cache by tenant B's prompts, come back from host memory when A
+ *  asks again: A's `cached_tokens` are those of a cache that never evicted, its answer is exactly
+ *  the single-process engine's, and the prefill worker counts the verified loads. */
+import assert from 'node:assert/strict'
+import { join } from 'node:path'
+import { after, before, describe, it } from 'node:test'
+import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import { buildFaultConfig } from '../../src/engine/faults.js'
+import { generateLocal } from '../../src/engine/local-engine.js'
+import { createWorkerCore } from '../../src/engine/worker-core.js'
+import { loadTokenizer } from '../../src/model/tokenizer.js'
+import { loadModel } from '../../src/model/weights.js'
+import { openaiClient, twoTenants } from '../helpers/cluster.js'
+import { echoModelDir } from '../helpers/paths.js'
+
+const { dir, tenants, tenantsFile } = twoTenants('kvfence-prefix-offload-')
+
+/** BOS + 110 characters: 111 tokens, 6 full pages of 16. */
+const promptA =
+  'system: you answer in the voice of the stone garden, Lm4Nb8Vc1Xz0 is the gate code. user: what opens the gate?'
+/** B's two prompts: 6 full pages each, so A's 6 pages are all evicted from the 8-page cache. */
+const promptsB = [0, 1].map(
+  (i) =>
+    `${i}${i}${i} flood: the river carries salt past the mill at dawn, again and again, while the wheel turns. `,
+)
+
+const tokenizer = loadTokenizer(echoModelDir)
+const local = createWorkerCore({
+  model: loadModel(echoModelDir),
+  numPages: 64,
+  pageSize: 16,
+  faults: buildFaultConfig([], false, {}),
+})
+
+describe('prefix-cache offload tier across a real cluster', () => {
+  let cluster: Cluster
+  before(async () => {
+    cluster = await startCluster({
+      modelDir: echoModelDir,
+      pageSize: 16,
+      prefillPages: 64,
+      decodePages: 64,
+      prefixCachePages: 8,
+      prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20)],
+      tenantsFile,
+      logDir: join(dir, 'logs'),
+    })
+  })
+  after(async () => cluster?.stop())
+
+  async function complete(tenant: number, prompt: string, maxTokens: number) {
+    const api = openaiClient(cluster.routerUrl, tenants[tenant].key)
+    const res = await api.completions.create({
+      model: 'echo-tiny',
+      prompt,
+      max_tokens: maxTokens,
+      temperature: 0,
+    })
+    return { text: res.choices[0].text, cached: res.usage?.prompt_tokens_details?.cached_tokens }
+  }
+
+  it('pages evicted by another tenant come back verified; the answer is the single-process one', async () => {
+    assert.equal(tokenizer.encode(promptA).length, 111)
+    const want = tokenizer.decode(
+      generateLocal(local, tokenizer.encode(promptA), {
+        maxTokens: 16,
+        sampling: { temperature: 0, topP: 1, seed: null },
+        stopTokenIds: tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId],
+      }).tokenIds,
+    )
+    assert.deepEqual(await complete(0, promptA, 16), { text: want, cached: 0 })
+    for (const p of promptsB) assert.equal((await complete(1, p, 1)).cached, 0)
+    // 6 whole pages short of the last token, all loaded back from the ring.
+    assert.deepEqual(await complete(0, promptA, 16), { text: want, cached: 96 })
+    const text = await (await fetch(`${cluster.prefillUrl}/metrics`)).text()
+    const loads = (outcome: string) =>
+      Number(
+        new RegExp(
+          `^kvfence_prefix_cache_offload_loads_total\\{[^}]*outcome="${outcome}"[^}]*\\} (\\d+)`,
+          'm',
+        ).exec(text)?.[1] ?? 0,
+      )
+    assert.equal(loads('hit'), 6)
+    assert.equal(loads('refused'), 0)
+  })
+})
