@@ -4,7 +4,7 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { parseClusterConfig } from '../../src/config/cluster.js'
-import { newApiKey } from '../../src/cli/keys.js'
+import { newApiKey } from '../../src/router/tenant-keys.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
 
 const records = [{ name: 'tenant-a', keySha256: apiKeyDigest(newApiKey()) }]

@@ -58,6 +58,12 @@ const borrowedWeights: Record<string, string> = { mistral: 'llama-gqa-4-1' }
 const outsidePairPath: Record<string, string> = {
   'drop-abort':
     'acts in the control server (worker-server.ts ignores the router closing the request), which the in-process pair does not use; test/e2e/faults.test.ts › drop-abort',
+  'publish-partial':
+    "acts in the prefill worker's prefix cache (an aborted prefill's pages published), which the matrix's pairs run without; test/kv/prefix-cache-publish.test.ts",
+  'offload-load-as-hit':
+    "acts in the prefix cache's offload tier, which the matrix's pairs run without; test/kv/prefix-cache-offload.test.ts",
+  'offload-key-without-tenant':
+    "acts in the prefix cache's offload tier, which the matrix's pairs run without; test/kv/prefix-cache-offload.test.ts",
 }
 
 /** 8-token pages keep every prompt a few pages long inside the smallest model's 64 positions. */
@@ -138,7 +144,7 @@ const drivers: Record<string, Cell[]> = {
       expect: {
         end: ['guard_violation', 'transfer_failed'],
         trips: { d: { G7: 1 } },
-        reasons: { p: { transfer_failed: 1 }, d: { G7: 1 } },
+        reasons: { p: { refused_by_receiver: 1 }, d: { G7: 1 } },
       },
     },
     {
@@ -148,7 +154,7 @@ const drivers: Record<string, Cell[]> = {
       expect: {
         end: ['guard_violation', 'transfer_failed'],
         trips: { d: { G5: 1 } },
-        reasons: { p: { transfer_failed: 1 }, d: { G5: 1 } },
+        reasons: { p: { refused_by_receiver: 1 }, d: { G5: 1 } },
       },
     },
   ],

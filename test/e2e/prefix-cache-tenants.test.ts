@@ -7,7 +7,7 @@
 import assert from 'node:assert/strict'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
-import { startCluster, type Cluster } from '../../src/engine/cluster.js'
+import { startCluster, type Cluster } from '../../src/config/launch.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { createWorkerCore } from '../../src/engine/worker-core.js'
