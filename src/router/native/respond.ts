@@ -4,7 +4,7 @@ import { toOpenAiError } from '../../errors.js'
 import type { GenerationJob } from '../backend.js'
 import { coalesceWrites, sendJson } from '../http.js'
 import type { GeneratedLogprobs } from '../logprobs.js'
-import { asKvfenceError, publicError } from '../public-errors.js'
+import { endingError, publicError } from '../public-errors.js'
 import { endSse, startSse, usageOf, writeSse } from '../responses.js'
 import type { GenerationResult } from './worker-run.js'
 import type { Replies } from './replies.js'
@@ -74,10 +74,10 @@ export async function respondStreamed(
     endSse(res)
   } catch (err) {
     if (!isStarted) throw err
-    const error = asKvfenceError(err)
+    const error = endingError(err, job.signal)
     job.outcome.status = error.status
     job.logFailure(error)
-    if (!res.destroyed) {
+    if (!res.destroyed && !res.writableEnded) {
       res.end(`data: ${JSON.stringify(toOpenAiError(publicError(error, job.rid)))}\n\n`)
     }
   }
