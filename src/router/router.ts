@@ -78,6 +78,7 @@ async function route(deps: RouterDeps, req: IncomingMessage, res: ServerResponse
       return
     case 'GET /v1/models':
       authenticate(deps.tenants, req)
+      refuseWhileRefusing(backend)
       return sendJson(
         res,
         200,
@@ -90,6 +91,7 @@ async function route(deps: RouterDeps, req: IncomingMessage, res: ServerResponse
   }
   if (req.method === 'GET' && path.startsWith('/v1/models/')) {
     authenticate(deps.tenants, req)
+    refuseWhileRefusing(backend)
     const id = path.slice('/v1/models/'.length)
     if (id !== config.model) {
       throw new KvfenceError('model_not_found', `The model '${id}' does not exist`, 'model')
@@ -102,6 +104,14 @@ async function route(deps: RouterDeps, req: IncomingMessage, res: ServerResponse
     'not_found',
     `${req.method} ${path === '' ? 'of this path' : path} is not an endpoint of this server`,
   )
+}
+
+/** While the backend refuses every request (G1 no longer holds, a worker refuses the cluster
+ *  token), the model's window is no promise the router keeps: `/v1/models` answers with the
+ *  refusal a generation would get, not with a `max_model_len` no request can use. */
+function refuseWhileRefusing(backend: Backend): void {
+  const refusal = backend.refusal()
+  if (refusal !== null) throw refusal
 }
 
 /** The tenant of the request's bearer key; `invalid_api_key` otherwise. The key is never
