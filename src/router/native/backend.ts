@@ -9,13 +9,13 @@ import { randomBytes } from 'node:crypto'
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
 import { KvfenceError } from '../../errors.js'
-import type { Tokenizer } from '../../model/tokenizer.js'
+import { type Tokenizer, unrepresentableTextError } from '../../model/tokenizer.js'
 import { promptTokenIds } from '../admission.js'
 import type { Backend, GenerationJob } from '../backend.js'
 import type { Limiter } from '../limits.js'
 import type { RouterMetrics } from '../metrics.js'
 import { messageOf } from '../public-errors.js'
-import { checkStopTokenIds } from '../schemas.js'
+import { type ParsedRequest, checkStopTokenIds } from '../schemas.js'
 import type { WorkerClient } from '../worker-client.js'
 import type { CapacityMonitor } from './capacity-monitor.js'
 import { type GenerationDeps, runGeneration } from './worker-run.js'
@@ -63,6 +63,7 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
     serverInfo: () => serverInfo(options),
     maxTokenChars: tokenizer.maxTokenChars,
     async preparePrompt(parsed) {
+      refuseLostText(tokenizer, parsed)
       const tokenIds = promptTokenIds(tokenizer, parsed)
       return { numPromptTokens: tokenIds.length, tokenIds }
     },
@@ -93,6 +94,22 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
       capacity.close()
       workers.close()
     },
+  }
+}
+
+/** Throws `invalid_request` naming the first character the tokenizer would drop from the
+ *  prompt's text (a silently emptied or shortened prompt would be answered as if it were the
+ *  client's). */
+function refuseLostText(tokenizer: Tokenizer, parsed: ParsedRequest): void {
+  const texts: [string, string][] =
+    parsed.endpoint === 'chat'
+      ? parsed.messages.map((m, i) => [`messages[${i}].content`, m.content])
+      : 'text' in parsed.prompt
+        ? [['prompt', parsed.prompt.text]]
+        : []
+  for (const [param, text] of texts) {
+    const lost = tokenizer.firstLostCharacter(text)
+    if (lost !== null) throw unrepresentableTextError(lost, param)
   }
 }
 
