@@ -19,6 +19,7 @@ import { type RouterMetrics, createRouterMetrics } from './metrics.js'
 import { createNativeBackend } from './native/backend.js'
 import { createCapacityMonitor, defaultCapacityRecheckMs } from './native/capacity-monitor.js'
 import { createRouter } from './router.js'
+import { createTokenizerPool } from './tokenizer-pool.js'
 import {
   type TenantRecord,
   type TenantsWatcher,
@@ -88,6 +89,8 @@ export interface StartRouterOptions {
   /** How long {@link RunningRouter.drain} lets running requests finish, seconds (default
    *  `routerConfigDefaults.drainSeconds`). */
   drainSeconds?: number
+  /** Threads tokenizing long prompts (default `defaultNumThreads` of tokenizer-pool.ts). */
+  tokenizerThreads?: number
   /** Logger (default: pino to stdout at info). */
   log?: Logger
 }
@@ -247,6 +250,11 @@ async function startNativeBackend(
     })
     const backend = createNativeBackend({
       tokenizer,
+      tokenizerPool: createTokenizerPool({
+        modelDir: options.modelDir,
+        tokenizer,
+        ...(options.tokenizerThreads === undefined ? {} : { numThreads: options.tokenizerThreads }),
+      }),
       workers,
       capacity,
       pageSize,

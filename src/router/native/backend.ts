@@ -9,14 +9,14 @@ import { randomBytes } from 'node:crypto'
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
 import { KvfenceError } from '../../errors.js'
-import { type Tokenizer, unrepresentableTextError } from '../../model/tokenizer.js'
-import { promptTokenIds } from '../admission.js'
+import type { Tokenizer } from '../../model/tokenizer.js'
 import type { Backend, GenerationJob } from '../backend.js'
 import type { Limiter } from '../limits.js'
 import type { RouterMetrics } from '../metrics.js'
 import { messageOf } from '../public-errors.js'
-import { type ParsedRequest, checkStopTokenIds } from '../schemas.js'
+import { checkStopTokenIds } from '../schemas.js'
 import type { WorkerClient } from '../worker-client.js'
+import type { TokenizerPool } from '../tokenizer-pool.js'
 import type { CapacityMonitor } from './capacity-monitor.js'
 import { type GenerationDeps, runGeneration } from './worker-run.js'
 import { repliesOf } from './replies.js'
@@ -25,6 +25,8 @@ import { respondStreamed, respondWhole } from './respond.js'
 /** Options of {@link createNativeBackend}. */
 export interface NativeBackendOptions {
   tokenizer: Tokenizer
+  /** Tokenizes prompts (long ones off the event loop); closed with the backend. */
+  tokenizerPool: TokenizerPool
   workers: WorkerClient
   /** G1 re-checked while running. */
   capacity: CapacityMonitor
@@ -62,9 +64,9 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
     },
     serverInfo: () => serverInfo(options),
     maxTokenChars: tokenizer.maxTokenChars,
-    async preparePrompt(parsed) {
-      refuseLostText(tokenizer, parsed)
-      const tokenIds = promptTokenIds(tokenizer, parsed)
+    async preparePrompt(parsed, signal) {
+      // One queue for all: the Backend interface does not pass the tenant here (yet).
+      const tokenIds = await options.tokenizerPool.tokenize(parsed, '', signal)
       return { numPromptTokens: tokenIds.length, tokenIds }
     },
     async generate(job) {
@@ -91,25 +93,10 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
       if (isWorkerFailure && error !== capacity.current().refusal) capacity.recheckSoon()
     },
     close() {
+      options.tokenizerPool.close()
       capacity.close()
       workers.close()
     },
-  }
-}
-
-/** Throws `invalid_request` naming the first character the tokenizer would drop from the
- *  prompt's text (a silently emptied or shortened prompt would be answered as if it were the
- *  client's). */
-function refuseLostText(tokenizer: Tokenizer, parsed: ParsedRequest): void {
-  const texts: [string, string][] =
-    parsed.endpoint === 'chat'
-      ? parsed.messages.map((m, i) => [`messages[${i}].content`, m.content])
-      : 'text' in parsed.prompt
-        ? [['prompt', parsed.prompt.text]]
-        : []
-  for (const [param, text] of texts) {
-    const lost = tokenizer.firstLostCharacter(text)
-    if (lost !== null) throw unrepresentableTextError(lost, param)
   }
 }
 
