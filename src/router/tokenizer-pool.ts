@@ -15,9 +15,11 @@ import type { ParsedRequest } from './schemas.js'
 /** Tokenizes prompts; see the module's header. */
 export interface TokenizerPool {
   /** The prompt's token ids (as `promptTokenIds`), after refusing text the tokenizer would drop.
+   *  The ids come as an Int32Array: a thread hands its buffer over without a copy, and a prompt
+   *  refused for its length is never turned into an array.
    *  Rejects with the `invalid_request` either throws, or `request_aborted` when `signal` fires
    *  while the prompt waits for a thread. */
-  tokenize(parsed: ParsedRequest, tenant: string, signal: AbortSignal): Promise<number[]>
+  tokenize(parsed: ParsedRequest, tenant: string, signal: AbortSignal): Promise<Int32Array>
   /** Stops the threads; prompts still queued reject with `internal_error`. */
   close(): void
 }
@@ -38,9 +40,9 @@ export interface TokenizerPoolOptions {
 /** Threads of the pool: at most 2 (a router tokenizes; it does not compute). */
 export const defaultNumThreads = Math.max(1, Math.min(2, availableParallelism() - 1))
 
-/** Inline up to 2,048 characters (about 6 ms of the bundled tokenizer on a loaded core, against
- *  ≈0.2 ms for a round trip to a thread); see the commit that set it for the measurement. */
-export const defaultInlineMaxChars = 2_048
+/** Inline up to 512 characters: about where a thread's round trip (posting the request, the
+ *  answer's event) costs as much as tokenizing inline (measured: see the commit that set it). */
+export const defaultInlineMaxChars = 512
 
 /** A prompt's ids with its lost text refused: what the threads (and inline calls) run. */
 export function checkedPromptTokenIds(tokenizer: Tokenizer, parsed: ParsedRequest): number[] {
@@ -59,14 +61,14 @@ export function checkedPromptTokenIds(tokenizer: Tokenizer, parsed: ParsedReques
 
 /** A message from a thread: the ids of job `id`, or the error it threw. */
 export type ThreadReply =
-  | { id: number; tokenIds: number[] }
+  | { id: number; tokenIds: Int32Array }
   | { id: number; error: { code: string; message: string; param: string | null } }
 
 interface Job {
   id: number
   parsed: ParsedRequest
   tenant: string
-  resolve: (ids: number[]) => void
+  resolve: (ids: Int32Array) => void
   reject: (err: KvfenceError) => void
   onAbort: () => void
   signal: AbortSignal
@@ -131,11 +133,12 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
 
   return {
     async tokenize(parsed, tenant, signal) {
-      if (numChars(parsed) <= inlineMaxChars)
-        return checkedPromptTokenIds(options.tokenizer, parsed)
+      if (numChars(parsed) <= inlineMaxChars) {
+        return Int32Array.from(checkedPromptTokenIds(options.tokenizer, parsed))
+      }
       if (isClosed) throw new KvfenceError('internal_error', 'the tokenizer pool is closed')
       if (signal.aborted) throw new KvfenceError('request_aborted', 'the client went away')
-      return new Promise<number[]>((resolve, reject) => {
+      return new Promise<Int32Array>((resolve, reject) => {
         const job: Job = {
           id: nextId++,
           parsed,

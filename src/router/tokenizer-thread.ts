@@ -13,7 +13,9 @@ function serve(port: NonNullable<typeof parentPort>, modelDir: string): void {
   port.on('message', ({ id, parsed }: { id: number; parsed: ParsedRequest }) => {
     let reply: ThreadReply
     try {
-      reply = { id, tokenIds: checkedPromptTokenIds(tokenizer, parsed) }
+      const tokenIds = Int32Array.from(checkedPromptTokenIds(tokenizer, parsed))
+      port.postMessage({ id, tokenIds } satisfies ThreadReply, [tokenIds.buffer])
+      return
     } catch (err) {
       const e =
         err instanceof KvfenceError ? err : new KvfenceError('internal_error', String(err), null)

@@ -66,8 +66,15 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
     maxTokenChars: tokenizer.maxTokenChars,
     async preparePrompt(parsed, signal) {
       // One queue for all: the Backend interface does not pass the tenant here (yet).
-      const tokenIds = await options.tokenizerPool.tokenize(parsed, '', signal)
-      return { numPromptTokens: tokenIds.length, tokenIds }
+      const ids = await options.tokenizerPool.tokenize(parsed, '', signal)
+      let tokenIds: number[] | null = null
+      // An array only when asked for: a prompt refused for its length (G2) never becomes one.
+      return {
+        numPromptTokens: ids.length,
+        get tokenIds() {
+          return (tokenIds ??= Array.from(ids))
+        },
+      }
     },
     async generate(job) {
       const run = {
