@@ -8,6 +8,7 @@ import { echoModelDir } from '../helpers/paths.js'
 import {
   type Ports,
   allocatePorts,
+  freePort,
   makeTenants,
   startDecode,
   startPart,
@@ -35,8 +36,8 @@ function startRouter(drainSeconds: number): Promise<ChildProcess> {
 
 /** A streamed completion: resolves with its SSE events' data once the first one arrived, and
  *  with the rest (and whether the response ended cleanly) when it ends. */
-async function openStream(maxTokens: number) {
-  const res = await fetch(`http://127.0.0.1:${ports.router}/v1/completions`, {
+async function openStream(maxTokens: number, port = ports.router) {
+  const res = await fetch(`http://127.0.0.1:${port}/v1/completions`, {
     method: 'POST',
     headers: { authorization: `Bearer ${tenants.a.key}`, 'content-type': 'application/json' },
     body: JSON.stringify({
@@ -119,5 +120,15 @@ test('SIGTERM with --drain-seconds 0: a running stream ends with an error event,
   assert.notEqual(longEvents.at(-1), '[DONE]')
   const last = JSON.parse(longEvents.at(-1)!) as { error: { code: string } }
   assert.equal(last.error.code, 'shutting_down')
+  assert.equal(await exit, 0)
+})
+
+test('kvfence serve forwards SIGTERM to its router and waits for the drain: the stream finishes, exit 0', async () => {
+  const port = await freePort()
+  const serve = await startPart(['serve', '--tenants', tenants.file, '--port', String(port)])
+  const exit = exited(serve)
+  const stream = await openStream(200, port)
+  serve.kill('SIGTERM')
+  assert.equal(events(await stream.rest).at(-1), '[DONE]')
   assert.equal(await exit, 0)
 })
