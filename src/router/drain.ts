@@ -4,7 +4,7 @@
  *  Knows how many generations run and the drain's phase; knows nothing of HTTP routes or workers.
  *
  *  Phases (only this file assigns them):
- *    serving ──begin()──▶ draining ──deadline or idle──▶ ended */
+ *    serving ──drain()──▶ draining ──deadline or idle──▶ ended */
 import { KvfenceError } from '../errors.js'
 
 /** The error of a request refused or ended because the router is stopping (503, Retry-After). */
@@ -22,11 +22,9 @@ export interface Drain {
   readonly phase: DrainPhase
   /** Generations running now. */
   readonly numRunning: number
-  /** Aborted (reason: a {@link ShuttingDownError}) when the drain's time is up: every generation
-   *  still running listens to it. */
-  readonly deadline: AbortSignal
-  /** Counts a generation as running until the returned function is called (once). */
-  enter(): () => void
+  /** Counts a generation as running until the returned function is called (once); `end` is
+   *  called with a {@link ShuttingDownError} if the drain's time runs out first. */
+  enter(end: (reason: ShuttingDownError) => void): () => void
   /** Stops taking work; resolves once every running generation has ended, or `seconds` have
    *  passed and the rest were told to end (then once they have, or `graceMs` later). */
   drain(seconds: number, graceMs?: number): Promise<void>
@@ -38,11 +36,12 @@ const defaultGraceMs = 2_000
 /** A new drain in phase `serving`. */
 export function createDrain(): Drain {
   let phase: DrainPhase = 'serving'
-  let numRunning = 0
-  const deadline = new AbortController()
+  // The running generations' `end`s (a set, not an AbortSignal every request listens to: a
+  // long-lived signal keeps a trace of each `AbortSignal.any` made from it).
+  const running = new Set<(reason: ShuttingDownError) => void>()
   const idleWaiters: (() => void)[] = []
   const whenIdle = (): Promise<void> =>
-    numRunning === 0 ? Promise.resolve() : new Promise((resolve) => idleWaiters.push(resolve))
+    running.size === 0 ? Promise.resolve() : new Promise((resolve) => idleWaiters.push(resolve))
   const wait = (ms: number) =>
     new Promise<'timeout'>((resolve) => setTimeout(() => resolve('timeout'), ms).unref())
   return {
@@ -50,17 +49,14 @@ export function createDrain(): Drain {
       return phase
     },
     get numRunning() {
-      return numRunning
+      return running.size
     },
-    deadline: deadline.signal,
-    enter() {
-      numRunning++
-      let isLeft = false
+    enter(end) {
+      const entry = (reason: ShuttingDownError) => end(reason)
+      running.add(entry)
       return () => {
-        if (isLeft) return
-        isLeft = true
-        numRunning--
-        if (numRunning === 0) for (const resolve of idleWaiters.splice(0)) resolve()
+        if (!running.delete(entry)) return
+        if (running.size === 0) for (const resolve of idleWaiters.splice(0)) resolve()
       }
     },
     async drain(seconds, graceMs = defaultGraceMs) {
@@ -71,7 +67,8 @@ export function createDrain(): Drain {
         wait(seconds * 1000),
       ])
       if (first === 'timeout') {
-        deadline.abort(new ShuttingDownError('The server shut down before this request finished.'))
+        const reason = new ShuttingDownError('The server shut down before this request finished.')
+        for (const end of [...running]) end(reason)
         await Promise.race([whenIdle(), wait(graceMs)])
       }
       phase = 'ended'

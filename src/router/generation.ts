@@ -26,7 +26,7 @@ export interface GenerationDeps {
   limiter: Limiter
   metrics: RouterMetrics
   log: Logger
-  /** Counts the request as running; its deadline ends the request. */
+  /** Counts the request as running; at its deadline it ends the request. */
   drain: Drain
 }
 
@@ -49,10 +49,12 @@ export async function serveGeneration(
   const log = deps.log.child({ rid, tenant: tenant.name, endpoint })
   res.setHeader('x-request-id', rid)
   const outcome = emptyOutcome()
-  // The client going away, or the drain's deadline (its reason is the error the client is told).
-  const signal = AbortSignal.any([abortOnClose(res), deps.drain.deadline])
+  // Fires when the client goes away, or at the drain's deadline (its reason is then the error
+  // the client is told).
+  const abort = abortOnClose(res)
+  const { signal } = abort
   const holds = emptyHolds()
-  const leave = deps.drain.enter()
+  const leave = deps.drain.enter((reason) => abort.abort(reason))
   try {
     const body = await readJsonBody(req, deps.config.maxBodyBytes)
     const parsed = parseRequest(deps.config, endpoint, body)
@@ -109,14 +111,14 @@ function parseRequest(config: RouterConfig, endpoint: Endpoint, body: unknown): 
   return parsed
 }
 
-/** G8: a signal that fires when the client goes away, wherever the request is (queued, on the
- *  backend). */
-function abortOnClose(res: ServerResponse): AbortSignal {
+/** G8: a controller whose signal fires when the client goes away, wherever the request is
+ *  (queued, on the backend). */
+function abortOnClose(res: ServerResponse): AbortController {
   const abort = new AbortController()
   res.on('close', () => {
     if (!res.writableFinished) abort.abort()
   })
-  return abort.signal
+  return abort
 }
 
 function emptyOutcome(): Outcome {
