@@ -5,7 +5,7 @@ import { InvalidArgumentError, type Command } from 'commander'
 import { createWorkerCore } from '../engine/worker-core.js'
 import { generateLocal } from '../engine/local-engine.js'
 import { buildFaultConfig } from '../engine/faults.js'
-import { loadTokenizer } from '../model/tokenizer.js'
+import { loadTokenizer, unrepresentableTextError } from '../model/tokenizer.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
 import { bundledModelDir } from '../paths.js'
 import { intOption, threadsHelp, threadsOption } from './options.js'
@@ -90,6 +90,8 @@ export function registerGenerate(program: Command): void {
     .action((flags: GenerateFlags) => {
       const tokenizer = loadTokenizer(flags.model)
       if (flags.prompt === '') throw new Error('--prompt is empty')
+      const lost = tokenizer.firstLostCharacter(flags.prompt)
+      if (lost !== null) throw unrepresentableTextError(lost, '--prompt')
       const model = loadModel(flags.model, { threads: flags.threads ?? defaultThreads() })
       const promptTokenIds = tokenizer.encode(flags.prompt)
       if (promptTokenIds.length === 0) throw new Error('--prompt encodes to no tokens')

@@ -2,6 +2,7 @@
  *  that run elsewhere (or on this host), from flags or from a cluster config file
  *  (`--config FILE`: its router, tenants, and workers given by `url` or its gateway backend).
  *  Tells a parent process that forked it, once listening. */
+import type { ChildProcess } from 'node:child_process'
 import { clusterTokenFrom } from '../engine/cluster-token.js'
 import { Option, type Command } from 'commander'
 import { pino } from 'pino'
@@ -26,6 +27,7 @@ interface RouterFlags {
   host: string
   port: number
   contextWindow?: number
+  drainSeconds?: number
   clampContext: boolean
   unsafeDisableGuards: boolean
   logLevel: string
@@ -56,6 +58,11 @@ export function registerRouter(program: Command): void {
       intOption,
     )
     .option(
+      '--drain-seconds <n>',
+      'on SIGTERM, how long running requests may finish before they are ended (default 30)',
+      intOption,
+    )
+    .option(
       '--clamp-context',
       'clamp an advertised context larger than the KV pools instead of refusing to start',
       false,
@@ -79,6 +86,7 @@ export function registerRouter(program: Command): void {
         port: flags.port,
         contextWindow: flags.contextWindow,
         clampContext: flags.clampContext,
+        ...(flags.drainSeconds === undefined ? {} : { drainSeconds: flags.drainSeconds }),
         // With --config, the file's router section wins over these flags.
         ...(flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config)),
         guardsEnabled: faults.guardsEnabled,
@@ -86,7 +94,14 @@ export function registerRouter(program: Command): void {
         clusterToken: clusterTokenFrom(process.env),
         log,
       })
-      const shutdown = () => void router.close().then(() => process.exit(0))
+      // The first SIGTERM or SIGINT drains (running requests finish, up to --drain-seconds); a
+      // second one stops at once.
+      let isDraining = false
+      const shutdown = () => {
+        if (isDraining) return void router.close().then(() => process.exit(0))
+        isDraining = true
+        void router.drain().then(() => process.exit(0))
+      }
       process.on('SIGTERM', shutdown)
       process.on('SIGINT', shutdown)
       reportReadyToParent(
@@ -102,6 +117,16 @@ export function registerRouter(program: Command): void {
         },
       )
     })
+}
+
+/** Sends SIGTERM to a router process (it drains, see `RunningRouter.drain`) and resolves when it
+ *  has exited; at once when it already had. */
+export function routerDrained(child: ChildProcess): Promise<void> {
+  if (child.exitCode !== null || child.signalCode !== null) return Promise.resolve()
+  return new Promise((resolve) => {
+    child.once('exit', () => resolve())
+    child.kill('SIGTERM')
+  })
 }
 
 function fromFlags(

@@ -15,6 +15,7 @@ import { loadModelConfig } from '../model/config.js'
 import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
 import { bundledModelDir } from '../paths.js'
 import { loadTenants } from '../router/tenants.js'
+import { routerDrained } from './router.js'
 import {
   collect,
   intOption,
@@ -146,8 +147,13 @@ export function registerServe(program: Command): void {
         await cluster.stop()
         process.exit(0)
       }
-      process.on('SIGINT', () => void stop())
-      process.on('SIGTERM', () => void stop())
+      // The router drains first (running requests finish), then every part stops.
+      const drainThenStop = () => {
+        isStopping = true
+        void routerDrained(cluster.processes.router).then(stop)
+      }
+      process.on('SIGINT', drainThenStop)
+      process.on('SIGTERM', drainThenStop)
       reportReadyToParent(
         { type: 'ready', role: 'router', port: Number(new URL(cluster.routerUrl).port) },
         () => void stop(),
@@ -190,8 +196,15 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
     await cluster.stop()
     process.exit(code)
   }
-  process.on('SIGINT', () => void stop(0))
-  process.on('SIGTERM', () => void stop(0))
+  // The router drains first (running requests finish); a second signal stops at once.
+  let isDraining = false
+  const drainThenStop = () => {
+    if (isDraining) return void stop(0)
+    isDraining = true
+    void cluster.router.drain().then(() => stop(0))
+  }
+  process.on('SIGINT', drainThenStop)
+  process.on('SIGTERM', drainThenStop)
   reportReadyToParent(
     { type: 'ready', role: 'router', port: Number(new URL(cluster.routerUrl).port) },
     () => void stop(0),

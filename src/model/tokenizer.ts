@@ -50,6 +50,22 @@ export interface Tokenizer {
   /** Length (UTF-16 code units) of the longest vocabulary entry, added tokens included: no token
    *  stands for more text than that, before normalization. */
   readonly maxTokenChars: number
+  /** The first character of `text` its tokens cannot give back — `decode(encode(text))` compared
+   *  with `text` after the tokenizer's own normalizer, whitespace aside (decoders legitimately
+   *  strip or merge it) — or null when nothing is lost. Always null for a byte-level or
+   *  byte-fallback tokenizer, which represents any text. */
+  firstLostCharacter(text: string): string | null
+}
+
+/** `invalid_request` (param `param`) for text the tokenizer would silently drop characters of:
+ *  names the first character lost and its code point. */
+export function unrepresentableTextError(lost: string, param: string): KvfenceError {
+  const codePoint = lost.codePointAt(0)!.toString(16).toUpperCase().padStart(4, '0')
+  return new KvfenceError(
+    'invalid_request',
+    `${param} holds characters this model's tokenizer cannot represent (the first: ${JSON.stringify(lost)}, U+${codePoint}); they would be dropped from the prompt`,
+    param,
+  )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -80,6 +96,7 @@ export function loadTokenizer(dir: string): Tokenizer {
   const addEos = typeof config.add_eos_token === 'boolean' ? config.add_eos_token : null
   const template = compileChatTemplate(config.chat_template, dir)
 
+  const losesNoText = representsAnyText(tokenizerJson)
   let maxId = -1
   let maxTokenChars = 1
   for (const [text, id] of hf.get_vocab(true)) {
@@ -104,6 +121,14 @@ export function loadTokenizer(dir: string): Tokenizer {
       if (addBos && bosTokenId !== null) ids.unshift(bosTokenId)
       if (addEos && eosTokenId !== null) ids.push(eosTokenId)
       return ids
+    },
+
+    firstLostCharacter(text: string): string | null {
+      if (losesNoText) return null
+      const normalized = hf.normalizer === null ? text : hf.normalizer.normalize(text)
+      const ids = hf.encode(text, { add_special_tokens: false }).ids
+      const decoded = ids.length === 0 ? '' : hf.decode(ids, { skip_special_tokens: false })
+      return firstMissing(normalized, decoded)
     },
 
     decode(ids: readonly number[], options: DecodeOptions = {}): string {
@@ -204,6 +229,35 @@ function compileChatTemplate(value: unknown, dir: string): Template | null {
       `${join(dir, 'tokenizer_config.json')}: chat_template does not parse: ${errorMessage(err)}`,
     )
   }
+}
+
+/** Whether a `tokenizer.json` can represent any text: a byte-level pre-tokenizer or decoder (GPT-2,
+ *  Llama 3, Qwen) or a BPE model with `byte_fallback` (Llama 2, Mistral). */
+function representsAnyText(json: Record<string, unknown>): boolean {
+  const mentionsByteLevel = (part: unknown): boolean => {
+    if (typeof part !== 'object' || part === null) return false
+    const p = part as { type?: unknown; pretokenizers?: unknown; decoders?: unknown }
+    if (p.type === 'ByteLevel' || p.type === 'ByteFallback') return true
+    const inner = [p.pretokenizers, p.decoders].flatMap((x) => (Array.isArray(x) ? x : []))
+    return inner.some(mentionsByteLevel)
+  }
+  const model = json.model as { byte_fallback?: unknown } | undefined
+  return (
+    model?.byte_fallback === true ||
+    mentionsByteLevel(json.pre_tokenizer) ||
+    mentionsByteLevel(json.decoder)
+  )
+}
+
+/** The first non-whitespace character of `want` that `got` does not give back in order, or null. */
+function firstMissing(want: string, got: string): string | null {
+  const gotChars = [...got.replace(/\s+/g, '')]
+  let j = 0
+  for (const ch of want.replace(/\s+/g, '')) {
+    if (gotChars[j] === ch) j++
+    else return ch
+  }
+  return null
 }
 
 function errorMessage(err: unknown): string {

@@ -19,6 +19,9 @@ export interface RouterConfig {
   readonly createdAtSec: number
   /** Log prompts and completions with each request (`--log-content`); off by default. */
   readonly logContent: boolean
+  /** How long a graceful stop (SIGTERM) lets running requests finish before ending them, in
+   *  seconds (`--drain-seconds`). */
+  readonly drainSeconds: number
 }
 
 /** Values of {@link RouterConfig} that have defaults. */
@@ -26,6 +29,7 @@ export const routerConfigDefaults = {
   guardsEnabled: true,
   maxBodyBytes: 1024 * 1024, // 1 MiB
   logContent: false,
+  drainSeconds: 30,
 } as const
 
 /** Builds a frozen {@link RouterConfig}; unspecified fields take {@link routerConfigDefaults}. */
@@ -38,6 +42,7 @@ export function buildRouterConfig(
     maxBodyBytes: fields.maxBodyBytes ?? routerConfigDefaults.maxBodyBytes,
     createdAtSec: fields.createdAtSec ?? Math.floor(Date.now() / 1000),
     logContent: fields.logContent ?? routerConfigDefaults.logContent,
+    drainSeconds: fields.drainSeconds ?? routerConfigDefaults.drainSeconds,
     model: fields.model,
     contextWindow: fields.contextWindow,
     effectiveCapacityTokens: fields.effectiveCapacityTokens,

@@ -10,10 +10,11 @@ import { KvfenceError } from '../errors.js'
 import { admitRequest, emptyHolds, releaseHolds } from './admission-pipeline.js'
 import type { Backend, Outcome } from './backend.js'
 import type { RouterConfig } from './config.js'
+import type { Drain } from './drain.js'
 import { readJsonBody, sendError } from './http.js'
 import { LimitError, type Limiter } from './limits.js'
 import type { RouterMetrics } from './metrics.js'
-import { asKvfenceError, publicError } from './public-errors.js'
+import { endingError, publicError } from './public-errors.js'
 import type { ResponseHeader } from './responses.js'
 import { type Endpoint, type ParsedRequest, loggedPromptOf, requestParsers } from './schemas.js'
 import type { Tenant } from './tenants.js'
@@ -25,6 +26,8 @@ export interface GenerationDeps {
   limiter: Limiter
   metrics: RouterMetrics
   log: Logger
+  /** Counts the request as running; at its deadline it ends the request. */
+  drain: Drain
 }
 
 /** The prefix of each endpoint's response ids. */
@@ -46,8 +49,12 @@ export async function serveGeneration(
   const log = deps.log.child({ rid, tenant: tenant.name, endpoint })
   res.setHeader('x-request-id', rid)
   const outcome = emptyOutcome()
-  const signal = abortOnClose(res)
+  // Fires when the client goes away, or at the drain's deadline (its reason is then the error
+  // the client is told).
+  const abort = abortOnClose(res)
+  const { signal } = abort
   const holds = emptyHolds()
+  const leave = deps.drain.enter((reason) => abort.abort(reason))
   try {
     const body = await readJsonBody(req, deps.config.maxBodyBytes)
     const parsed = parseRequest(deps.config, endpoint, body)
@@ -77,7 +84,7 @@ export async function serveGeneration(
       logFailure: (error) => logFailure(deps.backend, log, error),
     })
   } catch (err) {
-    const error = asKvfenceError(err)
+    const error = endingError(err, signal)
     outcome.status = error.status
     logFailure(deps.backend, log, error)
     // A request_aborted has no one left to tell.
@@ -87,6 +94,7 @@ export async function serveGeneration(
   } finally {
     releaseHolds(holds, outcome.numCompletionTokens)
     account(deps, endpoint, tenant, outcome, startedMs, log)
+    leave()
   }
 }
 
@@ -103,14 +111,14 @@ function parseRequest(config: RouterConfig, endpoint: Endpoint, body: unknown): 
   return parsed
 }
 
-/** G8: a signal that fires when the client goes away, wherever the request is (queued, on the
- *  backend). */
-function abortOnClose(res: ServerResponse): AbortSignal {
+/** G8: a controller whose signal fires when the client goes away, wherever the request is
+ *  (queued, on the backend). */
+function abortOnClose(res: ServerResponse): AbortController {
   const abort = new AbortController()
   res.on('close', () => {
     if (!res.writableFinished) abort.abort()
   })
-  return abort.signal
+  return abort
 }
 
 function emptyOutcome(): Outcome {

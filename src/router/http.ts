@@ -93,8 +93,17 @@ export function sendJson(
   res.end(text)
 }
 
+/** Codes whose refusal a later retry may cure: they carry `Retry-After`. */
+const retriedCodes: ReadonlySet<string> = new Set([
+  'capacity_exhausted',
+  'rate_limited',
+  'worker_unavailable',
+  'shutting_down',
+])
+
 /** Sends the OpenAI error body for `err` with the status of its code (`Retry-After` on
- *  `capacity_exhausted` and `rate_limited`: a {@link LimitError}'s seconds, else 1; instead
+ *  `capacity_exhausted`, `rate_limited`, `worker_unavailable` and `shutting_down`: a
+ *  {@link LimitError}'s seconds, else 1; instead
  *  `x-should-retry: false` for a LimitError no wait can cure). When a body was left unread (too large, or refused
  *  before reading) the connection is closed after the reply. */
 export function sendError(
@@ -104,7 +113,8 @@ export function sendError(
   headers: Record<string, string> = {},
 ): void {
   if (res.headersSent) {
-    res.destroy()
+    // An answer already ended (e.g. with an in-stream error event) keeps its last bytes.
+    if (!res.writableEnded) res.destroy()
     return
   }
   const extra: Record<string, string> = { ...headers }
@@ -113,7 +123,7 @@ export function sendError(
     // Retrying the same request cannot succeed: tell the client not to (the openai SDKs obey
     // this header; without it they retry every 429, with Retry-After, twice).
     extra['x-should-retry'] = 'false'
-  } else if (err.code === 'capacity_exhausted' || err.code === 'rate_limited') {
+  } else if (retriedCodes.has(err.code)) {
     extra['retry-after'] = String(err instanceof LimitError ? err.retryAfterSec : 1)
   }
   const hasBody =

@@ -8,7 +8,8 @@ import { WorkerReportedError } from './worker-client.js'
 /** The fixed sentence of each server-side code. */
 const publicMessages: Partial<Record<ErrorCode, string>> = {
   capacity_exhausted: 'The server has no free KV capacity for this request right now; retry later.',
-  worker_unavailable: 'A worker is unavailable.',
+  worker_unavailable: 'A worker is unavailable; retry later.',
+  shutting_down: 'The server is shutting down; retry the request on another instance.',
   transfer_failed: 'The KV transfer between workers failed; the request was stopped.',
   guard_violation: 'A KV integrity guard stopped this request.',
   request_aborted: 'The request was aborted.',
@@ -29,6 +30,14 @@ export function publicError(err: KvfenceError, rid: string): KvfenceError {
   if (err.status < 500 && err.code !== 'request_aborted') return err
   const sentence = publicMessages[err.code] ?? 'Internal error.'
   return new KvfenceError(err.code, `${sentence} (request ${rid})`, null)
+}
+
+/** The error a request ended with: the reason its `signal` was aborted with when that is a
+ *  {@link KvfenceError} (the router itself ended the request, e.g. at the drain's deadline —
+ *  the backend then reports only `request_aborted`), else `err`. */
+export function endingError(err: unknown, signal: AbortSignal): KvfenceError {
+  if (signal.aborted && signal.reason instanceof KvfenceError) return signal.reason
+  return asKvfenceError(err)
 }
 
 /** `err` as a {@link KvfenceError} (`internal_error` when it is none). */

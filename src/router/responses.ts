@@ -1,6 +1,7 @@
 /** OpenAI response bodies (`chat.completion`, `chat.completion.chunk`, `text_completion`,
  *  `list`/`model`) built from plain values, and the SSE framing of a stream.
  *  Knows OpenAI's response shapes; knows nothing of workers, tokens or tenants. */
+import assert from 'node:assert/strict'
 import type { ServerResponse } from 'node:http'
 import { drained } from './http.js'
 import type { ChatLogprobs, CompletionLogprobs } from './logprobs.js'
@@ -149,20 +150,46 @@ export function modelCard(model: string, created: number, maxModelLen: number) {
 // ---------------------------------------------------------------------------------------------
 // SSE
 
-/** Sends the headers of an SSE stream. */
-export function startSse(res: ServerResponse, extraHeaders: Record<string, string>): void {
+/** Sets the headers of an SSE stream; sends them at once unless `isSentWithFirstEvent` (then
+ *  they leave with the first event, in one socket write when writes are coalesced). */
+export function startSse(
+  res: ServerResponse,
+  extraHeaders: Record<string, string>,
+  isSentWithFirstEvent = false,
+): void {
   res.writeHead(200, {
     'content-type': 'text/event-stream; charset=utf-8',
     'cache-control': 'no-cache',
     'x-accel-buffering': 'no',
     ...extraHeaders,
   })
-  res.flushHeaders()
+  if (!isSentWithFirstEvent) res.flushHeaders()
 }
 
 /** Writes one `data: {json}` event; resolves when the socket can take more (or is closed). */
 export function writeSse(res: ServerResponse, value: unknown): Promise<void> {
   return writeRaw(res, `data: ${JSON.stringify(value)}\n\n`)
+}
+
+/** Builds `data: {json}\n\n` events that differ from one body only in one string field: the
+ *  body is serialized once (with a placeholder) and each event is the text around it joined with
+ *  the new string's JSON, byte for byte what {@link writeSse} would write for that body. For the
+ *  chunks of a stream, which share everything but their text. `bodyWith(s)` returns the body
+ *  with `s` in that field (it must appear nowhere else). */
+export function sseTemplate(bodyWith: (text: string) => unknown): (text: string) => string {
+  const placeholder = '\u0000kvfence-text\u0000'
+  const json = JSON.stringify(bodyWith(placeholder))
+  const quoted = JSON.stringify(placeholder)
+  const at = json.indexOf(quoted)
+  assert(at !== -1 && json.indexOf(quoted, at + 1) === -1, 'the placeholder must appear once')
+  const before = `data: ${json.slice(0, at)}`
+  const after = `${json.slice(at + quoted.length)}\n\n`
+  return (text) => before + JSON.stringify(text) + after
+}
+
+/** Writes an event already framed (`data: …\n\n`); resolves when the socket can take more. */
+export function writeSseText(res: ServerResponse, event: string): Promise<void> {
+  return writeRaw(res, event)
 }
 
 /** Writes the final `data: [DONE]` and ends the response. */
@@ -171,6 +198,6 @@ export function endSse(res: ServerResponse): void {
 }
 
 function writeRaw(res: ServerResponse, text: string): Promise<void> {
-  if (res.destroyed || res.write(text)) return Promise.resolve()
+  if (res.destroyed || res.writableEnded || res.write(text)) return Promise.resolve()
   return drained(res)
 }

@@ -1,7 +1,9 @@
 /** The router's HTTP API: an OpenAI-compatible gateway in front of a {@link Backend} — kvfence's
  *  own workers, or (gateway mode) another engine's OpenAI API.
  *  `POST /v1/chat/completions`, `POST /v1/completions` (plain and SSE), `GET /v1/models`,
- *  `GET /v1/models/{id}`, `GET /health`, `GET /server_info`, `GET /metrics`.
+ *  `GET /v1/models/{id}`, `GET|HEAD /health`, `GET /server_info`, `GET /metrics`.
+ *  While the router drains (drain.ts), generation and model requests get 503 `shutting_down`
+ *  and `/health` 503; `/server_info` and `/metrics` still answer, for the operator.
  *  No endpoint takes a request id from a client: ids are drawn here (128 random bits), and a
  *  request is aborted only by its own connection closing — so no tenant can abort, read or time
  *  another tenant's request.
@@ -15,6 +17,7 @@ import { KvfenceError, MethodNotAllowedError } from '../errors.js'
 import { metricsText } from '../process-metrics.js'
 import type { Backend } from './backend.js'
 import type { RouterConfig } from './config.js'
+import { type Drain, ShuttingDownError } from './drain.js'
 import { serveGeneration } from './generation.js'
 import { sendError, sendJson } from './http.js'
 import type { Limiter } from './limits.js'
@@ -34,6 +37,8 @@ export interface RouterDeps {
   limiter: Limiter
   /** Where to count. */
   metrics: RouterMetrics
+  /** The drain: while it runs, new work is refused and `/health` is 503. */
+  drain: Drain
 }
 
 /** A `node:http` request handler. */
@@ -42,6 +47,8 @@ export type RequestHandler = (req: IncomingMessage, res: ServerResponse) => void
 /** Builds the router's request handler. */
 export function createRouter(deps: RouterDeps): RequestHandler {
   return (req, res) => {
+    // A draining router asks every client to reconnect (elsewhere) after this reply.
+    if (deps.drain.phase !== 'serving') res.setHeader('connection', 'close')
     route(deps, req, res).catch((err: unknown) => {
       const error = asKvfenceError(err)
       if (error.status >= 500)
@@ -55,8 +62,13 @@ export function createRouter(deps: RouterDeps): RequestHandler {
 async function route(deps: RouterDeps, req: IncomingMessage, res: ServerResponse): Promise<void> {
   const { config, backend } = deps
   const path = pathOf(req.url)
+  const isDraining = deps.drain.phase !== 'serving'
+  // No new work once draining: the API's paths are refused before anything is read.
+  if (isDraining && path.startsWith('/v1/')) throw new ShuttingDownError()
   switch (`${req.method} ${path}`) {
     case 'GET /health':
+    case 'HEAD /health': // a load balancer's probe: the status alone (node sends no body)
+      if (isDraining) return sendJson(res, 503, { status: 'unavailable', reason: 'draining' })
       return health(backend, res)
     case 'GET /server_info':
       return serverInfo(deps, res)
@@ -66,6 +78,7 @@ async function route(deps: RouterDeps, req: IncomingMessage, res: ServerResponse
       return
     case 'GET /v1/models':
       authenticate(deps.tenants, req)
+      refuseWhileRefusing(backend)
       return sendJson(
         res,
         200,
@@ -78,6 +91,7 @@ async function route(deps: RouterDeps, req: IncomingMessage, res: ServerResponse
   }
   if (req.method === 'GET' && path.startsWith('/v1/models/')) {
     authenticate(deps.tenants, req)
+    refuseWhileRefusing(backend)
     const id = path.slice('/v1/models/'.length)
     if (id !== config.model) {
       throw new KvfenceError('model_not_found', `The model '${id}' does not exist`, 'model')
@@ -90,6 +104,14 @@ async function route(deps: RouterDeps, req: IncomingMessage, res: ServerResponse
     'not_found',
     `${req.method} ${path === '' ? 'of this path' : path} is not an endpoint of this server`,
   )
+}
+
+/** While the backend refuses every request (G1 no longer holds, a worker refuses the cluster
+ *  token), the model's window is no promise the router keeps: `/v1/models` answers with the
+ *  refusal a generation would get, not with a `max_model_len` no request can use. */
+function refuseWhileRefusing(backend: Backend): void {
+  const refusal = backend.refusal()
+  if (refusal !== null) throw refusal
 }
 
 /** The tenant of the request's bearer key; `invalid_api_key` otherwise. The key is never
@@ -130,7 +152,7 @@ async function serverInfo(deps: RouterDeps, res: ServerResponse): Promise<void> 
 /** The method each fixed path takes: another method on one of them is a 405 with `Allow`, not a
  *  404 saying the endpoint does not exist. */
 const allowedMethods = new Map([
-  ['/health', 'GET'],
+  ['/health', 'GET, HEAD'],
   ['/server_info', 'GET'],
   ['/metrics', 'GET'],
   ['/v1/models', 'GET'],

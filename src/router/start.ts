@@ -12,12 +12,14 @@ import { loadTokenizer } from '../model/tokenizer.js'
 import { type WorkerReport, decideContextWindow } from './capacity.js'
 import type { Backend } from './backend.js'
 import { type RouterConfig, buildRouterConfig, routerConfigDefaults } from './config.js'
+import { createDrain } from './drain.js'
 import { type GatewayOptions, startGateway } from './gateway/backend.js'
 import { type Limiter, type QueueLimits, createLimiter, queueLimitDefaults } from './limits.js'
 import { type RouterMetrics, createRouterMetrics } from './metrics.js'
 import { createNativeBackend } from './native/backend.js'
 import { createCapacityMonitor, defaultCapacityRecheckMs } from './native/capacity-monitor.js'
 import { createRouter } from './router.js'
+import { createTokenizerPool } from './tokenizer-pool.js'
 import {
   type TenantRecord,
   type TenantsWatcher,
@@ -84,6 +86,11 @@ export interface StartRouterOptions {
   /** The token the workers require on their control plane (`KVFENCE_CLUSTER_TOKEN`); null or
    *  absent sends none, which only workers bound to loopback without a token accept. */
   clusterToken?: string | null
+  /** How long {@link RunningRouter.drain} lets running requests finish, seconds (default
+   *  `routerConfigDefaults.drainSeconds`). */
+  drainSeconds?: number
+  /** Threads tokenizing long prompts (default `defaultNumThreads` of tokenizer-pool.ts). */
+  tokenizerThreads?: number
   /** Logger (default: pino to stdout at info). */
   log?: Logger
 }
@@ -97,6 +104,10 @@ export interface RunningRouter {
   readonly server: http.Server
   /** Stops listening, closes client and worker connections. */
   close(): Promise<void>
+  /** Graceful stop: refuses new requests (503 `shutting_down`, `/health` 503), lets running
+   *  ones finish for up to `config.drainSeconds`, ends the rest with an error (an SSE error
+   *  event in a stream), then {@link close}s. */
+  drain(): Promise<void>
 }
 
 /** Interval between polls of workers still coming up, ms. */
@@ -143,6 +154,7 @@ async function startWithTenants(
       guardsEnabled: options.guardsEnabled ?? true,
       maxBodyBytes: options.maxBodyBytes ?? routerConfigDefaults.maxBodyBytes,
       logContent: options.logContent ?? false,
+      drainSeconds: options.drainSeconds ?? routerConfigDefaults.drainSeconds,
     })
     const deps = { tenants, backend, limiter, metrics: started.metrics, log }
     return await listenRouter(options, config, deps, () => {
@@ -238,6 +250,11 @@ async function startNativeBackend(
     })
     const backend = createNativeBackend({
       tokenizer,
+      tokenizerPool: createTokenizerPool({
+        modelDir: options.modelDir,
+        tokenizer,
+        ...(options.tokenizerThreads === undefined ? {} : { numThreads: options.tokenizerThreads }),
+      }),
       workers,
       capacity,
       pageSize,
@@ -269,11 +286,12 @@ function queueOf(limiter: Limiter) {
 async function listenRouter(
   options: StartRouterOptions,
   config: RouterConfig,
-  deps: Omit<Parameters<typeof createRouter>[0], 'config'>,
+  deps: Omit<Parameters<typeof createRouter>[0], 'config' | 'drain'>,
   closeBackend: () => void,
 ): Promise<RunningRouter> {
   const { log } = deps
-  const server = http.createServer(createRouter({ ...deps, config }))
+  const drain = createDrain()
+  const server = http.createServer(createRouter({ ...deps, config, drain }))
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject)
     server.listen(options.port ?? 8000, options.host ?? '127.0.0.1', () => {
@@ -296,17 +314,27 @@ async function listenRouter(
     },
     'router listening',
   )
+  const close = async () => {
+    await new Promise<void>((resolve) => {
+      server.close(() => resolve())
+      server.closeAllConnections()
+    })
+    closeBackend()
+  }
   return {
     url,
     port: address.port,
     config,
     server,
-    async close() {
-      await new Promise<void>((resolve) => {
-        server.close(() => resolve())
-        server.closeAllConnections()
-      })
-      closeBackend()
+    close,
+    async drain() {
+      log.info(
+        { numRunning: drain.numRunning, drainSeconds: config.drainSeconds },
+        'draining: new requests are refused',
+      )
+      await drain.drain(config.drainSeconds)
+      log.info({ numRunning: drain.numRunning }, 'drained; stopping')
+      await close()
     },
   }
 }

@@ -8,6 +8,7 @@ import type http from 'node:http'
 import { KvfenceError, toOpenAiError } from '../../errors.js'
 import { type GenerationJob, markToken } from '../backend.js'
 import { coalesceWrites, drained, sendJson } from '../http.js'
+import { endingError, publicError } from '../public-errors.js'
 import type { FinishReason } from '../responses.js'
 import type { Endpoint } from '../schemas.js'
 import { type EngineHttp, asObject, json, messageOf } from './engine-http.js'
@@ -78,6 +79,12 @@ export async function relay(c: RelayContext, job: GenerationJob): Promise<void> 
     } else result = await relayStream(job, upstream)
   } catch (err) {
     if (job.signal.aborted) {
+      const ending = endingError(err, job.signal)
+      // The router ended it (drain): a started stream still ends with an error event.
+      if (ending.code !== 'request_aborted' && job.res.headersSent && !job.res.writableEnded) {
+        job.res.end(`data: ${JSON.stringify(toOpenAiError(publicError(ending, job.rid)))}\n\n`)
+      }
+      if (ending.code !== 'request_aborted') throw ending
       throw new KvfenceError('request_aborted', `request ${job.rid} was aborted by the client`)
     }
     if (err instanceof KvfenceError) throw err

@@ -10,13 +10,13 @@ import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
 import { KvfenceError } from '../../errors.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
-import { promptTokenIds } from '../admission.js'
 import type { Backend, GenerationJob } from '../backend.js'
 import type { Limiter } from '../limits.js'
 import type { RouterMetrics } from '../metrics.js'
 import { messageOf } from '../public-errors.js'
 import { checkStopTokenIds } from '../schemas.js'
 import type { WorkerClient } from '../worker-client.js'
+import type { TokenizerPool } from '../tokenizer-pool.js'
 import type { CapacityMonitor } from './capacity-monitor.js'
 import { type GenerationDeps, runGeneration } from './worker-run.js'
 import { repliesOf } from './replies.js'
@@ -25,6 +25,8 @@ import { respondStreamed, respondWhole } from './respond.js'
 /** Options of {@link createNativeBackend}. */
 export interface NativeBackendOptions {
   tokenizer: Tokenizer
+  /** Tokenizes prompts (long ones off the event loop); closed with the backend. */
+  tokenizerPool: TokenizerPool
   workers: WorkerClient
   /** G1 re-checked while running. */
   capacity: CapacityMonitor
@@ -62,9 +64,17 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
     },
     serverInfo: () => serverInfo(options),
     maxTokenChars: tokenizer.maxTokenChars,
-    async preparePrompt(parsed) {
-      const tokenIds = promptTokenIds(tokenizer, parsed)
-      return { numPromptTokens: tokenIds.length, tokenIds }
+    async preparePrompt(parsed, signal) {
+      // One queue for all: the Backend interface does not pass the tenant here (yet).
+      const ids = await options.tokenizerPool.tokenize(parsed, '', signal)
+      let tokenIds: number[] | null = null
+      // An array only when asked for: a prompt refused for its length (G2) never becomes one.
+      return {
+        numPromptTokens: ids.length,
+        get tokenIds() {
+          return (tokenIds ??= Array.from(ids))
+        },
+      }
     },
     async generate(job) {
       const run = {
@@ -90,6 +100,7 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
       if (isWorkerFailure && error !== capacity.current().refusal) capacity.recheckSoon()
     },
     close() {
+      options.tokenizerPool.close()
       capacity.close()
       workers.close()
     },

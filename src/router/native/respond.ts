@@ -4,8 +4,8 @@ import { toOpenAiError } from '../../errors.js'
 import type { GenerationJob } from '../backend.js'
 import { coalesceWrites, sendJson } from '../http.js'
 import type { GeneratedLogprobs } from '../logprobs.js'
-import { asKvfenceError, publicError } from '../public-errors.js'
-import { endSse, startSse, usageOf, writeSse } from '../responses.js'
+import { endingError, publicError } from '../public-errors.js'
+import { endSse, sseTemplate, startSse, usageOf, writeSse, writeSseText } from '../responses.js'
 import type { GenerationResult } from './worker-run.js'
 import type { Replies } from './replies.js'
 
@@ -50,15 +50,21 @@ export async function respondStreamed(
   const start = async () => {
     if (isStarted) return
     isStarted = true
-    startSse(res, {})
-    coalesceWrites(res) // tokens of one event-loop turn leave in one socket write
+    // Called with the first text in hand: the headers leave with it, in the same socket write
+    // as every other event of this event-loop turn.
+    startSse(res, {}, true)
+    coalesceWrites(res)
     const opening = replies.opening()
     if (opening !== null) await writeSse(res, opening)
   }
+  // Without log-probabilities every piece's chunk is the same but for its text: serialized once.
+  const pieceEvent =
+    job.parsed.sampling.numLogprobs == null ? sseTemplate((text) => replies.piece(text, [])) : null
   try {
     const result = await generate(async (piece, logprobs) => {
       await start()
-      await writeSse(res, replies.piece(piece, logprobs))
+      if (pieceEvent !== null) await writeSseText(res, pieceEvent(piece))
+      else await writeSse(res, replies.piece(piece, logprobs))
     })
     job.outcome.numCompletionTokens = result.numCompletionTokens
     job.outcome.finishReason = result.finishReason
@@ -74,10 +80,10 @@ export async function respondStreamed(
     endSse(res)
   } catch (err) {
     if (!isStarted) throw err
-    const error = asKvfenceError(err)
+    const error = endingError(err, job.signal)
     job.outcome.status = error.status
     job.logFailure(error)
-    if (!res.destroyed) {
+    if (!res.destroyed && !res.writableEnded) {
       res.end(`data: ${JSON.stringify(toOpenAiError(publicError(error, job.rid)))}\n\n`)
     }
   }

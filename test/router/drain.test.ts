@@ -1,0 +1,134 @@
+/** A router process stopped with SIGTERM drains: new requests get 503 `shutting_down` with
+ *  Retry-After, `/health` is 503, running streams finish (or, past `--drain-seconds`, end with an
+ *  error event — never a bare cut), and the process exits 0. Real worker and router processes. */
+import assert from 'node:assert/strict'
+import type { ChildProcess } from 'node:child_process'
+import { after, before, test } from 'node:test'
+import { echoModelDir } from '../helpers/paths.js'
+import {
+  type Ports,
+  allocatePorts,
+  freePort,
+  makeTenants,
+  startDecode,
+  startPart,
+  startPrefill,
+  stopAll,
+} from '../reliability/helpers.js'
+
+let ports: Ports
+let workers: ChildProcess[] = []
+const tenants = makeTenants()
+
+before(async () => {
+  ports = await allocatePorts()
+  workers = [await startPrefill(ports), await startDecode(ports)]
+})
+after(() => stopAll(workers))
+
+function startRouter(drainSeconds: number): Promise<ChildProcess> {
+  return startPart([
+    'router', '--model', echoModelDir, '--host', '127.0.0.1', '--port', String(ports.router),
+    '--prefill', `http://127.0.0.1:${ports.prefill}`, '--decode', `http://127.0.0.1:${ports.decode}`,
+    '--tenants', tenants.file, '--drain-seconds', String(drainSeconds),
+  ]) // prettier-ignore
+}
+
+/** A streamed completion: resolves with its SSE events' data once the first one arrived, and
+ *  with the rest (and whether the response ended cleanly) when it ends. */
+async function openStream(maxTokens: number, port = ports.router) {
+  const res = await fetch(`http://127.0.0.1:${port}/v1/completions`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${tenants.a.key}`, 'content-type': 'application/json' },
+    body: JSON.stringify({
+      model: 'echo-tiny',
+      prompt: 'hello there',
+      max_tokens: maxTokens,
+      stream: true,
+      ignore_eos: true,
+    }),
+  })
+  assert.equal(res.status, 200)
+  const reader = res.body!.pipeThrough(new TextDecoderStream()).getReader()
+  let text = ''
+  while (!text.includes('\n\n')) {
+    const { value, done } = await reader.read()
+    assert.ok(!done, 'the stream ended before its first event')
+    text += value
+  }
+  const rest = (async () => {
+    for (;;) {
+      const { value, done } = await reader.read()
+      if (done) return text
+      text += value
+    }
+  })()
+  return { rest }
+}
+
+/** The `data:` payloads of an SSE text. */
+function events(text: string): string[] {
+  return text
+    .split('\n\n')
+    .filter((e) => e.startsWith('data: '))
+    .map((e) => e.slice('data: '.length))
+}
+
+function exited(child: ChildProcess): Promise<number | null> {
+  return new Promise((resolve) => child.once('exit', (code) => resolve(code)))
+}
+
+test('SIGTERM: a short stream finishes with [DONE], new requests and /health get 503, exit 0', async () => {
+  const router = await startRouter(30)
+  const exit = exited(router)
+  // The long stream keeps the drain open while the short one finishes and the probes run.
+  const long = await openStream(400)
+  const short = await openStream(3)
+  router.kill('SIGTERM')
+  await assert.doesNotReject(async () => {
+    for (let i = 0; i < 50; i++) {
+      const health = await fetch(`http://127.0.0.1:${ports.router}/health`)
+      await health.arrayBuffer()
+      if (health.status === 503) return
+      await new Promise((r) => setTimeout(r, 20))
+    }
+    throw new Error('/health never became 503')
+  })
+  const refused = await fetch(`http://127.0.0.1:${ports.router}/v1/completions`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${tenants.a.key}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ model: 'echo-tiny', prompt: 'hi', max_tokens: 1 }),
+  })
+  assert.equal(refused.status, 503)
+  assert.equal(refused.headers.get('retry-after'), '1')
+  const body = (await refused.json()) as { error: { code: string; type: string } }
+  assert.equal(body.error.code, 'shutting_down')
+  assert.equal(body.error.type, 'server_error')
+  const shortEvents = events(await short.rest)
+  assert.equal(shortEvents.at(-1), '[DONE]')
+  const longEvents = events(await long.rest)
+  assert.equal(longEvents.at(-1), '[DONE]', 'the long stream, within 30 s, finishes too')
+  assert.equal(await exit, 0)
+})
+
+test('SIGTERM with --drain-seconds 0: a running stream ends with an error event, then exit 0', async () => {
+  const router = await startRouter(0)
+  const exit = exited(router)
+  const long = await openStream(400)
+  router.kill('SIGTERM')
+  const longEvents = events(await long.rest)
+  assert.notEqual(longEvents.at(-1), '[DONE]')
+  const last = JSON.parse(longEvents.at(-1)!) as { error: { code: string } }
+  assert.equal(last.error.code, 'shutting_down')
+  assert.equal(await exit, 0)
+})
+
+test('kvfence serve forwards SIGTERM to its router and waits for the drain: the stream finishes, exit 0', async () => {
+  const port = await freePort()
+  const serve = await startPart(['serve', '--tenants', tenants.file, '--port', String(port)])
+  const exit = exited(serve)
+  const stream = await openStream(200, port)
+  serve.kill('SIGTERM')
+  assert.equal(events(await stream.rest).at(-1), '[DONE]')
+  assert.equal(await exit, 0)
+})
