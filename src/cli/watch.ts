@@ -142,7 +142,10 @@ async function watch(flags: WatchFlags): Promise<number> {
     },
     randomInt(0, 2 ** 32 - 1),
   )
-  const log = pino({ name: 'kvfence-watch', level: flags.logLevel }, pino.destination(1))
+  const log = pino(
+    { name: 'kvfence-watch', level: flags.logLevel },
+    pino.destination({ dest: 1, sync: true }),
+  )
   const metrics = createWatchMetrics()
   const served = await serveMetrics(metrics.registry, config.metricsHost, config.metricsPort)
   const stop = new AbortController()

@@ -93,9 +93,9 @@ export function planCycle(
 ): CyclePlan {
   const planter = rng.pick(tenants)
   const observers = tenants.filter((t) => t !== planter)
-  const ids = ['plant', 'cut', 'fresh', 'burst0', 'burst1', 'burst2']
+  const ids = ['plant', 'cut', 'fresh', 'burst0', 'burst1', 'burst2', 'look']
   const tenantsFor = [planter, planter, rng.pick(observers), rng.pick(observers), planter]
-  tenantsFor.push(rng.pick(observers))
+  tenantsFor.push(rng.pick(observers), rng.pick(observers))
   // The plant and the cut stream are canary-dense whole prompts (stale pages then hold canaries
   // wherever they land); the observers' own prompts are two canaries each, to keep cycles cheap.
   const material = plantMaterial(rng, tenants, ids).map((p, i) => {
@@ -178,19 +178,22 @@ export function planCycle(
 
   const skipped: string[] = []
   const plant = canaryStep('plant', 'plant', 'plant', { stream: false })
-  if (plant.tokenBound > allowance.tokens || allowance.requests < 2) {
+  // Right after the plant, another tenant's ordinary request: the cheapest look at pages the
+  // plant just left (the canary probe's "normal" prompt), so no cycle proves nothing.
+  const look = canaryStep('look', 'plant', 'normal after the plant')
+  if (plant.tokenBound + look.tokenBound > allowance.tokens || allowance.requests < 2) {
     return {
       groups: [],
       triggers: [],
       cost: { tokens: 0, requests: 0 },
       skipped: [
-        `cycle skipped: the plant alone needs ${plant.tokenBound} tokens and 2 requests, the budget allows ${allowance.tokens} tokens and ${allowance.requests} requests now`,
+        `cycle skipped: the plant and a look need ${plant.tokenBound + look.tokenBound} tokens and 2 requests, the budget allows ${allowance.tokens} tokens and ${allowance.requests} requests now`,
       ],
     }
   }
-  const groups: Step[][] = [[plant]]
+  const groups: Step[][] = [[plant], [look]]
   const triggers: TriggerName[] = ['plant']
-  let cost = { tokens: plant.tokenBound, requests: 1 }
+  let cost = { tokens: plant.tokenBound + look.tokenBound, requests: 2 }
   for (const name of drawn) {
     const planned = options[name]()
     if (typeof planned === 'string') {

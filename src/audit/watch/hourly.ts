@@ -84,3 +84,44 @@ export class HourlyBudget {
     while (this.entries.length > 0 && this.entries[0].atMs <= cutoff) this.entries.shift()
   }
 }
+
+/** Paces cycles inside the hourly limit: refills at the hourly rate, holds at most `capacity`
+ *  (a few cycles' worth), so a cycle may spend more than its average share now and then without
+ *  the hour's budget going in the first quarter hour. The hard limit stays {@link HourlyBudget}. */
+export class PacingBucket {
+  private level: { tokens: number; requests: number }
+  private refilledAt: number
+
+  constructor(
+    private readonly perHour: Spend,
+    readonly capacity: Spend,
+    private readonly now: () => number = Date.now,
+  ) {
+    this.level = { ...capacity }
+    this.refilledAt = now()
+  }
+
+  /** What the bucket holds now. */
+  available(): Spend {
+    const t = this.now()
+    const hours = (t - this.refilledAt) / hourMs
+    this.refilledAt = t
+    this.level = {
+      tokens: Math.min(this.capacity.tokens, this.level.tokens + hours * this.perHour.tokens),
+      requests: Math.min(
+        this.capacity.requests,
+        this.level.requests + hours * this.perHour.requests,
+      ),
+    }
+    return { tokens: Math.floor(this.level.tokens), requests: Math.floor(this.level.requests) }
+  }
+
+  /** Takes what a cycle spent out of the bucket. */
+  take(spent: Spend): void {
+    this.available()
+    this.level = {
+      tokens: this.level.tokens - spent.tokens,
+      requests: this.level.requests - spent.requests,
+    }
+  }
+}

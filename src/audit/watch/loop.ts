@@ -17,14 +17,20 @@ import {
   type CycleReport,
   type WatchFinding,
 } from './cycle.js'
-import { HourlyBudget, type Spend } from './hourly.js'
+import { HourlyBudget, PacingBucket, type Spend } from './hourly.js'
 import type { WatchMetrics } from './metrics.js'
 import type { WatchConfig } from './options.js'
 import { alertEvidence, postWebhook, webhookBody, type AlertStatus } from './webhook.js'
 
-/** A cycle may spend at most this many times its fair share of the hourly budget (so a cycle
- *  that draws every trigger can run, and the hour still averages out). */
-const cycleShareFactor = 2
+/** A cycle may spend up to this many times its average share of the hourly budget (so a cycle
+ *  that draws every trigger can run now and then, and the hour still averages out). */
+const cycleShareFactor = 3
+/** Canary prompts are 200–330 characters plus one canary (≤ 24 characters): ≤ 355 bytes. */
+const plantTokenBound = promptTokenBound('x'.repeat(355)) + 16
+/** An observer's prompt is two canaries (≤ 49 bytes) and answers with up to 32 tokens. */
+const observerTokenBound = promptTokenBound('x'.repeat(49)) + 32
+/** The least a cycle sends: the plant and one look by another tenant. */
+const minCycleTokens = plantTokenBound + observerTokenBound
 /** Idle pool usage: this many cycles' readings form the baseline, and a warning needs every
  *  reading of that many recent cycles above it. */
 const idleWindowCycles = 10
@@ -37,42 +43,38 @@ export interface WatchDeps {
   readonly signal: AbortSignal
 }
 
-/** What one cycle costs at most, for the start-up line. */
+/** What one cycle costs at most, for the start-up line, and what a cycle may spend. */
 export function cycleCostBound(config: WatchConfig): {
   readonly maxRequests: number
   readonly maxCanaryTokens: number
   readonly allowance: Spend
 } {
-  // Canary prompts are 200–330 characters plus one canary (≤ 24): ≤ 355 bytes.
-  const plantBound = promptTokenBound('x'.repeat(355))
-  const observerBound = promptTokenBound('x'.repeat(49))
-  const maxCanaryTokens = 2 * (plantBound + 16) + 4 * (observerBound + 32)
+  // The plant and the cut stream are whole canary prompts; five observer prompts (the look, the
+  // fresh request after the cut, the burst of three).
   return {
-    maxRequests: maxReadRequests + 8,
-    maxCanaryTokens,
-    allowance: cycleAllowance(config, {
-      tokens: config.maxTokensPerHour,
-      requests: config.maxRequestsPerHour,
-    }),
+    maxRequests: maxReadRequests + 9,
+    maxCanaryTokens: 2 * plantTokenBound + 5 * observerTokenBound,
+    allowance: pacing(config).capacity,
   }
 }
 
-function cycleAllowance(config: WatchConfig, remaining: Spend): Spend {
+/** The bucket that paces cycles: a cycle's allowance is at most `cycleShareFactor` average
+ *  shares, and never less than one cycle of reads and a plant (when the hour allows that). */
+function pacing(config: WatchConfig): PacingBucket {
   const cyclesPerHour = 3600 / config.cycleSeconds
   const share = (perHour: number) => Math.ceil((cycleShareFactor * perHour) / cyclesPerHour)
-  return {
-    tokens: Math.min(remaining.tokens, share(config.maxTokensPerHour)),
-    requests: Math.min(
-      remaining.requests,
-      Math.max(maxReadRequests + 2, share(config.maxRequestsPerHour)),
-    ),
-  }
+  const perHour = { tokens: config.maxTokensPerHour, requests: config.maxRequestsPerHour }
+  return new PacingBucket(perHour, {
+    tokens: Math.min(perHour.tokens, Math.max(share(perHour.tokens), 2 * minCycleTokens)),
+    requests: Math.min(perHour.requests, Math.max(share(perHour.requests), 2 * maxReadRequests)),
+  })
 }
 
 export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<void> {
   const { log, metrics, signal } = deps
   const rng = createRng(config.seed, 'watch')
   const hourly = new HourlyBudget(config.maxTokensPerHour, config.maxRequestsPerHour)
+  const bucket = pacing(config)
   const alerts = new AlertTracker(config.resolveAfterCycles)
   const idleReadings: number[] = []
   let idleUnit: string | null = null
@@ -87,12 +89,20 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
   })
 
   for (let cycle = 1; !signal.aborted; cycle++) {
-    const allowance = cycleAllowance(config, hourly.remaining())
-    const reservation = allowance.requests >= maxReadRequests ? hourly.reserve(allowance) : null
+    const left = hourly.remaining()
+    const inBucket = bucket.available()
+    const allowance = {
+      tokens: Math.min(left.tokens, inBucket.tokens),
+      requests: Math.min(left.requests, inBucket.requests),
+    }
+    // A cycle that could not pay for its reads and a plant is not started: nothing is sent.
+    const isAffordable =
+      allowance.requests >= maxReadRequests + 2 && allowance.tokens >= minCycleTokens
+    const reservation = isAffordable ? hourly.reserve(allowance) : null
     let report: CycleReport | 'stopped'
     if (reservation === null) {
       report = skippedReport(
-        `cycle skipped: the hourly budget has ${allowance.requests} requests left, a cycle's reads need ${maxReadRequests}`,
+        `cycle skipped: the budget allows ${allowance.tokens} tokens and ${allowance.requests} requests now, a cycle needs ${minCycleTokens} and ${maxReadRequests + 2} (hourly budget: ${left.tokens} tokens, ${left.requests} requests left)`,
       )
     } else {
       const running: Promise<CycleReport> = runCycle({
@@ -113,6 +123,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
       // A cycle abandoned mid-way keeps its whole reservation: what it sent is not known.
       if (report === 'stopped') break
       reservation.settle(report.spent)
+      bucket.take(report.spent)
     }
     sizer = report.sizer ?? sizer
     usageEndpoint = report.poolUsage?.endpoint ?? usageEndpoint
