@@ -28,6 +28,12 @@ function assertNoKeys(text: string): void {
 
 const isCycle = (outcome: string) => (l: LogLine) => l.msg === 'cycle' && l.outcome === outcome
 
+/** A leak from one tenant to another (a same-tenant crossing, requests crossed, is a leak too). */
+const isCrossTenantLeak = (l: LogLine): boolean => {
+  const e = l.evidence as Record<string, unknown> | undefined
+  return l.msg === 'finding' && l.verdict === 'leak' && e?.victimTenant !== e?.observerTenant
+}
+
 describe('kvfence watch against the incident stand-in', () => {
   test('a leak is one finding: a log line with its evidence, the metrics, one webhook', async (t) => {
     const standIn = await startStandIn('leaky')
@@ -49,9 +55,9 @@ describe('kvfence watch against the incident stand-in', () => {
       await Promise.all([standIn.close(), receiver.close()])
     })
     const leak = await watch.waitFor(
-      (l) => l.msg === 'finding' && l.verdict === 'leak',
+      (l) => l.msg === 'finding' && isCrossTenantLeak(l),
       60_000,
-      'with a leak finding',
+      'with a cross-tenant leak finding',
     )
     assert.equal(leak.level, 50, 'a leak is logged at error level')
     assert.equal(leak.severity, 'critical')
