@@ -43,7 +43,7 @@ const observerMaxTokens = 32
  *  up to three for pool usage. */
 export const maxReadRequests = 7
 /** Each optional trigger is drawn with this probability (at least one is always drawn). */
-const triggerProbability = 0.6
+const triggerProbability = 0.5
 
 /** One completion a cycle sends. */
 interface Step {
