@@ -5,8 +5,11 @@
  *  with one line and exit 2. */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { createServer, connect, type Socket } from 'node:net'
-import { describe, test } from 'node:test'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { after, describe, test } from 'node:test'
 import { cliPath } from '../helpers/paths.js'
 import { startStandIn, tenantKeys, unreachableUrl } from './standins.js'
 import { metricValue, scrape, startReceiver, startWatch, type LogLine } from './watch-process.js'
@@ -201,8 +204,8 @@ describe('kvfence watch as a service', () => {
     await watch.waitFor((l) => l.msg === 'target reachable again', 30_000, 'reachable again')
     const clean = await watch.waitFor(isCycle('clean'), 30_000, 'of a clean cycle')
     assert.ok((clean.cycle as number) > (down.cycle as number))
-    const after = await scrape(metricsUrl)
-    assert.equal(metricValue(after, 'kvfence_watch_target_unreachable'), 0)
+    const onceBack = await scrape(metricsUrl)
+    assert.equal(metricValue(onceBack, 'kvfence_watch_target_unreachable'), 0)
     assert.equal(watch.child.exitCode, null, 'still running')
   })
 
@@ -288,4 +291,63 @@ describe('kvfence watch refuses bad input with one line and exit 2', () => {
       assertNoKeys(stderr)
     })
   }
+})
+
+describe('kvfence watch --config: the audit config with a watch: section', () => {
+  const dir = mkdtempSync(join(tmpdir(), 'kvfence-watch-config-'))
+  const write = (name: string, text: string): string => {
+    const file = join(dir, name)
+    writeFileSync(file, text)
+    return file
+  }
+  const tenantsYaml =
+    'tenants:\n  - { name: alice, keyEnv: KVFENCE_TEST_ALICE_KEY }\n  - { name: bob, keyEnv: KVFENCE_TEST_BOB_KEY }\n'
+  const configEnv = { ...env, KVFENCE_TEST_ALICE_KEY: tenantKeys.alice }
+  after(() => rmSync(dir, { recursive: true, force: true }))
+
+  test('tenants, target and the watch section come from the file', async (t) => {
+    const standIn = await startStandIn('safe')
+    const file = write(
+      'watch.yaml',
+      `target: ${standIn.url}\n${tenantsYaml}seed: 5\nwatch:\n  cycleSeconds: 0.3\n  metricsPort: 0\n  maxTokensPerHour: 100000000\n  maxRequestsPerHour: 1000000\n`,
+    )
+    const watch = startWatch(['--config', file], configEnv)
+    t.after(async () => {
+      watch.child.kill('SIGKILL')
+      await standIn.close()
+    })
+    const start = await watch.waitFor((l) => 'cycleSeconds' in l, 30_000, 'of the start')
+    assert.deepEqual(
+      [start.target, start.tenants, start.seed, start.cycleSeconds, start.budget],
+      [
+        standIn.url,
+        ['alice', 'bob'],
+        5,
+        0.3,
+        { maxTokensPerHour: 100000000, maxRequestsPerHour: 1000000 },
+      ],
+    )
+    await watch.waitFor(isCycle('clean'), 30_000, 'of a clean cycle')
+  })
+
+  test('a bad watch section or a key in the file: one line, exit 2', async () => {
+    const bad = write(
+      'bad.yaml',
+      `target: http://127.0.0.1:1\n${tenantsYaml}watch:\n  cycleSeconds: fast\n`,
+    )
+    const keyed = write(
+      'keyed.yaml',
+      'target: http://127.0.0.1:1\ntenants:\n  - { name: alice, key: sk-in-a-file }\n  - { name: bob, keyEnv: KVFENCE_TEST_BOB_KEY }\n',
+    )
+    for (const [file, pattern] of [
+      [bad, /^kvfence watch: config .*bad\.yaml: watch\.cycleSeconds: /],
+      [keyed, /^kvfence watch: config .*keyed\.yaml: tenants\.0: a key is never read from a file/],
+    ] as const) {
+      const run = startWatch(['--config', file], configEnv)
+      const { code } = await run.exited
+      assert.equal(code, 2, run.stderr())
+      assert.equal(run.stderr().trimEnd().split('\n').length, 1, run.stderr())
+      assert.match(run.stderr(), pattern)
+    }
+  })
 })

@@ -143,7 +143,7 @@ export function planCycle(
     tokenBound: fillerTokenBound(tokens) + observerMaxTokens,
   })
 
-  const options: Record<Exclude<TriggerName, 'plant'>, () => Step[][] | string> = {
+  const options: Record<OptionalTrigger, () => Step[][] | string> = {
     'over-capacity': () => {
       if (limit === null || sizer === null) return 'pool and context unknown, or no token counts'
       const tokens =
@@ -167,16 +167,7 @@ export function planCycle(
     ],
     burst: () => [['burst0', 'burst1', 'burst2'].map((id) => canaryStep(id, 'burst', 'burst'))],
   }
-  const names = Object.keys(options) as Exclude<TriggerName, 'plant'>[]
-  const drawn = names.filter(() => rng.next() < triggerProbability)
-  if (drawn.length === 0) drawn.push(rng.pick(names))
-  // Shuffle (Fisher–Yates) so the order of triggers after the plant varies too.
-  for (let i = drawn.length - 1; i > 0; i--) {
-    const j = rng.int(0, i)
-    ;[drawn[i], drawn[j]] = [drawn[j], drawn[i]]
-  }
-
-  const skipped: string[] = []
+  const drawn = drawTriggers(rng, Object.keys(options) as OptionalTrigger[])
   const plant = canaryStep('plant', 'plant', 'plant', { stream: false })
   // Right after the plant, another tenant's ordinary request: the cheapest look at pages the
   // plant just left (the canary probe's "normal" prompt), so no cycle proves nothing.
@@ -191,9 +182,39 @@ export function planCycle(
       ],
     }
   }
-  const groups: Step[][] = [[plant], [look]]
+  return fitTriggers([[plant], [look]], drawn, options, allowance)
+}
+
+type OptionalTrigger = Exclude<TriggerName, 'plant'>
+
+/** Each optional trigger with probability {@link triggerProbability} (at least one), shuffled
+ *  (Fisher–Yates) so the order after the plant varies too. */
+function drawTriggers(rng: Rng, names: readonly OptionalTrigger[]): OptionalTrigger[] {
+  const drawn = names.filter(() => rng.next() < triggerProbability)
+  if (drawn.length === 0) drawn.push(rng.pick(names))
+  for (let i = drawn.length - 1; i > 0; i--) {
+    const j = rng.int(0, i)
+    ;[drawn[i], drawn[j]] = [drawn[j], drawn[i]]
+  }
+  return drawn
+}
+
+/** The plan: `first` (the plant and the look, which fit), then each drawn trigger that still fits
+ *  in `allowance`, in order; the others are named in `skipped` with what they would cost. */
+function fitTriggers(
+  first: Step[][],
+  drawn: readonly OptionalTrigger[],
+  options: Record<OptionalTrigger, () => Step[][] | string>,
+  allowance: Spend,
+): CyclePlan {
+  const groups = [...first]
   const triggers: TriggerName[] = ['plant']
-  let cost = { tokens: plant.tokenBound + look.tokenBound, requests: 2 }
+  const skipped: string[] = []
+  const firstSteps = first.flat()
+  let cost = {
+    tokens: firstSteps.reduce((n, s) => n + s.tokenBound, 0),
+    requests: firstSteps.length,
+  }
   for (const name of drawn) {
     const planned = options[name]()
     if (typeof planned === 'string') {
