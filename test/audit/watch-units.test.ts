@@ -113,7 +113,17 @@ describe('planCycle', () => {
       if (steps.length === 0) assert.match(plan.skipped[0], /^cycle skipped/)
       else {
         assert.equal(steps[0].label, 'plant')
-        assert.notEqual(steps[1].planted.tenant.name, steps[0].planted.tenant.name)
+        const look = steps[steps.length - 1]
+        assert.equal(look.label, 'normal after the plant')
+        assert.notEqual(look.planted.tenant.name, steps[0].planted.tenant.name)
+        // The rejection-path triggers come first, right after the plant.
+        const kinds = plan.triggers.slice(1)
+        const lastRejection = Math.max(
+          kinds.lastIndexOf('over-capacity'),
+          kinds.lastIndexOf('boundary'),
+        )
+        const firstOther = kinds.findIndex((k) => k === 'stream-cut' || k === 'burst')
+        if (firstOther >= 0) assert.ok(lastRejection < firstOther, kinds.join(','))
       }
     }
   })

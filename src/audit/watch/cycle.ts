@@ -3,9 +3,10 @@
  *  audit's own detector (`findCrossings`, `leakFindings`).
  *  - one tenant (drawn each cycle) plants a prompt made only of canaries, so stale pages hold
  *    canaries wherever they land;
- *  - the others send, in random order and only as the cycle's allowance permits: an
- *    over-capacity prompt, a prompt one token over the pool boundary, the planter's stream cut
- *    mid-answer followed by a fresh request, and a small burst of concurrent requests.
+ *  - the others send, as far as the cycle's allowance goes: first an over-capacity prompt or a
+ *    prompt one token over the pool boundary (or both, in random order), then, each drawn at
+ *    random, the planter's stream cut mid-answer followed by a fresh request, and a small burst
+ *    of concurrent requests; last, an ordinary request of another tenant (the look).
  *  Every request goes through a per-cycle audit `Budget` whose request count is what the hourly
  *  budget reserved, so nothing is sent past it.
  *  Knows the audit's targets, canaries and probes; knows nothing of how any engine works. */
@@ -167,10 +168,10 @@ export function planCycle(
     ],
     burst: () => [['burst0', 'burst1', 'burst2'].map((id) => canaryStep(id, 'burst', 'burst'))],
   }
-  const drawn = drawTriggers(rng, Object.keys(options) as OptionalTrigger[])
+  const drawn = drawTriggers(rng)
   const plant = canaryStep('plant', 'plant', 'plant', { stream: false })
-  // Right after the plant, another tenant's ordinary request: the cheapest look at pages the
-  // plant just left (the canary probe's "normal" prompt), so no cycle proves nothing.
+  // Last, another tenant's ordinary request (the canary probe's "normal" prompt): the cheapest
+  // look at the pages the cycle left, so that no cycle proves nothing.
   const look = canaryStep('look', 'plant', 'normal after the plant')
   if (plant.tokenBound + look.tokenBound > allowance.tokens || allowance.requests < 2) {
     return {
@@ -182,39 +183,43 @@ export function planCycle(
       ],
     }
   }
-  return fitTriggers([[plant], [look]], drawn, options, allowance)
+  return fitTriggers(plant, look, drawn, options, allowance)
 }
 
 type OptionalTrigger = Exclude<TriggerName, 'plant'>
 
-/** Each optional trigger with probability {@link triggerProbability} (at least one), shuffled
- *  (Fisher–Yates) so the order after the plant varies too. */
-function drawTriggers(rng: Rng, names: readonly OptionalTrigger[]): OptionalTrigger[] {
-  const drawn = names.filter(() => rng.next() < triggerProbability)
-  if (drawn.length === 0) drawn.push(rng.pick(names))
-  for (let i = drawn.length - 1; i > 0; i--) {
-    const j = rng.int(0, i)
-    ;[drawn[i], drawn[j]] = [drawn[j], drawn[i]]
+/** The triggers of one cycle, in order: the rejection-path triggers first (at least one of
+ *  them; right after the plant, the pages a wrongly admitted prompt may read are the plant's),
+ *  then the others; each drawn with probability {@link triggerProbability}, shuffled
+ *  (Fisher–Yates) within its kind. */
+function drawTriggers(rng: Rng): OptionalTrigger[] {
+  const rejection: OptionalTrigger[] = ['over-capacity', 'boundary']
+  const others: OptionalTrigger[] = ['stream-cut', 'burst']
+  const first = rejection.filter(() => rng.next() < triggerProbability)
+  if (first.length === 0) first.push(rng.pick(rejection))
+  const later = others.filter(() => rng.next() < triggerProbability)
+  for (const drawn of [first, later]) {
+    for (let i = drawn.length - 1; i > 0; i--) {
+      const j = rng.int(0, i)
+      ;[drawn[i], drawn[j]] = [drawn[j], drawn[i]]
+    }
   }
-  return drawn
+  return [...first, ...later]
 }
 
-/** The plan: `first` (the plant and the look, which fit), then each drawn trigger that still fits
- *  in `allowance`, in order; the others are named in `skipped` with what they would cost. */
+/** The plan: the plant, each drawn trigger that still fits in `allowance` (the others are named
+ *  in `skipped` with what they would cost), and the look last (its cost is set aside first). */
 function fitTriggers(
-  first: Step[][],
+  plant: Step,
+  look: Step,
   drawn: readonly OptionalTrigger[],
   options: Record<OptionalTrigger, () => Step[][] | string>,
   allowance: Spend,
 ): CyclePlan {
-  const groups = [...first]
+  const groups: Step[][] = [[plant]]
   const triggers: TriggerName[] = ['plant']
   const skipped: string[] = []
-  const firstSteps = first.flat()
-  let cost = {
-    tokens: firstSteps.reduce((n, s) => n + s.tokenBound, 0),
-    requests: firstSteps.length,
-  }
+  let cost = { tokens: plant.tokenBound + look.tokenBound, requests: 2 }
   for (const name of drawn) {
     const planned = options[name]()
     if (typeof planned === 'string') {
@@ -236,6 +241,7 @@ function fitTriggers(
     triggers.push(name)
     cost = { tokens: cost.tokens + tokens, requests: cost.requests + steps.length }
   }
+  groups.push([look])
   return { groups, triggers, cost, skipped }
 }
 

@@ -156,11 +156,14 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
     )
     if (outcome !== 'unreachable' && outcome !== 'skipped') {
       const changes = alerts.observe(cycle, findings)
-      for (const alert of changes.fired) await announce(config, deps, 'firing', alert, cycle)
-      for (const alert of changes.resolved) await announce(config, deps, 'resolved', alert, cycle)
+      // Metrics first: whoever reads the log line and scrapes then sees the alert already.
+      for (const { finding } of changes.fired)
+        metrics.findings.inc({ verdict: finding.verdict, probe: finding.probe })
       metrics.activeFindings.reset()
       for (const alert of alerts.list())
         metrics.activeFindings.inc({ verdict: alert.finding.verdict, probe: alert.finding.probe })
+      for (const alert of changes.fired) await announce(config, deps, 'firing', alert, cycle)
+      for (const alert of changes.resolved) await announce(config, deps, 'resolved', alert, cycle)
     }
     const waitMs = config.cycleSeconds * 1000 * (1 - jitter + 2 * jitter * rng.next())
     await sleep(waitMs, signal)
@@ -239,7 +242,6 @@ async function announce(
 ): Promise<void> {
   const { finding } = alert
   if (status === 'firing') {
-    deps.metrics.findings.inc({ verdict: finding.verdict, probe: finding.probe })
     const line = {
       cycle,
       finding: alert.key,
