@@ -147,7 +147,12 @@ async function watch(flags: WatchFlags): Promise<number> {
     pino.destination({ dest: 1, sync: true }),
   )
   const metrics = createWatchMetrics()
-  const served = await serveMetrics(metrics.registry, config.metricsHost, config.metricsPort)
+  // A port already taken is the operator's to fix, like a bad flag: one line, exit 2.
+  const served = await serveMetrics(metrics.registry, config.metricsHost, config.metricsPort).catch(
+    (err: unknown) => {
+      throw new AuditError('invalid_options', err instanceof Error ? err.message : String(err))
+    },
+  )
   const stop = new AbortController()
   const onSignal = (signal: NodeJS.Signals) => {
     log.info({ signal }, 'stopping')

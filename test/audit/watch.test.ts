@@ -281,6 +281,21 @@ describe('kvfence watch refuses bad input with one line and exit 2', () => {
       /^kvfence watch: --max-requests-per-hour must be an integer ≥ 1, got "lots"$/,
     ],
   ]
+  test('a metrics port already taken', async (t) => {
+    const taken = createServer()
+    await new Promise<void>((resolve) => taken.listen(0, '127.0.0.1', resolve))
+    t.after(() => new Promise((r) => taken.close(r)))
+    const port = String((taken.address() as { port: number }).port)
+    const { code, stderr } = await run([
+      '--target',
+      'http://127.0.0.1:1',
+      ...tenantFlags,
+      '--metrics-port',
+      port,
+    ])
+    assert.equal(code, 2, stderr)
+    assert.equal(stderr, `kvfence watch: cannot serve metrics on 127.0.0.1:${port}: EADDRINUSE\n`)
+  })
   for (const [what, args, pattern] of cases) {
     test(what, async () => {
       const { code, stderr } = await run(args)
