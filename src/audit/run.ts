@@ -430,7 +430,7 @@ function validate(options: AuditOptions): AuditConfig {
 }
 
 /** `http(s)://host[:port][/prefix]`, without credentials, query, trailing slash or `/v1`. */
-function normalizeBaseUrl(raw: string, fail: (message: string) => never): string {
+export function normalizeBaseUrl(raw: string, fail: (message: string) => never): string {
   let url: URL
   try {
     url = new URL(raw)

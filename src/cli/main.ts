@@ -8,6 +8,7 @@ import { registerKeys } from './keys.js'
 import { registerRouter } from './router.js'
 import { registerServe } from './serve.js'
 import { registerSoak } from './soak.js'
+import { registerWatch } from './watch.js'
 import { registerWorkers } from './worker.js'
 
 const program = new Command()
@@ -26,6 +27,7 @@ registerRouter(program)
 registerKeys(program)
 registerSoak(program)
 registerAudit(program)
+registerWatch(program)
 
 try {
   await program.parseAsync(process.argv)

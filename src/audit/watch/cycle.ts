@@ -1,0 +1,518 @@
+/** One watch cycle: re-read what the endpoint says of its capacity, then run a randomized, cheap
+ *  subset of the audit's triggers and check every answer for the other tenants' canaries with the
+ *  audit's own detector (`findCrossings`, `leakFindings`).
+ *  - one tenant (drawn each cycle) plants a prompt made only of canaries, so stale pages hold
+ *    canaries wherever they land;
+ *  - the others send, as far as the cycle's allowance goes: first an over-capacity prompt or a
+ *    prompt one token over the pool boundary (or both, in random order), then, each drawn at
+ *    random, the planter's stream cut mid-answer followed by a fresh request, and a small burst
+ *    of concurrent requests; last, an ordinary request of another tenant (the look).
+ *  Every request goes through a per-cycle audit `Budget` whose request count is what the hourly
+ *  budget reserved, so nothing is sent past it.
+ *  Knows the audit's targets, canaries and probes; knows nothing of how any engine works. */
+import { Budget, BudgetExhaustedError } from '../budget.js'
+import { discover, type Discovery } from '../discovery.js'
+import { rejectionRemediation } from '../probe.js'
+import { readPoolUsage, type PoolUsage } from '../probes/page-leak.js'
+import {
+  crossingRemediation,
+  findCrossings,
+  leakFindings,
+  plantMaterial,
+  type Observed,
+  type Planted,
+} from '../probes/material.js'
+import type { Rng } from '../rng.js'
+import { calibrate, type PromptSizer } from '../sizer.js'
+import { createTarget, outcomeOf, isAnsweredWhole, type Target } from '../target.js'
+import { AuditError, type Finding, type ProbeName, type Tenant } from '../types.js'
+import type { Spend } from './hourly.js'
+
+/** The triggers a cycle may run besides the plant, and the audit probe each one imitates. */
+export const triggerProbes = {
+  plant: 'canary',
+  'over-capacity': 'canary',
+  boundary: 'boundary',
+  'stream-cut': 'abort-race',
+  burst: 'concurrency',
+} as const satisfies Record<string, ProbeName>
+export type TriggerName = keyof typeof triggerProbes
+
+const plantMaxTokens = 16
+const observerMaxTokens = 32
+/** Requests a cycle's reads may take: /v1/models, /server_info, /get_server_info, /metrics, and
+ *  up to three for pool usage. */
+export const maxReadRequests = 7
+/** Each optional trigger is drawn with this probability (at least one is always drawn). */
+const triggerProbability = 0.5
+
+/** One completion a cycle sends. */
+interface Step {
+  readonly trigger: TriggerName
+  readonly planted: Planted
+  readonly label: string
+  readonly maxTokens: number
+  readonly stream: boolean
+  readonly abortAfterChunks?: number
+  /** A prompt that cannot fit: it must be refused. */
+  readonly mustReject: boolean
+  /** The size aimed at (tokens), for filler prompts. */
+  readonly aimedTokens: number | null
+  /** Upper bound of the tokens this completion costs (prompt + max_tokens). */
+  readonly tokenBound: number
+}
+
+/** A cycle's plan: groups run one after another, the steps of a group at once. */
+export interface CyclePlan {
+  readonly groups: readonly (readonly Step[])[]
+  readonly triggers: readonly TriggerName[]
+  readonly cost: Spend
+  /** Why a trigger (or the whole cycle) was left out, one line each. */
+  readonly skipped: readonly string[]
+}
+
+/** Upper bound of the tokens of a prompt: byte-level tokenizers never make more tokens than
+ *  UTF-8 bytes, plus a few special tokens. */
+export function promptTokenBound(prompt: string): number {
+  return Buffer.byteLength(prompt, 'utf8') + 4
+}
+
+/** Bound for a filler prompt sized to `tokens` by a calibrated sizer (5 % + 8 tokens of slack for
+ *  calibration error). */
+function fillerTokenBound(tokens: number): number {
+  return Math.ceil(tokens * 1.05) + 8
+}
+
+/** Plans a cycle within `allowance` (tokens and requests, reads already paid). Random draws come
+ *  from `rng`; the plan is empty (with the reason in `skipped`) when even the plant does not fit. */
+export function planCycle(
+  rng: Rng,
+  tenants: readonly Tenant[],
+  discovery: Pick<Discovery, 'poolTokens' | 'contextTokens'>,
+  sizer: PromptSizer | null,
+  allowance: Spend,
+): CyclePlan {
+  const planter = rng.pick(tenants)
+  const observers = tenants.filter((t) => t !== planter)
+  const ids = ['plant', 'cut', 'fresh', 'burst0', 'burst1', 'burst2', 'look']
+  const tenantsFor = [planter, planter, rng.pick(observers), rng.pick(observers), planter]
+  tenantsFor.push(rng.pick(observers), rng.pick(observers))
+  // The plant and the cut stream are canary-dense whole prompts (stale pages then hold canaries
+  // wherever they land); the observers' own prompts are two canaries each, to keep cycles cheap.
+  const material = plantMaterial(rng, tenants, ids).map((p, i) => {
+    const isPlanting = p.id === 'plant' || p.id === 'cut'
+    const canaries = isPlanting ? p.canaries : p.canaries.slice(0, 2)
+    return { ...p, tenant: tenantsFor[i], canaries, prompt: canaries.join(' ') }
+  })
+  const byId = new Map(material.map((p) => [p.id, p]))
+  const canaryStep = (
+    id: string,
+    trigger: TriggerName,
+    label: string,
+    extra: Partial<Step> = {},
+  ): Step => {
+    const planted = byId.get(id)!
+    const maxTokens = id === 'plant' || id === 'cut' ? plantMaxTokens : observerMaxTokens
+    return {
+      trigger,
+      planted,
+      label,
+      maxTokens,
+      stream: rng.next() < 0.5,
+      mustReject: false,
+      aimedTokens: null,
+      tokenBound: promptTokenBound(planted.prompt) + maxTokens,
+      ...extra,
+    }
+  }
+  const { poolTokens, contextTokens } = discovery
+  const known = [poolTokens, contextTokens].filter((n) => n !== null)
+  const limit = known.length > 0 ? Math.min(...known) : null
+  const fillerStep = (trigger: TriggerName, tokens: number, label: string): Step => ({
+    trigger,
+    planted: {
+      id: trigger,
+      tenant: rng.pick(observers),
+      canaries: [],
+      prompt: sizer!.build(tokens, 'up'),
+    },
+    label,
+    maxTokens: observerMaxTokens,
+    stream: rng.next() < 0.5,
+    mustReject: true,
+    aimedTokens: tokens,
+    tokenBound: fillerTokenBound(tokens) + observerMaxTokens,
+  })
+
+  const options: Record<OptionalTrigger, () => Step[][] | string> = {
+    'over-capacity': () => {
+      if (limit === null || sizer === null) return 'pool and context unknown, or no token counts'
+      const tokens =
+        poolTokens !== null && contextTokens !== null && poolTokens < contextTokens
+          ? rng.int(poolTokens + 1, Math.max(poolTokens + 1, contextTokens - observerMaxTokens))
+          : limit + rng.int(17, 64)
+      return [[fillerStep('over-capacity', tokens, `over-capacity ${tokens} tokens`)]]
+    },
+    boundary: () => {
+      if (limit === null || sizer === null) return 'pool and context unknown, or no token counts'
+      return [[fillerStep('boundary', limit + 1, `boundary ${limit + 1} tokens`)]]
+    },
+    'stream-cut': () => [
+      [
+        canaryStep('cut', 'stream-cut', 'stream cut', {
+          stream: true,
+          abortAfterChunks: rng.int(1, 3),
+        }),
+      ],
+      [canaryStep('fresh', 'stream-cut', 'fresh after a cut')],
+    ],
+    burst: () => [['burst0', 'burst1', 'burst2'].map((id) => canaryStep(id, 'burst', 'burst'))],
+  }
+  const drawn = drawTriggers(rng)
+  const plant = canaryStep('plant', 'plant', 'plant', { stream: false })
+  // Last, another tenant's ordinary request (the canary probe's "normal" prompt): the cheapest
+  // look at the pages the cycle left, so that no cycle proves nothing.
+  const look = canaryStep('look', 'plant', 'normal after the plant')
+  if (plant.tokenBound + look.tokenBound > allowance.tokens || allowance.requests < 2) {
+    return {
+      groups: [],
+      triggers: [],
+      cost: { tokens: 0, requests: 0 },
+      skipped: [
+        `cycle skipped: the plant and a look need ${plant.tokenBound + look.tokenBound} tokens and 2 requests, the budget allows ${allowance.tokens} tokens and ${allowance.requests} requests now`,
+      ],
+    }
+  }
+  return fitTriggers(plant, look, drawn, options, allowance)
+}
+
+type OptionalTrigger = Exclude<TriggerName, 'plant'>
+
+/** The triggers of one cycle, in order: the rejection-path triggers first (at least one of
+ *  them; right after the plant, the pages a wrongly admitted prompt may read are the plant's),
+ *  then the others; each drawn with probability {@link triggerProbability}, shuffled
+ *  (Fisher–Yates) within its kind. */
+function drawTriggers(rng: Rng): OptionalTrigger[] {
+  const rejection: OptionalTrigger[] = ['over-capacity', 'boundary']
+  const others: OptionalTrigger[] = ['stream-cut', 'burst']
+  const first = rejection.filter(() => rng.next() < triggerProbability)
+  if (first.length === 0) first.push(rng.pick(rejection))
+  const later = others.filter(() => rng.next() < triggerProbability)
+  for (const drawn of [first, later]) {
+    for (let i = drawn.length - 1; i > 0; i--) {
+      const j = rng.int(0, i)
+      ;[drawn[i], drawn[j]] = [drawn[j], drawn[i]]
+    }
+  }
+  return [...first, ...later]
+}
+
+/** The plan: the plant, each drawn trigger that still fits in `allowance` (the others are named
+ *  in `skipped` with what they would cost), and the look last (its cost is set aside first). */
+function fitTriggers(
+  plant: Step,
+  look: Step,
+  drawn: readonly OptionalTrigger[],
+  options: Record<OptionalTrigger, () => Step[][] | string>,
+  allowance: Spend,
+): CyclePlan {
+  const groups: Step[][] = [[plant]]
+  const triggers: TriggerName[] = ['plant']
+  const skipped: string[] = []
+  let cost = { tokens: plant.tokenBound + look.tokenBound, requests: 2 }
+  for (const name of drawn) {
+    const planned = options[name]()
+    if (typeof planned === 'string') {
+      skipped.push(`${name} skipped: ${planned}`)
+      continue
+    }
+    const steps = planned.flat()
+    const tokens = steps.reduce((n, s) => n + s.tokenBound, 0)
+    if (
+      cost.tokens + tokens > allowance.tokens ||
+      cost.requests + steps.length > allowance.requests
+    ) {
+      skipped.push(
+        `${name} skipped: it needs ~${tokens} tokens and ${steps.length} requests, this cycle has ${allowance.tokens - cost.tokens} tokens and ${allowance.requests - cost.requests} requests left (raise --max-tokens-per-hour / --max-requests-per-hour)`,
+      )
+      continue
+    }
+    groups.push(...planned)
+    triggers.push(name)
+    cost = { tokens: cost.tokens + tokens, requests: cost.requests + steps.length }
+  }
+  groups.push([look])
+  return { groups, triggers, cost, skipped }
+}
+
+// ─── Running a cycle ─────────────────────────────────────────────────────────────────────────
+
+/** A finding with the key that identifies it across cycles (one alert per key). */
+export interface WatchFinding {
+  readonly key: string
+  readonly finding: Finding
+}
+
+export type CycleOutcome = 'clean' | 'finding' | 'inconclusive' | 'unreachable' | 'skipped'
+
+/** What a cycle saw and spent. */
+export interface CycleReport {
+  readonly outcome: CycleOutcome
+  readonly findings: readonly WatchFinding[]
+  readonly spent: Spend
+  readonly triggers: readonly TriggerName[]
+  readonly skipped: readonly string[]
+  /** One line on why the cycle is inconclusive or unreachable. */
+  readonly reason: string | null
+  readonly discovery: Discovery | null
+  readonly poolUsage: PoolUsage | null
+  /** Seconds each completion took, by trigger. */
+  readonly latencies: readonly { readonly trigger: TriggerName; readonly seconds: number }[]
+  /** The sizer learnt this cycle (or the one given). */
+  readonly sizer: PromptSizer | null
+}
+
+/** What a cycle needs from the loop. */
+export interface CycleInput {
+  readonly baseUrl: string
+  readonly tenants: readonly Tenant[]
+  readonly model: string | null
+  readonly rng: Rng
+  readonly sizer: PromptSizer | null
+  /** The endpoint pool usage was read from before (asked first). */
+  readonly usageEndpoint: string | undefined
+  /** What the hourly budget reserved for this cycle. */
+  readonly allowance: Spend
+  readonly requestTimeoutMs: number
+  readonly concurrency: number
+  /** The cycle's requests are all cut by then (s). */
+  readonly maxSeconds: number
+}
+
+const calibrationTokenBound = 2 * (promptTokenBound('a '.repeat(64)) + 1)
+
+/** Runs one cycle. Never throws for what it sees: an endpoint that does not answer is an
+ *  `unreachable` report. */
+export async function runCycle(input: CycleInput): Promise<CycleReport> {
+  const budget = new Budget({
+    maxRequests: Math.max(1, input.allowance.requests),
+    maxSeconds: input.maxSeconds,
+    concurrency: input.concurrency,
+  })
+  const targetOf = (model: string | null): Target =>
+    createTarget({
+      baseUrl: input.baseUrl,
+      model,
+      tenants: input.tenants,
+      budget,
+      requestTimeoutMs: input.requestTimeoutMs,
+    })
+  const empty = {
+    findings: [],
+    triggers: [],
+    skipped: [],
+    discovery: null,
+    poolUsage: null,
+    latencies: [],
+    sizer: input.sizer,
+  }
+  const spentSoFar = (tokens: number): Spend => ({ tokens, requests: budget.requestsSent })
+  let discovery: Discovery
+  let poolUsage: PoolUsage | null
+  try {
+    discovery = await discover(targetOf(null), input.model)
+    poolUsage = await readPoolUsage(targetOf(discovery.model), input.usageEndpoint)
+  } catch (err) {
+    if (err instanceof AuditError && err.code === 'target_unreachable') {
+      return { ...empty, outcome: 'unreachable', spent: spentSoFar(0), reason: err.message }
+    }
+    if (err instanceof BudgetExhaustedError) {
+      return { ...empty, outcome: 'skipped', spent: spentSoFar(0), reason: err.message }
+    }
+    throw err
+  }
+  const target = targetOf(discovery.model)
+  let tokens = 0
+  let sizer = input.sizer
+  const needsSizer = discovery.poolTokens !== null || discovery.contextTokens !== null
+  if (sizer === null && needsSizer && input.allowance.tokens > calibrationTokenBound) {
+    sizer = await calibrate(target).catch(() => null)
+    tokens += calibrationTokenBound
+  }
+  const plan = planCycle(input.rng, input.tenants, discovery, sizer, {
+    tokens: input.allowance.tokens - tokens,
+    requests: input.allowance.requests - budget.requestsSent,
+  })
+  const base = {
+    ...empty,
+    discovery,
+    poolUsage,
+    sizer,
+    triggers: plan.triggers,
+    skipped: plan.skipped,
+  }
+  const findings = capacityFindings(discovery)
+  if (plan.groups.length === 0) {
+    return {
+      ...base,
+      findings,
+      outcome: 'skipped',
+      spent: spentSoFar(tokens),
+      reason: plan.skipped[0],
+    }
+  }
+  const observed: (Observed & { readonly step: Step })[] = []
+  const latencies: { trigger: TriggerName; seconds: number }[] = []
+  for (const group of plan.groups) {
+    await Promise.all(
+      group.map(async (step) => {
+        const startedAt = performance.now()
+        let result
+        try {
+          result = await target.complete({
+            tenant: step.planted.tenant,
+            prompt: step.planted.prompt,
+            maxTokens: step.maxTokens,
+            stream: step.stream,
+            abortAfterChunks: step.abortAfterChunks,
+          })
+        } catch (err) {
+          if (err instanceof BudgetExhaustedError) return
+          throw err
+        }
+        latencies.push({ trigger: step.trigger, seconds: (performance.now() - startedAt) / 1000 })
+        // Settle to the count the server reported when it took the prompt; else the bound.
+        const reported = isAnsweredWhole(result) ? result.promptTokens : null
+        tokens +=
+          reported === null ? step.tokenBound : Math.min(step.tokenBound, reported + step.maxTokens)
+        observed.push({
+          planted: step.planted,
+          label: step.label,
+          stream: step.stream,
+          result,
+          step,
+        })
+      }),
+    )
+  }
+  findings.push(...answerFindings(observed, plan, discovery))
+  const spent = spentSoFar(tokens)
+  const result = { ...base, findings, spent, latencies }
+  const completions = observed.map((o) => o.result)
+  if (
+    completions.length > 0 &&
+    completions.every((r) => r.status === null && r.failure === 'network')
+  ) {
+    return {
+      ...result,
+      outcome: 'unreachable',
+      reason: completions[0].errorMessage ?? 'no answer to any completion',
+    }
+  }
+  if (findings.length > 0) return { ...result, outcome: 'finding', reason: null }
+  const reason = inconclusiveReason(observed)
+  return { ...result, outcome: reason === null ? 'clean' : 'inconclusive', reason }
+}
+
+/** A cycle proves something only when the plant was taken and at least one other tenant's
+ *  answer was read whole. */
+function inconclusiveReason(
+  observed: readonly (Observed & { readonly step: Step })[],
+): string | null {
+  const plant = observed.find((o) => o.step.trigger === 'plant')
+  if (!plant || outcomeOf(plant.result) !== 'accepted')
+    return `the plant was not accepted (${plant?.result.status ?? plant?.result.failure ?? 'not sent'})`
+  const planter = plant.planted.tenant.name
+  const isObserved = observed.some(
+    (o) =>
+      o.planted.tenant.name !== planter &&
+      (isAnsweredWhole(o.result) || outcomeOf(o.result) === 'rejected'),
+  )
+  return isObserved ? null : "no other tenant's answer was read whole"
+}
+
+/** Advertising more context than the pool holds: the incident's misconfiguration. */
+function capacityFindings(discovery: Discovery): WatchFinding[] {
+  const { contextTokens, poolTokens } = discovery
+  if (contextTokens === null || poolTokens === null || contextTokens <= poolTokens) return []
+  return [
+    {
+      key: 'warning:capacity',
+      finding: {
+        probe: 'capacity',
+        verdict: 'warning',
+        severity: 'high',
+        title: `advertised context ${contextTokens} tokens > effective KV pool ${poolTokens} tokens`,
+        evidence: {
+          advertisedContextTokens: contextTokens,
+          effectivePoolTokens: poolTokens,
+          advertisedSources: discovery.advertised,
+          poolSources: discovery.pools,
+        },
+        remediation:
+          `Lower the advertised context window to at most ${poolTokens} tokens, or enlarge every ` +
+          `prefill and decode pool to ${contextTokens}; this is the incident's misconfiguration.`,
+      },
+    },
+  ]
+}
+
+/** Leaks (any answer carrying another request's canary, by the audit's detector) and prompts
+ *  that cannot fit but were answered 200. */
+function answerFindings(
+  observed: readonly (Observed & { readonly step: Step })[],
+  plan: CyclePlan,
+  discovery: Discovery,
+): WatchFinding[] {
+  const planted = observed.map((o) => o.planted)
+  const crossings = findCrossings(observed, planted)
+  const out: WatchFinding[] = []
+  const byTrigger = new Map<TriggerName, typeof crossings>()
+  for (const c of crossings) {
+    const trigger = (c.observed as Observed & { step: Step }).step.trigger
+    byTrigger.set(trigger, [...(byTrigger.get(trigger) ?? []), c])
+  }
+  for (const [trigger, list] of byTrigger) {
+    const probe = triggerProbes[trigger]
+    const summary = { trigger, triggers: plan.triggers }
+    for (const finding of leakFindings(probe, list, planted, summary, crossingRemediation)) {
+      const e = finding.evidence
+      out.push({
+        key: `leak:${probe}:${String(e.victimTenant)}->${String(e.observerTenant)}`,
+        finding,
+      })
+    }
+  }
+  const limit = Math.min(
+    ...[discovery.poolTokens, discovery.contextTokens].filter((n) => n !== null),
+  )
+  const accepted = observed.filter((o) => {
+    if (!o.step.mustReject || outcomeOf(o.result) !== 'accepted') return false
+    const reported = o.result.promptTokens
+    // A count at the limit says our sizing was off by a few tokens, not that a prompt over it
+    // was taken (a placeholder's count would be far below).
+    return !(reported !== null && reported <= limit && reported >= limit - 4)
+  })
+  if (accepted.length > 0) {
+    out.push({
+      key: 'warning:boundary',
+      finding: {
+        probe: 'boundary',
+        verdict: 'warning',
+        severity: 'high',
+        title: `answered 200 to ${accepted.length} prompt(s) larger than the ${limit}-token limit`,
+        evidence: {
+          limitTokens: limit,
+          requests: accepted.map((o) => ({
+            label: o.label,
+            aimedTokens: o.step.aimedTokens,
+            reportedPromptTokens: o.result.promptTokens,
+            status: o.result.status,
+          })),
+        },
+        remediation: rejectionRemediation,
+      },
+    })
+  }
+  return out
+}

@@ -1,0 +1,210 @@
+/** The watch's parts without a network: the hourly budget and the pacing bucket under a fake
+ *  clock, the alert state across cycles, cycle plans against their allowance, and the webhook
+ *  bodies. */
+import assert from 'node:assert/strict'
+import { describe, test } from 'node:test'
+import { createRng } from '../../src/audit/rng.js'
+import { createSizer } from '../../src/audit/sizer.js'
+import { AlertTracker } from '../../src/audit/watch/alerts.js'
+import { planCycle, promptTokenBound, type WatchFinding } from '../../src/audit/watch/cycle.js'
+import { HourlyBudget, PacingBucket } from '../../src/audit/watch/hourly.js'
+import { validateWatchOptions } from '../../src/audit/watch/options.js'
+import { webhookBody } from '../../src/audit/watch/webhook.js'
+import type { Finding } from '../../src/audit/types.js'
+
+const tenants = [
+  { name: 'watch-a', key: 'sk-watch-a-0123456789' },
+  { name: 'watch-b', key: 'sk-watch-b-9876543210' },
+]
+
+describe('HourlyBudget', () => {
+  test('never lets more than the limits into any sliding hour; settling frees the difference', () => {
+    let now = 0
+    const budget = new HourlyBudget(1000, 10, () => now)
+    const first = budget.reserve({ tokens: 600, requests: 6 })!
+    assert.equal(budget.reserve({ tokens: 500, requests: 1 }), null, '600 + 500 > 1000 tokens')
+    assert.equal(budget.reserve({ tokens: 100, requests: 5 }), null, '6 + 5 > 10 requests')
+    first.settle({ tokens: 250, requests: 4 })
+    assert.deepEqual(budget.remaining(), { tokens: 750, requests: 6 })
+    now = 30 * 60_000
+    assert.ok(budget.reserve({ tokens: 750, requests: 6 }))
+    assert.deepEqual(budget.remaining(), { tokens: 0, requests: 0 })
+    budget.check()
+    now = 60 * 60_000 // the first reservation leaves the window
+    assert.deepEqual(budget.remaining(), { tokens: 250, requests: 4 })
+    now = 90 * 60_000
+    assert.deepEqual(budget.remaining(), { tokens: 1000, requests: 10 })
+  })
+
+  test('a settlement never raises what a reservation holds', () => {
+    const budget = new HourlyBudget(100, 10, () => 0)
+    budget.reserve({ tokens: 50, requests: 2 })!.settle({ tokens: 80, requests: 9 })
+    assert.deepEqual(budget.remaining(), { tokens: 50, requests: 8 })
+  })
+})
+
+test('PacingBucket refills at the hourly rate up to its capacity', () => {
+  let now = 0
+  const bucket = new PacingBucket(
+    { tokens: 3600, requests: 360 },
+    { tokens: 100, requests: 10 },
+    () => now,
+  )
+  assert.deepEqual(bucket.available(), { tokens: 100, requests: 10 })
+  bucket.take({ tokens: 100, requests: 10 })
+  now = 10_000 // 10 s at 1 token and 0.1 request per second
+  assert.deepEqual(bucket.available(), { tokens: 10, requests: 1 })
+  now = 3_600_000
+  assert.deepEqual(bucket.available(), { tokens: 100, requests: 10 })
+})
+
+describe('AlertTracker', () => {
+  const finding: Finding = {
+    probe: 'canary',
+    verdict: 'leak',
+    severity: 'critical',
+    title: 'leak',
+    evidence: {},
+    remediation: '',
+  }
+  const leak: WatchFinding = { key: 'leak:canary:watch-a->watch-b', finding }
+
+  test('fires once per new finding and resolves after N cycles without it', () => {
+    const alerts = new AlertTracker(3)
+    assert.deepEqual(
+      alerts.observe(1, [leak], 1000).fired.map((a) => a.key),
+      [leak.key],
+    )
+    assert.deepEqual(alerts.observe(2, [leak]), { fired: [], resolved: [] })
+    assert.deepEqual(alerts.observe(3, []), { fired: [], resolved: [] })
+    assert.deepEqual(alerts.observe(4, []), { fired: [], resolved: [] })
+    const { resolved } = alerts.observe(5, [])
+    assert.deepEqual(
+      resolved.map((a) => [a.key, a.firstCycle, a.lastCycle, a.numSightings]),
+      [[leak.key, 1, 2, 2]],
+    )
+    assert.deepEqual(alerts.list(), [])
+    assert.deepEqual(
+      alerts.observe(6, [leak]).fired.map((a) => a.firstCycle),
+      [6],
+      'a new incident fires again',
+    )
+  })
+})
+
+describe('planCycle', () => {
+  const sizer = createSizer('usage', [
+    { words: 16, tokens: 17 },
+    { words: 64, tokens: 65 },
+  ])
+  const discovery = { poolTokens: 384, contextTokens: 1024 }
+
+  test("a plan costs the sum of its requests' bounds, and never more than its allowance", () => {
+    for (let seed = 0; seed < 200; seed++) {
+      const allowance = { tokens: 300 + ((seed * 97) % 2500), requests: 2 + (seed % 8) }
+      const plan = planCycle(createRng(seed, 'plan'), tenants, discovery, sizer, allowance)
+      const steps = plan.groups.flat()
+      assert.equal(plan.cost.requests, steps.length)
+      assert.equal(
+        plan.cost.tokens,
+        steps.reduce((n, s) => n + s.tokenBound, 0),
+      )
+      assert.ok(plan.cost.tokens <= allowance.tokens && plan.cost.requests <= allowance.requests)
+      if (steps.length === 0) assert.match(plan.skipped[0], /^cycle skipped/)
+      else {
+        assert.equal(steps[0].label, 'plant')
+        const look = steps[steps.length - 1]
+        assert.equal(look.label, 'normal after the plant')
+        assert.notEqual(look.planted.tenant.name, steps[0].planted.tenant.name)
+        // The rejection-path triggers come first, right after the plant.
+        const kinds = plan.triggers.slice(1)
+        const lastRejection = Math.max(
+          kinds.lastIndexOf('over-capacity'),
+          kinds.lastIndexOf('boundary'),
+        )
+        const firstOther = kinds.findIndex((k) => k === 'stream-cut' || k === 'burst')
+        if (firstOther >= 0) assert.ok(lastRejection < firstOther, kinds.join(','))
+      }
+    }
+  })
+
+  test('the plant is made only of canaries; over-capacity sizes lie between pool and context', () => {
+    const sizes = new Set<number>()
+    for (let seed = 0; seed < 100; seed++) {
+      const plan = planCycle(createRng(seed, 'plan'), tenants, discovery, sizer, {
+        tokens: 1e6,
+        requests: 100,
+      })
+      const plant = plan.groups[0][0]
+      assert.equal(plant.planted.prompt, plant.planted.canaries.join(' '))
+      assert.equal(plant.tokenBound, promptTokenBound(plant.planted.prompt) + 16)
+      for (const step of plan.groups.flat()) {
+        if (step.trigger === 'boundary') assert.equal(step.aimedTokens, 385)
+        if (step.trigger === 'over-capacity') sizes.add(step.aimedTokens!)
+      }
+    }
+    assert.ok(sizes.size > 10)
+    for (const n of sizes) assert.ok(n >= 385 && n <= 1024 - 32, `size ${n}`)
+  })
+})
+
+test('webhook bodies: Alertmanager webhook v4 and Slack, with no key', () => {
+  const alert = {
+    key: 'warning:capacity',
+    finding: {
+      probe: 'capacity',
+      verdict: 'warning',
+      severity: 'high',
+      title: 'advertised context 1024 tokens > effective KV pool 384 tokens',
+      evidence: { advertisedContextTokens: 1024, effectivePoolTokens: 384, other: 'dropped' },
+      remediation: 'Lower it.',
+    } satisfies Finding,
+    startedAt: Date.UTC(2026, 0, 2, 3, 4, 5),
+    firstCycle: 1,
+    lastCycle: 1,
+    numSightings: 1,
+  }
+  const am = webhookBody(
+    'alertmanager',
+    'resolved',
+    alert,
+    'http://llm:8000',
+    Date.UTC(2026, 0, 2, 4, 0, 0),
+  )
+  assert.equal(am.version, '4')
+  assert.equal(am.status, 'resolved')
+  const [one] = am.alerts as Record<string, unknown>[]
+  assert.deepEqual(one.labels, {
+    alertname: 'KvfenceWatchWarning',
+    severity: 'warning',
+    verdict: 'warning',
+    probe: 'capacity',
+    finding: 'warning:capacity',
+    target: 'http://llm:8000',
+  })
+  assert.equal(one.startsAt, '2026-01-02T03:04:05.000Z')
+  assert.equal(one.endsAt, '2026-01-02T04:00:00.000Z')
+  assert.deepEqual(JSON.parse((one.annotations as Record<string, string>).evidence), {
+    advertisedContextTokens: 1024,
+    effectivePoolTokens: 384,
+  })
+  const slack = webhookBody('slack', 'firing', alert, 'http://llm:8000')
+  assert.equal(
+    slack.text,
+    ':rotating_light: FIRING kvfence watch warning (capacity) on http://llm:8000: advertised context 1024 tokens > effective KV pool 384 tokens',
+  )
+  for (const body of [am, slack]) {
+    for (const t of tenants) assert.ok(!JSON.stringify(body).includes(t.key))
+  }
+})
+
+test('options: fewer than two tenants, a bad URL or a zero budget are refused with one line', () => {
+  const ok = { target: 'http://127.0.0.1:8000/v1/', tenants }
+  assert.equal(validateWatchOptions(ok, 1).baseUrl, 'http://127.0.0.1:8000')
+  assert.throws(() => validateWatchOptions({ ...ok, tenants: tenants.slice(1) }, 1), /at least two/)
+  assert.throws(() => validateWatchOptions({ ...ok, target: 'ftp://x' }, 1), /http\(s\) URL/)
+  assert.throws(
+    () => validateWatchOptions({ ...ok, maxTokensPerHour: 0 }, 1),
+    /^AuditError: max tokens per hour must be an integer from 1/,
+  )
+})
