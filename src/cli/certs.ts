@@ -96,6 +96,15 @@ export async function createAuthority(validity: Validity): Promise<IssuedCert & 
   return { certPem, keyPem: await keyPem(x509, keys.privateKey), key: keys.privateKey, subject }
 }
 
+/** The CA written by `certs init` (`ca.crt`, `ca.key` as PEM), able to sign again.
+ *  @throws Error when the key is not a PKCS #8 P-256 key. */
+export async function loadAuthority(certPem: string, keyPem: string): Promise<CertAuthority> {
+  const x509 = await loadX509()
+  const der = x509.PemConverter.decodeFirst(keyPem)
+  const key = await webcrypto.subtle.importKey('pkcs8', der, algorithm, false, ['sign'])
+  return { certPem, key, subject: new x509.X509Certificate(certPem).subject }
+}
+
 /** A certificate for `part` signed by `ca`, naming `hosts` (IPs as IP SANs, the rest as DNS
  *  SANs), usable as a TLS server and as a TLS client. @throws RangeError on an empty host. */
 export async function issuePartCert(

@@ -6,6 +6,7 @@ import { Counter, Gauge } from 'prom-client'
 import { KvfenceError } from '../errors.js'
 import type { PageLease } from '../kv/pool.js'
 import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
+import type { TlsMaterial } from '../tls.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
 import { PrefillScheduler } from './prefill-scheduler.js'
@@ -27,6 +28,8 @@ export interface PrefillWorkerOptions {
   transferTimeoutMs?: number
   /** Most pages of the KV pool the prefix cache may hold; 0 (the default) turns it off. */
   prefixCachePages?: number
+  /** Mutual TLS for transfers to decode workers (src/tls.ts). Default null: plaintext. */
+  transferTls?: TlsMaterial | null
 }
 
 /** The prefill side of a disaggregated pair. One instance per process. */
@@ -292,6 +295,7 @@ export class PrefillWorker {
         port,
         maxPagesPerFrame: this.options.maxPagesPerFrame,
         stallTimeoutMs: this.options.transferTimeoutMs,
+        ...(this.options.transferTls == null ? {} : { tls: this.options.transferTls }),
       })
       this.clients.set(key, client)
     }
