@@ -6,7 +6,7 @@ import { clusterTokenFrom } from '../engine/cluster-token.js'
 import { Option, type Command } from 'commander'
 import { pino } from 'pino'
 import { loadClusterConfig } from '../config/cluster.js'
-import { gatewayOptions, routerSectionOptions } from '../config/launch.js'
+import { gatewayOptions, routerSectionOptions, routerTlsMaterial } from '../config/launch.js'
 import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
@@ -153,6 +153,7 @@ function fromConfig(
           gateway: gatewayOptions(b, backendApiKey(b.apiKeyEnv)),
         }),
     ...routerSectionOptions(config.router),
+    workerTls: routerTlsMaterial(config),
   }
 }
 

@@ -3,12 +3,19 @@
  *  running workers it lists by `url`, or of the engine in `backend` (gateway mode).
  *  Knows how config fields map to the parts' options (forking and stopping them is
  *  engine/processes.ts); knows nothing of requests. */
-import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../engine/cluster-token.js'
+import {
+  clusterTokenEnv,
+  clusterTokenFrom,
+  isLoopbackHost,
+  newClusterToken,
+} from '../engine/cluster-token.js'
 import type { ChildProcess } from 'node:child_process'
+import { join } from 'node:path'
 import type { Logger } from 'pino'
 import { forkPart, stopAll } from '../engine/processes.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
+import { loadTlsMaterial, type TlsFiles, type TlsMaterial } from '../tls.js'
 import {
   type GatewayBackendOptions,
   type RunningRouter,
@@ -44,6 +51,15 @@ export async function launchCluster(
   const children: ChildProcess[] = []
   const modelDir = config.model ?? bundledModelDir
   const r = config.router
+  const tlsOf = (part: 'prefill' | 'decode' | 'router') => tlsFilesOf(config, part)
+  if (config.workers !== undefined && config.tls === undefined) {
+    if (isLoopbackHost(r.host))
+      log.info('control and data planes are plaintext on loopback; use tls: for other hosts')
+    else
+      log.warn(
+        `control and data planes are plaintext on ${r.host}: KV pages cross the network unencrypted; use tls: (kvfence certs init)`,
+      )
+  }
   try {
     const common = {
       ...(configPath === undefined
@@ -51,6 +67,7 @@ export async function launchCluster(
         : { tenants: configPath, tenantsReader: (f: string) => loadClusterConfig(f).tenants }),
       ...routerSectionOptions(r),
       clusterToken,
+      workerTls: routerTlsMaterial(config),
       log,
     }
     let router: RunningRouter
@@ -69,7 +86,17 @@ export async function launchCluster(
       ) =>
         'url' in entry
           ? Promise.resolve(entry.url)
-          : startWorker(role, modelDir, entry, workers.pageSize, r.host, r.logLevel, env, children)
+          : startWorker(
+              role,
+              modelDir,
+              entry,
+              workers.pageSize,
+              r.host,
+              r.logLevel,
+              env,
+              children,
+              tlsOf(role),
+            )
       const [prefillUrls, decodeUrls] = await Promise.all([
         Promise.all(workers.prefill.map((e) => start('prefill', e))),
         Promise.all(workers.decode.map((e) => start('decode', e))),
@@ -88,6 +115,27 @@ export async function launchCluster(
     await stopAll(children)
     throw err
   }
+}
+
+/** The TLS files of `part` in the config's `tls.dir` (as `kvfence certs init` names them), or null
+ *  without a `tls:` section. Shared with `kvfence router --config`. */
+export function tlsFilesOf(
+  config: ClusterConfig,
+  part: 'prefill' | 'decode' | 'router',
+): TlsFiles | null {
+  if (config.tls === undefined) return null
+  const { dir } = config.tls
+  return {
+    ca: join(dir, 'ca.crt'),
+    cert: join(dir, `${part}.crt`),
+    key: join(dir, `${part}.key`),
+  }
+}
+
+/** The router's TLS files of the config, read, or null without a `tls:` section. */
+export function routerTlsMaterial(config: ClusterConfig): TlsMaterial | null {
+  const files = tlsFilesOf(config, 'router')
+  return files === null ? null : loadTlsMaterial(files)
 }
 
 /** The router section of a cluster config as {@link startRouter} options: bind address, served
@@ -151,6 +199,7 @@ function startWorker(
   logLevel: string,
   env: NodeJS.ProcessEnv,
   children: ChildProcess[],
+  tls: TlsFiles | null,
 ): Promise<string> {
   const args = [
     role,
@@ -165,6 +214,7 @@ function startWorker(
     args.push('--prefix-cache-pages', String(pool.prefixCachePages))
   args.push('--host', host, '--port', '0', '--log-level', logLevel)
   if (role === 'decode') args.push('--transfer-host', host, '--transfer-port', '0')
+  if (tls !== null) args.push('--tls-ca', tls.ca, '--tls-cert', tls.cert, '--tls-key', tls.key)
   return forkPart(
     args,
     {
@@ -179,5 +229,8 @@ function startWorker(
         ),
     },
     children,
-  ).then(({ ready }) => `http://${host.includes(':') ? `[${host}]` : host}:${ready.port}`)
+  ).then(
+    ({ ready }) =>
+      `${tls === null ? 'http' : 'https'}://${host.includes(':') ? `[${host}]` : host}:${ready.port}`,
+  )
 }

@@ -25,6 +25,7 @@ import {
   watchTenants,
 } from './tenants.js'
 import { type WorkerClient, createWorkerClient } from './worker-client.js'
+import type { TlsMaterial } from '../tls.js'
 import { scrapeWorkerStats } from './worker-stats.js'
 
 /** Gateway mode: the engine behind the router (see gateway/backend.ts). */
@@ -84,6 +85,9 @@ export interface StartRouterOptions {
   /** The token the workers require on their control plane (`KVFENCE_CLUSTER_TOKEN`); null or
    *  absent sends none, which only workers bound to loopback without a token accept. */
   clusterToken?: string | null
+  /** The router's TLS files, read (src/tls.ts): the control plane to the workers runs over mutual
+   *  TLS, to `https:` worker URLs. Default: plaintext. */
+  workerTls?: TlsMaterial | null
   /** Logger (default: pino to stdout at info). */
   log?: Logger
 }
@@ -211,6 +215,7 @@ async function startNativeBackend(
     idleTimeoutMs: options.workerIdleTimeoutMs,
     guardsEnabled,
     clusterToken: options.clusterToken ?? null,
+    tls: options.workerTls ?? null,
   })
   try {
     const reports = await waitForWorkers(workers, options.workerWaitMs ?? defaultWorkerWaitMs)
