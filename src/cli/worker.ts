@@ -129,6 +129,9 @@ const computeFailureExit = 70
 
 async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Promise<void> {
   const log = pino({ name: `kvfence-${role}`, level: flags.logLevel }, pino.destination(2))
+  // Bad TLS files are a one-line error before anything slow (the model) is loaded.
+  const tlsFiles = tlsFilesFrom(flags)
+  const tls: TlsMaterial | null = tlsFiles === null ? null : loadTlsMaterial(tlsFiles)
   const faults = buildFaultConfig(
     flags.injectFault,
     flags.unsafeDisableGuards,
@@ -165,8 +168,6 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     }
     log.warn(`${clusterTokenEnv} is not set: the control plane accepts any local process`)
   }
-  const tlsFiles = tlsFilesFrom(flags)
-  const tls: TlsMaterial | null = tlsFiles === null ? null : loadTlsMaterial(tlsFiles)
   warnIfPlaintext(log, role, tls, [flags.host, ...(role === 'decode' ? [flags.transferHost] : [])])
   let transferPort: number | undefined
   let server
