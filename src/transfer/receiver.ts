@@ -177,10 +177,9 @@ export class TransferServer extends net.Server {
     const server = tls.createServer(serverTlsOptions(material))
     server.on('secureConnection', (socket: tls.TLSSocket) => this.onConnection(socket))
     server.on('tlsClientError', (err: Error, socket: tls.TLSSocket) => {
-      const why =
-        socket.authorizationError === undefined
-          ? describeTlsError(err)
-          : `TLS handshake failed: client certificate refused (${String(socket.authorizationError)})`
+      const why = !socket.authorizationError
+        ? describeTlsError(err)
+        : `TLS handshake failed: client certificate refused (${String(socket.authorizationError)})`
       const peer =
         socket.remoteAddress === undefined
           ? 'a peer'
