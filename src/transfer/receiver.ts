@@ -100,6 +100,9 @@ export class TransferServer extends net.Server {
   private isClosing = false
   /** Runs the handshake of each accepted connection when TLS is on (it never listens itself). */
   private readonly tlsServer: tls.Server | null
+  /** Accepted TCP sockets under TLS (in the handshake or carrying a session), so that closing
+   *  the server need not wait for a handshake's timeout. */
+  private readonly tlsSockets = new Set<net.Socket>()
 
   /** @throws RangeError on bad options. */
   constructor(
@@ -110,8 +113,10 @@ export class TransferServer extends net.Server {
     this.config = receiverConfig(options)
     this.tlsServer = options.tls === undefined ? null : this.handshakes(options.tls)
     this.on('connection', (socket: net.Socket) => {
-      if (this.tlsServer === null) this.onConnection(socket)
-      else this.tlsServer.emit('connection', socket)
+      if (this.tlsServer === null) return this.onConnection(socket)
+      this.tlsSockets.add(socket)
+      socket.once('close', () => this.tlsSockets.delete(socket))
+      this.tlsServer.emit('connection', socket)
     })
     // Accept errors (e.g. EMFILE) are logged; listen errors still reach the caller's 'error' listener.
     this.on('error', (err) => this.config.log.warn({ err: String(err) }, 'transfer server error'))
@@ -146,6 +151,7 @@ export class TransferServer extends net.Server {
       session.teardown(reason)
       socket.destroy()
     }
+    for (const socket of [...this.tlsSockets]) socket.destroy()
   }
 
   /** Stop listening and tear down every connection (in-flight transfers get `abort` before this
