@@ -3,7 +3,7 @@
  *  CA (made by `kvfence certs init`), and that CA is the only trust anchor. A client also checks
  *  that the server's certificate names the host it dialled (SAN: DNS name or IP address).
  *  Knows files, node:tls options and handshake errors; knows nothing of frames or HTTP routes. */
-import { readFileSync } from 'node:fs'
+import { readFileSync, unwatchFile, watchFile } from 'node:fs'
 import { isIP } from 'node:net'
 import tls from 'node:tls'
 import { KvfenceError } from './errors.js'
@@ -48,18 +48,10 @@ export function tlsFilesFrom(flags: {
 /** Read `files` and check that the key matches the certificate. @throws KvfenceError
  *  `config_invalid` naming the file that cannot be read or the pair that does not fit. */
 export function loadTlsMaterial(files: TlsFiles): TlsMaterial {
-  const read = (what: string, path: string): Buffer => {
-    try {
-      return readFileSync(path)
-    } catch (err) {
-      const code = (err as NodeJS.ErrnoException).code ?? String(err)
-      throw new KvfenceError('config_invalid', `TLS ${what} ${path}: cannot read it (${code})`)
-    }
-  }
   const material = {
-    ca: read('CA', files.ca),
-    cert: read('certificate', files.cert),
-    key: read('key', files.key),
+    ca: readTls('CA', files.ca),
+    cert: readTls('certificate', files.cert),
+    key: readTls('key', files.key),
   }
   try {
     tls.createSecureContext({ ...material, minVersion: 'TLSv1.3' })
@@ -70,6 +62,30 @@ export function loadTlsMaterial(files: TlsFiles): TlsMaterial {
     )
   }
   return Object.freeze(material)
+}
+
+/** A public server's certificate and key (no client certificates asked for), read and checked to
+ *  fit. @throws KvfenceError `config_invalid` naming the file or the pair. */
+export function loadCertPair(files: { cert: string; key: string }): { cert: Buffer; key: Buffer } {
+  const pair = { cert: readTls('certificate', files.cert), key: readTls('key', files.key) }
+  try {
+    tls.createSecureContext(pair)
+  } catch (err) {
+    throw new KvfenceError(
+      'config_invalid',
+      `TLS files ${files.cert} and ${files.key}: ${openSslReason(err)}`,
+    )
+  }
+  return pair
+}
+
+function readTls(what: string, path: string): Buffer {
+  try {
+    return readFileSync(path)
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code ?? String(err)
+    throw new KvfenceError('config_invalid', `TLS ${what} ${path}: cannot read it (${code})`)
+  }
 }
 
 /** Options for a TLS server of a part: TLS 1.3, a client certificate from the CA required (a
@@ -163,4 +179,41 @@ function openSslReason(err: unknown): string {
   // "write EPROTO 80…:error:0A00010B:SSL routines:ssl3_get_record:wrong version number:file:line:"
   const fromMessage = /error:[0-9A-F]+:[^:]*:[^:]*:([^:]+):/.exec(err.message)?.[1]
   return fromMessage ?? err.message.split('\n')[0]
+}
+
+/** How often the router's public certificate files are polled for a change, ms. */
+export const certPollMs = 2_000
+
+/** Keep `server`'s certificate current: whenever `cert` or `key` changes on disk (polled every
+ *  {@link certPollMs}), both are read again and installed for new connections
+ *  (`setSecureContext`); a pair that cannot be read or does not fit is logged and the previous
+ *  one kept. Returns the function that stops watching. */
+export function reloadCertOnChange(
+  server: tls.Server,
+  files: { cert: string; key: string },
+  options: tls.SecureContextOptions,
+  log: { info: (msg: string) => void; warn: (msg: string) => void },
+): () => void {
+  let installed: { cert: Buffer; key: Buffer } | null = null
+  const reload = (): void => {
+    try {
+      const pair = { cert: readFileSync(files.cert), key: readFileSync(files.key) }
+      // Both files change on a renewal and each change is seen: install a pair once.
+      if (installed !== null && pair.cert.equals(installed.cert) && pair.key.equals(installed.key))
+        return
+      server.setSecureContext({ ...options, ...pair })
+      installed = pair
+      log.info(`reloaded the TLS certificate ${files.cert}`)
+    } catch (err) {
+      log.warn(`kept the previous TLS certificate: ${files.cert}: ${openSslReason(err)}`)
+    }
+  }
+  const onChange = (now: { mtimeMs: number }, before: { mtimeMs: number }): void => {
+    if (now.mtimeMs !== before.mtimeMs) reload()
+  }
+  for (const path of [files.cert, files.key])
+    watchFile(path, { interval: certPollMs, persistent: false }, onChange)
+  return () => {
+    for (const path of [files.cert, files.key]) unwatchFile(path, onChange)
+  }
 }

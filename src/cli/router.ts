@@ -29,6 +29,8 @@ interface RouterFlags {
   clampContext: boolean
   unsafeDisableGuards: boolean
   logLevel: string
+  tlsCert?: string
+  tlsKey?: string
 }
 
 /** Register `kvfence router`. */
@@ -68,6 +70,11 @@ export function registerRouter(program: Command): void {
     .addOption(
       new Option('--log-level <level>', 'pino log level').choices(logLevels).default('info'),
     )
+    .option(
+      '--tls-cert <file>',
+      'serve clients over HTTPS with this certificate (reloaded on change)',
+    )
+    .option('--tls-key <file>', 'the private key of --tls-cert')
     .action(async (flags: RouterFlags) => {
       exitIfParentGoesDuringStart()
       const faults = buildFaultConfig([], flags.unsafeDisableGuards, process.env)
@@ -84,6 +91,7 @@ export function registerRouter(program: Command): void {
         guardsEnabled: faults.guardsEnabled,
         ...(flags.logContent ? { logContent: true } : {}),
         clusterToken: clusterTokenFrom(process.env),
+        ...httpsOption(flags),
         log,
       })
       const shutdown = () => void router.close().then(() => process.exit(0))
@@ -164,4 +172,12 @@ function backendApiKey(apiKeyEnv: string | undefined): string | undefined {
   const key = process.env[apiKeyEnv]
   if (!key) throw new KvfenceError('config_invalid', `backend.apiKeyEnv: ${apiKeyEnv} is not set`)
   return key
+}
+
+/** `--tls-cert` and `--tls-key`, which go together. @throws KvfenceError `config_invalid`. */
+function httpsOption(flags: RouterFlags): Pick<StartRouterOptions, 'https'> {
+  if (flags.tlsCert === undefined && flags.tlsKey === undefined) return {}
+  if (flags.tlsCert === undefined || flags.tlsKey === undefined)
+    throw new KvfenceError('config_invalid', '--tls-cert and --tls-key go together')
+  return { https: { cert: flags.tlsCert, key: flags.tlsKey } }
 }
