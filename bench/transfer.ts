@@ -1,8 +1,10 @@
-/** Transfer benchmark (`npm run bench -- transfer [--json FILE]`), three ratios measured in one run,
+/** Transfer benchmark (`npm run bench -- transfer [--json FILE]`), four ratios measured in one run,
  *  each a median over repeats:
  *  - `transfer_vs_loopback_ratio`: P → D throughput of a 1,000-token prompt's KV (kvfence's framed,
  *    checksummed, authenticated transfer, from a KV pool into a KV pool in another Node process)
  *    ÷ raw loopback TCP carrying the same bytes between the same two processes. Target ≥ 0.7.
+ *  - `tls_vs_plain_transfer_ratio`: the same transfer over mutual TLS 1.3 (certificates made in
+ *    memory, as `kvfence certs init` makes them) ÷ over plaintext TCP, alternating. Target ≥ 0.6.
  *  - `checksum_vs_memcpy_ratio`: xxh64 (`pageChecksum`) over the pages ÷ copying the same pages.
  *    Target ≥ 0.5.
  *  - `guard_overhead_ratio`: decode tokens/s of the bundled model with every guard on ÷ all off
@@ -16,17 +18,20 @@
  *  (256 KiB).
  *
  *  The decode worker side runs in a child process: this module forks itself with
- *  `--kvfence-transfer-bench-child` and serves the transfer receiver and a raw TCP sink there. */
+ *  `--kvfence-transfer-bench-child` and serves the transfer receivers (plaintext and TLS) and a raw
+ *  TCP sink there. */
 import { fork, type ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import net from 'node:net'
 import { fileURLToPath } from 'node:url'
+import { createAuthority, issuePartCert, validityDays } from '../src/cli/certs.js'
 import { buildFaultConfig } from '../src/engine/faults.js'
 import { generateLocal } from '../src/engine/local-engine.js'
 import { createWorkerCore, gatherPage, scatterPage } from '../src/engine/worker-core.js'
 import { makeGuards } from '../src/kv/guards.js'
 import { KvPool, type PoolShape } from '../src/kv/pool.js'
 import { loadModel } from '../src/model/weights.js'
+import type { TlsMaterial } from '../src/tls.js'
 import { pageChecksum } from '../src/transfer/checksum.js'
 import { TransferClient, TransferServer } from '../src/transfer/index.js'
 import { echoModelDir } from '../test/helpers/paths.js'
@@ -55,13 +60,39 @@ interface Shape extends PoolShape {
 
 // ─── The child: D's transfer receiver and a raw TCP sink ──────────────────────────────────────
 
-/** Child process: a TransferServer writing into a pool of `shape`, and a raw sink that answers one
- *  byte each time it received `expectBytes` bytes. Reports both ports to the parent. */
+/** TLS files of the benchmark's two parts, as PEM text (to cross the process boundary). */
+interface BenchTls {
+  ca: string
+  decode: { cert: string; key: string }
+  prefill: { cert: string; key: string }
+}
+
+async function makeBenchTls(): Promise<BenchTls> {
+  const validity = validityDays(1)
+  const ca = await createAuthority(validity)
+  const part = async (name: string) => {
+    const issued = await issuePartCert(ca, name, ['127.0.0.1'], validity)
+    return { cert: issued.certPem, key: issued.keyPem }
+  }
+  return { ca: ca.certPem, decode: await part('decode'), prefill: await part('prefill') }
+}
+
+function material(tls: BenchTls, part: 'decode' | 'prefill'): TlsMaterial {
+  return {
+    ca: Buffer.from(tls.ca),
+    cert: Buffer.from(tls[part].cert),
+    key: Buffer.from(tls[part].key),
+  }
+}
+
+/** Child process: TransferServers (plaintext, and TLS) writing into a pool of `shape`, and a raw
+ *  sink that answers one byte each time it received `expectBytes` bytes. Reports the ports. */
 async function runChild(): Promise<void> {
   const shape = JSON.parse(process.argv[process.argv.indexOf(childFlag) + 1]) as Shape
+  const tls = JSON.parse(process.argv[process.argv.indexOf(childFlag) + 2]) as BenchTls
   const pool = new KvPool(shape, makeGuards(true))
   const numPages = Math.ceil(shape.numTokens / shape.pageSize)
-  const server = new TransferServer({
+  const hooks: ConstructorParameters<typeof TransferServer>[0] = {
     secretFor: () => secret,
     begin: () => {
       const lease = pool.allocate(numPages, 1, 1)
@@ -81,8 +112,11 @@ async function runChild(): Promise<void> {
         abort: done,
       }
     },
-  })
+  }
+  const server = new TransferServer(hooks)
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  const tlsServer = new TransferServer(hooks, { tls: material(tls, 'decode') })
+  await new Promise<void>((resolve) => tlsServer.listen(0, '127.0.0.1', resolve))
   const expectBytes = numPages * pool.pageBytes
   const sink = net.createServer({ noDelay: true }, (socket) => {
     let received = 0
@@ -95,7 +129,11 @@ async function runChild(): Promise<void> {
     })
   })
   await new Promise<void>((resolve) => sink.listen(0, '127.0.0.1', resolve))
-  process.send!({ transferPort: server.port, sinkPort: (sink.address() as net.AddressInfo).port })
+  process.send!({
+    transferPort: server.port,
+    tlsTransferPort: tlsServer.port,
+    sinkPort: (sink.address() as net.AddressInfo).port,
+  })
   process.on('disconnect', () => process.exit(0))
 }
 
@@ -103,16 +141,23 @@ if (process.argv.includes(childFlag)) void runChild()
 
 // ─── The parent: P ───────────────────────────────────────────────────────────────────────────
 
-async function startChild(shape: Shape): Promise<{
-  child: ChildProcess
+interface ChildPorts {
   transferPort: number
+  tlsTransferPort: number
   sinkPort: number
-}> {
-  const child = fork(fileURLToPath(import.meta.url), [childFlag, JSON.stringify(shape)], {
-    stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
-  })
-  const ports = await new Promise<{ transferPort: number; sinkPort: number }>((resolve, reject) => {
-    child.once('message', (m) => resolve(m as { transferPort: number; sinkPort: number }))
+}
+
+async function startChild(
+  shape: Shape,
+  tls: BenchTls,
+): Promise<{ child: ChildProcess } & ChildPorts> {
+  const child = fork(
+    fileURLToPath(import.meta.url),
+    [childFlag, JSON.stringify(shape), JSON.stringify(tls)],
+    { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] },
+  )
+  const ports = await new Promise<ChildPorts>((resolve, reject) => {
+    child.once('message', (m) => resolve(m as ChildPorts))
     child.once('exit', (code) => reject(new Error(`benchmark child exited with code ${code}`)))
   })
   return { child, ...ports }
@@ -186,34 +231,45 @@ export async function benchTransfer(args: string[]): Promise<object> {
   }
   const numBytes = numPages * pool.pageBytes
 
-  // 1. Transfer vs raw loopback TCP, alternating so both see the same machine load.
-  const { child, transferPort, sinkPort } = await startChild(shape)
-  const client = new TransferClient({
+  // 1. Transfer vs raw loopback TCP vs transfer over TLS, alternating so all see the same load.
+  const tls = await makeBenchTls()
+  const { child, transferPort, tlsTransferPort, sinkPort } = await startChild(shape, tls)
+  const senderOptions = {
     host: '127.0.0.1',
-    port: transferPort,
     maxPagesPerFrame: flag(args, '--pages-per-frame', 8),
     maxBytesInFlight: flag(args, '--bytes-in-flight', 4 * 1024 * 1024),
     writeBytes: flag(args, '--write-bytes', 256 * 1024),
+  }
+  const client = new TransferClient({ ...senderOptions, port: transferPort })
+  const tlsClient = new TransferClient({
+    ...senderOptions,
+    port: tlsTransferPort,
+    tls: material(tls, 'prefill'),
   })
   const socket = net.connect({ host: '127.0.0.1', port: sinkPort, noDelay: true })
   await new Promise((r) => socket.once('connect', r))
   const chunk = Buffer.alloc(1024 * 1024, 1)
   const transferRates: number[] = []
   const rawRates: number[] = []
+  const tlsRates: number[] = []
   try {
     await timeTransfer(client, pool, shape) // warm-up
     await timeRaw(socket, numBytes, chunk)
+    await timeTransfer(tlsClient, pool, shape) // warm-up, handshake included
     for (let r = 0; r < repeats; r++) {
       transferRates.push(numBytes / (await timeTransfer(client, pool, shape)))
       rawRates.push(numBytes / (await timeRaw(socket, numBytes, chunk)))
+      tlsRates.push(numBytes / (await timeTransfer(tlsClient, pool, shape)))
     }
   } finally {
     socket.destroy()
     await client.close()
+    await tlsClient.close()
     child.disconnect()
   }
   const transferBps = median(transferRates)
   const rawBps = median(rawRates)
+  const tlsBps = median(tlsRates)
 
   // 2. Checksum vs memcpy over the same pages (each page's K and V of every layer, gathered once).
   const pages = Array.from({ length: numPages }, (_, o) => {
@@ -289,6 +345,8 @@ export async function benchTransfer(args: string[]): Promise<object> {
     transfer_gb_per_s: gb(transferBps),
     loopback_gb_per_s: gb(rawBps),
     transfer_vs_loopback_ratio: Number((transferBps / rawBps).toFixed(3)),
+    tls_transfer_gb_per_s: gb(tlsBps),
+    tls_vs_plain_transfer_ratio: Number((tlsBps / transferBps).toFixed(3)),
     checksum_gb_per_s: gb(checksumBps),
     memcpy_gb_per_s: gb(memcpyBps),
     checksum_vs_memcpy_ratio: Number((checksumBps / memcpyBps).toFixed(3)),
@@ -299,6 +357,7 @@ export async function benchTransfer(args: string[]): Promise<object> {
     guard_overhead_ratio: Number((median(onRates) / median(offRates)).toFixed(3)),
     targets: {
       transfer_vs_loopback_ratio: 0.7,
+      tls_vs_plain_transfer_ratio: 0.6,
       checksum_vs_memcpy_ratio: 0.5,
       guard_overhead_ratio: 0.98,
     },

@@ -2,6 +2,7 @@
 /** The `kvfence` command: one sub-command per file in this folder, registered here. */
 import { Command, CommanderError } from 'commander'
 import { registerAudit } from './audit.js'
+import { registerCerts } from './certs.js'
 import { registerDemo } from './demo.js'
 import { registerGenerate } from './generate.js'
 import { registerKeys } from './keys.js'
@@ -25,6 +26,7 @@ registerGenerate(program)
 registerWorkers(program)
 registerRouter(program)
 registerKeys(program)
+registerCerts(program)
 registerSoak(program)
 registerAudit(program)
 registerWatch(program)

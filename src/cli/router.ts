@@ -7,7 +7,7 @@ import { clusterTokenFrom } from '../engine/cluster-token.js'
 import { Option, type Command } from 'commander'
 import { pino } from 'pino'
 import { loadClusterConfig } from '../config/cluster.js'
-import { gatewayOptions, routerSectionOptions } from '../config/launch.js'
+import { gatewayOptions, routerSectionOptions, routerTlsMaterial } from '../config/launch.js'
 import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
@@ -31,6 +31,8 @@ interface RouterFlags {
   clampContext: boolean
   unsafeDisableGuards: boolean
   logLevel: string
+  tlsCert?: string
+  tlsKey?: string
 }
 
 /** Register `kvfence router`. */
@@ -75,6 +77,11 @@ export function registerRouter(program: Command): void {
     .addOption(
       new Option('--log-level <level>', 'pino log level').choices(logLevels).default('info'),
     )
+    .option(
+      '--tls-cert <file>',
+      'serve clients over HTTPS with this certificate (reloaded on change)',
+    )
+    .option('--tls-key <file>', 'the private key of --tls-cert')
     .action(async (flags: RouterFlags) => {
       exitIfParentGoesDuringStart()
       const faults = buildFaultConfig([], flags.unsafeDisableGuards, process.env)
@@ -92,6 +99,7 @@ export function registerRouter(program: Command): void {
         guardsEnabled: faults.guardsEnabled,
         ...(flags.logContent ? { logContent: true } : {}),
         clusterToken: clusterTokenFrom(process.env),
+        ...httpsOption(flags),
         log,
       })
       // The first SIGTERM or SIGINT drains (running requests finish, up to --drain-seconds); a
@@ -178,6 +186,7 @@ function fromConfig(
           gateway: gatewayOptions(b, backendApiKey(b.apiKeyEnv)),
         }),
     ...routerSectionOptions(config.router),
+    workerTls: routerTlsMaterial(config),
   }
 }
 
@@ -188,4 +197,12 @@ function backendApiKey(apiKeyEnv: string | undefined): string | undefined {
   const key = process.env[apiKeyEnv]
   if (!key) throw new KvfenceError('config_invalid', `backend.apiKeyEnv: ${apiKeyEnv} is not set`)
   return key
+}
+
+/** `--tls-cert` and `--tls-key`, which go together. @throws KvfenceError `config_invalid`. */
+function httpsOption(flags: RouterFlags): Pick<StartRouterOptions, 'https'> {
+  if (flags.tlsCert === undefined && flags.tlsKey === undefined) return {}
+  if (flags.tlsCert === undefined || flags.tlsKey === undefined)
+    throw new KvfenceError('config_invalid', '--tls-cert and --tls-key go together')
+  return { https: { cert: flags.tlsCert, key: flags.tlsKey } }
 }

@@ -201,7 +201,7 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
   const drainThenStop = () => {
     if (isDraining) return void stop(0)
     isDraining = true
-    void cluster.router.drain().then(() => stop(0))
+    void (cluster.router?.drain() ?? Promise.resolve()).then(() => stop(0))
   }
   process.on('SIGINT', drainThenStop)
   process.on('SIGTERM', drainThenStop)

@@ -12,6 +12,7 @@ import { createWorkerCore } from '../engine/worker-core.js'
 import { createWorkerServer, listen } from '../engine/worker-server.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
 import { bundledModelDir } from '../paths.js'
+import { loadTlsMaterial, tlsFilesFrom, type TlsMaterial } from '../tls.js'
 import { TransferServer } from '../transfer/index.js'
 import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
 import { intOption, collect, threadsHelp, threadsOption, logLevels, portOption } from './options.js'
@@ -39,6 +40,9 @@ interface WorkerFlags {
   transferTimeoutMs?: number
   logLevel: string
   threads?: number
+  tlsCa?: string
+  tlsCert?: string
+  tlsKey?: string
 }
 
 /** Register `kvfence prefill` and `kvfence decode`. */
@@ -85,6 +89,12 @@ export function registerWorkers(program: Command): void {
         new Option('--log-level <level>', 'pino log level').choices(logLevels).default('info'),
       )
       .option('--threads <n>', threadsHelp, threadsOption)
+      .option(
+        '--tls-ca <file>',
+        'cluster CA certificate: with --tls-cert/--tls-key, the control plane and KV transfers run over mutual TLS 1.3 (kvfence certs init)',
+      )
+      .option('--tls-cert <file>', 'this worker’s certificate, signed by the cluster CA')
+      .option('--tls-key <file>', 'this worker’s private key')
     if (role === 'prefill') {
       cmd.option(
         '--prefix-cache-pages <n>',
@@ -134,6 +144,9 @@ const computeFailureExit = 70
 
 async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Promise<void> {
   const log = pino({ name: `kvfence-${role}`, level: flags.logLevel }, pino.destination(2))
+  // Bad TLS files are a one-line error before anything slow (the model) is loaded.
+  const tlsFiles = tlsFilesFrom(flags)
+  const tls: TlsMaterial | null = tlsFiles === null ? null : loadTlsMaterial(tlsFiles)
   const faults = buildFaultConfig(
     flags.injectFault,
     flags.unsafeDisableGuards,
@@ -170,11 +183,13 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     }
     log.warn(`${clusterTokenEnv} is not set: the control plane accepts any local process`)
   }
+  warnIfPlaintext(log, role, tls, [flags.host, ...(role === 'decode' ? [flags.transferHost] : [])])
   let transferPort: number | undefined
   let server
   if (role === 'decode') {
     const worker = new DecodeWorker(core, { maxBatch: flags.maxBatch })
     const receiver = new TransferServer(worker.receiverHooks, {
+      ...(tls === null ? {} : { tls }),
       verifyManifest: core.guards.G4,
       verifyAuth: core.guards.G10,
       dropAcks: core.hasFault('lost-ack'),
@@ -185,6 +200,7 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
       { role, worker, transferPort: () => transferPort! },
       log,
       clusterToken,
+      tls,
     )
   } else {
     const prefixCachePages = flags.prefixCachePages ?? Math.floor(flags.pages / 4)
@@ -195,14 +211,16 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
       prefixCachePages,
       prefixCachePagesPerTenant: flags.prefixCachePagesPerTenant,
       prefixCacheOffloadBytes: flags.prefixCacheOffloadBytes,
+      transferTls: tls,
     })
-    server = createWorkerServer({ role, worker }, log, clusterToken)
+    server = createWorkerServer({ role, worker }, log, clusterToken, tls)
   }
   const port = await listen(server, flags.host, flags.port)
   const ready = {
     type: 'ready',
     role,
     port,
+    tls: tls !== null,
     transferPort,
     capacityTokens: core.pool.capacityTokens,
   }
@@ -217,4 +235,20 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     log.warn('the process that started this worker is gone; stopping')
     shutdown()
   })
+}
+
+/** Warn when a worker without TLS binds an address other hosts can reach: its control plane and
+ *  KV pages (tenants' prompts, in another form) would cross the network in plaintext. */
+function warnIfPlaintext(
+  log: { warn: (msg: string) => void },
+  role: string,
+  tls: TlsMaterial | null,
+  hosts: readonly string[],
+): void {
+  if (tls !== null) return
+  const exposed = hosts.filter((h) => !isLoopbackHost(h))
+  if (exposed.length > 0)
+    log.warn(
+      `${role} worker listens on ${exposed.join(', ')} without TLS: control requests and KV pages cross the network in plaintext (use --tls-ca/--tls-cert/--tls-key; see kvfence certs init)`,
+    )
 }

@@ -10,6 +10,7 @@
  *    pageSize: 16
  *    prefill: [{ pages: 64, prefixCachePages: 0 }]   # started here (prefix cache off) …
  *    decode: [{ url: http://10.0.0.7:8102 }]   # … or already running elsewhere
+ *  tls: { dir: ./certs }                # optional: mutual TLS (kvfence certs init ./certs)
  *  tenants:
  *    - { name: alice, keySha256: <64 hex>, limits: { maxConcurrentRequests: 4, tokensPerMinute: 100000 } }
  *  ```
@@ -121,6 +122,10 @@ export const BackendSection = z.strictObject({
   apiKeyEnv: z.string().min(1).optional(),
 })
 
+/** Mutual TLS between the parts: `dir` holds what `kvfence certs init` wrote (ca.crt and
+ *  router/prefill/decode .crt/.key); relative to the config file. */
+export const TlsSection = z.strictObject({ dir: z.string().min(1) })
+
 /** The whole file. */
 export const ClusterConfig = z
   .strictObject({
@@ -129,6 +134,7 @@ export const ClusterConfig = z
     router: RouterSection.default(RouterSection.parse({})),
     workers: WorkersSection.optional(),
     backend: BackendSection.optional(),
+    tls: TlsSection.optional(),
     tenants: z.array(TenantRecord).min(1, 'tenants must list at least one tenant'),
   })
   .refine((c) => (c.workers === undefined) !== (c.backend === undefined), {
@@ -155,6 +161,7 @@ export function parseClusterConfig(value: unknown, source: string, baseDir: stri
   return deepFreeze({
     ...config,
     model: at(config.model),
+    ...(config.tls === undefined ? {} : { tls: { dir: at(config.tls.dir)! } }),
     ...(config.backend === undefined
       ? {}
       : { backend: { ...config.backend, tokenizerDir: at(config.backend.tokenizerDir) } }),

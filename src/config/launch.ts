@@ -8,10 +8,16 @@
 import type { ChildProcess } from 'node:child_process'
 import { join } from 'node:path'
 import type { Logger } from 'pino'
-import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../engine/cluster-token.js'
+import {
+  clusterTokenEnv,
+  clusterTokenFrom,
+  isLoopbackHost,
+  newClusterToken,
+} from '../engine/cluster-token.js'
 import { forkPart, stopAll } from '../engine/processes.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
+import { loadTlsMaterial, type TlsFiles, type TlsMaterial } from '../tls.js'
 import {
   type GatewayBackendOptions,
   type RunningRouter,
@@ -34,6 +40,9 @@ export type WorkerPlan =
       /** Bytes of the prefix cache's host-memory offload tier (`--prefix-cache-offload-bytes`,
        *  prefill only); default: no offload tier. */
       prefixCacheOffloadBytes?: number
+      /** Its mutual-TLS files (`--tls-ca/--tls-cert/--tls-key`); its URL is then `https:`.
+       *  Default: plaintext. */
+      tls?: TlsFiles | null
       /** Faults to inject (`--inject-fault`; needs KVFENCE_ALLOW_FAULTS=1 in the plan's env). */
       faults?: readonly string[]
       /** Further flags, e.g. `['--transfer-timeout-ms', '1000']`. */
@@ -118,8 +127,8 @@ export interface LaunchedCluster {
 const startTimeoutMs = 30_000
 
 /** `http://host:port`, with an IPv6 host in brackets. */
-function urlOf(host: string, port: number): string {
-  return `http://${host.includes(':') ? `[${host}]` : host}:${port}`
+function urlOf(host: string, port: number, isTls = false): string {
+  return `${isTls ? 'https' : 'http'}://${host.includes(':') ? `[${host}]` : host}:${port}`
 }
 
 /** Starts the cluster of `plan`: P and D workers at once, then the router pointed at them.
@@ -134,7 +143,7 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
     ...(plan.disabledGuards ?? []).flatMap((id) => ['--unsafe-disable-guard', id]),
   ]
   const children: ChildProcess[] = []
-  const fork = async (name: string, args: readonly string[]) => {
+  const fork = async (name: string, args: readonly string[], tls: TlsFiles | null) => {
     const { child, ready } = await forkPart(
       [name, ...args, '--log-level', plan.logLevel],
       {
@@ -154,35 +163,42 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
       },
       children,
     )
-    return { child, url: urlOf(plan.host, ready.port) }
+    return { child, url: urlOf(plan.host, ready.port, tls !== null) }
   }
   const startWorker = async (role: 'prefill' | 'decode', worker: WorkerPlan) => {
     if ('url' in worker) return { url: worker.url, child: undefined }
-    return fork(role, [
-      '--model',
-      plan.modelDir,
-      '--page-size',
-      String(plan.pageSize),
-      '--host',
-      plan.host,
-      '--port',
-      '0',
-      ...(worker.faults ?? []).flatMap((f) => ['--inject-fault', f]),
-      ...unsafeFlags,
-      '--pages',
-      String(worker.pages),
-      ...(worker.prefixCachePages === undefined
-        ? []
-        : ['--prefix-cache-pages', String(worker.prefixCachePages)]),
-      ...(worker.prefixCachePagesPerTenant === undefined
-        ? []
-        : ['--prefix-cache-pages-per-tenant', String(worker.prefixCachePagesPerTenant)]),
-      ...(worker.prefixCacheOffloadBytes === undefined
-        ? []
-        : ['--prefix-cache-offload-bytes', String(worker.prefixCacheOffloadBytes)]),
-      ...(role === 'decode' ? ['--transfer-host', plan.host, '--transfer-port', '0'] : []),
-      ...(worker.args ?? []),
-    ])
+    return fork(
+      role,
+      [
+        '--model',
+        plan.modelDir,
+        '--page-size',
+        String(plan.pageSize),
+        '--host',
+        plan.host,
+        '--port',
+        '0',
+        ...(worker.faults ?? []).flatMap((f) => ['--inject-fault', f]),
+        ...unsafeFlags,
+        '--pages',
+        String(worker.pages),
+        ...(worker.prefixCachePages === undefined
+          ? []
+          : ['--prefix-cache-pages', String(worker.prefixCachePages)]),
+        ...(worker.prefixCachePagesPerTenant === undefined
+          ? []
+          : ['--prefix-cache-pages-per-tenant', String(worker.prefixCachePagesPerTenant)]),
+        ...(worker.prefixCacheOffloadBytes === undefined
+          ? []
+          : ['--prefix-cache-offload-bytes', String(worker.prefixCacheOffloadBytes)]),
+        ...(role === 'decode' ? ['--transfer-host', plan.host, '--transfer-port', '0'] : []),
+        ...(worker.tls
+          ? ['--tls-ca', worker.tls.ca, '--tls-cert', worker.tls.cert, '--tls-key', worker.tls.key]
+          : []),
+        ...(worker.args ?? []),
+      ],
+      worker.tls ?? null,
+    )
   }
   let router: RunningRouter | undefined
   try {
@@ -203,22 +219,26 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
       routerUrl = router.url
     } else {
       const isRouterUnsafe = unsafeFlags.length > 0
-      const started = await fork('router', [
-        '--model',
-        plan.modelDir,
-        ...prefillUrls.flatMap((u) => ['--prefill', u]),
-        ...decodeUrls.flatMap((u) => ['--decode', u]),
-        '--tenants',
-        r.tenantsFile,
-        '--host',
-        plan.host,
-        '--port',
-        String(r.port),
-        ...(r.contextWindow !== undefined ? ['--context-window', String(r.contextWindow)] : []),
-        ...(r.clampContext ? ['--clamp-context'] : []),
-        ...(isRouterUnsafe ? ['--unsafe-disable-guards'] : []),
-        ...(r.args ?? []),
-      ])
+      const started = await fork(
+        'router',
+        [
+          '--model',
+          plan.modelDir,
+          ...prefillUrls.flatMap((u) => ['--prefill', u]),
+          ...decodeUrls.flatMap((u) => ['--decode', u]),
+          '--tenants',
+          r.tenantsFile,
+          '--host',
+          plan.host,
+          '--port',
+          String(r.port),
+          ...(r.contextWindow !== undefined ? ['--context-window', String(r.contextWindow)] : []),
+          ...(r.clampContext ? ['--clamp-context'] : []),
+          ...(isRouterUnsafe ? ['--unsafe-disable-guards'] : []),
+          ...(r.args ?? []),
+        ],
+        null,
+      )
       routerUrl = started.url
       routerProcess = started.child
     }
@@ -262,6 +282,7 @@ export function clusterConfigPlan(
       ? { tenants: config.tenants }
       : { tenants: configPath, tenantsReader: (f: string) => loadClusterConfig(f).tenants }),
     ...routerSectionOptions(r),
+    workerTls: routerTlsMaterial(config),
     log,
   }
   const plan = {
@@ -285,11 +306,21 @@ export function clusterConfigPlan(
     }
   }
   const workers = config.workers!
+  if (config.tls === undefined) {
+    if (isLoopbackHost(r.host))
+      log.info('control and data planes are plaintext on loopback; use tls: for other hosts')
+    else
+      log.warn(
+        `control and data planes are plaintext on ${r.host}: KV pages cross the network unencrypted; use tls: (kvfence certs init)`,
+      )
+  }
+  const withTls = (role: 'prefill' | 'decode') => (w: WorkerPlan) =>
+    'url' in w ? w : { ...w, tls: tlsFilesOf(config, role) }
   return {
     ...plan,
     pageSize: workers.pageSize,
-    prefill: workers.prefill,
-    decode: workers.decode,
+    prefill: workers.prefill.map(withTls('prefill')),
+    decode: workers.decode.map(withTls('decode')),
     router: { runs: 'here', options },
   }
 }
@@ -386,6 +417,27 @@ export async function startCluster(options: ClusterOptions): Promise<Cluster> {
     processes: { prefill: prefill[0], decode: decode[0], router: router! },
     stop: () => cluster.stop(),
   }
+}
+
+/** The TLS files of `part` in the config's `tls.dir` (as `kvfence certs init` names them), or null
+ *  without a `tls:` section. Shared with `kvfence router --config`. */
+export function tlsFilesOf(
+  config: ClusterConfig,
+  part: 'prefill' | 'decode' | 'router',
+): TlsFiles | null {
+  if (config.tls === undefined) return null
+  const { dir } = config.tls
+  return {
+    ca: join(dir, 'ca.crt'),
+    cert: join(dir, `${part}.crt`),
+    key: join(dir, `${part}.key`),
+  }
+}
+
+/** The router's TLS files of the config, read, or null without a `tls:` section. */
+export function routerTlsMaterial(config: ClusterConfig): TlsMaterial | null {
+  const files = tlsFilesOf(config, 'router')
+  return files === null ? null : loadTlsMaterial(files)
 }
 
 /** The router section of a cluster config as {@link startRouter} options: bind address, served

@@ -7,6 +7,7 @@ import { KvfenceError } from '../errors.js'
 import type { PageLease } from '../kv/pool.js'
 import { OffloadRing } from '../kv/offload.js'
 import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
+import type { TlsMaterial } from '../tls.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
 import { PrefillScheduler } from './prefill-scheduler.js'
@@ -36,6 +37,8 @@ export interface PrefillWorkerOptions {
    *  go and are loaded back from (verified) on a hit; 0 or unset: no offload tier. With
    *  partitions, each tenant gets `bytes / floor(prefixCachePages / prefixCachePagesPerTenant)`. */
   prefixCacheOffloadBytes?: number
+  /** Mutual TLS for transfers to decode workers (src/tls.ts). Default null: plaintext. */
+  transferTls?: TlsMaterial | null
 }
 
 /** The prefill side of a disaggregated pair. One instance per process. */
@@ -342,6 +345,7 @@ export class PrefillWorker {
         port,
         maxPagesPerFrame: this.options.maxPagesPerFrame,
         stallTimeoutMs: this.options.transferTimeoutMs,
+        ...(this.options.transferTls == null ? {} : { tls: this.options.transferTls }),
       })
       this.clients.set(key, client)
     }

@@ -3,13 +3,18 @@
  *  `GET /server_info`, `GET /health`, `GET /metrics`. Closing a request's connection aborts it (G8);
  *  with G8 on, a decode request whose connection is gone also fails at its next event, so even a
  *  worker that dropped the abort (fault `drop-abort`) stops working for a client that left.
- *  Knows HTTP and the control messages; the engine work is the workers'. */
+ *  With TLS material it serves HTTPS with mutual TLS 1.3 against the cluster CA (src/tls.ts): a
+ *  client without a certificate from the CA is refused in the handshake, before any request is
+ *  read.
+ *  Knows HTTP, TLS and the control messages; the engine work is the workers'. */
 import http from 'node:http'
+import https from 'node:https'
 import type { AddressInfo } from 'node:net'
 import type { Logger } from 'pino'
 import { Gauge, type Registry } from 'prom-client'
 import { KvfenceError } from '../errors.js'
 import { metricsText } from '../process-metrics.js'
+import { serverTlsOptions, type TlsMaterial } from '../tls.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
 import { GenerateRequest, PrefillRequest, type DecodeEvent, type ServerInfo } from './control.js'
 import type { DecodeWorker } from './decode-worker.js'
@@ -38,18 +43,25 @@ interface ServerContext {
   numPagesCached: () => number
 }
 
-/** Build the HTTP server of a worker (not yet listening). */
+/** Build the HTTP server of a worker (not yet listening); HTTPS with mutual TLS when `tls` is
+ *  given. */
 export function createWorkerServer(
   role: WorkerRole,
   log: Logger,
   clusterToken: string | null = null,
-): http.Server {
+  tls: TlsMaterial | null = null,
+): http.Server | https.Server {
   const core: WorkerCore = role.worker.core
   // Prefix-cache pages are evicted on demand: they count as neither used by requests nor leaked.
   const numPagesCached = () => (role.role === 'prefill' ? role.worker.numPagesCached : 0)
   const registry = makeMetrics(role.role, core, numPagesCached)
   const ctx: ServerContext = { role, core, log, clusterToken, registry, numPagesCached }
-  const server = http.createServer((req, res) => void handle(ctx, req, res))
+  const onRequest = (req: http.IncomingMessage, res: http.ServerResponse) =>
+    void handle(ctx, req, res)
+  const server =
+    tls === null
+      ? http.createServer(onRequest)
+      : https.createServer(serverTlsOptions(tls), onRequest)
   // Keep idle control connections open longer than the router's agent does (its free-socket timeout is
   // shorter), so the router never reuses a connection this server is closing (ECONNRESET race).
   server.keepAliveTimeout = workerKeepAliveTimeoutMs
@@ -189,7 +201,7 @@ async function serveGenerate(
 
 /** Listen on host:port (port 0 picks one) and resolve with the bound port. */
 export function listen(
-  server: http.Server | import('node:net').Server,
+  server: http.Server | https.Server | import('node:net').Server,
   host: string,
   port: number,
 ): Promise<number> {

@@ -4,6 +4,7 @@
  *  Used by `kvfence router` and `kvfence serve`.
  *  Knows how the router's parts fit together; knows nothing of request handling itself. */
 import http from 'node:http'
+import https from 'node:https'
 import type { AddressInfo } from 'node:net'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { pino, type Logger } from 'pino'
@@ -27,6 +28,7 @@ import {
   watchTenants,
 } from './tenants.js'
 import { type WorkerClient, createWorkerClient } from './worker-client.js'
+import { loadCertPair, reloadCertOnChange, type TlsMaterial } from '../tls.js'
 import { scrapeWorkerStats } from './worker-stats.js'
 
 /** Gateway mode: the engine behind the router (see gateway/backend.ts). */
@@ -91,6 +93,12 @@ export interface StartRouterOptions {
   drainSeconds?: number
   /** Threads tokenizing long prompts (default `defaultNumThreads` of tokenizer-pool.ts). */
   tokenizerThreads?: number
+  /** The router's TLS files, read (src/tls.ts): the control plane to the workers runs over mutual
+   *  TLS, to `https:` worker URLs. Default: plaintext. */
+  workerTls?: TlsMaterial | null
+  /** Serve clients over HTTPS with this certificate and key (PEM files), reloaded when they
+   *  change on disk. Default: plain HTTP. */
+  https?: { cert: string; key: string }
   /** Logger (default: pino to stdout at info). */
   log?: Logger
 }
@@ -101,7 +109,7 @@ export interface RunningRouter {
   readonly url: string
   readonly port: number
   readonly config: RouterConfig
-  readonly server: http.Server
+  readonly server: http.Server | https.Server
   /** Stops listening, closes client and worker connections. */
   close(): Promise<void>
   /** Graceful stop: refuses new requests (503 `shutting_down`, `/health` 503), lets running
@@ -223,6 +231,7 @@ async function startNativeBackend(
     idleTimeoutMs: options.workerIdleTimeoutMs,
     guardsEnabled,
     clusterToken: options.clusterToken ?? null,
+    tls: options.workerTls ?? null,
   })
   try {
     const reports = await waitForWorkers(workers, options.workerWaitMs ?? defaultWorkerWaitMs)
@@ -291,7 +300,17 @@ async function listenRouter(
 ): Promise<RunningRouter> {
   const { log } = deps
   const drain = createDrain()
-  const server = http.createServer(createRouter({ ...deps, config, drain }))
+  const handler = createRouter({ ...deps, config, drain })
+  const httpsFiles = options.https
+  let stopReloading = (): void => {}
+  let server: http.Server | https.Server
+  if (httpsFiles === undefined) server = http.createServer(handler)
+  else {
+    const pair = loadCertPair(httpsFiles)
+    const httpsServer = https.createServer({ ...pair, minVersion: 'TLSv1.2' }, handler)
+    stopReloading = reloadCertOnChange(httpsServer, httpsFiles, { minVersion: 'TLSv1.2' }, log)
+    server = httpsServer
+  }
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject)
     server.listen(options.port ?? 8000, options.host ?? '127.0.0.1', () => {
@@ -301,7 +320,7 @@ async function listenRouter(
   })
   const address = server.address() as AddressInfo
   const host = address.family === 'IPv6' ? `[${address.address}]` : address.address
-  const url = `http://${host}:${address.port}`
+  const url = `${httpsFiles === undefined ? 'http' : 'https'}://${host}:${address.port}`
   log.info(
     {
       url,
@@ -315,6 +334,7 @@ async function listenRouter(
     'router listening',
   )
   const close = async () => {
+    stopReloading()
     await new Promise<void>((resolve) => {
       server.close(() => resolve())
       server.closeAllConnections()

@@ -1,5 +1,6 @@
 /** The router's transport of the control plane (see `src/engine/control.ts`): HTTP/1.1 + JSON
- *  (NDJSON for the decode worker's stream) over one keep-alive `node:http` agent, with the
+ *  (NDJSON for the decode worker's stream) over one keep-alive agent (`node:http`, or `node:https`
+ *  with mutual TLS 1.3 against the cluster CA, src/tls.ts, for `https:` worker URLs), with the
  *  workers' replies parsed at this boundary. One request's steps across the two workers, and the
  *  checks before any token leaves, are `src/engine/handoff.ts`'s: this file gives it the two
  *  workers as sides, picked round-robin.
@@ -8,6 +9,7 @@
 import { clusterTokenHeader } from '../engine/cluster-token.js'
 import assert from 'node:assert/strict'
 import http from 'node:http'
+import https from 'node:https'
 import { z } from 'zod'
 import {
   DecodeEvent,
@@ -27,6 +29,7 @@ import {
   type TransferAddress,
 } from '../engine/handoff.js'
 import { KvfenceError, isErrorCode } from '../errors.js'
+import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../tls.js'
 import type { WorkerReport } from './capacity.js'
 import { readReplyText } from './http.js'
 
@@ -102,6 +105,9 @@ export interface WorkerClientOptions {
   guardsEnabled?: boolean
   /** The cluster token the workers require on `POST /internal/*` (see engine/cluster-token.ts). */
   clusterToken?: string | null
+  /** The router's TLS files, read: required for `https:` worker URLs, refused with `http:` ones
+   *  (every worker of a client speaks the same). Default: none (plaintext). */
+  tls?: TlsMaterial | null
 }
 
 const defaultIdleTimeoutMs = 120_000
@@ -143,15 +149,22 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
   if (options.prefillUrls.length === 0 || options.decodeUrls.length === 0) {
     throw new KvfenceError('internal_error', 'need at least one prefill and one decode worker URL')
   }
-  const prefillUrls = Object.freeze(options.prefillUrls.map(normalizeBaseUrl))
-  const decodeUrls = Object.freeze(options.decodeUrls.map(normalizeBaseUrl))
+  const tls = options.tls ?? null
+  const protocol = tls === null ? 'http:' : 'https:'
+  const prefillUrls = Object.freeze(options.prefillUrls.map((u) => normalizeBaseUrl(u, protocol)))
+  const decodeUrls = Object.freeze(options.decodeUrls.map((u) => normalizeBaseUrl(u, protocol)))
+  // `timeout` closes a pooled connection that sat idle that long (an in-use one only gets a
+  // 'timeout' event, which nothing here listens to: long silences are `idleTimeoutMs`'s job).
+  const agentOptions = {
+    keepAlive: true,
+    timeout: options.freeSocketTimeoutMs ?? freeSocketTimeoutMs,
+  }
   const transport: Transport = {
-    // `timeout` closes a pooled connection that sat idle that long (an in-use one only gets a
-    // 'timeout' event, which nothing here listens to: long silences are `idleTimeoutMs`'s job).
-    agent: new http.Agent({
-      keepAlive: true,
-      timeout: options.freeSocketTimeoutMs ?? freeSocketTimeoutMs,
-    }),
+    agent:
+      tls === null
+        ? new http.Agent(agentOptions)
+        : // The server name each request checks is its URL's host (Node passes it per request).
+          new https.Agent({ ...agentOptions, ...clientTlsOptions(tls) }),
     controlHeaders:
       options.clusterToken == null ? {} : { [clusterTokenHeader]: options.clusterToken },
     infoTimeoutMs: options.infoTimeoutMs ?? defaultInfoTimeoutMs,
@@ -451,7 +464,8 @@ function sendOn(
       headers['content-type'] = 'application/json'
       headers['content-length'] = Buffer.byteLength(body)
     }
-    const req = http.request(url, { method, agent, signal, headers }, (res) =>
+    const request = url.startsWith('https:') ? https.request : http.request
+    const req = request(url, { method, agent, signal, headers }, (res) =>
       resolve({ res, isReusedSocket: req.reusedSocket }),
     )
     req.on('error', (err: NodeJS.ErrnoException) =>
@@ -536,6 +550,8 @@ function asKvfenceError(err: unknown, where: string): KvfenceError {
 
 function describe(err: unknown): string {
   if (err instanceof Error) {
+    const tlsText = describeTlsError(err)
+    if (tlsText !== err.message) return tlsText
     const code = (err as NodeJS.ErrnoException).code
     return code !== undefined && !err.message.includes(code)
       ? `${code} ${err.message}`
@@ -550,15 +566,16 @@ function issueText(issue: z.core.$ZodIssue | undefined): string {
   return path === '' ? issue.message : `${path}: ${issue.message}`
 }
 
-function normalizeBaseUrl(url: string): string {
+function normalizeBaseUrl(url: string, protocol: 'http:' | 'https:'): string {
   let parsed: URL
   try {
     parsed = new URL(url)
   } catch {
     throw new KvfenceError('internal_error', `worker URL ${JSON.stringify(url)} is not a URL`)
   }
-  if (parsed.protocol !== 'http:') {
-    throw new KvfenceError('internal_error', `worker URL ${url} must use http:`)
+  if (parsed.protocol !== protocol) {
+    const why = protocol === 'https:' ? 'with TLS configured' : 'without TLS configured'
+    throw new KvfenceError('internal_error', `worker URL ${url} must use ${protocol} ${why}`)
   }
   return parsed.origin
 }

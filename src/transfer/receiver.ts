@@ -1,9 +1,13 @@
 /** The decode worker's transfer endpoint: a TCP server that gives each connection a
- *  {@link ReceiverSession} and tears sessions down with their sockets.
- *  Knows sockets and the receiver's configuration; the checks live in session.ts, the pool behind
+ *  {@link ReceiverSession} and tears sessions down with their sockets. With `tls`, each connection
+ *  first completes a mutual TLS 1.3 handshake against the cluster CA (src/tls.ts): a peer without a
+ *  certificate from it is dropped then, and no session ever sees a byte of it.
+ *  Knows sockets, TLS and the receiver's configuration; the checks live in session.ts, the pool behind
  *  the {@link ReceiverHooks}. A misbehaving peer can end its own connection, never the server. */
 import net from 'node:net'
+import tls from 'node:tls'
 import type { KvfenceError } from '../errors.js'
+import { describeTlsError, serverTlsOptions, type TlsMaterial } from '../tls.js'
 import { DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES } from './frames.js'
 import { refusal } from './refusals.js'
 import {
@@ -40,6 +44,8 @@ export interface TransferServerOptions {
   log?: TransferLog
   /** Fault injection only (`lost-ack`): never send ACKs. Default false. */
   dropAcks?: boolean
+  /** Mutual TLS against the cluster CA (loadTlsMaterial in src/tls.ts). Default: plaintext. */
+  tls?: TlsMaterial
 }
 
 const silentLog: TransferLog = { warn: () => {} }
@@ -92,6 +98,11 @@ export class TransferServer extends net.Server {
     numRefused: 0,
   }
   private isClosing = false
+  /** Runs the handshake of each accepted connection when TLS is on (it never listens itself). */
+  private readonly tlsServer: tls.Server | null
+  /** Accepted TCP sockets under TLS (in the handshake or carrying a session), so that closing
+   *  the server need not wait for a handshake's timeout. */
+  private readonly tlsSockets = new Set<net.Socket>()
 
   /** @throws RangeError on bad options. */
   constructor(
@@ -100,9 +111,20 @@ export class TransferServer extends net.Server {
   ) {
     super({ noDelay: true })
     this.config = receiverConfig(options)
-    this.on('connection', (socket: net.Socket) => this.onConnection(socket))
+    this.tlsServer = options.tls === undefined ? null : this.handshakes(options.tls)
+    this.on('connection', (socket: net.Socket) => {
+      if (this.tlsServer === null) return this.onConnection(socket)
+      this.tlsSockets.add(socket)
+      socket.once('close', () => this.tlsSockets.delete(socket))
+      this.tlsServer.emit('connection', socket)
+    })
     // Accept errors (e.g. EMFILE) are logged; listen errors still reach the caller's 'error' listener.
     this.on('error', (err) => this.config.log.warn({ err: String(err) }, 'transfer server error'))
+  }
+
+  /** Whether connections run over mutual TLS. */
+  get isTls(): boolean {
+    return this.tlsServer !== null
   }
 
   /** The TCP port the server listens on. @throws Error if it is not listening. */
@@ -129,6 +151,7 @@ export class TransferServer extends net.Server {
       session.teardown(reason)
       socket.destroy()
     }
+    for (const socket of [...this.tlsSockets]) socket.destroy()
   }
 
   /** Stop listening and tear down every connection (in-flight transfers get `abort` before this
@@ -152,6 +175,24 @@ export class TransferServer extends net.Server {
       throw new Error(
         `transfers leaked or ended twice: ${numStarted} started != ${numCompleted} completed + ${numAborted} aborted + ${numActive} active`,
       )
+  }
+
+  /** A TLS server fed the accepted sockets: only a connection whose handshake succeeded, the
+   *  client's certificate verified against the CA, reaches {@link onConnection}. */
+  private handshakes(material: TlsMaterial): tls.Server {
+    const server = tls.createServer(serverTlsOptions(material))
+    server.on('secureConnection', (socket: tls.TLSSocket) => this.onConnection(socket))
+    server.on('tlsClientError', (err: Error, socket: tls.TLSSocket) => {
+      const why = !socket.authorizationError
+        ? describeTlsError(err)
+        : `TLS handshake failed: client certificate refused (${String(socket.authorizationError)})`
+      const peer =
+        socket.remoteAddress === undefined
+          ? 'a peer'
+          : `${socket.remoteAddress}:${socket.remotePort}`
+      this.config.log.warn({ peer }, `transfer connection from ${peer} refused: ${why}`)
+    })
+    return server
   }
 
   private onConnection(socket: net.Socket): void {

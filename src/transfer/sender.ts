@@ -3,9 +3,12 @@
  *  every transfer to that address (multiplexed by transfer id). The protocol — HELLO, each
  *  transfer's frames under the byte budget (G9), ACK/NACK, settling each transfer once only after
  *  its reads stopped (G7) — lives in send-session.ts, as the receiver's lives in session.ts.
- *  Knows sockets, addresses and timeouts of connecting; knows nothing of pools or the model. */
+ *  With `tls`, the connection is mutual TLS 1.3 against the cluster CA (src/tls.ts).
+ *  Knows sockets, TLS, addresses and timeouts of connecting; knows nothing of pools or the model. */
 import net from 'node:net'
+import tls from 'node:tls'
 import type { KvfenceError } from '../errors.js'
+import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../tls.js'
 import { DEFAULT_MAX_FRAME_BYTES, MAX_PAGES_PER_FRAME } from './frames.js'
 import { refusal } from './refusals.js'
 import {
@@ -35,8 +38,11 @@ export interface TransferClientOptions {
   /** A transfer making no progress (no frame built, no ACK after END) for this long is aborted, ms.
    *  Default 30 000. */
   stallTimeoutMs?: number
-  /** Connecting to a decode worker gives up after this long, ms. Default 5 000. */
+  /** Connecting to a decode worker (TLS handshake included) gives up after this long, ms.
+   *  Default 5 000. */
   connectTimeoutMs?: number
+  /** Mutual TLS against the cluster CA (loadTlsMaterial in src/tls.ts). Default: plaintext. */
+  tls?: TlsMaterial
 }
 
 /** The client's frozen configuration. */
@@ -49,6 +55,8 @@ export interface SenderConfig {
   readonly maxFrameBytes: number
   readonly stallTimeoutMs: number
   readonly connectTimeoutMs: number
+  /** Null: plaintext. */
+  readonly tls: TlsMaterial | null
 }
 
 /** The sender's frozen configuration from `options`. @throws RangeError on an out-of-range value. */
@@ -62,9 +70,10 @@ export function senderConfig(options: TransferClientOptions): SenderConfig {
     maxFrameBytes: options.maxFrameBytes ?? DEFAULT_MAX_FRAME_BYTES,
     stallTimeoutMs: options.stallTimeoutMs ?? 30_000,
     connectTimeoutMs: options.connectTimeoutMs ?? 5_000,
+    tls: options.tls ?? null,
   })
   const positive = (
-    name: Exclude<keyof SenderConfig, 'host'>,
+    name: Exclude<keyof SenderConfig, 'host' | 'tls'>,
     max = Number.MAX_SAFE_INTEGER,
   ): void => {
     const value = config[name]
@@ -158,7 +167,7 @@ export class TransferClient {
   }
 }
 
-/** One TCP connection to one decode worker and the send session running on it. */
+/** One TCP (or TLS) connection to one decode worker and the send session running on it. */
 class Connection {
   readonly session: SendSession
   /** Resolves when the socket has closed. */
@@ -169,7 +178,11 @@ class Connection {
 
   constructor(config: SenderConfig, counters: SenderCounters) {
     const name = `${config.host}:${config.port}`
-    this.socket = net.connect({ host: config.host, port: config.port, noDelay: true })
+    const address = { host: config.host, port: config.port, noDelay: true }
+    this.socket =
+      config.tls === null
+        ? net.connect(address)
+        : tls.connect({ ...address, ...clientTlsOptions(config.tls, config.host) })
     this.socket.setKeepAlive(true, 10_000)
     const socket = this.socket
     this.session = new SendSession(
@@ -194,17 +207,28 @@ class Connection {
         ),
       config.connectTimeoutMs,
     )
-    socket.once('connect', () => clearTimeout(connectTimer))
-    socket.on('data', (chunk: Buffer) => this.session.push(chunk))
+    socket.once(config.tls === null ? 'connect' : 'secureConnect', () => clearTimeout(connectTimer))
+    let hasReply = false
+    socket.on('data', (chunk: Buffer) => {
+      hasReply = true
+      this.session.push(chunk)
+    })
     socket.on('error', (err) => {
-      this.errorReason ??= refusal('connection_closed', `to ${name}: ${err.message}`)
+      this.errorReason ??= refusal(
+        'connection_closed',
+        `transfer to ${name}: ${describeTlsError(err)}`,
+      )
     })
     this.closed = new Promise((resolve) =>
       socket.once('close', () => {
         clearTimeout(connectTimer)
-        this.session.teardown(
-          this.errorReason ?? refusal('connection_closed', `${name} closed the connection`),
-        )
+        // In TLS 1.3 the server checks the client's certificate after the client's side of the
+        // handshake is done; a refused certificate shows here only as a close before D's HELLO.
+        const closed =
+          config.tls !== null && !hasReply
+            ? `transfer to ${name}: TLS handshake failed: the receiver closed the connection before its HELLO (does it trust this part's certificate?)`
+            : `${name} closed the connection`
+        this.session.teardown(this.errorReason ?? refusal('connection_closed', closed))
         resolve()
       }),
     )

@@ -1,0 +1,219 @@
+/** Mutual TLS between kvfence's parts, shared by the control plane (router → workers, HTTPS) and
+ *  the data plane (P → D transfer): TLS 1.3 only, every peer shows a certificate from the cluster
+ *  CA (made by `kvfence certs init`), and that CA is the only trust anchor. A client also checks
+ *  that the server's certificate names the host it dialled (SAN: DNS name or IP address).
+ *  Knows files, node:tls options and handshake errors; knows nothing of frames or HTTP routes. */
+import { readFileSync, unwatchFile, watchFile } from 'node:fs'
+import { isIP } from 'node:net'
+import tls from 'node:tls'
+import { KvfenceError } from './errors.js'
+
+/** Paths of one part's TLS files (PEM). */
+export interface TlsFiles {
+  /** The cluster CA's certificate: the only certificate a peer is checked against. */
+  readonly ca: string
+  /** This part's certificate, signed by the CA. */
+  readonly cert: string
+  /** This part's private key. */
+  readonly key: string
+}
+
+/** One part's TLS files, read (PEM bytes) and checked to form a usable context. */
+export interface TlsMaterial {
+  readonly ca: Buffer
+  readonly cert: Buffer
+  readonly key: Buffer
+}
+
+/** How long a TLS handshake may take before the connection is dropped, ms. */
+export const tlsHandshakeTimeoutMs = 10_000
+
+/** The {@link TlsFiles} of `--tls-ca/--tls-cert/--tls-key`: all three or none (null).
+ *  @throws KvfenceError `config_invalid` when only some are given. */
+export function tlsFilesFrom(flags: {
+  tlsCa?: string
+  tlsCert?: string
+  tlsKey?: string
+}): TlsFiles | null {
+  const { tlsCa, tlsCert, tlsKey } = flags
+  if (tlsCa === undefined && tlsCert === undefined && tlsKey === undefined) return null
+  if (tlsCa === undefined || tlsCert === undefined || tlsKey === undefined)
+    throw new KvfenceError(
+      'config_invalid',
+      'TLS needs all three of --tls-ca, --tls-cert and --tls-key (see kvfence certs init)',
+    )
+  return { ca: tlsCa, cert: tlsCert, key: tlsKey }
+}
+
+/** Read `files` and check that the key matches the certificate. @throws KvfenceError
+ *  `config_invalid` naming the file that cannot be read or the pair that does not fit. */
+export function loadTlsMaterial(files: TlsFiles): TlsMaterial {
+  const material = {
+    ca: readTls('CA', files.ca),
+    cert: readTls('certificate', files.cert),
+    key: readTls('key', files.key),
+  }
+  try {
+    tls.createSecureContext({ ...material, minVersion: 'TLSv1.3' })
+  } catch (err) {
+    throw new KvfenceError(
+      'config_invalid',
+      `TLS files ${files.cert} and ${files.key}: ${openSslReason(err)}`,
+    )
+  }
+  return Object.freeze(material)
+}
+
+/** A public server's certificate and key (no client certificates asked for), read and checked to
+ *  fit. @throws KvfenceError `config_invalid` naming the file or the pair. */
+export function loadCertPair(files: { cert: string; key: string }): { cert: Buffer; key: Buffer } {
+  const pair = { cert: readTls('certificate', files.cert), key: readTls('key', files.key) }
+  try {
+    tls.createSecureContext(pair)
+  } catch (err) {
+    throw new KvfenceError(
+      'config_invalid',
+      `TLS files ${files.cert} and ${files.key}: ${openSslReason(err)}`,
+    )
+  }
+  return pair
+}
+
+function readTls(what: string, path: string): Buffer {
+  try {
+    return readFileSync(path)
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code ?? String(err)
+    throw new KvfenceError('config_invalid', `TLS ${what} ${path}: cannot read it (${code})`)
+  }
+}
+
+/** Options for a TLS server of a part: TLS 1.3, a client certificate from the CA required (a
+ *  client without one is refused in the handshake, before the server reads any of its bytes). */
+export function serverTlsOptions(material: TlsMaterial): tls.TlsOptions {
+  return {
+    ca: material.ca,
+    cert: material.cert,
+    key: material.key,
+    minVersion: 'TLSv1.3',
+    requestCert: true,
+    rejectUnauthorized: true,
+    handshakeTimeout: tlsHandshakeTimeoutMs,
+  }
+}
+
+/** Options for a TLS client of a part dialling `host`: TLS 1.3, the CA as the only trust anchor,
+ *  this part's certificate shown, and the server's certificate checked for the host dialled (an
+ *  IP against IP SANs, a name against DNS SANs and sent as SNI). Without `host` (an agent's
+ *  options), Node takes each request's host. */
+export function clientTlsOptions(material: TlsMaterial, host?: string): tls.ConnectionOptions {
+  return {
+    ca: material.ca,
+    cert: material.cert,
+    key: material.key,
+    minVersion: 'TLSv1.3',
+    rejectUnauthorized: true,
+    ...(host !== undefined && isIP(host) === 0 ? { servername: host } : {}),
+  }
+}
+
+/** Error codes of a failed certificate check (Node's X509_V_ERR names, and a SAN mismatch). */
+const certificateCodes = new Set([
+  'CERT_HAS_EXPIRED',
+  'CERT_NOT_YET_VALID',
+  'UNABLE_TO_VERIFY_LEAF_SIGNATURE',
+  'UNABLE_TO_GET_ISSUER_CERT',
+  'UNABLE_TO_GET_ISSUER_CERT_LOCALLY',
+  'SELF_SIGNED_CERT_IN_CHAIN',
+  'DEPTH_ZERO_SELF_SIGNED_CERT',
+  'CERT_SIGNATURE_FAILURE',
+  'CERT_UNTRUSTED',
+  'CERT_REJECTED',
+  'INVALID_PURPOSE',
+  'ERR_TLS_CERT_ALTNAME_INVALID',
+])
+
+/** Whether `err` is a TLS failure (handshake, alert, certificate check) rather than TCP's. */
+export function isTlsError(err: unknown): boolean {
+  const code = (err as NodeJS.ErrnoException | null)?.code
+  return (
+    typeof code === 'string' &&
+    (code.startsWith('ERR_SSL_') ||
+      code.startsWith('ERR_TLS_') ||
+      code === 'EPROTO' ||
+      certificateCodes.has(code))
+  )
+}
+
+/** Certificate checks that fail when the peer's certificate is not from the trusted CA. */
+const unknownIssuerCodes = new Set([
+  'UNABLE_TO_VERIFY_LEAF_SIGNATURE',
+  'UNABLE_TO_GET_ISSUER_CERT',
+  'UNABLE_TO_GET_ISSUER_CERT_LOCALLY',
+  'SELF_SIGNED_CERT_IN_CHAIN',
+  'DEPTH_ZERO_SELF_SIGNED_CERT',
+])
+
+/** One line for a TLS failure: "TLS handshake failed: certificate has expired"; a peer that
+ *  answers in plaintext, or shows a certificate of another CA, is named as such. Other errors:
+ *  their message. */
+export function describeTlsError(err: unknown): string {
+  if (!isTlsError(err)) return err instanceof Error ? err.message : String(err)
+  const reason = openSslReason(err)
+  const code = (err as NodeJS.ErrnoException).code ?? ''
+  const hint =
+    reason === 'wrong version number' || reason === 'packet length too long'
+      ? ' (the peer does not speak TLS: is it started without TLS?)'
+      : unknownIssuerCodes.has(code)
+        ? ' (the peer’s certificate is not from the cluster CA)'
+        : ''
+  return `TLS handshake failed: ${reason}${hint}`
+}
+
+/** OpenSSL's short reason ("wrong version number") instead of its long message, which names
+ *  source files; Node's own messages ("certificate has expired") as they are. */
+function openSslReason(err: unknown): string {
+  if (!(err instanceof Error)) return String(err)
+  const reason = (err as Error & { reason?: unknown }).reason
+  if (typeof reason === 'string' && reason.length > 0) return reason
+  // "write EPROTO 80…:error:0A00010B:SSL routines:ssl3_get_record:wrong version number:file:line:"
+  const fromMessage = /error:[0-9A-F]+:[^:]*:[^:]*:([^:]+):/.exec(err.message)?.[1]
+  return fromMessage ?? err.message.split('\n')[0]
+}
+
+/** How often the router's public certificate files are polled for a change, ms. */
+export const certPollMs = 2_000
+
+/** Keep `server`'s certificate current: whenever `cert` or `key` changes on disk (polled every
+ *  {@link certPollMs}), both are read again and installed for new connections
+ *  (`setSecureContext`); a pair that cannot be read or does not fit is logged and the previous
+ *  one kept. Returns the function that stops watching. */
+export function reloadCertOnChange(
+  server: tls.Server,
+  files: { cert: string; key: string },
+  options: tls.SecureContextOptions,
+  log: { info: (msg: string) => void; warn: (msg: string) => void },
+): () => void {
+  let installed: { cert: Buffer; key: Buffer } | null = null
+  const reload = (): void => {
+    try {
+      const pair = { cert: readFileSync(files.cert), key: readFileSync(files.key) }
+      // Both files change on a renewal and each change is seen: install a pair once.
+      if (installed !== null && pair.cert.equals(installed.cert) && pair.key.equals(installed.key))
+        return
+      server.setSecureContext({ ...options, ...pair })
+      installed = pair
+      log.info(`reloaded the TLS certificate ${files.cert}`)
+    } catch (err) {
+      log.warn(`kept the previous TLS certificate: ${files.cert}: ${openSslReason(err)}`)
+    }
+  }
+  const onChange = (now: { mtimeMs: number }, before: { mtimeMs: number }): void => {
+    if (now.mtimeMs !== before.mtimeMs) reload()
+  }
+  for (const path of [files.cert, files.key])
+    watchFile(path, { interval: certPollMs, persistent: false }, onChange)
+  return () => {
+    for (const path of [files.cert, files.key]) unwatchFile(path, onChange)
+  }
+}
