@@ -5,8 +5,9 @@
  *    each tenant's counter grows by (1 × prompt tokens + 2 × generated tokens) ÷ its weight, the
  *    prompt's when the request gets its slot, the generated tokens' when it ends. A tenant that
  *    becomes backlogged has its counter lifted to the least counter among the backlogged (or,
- *    with none, to that of the last tenant to leave the backlog), so that idling banks no credit.
- *    Within a tenant, first come first served.
+ *    with none, to that of the last tenant to leave the backlog), so that idling banks no credit;
+ *    on a tie the tenant with fewer requests running goes first. Within a tenant, first come
+ *    first served.
  *  - The queue's bound: with `maxQueuedRequests` waiting, a newcomer takes the place of the newest
  *    request of the tenant with the most queued, if that tenant has more queued than the newcomer's;
  *    else the newcomer is refused. A tenant with nothing queued is never refused for a queue that
@@ -59,6 +60,7 @@ const anonymousClaim: SlotClaim = Object.freeze({ tenant: '', weight: 1, numProm
 export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
   const backlogs = new Map<string, QueuedRequest[]>() // tenant → its queued requests, oldest first; never empty
   const service = new Map<string, number>() // tenant → virtual token counter (weighted tokens)
+  const runningOf = new Map<string, number>() // tenant → its requests holding a slot (> 0)
   const waits = new WeakMap<AbortSignal, RequestWait>()
   let lastLeftService = 0 // counter of the last tenant whose backlog emptied (VTC's lift with none backlogged)
   let numRunning = 0
@@ -85,12 +87,16 @@ export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
   /** A running slot of `claim`'s tenant, its prompt charged now. */
   function makeSlot(claim: SlotClaim): Slot {
     charge(claim.tenant, claim.weight, serviceWeights.prompt * claim.numPromptTokens)
+    runningOf.set(claim.tenant, (runningOf.get(claim.tenant) ?? 0) + 1)
     let isReleased = false
     return {
       release(numGeneratedTokens = 0): void {
         if (isReleased) return
         isReleased = true
         charge(claim.tenant, claim.weight, serviceWeights.generated * numGeneratedTokens)
+        const n = runningOf.get(claim.tenant)! - 1
+        if (n === 0) runningOf.delete(claim.tenant)
+        else runningOf.set(claim.tenant, n)
         const next = takeNext()
         if (next !== undefined)
           next.grant() // the slot passes on; numRunning is unchanged
@@ -100,20 +106,23 @@ export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
     }
   }
 
-  /** Removes and returns the first request of the backlogged tenant with the least service (ties:
-   *  the earlier arrival), or undefined when none waits. */
+  /** Removes and returns the first request of the backlogged tenant with the least service, or
+   *  undefined when none waits. Ties (a tenant just lifted to another's counter) go to the tenant
+   *  with fewer requests running, then to the earlier arrival. */
   function takeNext(): QueuedRequest | undefined {
-    let best: { tenant: string; counter: number; head: QueuedRequest } | undefined
+    let best:
+      { tenant: string; counter: number; numRunning: number; head: QueuedRequest } | undefined
     for (const [tenant, requests] of backlogs) {
       const counter = service.get(tenant) ?? 0
+      const numRunningOfTenant = runningOf.get(tenant) ?? 0
       const head = requests[0]
-      if (
+      const isBetter =
         best === undefined ||
         counter < best.counter ||
-        (counter === best.counter && head.seq < best.head.seq)
-      ) {
-        best = { tenant, counter, head }
-      }
+        (counter === best.counter &&
+          (numRunningOfTenant < best.numRunning ||
+            (numRunningOfTenant === best.numRunning && head.seq < best.head.seq)))
+      if (isBetter) best = { tenant, counter, numRunning: numRunningOfTenant, head }
     }
     if (best === undefined) return undefined
     dequeue(best.tenant, best.head)
@@ -332,6 +341,13 @@ export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
         assert.ok(roomWaiters[i - 1].seq < roomWaiters[i].seq, 'room waiters out of order')
       }
       assert.ok(numWokenTrying >= 0, `${numWokenTrying} woken room waiters trying`)
+      let numRunningOfTenants = 0
+      for (const n of runningOf.values()) numRunningOfTenants += n
+      assert.equal(
+        numRunningOfTenants,
+        numRunning,
+        `tenants hold ${numRunningOfTenants} slots, ${numRunning} run`,
+      )
     },
   }
 }
