@@ -6,7 +6,9 @@
  *  - `fairness_p99_ratio`: tenant `small` sends one request a second (prompt "Hi", 5 tokens
  *    generated) for `--seconds` (default 20), first alone, then while tenant `flood` keeps ten
  *    times as many requests outstanding as the cluster runs (each 50 tokens generated): small's
- *    p99 latency under the flood ÷ its p99 alone. Goal ≤ 2.
+ *    p99 latency under the flood ÷ its p99 alone. Goal ≤ 2. `small_queue_wait_ms_mean` is how
+ *    much of small's latency its waits in the router queue account for (the warm-up and alone
+ *    phases included: their waits are ~0).
  *  - `weighted_share_max_error`: four tenants of weights 1, 1, 2, 4 each keep `--slots` × 4 such
  *    requests outstanding for `--seconds`; each tenant's share of the tokens served (prompt +
  *    completion of the requests that ended after the first 3 s and before the clients stop)
@@ -76,6 +78,7 @@ export async function benchFairness(args: string[]): Promise<object> {
     const flood = closedLoop(() => send('flood', 'Flood', floodTokens), numSlots * 10)
     await delay(warmUpMs)
     const underFlood = await everySecond(() => send('small', 'Hi', smallTokens), seconds)
+    const smallQueueWaitMs = await meanQueueWaitMs(url, 'small')
     const flooded = await flood.stop()
 
     const weighted = ['w1a', 'w1b', 'w2', 'w4'].map((tenant) =>
@@ -117,6 +120,7 @@ export async function benchFairness(args: string[]): Promise<object> {
         ),
         1,
       ),
+      small_queue_wait_ms_mean: round(smallQueueWaitMs, 1),
       small_failed_under_flood: underFlood.filter((s) => s.status !== 200).length,
       flood_requests_served: flooded.filter((s) => s.status === 200).length,
       weighted_requests_failed: served.filter((s) => s.status !== 200).length,
@@ -154,6 +158,19 @@ function shareErrors(served: readonly Served[]) {
     byTenant[tenant] = { share: round(share, 4), weight_share: round(weightShare, 4) }
   }
   return { maxError, byTenant }
+}
+
+/** The mean of `tenant`'s waits in the router queue so far (its
+ *  `kvfence_router_queue_wait_seconds`), ms: what of its latency the queue accounts for. */
+async function meanQueueWaitMs(url: string, tenant: string): Promise<number> {
+  const text = await (await fetch(`${url}/metrics`)).text()
+  const read = (suffix: string) =>
+    Number(
+      new RegExp(`kvfence_router_queue_wait_seconds_${suffix}\\{tenant="${tenant}"\\} (\\S+)`).exec(
+        text,
+      )?.[1] ?? NaN,
+    )
+  return (read('sum') / read('count')) * 1000
 }
 
 /** Sends one request a second for `seconds`, without waiting for the previous one. */
