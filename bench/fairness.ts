@@ -5,7 +5,7 @@
  *  16) at a known speed.
  *  - `fairness_p99_ratio`: tenant `small` sends one request a second (prompt "Hi", 5 tokens
  *    generated) for `--seconds` (default 20), first alone, then while tenant `flood` keeps ten
- *    times as many requests outstanding as the cluster runs (each 50 tokens generated): small's
+ *    times as many requests outstanding as the cluster runs (each 25 to 75 tokens generated): small's
  *    p99 latency under the flood ÷ its p99 alone. Goal ≤ 2. `small_queue_wait_ms_mean` is how
  *    much of small's latency its waits in the router queue account for (the warm-up and alone
  *    phases included: their waits are ~0).
@@ -38,7 +38,9 @@ const tenantWeights: Readonly<Record<string, number | undefined>> = {
 }
 const keyOf = (tenant: string) => `sk-bench-${tenant}-0123456789`
 
-const floodTokens = 50
+/** Tokens a flooding request generates: 25 to 75, so that running requests do not all end at
+ *  once (a batch of equal requests started together would free its slots in bursts). */
+const floodLength = () => 25 + Math.floor(Math.random() * 51)
 const smallTokens = 5
 /** Requests that ended in a phase's first this many ms are not counted in shares (warm-up). */
 const warmUpMs = 3_000
@@ -75,14 +77,14 @@ export async function benchFairness(args: string[]): Promise<object> {
     for (let i = 0; i < 20; i++) await send('small', 'Hi', smallTokens) // warm up
 
     const alone = await everySecond(() => send('small', 'Hi', smallTokens), seconds)
-    const flood = closedLoop(() => send('flood', 'Flood', floodTokens), numSlots * 10)
+    const flood = closedLoop(() => send('flood', 'Flood', floodLength()), numSlots * 10)
     await delay(warmUpMs)
     const underFlood = await everySecond(() => send('small', 'Hi', smallTokens), seconds)
     const smallQueueWaitMs = await meanQueueWaitMs(url, 'small')
     const flooded = await flood.stop()
 
     const weighted = ['w1a', 'w1b', 'w2', 'w4'].map((tenant) =>
-      closedLoop(() => send(tenant, 'Share', floodTokens), numSlots * 4),
+      closedLoop(() => send(tenant, 'Share', floodLength()), numSlots * 4),
     )
     const startedMs = performance.now()
     await delay(seconds * 1000)

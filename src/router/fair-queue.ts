@@ -58,18 +58,11 @@ const anonymousClaim: SlotClaim = Object.freeze({ tenant: '', weight: 1, numProm
 
 /** The queue of running slots and KV room (see the module's header). `nowMs` in ms. */
 export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
-  const backlogs = new Map<string, QueuedRequest[]>() // tenant → its queued requests, oldest first; never empty
-  const service = new Map<string, number>() // tenant → virtual token counter (weighted tokens)
-  const runningOf = new Map<string, number>() // tenant → its requests holding a slot (> 0)
+  const tenants = createTenantBacklogs()
   const waits = new WeakMap<AbortSignal, RequestWait>()
-  let lastLeftService = 0 // counter of the last tenant whose backlog emptied (VTC's lift with none backlogged)
   let numRunning = 0
-  let numQueued = 0
+  const room = createRoomQueue(queue, nowMs, waitOf)
   let nextSeq = 0
-
-  const roomWaiters: RoomWaiter[] = [] // by seq (arrival order)
-  let numWokenTrying = 0 // woken room waiters whose attempt has not ended
-  let roomPoll: NodeJS.Timeout | null = null
 
   function waitOf(signal: AbortSignal): RequestWait {
     let wait = waits.get(signal)
@@ -80,30 +73,126 @@ export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
     return wait
   }
 
-  function charge(tenant: string, weight: number, numWeightedTokens: number): void {
-    service.set(tenant, (service.get(tenant) ?? 0) + numWeightedTokens / weight)
-  }
-
   /** A running slot of `claim`'s tenant, its prompt charged now. */
   function makeSlot(claim: SlotClaim): Slot {
-    charge(claim.tenant, claim.weight, serviceWeights.prompt * claim.numPromptTokens)
-    runningOf.set(claim.tenant, (runningOf.get(claim.tenant) ?? 0) + 1)
+    tenants.charge(claim.tenant, claim.weight, serviceWeights.prompt * claim.numPromptTokens)
+    tenants.startRunning(claim.tenant)
     let isReleased = false
     return {
       release(numGeneratedTokens = 0): void {
         if (isReleased) return
         isReleased = true
-        charge(claim.tenant, claim.weight, serviceWeights.generated * numGeneratedTokens)
-        const n = runningOf.get(claim.tenant)! - 1
-        if (n === 0) runningOf.delete(claim.tenant)
-        else runningOf.set(claim.tenant, n)
-        const next = takeNext()
+        tenants.charge(claim.tenant, claim.weight, serviceWeights.generated * numGeneratedTokens)
+        tenants.stopRunning(claim.tenant)
+        const next = tenants.takeNext()
         if (next !== undefined)
           next.grant() // the slot passes on; numRunning is unchanged
         else numRunning--
-        if (roomWaiters.length > 0) wakeFirstRoomWaiter()
+        room.onRequestEnded()
       },
     }
+  }
+
+  function acquireSlot(signal: AbortSignal, claim: SlotClaim = anonymousClaim): Promise<Slot> {
+    if (signal.aborted) return Promise.reject(aborted())
+    const wait = waitOf(signal)
+    if (numRunning < queue.maxConcurrentRequests) {
+      numRunning++
+      return Promise.resolve(makeSlot(claim))
+    }
+    if (tenants.numQueued() >= queue.maxQueuedRequests && !tenants.evictForNewcomer(claim.tenant)) {
+      return Promise.reject(
+        new LimitError(
+          'capacity_exhausted',
+          `The server is busy: ${numRunning} requests running and ${tenants.numQueued()} queued; retry later.`,
+          1,
+        ),
+      )
+    }
+    return new Promise<Slot>((resolve, reject) => {
+      const leave = () => {
+        clearTimeout(timer)
+        signal.removeEventListener('abort', onAbort)
+        tenants.dequeue(claim.tenant, request)
+      }
+      const request: QueuedRequest = {
+        seq: wait.seq,
+        grant() {
+          leave()
+          resolve(makeSlot(claim))
+        },
+        refuse(err) {
+          leave()
+          reject(err)
+        },
+      }
+      const onAbort = () => request.refuse(aborted())
+      const timer = setTimeout(
+        () =>
+          request.refuse(
+            new LimitError(
+              'capacity_exhausted',
+              `The server is busy: the request waited ${queue.maxQueueWaitMs} ms in the queue; retry later.`,
+              1,
+            ),
+          ),
+        Math.max(0, wait.deadlineMs - nowMs()),
+      )
+      signal.addEventListener('abort', onAbort, { once: true })
+      tenants.enqueue(claim.tenant, request)
+    })
+  }
+
+  return {
+    acquireSlot,
+    waitForRoom: room.waitForRoom,
+    numQueued: tenants.numQueued,
+    numRunning: () => numRunning,
+    /** Queued requests by tenant (only tenants with some). */
+    numQueuedByTenant: tenants.numQueuedByTenant,
+    /** Each tenant's virtual token counter (weighted tokens ÷ weight). */
+    serviceOf: tenants.serviceOf,
+    check(): void {
+      assert.ok(
+        numRunning >= 0 && numRunning <= queue.maxConcurrentRequests,
+        `running ${numRunning} outside [0, ${queue.maxConcurrentRequests}]`,
+      )
+      const numQueued = tenants.numQueued()
+      assert.ok(
+        numQueued <= queue.maxQueuedRequests,
+        `queued ${numQueued} > ${queue.maxQueuedRequests}`,
+      )
+      assert.ok(
+        numQueued === 0 || numRunning === queue.maxConcurrentRequests,
+        `${numQueued} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run`,
+      )
+      tenants.check(numRunning)
+      room.check()
+    },
+  }
+}
+
+/** The tenants' queues and virtual token counters (see the module's header). */
+function createTenantBacklogs() {
+  const backlogs = new Map<string, QueuedRequest[]>() // tenant → its queued requests, oldest first; never empty
+  const service = new Map<string, number>() // tenant → virtual token counter (weighted tokens)
+  const runningOf = new Map<string, number>() // tenant → its requests holding a slot (> 0)
+  let lastLeftService = 0 // counter of the last tenant whose backlog emptied (VTC's lift with none backlogged)
+  let numQueued = 0
+
+  function charge(tenant: string, weight: number, numWeightedTokens: number): void {
+    service.set(tenant, (service.get(tenant) ?? 0) + numWeightedTokens / weight)
+  }
+
+  /** Counts a slot of `tenant` as running (ties in {@link takeNext} favour fewer). */
+  function startRunning(tenant: string): void {
+    runningOf.set(tenant, (runningOf.get(tenant) ?? 0) + 1)
+  }
+
+  function stopRunning(tenant: string): void {
+    const n = runningOf.get(tenant)! - 1
+    if (n === 0) runningOf.delete(tenant)
+    else runningOf.set(tenant, n)
   }
 
   /** Removes and returns the first request of the backlogged tenant with the least service, or
@@ -168,69 +257,53 @@ export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
     if (longest === undefined || longest[1].length <= numOwn) return false
     const [victimTenant, requests] = longest
     const victim = requests[requests.length - 1]
+    const numVictimQueued = requests.length
     dequeue(victimTenant, victim)
-    victim.refuse(
-      new LimitError(
-        'capacity_exhausted',
-        `The server is busy: the queue is full and your key had the most requests queued (${requests.length + 1}); retry later.`,
-        1,
-      ),
-    )
+    victim.refuse(longestBacklogRefusal(numVictimQueued))
     return true
   }
 
-  function acquireSlot(signal: AbortSignal, claim: SlotClaim = anonymousClaim): Promise<Slot> {
-    if (signal.aborted) return Promise.reject(aborted())
-    const wait = waitOf(signal)
-    if (numRunning < queue.maxConcurrentRequests) {
-      numRunning++
-      return Promise.resolve(makeSlot(claim))
-    }
-    if (numQueued >= queue.maxQueuedRequests && !evictForNewcomer(claim.tenant)) {
-      return Promise.reject(
-        new LimitError(
-          'capacity_exhausted',
-          `The server is busy: ${numRunning} requests running and ${numQueued} queued; retry later.`,
-          1,
-        ),
-      )
-    }
-    return new Promise<Slot>((resolve, reject) => {
-      const leave = () => {
-        clearTimeout(timer)
-        signal.removeEventListener('abort', onAbort)
-        dequeue(claim.tenant, request)
+  return {
+    charge,
+    startRunning,
+    stopRunning,
+    takeNext,
+    dequeue,
+    enqueue,
+    evictForNewcomer,
+    numQueued: () => numQueued,
+    numQueuedByTenant: (): Map<string, number> =>
+      new Map([...backlogs].map(([tenant, requests]) => [tenant, requests.length])),
+    serviceOf: (tenant: string): number => service.get(tenant) ?? 0,
+    /** Asserts the backlogs' invariants; `numRunning` is the slots running. */
+    check(numRunning: number): void {
+      let numInBacklogs = 0
+      for (const [tenant, requests] of backlogs) {
+        assert.ok(requests.length > 0, `tenant ${tenant} has an empty backlog`)
+        numInBacklogs += requests.length
       }
-      const request: QueuedRequest = {
-        seq: wait.seq,
-        grant() {
-          leave()
-          resolve(makeSlot(claim))
-        },
-        refuse(err) {
-          leave()
-          reject(err)
-        },
-      }
-      const onAbort = () => request.refuse(aborted())
-      const timer = setTimeout(
-        () =>
-          request.refuse(
-            new LimitError(
-              'capacity_exhausted',
-              `The server is busy: the request waited ${queue.maxQueueWaitMs} ms in the queue; retry later.`,
-              1,
-            ),
-          ),
-        Math.max(0, wait.deadlineMs - nowMs()),
+      assert.equal(numInBacklogs, numQueued, `backlogs hold ${numInBacklogs}, counted ${numQueued}`)
+      let numRunningOfTenants = 0
+      for (const n of runningOf.values()) numRunningOfTenants += n
+      assert.equal(
+        numRunningOfTenants,
+        numRunning,
+        `tenants hold ${numRunningOfTenants} slots, ${numRunning} run`,
       )
-      signal.addEventListener('abort', onAbort, { once: true })
-      enqueue(claim.tenant, request)
-    })
+    },
   }
+}
 
-  // -------------------------------------------------------------------------------------------
-  // KV room
+/** Requests waiting for KV room, in arrival order (see the module's header); `waitOf` gives a
+ *  request's place and wait bound. */
+function createRoomQueue(
+  queue: QueueLimits,
+  nowMs: () => number,
+  waitOf: (signal: AbortSignal) => RequestWait,
+) {
+  const roomWaiters: RoomWaiter[] = [] // by seq (arrival order)
+  let numWokenTrying = 0 // woken room waiters whose attempt has not ended
+  let roomPoll: NodeJS.Timeout | null = null
 
   function wakeFirstRoomWaiter(): void {
     roomWaiters.shift()?.wake()
@@ -309,47 +382,27 @@ export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
   }
 
   return {
-    acquireSlot,
     waitForRoom,
-    numQueued: () => numQueued,
-    numRunning: () => numRunning,
-    /** Queued requests by tenant (only tenants with some). */
-    numQueuedByTenant: (): Map<string, number> =>
-      new Map([...backlogs].map(([tenant, requests]) => [tenant, requests.length])),
-    /** Each tenant's virtual token counter (weighted tokens ÷ weight). */
-    serviceOf: (tenant: string): number => service.get(tenant) ?? 0,
+    /** A running request ended: the first waiter (if any) may find room now. */
+    onRequestEnded(): void {
+      if (roomWaiters.length > 0) wakeFirstRoomWaiter()
+    },
     check(): void {
-      assert.ok(
-        numRunning >= 0 && numRunning <= queue.maxConcurrentRequests,
-        `running ${numRunning} outside [0, ${queue.maxConcurrentRequests}]`,
-      )
-      let numInBacklogs = 0
-      for (const [tenant, requests] of backlogs) {
-        assert.ok(requests.length > 0, `tenant ${tenant} has an empty backlog`)
-        numInBacklogs += requests.length
-      }
-      assert.equal(numInBacklogs, numQueued, `backlogs hold ${numInBacklogs}, counted ${numQueued}`)
-      assert.ok(
-        numQueued <= queue.maxQueuedRequests,
-        `queued ${numQueued} > ${queue.maxQueuedRequests}`,
-      )
-      assert.ok(
-        numQueued === 0 || numRunning === queue.maxConcurrentRequests,
-        `${numQueued} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run`,
-      )
       for (let i = 1; i < roomWaiters.length; i++) {
         assert.ok(roomWaiters[i - 1].seq < roomWaiters[i].seq, 'room waiters out of order')
       }
       assert.ok(numWokenTrying >= 0, `${numWokenTrying} woken room waiters trying`)
-      let numRunningOfTenants = 0
-      for (const n of runningOf.values()) numRunningOfTenants += n
-      assert.equal(
-        numRunningOfTenants,
-        numRunning,
-        `tenants hold ${numRunningOfTenants} slots, ${numRunning} run`,
-      )
     },
   }
+}
+
+/** The refusal of a queued request whose place went to a tenant with fewer queued. */
+function longestBacklogRefusal(numQueuedOfTenant: number): LimitError {
+  return new LimitError(
+    'capacity_exhausted',
+    `The server is busy: the queue is full and your key had the most requests queued (${numQueuedOfTenant}); retry later.`,
+    1,
+  )
 }
 
 function aborted(): KvfenceError {
