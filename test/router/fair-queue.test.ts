@@ -6,7 +6,7 @@ import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { roomPollMs } from '../../src/router/fair-queue.js'
 import { LimitError, type Slot, createLimiter } from '../../src/router/limits.js'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import { apiKeyDigest, createTenantRegistry } from '../../src/router/tenants.js'
 import { charIds, defaultReplyText, eosId, keys, startHarness, waitFor } from './helpers.js'
 
 const chat = { model: 'echo-test', messages: [{ role: 'user' as const, content: 'Hi' }] }
@@ -197,6 +197,21 @@ describe('fair queue', () => {
     assert.ok(waitedMs <= maxQueueWaitMs + 200, `waited ${waitedMs} ms`)
     slot.release()
     limiter.check()
+  })
+})
+
+describe('tenant weights', () => {
+  it('a weight is a number above 0; without one a tenant has none set (weight 1)', () => {
+    const record = (weight?: number) => ({
+      name: 'alpha',
+      keySha256: apiKeyDigest(keys.alpha),
+      ...(weight !== undefined && { weight }),
+    })
+    assert.equal(createTenantRegistry([record(2.5)]).authenticate(keys.alpha)?.weight, 2.5)
+    assert.equal(createTenantRegistry([record()]).authenticate(keys.alpha)?.weight, undefined)
+    for (const bad of [0, -1]) {
+      assert.throws(() => createTenantRegistry([record(bad)]), /weight must be greater than 0/)
+    }
   })
 })
 
