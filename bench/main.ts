@@ -10,6 +10,7 @@ const benches = {
   transfer: { file: 'transfer.js', entry: 'benchTransfer' },
   router: { file: 'router.js', entry: 'benchRouter' },
   audit: { file: 'audit.js', entry: 'benchAudit' },
+  fairness: { file: 'fairness.js', entry: 'benchFairness' },
 } as const
 type BenchName = keyof typeof benches
 

@@ -2,15 +2,16 @@
  *  tenant's concurrency (held before the prompt is counted: a tenant at its limit must not spend
  *  the event loop every tenant shares on prompts refused anyway), G2 (the prompt and the tokens it
  *  may generate fit the window), the tenant's token rate, then a running slot of the router-wide
- *  queue. Every refusal is counted in one place, under the reason of the step that refused.
+ *  queue, fair between tenants (fair-queue.ts). Every refusal is counted in one place, under the reason of the step that refused.
  *  Knows the limiter, the backend's window and prompt count; knows nothing of HTTP or workers. */
+import { performance } from 'node:perf_hooks'
 import { KvfenceError } from '../errors.js'
 import { admit, refuseUntokenizable } from './admission.js'
 import type { Backend, Outcome, PreparedPrompt } from './backend.js'
 import { LimitError, type Limiter, type RoomHold, type Slot, type TenantTicket } from './limits.js'
 import type { RouterMetrics } from './metrics.js'
 import { type ParsedRequest, promptParamOf } from './schemas.js'
-import type { Tenant } from './tenants.js'
+import { type Tenant, defaultTenantWeight } from './tenants.js'
 
 /** What admission needs. */
 export interface AdmissionDeps {
@@ -52,9 +53,10 @@ export function emptyHolds(): AdmissionHolds {
   return { room: null, ticket: null, numReservedCompletion: 0, slot: null }
 }
 
-/** Releases what `holds` holds, refunding the completion tokens not generated. Idempotent. */
+/** Releases what `holds` holds, refunding the completion tokens not generated and counting those
+ *  generated to the tenant's service in the fair queue. Idempotent. */
 export function releaseHolds(holds: AdmissionHolds, numCompletionTokens: number): void {
-  holds.slot?.release()
+  holds.slot?.release(numCompletionTokens) // the tenant's service: what it generated
   holds.ticket?.release(Math.max(0, holds.numReservedCompletion - numCompletionTokens))
   holds.room?.release() // a request refused or failed before its ticket (idempotent after it)
 }
@@ -96,7 +98,15 @@ export async function admitRequest(
     limiter.admitTenant(tenant.name, tenant.limits, numPromptTokens + maxTokens, room),
   )
   holds.numReservedCompletion = maxTokens
-  holds.slot = await counted('queue_full', () => limiter.acquireSlot(r.signal))
+  const queuedAtMs = performance.now()
+  holds.slot = await counted('queue_full', () =>
+    limiter.acquireSlot(r.signal, {
+      tenant: tenant.name,
+      weight: tenant.weight ?? defaultTenantWeight,
+      numPromptTokens,
+    }),
+  )
+  metrics.queueWaitSeconds.observe({ tenant: tenant.name }, (performance.now() - queuedAtMs) / 1000)
   metrics.promptTokens.inc(numPromptTokens)
   return { prompt, maxTokens }
 }

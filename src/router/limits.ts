@@ -1,9 +1,11 @@
 /** Load limits in front of the workers: per-tenant concurrency and token rate (→ 429), and one
- *  bounded FIFO queue for the whole router (→ 503 when full or waited on too long). Every refusal
- *  says how long to wait (`Retry-After`), or that waiting cannot help.
+ *  bounded queue for the whole router, fair between tenants (→ 503 when full or waited on too
+ *  long; fair-queue.ts). Every refusal says how long to wait (`Retry-After`), or that waiting
+ *  cannot help.
  *  Knows tenant names, token counts and time; knows nothing of HTTP bodies, workers or keys. */
 import assert from 'node:assert/strict'
 import { KvfenceError } from '../errors.js'
+import { createFairQueue } from './fair-queue.js'
 import type { TenantLimits } from './tenants.js'
 
 /** A refusal for load, with the seconds the client should wait before trying again, or null
@@ -26,7 +28,8 @@ export interface QueueLimits {
   readonly maxConcurrentRequests: number
   /** Requests waiting at most; one more → 503 `capacity_exhausted`. */
   readonly maxQueuedRequests: number
-  /** Longest wait in the queue (and for a full KV pool to free up), ms; then 503. */
+  /** Longest a request waits in all, ms: in the queue and for a full KV pool to free up,
+   *  together; then 503. */
   readonly maxQueueWaitMs: number
 }
 
@@ -46,8 +49,25 @@ export interface TenantTicket {
 
 /** A running slot of the router-wide limit. */
 export interface Slot {
-  /** Frees the slot (hands it to the next queued request). Idempotent. */
-  release(): void
+  /** Frees the slot (hands it to the next queued request), counting `numGeneratedTokens`
+   *  (default 0) to its tenant's service. Idempotent. */
+  release(numGeneratedTokens?: number): void
+}
+
+/** Who asks for a running slot: the tenant whose queue it waits in, the tenant's weight (its
+ *  share of the service against other backlogged tenants, > 0) and the prompt's token count
+ *  (charged to the tenant's service when the slot is granted). */
+export interface SlotClaim {
+  readonly tenant: string
+  readonly weight: number
+  readonly numPromptTokens: number
+}
+
+/** A request's turn to ask the workers for KV room. */
+export interface RoomTurn {
+  /** Ends the turn: `isRefused` when the pool was still full (the request waits again), else the
+   *  turn passes to the next request waiting for room. Idempotent. */
+  end(isRefused: boolean): void
 }
 
 /** A request counted against its tenant's concurrency limit; `release` (idempotent) stops
@@ -73,25 +93,28 @@ export interface Limiter {
    *  will be refused anyway, and prompts being tokenized count as in flight. Pass the hold to
    *  `admitTenant`; release it if the request ends before that. */
   holdTenantRoom(tenant: string, limits: TenantLimits): RoomHold
-  /** A running slot, at once or after waiting in the queue; throws {@link LimitError}
-   *  `capacity_exhausted` (503) when the queue is full or the wait exceeds `maxQueueWaitMs`,
-   *  and `request_aborted` when `signal` fires first. */
-  acquireSlot(signal: AbortSignal): Promise<Slot>
-  /** Resolves when a running request ends, or after `maxMs`, whichever is first (for retrying a
-   *  request that found the KV pool full); rejects `request_aborted` when `signal` fires. */
-  waitForRoom(maxMs: number, signal: AbortSignal): Promise<void>
+  /** A running slot, at once or after waiting in its tenant's queue (fair-queue.ts; `claim`
+   *  defaults to one anonymous tenant); throws {@link LimitError} `capacity_exhausted` (503) when
+   *  the queue is full (or a newcomer of a tenant with fewer queued took this request's place) or
+   *  the wait exceeds `maxQueueWaitMs`, and `request_aborted` when `signal` fires first. `signal`
+   *  names the request for {@link Limiter.waitForRoom}: the two waits share one bound. */
+  acquireSlot(signal: AbortSignal, claim?: SlotClaim): Promise<Slot>
+  /** The request's turn to ask the workers for KV room: at once when `hasFoundPoolFull` is false
+   *  and no request waits for room, else in arrival order once a running request ends (or the
+   *  first waiter's poll); rejects {@link LimitError} `capacity_exhausted` when the request's wait
+   *  in all (from its `acquireSlot`) reaches `maxQueueWaitMs`, `request_aborted` when `signal`
+   *  fires. End the turn when the attempt knows whether it got room. */
+  waitForRoom(signal: AbortSignal, hasFoundPoolFull: boolean): Promise<RoomTurn>
   /** Requests waiting in the queue. */
   readonly numQueued: number
   /** Requests holding a running slot. */
   readonly numRunning: number
+  /** Queued requests by tenant (tenants with some queued only). */
+  numQueuedByTenant(): Map<string, number>
   /** {@link QueueLimits.maxQueueWaitMs}. */
   readonly maxQueueWaitMs: number
   /** Asserts the invariants (tests call it after every operation). */
   check(): void
-}
-
-interface Waiter {
-  grant(): void
 }
 
 interface Bucket {
@@ -99,13 +122,14 @@ interface Bucket {
   updatedMs: number
 }
 
-/** A {@link Limiter}. `nowMs` is injectable for tests (default `performance.now`). */
+/** A {@link Limiter}. `nowMs` is injectable for tests (default `performance.now`); it times the
+ *  token buckets and the wait bound. */
 export function createLimiter(
   queue: QueueLimits = queueLimitDefaults,
   nowMs: () => number = () => performance.now(),
 ): Limiter {
   const tenants = createTenantLimiter(nowMs)
-  const slots = createSlotQueue(queue)
+  const slots = createFairQueue(queue, nowMs)
   return {
     admitTenant: tenants.admitTenant,
     holdTenantRoom: tenants.holdTenantRoom,
@@ -117,6 +141,7 @@ export function createLimiter(
     get numRunning() {
       return slots.numRunning()
     },
+    numQueuedByTenant: slots.numQueuedByTenant,
     maxQueueWaitMs: queue.maxQueueWaitMs,
     check(): void {
       slots.check()
@@ -234,7 +259,7 @@ function ticketOf(room: RoomHold, refund: (numUnusedTokens: number) => void): Te
 }
 
 /** A hold whose `release` runs `release` once, however often it is called. */
-function once(release: () => void): RoomHold & Slot {
+function once(release: () => void): RoomHold {
   let isReleased = false
   return {
     release(): void {
@@ -243,119 +268,4 @@ function once(release: () => void): RoomHold & Slot {
       release()
     },
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Router-wide: running slots and the FIFO queue
-
-/** The router-wide half of a {@link Limiter}. */
-function createSlotQueue(queue: QueueLimits) {
-  const waiters: Waiter[] = []
-  let numRunning = 0
-  let roomListeners: (() => void)[] = []
-
-  /** A running slot; releasing it hands it to the next waiter and wakes those waiting for room. */
-  function makeSlot(): Slot {
-    return once(() => {
-      const next = waiters.shift()
-      if (next !== undefined)
-        next.grant() // the slot passes on; numRunning is unchanged
-      else numRunning--
-      const listeners = roomListeners
-      roomListeners = []
-      for (const listener of listeners) listener()
-    })
-  }
-
-  function acquireSlot(signal: AbortSignal): Promise<Slot> {
-    if (signal.aborted) return Promise.reject(aborted())
-    if (numRunning < queue.maxConcurrentRequests) {
-      numRunning++
-      return Promise.resolve(makeSlot())
-    }
-    if (waiters.length >= queue.maxQueuedRequests) {
-      return Promise.reject(
-        new LimitError(
-          'capacity_exhausted',
-          `The server is busy: ${numRunning} requests running and ${waiters.length} queued; retry later.`,
-          1,
-        ),
-      )
-    }
-    return new Promise<Slot>((resolve, reject) => {
-      const leave = () => {
-        clearTimeout(timer)
-        signal.removeEventListener('abort', onAbort)
-        const i = waiters.indexOf(waiter)
-        if (i !== -1) waiters.splice(i, 1)
-      }
-      const waiter: Waiter = {
-        grant() {
-          leave()
-          resolve(makeSlot())
-        },
-      }
-      const onAbort = () => {
-        leave()
-        reject(aborted())
-      }
-      const timer = setTimeout(() => {
-        leave()
-        reject(
-          new LimitError(
-            'capacity_exhausted',
-            `The server is busy: the request waited ${queue.maxQueueWaitMs} ms in the queue; retry later.`,
-            1,
-          ),
-        )
-      }, queue.maxQueueWaitMs)
-      signal.addEventListener('abort', onAbort, { once: true })
-      waiters.push(waiter)
-    })
-  }
-
-  function waitForRoom(maxMs: number, signal: AbortSignal): Promise<void> {
-    if (signal.aborted) return Promise.reject(aborted())
-    return new Promise<void>((resolve, reject) => {
-      const done = () => {
-        clearTimeout(timer)
-        signal.removeEventListener('abort', onAbort)
-        roomListeners = roomListeners.filter((l) => l !== done)
-        resolve()
-      }
-      const onAbort = () => {
-        clearTimeout(timer)
-        roomListeners = roomListeners.filter((l) => l !== done)
-        reject(aborted())
-      }
-      const timer = setTimeout(done, Math.max(0, maxMs))
-      signal.addEventListener('abort', onAbort, { once: true })
-      roomListeners.push(done)
-    })
-  }
-
-  return {
-    acquireSlot,
-    waitForRoom,
-    numQueued: () => waiters.length,
-    numRunning: () => numRunning,
-    check(): void {
-      assert.ok(
-        numRunning >= 0 && numRunning <= queue.maxConcurrentRequests,
-        `running ${numRunning} outside [0, ${queue.maxConcurrentRequests}]`,
-      )
-      assert.ok(
-        waiters.length <= queue.maxQueuedRequests,
-        `queued ${waiters.length} > ${queue.maxQueuedRequests}`,
-      )
-      assert.ok(
-        waiters.length === 0 || numRunning === queue.maxConcurrentRequests,
-        `${waiters.length} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run`,
-      )
-    },
-  }
-}
-
-function aborted(): KvfenceError {
-  return new KvfenceError('request_aborted', 'the client went away while the request waited')
 }

@@ -30,6 +30,8 @@ export interface RouterMetrics {
   readonly poolFullRetries: Counter
   /** Prompt tokens of admitted requests. */
   readonly promptTokens: Counter
+  /** Seconds an admitted request waited in the router queue for a running slot, by tenant. */
+  readonly queueWaitSeconds: Histogram<'tenant'>
   /** Tokens generated. */
   readonly completionTokens: Counter
   /** Seconds from request to last byte, by endpoint. */
@@ -101,6 +103,13 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
     promptTokens: new Counter({
       name: 'kvfence_router_prompt_tokens_total',
       help: 'Prompt tokens of admitted requests.',
+      registers,
+    }),
+    queueWaitSeconds: new Histogram({
+      name: 'kvfence_router_queue_wait_seconds',
+      help: 'Seconds an admitted request waited in the router queue for a running slot, by tenant.',
+      labelNames: ['tenant'] as const,
+      buckets: [0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60],
       registers,
     }),
     completionTokens: new Counter({

@@ -34,6 +34,10 @@ export const TenantRecord = z.strictObject({
     .regex(/^[0-9a-fA-F]{64}$/, "keySha256 must be the 64 hex digits of the key's SHA-256")
     .transform((s) => s.toLowerCase()),
   limits: TenantLimits.optional(),
+  /** The tenant's share of the router's service against other tenants with requests queued
+   *  (fair-queue.ts): a tenant of weight 2 is served twice the tokens of one of weight 1 while both
+   *  wait. Default 1. */
+  weight: z.number().gt(0, 'weight must be greater than 0').finite().optional(),
 })
 export type TenantRecord = z.infer<typeof TenantRecord>
 
@@ -41,7 +45,13 @@ export type TenantRecord = z.infer<typeof TenantRecord>
 export interface Tenant {
   readonly name: string
   readonly limits: TenantLimits
+  /** Share of the service in the fair queue (> 0); absent when the file sets none, which counts
+   *  as {@link defaultTenantWeight}. */
+  readonly weight?: number
 }
+
+/** A tenant's weight when the tenants file gives none. */
+export const defaultTenantWeight = 1
 
 /** The tenants file. */
 export const TenantsFile = z.strictObject({ tenants: z.array(TenantRecord).min(1) })
@@ -80,7 +90,11 @@ export function createTenantRegistry(records: readonly TenantRecord[]): TenantRe
     digests.add(t.keySha256)
   }
   const entries = parsed.data.map((t) => ({
-    tenant: Object.freeze({ name: t.name, limits: Object.freeze({ ...t.limits }) }),
+    tenant: Object.freeze({
+      name: t.name,
+      limits: Object.freeze({ ...t.limits }),
+      ...(t.weight !== undefined && { weight: t.weight }),
+    }),
     digest: Buffer.from(t.keySha256, 'hex'), // 32 bytes
   }))
 

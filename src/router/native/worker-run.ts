@@ -3,27 +3,23 @@
  *  pieces of text that end before any stop string, with the tokens' log-probabilities.
  *  Knows the worker client's events, the tokenizer and stop strings; knows nothing of HTTP. */
 import { randomBytes } from 'node:crypto'
-import { performance } from 'node:perf_hooks'
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
 import { KvfenceError } from '../../errors.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
 import { type Outcome, markToken } from '../backend.js'
-import { LimitError, type Limiter } from '../limits.js'
+import { LimitError, type Limiter, type RoomTurn } from '../limits.js'
 import type { GeneratedLogprobs } from '../logprobs.js'
 import type { RouterMetrics } from '../metrics.js'
 import type { FinishReason } from '../responses.js'
 import { TextStream } from '../text-stream.js'
 import { type GenerationEvent, PoolFullError, type WorkerClient } from '../worker-client.js'
 
-/** Longest single wait before re-trying a request that found the KV pool full, ms. */
-const poolFullRetryMs = 250
-
 /** What running a request on the workers needs. */
 export interface GenerationDeps {
   tokenizer: Tokenizer
   workers: WorkerClient
-  /** For waiting on a full KV pool: until a running request ends, at most `maxQueueWaitMs`. */
+  /** For waiting on a full KV pool: in arrival order, within the request's one wait bound. */
   limiter: Pick<Limiter, 'maxQueueWaitMs' | 'waitForRoom'>
   metrics: RouterMetrics
 }
@@ -111,18 +107,26 @@ function logprobsOf(
 }
 
 /** The workers' events for a request. A request refused because a KV pool (decode or prefill)
- *  is momentarily full, before any token, is tried again each time a running request ends,
- *  until `maxQueueWaitMs`; then 503 with `Retry-After` (G2). Each retry goes out under a fresh
- *  request id and transfer secret: the previous attempt's decode request was closed before the
- *  refusal surfaced, but the decode worker may not have seen that close yet, and must never
- *  match a transfer to a reservation of another attempt. */
+ *  is momentarily full, before any token, is tried again when its turn for room comes (in
+ *  arrival order, as running requests end: the limiter's `waitForRoom`), until its wait in all
+ *  (queue and pool) reaches `maxQueueWaitMs`; then 503 with `Retry-After` (G2). Each retry goes
+ *  out under a fresh request id and transfer secret: the previous attempt's decode request was
+ *  closed before the refusal surfaced, but the decode worker may not have seen that close yet,
+ *  and must never match a transfer to a reservation of another attempt. */
 async function* workerEvents(
   deps: GenerationDeps,
   run: WorkerRun,
 ): AsyncGenerator<GenerationEvent, void> {
   const { limiter, metrics } = deps
-  const deadline = performance.now() + limiter.maxQueueWaitMs
   for (let attempt = 0; ; attempt++) {
+    let turn: RoomTurn
+    try {
+      turn = await limiter.waitForRoom(run.signal, attempt > 0)
+    } catch (err) {
+      if (err instanceof LimitError) metrics.admissionRejections.inc({ reason: 'pool_full' })
+      throw err
+    }
+    if (attempt > 0) metrics.poolFullRetries.inc()
     const request = attempt === 0 ? run.request : freshAttempt(run.request)
     if (attempt > 0) run.log.debug({ attempt, workerRid: request.requestId }, 'retrying')
     const events = deps.workers.generate(request, run.signal)
@@ -130,21 +134,13 @@ async function* workerEvents(
     try {
       first = await events.next()
     } catch (err) {
-      if (!(err instanceof PoolFullError)) throw err
-      const remaining = deadline - performance.now()
-      if (remaining <= 0) {
-        metrics.admissionRejections.inc({ reason: 'pool_full' })
-        throw new LimitError(
-          'capacity_exhausted',
-          `The KV pool has no room for this request right now (waited ${limiter.maxQueueWaitMs} ms); retry later.`,
-          1,
-        )
-      }
-      metrics.poolFullRetries.inc()
+      const isPoolFull = err instanceof PoolFullError
+      turn.end(isPoolFull)
+      if (!isPoolFull) throw err
       run.log.debug({ detail: err.message }, 'KV pool full; waiting for room')
-      await limiter.waitForRoom(Math.min(remaining, poolFullRetryMs), run.signal)
       continue
     }
+    turn.end(false)
     if (first.done) return
     try {
       yield first.value

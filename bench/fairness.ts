@@ -1,0 +1,323 @@
+/** Fairness benchmark: what one tenant's load does to another's latency, and how weights split
+ *  the service, through the real router (its fair queue) in front of stand-in workers whose
+ *  decode worker streams one token every `--token-ms` (default 10) ms, so that the cluster serves
+ *  a known number of requests at once (`--slots`, the router's `maxConcurrentRequests`, default
+ *  16) at a known speed.
+ *  - `fairness_p99_ratio`: tenant `small` sends one request a second (prompt "Hi", 5 tokens
+ *    generated) for `--seconds` (default 20), first alone, then while tenant `flood` keeps ten
+ *    times as many requests outstanding as the cluster runs (each 25 to 75 tokens generated): small's
+ *    p99 latency under the flood ÷ its p99 alone. Goal ≤ 2. `small_queue_wait_ms_mean` is how
+ *    much of small's latency its waits in the router queue account for (the warm-up and alone
+ *    phases included: their waits are ~0).
+ *  - `weighted_share_max_error`: four tenants of weights 1, 1, 2, 4 each keep `--slots` × 4 such
+ *    requests outstanding for `--seconds`; each tenant's share of the tokens served (prompt +
+ *    completion of the requests that ended after the first 3 s and before the clients stop)
+ *    against its weight's share; the
+ *    largest gap, relative to the weight's share. Goal ≤ 0.10.
+ *  The router and stand-ins run in a child process (test/router/helpers.ts `startHarness`, the
+ *  real `startRouter`); the clients run here over keep-alive `node:http`.
+ *
+ *  Args: `--seconds S` per phase (default 20), `--slots N` (default 16), `--token-ms MS`
+ *  (default 10). */
+import { type ChildProcess, fork } from 'node:child_process'
+import http from 'node:http'
+import { performance } from 'node:perf_hooks'
+import { setTimeout as delay } from 'node:timers/promises'
+import { fileURLToPath } from 'node:url'
+import { charIds, startHarness } from '../test/router/helpers.js'
+import { apiKeyDigest } from '../src/router/tenants.js'
+
+/** The tenants: name → weight (absent: the default, 1). */
+const tenantWeights: Readonly<Record<string, number | undefined>> = {
+  small: undefined,
+  flood: undefined,
+  w1a: 1,
+  w1b: 1,
+  w2: 2,
+  w4: 4,
+}
+const keyOf = (tenant: string) => `sk-bench-${tenant}-0123456789`
+
+/** Tokens a flooding request generates: 25 to 75, so that running requests do not all end at
+ *  once (a batch of equal requests started together would free its slots in bursts). */
+const floodLength = () => 25 + Math.floor(Math.random() * 51)
+const smallTokens = 5
+/** Requests that ended in a phase's first this many ms are not counted in shares (warm-up). */
+const warmUpMs = 3_000
+
+/** One finished request. */
+interface Served {
+  tenant: string
+  endedMs: number
+  latencyMs: number
+  numTokens: number
+  status: number
+}
+
+/** Runs the benchmark and returns its JSON. */
+export async function benchFairness(args: string[]): Promise<object> {
+  const seconds = intFlag(args, '--seconds', 20)
+  const numSlots = intFlag(args, '--slots', 16)
+  const tokenMs = intFlag(args, '--token-ms', 10)
+  const child = fork(
+    fileURLToPath(import.meta.url),
+    ['--serve', String(numSlots), String(tokenMs)],
+    {
+      stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
+    },
+  )
+  const agent = new http.Agent({ keepAlive: true, maxSockets: Infinity })
+  try {
+    const url = await new Promise<string>((resolve, reject) => {
+      child.once('message', (m) => resolve((m as { url: string }).url))
+      child.once('exit', (code) => reject(new Error(`router process exited with ${code}`)))
+    })
+    const send = (tenant: string, prompt: string, maxTokens: number) =>
+      complete(agent, url, tenant, prompt, maxTokens)
+    for (let i = 0; i < 20; i++) await send('small', 'Hi', smallTokens) // warm up
+
+    const alone = await everySecond(() => send('small', 'Hi', smallTokens), seconds)
+    const flood = closedLoop(() => send('flood', 'Flood', floodLength()), numSlots * 10)
+    await delay(warmUpMs)
+    const underFlood = await everySecond(() => send('small', 'Hi', smallTokens), seconds)
+    const smallQueueWaitMs = await meanQueueWaitMs(url, 'small')
+    const flooded = await flood.stop()
+
+    const weighted = ['w1a', 'w1b', 'w2', 'w4'].map((tenant) =>
+      closedLoop(() => send(tenant, 'Share', floodLength()), numSlots * 4),
+    )
+    const startedMs = performance.now()
+    await delay(seconds * 1000)
+    const stoppedMs = performance.now()
+    const served = (await Promise.all(weighted.map((w) => w.stop()))).flat()
+    // The backlogs left at the stop drain in about equal numbers per tenant: not counted.
+    const counted = served.filter(
+      (s) => s.status === 200 && s.endedMs - startedMs >= warmUpMs && s.endedMs <= stoppedMs,
+    )
+    const shares = shareErrors(counted)
+
+    const p99 = (values: Served[]) =>
+      quantile(
+        values.map((s) => s.latencyMs),
+        0.99,
+      )
+    const p99Alone = p99(alone)
+    const p99Flood = p99(underFlood)
+    return {
+      fairness_p99_ratio: round(p99Flood / p99Alone, 3),
+      fairness_p99_ratio_goal: 2,
+      small_p99_ms_alone: round(p99Alone, 1),
+      small_p99_ms_under_flood: round(p99Flood, 1),
+      small_p50_ms_alone: round(
+        quantile(
+          alone.map((s) => s.latencyMs),
+          0.5,
+        ),
+        1,
+      ),
+      small_p50_ms_under_flood: round(
+        quantile(
+          underFlood.map((s) => s.latencyMs),
+          0.5,
+        ),
+        1,
+      ),
+      small_queue_wait_ms_mean: round(smallQueueWaitMs, 1),
+      small_failed_under_flood: underFlood.filter((s) => s.status !== 200).length,
+      flood_requests_served: flooded.filter((s) => s.status === 200).length,
+      weighted_requests_failed: served.filter((s) => s.status !== 200).length,
+      weighted_share_max_error: round(shares.maxError, 4),
+      weighted_share_max_error_goal: 0.1,
+      weighted_shares: shares.byTenant,
+      weighted_requests_counted: counted.length,
+      slots: numSlots,
+      token_ms: tokenMs,
+      seconds_per_phase: seconds,
+      flood_outstanding: numSlots * 10,
+      weighted_outstanding_per_tenant: numSlots * 4,
+      note: 'stand-in workers (one token per token_ms) and the router in one child process; clients here',
+    }
+  } finally {
+    agent.destroy()
+    await stop(child)
+  }
+}
+
+/** Each weighted tenant's share of the served tokens against its weight's share; the largest
+ *  relative gap. */
+function shareErrors(served: readonly Served[]) {
+  const tokens = new Map<string, number>()
+  for (const s of served) tokens.set(s.tenant, (tokens.get(s.tenant) ?? 0) + s.numTokens)
+  const numTotal = [...tokens.values()].reduce((a, b) => a + b, 0)
+  const weights = ['w1a', 'w1b', 'w2', 'w4'].map((t) => [t, tenantWeights[t] ?? 1] as const)
+  const weightTotal = weights.reduce((a, [, w]) => a + w, 0)
+  let maxError = 0
+  const byTenant: Record<string, { share: number; weight_share: number }> = {}
+  for (const [tenant, weight] of weights) {
+    const share = (tokens.get(tenant) ?? 0) / numTotal
+    const weightShare = weight / weightTotal
+    maxError = Math.max(maxError, Math.abs(share - weightShare) / weightShare)
+    byTenant[tenant] = { share: round(share, 4), weight_share: round(weightShare, 4) }
+  }
+  return { maxError, byTenant }
+}
+
+/** The mean of `tenant`'s waits in the router queue so far (its
+ *  `kvfence_router_queue_wait_seconds`), ms: what of its latency the queue accounts for. */
+async function meanQueueWaitMs(url: string, tenant: string): Promise<number> {
+  const text = await (await fetch(`${url}/metrics`)).text()
+  const read = (suffix: string) =>
+    Number(
+      new RegExp(`kvfence_router_queue_wait_seconds_${suffix}\\{tenant="${tenant}"\\} (\\S+)`).exec(
+        text,
+      )?.[1] ?? NaN,
+    )
+  return (read('sum') / read('count')) * 1000
+}
+
+/** Sends one request a second for `seconds`, without waiting for the previous one. */
+async function everySecond(send: () => Promise<Served>, seconds: number): Promise<Served[]> {
+  const pending: Promise<Served>[] = []
+  for (let i = 0; i < seconds; i++) {
+    pending.push(send())
+    await delay(1000)
+  }
+  return Promise.all(pending)
+}
+
+/** `numOutstanding` clients sending back to back until `stop`, which resolves to what was
+ *  served. */
+function closedLoop(send: () => Promise<Served>, numOutstanding: number) {
+  let isStopped = false
+  const served: Served[] = []
+  const clients = Array.from({ length: numOutstanding }, async () => {
+    while (!isStopped) served.push(await send())
+  })
+  return {
+    async stop(): Promise<Served[]> {
+      isStopped = true
+      await Promise.all(clients)
+      return served
+    },
+  }
+}
+
+/** One non-streamed completion of `tenant`; its latency and tokens (prompt + completion). A
+ *  connection error (a keep-alive socket the router closed as it was reused) is status 0. */
+async function complete(
+  agent: http.Agent,
+  url: string,
+  tenant: string,
+  prompt: string,
+  maxTokens: number,
+): Promise<Served> {
+  const startedMs = performance.now()
+  try {
+    return await completeOnce(agent, url, tenant, prompt, maxTokens, startedMs)
+  } catch {
+    const endedMs = performance.now()
+    return { tenant, endedMs, latencyMs: endedMs - startedMs, numTokens: 0, status: 0 }
+  }
+}
+
+async function completeOnce(
+  agent: http.Agent,
+  url: string,
+  tenant: string,
+  prompt: string,
+  maxTokens: number,
+  startedMs: number,
+): Promise<Served> {
+  const body = JSON.stringify({ model: 'echo-test', prompt, max_tokens: maxTokens })
+  const res = await new Promise<http.IncomingMessage>((resolve, reject) => {
+    const req = http.request(
+      `${url}/v1/completions`,
+      {
+        method: 'POST',
+        agent,
+        headers: {
+          authorization: `Bearer ${keyOf(tenant)}`,
+          'content-type': 'application/json',
+          'content-length': Buffer.byteLength(body),
+        },
+      },
+      resolve,
+    )
+    req.on('error', reject)
+    req.end(body)
+  })
+  let text = ''
+  res.setEncoding('utf8')
+  for await (const chunk of res as AsyncIterable<string>) text += chunk
+  const endedMs = performance.now()
+  const status = res.statusCode ?? 0
+  let numTokens = 0
+  if (status === 200) {
+    const { usage } = JSON.parse(text) as { usage: { total_tokens: number } }
+    numTokens = usage.total_tokens
+  }
+  return { tenant, endedMs, latencyMs: endedMs - startedMs, numTokens, status }
+}
+
+/** The child: stand-ins streaming `a` until max_tokens, and the router with `numSlots` slots. */
+async function serve(numSlots: number, tokenMs: number): Promise<void> {
+  const a = charIds('a')[0]
+  const h = await startHarness(
+    { tokenDelayMs: tokenMs, numPages: 4096, reply: () => Array<number>(256).fill(a) },
+    {
+      queue: { maxConcurrentRequests: numSlots, maxQueuedRequests: 4096, maxQueueWaitMs: 120_000 },
+      tenants: Object.entries(tenantWeights).map(([name, weight]) => ({
+        name,
+        keySha256: apiKeyDigest(keyOf(name)),
+        ...(weight !== undefined && { weight }),
+      })),
+      logContent: false,
+    },
+  )
+  h.logs.log.level = 'warn'
+  // The stand-ins record every request for tests; a benchmark only needs them to answer.
+  setInterval(() => {
+    h.workers.generateRequests.length = 0
+    h.workers.prefillRequests.length = 0
+    h.workers.events.length = 0
+    h.logs.lines.length = 0
+  }, 1000).unref()
+  process.send?.({ url: h.router.url })
+  process.on('disconnect', () => void h.close().finally(() => process.exit(0)))
+}
+
+/** The `q` quantile of `values` (nearest rank), in their unit. */
+function quantile(values: readonly number[], q: number): number {
+  const sorted = [...values].sort((x, y) => x - y)
+  return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil(q * sorted.length) - 1))]
+}
+
+function round(value: number, digits: number): number {
+  return Number(value.toFixed(digits))
+}
+
+function intFlag(args: readonly string[], name: string, fallback: number): number {
+  const at = args.indexOf(name)
+  if (at === -1) return fallback
+  const value = Number(args[at + 1])
+  if (!Number.isSafeInteger(value) || value < 1) {
+    throw new Error(`${name} needs a positive integer, got ${String(args[at + 1])}`)
+  }
+  return value
+}
+
+async function stop(child: ChildProcess): Promise<void> {
+  if (child.exitCode !== null) return
+  const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()))
+  child.disconnect()
+  const timer = setTimeout(() => child.kill('SIGKILL'), 5_000)
+  await exited
+  clearTimeout(timer)
+}
+
+if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve') {
+  serve(Number(process.argv[3]), Number(process.argv[4])).catch((err: unknown) => {
+    process.stderr.write(`bench fairness: ${err instanceof Error ? err.message : String(err)}\n`)
+    process.exit(2)
+  })
+}

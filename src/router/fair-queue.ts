@@ -1,0 +1,410 @@
+/** The router-wide queue in front of the workers, and the wait for room in a full KV pool.
+ *  - Running slots: at most `maxConcurrentRequests` requests run; more wait, one queue per tenant.
+ *    A freed slot goes to the backlogged tenant that has received the least service, the virtual
+ *    token counter (VTC) of Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024:
+ *    each tenant's counter grows by (1 × prompt tokens + 2 × generated tokens) ÷ its weight, the
+ *    prompt's when the request gets its slot, the generated tokens' when it ends. A tenant that
+ *    becomes backlogged has its counter lifted to the least counter among the backlogged (or,
+ *    with none, to that of the last tenant to leave the backlog), so that idling banks no credit;
+ *    on a tie the tenant with fewer requests running goes first. Within a tenant, first come
+ *    first served.
+ *  - The queue's bound: with `maxQueuedRequests` waiting, a newcomer takes the place of the newest
+ *    request of the tenant with the most queued, if that tenant has more queued than the newcomer's;
+ *    else the newcomer is refused. A tenant with nothing queued is never refused for a queue that
+ *    others filled.
+ *  - Room in a full KV pool: requests refused for a full pool wait in arrival order; each request
+ *    that ends wakes the first of them only, and one that then gets room wakes the next (the room
+ *    freed may hold more than one). While any wait, a newcomer queues behind them.
+ *  - One wait bound: a request waits at most `maxQueueWaitMs` in all, the queue and the pool waits
+ *    together, from the moment it asks for a slot; then 503 with `Retry-After`. The request's
+ *    abort signal is what names it across the two waits.
+ *  Knows tenant names, weights, token counts and time; knows nothing of HTTP, workers or keys. */
+import assert from 'node:assert/strict'
+import { KvfenceError } from '../errors.js'
+import { LimitError, type QueueLimits, type RoomTurn, type Slot, type SlotClaim } from './limits.js'
+
+/** Weights of the service a request is counted for, per token: VTC's evaluation weighs a
+ *  generated token twice a prompt token (w_p = 1, w_q = 2), as output tokens cost more to
+ *  produce (one forward pass each) than prompt tokens (one batched prefill). */
+export const serviceWeights = Object.freeze({ prompt: 1, generated: 2 })
+
+/** How often the first request waiting for KV room tries again when no request ends (the pool
+ *  may free pages the router does not see: a decode worker releases a request's pages shortly
+ *  after its end), ms. Only the first waiter polls, so this never makes a herd. */
+export const roomPollMs = 250
+
+/** A request's place across its waits: arrival order and the end of its wait budget. */
+interface RequestWait {
+  readonly seq: number
+  /** `nowMs()` past which the request may wait no more. */
+  readonly deadlineMs: number
+}
+
+/** A request in a tenant's queue. */
+interface QueuedRequest {
+  readonly seq: number
+  grant(): void
+  refuse(err: KvfenceError): void
+}
+
+/** A request waiting for KV room. */
+interface RoomWaiter {
+  readonly seq: number
+  wake(): void
+}
+
+/** The claim of a request whose caller named no tenant (one anonymous tenant, weight 1). */
+const anonymousClaim: SlotClaim = Object.freeze({ tenant: '', weight: 1, numPromptTokens: 0 })
+
+/** The queue of running slots and KV room (see the module's header). `nowMs` in ms. */
+export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
+  const tenants = createTenantBacklogs()
+  const waits = new WeakMap<AbortSignal, RequestWait>()
+  let numRunning = 0
+  const room = createRoomQueue(queue, nowMs, waitOf)
+  let nextSeq = 0
+
+  function waitOf(signal: AbortSignal): RequestWait {
+    let wait = waits.get(signal)
+    if (wait === undefined) {
+      wait = { seq: nextSeq++, deadlineMs: nowMs() + queue.maxQueueWaitMs }
+      waits.set(signal, wait)
+    }
+    return wait
+  }
+
+  /** A running slot of `claim`'s tenant, its prompt charged now. */
+  function makeSlot(claim: SlotClaim): Slot {
+    tenants.charge(claim.tenant, claim.weight, serviceWeights.prompt * claim.numPromptTokens)
+    tenants.startRunning(claim.tenant)
+    let isReleased = false
+    return {
+      release(numGeneratedTokens = 0): void {
+        if (isReleased) return
+        isReleased = true
+        tenants.charge(claim.tenant, claim.weight, serviceWeights.generated * numGeneratedTokens)
+        tenants.stopRunning(claim.tenant)
+        const next = tenants.takeNext()
+        if (next !== undefined)
+          next.grant() // the slot passes on; numRunning is unchanged
+        else numRunning--
+        room.onRequestEnded()
+      },
+    }
+  }
+
+  function acquireSlot(signal: AbortSignal, claim: SlotClaim = anonymousClaim): Promise<Slot> {
+    if (signal.aborted) return Promise.reject(aborted())
+    const wait = waitOf(signal)
+    if (numRunning < queue.maxConcurrentRequests) {
+      numRunning++
+      return Promise.resolve(makeSlot(claim))
+    }
+    if (tenants.numQueued() >= queue.maxQueuedRequests && !tenants.evictForNewcomer(claim.tenant)) {
+      return Promise.reject(
+        new LimitError(
+          'capacity_exhausted',
+          `The server is busy: ${numRunning} requests running and ${tenants.numQueued()} queued; retry later.`,
+          1,
+        ),
+      )
+    }
+    return new Promise<Slot>((resolve, reject) => {
+      const leave = () => {
+        clearTimeout(timer)
+        signal.removeEventListener('abort', onAbort)
+        tenants.dequeue(claim.tenant, request)
+      }
+      const request: QueuedRequest = {
+        seq: wait.seq,
+        grant() {
+          leave()
+          resolve(makeSlot(claim))
+        },
+        refuse(err) {
+          leave()
+          reject(err)
+        },
+      }
+      const onAbort = () => request.refuse(aborted())
+      const timer = setTimeout(
+        () =>
+          request.refuse(
+            new LimitError(
+              'capacity_exhausted',
+              `The server is busy: the request waited ${queue.maxQueueWaitMs} ms in the queue; retry later.`,
+              1,
+            ),
+          ),
+        Math.max(0, wait.deadlineMs - nowMs()),
+      )
+      signal.addEventListener('abort', onAbort, { once: true })
+      tenants.enqueue(claim.tenant, request)
+    })
+  }
+
+  return {
+    acquireSlot,
+    waitForRoom: room.waitForRoom,
+    numQueued: tenants.numQueued,
+    numRunning: () => numRunning,
+    /** Queued requests by tenant (only tenants with some). */
+    numQueuedByTenant: tenants.numQueuedByTenant,
+    /** Each tenant's virtual token counter (weighted tokens ÷ weight). */
+    serviceOf: tenants.serviceOf,
+    check(): void {
+      assert.ok(
+        numRunning >= 0 && numRunning <= queue.maxConcurrentRequests,
+        `running ${numRunning} outside [0, ${queue.maxConcurrentRequests}]`,
+      )
+      const numQueued = tenants.numQueued()
+      assert.ok(
+        numQueued <= queue.maxQueuedRequests,
+        `queued ${numQueued} > ${queue.maxQueuedRequests}`,
+      )
+      assert.ok(
+        numQueued === 0 || numRunning === queue.maxConcurrentRequests,
+        `${numQueued} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run`,
+      )
+      tenants.check(numRunning)
+      room.check()
+    },
+  }
+}
+
+/** The tenants' queues and virtual token counters (see the module's header). */
+function createTenantBacklogs() {
+  const backlogs = new Map<string, QueuedRequest[]>() // tenant → its queued requests, oldest first; never empty
+  const service = new Map<string, number>() // tenant → virtual token counter (weighted tokens)
+  const runningOf = new Map<string, number>() // tenant → its requests holding a slot (> 0)
+  let lastLeftService = 0 // counter of the last tenant whose backlog emptied (VTC's lift with none backlogged)
+  let numQueued = 0
+
+  function charge(tenant: string, weight: number, numWeightedTokens: number): void {
+    service.set(tenant, (service.get(tenant) ?? 0) + numWeightedTokens / weight)
+  }
+
+  /** Counts a slot of `tenant` as running (ties in {@link takeNext} favour fewer). */
+  function startRunning(tenant: string): void {
+    runningOf.set(tenant, (runningOf.get(tenant) ?? 0) + 1)
+  }
+
+  function stopRunning(tenant: string): void {
+    const n = runningOf.get(tenant)! - 1
+    if (n === 0) runningOf.delete(tenant)
+    else runningOf.set(tenant, n)
+  }
+
+  /** Removes and returns the first request of the backlogged tenant with the least service, or
+   *  undefined when none waits. Ties (a tenant just lifted to another's counter) go to the tenant
+   *  with fewer requests running, then to the earlier arrival. */
+  function takeNext(): QueuedRequest | undefined {
+    let best:
+      { tenant: string; counter: number; numRunning: number; head: QueuedRequest } | undefined
+    for (const [tenant, requests] of backlogs) {
+      const counter = service.get(tenant) ?? 0
+      const numRunningOfTenant = runningOf.get(tenant) ?? 0
+      const head = requests[0]
+      const isBetter =
+        best === undefined ||
+        counter < best.counter ||
+        (counter === best.counter &&
+          (numRunningOfTenant < best.numRunning ||
+            (numRunningOfTenant === best.numRunning && head.seq < best.head.seq)))
+      if (isBetter) best = { tenant, counter, numRunning: numRunningOfTenant, head }
+    }
+    if (best === undefined) return undefined
+    dequeue(best.tenant, best.head)
+    return best.head
+  }
+
+  /** Takes `request` out of `tenant`'s backlog (no-op if it is not there). */
+  function dequeue(tenant: string, request: QueuedRequest): void {
+    const requests = backlogs.get(tenant)
+    const i = requests?.indexOf(request) ?? -1
+    if (requests === undefined || i === -1) return
+    requests.splice(i, 1)
+    numQueued--
+    if (requests.length === 0) {
+      backlogs.delete(tenant)
+      lastLeftService = service.get(tenant) ?? 0
+    }
+  }
+
+  /** Adds `request` to `tenant`'s backlog, lifting the counter of a newly backlogged tenant. */
+  function enqueue(tenant: string, request: QueuedRequest): void {
+    let requests = backlogs.get(tenant)
+    if (requests === undefined) {
+      let floor = Infinity
+      for (const other of backlogs.keys()) floor = Math.min(floor, service.get(other) ?? 0)
+      if (floor === Infinity) floor = lastLeftService
+      service.set(tenant, Math.max(service.get(tenant) ?? 0, floor))
+      requests = []
+      backlogs.set(tenant, requests)
+    }
+    requests.push(request)
+    numQueued++
+  }
+
+  /** Makes room in a full queue for a request of `tenant` by refusing the newest request of the
+   *  tenant with the most queued, when it has more than `tenant`; false when none has. */
+  function evictForNewcomer(tenant: string): boolean {
+    const numOwn = backlogs.get(tenant)?.length ?? 0
+    let longest: [string, QueuedRequest[]] | undefined
+    for (const entry of backlogs) {
+      if (longest === undefined || entry[1].length > longest[1].length) longest = entry
+    }
+    if (longest === undefined || longest[1].length <= numOwn) return false
+    const [victimTenant, requests] = longest
+    const victim = requests[requests.length - 1]
+    const numVictimQueued = requests.length
+    dequeue(victimTenant, victim)
+    victim.refuse(longestBacklogRefusal(numVictimQueued))
+    return true
+  }
+
+  return {
+    charge,
+    startRunning,
+    stopRunning,
+    takeNext,
+    dequeue,
+    enqueue,
+    evictForNewcomer,
+    numQueued: () => numQueued,
+    numQueuedByTenant: (): Map<string, number> =>
+      new Map([...backlogs].map(([tenant, requests]) => [tenant, requests.length])),
+    serviceOf: (tenant: string): number => service.get(tenant) ?? 0,
+    /** Asserts the backlogs' invariants; `numRunning` is the slots running. */
+    check(numRunning: number): void {
+      let numInBacklogs = 0
+      for (const [tenant, requests] of backlogs) {
+        assert.ok(requests.length > 0, `tenant ${tenant} has an empty backlog`)
+        numInBacklogs += requests.length
+      }
+      assert.equal(numInBacklogs, numQueued, `backlogs hold ${numInBacklogs}, counted ${numQueued}`)
+      let numRunningOfTenants = 0
+      for (const n of runningOf.values()) numRunningOfTenants += n
+      assert.equal(
+        numRunningOfTenants,
+        numRunning,
+        `tenants hold ${numRunningOfTenants} slots, ${numRunning} run`,
+      )
+    },
+  }
+}
+
+/** Requests waiting for KV room, in arrival order (see the module's header); `waitOf` gives a
+ *  request's place and wait bound. */
+function createRoomQueue(
+  queue: QueueLimits,
+  nowMs: () => number,
+  waitOf: (signal: AbortSignal) => RequestWait,
+) {
+  const roomWaiters: RoomWaiter[] = [] // by seq (arrival order)
+  let numWokenTrying = 0 // woken room waiters whose attempt has not ended
+  let roomPoll: NodeJS.Timeout | null = null
+
+  function wakeFirstRoomWaiter(): void {
+    roomWaiters.shift()?.wake()
+  }
+
+  /** Keeps one poll timer while requests wait for room; it wakes the first of them only when no
+   *  woken request is trying (that one's end wakes the next). */
+  function armRoomPoll(): void {
+    if (roomPoll !== null || roomWaiters.length === 0) return
+    roomPoll = setTimeout(() => {
+      roomPoll = null
+      if (numWokenTrying === 0) wakeFirstRoomWaiter()
+      armRoomPoll()
+    }, roomPollMs)
+    roomPoll.unref()
+  }
+
+  /** A turn that, once its attempt ends with room found, wakes the next room waiter. */
+  function wokenTurn(): RoomTurn {
+    numWokenTrying++
+    let isEnded = false
+    return {
+      end(isRefused: boolean): void {
+        if (isEnded) return
+        isEnded = true
+        numWokenTrying--
+        if (!isRefused && roomWaiters.length > 0) wakeFirstRoomWaiter()
+      },
+    }
+  }
+
+  function waitForRoom(signal: AbortSignal, hasFoundPoolFull: boolean): Promise<RoomTurn> {
+    if (signal.aborted) return Promise.reject(aborted())
+    const wait = waitOf(signal)
+    if (!hasFoundPoolFull && roomWaiters.length === 0 && numWokenTrying === 0) {
+      return Promise.resolve({ end() {} }) // no one is ahead: try at once
+    }
+    const remainingMs = wait.deadlineMs - nowMs()
+    if (remainingMs <= 0) return Promise.reject(roomTimeout())
+    return new Promise<RoomTurn>((resolve, reject) => {
+      const leave = () => {
+        clearTimeout(timer)
+        signal.removeEventListener('abort', onAbort)
+        const i = roomWaiters.indexOf(waiter)
+        if (i !== -1) roomWaiters.splice(i, 1)
+      }
+      const waiter: RoomWaiter = {
+        seq: wait.seq,
+        wake() {
+          leave()
+          resolve(wokenTurn())
+        },
+      }
+      const onAbort = () => {
+        leave()
+        reject(aborted())
+      }
+      const timer = setTimeout(() => {
+        leave()
+        reject(roomTimeout())
+      }, remainingMs)
+      signal.addEventListener('abort', onAbort, { once: true })
+      let at = roomWaiters.length
+      while (at > 0 && roomWaiters[at - 1].seq > waiter.seq) at--
+      roomWaiters.splice(at, 0, waiter)
+      armRoomPoll()
+    })
+  }
+
+  function roomTimeout(): LimitError {
+    return new LimitError(
+      'capacity_exhausted',
+      `The KV pool has no room for this request right now (waited ${queue.maxQueueWaitMs} ms in all); retry later.`,
+      1,
+    )
+  }
+
+  return {
+    waitForRoom,
+    /** A running request ended: the first waiter (if any) may find room now. */
+    onRequestEnded(): void {
+      if (roomWaiters.length > 0) wakeFirstRoomWaiter()
+    },
+    check(): void {
+      for (let i = 1; i < roomWaiters.length; i++) {
+        assert.ok(roomWaiters[i - 1].seq < roomWaiters[i].seq, 'room waiters out of order')
+      }
+      assert.ok(numWokenTrying >= 0, `${numWokenTrying} woken room waiters trying`)
+    },
+  }
+}
+
+/** The refusal of a queued request whose place went to a tenant with fewer queued. */
+function longestBacklogRefusal(numQueuedOfTenant: number): LimitError {
+  return new LimitError(
+    'capacity_exhausted',
+    `The server is busy: the queue is full and your key had the most requests queued (${numQueuedOfTenant}); retry later.`,
+    1,
+  )
+}
+
+function aborted(): KvfenceError {
+  return new KvfenceError('request_aborted', 'the client went away while the request waited')
+}

@@ -1,0 +1,300 @@
+/** The router queue is fair between tenants (VTC), waits for a full KV pool are first come first
+ *  served without a herd, a full queue refuses the longest backlog first, and a request waits at
+ *  most `maxQueueWaitMs` in all. Expected orders are worked out by hand from VTC's rules (the
+ *  comments show the counters), not read from the implementation. */
+import assert from 'node:assert/strict'
+import { describe, it } from 'node:test'
+import { roomPollMs } from '../../src/router/fair-queue.js'
+import { LimitError, type Slot, createLimiter } from '../../src/router/limits.js'
+import { apiKeyDigest, createTenantRegistry } from '../../src/router/tenants.js'
+import { charIds, defaultReplyText, eosId, keys, startHarness, waitFor } from './helpers.js'
+
+const chat = { model: 'echo-test', messages: [{ role: 'user' as const, content: 'Hi' }] }
+const never = new AbortController().signal
+const defaultReply = [...charIds(defaultReplyText), eosId]
+const gammaKey = 'sk-gamma-5c2e81b7d4'
+/** gamma's prompt: the stand-in answers it with 100 tokens, so that it runs while others queue. */
+const holdChat = { ...chat, messages: [{ role: 'user' as const, content: 'Hold' }] }
+
+/** Queues one request of `tenant` (prompt `numPromptTokens`), recording `name` in `order` when it
+ *  gets its slot. */
+function queued(
+  limiter: ReturnType<typeof createLimiter>,
+  order: string[],
+  name: string,
+  tenant: string,
+  weight = 1,
+  numPromptTokens = 10,
+): Promise<Slot> {
+  return limiter.acquireSlot(never, { tenant, weight, numPromptTokens }).then((slot) => {
+    order.push(name)
+    return slot
+  })
+}
+
+describe('fair queue', () => {
+  it("a flooding tenant cannot push another tenant's requests behind its backlog", async () => {
+    const limiter = createLimiter({
+      maxConcurrentRequests: 1,
+      maxQueuedRequests: 16,
+      maxQueueWaitMs: 10_000,
+    })
+    const order: string[] = []
+    const running = await queued(limiter, order, 'a0', 'alpha') // alpha: 10
+    const slots = new Map<string, Promise<Slot>>([['a0', Promise.resolve(running)]])
+    for (const name of ['a1', 'a2', 'a3', 'a4'])
+      slots.set(name, queued(limiter, order, name, 'alpha'))
+    // beta joins the backlog lifted to alpha's counter (10): it banks nothing, is owed nothing.
+    for (const name of ['b1', 'b2']) slots.set(name, queued(limiter, order, name, 'beta'))
+    limiter.check()
+    assert.deepEqual(Object.fromEntries(limiter.numQueuedByTenant()), { alpha: 4, beta: 2 })
+    // Each request: 10 prompt tokens (× 1, at its slot) and 5 generated (× 2, at its end).
+    // a0 ends: alpha 20, beta 10 → b1 (beta 20); b1 ends: beta 30 → a1 (alpha 30);
+    // a1 ends: alpha 40 → b2 (beta 40); b2 ends → a2, a3, a4.
+    const expected = ['a0', 'b1', 'a1', 'b2', 'a2', 'a3', 'a4']
+    for (const name of expected) {
+      ;(await slots.get(name)!).release(5)
+      limiter.check()
+    }
+    assert.deepEqual(order, expected)
+    assert.equal(limiter.numRunning, 0)
+  })
+
+  it('weights 1:2 serve the heavier tenant twice the tokens while both wait', async () => {
+    const limiter = createLimiter({
+      maxConcurrentRequests: 1,
+      maxQueuedRequests: 16,
+      maxQueueWaitMs: 10_000,
+    })
+    const order: string[] = []
+    const running = await queued(limiter, order, 'x', 'gamma')
+    const slots = new Map<string, Promise<Slot>>([['x', Promise.resolve(running)]])
+    for (const name of ['a1', 'a2', 'a3', 'a4'])
+      slots.set(name, queued(limiter, order, name, 'alpha', 1))
+    for (const name of ['b1', 'b2', 'b3', 'b4'])
+      slots.set(name, queued(limiter, order, name, 'beta', 2))
+    // 10 prompt tokens each, none generated. alpha 0, beta 0 (ties go to the earlier arrival):
+    // a1 (alpha 10), b1 (beta 5), b2 (beta 10), a2 (alpha 20), b3 (15), b4 (20), a3, a4.
+    const expected = ['x', 'a1', 'b1', 'b2', 'a2', 'b3', 'b4', 'a3', 'a4']
+    for (const name of expected) {
+      ;(await slots.get(name)!).release(0)
+      limiter.check()
+    }
+    assert.deepEqual(order, expected)
+  })
+
+  it('a full queue refuses from the longest backlog, never a tenant with nothing queued', async () => {
+    const limiter = createLimiter({
+      maxConcurrentRequests: 1,
+      maxQueuedRequests: 4,
+      maxQueueWaitMs: 10_000,
+    })
+    const running = await limiter.acquireSlot(never, { tenant: 'x', weight: 1, numPromptTokens: 1 })
+    const claim = (tenant: string) => ({ tenant, weight: 1, numPromptTokens: 1 })
+    const alpha = [1, 2, 3, 4].map(() => limiter.acquireSlot(never, claim('alpha')))
+    const isBusy = (pattern: RegExp) => (err: unknown) =>
+      err instanceof LimitError &&
+      err.status === 503 &&
+      err.retryAfterSec === 1 &&
+      pattern.test(err.message)
+    const beta = limiter.acquireSlot(never, claim('beta'))
+    await assert.rejects(alpha[3], isBusy(/your key had the most requests queued \(4\)/))
+    // alpha (3 queued) against beta (1): alpha's newcomer has the longer backlog, so it is refused.
+    await assert.rejects(
+      limiter.acquireSlot(never, claim('alpha')),
+      isBusy(/1 requests running and 4 queued/),
+    )
+    const gamma = limiter.acquireSlot(never, claim('gamma'))
+    await assert.rejects(alpha[2], isBusy(/most requests queued \(3\)/))
+    assert.deepEqual(Object.fromEntries(limiter.numQueuedByTenant()), {
+      alpha: 2,
+      beta: 1,
+      gamma: 1,
+    })
+    limiter.check()
+    running.release()
+    for (const slot of [alpha[0], beta, gamma, alpha[1]]) (await slot).release()
+    assert.equal(limiter.numRunning, 0)
+    limiter.check()
+  })
+
+  it('waits for a full KV pool get room in arrival order, and each ended request wakes one waiter', async () => {
+    const limiter = createLimiter({
+      maxConcurrentRequests: 100,
+      maxQueuedRequests: 0,
+      maxQueueWaitMs: 10_000,
+    })
+    const poolSize = 2 // requests the stand-in pool holds at once
+    let numInPool = 0
+    let numRefusals = 0
+    const gotRoom: number[] = []
+    const holders: { slot: Slot; index: number }[] = []
+    const startedMs = performance.now()
+    // Each request asks the pool (a refusal waits for its turn), and keeps its room until the
+    // test ends it.
+    const requests = Array.from({ length: 10 }, async (_, index) => {
+      const signal = new AbortController().signal
+      const slot = await limiter.acquireSlot(signal, { tenant: 't', weight: 1, numPromptTokens: 1 })
+      for (let attempt = 0; ; attempt++) {
+        const turn = await limiter.waitForRoom(signal, attempt > 0)
+        if (numInPool < poolSize) {
+          numInPool++
+          turn.end(false)
+          gotRoom.push(index)
+          holders.push({ slot, index })
+          return
+        }
+        numRefusals++
+        turn.end(true)
+      }
+    })
+    await waitFor(() => gotRoom.length === poolSize)
+    while (holders.length > 0) {
+      const holder = holders.shift()!
+      numInPool--
+      holder.slot.release()
+      await new Promise((resolve) => setImmediate(resolve))
+      if (gotRoom.length < 10) await waitFor(() => holders.length > 0)
+    }
+    await Promise.all(requests)
+    const elapsedMs = performance.now() - startedMs
+    assert.deepEqual(gotRoom, [...Array(10).keys()], 'room goes to the waiters in arrival order')
+    // All ten ask at once: 2 get room, 8 are refused and wait. Each of the 8 ends that room
+    // needs wakes one waiter, who gets room and wakes the next, who is refused (but after the
+    // last): 8 + 7. The first waiter's poll may add one per roomPollMs on a machine slow enough
+    // to leave it idle that long. Waking every waiter at each end made 8 + 7 + 6 + … + 1.
+    assert.ok(
+      numRefusals >= 15 && numRefusals <= 15 + Math.floor(elapsedMs / roomPollMs),
+      `${numRefusals} refusals in ${elapsedMs.toFixed(0)} ms`,
+    )
+    limiter.check()
+  })
+
+  it('a request waits at most maxQueueWaitMs in all, the queue and the pool together: then 503', async () => {
+    const maxQueueWaitMs = 400
+    const limiter = createLimiter({
+      maxConcurrentRequests: 1,
+      maxQueuedRequests: 4,
+      maxQueueWaitMs,
+    })
+    const running = await limiter.acquireSlot(never)
+    const signal = new AbortController().signal
+    const startedMs = performance.now()
+    const pending = limiter.acquireSlot(signal)
+    setTimeout(() => running.release(), 300)
+    const slot = await pending // waited about 300 ms in the queue
+    // The workers found the pool full: the wait for room has only what is left of the 400 ms.
+    await assert.rejects(limiter.waitForRoom(signal, true), (err: unknown) => {
+      assert.ok(err instanceof LimitError)
+      assert.equal(err.status, 503)
+      assert.equal(err.retryAfterSec, 1)
+      assert.match(err.message, /waited 400 ms in all/)
+      return true
+    })
+    const waitedMs = performance.now() - startedMs
+    assert.ok(waitedMs >= maxQueueWaitMs - 1, `waited ${waitedMs} ms`)
+    // A slow machine fires timers late, never early; 300 ms more would be a second full wait.
+    assert.ok(waitedMs <= maxQueueWaitMs + 200, `waited ${waitedMs} ms`)
+    slot.release()
+    limiter.check()
+  })
+})
+
+describe('tenant weights', () => {
+  it('a weight is a number above 0; without one a tenant has none set (weight 1)', () => {
+    const record = (weight?: number) => ({
+      name: 'alpha',
+      keySha256: apiKeyDigest(keys.alpha),
+      ...(weight !== undefined && { weight }),
+    })
+    assert.equal(createTenantRegistry([record(2.5)]).authenticate(keys.alpha)?.weight, 2.5)
+    assert.equal(createTenantRegistry([record()]).authenticate(keys.alpha)?.weight, undefined)
+    for (const bad of [0, -1]) {
+      assert.throws(() => createTenantRegistry([record(bad)]), /weight must be greater than 0/)
+    }
+  })
+})
+
+describe('fair queue at the router', () => {
+  /** Starts a router with one running slot; tenant beta has weight `betaWeight`. */
+  async function start(betaWeight?: number) {
+    return startHarness(
+      {
+        tokenDelayMs: 10,
+        reply: (ids) =>
+          ids.length === 23 ? Array<number>(100).fill(charIds('a')[0]) : defaultReply,
+      },
+      {
+        queue: { maxConcurrentRequests: 1, maxQueuedRequests: 16, maxQueueWaitMs: 20_000 },
+        tenants: [
+          { name: 'gamma', keySha256: apiKeyDigest(gammaKey) },
+          { name: 'alpha', keySha256: apiKeyDigest(keys.alpha) },
+          {
+            name: 'beta',
+            keySha256: apiKeyDigest(keys.beta),
+            ...(betaWeight !== undefined && { weight: betaWeight }),
+          },
+        ],
+      },
+    )
+  }
+
+  /** Sends `tenants` requests in this order, each queued before the next is sent, behind a
+   *  request of gamma that is running; returns the tenants in the order the workers saw them. */
+  async function admissionOrder(
+    h: Awaited<ReturnType<typeof startHarness>>,
+    tenants: ('alpha' | 'beta')[],
+  ): Promise<string[]> {
+    const all = [h.client(gammaKey).chat.completions.create(holdChat)]
+    await waitFor(() => h.workers.generateRequests.length === 1)
+    for (const [i, tenant] of tenants.entries()) {
+      all.push(h.client(keys[tenant]).chat.completions.create(chat))
+      await waitForQueued(h, i + 1)
+    }
+    await Promise.all(all)
+    return h.workers.generateRequests.map((r) => r.tenant)
+  }
+
+  /** Polls the router's `/server_info` until `numQueued` requests wait in its queue. */
+  async function waitForQueued(h: Awaited<ReturnType<typeof startHarness>>, numQueued: number) {
+    const deadline = Date.now() + 10_000
+    for (;;) {
+      assert.ok(Date.now() < deadline, `${numQueued} requests never queued`)
+      const info = (await (await fetch(`${h.router.url}/server_info`)).json()) as {
+        numQueued: number
+      }
+      if (info.numQueued === numQueued) return
+      await new Promise((resolve) => setTimeout(resolve, 5))
+    }
+  }
+
+  it("alpha's backlog does not delay beta's requests behind it", async () => {
+    const h = await start()
+    try {
+      const order = await admissionOrder(h, ['alpha', 'alpha', 'alpha', 'alpha', 'beta', 'beta'])
+      // Each request: 21 prompt tokens, 15 generated (charged 21 + 2 × 15 = 51). alpha and beta
+      // join the backlog at 0 (nobody was backlogged before); ties go to the earlier arrival.
+      // gamma's end → alpha (21, at its end 51) → beta (21, 51) → alpha (72, 102) → beta (72,
+      // 102) → alpha's last two.
+      assert.deepEqual(order, ['gamma', 'alpha', 'beta', 'alpha', 'beta', 'alpha', 'alpha'])
+      const metrics = await (await fetch(`${h.router.url}/metrics`)).text()
+      assert.match(metrics, /kvfence_router_queue_wait_seconds_count\{tenant="beta"\} 2\n/)
+      assert.match(metrics, /kvfence_router_queue_wait_seconds_count\{tenant="alpha"\} 4\n/)
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('a tenant of weight 2 is served twice as often as one of weight 1 while both wait', async () => {
+    const h = await start(2)
+    try {
+      const order = await admissionOrder(h, ['alpha', 'alpha', 'alpha', 'beta', 'beta', 'beta'])
+      // alpha is charged 21 at its slot and 30 at its end; beta, of weight 2, half: 10.5 and 15.
+      // Both join at 0. gamma's end → alpha (21, 51) → beta (10.5, 25.5) → beta (36, 51) →
+      // alpha (tie at 51: the earlier arrival; 72, 102) → beta (61.5, 76.5) → alpha.
+      assert.deepEqual(order, ['gamma', 'alpha', 'beta', 'beta', 'alpha', 'beta', 'alpha'])
+    } finally {
+      await h.close()
+    }
+  })
+})
