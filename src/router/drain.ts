@@ -28,7 +28,16 @@ export interface Drain {
   /** Stops taking work; resolves once every running generation has ended, or `seconds` have
    *  passed and the rest were told to end (then once they have, or `graceMs` later). */
   drain(seconds: number, graceMs?: number): Promise<void>
+  /** Notes that a request arrived (any path): the drain ends only once none has arrived for
+   *  {@link quietMs}, so that connections still queued in the listen backlog are answered (503)
+   *  rather than reset when the server closes. */
+  noteRequest(): void
 }
+
+/** The drain ends once no request has arrived for this long, ms... */
+const quietMs = 300
+/** ...but waits for that quiet at most this long after the last generation ended, ms. */
+const maxQuietWaitMs = 3_000
 
 /** How long ended generations get to write their error and close, after the deadline, ms. */
 const defaultGraceMs = 2_000
@@ -39,6 +48,7 @@ export function createDrain(): Drain {
   // The running generations' `end`s (a set, not an AbortSignal every request listens to: a
   // long-lived signal keeps a trace of each `AbortSignal.any` made from it).
   const running = new Set<(reason: ShuttingDownError) => void>()
+  let lastRequestMs = 0
   const idleWaiters: (() => void)[] = []
   const whenIdle = (): Promise<void> =>
     running.size === 0 ? Promise.resolve() : new Promise((resolve) => idleWaiters.push(resolve))
@@ -71,7 +81,12 @@ export function createDrain(): Drain {
         for (const end of [...running]) end(reason)
         await Promise.race([whenIdle(), wait(graceMs)])
       }
+      const quietBy = Date.now() + maxQuietWaitMs
+      while (Date.now() - lastRequestMs < quietMs && Date.now() < quietBy) await wait(quietMs / 3)
       phase = 'ended'
+    },
+    noteRequest() {
+      lastRequestMs = Date.now()
     },
   }
 }

@@ -47,11 +47,14 @@ export type RequestHandler = (req: IncomingMessage, res: ServerResponse) => void
 /** Builds the router's request handler. */
 export function createRouter(deps: RouterDeps): RequestHandler {
   return (req, res) => {
+    deps.drain.noteRequest()
     // A draining router asks every client to reconnect (elsewhere) after this reply.
     if (deps.drain.phase !== 'serving') res.setHeader('connection', 'close')
     route(deps, req, res).catch((err: unknown) => {
       const error = asKvfenceError(err)
-      if (error.status >= 500)
+      if (error instanceof ShuttingDownError)
+        deps.log.warn({ code: error.code }, 'request refused: the router is draining')
+      else if (error.status >= 500)
         deps.log.error({ code: error.code, detail: error.message }, 'request failed')
       else deps.log.info({ status: error.status, code: error.code }, 'request refused')
       if (!res.destroyed) sendError(req, res, error)
