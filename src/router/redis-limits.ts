@@ -135,47 +135,19 @@ export async function createRedisLimitStore(
   redis.defineCommand('kvfenceTokens', { numberOfKeys: 1, lua: tokensScript })
   const commands = redis as unknown as LimitCommands
 
-  // Availability changes only here.
-  let isAvailable = false
-  let hasReported = false
-  function setAvailable(next: boolean, reason: string): void {
-    if (next === isAvailable && hasReported) return
-    const wasReported = hasReported
-    isAvailable = next
-    hasReported = true
-    if (next) {
-      if (wasReported) log.info({ url: redactedUrl(settings.url) }, 'limit store: Redis is back')
-      return
-    }
-    log.warn(
-      { url: redactedUrl(settings.url), reason, onUnavailable: policy },
-      policy === 'local'
-        ? 'limit store: Redis unavailable; counting limits in this router alone'
-        : 'limit store: Redis unavailable; refusing requests (503) until it is back',
-    )
-  }
-  redis.on('ready', () => setAvailable(true, 'ready'))
-  redis.on('error', (err: Error) => setAvailable(false, err.message))
-  redis.on('close', () => setAvailable(false, 'connection closed'))
-  redis.connect().catch((err: Error) => setAvailable(false, err.message))
+  const availability = watchAvailability(redis, settings.url, policy, log)
+  redis.connect().catch((err: Error) => availability.set(false, err.message))
   await waitUntilSettled(redis, connectWaitMs)
-  if (!hasReported) setAvailable(redis.status === 'ready', redis.status)
+  availability.settle(redis.status === 'ready', redis.status)
 
-  /** What a request meets while Redis is away, under `fail-closed`. */
-  const refusal = () =>
-    new LimitError(
-      'capacity_exhausted',
-      'The limit store is unavailable, so no request can be counted against its limits; retry later.',
-      1,
-    )
   const leasesKey = (tenant: string) => `${prefix}{${tenant}}:leases`
   const tokensKey = (tenant: string) => `${prefix}{${tenant}}:tokens`
-  const usable = () => isAvailable && redis.status === 'ready'
+  const usable = () => availability.isAvailable && redis.status === 'ready'
   /** The policy's answer once a call to Redis failed. */
   function unavailable<T>(err: unknown, fallback: () => T): T {
-    setAvailable(false, (err as Error).message)
+    availability.set(false, (err as Error).message)
     if (policy === 'local') return fallback()
-    throw refusal()
+    throw storeUnavailable()
   }
 
   async function acquireInRedis(tenant: string, max: number): Promise<ConcurrencyGrant> {
@@ -210,7 +182,7 @@ export async function createRedisLimitStore(
 
   return {
     get isAvailable() {
-      return isAvailable
+      return availability.isAvailable
     },
     acquire(tenant, maxConcurrent) {
       if (maxConcurrent === undefined) return local.acquire(tenant, undefined)
@@ -248,14 +220,65 @@ export async function createRedisLimitStore(
       redis.disconnect()
     },
     registerMetrics(registry) {
-      new Gauge({
-        name: 'kvfence_limit_store_unavailable',
-        help: '1 while the Redis limit store cannot be reached (router.limits.onUnavailable applies), else 0.',
-        registers: [registry],
-        collect() {
-          this.set(isAvailable ? 0 : 1)
-        },
-      })
+      registerUnavailableGauge(registry, () => availability.isAvailable)
+    },
+  }
+}
+
+/** What a request with a limit meets while Redis is away, under `fail-closed`: 503. */
+function storeUnavailable(): LimitError {
+  return new LimitError(
+    'capacity_exhausted',
+    'The limit store is unavailable, so no request can be counted against its limits; retry later.',
+    1,
+  )
+}
+
+/** `kvfence_limit_store_unavailable` in `registry`: 1 while `isAvailable()` is false. */
+function registerUnavailableGauge(registry: Registry, isAvailable: () => boolean): void {
+  new Gauge({
+    name: 'kvfence_limit_store_unavailable',
+    help: '1 while the Redis limit store cannot be reached (router.limits.onUnavailable applies), else 0.',
+    registers: [registry],
+    collect() {
+      this.set(isAvailable() ? 0 : 1)
+    },
+  })
+}
+
+/** Whether Redis can be reached, from its connection's events and failed calls; every change
+ *  is one log line (warn when it goes away, info when it is back). The only place that assigns
+ *  it. */
+function watchAvailability(redis: Redis, url: string, policy: UnavailablePolicy, log: Logger) {
+  let isAvailable = false
+  let hasReported = false
+  function set(next: boolean, reason: string): void {
+    if (next === isAvailable && hasReported) return
+    const wasReported = hasReported
+    isAvailable = next
+    hasReported = true
+    if (next) {
+      if (wasReported) log.info({ url: redactedUrl(url) }, 'limit store: Redis is back')
+      return
+    }
+    log.warn(
+      { url: redactedUrl(url), reason, onUnavailable: policy },
+      policy === 'local'
+        ? 'limit store: Redis unavailable; counting limits in this router alone'
+        : 'limit store: Redis unavailable; refusing requests (503) until it is back',
+    )
+  }
+  redis.on('ready', () => set(true, 'ready'))
+  redis.on('error', (err: Error) => set(false, err.message))
+  redis.on('close', () => set(false, 'connection closed'))
+  return {
+    get isAvailable() {
+      return isAvailable
+    },
+    set,
+    /** Reports the state found at start unless an event already did. */
+    settle(next: boolean, reason: string): void {
+      if (!hasReported) set(next, reason)
     },
   }
 }
