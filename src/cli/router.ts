@@ -112,7 +112,7 @@ export function registerRouter(program: Command): void {
         ...(flags.drainSeconds === undefined ? {} : { drainSeconds: flags.drainSeconds }),
         // With --config, the file's router section wins over these flags.
         ...(flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config, flags)),
-        ...redisLimitsOption(flags, flags.config),
+        ...redisLimitsFlags(flags),
         guardsEnabled: faults.guardsEnabled,
         ...(flags.logContent ? { logContent: true } : {}),
         clusterToken: clusterTokenFrom(process.env),
@@ -229,20 +229,10 @@ function httpsOption(flags: RouterFlags): Pick<StartRouterOptions, 'https'> {
   return { https: { cert: flags.tlsCert, key: flags.tlsKey } }
 }
 
-/** Redis-backed limits from the config file's `router.limits` (which wins) or the flags. */
-function redisLimitsOption(
-  flags: RouterFlags,
-  configPath: string | undefined,
-): Pick<StartRouterOptions, 'redisLimits'> {
-  const limits = configPath === undefined ? undefined : loadClusterConfig(configPath).router.limits
-  if (limits?.store === 'redis') {
-    const { url, keyPrefix, onUnavailable } = limits
-    return { redisLimits: { url: url!, keyPrefix, onUnavailable } }
-  }
-  if (limits === undefined && flags.limitsRedis !== undefined) {
-    return {
-      redisLimits: { url: flags.limitsRedis, onUnavailable: flags.limitsOnUnavailable },
-    }
-  }
-  return {}
+/** Redis-backed limits from the flags; the config file's `router.limits`, when set, wins. */
+function redisLimitsFlags(flags: RouterFlags): Pick<StartRouterOptions, 'redisLimits'> {
+  if (flags.limitsRedis === undefined) return {}
+  if (flags.config !== undefined && loadClusterConfig(flags.config).router.limits !== undefined)
+    return {}
+  return { redisLimits: { url: flags.limitsRedis, onUnavailable: flags.limitsOnUnavailable } }
 }

@@ -54,6 +54,8 @@ export const RouterSection = z.strictObject({
         .optional(),
       keyPrefix: z.string().min(1).optional(),
       onUnavailable: z.enum(['fail-closed', 'local']).default('fail-closed'),
+      /** How long a dead router's concurrency units stay counted, seconds. */
+      leaseSeconds: positive.default(15),
     })
     .refine((l) => l.store !== 'redis' || l.url !== undefined, {
       error: 'store: redis needs a url',

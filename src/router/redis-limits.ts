@@ -9,7 +9,7 @@
  *  | `<prefix>{tenant}:tokens`    | hash       | `tokens` (fractional), `updatedMs`            |
  *
  *  A unit is a lease that expires unless its router refreshes it (every third of
- *  {@link leaseMs}): the units of a replica that dies come back within a lease. When Redis cannot
+ *  `leaseMs`): the units of a replica that dies come back within a lease. When Redis cannot
  *  be reached, `fail-closed` refuses requests (503 `capacity_exhausted` with `Retry-After`) and
  *  `local` counts in this process alone; either way the gauge `kvfence_limit_store_unavailable`
  *  is 1 and one warn line says so, and one info line when Redis is back.
@@ -37,12 +37,15 @@ export interface RedisLimitSettings {
   readonly keyPrefix?: string
   /** Default `fail-closed`. */
   readonly onUnavailable?: UnavailablePolicy
+  /** How long a concurrency unit outlives the router holding it, ms, unless refreshed (every
+   *  third of it); default {@link defaultLeaseMs}. */
+  readonly leaseMs?: number
 }
 
 /** Default of {@link RedisLimitSettings.keyPrefix}. */
 export const defaultKeyPrefix = 'kvfence:limits:'
-/** How long a concurrency unit outlives the router holding it, ms, unless refreshed. */
-export const leaseMs = 15_000
+/** Default of {@link RedisLimitSettings.leaseMs}. */
+export const defaultLeaseMs = 15_000
 /** Longest wait for one Redis reply, ms; then the store counts as unavailable. */
 const commandTimeoutMs = 500
 /** How long start-up waits for the first connection, ms; then the policy applies. */
@@ -118,6 +121,7 @@ export async function createRedisLimitStore(
 ): Promise<RedisLimitStore> {
   const prefix = settings.keyPrefix ?? defaultKeyPrefix
   const policy = settings.onUnavailable ?? 'fail-closed'
+  const leaseMs = settings.leaseMs ?? defaultLeaseMs
   const local = createLocalLimitStore()
   const routerId = randomUUID()
   let numLeases = 0

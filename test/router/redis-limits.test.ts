@@ -13,7 +13,7 @@ import { newApiKey } from '../../src/router/tenant-keys.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { type Engine, startEngine } from '../helpers/engines.js'
 import { waitUntil } from '../helpers/poll.js'
-import { freePort, startPart, stopAll } from '../reliability/helpers.js'
+import { freePort, kill9, startPart, stopAll } from '../reliability/helpers.js'
 import { type RedisServer, redisSkipReason, startRedis } from './redis-helpers.js'
 
 const skip = redisSkipReason()
@@ -52,6 +52,7 @@ async function startReplicas(
   name: string,
   onUnavailable: 'fail-closed' | 'local',
   tokensPerMinute = 1_000_000,
+  leaseSeconds = 15,
 ): Promise<string[]> {
   const urls: string[] = []
   for (const replica of ['a', 'b']) {
@@ -65,7 +66,13 @@ async function startReplicas(
     const config = {
       router: {
         port,
-        limits: { store: 'redis', url: redis.url, keyPrefix: `${name}:`, onUnavailable },
+        limits: {
+          store: 'redis',
+          url: redis.url,
+          keyPrefix: `${name}:`,
+          onUnavailable,
+          leaseSeconds,
+        },
       },
       backend: { kind: 'vllm', url: engine.url, discoveryIntervalMs: 0 },
       tenants: [
@@ -219,5 +226,28 @@ describe('local: without Redis each replica counts alone', { skip: skip ?? false
     assert.equal(res.status, 429)
     await res.text()
     await Promise.all(shared.map(drain))
+  })
+})
+
+describe('a replica that dies', { skip: skip ?? false }, () => {
+  it('gives its concurrency units back within a lease', async () => {
+    const [a, b] = (await startReplicas('dies', 'fail-closed', undefined, 2)) as [string, string]
+    const processA = children.at(-2)!
+    const { key } = tenants.four
+    const held: Response[] = []
+    for (let i = 0; i < 4; i++) held.push(await holdOne(a, key))
+    await kill9(processA) // its 4 leases stay in Redis, refreshed by no one
+    for (const res of held) res.body?.cancel().catch(() => undefined)
+    const refused = await chat(b, key, false)
+    assert.equal(refused.status, 429, "a dead replica's units are counted until they expire")
+    await refused.text()
+    await waitUntil(
+      async () => {
+        const res = await chat(b, key, false)
+        await res.text()
+        return res.status === 200
+      },
+      { timeoutMs: 10_000, intervalMs: 200, what: 'the dead replica’s units back' },
+    )
   })
 })
