@@ -181,7 +181,9 @@ export function parseClusterConfig(value: unknown, source: string, baseDir: stri
   return deepFreeze({
     ...config,
     model: at(config.model),
-    router: { ...config.router, saltSecretFile: at(config.router.saltSecretFile) },
+    ...(config.router.saltSecretFile === undefined
+      ? {}
+      : { router: { ...config.router, saltSecretFile: at(config.router.saltSecretFile) } }),
     ...(config.tls === undefined ? {} : { tls: { dir: at(config.tls.dir)! } }),
     ...(config.backend === undefined
       ? {}
