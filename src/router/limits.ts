@@ -91,6 +91,10 @@ export interface Limiter {
   check(): void
 }
 
+interface Waiter {
+  grant(): void
+}
+
 /** A {@link Limiter} whose tenant limits are counted in this process: it answers at once. */
 export interface LocalLimiter extends Limiter {
   admitTenant(
@@ -100,10 +104,6 @@ export interface LocalLimiter extends Limiter {
     hold?: RoomHold,
   ): TenantTicket
   holdTenantRoom(tenant: string, limits: TenantLimits): RoomHold
-}
-
-interface Waiter {
-  grant(): void
 }
 
 /** A {@link Limiter} counting tenants' limits in `store` (default: this process's memory, see
