@@ -29,7 +29,11 @@ import http from 'node:http'
 import net from 'node:net'
 import { performance } from 'node:perf_hooks'
 import { fileURLToPath } from 'node:url'
+import { pino } from 'pino'
+import { type Limiter, createLimiter, queueLimitDefaults } from '../src/router/limits.js'
+import { createRedisLimitStore } from '../src/router/redis-limits.js'
 import { bosId, charIds, keys, startHarness } from '../test/router/helpers.js'
+import { redisSkipReason, startRedis } from '../test/router/redis-helpers.js'
 
 /** What the child reports once listening. */
 interface Endpoints {
@@ -102,7 +106,9 @@ export async function benchRouter(args: string[]): Promise<object> {
     }
     agent.destroy()
     const med = (values: number[]) => round(quantile(values, 0.5), 3)
+    const redisLimits = await benchRedisLimits(repeats, numRequests)
     return {
+      ...redisLimits,
       router_added_latency_ms_p50: med(latency.map((l) => l.addedP50)),
       router_added_latency_ms_p99: med(latency.map((l) => l.addedP99)),
       router_added_latency_target_ms_p50: 0.5,
@@ -126,6 +132,53 @@ export async function benchRouter(args: string[]): Promise<object> {
     }
   } finally {
     await stop(child)
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Redis-backed limits
+
+/** `redis_limits_added_latency_ms_p50`: what counting a tenant's limits in Redis (a local
+ *  redis-server, two scripts per request: its concurrency unit, then its tokens) adds to
+ *  admission against counting them in process. Per request, the tenant's steps of admission
+ *  (`holdTenantRoom`, `admitTenant`, then `release`) run once on each limiter, back to back (which
+ *  goes first alternates); the figure is the median over repeats of the p50 of the per-pair
+ *  differences. Skipped, with its reason, when redis-server is absent. */
+async function benchRedisLimits(repeats: number, numRequests: number): Promise<object> {
+  const skipped = redisSkipReason()
+  if (skipped !== null) return { redis_limits_skipped: skipped }
+  const redis = await startRedis()
+  const store = await createRedisLimitStore({ url: redis.url }, pino({ level: 'silent' }))
+  try {
+    const viaRedis = createLimiter(queueLimitDefaults, () => performance.now(), store)
+    const inProcess = createLimiter(queueLimitDefaults)
+    const limits = { maxConcurrentRequests: 64, tokensPerMinute: 1e12 }
+    const admitOnce = async (limiter: Limiter) => {
+      const room = await limiter.holdTenantRoom('bench', limits)
+      const ticket = await limiter.admitTenant('bench', limits, 31, room)
+      ticket.release(0)
+    }
+    for (let i = 0; i < 200; i++) await Promise.all([admitOnce(viaRedis), admitOnce(inProcess)])
+    const p50s: number[] = []
+    for (let r = 0; r < repeats; r++) {
+      const addedMs: number[] = []
+      for (let i = 0; i < numRequests; i++) {
+        const redisMs = i % 2 === 0 ? await timed(() => admitOnce(viaRedis)) : 0
+        const localMs = await timed(() => admitOnce(inProcess))
+        const afterMs = i % 2 === 0 ? redisMs : await timed(() => admitOnce(viaRedis))
+        addedMs.push(afterMs - localMs)
+      }
+      p50s.push(quantile(addedMs, 0.5))
+    }
+    return {
+      redis_limits_added_latency_ms_p50: round(quantile(p50s, 0.5), 3),
+      redis_limits_added_latency_target_ms_p50: 1,
+      redis_limits_added_latency_is:
+        'p50 of per-pair (Redis store − in-process) ms of a tenant’s admission steps, local redis-server',
+    }
+  } finally {
+    store.close()
+    await redis.kill()
   }
 }
 

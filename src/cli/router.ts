@@ -12,6 +12,8 @@ import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
 import { type StartRouterOptions, startRouter } from '../router/index.js'
+import type { UnavailablePolicy } from '../router/redis-limits.js'
+import { saltSecretFrom } from '../router/salt-secret.js'
 import { collect, intOption, logLevels, portOption } from './options.js'
 import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
 
@@ -33,6 +35,9 @@ interface RouterFlags {
   logLevel: string
   tlsCert?: string
   tlsKey?: string
+  saltSecretFile?: string
+  limitsRedis?: string
+  limitsOnUnavailable?: UnavailablePolicy
 }
 
 /** Register `kvfence router`. */
@@ -82,6 +87,17 @@ export function registerRouter(program: Command): void {
       'serve clients over HTTPS with this certificate (reloaded on change)',
     )
     .option('--tls-key <file>', 'the private key of --tls-cert')
+    .option(
+      '--salt-secret-file <file>',
+      'secret of the cache salts, shared by replicas (≥ 32 bytes)',
+    )
+    .option('--limits-redis <url>', 'count tenants’ limits in Redis, shared by replicas')
+    .addOption(
+      new Option(
+        '--limits-on-unavailable <policy>',
+        'while Redis is unreachable (default fail-closed)',
+      ).choices(['fail-closed', 'local']),
+    )
     .action(async (flags: RouterFlags) => {
       exitIfParentGoesDuringStart()
       const faults = buildFaultConfig([], flags.unsafeDisableGuards, process.env)
@@ -95,7 +111,8 @@ export function registerRouter(program: Command): void {
         clampContext: flags.clampContext,
         ...(flags.drainSeconds === undefined ? {} : { drainSeconds: flags.drainSeconds }),
         // With --config, the file's router section wins over these flags.
-        ...(flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config)),
+        ...(flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config, flags)),
+        ...redisLimitsFlags(flags),
         guardsEnabled: faults.guardsEnabled,
         ...(flags.logContent ? { logContent: true } : {}),
         clusterToken: clusterTokenFrom(process.env),
@@ -161,8 +178,10 @@ function fromFlags(
 /** The router's part of a cluster config: workers must be given by URL (none started here). */
 function fromConfig(
   path: string,
+  flags: RouterFlags,
 ): Partial<StartRouterOptions> & Pick<StartRouterOptions, 'tenants'> {
   const config = loadClusterConfig(path)
+  const saltSecretFile = config.router.saltSecretFile ?? flags.saltSecretFile
   const b = config.backend
   const urls = (entries: readonly ({ pages: number } | { url: string })[]) =>
     entries.map((e, i) => {
@@ -183,7 +202,10 @@ function fromConfig(
     ...(b === undefined
       ? {}
       : {
-          gateway: gatewayOptions(b, backendApiKey(b.apiKeyEnv)),
+          gateway: {
+            ...gatewayOptions(b, backendApiKey(b.apiKeyEnv)),
+            saltSecret: saltSecretFrom(process.env, saltSecretFile),
+          },
         }),
     ...routerSectionOptions(config.router),
     workerTls: routerTlsMaterial(config),
@@ -205,4 +227,12 @@ function httpsOption(flags: RouterFlags): Pick<StartRouterOptions, 'https'> {
   if (flags.tlsCert === undefined || flags.tlsKey === undefined)
     throw new KvfenceError('config_invalid', '--tls-cert and --tls-key go together')
   return { https: { cert: flags.tlsCert, key: flags.tlsKey } }
+}
+
+/** Redis-backed limits from the flags; the config file's `router.limits`, when set, wins. */
+function redisLimitsFlags(flags: RouterFlags): Pick<StartRouterOptions, 'redisLimits'> {
+  if (flags.limitsRedis === undefined) return {}
+  if (flags.config !== undefined && loadClusterConfig(flags.config).router.limits !== undefined)
+    return {}
+  return { redisLimits: { url: flags.limitsRedis, onUnavailable: flags.limitsOnUnavailable } }
 }

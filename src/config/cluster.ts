@@ -42,6 +42,26 @@ export const RouterSection = z.strictObject({
   maxQueueWaitMs: z.number().int().min(0).default(queueLimitDefaults.maxQueueWaitMs),
   logContent: z.boolean().default(false),
   logLevel: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']).default('info'),
+  /** A file holding the secret of gateway mode's cache salts (≥ 32 bytes; relative to this
+   *  file), shared by replicas; default: a random secret per process. */
+  saltSecretFile: z.string().min(1).optional(),
+  /** Where tenants' limits are counted; default: in this process. */
+  limits: z
+    .strictObject({
+      store: z.enum(['in-process', 'redis']).default('in-process'),
+      url: z
+        .url({ protocol: /^rediss?$/, error: 'must be a redis:// or rediss:// URL' })
+        .optional(),
+      keyPrefix: z.string().min(1).optional(),
+      onUnavailable: z.enum(['fail-closed', 'local']).default('fail-closed'),
+      /** How long a dead router's concurrency units stay counted, seconds. */
+      leaseSeconds: positive.default(15),
+    })
+    .refine((l) => l.store !== 'redis' || l.url !== undefined, {
+      error: 'store: redis needs a url',
+      path: ['url'],
+    })
+    .optional(),
 })
 
 const workerShapeError =
@@ -161,6 +181,9 @@ export function parseClusterConfig(value: unknown, source: string, baseDir: stri
   return deepFreeze({
     ...config,
     model: at(config.model),
+    ...(config.router.saltSecretFile === undefined
+      ? {}
+      : { router: { ...config.router, saltSecretFile: at(config.router.saltSecretFile) } }),
     ...(config.tls === undefined ? {} : { tls: { dir: at(config.tls.dir)! } }),
     ...(config.backend === undefined
       ? {}

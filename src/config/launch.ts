@@ -25,6 +25,7 @@ import {
   startRouter,
 } from '../router/start.js'
 import { type ClusterConfig, loadClusterConfig } from './cluster.js'
+import { saltSecretFrom } from '../router/salt-secret.js'
 
 /** A worker of a plan: forked here with its KV pool and flags, or already running at `url`. */
 export type WorkerPlan =
@@ -302,7 +303,16 @@ export function clusterConfigPlan(
       pageSize: 0,
       prefill: [],
       decode: [],
-      router: { runs: 'here', options: { ...options, gateway: gatewayOptions(b, apiKey) } },
+      router: {
+        runs: 'here',
+        options: {
+          ...options,
+          gateway: {
+            ...gatewayOptions(b, apiKey),
+            saltSecret: saltSecretFrom(env, r.saltSecretFile),
+          },
+        },
+      },
     }
   }
   const workers = config.workers!
@@ -455,6 +465,7 @@ export function routerSectionOptions(
   | 'maxBodyBytes'
   | 'logContent'
   | 'queue'
+  | 'redisLimits'
 > {
   return {
     host: r.host,
@@ -469,6 +480,16 @@ export function routerSectionOptions(
       maxQueuedRequests: r.maxQueuedRequests,
       maxQueueWaitMs: r.maxQueueWaitMs,
     },
+    ...(r.limits?.store === 'redis'
+      ? {
+          redisLimits: {
+            url: r.limits.url!,
+            keyPrefix: r.limits.keyPrefix,
+            onUnavailable: r.limits.onUnavailable,
+            leaseMs: r.limits.leaseSeconds * 1000,
+          },
+        }
+      : {}),
   }
 }
 

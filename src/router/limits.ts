@@ -3,9 +3,9 @@
  *  long; fair-queue.ts). Every refusal says how long to wait (`Retry-After`), or that waiting
  *  cannot help.
  *  Knows tenant names, token counts and time; knows nothing of HTTP bodies, workers or keys. */
-import assert from 'node:assert/strict'
 import { KvfenceError } from '../errors.js'
 import { createFairQueue } from './fair-queue.js'
+import { type LimitStore, type MaybePromise, createLocalLimitStore, thenOf } from './limit-store.js'
 import type { TenantLimits } from './tenants.js'
 
 /** A refusal for load, with the seconds the client should wait before trying again, or null
@@ -86,13 +86,13 @@ export interface Limiter {
     limits: TenantLimits,
     numRequestedTokens: number,
     hold?: RoomHold,
-  ): TenantTicket
+  ): MaybePromise<TenantTicket>
   /** Counts a request of `tenant` against its concurrency limit from now (before its prompt is
    *  tokenized), or throws what {@link Limiter.admitTenant} would for that limit: a tenant at its
    *  limit cannot make the router's event loop, which every tenant shares, tokenize prompts that
    *  will be refused anyway, and prompts being tokenized count as in flight. Pass the hold to
    *  `admitTenant`; release it if the request ends before that. */
-  holdTenantRoom(tenant: string, limits: TenantLimits): RoomHold
+  holdTenantRoom(tenant: string, limits: TenantLimits): MaybePromise<RoomHold>
   /** A running slot, at once or after waiting in its tenant's queue (fair-queue.ts; `claim`
    *  defaults to one anonymous tenant); throws {@link LimitError} `capacity_exhausted` (503) when
    *  the queue is full (or a newcomer of a tenant with fewer queued took this request's place) or
@@ -117,18 +117,27 @@ export interface Limiter {
   check(): void
 }
 
-interface Bucket {
-  tokens: number
-  updatedMs: number
+/** A {@link Limiter} whose tenant limits are counted in this process: it answers at once. */
+export interface LocalLimiter extends Limiter {
+  admitTenant(
+    tenant: string,
+    limits: TenantLimits,
+    numRequestedTokens: number,
+    hold?: RoomHold,
+  ): TenantTicket
+  holdTenantRoom(tenant: string, limits: TenantLimits): RoomHold
 }
 
-/** A {@link Limiter}. `nowMs` is injectable for tests (default `performance.now`); it times the
- *  token buckets and the wait bound. */
+/** A {@link Limiter} counting tenants' limits in `store` (default: this process's memory, see
+ *  limit-store.ts). `nowMs` is injectable for tests (default `performance.now`). */
+export function createLimiter(queue?: QueueLimits, nowMs?: () => number): LocalLimiter
+export function createLimiter(queue: QueueLimits, nowMs: () => number, store: LimitStore): Limiter
 export function createLimiter(
   queue: QueueLimits = queueLimitDefaults,
   nowMs: () => number = () => performance.now(),
+  store: LimitStore = createLocalLimitStore(nowMs),
 ): Limiter {
-  const tenants = createTenantLimiter(nowMs)
+  const tenants = createTenantLimiter(store)
   const slots = createFairQueue(queue, nowMs)
   return {
     admitTenant: tenants.admitTenant,
@@ -145,7 +154,7 @@ export function createLimiter(
     maxQueueWaitMs: queue.maxQueueWaitMs,
     check(): void {
       slots.check()
-      tenants.check()
+      store.check()
     },
   }
 }
@@ -153,40 +162,20 @@ export function createLimiter(
 // ---------------------------------------------------------------------------------------------
 // Per tenant: concurrency and token rate
 
-/** The tenant half of a {@link Limiter}: requests in flight and a token bucket per tenant. */
-function createTenantLimiter(nowMs: () => number) {
-  const running = new Map<string, number>() // tenant → requests in flight
-  const buckets = new Map<string, Bucket>() // tenant → token bucket (tokensPerMinute)
-
-  /** The tenant's bucket, refilled for the time since it was last touched. */
-  function refill(tenant: string, tokensPerMinute: number): Bucket {
-    const now = nowMs()
-    let bucket = buckets.get(tenant)
-    if (bucket === undefined) {
-      bucket = { tokens: tokensPerMinute, updatedMs: now }
-      buckets.set(tenant, bucket)
-    }
-    const perMs = tokensPerMinute / 60_000
-    bucket.tokens = Math.min(tokensPerMinute, bucket.tokens + (now - bucket.updatedMs) * perMs)
-    bucket.updatedMs = now
-    return bucket
-  }
-
-  function holdTenantRoom(tenant: string, limits: TenantLimits): RoomHold {
-    const numRunningOfTenant = running.get(tenant) ?? 0
+/** The tenant half of a {@link Limiter}: requests in flight and a token bucket per tenant,
+ *  counted in `store`. */
+function createTenantLimiter(store: LimitStore) {
+  function holdTenantRoom(tenant: string, limits: TenantLimits): MaybePromise<RoomHold> {
     const maxConcurrent = limits.maxConcurrentRequests
-    if (maxConcurrent !== undefined && numRunningOfTenant >= maxConcurrent) {
-      throw new LimitError(
-        'rate_limited',
-        `Rate limit reached: ${numRunningOfTenant} requests in flight, the limit of your key is ${maxConcurrent} at once.`,
-        1,
-      )
-    }
-    running.set(tenant, numRunningOfTenant + 1)
-    return once(() => {
-      const n = running.get(tenant)! - 1
-      if (n === 0) running.delete(tenant)
-      else running.set(tenant, n)
+    return thenOf(store.acquire(tenant, maxConcurrent), (grant) => {
+      if (!grant.isGranted) {
+        throw new LimitError(
+          'rate_limited',
+          `Rate limit reached: ${grant.numRunning} requests in flight, the limit of your key is ${maxConcurrent} at once.`,
+          1,
+        )
+      }
+      return once(() => grant.release())
     })
   }
 
@@ -195,36 +184,44 @@ function createTenantLimiter(nowMs: () => number) {
     limits: TenantLimits,
     numRequestedTokens: number,
     hold?: RoomHold,
-  ): TenantTicket {
-    const room = hold ?? holdTenantRoom(tenant, limits)
-    try {
+  ): MaybePromise<TenantTicket> {
+    return thenOf(hold ?? holdTenantRoom(tenant, limits), (room) => {
       const tpm = limits.tokensPerMinute
-      const numCharged =
-        tpm === undefined ? 0 : chargeTokens(() => refill(tenant, tpm), tpm, numRequestedTokens)
-      return ticketOf(room, (numUnusedTokens) => {
-        if (tpm === undefined || numCharged === 0) return
-        const bucket = refill(tenant, tpm)
-        bucket.tokens = Math.min(tpm, bucket.tokens + Math.min(numCharged, numUnusedTokens))
-      })
-    } catch (err) {
-      if (hold === undefined) room.release() // ours: a refused request is not in flight
-      throw err
-    }
+      const refused = (err: unknown): never => {
+        if (hold === undefined) room.release() // ours: a refused request is not in flight
+        throw err
+      }
+      if (tpm === undefined) return ticketOf(room, () => {})
+      let charging: MaybePromise<number>
+      try {
+        charging = chargeTokens(store, tenant, tpm, numRequestedTokens)
+      } catch (err) {
+        return refused(err)
+      }
+      return thenOf(
+        charging,
+        (numCharged) =>
+          ticketOf(room, (numUnusedTokens) => {
+            const numRefunded = Math.min(numCharged, numUnusedTokens)
+            if (numRefunded > 0) store.refund(tenant, tpm, numRefunded)
+          }),
+        refused,
+      )
+    })
   }
 
-  return {
-    holdTenantRoom,
-    admitTenant,
-    check(): void {
-      for (const [tenant, n] of running) assert.ok(n > 0, `tenant ${tenant} counts ${n} requests`)
-    },
-  }
+  return { holdTenantRoom, admitTenant }
 }
 
-/** Takes `numRequestedTokens` from the tenant's bucket (`refilled`, of `tpm` tokens per minute) and
- *  returns them; throws `rate_limited` with the wait that refills enough, or with none when no
- *  wait can. */
-function chargeTokens(refilled: () => Bucket, tpm: number, numRequestedTokens: number): number {
+/** Takes `numRequestedTokens` from the tenant's bucket (of `tpm` tokens per minute, in `store`)
+ *  and returns them; throws `rate_limited` with the wait that refills enough, or with none when
+ *  no wait can. */
+function chargeTokens(
+  store: LimitStore,
+  tenant: string,
+  tpm: number,
+  numRequestedTokens: number,
+): MaybePromise<number> {
   if (numRequestedTokens > tpm) {
     throw new LimitError(
       'rate_limited',
@@ -232,17 +229,17 @@ function chargeTokens(refilled: () => Bucket, tpm: number, numRequestedTokens: n
       null, // no wait refills a bucket past its size
     )
   }
-  const bucket = refilled()
-  if (bucket.tokens < numRequestedTokens) {
-    const waitMs = ((numRequestedTokens - bucket.tokens) * 60_000) / tpm
-    throw new LimitError(
-      'rate_limited',
-      `Rate limit reached: this request may use ${numRequestedTokens} tokens, ${Math.floor(bucket.tokens)} of your key's ${tpm} tokens per minute are left.`,
-      Math.max(1, Math.ceil(waitMs / 1000)),
-    )
-  }
-  bucket.tokens -= numRequestedTokens
-  return numRequestedTokens
+  return thenOf(store.charge(tenant, tpm, numRequestedTokens), (charge) => {
+    if (!charge.isCharged) {
+      const waitMs = ((numRequestedTokens - charge.numTokensLeft) * 60_000) / tpm
+      throw new LimitError(
+        'rate_limited',
+        `Rate limit reached: this request may use ${numRequestedTokens} tokens, ${Math.floor(charge.numTokensLeft)} of your key's ${tpm} tokens per minute are left.`,
+        Math.max(1, Math.ceil(waitMs / 1000)),
+      )
+    }
+    return numRequestedTokens
+  })
 }
 
 /** A ticket releasing `room` and then refunding (`refund`) once, however often it is released. */

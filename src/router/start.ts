@@ -17,6 +17,7 @@ import { createDrain } from './drain.js'
 import { type GatewayOptions, startGateway } from './gateway/backend.js'
 import { type Limiter, type QueueLimits, createLimiter, queueLimitDefaults } from './limits.js'
 import { type RouterMetrics, createRouterMetrics } from './metrics.js'
+import { type RedisLimitSettings, createRedisLimitStore } from './redis-limits.js'
 import { createNativeBackend } from './native/backend.js'
 import { createCapacityMonitor, defaultCapacityRecheckMs } from './native/capacity-monitor.js'
 import { createRouter } from './router.js'
@@ -101,6 +102,9 @@ export interface StartRouterOptions {
   https?: { cert: string; key: string }
   /** Logger (default: pino to stdout at info). */
   log?: Logger
+  /** Count tenants' limits in Redis, shared by router replicas (redis-limits.ts); default: in
+   *  this process. */
+  redisLimits?: RedisLimitSettings
 }
 
 /** A listening router. */
@@ -150,12 +154,21 @@ async function startWithTenants(
   watcher: TenantsWatcher | null,
 ): Promise<RunningRouter> {
   const tenants = watcher?.registry ?? createTenantRegistry(options.tenants as TenantRecord[])
-  const limiter = createLimiter({ ...queueLimitDefaults, ...options.queue })
-  const started =
+  const queue = { ...queueLimitDefaults, ...options.queue }
+  const store = options.redisLimits && (await createRedisLimitStore(options.redisLimits, log))
+  const limiter = store
+    ? createLimiter(queue, () => performance.now(), store)
+    : createLimiter(queue)
+  const started = await (
     options.gateway !== undefined
-      ? await startGatewayBackend(options, options.gateway, limiter, log)
-      : await startNativeBackend(options, limiter, log)
+      ? startGatewayBackend(options, options.gateway, limiter, log)
+      : startNativeBackend(options, limiter, log)
+  ).catch((err: unknown) => {
+    store?.close()
+    throw err
+  })
   const { backend } = started
+  store?.registerMetrics(started.metrics.registry)
   try {
     const config = buildRouterConfig({
       ...started.config,
@@ -168,9 +181,11 @@ async function startWithTenants(
     return await listenRouter(options, config, deps, () => {
       watcher?.close()
       backend.close()
+      store?.close()
     })
   } catch (err) {
     backend.close()
+    store?.close()
     throw err
   }
 }

@@ -69,11 +69,17 @@ export interface Tenant {
   key: string
 }
 
-/** Fork `kvfence <args>` and resolve once it reports ready over IPC; rejects with the part's
+/** Fork `kvfence <args>` (with `env` added to this process's environment) and resolve once it
+ *  reports ready over IPC; rejects with the part's
  *  last stderr when it exits or is not ready within `timeoutMs`. */
-export function startPart(args: string[], timeoutMs = 30_000): Promise<ChildProcess> {
+export function startPart(
+  args: string[],
+  timeoutMs = 30_000,
+  env: NodeJS.ProcessEnv = {},
+): Promise<ChildProcess> {
   const child = fork(cliPath, [...args, '--log-level', 'warn'], {
     stdio: ['ignore', 'ignore', 'pipe', 'ipc'],
+    env: { ...process.env, ...env },
   })
   let tail = ''
   child.stderr!.on('data', (chunk: Buffer) => {

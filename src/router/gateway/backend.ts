@@ -46,6 +46,9 @@ export interface GatewayOptions {
   /** Deadline of discovery and tokenize calls, ms (default {@link defaultTimeoutMs}). */
   timeoutMs?: number
   log: Logger
+  /** The secret of the tenants' `cache_salt`s (salt-secret.ts); null or absent: one drawn per
+   *  process (logged as such). */
+  saltSecret?: Uint8Array | null
 }
 
 /** A running gateway: a {@link Backend} and what the router's start needs of it. */
@@ -94,11 +97,16 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   const timer = intervalMs > 0 ? setInterval(() => void rediscover(), intervalMs) : null
   timer?.unref()
 
+  if (options.saltSecret == null) {
+    options.log.info(
+      'cache salts: a random secret of this process (replicas differ; set KVFENCE_SALT_SECRET or router.saltSecretFile to share them)',
+    )
+  }
   const relayContext = {
     http,
     engine: engines[options.kind],
     backendModel,
-    cacheSaltOf: createCacheSalts(),
+    cacheSaltOf: createCacheSalts(options.saltSecret ?? null),
   }
   return {
     name: options.kind,

@@ -47,16 +47,17 @@ const enginePaths: { readonly [E in Endpoint]: string } = {
   completion: '/v1/completions',
 }
 
-/** Each tenant's `cache_salt`: HMAC-SHA-256 of its name under a secret drawn here — stable for
- *  the router's life (a tenant keeps its cache hits), different for every tenant, and not
- *  computable by anyone who can read the engine's requests or logs. */
-export function createCacheSalts(): (tenant: string) => string {
-  const secret = randomBytes(32)
+/** Each tenant's `cache_salt`: HMAC-SHA-256 of its name under `secret` — the configured one
+ *  (see salt-secret.ts: the same on every replica and across restarts), or, when null, one drawn
+ *  here (stable for this process's life only). Different for every tenant (a tenant keeps its
+ *  own cache hits), and not computable by anyone who can read the engine's requests or logs. */
+export function createCacheSalts(secret: Uint8Array | null = null): (tenant: string) => string {
+  const key = secret ?? randomBytes(32)
   const salts = new Map<string, string>()
   return (tenant) => {
     let salt = salts.get(tenant)
     if (salt === undefined) {
-      salt = createHmac('sha256', secret).update(tenant).digest('base64url')
+      salt = createHmac('sha256', key).update(tenant).digest('base64url')
       salts.set(tenant, salt)
     }
     return salt
