@@ -14,6 +14,7 @@
  *  seed: 42
  *  failOn: leak                         # leak | warning | inconclusive
  *  reports: { json: audit.json, junit: audit.xml, html: audit.html }
+ *  authorized_targets: [llm.staging.internal]  # hosts other than loopback the audit may reach
  *  ```
  *  Knows YAML and environment variables; knows nothing of HTTP. */
 import { readFile } from 'node:fs/promises'
@@ -49,6 +50,7 @@ const ConfigFile = z.strictObject({
     .max(2 ** 32 - 1)
     .optional(),
   failOn: z.enum(['leak', 'warning', 'inconclusive']).optional(),
+  authorized_targets: z.array(z.string().min(1)).optional(),
   reports: z
     .strictObject({
       json: z.string().min(1).optional(),
@@ -70,6 +72,8 @@ export interface AuditConfigFile {
   readonly seed?: number
   readonly failOn?: Verdict
   readonly reports?: { readonly json?: string; readonly junit?: string; readonly html?: string }
+  /** Hosts (`host`, `host:port` or a URL) other than loopback the audit may be pointed at. */
+  readonly authorizedTargets?: readonly string[]
 }
 
 /** Reads and validates `file`. Throws `AuditError('invalid_config')` with one line naming the file
@@ -141,5 +145,6 @@ export function parseAuditConfig(
     seed: c.seed,
     failOn: c.failOn,
     reports: c.reports,
+    authorizedTargets: c.authorized_targets,
   }
 }

@@ -2,6 +2,7 @@
  *  (which spends the `Budget`) and always returns at least one finding. */
 import type { Budget } from './budget.js'
 import type { Discovery } from './discovery.js'
+import type { PlanInput, PlannedRequests } from './plan.js'
 import type { PromptSizer } from './sizer.js'
 import type { Target } from './target.js'
 import type { Finding, ProbeName } from './types.js'
@@ -24,6 +25,9 @@ export interface Probe {
   readonly description: string
   /** Throws `BudgetExhaustedError` only when it has nothing at all to report. */
   run(target: Target, budget: Budget, context: ProbeContext): Promise<Finding[]>
+  /** What `run` would send at most (`kvfence audit --plan`), from the flags and discovery's
+   *  numbers alone. Optional for probes defined elsewhere; every built-in probe has one. */
+  plan?(input: PlanInput): PlannedRequests[]
 }
 
 /** Advice shared by findings that concern the rejection path. */

@@ -11,7 +11,8 @@ import { Ledger } from './ledger.js'
 import type { ProbeContext } from './probe.js'
 import { inconclusiveRemediation } from './probe.js'
 import { probes } from './probes/index.js'
-import { calibrate, type PromptSizer } from './sizer.js'
+import { calibrate, calibrationWords, type PromptSizer } from './sizer.js'
+import { probePlan, totalPlan, type AuditPlan, type PlanInput } from './plan.js'
 import { createTarget, type HttpResult, type Target } from './target.js'
 import {
   AuditError,
@@ -153,6 +154,63 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   }
   return report
 }
+
+/** `kvfence audit --plan`: what {@link runAudit} with these options would send, per probe, and
+ *  what its tokens cost at `pricePerMillionTokens` (default 0: not priced). Sends discovery's
+ *  reads only (`GET /v1/models`, server info, `/metrics`: the sizes of several probes follow the
+ *  pool and context they report), never a completion. Throws `AuditError` as `runAudit` does
+ *  for bad options or an unreachable target. */
+export async function planAudit(
+  options: AuditOptions & { readonly pricePerMillionTokens?: number },
+): Promise<AuditPlan> {
+  const config = validate(options)
+  const price = options.pricePerMillionTokens ?? 0
+  if (!(Number.isFinite(price) && price >= 0))
+    throw new AuditError('invalid_options', `price per million tokens must be ≥ 0, got ${price}`)
+  const budget = new Budget(config.budget)
+  const discoveryTarget = createTarget({
+    baseUrl: config.baseUrl,
+    tenants: config.tenants,
+    budget,
+    requestTimeoutMs: config.requestTimeoutMs,
+    model: null,
+  })
+  const discovery = await discover(discoveryTarget, config.model)
+  const input: PlanInput = {
+    limits: config.budget,
+    numTenants: config.tenants.length,
+    overCapacityAttempts: config.overCapacityAttempts,
+    poolTokens: discovery.poolTokens,
+    contextTokens: discovery.contextTokens,
+  }
+  const isSized = config.probes.some((p) => probesThatSize.includes(p))
+  const own = probePlan('audit', [
+    { what: 'discovery reads (GET)', numRequests: discovery.endpoints.length, tokensEach: 0 },
+    { what: 'key checks (GET /v1/models)', numRequests: config.tenants.length, tokensEach: 0 },
+    ...calibrationWords.map((words) => ({
+      what: `token calibration (${words} words)`,
+      numRequests: isSized ? 1 : 0,
+      tokensEach: 2 * words + 2,
+    })),
+  ])
+  return totalPlan(
+    {
+      target: config.baseUrl,
+      limits: config.budget,
+      poolTokens: discovery.poolTokens,
+      contextTokens: discovery.contextTokens,
+      endpoints: discovery.endpoints,
+      probes: [
+        own,
+        ...config.probes.map((name) => probePlan(name, probes[name].plan?.(input) ?? [])),
+      ],
+    },
+    price,
+  )
+}
+
+/** Probes that calibrate token counts (the audit's calibration completions are theirs). */
+const probesThatSize: readonly ProbeName[] = ['boundary', 'canary', 'prefix-timing']
 
 /** The exit code `kvfence audit` uses: 1 when a finding's verdict is at or above `failOn` (a leak
  *  always is), else 0. (2, for a tool error, is the caller's: `runAudit` then throws, e.g. for a

@@ -120,9 +120,14 @@ export const verdictRank: Readonly<Record<Verdict, number>> = {
 }
 
 /** `no_completion_answered`: the target answered none of the valid completions the audit sent
- *  (not an OpenAI endpoint, a wrong model or path prefix, an engine failing every request). */
+ *  (not an OpenAI endpoint, a wrong model or path prefix, an engine failing every request).
+ *  `unauthorized_target`: a non-loopback target nobody authorized (authorize.ts). */
 export type AuditErrorCode =
-  'invalid_options' | 'invalid_config' | 'target_unreachable' | 'no_completion_answered'
+  | 'invalid_options'
+  | 'invalid_config'
+  | 'target_unreachable'
+  | 'no_completion_answered'
+  | 'unauthorized_target'
 
 /** A tool error: the audit could not run at all (bad options, target unreachable). The message
  *  is one line, names tenants but never keys. */

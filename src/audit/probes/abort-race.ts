@@ -4,6 +4,7 @@
  *  aborted prompts' canaries. Catches pages freed on abort while a write into them was still in
  *  flight, and buffers or connections reused after an abort (sglang#24527, the 2023 redis-py
  *  incident). An abort the server never saw (the request had finished) still counts as sent. */
+import { materialPromptTokens } from '../plan.js'
 import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
@@ -32,6 +33,18 @@ export const abortRaceProbe: Probe = {
   name: 'abort-race',
   description:
     "the victim's streams are cut at random points and non-streamed requests abandoned while others run; fresh requests of other tenants must carry none of the aborted canaries",
+  plan: ({ numTenants }) => [
+    {
+      what: 'requests cut, each beside another tenant’s',
+      numRequests: 2 * numCuts,
+      tokensEach: materialPromptTokens + maxTokens,
+    },
+    {
+      what: 'fresh requests after the cuts',
+      numRequests: numFreshPerTenant * (numTenants - 1),
+      tokensEach: materialPromptTokens + maxTokens,
+    },
+  ],
   async run(target, _budget, context): Promise<Finding[]> {
     const [victim, ...others] = target.tenants
     const rng = createRng(context.seed, 'abort-race')

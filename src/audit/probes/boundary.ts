@@ -30,6 +30,16 @@ export const boundaryProbe: Probe = {
   name: 'boundary',
   description:
     'prompts of pool−1, pool, pool+1, context−1, context, context+1 tokens; one that cannot fit must get a 4xx, never a 200',
+  plan: ({ poolTokens, contextTokens }) => {
+    const limit = Math.min(...[poolTokens, contextTokens].filter((n) => n !== null))
+    const sizes = boundarySizes(poolTokens, contextTokens)
+    // A prompt that fits may be sent once more, resized after the first count.
+    return sizes.map((s) => ({
+      what: `prompt of ${s.tokens} tokens (${s.labels.join('/')})`,
+      numRequests: s.tokens > limit ? 1 : 2,
+      tokensEach: s.tokens + 1,
+    }))
+  },
   async run(target, _budget, context): Promise<Finding[]> {
     const { poolTokens, contextTokens } = context.discovery
     const inconclusive = (title: string, evidence: Record<string, unknown>): Finding[] => [

@@ -2,6 +2,7 @@
  *  budget's concurrency allows), each with canaries of its own, streamed and not; every answer,
  *  first tokens included, must carry only its own request's material. Catches batch slots,
  *  metadata or first tokens mixed up under load (sglang#17259, #22716). */
+import { materialPromptTokens } from '../plan.js'
 import { BudgetExhaustedError } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
@@ -24,6 +25,13 @@ export const concurrencyProbe: Probe = {
   name: 'concurrency',
   description:
     'bursts of simultaneous requests from every tenant (up to --concurrency); each answer, first tokens included, must carry only its own material',
+  plan: ({ limits }) => [
+    {
+      what: `${numBursts} bursts of ${limits.concurrency}`,
+      numRequests: limits.concurrency < 2 ? 0 : numBursts * limits.concurrency,
+      tokensEach: materialPromptTokens + maxTokens,
+    },
+  ],
   async run(target, budget, context): Promise<Finding[]> {
     const burstSize = budget.limits.concurrency
     const inconclusive = (title: string, evidence: Record<string, unknown>): Finding[] => [
