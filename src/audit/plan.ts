@@ -16,6 +16,8 @@ export interface PlanInput {
   readonly poolTokens: number | null
   /** Largest advertised context window (tokens), or null. */
   readonly contextTokens: number | null
+  /** The largest prompt the engine says it accepts (SGLang), or null. */
+  readonly inputLimitTokens: number | null
 }
 
 /** One kind of request a probe sends: how many at most, and the tokens of each at most (prompt

@@ -182,6 +182,7 @@ export async function planAudit(
     overCapacityAttempts: config.overCapacityAttempts,
     poolTokens: discovery.poolTokens,
     contextTokens: discovery.contextTokens,
+    inputLimitTokens: discovery.inputLimitTokens,
   }
   const isSized = config.probes.some((p) => probesThatSize.includes(p))
   const own = probePlan('audit', [

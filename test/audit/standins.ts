@@ -9,7 +9,9 @@
  *    with size (as when the model id or a parameter is wrong).
  *  - `static`: not an inference server at all, a plain static file server (`python -m
  *    http.server`): `GET /` is a page, other GETs 404, every POST 501.
- *  Discovery endpoints take the shape of kvfence, SGLang or vLLM (`flavour`); `/health` answers
+ *  Discovery endpoints take the shape of kvfence, SGLang or vLLM (`flavour`); an SGLang-shaped
+ *  stand-in reports and (when `safe`) enforces SGLang's input limit, `min(context − 1, pool − 1)
+ *  − 5`; `/health` answers
  *  200 whatever happens to completions. A completion naming another model than `tiny-echo` gets
  *  404 `model_not_found`.
  *  The "model" echoes: its output is the words in its KV pages. A token is a whitespace-separated
@@ -95,6 +97,9 @@ export interface StandInOptions {
   /** A completion whose client went away keeps its pages this long (ms) before they are freed
    *  (an abort the engine never hears of, released by a timeout). */
   readonly abortHoldMs?: number
+  /** Advertised context window (tokens); default 1024 for `leaky`, the pool (384) otherwise. A
+   *  `safe` stand-in refuses a prompt plus max_tokens over it. */
+  readonly contextTokens?: number
 }
 
 const poolTokens = 384
@@ -103,7 +108,10 @@ export async function startStandIn(
   kind: StandInKind,
   options: StandInOptions = {},
 ): Promise<StandIn> {
-  const contextTokens = kind === 'leaky' ? 1024 : poolTokens
+  const contextTokens = options.contextTokens ?? (kind === 'leaky' ? 1024 : poolTokens)
+  // SGLang's scheduler: min(context − 1, pool − 1) − 5, and an input of that many tokens or more
+  // is refused (a correct SGLang; the leaky one decodes it over stale pages instead).
+  const sglangInputLimit = Math.min(contextTokens - 1, poolTokens - 1) - 5
   const pool: string[] = new Array<string>(poolTokens).fill('')
   const stats: StandInStats = {
     numRequests: 0,
@@ -160,7 +168,9 @@ export async function startStandIn(
         context_length: null,
         chunked_prefill_size: 8192,
         max_prefill_tokens: 16384,
-        internal_states: [{ max_total_num_tokens: poolTokens, max_req_input_len: poolTokens - 1 }],
+        internal_states: [
+          { max_total_num_tokens: poolTokens, max_req_input_len: sglangInputLimit },
+        ],
       })
     }
     if (req.method === 'GET' && path === '/metrics' && flavour === 'kvfence') {
@@ -248,6 +258,15 @@ export async function startStandIn(
           param: 'prompt',
           code: 'context_length_exceeded',
         },
+      })
+    }
+    if (flavour === 'sglang' && kind === 'safe' && numTokens >= sglangInputLimit) {
+      return sendJson(res, 400, {
+        object: 'error',
+        message: `Input length (${numTokens} tokens) exceeds the maximum allowed length (${sglangInputLimit} tokens). Use a shorter input or enable --allow-auto-truncate.`,
+        type: 'BadRequestError',
+        param: null,
+        code: 400,
       })
     }
     if (options.failValid && numTokens <= poolTokens) {

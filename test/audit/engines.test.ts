@@ -1,0 +1,72 @@
+/** Capacity rules per engine: each engine's own derivation of the largest input it accepts,
+ *  against stand-ins shaped like that engine's reports, over real HTTP. */
+import assert from 'node:assert/strict'
+import { describe, test } from 'node:test'
+import { runAudit, type AuditReport } from '../../src/audit/index.js'
+import { standInTenants, startStandIn, type StandInOptions } from './standins.js'
+
+async function audit(options: StandInOptions): Promise<AuditReport> {
+  const standIn = await startStandIn('safe', options)
+  try {
+    return await runAudit({
+      target: standIn.url,
+      tenants: standInTenants,
+      seed: 5,
+      probes: ['capacity', 'boundary'],
+    })
+  } finally {
+    await standIn.close()
+  }
+}
+
+const rows = (report: AuditReport): string[][] =>
+  report.findings.map((f) => [f.probe, f.verdict, f.title])
+
+describe('SGLang: max_req_input_len = min(context − 1, pool − 1) − 5', () => {
+  test('context = pool, the 6-token reserve under it: no warning; boundary clean with the input limit accepted', async () => {
+    // Pool 384, context 384: SGLang reports max_req_input_len 378 and refuses 378 or more.
+    const report = await audit({ flavour: 'sglang' })
+    assert.deepEqual(rows(report), [
+      [
+        'capacity',
+        'clean',
+        "advertised context 384 tokens fits the KV pool of 384 tokens (SGLang's input limit 378 keeps its normal 6-token reserve)",
+      ],
+      ['boundary', 'clean', 'rejected every prompt larger than 384 tokens with a 4xx'],
+    ])
+    const capacity = report.findings[0].evidence
+    assert.equal(capacity.effectivePoolTokens, 384)
+    assert.deepEqual(capacity.inputRule, {
+      engine: 'sglang',
+      rule: 'max_req_input_len = min(context − 1, max_total_num_tokens − 1) − 5',
+      reportedInputLimitTokens: 378,
+      expectedInputLimitTokens: 378,
+      inputLimitSources: [
+        {
+          endpoint: '/get_server_info',
+          field: 'internal_states[0].max_req_input_len',
+          tokens: 378,
+        },
+      ],
+    })
+    const sizes = report.findings[1].evidence.sizes as { labels: string; status: number }[]
+    assert.deepEqual(
+      sizes.map((s) => [s.labels, s.status]),
+      [
+        ['input-limit', 200],
+        ['pool-1/context-1', 400],
+        ['pool/context', 400],
+        ['pool+1/context+1', 400],
+      ],
+    )
+  })
+
+  test('a pool smaller than the advertised context: warning, with both numbers', async () => {
+    const report = await audit({ flavour: 'sglang', contextTokens: 512 })
+    assert.deepEqual(rows(report), [
+      ['capacity', 'warning', 'advertised context 512 tokens > effective KV pool 384 tokens'],
+      ['boundary', 'clean', 'rejected every prompt larger than 384 tokens with a 4xx'],
+    ])
+    assert.equal(report.findings[0].severity, 'high')
+  })
+})
