@@ -44,7 +44,7 @@ export const capacityProbe: Probe = {
     'advertised context window versus the smallest KV pool the endpoint reports (no request of its own); a context the pool cannot hold is a warning',
   plan: () => [],
   async run(_target, _budget, { discovery }): Promise<Finding[]> {
-    const { contextTokens, poolTokens, advertised, pools, endpoints, engine } = discovery
+    const { contextTokens, poolTokens, advertised, pools, endpoints } = discovery
     const evidence = {
       advertisedContextTokens: contextTokens,
       effectivePoolTokens: poolTokens,
