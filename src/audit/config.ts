@@ -41,6 +41,7 @@ const ConfigFile = z.strictObject({
       maxRequests: z.number().int().min(1).optional(),
       maxSeconds: z.number().positive().optional(),
       concurrency: z.number().int().min(1).max(256).optional(),
+      maxConcurrency: z.number().int().min(1).max(256).optional(),
     })
     .optional(),
   seed: z
@@ -69,6 +70,7 @@ export interface AuditConfigFile {
   readonly maxRequests?: number
   readonly maxSeconds?: number
   readonly concurrency?: number
+  readonly maxConcurrency?: number
   readonly seed?: number
   readonly failOn?: Verdict
   readonly reports?: { readonly json?: string; readonly junit?: string; readonly html?: string }
@@ -142,9 +144,11 @@ export function parseAuditConfig(
     maxRequests: c.budget?.maxRequests,
     maxSeconds: c.budget?.maxSeconds,
     concurrency: c.budget?.concurrency,
+    // Present only when given, so a file without them reads as before.
+    ...(c.budget?.maxConcurrency === undefined ? {} : { maxConcurrency: c.budget.maxConcurrency }),
     seed: c.seed,
     failOn: c.failOn,
     reports: c.reports,
-    authorizedTargets: c.authorized_targets,
+    ...(c.authorized_targets === undefined ? {} : { authorizedTargets: c.authorized_targets }),
   }
 }

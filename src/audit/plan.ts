@@ -110,7 +110,7 @@ export function formatPlan(plan: AuditPlan): string {
     ...rows,
     `${'total'.padEnd(16)}${String(plan.numRequests).padStart(9)}${String(plan.numTokens).padStart(11)}${price(plan.numTokens)}`,
     plan.numRequests > plan.limits.maxRequests
-      ? `the request budget (--max-requests ${plan.limits.maxRequests}) stops the audit after ${plan.numRequestsCapped} requests: the probes it does not reach are inconclusive`
+      ? `the plan's ${plan.numRequests} requests exceed --max-requests ${plan.limits.maxRequests}: if every one is sent, the audit stops after ${plan.numRequestsCapped} and the probes it does not reach are inconclusive`
       : `within the request budget (--max-requests ${plan.limits.maxRequests})`,
     isPriced
       ? `at ${plan.pricePerMillionTokens} per million tokens`

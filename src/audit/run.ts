@@ -40,6 +40,9 @@ export interface AuditOptions {
   readonly maxRequests?: number // default 300
   readonly maxSeconds?: number // default 300
   readonly concurrency?: number // default 4
+  /** In flight at most for probes that ramp (concurrency): default 16, or `concurrency` when that
+   *  is given (an explicit cap is honoured everywhere unless this raises it). */
+  readonly maxConcurrency?: number
   readonly requestTimeoutMs?: number // default 60_000, cut shorter by the deadline
   readonly overCapacityAttempts?: number // default 6
   /** Progress, one line at a time (probe started, probe details, probe finished). */
@@ -55,6 +58,7 @@ export const auditDefaults = Object.freeze({
   maxRequests: 300,
   maxSeconds: 300,
   concurrency: 4,
+  maxConcurrency: 16,
   requestTimeoutMs: 60_000,
   overCapacityAttempts: 6,
 })
@@ -88,6 +92,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   for (const name of config.probes) {
     const probeStartedAt = performance.now()
     const requestsBefore = budget.requestsSent
+    budget.takeMostInFlight()
     emit({ type: 'probe-start', probe: name })
     ledger.setProbe(name)
     let isAbandoned = false
@@ -123,6 +128,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
       inconclusiveReasons: probeFindings
         .filter((f) => f.verdict === 'inconclusive')
         .map((f) => f.title),
+      concurrencyReached: budget.takeMostInFlight(),
     })
     emit({ type: 'probe-end', probe: name, findings: probeFindings })
   }
@@ -404,6 +410,7 @@ interface AuditConfig {
     readonly maxRequests: number
     readonly maxSeconds: number
     readonly concurrency: number
+    readonly maxConcurrency: number
   }
   readonly requestTimeoutMs: number
   readonly overCapacityAttempts: number
@@ -470,6 +477,13 @@ function validate(options: AuditOptions): AuditConfig {
       ),
       maxSeconds,
       concurrency: intIn('concurrency', options.concurrency, auditDefaults.concurrency, 1, 256),
+      maxConcurrency: intIn(
+        'max concurrency',
+        options.maxConcurrency,
+        options.concurrency ?? auditDefaults.maxConcurrency,
+        1,
+        256,
+      ),
     }),
     requestTimeoutMs: intIn(
       'request timeout (ms)',

@@ -44,7 +44,11 @@ export interface Finding {
 export interface BudgetLimits {
   readonly maxRequests: number
   readonly maxSeconds: number
+  /** Requests in flight at most, for every probe that does not ramp its load. */
   readonly concurrency: number
+  /** Requests in flight at most for probes that ramp their load 1 → 2 → 4 → 8 → 16 (default:
+   *  `concurrency`). */
+  readonly maxConcurrency?: number
 }
 
 /** What became of one completion:
@@ -89,6 +93,8 @@ export interface ProbeRun {
   readonly completions: CompletionCounts
   /** The titles of its inconclusive findings: why it could not tell (empty when it could). */
   readonly inconclusiveReasons: readonly string[]
+  /** The most of its requests that were in flight at once (the highest concurrency reached). */
+  readonly concurrencyReached?: number
 }
 
 /** The JSON report, schema version 1 (docs/report-schema.json; fields are only ever added, and a

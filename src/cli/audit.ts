@@ -47,6 +47,7 @@ interface AuditFlags {
   maxRequests?: string
   maxSeconds?: string
   concurrency?: string
+  maxConcurrency?: string
   failOn?: FailOn
   plan?: boolean
   pricePerMillionTokens?: string
@@ -84,6 +85,10 @@ export function registerAudit(program: Command): void {
     .option(
       '--concurrency <n>',
       `requests in flight at most (default ${auditDefaults.concurrency})`,
+    )
+    .option(
+      '--max-concurrency <n>',
+      `in flight at most for the probes that ramp their load 1, 2, 4, 8, 16 (default ${auditDefaults.maxConcurrency}, or --concurrency when given)`,
     )
     .addOption(
       new Option(
@@ -152,6 +157,7 @@ async function audit(flags: AuditFlags): Promise<number> {
     maxRequests: parseCount('--max-requests', flags.maxRequests, 1) ?? file.maxRequests,
     maxSeconds: parseSeconds(flags.maxSeconds) ?? file.maxSeconds,
     concurrency: parseCount('--concurrency', flags.concurrency, 1) ?? file.concurrency,
+    maxConcurrency: parseCount('--max-concurrency', flags.maxConcurrency, 1) ?? file.maxConcurrency,
   }
   if (flags.plan) {
     const price = parsePrice(flags.pricePerMillionTokens)

@@ -70,3 +70,62 @@ describe('SGLang: max_req_input_len = min(context − 1, pool − 1) − 5', () 
     assert.equal(report.findings[0].severity, 'high')
   })
 })
+
+describe('concurrency ramp 1 → 2 → 4 → 8 → 16', () => {
+  const rampAudit = async (options: StandInOptions): Promise<AuditReport> => {
+    const standIn = await startStandIn('safe', options)
+    try {
+      return await runAudit({
+        target: standIn.url,
+        tenants: standInTenants,
+        seed: 8,
+        probes: ['concurrency'],
+      })
+    } finally {
+      await standIn.close()
+    }
+  }
+
+  test('slots that cross only with 8 or more running: caught by the default ramp (leak, critical)', async () => {
+    const report = await rampAudit({ isCrossTalk: true, crossTalkMinRunning: 8, tokenDelayMs: 3 })
+    assert.deepEqual(
+      [...new Set(report.findings.map((f) => `${f.probe} ${f.verdict}`))],
+      ['concurrency leak'],
+    )
+    assert.equal(report.findings[0].severity, 'critical')
+    assert.equal(report.budget.maxConcurrency, 16)
+  })
+
+  test('its correct twin: clean, having reached 16 in flight (probeRuns.concurrencyReached)', async () => {
+    const report = await rampAudit({ tokenDelayMs: 3 })
+    assert.deepEqual(rows(report), [
+      [
+        'concurrency',
+        'clean',
+        '31 answers in bursts of 1, 2, 4, 8, 16 in flight carried only their own material',
+      ],
+    ])
+    assert.equal(report.probeRuns[0].concurrencyReached, 16)
+  })
+
+  test("the endpoint's own limit (503 capacity_exhausted above 4 at once) stops the ramp there", async () => {
+    const report = await rampAudit({ maxBatch: 4, maxQueued: 0, tokenDelayMs: 3 })
+    assert.deepEqual(rows(report), [
+      [
+        'concurrency',
+        'clean',
+        '11 answers in bursts of 1, 2, 4, 8 in flight carried only their own material (the endpoint shed load above 4 at once)',
+      ],
+    ])
+    const ramp = report.findings[0].evidence.ramp as { level: number; numShed: number }[]
+    assert.deepEqual(
+      ramp.map((s) => [s.level, s.numShed]),
+      [
+        [1, 0],
+        [2, 0],
+        [4, 0],
+        [8, 4],
+      ],
+    )
+  })
+})

@@ -60,10 +60,13 @@ describe('--plan', () => {
       // plus max_tokens 1.
       assert.deepEqual(planRow(run.stdout, 'boundary'), ['8', '4999', '0.0125'])
       assert.deepEqual(planRow(run.stdout, 'capacity'), ['0', '0', '0.0000'])
-      // concurrency: 3 bursts of --concurrency 4, each (165-token prompt + 32).
-      assert.deepEqual(planRow(run.stdout, 'concurrency'), ['12', '2364', '0.0059'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['286', '41302', '0.1033'])
-      assert.match(run.stdout, /within the request budget \(--max-requests 300\)/)
+      // concurrency: bursts of 1, 2, 4, 8, 16 (--max-concurrency 16), each (165-token prompt + 32).
+      assert.deepEqual(planRow(run.stdout, 'concurrency'), ['31', '6107', '0.0153'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['305', '45045', '0.1126'])
+      assert.match(
+        run.stdout,
+        /the plan's 305 requests exceed --max-requests 300: if every one is sent, the audit stops after 300/,
+      )
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
     } finally {
       await standIn.close()
@@ -84,7 +87,10 @@ describe('--plan', () => {
       ])
       assert.equal(run.code, 0, run.stderr)
       assert.ok(!standIn.stats.paths.some((p) => p.startsWith('POST')), standIn.stats.paths.join())
-      assert.match(run.stdout, /stops the audit after 50 requests/)
+      assert.match(
+        run.stdout,
+        /the audit stops after 50 and the probes it does not reach are inconclusive/,
+      )
       assert.match(run.stdout, /tokens only: give --price-per-million-tokens/)
     } finally {
       await standIn.close()

@@ -83,6 +83,9 @@ export interface StandInOptions {
   readonly isAbortLeak?: boolean
   /** A completion started while another runs begins with the other one's words (crossed slots). */
   readonly isCrossTalk?: boolean
+  /** With `isCrossTalk`: slots cross only when this many completions (this one included) are
+   *  running at once (a race that opens at a batch size only). */
+  readonly crossTalkMinRunning?: number
   /** Output gains a word when another completion is in flight. */
   readonly isLoadSensitive?: boolean
   /** Invalid requests are answered 200 with an error text. */
@@ -331,7 +334,9 @@ export async function startStandIn(
       abortedWords = null
     }
     if (options.isLoadSensitive && stats.numInFlight > 1) output = [...output, 'loaded']
-    if (options.isCrossTalk && runningWords.size > 0) output = [...[...runningWords][0], ...output]
+    const minRunning = Math.max(2, options.crossTalkMinRunning ?? 2)
+    if (options.isCrossTalk && runningWords.size + 1 >= minRunning)
+      output = [...[...runningWords][0], ...output]
     runningWords.add(words)
     res.on('close', () => runningWords.delete(words))
     let cachedTokens = 0
