@@ -18,6 +18,8 @@ export interface PlanInput {
   readonly contextTokens: number | null
   /** The largest prompt the engine says it accepts (SGLang), or null. */
   readonly inputLimitTokens: number | null
+  /** `--aggressive`: bodies that could disturb a shared engine are sent too. */
+  readonly isAggressive: boolean
 }
 
 /** One kind of request a probe sends: how many at most, and the tokens of each at most (prompt

@@ -15,6 +15,9 @@ export interface ProbeContext {
   readonly discovery: Discovery
   /** Token calibration, done once on first use; null when the endpoint gave no token counts. */
   sizer(): Promise<PromptSizer | null>
+  /** `--aggressive`: probes may send bodies that could disturb a shared engine (cache-fields'
+   *  engine-internal fields). Absent: false. */
+  readonly isAggressive?: boolean
   /** One progress line for the console. */
   log(line: string): void
 }

@@ -7,6 +7,7 @@
 import { randomInt } from 'node:crypto'
 import { Budget, BudgetExhaustedError } from './budget.js'
 import { discover, type Discovery } from './discovery.js'
+import { controlsOf } from './controls.js'
 import { Ledger } from './ledger.js'
 import type { ProbeContext } from './probe.js'
 import { inconclusiveRemediation } from './probe.js'
@@ -45,6 +46,9 @@ export interface AuditOptions {
   readonly maxConcurrency?: number
   readonly requestTimeoutMs?: number // default 60_000, cut shorter by the deadline
   readonly overCapacityAttempts?: number // default 6
+  /** Send bodies that could disturb a shared engine (cache-fields' engine-internal fields);
+   *  default false. */
+  readonly isAggressive?: boolean
   /** Progress, one line at a time (probe started, probe details, probe finished). */
   readonly onProgress?: (event: ProgressEvent) => void
 }
@@ -99,6 +103,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     const context: ProbeContext = {
       seed: config.seed,
       overCapacityAttempts: config.overCapacityAttempts,
+      isAggressive: options.isAggressive === true,
       discovery,
       sizer: () => (sizing ??= calibrate(target)),
       log: (message) => {
@@ -118,7 +123,10 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     } catch (err) {
       probeFindings = [failedProbe(name, err)]
     }
-    probeFindings = probeFindings.map((f) => withReason(f, ledger.unansweredReason(name)))
+    probeFindings = probeFindings.map((f) => ({
+      ...withReason(f, ledger.unansweredReason(name)),
+      controls: controlsOf(f.probe),
+    }))
     findings.push(...probeFindings)
     probeRuns.push({
       probe: name,
@@ -134,7 +142,12 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   }
   ledger.setProbe(null)
   const healthReading = health === null ? null : await (health as Promise<HealthReading>)
-  findings.push(...availabilityFindings(ledger, healthReading))
+  findings.push(
+    ...availabilityFindings(ledger, healthReading).map((f) => ({
+      ...f,
+      controls: controlsOf(f.probe),
+    })),
+  )
 
   const report: AuditReport = {
     schemaVersion: 1,
@@ -189,6 +202,7 @@ export async function planAudit(
     poolTokens: discovery.poolTokens,
     contextTokens: discovery.contextTokens,
     inputLimitTokens: discovery.inputLimitTokens,
+    isAggressive: options.isAggressive === true,
   }
   const isSized = config.probes.some((p) => probesThatSize.includes(p))
   const own = probePlan('audit', [

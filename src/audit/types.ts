@@ -17,6 +17,7 @@ export const probeNames = [
   'page-leak',
   'determinism',
   'prefix-timing',
+  'cache-fields',
   'error-handling',
 ] as const
 export type ProbeName = (typeof probeNames)[number]
@@ -31,6 +32,13 @@ export interface Tenant {
  *  requests (valid requests that failed, a health check that said all was well meanwhile). */
 export type FindingSource = ProbeName | 'availability'
 
+/** What a finding maps to (controls.ts): OWASP AISVS requirement ids (`5.5.5`) and kvfence's
+ *  guards (`G1`–`G10`) that would have stopped it. */
+export interface FindingControls {
+  readonly aisvs: readonly string[]
+  readonly guards: readonly string[]
+}
+
 /** One conclusion of one probe. `evidence` is JSON and holds no key and no unredacted output. */
 export interface Finding {
   readonly probe: FindingSource
@@ -39,6 +47,9 @@ export interface Finding {
   readonly title: string
   readonly evidence: Record<string, unknown>
   readonly remediation: string
+  /** The controls it maps to; set by the audit for every finding (absent in findings a probe
+   *  builds, before the audit adds it). */
+  readonly controls?: FindingControls
 }
 
 export interface BudgetLimits {

@@ -52,6 +52,7 @@ interface AuditFlags {
   plan?: boolean
   pricePerMillionTokens?: string
   authorized?: boolean
+  aggressive?: boolean
 }
 
 export function registerAudit(program: Command): void {
@@ -107,6 +108,10 @@ export function registerAudit(program: Command): void {
     .option(
       '--authorized',
       'the target is one you may audit (needed for a non-loopback target not in authorized_targets)',
+    )
+    .option(
+      '--aggressive',
+      'also send bodies that could disturb a shared engine (cache-fields: engine-internal fields aimed at an unrouted host)',
     )
     .showHelpAfterError(false)
     .action(async (flags: AuditFlags) => {

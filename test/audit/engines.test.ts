@@ -129,3 +129,75 @@ describe('concurrency ramp 1 → 2 → 4 → 8 → 16', () => {
     )
   })
 })
+
+describe('cache-fields: fields that steer the cache must be refused or ignored', () => {
+  const fieldsAudit = async (
+    options: StandInOptions,
+    isAggressive = false,
+  ): Promise<AuditReport> => {
+    const standIn = await startStandIn('safe', options)
+    try {
+      return await runAudit({
+        target: standIn.url,
+        tenants: standInTenants,
+        seed: 11,
+        probes: ['cache-fields'],
+        isAggressive,
+      })
+    } finally {
+      await standIn.close()
+    }
+  }
+
+  test("a client's cache_salt honoured (another tenant's salt opens its prefix): leak per field", async () => {
+    const report = await fieldsAudit({ prefixCache: 'per-tenant', clientSalt: 'honoured' })
+    assert.deepEqual(rows(report), [
+      [
+        'cache-fields',
+        'leak',
+        "cache_salt is honoured from clients: bob's request with alice's cache_salt value reported 32 cached tokens of a prefix only alice sent",
+      ],
+      [
+        'cache-fields',
+        'leak',
+        "extra_key is honoured from clients: bob's request with alice's extra_key value reported 32 cached tokens of a prefix only alice sent",
+      ],
+    ])
+  })
+
+  test('its twin that ignores the fields (cache keyed by tenant), and one that refuses them: clean', async () => {
+    assert.deepEqual(rows(await fieldsAudit({ prefixCache: 'per-tenant' })), [
+      [
+        'cache-fields',
+        'clean',
+        'cache-steering fields refused or ignored: cache_salt ignored, extra_key ignored',
+      ],
+    ])
+    assert.deepEqual(
+      rows(await fieldsAudit({ prefixCache: 'per-tenant', clientSalt: 'refused' }, true)),
+      [
+        [
+          'cache-fields',
+          'clean',
+          'cache-steering fields refused or ignored: cache_salt refused, extra_key refused, kv_transfer_params refused, bootstrap_host refused, positional_embed_overrides refused',
+        ],
+      ],
+    )
+  })
+
+  test('a cache shared whatever the field: leak saying so; no prefix cache at all: inconclusive (no positive control)', async () => {
+    const shared = await fieldsAudit({ prefixCache: 'shared' })
+    assert.equal(shared.findings[0].verdict, 'leak')
+    assert.match(
+      shared.findings[0].title,
+      /it did without the field too: the prefix cache is shared across tenants$/,
+    )
+    assert.deepEqual(rows(await fieldsAudit({})), [
+      [
+        'cache-fields',
+        'inconclusive',
+        "could not tell whether another tenant's salt is honoured: cache_salt (the same tenant and salt reported no cached tokens), extra_key (the same tenant and salt reported no cached tokens)",
+      ],
+    ])
+  })
+})

@@ -62,10 +62,12 @@ describe('--plan', () => {
       assert.deepEqual(planRow(run.stdout, 'capacity'), ['0', '0', '0.0000'])
       // concurrency: bursts of 1, 2, 4, 8, 16 (--max-concurrency 16), each (165-token prompt + 32).
       assert.deepEqual(planRow(run.stdout, 'concurrency'), ['31', '6107', '0.0153'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['305', '45045', '0.1126'])
+      // cache-fields: a plain control, then 4 requests for each of cache_salt and extra_key.
+      assert.deepEqual(planRow(run.stdout, 'cache-fields'), ['9', '1494', '0.0037'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['314', '46539', '0.1163'])
       assert.match(
         run.stdout,
-        /the plan's 305 requests exceed --max-requests 300: if every one is sent, the audit stops after 300/,
+        /the plan's 314 requests exceed --max-requests 300: if every one is sent, the audit stops after 300/,
       )
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
     } finally {

@@ -103,6 +103,10 @@ export interface StandInOptions {
   /** Advertised context window (tokens); default 1024 for `leaky`, the pool (384) otherwise. A
    *  `safe` stand-in refuses a prompt plus max_tokens over it. */
   readonly contextTokens?: number
+  /** Fields that steer the cache (`cache_salt`, `extra_key`, engine-internal ones): ignored
+   *  (default), `honoured` (a salt replaces the tenant as the prefix cache's key, whoever sends
+   *  it: vllm#53347), or `refused` with 400 (kvfence's router). */
+  readonly clientSalt?: 'honoured' | 'refused'
 }
 
 const poolTokens = 384
@@ -246,6 +250,19 @@ export async function startStandIn(
         },
       })
     }
+    const fields = JSON.parse(body) as Record<string, unknown>
+    const steering = Object.keys(fields).filter((k) => steeringFields.has(k))
+    if (options.clientSalt === 'refused' && steering.length > 0) {
+      return sendJson(res, 400, {
+        error: {
+          message: `Unrecognized request argument supplied: ${steering[0]}`,
+          type: 'invalid_request_error',
+          param: steering[0],
+          code: 'invalid_request',
+        },
+      })
+    }
+    const salt = fields.cache_salt ?? fields.extra_key
     const words = request.prompt.trim().split(/\s+/)
     const numTokens = countTokens(request.prompt)
     if (options.isErrorAs200 && numTokens + request.max_tokens > contextTokens) {
@@ -343,7 +360,10 @@ export async function startStandIn(
     if (options.prefixCache && options.prefixCache !== 'none') {
       const key = words.slice(0, 32).join(' ')
       const owners = prefixCache.get(key) ?? new Set<string>()
-      const tenant = req.headers.authorization ?? ''
+      const tenant =
+        options.clientSalt === 'honoured' && typeof salt === 'string'
+          ? `salt:${salt}`
+          : (req.headers.authorization ?? '')
       const isHit = options.prefixCache === 'shared' ? owners.size > 0 : owners.has(tenant)
       const isCounted = isHit && (!options.isCrossHitUncounted || owners.has(tenant))
       owners.add(tenant)
@@ -410,6 +430,17 @@ export async function startStandIn(
       }),
   }
 }
+
+/** Request fields that steer an engine's cache or transfer path. */
+const steeringFields = new Set([
+  'cache_salt',
+  'extra_key',
+  'kv_transfer_params',
+  'bootstrap_host',
+  'bootstrap_port',
+  'bootstrap_room',
+  'positional_embed_overrides',
+])
 
 /** A URL on which nothing listens: a port bound and released. */
 export async function unreachableUrl(): Promise<string> {
