@@ -1,8 +1,16 @@
-/** Capacity rules per engine: each engine's own derivation of the largest input it accepts,
- *  against stand-ins shaped like that engine's reports, over real HTTP. */
+/** The second edition's probes and rules, against stand-ins over real HTTP: capacity rules per
+ *  engine (each engine's own derivation of the largest input it accepts), the concurrency ramp,
+ *  fields that steer the cache, and the controls every finding names. */
 import assert from 'node:assert/strict'
 import { describe, test } from 'node:test'
-import { runAudit, type AuditReport } from '../../src/audit/index.js'
+import {
+  formatHtmlReport,
+  formatJunitReport,
+  formatSummary,
+  runAudit,
+  type AuditReport,
+} from '../../src/audit/index.js'
+import { reportValidator } from './schema-validator.js'
 import { standInTenants, startStandIn, type StandInOptions } from './standins.js'
 
 async function audit(options: StandInOptions): Promise<AuditReport> {
@@ -199,5 +207,36 @@ describe('cache-fields: fields that steer the cache must be refused or ignored',
         "could not tell whether another tenant's salt is honoured: cache_salt (the same tenant and salt reported no cached tokens), extra_key (the same tenant and salt reported no cached tokens)",
       ],
     ])
+  })
+})
+
+describe('controls: each finding names OWASP AISVS 5.5.5 where it applies and the guards that would have stopped it', () => {
+  test('in the JSON (valid against the schema), the console table, JUnit and HTML', async () => {
+    const standIn = await startStandIn('leaky')
+    let report: AuditReport
+    try {
+      report = await runAudit({
+        target: standIn.url,
+        tenants: standInTenants,
+        seed: 3,
+        probes: ['capacity', 'canary'],
+      })
+    } finally {
+      await standIn.close()
+    }
+    const capacity = report.findings.find((f) => f.probe === 'capacity')
+    const leak = report.findings.find((f) => f.probe === 'canary' && f.verdict === 'leak')
+    // docs/threat-model.md: the incident's path is closed by G1–G4, stale pages by G5 and G6.
+    assert.deepEqual(capacity?.controls, { aisvs: [], guards: ['G1'] })
+    assert.deepEqual(leak?.controls, {
+      aisvs: ['5.5.5'],
+      guards: ['G1', 'G2', 'G3', 'G4', 'G5', 'G6'],
+    })
+    const { validate, errorsOf } = reportValidator()
+    assert.ok(validate(JSON.parse(JSON.stringify(report))), errorsOf())
+    const line = 'AISVS 5.5.5; G1, G2, G3, G4, G5, G6'
+    assert.match(formatSummary(report), new RegExp(`canary\\s+leak\\s+critical\\s+${line}`))
+    assert.ok(formatJunitReport(report).includes(`controls: ${line}`))
+    assert.ok(formatHtmlReport(report, '').includes(`<td>${line}</td>`))
   })
 })
