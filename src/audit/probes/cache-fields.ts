@@ -25,8 +25,8 @@ import { materialPromptTokens } from '../plan.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
-import { outcomeOf, type CompletionResult } from '../target.js'
-import type { Finding } from '../types.js'
+import { outcomeOf, type CompletionResult, type Target } from '../target.js'
+import type { Finding, Tenant } from '../types.js'
 
 /** Fields that key a prefix cache, by the engine that reads them. */
 const saltFields = [
@@ -98,12 +98,7 @@ export const cacheFieldsProbe: Probe = {
     const [victim, observer] = target.tenants
     const rng = createRng(context.seed, 'cache-fields')
     const salts: SaltResult[] = []
-    const internal: {
-      name: string
-      status: number | null
-      failure: string | null
-      verdict: string
-    }[] = []
+    const internal: InternalResult[] = []
     let isPlainAccepted = false
     const stoppedBy = await runUntilExhausted(async () => {
       // The same request without any field must be answered, or a 4xx says nothing of fields.
@@ -115,60 +110,7 @@ export const cacheFieldsProbe: Probe = {
       })
       isPlainAccepted = outcomeOf(plain) === 'accepted'
       if (!isPlainAccepted) return
-      for (const { field } of saltFields) {
-        const prefix = randomPrefix(rng)
-        const salt = `kvfence-audit-${makeCanaries(rng, 1)[0]}`
-        const statuses: (number | string | null)[] = []
-        const send = async (tenant: typeof victim, fields: Record<string, unknown>) => {
-          const r = await target.complete({
-            tenant,
-            prompt: `${prefix} ${suffix(rng)}`,
-            maxTokens,
-            stream: false,
-            extraFields: fields,
-            // A body with a field the endpoint may refuse: its refusal is no failure.
-            isValid: Object.keys(fields).length === 0,
-          })
-          statuses.push(r.status ?? r.failure)
-          return r
-        }
-        const base = { field, statuses }
-        const first = await send(victim, { [field]: salt })
-        if (isRefusal(first)) {
-          salts.push({
-            ...base,
-            outcome: 'refused',
-            controlCachedTokens: null,
-            crossCachedTokens: null,
-            withoutFieldCachedTokens: null,
-          })
-          continue
-        }
-        if (outcomeOf(first) !== 'accepted') {
-          salts.push({
-            ...base,
-            outcome: 'not-sent',
-            controlCachedTokens: null,
-            crossCachedTokens: null,
-            withoutFieldCachedTokens: null,
-          })
-          continue
-        }
-        const control = await send(victim, { [field]: salt })
-        const cross = await send(observer, { [field]: salt })
-        const without = await send(observer, {})
-        const controlCached = acceptedCached(control)
-        const crossCached = acceptedCached(cross)
-        const outcome =
-          (crossCached ?? 0) > 0 ? 'honoured' : (controlCached ?? 0) > 0 ? 'ignored' : 'no-control'
-        salts.push({
-          ...base,
-          outcome,
-          controlCachedTokens: controlCached,
-          crossCachedTokens: crossCached,
-          withoutFieldCachedTokens: acceptedCached(without),
-        })
-      }
+      for (const { field } of saltFields) salts.push(await testSalt(target, rng, field))
       if (context.isAggressive !== true) return
       for (const { name, fields } of internalFieldValues) {
         const prompt = `${randomPrefix(rng)} ${suffix(rng)}`
@@ -204,75 +146,142 @@ export const cacheFieldsProbe: Probe = {
       isPlainAccepted,
       stoppedBy,
     }
-    const findings: Finding[] = []
-    for (const s of salts.filter((x) => x.outcome === 'honoured')) {
-      const isShared = (s.withoutFieldCachedTokens ?? 0) > 0
-      findings.push({
-        probe: 'cache-fields',
-        verdict: 'leak',
-        severity: 'high',
-        title: isShared
-          ? `${observer.name}'s request with ${victim.name}'s ${s.field} reported ${s.crossCachedTokens} cached tokens of a prefix only ${victim.name} sent; it did without the field too: the prefix cache is shared across tenants`
-          : `${s.field} is honoured from clients: ${observer.name}'s request with ${victim.name}'s ${s.field} value reported ${s.crossCachedTokens} cached tokens of a prefix only ${victim.name} sent`,
-        evidence: { ...evidence, field: s.field },
-        remediation,
-      })
-    }
-    for (const i of internal.filter((x) => x.verdict === 'acted on')) {
-      findings.push({
-        probe: 'cache-fields',
-        verdict: 'warning',
-        severity: 'high',
-        title: `a tenant's ${i.name} was acted on: the request pointing it at an unrouted host ${i.failure ?? `answered ${i.status}`}`,
-        evidence: { ...evidence, field: i.name },
-        remediation,
-      })
-    }
-    if (findings.length > 0) return findings
-    if (!isPlainAccepted) {
-      return [
-        {
-          probe: 'cache-fields',
-          verdict: 'inconclusive',
-          severity: 'medium',
-          title:
-            'a plain request without any field was not answered, so a refusal says nothing of the fields',
-          evidence,
-          remediation: inconclusiveRemediation,
-        },
-      ]
-    }
-    const unproven = salts.filter((s) => s.outcome === 'no-control' || s.outcome === 'not-sent')
-    if (unproven.length > 0 || salts.length < saltFields.length) {
-      const names = unproven.map(
-        (s) =>
-          `${s.field} (${s.outcome === 'no-control' ? 'the same tenant and salt reported no cached tokens' : 'not answered'})`,
-      )
-      return [
-        {
-          probe: 'cache-fields',
-          verdict: 'inconclusive',
-          severity: 'medium',
-          title:
-            names.length > 0
-              ? `could not tell whether another tenant's salt is honoured: ${names.join(', ')}`
-              : 'not every field could be sent',
-          evidence,
-          remediation: `The positive control needs cached_tokens in usage.prompt_tokens_details and a prefix cache. ${inconclusiveRemediation}`,
-        },
-      ]
-    }
+    return judge(salts, internal, evidence, isPlainAccepted, victim, observer)
+  },
+}
+
+/** An internal field's request and what became of it. */
+interface InternalResult {
+  readonly name: string
+  readonly status: number | null
+  readonly failure: string | null
+  readonly verdict: string
+}
+
+/** The findings: a leak per honoured salt, a warning per internal field acted on; else
+ *  inconclusive without the plain control or a positive control; else clean. */
+function judge(
+  salts: readonly SaltResult[],
+  internal: readonly InternalResult[],
+  evidence: Record<string, unknown>,
+  isPlainAccepted: boolean,
+  victim: Tenant,
+  observer: Tenant,
+): Finding[] {
+  const findings: Finding[] = []
+  for (const s of salts.filter((x) => x.outcome === 'honoured')) {
+    const isShared = (s.withoutFieldCachedTokens ?? 0) > 0
+    findings.push({
+      probe: 'cache-fields',
+      verdict: 'leak',
+      severity: 'high',
+      title: isShared
+        ? `${observer.name}'s request with ${victim.name}'s ${s.field} reported ${s.crossCachedTokens} cached tokens of a prefix only ${victim.name} sent; it did without the field too: the prefix cache is shared across tenants`
+        : `${s.field} is honoured from clients: ${observer.name}'s request with ${victim.name}'s ${s.field} value reported ${s.crossCachedTokens} cached tokens of a prefix only ${victim.name} sent`,
+      evidence: { ...evidence, field: s.field },
+      remediation,
+    })
+  }
+  for (const i of internal.filter((x) => x.verdict === 'acted on')) {
+    findings.push({
+      probe: 'cache-fields',
+      verdict: 'warning',
+      severity: 'high',
+      title: `a tenant's ${i.name} was acted on: the request pointing it at an unrouted host ${i.failure ?? `answered ${i.status}`}`,
+      evidence: { ...evidence, field: i.name },
+      remediation,
+    })
+  }
+  if (findings.length > 0) return findings
+  if (!isPlainAccepted) {
     return [
       {
         probe: 'cache-fields',
-        verdict: 'clean',
-        severity: 'info',
-        title: `cache-steering fields refused or ignored: ${[...salts.map((s) => `${s.field} ${s.outcome}`), ...internal.map((i) => `${i.name} ${i.verdict}`)].join(', ')}`,
+        verdict: 'inconclusive',
+        severity: 'medium',
+        title:
+          'a plain request without any field was not answered, so a refusal says nothing of the fields',
         evidence,
-        remediation: 'None needed.',
+        remediation: inconclusiveRemediation,
       },
     ]
-  },
+  }
+  const unproven = salts.filter((s) => s.outcome === 'no-control' || s.outcome === 'not-sent')
+  if (unproven.length > 0 || salts.length < saltFields.length) {
+    const names = unproven.map(
+      (s) =>
+        `${s.field} (${s.outcome === 'no-control' ? 'the same tenant and salt reported no cached tokens' : 'not answered'})`,
+    )
+    return [
+      {
+        probe: 'cache-fields',
+        verdict: 'inconclusive',
+        severity: 'medium',
+        title:
+          names.length > 0
+            ? `could not tell whether another tenant's salt is honoured: ${names.join(', ')}`
+            : 'not every field could be sent',
+        evidence,
+        remediation: `The positive control needs cached_tokens in usage.prompt_tokens_details and a prefix cache. ${inconclusiveRemediation}`,
+      },
+    ]
+  }
+  return [
+    {
+      probe: 'cache-fields',
+      verdict: 'clean',
+      severity: 'info',
+      title: `cache-steering fields refused or ignored: ${[...salts.map((s) => `${s.field} ${s.outcome}`), ...internal.map((i) => `${i.name} ${i.verdict}`)].join(', ')}`,
+      evidence,
+      remediation: 'None needed.',
+    },
+  ]
+}
+
+/** One salt field's paired assertion (see the module's header): the victim's salt twice, the
+ *  observer with the victim's salt value, then without the field. */
+async function testSalt(target: Target, rng: Rng, field: string): Promise<SaltResult> {
+  const [victim, observer] = target.tenants
+  const prefix = randomPrefix(rng)
+  const salt = `kvfence-audit-${makeCanaries(rng, 1)[0]}`
+  const statuses: (number | string | null)[] = []
+  const send = async (tenant: Tenant, fields: Record<string, unknown>) => {
+    const r = await target.complete({
+      tenant,
+      prompt: `${prefix} ${suffix(rng)}`,
+      maxTokens,
+      stream: false,
+      extraFields: fields,
+      // A body with a field the endpoint may refuse: its refusal is no failure.
+      isValid: Object.keys(fields).length === 0,
+    })
+    statuses.push(r.status ?? r.failure)
+    return r
+  }
+  const unsent = {
+    field,
+    statuses,
+    controlCachedTokens: null,
+    crossCachedTokens: null,
+    withoutFieldCachedTokens: null,
+  }
+  const first = await send(victim, { [field]: salt })
+  if (isRefusal(first)) return { ...unsent, outcome: 'refused' }
+  if (outcomeOf(first) !== 'accepted') return { ...unsent, outcome: 'not-sent' }
+  const control = await send(victim, { [field]: salt })
+  const cross = await send(observer, { [field]: salt })
+  const without = await send(observer, {})
+  const controlCached = acceptedCached(control)
+  const crossCached = acceptedCached(cross)
+  return {
+    field,
+    statuses,
+    outcome:
+      (crossCached ?? 0) > 0 ? 'honoured' : (controlCached ?? 0) > 0 ? 'ignored' : 'no-control',
+    controlCachedTokens: controlCached,
+    crossCachedTokens: crossCached,
+    withoutFieldCachedTokens: acceptedCached(without),
+  }
 }
 
 /** A refusal that is about the request (a field it does not take), not the key or the load. */
