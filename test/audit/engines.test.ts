@@ -240,3 +240,34 @@ describe('controls: each finding names OWASP AISVS 5.5.5 where it applies and th
     assert.ok(formatHtmlReport(report, '').includes(`<td>${line}</td>`))
   })
 })
+
+describe('abort-race: waves of mid-stream cuts after the pairs', () => {
+  const abortAudit = async (options: StandInOptions): Promise<AuditReport> => {
+    const standIn = await startStandIn('safe', options)
+    try {
+      return await runAudit({
+        target: standIn.url,
+        tenants: standInTenants,
+        seed: 9,
+        probes: ['abort-race'],
+      })
+    } finally {
+      await standIn.close()
+    }
+  }
+
+  test('an abort that leaks only with 8 or more running: caught by the waves (leak)', async () => {
+    const report = await abortAudit({ isAbortLeak: true, abortLeakMinRunning: 8, tokenDelayMs: 3 })
+    assert.equal(report.findings[0].verdict, 'leak')
+    assert.deepEqual(report.findings[0].evidence.waveWidths, [2, 4, 8])
+  })
+
+  test('its correct twin: clean, 16 in flight reached', async () => {
+    const report = await abortAudit({ tokenDelayMs: 3 })
+    assert.deepEqual(
+      report.findings.map((f) => f.verdict),
+      ['clean'],
+    )
+    assert.equal(report.probeRuns[0].concurrencyReached, 16)
+  })
+})

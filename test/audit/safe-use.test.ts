@@ -62,12 +62,15 @@ describe('--plan', () => {
       assert.deepEqual(planRow(run.stdout, 'capacity'), ['0', '0', '0.0000'])
       // concurrency: bursts of 1, 2, 4, 8, 16 (--max-concurrency 16), each (165-token prompt + 32).
       assert.deepEqual(planRow(run.stdout, 'concurrency'), ['31', '6107', '0.0153'])
+      // abort-race: 8 cuts each beside another tenant's request, then waves of 2, 4 and 8
+      // mid-stream cuts likewise (28), then 4 fresh: 48 × (165 + 48).
+      assert.deepEqual(planRow(run.stdout, 'abort-race'), ['48', '10224', '0.0256'])
       // cache-fields: a plain control, then 4 requests for each of cache_salt and extra_key.
       assert.deepEqual(planRow(run.stdout, 'cache-fields'), ['9', '1494', '0.0037'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['314', '46539', '0.1163'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['342', '52503', '0.1313'])
       assert.match(
         run.stdout,
-        /the plan's 314 requests exceed --max-requests 300: if every one is sent, the audit stops after 300/,
+        /the plan's 342 requests exceed --max-requests 300: if every one is sent, the audit stops after 300/,
       )
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
     } finally {

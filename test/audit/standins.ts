@@ -81,6 +81,9 @@ export interface StandInOptions {
   readonly isPageLeakOnAbort?: boolean
   /** The words of a completion whose client went away are served to the next completion. */
   readonly isAbortLeak?: boolean
+  /** With `isAbortLeak`: only an abort while this many completions (it included) were running
+   *  leaks (a release race that opens under load only). */
+  readonly abortLeakMinRunning?: number
   /** A completion started while another runs begins with the other one's words (crossed slots). */
   readonly isCrossTalk?: boolean
   /** With `isCrossTalk`: slots cross only when this many completions (this one included) are
@@ -333,7 +336,9 @@ export async function startStandIn(
       if (isDone) return
       isDone = true
       numRunningCompletions--
-      if (isAborted && options.isAbortLeak) abortedWords = words
+      const wasRunning = numRunningCompletions + 1 // this one included (already counted out)
+      if (isAborted && options.isAbortLeak && wasRunning >= (options.abortLeakMinRunning ?? 1))
+        abortedWords = words
       if (isAborted && options.abortHoldMs !== undefined) {
         const timer = setTimeout(() => {
           holdTimers.delete(timer)

@@ -20,6 +20,7 @@ import {
   type Observed,
   type Planted,
 } from './material.js'
+import { rampLevels } from './concurrency.js'
 
 /** How a victim request is cut. */
 const cutModes = ['before-first-byte', 'mid-prefill', 'mid-stream', 'abandoned'] as const
@@ -27,16 +28,34 @@ type CutMode = (typeof cutModes)[number]
 
 const numCuts = 8
 const numFreshPerTenant = 4
+
+/** After the pairs, waves of mid-stream cuts, each beside another tenant's request: 2, 4, 8 at
+ *  once (as `--max-concurrency` allows: a wave of w is 2w in flight), for release races that open
+ *  only with many in flight. Mid-stream only: a cut after the first chunk always reached the
+ *  server, while a timed cut among many connections may fire before its request was sent. */
+function waveWidths(maxInFlight: number): number[] {
+  return rampLevels(Math.floor(maxInFlight / 2)).filter((w) => w >= 2)
+}
 const maxTokens = 48
 
 export const abortRaceProbe: Probe = {
   name: 'abort-race',
   description:
     "the victim's streams are cut at random points and non-streamed requests abandoned while others run; fresh requests of other tenants must carry none of the aborted canaries",
-  plan: ({ numTenants }) => [
+  plan: ({ numTenants, limits }) => [
     {
       what: 'requests cut, each beside another tenant’s',
       numRequests: 2 * numCuts,
+      tokensEach: materialPromptTokens + maxTokens,
+    },
+    {
+      what: 'waves of mid-stream cuts, each beside another tenant’s',
+      numRequests:
+        2 *
+        waveWidths(Math.max(limits.concurrency, limits.maxConcurrency ?? 0)).reduce(
+          (a, b) => a + b,
+          0,
+        ),
       tokensEach: materialPromptTokens + maxTokens,
     },
     {
@@ -45,7 +64,7 @@ export const abortRaceProbe: Probe = {
       tokensEach: materialPromptTokens + maxTokens,
     },
   ],
-  async run(target, _budget, context): Promise<Finding[]> {
+  async run(target, budget, context): Promise<Finding[]> {
     const [victim, ...others] = target.tenants
     const rng = createRng(context.seed, 'abort-race')
     const cutIds = Array.from({ length: numCuts }, (_, i) => `cut${i}`)
@@ -61,7 +80,28 @@ export const abortRaceProbe: Probe = {
       Array.from({ length: numFreshPerTenant * others.length }, (_, i) => `fresh${i}`),
     )
     const cuts = cutIds.map((_, i) => cutPlan(cutModes[i % cutModes.length], rng.int(1, 40)))
-    const planted = [...cutPlanted, ...concurrentPlanted, ...freshPlanted]
+    // Drawn after everything above, so a seed plants the pairs' material as it always did.
+    const widths = waveWidths(budget.maxInFlightLimit)
+    const numWaveCuts = widths.reduce((a, b) => a + b, 0)
+    const waveIds = Array.from({ length: numWaveCuts }, (_, i) => numCuts + i)
+    const waveCutPlanted = plantMaterial(
+      rng,
+      [victim],
+      waveIds.map((i) => `cut${i}`),
+    )
+    const waveConcurrentPlanted = plantMaterial(
+      rng,
+      others,
+      waveIds.map((i) => `during${i}`),
+    )
+    const waveCuts = waveIds.map(() => cutPlan('mid-stream', rng.int(1, 40)))
+    const planted = [
+      ...cutPlanted,
+      ...concurrentPlanted,
+      ...freshPlanted,
+      ...waveCutPlanted,
+      ...waveConcurrentPlanted,
+    ]
 
     const observed: Observed[] = []
     const send = async (
@@ -87,6 +127,19 @@ export const abortRaceProbe: Probe = {
           send(concurrentPlanted[i], 'concurrent with a cut', i % 2 === 0),
         ])
       }
+      let first = 0
+      for (const width of widths) {
+        const wave = Array.from({ length: width }, (_, j) => first + j)
+        first += width
+        await budget.withInFlightLimit(2 * width, () =>
+          Promise.all(
+            wave.flatMap((i) => [
+              send(waveCutPlanted[i], `cut mid-stream, wave of ${width}`, true, waveCuts[i].cut),
+              send(waveConcurrentPlanted[i], `beside a wave of ${width}`, i % 2 === 0),
+            ]),
+          ),
+        )
+      }
       for (let i = 0; i < freshPlanted.length; i++) {
         await send(freshPlanted[i], 'fresh after the cuts', i % 2 === 1)
       }
@@ -96,6 +149,7 @@ export const abortRaceProbe: Probe = {
     const summary = {
       victimTenant: victim.name,
       cutModes: cuts.map((c) => c.mode),
+      waveWidths: widths,
       numCutSent: observed.filter((o) => o.planted.id.startsWith('cut')).length,
       numCutBeforeEnd: observed.filter((o) => o.result.failure === 'aborted').length,
       stoppedBy,
