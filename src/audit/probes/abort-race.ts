@@ -5,12 +5,12 @@
  *  flight, and buffers or connections reused after an abort (sglang#24527, the 2023 redis-py
  *  incident). An abort the server never saw (the request had finished) still counts as sent. */
 import { materialPromptTokens } from '../plan.js'
-import { runUntilExhausted } from '../budget.js'
+import { runUntilExhausted, type Budget } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
-import { createRng } from '../rng.js'
+import { createRng, type Rng } from '../rng.js'
 import { isAnsweredWhole, type CompletionRequest } from '../target.js'
-import type { Finding } from '../types.js'
+import type { Finding, Tenant } from '../types.js'
 import {
   crossingRemediation,
   findCrossings,
@@ -82,19 +82,8 @@ export const abortRaceProbe: Probe = {
     const cuts = cutIds.map((_, i) => cutPlan(cutModes[i % cutModes.length], rng.int(1, 40)))
     // Drawn after everything above, so a seed plants the pairs' material as it always did.
     const widths = waveWidths(budget.maxInFlightLimit)
-    const numWaveCuts = widths.reduce((a, b) => a + b, 0)
-    const waveIds = Array.from({ length: numWaveCuts }, (_, i) => numCuts + i)
-    const waveCutPlanted = plantMaterial(
-      rng,
-      [victim],
-      waveIds.map((i) => `cut${i}`),
-    )
-    const waveConcurrentPlanted = plantMaterial(
-      rng,
-      others,
-      waveIds.map((i) => `during${i}`),
-    )
-    const waveCuts = waveIds.map(() => cutPlan('mid-stream', rng.int(1, 40)))
+    const waves = plantWaves(rng, victim, others, widths)
+    const { waveCutPlanted, waveConcurrentPlanted } = waves
     const planted = [
       ...cutPlanted,
       ...concurrentPlanted,
@@ -127,19 +116,7 @@ export const abortRaceProbe: Probe = {
           send(concurrentPlanted[i], 'concurrent with a cut', i % 2 === 0),
         ])
       }
-      let first = 0
-      for (const width of widths) {
-        const wave = Array.from({ length: width }, (_, j) => first + j)
-        first += width
-        await budget.withInFlightLimit(2 * width, () =>
-          Promise.all(
-            wave.flatMap((i) => [
-              send(waveCutPlanted[i], `cut mid-stream, wave of ${width}`, true, waveCuts[i].cut),
-              send(waveConcurrentPlanted[i], `beside a wave of ${width}`, i % 2 === 0),
-            ]),
-          ),
-        )
-      }
+      await sendWaves(budget, widths, waves, send)
       for (let i = 0; i < freshPlanted.length; i++) {
         await send(freshPlanted[i], 'fresh after the cuts', i % 2 === 1)
       }
@@ -200,6 +177,66 @@ export const abortRaceProbe: Probe = {
       },
     ]
   },
+}
+
+/** Sends the waves one after the other, each wave's cuts and their neighbours all at once. */
+async function sendWaves(
+  budget: Budget,
+  widths: readonly number[],
+  waves: ReturnType<typeof plantWaves>,
+  send: (
+    p: Planted,
+    label: string,
+    stream: boolean,
+    extra?: Partial<CompletionRequest>,
+  ) => Promise<void>,
+): Promise<void> {
+  let first = 0
+  for (const width of widths) {
+    const wave = Array.from({ length: width }, (_, j) => first + j)
+    first += width
+    await budget.withInFlightLimit(2 * width, () =>
+      Promise.all(
+        wave.flatMap((i) => [
+          send(
+            waves.waveCutPlanted[i],
+            `cut mid-stream, wave of ${width}`,
+            true,
+            waves.waveCuts[i].cut,
+          ),
+          send(waves.waveConcurrentPlanted[i], `beside a wave of ${width}`, i % 2 === 0),
+        ]),
+      ),
+    )
+  }
+}
+
+/** The waves' material: per cut, the victim's planted request, another tenant's beside it, and
+ *  its mid-stream cut (ids continue the pairs' numbering). */
+function plantWaves(
+  rng: Rng,
+  victim: Tenant,
+  others: readonly Tenant[],
+  widths: readonly number[],
+): {
+  waveCutPlanted: Planted[]
+  waveConcurrentPlanted: Planted[]
+  waveCuts: ReturnType<typeof cutPlan>[]
+} {
+  const numWaveCuts = widths.reduce((a, b) => a + b, 0)
+  const waveIds = Array.from({ length: numWaveCuts }, (_, i) => numCuts + i)
+  const waveCutPlanted = plantMaterial(
+    rng,
+    [victim],
+    waveIds.map((i) => `cut${i}`),
+  )
+  const waveConcurrentPlanted = plantMaterial(
+    rng,
+    others,
+    waveIds.map((i) => `during${i}`),
+  )
+  const waveCuts = waveIds.map(() => cutPlan('mid-stream', rng.int(1, 40)))
+  return { waveCutPlanted, waveConcurrentPlanted, waveCuts }
 }
 
 function cutPlan(
