@@ -31,12 +31,41 @@ export class Budget {
   readonly deadline: number // epoch ms
   private numSent = 0
   private numInFlight = 0
+  private mostInFlight = 0
+  /** Requests in flight at most now: `limits.concurrency`, raised up to `limits.maxConcurrency`
+   *  by {@link withInFlightLimit} for a probe that ramps. */
+  private inFlightLimit: number
   private readonly waiting: (() => void)[] = []
 
   constructor(limits: BudgetLimits, now: number = Date.now()) {
     this.limits = Object.freeze({ ...limits })
     this.startedAt = now
     this.deadline = now + limits.maxSeconds * 1000
+    this.inFlightLimit = limits.concurrency
+  }
+
+  /** The most requests `limits.maxConcurrency` allows in flight (`limits.concurrency` when it
+   *  is not given). */
+  get maxInFlightLimit(): number {
+    return Math.max(this.limits.concurrency, this.limits.maxConcurrency ?? this.limits.concurrency)
+  }
+
+  /** The most requests that were in flight at once since the last {@link takeMostInFlight}. */
+  takeMostInFlight(): number {
+    const most = this.mostInFlight
+    this.mostInFlight = this.numInFlight
+    return most
+  }
+
+  /** Runs `work` with up to `limit` requests in flight (capped by {@link maxInFlightLimit}), then
+   *  restores `limits.concurrency`. For probes that ramp their load; probes run one at a time. */
+  async withInFlightLimit<T>(limit: number, work: () => Promise<T>): Promise<T> {
+    this.inFlightLimit = Math.min(limit, this.maxInFlightLimit)
+    try {
+      return await work()
+    } finally {
+      this.inFlightLimit = this.limits.concurrency
+    }
   }
 
   get requestsSent(): number {
@@ -69,8 +98,9 @@ export class Budget {
   }
 
   private async acquireSlot(): Promise<void> {
-    if (this.numInFlight < this.limits.concurrency) {
+    if (this.numInFlight < this.inFlightLimit) {
       this.numInFlight++
+      this.mostInFlight = Math.max(this.mostInFlight, this.numInFlight)
       return
     }
     // The releasing request hands its slot over directly: numInFlight stays the same.

@@ -14,6 +14,7 @@
  *  seed: 42
  *  failOn: leak                         # leak | warning | inconclusive
  *  reports: { json: audit.json, junit: audit.xml, html: audit.html }
+ *  authorized_targets: [llm.staging.internal]  # hosts other than loopback the audit may reach
  *  ```
  *  Knows YAML and environment variables; knows nothing of HTTP. */
 import { readFile } from 'node:fs/promises'
@@ -40,6 +41,7 @@ const ConfigFile = z.strictObject({
       maxRequests: z.number().int().min(1).optional(),
       maxSeconds: z.number().positive().optional(),
       concurrency: z.number().int().min(1).max(256).optional(),
+      maxConcurrency: z.number().int().min(1).max(256).optional(),
     })
     .optional(),
   seed: z
@@ -49,6 +51,7 @@ const ConfigFile = z.strictObject({
     .max(2 ** 32 - 1)
     .optional(),
   failOn: z.enum(['leak', 'warning', 'inconclusive']).optional(),
+  authorized_targets: z.array(z.string().min(1)).optional(),
   reports: z
     .strictObject({
       json: z.string().min(1).optional(),
@@ -67,9 +70,12 @@ export interface AuditConfigFile {
   readonly maxRequests?: number
   readonly maxSeconds?: number
   readonly concurrency?: number
+  readonly maxConcurrency?: number
   readonly seed?: number
   readonly failOn?: Verdict
   readonly reports?: { readonly json?: string; readonly junit?: string; readonly html?: string }
+  /** Hosts (`host`, `host:port` or a URL) other than loopback the audit may be pointed at. */
+  readonly authorizedTargets?: readonly string[]
 }
 
 /** Reads and validates `file`. Throws `AuditError('invalid_config')` with one line naming the file
@@ -138,8 +144,11 @@ export function parseAuditConfig(
     maxRequests: c.budget?.maxRequests,
     maxSeconds: c.budget?.maxSeconds,
     concurrency: c.budget?.concurrency,
+    // Present only when given, so a file without them reads as before.
+    ...(c.budget?.maxConcurrency === undefined ? {} : { maxConcurrency: c.budget.maxConcurrency }),
     seed: c.seed,
     failOn: c.failOn,
     reports: c.reports,
+    ...(c.authorized_targets === undefined ? {} : { authorizedTargets: c.authorized_targets }),
   }
 }

@@ -6,7 +6,19 @@
  *    `contextWindow`, `effectiveCapacityTokens`, `workers[].capacityTokens`; SGLang's
  *    `context_length`, `max_total_num_tokens`, `max_req_input_len`;
  *  - `/metrics` (vLLM): `vllm:cache_config_info{num_gpu_blocks, block_size}`.
- *  Knows field names of public APIs; knows nothing of how any engine works inside. */
+ *  Which engine answered is told by the fields it reports (`engine`), because each derives its
+ *  largest accepted input its own way:
+ *  - SGLang's scheduler sets `max_req_input_len = min(context_len − 1, max_total_num_tokens − 1)
+ *    − 5` and refuses an input of `max_req_input_len` tokens or more (sgl-project/sglang,
+ *    python/sglang/srt/managers/scheduler.py; releases before the `− 5` reserved 1 token). The
+ *    6 tokens between the smaller limit and `max_req_input_len` are a normal reserve, not a pool
+ *    smaller than the context; the pool is `max_total_num_tokens`.
+ *  - vLLM refuses `prompt + max_tokens > max_model_len` and refuses to start when one request of
+ *    `max_model_len` does not fit the KV cache (vllm/v1/core/kv_cache_utils.py): a pool smaller
+ *    than the context is never its normal state.
+ *  - kvfence reports its pool and context directly.
+ *  Knows field names of public APIs and these published rules; knows nothing else of how any
+ *  engine works inside. */
 import { BudgetExhaustedError } from './budget.js'
 import {
   runningFromMetrics,
@@ -30,6 +42,12 @@ export interface EndpointStatus {
   readonly status: number | string
 }
 
+/** The engine whose reports discovery read, told by the fields it answered; null: none known. */
+export type EngineKind = 'kvfence' | 'sglang' | 'vllm'
+
+/** SGLang's reserve: `max_req_input_len` is the smaller of context and pool minus this. */
+export const sglangInputReserveTokens = 6
+
 export interface Discovery {
   /** Model ids listed by `/v1/models`. */
   readonly modelsListed: readonly string[]
@@ -47,6 +65,13 @@ export interface Discovery {
   /** Requests the endpoint said were running then (`/metrics`), or null when it says nothing. */
   readonly numRunning: number | null
   readonly endpoints: readonly EndpointStatus[]
+  /** The engine the reports are from (see the module's header), or null. */
+  readonly engine: EngineKind | null
+  /** Input limits the engine reports (SGLang's `max_req_input_len`), as reported. */
+  readonly inputLimits: readonly CapacitySource[]
+  /** The largest prompt (tokens) the engine says it accepts, or null when it says none: for
+   *  SGLang `max_req_input_len − 1`. */
+  readonly inputLimitTokens: number | null
 }
 
 /** Fields that advertise a context window. */
@@ -64,8 +89,12 @@ const poolFields = new Set([
   'max_total_num_tokens',
   'max_total_tokens',
 ])
-/** SGLang's longest accepted input is one less than the capacity it derives from. */
+/** Fields that state the longest input an engine accepts (SGLang), not a capacity. */
 const inputLimitFields = new Set(['max_req_input_len'])
+/** Fields only kvfence reports. */
+const kvfenceFields = new Set(['effectiveCapacityTokens', 'contextWindow', 'capacityTokens'])
+/** Fields only SGLang reports. */
+const sglangFields = new Set(['max_total_num_tokens', 'max_req_input_len'])
 
 const maxScanDepth = 4
 
@@ -76,6 +105,9 @@ export async function discover(target: Target, requestedModel: string | null): P
   const endpoints: EndpointStatus[] = []
   const advertised: CapacitySource[] = []
   const pools: CapacitySource[] = []
+  const inputLimits: CapacitySource[] = []
+  const found = { advertised, pools, inputLimits, keys: new Set<string>() }
+  let metricsText = ''
   let idleUsage: PoolUsage | null = null
   let numRunning: number | null = null
   const record = (endpoint: string, res: HttpResult): void => {
@@ -93,7 +125,7 @@ export async function discover(target: Target, requestedModel: string | null): P
   const models = modelsRes.status === 200 ? listModels(tryJson(modelsRes.body)) : []
   const model = requestedModel ?? models[0]?.id ?? null
   const entry = models.find((m) => m.id === model)
-  if (entry) scan(entry.raw, `/v1/models`, `data[${entry.index}]`, 1, advertised, pools)
+  if (entry) scan(entry.raw, `/v1/models`, `data[${entry.index}]`, 1, found)
 
   try {
     const infoRes = await target.get('/server_info', { tenant })
@@ -107,7 +139,7 @@ export async function discover(target: Target, requestedModel: string | null): P
       infoEndpoint = '/get_server_info'
     }
     if (isObject(info)) {
-      scan(info, infoEndpoint, '', 0, advertised, pools)
+      scan(info, infoEndpoint, '', 0, found)
       idleUsage = usageFromInfo(info, infoEndpoint)
     }
 
@@ -115,6 +147,7 @@ export async function discover(target: Target, requestedModel: string | null): P
     record('/metrics', metricsRes)
     if (metricsRes.status === 200) {
       pools.push(...parseMetrics(metricsRes.body))
+      metricsText = metricsRes.body
       idleUsage ??= usageFromMetrics(metricsRes.body)
       numRunning = runningFromMetrics(metricsRes.body)
     }
@@ -123,6 +156,20 @@ export async function discover(target: Target, requestedModel: string | null): P
     endpoints.push({ endpoint: '(remaining discovery)', status: 'budget' })
   }
 
+  const engine = engineOf(found.keys, metricsText)
+  const inputLimitTokens = inputLimits.length
+    ? Math.min(...inputLimits.map((s) => s.tokens)) - 1
+    : null
+  // Without max_total_num_tokens, SGLang's input limit still bounds its pool from below.
+  if (engine === 'sglang' && pools.length === 0 && inputLimits.length > 0) {
+    const limit = Math.min(...inputLimits.map((s) => s.tokens))
+    const source = inputLimits.find((s) => s.tokens === limit) as CapacitySource
+    pools.push({
+      endpoint: source.endpoint,
+      field: `${source.field} + ${sglangInputReserveTokens}`,
+      tokens: limit + sglangInputReserveTokens,
+    })
+  }
   return {
     modelsListed: models.map((m) => m.id),
     model,
@@ -133,6 +180,9 @@ export async function discover(target: Target, requestedModel: string | null): P
     idleUsage,
     numRunning,
     endpoints,
+    engine,
+    inputLimits,
+    inputLimitTokens,
   }
 }
 
@@ -157,12 +207,17 @@ function scan(
   endpoint: string,
   path: string,
   depth: number,
-  advertised: CapacitySource[],
-  pools: CapacitySource[],
+  found: {
+    readonly advertised: CapacitySource[]
+    readonly pools: CapacitySource[]
+    readonly inputLimits: CapacitySource[]
+    /** Every capacity field seen, by name (tells the engine). */
+    readonly keys: Set<string>
+  },
 ): void {
   if (depth > maxScanDepth) return
   if (Array.isArray(value)) {
-    value.forEach((item, i) => scan(item, endpoint, `${path}[${i}]`, depth + 1, advertised, pools))
+    value.forEach((item, i) => scan(item, endpoint, `${path}[${i}]`, depth + 1, found))
     return
   }
   if (!isObject(value)) return
@@ -171,14 +226,23 @@ function scan(
     const field = path === '' ? key : `${path}.${key}`
     const tokens = asPositiveInt(child)
     if (tokens !== null) {
-      if (advertisedFields.has(key)) advertised.push({ endpoint, field, tokens })
-      else if (poolFields.has(key)) pools.push({ endpoint, field: field + role, tokens })
-      else if (inputLimitFields.has(key))
-        pools.push({ endpoint, field: `${field} + 1`, tokens: tokens + 1 })
+      found.keys.add(key)
+      if (advertisedFields.has(key)) found.advertised.push({ endpoint, field, tokens })
+      else if (poolFields.has(key)) found.pools.push({ endpoint, field: field + role, tokens })
+      else if (inputLimitFields.has(key)) found.inputLimits.push({ endpoint, field, tokens })
     } else if (typeof child === 'object' && child !== null) {
-      scan(child, endpoint, field, depth + 1, advertised, pools)
+      scan(child, endpoint, field, depth + 1, found)
     }
   }
+}
+
+/** The engine told by the fields it reported: kvfence's and SGLang's own field names, else
+ *  vLLM's or SGLang's metric prefixes. */
+function engineOf(keys: ReadonlySet<string>, metricsText: string): EngineKind | null {
+  if ([...kvfenceFields].some((k) => keys.has(k))) return 'kvfence'
+  if ([...sglangFields].some((k) => keys.has(k)) || /^sglang:/m.test(metricsText)) return 'sglang'
+  if (/^vllm:/m.test(metricsText)) return 'vllm'
+  return null
 }
 
 /** Prometheus text: vLLM's `vllm:cache_config_info{block_size="16",num_gpu_blocks="2048",...} 1`

@@ -3,6 +3,7 @@
  *  audits any OpenAI-compatible endpoint (kvfence, SGLang, vLLM, ...). */
 export {
   runAudit,
+  planAudit,
   exitCodeFor,
   auditDefaults,
   type AuditOptions,
@@ -12,6 +13,8 @@ export { writeJsonReport, formatJsonReport } from './reporters/json.js'
 export { formatProgress, formatSummary } from './reporters/console.js'
 export { formatJunitReport, writeJunitReport } from './reporters/junit.js'
 export { formatHtmlReport, writeHtmlReport, readChartJs, plotData } from './reporters/html.js'
+export { checkAuthorizedTarget, isLoopbackHost } from './authorize.js'
+export { formatPlan, type AuditPlan, type ProbePlan, type PlannedRequests } from './plan.js'
 export { loadAuditConfig, parseAuditConfig, type AuditConfigFile } from './config.js'
 export { probes } from './probes/index.js'
 export {

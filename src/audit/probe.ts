@@ -2,6 +2,7 @@
  *  (which spends the `Budget`) and always returns at least one finding. */
 import type { Budget } from './budget.js'
 import type { Discovery } from './discovery.js'
+import type { PlanInput, PlannedRequests } from './plan.js'
 import type { PromptSizer } from './sizer.js'
 import type { Target } from './target.js'
 import type { Finding, ProbeName } from './types.js'
@@ -14,6 +15,9 @@ export interface ProbeContext {
   readonly discovery: Discovery
   /** Token calibration, done once on first use; null when the endpoint gave no token counts. */
   sizer(): Promise<PromptSizer | null>
+  /** `--aggressive`: probes may send bodies that could disturb a shared engine (cache-fields'
+   *  engine-internal fields). Absent: false. */
+  readonly isAggressive?: boolean
   /** One progress line for the console. */
   log(line: string): void
 }
@@ -24,6 +28,9 @@ export interface Probe {
   readonly description: string
   /** Throws `BudgetExhaustedError` only when it has nothing at all to report. */
   run(target: Target, budget: Budget, context: ProbeContext): Promise<Finding[]>
+  /** What `run` would send at most (`kvfence audit --plan`), from the flags and discovery's
+   *  numbers alone. Optional for probes defined elsewhere; every built-in probe has one. */
+  plan?(input: PlanInput): PlannedRequests[]
 }
 
 /** Advice shared by findings that concern the rejection path. */

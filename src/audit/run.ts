@@ -7,11 +7,13 @@
 import { randomInt } from 'node:crypto'
 import { Budget, BudgetExhaustedError } from './budget.js'
 import { discover, type Discovery } from './discovery.js'
+import { controlsOf } from './controls.js'
 import { Ledger } from './ledger.js'
 import type { ProbeContext } from './probe.js'
 import { inconclusiveRemediation } from './probe.js'
 import { probes } from './probes/index.js'
-import { calibrate, type PromptSizer } from './sizer.js'
+import { calibrate, calibrationWords, type PromptSizer } from './sizer.js'
+import { probePlan, totalPlan, type AuditPlan, type PlanInput } from './plan.js'
 import { createTarget, type HttpResult, type Target } from './target.js'
 import {
   AuditError,
@@ -39,8 +41,14 @@ export interface AuditOptions {
   readonly maxRequests?: number // default 300
   readonly maxSeconds?: number // default 300
   readonly concurrency?: number // default 4
+  /** In flight at most for probes that ramp (concurrency): default 16, or `concurrency` when that
+   *  is given (an explicit cap is honoured everywhere unless this raises it). */
+  readonly maxConcurrency?: number
   readonly requestTimeoutMs?: number // default 60_000, cut shorter by the deadline
   readonly overCapacityAttempts?: number // default 6
+  /** Send bodies that could disturb a shared engine (cache-fields' engine-internal fields);
+   *  default false. */
+  readonly isAggressive?: boolean
   /** Progress, one line at a time (probe started, probe details, probe finished). */
   readonly onProgress?: (event: ProgressEvent) => void
 }
@@ -54,6 +62,7 @@ export const auditDefaults = Object.freeze({
   maxRequests: 300,
   maxSeconds: 300,
   concurrency: 4,
+  maxConcurrency: 16,
   requestTimeoutMs: 60_000,
   overCapacityAttempts: 6,
 })
@@ -87,12 +96,14 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   for (const name of config.probes) {
     const probeStartedAt = performance.now()
     const requestsBefore = budget.requestsSent
+    budget.takeMostInFlight()
     emit({ type: 'probe-start', probe: name })
     ledger.setProbe(name)
     let isAbandoned = false
     const context: ProbeContext = {
       seed: config.seed,
       overCapacityAttempts: config.overCapacityAttempts,
+      isAggressive: options.isAggressive === true,
       discovery,
       sizer: () => (sizing ??= calibrate(target)),
       log: (message) => {
@@ -112,7 +123,10 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     } catch (err) {
       probeFindings = [failedProbe(name, err)]
     }
-    probeFindings = probeFindings.map((f) => withReason(f, ledger.unansweredReason(name)))
+    probeFindings = probeFindings.map((f) => ({
+      ...withReason(f, ledger.unansweredReason(name)),
+      controls: controlsOf(f.probe),
+    }))
     findings.push(...probeFindings)
     probeRuns.push({
       probe: name,
@@ -122,12 +136,18 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
       inconclusiveReasons: probeFindings
         .filter((f) => f.verdict === 'inconclusive')
         .map((f) => f.title),
+      concurrencyReached: budget.takeMostInFlight(),
     })
     emit({ type: 'probe-end', probe: name, findings: probeFindings })
   }
   ledger.setProbe(null)
   const healthReading = health === null ? null : await (health as Promise<HealthReading>)
-  findings.push(...availabilityFindings(ledger, healthReading))
+  findings.push(
+    ...availabilityFindings(ledger, healthReading).map((f) => ({
+      ...f,
+      controls: controlsOf(f.probe),
+    })),
+  )
 
   const report: AuditReport = {
     schemaVersion: 1,
@@ -153,6 +173,65 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   }
   return report
 }
+
+/** `kvfence audit --plan`: what {@link runAudit} with these options would send, per probe, and
+ *  what its tokens cost at `pricePerMillionTokens` (default 0: not priced). Sends discovery's
+ *  reads only (`GET /v1/models`, server info, `/metrics`: the sizes of several probes follow the
+ *  pool and context they report), never a completion. Throws `AuditError` as `runAudit` does
+ *  for bad options or an unreachable target. */
+export async function planAudit(
+  options: AuditOptions & { readonly pricePerMillionTokens?: number },
+): Promise<AuditPlan> {
+  const config = validate(options)
+  const price = options.pricePerMillionTokens ?? 0
+  if (!(Number.isFinite(price) && price >= 0))
+    throw new AuditError('invalid_options', `price per million tokens must be ≥ 0, got ${price}`)
+  const budget = new Budget(config.budget)
+  const discoveryTarget = createTarget({
+    baseUrl: config.baseUrl,
+    tenants: config.tenants,
+    budget,
+    requestTimeoutMs: config.requestTimeoutMs,
+    model: null,
+  })
+  const discovery = await discover(discoveryTarget, config.model)
+  const input: PlanInput = {
+    limits: config.budget,
+    numTenants: config.tenants.length,
+    overCapacityAttempts: config.overCapacityAttempts,
+    poolTokens: discovery.poolTokens,
+    contextTokens: discovery.contextTokens,
+    inputLimitTokens: discovery.inputLimitTokens,
+    isAggressive: options.isAggressive === true,
+  }
+  const isSized = config.probes.some((p) => probesThatSize.includes(p))
+  const own = probePlan('audit', [
+    { what: 'discovery reads (GET)', numRequests: discovery.endpoints.length, tokensEach: 0 },
+    { what: 'key checks (GET /v1/models)', numRequests: config.tenants.length, tokensEach: 0 },
+    ...calibrationWords.map((words) => ({
+      what: `token calibration (${words} words)`,
+      numRequests: isSized ? 1 : 0,
+      tokensEach: 2 * words + 2,
+    })),
+  ])
+  return totalPlan(
+    {
+      target: config.baseUrl,
+      limits: config.budget,
+      poolTokens: discovery.poolTokens,
+      contextTokens: discovery.contextTokens,
+      endpoints: discovery.endpoints,
+      probes: [
+        own,
+        ...config.probes.map((name) => probePlan(name, probes[name].plan?.(input) ?? [])),
+      ],
+    },
+    price,
+  )
+}
+
+/** Probes that calibrate token counts (the audit's calibration completions are theirs). */
+const probesThatSize: readonly ProbeName[] = ['boundary', 'canary', 'prefix-timing']
 
 /** The exit code `kvfence audit` uses: 1 when a finding's verdict is at or above `failOn` (a leak
  *  always is), else 0. (2, for a tool error, is the caller's: `runAudit` then throws, e.g. for a
@@ -345,6 +424,7 @@ interface AuditConfig {
     readonly maxRequests: number
     readonly maxSeconds: number
     readonly concurrency: number
+    readonly maxConcurrency: number
   }
   readonly requestTimeoutMs: number
   readonly overCapacityAttempts: number
@@ -411,6 +491,13 @@ function validate(options: AuditOptions): AuditConfig {
       ),
       maxSeconds,
       concurrency: intIn('concurrency', options.concurrency, auditDefaults.concurrency, 1, 256),
+      maxConcurrency: intIn(
+        'max concurrency',
+        options.maxConcurrency,
+        options.concurrency ?? auditDefaults.maxConcurrency,
+        1,
+        256,
+      ),
     }),
     requestTimeoutMs: intIn(
       'request timeout (ms)',

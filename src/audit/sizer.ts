@@ -31,7 +31,8 @@ export interface PromptSizer {
 }
 
 const fillerAlphabet = 'abcdefghijklmnop'
-const calibrationWords = [16, 64] as const
+/** Filler words of the calibration's completions (`max_tokens: 1` each). */
+export const calibrationWords = [16, 64] as const
 
 /** How {@link PromptSizer.wordsFor} rounds when the exact token count is out of reach. */
 export type Rounding = 'nearest' | 'down' | 'up'

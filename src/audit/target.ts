@@ -56,6 +56,8 @@ export interface CompletionRequest {
    *  valid request that fails is an availability finding; one that is never answered, a tool
    *  error. */
   readonly isValid?: boolean
+  /** More body fields (the cache-fields probe's); never `prompt`, `max_tokens` or `model`. */
+  readonly extraFields?: Readonly<Record<string, unknown>>
 }
 
 export interface CompletionResult {
@@ -296,6 +298,7 @@ export function createTarget(options: TargetOptions): Target {
 
   const complete = async (request: CompletionRequest): Promise<CompletionResult> => {
     const body: Record<string, unknown> = {
+      ...request.extraFields,
       prompt: request.prompt,
       max_tokens: request.maxTokens,
       temperature: 0,

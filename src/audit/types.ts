@@ -17,6 +17,7 @@ export const probeNames = [
   'page-leak',
   'determinism',
   'prefix-timing',
+  'cache-fields',
   'error-handling',
 ] as const
 export type ProbeName = (typeof probeNames)[number]
@@ -31,6 +32,13 @@ export interface Tenant {
  *  requests (valid requests that failed, a health check that said all was well meanwhile). */
 export type FindingSource = ProbeName | 'availability'
 
+/** What a finding maps to (controls.ts): OWASP AISVS requirement ids (`5.5.5`) and kvfence's
+ *  guards (`G1`–`G10`) that would have stopped it. */
+export interface FindingControls {
+  readonly aisvs: readonly string[]
+  readonly guards: readonly string[]
+}
+
 /** One conclusion of one probe. `evidence` is JSON and holds no key and no unredacted output. */
 export interface Finding {
   readonly probe: FindingSource
@@ -39,12 +47,19 @@ export interface Finding {
   readonly title: string
   readonly evidence: Record<string, unknown>
   readonly remediation: string
+  /** The controls it maps to; set by the audit for every finding (absent in findings a probe
+   *  builds, before the audit adds it). */
+  readonly controls?: FindingControls
 }
 
 export interface BudgetLimits {
   readonly maxRequests: number
   readonly maxSeconds: number
+  /** Requests in flight at most, for every probe that does not ramp its load. */
   readonly concurrency: number
+  /** Requests in flight at most for probes that ramp their load 1 → 2 → 4 → 8 → 16 (default:
+   *  `concurrency`). */
+  readonly maxConcurrency?: number
 }
 
 /** What became of one completion:
@@ -89,6 +104,8 @@ export interface ProbeRun {
   readonly completions: CompletionCounts
   /** The titles of its inconclusive findings: why it could not tell (empty when it could). */
   readonly inconclusiveReasons: readonly string[]
+  /** The most of its requests that were in flight at once (the highest concurrency reached). */
+  readonly concurrencyReached?: number
 }
 
 /** The JSON report, schema version 1 (docs/report-schema.json; fields are only ever added, and a
@@ -120,9 +137,14 @@ export const verdictRank: Readonly<Record<Verdict, number>> = {
 }
 
 /** `no_completion_answered`: the target answered none of the valid completions the audit sent
- *  (not an OpenAI endpoint, a wrong model or path prefix, an engine failing every request). */
+ *  (not an OpenAI endpoint, a wrong model or path prefix, an engine failing every request).
+ *  `unauthorized_target`: a non-loopback target nobody authorized (authorize.ts). */
 export type AuditErrorCode =
-  'invalid_options' | 'invalid_config' | 'target_unreachable' | 'no_completion_answered'
+  | 'invalid_options'
+  | 'invalid_config'
+  | 'target_unreachable'
+  | 'no_completion_answered'
+  | 'unauthorized_target'
 
 /** A tool error: the audit could not run at all (bad options, target unreachable). The message
  *  is one line, names tenants but never keys. */

@@ -12,6 +12,9 @@ import {
   auditDefaults,
   formatProgress,
   formatSummary,
+  formatPlan,
+  planAudit,
+  checkAuthorizedTarget,
   exitCodeFor,
   loadAuditConfig,
   probeNames,
@@ -44,7 +47,12 @@ interface AuditFlags {
   maxRequests?: string
   maxSeconds?: string
   concurrency?: string
+  maxConcurrency?: string
   failOn?: FailOn
+  plan?: boolean
+  pricePerMillionTokens?: string
+  authorized?: boolean
+  aggressive?: boolean
 }
 
 export function registerAudit(program: Command): void {
@@ -79,11 +87,31 @@ export function registerAudit(program: Command): void {
       '--concurrency <n>',
       `requests in flight at most (default ${auditDefaults.concurrency})`,
     )
+    .option(
+      '--max-concurrency <n>',
+      `in flight at most for the probes that ramp their load 1, 2, 4, 8, 16 (default ${auditDefaults.maxConcurrency}, or --concurrency when given)`,
+    )
     .addOption(
       new Option(
         '--fail-on <verdict>',
         'exit 1 on a finding with this verdict or a worse one (default leak)',
       ).choices(failOnChoices),
+    )
+    .option(
+      '--plan',
+      'print the requests and tokens each probe would send (reads discovery only, sends no completion) and exit 0',
+    )
+    .option(
+      '--price-per-million-tokens <price>',
+      'with --plan: price the tokens (default 0: tokens only)',
+    )
+    .option(
+      '--authorized',
+      'the target is one you may audit (needed for a non-loopback target not in authorized_targets)',
+    )
+    .option(
+      '--aggressive',
+      'also send bodies that could disturb a shared engine (cache-fields: engine-internal fields aimed at an unrouted host)',
     )
     .showHelpAfterError(false)
     .action(async (flags: AuditFlags) => {
@@ -118,10 +146,34 @@ async function audit(flags: AuditFlags): Promise<number> {
       "required option '--target <url>' not specified (or target: in --config)",
     )
   }
+  // Before any request (and any DNS lookup): a typo must not aim the audit at someone else.
+  checkAuthorizedTarget(target, file.authorizedTargets ?? [], flags.authorized === true)
   const tenants =
     flags.tenant !== undefined || file.tenants === undefined
       ? parseTenants(flags.tenant ?? [], process.env)
       : [...file.tenants]
+  const probesToRun = flags.probes === undefined ? file.probes : parseProbes(flags.probes)
+  const options = {
+    target,
+    tenants,
+    model: flags.model ?? file.model,
+    probes: probesToRun,
+    seed: parseCount('--seed', flags.seed, 0) ?? file.seed,
+    maxRequests: parseCount('--max-requests', flags.maxRequests, 1) ?? file.maxRequests,
+    maxSeconds: parseSeconds(flags.maxSeconds) ?? file.maxSeconds,
+    concurrency: parseCount('--concurrency', flags.concurrency, 1) ?? file.concurrency,
+    maxConcurrency: parseCount('--max-concurrency', flags.maxConcurrency, 1) ?? file.maxConcurrency,
+  }
+  if (flags.plan) {
+    const price = parsePrice(flags.pricePerMillionTokens)
+    process.stdout.write(
+      `${formatPlan(await planAudit({ ...options, pricePerMillionTokens: price }))}\n`,
+    )
+    return 0
+  }
+  if (flags.pricePerMillionTokens !== undefined) {
+    throw new AuditError('invalid_options', '--price-per-million-tokens is only read with --plan')
+  }
   const failOn: Verdict = flags.failOn ?? file.failOn ?? 'leak'
   const reports = {
     json: flags.json ?? file.reports?.json,
@@ -132,19 +184,8 @@ async function audit(flags: AuditFlags): Promise<number> {
   checkWritable('JSON', reports.json)
   checkWritable('JUnit', reports.junit)
   checkWritable('HTML', reports.html)
-  const probesToRun = flags.probes === undefined ? file.probes : parseProbes(flags.probes)
   const progress = makeProgress((probesToRun ?? probeNames).length)
-  const report = await runAudit({
-    target,
-    tenants,
-    model: flags.model ?? file.model,
-    probes: probesToRun,
-    seed: parseCount('--seed', flags.seed, 0) ?? file.seed,
-    maxRequests: parseCount('--max-requests', flags.maxRequests, 1) ?? file.maxRequests,
-    maxSeconds: parseSeconds(flags.maxSeconds) ?? file.maxSeconds,
-    concurrency: parseCount('--concurrency', flags.concurrency, 1) ?? file.concurrency,
-    onProgress: progress.onEvent,
-  }).finally(progress.stop)
+  const report = await runAudit({ ...options, onProgress: progress.onEvent }).finally(progress.stop)
   process.stdout.write(`\n${formatSummary(report)}\n`)
   await writeReport('JSON', reports.json, (f) => writeJsonReport(report, f))
   await writeReport('JUnit', reports.junit, (f) => writeJunitReport(report, f, failOn))
@@ -238,6 +279,17 @@ function parseCount(flag: string, value: string | undefined, min: number): numbe
     throw new AuditError(
       'invalid_options',
       `${flag} must be an integer ≥ ${min}, got ${JSON.stringify(value)}`,
+    )
+  }
+  return Number(value)
+}
+
+function parsePrice(value: string | undefined): number {
+  if (value === undefined) return 0
+  if (!/^\d+(\.\d+)?$/.test(value)) {
+    throw new AuditError(
+      'invalid_options',
+      `--price-per-million-tokens must be a number ≥ 0, got ${JSON.stringify(value)}`,
     )
   }
   return Number(value)

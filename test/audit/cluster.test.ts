@@ -6,7 +6,7 @@ import assert from 'node:assert/strict'
 import { rmSync } from 'node:fs'
 import { join } from 'node:path'
 import { after, before, test } from 'node:test'
-import { runAudit, type AuditReport } from '../../src/audit/index.js'
+import { probeNames, runAudit, type AuditReport } from '../../src/audit/index.js'
 import { startCluster, type Cluster } from '../../src/config/launch.js'
 import { incidentShape, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
@@ -58,7 +58,7 @@ test('capacity, boundary, canary, page-leak and error-handling are clean on the 
 
 test('the budget held: at most the default 300 requests, and every one accounted for', () => {
   assert.ok(report.requestsSent <= 300)
-  assert.equal(report.probeRuns.length, 10)
+  assert.equal(report.probeRuns.length, probeNames.length)
   // Discovery reads /v1/models, /server_info (kvfence answers it) and /metrics: 3 requests;
   // then each of the 2 tenants' keys is checked with one GET /v1/models.
   const numProbeRequests = report.probeRuns.reduce((n, r) => n + r.requestsSent, 0)

@@ -9,7 +9,9 @@
  *    with size (as when the model id or a parameter is wrong).
  *  - `static`: not an inference server at all, a plain static file server (`python -m
  *    http.server`): `GET /` is a page, other GETs 404, every POST 501.
- *  Discovery endpoints take the shape of kvfence, SGLang or vLLM (`flavour`); `/health` answers
+ *  Discovery endpoints take the shape of kvfence, SGLang or vLLM (`flavour`); an SGLang-shaped
+ *  stand-in reports and (when `safe`) enforces SGLang's input limit, `min(context − 1, pool − 1)
+ *  − 5`; `/health` answers
  *  200 whatever happens to completions. A completion naming another model than `tiny-echo` gets
  *  404 `model_not_found`.
  *  The "model" echoes: its output is the words in its KV pages. A token is a whitespace-separated
@@ -79,8 +81,14 @@ export interface StandInOptions {
   readonly isPageLeakOnAbort?: boolean
   /** The words of a completion whose client went away are served to the next completion. */
   readonly isAbortLeak?: boolean
+  /** With `isAbortLeak`: only an abort while this many completions (it included) were running
+   *  leaks (a release race that opens under load only). */
+  readonly abortLeakMinRunning?: number
   /** A completion started while another runs begins with the other one's words (crossed slots). */
   readonly isCrossTalk?: boolean
+  /** With `isCrossTalk`: slots cross only when this many completions (this one included) are
+   *  running at once (a race that opens at a batch size only). */
+  readonly crossTalkMinRunning?: number
   /** Output gains a word when another completion is in flight. */
   readonly isLoadSensitive?: boolean
   /** Invalid requests are answered 200 with an error text. */
@@ -95,6 +103,13 @@ export interface StandInOptions {
   /** A completion whose client went away keeps its pages this long (ms) before they are freed
    *  (an abort the engine never hears of, released by a timeout). */
   readonly abortHoldMs?: number
+  /** Advertised context window (tokens); default 1024 for `leaky`, the pool (384) otherwise. A
+   *  `safe` stand-in refuses a prompt plus max_tokens over it. */
+  readonly contextTokens?: number
+  /** Fields that steer the cache (`cache_salt`, `extra_key`, engine-internal ones): ignored
+   *  (default), `honoured` (a salt replaces the tenant as the prefix cache's key, whoever sends
+   *  it: vllm#53347), or `refused` with 400 (kvfence's router). */
+  readonly clientSalt?: 'honoured' | 'refused'
 }
 
 const poolTokens = 384
@@ -103,7 +118,10 @@ export async function startStandIn(
   kind: StandInKind,
   options: StandInOptions = {},
 ): Promise<StandIn> {
-  const contextTokens = kind === 'leaky' ? 1024 : poolTokens
+  const contextTokens = options.contextTokens ?? (kind === 'leaky' ? 1024 : poolTokens)
+  // SGLang's scheduler: min(context − 1, pool − 1) − 5, and an input of that many tokens or more
+  // is refused (a correct SGLang; the leaky one decodes it over stale pages instead).
+  const sglangInputLimit = Math.min(contextTokens - 1, poolTokens - 1) - 5
   const pool: string[] = new Array<string>(poolTokens).fill('')
   const stats: StandInStats = {
     numRequests: 0,
@@ -160,7 +178,9 @@ export async function startStandIn(
         context_length: null,
         chunked_prefill_size: 8192,
         max_prefill_tokens: 16384,
-        internal_states: [{ max_total_num_tokens: poolTokens, max_req_input_len: poolTokens - 1 }],
+        internal_states: [
+          { max_total_num_tokens: poolTokens, max_req_input_len: sglangInputLimit },
+        ],
       })
     }
     if (req.method === 'GET' && path === '/metrics' && flavour === 'kvfence') {
@@ -233,6 +253,19 @@ export async function startStandIn(
         },
       })
     }
+    const fields = JSON.parse(body) as Record<string, unknown>
+    const steering = Object.keys(fields).filter((k) => steeringFields.has(k))
+    if (options.clientSalt === 'refused' && steering.length > 0) {
+      return sendJson(res, 400, {
+        error: {
+          message: `Unrecognized request argument supplied: ${steering[0]}`,
+          type: 'invalid_request_error',
+          param: steering[0],
+          code: 'invalid_request',
+        },
+      })
+    }
+    const salt = fields.cache_salt ?? fields.extra_key
     const words = request.prompt.trim().split(/\s+/)
     const numTokens = countTokens(request.prompt)
     if (options.isErrorAs200 && numTokens + request.max_tokens > contextTokens) {
@@ -248,6 +281,15 @@ export async function startStandIn(
           param: 'prompt',
           code: 'context_length_exceeded',
         },
+      })
+    }
+    if (flavour === 'sglang' && kind === 'safe' && numTokens >= sglangInputLimit) {
+      return sendJson(res, 400, {
+        object: 'error',
+        message: `Input length (${numTokens} tokens) exceeds the maximum allowed length (${sglangInputLimit} tokens). Use a shorter input or enable --allow-auto-truncate.`,
+        type: 'BadRequestError',
+        param: null,
+        code: 400,
       })
     }
     if (options.failValid && numTokens <= poolTokens) {
@@ -294,7 +336,9 @@ export async function startStandIn(
       if (isDone) return
       isDone = true
       numRunningCompletions--
-      if (isAborted && options.isAbortLeak) abortedWords = words
+      const wasRunning = numRunningCompletions + 1 // this one included (already counted out)
+      if (isAborted && options.isAbortLeak && wasRunning >= (options.abortLeakMinRunning ?? 1))
+        abortedWords = words
       if (isAborted && options.abortHoldMs !== undefined) {
         const timer = setTimeout(() => {
           holdTimers.delete(timer)
@@ -312,14 +356,19 @@ export async function startStandIn(
       abortedWords = null
     }
     if (options.isLoadSensitive && stats.numInFlight > 1) output = [...output, 'loaded']
-    if (options.isCrossTalk && runningWords.size > 0) output = [...[...runningWords][0], ...output]
+    const minRunning = Math.max(2, options.crossTalkMinRunning ?? 2)
+    if (options.isCrossTalk && runningWords.size + 1 >= minRunning)
+      output = [...[...runningWords][0], ...output]
     runningWords.add(words)
     res.on('close', () => runningWords.delete(words))
     let cachedTokens = 0
     if (options.prefixCache && options.prefixCache !== 'none') {
       const key = words.slice(0, 32).join(' ')
       const owners = prefixCache.get(key) ?? new Set<string>()
-      const tenant = req.headers.authorization ?? ''
+      const tenant =
+        options.clientSalt === 'honoured' && typeof salt === 'string'
+          ? `salt:${salt}`
+          : (req.headers.authorization ?? '')
       const isHit = options.prefixCache === 'shared' ? owners.size > 0 : owners.has(tenant)
       const isCounted = isHit && (!options.isCrossHitUncounted || owners.has(tenant))
       owners.add(tenant)
@@ -386,6 +435,17 @@ export async function startStandIn(
       }),
   }
 }
+
+/** Request fields that steer an engine's cache or transfer path. */
+const steeringFields = new Set([
+  'cache_salt',
+  'extra_key',
+  'kv_transfer_params',
+  'bootstrap_host',
+  'bootstrap_port',
+  'bootstrap_room',
+  'positional_embed_overrides',
+])
 
 /** A URL on which nothing listens: a port bound and released. */
 export async function unreachableUrl(): Promise<string> {

@@ -4,12 +4,13 @@
  *  aborted prompts' canaries. Catches pages freed on abort while a write into them was still in
  *  flight, and buffers or connections reused after an abort (sglang#24527, the 2023 redis-py
  *  incident). An abort the server never saw (the request had finished) still counts as sent. */
-import { runUntilExhausted } from '../budget.js'
+import { materialPromptTokens } from '../plan.js'
+import { runUntilExhausted, type Budget } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
-import { createRng } from '../rng.js'
+import { createRng, type Rng } from '../rng.js'
 import { isAnsweredWhole, type CompletionRequest } from '../target.js'
-import type { Finding } from '../types.js'
+import type { Finding, Tenant } from '../types.js'
 import {
   crossingRemediation,
   findCrossings,
@@ -19,6 +20,7 @@ import {
   type Observed,
   type Planted,
 } from './material.js'
+import { rampLevels } from './concurrency.js'
 
 /** How a victim request is cut. */
 const cutModes = ['before-first-byte', 'mid-prefill', 'mid-stream', 'abandoned'] as const
@@ -26,13 +28,43 @@ type CutMode = (typeof cutModes)[number]
 
 const numCuts = 8
 const numFreshPerTenant = 4
+
+/** After the pairs, waves of mid-stream cuts, each beside another tenant's request: 2, 4, 8 at
+ *  once (as `--max-concurrency` allows: a wave of w is 2w in flight), for release races that open
+ *  only with many in flight. Mid-stream only: a cut after the first chunk always reached the
+ *  server, while a timed cut among many connections may fire before its request was sent. */
+function waveWidths(maxInFlight: number): number[] {
+  return rampLevels(Math.floor(maxInFlight / 2)).filter((w) => w >= 2)
+}
 const maxTokens = 48
 
 export const abortRaceProbe: Probe = {
   name: 'abort-race',
   description:
     "the victim's streams are cut at random points and non-streamed requests abandoned while others run; fresh requests of other tenants must carry none of the aborted canaries",
-  async run(target, _budget, context): Promise<Finding[]> {
+  plan: ({ numTenants, limits }) => [
+    {
+      what: 'requests cut, each beside another tenant’s',
+      numRequests: 2 * numCuts,
+      tokensEach: materialPromptTokens + maxTokens,
+    },
+    {
+      what: 'waves of mid-stream cuts, each beside another tenant’s',
+      numRequests:
+        2 *
+        waveWidths(Math.max(limits.concurrency, limits.maxConcurrency ?? 0)).reduce(
+          (a, b) => a + b,
+          0,
+        ),
+      tokensEach: materialPromptTokens + maxTokens,
+    },
+    {
+      what: 'fresh requests after the cuts',
+      numRequests: numFreshPerTenant * (numTenants - 1),
+      tokensEach: materialPromptTokens + maxTokens,
+    },
+  ],
+  async run(target, budget, context): Promise<Finding[]> {
     const [victim, ...others] = target.tenants
     const rng = createRng(context.seed, 'abort-race')
     const cutIds = Array.from({ length: numCuts }, (_, i) => `cut${i}`)
@@ -48,7 +80,17 @@ export const abortRaceProbe: Probe = {
       Array.from({ length: numFreshPerTenant * others.length }, (_, i) => `fresh${i}`),
     )
     const cuts = cutIds.map((_, i) => cutPlan(cutModes[i % cutModes.length], rng.int(1, 40)))
-    const planted = [...cutPlanted, ...concurrentPlanted, ...freshPlanted]
+    // Drawn after everything above, so a seed plants the pairs' material as it always did.
+    const widths = waveWidths(budget.maxInFlightLimit)
+    const waves = plantWaves(rng, victim, others, widths)
+    const { waveCutPlanted, waveConcurrentPlanted } = waves
+    const planted = [
+      ...cutPlanted,
+      ...concurrentPlanted,
+      ...freshPlanted,
+      ...waveCutPlanted,
+      ...waveConcurrentPlanted,
+    ]
 
     const observed: Observed[] = []
     const send = async (
@@ -74,6 +116,7 @@ export const abortRaceProbe: Probe = {
           send(concurrentPlanted[i], 'concurrent with a cut', i % 2 === 0),
         ])
       }
+      await sendWaves(budget, widths, waves, send)
       for (let i = 0; i < freshPlanted.length; i++) {
         await send(freshPlanted[i], 'fresh after the cuts', i % 2 === 1)
       }
@@ -83,6 +126,7 @@ export const abortRaceProbe: Probe = {
     const summary = {
       victimTenant: victim.name,
       cutModes: cuts.map((c) => c.mode),
+      waveWidths: widths,
       numCutSent: observed.filter((o) => o.planted.id.startsWith('cut')).length,
       numCutBeforeEnd: observed.filter((o) => o.result.failure === 'aborted').length,
       stoppedBy,
@@ -133,6 +177,66 @@ export const abortRaceProbe: Probe = {
       },
     ]
   },
+}
+
+/** Sends the waves one after the other, each wave's cuts and their neighbours all at once. */
+async function sendWaves(
+  budget: Budget,
+  widths: readonly number[],
+  waves: ReturnType<typeof plantWaves>,
+  send: (
+    p: Planted,
+    label: string,
+    stream: boolean,
+    extra?: Partial<CompletionRequest>,
+  ) => Promise<void>,
+): Promise<void> {
+  let first = 0
+  for (const width of widths) {
+    const wave = Array.from({ length: width }, (_, j) => first + j)
+    first += width
+    await budget.withInFlightLimit(2 * width, () =>
+      Promise.all(
+        wave.flatMap((i) => [
+          send(
+            waves.waveCutPlanted[i],
+            `cut mid-stream, wave of ${width}`,
+            true,
+            waves.waveCuts[i].cut,
+          ),
+          send(waves.waveConcurrentPlanted[i], `beside a wave of ${width}`, i % 2 === 0),
+        ]),
+      ),
+    )
+  }
+}
+
+/** The waves' material: per cut, the victim's planted request, another tenant's beside it, and
+ *  its mid-stream cut (ids continue the pairs' numbering). */
+function plantWaves(
+  rng: Rng,
+  victim: Tenant,
+  others: readonly Tenant[],
+  widths: readonly number[],
+): {
+  waveCutPlanted: Planted[]
+  waveConcurrentPlanted: Planted[]
+  waveCuts: ReturnType<typeof cutPlan>[]
+} {
+  const numWaveCuts = widths.reduce((a, b) => a + b, 0)
+  const waveIds = Array.from({ length: numWaveCuts }, (_, i) => numCuts + i)
+  const waveCutPlanted = plantMaterial(
+    rng,
+    [victim],
+    waveIds.map((i) => `cut${i}`),
+  )
+  const waveConcurrentPlanted = plantMaterial(
+    rng,
+    others,
+    waveIds.map((i) => `during${i}`),
+  )
+  const waveCuts = waveIds.map(() => cutPlan('mid-stream', rng.int(1, 40)))
+  return { waveCutPlanted, waveConcurrentPlanted, waveCuts }
 }
 
 function cutPlan(

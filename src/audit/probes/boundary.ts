@@ -30,6 +30,16 @@ export const boundaryProbe: Probe = {
   name: 'boundary',
   description:
     'prompts of pool−1, pool, pool+1, context−1, context, context+1 tokens; one that cannot fit must get a 4xx, never a 200',
+  plan: ({ poolTokens, contextTokens, inputLimitTokens }) => {
+    const limit = Math.min(...[poolTokens, contextTokens].filter((n) => n !== null))
+    const sizes = boundarySizes(poolTokens, contextTokens, inputLimitTokens)
+    // A prompt that fits may be sent once more, resized after the first count.
+    return sizes.map((s) => ({
+      what: `prompt of ${s.tokens} tokens (${s.labels.join('/')})`,
+      numRequests: s.tokens > limit ? 1 : 2,
+      tokensEach: s.tokens + 1,
+    }))
+  },
   async run(target, _budget, context): Promise<Finding[]> {
     const { poolTokens, contextTokens } = context.discovery
     const inconclusive = (title: string, evidence: Record<string, unknown>): Finding[] => [
@@ -59,7 +69,7 @@ export const boundaryProbe: Probe = {
       )
     }
     const limitTokens = Math.min(...[poolTokens, contextTokens].filter((n) => n !== null))
-    const sizes = boundarySizes(poolTokens, contextTokens)
+    const sizes = boundarySizes(poolTokens, contextTokens, context.discovery.inputLimitTokens)
     const tenant = target.tenants[0]
     const results: SizeResult[] = []
     // Land below a size that must fit and above one that must not, never across the limit.
@@ -182,7 +192,14 @@ export const boundaryProbe: Probe = {
   },
 }
 
-function boundarySizes(poolTokens: number | null, contextTokens: number | null): BoundarySize[] {
+/** The sizes sent: pool and context, each −1, exact and +1; and, when the engine reports the
+ *  largest input it accepts (SGLang: 6 tokens under the smaller limit), that size too, the one a
+ *  correct engine of that kind must accept (the control the refusals are judged against). */
+function boundarySizes(
+  poolTokens: number | null,
+  contextTokens: number | null,
+  inputLimitTokens: number | null = null,
+): BoundarySize[] {
   const byTokens = new Map<number, string[]>()
   const add = (label: string, tokens: number): void => {
     if (tokens < 1) return
@@ -197,6 +214,7 @@ function boundarySizes(poolTokens: number | null, contextTokens: number | null):
     add(name, n)
     add(`${name}+1`, n + 1)
   }
+  if (inputLimitTokens !== null) add('input-limit', inputLimitTokens)
   return [...byTokens.entries()]
     .sort(([a], [b]) => a - b)
     .map(([tokens, labels]) => ({ tokens, labels }))

@@ -7,6 +7,7 @@
  *  Any victim canary (or ≥ 8-character fragment) in any observer output, or the other way
  *  round, is a leak. Outputs are kept only redacted: canaries and runs of the victim's planted
  *  prompts stay readable, everything else becomes `·`. */
+import { materialPromptTokens } from '../plan.js'
 import { runUntilExhausted } from '../budget.js'
 import { findCanaries, plantingMaterial, redact, type CanaryMatch } from '../canaries.js'
 import type { Probe } from '../probe.js'
@@ -50,6 +51,30 @@ export const canaryProbe: Probe = {
   name: 'canary',
   description:
     "tenant A plants unique canaries; tenant B sends normal and over-capacity prompts, streamed and not; any A canary fragment in B's output is a leak",
+  plan: ({ overCapacityAttempts, poolTokens, contextTokens }) => {
+    const sizes = overCapacitySizes(
+      { poolTokens, contextTokens },
+      overCapacityAttempts,
+      (_, hi) => hi,
+    )
+    return [
+      {
+        what: 'planting prompts',
+        numRequests: numPlantingPrompts + overCapacityAttempts,
+        tokensEach: materialPromptTokens + plantMaxTokens,
+      },
+      {
+        what: 'normal prompts of the observer',
+        numRequests: overCapacityAttempts,
+        tokensEach: materialPromptTokens + observerMaxTokens,
+      },
+      {
+        what: 'over-capacity prompts',
+        numRequests: sizes.length,
+        tokensEach: Math.max(0, ...sizes) + observerMaxTokens,
+      },
+    ]
+  },
   async run(target, _budget, context): Promise<Finding[]> {
     const [victim, observer] = target.tenants
     const rounds = context.overCapacityAttempts

@@ -1,15 +1,48 @@
 /** Probe `capacity`: compares the advertised context window with the smallest KV capacity the
  *  endpoint reports. Advertising more context than the KV pool holds is the incident's
  *  misconfiguration: prompts between the two sizes take the rejection path that leaked.
+ *  Each engine's own derivation of its input limit is taken as it is (discovery.ts): SGLang's
+ *  6-token reserve under the smaller of context and pool is normal, not a warning; only a pool
+ *  that cannot hold the advertised context is.
  *  Sends no request of its own: it judges what discovery read. */
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
+import { sglangInputReserveTokens, type Discovery } from '../discovery.js'
 import type { Finding } from '../types.js'
+
+/** For SGLang, what its input limit says beside a clean verdict: the normal reserve, or how far
+ *  under the smaller of context and pool it is. */
+function sglangNote(discovery: Discovery): string {
+  const { engine, inputLimits, contextTokens, poolTokens } = discovery
+  if (engine !== 'sglang' || inputLimits.length === 0) return ''
+  const reported = Math.min(...inputLimits.map((s) => s.tokens))
+  const reserve = Math.min(contextTokens ?? Infinity, poolTokens ?? Infinity) - reported
+  return reserve === sglangInputReserveTokens
+    ? ` (SGLang's input limit ${reported} keeps its normal ${reserve}-token reserve)`
+    : ` (SGLang's input limit ${reported} is ${reserve} tokens under it)`
+}
+
+/** How the engine derives its largest accepted input, and what it reported of it. */
+function inputRule(discovery: Discovery): Record<string, unknown> {
+  const { engine, inputLimits, contextTokens, poolTokens } = discovery
+  if (engine !== 'sglang' || inputLimits.length === 0) return { engine }
+  const reported = Math.min(...inputLimits.map((s) => s.tokens))
+  const known = [contextTokens, poolTokens].filter((n) => n !== null)
+  return {
+    engine,
+    rule: 'max_req_input_len = min(context − 1, max_total_num_tokens − 1) − 5',
+    reportedInputLimitTokens: reported,
+    expectedInputLimitTokens:
+      known.length === 0 ? null : Math.min(...known) - sglangInputReserveTokens,
+    inputLimitSources: inputLimits,
+  }
+}
 
 export const capacityProbe: Probe = {
   name: 'capacity',
   description:
     'advertised context window versus the smallest KV pool the endpoint reports (no request of its own); a context the pool cannot hold is a warning',
+  plan: () => [],
   async run(_target, _budget, { discovery }): Promise<Finding[]> {
     const { contextTokens, poolTokens, advertised, pools, endpoints } = discovery
     const evidence = {
@@ -18,6 +51,7 @@ export const capacityProbe: Probe = {
       advertisedSources: advertised,
       poolSources: pools,
       endpoints,
+      inputRule: inputRule(discovery),
     }
     if (contextTokens === null || poolTokens === null) {
       const missing = [
@@ -60,7 +94,9 @@ export const capacityProbe: Probe = {
         probe: 'capacity',
         verdict: 'clean',
         severity: 'info',
-        title: `advertised context ${contextTokens} tokens fits the KV pool of ${poolTokens} tokens`,
+        title:
+          `advertised context ${contextTokens} tokens fits the KV pool of ${poolTokens} tokens` +
+          sglangNote(discovery),
         evidence,
         remediation: 'None needed. Keep the context window at or below the KV pool after changes.',
       },

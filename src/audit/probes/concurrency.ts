@@ -1,7 +1,10 @@
-/** Probe `concurrency`: bursts of simultaneous requests from every tenant (as many as the
- *  budget's concurrency allows), each with canaries of its own, streamed and not; every answer,
- *  first tokens included, must carry only its own request's material. Catches batch slots,
- *  metadata or first tokens mixed up under load (sglang#17259, #22716). */
+/** Probe `concurrency`: bursts of simultaneous requests from every tenant, ramped 1 → 2 → 4 →
+ *  8 → 16 in flight (up to `--max-concurrency`, and no further than the endpoint's own limit once
+ *  a 429 or 503 shows it), each with canaries of its own, streamed and not; every answer, first
+ *  tokens included, must carry only its own request's material. Catches batch slots, metadata or
+ *  first tokens mixed up under load (sglang#17259, #22716), including races that only open at
+ *  a batch size the default `--concurrency` never reaches. */
+import { materialPromptTokens } from '../plan.js'
 import { BudgetExhaustedError } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
@@ -17,15 +20,41 @@ import {
   type Observed,
 } from './material.js'
 
-const numBursts = 3
 const maxTokens = 32
+/** The ramp's levels (requests in flight), before the ceiling. */
+const rampSteps = [1, 2, 4, 8, 16] as const
+
+/** The levels the ramp sends at, each one burst: the steps up to `ceiling`, and the ceiling
+ *  itself when it falls between two steps. */
+export function rampLevels(ceiling: number): number[] {
+  const levels: number[] = rampSteps.filter((n) => n <= ceiling)
+  if (levels[levels.length - 1] !== ceiling) levels.push(ceiling)
+  return levels
+}
+
+/** One burst of the ramp: how many were sent together, answered whole, refused for load. */
+interface RampStep {
+  readonly level: number
+  readonly numAnswered: number
+  readonly numShed: number
+}
 
 export const concurrencyProbe: Probe = {
   name: 'concurrency',
   description:
     'bursts of simultaneous requests from every tenant (up to --concurrency); each answer, first tokens included, must carry only its own material',
+  plan: ({ limits }) => {
+    const levels = rampLevels(Math.max(limits.concurrency, limits.maxConcurrency ?? 0))
+    return [
+      {
+        what: `bursts of ${levels.join(', ')} in flight`,
+        numRequests: levels.length < 2 ? 0 : levels.reduce((a, b) => a + b, 0),
+        tokensEach: materialPromptTokens + maxTokens,
+      },
+    ]
+  },
   async run(target, budget, context): Promise<Finding[]> {
-    const burstSize = budget.limits.concurrency
+    const ceiling = budget.maxInFlightLimit
     const inconclusive = (title: string, evidence: Record<string, unknown>): Finding[] => [
       {
         probe: 'concurrency',
@@ -33,50 +62,70 @@ export const concurrencyProbe: Probe = {
         severity: 'medium',
         title,
         evidence,
-        remediation: `Re-run with --concurrency 4 or more. ${inconclusiveRemediation}`,
+        remediation: `Re-run with --max-concurrency 8 or more. ${inconclusiveRemediation}`,
       },
     ]
-    if (burstSize < 2) {
-      return inconclusive('--concurrency 1 allows no simultaneous requests', { burstSize })
+    if (ceiling < 2) {
+      return inconclusive('--concurrency 1 allows no simultaneous requests', { ceiling })
     }
+    const levels = rampLevels(ceiling)
     const rng = createRng(context.seed, 'concurrency')
-    const ids = Array.from(
-      { length: numBursts * burstSize },
-      (_, i) => `b${Math.floor(i / burstSize)}r${i % burstSize}`,
-    )
+    const ids = levels.flatMap((level) => Array.from({ length: level }, (_, i) => `c${level}r${i}`))
     const planted = plantMaterial(rng, target.tenants, ids)
     const observed: Observed[] = []
     let stoppedBy: string | null = null
-    const acceptedPerBurst: number[] = []
-    for (let b = 0; b < numBursts && stoppedBy === null; b++) {
-      const burst = planted.slice(b * burstSize, (b + 1) * burstSize)
-      const settled = await Promise.allSettled(
-        burst.map(async (p, i) => {
-          const stream = (i + b) % 2 === 0
-          const result = await target.complete({
-            tenant: p.tenant,
-            prompt: p.prompt,
-            maxTokens,
-            stream,
-          })
-          const o: Observed = { planted: p, label: `burst ${b + 1}`, stream, result }
-          observed.push(o)
-          return o
-        }),
+    const ramp: RampStep[] = []
+    let endpointLimit: number | null = null
+    let offset = 0
+    for (const level of levels) {
+      if (stoppedBy !== null || endpointLimit !== null) break
+      const burst = planted.slice(offset, offset + level)
+      offset += level
+      const settled = await budget.withInFlightLimit(level, () =>
+        Promise.allSettled(
+          burst.map(async (p, i) => {
+            const stream = (i + level) % 2 === 0
+            const result = await target.complete({
+              tenant: p.tenant,
+              prompt: p.prompt,
+              maxTokens,
+              stream,
+            })
+            const o: Observed = { planted: p, label: `${level} in flight`, stream, result }
+            observed.push(o)
+            return o
+          }),
+        ),
       )
+      const results = settled.flatMap((s) => (s.status === 'fulfilled' ? [s.value.result] : []))
       for (const s of settled) {
         if (s.status === 'rejected') {
           if (!(s.reason instanceof BudgetExhaustedError)) throw s.reason
           stoppedBy = s.reason.message
         }
       }
-      acceptedPerBurst.push(
-        settled.filter((s) => s.status === 'fulfilled' && isAnsweredWhole(s.value.result)).length,
-      )
+      const step: RampStep = {
+        level,
+        numAnswered: results.filter(isAnsweredWhole).length,
+        numShed: results.filter((r) => r.status === 429 || r.status === 503).length,
+      }
+      ramp.push(step)
+      // The endpoint said how many it takes at once: going higher only adds refusals.
+      if (step.numShed > 0) endpointLimit = step.numAnswered
     }
+    const acceptedPerBurst = ramp.map((s) => s.numAnswered)
+    const highestLevel = Math.max(0, ...ramp.filter((s) => s.numAnswered >= 2).map((s) => s.level))
     const crossings = findCrossings(observed, planted)
-    const summary = { burstSize, acceptedPerBurst, stoppedBy, requests: requestLog(observed) }
-    context.log(`accepted per burst of ${burstSize}: ${acceptedPerBurst.join(' ')}`)
+    const summary = {
+      ceiling,
+      ramp,
+      highestLevel,
+      endpointLimit,
+      acceptedPerBurst,
+      stoppedBy,
+      requests: requestLog(observed),
+    }
+    context.log(`ramp: ${ramp.map((s) => `${s.numAnswered}/${s.level}`).join(' ')}`)
     if (crossings.length > 0) {
       return leakFindings('concurrency', crossings, planted, summary, crossingRemediation)
     }
@@ -89,7 +138,11 @@ export const concurrencyProbe: Probe = {
         probe: 'concurrency',
         verdict: 'clean',
         severity: 'info',
-        title: `${numAccepted} answers in ${acceptedPerBurst.length} bursts of ${burstSize} each carried only their own material`,
+        title:
+          `${numAccepted} answers in bursts of ${ramp.map((s) => s.level).join(', ')} in flight carried only their own material` +
+          (endpointLimit !== null
+            ? ` (the endpoint shed load above ${endpointLimit} at once)`
+            : ''),
         evidence: summary,
         remediation: 'None needed.',
       },

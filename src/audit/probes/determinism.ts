@@ -14,6 +14,8 @@ import { plantMaterial } from './material.js'
 const maxTokens = 32
 const numAlone = 2
 const numUnderLoad = 2
+/** Tokens of a prompt cut to 120 characters, at most (about two characters a token). */
+const shortPromptTokens = 60
 
 const advice =
   'Not a leak by itself. For reproducible temperature-0 output run the engine in a ' +
@@ -25,6 +27,19 @@ export const determinismProbe: Probe = {
   name: 'determinism',
   description:
     'one temperature-0 prompt twice alone and twice beside other requests; output that changes with load is a warning with advice, never a leak',
+  plan: ({ limits }) => [
+    // Each of the subject's requests is asked once more after a 429 or 503.
+    {
+      what: 'the same prompt, alone and under load',
+      numRequests: 2 * (numAlone + numUnderLoad),
+      tokensEach: shortPromptTokens + maxTokens,
+    },
+    {
+      what: 'load beside it',
+      numRequests: numUnderLoad * Math.max(1, limits.concurrency - 1),
+      tokensEach: shortPromptTokens + 64,
+    },
+  ],
   async run(target, budget, context): Promise<Finding[]> {
     const rng = createRng(context.seed, 'determinism')
     const [subject, ...load] = plantMaterial(

@@ -28,6 +28,21 @@ export const errorHandlingProbe: Probe = {
   name: 'error-handling',
   description:
     'malformed JSON, a missing prompt, bad max_tokens and over-length prompts must get a 4xx, never a 200 carrying an error text',
+  plan: ({ poolTokens, contextTokens }) => {
+    const sizes = [poolTokens, contextTokens].filter((n) => n !== null)
+    const limit = sizes.length === 0 ? null : Math.min(...sizes)
+    return [
+      { what: 'valid control', numRequests: 1, tokensEach: 3 },
+      { what: 'malformed requests', numRequests: 4, tokensEach: 6 },
+      // Refused when the endpoint validates; generated to the end when it does not.
+      { what: 'max_tokens over the context', numRequests: 1, tokensEach: (limit ?? 0) + 1002 },
+      {
+        what: 'prompt twice the limit',
+        numRequests: limit === null ? 0 : 1,
+        tokensEach: limit === null ? 0 : 2 * limit + 2,
+      },
+    ]
+  },
   async run(target, _budget, context): Promise<Finding[]> {
     const tenant = target.tenants[target.tenants.length - 1]
     const { contextTokens, poolTokens } = context.discovery

@@ -3,6 +3,7 @@ import type { Probe } from '../probe.js'
 import type { ProbeName } from '../types.js'
 import { abortRaceProbe } from './abort-race.js'
 import { boundaryProbe } from './boundary.js'
+import { cacheFieldsProbe } from './cache-fields.js'
 import { canaryProbe } from './canary.js'
 import { capacityProbe } from './capacity.js'
 import { concurrencyProbe } from './concurrency.js'
@@ -22,5 +23,6 @@ export const probes: Readonly<Record<ProbeName, Probe>> = {
   'page-leak': pageLeakProbe,
   determinism: determinismProbe,
   'prefix-timing': prefixTimingProbe,
+  'cache-fields': cacheFieldsProbe,
   'error-handling': errorHandlingProbe,
 }

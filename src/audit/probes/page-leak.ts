@@ -6,6 +6,7 @@
  *  refuses work, and pages that may later be read without being written. Earlier probes' aborts
  *  are such a workload too, which is why the baseline is taken before them.
  *  A warning, never a leak: no data was seen crossing. */
+import { materialPromptTokens } from '../plan.js'
 import { BudgetExhaustedError } from '../budget.js'
 import { readPoolUsage, readRunning, type PoolUsage } from '../pool-usage.js'
 import type { Probe } from '../probe.js'
@@ -39,6 +40,19 @@ export const pageLeakProbe: Probe = {
   name: 'page-leak',
   description:
     'KV pool usage (kvfence /server_info, vLLM/SGLang /metrics) must return to its idle baseline after a workload of normal and aborted requests',
+  plan: () => [
+    { what: 'long generation', numRequests: 1, tokensEach: materialPromptTokens + 128 },
+    {
+      what: 'workload, every other one cut',
+      numRequests: numWorkload - 1,
+      tokensEach: materialPromptTokens + 32,
+    },
+    {
+      what: 'reads of pool usage (GET)',
+      numRequests: 2 * maxPolls + maxWorkloadSamples,
+      tokensEach: 0,
+    },
+  ],
   async run(target, budget, context): Promise<Finding[]> {
     const startedAt = performance.now()
     const samples: UsageSample[] = []

@@ -28,6 +28,8 @@ const noDifferenceP = 0.05
 const strongAlpha = 0.001
 const maxPrefixTokens = 512
 const defaultPrefixWords = 200
+/** Tokens of a prompt beyond its prefix, at most: the canary heading it and the suffix. */
+const suffixTokens = 16
 
 /** One arm of the protocol (control or cross-tenant): TTFT samples (ms) and reported
  *  `cached_tokens` of its hit and miss requests, in the order sent. */
@@ -42,6 +44,22 @@ export const prefixTimingProbe: Probe = {
   name: 'prefix-timing',
   description:
     "TTFT of another tenant's prefix (hit) vs a fresh one (miss), two-sample Kolmogorov–Smirnov test with the same tenant's reuse as positive control; cached_tokens read as a direct signal",
+  plan: ({ limits, poolTokens, contextTokens }) => {
+    const sizes = [poolTokens, contextTokens].filter((n) => n !== null)
+    const prefixTokens = Math.min(
+      maxPrefixTokens,
+      ...sizes.map((n) => Math.floor(n / 2)),
+      sizes.length === 0 ? defaultPrefixWords : Infinity,
+    )
+    // Per sample and arm: the victim primes, the reader sends a hit and a miss.
+    return [
+      {
+        what: `${maxSamples} samples × 2 arms × 3 prompts of a ${prefixTokens}-token prefix`,
+        numRequests: 6 * Math.min(maxSamples, Math.floor(limits.maxRequests / 6)),
+        tokensEach: prefixTokens + suffixTokens + 1,
+      },
+    ]
+  },
   async run(target, budget, context): Promise<Finding[]> {
     const [victim, observer] = target.tenants
     const rng = createRng(context.seed, 'prefix-timing')

@@ -10,6 +10,7 @@
  *  bounded queue doing its job. A 429, or any error code that names a rate limit, is the waiting
  *  tenant's own limit, not a full endpoint: that, or any other refusal, leaves the probe
  *  inconclusive, since no request was made to queue behind another tenant's. */
+import { materialPromptTokens } from '../plan.js'
 import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
@@ -46,6 +47,23 @@ export const queueingProbe: Probe = {
   name: 'queueing',
   description:
     'long generations fill the batch, short requests of other tenants wait behind them; queued answers must carry only their own material',
+  plan: ({ limits }) => [
+    {
+      what: 'unloaded baseline',
+      numRequests: numBaseline,
+      tokensEach: materialPromptTokens + waiterMaxTokens,
+    },
+    {
+      what: 'long generations holding the batch',
+      numRequests: Math.max(1, limits.concurrency - 1),
+      tokensEach: materialPromptTokens + holderMaxTokens,
+    },
+    {
+      what: 'queued requests',
+      numRequests: numWaiters,
+      tokensEach: materialPromptTokens + waiterMaxTokens,
+    },
+  ],
   async run(target, budget, context): Promise<Finding[]> {
     const [victim, ...others] = target.tenants
     const numHolders = Math.max(1, budget.limits.concurrency - 1)

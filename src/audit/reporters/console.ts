@@ -3,6 +3,7 @@
  *  so it reads the same in a terminal, a CI log or a file. */
 import type { ProgressEvent } from '../run.js'
 import type { AuditReport, Finding } from '../types.js'
+import { formatControls } from '../controls.js'
 
 export function formatProgress(event: ProgressEvent): string {
   switch (event.type) {
@@ -16,8 +17,14 @@ export function formatProgress(event: ProgressEvent): string {
 }
 
 export function formatSummary(report: AuditReport): string {
-  const rows = report.findings.map((f: Finding) => [f.probe, f.verdict, f.severity, f.title])
-  const header = ['probe', 'verdict', 'severity', 'finding']
+  const rows = report.findings.map((f: Finding) => [
+    f.probe,
+    f.verdict,
+    f.severity,
+    formatControls(f.controls),
+    f.title,
+  ])
+  const header = ['probe', 'verdict', 'severity', 'controls', 'finding']
   const widths = header.map((h, i) => Math.max(h.length, ...rows.map((r) => r[i].length)))
   widths[3] = Math.min(widths[3], 100)
   const line = (cells: string[]): string =>

@@ -14,6 +14,7 @@ import { readFile, writeFile } from 'node:fs/promises'
 import { createRequire } from 'node:module'
 import { dirname, join } from 'node:path'
 import type { AuditReport, Finding } from '../types.js'
+import { formatControls } from '../controls.js'
 
 /** Chart.js's UMD build (a dependency), as text. */
 export async function readChartJs(): Promise<string> {
@@ -253,7 +254,7 @@ ${banner(report)}
 <p>${esc(counts.join(', '))}</p>
 <h2>Findings</h2>
 <table>
-<thead><tr><th>probe</th><th>verdict</th><th>severity</th><th>finding</th></tr></thead>
+<thead><tr><th>probe</th><th>verdict</th><th>severity</th><th>controls</th><th>finding</th></tr></thead>
 <tbody>
 ${report.findings.map(row).join('\n')}
 </tbody>
@@ -317,7 +318,7 @@ function matrixTable(matrix: PlotData['matrix']): string {
 }
 
 function row(f: Finding): string {
-  return `<tr><td>${esc(f.probe)}</td><td class="${f.verdict}">${f.verdict}</td><td>${f.severity}</td><td>${esc(f.title)}</td></tr>`
+  return `<tr><td>${esc(f.probe)}</td><td class="${f.verdict}">${f.verdict}</td><td>${f.severity}</td><td>${esc(formatControls(f.controls))}</td><td>${esc(f.title)}</td></tr>`
 }
 
 function details(f: Finding, i: number): string {

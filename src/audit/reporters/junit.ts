@@ -12,6 +12,7 @@
 import { writeFile } from 'node:fs/promises'
 import type { AuditReport, Finding, Verdict } from '../types.js'
 import { verdictRank } from '../types.js'
+import { formatControls } from '../controls.js'
 
 /** The report as JUnit XML (the common Jenkins/Surefire dialect). */
 export function formatJunitReport(report: AuditReport, failOn: Verdict = 'leak'): string {
@@ -27,7 +28,8 @@ export function formatJunitReport(report: AuditReport, failOn: Verdict = 'leak')
     const findings = report.findings.filter((f) => f.probe === run.probe)
     const worst = worstVerdict(findings)
     const lines = findings.map(
-      (f) => `[${f.verdict}/${f.severity}] ${f.title}\n  fix: ${f.remediation}`,
+      (f) =>
+        `[${f.verdict}/${f.severity}] ${f.title}\n  controls: ${formatControls(f.controls)}\n  fix: ${f.remediation}`,
     )
     const body = lines.join('\n')
     const open = `    <testcase classname="kvfence.audit" name="${esc(run.probe)}" time="${seconds(run.durationMs)}">`

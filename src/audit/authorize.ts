@@ -1,0 +1,71 @@
+/** Which targets an audit may be pointed at. An audit sends hundreds of requests, some of them
+ *  deliberately malformed or over capacity: pointed at the wrong host by a typo, it is an attack
+ *  on someone else's service. Loopback is always allowed (a local engine or a tunnel); any other
+ *  host only when the operator names it, in the config (`authorized_targets`) or with
+ *  `--authorized`. The check reads the URL only: it runs before any request, and before any
+ *  DNS lookup.
+ *  Knows URLs; knows nothing of HTTP requests. */
+import { isIP } from 'node:net'
+import { AuditError } from './types.js'
+
+/** Whether `hostname` (as `URL.hostname` gives it: IPv6 in brackets) is loopback: `localhost`
+ *  (and `*.localhost`, RFC 6761), 127.0.0.0/8, `::1`, or `::ffff:127.x.y.z`. */
+export function isLoopbackHost(hostname: string): boolean {
+  const host = hostname
+    .toLowerCase()
+    .replace(/^\[|\]$/g, '')
+    .replace(/\.$/, '')
+  if (host === 'localhost' || host.endsWith('.localhost')) return true
+  if (isIP(host) === 4) return host.split('.')[0] === '127'
+  if (isIP(host) === 6) {
+    if (host === '::1' || /^(0{1,4}:){7}0{0,3}1$/.test(host)) return true
+    // IPv4-mapped 127.x.y.z, written dotted or (as URL normalizes it) in hex.
+    const mapped = /^::ffff:(\d+)\.\d+\.\d+\.\d+$/.exec(host)
+    return (
+      (mapped !== null && mapped[1] === '127') || /^::ffff:7f[0-9a-f]{2}:[0-9a-f]{1,4}$/.test(host)
+    )
+  }
+  return false
+}
+
+/** The `host[:port]` an authorization entry names: a bare host, `host:port`, or a URL (its
+ *  host). Lower-cased; null when it names none. */
+function authorizedHost(entry: string): string | null {
+  const trimmed = entry.trim().toLowerCase()
+  if (trimmed === '') return null
+  try {
+    return new URL(trimmed.includes('://') ? trimmed : `http://${trimmed}`).host
+  } catch {
+    return null
+  }
+}
+
+/** Throws `AuditError('unauthorized_target')` (one line saying how to authorize) unless `target`
+ *  is loopback, or `authorized` names its host (with any port when the entry gives none, else
+ *  that port). `isAuthorizedFlag` (`--authorized`) authorizes the target given. */
+export function checkAuthorizedTarget(
+  target: string,
+  authorized: readonly string[],
+  isAuthorizedFlag: boolean,
+): void {
+  let url: URL
+  try {
+    url = new URL(target)
+  } catch {
+    return // not a URL: runAudit's own validation says so
+  }
+  if (isAuthorizedFlag || isLoopbackHost(url.hostname)) return
+  const host = url.host.toLowerCase()
+  const hostname = url.hostname.toLowerCase()
+  for (const entry of authorized) {
+    const named = authorizedHost(entry)
+    if (named === null) continue
+    const hasPort = /:\d+$/.test(named) && !named.endsWith(']')
+    if (hasPort ? named === host : named === hostname) return
+  }
+  throw new AuditError(
+    'unauthorized_target',
+    `${url.host} is not loopback and not an authorized target: audit only endpoints you are allowed to test, ` +
+      `then list it under authorized_targets in --config or pass --authorized`,
+  )
+}

@@ -1,0 +1,195 @@
+/** Using the auditor safely in CI: `--plan` says what an audit would send without sending a
+ *  completion, and a target nobody authorized is refused before any request. The real CLI in a
+ *  child process against stand-ins, as in cli.test.ts. */
+import assert from 'node:assert/strict'
+import { execFile } from 'node:child_process'
+import { mkdtemp, rm, writeFile } from 'node:fs/promises'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { fileURLToPath } from 'node:url'
+import { describe, test } from 'node:test'
+import { checkAuthorizedTarget, isLoopbackHost, probeNames, probes } from '../../src/audit/index.js'
+import { startStandIn, tenantKeys } from './standins.js'
+
+const mainJs = fileURLToPath(new URL('../../src/cli/main.js', import.meta.url))
+
+interface Run {
+  code: number | null
+  stdout: string
+  stderr: string
+}
+
+function kvfence(args: string[]): Promise<Run> {
+  return new Promise((resolve) => {
+    execFile(process.execPath, [mainJs, ...args], { timeout: 60_000 }, (err, stdout, stderr) => {
+      const code = err && typeof err.code === 'number' ? err.code : err ? null : 0
+      resolve({ code, stdout, stderr })
+    })
+  })
+}
+
+const tenantFlags = ['--tenant', `alice=${tenantKeys.alice}`, '--tenant', `bob=${tenantKeys.bob}`]
+
+/** The row of `probe` in the plan's table: [requests, tokens, cost?]. */
+function planRow(stdout: string, probe: string): string[] {
+  const line = stdout.split('\n').find((l) => l.startsWith(`${probe} `))
+  assert.ok(line, `no row for ${probe}:\n${stdout}`)
+  return line.trim().split(/\s+/).slice(1)
+}
+
+describe('--plan', () => {
+  test('prints per probe the requests and tokens it would send, priced, and sends no completion', async () => {
+    // The incident's stand-in: context 1024, pool 384 tokens, reported on /server_info.
+    const standIn = await startStandIn('leaky')
+    try {
+      const run = await kvfence([
+        'audit',
+        '--target',
+        standIn.url,
+        ...tenantFlags,
+        '--plan',
+        '--price-per-million-tokens',
+        '2.5',
+      ])
+      assert.equal(run.code, 0, run.stderr)
+      assert.deepEqual(standIn.stats.paths, ['GET /v1/models', 'GET /server_info', 'GET /metrics'])
+      assert.match(run.stdout, /no completion was sent/)
+      assert.match(run.stdout, /context 1024 tokens, KV pool 384 tokens/)
+      // Worked by hand from the probes' constants: boundary sends pool−1 and pool twice each
+      // (a resize), pool+1 and context−1/context/context+1 once: 8 prompts of 383…1025 tokens
+      // plus max_tokens 1.
+      assert.deepEqual(planRow(run.stdout, 'boundary'), ['8', '4999', '0.0125'])
+      assert.deepEqual(planRow(run.stdout, 'capacity'), ['0', '0', '0.0000'])
+      // concurrency: bursts of 1, 2, 4, 8, 16 (--max-concurrency 16), each (165-token prompt + 32).
+      assert.deepEqual(planRow(run.stdout, 'concurrency'), ['31', '6107', '0.0153'])
+      // abort-race: 8 cuts each beside another tenant's request, then waves of 2, 4 and 8
+      // mid-stream cuts likewise (28), then 4 fresh: 48 × (165 + 48).
+      assert.deepEqual(planRow(run.stdout, 'abort-race'), ['48', '10224', '0.0256'])
+      // cache-fields: a plain control, then 4 requests for each of cache_salt and extra_key.
+      assert.deepEqual(planRow(run.stdout, 'cache-fields'), ['9', '1494', '0.0037'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['342', '52503', '0.1313'])
+      assert.match(
+        run.stdout,
+        /the plan's 342 requests exceed --max-requests 300: if every one is sent, the audit stops after 300/,
+      )
+      for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
+    } finally {
+      await standIn.close()
+    }
+  })
+
+  test('a budget smaller than the plan says where the audit stops; no price prints tokens only', async () => {
+    const standIn = await startStandIn('safe')
+    try {
+      const run = await kvfence([
+        'audit',
+        '--target',
+        standIn.url,
+        ...tenantFlags,
+        '--plan',
+        '--max-requests',
+        '50',
+      ])
+      assert.equal(run.code, 0, run.stderr)
+      assert.ok(!standIn.stats.paths.some((p) => p.startsWith('POST')), standIn.stats.paths.join())
+      assert.match(
+        run.stdout,
+        /the audit stops after 50 and the probes it does not reach are inconclusive/,
+      )
+      assert.match(run.stdout, /tokens only: give --price-per-million-tokens/)
+    } finally {
+      await standIn.close()
+    }
+  })
+
+  test('every probe states its plan', () => {
+    for (const name of probeNames) assert.equal(typeof probes[name].plan, 'function', name)
+  })
+})
+
+describe('authorized targets', () => {
+  test('a non-loopback target is refused before any connection: exit 2, one line saying how to authorize', async () => {
+    // 192.0.2.1 is TEST-NET-1 (RFC 5737): never routed. Were it connected to, the CLI would
+    // report it unreachable after a timeout, not this refusal.
+    const started = Date.now()
+    const run = await kvfence(['audit', '--target', 'http://192.0.2.1:8000', ...tenantFlags])
+    assert.equal(run.code, 2)
+    assert.equal(
+      run.stderr,
+      'kvfence audit: 192.0.2.1:8000 is not loopback and not an authorized target: audit only endpoints you are allowed to test, then list it under authorized_targets in --config or pass --authorized\n',
+    )
+    assert.ok(Date.now() - started < 30_000)
+  })
+
+  test('--plan is refused the same way (its discovery reads are requests too)', async () => {
+    const run = await kvfence(['audit', '--target', 'http://192.0.2.1', ...tenantFlags, '--plan'])
+    assert.equal(run.code, 2)
+    assert.match(run.stderr, /^kvfence audit: 192\.0\.2\.1 is not loopback/)
+  })
+
+  test('authorized_targets in the config, or --authorized, lets the audit reach the host', async () => {
+    // Authorized, the TEST-NET address gets past the check to a connection attempt, which fails
+    // ("cannot reach", within --max-seconds): the refusal above came before any.
+    const dir = await mkdtemp(join(tmpdir(), 'kvfence-auth-'))
+    try {
+      const file = join(dir, 'audit.yaml')
+      await writeFile(file, 'authorized_targets: ["192.0.2.1:9"]\n')
+      assert.doesNotThrow(() =>
+        checkAuthorizedTarget('http://192.0.2.1:9/v1', ['192.0.2.1:9'], false),
+      )
+      assert.doesNotThrow(() =>
+        checkAuthorizedTarget('https://LLM.example.com', ['llm.example.com'], false),
+      )
+      assert.doesNotThrow(() =>
+        checkAuthorizedTarget('https://llm.example.com:8443', ['https://llm.example.com'], false),
+      )
+      assert.throws(() => checkAuthorizedTarget('http://192.0.2.1:10', ['192.0.2.1:9'], false), {
+        code: 'unauthorized_target',
+      })
+      assert.throws(
+        () => checkAuthorizedTarget('http://llm.example.com.evil.test', ['llm.example.com'], false),
+        {
+          code: 'unauthorized_target',
+        },
+      )
+      assert.doesNotThrow(() => checkAuthorizedTarget('http://192.0.2.1', [], true))
+      const run = await kvfence([
+        'audit',
+        '--config',
+        file,
+        '--target',
+        'http://192.0.2.1:9',
+        ...tenantFlags,
+        '--max-seconds',
+        '2',
+        '--plan',
+      ])
+      assert.equal(run.code, 2)
+      assert.doesNotMatch(run.stderr, /not an authorized target/)
+      assert.match(run.stderr, /cannot reach http:\/\/192\.0\.2\.1:9/)
+    } finally {
+      await rm(dir, { recursive: true, force: true })
+    }
+  })
+
+  test('loopback is always allowed: 127.0.0.0/8, ::1, localhost', () => {
+    for (const host of [
+      '127.0.0.1',
+      '127.9.8.7',
+      '[::1]',
+      'localhost',
+      'api.localhost',
+      '[::ffff:7f00:1]',
+    ])
+      assert.ok(isLoopbackHost(host), host)
+    for (const host of [
+      '192.0.2.1',
+      '10.0.0.1',
+      '128.0.0.1',
+      '[::2]',
+      '127.0.0.1.nip.io',
+      'localhost.example.com',
+    ])
+      assert.ok(!isLoopbackHost(host), host)
+  })
+})
