@@ -42,6 +42,16 @@ export const RouterSection = z.strictObject({
   maxQueueWaitMs: z.number().int().min(0).default(queueLimitDefaults.maxQueueWaitMs),
   logContent: z.boolean().default(false),
   logLevel: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']).default('info'),
+  /** The response sentinel (docs/monitoring.md); unset fields take `sentinelDefaults`. */
+  sentinel: z
+    .strictObject({
+      mode: z.enum(['off', 'observe', 'block']).optional(),
+      windowSeconds: z.number().positive().optional(),
+      maxBytes: positive.optional(),
+      ngramTokens: positive.optional(),
+      minRunTokens: positive.optional(),
+    })
+    .optional(),
 })
 
 const workerShapeError =

@@ -455,6 +455,7 @@ export function routerSectionOptions(
   | 'maxBodyBytes'
   | 'logContent'
   | 'queue'
+  | 'sentinel'
 > {
   return {
     host: r.host,
@@ -464,6 +465,7 @@ export function routerSectionOptions(
     clampContext: r.clampContext,
     maxBodyBytes: r.maxBodyBytes,
     logContent: r.logContent,
+    sentinel: r.sentinel,
     queue: {
       maxConcurrentRequests: r.maxConcurrentRequests,
       maxQueuedRequests: r.maxQueuedRequests,

@@ -34,6 +34,8 @@ export const TenantRecord = z.strictObject({
     .regex(/^[0-9a-fA-F]{64}$/, "keySha256 must be the 64 hex digits of the key's SHA-256")
     .transform((s) => s.toLowerCase()),
   limits: TenantLimits.optional(),
+  /** A watch tenant: the response sentinel learns canaries from its prompts. */
+  canary: z.boolean().optional(),
 })
 export type TenantRecord = z.infer<typeof TenantRecord>
 
@@ -41,6 +43,9 @@ export type TenantRecord = z.infer<typeof TenantRecord>
 export interface Tenant {
   readonly name: string
   readonly limits: TenantLimits
+  /** Present (true) when marked `canary: true`: its prompts' canaries are watched for in other
+   *  tenants' answers. Absent otherwise, so that an ordinary tenant is just its name and limits. */
+  readonly isCanary?: true
 }
 
 /** The tenants file. */
@@ -80,7 +85,11 @@ export function createTenantRegistry(records: readonly TenantRecord[]): TenantRe
     digests.add(t.keySha256)
   }
   const entries = parsed.data.map((t) => ({
-    tenant: Object.freeze({ name: t.name, limits: Object.freeze({ ...t.limits }) }),
+    tenant: Object.freeze({
+      name: t.name,
+      limits: Object.freeze({ ...t.limits }),
+      ...(t.canary === true ? { isCanary: true as const } : {}),
+    }),
     digest: Buffer.from(t.keySha256, 'hex'), // 32 bytes
   }))
 
