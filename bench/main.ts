@@ -10,6 +10,7 @@ const benches = {
   transfer: { file: 'transfer.js', entry: 'benchTransfer' },
   router: { file: 'router.js', entry: 'benchRouter' },
   audit: { file: 'audit.js', entry: 'benchAudit' },
+  sentinel: { file: 'sentinel.js', entry: 'benchSentinel' },
 } as const
 type BenchName = keyof typeof benches
 
