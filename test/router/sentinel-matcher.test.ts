@@ -52,44 +52,57 @@ describe('fingerprints', () => {
     assert(a('abcdefgh', 0, 8) < 2 ** 52 && a('abcdefgh', 0, 8) >= 0)
   })
 
-  it('a 40-character text has 33 distinct 8-grams; 8 repeated letters have 1', () => {
+  it('a 40-character text has 33 8-grams, 12 repeated letters 5 equal ones, 5 letters none', () => {
     const hash = createNgramHasher()
     assert.equal(fingerprintsOf(hash, passage, 8).length, 33)
-    assert.equal(fingerprintsOf(hash, 'aaaaaaaaaaaa', 8).length, 1)
+    assert.equal(new Set(fingerprintsOf(hash, passage, 8)).size, 33)
+    assert.equal(new Set(fingerprintsOf(hash, 'aaaaaaaaaaaa', 8)).size, 1)
+    assert.equal(fingerprintsOf(hash, 'aaaaaaaaaaaa', 8).length, 5)
     assert.equal(fingerprintsOf(hash, 'short', 8).length, 0)
   })
 
-  it('the store counts holders per tenant, expires by window and keeps under its cap', () => {
+  it('the store knows the latest tenant and sharing, drops a generation each half window and at its cap', () => {
     let nowMs = 0
     const store = createFingerprintStore({
       windowMs: 1000,
       maxBytes: 10 * bytesPerFingerprint,
       now: () => nowMs,
     })
-    store.add('a', 'r1', Float64Array.of(1, 2, 3))
-    store.add('b', 'r2', Float64Array.of(3, 4))
-    store.add('a', 'r3', Float64Array.of(3))
+    store.add('a', Int32Array.of(1, 2, 3))
+    store.add('b', Int32Array.of(3, 4))
+    store.add('a', Int32Array.of(3))
     store.check()
+    assert.deepEqual(store.holderOf(1), { tenant: 'a', isShared: false })
+    assert.deepEqual(store.holderOf(3), { tenant: 'a', isShared: true })
+    assert.deepEqual(store.holderOf(4), { tenant: 'b', isShared: false })
+    assert.equal(store.holderOf(5), null)
     assert.deepEqual(
-      [1, 2, 3, 4, 5].map((fp) => store.numHolders(fp)),
-      [1, 1, 2, 1, 0],
+      [
+        store.isEvidence('a', 4),
+        store.isEvidence('b', 4),
+        store.isEvidence('b', 1),
+        store.isEvidence('c', 3),
+      ],
+      [true, false, true, false],
     )
-    assert.equal(store.isHeldBy('a', 4), false)
-    assert.deepEqual(store.sourceOf(3, 'a'), { tenant: 'b', rid: 'r2' })
-    assert.equal(store.numBytes, 6 * bytesPerFingerprint)
-    // 6 + 5 > 10: the oldest prompt (r1) makes room.
-    store.add('c', 'r4', Float64Array.of(10, 11, 12, 13, 14))
+    assert.equal(store.numBytes, 4 * bytesPerFingerprint)
+    // Half a window: 1..4 become the older generation, still known.
+    nowMs = 500
+    store.add('c', Int32Array.of(10))
+    assert.equal(store.numBytes, 5 * bytesPerFingerprint)
+    assert.deepEqual(store.holderOf(1), { tenant: 'a', isShared: false })
+    // 4 older + 7 newer > 10: the older generation goes.
+    store.add('c', Int32Array.of(11, 12, 13, 14, 15, 16))
     store.check()
-    assert.equal(store.numBytes, 8 * bytesPerFingerprint)
-    assert.deepEqual(
-      [1, 2, 3].map((fp) => store.numHolders(fp)),
-      [0, 0, 2],
-    )
-    nowMs = 1001
+    assert.equal(store.holderOf(1), null)
+    assert.equal(store.numBytes, 7 * bytesPerFingerprint)
+    nowMs = 1000
     store.expire()
-    store.check()
+    assert.deepEqual(store.holderOf(10), { tenant: 'c', isShared: false })
+    nowMs = 2000
+    store.expire()
     assert.equal(store.numBytes, 0)
-    assert.equal(store.numHolders(3), 0)
+    assert.equal(store.holderOf(10), null)
   })
 })
 
@@ -105,7 +118,6 @@ describe('the matcher (n = 8, minRunTokens = 16)', () => {
         kind: 'suspected',
         rid: 'rb2',
         tenant: 'b',
-        sourceRid: 'ra',
         sourceTenant: 'a',
         runTokens: 16,
       },
@@ -162,7 +174,6 @@ describe('the matcher (n = 8, minRunTokens = 16)', () => {
         kind: 'confirmed',
         rid: 'rb2',
         tenant: 'b',
-        sourceRid: 'rw',
         sourceTenant: 'watch',
         runTokens: 8,
       },

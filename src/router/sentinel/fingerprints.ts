@@ -1,17 +1,19 @@
-/** Keyed fingerprints of text n-grams, and the per-tenant window that holds the fingerprints of
- *  every tenant's recent prompts for the response sentinel.
- *  A fingerprint is a 52-bit keyed hash of `n` consecutive UTF-16 code units of text, under a
+/** Keyed fingerprints of text n-grams, and the window that holds the fingerprints of every
+ *  tenant's recent prompts for the response sentinel.
+ *  A fingerprint is a 31-bit keyed hash of `n` consecutive UTF-16 code units of text, under a
  *  secret drawn once per process (never logged, never written): the store holds no text, and a
- *  fingerprint means nothing without the key. With the bundled model's character-level
- *  vocabulary a code unit is a token; the router's answer hooks see text, not token ids, in both
- *  modes, which is why the unit is the character (see docs/monitoring.md).
- *  Knows tenants' names, request ids and numbers; knows nothing of HTTP or of the text itself
- *  once hashed. */
+ *  fingerprint means nothing without the key. 31 bits keep every key and value a small integer
+ *  in V8 (no boxed number per entry, which made the store the router's largest cost); a chance
+ *  match is then ~1 in 1,000 per n-gram at 2 M stored fingerprints, and a run needs 9 in a row.
+ *  With the bundled model's character-level vocabulary a code unit is a token; the router's
+ *  answer hooks see text, not token ids, in both modes, which is why the unit is the character
+ *  (see docs/monitoring.md).
+ *  Knows tenants' names and numbers; knows nothing of HTTP or of the text itself once hashed. */
 import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
 
 /** A keyed hash of `n` code units of `text` starting at `start` (`start + n ≤ text.length`),
- *  as a non-negative integer below 2^52 (exact in a double, so usable as a Map key). */
+ *  as a 31-bit signed integer (a V8 small integer). */
 export type NgramHasher = (text: string, start: number, n: number) => number
 
 /** A {@link NgramHasher} under `key` (16 bytes; default: 16 fresh random bytes). Two 32-bit
@@ -37,7 +39,7 @@ export function createNgramHasher(key: Uint8Array = randomBytes(16)): NgramHashe
     }
     a = finalize(a ^ k3)
     b = finalize(b ^ k2)
-    return (a >>> 0) * 0x100000 + (b >>> 12)
+    return (a ^ Math.imul(b, 0x27d4eb2f)) >> 1
   }
 }
 
@@ -50,50 +52,50 @@ function finalize(h: number): number {
   return h ^ (h >>> 16)
 }
 
-/** Every distinct fingerprint of `text`'s n-grams (none when `text` is shorter than `n`). */
-export function fingerprintsOf(hash: NgramHasher, text: string, n: number): Float64Array {
-  const seen = new Set<number>()
-  for (let start = 0; start + n <= text.length; start++) seen.add(hash(text, start, n))
-  return Float64Array.from(seen)
+/** Every fingerprint of `text`'s n-grams, in order, repeats included (none when `text` is
+ *  shorter than `n`). */
+export function fingerprintsOf(hash: NgramHasher, text: string, n: number): Int32Array {
+  const out = new Int32Array(Math.max(0, text.length - n + 1))
+  for (let start = 0; start < out.length; start++) out[start] = hash(text, start, n)
+  return out
 }
 
-/** Estimated bytes one stored fingerprint costs: 8 in its prompt's array, and an entry (~40 bytes
- *  each, V8's Map on 64-bit) in its tenant's map and in the map of holders. An estimate, for the
- *  cap and the gauge, not a measurement. */
-export const bytesPerFingerprint = 88
+/** Estimated bytes one stored fingerprint costs: a V8 Map entry of small integers (key, value,
+ *  chain: 24 bytes) and its share of the hash table's buckets and spare room. An estimate, for
+ *  the cap and the gauge, not a measurement. */
+export const bytesPerFingerprint = 32
 
-/** One prompt's fingerprints, as admitted. */
-interface Entry {
-  readonly atMs: number
+/** What the window knows of one fingerprint. */
+export interface Holder {
+  /** The (latest) tenant that sent it. */
   readonly tenant: string
-  /** The prompt's request id, for the sentinel's log line. */
-  readonly rid: string
-  readonly fingerprints: Float64Array
+  /** Whether two or more tenants sent it within the window. */
+  readonly isShared: boolean
 }
 
-/** Fingerprints of every tenant's recent prompts: a prompt stays for `windowMs` after its
- *  admission, or until the memory cap makes room for newer ones (oldest first). */
+/** Fingerprints of every tenant's recent prompts, in two generations: a fingerprint added now
+ *  is kept between `windowMs / 2` and `windowMs` (the older generation is dropped every half
+ *  window), or less when the memory cap drops the older generation early. Per fingerprint, the
+ *  latest tenant that sent it and whether another tenant did too. */
 export interface FingerprintStore {
-  /** Adds one prompt's distinct fingerprints for `tenant` (truncated to what the cap holds). */
-  add(tenant: string, rid: string, fingerprints: Float64Array): void
-  /** Tenants holding `fingerprint` in their window now (0, 1, 2, ...). */
-  numHolders(fingerprint: number): number
-  /** Whether `tenant` holds `fingerprint` in its window now. */
-  isHeldBy(tenant: string, fingerprint: number): boolean
-  /** The most recent prompt of a tenant other than `except` holding `fingerprint`, or null
-   *  (a scan: for the log line of an event only). */
-  sourceOf(fingerprint: number, except: string): { tenant: string; rid: string } | null
-  /** Drops prompts older than the window. */
+  /** Adds one prompt's fingerprints for `tenant`. */
+  add(tenant: string, fingerprints: Int32Array): void
+  /** Who holds `fingerprint` now, or null. */
+  holderOf(fingerprint: number): Holder | null
+  /** Whether `fingerprint` is evidence against an answer of `tenant`: held by exactly one tenant,
+   *  another one. */
+  isEvidence(tenant: string, fingerprint: number): boolean
+  /** Drops the older generation when half a window has passed since the last drop. */
   expire(): void
   /** Estimated bytes used ({@link bytesPerFingerprint} per stored fingerprint). */
   readonly numBytes: number
-  /** Asserts that the maps and the prompts agree. */
+  /** Asserts that no fingerprint is in the newer generation with less than the older knows. */
   check(): void
 }
 
 /** Options of {@link createFingerprintStore}. */
 export interface FingerprintStoreOptions {
-  /** How long a prompt's fingerprints stay, ms. */
+  /** How long a prompt's fingerprints stay at most, ms. */
   windowMs: number
   /** Cap on {@link FingerprintStore.numBytes}. */
   maxBytes: number
@@ -104,103 +106,75 @@ export interface FingerprintStoreOptions {
 /** An empty {@link FingerprintStore}. */
 export function createFingerprintStore(options: FingerprintStoreOptions): FingerprintStore {
   const now = options.now ?? Date.now
-  const maxFingerprints = Math.floor(options.maxBytes / bytesPerFingerprint)
-  // Oldest first; `head` is the first live one (the array is compacted when half is dead).
-  let entries: Entry[] = []
-  let head = 0
-  let numStored = 0
-  /** Per tenant: fingerprint → how many of its live prompts hold it. */
-  const byTenant = new Map<string, Map<number, number>>()
-  /** Fingerprint → how many tenants hold it. */
-  const holders = new Map<number, number>()
-
-  const dropOldest = () => {
-    const entry = entries[head]
-    entries[head] = undefined as unknown as Entry
-    head++
-    numStored -= entry.fingerprints.length
-    const own = byTenant.get(entry.tenant)
-    assert(own !== undefined, `tenant ${entry.tenant} has a prompt but no fingerprints`)
-    for (const fp of entry.fingerprints) {
-      const count = own.get(fp) ?? 0
-      if (count > 1) {
-        own.set(fp, count - 1)
-        continue
-      }
-      own.delete(fp)
-      const numHolders = holders.get(fp) ?? 0
-      if (numHolders > 1) holders.set(fp, numHolders - 1)
-      else holders.delete(fp)
+  const maxFingerprints = Math.max(2, Math.floor(options.maxBytes / bytesPerFingerprint))
+  // Tenants by number (values hold numbers: small integers).
+  const tenantNumbers = new Map<string, number>()
+  const tenantNames: string[] = []
+  const numberOf = (tenant: string) => {
+    let n = tenantNumbers.get(tenant)
+    if (n === undefined) {
+      n = tenantNames.push(tenant) - 1
+      tenantNumbers.set(tenant, n)
     }
-    if (own.size === 0) byTenant.delete(entry.tenant)
-    if (head > 64 && head * 2 > entries.length) {
-      entries = entries.slice(head)
-      head = 0
-    }
+    return n
   }
+  // fingerprint → tenant number × 2 + (1 when shared). `newer` is written; `older` only read.
+  let newer = new Map<number, number>()
+  let older = new Map<number, number>()
+  let rotatedAtMs = now()
+  const rotate = () => {
+    older = newer
+    newer = new Map()
+    rotatedAtMs = now()
+  }
+  const valueOf = (fp: number) => newer.get(fp) ?? older.get(fp)
   const expire = () => {
-    const oldestMs = now() - options.windowMs
-    while (head < entries.length && entries[head].atMs < oldestMs) dropOldest()
+    const elapsedMs = now() - rotatedAtMs
+    if (elapsedMs >= options.windowMs) {
+      older = new Map()
+      newer = new Map()
+      rotatedAtMs = now()
+    } else if (elapsedMs >= options.windowMs / 2) rotate()
   }
-
   return {
-    add(tenant, rid, fingerprints) {
+    add(tenant, fingerprints) {
       expire()
-      const kept =
-        fingerprints.length > maxFingerprints
-          ? fingerprints.subarray(0, maxFingerprints)
-          : fingerprints
-      while (head < entries.length && numStored + kept.length > maxFingerprints) dropOldest()
-      if (kept.length === 0) return
-      let own = byTenant.get(tenant)
-      if (own === undefined) byTenant.set(tenant, (own = new Map()))
-      for (const fp of kept) {
-        const count = own.get(fp) ?? 0
-        own.set(fp, count + 1)
-        if (count === 0) holders.set(fp, (holders.get(fp) ?? 0) + 1)
-      }
-      entries.push({ atMs: now(), tenant, rid, fingerprints: kept })
-      numStored += kept.length
-    },
-    numHolders: (fp) => holders.get(fp) ?? 0,
-    isHeldBy: (tenant, fp) => byTenant.get(tenant)?.has(fp) ?? false,
-    sourceOf(fp, except) {
-      for (let i = entries.length - 1; i >= head; i--) {
-        const entry = entries[i]
-        if (entry.tenant !== except && entry.fingerprints.includes(fp)) {
-          return { tenant: entry.tenant, rid: entry.rid }
+      const own = numberOf(tenant) * 2
+      for (const fp of fingerprints) {
+        const known = valueOf(fp)
+        const value = known === undefined || known === own ? own : own | 1
+        if (newer.get(fp) !== value) newer.set(fp, value)
+        // The cap: the older generation goes first, then the newer starts afresh.
+        if (newer.size + older.size > maxFingerprints) {
+          if (older.size > 0) older = new Map()
+          else rotate()
         }
       }
-      return null
+    },
+    holderOf(fp) {
+      const value = valueOf(fp)
+      if (value === undefined) return null
+      return { tenant: tenantNames[value >> 1], isShared: (value & 1) === 1 }
+    },
+    isEvidence(tenant, fp) {
+      const value = valueOf(fp)
+      return value !== undefined && (value & 1) === 0 && tenantNames[value >> 1] !== tenant
     },
     expire,
     get numBytes() {
-      return numStored * bytesPerFingerprint
+      return (newer.size + older.size) * bytesPerFingerprint
     },
     check() {
-      let numInEntries = 0
-      const numTenantsOf = new Map<number, Set<string>>()
-      for (let i = head; i < entries.length; i++) {
-        numInEntries += entries[i].fingerprints.length
-        for (const fp of entries[i].fingerprints) {
-          let set = numTenantsOf.get(fp)
-          if (set === undefined) numTenantsOf.set(fp, (set = new Set()))
-          set.add(entries[i].tenant)
-        }
+      for (const [fp, value] of newer) {
+        const before = older.get(fp)
+        if (before === undefined) continue
+        // What the older generation knew is never lost: same tenant, or shared.
+        assert(
+          (value & 1) === 1 || before === value,
+          `fingerprint ${fp}: ${before} became ${value}`,
+        )
       }
-      assert.equal(
-        numStored,
-        numInEntries,
-        `${numStored} fingerprints counted, ${numInEntries} held`,
-      )
-      assert.equal(holders.size, numTenantsOf.size, 'holders and prompts disagree on fingerprints')
-      for (const [fp, set] of numTenantsOf) {
-        assert.equal(holders.get(fp), set.size, `fingerprint ${fp}: holder count`)
-      }
-      assert(
-        numStored <= maxFingerprints,
-        `${numStored} fingerprints over the cap ${maxFingerprints}`,
-      )
+      assert(newer.size + older.size <= maxFingerprints, 'fingerprints over the cap')
     },
   }
 }

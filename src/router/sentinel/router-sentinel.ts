@@ -21,7 +21,6 @@ export function createRouterSentinel(
       const fields = {
         rid: event.rid,
         tenant: event.tenant,
-        sourceRid: event.sourceRid,
         sourceTenant: event.sourceTenant,
         runTokens: event.runTokens,
         action,

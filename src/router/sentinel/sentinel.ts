@@ -11,6 +11,7 @@ import {
   type FingerprintStore,
   type NgramHasher,
   createFingerprintStore,
+  bytesPerFingerprint,
   createNgramHasher,
   fingerprintsOf,
 } from './fingerprints.js'
@@ -83,8 +84,7 @@ export interface SentinelEvent {
   /** The answering request and its tenant. */
   readonly rid: string
   readonly tenant: string
-  /** The request (and its tenant) whose prompt the run or canary came from, when still known. */
-  readonly sourceRid: string | null
+  /** The tenant whose prompt the run or canary came from (the latest to send its last n-gram). */
   readonly sourceTenant: string | null
   /** Units of the matching run when found (suspected), or of the canary fragment (confirmed). */
   readonly runTokens: number
@@ -160,8 +160,7 @@ export function createSentinel(options: SentinelOptions): Sentinel {
       if (settings.mode === 'off') return passAll
       expireCanaries()
       if (isCanaryTenant) learnCanaries(tenant, rid, texts)
-      for (const text of texts)
-        store.add(tenant, rid, fingerprintsOf(hash, text, settings.ngramTokens))
+      for (const text of texts) store.add(tenant, fingerprintsOf(hash, text, settings.ngramTokens))
       const answer: AnswerScope = { tenant, rid, texts }
       return createAnswerCheck(
         { settings, hash, store, canaries, onEvent: options.onEvent },
@@ -169,7 +168,7 @@ export function createSentinel(options: SentinelOptions): Sentinel {
       )
     },
     get numBytes() {
-      return store.numBytes + canaries.size * 88
+      return store.numBytes + canaries.size * bytesPerFingerprint
     },
     check: () => store.check(),
   }
@@ -197,9 +196,9 @@ function createAnswerCheck(deps: CheckDeps, scope: AnswerScope): AnswerCheck {
   const { settings, hash, store, canaries } = deps
   const n = settings.ngramTokens
   const isBlocking = settings.mode === 'block'
-  // This request's own prompt: its n-grams and canary-length pieces are never evidence.
-  const ownNgrams = new Set<number>()
-  for (const text of scope.texts) for (const fp of fingerprintsOf(hash, text, n)) ownNgrams.add(fp)
+  // This request's own prompt is never evidence: the store has just recorded its n-grams for
+  // this tenant (only a prompt over half the memory cap can lose some of them at once), and its
+  // canary-length pieces are kept here.
   const ownPieces = new Set<number>()
   if (canaries.size > 0) {
     for (const text of scope.texts) {
@@ -214,13 +213,11 @@ function createAnswerCheck(deps: CheckDeps, scope: AnswerScope): AnswerCheck {
   let isConfirmed = false
 
   const report = (kind: SentinelEvent['kind'], fp: number, runTokens: number) => {
-    const source =
-      kind === 'confirmed' ? (canaries.get(fp) ?? null) : store.sourceOf(fp, scope.tenant)
+    const source = kind === 'confirmed' ? (canaries.get(fp) ?? null) : store.holderOf(fp)
     deps.onEvent({
       kind,
       rid: scope.rid,
       tenant: scope.tenant,
-      sourceRid: source?.rid ?? null,
       sourceTenant: source?.tenant ?? null,
       runTokens,
     })
@@ -234,8 +231,7 @@ function createAnswerCheck(deps: CheckDeps, scope: AnswerScope): AnswerCheck {
   const checkUnit = (end: number) => {
     if (end >= n) {
       const fp = hash(text, end - n, n)
-      const isEvidence =
-        store.numHolders(fp) === 1 && !ownNgrams.has(fp) && !store.isHeldBy(scope.tenant, fp)
+      const isEvidence = store.isEvidence(scope.tenant, fp)
       runNgrams = isEvidence ? runNgrams + 1 : 0
       const runTokens = runNgrams + n - 1
       if (runNgrams > 0 && runTokens >= settings.minRunTokens && !isSuspected) {
