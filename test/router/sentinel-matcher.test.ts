@@ -221,6 +221,14 @@ describe('the matcher (n = 8, minRunTokens = 16)', () => {
     assert.equal(check.finish(), '!!!!!!!')
   })
 
+  it('block mode never releases half of a surrogate pair', () => {
+    const { sentinel } = sentinelOf({ mode: 'block' })
+    const check = sentinel.admit('b', false, 'rb', ['x'])
+    // 10 code units, 7 held: the boundary would fall inside the emoji (units 2 and 3).
+    assert.equal(check.push('ab\u{1F600}cdefgh'), 'ab')
+    assert.equal(check.finish(), '\u{1F600}cdefgh')
+  })
+
   it('observe mode passes every piece as it comes, suspect or not, and holds nothing back', () => {
     const { sentinel, events } = sentinelOf()
     sentinel.admit('a', false, 'ra', [passage])

@@ -126,7 +126,6 @@ export interface SentinelOptions {
 interface CanaryFragment {
   atMs: number
   tenant: string
-  rid: string
 }
 
 /** A sentinel (its mode may be `off`: then nothing is kept and every answer passes). */
@@ -138,13 +137,13 @@ export function createSentinel(options: SentinelOptions): Sentinel {
   const store = createFingerprintStore({ windowMs, maxBytes: settings.maxBytes, now })
   // Fingerprints of every canary fragment (of `canaryFragmentLength` units); few, kept apart.
   const canaries = new Map<number, CanaryFragment>()
-  const learnCanaries = (tenant: string, rid: string, texts: readonly string[]) => {
+  const learnCanaries = (tenant: string, texts: readonly string[]) => {
     const atMs = now()
     for (const text of texts) {
       for (const [run] of text.matchAll(canaryPattern)) {
         if (!/[0-9]/.test(run) || !/[A-Z]/.test(run) || !/[a-z]/.test(run)) continue
         for (let s = 0; s + canaryFragmentLength <= run.length; s++) {
-          canaries.set(hash(run, s, canaryFragmentLength), { atMs, tenant, rid })
+          canaries.set(hash(run, s, canaryFragmentLength), { atMs, tenant })
         }
       }
     }
@@ -159,7 +158,7 @@ export function createSentinel(options: SentinelOptions): Sentinel {
     admit(tenant, isCanaryTenant, rid, texts) {
       if (settings.mode === 'off') return passAll
       expireCanaries()
-      if (isCanaryTenant) learnCanaries(tenant, rid, texts)
+      if (isCanaryTenant) learnCanaries(tenant, texts)
       for (const text of texts) store.add(tenant, fingerprintsOf(hash, text, settings.ngramTokens))
       const answer: AnswerScope = { tenant, rid, texts }
       return createAnswerCheck(
@@ -264,7 +263,9 @@ function createAnswerCheck(deps: CheckDeps, scope: AnswerScope): AnswerCheck {
         n - 1,
         canaryFragmentLength - 1,
       )
-      const until = Math.max(numReleased, text.length - numHeld)
+      let until = Math.max(numReleased, text.length - numHeld)
+      // Never between the two halves of a surrogate pair.
+      if (until > numReleased && isHighSurrogate(text.charCodeAt(until - 1))) until--
       const released = text.slice(numReleased, until)
       numReleased = until
       return released
@@ -275,4 +276,8 @@ function createAnswerCheck(deps: CheckDeps, scope: AnswerScope): AnswerCheck {
       return rest
     },
   }
+}
+
+function isHighSurrogate(code: number): boolean {
+  return code >= 0xd800 && code <= 0xdbff
 }
