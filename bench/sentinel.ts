@@ -14,11 +14,12 @@
  *    first a benign run of `--benign-seconds` (default 15) — a shared system prompt, a shared
  *    licence paragraph, each tenant's own passages — whose sentinel events are `false_alarms`;
  *    `sentinel_fingerprint_bytes` is the router's gauge after it (`sentinel_requests` requests).
- *    Then, with tenant-c still sending benign requests, tenant-a plants a passage and tenant-b
- *    sends an over-capacity prompt (streamed), until an answer carries a 16-character run of
- *    tenant-a's passage (at most 20 tries). `sentinel_time_to_detect_s`: from the client's receipt
- *    of the chunk completing that run to the router's log line of the first sentinel event (the
- *    log's own clock; negative when the router noticed before the chunk arrived);
+ *    Then, with tenant-c still sending benign requests, tenant-a plants a passage with a canary
+ *    and tenant-b sends an over-capacity prompt (streamed), until an answer is contaminated — a
+ *    16-character run of the passage or 8 characters of the canary (at most 20 tries).
+ *    `sentinel_time_to_detect_s`: from the client's receipt of the first contaminated chunk to
+ *    the router's log line of the first sentinel event (the log's own clock; negative when the
+ *    router noticed before the chunk arrived);
  *    `sentinel_time_to_metric_s`: until `/metrics` shows it (polled every 10 ms).
  *  The watch's figures (`watch_time_to_detect_s`, `watch_token_share`) are not measured here.
  *  Args: `--repeats N`, `--seconds S`, `--clients N`, `--benign-seconds S`. */
@@ -72,6 +73,7 @@ async function measureThroughput(repeats: number, seconds: number, numClients: n
     for (const url of [urls.off, urls.observe]) await closedLoopRate(agent, url, numClients, 1)
     const ratios: number[] = []
     const cpuRatios: number[] = []
+    const cpuMs: { off: number; observe: number }[] = []
     const rates: { off: number; observe: number }[] = []
     for (let r = 0; r < repeats; r++) {
       const order = r % 2 === 0 ? (['off', 'observe'] as const) : (['observe', 'off'] as const)
@@ -86,11 +88,14 @@ async function measureThroughput(repeats: number, seconds: number, numClients: n
       rates.push(rate)
       ratios.push(rate.observe / rate.off)
       cpuRatios.push(cpuPerRequest.off / cpuPerRequest.observe)
+      cpuMs.push(cpuPerRequest)
     }
     agent.destroy()
     return {
       sentinel_throughput_ratio: round(median(ratios), 3),
       sentinel_cpu_ratio: round(median(cpuRatios), 3),
+      router_cpu_ms_per_request_off: round(median(cpuMs.map((c) => c.off)), 3),
+      router_cpu_ms_per_request_observe: round(median(cpuMs.map((c) => c.observe)), 3),
       streamed_requests_per_s_off: round(median(rates.map((r) => r.off)), 1),
       streamed_requests_per_s_observe: round(median(rates.map((r) => r.observe)), 1),
     }
@@ -271,10 +276,15 @@ async function timeToDetect(
       const canary = `Qx7v${randomBytes(6).toString('hex')}Lt4W`
       const passage = `the river walks near the stone garden and ${canary} holds the quiet light over the green field after the summer rain, the small market opens`
       await complete(cluster, tenants.a, passage, false)
-      const contaminatedAtMs = await complete(cluster, tenants.b, overCapacityPrompt, true, passage)
+      const contaminatedAtMs = await complete(cluster, tenants.b, overCapacityPrompt, true, {
+        passage,
+        canary,
+      })
       if (contaminatedAtMs === null) continue
       let metricMs = Date.now()
-      while ((await sentinelCounts(cluster)).suspected === 0 && Date.now() - metricMs < 5_000) {
+      const isCounted = (c: { suspected: number; confirmed: number }) =>
+        c.suspected + c.confirmed > 0
+      while (!isCounted(await sentinelCounts(cluster)) && Date.now() - metricMs < 5_000) {
         await new Promise((r) => setTimeout(r, 10))
       }
       metricMs = Date.now()
@@ -293,14 +303,14 @@ async function timeToDetect(
   }
 }
 
-/** A completion; streamed with `source`, the `Date.now()` at which the received text first held
- *  a 16-character run of `source` (null if never). */
+/** A completion; streamed with `source`, the `Date.now()` at which the received text was first
+ *  contaminated — a 16-character run of the passage or 8 characters of its canary — or null. */
 async function complete(
   cluster: Cluster,
   key: string,
   prompt: string,
   isStream: boolean,
-  source?: string,
+  source?: { passage: string; canary: string },
 ): Promise<number | null> {
   const res = await fetch(`${cluster.routerUrl}/v1/completions`, {
     method: 'POST',
@@ -316,16 +326,30 @@ async function complete(
   if (!isStream || res.body === null) return (await res.text(), null)
   let received = ''
   let atMs: number | null = null
+  let pending = ''
   const decoder = new TextDecoder()
   for await (const bytes of res.body as AsyncIterable<Uint8Array>) {
-    for (const line of decoder.decode(bytes, { stream: true }).split('\n')) {
+    pending += decoder.decode(bytes, { stream: true })
+    const lines = pending.split('\n')
+    pending = lines.pop() ?? ''
+    for (const line of lines) {
       if (!line.startsWith('data: {')) continue
       const event = JSON.parse(line.slice(6)) as { choices?: { text?: string }[] }
       received += event.choices?.[0]?.text ?? ''
     }
-    if (atMs === null && source !== undefined && hasRun(received, source)) atMs = Date.now()
+    const isContaminated =
+      source !== undefined &&
+      (hasRun(received, source.passage) || hasFragment(received, source.canary))
+    if (atMs === null && isContaminated) atMs = Date.now()
   }
   return atMs
+}
+
+/** Whether `text` holds 8 consecutive characters of `secret`. */
+function hasFragment(text: string, secret: string): boolean {
+  for (let i = 0; i + 8 <= secret.length; i++)
+    if (text.includes(secret.slice(i, i + 8))) return true
+  return false
 }
 
 /** Whether `answer` holds 16 characters whose every 8-character piece occurs in `source`. */
