@@ -11,6 +11,7 @@ const benches = {
   router: { file: 'router.js', entry: 'benchRouter' },
   audit: { file: 'audit.js', entry: 'benchAudit' },
   fairness: { file: 'fairness.js', entry: 'benchFairness' },
+  sentinel: { file: 'sentinel.js', entry: 'benchSentinel' },
 } as const
 type BenchName = keyof typeof benches
 

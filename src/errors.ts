@@ -19,6 +19,8 @@ export const errorCodes = {
   request_aborted: { status: 499, type: 'server_error' },
   transfer_failed: { status: 502, type: 'server_error' },
   guard_violation: { status: 500, type: 'server_error' },
+  /** The response sentinel (block mode) ended an answer holding another tenant's text. */
+  answer_withheld: { status: 500, type: 'server_error' },
   internal_error: { status: 500, type: 'server_error' },
   /** A configuration file or flag is invalid (a CLI error: one line, exit 2; never an HTTP reply). */
   config_invalid: { status: 500, type: 'server_error' },

@@ -14,6 +14,7 @@ import { bundledModelDir } from '../paths.js'
 import { type StartRouterOptions, startRouter } from '../router/index.js'
 import type { UnavailablePolicy } from '../router/redis-limits.js'
 import { saltSecretFrom } from '../router/salt-secret.js'
+import type { SentinelMode } from '../router/sentinel/sentinel.js'
 import { collect, intOption, logLevels, portOption } from './options.js'
 import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
 
@@ -30,6 +31,7 @@ interface RouterFlags {
   port: number
   contextWindow?: number
   drainSeconds?: number
+  sentinel?: SentinelMode
   clampContext: boolean
   unsafeDisableGuards: boolean
   logLevel: string
@@ -69,6 +71,12 @@ export function registerRouter(program: Command): void {
       'on SIGTERM, how long running requests may finish before they are ended (default 30)',
       intOption,
     )
+    .addOption(
+      new Option(
+        '--sentinel <mode>',
+        'the response sentinel: off, observe (default) or block',
+      ).choices(['off', 'observe', 'block']),
+    )
     .option(
       '--clamp-context',
       'clamp an advertised context larger than the KV pools instead of refusing to start',
@@ -104,6 +112,7 @@ export function registerRouter(program: Command): void {
       const banner = faultBanner('kvfence router', faults)
       if (banner) process.stderr.write(`${banner}\n`)
       const log = pino({ name: 'kvfence-router', level: flags.logLevel }, pino.destination(2))
+      const source = flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config, flags)
       const router = await startRouter({
         host: flags.host,
         port: flags.port,
@@ -111,10 +120,14 @@ export function registerRouter(program: Command): void {
         clampContext: flags.clampContext,
         ...(flags.drainSeconds === undefined ? {} : { drainSeconds: flags.drainSeconds }),
         // With --config, the file's router section wins over these flags.
-        ...(flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config, flags)),
+        ...source,
         ...redisLimitsFlags(flags),
         guardsEnabled: faults.guardsEnabled,
         ...(flags.logContent ? { logContent: true } : {}),
+        // The flag wins over the file's `sentinel.mode`, keeping the file's other settings.
+        ...(flags.sentinel === undefined
+          ? {}
+          : { sentinel: { ...source.sentinel, mode: flags.sentinel } }),
         clusterToken: clusterTokenFrom(process.env),
         ...httpsOption(flags),
         log,

@@ -62,6 +62,16 @@ export const RouterSection = z.strictObject({
       path: ['url'],
     })
     .optional(),
+  /** The response sentinel (docs/monitoring.md); unset fields take `sentinelDefaults`. */
+  sentinel: z
+    .strictObject({
+      mode: z.enum(['off', 'observe', 'block']).optional(),
+      windowSeconds: z.number().positive().optional(),
+      maxBytes: positive.optional(),
+      ngramTokens: positive.optional(),
+      minRunTokens: positive.optional(),
+    })
+    .optional(),
 })
 
 const workerShapeError =

@@ -466,6 +466,7 @@ export function routerSectionOptions(
   | 'logContent'
   | 'queue'
   | 'redisLimits'
+  | 'sentinel'
 > {
   return {
     host: r.host,
@@ -475,6 +476,7 @@ export function routerSectionOptions(
     clampContext: r.clampContext,
     maxBodyBytes: r.maxBodyBytes,
     logContent: r.logContent,
+    sentinel: r.sentinel,
     queue: {
       maxConcurrentRequests: r.maxConcurrentRequests,
       maxQueuedRequests: r.maxQueuedRequests,

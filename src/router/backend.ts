@@ -9,6 +9,7 @@ import type { Logger } from 'pino'
 import type { KvfenceError } from '../errors.js'
 import type { FinishReason, ResponseHeader } from './responses.js'
 import type { ParsedRequest } from './schemas.js'
+import type { AnswerCheck } from './sentinel/sentinel.js'
 
 /** A backend: see the module's header. */
 export interface Backend {
@@ -69,6 +70,9 @@ export interface GenerationJob {
   readonly outcome: Outcome
   /** Logs (and counts) a failure that ended an answer already started. */
   logFailure(error: KvfenceError): void
+  /** The response sentinel's check: every piece of the answer goes through it before the client
+   *  (src/router/sentinel/). */
+  readonly answerCheck: AnswerCheck
 }
 
 /** What the request log line and the metrics report of one request. */

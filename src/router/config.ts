@@ -1,5 +1,10 @@
 /** The router's configuration: one typed value, built once (after G1), frozen.
  *  Knows limits and names; knows nothing of sockets or workers' addresses. */
+import {
+  type SentinelSettings,
+  buildSentinelSettings,
+  sentinelDefaults,
+} from './sentinel/sentinel.js'
 
 /** Everything the request handler needs to know about the deployment. */
 export interface RouterConfig {
@@ -22,6 +27,8 @@ export interface RouterConfig {
   /** How long a graceful stop (SIGTERM) lets running requests finish before ending them, in
    *  seconds (`--drain-seconds`). */
   readonly drainSeconds: number
+  /** The response sentinel (src/router/sentinel/). */
+  readonly sentinel: SentinelSettings
 }
 
 /** Values of {@link RouterConfig} that have defaults. */
@@ -30,6 +37,7 @@ export const routerConfigDefaults = {
   maxBodyBytes: 1024 * 1024, // 1 MiB
   logContent: false,
   drainSeconds: 30,
+  sentinel: sentinelDefaults,
 } as const
 
 /** Builds a frozen {@link RouterConfig}; unspecified fields take {@link routerConfigDefaults}. */
@@ -47,5 +55,6 @@ export function buildRouterConfig(
     contextWindow: fields.contextWindow,
     effectiveCapacityTokens: fields.effectiveCapacityTokens,
     pageSize: fields.pageSize,
+    sentinel: buildSentinelSettings(fields.sentinel ?? {}),
   })
 }

@@ -18,6 +18,8 @@ import { endingError, publicError } from './public-errors.js'
 import type { ResponseHeader } from './responses.js'
 import { type Endpoint, type ParsedRequest, loggedPromptOf, requestParsers } from './schemas.js'
 import type { Tenant } from './tenants.js'
+import { promptTextsOf } from './sentinel/router-sentinel.js'
+import type { Sentinel } from './sentinel/sentinel.js'
 
 /** What a generation request needs; all of it passed in. */
 export interface GenerationDeps {
@@ -28,6 +30,8 @@ export interface GenerationDeps {
   log: Logger
   /** Counts the request as running; at its deadline it ends the request. */
   drain: Drain
+  /** Checks every answer for other tenants' recent prompts (its mode may be `off`). */
+  sentinel: Sentinel
 }
 
 /** The prefix of each endpoint's response ids. */
@@ -64,6 +68,14 @@ export async function serveGeneration(
       { tenant, parsed, signal, outcome },
       holds,
     )
+    // Admitted prompts only: a refused one never reaches a worker, so no answer can hold it.
+    const answerCheck = deps.sentinel.admit(
+      tenant.name,
+      tenant.isCanary === true,
+      rid,
+      promptTextsOf(parsed),
+    )
+    deps.metrics.sentinelBytes.set(deps.sentinel.numBytes)
     const header: ResponseHeader = {
       id: `${idPrefixes[endpoint]}-${rid}`,
       created: Math.floor(Date.now() / 1000),
@@ -82,6 +94,7 @@ export async function serveGeneration(
       log,
       outcome,
       logFailure: (error) => logFailure(deps.backend, log, error),
+      answerCheck,
     })
   } catch (err) {
     const error = endingError(err, signal)

@@ -44,6 +44,13 @@ export interface RouterMetrics {
   readonly transfers: Counter<'status'>
   /** KV pages transferred P→D. */
   readonly transferPages: Counter
+  /** Answers the response sentinel found holding a run of another tenant's recent prompt, by
+   *  action (`observed`, `blocked`); no tenant label, so that a metric names no tenant. */
+  readonly sentinelSuspected: Counter<'action'>
+  /** Answers holding a fragment of a canary tenant's canary, by action. */
+  readonly sentinelConfirmed: Counter<'action'>
+  /** Estimated bytes of the sentinel's fingerprints. */
+  readonly sentinelBytes: Gauge
 }
 
 /** Where gauges read live values at scrape time. */
@@ -147,6 +154,23 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
     transferPages: new Counter({
       name: 'kvfence_router_transfer_pages_total',
       help: 'KV pages transferred P->D.',
+      registers,
+    }),
+    sentinelSuspected: new Counter({
+      name: 'kvfence_sentinel_suspected_total',
+      help: "Answers holding a run of another tenant's recent prompt text, by action.",
+      labelNames: ['action'] as const,
+      registers,
+    }),
+    sentinelConfirmed: new Counter({
+      name: 'kvfence_sentinel_confirmed_total',
+      help: "Answers holding a fragment of a canary tenant's canary, by action.",
+      labelNames: ['action'] as const,
+      registers,
+    }),
+    sentinelBytes: new Gauge({
+      name: 'kvfence_sentinel_fingerprint_bytes',
+      help: "Estimated bytes of the response sentinel's prompt fingerprints.",
       registers,
     }),
   })

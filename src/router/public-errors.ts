@@ -12,6 +12,7 @@ const publicMessages: Partial<Record<ErrorCode, string>> = {
   shutting_down: 'The server is shutting down; retry the request on another instance.',
   transfer_failed: 'The KV transfer between workers failed; the request was stopped.',
   guard_violation: 'A KV integrity guard stopped this request.',
+  answer_withheld: "The router's response sentinel withheld this answer.",
   request_aborted: 'The request was aborted.',
   internal_error: 'Internal error.',
 }

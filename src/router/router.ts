@@ -21,6 +21,7 @@ import { type Drain, ShuttingDownError } from './drain.js'
 import { serveGeneration } from './generation.js'
 import { sendError, sendJson } from './http.js'
 import type { Limiter } from './limits.js'
+import type { Sentinel } from './sentinel/sentinel.js'
 import type { RouterMetrics } from './metrics.js'
 import { asKvfenceError } from './public-errors.js'
 import { modelCard, modelList } from './responses.js'
@@ -39,6 +40,8 @@ export interface RouterDeps {
   metrics: RouterMetrics
   /** The drain: while it runs, new work is refused and `/health` is 503. */
   drain: Drain
+  /** The response sentinel (src/router/sentinel/). */
+  sentinel: Sentinel
 }
 
 /** A `node:http` request handler. */

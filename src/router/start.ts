@@ -21,6 +21,8 @@ import { type RedisLimitSettings, createRedisLimitStore } from './redis-limits.j
 import { createNativeBackend } from './native/backend.js'
 import { createCapacityMonitor, defaultCapacityRecheckMs } from './native/capacity-monitor.js'
 import { createRouter } from './router.js'
+import { createRouterSentinel } from './sentinel/router-sentinel.js'
+import type { SentinelSettings } from './sentinel/sentinel.js'
 import { createTokenizerPool } from './tokenizer-pool.js'
 import {
   type TenantRecord,
@@ -92,6 +94,8 @@ export interface StartRouterOptions {
   /** How long {@link RunningRouter.drain} lets running requests finish, seconds (default
    *  `routerConfigDefaults.drainSeconds`). */
   drainSeconds?: number
+  /** The response sentinel's settings, over `sentinelDefaults` (src/router/sentinel/). */
+  sentinel?: Partial<SentinelSettings>
   /** Threads tokenizing long prompts (default `defaultNumThreads` of tokenizer-pool.ts). */
   tokenizerThreads?: number
   /** The router's TLS files, read (src/tls.ts): the control plane to the workers runs over mutual
@@ -176,8 +180,10 @@ async function startWithTenants(
       maxBodyBytes: options.maxBodyBytes ?? routerConfigDefaults.maxBodyBytes,
       logContent: options.logContent ?? false,
       drainSeconds: options.drainSeconds ?? routerConfigDefaults.drainSeconds,
+      sentinel: { ...routerConfigDefaults.sentinel, ...options.sentinel },
     })
-    const deps = { tenants, backend, limiter, metrics: started.metrics, log }
+    const sentinel = createRouterSentinel(config.sentinel, started.metrics, log)
+    const deps = { tenants, backend, limiter, metrics: started.metrics, log, sentinel }
     return await listenRouter(options, config, deps, () => {
       watcher?.close()
       backend.close()

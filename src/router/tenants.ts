@@ -38,6 +38,8 @@ export const TenantRecord = z.strictObject({
    *  (fair-queue.ts): a tenant of weight 2 is served twice the tokens of one of weight 1 while both
    *  wait. Default 1. */
   weight: z.number().gt(0, 'weight must be greater than 0').finite().optional(),
+  /** A watch tenant: the response sentinel learns canaries from its prompts. */
+  canary: z.boolean().optional(),
 })
 export type TenantRecord = z.infer<typeof TenantRecord>
 
@@ -48,6 +50,9 @@ export interface Tenant {
   /** Share of the service in the fair queue (> 0); absent when the file sets none, which counts
    *  as {@link defaultTenantWeight}. */
   readonly weight?: number
+  /** Present (true) when marked `canary: true`: its prompts' canaries are watched for in other
+   *  tenants' answers. Absent otherwise, so that an ordinary tenant is just its name and limits. */
+  readonly isCanary?: true
 }
 
 /** A tenant's weight when the tenants file gives none. */
@@ -94,6 +99,7 @@ export function createTenantRegistry(records: readonly TenantRecord[]): TenantRe
       name: t.name,
       limits: Object.freeze({ ...t.limits }),
       ...(t.weight !== undefined && { weight: t.weight }),
+      ...(t.canary === true ? { isCanary: true as const } : {}),
     }),
     digest: Buffer.from(t.keySha256, 'hex'), // 32 bytes
   }))

@@ -142,13 +142,17 @@ function relayWhole(job: GenerationJob, status: number, text: string): RelayOutc
   const usage = openAiUsage(reply.usage)
   const numCompletionTokens = usage?.completion_tokens ?? 0
   if (numCompletionTokens > 0) markToken(job.outcome)
-  sendJson(job.res, 200, openAiWhole(reply, job.parsed.endpoint, job.header))
   const message = asObject(choice.message)
+  const answer = String(message?.content ?? choice.text ?? '')
+  // The response sentinel reads the whole answer before it leaves (block mode throws here).
+  job.answerCheck.push(answer)
+  job.answerCheck.finish()
+  sendJson(job.res, 200, openAiWhole(reply, job.parsed.endpoint, job.header))
   return {
     status: 200,
     numCompletionTokens,
     finishReason: finish as FinishReason,
-    text: String(message?.content ?? choice.text ?? ''),
+    text: answer,
   }
 }
 
@@ -168,7 +172,13 @@ async function relayStream(
     while ((end = pending.indexOf('\n\n')) !== -1) {
       const event = pending.slice(0, end)
       pending = pending.slice(end + 2)
-      const failure = await stream.relayEvent(event)
+      let failure: string | null
+      try {
+        failure = await stream.relayEvent(event)
+      } catch (err) {
+        if (!(err instanceof KvfenceError && err.code === 'answer_withheld')) throw err
+        return stream.withhold(err)
+      }
       if (failure !== null) return stream.fail(failure)
     }
   }
@@ -200,12 +210,21 @@ function createRelayedStream(job: GenerationJob, upstream: http.IncomingMessage)
     for (const choice of Array.isArray(value.choices) ? value.choices.map(asObject) : []) {
       const delta = asObject(choice?.delta)
       const piece = delta?.content ?? choice?.text
+      let released = ''
       if (typeof piece === 'string' && piece !== '') {
         numChunks++
         markToken(job.outcome)
         text += piece
+        // Block mode holds back what a suspect run may still take, or throws.
+        released = job.answerCheck.push(piece)
       }
       const finish = choice?.finish_reason
+      if (finish != null) released += job.answerCheck.finish()
+      // The client gets the released text in this event's own field (the rest comes later).
+      if (choice !== null && (released !== '' || typeof piece === 'string')) {
+        if (delta !== null) delta.content = released
+        else choice.text = released
+      }
       if (finish != null) {
         // An engine-side abort is not a normal finish.
         if (!validFinishReasons.has(String(finish))) {
@@ -254,6 +273,15 @@ function createRelayedStream(job: GenerationJob, upstream: http.IncomingMessage)
       )
       res.end(`data: ${JSON.stringify(toOpenAiError(error))}\n\n`)
       upstream.destroy()
+      return { status: error.status, numCompletionTokens: numChunks, finishReason: null, text }
+    },
+    /** Ends the stream with the sentinel's error event (`answer_withheld`) and stops the engine's
+     *  request; before any output throws the error instead (a plain HTTP error). */
+    withhold(error: KvfenceError): RelayOutcome {
+      upstream.destroy()
+      if (!isStarted) throw error
+      job.logFailure(error)
+      res.end(`data: ${JSON.stringify(toOpenAiError(publicError(error, job.rid)))}\n\n`)
       return { status: error.status, numCompletionTokens: numChunks, finishReason: null, text }
     },
     /** Ends a stream the engine finished; throws `worker_unavailable` when it sent nothing. */

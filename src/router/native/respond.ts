@@ -22,10 +22,12 @@ export async function respondWhole(
 ): Promise<void> {
   let text = ''
   const logprobs: GeneratedLogprobs[] = []
+  // The sentinel sees every piece; in block mode it throws before the body is sent.
   const result = await generate(async (piece, pieceLogprobs) => {
-    text += piece
+    text += job.answerCheck.push(piece)
     logprobs.push(...pieceLogprobs)
   })
+  text += job.answerCheck.finish()
   logprobs.push(...result.logprobs)
   const usage = usageOf(
     job.outcome.numPromptTokens,
@@ -60,16 +62,24 @@ export async function respondStreamed(
   // Without log-probabilities every piece's chunk is the same but for its text: serialized once.
   const pieceEvent =
     job.parsed.sampling.numLogprobs == null ? sseTemplate((text) => replies.piece(text, [])) : null
+  // The sentinel releases text (all of it, but in block mode what a suspect run may still
+  // take); log-probabilities wait with their text.
+  let heldLogprobs: GeneratedLogprobs[] = []
+  const send = async (piece: string, logprobs: GeneratedLogprobs[]) => {
+    heldLogprobs = heldLogprobs.length === 0 ? logprobs : [...heldLogprobs, ...logprobs]
+    if (piece === '') return
+    await start()
+    if (pieceEvent !== null) await writeSseText(res, pieceEvent(piece))
+    else await writeSse(res, replies.piece(piece, heldLogprobs))
+    heldLogprobs = []
+  }
   try {
-    const result = await generate(async (piece, logprobs) => {
-      await start()
-      if (pieceEvent !== null) await writeSseText(res, pieceEvent(piece))
-      else await writeSse(res, replies.piece(piece, logprobs))
-    })
+    const result = await generate((piece, logprobs) => send(job.answerCheck.push(piece), logprobs))
+    await send(job.answerCheck.finish(), [])
     job.outcome.numCompletionTokens = result.numCompletionTokens
     job.outcome.finishReason = result.finishReason
     await start()
-    await writeSse(res, replies.last(result.finishReason, result.logprobs))
+    await writeSse(res, replies.last(result.finishReason, [...heldLogprobs, ...result.logprobs]))
     if (job.parsed.isUsageStreamed) {
       const { numPromptTokens } = job.outcome
       await writeSse(

@@ -1,0 +1,180 @@
+/** Keyed fingerprints of text n-grams, and the window that holds the fingerprints of every
+ *  tenant's recent prompts for the response sentinel.
+ *  A fingerprint is a 31-bit keyed hash of `n` consecutive UTF-16 code units of text, under a
+ *  secret drawn once per process (never logged, never written): the store holds no text, and a
+ *  fingerprint means nothing without the key. 31 bits keep every key and value a small integer
+ *  in V8 (no boxed number per entry, which made the store the router's largest cost); a chance
+ *  match is then ~1 in 1,000 per n-gram at 2 M stored fingerprints, and a run needs 9 in a row.
+ *  With the bundled model's character-level vocabulary a code unit is a token; the router's
+ *  answer hooks see text, not token ids, in both modes, which is why the unit is the character
+ *  (see docs/monitoring.md).
+ *  Knows tenants' names and numbers; knows nothing of HTTP or of the text itself once hashed. */
+import assert from 'node:assert/strict'
+import { randomBytes } from 'node:crypto'
+
+/** A keyed hash of `n` code units of `text` starting at `start` (`start + n ≤ text.length`),
+ *  as a 31-bit signed integer (a V8 small integer). */
+export type NgramHasher = (text: string, start: number, n: number) => number
+
+/** A {@link NgramHasher} under `key` (16 bytes; default: 16 fresh random bytes). Two 32-bit
+ *  multiply-xorshift lanes, each seeded and finalized with key words (MurmurHash3's finalizer
+ *  constants): a keyed fast hash, not a MAC — enough here, since fingerprints never leave the
+ *  process, and some 20 times cheaper per n-gram than an HMAC. */
+export function createNgramHasher(key: Uint8Array = randomBytes(16)): NgramHasher {
+  assert.equal(key.length, 16, 'an n-gram key is 16 bytes')
+  const view = new DataView(key.buffer, key.byteOffset, key.byteLength)
+  const k0 = view.getUint32(0) | 0
+  const k1 = view.getUint32(4) | 0
+  const k2 = view.getUint32(8) | 0
+  const k3 = view.getUint32(12) | 0
+  return (text, start, n) => {
+    let a = k0 ^ n
+    let b = k1
+    for (let i = start; i < start + n; i++) {
+      const c = text.charCodeAt(i)
+      a = Math.imul(a ^ c, 0x9e3779b1)
+      a ^= a >>> 15
+      b = Math.imul(b ^ c ^ k2, 0x85ebca6b)
+      b ^= b >>> 13
+    }
+    a = finalize(a ^ k3)
+    b = finalize(b ^ k2)
+    return (a ^ Math.imul(b, 0x27d4eb2f)) >> 1
+  }
+}
+
+/** MurmurHash3's 32-bit finalizer: every input bit reaches every output bit. */
+function finalize(h: number): number {
+  h ^= h >>> 16
+  h = Math.imul(h, 0x85ebca6b)
+  h ^= h >>> 13
+  h = Math.imul(h, 0xc2b2ae35)
+  return h ^ (h >>> 16)
+}
+
+/** Every fingerprint of `text`'s n-grams, in order, repeats included (none when `text` is
+ *  shorter than `n`). */
+export function fingerprintsOf(hash: NgramHasher, text: string, n: number): Int32Array {
+  const out = new Int32Array(Math.max(0, text.length - n + 1))
+  for (let start = 0; start < out.length; start++) out[start] = hash(text, start, n)
+  return out
+}
+
+/** Estimated bytes one stored fingerprint costs: a V8 Map entry of small integers (key, value,
+ *  chain: 24 bytes) and its share of the hash table's buckets and spare room. An estimate, for
+ *  the cap and the gauge, not a measurement. */
+export const bytesPerFingerprint = 32
+
+/** What the window knows of one fingerprint. */
+export interface Holder {
+  /** The (latest) tenant that sent it. */
+  readonly tenant: string
+  /** Whether two or more tenants sent it within the window. */
+  readonly isShared: boolean
+}
+
+/** Fingerprints of every tenant's recent prompts, in two generations: a fingerprint added now
+ *  is kept between `windowMs / 2` and `windowMs` (the older generation is dropped every half
+ *  window), or less when the memory cap drops the older generation early. Per fingerprint, the
+ *  latest tenant that sent it and whether another tenant did too. */
+export interface FingerprintStore {
+  /** Adds one prompt's fingerprints for `tenant`. */
+  add(tenant: string, fingerprints: Int32Array): void
+  /** Who holds `fingerprint` now, or null. */
+  holderOf(fingerprint: number): Holder | null
+  /** Whether `fingerprint` is evidence against an answer of `tenant`: held by exactly one tenant,
+   *  another one. */
+  isEvidence(tenant: string, fingerprint: number): boolean
+  /** Drops the older generation when half a window has passed since the last drop. */
+  expire(): void
+  /** Estimated bytes used ({@link bytesPerFingerprint} per stored fingerprint). */
+  readonly numBytes: number
+  /** Asserts that no fingerprint is in the newer generation with less than the older knows. */
+  check(): void
+}
+
+/** Options of {@link createFingerprintStore}. */
+export interface FingerprintStoreOptions {
+  /** How long a prompt's fingerprints stay at most, ms. */
+  windowMs: number
+  /** Cap on {@link FingerprintStore.numBytes}. */
+  maxBytes: number
+  /** The clock, ms (default `Date.now`). */
+  now?: () => number
+}
+
+/** An empty {@link FingerprintStore}. */
+export function createFingerprintStore(options: FingerprintStoreOptions): FingerprintStore {
+  const now = options.now ?? Date.now
+  const maxFingerprints = Math.max(2, Math.floor(options.maxBytes / bytesPerFingerprint))
+  // Tenants by number (values hold numbers: small integers).
+  const tenantNumbers = new Map<string, number>()
+  const tenantNames: string[] = []
+  const numberOf = (tenant: string) => {
+    let n = tenantNumbers.get(tenant)
+    if (n === undefined) {
+      n = tenantNames.push(tenant) - 1
+      tenantNumbers.set(tenant, n)
+    }
+    return n
+  }
+  // fingerprint → tenant number × 2 + (1 when shared). `newer` is written; `older` only read.
+  let newer = new Map<number, number>()
+  let older = new Map<number, number>()
+  let rotatedAtMs = now()
+  const rotate = () => {
+    older = newer
+    newer = new Map()
+    rotatedAtMs = now()
+  }
+  const valueOf = (fp: number) => newer.get(fp) ?? older.get(fp)
+  const expire = () => {
+    const elapsedMs = now() - rotatedAtMs
+    if (elapsedMs >= options.windowMs) {
+      older = new Map()
+      newer = new Map()
+      rotatedAtMs = now()
+    } else if (elapsedMs >= options.windowMs / 2) rotate()
+  }
+  return {
+    add(tenant, fingerprints) {
+      expire()
+      const own = numberOf(tenant) * 2
+      for (const fp of fingerprints) {
+        const known = valueOf(fp)
+        const value = known === undefined || known === own ? own : own | 1
+        if (newer.get(fp) !== value) newer.set(fp, value)
+        // The cap: the older generation goes first, then the newer starts afresh.
+        if (newer.size + older.size > maxFingerprints) {
+          if (older.size > 0) older = new Map()
+          else rotate()
+        }
+      }
+    },
+    holderOf(fp) {
+      const value = valueOf(fp)
+      if (value === undefined) return null
+      return { tenant: tenantNames[value >> 1], isShared: (value & 1) === 1 }
+    },
+    isEvidence(tenant, fp) {
+      const value = valueOf(fp)
+      return value !== undefined && (value & 1) === 0 && tenantNames[value >> 1] !== tenant
+    },
+    expire,
+    get numBytes() {
+      return (newer.size + older.size) * bytesPerFingerprint
+    },
+    check() {
+      for (const [fp, value] of newer) {
+        const before = older.get(fp)
+        if (before === undefined) continue
+        // What the older generation knew is never lost: same tenant, or shared.
+        assert(
+          (value & 1) === 1 || before === value,
+          `fingerprint ${fp}: ${before} became ${value}`,
+        )
+      }
+      assert(newer.size + older.size <= maxFingerprints, 'fingerprints over the cap')
+    },
+  }
+}
