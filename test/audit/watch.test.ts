@@ -101,7 +101,7 @@ describe('kvfence watch against the incident stand-in', () => {
     assert.deepEqual(
       { ...forLeak[0].alerts[0].labels, target: undefined },
       {
-        alertname: 'KvfenceWatchLeak',
+        alertname: 'KvfenceCrossTenantLeak',
         severity: 'critical',
         verdict: 'leak',
         probe,

@@ -15,7 +15,7 @@ export type AlertStatus = 'firing' | 'resolved'
 function labelsOf(alert: ActiveAlert): Record<string, string> {
   const { finding } = alert
   return {
-    alertname: finding.verdict === 'leak' ? 'KvfenceWatchLeak' : 'KvfenceWatchWarning',
+    alertname: finding.verdict === 'leak' ? 'KvfenceCrossTenantLeak' : 'KvfenceWatchWarning',
     severity: finding.verdict === 'leak' ? 'critical' : 'warning',
     verdict: finding.verdict,
     probe: finding.probe,
