@@ -10,7 +10,7 @@ import assert from 'node:assert/strict'
 import { rmSync } from 'node:fs'
 import { join } from 'node:path'
 import { after, test } from 'node:test'
-import { AuditError, runAudit, type AuditOptions } from '../../src/audit/index.js'
+import { AuditError, runAudit, type AuditOptions, type Finding } from '../../src/audit/index.js'
 import { startCluster, type ClusterOptions } from '../../src/config/launch.js'
 import { twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
@@ -74,7 +74,12 @@ test('corrupt-transfer, guards off: the valid requests answered 500 are an avail
   // Every failure counted is one of the report's completions, with its status.
   const failed = report.completions.filter((c) => c.fate === 'failed')
   assert.ok(failed.length >= e.numValidFailed)
-  assert.ok(failed.every((c) => c.status === null || c.status >= 500))
+  // A failure is a 5xx, no answer, or an error event inside a stream already answered 200 (the
+  // corrupted KV can fail a request after its first tokens were streamed).
+  assert.ok(
+    failed.every((c) => c.status === null || c.status >= 500 || c.failure === 'stream_error'),
+    JSON.stringify(failed.filter((c) => c.status !== null && c.status < 500)),
+  )
   assert.match(availability[0].title, /^\d+ of \d+ valid requests failed \(HTTP 5\d\d ×\d+/)
 })
 
@@ -94,10 +99,19 @@ test('lost-ack, guards off: every request fails 502 while /health says 200: a to
 })
 
 test('drop-abort, guards off: pages abort-race left held are a page-leak warning', async () => {
-  const report = await withFaultyCluster('drop-abort', { decodeFaults: ['drop-abort'] }, (url) =>
-    runAudit(options(url, { probes: ['abort-race', 'page-leak'] })),
-  )
-  const finding = report.findings.find((f) => f.probe === 'page-leak')!
+  // The held pages come from a cut that lands before P's BEGIN: D, which dropped the abort,
+  // keeps that reservation to its bootstrap timeout. Whether any of abort-race's cuts lands
+  // there depends on timing, so a run where none did (nothing held, nothing to find) is retried
+  // on a fresh cluster, at most three runs in all.
+  let finding: Finding | undefined
+  for (let run = 0; run < 3; run++) {
+    const report = await withFaultyCluster('drop-abort', { decodeFaults: ['drop-abort'] }, (url) =>
+      runAudit(options(url, { probes: ['abort-race', 'page-leak'] })),
+    )
+    finding = report.findings.find((f) => f.probe === 'page-leak')!
+    if (finding.verdict === 'warning') break
+  }
+  assert.ok(finding !== undefined)
   assert.deepEqual(
     [finding.verdict, finding.severity],
     ['warning', 'high'],
