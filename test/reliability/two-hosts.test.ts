@@ -4,18 +4,24 @@
  *  is slowed and cut during a large prompt's transfer: the request ends in a clean error, both
  *  pools return to 0 pages, and once the link is back the next request is served with the oracle's
  *  tokens. Needs root and `ip netns` (CI runs as root); skipped, with the reason, elsewhere. */
-import { clusterTokenEnv, newClusterToken } from '../../src/engine/cluster-token.js'
+import { newClusterToken } from '../../src/engine/cluster-token.js'
 import assert from 'node:assert/strict'
-import { execFileSync, spawn, type ChildProcess } from 'node:child_process'
+import { type ChildProcess } from 'node:child_process'
 import { rmSync } from 'node:fs'
-import http from 'node:http'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { after, before, describe, it } from 'node:test'
 import { Oracle } from '../../src/soak/oracle.js'
-import { cliPath, echoModelDir } from '../helpers/paths.js'
+import { echoModelDir } from '../helpers/paths.js'
 import { makeTenants, shape, stopAll } from './helpers.js'
+import {
+  call as callRouter,
+  forwarder as startForwarder,
+  ip,
+  netnsUnavailable,
+  startIn as startInNs,
+} from './netns.js'
 
 const id = process.pid % 100_000
 const nsP = `kvfP${id}`
@@ -27,109 +33,17 @@ const addrD = '10.213.7.2'
 const ports = { prefill: 18101, decode: 18102, transfer: 18103, router: 18100 }
 const socketPath = join(tmpdir(), `kvfence-two-hosts-${id}.sock`)
 
-function ip(...args: string[]): void {
-  execFileSync('ip', args, { stdio: 'ignore' })
-}
-
-/** Why this machine cannot run the test, or null. */
-function unavailable(): string | null {
-  if (process.platform !== 'linux') return 'network namespaces need Linux'
-  if (process.getuid?.() !== 0) return 'network namespaces need root'
-  try {
-    execFileSync('ip', ['netns', 'list'], { stdio: 'ignore' })
-    execFileSync('tc', ['-V'], { stdio: 'ignore' })
-  } catch {
-    return '`ip netns` or `tc` is not available'
-  }
-  return null
-}
-const skipReason = unavailable()
-
-const clusterToken = newClusterToken()
-
-/** Run `kvfence <args>` inside namespace `ns` and resolve once it reports ready over IPC. */
-function startIn(ns: string, args: string[]): Promise<ChildProcess> {
-  const child = spawn(
-    'ip',
-    ['netns', 'exec', ns, process.execPath, cliPath, ...args, '--log-level', 'warn'],
-    {
-      stdio: ['ignore', 'ignore', 'pipe', 'ipc'],
-      // Workers bound to a non-loopback address need the control-plane token; all parts share it.
-      env: { ...process.env, [clusterTokenEnv]: clusterToken },
-    },
-  )
-  let tail = ''
-  child.stderr!.on('data', (c: Buffer) => (tail = (tail + c.toString()).slice(-2000)))
-  return new Promise((resolve, reject) => {
-    const timer = setTimeout(
-      () => reject(new Error(`${args[0]} in ${ns} did not start: ${tail}`)),
-      30_000,
-    )
-    child.once('exit', (code) => reject(new Error(`${args[0]} in ${ns} exited ${code}: ${tail}`)))
-    child.on('message', (m: { type?: string }) => {
-      if (m?.type !== 'ready') return
-      clearTimeout(timer)
-      child.removeAllListeners('exit')
-      resolve(child)
-    })
-  })
-}
-
-/** A Unix-socket forwarder to the router inside nsP (the file system is shared across network
- *  namespaces, so the test reaches the router without any address outside the namespaces). */
-function forwarder(): Promise<ChildProcess> {
-  const code = `const net=require('net');require('fs').rmSync(${JSON.stringify(socketPath)},{force:true});
-net.createServer(c=>{const o=net.connect(${ports.router},'127.0.0.1');c.pipe(o).pipe(c);c.on('error',()=>o.destroy());o.on('error',()=>c.destroy())})
-.listen(${JSON.stringify(socketPath)},()=>process.send({type:'ready'}))`
-  const child = spawn('ip', ['netns', 'exec', nsP, process.execPath, '-e', code], {
-    stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
-  })
-  return new Promise((resolve, reject) => {
-    child.once('exit', (c) => reject(new Error(`forwarder exited ${c}`)))
-    child.on('message', () => {
-      child.removeAllListeners('exit')
-      resolve(child)
-    })
-  })
-}
-
-/** One HTTP exchange with the router through the forwarder. */
-function call(
+const hosts = { nsP, socketPath, routerPort: ports.router, clusterToken: newClusterToken() }
+const skipReason = netnsUnavailable()
+const startIn = (ns: string, args: string[]) => startInNs(hosts, ns, args)
+const forwarder = () => startForwarder(hosts)
+const call = (
   method: string,
   path: string,
   key: string | null,
   body?: unknown,
-  timeoutMs = 90_000,
-) {
-  return new Promise<{ status: number; json: Record<string, unknown> }>((resolve, reject) => {
-    const data = body === undefined ? undefined : JSON.stringify(body)
-    const req = http.request(
-      {
-        socketPath,
-        path,
-        method,
-        timeout: timeoutMs,
-        headers: {
-          ...(key ? { authorization: `Bearer ${key}` } : {}),
-          ...(data
-            ? { 'content-type': 'application/json', 'content-length': Buffer.byteLength(data) }
-            : {}),
-        },
-      },
-      (res) => {
-        let text = ''
-        res.setEncoding('utf8')
-        res.on('data', (c: string) => (text += c))
-        res.on('end', () =>
-          resolve({ status: res.statusCode!, json: JSON.parse(text) as Record<string, unknown> }),
-        )
-      },
-    )
-    req.on('timeout', () => req.destroy(new Error('hung')))
-    req.on('error', reject)
-    req.end(data)
-  })
-}
+  timeoutMs?: number,
+) => callRouter(hosts, method, path, key, body, timeoutMs)
 
 async function poolsUsed(): Promise<number[] | null> {
   const info = await call('GET', '/server_info', null, undefined, 10_000).catch(() => null)
