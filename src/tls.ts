@@ -3,6 +3,7 @@
  *  CA (made by `kvfence certs init`), and that CA is the only trust anchor. A client also checks
  *  that the server's certificate names the host it dialled (SAN: DNS name or IP address).
  *  Knows files, node:tls options and handshake errors; knows nothing of frames or HTTP routes. */
+import { X509Certificate } from 'node:crypto'
 import { readFileSync, unwatchFile, watchFile } from 'node:fs'
 import { isIP } from 'node:net'
 import tls from 'node:tls'
@@ -45,8 +46,33 @@ export function tlsFilesFrom(flags: {
   return { ca: tlsCa, cert: tlsCert, key: tlsKey }
 }
 
-/** Read `files` and check that the key matches the certificate. @throws KvfenceError
- *  `config_invalid` naming the file that cannot be read or the pair that does not fit. */
+/** Refuse a certificate outside its validity window at `now`: every peer would refuse it in the
+ *  handshake, so a part started with it would run and serve nothing. @throws KvfenceError
+ *  `config_invalid`, one line naming the file and the date. */
+export function checkCertValidity(pem: Buffer, path: string, now = new Date()): void {
+  let cert: X509Certificate
+  try {
+    cert = new X509Certificate(pem)
+  } catch (err) {
+    throw new KvfenceError('config_invalid', `TLS certificate ${path}: ${openSslReason(err)}`)
+  }
+  const notBefore = new Date(cert.validFrom)
+  const notAfter = new Date(cert.validTo)
+  if (now.getTime() > notAfter.getTime())
+    throw new KvfenceError(
+      'config_invalid',
+      `TLS certificate ${path} expired on ${notAfter.toISOString()}: renew it (kvfence certs init --force)`,
+    )
+  if (now.getTime() < notBefore.getTime())
+    throw new KvfenceError(
+      'config_invalid',
+      `TLS certificate ${path} is not valid before ${notBefore.toISOString()}: check this host's clock`,
+    )
+}
+
+/** Read `files`, check that the key matches the certificate and that the certificate is valid
+ *  now ({@link checkCertValidity}). @throws KvfenceError `config_invalid` naming the file that
+ *  cannot be read, the pair that does not fit, or the certificate out of its validity. */
 export function loadTlsMaterial(files: TlsFiles): TlsMaterial {
   const material = {
     ca: readTls('CA', files.ca),
@@ -61,11 +87,12 @@ export function loadTlsMaterial(files: TlsFiles): TlsMaterial {
       `TLS files ${files.cert} and ${files.key}: ${openSslReason(err)}`,
     )
   }
+  checkCertValidity(material.cert, files.cert)
   return Object.freeze(material)
 }
 
 /** A public server's certificate and key (no client certificates asked for), read and checked to
- *  fit. @throws KvfenceError `config_invalid` naming the file or the pair. */
+ *  fit and to be valid now. @throws KvfenceError `config_invalid` naming the file or the pair. */
 export function loadCertPair(files: { cert: string; key: string }): { cert: Buffer; key: Buffer } {
   const pair = { cert: readTls('certificate', files.cert), key: readTls('key', files.key) }
   try {
@@ -76,6 +103,7 @@ export function loadCertPair(files: { cert: string; key: string }): { cert: Buff
       `TLS files ${files.cert} and ${files.key}: ${openSslReason(err)}`,
     )
   }
+  checkCertValidity(pair.cert, files.cert)
   return pair
 }
 

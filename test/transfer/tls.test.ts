@@ -63,6 +63,10 @@ describe('transfer over mutual TLS', () => {
   let cluster: { decode: TlsMaterial; prefill: TlsMaterial }
   let otherPrefill: TlsMaterial
   let expiredDecode: TlsMaterial
+  const day = 86_400_000
+  // Whole seconds: X.509 keeps validity to the second.
+  const expiredOn = new Date(Math.floor(Date.now() / 1000) * 1000 - day)
+  const validFrom = new Date(Math.floor(Date.now() / 1000) * 1000 + day)
 
   before(async () => {
     // Two clusters, each from the real command: "other" stands for a CA this cluster never trusts.
@@ -75,14 +79,27 @@ describe('transfer over mutual TLS', () => {
       readFileSync(join(root, 'cluster', 'ca.crt'), 'utf8'),
       readFileSync(join(root, 'cluster', 'ca.key'), 'utf8'),
     )
-    const day = 86_400_000
     const expired = await issuePartCert(ca, 'decode', ['127.0.0.1'], {
       notBefore: new Date(Date.now() - 10 * day),
-      notAfter: new Date(Date.now() - day),
+      notAfter: expiredOn,
     })
-    writeFileSync(join(root, 'cluster', 'expired.crt'), expired.certPem)
-    writeFileSync(join(root, 'cluster', 'expired.key'), expired.keyPem, { mode: 0o600 })
-    expiredDecode = material('cluster', 'expired')
+    const future = await issuePartCert(ca, 'decode', ['127.0.0.1'], {
+      notBefore: validFrom,
+      notAfter: new Date(Date.now() + 10 * day),
+    })
+    for (const [name, issued] of [
+      ['expired', expired],
+      ['future', future],
+    ] as const) {
+      writeFileSync(join(root, 'cluster', `${name}.crt`), issued.certPem)
+      writeFileSync(join(root, 'cluster', `${name}.key`), issued.keyPem, { mode: 0o600 })
+    }
+    // Read as they are: loadTlsMaterial refuses them (see the tests of a part's start below).
+    expiredDecode = {
+      ca: readFileSync(join(root, 'cluster', 'ca.crt')),
+      cert: readFileSync(join(root, 'cluster', 'expired.crt')),
+      key: readFileSync(join(root, 'cluster', 'expired.key')),
+    }
   })
   after(async () => {
     await closeEverything()
@@ -175,5 +192,37 @@ describe('transfer over mutual TLS', () => {
       `connection_closed: transfer to 127.0.0.1:${server.port}: TLS handshake failed: wrong version number (the peer does not speak TLS: is it started without TLS?)`,
     )
     assert.equal(hooks.reservations.length, 0)
+  })
+
+  it('a part given an expired certificate is refused at start, one line naming the file and date', async () => {
+    const cert = join(root, 'cluster', 'expired.crt')
+    const expected = `TLS certificate ${cert} expired on ${expiredOn.toISOString()}: renew it (kvfence certs init --force)`
+    assert.throws(() => material('cluster', 'expired'), { message: expected })
+    const started = await run(process.execPath, [
+      cliEntry,
+      'decode',
+      '--port',
+      '0',
+      '--transfer-port',
+      '0',
+      '--tls-ca',
+      join(root, 'cluster', 'ca.crt'),
+      '--tls-cert',
+      cert,
+      '--tls-key',
+      join(root, 'cluster', 'expired.key'),
+    ]).then(
+      () => ({ code: 0, stderr: '' }),
+      (err: { code: number; stderr: string }) => err,
+    )
+    assert.equal(started.code, 2)
+    assert.equal(started.stderr, `kvfence: ${expected}\n`)
+  })
+
+  it('a certificate not valid yet is refused at start, naming the date', () => {
+    const cert = join(root, 'cluster', 'future.crt')
+    assert.throws(() => material('cluster', 'future'), {
+      message: `TLS certificate ${cert} is not valid before ${validFrom.toISOString()}: check this host's clock`,
+    })
   })
 })
