@@ -8,7 +8,14 @@ import { performance } from 'node:perf_hooks'
 import { KvfenceError } from '../errors.js'
 import { admit, refuseUntokenizable } from './admission.js'
 import type { Backend, Outcome, PreparedPrompt } from './backend.js'
-import { LimitError, type Limiter, type RoomHold, type Slot, type TenantTicket } from './limits.js'
+import {
+  LimitError,
+  LimitStoreUnavailableError,
+  type Limiter,
+  type RoomHold,
+  type Slot,
+  type TenantTicket,
+} from './limits.js'
 import type { RouterMetrics } from './metrics.js'
 import { type ParsedRequest, promptParamOf } from './schemas.js'
 import { type Tenant, defaultTenantWeight } from './tenants.js'
@@ -46,7 +53,8 @@ export interface Admitted {
 }
 
 /** The label of `kvfence_router_admission_rejections_total` a step's refusals count under. */
-type RejectionReason = 'tenant_limit' | 'context_length_exceeded' | 'queue_full'
+type RejectionReason =
+  'tenant_limit' | 'context_length_exceeded' | 'queue_full' | 'limit_store_unavailable'
 
 /** Holds that hold nothing yet. */
 export function emptyHolds(): AdmissionHolds {
@@ -112,7 +120,8 @@ export async function admitRequest(
 }
 
 /** Runs one step of admission; a refusal it throws (for load or for length — not the client
- *  going away) is counted under `reason`, the one place admission counts. */
+ *  going away) is counted under `reason` (or `limit_store_unavailable` when the shared limit store
+ *  could not be reached: not the tenant's limit), the one place admission counts. */
 async function countRefusal<T>(
   metrics: RouterMetrics,
   reason: RejectionReason,
@@ -121,7 +130,10 @@ async function countRefusal<T>(
   try {
     return await step()
   } catch (err) {
-    if (isRefusal(err)) metrics.admissionRejections.inc({ reason })
+    if (isRefusal(err))
+      metrics.admissionRejections.inc({
+        reason: err instanceof LimitStoreUnavailableError ? 'limit_store_unavailable' : reason,
+      })
     throw err
   }
 }

@@ -22,6 +22,16 @@ export class LimitError extends KvfenceError {
   }
 }
 
+/** A refusal because the shared limit store (Redis) cannot be reached under `fail-closed`: 503
+ *  `capacity_exhausted` with `Retry-After`, counted apart from a tenant's own limits
+ *  (`reason="limit_store_unavailable"` in `kvfence_router_admission_rejections_total`). */
+export class LimitStoreUnavailableError extends LimitError {
+  constructor(message: string, retryAfterSec: number) {
+    super('capacity_exhausted', message, retryAfterSec)
+    this.name = 'LimitStoreUnavailableError'
+  }
+}
+
 /** The router-wide limits. */
 export interface QueueLimits {
   /** Requests running on the workers at once; more wait in the queue. */

@@ -24,7 +24,7 @@ export interface RouterMetrics {
   /** Finished requests by endpoint, tenant and HTTP status (499 = client went away). */
   readonly requests: Counter<'endpoint' | 'tenant' | 'status'>
   /** Requests refused before reaching a worker, by reason (`context_length_exceeded`,
-   *  `tenant_limit`, `queue_full`, `pool_full`). */
+   *  `tenant_limit`, `limit_store_unavailable`, `queue_full`, `pool_full`). */
   readonly admissionRejections: Counter<'reason'>
   /** Times a request found the decode worker's KV pool full and was tried again. */
   readonly poolFullRetries: Counter

@@ -24,7 +24,7 @@ import {
   type TokenCharge,
   createLocalLimitStore,
 } from './limit-store.js'
-import { LimitError } from './limits.js'
+import { LimitError, LimitStoreUnavailableError } from './limits.js'
 
 /** What the router does while Redis cannot be reached. */
 export type UnavailablePolicy = 'fail-closed' | 'local'
@@ -231,8 +231,7 @@ export async function createRedisLimitStore(
 
 /** What a request with a limit meets while Redis is away, under `fail-closed`: 503. */
 function storeUnavailable(): LimitError {
-  return new LimitError(
-    'capacity_exhausted',
+  return new LimitStoreUnavailableError(
     'The limit store is unavailable, so no request can be counted against its limits; retry later.',
     1,
   )

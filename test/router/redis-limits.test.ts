@@ -120,6 +120,14 @@ async function unavailableGauge(url: string): Promise<number> {
   return Number(line.split(' ')[1])
 }
 
+/** `kvfence_router_admission_rejections_total{reason}` of the router at `url` (0 when absent). */
+async function rejections(url: string, reason: string): Promise<number> {
+  const text = await (await fetch(`${url}/metrics`)).text()
+  const prefix = `kvfence_router_admission_rejections_total{reason="${reason}"} `
+  const line = text.split('\n').find((l) => l.startsWith(prefix))
+  return line === undefined ? 0 : Number(line.slice(prefix.length))
+}
+
 describe('limits shared by router replicas through Redis', { skip: skip ?? false }, () => {
   let urls: string[]
   before(async () => {
@@ -149,6 +157,7 @@ describe('limits shared by router replicas through Redis', { skip: skip ?? false
 
   it('fail-closed: without Redis, 503 with Retry-After, and served again once it is back', async () => {
     const [a, b] = urls as [string, string]
+    const tenantLimitBefore = await Promise.all(urls.map((u) => rejections(u, 'tenant_limit')))
     await redis.kill()
     for (const url of [a, b]) {
       const res = await chat(url, tenants.four.key, false)
@@ -156,7 +165,13 @@ describe('limits shared by router replicas through Redis', { skip: skip ?? false
       assert.equal(res.headers.get('retry-after'), '1')
       assert.match(await res.text(), /limit store is unavailable/)
       assert.equal(await unavailableGauge(url), 1)
+      // Counted as the store's absence, not as the tenant's limit.
+      assert.equal(await rejections(url, 'limit_store_unavailable'), 1)
     }
+    assert.deepEqual(
+      await Promise.all(urls.map((u) => rejections(u, 'tenant_limit'))),
+      tenantLimitBefore,
+    )
     await redis.restart()
     for (const url of [a, b]) {
       await waitUntil(async () => (await unavailableGauge(url)) === 0, {
