@@ -12,6 +12,7 @@ import { createWorkerCore } from '../engine/worker-core.js'
 import { createWorkerServer, listen } from '../engine/worker-server.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
 import { bundledModelDir } from '../paths.js'
+import { checkPlaintextLinks } from '../plaintext.js'
 import { loadTlsMaterial, tlsFilesFrom, type TlsMaterial } from '../tls.js'
 import { TransferServer } from '../transfer/index.js'
 import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
@@ -43,6 +44,7 @@ interface WorkerFlags {
   tlsCa?: string
   tlsCert?: string
   tlsKey?: string
+  allowPlaintext: boolean
 }
 
 /** Register `kvfence prefill` and `kvfence decode`. */
@@ -95,6 +97,11 @@ export function registerWorkers(program: Command): void {
       )
       .option('--tls-cert <file>', 'this worker’s certificate, signed by the cluster CA')
       .option('--tls-key <file>', 'this worker’s private key')
+      .option(
+        '--allow-plaintext',
+        `without TLS, bind (and, prefill, send KV pages to) addresses beyond loopback anyway: refused otherwise`,
+        false,
+      )
     if (role === 'prefill') {
       cmd.option(
         '--prefix-cache-pages <n>',
@@ -183,7 +190,19 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     }
     log.warn(`${clusterTokenEnv} is not set: the control plane accepts any local process`)
   }
-  warnIfPlaintext(log, role, tls, [flags.host, ...(role === 'decode' ? [flags.transferHost] : [])])
+  if (tls === null)
+    checkPlaintextLinks({
+      part: `${role} worker`,
+      links: [
+        { what: 'binds its control plane to', host: flags.host },
+        ...(role === 'decode'
+          ? [{ what: 'binds its KV transfer receiver to', host: flags.transferHost }]
+          : []),
+      ],
+      allowPlaintext: flags.allowPlaintext,
+      tlsHint: '--tls-ca/--tls-cert/--tls-key',
+      log,
+    })
   let transferPort: number | undefined
   let server
   if (role === 'decode') {
@@ -212,6 +231,7 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
       prefixCachePagesPerTenant: flags.prefixCachePagesPerTenant,
       prefixCacheOffloadBytes: flags.prefixCacheOffloadBytes,
       transferTls: tls,
+      allowPlaintext: flags.allowPlaintext,
     })
     server = createWorkerServer({ role, worker }, log, clusterToken, tls)
   }
@@ -235,20 +255,4 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     log.warn('the process that started this worker is gone; stopping')
     shutdown()
   })
-}
-
-/** Warn when a worker without TLS binds an address other hosts can reach: its control plane and
- *  KV pages (tenants' prompts, in another form) would cross the network in plaintext. */
-function warnIfPlaintext(
-  log: { warn: (msg: string) => void },
-  role: string,
-  tls: TlsMaterial | null,
-  hosts: readonly string[],
-): void {
-  if (tls !== null) return
-  const exposed = hosts.filter((h) => !isLoopbackHost(h))
-  if (exposed.length > 0)
-    log.warn(
-      `${role} worker listens on ${exposed.join(', ')} without TLS: control requests and KV pages cross the network in plaintext (use --tls-ca/--tls-cert/--tls-key; see kvfence certs init)`,
-    )
 }

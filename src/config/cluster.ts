@@ -11,6 +11,7 @@
  *    prefill: [{ pages: 64, prefixCachePages: 0 }]   # started here (prefix cache off) …
  *    decode: [{ url: http://10.0.0.7:8102 }]   # … or already running elsewhere
  *  tls: { dir: ./certs }                # optional: mutual TLS (kvfence certs init ./certs)
+ *  allowPlaintext: false                # true: without tls:, run beyond loopback in plaintext
  *  tenants:
  *    - { name: alice, keySha256: <64 hex>, limits: { maxConcurrentRequests: 4, tokensPerMinute: 100000 } }
  *  ```
@@ -41,6 +42,9 @@ export const RouterSection = z.strictObject({
   maxQueuedRequests: z.number().int().min(0).default(queueLimitDefaults.maxQueuedRequests),
   maxQueueWaitMs: z.number().int().min(0).default(queueLimitDefaults.maxQueueWaitMs),
   logContent: z.boolean().default(false),
+  /** On SIGTERM, how long running requests may finish before they are ended, seconds (default
+   *  `routerConfigDefaults.drainSeconds`, 30). */
+  drainSeconds: z.number().int().min(0).optional(),
   logLevel: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']).default('info'),
   /** A file holding the secret of gateway mode's cache salts (≥ 32 bytes; relative to this
    *  file), shared by replicas; default: a random secret per process. */
@@ -165,6 +169,9 @@ export const ClusterConfig = z
     workers: WorkersSection.optional(),
     backend: BackendSection.optional(),
     tls: TlsSection.optional(),
+    /** Without `tls:`, let the parts bind and dial addresses beyond loopback in plaintext (each
+     *  logs a warning); default: such a cluster is refused at start (src/plaintext.ts). */
+    allowPlaintext: z.boolean().optional(),
     tenants: z.array(TenantRecord).min(1, 'tenants must list at least one tenant'),
   })
   .refine((c) => (c.workers === undefined) !== (c.backend === undefined), {

@@ -34,7 +34,5 @@ export function isClusterTokenValid(
   return timingSafeEqual(digest(token), digest(presented))
 }
 
-/** Whether a bind address only accepts connections from this host. */
-export function isLoopbackHost(host: string): boolean {
-  return host === 'localhost' || host === '::1' || /^127\.\d+\.\d+\.\d+$/.test(host)
-}
+/** Whether a bind address only accepts connections from this host (see src/plaintext.ts). */
+export { isLoopbackHost } from '../plaintext.js'

@@ -7,6 +7,7 @@ import { KvfenceError } from '../errors.js'
 import type { PageLease } from '../kv/pool.js'
 import { OffloadRing } from '../kv/offload.js'
 import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
+import { isLoopbackHost } from '../plaintext.js'
 import type { TlsMaterial } from '../tls.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
@@ -39,6 +40,10 @@ export interface PrefillWorkerOptions {
   prefixCacheOffloadBytes?: number
   /** Mutual TLS for transfers to decode workers (src/tls.ts). Default null: plaintext. */
   transferTls?: TlsMaterial | null
+  /** Without `transferTls`, send KV pages in plaintext to decode workers beyond loopback too
+   *  (`--allow-plaintext`); default false: such a transfer fails with `transfer_failed` before
+   *  any byte is sent (src/plaintext.ts). */
+  allowPlaintext?: boolean
 }
 
 /** The prefill side of a disaggregated pair. One instance per process. */
@@ -112,9 +117,11 @@ export class PrefillWorker {
   /** Prefill `req` and transfer its KV to the decode worker named in it. Resolves once the decode
    *  worker acknowledged every page. Throws `context_length_exceeded` when the prompt cannot fit this
    *  pool (G3: a terminal rejection, never a substitution), `capacity_exhausted` when the pool is
-   *  momentarily full, `request_aborted` when `signal` fires, `transfer_failed` on a NACK or teardown. */
+   *  momentarily full, `request_aborted` when `signal` fires, `transfer_failed` on a NACK or teardown,
+   *  or before any work when the transfer would go in plaintext beyond loopback (not allowed). */
   async prefill(req: PrefillRequest, signal: AbortSignal): Promise<PrefillResult> {
     const { pool } = this.core
+    this.checkPlaintextTransfer(req.decode.host)
     const { tokens, isPlaceholder } = this.promptToRun(req)
     const { seq, hit } = this.leaseFor(req, tokens, isPlaceholder)
     let isPinned = false
@@ -141,6 +148,17 @@ export class PrefillWorker {
       if (isPinned) pool.unpin(seq.lease)
       pool.release(seq.lease)
     }
+  }
+
+  /** Without TLS, KV pages go to a decode worker beyond loopback only when the operator allowed
+   *  plaintext (src/plaintext.ts). @throws KvfenceError `transfer_failed`. */
+  private checkPlaintextTransfer(host: string): void {
+    if (this.options.transferTls != null || this.options.allowPlaintext || isLoopbackHost(host))
+      return
+    throw new KvfenceError(
+      'transfer_failed',
+      `refused to send KV pages in plaintext to ${host} (beyond loopback): start the prefill worker with --tls-ca/--tls-cert/--tls-key, or --allow-plaintext`,
+    )
   }
 
   /** The prompt this worker runs: the request's own, or (fault `placeholder-forward` with G3 off)

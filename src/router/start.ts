@@ -31,6 +31,7 @@ import {
   watchTenants,
 } from './tenants.js'
 import { type WorkerClient, createWorkerClient } from './worker-client.js'
+import { checkPlaintextLinks, hostOfUrl } from '../plaintext.js'
 import { loadCertPair, reloadCertOnChange, type TlsMaterial } from '../tls.js'
 import { scrapeWorkerStats } from './worker-stats.js'
 
@@ -101,6 +102,9 @@ export interface StartRouterOptions {
   /** The router's TLS files, read (src/tls.ts): the control plane to the workers runs over mutual
    *  TLS, to `https:` worker URLs. Default: plaintext. */
   workerTls?: TlsMaterial | null
+  /** Without `workerTls`, dial `http:` workers beyond loopback anyway (`--allow-plaintext`,
+   *  logged as a warning); default false: the router refuses to start (src/plaintext.ts). */
+  allowPlaintext?: boolean
   /** Serve clients over HTTPS with this certificate and key (PEM files), reloaded when they
    *  change on disk. Default: plain HTTP. */
   https?: { cert: string; key: string }
@@ -244,6 +248,18 @@ async function startNativeBackend(
       'a kvfence router needs a model directory, prefill worker URLs and decode worker URLs',
     )
   }
+  if (!options.workerTls)
+    checkPlaintextLinks({
+      part: 'router',
+      links: [...options.prefillUrls, ...options.decodeUrls].map((url) => ({
+        what: 'dials worker',
+        host: hostOfUrl(url),
+      })),
+      allowPlaintext: options.allowPlaintext ?? false,
+      tlsHint:
+        '--cluster-tls-ca/--cluster-tls-cert/--cluster-tls-key (or tls: in the cluster file)',
+      log,
+    })
   const guardsEnabled = options.guardsEnabled ?? true
   const tokenizer = loadTokenizer(options.modelDir)
   const workers = createWorkerClient({

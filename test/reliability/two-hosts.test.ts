@@ -1,4 +1,5 @@
-/** P and D on two "hosts": separate network namespaces joined by a veth pair (10.213.7.1 ↔
+/** P and D on two "hosts", in plaintext (every part given `--allow-plaintext`: without it each
+ *  refuses to start, see test/config/plaintext.test.ts): separate network namespaces joined by a veth pair (10.213.7.1 ↔
  *  10.213.7.2, addresses that exist only inside these namespaces). The router and P share the
  *  first namespace, D is alone in the second. Requests are served across the link; then the link
  *  is slowed and cut during a large prompt's transfer: the request ends in a clean error, both
@@ -85,6 +86,8 @@ describe('P and D on two hosts (network namespaces)', { skip: skipReason ?? fals
         addrD,
         '--transfer-port',
         String(ports.transfer),
+        // Plaintext across hosts is refused unless said (two-hosts-tls.test.ts runs it over TLS).
+        '--allow-plaintext',
       ]),
       await startIn(nsP, [
         'prefill',
@@ -95,6 +98,7 @@ describe('P and D on two hosts (network namespaces)', { skip: skipReason ?? fals
         String(ports.prefill),
         '--pages',
         String(shape.prefillPages),
+        '--allow-plaintext', // it sends KV pages to D at addrD
       ]),
     )
     children.push(
@@ -112,6 +116,7 @@ describe('P and D on two hosts (network namespaces)', { skip: skipReason ?? fals
         `http://${addrD}:${ports.decode}`,
         '--tenants',
         tenants.file,
+        '--allow-plaintext', // it dials D at addrD
       ]),
       await forwarder(),
     )
