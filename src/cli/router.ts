@@ -6,7 +6,8 @@ import type { ChildProcess } from 'node:child_process'
 import { clusterTokenFrom } from '../engine/cluster-token.js'
 import { Option, type Command } from 'commander'
 import { pino } from 'pino'
-import { loadClusterConfig } from '../config/cluster.js'
+import { type ClusterConfig, loadClusterConfig } from '../config/cluster.js'
+import { loadTlsMaterial, type TlsMaterial } from '../tls.js'
 import { gatewayOptions, routerSectionOptions, routerTlsMaterial } from '../config/launch.js'
 import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
@@ -40,6 +41,10 @@ interface RouterFlags {
   saltSecretFile?: string
   limitsRedis?: string
   limitsOnUnavailable?: UnavailablePolicy
+  clusterTlsCa?: string
+  clusterTlsCert?: string
+  clusterTlsKey?: string
+  allowPlaintext: boolean
 }
 
 /** Register `kvfence router`. */
@@ -106,11 +111,27 @@ export function registerRouter(program: Command): void {
         'while Redis is unreachable (default fail-closed)',
       ).choices(['fail-closed', 'local']),
     )
+    .option(
+      '--cluster-tls-ca <file>',
+      'cluster CA certificate: with --cluster-tls-cert/--cluster-tls-key, the router reaches its workers (https: URLs) over mutual TLS 1.3 (kvfence certs init; with --config: its tls: section)',
+    )
+    .option('--cluster-tls-cert <file>', 'the router’s certificate, signed by the cluster CA')
+    .option('--cluster-tls-key <file>', 'the router’s private key of --cluster-tls-cert')
+    .option(
+      '--allow-plaintext',
+      'without cluster TLS, reach workers beyond loopback anyway (logged as a warning): refused otherwise',
+      false,
+    )
     .action(async (flags: RouterFlags) => {
       exitIfParentGoesDuringStart()
       const faults = buildFaultConfig([], flags.unsafeDisableGuards, process.env)
       const banner = faultBanner('kvfence router', faults)
       if (banner) process.stderr.write(`${banner}\n`)
+      if (flags.limitsOnUnavailable !== undefined && flags.limitsRedis === undefined)
+        throw new KvfenceError(
+          'config_invalid',
+          '--limits-on-unavailable needs --limits-redis (it is the policy while Redis is unreachable)',
+        )
       const log = pino({ name: 'kvfence-router', level: flags.logLevel }, pino.destination(2))
       const source = flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config, flags)
       const router = await startRouter({
@@ -122,6 +143,7 @@ export function registerRouter(program: Command): void {
         // With --config, the file's router section wins over these flags.
         ...source,
         ...redisLimitsFlags(flags),
+        ...(flags.allowPlaintext ? { allowPlaintext: true } : {}),
         guardsEnabled: faults.guardsEnabled,
         ...(flags.logContent ? { logContent: true } : {}),
         // The flag wins over the file's `sentinel.mode`, keeping the file's other settings.
@@ -181,6 +203,7 @@ function fromFlags(
     prefillUrls: flags.prefill,
     decodeUrls: flags.decode,
     tenants: flags.tenants,
+    workerTls: clusterTlsFlags(flags),
     queue: {
       ...(flags.maxConcurrent === undefined ? {} : { maxConcurrentRequests: flags.maxConcurrent }),
       ...(flags.maxQueued === undefined ? {} : { maxQueuedRequests: flags.maxQueued }),
@@ -221,8 +244,34 @@ function fromConfig(
           },
         }),
     ...routerSectionOptions(config.router),
-    workerTls: routerTlsMaterial(config),
+    ...(config.allowPlaintext || flags.allowPlaintext ? { allowPlaintext: true } : {}),
+    workerTls: configTls(path, config, flags),
   }
+}
+
+/** `--cluster-tls-ca/--cluster-tls-cert/--cluster-tls-key`, read, or null when none is given.
+ *  @throws KvfenceError `config_invalid` when only some are given or a file does not fit. */
+function clusterTlsFlags(flags: RouterFlags): TlsMaterial | null {
+  const { clusterTlsCa, clusterTlsCert, clusterTlsKey } = flags
+  if (clusterTlsCa === undefined && clusterTlsCert === undefined && clusterTlsKey === undefined)
+    return null
+  if (clusterTlsCa === undefined || clusterTlsCert === undefined || clusterTlsKey === undefined)
+    throw new KvfenceError(
+      'config_invalid',
+      'cluster TLS needs all three of --cluster-tls-ca, --cluster-tls-cert and --cluster-tls-key (see kvfence certs init)',
+    )
+  return loadTlsMaterial({ ca: clusterTlsCa, cert: clusterTlsCert, key: clusterTlsKey })
+}
+
+/** The router's cluster TLS with `--config`: the file's `tls:` section or the flags, not both. */
+function configTls(path: string, config: ClusterConfig, flags: RouterFlags): TlsMaterial | null {
+  const fromFlags = clusterTlsFlags(flags)
+  if (fromFlags !== null && config.tls !== undefined)
+    throw new KvfenceError(
+      'config_invalid',
+      `${path} has a tls: section: give it or --cluster-tls-ca/--cluster-tls-cert/--cluster-tls-key, not both`,
+    )
+  return fromFlags ?? routerTlsMaterial(config)
 }
 
 /** The backend's API key from the variable `apiKeyEnv` names; an unset or empty variable is an

@@ -30,6 +30,8 @@ const cases: [string[], string][] = [
   [['serve', '--prefix-cache-pages', '-1'], `error: option '--prefix-cache-pages <n>' argument '-1' is invalid. expected a non-negative integer, got "-1"`],
   // Checked before any part starts: one line, and no part's log lines before it.
   [['serve', '--tenants', '/nonexistent-kvfence/tenants.yaml'], `kvfence: cannot read tenants file /nonexistent-kvfence/tenants.yaml: ENOENT: no such file or directory, open '/nonexistent-kvfence/tenants.yaml'`],
+  // A policy for a store that is not configured would be silently ignored.
+  [['router', '--limits-on-unavailable', 'local'], 'kvfence: --limits-on-unavailable needs --limits-redis (it is the policy while Redis is unreachable)'],
 ] // prettier-ignore
 
 describe('CLI flag ranges', () => {

@@ -5,7 +5,7 @@
  *  plaintext, is refused before any HTTP request is read. */
 import assert from 'node:assert/strict'
 import { type ChildProcess, execFile } from 'node:child_process'
-import { mkdtempSync, rmSync } from 'node:fs'
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
 import https from 'node:https'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -16,8 +16,12 @@ import { forkPart, stopAll } from '../../src/engine/processes.js'
 import { cliEntry } from '../../src/paths.js'
 import { createWorkerClient } from '../../src/router/worker-client.js'
 import { loadTlsMaterial } from '../../src/tls.js'
+import OpenAI from 'openai'
+import { Agent, fetch as undiciFetch } from 'undici'
+import { Oracle } from '../../src/soak/oracle.js'
 import { greedyOracle, makeRequest, tokensOf } from '../engine/pair.js'
 import { echoModelDir } from '../helpers/paths.js'
+import { makeTenants } from '../reliability/helpers.js'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-tls-workers-'))
 const certs = join(dir, 'certs')
@@ -106,5 +110,133 @@ describe('workers over mutual TLS', () => {
       () => 'refused',
     )
     assert.equal(plain, 'refused')
+  })
+
+  it('kvfence router --cluster-tls-* reaches them over mutual TLS and serves HTTPS to the openai client', async () => {
+    const tenants = makeTenants()
+    const { ready } = await forkPart(
+      [
+        'router',
+        '--model',
+        echoModelDir,
+        '--prefill',
+        prefillUrl,
+        '--decode',
+        decodeUrl,
+        '--tenants',
+        tenants.file,
+        '--port',
+        '0',
+        '--cluster-tls-ca',
+        join(certs, 'ca.crt'),
+        '--cluster-tls-cert',
+        join(certs, 'router.crt'),
+        '--cluster-tls-key',
+        join(certs, 'router.key'),
+        // Clients over HTTPS with the router's certificate of `certs init` (SAN 127.0.0.1).
+        '--tls-cert',
+        join(certs, 'router.crt'),
+        '--tls-key',
+        join(certs, 'router.key'),
+        '--log-level',
+        'warn',
+      ],
+      {
+        env: { ...process.env, KVFENCE_CLUSTER_TOKEN: clusterToken },
+        logFile: join(dir, 'router.log'),
+        timeoutMs: 60_000,
+        failure: (why, last) => new Error(`router did not start (${why.kind}): ${last}`),
+      },
+      started,
+    )
+    const baseURL = `https://127.0.0.1:${ready.port}/v1`
+    // The real openai client; the cluster CA trusted through fetch's dispatcher (undici), as an
+    // operator's client trusting a private CA would.
+    const agent = new Agent({ connect: { ca: readFileSync(join(certs, 'ca.crt')) } })
+    const client = new OpenAI({
+      baseURL,
+      apiKey: tenants.a.key,
+      maxRetries: 0,
+      fetch: ((url: string, init: RequestInit) =>
+        undiciFetch(url, { ...(init as object), dispatcher: agent })) as unknown as typeof fetch,
+    })
+    const oracle = new Oracle(echoModelDir, 32, 16)
+    try {
+      const prompt = 'the river walks near the stone garden'
+      const completion = await client.completions.create({
+        model: 'echo-tiny',
+        prompt,
+        max_tokens: 12,
+        temperature: 0,
+      })
+      assert.equal(
+        completion.choices[0].text,
+        oracle.expected({ endpoint: 'completion', prompt, maxTokens: 12 }).text,
+      )
+      const chat = await client.chat.completions.create({
+        model: 'echo-tiny',
+        messages: [{ role: 'user', content: prompt }],
+        max_tokens: 10,
+        temperature: 0,
+      })
+      const chatText = oracle.expected({ endpoint: 'chat', prompt, maxTokens: 10 }).text
+      assert.equal(chat.choices[0].message.content, chatText)
+      const stream = await client.chat.completions.create({
+        model: 'echo-tiny',
+        messages: [{ role: 'user', content: prompt }],
+        max_tokens: 10,
+        temperature: 0,
+        stream: true,
+      })
+      let streamed = ''
+      let finish: string | null = null
+      for await (const chunk of stream) {
+        streamed += chunk.choices[0]?.delta.content ?? ''
+        finish = chunk.choices[0]?.finish_reason ?? finish
+      }
+      assert.equal(streamed, chatText)
+      assert.ok(finish === 'stop' || finish === 'length', `finish_reason ${finish}`)
+      // A client that does not trust the cluster CA (the system's roots only) fails the handshake.
+      const untrusting = new OpenAI({ baseURL, apiKey: tenants.a.key, maxRetries: 0 })
+      await assert.rejects(
+        untrusting.completions.create({ model: 'echo-tiny', prompt, max_tokens: 4 }),
+        (err: Error) => {
+          assert.ok(err instanceof OpenAI.APIConnectionError, String(err))
+          // fetch's TypeError, caused by the certificate check's error (the router shows its leaf only).
+          const codes: unknown[] = []
+          for (let e: unknown = err; e instanceof Error; e = e.cause)
+            codes.push((e as NodeJS.ErrnoException).code)
+          assert.ok(codes.includes('UNABLE_TO_VERIFY_LEAF_SIGNATURE'), `codes ${codes.join(', ')}`)
+          return true
+        },
+      )
+    } finally {
+      await agent.close()
+    }
+  })
+
+  it('kvfence router: --cluster-tls-* go together (one line, exit 2)', async () => {
+    const run = await promisify(execFile)(process.execPath, [
+      cliEntry,
+      'router',
+      '--prefill',
+      prefillUrl,
+      '--decode',
+      decodeUrl,
+      '--tenants',
+      makeTenants().file,
+      '--port',
+      '0',
+      '--cluster-tls-ca',
+      join(certs, 'ca.crt'),
+    ]).then(
+      () => ({ code: 0, stderr: '' }),
+      (err: { code: number; stderr: string }) => err,
+    )
+    assert.equal(run.code, 2)
+    assert.equal(
+      run.stderr,
+      'kvfence: cluster TLS needs all three of --cluster-tls-ca, --cluster-tls-cert and --cluster-tls-key (see kvfence certs init)\n',
+    )
   })
 })
