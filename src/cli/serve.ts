@@ -15,6 +15,7 @@ import { loadModelConfig } from '../model/config.js'
 import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
 import { bundledModelDir } from '../paths.js'
 import { loadTenants } from '../router/tenants.js'
+import { checkPlaintextLinks, isLoopbackHost } from '../plaintext.js'
 import { routerDrained } from './router.js'
 import {
   collect,
@@ -44,6 +45,8 @@ interface ServeFlags {
   unsafeDisableGuards: boolean
   logLevel?: string
   threads?: number
+  drainSeconds?: number
+  allowPlaintext: boolean
 }
 
 /** Register `kvfence serve`. */
@@ -93,6 +96,16 @@ export function registerServe(program: Command): void {
     )
     .option('--unsafe-disable-guards', 'turn every guard off (needs KVFENCE_ALLOW_FAULTS=1)', false)
     .option('--threads <n>', `${threadsHelp}; not with --config`, threadsOption)
+    .option(
+      '--drain-seconds <n>',
+      'on SIGTERM or Ctrl-C, how long running requests may finish before they are ended (default 30; with --config: overrides router.drainSeconds)',
+      intOption,
+    )
+    .option(
+      '--allow-plaintext',
+      'with --host beyond loopback, run the control and data planes in plaintext anyway (refused otherwise; with --config: like allowPlaintext: true)',
+      false,
+    )
     .addOption(
       new Option('--log-level <level>', 'log level of the parts (default info)')
         .choices(logLevels)
@@ -121,13 +134,18 @@ export function registerServe(program: Command): void {
         )
       }
       buildFaultConfig(flags.injectFault, flags.unsafeDisableGuards, process.env)
+      const host = flags.host ?? '127.0.0.1'
+      const plaintextArgs = servePlaintext(host, flags.allowPlaintext)
       checkModelDir(flags.model)
       await checkPortFree(flags.host ?? '127.0.0.1', flags.port ?? 8000)
+      if (plaintextArgs.length === 0)
+        process.stderr.write('kvfence: control and data planes are plaintext on loopback\n')
       const cluster = await startCluster({
         modelDir: flags.model,
         tenantsFile: flags.tenants,
-        host: flags.host ?? '127.0.0.1',
+        host,
         routerPort: flags.port ?? 8000,
+        drainSeconds: flags.drainSeconds,
         pageSize: flags.pageSize,
         prefillPages: flags.prefillPages,
         decodePages: flags.decodePages,
@@ -137,8 +155,11 @@ export function registerServe(program: Command): void {
         prefillFaults: flags.injectFault,
         disableGuards: flags.unsafeDisableGuards,
         logLevel: flags.logLevel ?? 'info',
-        ...(flags.logContent ? { routerArgs: ['--log-content'] } : {}),
-        ...threadArgs(flags.threads),
+        ...withArgs(
+          threadArgs(flags.threads),
+          plaintextArgs,
+          flags.logContent ? ['--log-content'] : [],
+        ),
       })
       process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
       let isStopping = false
@@ -184,7 +205,9 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
       ...(flags.logLevel === undefined
         ? {}
         : { logLevel: flags.logLevel as typeof file.router.logLevel }),
+      ...(flags.drainSeconds === undefined ? {} : { drainSeconds: flags.drainSeconds }),
     },
+    ...(flags.allowPlaintext ? { allowPlaintext: true } : {}),
   }
   const log = pino({ name: 'kvfence-router', level: config.router.logLevel }, pino.destination(2))
   const cluster = await launchCluster(clusterConfigPlan(config, log, process.env, path))
@@ -215,6 +238,35 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
       process.stderr.write(`kvfence: a worker ${howEnded(code, signal)}; stopping\n`)
       void stop(1)
     })
+  }
+}
+
+/** `serve` without --config has no TLS: beyond loopback it is refused (one line) unless
+ *  `--allow-plaintext`, which every part is then given (and which warns). Returns the parts' extra
+ *  flags. @throws KvfenceError `config_invalid`. */
+function servePlaintext(host: string, allowPlaintext: boolean): string[] {
+  const log = { warn: (msg: string) => process.stderr.write(`kvfence: warning: ${msg}\n`) }
+  checkPlaintextLinks({
+    part: 'kvfence serve',
+    links: [{ what: 'binds its router and workers to', host }],
+    allowPlaintext,
+    tlsHint: 'kvfence serve --config with tls: { dir }',
+    log,
+  })
+  return isLoopbackHost(host) ? [] : ['--allow-plaintext']
+}
+
+/** The workers' flags (`threads`) with `plaintext` added to every part, and `router` to the
+ *  router. */
+function withArgs(
+  threads: { prefillArgs?: string[]; decodeArgs?: string[] },
+  plaintext: readonly string[],
+  router: readonly string[],
+): { prefillArgs: string[]; decodeArgs: string[]; routerArgs: string[] } {
+  return {
+    prefillArgs: [...(threads.prefillArgs ?? []), ...plaintext],
+    decodeArgs: [...(threads.decodeArgs ?? []), ...plaintext],
+    routerArgs: [...router, ...plaintext],
   }
 }
 

@@ -8,12 +8,8 @@
 import type { ChildProcess } from 'node:child_process'
 import { join } from 'node:path'
 import type { Logger } from 'pino'
-import {
-  clusterTokenEnv,
-  clusterTokenFrom,
-  isLoopbackHost,
-  newClusterToken,
-} from '../engine/cluster-token.js'
+import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../engine/cluster-token.js'
+import { checkPlaintextLinks, hostOfUrl, isLoopbackHost } from '../plaintext.js'
 import { forkPart, stopAll } from '../engine/processes.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
@@ -26,6 +22,7 @@ import {
 } from '../router/start.js'
 import { type ClusterConfig, loadClusterConfig } from './cluster.js'
 import { saltSecretFrom } from '../router/salt-secret.js'
+import { routerConfigDefaults } from '../router/config.js'
 
 /** A worker of a plan: forked here with its KV pool and flags, or already running at `url`. */
 export type WorkerPlan =
@@ -72,6 +69,10 @@ export type RouterPlan =
       contextWindow?: number
       /** Clamp an advertised context larger than the pools instead of refusing to start (G1). */
       clampContext?: boolean
+      /** On SIGTERM, how long its running requests may finish (`--drain-seconds`), seconds;
+       *  default: the router's (30). Stopping the cluster waits that long (and 5 s more) for the
+       *  router before it is killed, and stops the workers only after it. */
+      drainSeconds?: number
       /** Further flags, e.g. `['--log-content']`. */
       args?: readonly string[]
     }
@@ -119,13 +120,21 @@ export interface LaunchedCluster {
   }
   /** Every process forked here. */
   readonly children: readonly ChildProcess[]
-  /** Stops the router, then the processes forked here (SIGTERM, then SIGKILL after 3 s), and
-   *  waits for them to exit. */
+  /** Stops the router (a forked one drains first: SIGTERM, SIGKILL after its drain time and 5 s),
+   *  then the other processes forked here (SIGTERM, then SIGKILL after 3 s), and waits for them
+   *  to exit. */
   stop(): Promise<void>
 }
 
 /** How long a part may take to start (ms). */
 const startTimeoutMs = 30_000
+
+/** How long stopping a cluster waits for a forked router (it drains on SIGTERM) before SIGKILL,
+ *  ms: its drain time and 5 s to close. */
+function routerStopGraceMs(r: RouterPlan): number {
+  const drainSeconds = r.runs === 'forked' ? r.drainSeconds : undefined
+  return ((drainSeconds ?? routerConfigDefaults.drainSeconds) + 5) * 1000
+}
 
 /** `http://host:port`, with an IPv6 host in brackets. */
 function urlOf(host: string, port: number, isTls = false): string {
@@ -235,6 +244,7 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
           String(r.port),
           ...(r.contextWindow !== undefined ? ['--context-window', String(r.contextWindow)] : []),
           ...(r.clampContext ? ['--clamp-context'] : []),
+          ...(r.drainSeconds === undefined ? [] : ['--drain-seconds', String(r.drainSeconds)]),
           ...(isRouterUnsafe ? ['--unsafe-disable-guards'] : []),
           ...(r.args ?? []),
         ],
@@ -257,6 +267,9 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
       children,
       async stop() {
         await running?.close()
+        // The router first, given its drain time: workers stopped beside it would cut the
+        // requests it is letting finish.
+        if (routerProcess !== undefined) await stopAll([routerProcess], routerStopGraceMs(r))
         await stopAll(children)
       },
     }
@@ -284,6 +297,7 @@ export function clusterConfigPlan(
       : { tenants: configPath, tenantsReader: (f: string) => loadClusterConfig(f).tenants }),
     ...routerSectionOptions(r),
     workerTls: routerTlsMaterial(config),
+    ...(config.allowPlaintext ? { allowPlaintext: true } : {}),
     log,
   }
   const plan = {
@@ -316,16 +330,16 @@ export function clusterConfigPlan(
     }
   }
   const workers = config.workers!
-  if (config.tls === undefined) {
-    if (isLoopbackHost(r.host))
-      log.info('control and data planes are plaintext on loopback; use tls: for other hosts')
-    else
-      log.warn(
-        `control and data planes are plaintext on ${r.host}: KV pages cross the network unencrypted; use tls: (kvfence certs init)`,
-      )
-  }
+  const allowPlaintext = config.tls === undefined && config.allowPlaintext === true
+  if (config.tls === undefined) checkConfigPlaintext(config, log)
   const withTls = (role: 'prefill' | 'decode') => (w: WorkerPlan) =>
-    'url' in w ? w : { ...w, tls: tlsFilesOf(config, role) }
+    'url' in w
+      ? w
+      : {
+          ...w,
+          tls: tlsFilesOf(config, role),
+          ...(allowPlaintext ? { args: ['--allow-plaintext'] } : {}),
+        }
   return {
     ...plan,
     pageSize: workers.pageSize,
@@ -333,6 +347,31 @@ export function clusterConfigPlan(
     decode: workers.decode.map(withTls('decode')),
     router: { runs: 'here', options },
   }
+}
+
+/** A native cluster config without `tls:`: plaintext on loopback is said (info); beyond loopback
+ *  (the parts' bind address, a worker's URL) it is refused in one line before anything starts,
+ *  or warned about with `allowPlaintext: true` (src/plaintext.ts). */
+function checkConfigPlaintext(config: ClusterConfig, log: Logger): void {
+  const w = config.workers!
+  const entries = [...w.prefill, ...w.decode]
+  const links = [
+    ...(entries.some((e) => !('url' in e))
+      ? [{ what: 'binds its workers to', host: config.router.host }]
+      : []),
+    ...entries.flatMap((e) =>
+      'url' in e ? [{ what: 'dials worker', host: hostOfUrl(e.url) }] : [],
+    ),
+  ]
+  if (links.every((l) => isLoopbackHost(l.host)))
+    log.info('control and data planes are plaintext on loopback; use tls: for other hosts')
+  checkPlaintextLinks({
+    part: 'the cluster',
+    links,
+    allowPlaintext: config.allowPlaintext === true,
+    tlsHint: 'tls: { dir } in the cluster file',
+    log,
+  })
 }
 
 /** Options of {@link startCluster}: one prefill and one decode worker, and the router forked. */
@@ -365,6 +404,8 @@ export interface ClusterOptions {
   tenantsFile: string
   /** Router port (0 picks one). */
   routerPort?: number
+  /** The router's drain time on SIGTERM, seconds (`--drain-seconds`; default 30). */
+  drainSeconds?: number
   /** Address every part binds (default 127.0.0.1). */
   host?: string
   /** Folder for the parts' logs (stdout and stderr); default: inherit this process's. */
@@ -382,7 +423,8 @@ export interface Cluster {
   readonly decodeUrl: string
   /** The child processes, by part. */
   readonly processes: { prefill: ChildProcess; decode: ChildProcess; router: ChildProcess }
-  /** Stops every part (SIGTERM, then SIGKILL after 3 s) and waits for them to exit. */
+  /** Stops the router (it drains first), then the workers, and waits for them to exit (as
+   *  {@link LaunchedCluster.stop}). */
   stop(): Promise<void>
 }
 
@@ -415,6 +457,7 @@ export async function startCluster(options: ClusterOptions): Promise<Cluster> {
       port: options.routerPort ?? 0,
       contextWindow: options.contextWindow,
       clampContext: options.clampContext,
+      drainSeconds: options.drainSeconds,
       args: options.routerArgs,
     },
   })
@@ -467,8 +510,10 @@ export function routerSectionOptions(
   | 'queue'
   | 'redisLimits'
   | 'sentinel'
+  | 'drainSeconds'
 > {
   return {
+    ...(r.drainSeconds === undefined ? {} : { drainSeconds: r.drainSeconds }),
     host: r.host,
     port: r.port,
     modelName: r.modelName,

@@ -100,14 +100,22 @@ function oneLine(line: string): string {
   }
 }
 
-/** Stops child processes: SIGTERM, then SIGKILL after 3 s; resolves when every one has exited. */
-export async function stopAll(children: readonly ChildProcess[]): Promise<void> {
+/** How long a part stopped by {@link stopAll} may take after SIGTERM before SIGKILL, ms. */
+export const defaultStopGraceMs = 3_000
+
+/** Stops child processes: SIGTERM, then SIGKILL after `graceMs` (default
+ *  {@link defaultStopGraceMs}; a draining router needs its drain time); resolves when every one
+ *  has exited. */
+export async function stopAll(
+  children: readonly ChildProcess[],
+  graceMs = defaultStopGraceMs,
+): Promise<void> {
   await Promise.all(
     children.map(
       (child) =>
         new Promise<void>((resolve) => {
           if (child.exitCode !== null || child.signalCode !== null) return resolve()
-          const timer = setTimeout(() => child.kill('SIGKILL'), 3_000)
+          const timer = setTimeout(() => child.kill('SIGKILL'), graceMs)
           child.once('exit', () => {
             clearTimeout(timer)
             resolve()

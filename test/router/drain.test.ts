@@ -3,7 +3,11 @@
  *  error event — never a bare cut), and the process exits 0. Real worker and router processes. */
 import assert from 'node:assert/strict'
 import type { ChildProcess } from 'node:child_process'
+import { readFileSync, writeFileSync } from 'node:fs'
+import { dirname, join } from 'node:path'
 import { after, before, test } from 'node:test'
+import { parse, stringify } from 'yaml'
+import { startCluster } from '../../src/config/launch.js'
 import { echoModelDir } from '../helpers/paths.js'
 import {
   type Ports,
@@ -131,4 +135,69 @@ test('kvfence serve forwards SIGTERM to its router and waits for the drain: the 
   serve.kill('SIGTERM')
   assert.equal(events(await stream.rest).at(-1), '[DONE]')
   assert.equal(await exit, 0)
+})
+
+test('kvfence serve --drain-seconds 5: SIGTERM lets a running stream finish with [DONE], exit 0', async () => {
+  const port = await freePort()
+  const serve = await startPart([
+    'serve', '--model', echoModelDir, '--tenants', tenants.file, '--port', String(port),
+    '--drain-seconds', '5',
+  ]) // prettier-ignore
+  const exit = exited(serve)
+  const stream = await openStream(60, port)
+  serve.kill('SIGTERM')
+  assert.equal(events(await stream.rest).at(-1), '[DONE]')
+  assert.equal(await exit, 0)
+})
+
+test('kvfence serve --drain-seconds 0 reaches its router: a running stream ends with an error event', async () => {
+  const port = await freePort()
+  const serve = await startPart([
+    'serve', '--model', echoModelDir, '--tenants', tenants.file, '--port', String(port),
+    '--drain-seconds', '0',
+  ]) // prettier-ignore
+  const exit = exited(serve)
+  const stream = await openStream(400, port)
+  serve.kill('SIGTERM')
+  const last = events(await stream.rest).at(-1)!
+  assert.equal((JSON.parse(last) as { error: { code: string } }).error.code, 'shutting_down')
+  assert.equal(await exit, 0)
+})
+
+test('kvfence serve --config: router.drainSeconds reaches the router (0: the stream ends with an error event)', async () => {
+  const port = await freePort()
+  const config = join(dirname(tenants.file), 'drain-cluster.yaml')
+  const { tenants: records } = parse(readFileSync(tenants.file, 'utf8')) as { tenants: unknown[] }
+  writeFileSync(
+    config,
+    stringify({
+      model: echoModelDir,
+      router: { port, drainSeconds: 0 },
+      workers: { prefill: [{ pages: 32 }], decode: [{ pages: 64 }] },
+      tenants: records,
+    }),
+  )
+  const serve = await startPart(['serve', '--config', config])
+  const exit = exited(serve)
+  const stream = await openStream(400, port)
+  serve.kill('SIGTERM')
+  const last = events(await stream.rest).at(-1)!
+  assert.equal((JSON.parse(last) as { error: { code: string } }).error.code, 'shutting_down')
+  assert.equal(await exit, 0)
+})
+
+test('stopping a launched cluster drains its forked router before the workers stop: the stream finishes', async () => {
+  const cluster = await startCluster({
+    modelDir: echoModelDir,
+    pageSize: 16,
+    prefillPages: 32,
+    decodePages: 64,
+    tenantsFile: tenants.file,
+    drainSeconds: 5,
+    logLevel: 'warn',
+  })
+  const stream = await openStream(60, Number(new URL(cluster.routerUrl).port))
+  await cluster.stop()
+  // Workers stopped beside the router (SIGTERM to all at once, SIGKILL 3 s later) cut it.
+  assert.equal(events(await stream.rest).at(-1), '[DONE]')
 })
