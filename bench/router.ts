@@ -17,6 +17,11 @@
  *    throughput run: 1 for the headers, then one per event-loop turn in which the stream had
  *    something to send (src/router/http.ts `coalesceWrites`). Deterministic while the stand-in
  *    sends one token per turn; fewer means tokens were coalesced.
+ *  - HTTPS: `router_https_added_latency_ms_p50`, what serving clients over HTTPS (TLS 1.3, a
+ *    certificate of `kvfence certs init`, keep-alive connections) adds: the same request through a
+ *    second router of the same child, started with `https`, in front of the same stand-ins, paired
+ *    with one through the plaintext router (which goes first alternates); the p50 of the per-pair
+ *    differences (HTTPS − HTTP). Target ≤ 1 ms.
  *  Every figure is the median over `--repeats` (default 5) repeats.
  *  The stand-ins and the router run in one child process (the stand-ins of test/router/helpers.ts,
  *  the real `startRouter`); the clients run here, over keep-alive `node:http`.
@@ -25,19 +30,28 @@
  *  `--seconds S` of each throughput run (default 3), `--clients N` (default 64). */
 import { fork, type ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
 import http from 'node:http'
+import https from 'node:https'
 import net from 'node:net'
 import { performance } from 'node:perf_hooks'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { pino } from 'pino'
 import { type Limiter, createLimiter, queueLimitDefaults } from '../src/router/limits.js'
 import { createRedisLimitStore } from '../src/router/redis-limits.js'
+import { startRouter } from '../src/router/start.js'
+import { apiKeyDigest } from '../src/router/tenants.js'
+import { initCerts } from '../src/cli/certs.js'
 import { bosId, charIds, keys, startHarness } from '../test/router/helpers.js'
 import { redisSkipReason, startRedis } from '../test/router/redis-helpers.js'
 
 /** What the child reports once listening. */
 interface Endpoints {
   routerUrl: string
+  /** The second router, serving HTTPS. */
+  httpsRouterUrl: string
   prefillUrl: string
   decodeUrl: string
   transferPort: number
@@ -53,7 +67,9 @@ export async function benchRouter(args: string[]): Promise<object> {
   const seconds = intFlag(args, '--seconds', 3)
   const numClients = intFlag(args, '--clients', 64)
 
-  const child = fork(fileURLToPath(import.meta.url), ['--serve'], {
+  const certs = mkdtempSync(join(tmpdir(), 'kvfence-bench-router-'))
+  await initCerts(certs)
+  const child = fork(fileURLToPath(import.meta.url), ['--serve', certs], {
     stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
   })
   try {
@@ -104,11 +120,13 @@ export async function benchRouter(args: string[]): Promise<object> {
         writesPerRequest: numWrites / viaRouterStreamed.numDone,
       })
     }
+    const httpsAdded = await benchHttps(agent, endpoints, certs, repeats, numRequests)
     agent.destroy()
     const med = (values: number[]) => round(quantile(values, 0.5), 3)
     const redisLimits = await benchRedisLimits(repeats, numRequests)
     return {
       ...redisLimits,
+      ...httpsAdded,
       router_added_latency_ms_p50: med(latency.map((l) => l.addedP50)),
       router_added_latency_ms_p99: med(latency.map((l) => l.addedP99)),
       router_added_latency_target_ms_p50: 0.5,
@@ -132,6 +150,51 @@ export async function benchRouter(args: string[]): Promise<object> {
     }
   } finally {
     await stop(child)
+    rmSync(certs, { recursive: true, force: true })
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTPS
+
+/** `router_https_added_latency_ms_p50`: per pair, one request through the HTTPS router and one
+ *  through the plaintext router (keep-alive agents, so a handshake only on a new connection;
+ *  which goes first alternates); the median over repeats of the p50 of the differences. */
+async function benchHttps(
+  agent: http.Agent,
+  e: Endpoints,
+  certs: string,
+  repeats: number,
+  numRequests: number,
+): Promise<object> {
+  const httpsAgent = new https.Agent({
+    keepAlive: true,
+    maxSockets: Infinity,
+    ca: readFileSync(join(certs, 'ca.crt')),
+  })
+  const viaHttps = () => routerRequest(httpsAgent, { ...e, routerUrl: e.httpsRouterUrl }, false)
+  const viaHttp = () => routerRequest(agent, e, false)
+  try {
+    for (let i = 0; i < 200; i++) await Promise.all([viaHttps(), viaHttp()])
+    const p50s: number[] = []
+    for (let r = 0; r < repeats; r++) {
+      const addedMs: number[] = []
+      for (let i = 0; i < numRequests; i++) {
+        const httpsFirst = i % 2 === 0 ? await timed(viaHttps) : 0
+        const plainMs = await timed(viaHttp)
+        const httpsMs = i % 2 === 0 ? httpsFirst : await timed(viaHttps)
+        addedMs.push(httpsMs - plainMs)
+      }
+      p50s.push(quantile(addedMs, 0.5))
+    }
+    return {
+      router_https_added_latency_ms_p50: round(quantile(p50s, 0.5), 3),
+      router_https_added_latency_target_ms_p50: 1,
+      router_https_added_latency_is:
+        'p50 of per-pair (HTTPS router − plaintext router) ms, keep-alive, TLS 1.3, same stand-ins',
+    }
+  } finally {
+    httpsAgent.destroy()
   }
 }
 
@@ -186,7 +249,11 @@ async function benchRedisLimits(repeats: number, numRequests: number): Promise<o
 // The two paths
 
 /** One completion through the router; the body is read to its end. */
-async function routerRequest(agent: http.Agent, e: Endpoints, isStream: boolean): Promise<void> {
+async function routerRequest(
+  agent: http.Agent | https.Agent,
+  e: Endpoints,
+  isStream: boolean,
+): Promise<void> {
   const body = JSON.stringify({
     model: 'echo-test',
     prompt,
@@ -286,12 +353,28 @@ function numRouterWrites(child: ChildProcess): Promise<number> {
 // ---------------------------------------------------------------------------------------------
 // The child: stand-ins and a router
 
-async function serve(): Promise<void> {
+async function serve(certs: string): Promise<void> {
+  const routerOptions = {
+    queue: { maxConcurrentRequests: 256, maxQueuedRequests: 1024 },
+    logContent: false,
+  }
   const h = await startHarness(
     { tokenDelayMs: 0, prefillDelayMs: 0, numPages: 4096 },
-    { queue: { maxConcurrentRequests: 256, maxQueuedRequests: 1024 }, logContent: false },
+    routerOptions,
   )
   h.logs.log.level = 'warn' // a line per request would be the router's largest cost here
+  // The same router over HTTPS, in front of the same stand-ins.
+  const httpsRouter = await startRouter({
+    ...routerOptions,
+    modelDir: h.tokenizerDir,
+    prefillUrls: [h.workers.prefillUrl],
+    decodeUrls: [h.workers.decodeUrl],
+    tenants: [{ name: 'alpha', keySha256: apiKeyDigest(keys.alpha) }],
+    port: 0,
+    log: h.logs.log,
+    workerWaitMs: 0,
+    https: { cert: join(certs, 'router.crt'), key: join(certs, 'router.key') },
+  })
   // The stand-ins record every request for tests; a benchmark only needs them to answer.
   setInterval(() => {
     h.workers.generateRequests.length = 0
@@ -316,25 +399,32 @@ async function serve(): Promise<void> {
   })
   const endpoints: Endpoints = {
     routerUrl: h.router.url,
+    httpsRouterUrl: httpsRouter.url,
     prefillUrl: h.workers.prefillUrl,
     decodeUrl: h.workers.decodeUrl,
     transferPort: h.workers.transferPort,
   }
   process.send?.(endpoints)
-  process.on('disconnect', () => void h.close().finally(() => process.exit(0)))
+  process.on('disconnect', () => {
+    void httpsRouter
+      .close()
+      .then(() => h.close())
+      .finally(() => process.exit(0))
+  })
 }
 
 // ---------------------------------------------------------------------------------------------
 // Plumbing
 
 function post(
-  agent: http.Agent,
+  agent: http.Agent | https.Agent,
   url: string,
   body: string,
   headers: Record<string, string> = {},
 ): Promise<http.IncomingMessage> {
   return new Promise((resolve, reject) => {
-    const req = http.request(
+    const request = url.startsWith('https:') ? https.request : http.request
+    const req = request(
       url,
       {
         method: 'POST',
@@ -395,7 +485,7 @@ async function stop(child: ChildProcess): Promise<void> {
 }
 
 if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve') {
-  serve().catch((err: unknown) => {
+  serve(process.argv[3]).catch((err: unknown) => {
     process.stderr.write(`bench router: ${err instanceof Error ? err.message : String(err)}\n`)
     process.exit(2)
   })

@@ -113,7 +113,7 @@ export function registerRouter(program: Command): void {
     )
     .option(
       '--cluster-tls-ca <file>',
-      'cluster CA certificate: with --cluster-tls-cert/--cluster-tls-key, the router reaches its workers (https: URLs) over mutual TLS 1.3 (kvfence certs init; with --config: its tls: section)',
+      'cluster CA certificate: with --cluster-tls-cert/--cluster-tls-key, the router reaches its workers (https: URLs) over mutual TLS 1.3 (kvfence certs init; with --config: these or its tls:, not both)',
     )
     .option('--cluster-tls-cert <file>', 'the router’s certificate, signed by the cluster CA')
     .option('--cluster-tls-key <file>', 'the router’s private key of --cluster-tls-cert')

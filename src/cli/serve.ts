@@ -98,7 +98,7 @@ export function registerServe(program: Command): void {
     .option('--threads <n>', `${threadsHelp}; not with --config`, threadsOption)
     .option(
       '--drain-seconds <n>',
-      'on SIGTERM or Ctrl-C, how long running requests may finish before they are ended (default 30; with --config: overrides router.drainSeconds)',
+      'on SIGTERM, how long running requests may finish before they are ended (default 30; with --config: overrides router.drainSeconds)',
       intOption,
     )
     .option(
