@@ -232,9 +232,46 @@ const CompletionBody = z.object({
 // ---------------------------------------------------------------------------------------------
 // Parsers
 
-/** Parses a chat completions body; throws `invalid_request` naming the field at fault. */
+/** Most messages of a chat request: OpenAI's (and Azure OpenAI's) limit. */
+export const maxChatMessages = 2048
+/** Most text parts (`content` given as a list) over all of a chat request's messages. */
+export const maxChatContentParts = 2048
+
+/** Refuses a chat body with more than {@link maxChatMessages} messages or
+ *  {@link maxChatContentParts} text parts, before the schema validates each of them: a body of
+ *  tens of thousands of tiny messages fits in the body limit, and validating them (then rendering
+ *  them through the chat template) would hold the event loop every tenant shares for most of a
+ *  second. A count only: each message's shape is the schema's to check. */
+function checkChatSize(object: Record<string, unknown>): void {
+  const { messages } = object
+  if (!Array.isArray(messages)) return
+  if (messages.length > maxChatMessages) {
+    throw new KvfenceError(
+      'invalid_request',
+      `Invalid 'messages': array too long. Expected an array with maximum length ${maxChatMessages}, but got an array with length ${messages.length} instead.`,
+      'messages',
+    )
+  }
+  let numParts = 0
+  for (let i = 0; i < messages.length; i++) {
+    const content = (messages[i] as { content?: unknown } | null)?.content
+    if (!Array.isArray(content)) continue
+    numParts += content.length
+    if (numParts > maxChatContentParts) {
+      throw new KvfenceError(
+        'invalid_request',
+        `Invalid 'messages[${i}].content': the messages hold more than ${maxChatContentParts} text parts in all`,
+        `messages[${i}].content`,
+      )
+    }
+  }
+}
+
+/** Parses a chat completions body; throws `invalid_request` naming the field at fault (also for
+ *  more than {@link maxChatMessages} messages or {@link maxChatContentParts} text parts). */
 export function parseChatRequest(body: unknown): ParsedChatRequest {
   const object = checkFields(body, Object.keys(ChatBody.shape), chatInertFields)
+  checkChatSize(object)
   const data = parseWith(ChatBody, object)
   if (data.logprobs !== true && (data.top_logprobs ?? 0) > 0) {
     throw new KvfenceError(
