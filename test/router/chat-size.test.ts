@@ -134,3 +134,40 @@ describe('where a chat prompt is tokenized', () => {
     }
   })
 })
+
+describe('the messages of a chat body, parsed without the schema when plain', () => {
+  it('keeps each plain message as given, name included', () => {
+    const parsed = parseChatRequest({
+      model: 'echo-test',
+      messages: [
+        { role: 'system', content: 'Be brief.' },
+        { role: 'user', content: 'Hi', name: 'ann' },
+        { content: '', role: 'assistant' },
+      ],
+    })
+    assert.deepEqual(parsed.messages, [
+      { role: 'system', content: 'Be brief.' },
+      { role: 'user', content: 'Hi', name: 'ann' },
+      { role: 'assistant', content: '' },
+    ])
+  })
+
+  it('leaves any other message to the schema, which names the field at fault', () => {
+    const faultOf = (message: object) => {
+      try {
+        parseChatRequest({
+          model: 'echo-test',
+          messages: [{ role: 'user', content: 'Hi' }, message],
+        })
+      } catch (err) {
+        return (err as { param: string | null }).param
+      }
+      return 'accepted'
+    }
+    assert.equal(faultOf({ role: 'user', content: 'Hi', name: null }), 'messages[1].name')
+    assert.equal(faultOf({ role: 'wizard', content: 'Hi' }), 'messages[1].role')
+    assert.equal(faultOf({ role: 'user', content: 'Hi', nmae: 'ann' }), 'messages[1].nmae')
+    assert.equal(faultOf({ role: 'user' }), 'messages[1].content')
+    assert.equal(faultOf({ role: 'user', content: [{ type: 'text', text: 'a' }] }), 'accepted')
+  })
+})
