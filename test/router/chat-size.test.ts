@@ -2,11 +2,12 @@
  *  schema validates them, and a chat of more than a few messages is tokenized in the tokenizer
  *  pool's threads, whatever its characters: one tenant's big body never holds the event loop
  *  another tenant's small request needs. The bound is OpenAI's (and Azure OpenAI's): 2048
- *  messages. No timing: where the work runs is observed on the main thread's tokenizer. */
+ *  messages; any body, 8192 JSON objects and arrays, counted before it is parsed. No timing: where the work runs is observed on the main thread's tokenizer. */
 import assert from 'node:assert/strict'
 import { after, before, describe, it } from 'node:test'
 import { rmSync } from 'node:fs'
 import { type Tokenizer, loadTokenizer } from '../../src/model/tokenizer.js'
+import { maxJsonContainers } from '../../src/router/http.js'
 import {
   type ParsedChatRequest,
   maxChatContentParts,
@@ -51,6 +52,33 @@ describe('the size of a chat body', () => {
       "Invalid 'messages': array too long. Expected an array with maximum length 2048, but got an array with length 2049 instead.",
     )
     assert.equal(h.workers.numInternalRequests(), 0)
+  })
+
+  it('refuses a body of more than 8192 JSON objects and arrays before parsing it', async () => {
+    assert.equal(maxJsonContainers, 8192)
+    // Over 64 KB, so that it is counted; 10,000 empty objects as messages, 10,002 in all.
+    const body = JSON.stringify({
+      model: 'echo-test',
+      user: 'u'.repeat(70_000),
+      messages: Array.from({ length: 10_000 }, () => ({})),
+    })
+    const res = await h.post('/v1/chat/completions', body)
+    assert.equal(res.status, 400)
+    const error = ((await res.json()) as ErrorBody).error
+    assert.equal(error.code, 'invalid_request')
+    assert.equal(error.message, 'the request body holds more than 8192 JSON objects and arrays')
+    assert.equal(h.workers.numInternalRequests(), 0)
+  })
+
+  it('counts no brace or bracket inside a string, escaped quotes included', async () => {
+    // 30,000 × `"{[` in a string: 90,000 would-be containers behind escaped quotes.
+    const res = await h.post('/v1/chat/completions', {
+      model: 'echo-test',
+      user: '"{['.repeat(30_000),
+      messages: [{ role: 'user', content: 'Hi' }],
+      max_tokens: 3,
+    })
+    assert.equal(res.status, 200)
   })
 
   it('lets 2048 messages through to the window check', async () => {
