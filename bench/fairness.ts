@@ -14,17 +14,28 @@
  *    completion of the requests that ended after the first 3 s and before the clients stop)
  *    against its weight's share; the
  *    largest gap, relative to the weight's share. Goal ≤ 0.10.
+ *  - `big_prompt_p99_rise_ms`: what tenant `big` sending a 1 MB prompt (999,000 characters,
+ *    read, parsed, tokenized in the router's tokenizer threads, then refused for the window) does
+ *    to the p99 latency of tenant `small`'s small requests (prompt "Hi", 1 token, one every
+ *    `--small-every-ms`, default 20, open loop). Measured in `--pairs` (default 8) pairs of
+ *    windows of `--window-ms` (default 3000) each, one with `big` sending its bodies back to back
+ *    and one without, in alternating order (so drift and the machine's other load weigh on both
+ *    alike); the figure is the median over pairs of (p99 with − p99 without). Goal ≤ 10 ms.
+ *    `big_chat_p99_rise_ms` is the same for a chat body of 30,000 empty messages (870 KB, refused
+ *    for its message count), and `*_p50_rise_ms` the same for the p50s.
  *  The router and stand-ins run in a child process (test/router/helpers.ts `startHarness`, the
- *  real `startRouter`); the clients run here over keep-alive `node:http`.
+ *  real `startRouter`, a tokenizer with one long token so that a 1 MB prompt is tokenized rather
+ *  than refused by its length alone); the clients run here over keep-alive `node:http`.
  *
  *  Args: `--seconds S` per phase (default 20), `--slots N` (default 16), `--token-ms MS`
- *  (default 10). */
+ *  (default 10), `--pairs N`, `--window-ms MS`, `--small-every-ms MS`, `--part fairness|big|all`
+ *  (default all: `big` runs only the big-body pairs). */
 import { type ChildProcess, fork } from 'node:child_process'
 import http from 'node:http'
 import { performance } from 'node:perf_hooks'
 import { setTimeout as delay } from 'node:timers/promises'
 import { fileURLToPath } from 'node:url'
-import { charIds, startHarness } from '../test/router/helpers.js'
+import { charIds, startHarness, tokenizerWithLongToken } from '../test/router/helpers.js'
 import { apiKeyDigest } from '../src/router/tenants.js'
 
 /** The tenants: name → weight (absent: the default, 1). */
@@ -35,6 +46,7 @@ const tenantWeights: Readonly<Record<string, number | undefined>> = {
   w1b: 1,
   w2: 2,
   w4: 4,
+  big: undefined,
 }
 const keyOf = (tenant: string) => `sk-bench-${tenant}-0123456789`
 
@@ -59,6 +71,12 @@ export async function benchFairness(args: string[]): Promise<object> {
   const seconds = intFlag(args, '--seconds', 20)
   const numSlots = intFlag(args, '--slots', 16)
   const tokenMs = intFlag(args, '--token-ms', 10)
+  const part = stringFlag(args, '--part', ['all', 'fairness', 'big'])
+  const pairs: PairsOptions = {
+    numPairs: intFlag(args, '--pairs', 8),
+    windowMs: intFlag(args, '--window-ms', 3000),
+    smallEveryMs: intFlag(args, '--small-every-ms', 20),
+  }
   const child = fork(
     fileURLToPath(import.meta.url),
     ['--serve', String(numSlots), String(tokenMs)],
@@ -75,7 +93,8 @@ export async function benchFairness(args: string[]): Promise<object> {
     const send = (tenant: string, prompt: string, maxTokens: number) =>
       complete(agent, url, tenant, prompt, maxTokens)
     for (let i = 0; i < 20; i++) await send('small', 'Hi', smallTokens) // warm up
-
+    const big = part === 'fairness' ? {} : await benchBigBodies(agent, url, pairs)
+    if (part === 'big') return { ...big, token_ms: tokenMs, note }
     const alone = await everySecond(() => send('small', 'Hi', smallTokens), seconds)
     const flood = closedLoop(() => send('flood', 'Flood', floodLength()), numSlots * 10)
     await delay(warmUpMs)
@@ -104,6 +123,7 @@ export async function benchFairness(args: string[]): Promise<object> {
     const p99Alone = p99(alone)
     const p99Flood = p99(underFlood)
     return {
+      ...big,
       fairness_p99_ratio: round(p99Flood / p99Alone, 3),
       fairness_p99_ratio_goal: 2,
       small_p99_ms_alone: round(p99Alone, 1),
@@ -135,11 +155,142 @@ export async function benchFairness(args: string[]): Promise<object> {
       seconds_per_phase: seconds,
       flood_outstanding: numSlots * 10,
       weighted_outstanding_per_tenant: numSlots * 4,
-      note: 'stand-in workers (one token per token_ms) and the router in one child process; clients here',
+      note,
     }
   } finally {
     agent.destroy()
     await stop(child)
+  }
+}
+
+const note =
+  'stand-in workers (one token per token_ms) and the router in one child process; clients here'
+
+/** How the big-body figures are measured (see the module's header). */
+interface PairsOptions {
+  numPairs: number
+  windowMs: number
+  smallEveryMs: number
+}
+
+/** `big_prompt_*` and `big_chat_*`: see the module's header. */
+async function benchBigBodies(
+  agent: http.Agent,
+  url: string,
+  options: PairsOptions,
+): Promise<object> {
+  const prompt = JSON.stringify({
+    model: 'echo-test',
+    prompt: 'ab '.repeat(333_000),
+    max_tokens: 1,
+  })
+  const chat = JSON.stringify({
+    model: 'echo-test',
+    messages: Array.from({ length: 30_000 }, () => ({ role: 'user', content: '' })),
+    max_tokens: 1,
+  })
+  const out: Record<string, unknown> = {}
+  for (const [name, body] of [
+    ['big_prompt', prompt],
+    ['big_chat', chat],
+  ] as const) {
+    const rises = await pairedRises(agent, url, body, options)
+    out[`${name}_p99_rise_ms`] = round(quantile(rises.p99, 0.5), 1)
+    out[`${name}_p50_rise_ms`] = round(quantile(rises.p50, 0.5), 1)
+    out[`${name}_p99_rises_ms`] = rises.p99.map((r) => round(r, 1))
+    out[`${name}_small_p99_ms_without`] = round(quantile(rises.p99Without, 0.5), 1)
+    out[`${name}_body_bytes`] = Buffer.byteLength(body)
+    out[`${name}_bodies_sent_per_window`] = round(quantile(rises.numBig, 0.5), 1)
+    out[`${name}_statuses`] = rises.statuses
+  }
+  return {
+    ...out,
+    big_prompt_p99_rise_goal_ms: 10,
+    big_pairs: options.numPairs,
+    big_window_ms: options.windowMs,
+    big_small_every_ms: options.smallEveryMs,
+    big_rise_is:
+      'median over pairs of (small p99 in a window with big bodies sent back to back − in a window without)',
+  }
+}
+
+/** Per pair of windows (which one goes first alternates): small's p99 and p50 with the big body
+ *  sent back to back minus without, how many big bodies went out, and their statuses. */
+async function pairedRises(agent: http.Agent, url: string, body: string, o: PairsOptions) {
+  const p99: number[] = []
+  const p50: number[] = []
+  const p99Without: number[] = []
+  const numBig: number[] = []
+  const statuses: Record<string, number> = {}
+  const window = async (withBig: boolean) => {
+    const big = withBig ? closedLoopRaw(agent, url, 'big', body) : null
+    const small: Promise<Served>[] = []
+    const endMs = performance.now() + o.windowMs
+    while (performance.now() < endMs) {
+      small.push(complete(agent, url, 'small', 'Hi', 1))
+      await delay(o.smallEveryMs)
+    }
+    const latencies = (await Promise.all(small)).map((s) => s.latencyMs)
+    const sent = (await big?.stop()) ?? []
+    for (const status of sent) statuses[status] = (statuses[status] ?? 0) + 1
+    if (withBig) numBig.push(sent.length)
+    await delay(200) // whatever the last big body left behind settles before the next window
+    return { p99: quantile(latencies, 0.99), p50: quantile(latencies, 0.5) }
+  }
+  await window(true) // warm up the big body's path
+  for (let i = 0; i < o.numPairs; i++) {
+    const first = await window(i % 2 === 0)
+    const second = await window(i % 2 !== 0)
+    const [withBig, without] = i % 2 === 0 ? [first, second] : [second, first]
+    p99.push(withBig.p99 - without.p99)
+    p50.push(withBig.p50 - without.p50)
+    p99Without.push(without.p99)
+  }
+  return { p99, p50, p99Without, numBig, statuses }
+}
+
+/** One client sending `body` to `/v1/chat/completions` or `/v1/completions` (by its fields) back
+ *  to back until `stop`, which resolves to the statuses it got. */
+function closedLoopRaw(agent: http.Agent, url: string, tenant: string, body: string) {
+  let isStopped = false
+  const statuses: number[] = []
+  const path = body.includes('"messages"') ? '/v1/chat/completions' : '/v1/completions'
+  const client = (async () => {
+    while (!isStopped) statuses.push(await postRaw(agent, `${url}${path}`, tenant, body))
+  })()
+  return {
+    async stop(): Promise<number[]> {
+      isStopped = true
+      await client
+      return statuses
+    },
+  }
+}
+
+/** Posts `body` as `tenant`; its status (0 on a connection error), the reply read to its end. */
+async function postRaw(agent: http.Agent, url: string, tenant: string, body: string) {
+  try {
+    const res = await new Promise<http.IncomingMessage>((resolve, reject) => {
+      const req = http.request(
+        url,
+        {
+          method: 'POST',
+          agent,
+          headers: {
+            authorization: `Bearer ${keyOf(tenant)}`,
+            'content-type': 'application/json',
+            'content-length': Buffer.byteLength(body),
+          },
+        },
+        resolve,
+      )
+      req.on('error', reject)
+      req.end(body)
+    })
+    for await (const chunk of res as AsyncIterable<Buffer>) void chunk
+    return res.statusCode ?? 0
+  } catch {
+    return 0
   }
 }
 
@@ -265,6 +416,7 @@ async function serve(numSlots: number, tokenMs: number): Promise<void> {
   const h = await startHarness(
     { tokenDelayMs: tokenMs, numPages: 4096, reply: () => Array<number>(256).fill(a) },
     {
+      modelDir: tokenizerWithLongToken(),
       queue: { maxConcurrentRequests: numSlots, maxQueuedRequests: 4096, maxQueueWaitMs: 120_000 },
       tenants: Object.entries(tenantWeights).map(([name, weight]) => ({
         name,
@@ -302,6 +454,16 @@ function intFlag(args: readonly string[], name: string, fallback: number): numbe
   const value = Number(args[at + 1])
   if (!Number.isSafeInteger(value) || value < 1) {
     throw new Error(`${name} needs a positive integer, got ${String(args[at + 1])}`)
+  }
+  return value
+}
+
+function stringFlag<T extends string>(args: readonly string[], name: string, values: T[]): T {
+  const at = args.indexOf(name)
+  if (at === -1) return values[0]
+  const value = args[at + 1] as T
+  if (!values.includes(value)) {
+    throw new Error(`${name} needs one of ${values.join(', ')}, got ${String(args[at + 1])}`)
   }
   return value
 }

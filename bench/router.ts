@@ -22,6 +22,11 @@
  *    second router of the same child, started with `https`, in front of the same stand-ins, paired
  *    with one through the plaintext router (which goes first alternates); the p50 of the per-pair
  *    differences (HTTPS − HTTP). Target ≤ 1 ms.
+ *  - CPU per request: `child_cpu_ms_per_streamed_request_via_router` and
+ *    `child_cpu_ms_per_request_direct`, the child's CPU time (stand-ins and router: user +
+ *    system) over each throughput run ÷ the requests it completed, and `router_to_direct_cpu_ratio`
+ *    (direct ÷ via router). On a shared machine the rates swing with other processes' load,
+ *    while the CPU a request costs moves far less: the better figure to compare two versions by.
  *  Every figure is the median over `--repeats` (default 5) repeats.
  *  The stand-ins and the router run in one child process (the stand-ins of test/router/helpers.ts,
  *  the real `startRouter`); the clients run here, over keep-alive `node:http`.
@@ -107,17 +112,21 @@ export async function benchRouter(args: string[]): Promise<object> {
         directP50: quantile(directMs, 0.5),
         directP99: quantile(directMs, 0.99),
       })
-      const writesBefore = await numRouterWrites(child)
+      const before = await childCounts(child)
       const viaRouterStreamed = await closedLoopRate(
         () => routerRequest(agent, endpoints, true),
         numClients,
         seconds,
       )
-      const numWrites = (await numRouterWrites(child)) - writesBefore
+      const between = await childCounts(child)
+      const directRun = await closedLoopRate(direct, numClients, seconds)
+      const after = await childCounts(child)
       throughput.push({
         router: viaRouterStreamed.rate,
-        direct: (await closedLoopRate(direct, numClients, seconds)).rate,
-        writesPerRequest: numWrites / viaRouterStreamed.numDone,
+        direct: directRun.rate,
+        writesPerRequest: (between.numWrites - before.numWrites) / viaRouterStreamed.numDone,
+        routerCpuMs: (between.cpuMs - before.cpuMs) / viaRouterStreamed.numDone,
+        directCpuMs: (after.cpuMs - between.cpuMs) / directRun.numDone,
       })
     }
     const httpsAdded = await benchHttps(agent, endpoints, certs, repeats, numRequests)
@@ -140,6 +149,9 @@ export async function benchRouter(args: string[]): Promise<object> {
       direct_requests_per_s: med(throughput.map((t) => t.direct)),
       router_to_direct_throughput_ratio: med(throughput.map((t) => t.router / t.direct)),
       router_socket_writes_per_streamed_request: med(throughput.map((t) => t.writesPerRequest)),
+      child_cpu_ms_per_streamed_request_via_router: med(throughput.map((t) => t.routerCpuMs)),
+      child_cpu_ms_per_request_direct: med(throughput.map((t) => t.directCpuMs)),
+      router_to_direct_cpu_ratio: med(throughput.map((t) => t.directCpuMs / t.routerCpuMs)),
       clients: numClients,
       repeats,
       requests_per_repeat: numRequests,
@@ -337,13 +349,14 @@ async function closedLoopRate(
   return { rate: numDone / ((performance.now() - startMs) / 1000), numDone }
 }
 
-/** The child's count of socket writes to the router's clients so far. */
-function numRouterWrites(child: ChildProcess): Promise<number> {
+/** The child's count of socket writes to the router's clients so far, and the CPU time it has
+ *  used (user + system, ms). */
+function childCounts(child: ChildProcess): Promise<{ numWrites: number; cpuMs: number }> {
   return new Promise((resolve) => {
-    const onMessage = (m: { type?: string; numWrites?: number }) => {
+    const onMessage = (m: { type?: string; numWrites?: number; cpuMs?: number }) => {
       if (m.type !== 'writes') return
       child.off('message', onMessage)
-      resolve(m.numWrites!)
+      resolve({ numWrites: m.numWrites!, cpuMs: m.cpuMs! })
     }
     child.on('message', onMessage)
     child.send({ type: 'writes' })
@@ -395,7 +408,9 @@ async function serve(certs: string): Promise<void> {
     }
   }
   process.on('message', (m: { type?: string }) => {
-    if (m.type === 'writes') process.send?.({ type: 'writes', numWrites })
+    if (m.type !== 'writes') return
+    const cpu = process.cpuUsage() // the whole process: its tokenizer threads too
+    process.send?.({ type: 'writes', numWrites, cpuMs: (cpu.user + cpu.system) / 1000 })
   })
   const endpoints: Endpoints = {
     routerUrl: h.router.url,

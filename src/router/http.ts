@@ -7,9 +7,38 @@ import { LimitError } from './limits.js'
 
 const strictUtf8 = new TextDecoder('utf-8', { fatal: true })
 
+/** Most JSON objects and arrays a request body may hold: a chat body at its bounds (2048
+ *  messages, 2048 text parts, their lists) holds about 6,200; see {@link readJsonBody}. */
+export const maxJsonContainers = 8192
+
+/** Bodies up to this many bytes are parsed without counting their containers first: they cannot
+ *  hold enough objects for their parse to matter. */
+const countedBodyBytes = 64 * 1024
+
+/** Whether the JSON text in `bytes` (UTF-8) opens more than `limit` objects and arrays. A count
+ *  of `{` and `[` outside strings, in one pass over the bytes: far cheaper than a parse, which
+ *  allocates an object per `{` (and leaves them to the garbage collector). Meaningless for
+ *  malformed JSON, which the parse refuses anyway. */
+function hasMoreContainers(bytes: Uint8Array, limit: number): boolean {
+  let numContainers = 0
+  let isInString = false
+  for (let i = 0; i < bytes.length; i++) {
+    const b = bytes[i]
+    if (isInString) {
+      if (b === 0x5c)
+        i++ // a backslash: the next byte is escaped (UTF-8 never has 0x22 inside a code point)
+      else if (b === 0x22) isInString = false
+    } else if (b === 0x22) isInString = true
+    else if ((b === 0x7b || b === 0x5b) && ++numContainers > limit) return true
+  }
+  return false
+}
+
 /** Reads the request body as JSON. Throws `payload_too_large` past `maxBytes` (checked against
  *  `content-length` first, then while reading), `invalid_request` for bytes that are not UTF-8
- *  (RFC 8259 §8.1) or malformed JSON, and
+ *  (RFC 8259 §8.1), malformed JSON, or a body of more than {@link maxJsonContainers} objects and
+ *  arrays (refused before parsing: a megabyte of `{}`s would hold the event loop every tenant
+ *  shares, in the parse and then in the garbage collector), and
  *  `request_aborted` when the client closes the connection before the body's end (a client that
  *  left, not a server error: nothing can be sent to it any more). */
 export async function readJsonBody(req: IncomingMessage, maxBytes: number): Promise<unknown> {
@@ -42,10 +71,17 @@ export async function readJsonBody(req: IncomingMessage, maxBytes: number): Prom
       `the client closed the connection after ${numBytes} bytes of the request body`,
     )
   }
+  const bytes = Buffer.concat(chunks)
+  if (bytes.length > countedBodyBytes && hasMoreContainers(bytes, maxJsonContainers)) {
+    throw new KvfenceError(
+      'invalid_request',
+      `the request body holds more than ${maxJsonContainers} JSON objects and arrays`,
+    )
+  }
   let text: string
   try {
     // fatal: bytes that are not UTF-8 are refused, never replaced with U+FFFD behind the client's back.
-    text = strictUtf8.decode(Buffer.concat(chunks))
+    text = strictUtf8.decode(bytes)
   } catch {
     throw new KvfenceError('invalid_request', 'the request body is not valid UTF-8')
   }

@@ -215,13 +215,47 @@ const Message = z.strictObject({
   name: z.string().optional(),
 })
 
-const ChatBody = z.object({
+/** A chat body's fields but its messages. */
+const ChatFields = z.object({
   ...commonFields,
-  messages: z.array(Message).min(1, 'messages must hold at least one message'),
   max_completion_tokens: safeInt.min(1).nullish(),
   logprobs: z.boolean().nullish(),
   top_logprobs: safeInt.min(0).max(maxChatTopLogprobs).nullish(),
 })
+
+const ChatBody = ChatFields.extend({
+  messages: z.array(Message).min(1, 'messages must hold at least one message'),
+})
+
+const messageRoles: ReadonlySet<unknown> = new Set(Message.shape.role.options)
+
+/** `messages` as {@link Message} parses them, when every message is the common case (an object
+ *  of a known role, string content and at most a string name, nothing else); else null, and the
+ *  schema parses them, naming any fault. Walking the schema costs microseconds per message, and
+ *  two thousand messages' worth is the event loop every tenant shares. */
+function plainMessages(messages: unknown): z.infer<typeof Message>[] | null {
+  if (!Array.isArray(messages) || messages.length === 0) return null
+  const out: z.infer<typeof Message>[] = []
+  for (const m of messages as unknown[]) {
+    if (typeof m !== 'object' || m === null || Object.getPrototypeOf(m) !== Object.prototype) {
+      return null
+    }
+    const { role, content, name } = m as Record<string, unknown>
+    let numKeys = 2
+    if (name !== undefined) {
+      if (typeof name !== 'string') return null
+      numKeys++
+    }
+    if (!messageRoles.has(role) || typeof content !== 'string') return null
+    if (Object.keys(m).length !== numKeys) return null
+    out.push({
+      role: role as z.infer<typeof Message>['role'],
+      content,
+      ...(name === undefined ? {} : { name }),
+    })
+  }
+  return out
+}
 
 const CompletionBody = z.object({
   ...commonFields,
@@ -232,10 +266,49 @@ const CompletionBody = z.object({
 // ---------------------------------------------------------------------------------------------
 // Parsers
 
-/** Parses a chat completions body; throws `invalid_request` naming the field at fault. */
+/** Most messages of a chat request: OpenAI's (and Azure OpenAI's) limit. */
+export const maxChatMessages = 2048
+/** Most text parts (`content` given as a list) over all of a chat request's messages. */
+export const maxChatContentParts = 2048
+
+/** Refuses a chat body with more than {@link maxChatMessages} messages or
+ *  {@link maxChatContentParts} text parts, before the schema validates each of them: a body of
+ *  tens of thousands of tiny messages fits in the body limit, and validating them (then rendering
+ *  them through the chat template) would hold the event loop every tenant shares for most of a
+ *  second. A count only: each message's shape is the schema's to check. */
+function checkChatSize(object: Record<string, unknown>): void {
+  const { messages } = object
+  if (!Array.isArray(messages)) return
+  if (messages.length > maxChatMessages) {
+    throw new KvfenceError(
+      'invalid_request',
+      `Invalid 'messages': array too long. Expected an array with maximum length ${maxChatMessages}, but got an array with length ${messages.length} instead.`,
+      'messages',
+    )
+  }
+  let numParts = 0
+  for (let i = 0; i < messages.length; i++) {
+    const content = (messages[i] as { content?: unknown } | null)?.content
+    if (!Array.isArray(content)) continue
+    numParts += content.length
+    if (numParts > maxChatContentParts) {
+      throw new KvfenceError(
+        'invalid_request',
+        `Invalid 'messages[${i}].content': the messages hold more than ${maxChatContentParts} text parts in all`,
+        `messages[${i}].content`,
+      )
+    }
+  }
+}
+
+/** Parses a chat completions body; throws `invalid_request` naming the field at fault (also for
+ *  more than {@link maxChatMessages} messages or {@link maxChatContentParts} text parts). */
 export function parseChatRequest(body: unknown): ParsedChatRequest {
   const object = checkFields(body, Object.keys(ChatBody.shape), chatInertFields)
-  const data = parseWith(ChatBody, object)
+  checkChatSize(object)
+  const messages = plainMessages(object.messages)
+  const data =
+    messages === null ? parseWith(ChatBody, object) : { ...parseWith(ChatFields, object), messages }
   if (data.logprobs !== true && (data.top_logprobs ?? 0) > 0) {
     throw new KvfenceError(
       'invalid_request',

@@ -1,7 +1,8 @@
 /** Prompt tokenization off the router's event loop: a small pool of `node:worker_threads`, each
  *  with its own copy of the model's tokenizer (loaded from the model directory), so that one
  *  tenant's long prompt never holds up the loop every tenant's requests share. Prompts up to
- *  `inlineMaxChars` are tokenized inline: posting to a thread costs more than they do. Queued
+ *  `inlineMaxChars` (and chats of at most {@link inlineMaxMessages} messages) are tokenized inline:
+ *  posting to a thread costs more than they do. Queued
  *  prompts are taken from the tenants in turn, so one tenant's many long prompts delay another
  *  tenant's by at most one prompt per thread.
  *  Knows parsed requests, tenants' names and the tokenizer; knows nothing of HTTP or workers. */
@@ -74,10 +75,21 @@ interface Job {
   signal: AbortSignal
 }
 
+/** Chat prompts of at most this many messages may be tokenized inline: each message costs a
+ *  turn of the chat template (tens of µs with the bundled model's), whatever its length, so two
+ *  thousand empty messages would hold the loop for a tenth of a second. */
+export const inlineMaxMessages = 8
+
 /** Characters of a prompt's text. */
 function numChars(parsed: ParsedRequest): number {
   if (parsed.endpoint === 'chat') return parsed.messages.reduce((n, m) => n + m.content.length, 0)
   return 'text' in parsed.prompt ? parsed.prompt.text.length : 0
+}
+
+/** Whether tokenizing `parsed` costs less inline than a thread's round trip. */
+function isInline(parsed: ParsedRequest, inlineMaxChars: number): boolean {
+  if (parsed.endpoint === 'chat' && parsed.messages.length > inlineMaxMessages) return false
+  return numChars(parsed) <= inlineMaxChars
 }
 
 /** Starts the pool's threads (`unref()`ed: they never keep the process alive). */
@@ -133,7 +145,7 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
 
   return {
     async tokenize(parsed, tenant, signal) {
-      if (numChars(parsed) <= inlineMaxChars) {
+      if (isInline(parsed, inlineMaxChars)) {
         return Int32Array.from(checkedPromptTokenIds(options.tokenizer, parsed))
       }
       if (isClosed) throw new KvfenceError('internal_error', 'the tokenizer pool is closed')

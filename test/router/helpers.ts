@@ -2,7 +2,7 @@
  *  and decode workers speaking the control plane over real HTTP, a router in front of them, and
  *  captured logs. Not a test file itself. */
 import assert from 'node:assert/strict'
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import http from 'node:http'
 import type { AddressInfo } from 'node:net'
 import { tmpdir } from 'node:os'
@@ -96,6 +96,31 @@ export function writeTestTokenizer(
   }
   writeFileSync(join(dir, 'tokenizer.json'), JSON.stringify(tokenizer))
   writeFileSync(join(dir, 'tokenizer_config.json'), JSON.stringify(tokenizerConfig))
+  return dir
+}
+
+/** The test tokenizer with one long added token, so that the length bound before tokenizing
+ *  (window × longest token × 4 characters) lets a 900 KB prompt through to the tokenizer. */
+export function tokenizerWithLongToken(): string {
+  const dir = writeTestTokenizer()
+  const file = join(dir, 'tokenizer.json')
+  const json = JSON.parse(readFileSync(file, 'utf8')) as {
+    added_tokens: object[]
+    model: { vocab: Record<string, number> }
+  }
+  const content = `<${'long'.repeat(500)}>`
+  const id = Object.keys(json.model.vocab).length
+  json.model.vocab[content] = id
+  json.added_tokens.push({
+    id,
+    content,
+    single_word: false,
+    lstrip: false,
+    rstrip: false,
+    normalized: false,
+    special: true,
+  })
+  writeFileSync(file, JSON.stringify(json))
   return dir
 }
 

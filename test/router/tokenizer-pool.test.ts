@@ -3,35 +3,8 @@
  *  answered. Ordering only, no timing: without the pool the long prompt held the event loop, so
  *  the small request was answered after it. */
 import assert from 'node:assert/strict'
-import { readFileSync, writeFileSync } from 'node:fs'
-import { join } from 'node:path'
 import { test } from 'node:test'
-import { keys, startHarness, writeTestTokenizer } from './helpers.js'
-
-/** The test tokenizer with one long added token, so that the length bound before tokenizing
- *  (window × longest token × 4 characters) lets a 900 KB prompt through to the tokenizer. */
-function tokenizerWithLongToken(): string {
-  const dir = writeTestTokenizer()
-  const file = join(dir, 'tokenizer.json')
-  const json = JSON.parse(readFileSync(file, 'utf8')) as {
-    added_tokens: object[]
-    model: { vocab: Record<string, number> }
-  }
-  const content = `<${'long'.repeat(500)}>`
-  const id = Object.keys(json.model.vocab).length
-  json.model.vocab[content] = id
-  json.added_tokens.push({
-    id,
-    content,
-    single_word: false,
-    lstrip: false,
-    rstrip: false,
-    normalized: false,
-    special: true,
-  })
-  writeFileSync(file, JSON.stringify(json))
-  return dir
-}
+import { keys, startHarness, tokenizerWithLongToken } from './helpers.js'
 
 test("a tenant's small request is answered while another tenant's long prompt is still being tokenized", async () => {
   const h = await startHarness({}, { modelDir: tokenizerWithLongToken() })
