@@ -11,9 +11,11 @@
  *  of its pages out of the cache into the tier; the prompt sent again loads them back (verified).
  *  Every timed request reports `cached_tokens` (992 for a hit, 0 cold): the bench fails otherwise.
  *
- *  Args: `--repeats N` (default 5), `--model echo|135m` (default 135m: SmolLM2-135M's shape with
- *  random F32 weights, whose prefill costs what a small real model's does; echo: the bundled
- *  2-layer model, where the prefill is nearly free), `--threads N` (compute threads, default 2). */
+ *  Args: `--repeats N` (default 5), `--model echo|135m` (default echo: the bundled 2-layer model,
+ *  whose prefill is cheap, so the figures show mostly what loading and transferring pages costs;
+ *  135m: SmolLM2-135M's shape with random F32 weights, whose prefill costs what a small real
+ *  model's does — its cold prefill must finish within the decode worker's 30 s bootstrap wait),
+ *  `--threads N` (compute threads, default 2). */
 import { mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -101,7 +103,7 @@ async function timeFirstToken(pair: Pair, tokenIds: number[]) {
 export async function benchOffload(args: string[]): Promise<object> {
   const repeats = positive(args, '--repeats', 5)
   const threads = positive(args, '--threads', 2)
-  const which = flag(args, '--model', '135m')
+  const which = flag(args, '--model', 'echo')
   if (which !== 'echo' && which !== '135m') throw new Error('--model is echo or 135m')
   const model =
     which === 'echo'
