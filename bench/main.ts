@@ -12,6 +12,7 @@ const benches = {
   audit: { file: 'audit.js', entry: 'benchAudit' },
   fairness: { file: 'fairness.js', entry: 'benchFairness' },
   sentinel: { file: 'sentinel.js', entry: 'benchSentinel' },
+  offload: { file: 'offload.js', entry: 'benchOffload' },
 } as const
 type BenchName = keyof typeof benches
 

@@ -37,7 +37,7 @@ import { lastLevelCacheBytes, openCopyMeter, type CopyMeter } from './copy-bandw
 import { openReadMeter, type ReadMeter } from './read-bandwidth.js'
 
 /** SmolLM2-135M's config.json (HuggingFaceTB/SmolLM2-135M), max positions cut to what is run. */
-const smolLm2Config = {
+export const smolLm2Config = {
   model_type: 'llama',
   hidden_size: 576,
   intermediate_size: 1536,
@@ -66,7 +66,7 @@ function flag(args: string[], name: string, fallback: number): number {
 }
 
 /** Random weights of a config as stored tensors (uniform, ±0.05; norms 1), F32 or BF16. */
-function randomTensors(rawConfig: object, dtype: 'F32' | 'BF16'): Map<string, RawTensor> {
+export function randomTensors(rawConfig: object, dtype: 'F32' | 'BF16'): Map<string, RawTensor> {
   const c = parseModelConfig(rawConfig, 'SmolLM2-135M shape')
   const tensors = new Map<string, RawTensor>()
   let state = 0x12345678

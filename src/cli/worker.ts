@@ -35,6 +35,10 @@ interface WorkerFlags {
   prefixCachePagesPerTenant?: number
   /** Prefill only: host-memory bytes of the prefix cache's offload tier (default 0: none). */
   prefixCacheOffloadBytes?: number
+  /** Prefill only: directory of the offload tier's disk part (mode 0700; default: none). */
+  prefixCacheOffloadDir?: string
+  /** Prefill only: most bytes of files in that directory. */
+  prefixCacheOffloadDiskBytes?: number
   injectFault: string[]
   unsafeDisableGuards: boolean
   unsafeDisableGuard: string[]
@@ -118,6 +122,15 @@ export function registerWorkers(program: Command): void {
         'host memory for pages evicted from the prefix cache, loaded back (verified) on a hit (default 0: none)',
         intOption,
       )
+      cmd.option(
+        '--prefix-cache-offload-dir <dir>',
+        'a directory (existing, mode 0700) for pages dropped from the host offload tier (or evicted from the cache, without --prefix-cache-offload-bytes), loaded back (verified) on a hit; needs --prefix-cache-offload-disk-bytes',
+      )
+      cmd.option(
+        '--prefix-cache-offload-disk-bytes <n>',
+        'most bytes of files in --prefix-cache-offload-dir (> 0)',
+        intOption,
+      )
     }
     if (role === 'decode') {
       cmd
@@ -154,6 +167,15 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
   // Bad TLS files are a one-line error before anything slow (the model) is loaded.
   const tlsFiles = tlsFilesFrom(flags)
   const tls: TlsMaterial | null = tlsFiles === null ? null : loadTlsMaterial(tlsFiles)
+  if (
+    (flags.prefixCacheOffloadDir === undefined) !==
+    (flags.prefixCacheOffloadDiskBytes === undefined)
+  )
+    throw new Error(
+      flags.prefixCacheOffloadDir === undefined
+        ? '--prefix-cache-offload-disk-bytes needs --prefix-cache-offload-dir'
+        : '--prefix-cache-offload-dir needs --prefix-cache-offload-disk-bytes',
+    )
   const faults = buildFaultConfig(
     flags.injectFault,
     flags.unsafeDisableGuards,
@@ -230,6 +252,8 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
       prefixCachePages,
       prefixCachePagesPerTenant: flags.prefixCachePagesPerTenant,
       prefixCacheOffloadBytes: flags.prefixCacheOffloadBytes,
+      prefixCacheOffloadDir: flags.prefixCacheOffloadDir,
+      prefixCacheOffloadDiskBytes: flags.prefixCacheOffloadDiskBytes,
       transferTls: tls,
       allowPlaintext: flags.allowPlaintext,
     })

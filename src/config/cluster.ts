@@ -106,8 +106,11 @@ const prefixCachePartition = z
  *  the cache off, closing the load side channel of docs/threat-model.md; default: a quarter of
  *  `pages`), and `prefixCachePagesPerTenant`, each tenant's own partition of it
  *  (`--prefix-cache-pages-per-tenant`: no tenant evicts another's pages, which closes that side
- *  channel too; default: one budget shared by all tenants), and `prefixCacheOffloadBytes`, the host
- *  memory of its offload tier (`--prefix-cache-offload-bytes`; default 0: none). */
+ *  channel too; default: one budget shared by all tenants), `prefixCacheOffloadBytes`, the host
+ *  memory of its offload tier (`--prefix-cache-offload-bytes`; default 0: none), and
+ *  `prefixCacheOffloadDir` with `prefixCacheOffloadDiskBytes`, the offload tier's disk part
+ *  (`--prefix-cache-offload-dir`, `--prefix-cache-offload-disk-bytes`; both or neither; a relative
+ *  directory is resolved against the config file's). */
 export const PrefillWorkerEntry = z.union(
   [
     z
@@ -116,7 +119,17 @@ export const PrefillWorkerEntry = z.union(
         prefixCachePages: prefixCacheBudget.optional(),
         prefixCachePagesPerTenant: prefixCachePartition.optional(),
         prefixCacheOffloadBytes: prefixCacheBudget.optional(),
+        prefixCacheOffloadDir: z.string().min(1).optional(),
+        prefixCacheOffloadDiskBytes: prefixCachePartition.optional(),
       })
+      .refine(
+        (e) =>
+          (e.prefixCacheOffloadDir === undefined) === (e.prefixCacheOffloadDiskBytes === undefined),
+        {
+          error: 'give both prefixCacheOffloadDir and prefixCacheOffloadDiskBytes, or neither',
+          path: ['prefixCacheOffloadDir'],
+        },
+      )
       .refine((e) => e.prefixCachePages === undefined || e.prefixCachePages <= e.pages, {
         error: 'may not exceed pages',
         path: ['prefixCachePages'],
@@ -202,6 +215,18 @@ export function parseClusterConfig(value: unknown, source: string, baseDir: stri
       ? {}
       : { router: { ...config.router, saltSecretFile: at(config.router.saltSecretFile) } }),
     ...(config.tls === undefined ? {} : { tls: { dir: at(config.tls.dir)! } }),
+    ...(config.workers === undefined
+      ? {}
+      : {
+          workers: {
+            ...config.workers,
+            prefill: config.workers.prefill.map((w) =>
+              'prefixCacheOffloadDir' in w && w.prefixCacheOffloadDir !== undefined
+                ? { ...w, prefixCacheOffloadDir: at(w.prefixCacheOffloadDir) }
+                : w,
+            ),
+          },
+        }),
     ...(config.backend === undefined
       ? {}
       : { backend: { ...config.backend, tokenizerDir: at(config.backend.tokenizerDir) } }),

@@ -38,6 +38,10 @@ export type WorkerPlan =
       /** Bytes of the prefix cache's host-memory offload tier (`--prefix-cache-offload-bytes`,
        *  prefill only); default: no offload tier. */
       prefixCacheOffloadBytes?: number
+      /** Directory and most bytes of the offload tier's disk part (`--prefix-cache-offload-dir`,
+       *  `--prefix-cache-offload-disk-bytes`, prefill only); default: no disk tier. */
+      prefixCacheOffloadDir?: string
+      prefixCacheOffloadDiskBytes?: number
       /** Its mutual-TLS files (`--tls-ca/--tls-cert/--tls-key`); its URL is then `https:`.
        *  Default: plaintext. */
       tls?: TlsFiles | null
@@ -201,6 +205,12 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
         ...(worker.prefixCacheOffloadBytes === undefined
           ? []
           : ['--prefix-cache-offload-bytes', String(worker.prefixCacheOffloadBytes)]),
+        ...(worker.prefixCacheOffloadDir === undefined
+          ? []
+          : ['--prefix-cache-offload-dir', worker.prefixCacheOffloadDir]),
+        ...(worker.prefixCacheOffloadDiskBytes === undefined
+          ? []
+          : ['--prefix-cache-offload-disk-bytes', String(worker.prefixCacheOffloadDiskBytes)]),
         ...(role === 'decode' ? ['--transfer-host', plan.host, '--transfer-port', '0'] : []),
         ...(worker.tls
           ? ['--tls-ca', worker.tls.ca, '--tls-cert', worker.tls.cert, '--tls-key', worker.tls.key]

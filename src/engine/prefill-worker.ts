@@ -5,7 +5,8 @@ import { randomBytes } from 'node:crypto'
 import { Counter, Gauge } from 'prom-client'
 import { KvfenceError } from '../errors.js'
 import type { PageLease } from '../kv/pool.js'
-import { OffloadRing } from '../kv/offload.js'
+import { OffloadRing, TieredOffload, type OffloadTier } from '../kv/offload.js'
+import { OffloadDisk } from '../kv/offload-disk.js'
 import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
 import { isLoopbackHost } from '../plaintext.js'
 import type { TlsMaterial } from '../tls.js'
@@ -38,6 +39,12 @@ export interface PrefillWorkerOptions {
    *  go and are loaded back from (verified) on a hit; 0 or unset: no offload tier. With
    *  partitions, each tenant gets `bytes / floor(prefixCachePages / prefixCachePagesPerTenant)`. */
   prefixCacheOffloadBytes?: number
+  /** Directory of the offload tier's disk part, where pages dropped from host memory (or, with
+   *  no host bytes, evicted from the pool) go; must exist, mode 0700. Needs
+   *  `prefixCacheOffloadDiskBytes`. Unset: no disk tier. */
+  prefixCacheOffloadDir?: string
+  /** Most bytes of files in `prefixCacheOffloadDir` (> 0; split per tenant as the host bytes). */
+  prefixCacheOffloadDiskBytes?: number
   /** Mutual TLS for transfers to decode workers (src/tls.ts). Default null: plaintext. */
   transferTls?: TlsMaterial | null
   /** Without `transferTls`, send KV pages in plaintext to decode workers beyond loopback too
@@ -56,7 +63,8 @@ export class PrefillWorker {
   private readonly cacheMetrics: PrefixCacheMetrics | null
 
   /** Throws RangeError for a negative `prefixCachePages` or one above the pool's pages, or a
-   *  `prefixCachePagesPerTenant` outside 1..prefixCachePages. */
+   *  `prefixCachePagesPerTenant` outside 1..prefixCachePages; Error for a bad offload directory
+   *  (see {@link OffloadDisk.open}). */
   constructor(
     readonly core: WorkerCore,
     private readonly options: PrefillWorkerOptions = {},
@@ -73,17 +81,7 @@ export class PrefillWorker {
     }
     const metrics = makePrefixCacheMetrics(core, () => this.numPagesCached)
     this.cacheMetrics = metrics
-    const perTenant = options.prefixCachePagesPerTenant
-    const offloadBytes = options.prefixCacheOffloadBytes ?? 0
-    const offload =
-      offloadBytes > 0
-        ? new OffloadRing({
-            bytes: offloadBytes,
-            ...(perTenant === undefined
-              ? {}
-              : { bytesPerTenant: Math.floor(offloadBytes / Math.floor(maxPages / perTenant)) }),
-          })
-        : undefined
+    const offload = offloadTierOf(options, maxPages)
     this.cache = new PrefixCache(core.pool, {
       maxPages,
       maxPagesPerTenant: options.prefixCachePagesPerTenant,
@@ -99,7 +97,7 @@ export class PrefillWorker {
         offloadLoadAsHit: core.hasFault('offload-load-as-hit'),
         offloadKeyWithoutTenant: core.hasFault('offload-key-without-tenant'),
       },
-      onOffloadLoad: (outcome) => metrics.offloadLoads.inc({ outcome }),
+      onOffloadLoad: (outcome, tier) => metrics.offloadLoads.inc({ outcome, tier }),
     })
   }
 
@@ -386,9 +384,36 @@ interface PrefixCacheMetrics {
   cachedTokens: Counter
   /** `kvfence_prefix_cache_evictions_total`: cached pages evicted (released and scrubbed). */
   evictions: Counter
-  /** `kvfence_prefix_cache_offload_loads_total{outcome}`: pages loaded back from the offload tier,
-   *  `hit` (verified, used) or `refused` (failed verification: a miss). */
-  offloadLoads: Counter<'outcome'>
+  /** `kvfence_prefix_cache_offload_loads_total{outcome,tier}`: pages loaded back from the offload
+   *  tier (`host` or `disk`), `hit` (verified, used) or `refused` (failed verification: a miss). */
+  offloadLoads: Counter<'outcome' | 'tier'>
+}
+
+/** The prefix cache's offload tier from `options`: host ring, disk, both (disk below host), or
+ *  none. With partitions each tenant's share of either is its bytes over the number of
+ *  partitions. Throws as {@link OffloadDisk.open} for a bad directory, and Error when only one of
+ *  `prefixCacheOffloadDir` and `prefixCacheOffloadDiskBytes` is given. */
+function offloadTierOf(options: PrefillWorkerOptions, maxPages: number): OffloadTier | undefined {
+  const perTenant = options.prefixCachePagesPerTenant
+  const shareOf = (bytes: number) =>
+    perTenant === undefined
+      ? {}
+      : { bytesPerTenant: Math.floor(bytes / Math.floor(maxPages / perTenant)) }
+  const hostBytes = options.prefixCacheOffloadBytes ?? 0
+  const { prefixCacheOffloadDir: dir, prefixCacheOffloadDiskBytes: diskBytes } = options
+  if ((dir === undefined) !== (diskBytes === undefined))
+    throw new Error(
+      dir === undefined
+        ? 'prefix cache offload disk bytes given without a directory'
+        : `prefix cache offload dir ${dir} given without its disk bytes`,
+    )
+  const disk =
+    dir === undefined
+      ? undefined
+      : OffloadDisk.open({ dir, bytes: diskBytes!, ...shareOf(diskBytes!) })
+  if (hostBytes === 0) return disk
+  const host = { bytes: hostBytes, ...shareOf(hostBytes) }
+  return disk === undefined ? new OffloadRing(host) : new TieredOffload(host, disk)
 }
 
 function makePrefixCacheMetrics(core: WorkerCore, numPages: () => number): PrefixCacheMetrics {
@@ -420,8 +445,8 @@ function makePrefixCacheMetrics(core: WorkerCore, numPages: () => number): Prefi
     }),
     offloadLoads: new Counter({
       name: 'kvfence_prefix_cache_offload_loads_total',
-      help: 'Prefix cache pages loaded back from the offload tier, by outcome (hit, or refused: a miss)',
-      labelNames: ['outcome'] as const,
+      help: 'Prefix cache pages loaded back from the offload tier (host or disk), by outcome (hit, or refused: a miss)',
+      labelNames: ['outcome', 'tier'] as const,
       registers,
     }),
   }

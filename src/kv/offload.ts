@@ -23,6 +23,38 @@ export interface OffloadRingOptions {
   bytes: number
   /** Most payload bytes of one tenant; unset: `bytes` shared by all tenants. */
   bytesPerTenant?: number
+  /** Called with each entry the ring drops to make room (not one deleted or replaced): the next
+   *  tier down (the disk, {@link TieredOffload}) keeps it, checksum and all. */
+  onDrop?: (page: OffloadedPage) => void
+}
+
+/** Which tier a load came from (a label of `kvfence_prefix_cache_offload_loads_total`). */
+export type OffloadTierName = 'host' | 'disk'
+
+/** A tier below the KV pool where evicted prefix-cache pages are kept: the host-memory
+ *  {@link OffloadRing}, the disk ({@link OffloadDisk}, src/kv/offload-disk.ts), or both
+ *  ({@link TieredOffload}). Every implementation is bounded by bytes and returns what it holds
+ *  only through {@link OffloadTier.load}, whose result the caller verifies
+ *  ({@link verifyOffloaded}) before any byte is used. */
+export interface OffloadTier {
+  /** Keep `payload` under `page.key`, recording `checksum` (default: xxh64 of `payload`). Returns
+   *  false when it was not kept (too large, or the tier could not write it). */
+  store(
+    page: Omit<OffloadedPage, 'checksum' | 'payload'>,
+    payload: Uint8Array,
+    checksum?: bigint,
+  ): boolean
+  /** The entry under `key`: absent, failed (unreadable, or bytes that do not match their
+   *  checksum) or loaded (still to be verified). */
+  load(key: string): OffloadLoad
+  /** Drop the entry under `key`, if any. */
+  delete(key: string): void
+  /** The tier's invariant (byte counts within bounds); throws on violation. */
+  check(): void
+  /** Entries held now. */
+  readonly numPages: number
+  /** Bytes held now (payload bytes for the ring, file bytes for the disk). */
+  readonly numBytes: number
 }
 
 /** One offloaded page. The payload is the page's K then V rows for each layer, as the transfer
@@ -47,13 +79,19 @@ export interface OffloadExpectation {
   numBytes: number
 }
 
-/** The outcome of {@link OffloadRing.load}: absent, failed (the bytes read back do not match the
- *  checksum stored with them), or loaded. A loaded page is still to be verified against what its
- *  user expects ({@link verifyOffloaded}) before any byte of it is used. */
+/** The outcome of {@link OffloadTier.load}: absent, failed (the bytes read back do not match the
+ *  checksum stored with them; `page` absent when nothing could be read or parsed at all), or
+ *  loaded. A loaded page is still to be verified against what its user expects
+ *  ({@link verifyOffloaded}) before any byte of it is used. */
 export type OffloadLoad =
   | { readonly kind: 'absent' }
-  | { readonly kind: 'failed'; readonly reason: string; readonly page: OffloadedPage }
-  | { readonly kind: 'loaded'; readonly page: OffloadedPage }
+  | {
+      readonly kind: 'failed'
+      readonly tier: OffloadTierName
+      readonly reason: string
+      readonly page?: OffloadedPage
+    }
+  | { readonly kind: 'loaded'; readonly tier: OffloadTierName; readonly page: OffloadedPage }
 
 /** Why `page` may not be used as the page under `key` for `expect`, or null when it may: same key,
  *  tenant, layout, token count, payload length, and a payload that matches its checksum (G4, as
@@ -74,8 +112,8 @@ export function verifyOffloaded(
   return checksum === page.checksum ? null : `checksum ${checksum}, stored ${page.checksum}`
 }
 
-/** The ring of one prefix cache. */
-export class OffloadRing {
+/** The host-memory ring of one prefix cache. */
+export class OffloadRing implements OffloadTier {
   /** Entries by key; Map order is age (oldest first). */
   private readonly entries = new Map<string, OffloadedPage>()
   private readonly numBytesOf = new Map<string, number>()
@@ -84,6 +122,7 @@ export class OffloadRing {
   /** Throws RangeError for a negative or non-integer `bytes` or `bytesPerTenant`. */
   constructor(private readonly options: OffloadRingOptions) {
     for (const [name, value] of Object.entries(options)) {
+      if (name === 'onDrop') continue
       if (value !== undefined && (!Number.isInteger(value) || value < 0))
         throw new RangeError(`offload ${name} must be an integer ≥ 0, got ${value}`)
     }
@@ -100,9 +139,13 @@ export class OffloadRing {
   }
 
   /** Keep a copy of `payload` under `key` (replacing an entry of that key), dropping the oldest
-   *  entries (the tenant's own, with `bytesPerTenant`) until it fits. Returns false when it can
-   *  never fit (then nothing changed). */
-  store(page: Omit<OffloadedPage, 'checksum' | 'payload'>, payload: Uint8Array): boolean {
+   *  entries (the tenant's own, with `bytesPerTenant`) until it fits; `checksum` defaults to the
+   *  copy's xxh64. Returns false when it can never fit (then nothing changed). */
+  store(
+    page: Omit<OffloadedPage, 'checksum' | 'payload'>,
+    payload: Uint8Array,
+    checksum?: bigint,
+  ): boolean {
     const { bytes, bytesPerTenant } = this.options
     const size = payload.byteLength
     if (size > bytes || (bytesPerTenant !== undefined && size > bytesPerTenant)) return false
@@ -114,7 +157,7 @@ export class OffloadRing {
     // Only when `bytes` is less than the tenants' bounds added up can another tenant's entry go.
     while (this.numBytesHeld + size > bytes) this.dropOldest(undefined)
     const copy = Uint8Array.from(payload)
-    this.entries.set(page.key, { ...page, checksum: xxh64(copy), payload: copy })
+    this.entries.set(page.key, { ...page, checksum: checksum ?? xxh64(copy), payload: copy })
     this.numBytesHeld += size
     this.numBytesOf.set(page.tenant, (this.numBytesOf.get(page.tenant) ?? 0) + size)
     return true
@@ -127,8 +170,13 @@ export class OffloadRing {
     if (page === undefined) return { kind: 'absent' }
     const checksum = xxh64(page.payload)
     if (checksum !== page.checksum)
-      return { kind: 'failed', reason: `checksum ${checksum}, stored ${page.checksum}`, page }
-    return { kind: 'loaded', page }
+      return {
+        kind: 'failed',
+        tier: 'host',
+        reason: `checksum ${checksum}, stored ${page.checksum}`,
+        page,
+      }
+    return { kind: 'loaded', tier: 'host', page }
   }
 
   /** The entry under `key`, unverified: for {@link check} and tests only, never to load KV. */
@@ -167,8 +215,62 @@ export class OffloadRing {
     for (const p of this.entries.values()) {
       if (tenant !== undefined && p.tenant !== tenant) continue
       this.delete(p.key)
+      this.options.onDrop?.(p)
       return
     }
     assert.fail('offload ring: nothing to drop')
+  }
+}
+
+/** Two tiers, one below the other: host memory first, then (typically) the disk. A page goes to
+ *  the upper ring; the ring's dropped entries go down, with the checksum recorded when the page
+ *  left the pool (a page corrupted in host memory is not laundered by a fresh checksum on the way
+ *  down); a page too large for the ring goes straight down. A load tries the ring, then the lower
+ *  tier; a delete drops the key from both. */
+export class TieredOffload implements OffloadTier {
+  readonly upper: OffloadRing
+
+  /** `upper` is made here so that its drops can reach `lower`; throws as {@link OffloadRing}. */
+  constructor(
+    upper: Omit<OffloadRingOptions, 'onDrop'>,
+    readonly lower: OffloadTier,
+  ) {
+    this.upper = new OffloadRing({
+      ...upper,
+      onDrop: (p) => void lower.store(p, p.payload, p.checksum),
+    })
+  }
+
+  get numPages(): number {
+    return this.upper.numPages + this.lower.numPages
+  }
+
+  get numBytes(): number {
+    return this.upper.numBytes + this.lower.numBytes
+  }
+
+  store(
+    page: Omit<OffloadedPage, 'checksum' | 'payload'>,
+    payload: Uint8Array,
+    checksum?: bigint,
+  ): boolean {
+    // An older copy below would otherwise outlive this one's eviction from the ring.
+    this.lower.delete(page.key)
+    return this.upper.store(page, payload, checksum) || this.lower.store(page, payload, checksum)
+  }
+
+  load(key: string): OffloadLoad {
+    const up = this.upper.load(key)
+    return up.kind === 'absent' ? this.lower.load(key) : up
+  }
+
+  delete(key: string): void {
+    this.upper.delete(key)
+    this.lower.delete(key)
+  }
+
+  check(): void {
+    this.upper.check()
+    this.lower.check()
   }
 }

@@ -27,9 +27,10 @@
  *  tenant's traffic never changes a tenant's hits, except when the pool itself runs short
  *  ({@link PrefixCache.evictFor}: a prompt's pages come before any tenant's cache).
  *
- *  Offload: with an {@link OffloadRing}, an evicted page's K/V goes to the ring and a lookup that
- *  finds a key missing from the pool loads it back, only once the ring verified it (tenant,
- *  layout, token count, checksum; G4, as a transfer's pages are); a refused load is a miss.
+ *  Offload: with an {@link OffloadTier} (host ring, disk, or both), an evicted page's K/V goes
+ *  there and a lookup that finds a key missing from the pool loads it back, only once it is
+ *  verified (tenant, layout, token count, checksum; G4, as a transfer's pages are); a refused
+ *  load is a miss.
  *
  *  Knows pages, tenants (names and pool numbers) and token ids; knows nothing of models, transfers
  *  or HTTP. Sources followed: the idea of SGLang's radix cache / vLLM's hashed block prefix cache
@@ -38,7 +39,7 @@
 import assert from 'node:assert/strict'
 import { createHash, createHmac, randomBytes } from 'node:crypto'
 import { GuardTrips, type Guards } from './guards.js'
-import { verifyOffloaded, type OffloadRing } from './offload.js'
+import { verifyOffloaded, type OffloadTier, type OffloadTierName } from './offload.js'
 import { PageState, type KvPool, type PageLease, type PageRef } from './pool.js'
 
 /** Options of {@link PrefixCache}. */
@@ -58,8 +59,9 @@ export interface PrefixCacheOptions {
   trips?: GuardTrips
   /** Called with the number of pages each eviction released (metrics). */
   onEvict?: (numPages: number) => void
-  /** Where evicted pages go and come back from; unset: evicted pages are gone. */
-  offload?: OffloadRing
+  /** Where evicted pages go and come back from (host ring, disk, or both); unset: evicted pages
+   *  are gone. */
+  offload?: OffloadTier
   /** Identity of the model and page layout, recorded with each offloaded page and required of
    *  every load. Default: the pool's shape. */
   layout?: string
@@ -67,8 +69,9 @@ export interface PrefixCacheOptions {
    *  loaded page (G4's verification then refuses it); `offloadKeyWithoutTenant` keys offloaded
    *  pages by their tokens alone, without the salt (G4's tenant check then refuses them). */
   faults?: { offloadLoadAsHit?: boolean; offloadKeyWithoutTenant?: boolean }
-  /** Called for each load from the offload tier: `hit` (verified and used) or `refused` (a miss). */
-  onOffloadLoad?: (outcome: 'hit' | 'refused') => void
+  /** Called for each load from the offload tier: `hit` (verified and used) or `refused` (a miss),
+   *  and the tier it came from. */
+  onOffloadLoad?: (outcome: 'hit' | 'refused', tier: OffloadTierName) => void
 }
 
 /** One cached page. */
@@ -386,14 +389,15 @@ export class PrefixCache {
       numTokens: pageSize,
       numBytes: this.pool.pageBytes,
     }
+    const { page, tier } = loaded
     const isRefused =
+      page === undefined ||
       (loaded.kind === 'failed' && !this.options.faults?.offloadLoadAsHit) ||
-      (this.options.guards?.G4 !== false &&
-        verifyOffloaded(loaded.page, offloadKey, expect) !== null)
+      (this.options.guards?.G4 !== false && verifyOffloaded(page, offloadKey, expect) !== null)
     if (isRefused) {
       // The entry stays: were another tenant's lookup to drop it, that tenant would change this
       // one's hits.
-      this.options.onOffloadLoad?.('refused')
+      this.options.onOffloadLoad?.('refused', tier)
       return undefined
     }
     if (!this.hasPartition(tenant)) return undefined
@@ -402,13 +406,13 @@ export class PrefixCache {
     if (this.pool.numFree === 0) return undefined
     const lease = this.pool.allocate(1, this.ownerOf(tenant), this.options.tenantId(tenant))
     this.pool.noteWrite(lease, 0, pageSize)
-    this.writePage(lease.pages[0].page, loaded.page.payload)
+    this.writePage(lease.pages[0].page, page.payload)
     this.pool.seal(lease)
     ring.delete(offloadKey)
     const entry = { key, offloadKey, tenant, owner: lease.owner, lease }
     this.entries.set(key, entry)
     this.numPagesOf.set(tenant, this.numPagesOf.get(tenant)! + 1)
-    this.options.onOffloadLoad?.('hit')
+    this.options.onOffloadLoad?.('hit', tier)
     return entry
   }
 

@@ -1,6 +1,7 @@
 /** The prefix cache's per-tenant partition (`prefixCachePagesPerTenant`) and offload tier
- *  (`prefixCacheOffloadBytes`) on a config file's prefill entry: accepted when in range, and a bad
- *  value is one line naming the field. */
+ *  (`prefixCacheOffloadBytes`; `prefixCacheOffloadDir` with `prefixCacheOffloadDiskBytes`) on a
+ *  config file's prefill entry: accepted when in range (a relative directory resolved against the
+ *  config file's), and a bad value is one line naming the field. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { parseClusterConfig } from '../../src/config/cluster.js'
@@ -26,6 +27,30 @@ describe('prefix-cache settings of a prefill entry', () => {
     assert.deepEqual(config([entry])().workers!.prefill, [entry])
   })
 
+  it('resolves a relative offload directory against the config file’s, keeps an absolute one', () => {
+    const parse = (dir: string) =>
+      parseClusterConfig(
+        {
+          workers: {
+            prefill: [{ pages: 64, prefixCacheOffloadDir: dir, prefixCacheOffloadDiskBytes: 4096 }],
+            decode: [{ pages: 8 }],
+          },
+          tenants: records,
+        },
+        '/etc/kvfence/c.yaml',
+        '/etc/kvfence',
+      ).workers!.prefill[0]
+    assert.deepEqual(parse('offload'), {
+      pages: 64,
+      prefixCacheOffloadDir: '/etc/kvfence/offload',
+      prefixCacheOffloadDiskBytes: 4096,
+    })
+    assert.equal(
+      (parse('/var/kv') as { prefixCacheOffloadDir: string }).prefixCacheOffloadDir,
+      '/var/kv',
+    )
+  })
+
   it('is one line naming the field when bad', () => {
     const at = 'c.yaml: workers.prefill.0'
     const cases: [unknown, string][] = [
@@ -33,6 +58,9 @@ describe('prefix-cache settings of a prefill entry', () => {
       [{ pages: 64, prefixCachePagesPerTenant: 0 }, `${at}.prefixCachePagesPerTenant: must be an integer ≥ 1`],
       [{ pages: 64, prefixCachePagesPerTenant: 'all' }, `${at}.prefixCachePagesPerTenant: must be an integer ≥ 1`],
       [{ pages: 64, prefixCacheOffloadBytes: -1 }, `${at}.prefixCacheOffloadBytes: must be an integer ≥ 0`],
+      [{ pages: 64, prefixCacheOffloadDir: '/d' }, `${at}.prefixCacheOffloadDir: give both prefixCacheOffloadDir and prefixCacheOffloadDiskBytes, or neither`],
+      [{ pages: 64, prefixCacheOffloadDiskBytes: 10 }, `${at}.prefixCacheOffloadDir: give both prefixCacheOffloadDir and prefixCacheOffloadDiskBytes, or neither`],
+      [{ pages: 64, prefixCacheOffloadDir: '/d', prefixCacheOffloadDiskBytes: 0 }, `${at}.prefixCacheOffloadDiskBytes: must be an integer ≥ 1`],
     ] // prettier-ignore
     for (const [entry, message] of cases) {
       assert.throws(config([entry]), { name: 'KvfenceError', message })

@@ -1,10 +1,13 @@
 /** The prefix cache's offload tier in a real cluster (router, prefill and decode workers as OS
- *  processes; the prefill worker started with `--prefix-cache-pages 8
- *  --prefix-cache-offload-bytes 1048576`), driven by the official `openai` client: tenant A's
- *  pages, evicted from the 8-page cache by tenant B's prompts, come back from host memory when A
- *  asks again: A's `cached_tokens` are those of a cache that never evicted, its answer is exactly
- *  the single-process engine's, and the prefill worker counts the verified loads. */
+ *  processes; the prefill worker started with `--prefix-cache-pages 8` and an offload tier in host
+ *  memory, on disk, or both: two pages of host memory above the disk), driven by the official
+ *  `openai` client: tenant A's pages, evicted from the 8-page cache by tenant B's flood, come back
+ *  from the offload tier when A asks again: A's `cached_tokens` are those of a cache that never
+ *  evicted, its answer is exactly the single-process engine's (the cold answer, temperature 0),
+ *  and the prefill worker counts the verified loads of each tier. Clusters one after another. */
 import assert from 'node:assert/strict'
+import { mkdtempSync } from 'node:fs'
+import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { startCluster, type Cluster } from '../../src/config/launch.js'
@@ -35,55 +38,75 @@ const local = createWorkerCore({
   faults: buildFaultConfig([], false, {}),
 })
 
-describe('prefix-cache offload tier across a real cluster', () => {
-  let cluster: Cluster
-  before(async () => {
-    cluster = await startCluster({
-      modelDir: echoModelDir,
-      pageSize: 16,
-      prefillPages: 64,
-      decodePages: 64,
-      prefixCachePages: 8,
-      prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20)],
-      tenantsFile,
-      logDir: join(dir, 'logs'),
-    })
-  })
-  after(async () => cluster?.stop())
+const diskArgs = () => [
+  '--prefix-cache-offload-dir',
+  mkdtempSync(join(tmpdir(), 'kvfence-offload-e2e-')),
+  '--prefix-cache-offload-disk-bytes',
+  String(1 << 20),
+]
+/** echo-tiny's page: 2 layers × K and V × 16 tokens × 2 KV heads × 32 floats × 4 bytes. */
+const pageBytes = 2 * 2 * 16 * 2 * 32 * 4
 
-  async function complete(tenant: number, prompt: string, maxTokens: number) {
-    const api = openaiClient(cluster.routerUrl, tenants[tenant].key)
-    const res = await api.completions.create({
-      model: 'echo-tiny',
-      prompt,
-      max_tokens: maxTokens,
-      temperature: 0,
-    })
-    return { text: res.choices[0].text, cached: res.usage?.prompt_tokens_details?.cached_tokens }
-  }
+/** Each tier's flags and the verified loads A's 6 pages must count, by tier. */
+const tiers = {
+  host: { args: ['--prefix-cache-offload-bytes', String(1 << 20)], hits: { host: 6, disk: 0 } },
+  disk: { args: diskArgs(), hits: { host: 0, disk: 6 } },
+  // Two pages of host memory: A's last-evicted pages stay there until B's push them down.
+  'host+disk': {
+    args: ['--prefix-cache-offload-bytes', String(2 * pageBytes), ...diskArgs()],
+    hits: { host: 0, disk: 6 },
+  },
+}
 
-  it('pages evicted by another tenant come back verified; the answer is the single-process one', async () => {
-    assert.equal(tokenizer.encode(promptA).length, 111)
-    const want = tokenizer.decode(
-      generateLocal(local, tokenizer.encode(promptA), {
-        maxTokens: 16,
-        sampling: { temperature: 0, topP: 1, seed: null },
-        stopTokenIds: tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId],
-      }).tokenIds,
-    )
-    assert.deepEqual(await complete(0, promptA, 16), { text: want, cached: 0 })
-    for (const p of promptsB) assert.equal((await complete(1, p, 1)).cached, 0)
-    // 6 whole pages short of the last token, all loaded back from the ring.
-    assert.deepEqual(await complete(0, promptA, 16), { text: want, cached: 96 })
-    const text = await (await fetch(`${cluster.prefillUrl}/metrics`)).text()
-    const loads = (outcome: string) =>
-      Number(
-        new RegExp(
-          `^kvfence_prefix_cache_offload_loads_total\\{[^}]*outcome="${outcome}"[^}]*\\} (\\d+)`,
-          'm',
-        ).exec(text)?.[1] ?? 0,
+for (const [tier, { args, hits }] of Object.entries(tiers))
+  describe(`prefix-cache offload tier (${tier}) across a real cluster`, () => {
+    let cluster: Cluster
+    before(async () => {
+      cluster = await startCluster({
+        modelDir: echoModelDir,
+        pageSize: 16,
+        prefillPages: 64,
+        decodePages: 64,
+        prefixCachePages: 8,
+        prefillArgs: args,
+        tenantsFile,
+        logDir: join(dir, tier),
+      })
+    })
+    after(async () => cluster?.stop())
+
+    async function complete(tenant: number, prompt: string, maxTokens: number) {
+      const api = openaiClient(cluster.routerUrl, tenants[tenant].key)
+      const res = await api.completions.create({
+        model: 'echo-tiny',
+        prompt,
+        max_tokens: maxTokens,
+        temperature: 0,
+      })
+      return { text: res.choices[0].text, cached: res.usage?.prompt_tokens_details?.cached_tokens }
+    }
+
+    it('pages evicted by another tenant come back verified; the answer is the single-process one', async () => {
+      assert.equal(tokenizer.encode(promptA).length, 111)
+      const want = tokenizer.decode(
+        generateLocal(local, tokenizer.encode(promptA), {
+          maxTokens: 16,
+          sampling: { temperature: 0, topP: 1, seed: null },
+          stopTokenIds: tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId],
+        }).tokenIds,
       )
-    assert.equal(loads('hit'), 6)
-    assert.equal(loads('refused'), 0)
+      assert.deepEqual(await complete(0, promptA, 16), { text: want, cached: 0 })
+      for (const p of promptsB) assert.equal((await complete(1, p, 1)).cached, 0)
+      // 6 whole pages short of the last token, all loaded back from the ring.
+      assert.deepEqual(await complete(0, promptA, 16), { text: want, cached: 96 })
+      const text = await (await fetch(`${cluster.prefillUrl}/metrics`)).text()
+      const loads = (outcome: string, from: string) =>
+        text
+          .split('\n')
+          .filter((l) => l.startsWith('kvfence_prefix_cache_offload_loads_total{'))
+          .filter((l) => l.includes(`outcome="${outcome}"`) && l.includes(`tier="${from}"`))
+          .reduce((sum, l) => sum + Number(l.slice(l.lastIndexOf(' ') + 1)), 0)
+      assert.deepEqual({ host: loads('hit', 'host'), disk: loads('hit', 'disk') }, hits)
+      assert.equal(loads('refused', 'host') + loads('refused', 'disk'), 0)
+    })
   })
-})
