@@ -9,7 +9,7 @@ import type { Logger } from 'pino'
 import type { KvfenceError } from '../errors.js'
 import type { FinishReason, ResponseHeader } from './responses.js'
 import type { ParsedRequest } from './schemas.js'
-import type { AnswerCheck } from './sentinel/sentinel.js'
+import type { AnswerCheck, SentinelUnit } from './sentinel/sentinel.js'
 
 /** A backend: see the module's header. */
 export interface Backend {
@@ -28,6 +28,12 @@ export interface Backend {
   /** Characters the longest token stands for, when known: a prompt longer than
    *  window × this × 4 characters cannot fit and is refused before it is counted. */
   readonly maxTokenChars: number | null
+  /** What the response sentinel matches: `token` when the backend hands the answer's token ids
+   *  to {@link GenerationJob.answerCheck} (and prepares prompts with token ids), else
+   *  `character`. */
+  readonly sentinelUnit: SentinelUnit
+  /** Text of token ids by the model's tokenizer, when the router holds it; else null. */
+  readonly detokenize: ((ids: readonly number[]) => string) | null
   /** Counts (and when the backend needs them, tokenizes) a request's prompt. Throws
    *  `invalid_request`, `context_length_exceeded` or `worker_unavailable`. */
   preparePrompt(parsed: ParsedRequest, signal: AbortSignal): Promise<PreparedPrompt>
@@ -70,8 +76,8 @@ export interface GenerationJob {
   readonly outcome: Outcome
   /** Logs (and counts) a failure that ended an answer already started. */
   logFailure(error: KvfenceError): void
-  /** The response sentinel's check: every piece of the answer goes through it before the client
-   *  (src/router/sentinel/). */
+  /** The response sentinel's check: every piece of the answer goes through it before the client,
+   *  with its token ids when the backend's `sentinelUnit` is `token` (src/router/sentinel/). */
   readonly answerCheck: AnswerCheck
 }
 

@@ -18,7 +18,7 @@ import { endingError, publicError } from './public-errors.js'
 import type { ResponseHeader } from './responses.js'
 import { type Endpoint, type ParsedRequest, loggedPromptOf, requestParsers } from './schemas.js'
 import type { Tenant } from './tenants.js'
-import { promptTextsOf } from './sentinel/router-sentinel.js'
+import { sentinelPromptOf } from './sentinel/router-sentinel.js'
 import type { Sentinel } from './sentinel/sentinel.js'
 
 /** What a generation request needs; all of it passed in. */
@@ -73,7 +73,7 @@ export async function serveGeneration(
       tenant.name,
       tenant.isCanary === true,
       rid,
-      promptTextsOf(parsed),
+      sentinelPromptOf(parsed, prompt, deps.backend.detokenize),
     )
     deps.metrics.sentinelBytes.set(deps.sentinel.numBytes)
     const header: ResponseHeader = {

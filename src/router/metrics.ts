@@ -51,6 +51,8 @@ export interface RouterMetrics {
   readonly sentinelConfirmed: Counter<'action'>
   /** Estimated bytes of the sentinel's fingerprints. */
   readonly sentinelBytes: Gauge
+  /** The sentinel's cap on those bytes (`sentinel.maxBytes`). */
+  readonly sentinelMaxBytes: Gauge
 }
 
 /** Where gauges read live values at scrape time. */
@@ -171,6 +173,11 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
     sentinelBytes: new Gauge({
       name: 'kvfence_sentinel_fingerprint_bytes',
       help: "Estimated bytes of the response sentinel's prompt fingerprints.",
+      registers,
+    }),
+    sentinelMaxBytes: new Gauge({
+      name: 'kvfence_sentinel_fingerprint_max_bytes',
+      help: "The response sentinel's cap on its fingerprints' estimated bytes (sentinel.maxBytes).",
       registers,
     }),
   })

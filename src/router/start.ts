@@ -186,7 +186,12 @@ async function startWithTenants(
       drainSeconds: options.drainSeconds ?? routerConfigDefaults.drainSeconds,
       sentinel: { ...routerConfigDefaults.sentinel, ...options.sentinel },
     })
-    const sentinel = createRouterSentinel(config.sentinel, started.metrics, log)
+    const sentinel = createRouterSentinel(
+      config.sentinel,
+      backend.sentinelUnit,
+      started.metrics,
+      log,
+    )
     const deps = { tenants, backend, limiter, metrics: started.metrics, log, sentinel }
     return await listenRouter(options, config, deps, () => {
       watcher?.close()

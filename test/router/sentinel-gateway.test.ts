@@ -11,15 +11,17 @@ import type { SentinelMode } from '../../src/router/sentinel/sentinel.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { type Engine, engineReplyText, startEngine } from '../helpers/engines.js'
 import { openaiClient } from '../helpers/cluster.js'
+import { loadTokenizer } from '../../src/model/tokenizer.js'
+import { qwen3TokenizerDir } from '../helpers/qwen3.js'
 import { captureLogs, keys } from './helpers.js'
 
 /** 20 words, 70 characters: `w0 w1 … w19 `. */
 const reply = engineReplyText(20)
 
-async function routerFor(engine: Engine, mode: SentinelMode) {
+async function routerFor(engine: Engine, mode: SentinelMode, tokenizerDir?: string) {
   const logs = captureLogs()
   const router = await startRouter({
-    gateway: { kind: engine.kind, url: engine.url, discoveryIntervalMs: 0 },
+    gateway: { kind: engine.kind, url: engine.url, discoveryIntervalMs: 0, tokenizerDir },
     modelName: 'served',
     tenants: [
       { name: 'alpha', keySha256: apiKeyDigest(keys.alpha) },
@@ -65,6 +67,16 @@ for (const mode of ['observe', 'block'] as const) {
       const res = (await ask(router, keys.alpha, reply, false)) as OpenAI.Completion
       assert.equal(res.choices[0].text, reply)
       assert.deepEqual(events(), [])
+      // The counters are there at 0 before any event (an alert's increase() needs that sample),
+      // beside the cap (64 MiB by default).
+      const metrics = await (await fetch(`${router.url}/metrics`)).text()
+      const action = mode === 'block' ? 'blocked' : 'observed'
+      for (const line of [
+        `kvfence_sentinel_suspected_total{action="${action}"} 0`,
+        `kvfence_sentinel_confirmed_total{action="${action}"} 0`,
+        'kvfence_sentinel_fingerprint_max_bytes 67108864',
+      ])
+        assert.ok(metrics.split('\n').includes(line), line)
     })
 
     if (mode === 'observe') {
@@ -116,3 +128,38 @@ for (const mode of ['observe', 'block'] as const) {
     }
   })
 }
+
+describe('gateway with a local tokenizer (Qwen3), a prompt given as token ids', () => {
+  const qwen3 = qwen3TokenizerDir()
+  let engine: Engine
+  let router: RunningRouter
+  let logs: ReturnType<typeof captureLogs>
+  before(async () => {
+    engine = await startEngine('vllm', { poolTokens: 4096, maxModelLen: 4096, numTokens: 20 })
+    ;({ router, logs } = await routerFor(engine, 'observe', qwen3.dir))
+  })
+  after(async () => {
+    await router?.close()
+    await engine?.close()
+    qwen3.remove()
+  })
+
+  it("is decoded and fingerprinted: beta's answer carrying its text is suspected at 16 tokens' characters", async () => {
+    // Alpha's prompt: the reply's 70 characters as Qwen3's 51 token ids (`w`, a digit or two,
+    // a space: no merges across them). 16 tokens of it are ⌈16 × 70 ÷ 51⌉ = 22 characters.
+    const ids = loadTokenizer(qwen3.dir).encode(reply)
+    assert.equal(ids.length, 51)
+    await openaiClient(router.url, keys.alpha).completions.create({
+      model: 'served',
+      prompt: ids,
+      max_tokens: 20,
+    })
+    const res = (await ask(router, keys.beta, 'hello', false)) as OpenAI.Completion
+    assert.equal(res.choices[0].text, reply)
+    const events = logs.records().filter((r) => String(r.msg).startsWith('sentinel:'))
+    assert.deepEqual(
+      events.map((e) => [e.tenant, e.sourceTenant, e.runTokens, e.runCharacters]),
+      [['beta', 'alpha', 16, 22]], // ⌊22 × 51 ÷ 70⌋ = 16
+    )
+  })
+})

@@ -16,6 +16,9 @@ import {
   createSentinel,
 } from '../../src/router/sentinel/sentinel.js'
 
+/** A prompt of `texts`, not counted: one character per token. */
+const textPrompt = (...texts: string[]) => ({ texts, tokenIds: null, numTokens: null })
+
 /** 40 characters that occur nowhere else in these tests. */
 const passage = 'Zebra quilts vex jumpy frogs; 4 owls hum'
 
@@ -106,13 +109,19 @@ describe('fingerprints', () => {
   })
 })
 
-describe('the matcher (n = 8, minRunTokens = 16)', () => {
+describe('the matcher in character mode, prompts not counted (1 character a token; n = 8, minRunTokens = 16)', () => {
   it('a 16-character run of another tenant’s prompt is suspected; 15 characters are not', () => {
     const { sentinel, events } = sentinelOf()
-    sentinel.admit('a', false, 'ra', [`tell me: ${passage}`])
-    answerWith(sentinel.admit('b', false, 'rb1', ['hello']), `ok#${passage.slice(0, 15)}#ok`)
+    sentinel.admit('a', false, 'ra', textPrompt(`tell me: ${passage}`))
+    answerWith(
+      sentinel.admit('b', false, 'rb1', textPrompt('hello')),
+      `ok#${passage.slice(0, 15)}#ok`,
+    )
     assert.deepEqual(events, [])
-    answerWith(sentinel.admit('b', false, 'rb2', ['hello']), `ok#${passage.slice(0, 16)}#ok`)
+    answerWith(
+      sentinel.admit('b', false, 'rb2', textPrompt('hello')),
+      `ok#${passage.slice(0, 16)}#ok`,
+    )
     assert.deepEqual(events, [
       {
         kind: 'suspected',
@@ -120,6 +129,7 @@ describe('the matcher (n = 8, minRunTokens = 16)', () => {
         tenant: 'b',
         sourceTenant: 'a',
         runTokens: 16,
+        runCharacters: 16,
       },
     ])
     sentinel.check()
@@ -127,64 +137,70 @@ describe('the matcher (n = 8, minRunTokens = 16)', () => {
 
   it('one changed character in the middle splits a 31-character echo into runs of 15: no event', () => {
     const { sentinel, events } = sentinelOf()
-    sentinel.admit('a', false, 'ra', [passage])
+    sentinel.admit('a', false, 'ra', textPrompt(passage))
     // passage[0..31) with the 16th character replaced: 15 + 1 + 15, each side shorter than 16.
     const echo = `${passage.slice(0, 15)}#${passage.slice(16, 31)}`
-    answerWith(sentinel.admit('b', false, 'rb', ['x']), echo)
+    answerWith(sentinel.admit('b', false, 'rb', textPrompt('x')), echo)
     assert.deepEqual(events, [])
   })
 
   it('text in the answering request’s own prompt or its tenant’s recent prompts is no evidence', () => {
     const { sentinel, events } = sentinelOf()
-    sentinel.admit('a', false, 'ra', [passage])
-    answerWith(sentinel.admit('b', false, 'rb1', [`repeat ${passage}`]), passage)
+    sentinel.admit('a', false, 'ra', textPrompt(passage))
+    answerWith(sentinel.admit('b', false, 'rb1', textPrompt(`repeat ${passage}`)), passage)
     // rb1's prompt now holds the passage for b too: two holders, and b's own.
-    answerWith(sentinel.admit('b', false, 'rb2', ['again']), passage)
-    answerWith(sentinel.admit('a', false, 'ra2', ['again']), passage)
+    answerWith(sentinel.admit('b', false, 'rb2', textPrompt('again')), passage)
+    answerWith(sentinel.admit('a', false, 'ra2', textPrompt('again')), passage)
     assert.deepEqual(events, [])
   })
 
   it('text sent by two tenants is no evidence for a third', () => {
     const { sentinel, events } = sentinelOf()
-    sentinel.admit('a', false, 'ra', [passage])
-    sentinel.admit('b', false, 'rb', [passage])
-    answerWith(sentinel.admit('c', false, 'rc', ['x']), passage)
+    sentinel.admit('a', false, 'ra', textPrompt(passage))
+    sentinel.admit('b', false, 'rb', textPrompt(passage))
+    answerWith(sentinel.admit('c', false, 'rc', textPrompt('x')), passage)
     assert.deepEqual(events, [])
   })
 
   it('a prompt older than the window is forgotten', () => {
     let nowMs = 0
     const { sentinel, events } = sentinelOf({ windowSeconds: 1 }, () => nowMs)
-    sentinel.admit('a', false, 'ra', [passage])
+    sentinel.admit('a', false, 'ra', textPrompt(passage))
     nowMs = 1001
-    answerWith(sentinel.admit('b', false, 'rb', ['x']), passage)
+    answerWith(sentinel.admit('b', false, 'rb', textPrompt('x')), passage)
     assert.deepEqual(events, [])
   })
 
   it('8 characters of a canary tenant’s canary in another tenant’s answer are confirmed', () => {
     const { sentinel, events } = sentinelOf()
     const canary = 'Qx7vR2mK9pLt4Wz8'
-    sentinel.admit('watch', true, 'rw', [`remember ${canary} please`])
+    sentinel.admit('watch', true, 'rw', textPrompt(`remember ${canary} please`))
     // 7 characters: nothing; 8 characters ("R2mK9pLt"): confirmed, and no suspected run (< 16).
-    answerWith(sentinel.admit('b', false, 'rb1', ['x']), 'see R2mK9pL here')
+    answerWith(sentinel.admit('b', false, 'rb1', textPrompt('x')), 'see R2mK9pL here')
     assert.deepEqual(events, [])
-    answerWith(sentinel.admit('b', false, 'rb2', ['x']), 'see R2mK9pLt here')
+    answerWith(sentinel.admit('b', false, 'rb2', textPrompt('x')), 'see R2mK9pLt here')
     assert.deepEqual(events, [
       {
         kind: 'confirmed',
         rid: 'rb2',
         tenant: 'b',
         sourceTenant: 'watch',
-        runTokens: 8,
+        runTokens: null,
+        runCharacters: 8,
       },
     ])
   })
 
   it('only mixed alphanumeric runs of 12 or more are canaries: words and numbers are not', () => {
     const { sentinel, events } = sentinelOf()
-    sentinel.admit('watch', true, 'rw', ['internationalization 123456789012345 Ab3defghijk'])
+    sentinel.admit(
+      'watch',
+      true,
+      'rw',
+      textPrompt('internationalization 123456789012345 Ab3defghijk'),
+    )
     answerWith(
-      sentinel.admit('b', false, 'rb', ['x']),
+      sentinel.admit('b', false, 'rb', textPrompt('x')),
       'internationalization 123456789012345 Ab3defghijk',
     )
     // Words, digits only, and an 11-character mixed run: none learnt; the 48 characters are a
@@ -197,14 +213,17 @@ describe('the matcher (n = 8, minRunTokens = 16)', () => {
 
   it('block mode releases all but the held units and withholds a suspect run entirely', () => {
     const { sentinel } = sentinelOf({ mode: 'block' })
-    sentinel.admit('a', false, 'ra', [passage])
+    sentinel.admit('a', false, 'ra', textPrompt(passage))
     const clean = answerWith(
-      sentinel.admit('b', false, 'rb1', ['x']),
+      sentinel.admit('b', false, 'rb1', textPrompt('x')),
       'a clean answer of thirty chars',
     )
     assert.deepEqual(clean, { released: 'a clean answer of thirty chars', error: null })
     const prefix = 'The answer is: '
-    const leak = answerWith(sentinel.admit('b', false, 'rb2', ['x']), `${prefix}${passage}`)
+    const leak = answerWith(
+      sentinel.admit('b', false, 'rb2', textPrompt('x')),
+      `${prefix}${passage}`,
+    )
     assert.equal(leak.error?.code, 'answer_withheld')
     // The run starts at the passage: every character before it went out, none of it did.
     assert.equal(leak.released, prefix)
@@ -212,8 +231,8 @@ describe('the matcher (n = 8, minRunTokens = 16)', () => {
 
   it('block mode holds back only the run: 7 units when no n-gram matches', () => {
     const { sentinel } = sentinelOf({ mode: 'block' })
-    sentinel.admit('a', false, 'ra', [passage])
-    const check = sentinel.admit('b', false, 'rb', ['x'])
+    sentinel.admit('a', false, 'ra', textPrompt(passage))
+    const check = sentinel.admit('b', false, 'rb', textPrompt('x'))
     assert.equal(check.push('0123456789abcdef'), '012345678')
     // 10 characters of the passage: a run of 3 n-grams, its 10 units held; the 7 before go.
     assert.equal(check.push(passage.slice(0, 10)), '9abcdef')
@@ -223,7 +242,7 @@ describe('the matcher (n = 8, minRunTokens = 16)', () => {
 
   it('block mode never releases half of a surrogate pair', () => {
     const { sentinel } = sentinelOf({ mode: 'block' })
-    const check = sentinel.admit('b', false, 'rb', ['x'])
+    const check = sentinel.admit('b', false, 'rb', textPrompt('x'))
     // 10 code units, 7 held: the boundary would fall inside the emoji (units 2 and 3).
     assert.equal(check.push('ab\u{1F600}cdefgh'), 'ab')
     assert.equal(check.finish(), '\u{1F600}cdefgh')
@@ -231,8 +250,8 @@ describe('the matcher (n = 8, minRunTokens = 16)', () => {
 
   it('observe mode passes every piece as it comes, suspect or not, and holds nothing back', () => {
     const { sentinel, events } = sentinelOf()
-    sentinel.admit('a', false, 'ra', [passage])
-    assert.deepEqual(answerWith(sentinel.admit('b', false, 'rb', ['x']), passage), {
+    sentinel.admit('a', false, 'ra', textPrompt(passage))
+    assert.deepEqual(answerWith(sentinel.admit('b', false, 'rb', textPrompt('x')), passage), {
       released: passage,
       error: null,
     })
@@ -241,8 +260,8 @@ describe('the matcher (n = 8, minRunTokens = 16)', () => {
 
   it('off mode keeps nothing and passes every piece', () => {
     const { sentinel, events } = sentinelOf({ mode: 'off' })
-    sentinel.admit('a', false, 'ra', [passage])
-    assert.deepEqual(answerWith(sentinel.admit('b', false, 'rb', ['x']), passage), {
+    sentinel.admit('a', false, 'ra', textPrompt(passage))
+    assert.deepEqual(answerWith(sentinel.admit('b', false, 'rb', textPrompt('x')), passage), {
       released: passage,
       error: null,
     })

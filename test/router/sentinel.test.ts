@@ -13,6 +13,7 @@ import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import OpenAI from 'openai'
 import { startCluster, type Cluster, type ClusterOptions } from '../../src/config/launch.js'
+import { loadTokenizer } from '../../src/model/tokenizer.js'
 import { newApiKey } from '../../src/router/tenant-keys.js'
 import { openaiClient as client, incidentShape } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
@@ -34,6 +35,7 @@ writeFileSync(
 
 const canary = 'Qx7vR2mK9pLt4Wz8'
 const plantPrompt = `the river walks near the stone garden and ${canary} holds the quiet light over the green field after the summer rain, the small market opens before the morning bread`
+/** Sent as token ids. */
 /** 451 tokens (char-level vocabulary + BOS): over the prefill pool (384), under the window. */
 const overCapacityPrompt = 'b '.repeat(225)
 const licence =
@@ -128,7 +130,13 @@ describe('observe mode (the default), over the incident', () => {
       assert.equal(entry.tenant, 'tenant-b')
       assert.equal(entry.sourceTenant, 'tenant-a')
       assert.match(String(entry.rid), /^[0-9a-f]{32}$/)
-      assert.ok(Number(entry.runTokens) >= 8)
+      // Native mode counts tokens (here one a character); a canary fragment is 8 characters.
+      const isSuspected = entry.level === 40
+      assert.deepEqual(
+        [entry.runTokens, entry.runCharacters],
+        isSuspected ? [16, null] : [null, 8],
+        line,
+      )
       assert.ok(!hasFragment(line, canary) && runLength(line, plantPrompt) < 16, line)
     }
   })
@@ -227,5 +235,38 @@ describe('block mode, over the incident', () => {
     assert.equal(streamed, whole.choices[0].text)
     assert.equal(whole.usage?.completion_tokens, 40)
     assert.equal(streamed.length, 40) // one character per token
+  })
+})
+
+describe('a prompt given as token ids, over the incident', () => {
+  let cluster: Cluster
+  before(async () => {
+    cluster = await startCluster(faultyShape('ids', []))
+  })
+  after(async () => cluster?.stop())
+
+  it("is fingerprinted, its canary learnt: B's answers carrying its text are counted", async () => {
+    // Tenant A sends its passage as the char-level vocabulary's ids, BOS first: the router
+    // fingerprints the ids and learns the canary from their decoded text.
+    const ids = loadTokenizer(echoModelDir).encode(plantPrompt)
+    assert.equal(ids.length, plantPrompt.length + 1)
+    let numRuns = 0
+    let numFragments = 0
+    for (let attempt = 0; attempt < 6 && numRuns === 0; attempt++) {
+      await client(cluster.routerUrl, keys.a).completions.create({
+        model: 'echo-tiny',
+        prompt: ids,
+        max_tokens: 16,
+        temperature: 0,
+      })
+      const text = (await complete(cluster, keys.b, overCapacityPrompt, 64)).choices[0].text
+      if (runLength(text, plantPrompt) >= 16) numRuns++
+      if (hasFragment(text, canary)) numFragments++
+    }
+    assert.ok(numRuns > 0, "no answer to tenant B carried a run of tenant A's prompt")
+    assert.deepEqual(await sentinelCounts(cluster), {
+      suspected: numRuns,
+      confirmed: numFragments,
+    })
   })
 })

@@ -125,6 +125,10 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         backend: { kind: options.kind, url: http.base, contextWindow: window, ...capacity },
       }),
     maxTokenChars: null,
+    // Answers arrive as text: the sentinel matches characters, converted with the prompts' own
+    // characters per token (counted by the tokenizer, local or the engine's).
+    sentinelUnit: 'character',
+    detokenize: tokenizer === null ? null : (ids) => tokenizer.decode(ids),
     async preparePrompt(parsed, signal) {
       const context = { http, tokenizer, backendModel, guardsEnabled: options.guardsEnabled }
       const numPromptTokens = await countPromptTokens(

@@ -64,6 +64,8 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
     },
     serverInfo: () => serverInfo(options),
     maxTokenChars: tokenizer.maxTokenChars,
+    sentinelUnit: 'token',
+    detokenize: (ids) => tokenizer.decode(ids),
     async preparePrompt(parsed, signal) {
       // One queue for all: the Backend interface does not pass the tenant here (yet).
       const ids = await options.tokenizerPool.tokenize(parsed, '', signal)

@@ -6,13 +6,11 @@ import { coalesceWrites, sendJson } from '../http.js'
 import type { GeneratedLogprobs } from '../logprobs.js'
 import { endingError, publicError } from '../public-errors.js'
 import { endSse, sseTemplate, startSse, usageOf, writeSse, writeSseText } from '../responses.js'
-import type { GenerationResult } from './worker-run.js'
+import type { GenerationResult, OnText } from './worker-run.js'
 import type { Replies } from './replies.js'
 
 /** Runs a generation, giving each piece of text to `onText`, as {@link runGeneration} does. */
-export type Generate = (
-  onText: (text: string, logprobs: GeneratedLogprobs[]) => Promise<void>,
-) => Promise<GenerationResult>
+export type Generate = (onText: OnText) => Promise<GenerationResult>
 
 /** One JSON body once the generation has ended. */
 export async function respondWhole(
@@ -23,8 +21,8 @@ export async function respondWhole(
   let text = ''
   const logprobs: GeneratedLogprobs[] = []
   // The sentinel sees every piece; in block mode it throws before the body is sent.
-  const result = await generate(async (piece, pieceLogprobs) => {
-    text += job.answerCheck.push(piece)
+  const result = await generate(async (piece, pieceLogprobs, tokenIds) => {
+    text += job.answerCheck.push(piece, tokenIds)
     logprobs.push(...pieceLogprobs)
   })
   text += job.answerCheck.finish()
@@ -74,7 +72,9 @@ export async function respondStreamed(
     heldLogprobs = []
   }
   try {
-    const result = await generate((piece, logprobs) => send(job.answerCheck.push(piece), logprobs))
+    const result = await generate((piece, logprobs, tokenIds) =>
+      send(job.answerCheck.push(piece, tokenIds), logprobs),
+    )
     await send(job.answerCheck.finish(), [])
     job.outcome.numCompletionTokens = result.numCompletionTokens
     job.outcome.finishReason = result.finishReason

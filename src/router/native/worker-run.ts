@@ -43,30 +43,42 @@ export interface GenerationResult {
   logprobs: GeneratedLogprobs[]
 }
 
-/** Runs the request on the workers, feeding every piece of new text to `onText` with the
- *  log-probabilities of the tokens received since the previous piece (when asked for; else
- *  none). Leaving early (a stop string) closes both worker requests. */
+/** Hears each piece of an answer's text, with the log-probabilities (when asked for; else none)
+ *  and the ids of the tokens received since the previous piece. */
+export type OnText = (
+  text: string,
+  logprobs: GeneratedLogprobs[],
+  tokenIds: readonly number[],
+) => Promise<void>
+
+/** Runs the request on the workers, feeding every piece of new text to `onText` — and, at the
+ *  end, the ids of tokens that added no text (an empty piece), so that every token is heard.
+ *  Leaving early (a stop string) closes both worker requests. */
 export async function runGeneration(
   deps: GenerationDeps,
   run: WorkerRun,
-  onText: (text: string, logprobs: GeneratedLogprobs[]) => Promise<void>,
+  onText: OnText,
 ): Promise<GenerationResult> {
   const text = new TextStream((ids) => deps.tokenizer.decode(ids), run.stop)
   const isLogprobs = run.request.sampling.numLogprobs != null
   let pending: GeneratedLogprobs[] = []
+  let pendingIds: number[] = []
   const emit = async (piece: string) => {
     if (run.outcome.content) run.outcome.content.completion += piece
     const logprobs = pending
+    const ids = pendingIds
     pending = []
-    await onText(piece, logprobs)
+    pendingIds = []
+    await onText(piece, logprobs, ids)
   }
   for await (const event of workerEvents(deps, run)) {
     if (event.type === 'token') {
       markToken(run.outcome)
       if (isLogprobs) pending.push(logprobsOf(event, run.request.requestId, text.numTokens))
       const step = text.push(event.tokenId)
+      pendingIds.push(event.tokenId)
       run.outcome.numCompletionTokens = text.numTokens
-      if (step.text !== '') await emit(step.text)
+      if (step.text !== '' || (step.isStopped && pendingIds.length > 0)) await emit(step.text)
       if (step.isStopped) {
         return {
           finishReason: 'stop',
@@ -77,7 +89,7 @@ export async function runGeneration(
       }
     } else {
       const rest = text.finish()
-      if (rest.text !== '') await emit(rest.text)
+      if (rest.text !== '' || pendingIds.length > 0) await emit(rest.text)
       deps.metrics.transfers.inc({ status: 'ok' })
       deps.metrics.transferPages.inc(event.numTransferredPages)
       return {

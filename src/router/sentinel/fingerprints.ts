@@ -1,20 +1,23 @@
-/** Keyed fingerprints of text n-grams, and the window that holds the fingerprints of every
- *  tenant's recent prompts for the response sentinel.
- *  A fingerprint is a 31-bit keyed hash of `n` consecutive UTF-16 code units of text, under a
- *  secret drawn once per process (never logged, never written): the store holds no text, and a
+/** Keyed fingerprints of n-grams of units — token ids, or the UTF-16 code units of text — and
+ *  the window that holds the fingerprints of every tenant's recent prompts for the response
+ *  sentinel.
+ *  A fingerprint is a 31-bit keyed hash of `n` consecutive units, under a secret drawn once per
+ *  process (never logged, never written): the store holds no text and no token ids, and a
  *  fingerprint means nothing without the key. 31 bits keep every key and value a small integer
  *  in V8 (no boxed number per entry, which made the store the router's largest cost); a chance
  *  match is then ~1 in 1,000 per n-gram at 2 M stored fingerprints, and a run needs 9 in a row.
- *  With the bundled model's character-level vocabulary a code unit is a token; the router's
- *  answer hooks see text, not token ids, in both modes, which is why the unit is the character
- *  (see docs/monitoring.md).
+ *  Which unit a router uses is the sentinel's business (sentinel.ts, docs/monitoring.md).
  *  Knows tenants' names and numbers; knows nothing of HTTP or of the text itself once hashed. */
 import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
 
-/** A keyed hash of `n` code units of `text` starting at `start` (`start + n ≤ text.length`),
- *  as a 31-bit signed integer (a V8 small integer). */
-export type NgramHasher = (text: string, start: number, n: number) => number
+/** Units to hash: a text (its UTF-16 code units) or token ids (integers). */
+export type Units = string | ArrayLike<number>
+
+/** A keyed hash of the `n` units of `units` starting at `start` (`start + n ≤ units.length`),
+ *  as a 31-bit signed integer (a V8 small integer). A text and the array of its code units hash
+ *  alike. */
+export type NgramHasher = (units: Units, start: number, n: number) => number
 
 /** A {@link NgramHasher} under `key` (16 bytes; default: 16 fresh random bytes). Two 32-bit
  *  multiply-xorshift lanes, each seeded and finalized with key words (MurmurHash3's finalizer
@@ -27,15 +30,26 @@ export function createNgramHasher(key: Uint8Array = randomBytes(16)): NgramHashe
   const k1 = view.getUint32(4) | 0
   const k2 = view.getUint32(8) | 0
   const k3 = view.getUint32(12) | 0
-  return (text, start, n) => {
+  return (units, start, n) => {
     let a = k0 ^ n
     let b = k1
-    for (let i = start; i < start + n; i++) {
-      const c = text.charCodeAt(i)
-      a = Math.imul(a ^ c, 0x9e3779b1)
-      a ^= a >>> 15
-      b = Math.imul(b ^ c ^ k2, 0x85ebca6b)
-      b ^= b >>> 13
+    // Two loops rather than one with a branch per unit: text is the hot case.
+    if (typeof units === 'string') {
+      for (let i = start; i < start + n; i++) {
+        const c = units.charCodeAt(i)
+        a = Math.imul(a ^ c, 0x9e3779b1)
+        a ^= a >>> 15
+        b = Math.imul(b ^ c ^ k2, 0x85ebca6b)
+        b ^= b >>> 13
+      }
+    } else {
+      for (let i = start; i < start + n; i++) {
+        const c = units[i] | 0
+        a = Math.imul(a ^ c, 0x9e3779b1)
+        a ^= a >>> 15
+        b = Math.imul(b ^ c ^ k2, 0x85ebca6b)
+        b ^= b >>> 13
+      }
     }
     a = finalize(a ^ k3)
     b = finalize(b ^ k2)
@@ -52,11 +66,11 @@ function finalize(h: number): number {
   return h ^ (h >>> 16)
 }
 
-/** Every fingerprint of `text`'s n-grams, in order, repeats included (none when `text` is
- *  shorter than `n`). */
-export function fingerprintsOf(hash: NgramHasher, text: string, n: number): Int32Array {
-  const out = new Int32Array(Math.max(0, text.length - n + 1))
-  for (let start = 0; start < out.length; start++) out[start] = hash(text, start, n)
+/** Every fingerprint of the n-grams of `units`, in order, repeats included (none when there are
+ *  fewer than `n` units). */
+export function fingerprintsOf(hash: NgramHasher, units: Units, n: number): Int32Array {
+  const out = new Int32Array(Math.max(0, units.length - n + 1))
+  for (let start = 0; start < out.length; start++) out[start] = hash(units, start, n)
   return out
 }
 

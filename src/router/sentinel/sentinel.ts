@@ -1,11 +1,15 @@
 /** The response sentinel: checks every answer, as it is produced, for a run of another tenant's
- *  recent prompt text (suspected cross-tenant answer) and for a fragment of a canary tenant's
- *  canary (confirmed leak); in block mode it ends the answer before the run reaches the client.
- *  A run counts when at least `minRunTokens` consecutive units of the answer form n-grams that
+ *  recent prompt (suspected cross-tenant answer) and for a fragment of a canary tenant's canary
+ *  (confirmed leak); in block mode it ends the answer before the run reaches the client.
+ *  A run counts when at least `minRunTokens` consecutive tokens of the answer form n-grams that
  *  exactly one tenant — another one — sent in its recent prompts, and that neither this request's
  *  prompt nor the answering tenant's recent prompts hold (text sent by two or more tenants, such
  *  as a shared system prompt or a licence, is no evidence).
- *  Knows tenants' names, request ids, texts while checking them; keeps only keyed fingerprints. */
+ *  Its unit is the token where the router has the token ids of prompts and answers (native
+ *  mode), else the UTF-16 code unit of text (gateway mode): there a run's length in tokens is
+ *  its length in characters ÷ the characters per token measured on the source tenant's prompts.
+ *  Knows tenants' names, request ids, texts and token ids while checking them; keeps only keyed
+ *  fingerprints and per-tenant character and token counts. */
 import { KvfenceError } from '../../errors.js'
 import {
   type FingerprintStore,
@@ -28,9 +32,9 @@ export interface SentinelSettings {
   readonly windowSeconds: number
   /** Cap on the fingerprints' memory, bytes (estimated; oldest prompts dropped first). */
   readonly maxBytes: number
-  /** Units (characters of text; tokens with a character-level vocabulary) per n-gram. */
+  /** Tokens per n-gram (in character mode: characters, see {@link SentinelUnit}). */
   readonly ngramTokens: number
-  /** Shortest run of units that counts as a suspected cross-tenant answer (≥ ngramTokens). */
+  /** Shortest run of tokens that counts as a suspected cross-tenant answer (≥ ngramTokens). */
   readonly minRunTokens: number
 }
 
@@ -78,6 +82,29 @@ export const canaryFragmentLength = 8
 export const minCanaryLength = 12
 const canaryPattern = /[A-Za-z0-9]{12,}/g
 
+/** What the sentinel matches: `token` — n-grams of token ids, of the prompt as the router
+ *  tokenized it and of the answer as the model generated it (the router must hand every answer
+ *  piece's token ids to {@link AnswerCheck.push}); `character` — n-grams of `ngramTokens` UTF-16
+ *  code units of text, for a router that sees answers as text only. In character mode a run of
+ *  `r` characters whose last n-gram another tenant sent is `r × t ÷ c` tokens, where `c` and `t`
+ *  are the characters and the counted tokens of all that tenant's prompts admitted so far (one
+ *  character per token before any was counted). */
+export type SentinelUnit = 'token' | 'character'
+
+/** What the sentinel takes of an admitted prompt. */
+export interface SentinelPrompt {
+  /** Its texts: each chat message's content, or a completion's text (decoded when given as
+   *  token ids and a tokenizer is at hand; none otherwise). Canaries are learnt from them; in
+   *  character mode they are also what is fingerprinted and measured. */
+  readonly texts: readonly string[]
+  /** Its token ids as the backend runs them (chat template included), or null (gateway mode).
+   *  Fingerprinted in token mode. */
+  readonly tokenIds: ArrayLike<number> | null
+  /** Its tokens as the router counted them (the `usage.prompt_tokens` it reports), or null when
+   *  not counted. */
+  readonly numTokens: number | null
+}
+
 /** What the sentinel found in one answer. */
 export interface SentinelEvent {
   readonly kind: 'suspected' | 'confirmed'
@@ -86,16 +113,22 @@ export interface SentinelEvent {
   readonly tenant: string
   /** The tenant whose prompt the run or canary came from (the latest to send its last n-gram). */
   readonly sourceTenant: string | null
-  /** Units of the matching run when found (suspected), or of the canary fragment (confirmed). */
-  readonly runTokens: number
+  /** Suspected: the run's tokens when found (in character mode `⌊characters × t ÷ c⌋`, see
+   *  {@link SentinelUnit}). Confirmed: null. */
+  readonly runTokens: number | null
+  /** The run's characters in character mode, the canary fragment's (8) when confirmed; null for
+   *  a run of tokens. */
+  readonly runCharacters: number | null
 }
 
 /** One answer being checked. */
 export interface AnswerCheck {
-  /** Takes the next piece of the answer; returns the text that may go to the client now (all of
-   *  it unless blocking, where a possible run's units are held back). Throws `answer_withheld`
-   *  in block mode when the answer holds a suspect run or a canary fragment. */
-  push(piece: string): string
+  /** Takes the next piece of the answer — its text and, in token mode, the ids of the tokens
+   *  generated since the previous piece (their text may be empty); returns the text that may go
+   *  to the client now (all of it unless blocking, where a possible run's text is held back).
+   *  Throws `answer_withheld` in block mode when the answer holds a suspect run or a canary
+   *  fragment. */
+  push(piece: string, tokenIds?: readonly number[]): string
   /** At the end of an answer: the text still held back. */
   finish(): string
 }
@@ -103,9 +136,10 @@ export interface AnswerCheck {
 /** The sentinel of one router. */
 export interface Sentinel {
   readonly settings: SentinelSettings
-  /** Admits a request's prompt texts for `tenant` (canaries learnt when `isCanaryTenant`), and
-   *  returns the check of its answer. */
-  admit(tenant: string, isCanaryTenant: boolean, rid: string, texts: readonly string[]): AnswerCheck
+  readonly unit: SentinelUnit
+  /** Admits a request's prompt for `tenant` (canaries learnt when `isCanaryTenant`), and returns
+   *  the check of its answer. */
+  admit(tenant: string, isCanaryTenant: boolean, rid: string, prompt: SentinelPrompt): AnswerCheck
   /** Estimated bytes the fingerprints use. */
   readonly numBytes: number
   check(): void
@@ -114,6 +148,8 @@ export interface Sentinel {
 /** Options of {@link createSentinel}. */
 export interface SentinelOptions {
   settings: SentinelSettings
+  /** Default `character`. */
+  unit?: SentinelUnit
   /** Hears of every event (the router counts and logs them). */
   onEvent: (event: SentinelEvent) => void
   /** The clock, ms (default `Date.now`). */
@@ -131,11 +167,12 @@ interface CanaryFragment {
 /** A sentinel (its mode may be `off`: then nothing is kept and every answer passes). */
 export function createSentinel(options: SentinelOptions): Sentinel {
   const { settings } = options
+  const unit = options.unit ?? 'character'
   const now = options.now ?? Date.now
   const hash = createNgramHasher(options.key)
   const windowMs = settings.windowSeconds * 1000
   const store = createFingerprintStore({ windowMs, maxBytes: settings.maxBytes, now })
-  // Fingerprints of every canary fragment (of `canaryFragmentLength` units); few, kept apart.
+  // Fingerprints of every canary fragment (of `canaryFragmentLength` characters); few, apart.
   const canaries = new Map<number, CanaryFragment>()
   const learnCanaries = (tenant: string, texts: readonly string[]) => {
     const atMs = now()
@@ -152,24 +189,67 @@ export function createSentinel(options: SentinelOptions): Sentinel {
     const oldestMs = now() - windowMs
     for (const [fp, c] of canaries) if (c.atMs < oldestMs) canaries.delete(fp)
   }
+  const density = createDensity()
   const passAll: AnswerCheck = { push: (piece) => piece, finish: () => '' }
+  const deps: CheckDeps = {
+    settings,
+    unit,
+    hash,
+    store,
+    canaries,
+    density,
+    onEvent: options.onEvent,
+  }
   return {
     settings,
-    admit(tenant, isCanaryTenant, rid, texts) {
+    unit,
+    admit(tenant, isCanaryTenant, rid, prompt) {
       if (settings.mode === 'off') return passAll
       expireCanaries()
-      if (isCanaryTenant) learnCanaries(tenant, texts)
-      for (const text of texts) store.add(tenant, fingerprintsOf(hash, text, settings.ngramTokens))
-      const answer: AnswerScope = { tenant, rid, texts }
-      return createAnswerCheck(
-        { settings, hash, store, canaries, onEvent: options.onEvent },
-        answer,
-      )
+      if (isCanaryTenant) learnCanaries(tenant, prompt.texts)
+      const n = settings.ngramTokens
+      if (unit === 'token') {
+        if (prompt.tokenIds !== null) store.add(tenant, fingerprintsOf(hash, prompt.tokenIds, n))
+      } else {
+        for (const text of prompt.texts) store.add(tenant, fingerprintsOf(hash, text, n))
+        density.add(tenant, prompt)
+      }
+      return createAnswerCheck(deps, { tenant, rid, texts: prompt.texts })
     },
     get numBytes() {
       return store.numBytes + canaries.size * bytesPerFingerprint
     },
     check: () => store.check(),
+  }
+}
+
+/** Characters and counted tokens of each tenant's prompts (character mode). */
+interface Density {
+  add(tenant: string, prompt: SentinelPrompt): void
+  /** Characters `c` and counted tokens `t` of `tenant`'s prompts, or 1 and 1 before any was
+   *  counted. */
+  of(tenant: string): { readonly chars: number; readonly tokens: number }
+}
+
+const oneCharPerToken = Object.freeze({ chars: 1, tokens: 1 })
+
+/** An empty {@link Density}: sums since the router started, one entry per tenant (tenants are
+ *  configured, so bounded). */
+function createDensity(): Density {
+  const sums = new Map<string, { chars: number; tokens: number }>()
+  return {
+    add(tenant, prompt) {
+      let chars = 0
+      for (const text of prompt.texts) chars += text.length
+      if (prompt.numTokens === null || prompt.numTokens <= 0 || chars === 0) return
+      const sum = sums.get(tenant)
+      if (sum === undefined) sums.set(tenant, { chars, tokens: prompt.numTokens })
+      else {
+        sum.chars += chars
+        sum.tokens += prompt.numTokens
+      }
+    },
+    of: (tenant) => sums.get(tenant) ?? oneCharPerToken,
   }
 }
 
@@ -184,86 +264,116 @@ interface AnswerScope {
 /** What an {@link AnswerCheck} reads. */
 interface CheckDeps {
   settings: SentinelSettings
+  unit: SentinelUnit
   hash: NgramHasher
   store: FingerprintStore
   canaries: Map<number, CanaryFragment>
+  density: Density
   onEvent: (event: SentinelEvent) => void
 }
 
-/** The check of one answer: one n-gram (and one canary fragment) per new unit. */
+/** The check of one answer: one n-gram per new unit, one canary fragment per new character. */
 function createAnswerCheck(deps: CheckDeps, scope: AnswerScope): AnswerCheck {
   const { settings, hash, store, canaries } = deps
   const n = settings.ngramTokens
+  const isTokens = deps.unit === 'token'
   const isBlocking = settings.mode === 'block'
   // This request's own prompt is never evidence: the store has just recorded its n-grams for
   // this tenant (only a prompt over half the memory cap can lose some of them at once), and its
   // canary-length pieces are kept here.
-  const ownPieces = new Set<number>()
-  if (canaries.size > 0) {
-    for (const text of scope.texts) {
-      for (const fp of fingerprintsOf(hash, text, canaryFragmentLength)) ownPieces.add(fp)
-    }
-  }
+  const ownPieces = canaries.size > 0 ? canaryPiecesOf(hash, scope.texts) : new Set<number>()
   let text = ''
+  /** Token mode: the answer's token ids. */
+  const ids: number[] = []
   let numReleased = 0
   /** Consecutive evidential n-grams ending at the last unit. */
   let runNgrams = 0
   let isSuspected = false
   let isConfirmed = false
+  const pieceEnds = createPieceEnds()
 
-  const report = (kind: SentinelEvent['kind'], fp: number, runTokens: number) => {
-    const source = kind === 'confirmed' ? (canaries.get(fp) ?? null) : store.holderOf(fp)
-    deps.onEvent({
-      kind,
-      rid: scope.rid,
-      tenant: scope.tenant,
-      sourceTenant: source?.tenant ?? null,
-      runTokens,
-    })
+  const report = (event: Omit<SentinelEvent, 'rid' | 'tenant'>) => {
+    deps.onEvent({ ...event, rid: scope.rid, tenant: scope.tenant })
     if (isBlocking) {
       throw new KvfenceError(
         'answer_withheld',
-        `request ${scope.rid}: the response sentinel withheld the answer (${kind}, ${runTokens} units)`,
+        `request ${scope.rid}: the response sentinel withheld the answer (${event.kind})`,
       )
     }
   }
-  const checkUnit = (end: number) => {
-    if (end >= n) {
-      const fp = hash(text, end - n, n)
-      const isEvidence = store.isEvidence(scope.tenant, fp)
-      runNgrams = isEvidence ? runNgrams + 1 : 0
-      const runTokens = runNgrams + n - 1
-      if (runNgrams > 0 && runTokens >= settings.minRunTokens && !isSuspected) {
-        isSuspected = true
-        report('suspected', fp, runTokens)
-      }
+  /** The n-gram ending at unit `end` (of `units`). */
+  const checkNgram = (units: string | readonly number[], end: number) => {
+    if (end < n) return
+    const fp = hash(units, end - n, n)
+    runNgrams = store.isEvidence(scope.tenant, fp) ? runNgrams + 1 : 0
+    if (runNgrams === 0 || isSuspected) return
+    const runUnits = runNgrams + n - 1
+    if (isTokens) {
+      if (runUnits < settings.minRunTokens) return
+      isSuspected = true
+      const source = store.holderOf(fp)?.tenant ?? null
+      report({ kind: 'suspected', sourceTenant: source, runTokens: runUnits, runCharacters: null })
+      return
     }
-    if (end >= canaryFragmentLength && canaries.size > 0 && !isConfirmed) {
-      const fp = hash(text, end - canaryFragmentLength, canaryFragmentLength)
-      const canary = canaries.get(fp)
-      if (canary !== undefined && canary.tenant !== scope.tenant && !ownPieces.has(fp)) {
-        isConfirmed = true
-        report('confirmed', fp, canaryFragmentLength)
-      }
+    const source = store.holderOf(fp)?.tenant ?? null
+    const { chars, tokens } = source === null ? oneCharPerToken : deps.density.of(source)
+    // Integer products, one division: exact where the true threshold is a whole number.
+    if (runUnits < Math.max(n, Math.ceil((settings.minRunTokens * chars) / tokens))) return
+    isSuspected = true
+    const runTokens = Math.floor((runUnits * tokens) / chars)
+    report({ kind: 'suspected', sourceTenant: source, runTokens, runCharacters: runUnits })
+  }
+  /** The canary fragment ending at character `end`. */
+  const checkCanary = (end: number) => {
+    if (end < canaryFragmentLength || canaries.size === 0 || isConfirmed) return
+    const fp = hash(text, end - canaryFragmentLength, canaryFragmentLength)
+    const canary = canaries.get(fp)
+    if (canary !== undefined && canary.tenant !== scope.tenant && !ownPieces.has(fp)) {
+      isConfirmed = true
+      report({
+        kind: 'confirmed',
+        sourceTenant: canary.tenant,
+        runTokens: null,
+        runCharacters: canaryFragmentLength,
+      })
     }
   }
+  /** Characters that may go to the client now (blocking): none of the current run's units nor
+   *  of the units a next n-gram could still take in, nor the characters a canary fragment
+   *  could — nothing of a run can have left when it reaches its length. */
+  const releasable = (): number => {
+    const numHeldUnits = Math.max(runNgrams > 0 ? runNgrams + n - 1 : 0, n - 1)
+    const canaryEnd = text.length - (canaryFragmentLength - 1)
+    if (!isTokens) return Math.min(text.length - numHeldUnits, canaryEnd)
+    // Text of the pieces that ended before the first held token: a later piece's text may
+    // hold an earlier token's (a character split across tokens), so it waits with it.
+    pieceEnds.add(ids.length, text.length)
+    return Math.min(pieceEnds.textBefore(ids.length - numHeldUnits, numReleased), canaryEnd)
+  }
   return {
-    push(piece) {
+    push(piece, tokenIds) {
       const start = text.length
       text += piece
-      for (let end = start + 1; end <= text.length; end++) checkUnit(end)
+      if (isTokens) {
+        if (tokenIds === undefined) {
+          throw new KvfenceError('internal_error', 'the sentinel counts tokens: pass token ids')
+        }
+        for (const id of tokenIds) {
+          ids.push(id)
+          checkNgram(ids, ids.length)
+        }
+        for (let end = start + 1; end <= text.length; end++) checkCanary(end)
+      } else {
+        for (let end = start + 1; end <= text.length; end++) {
+          checkNgram(text, end)
+          checkCanary(end)
+        }
+      }
       if (!isBlocking) {
         numReleased = text.length
         return piece
       }
-      // Held back: the current run's units, or the units a next n-gram or canary fragment could
-      // still take in — nothing of a run can have left when it reaches minRunTokens.
-      const numHeld = Math.max(
-        runNgrams > 0 ? runNgrams + n - 1 : 0,
-        n - 1,
-        canaryFragmentLength - 1,
-      )
-      let until = Math.max(numReleased, text.length - numHeld)
+      let until = Math.max(numReleased, releasable())
       // Never between the two halves of a surrogate pair.
       if (until > numReleased && isHighSurrogate(text.charCodeAt(until - 1))) until--
       const released = text.slice(numReleased, until)
@@ -274,6 +384,39 @@ function createAnswerCheck(deps: CheckDeps, scope: AnswerScope): AnswerCheck {
       const rest = text.slice(numReleased)
       numReleased = text.length
       return rest
+    },
+  }
+}
+
+/** Fingerprints of every canary-length piece of `texts`. */
+function canaryPiecesOf(hash: NgramHasher, texts: readonly string[]): Set<number> {
+  const pieces = new Set<number>()
+  for (const text of texts) {
+    for (const fp of fingerprintsOf(hash, text, canaryFragmentLength)) pieces.add(fp)
+  }
+  return pieces
+}
+
+/** Where each piece of an answer ended, in tokens and in characters (token mode, blocking). */
+interface PieceEnds {
+  add(numTokens: number, numChars: number): void
+  /** Characters of the pieces that ended at or before token `heldFrom` (`atLeast` when none
+   *  more); those pieces are forgotten. */
+  textBefore(heldFrom: number, atLeast: number): number
+}
+
+function createPieceEnds(): PieceEnds {
+  const ends: number[] = [] // [tokens, characters] pairs
+  let at = 0
+  return {
+    add: (numTokens, numChars) => void ends.push(numTokens, numChars),
+    textBefore(heldFrom, atLeast) {
+      let until = atLeast
+      while (at < ends.length && ends[at] <= heldFrom) {
+        until = ends[at + 1]
+        at += 2
+      }
+      return until
     },
   }
 }
