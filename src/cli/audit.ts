@@ -80,7 +80,10 @@ export function registerAudit(program: Command): void {
       (value: string, previous: string[] | undefined) => [...(previous ?? []), value],
     )
     .option('--model <id>', 'model id (default: the first one /v1/models lists)')
-    .option('--json <file>', 'write the JSON report to this file')
+    .option(
+      '--json <file>',
+      'write the JSON report to this file (rewritten after every probe and on SIGINT/SIGTERM, so --resume can continue an interrupted audit)',
+    )
     .option('--junit <file>', 'write a JUnit XML report (a test case per probe) to this file')
     .option('--html <file>', 'write a self-contained HTML report with plots to this file')
     .option(
@@ -123,6 +126,13 @@ export function registerAudit(program: Command): void {
     .option(
       '--aggressive',
       'also send bodies that could disturb a shared engine (cache-fields: engine-internal fields aimed at an unrouted host)',
+    )
+    .addHelpText(
+      'after',
+      '\nExit codes: 0 no finding at or above --fail-on; 1 one at or above it (a leak always is);\n' +
+        '2 tool error, nothing audited (bad options, target unreachable, a key refused, --model not\n' +
+        'served, no valid completion answered whole, a --resume report of another audit);\n' +
+        '130/143 interrupted by SIGINT/SIGTERM (continue with --resume FILE when --json was given).',
     )
     .showHelpAfterError(false)
     .action(async (flags: AuditFlags) => {
