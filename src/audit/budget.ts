@@ -2,14 +2,29 @@
  *  `maxSeconds`. Every request the auditor sends goes through `Budget.spend`, which reserves the
  *  request before it is sent, so no limit is ever exceeded, even by one.
  *  Knows nothing of HTTP. */
+import { setMaxListeners } from 'node:events'
 import type { BudgetLimits } from './types.js'
 
-/** Thrown instead of sending a request the budget does not allow. */
+/** Thrown instead of sending a request the budget does not allow: its requests or its time are
+ *  spent, or the audit was `stopped` (interrupted: SIGINT, SIGTERM). */
 export class BudgetExhaustedError extends Error {
-  constructor(readonly reason: 'requests' | 'seconds') {
-    super(reason === 'requests' ? 'request budget exhausted' : 'time budget exhausted')
+  constructor(readonly reason: 'requests' | 'seconds' | 'stopped') {
+    super(
+      reason === 'requests'
+        ? 'request budget exhausted'
+        : reason === 'seconds'
+          ? 'time budget exhausted'
+          : 'the audit was interrupted',
+    )
     this.name = 'BudgetExhaustedError'
   }
+}
+
+/** Where a resumed audit's numbering starts: the requests an earlier run already sent and the
+ *  milliseconds it lasted, so that request numbers stay unique and times increasing across runs. */
+export interface BudgetOrigin {
+  readonly requestsBefore: number
+  readonly msBefore: number
 }
 
 /** Runs `work` until it is done or the budget stops it: resolves `null` when it finished, or the
@@ -29,6 +44,11 @@ export class Budget {
   readonly limits: BudgetLimits
   readonly startedAt: number // epoch ms
   readonly deadline: number // epoch ms
+  /** Epoch ms that times in the report count from (`startedAt` less an earlier run's length). */
+  readonly timeOrigin: number
+  private readonly requestsBefore: number
+  /** Aborted by {@link stop}: requests in flight are cut at once. */
+  private readonly stopper = new AbortController()
   private numSent = 0
   private numInFlight = 0
   private mostInFlight = 0
@@ -37,11 +57,34 @@ export class Budget {
   private inFlightLimit: number
   private readonly waiting: (() => void)[] = []
 
-  constructor(limits: BudgetLimits, now: number = Date.now()) {
+  constructor(
+    limits: BudgetLimits,
+    now: number = Date.now(),
+    origin: BudgetOrigin = { requestsBefore: 0, msBefore: 0 },
+  ) {
     this.limits = Object.freeze({ ...limits })
     this.startedAt = now
     this.deadline = now + limits.maxSeconds * 1000
+    this.timeOrigin = now - origin.msBefore
+    this.requestsBefore = origin.requestsBefore
     this.inFlightLimit = limits.concurrency
+    // Every request in flight listens for a stop: as many as the largest concurrency allowed.
+    setMaxListeners(0, this.stopper.signal)
+  }
+
+  /** Ends the budget now (the audit was interrupted): nothing more is sent, {@link remainingMs}
+   *  is 0 and {@link stopped} aborts, which cuts the requests in flight. */
+  stop(): void {
+    this.stopper.abort()
+  }
+
+  /** Aborts when {@link stop} is called. */
+  get stopped(): AbortSignal {
+    return this.stopper.signal
+  }
+
+  get isStopped(): boolean {
+    return this.stopper.signal.aborted
   }
 
   /** The most requests `limits.maxConcurrency` allows in flight (`limits.concurrency` when it
@@ -76,22 +119,23 @@ export class Budget {
     return this.limits.maxRequests - this.numSent
   }
 
-  /** Milliseconds left before the deadline (never negative). */
+  /** Milliseconds left before the deadline (never negative; 0 once stopped). */
   get remainingMs(): number {
-    return Math.max(0, this.deadline - Date.now())
+    return this.isStopped ? 0 : Math.max(0, this.deadline - Date.now())
   }
 
   /** Runs `send` as one request: waits for a concurrency slot, then reserves one request and
    *  passes the time left (ms) so the request can be cut at the deadline, and the request's
-   *  number (1 for the audit's first request). */
+   *  number (1 for the audit's first request; after an earlier run's requests when resumed). */
   async spend<T>(send: (remainingMs: number, requestNumber: number) => Promise<T>): Promise<T> {
     await this.acquireSlot()
     try {
+      if (this.isStopped) throw new BudgetExhaustedError('stopped')
       if (this.numSent >= this.limits.maxRequests) throw new BudgetExhaustedError('requests')
       const remainingMs = this.remainingMs
       if (remainingMs <= 0) throw new BudgetExhaustedError('seconds')
       this.numSent++
-      return await send(remainingMs, this.numSent)
+      return await send(remainingMs, this.requestsBefore + this.numSent)
     } finally {
       this.releaseSlot()
     }

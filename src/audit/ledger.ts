@@ -14,7 +14,10 @@ export function fateOf(result: CompletionResult, isDeadline: boolean): Completio
   if (failure === 'aborted') return 'cut'
   if (status === null) return failure === 'timeout' && isDeadline ? 'cut' : 'failed'
   if (status >= 200 && status < 300) {
-    if (failure === 'stream_error' || failure === 'bad_response') return 'failed'
+    // `truncated`: the answer went on past its size cap (it did not end at max_tokens), so it was
+    // never seen whole; the endpoint did not do its job.
+    if (failure === 'stream_error' || failure === 'bad_response' || failure === 'truncated')
+      return 'failed'
     return 'answered'
   }
   // 429 and 503 are load shed on purpose (a tenant's limit, a full queue): the endpoint said
@@ -23,10 +26,24 @@ export function fateOf(result: CompletionResult, isDeadline: boolean): Completio
   return 'failed'
 }
 
-/** What the ledger keeps per completion (the report's `completions`, plus the validity). */
+/** What the ledger keeps per completion (the report's `completions`), and whether an earlier
+ *  run recorded it (a resumed audit's kept probes). */
 interface Entry extends CompletionEntry {
   readonly isValid: boolean
+  readonly isEarlier: boolean
 }
+
+/** What the valid completions of one run came to, for the audit's gate: those the endpoint was
+ *  expected to answer (valid, not cut by the auditor on purpose), how many it answered whole, and
+ *  the others by cause (`HTTP 501`, `HTTP 200 truncated`, `cut at the deadline`). */
+export interface AnswerSummary {
+  readonly numExpected: number
+  readonly numAnswered: number
+  readonly notAnsweredBy: Readonly<Record<string, number>>
+}
+
+/** The cause a valid completion cut at the time budget's deadline is counted under. */
+export const cutAtDeadline = 'cut at the deadline'
 
 /** Per-audit record of completions. One is made by `runAudit` and handed to the target; the
  *  probe that is running when a completion ends is the one it is counted for. */
@@ -45,11 +62,20 @@ export class Ledger {
     this.probe = probe
   }
 
+  /** Takes an earlier run's completions (a resumed audit's kept probes) as they were recorded;
+   *  they count in every summary but {@link answerSummary}, which is this run's. An entry
+   *  without `isValid` (none is written without it) is taken as valid. */
+  addEarlier(entries: readonly CompletionEntry[]): void {
+    for (const e of entries)
+      this.entries.push({ ...e, isValid: e.isValid ?? true, isEarlier: true })
+  }
+
   /** Records one completion. `isValid`: a request the endpoint should answer (false for prompts
    *  sent to be refused, e.g. over capacity). */
   record(tenant: string, isValid: boolean, result: CompletionResult, isDeadline: boolean): void {
     const fate = fateOf(result, isDeadline)
     this.entries.push({
+      isEarlier: false,
       requestNumber: result.requestNumber,
       atMs: result.atMs,
       tenant,
@@ -105,6 +131,25 @@ export class Ledger {
     }
   }
 
+  /** This run's valid completions (an earlier run's are not: this run must show the endpoint
+   *  answers, whatever an earlier one saw), for the gate: see {@link AnswerSummary}. */
+  answerSummary(): AnswerSummary {
+    const expected = this.entries.filter(
+      (e) => !e.isEarlier && e.isValid && !(e.fate === 'cut' && e.failure === 'aborted'),
+    )
+    const notAnsweredBy: Record<string, number> = {}
+    for (const e of expected) {
+      if (e.fate === 'answered') continue
+      const cause = e.fate === 'cut' ? cutAtDeadline : causeOf(e)
+      notAnsweredBy[cause] = (notAnsweredBy[cause] ?? 0) + 1
+    }
+    return {
+      numExpected: expected.length,
+      numAnswered: expected.filter((e) => e.fate === 'answered').length,
+      notAnsweredBy,
+    }
+  }
+
   /** Why a probe's valid completions went unanswered, in words for a title, e.g.
    *  `2 of 5 valid requests not answered (HTTP 500 ×2); 1 cut at the time budget's deadline`,
    *  with `marks`, the statuses or failures it names (`500`, `timeout`), so that a title that
@@ -118,7 +163,10 @@ export class Ledger {
     const parts: string[] = []
     const marks = new Set<string>()
     if (notAnswered.length > 0) {
-      for (const e of notAnswered) marks.add(e.status === null ? (e.failure ?? '') : `${e.status}`)
+      for (const e of notAnswered)
+        marks.add(
+          e.status === null || e.failure === 'truncated' ? (e.failure ?? '') : `${e.status}`,
+        )
       const by: Record<string, number> = {}
       for (const e of notAnswered) by[causeOf(e)] = (by[causeOf(e)] ?? 0) + 1
       const causes = Object.entries(by)
@@ -134,16 +182,16 @@ export class Ledger {
     return parts.length === 0 ? null : { text: parts.join('; '), marks: [...marks] }
   }
 
-  /** Every completion, in the order they ended (no text, no key). */
+  /** Every completion, in the order they ended (no text, no key); an earlier run's first. */
   timeline(): CompletionEntry[] {
-    return this.entries.map(({ isValid: _isValid, ...entry }) => entry)
+    return this.entries.map(({ isEarlier: _isEarlier, ...entry }) => entry)
   }
 }
 
-/** `HTTP 502`, `timeout`, `network`, `HTTP 200 stream_error`. */
+/** `HTTP 502`, `timeout`, `network`, `HTTP 200 stream_error`, `HTTP 200 truncated`. */
 export function causeOf(e: { status: number | null; failure: string | null }): string {
   if (e.status === null) return e.failure ?? 'no answer'
-  return e.failure === 'stream_error' || e.failure === 'bad_response'
+  return e.failure === 'stream_error' || e.failure === 'bad_response' || e.failure === 'truncated'
     ? `HTTP ${e.status} ${e.failure}`
     : `HTTP ${e.status}`
 }

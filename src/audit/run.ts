@@ -1,24 +1,43 @@
 /** `runAudit`: validates options, reads what the endpoint says about itself, runs the chosen
  *  probes within the budget and returns the report. Never throws for what it finds; throws
- *  `AuditError` only when it cannot audit at all (bad options, target unreachable, a key refused)
- *  or when the target answered none of the valid completions sent (`no_completion_answered`,
- *  with the report of what was seen attached): then nothing was audited, and an audit that
- *  returned a report would read as "no leak observed". */
+ *  `AuditError` only when it cannot audit at all: bad options, target unreachable, a key refused,
+ *  `--model` not served, a report that cannot be resumed, or a target that answered none of this
+ *  run's valid completions whole (`no_completion_answered`, with the report of what was seen
+ *  attached in state `tool-error`): then nothing was audited, and an audit that returned a report
+ *  would read as "no leak observed". An interrupted audit (its `signal` aborted) returns its
+ *  report in state `interrupted`; `resume` continues one from what it had established. */
 import { randomInt } from 'node:crypto'
 import { Budget, BudgetExhaustedError } from './budget.js'
-import { discover, type Discovery } from './discovery.js'
+import { discover } from './discovery.js'
 import { controlsOf } from './controls.js'
+import {
+  availabilityFindings,
+  checkModelServed,
+  noAnswerMessage,
+  readHealth,
+  sendAnswerCheck,
+  answerCheckTokens,
+  type HealthReading,
+} from './gate.js'
 import { Ledger } from './ledger.js'
 import type { ProbeContext } from './probe.js'
 import { inconclusiveRemediation } from './probe.js'
 import { probes } from './probes/index.js'
+import {
+  checkResumedModel,
+  resumedFrom,
+  resumePoint,
+  type ResumePoint,
+  type ResumeSource,
+} from './resume.js'
 import { calibrate, calibrationWords, type PromptSizer } from './sizer.js'
 import { probePlan, totalPlan, type AuditPlan, type PlanInput } from './plan.js'
-import { createTarget, type HttpResult, type Target } from './target.js'
+import { createTarget, type Target } from './target.js'
 import {
   AuditError,
   probeNames,
   type AuditReport,
+  type AuditState,
   type Finding,
   type ProbeName,
   type ProbeRun,
@@ -36,7 +55,7 @@ export interface AuditOptions {
   readonly model?: string
   /** Default: all, in the order of `probeNames`. */
   readonly probes?: readonly ProbeName[]
-  /** uint32; default: random (and reported, so a run can be repeated). */
+  /** uint32; default: random (and reported, so a run can be repeated), or the resumed report's. */
   readonly seed?: number
   readonly maxRequests?: number // default 300
   readonly maxSeconds?: number // default 300
@@ -51,6 +70,17 @@ export interface AuditOptions {
   readonly isAggressive?: boolean
   /** Progress, one line at a time (probe started, probe details, probe finished). */
   readonly onProgress?: (event: ProgressEvent) => void
+  /** Aborting it interrupts the audit (its reason, `'SIGINT'` or `'SIGTERM'`, is reported): no
+   *  request is sent after, those in flight are cut, the probe running and those after it stay
+   *  pending, and `runAudit` resolves with the report in state `interrupted` at once. */
+  readonly signal?: AbortSignal
+  /** Called with the report so far (state `running`) after each probe ends, and awaited: the CLI
+   *  writes it, so that an audit killed outright leaves what it had established. */
+  readonly onReport?: (report: AuditReport) => Promise<void>
+  /** A report of an earlier run of this same audit to continue (`--resume`): its probes that ran
+   *  to their end are kept, the others run (resume.ts). Its seed is used unless `seed` is given
+   *  (then it must be the same). */
+  readonly resume?: ResumeSource
 }
 
 export type ProgressEvent =
@@ -67,11 +97,34 @@ export const auditDefaults = Object.freeze({
   overCapacityAttempts: 6,
 })
 
+/** One probe's run and findings, and whether it ran to its end (see {@link runProbe}). */
+interface ProbeOutcome {
+  readonly run: ProbeRun
+  readonly findings: Finding[]
+  readonly isComplete: boolean
+}
+
 export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   const startedAt = new Date()
   const config = validate(options)
-  const budget = new Budget(config.budget, startedAt.getTime())
-  const emit = options.onProgress ?? (() => {})
+  const point =
+    options.resume === undefined
+      ? null
+      : resumePoint(options.resume, {
+          baseUrl: config.baseUrl,
+          tenants: config.tenants.map((t) => t.name),
+          probes: config.probes,
+          seed: options.seed ?? null,
+          model: config.model,
+        })
+  const seed = point?.seed ?? config.seed
+  const budget = new Budget(config.budget, startedAt.getTime(), point?.origin)
+  const interruptedBy = (): 'SIGINT' | 'SIGTERM' | undefined => {
+    const reason: unknown = options.signal?.reason
+    return reason === 'SIGINT' || reason === 'SIGTERM' ? reason : undefined
+  }
+  if (options.signal?.aborted) budget.stop()
+  options.signal?.addEventListener('abort', () => budget.stop(), { once: true })
 
   // The first valid completion that fails asks /health once: a health check that says all is
   // well while requests fail keeps a load balancer sending traffic here.
@@ -79,6 +132,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   const ledger = new Ledger(() => {
     health ??= readHealth(target)
   })
+  ledger.addEarlier(point?.completions ?? [])
   const targetOptions = {
     baseUrl: config.baseUrl,
     tenants: config.tenants,
@@ -87,91 +141,198 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     ledger,
   }
   const discovery = await discover(createTarget({ ...targetOptions, model: null }), config.model)
+  if (point !== null) checkResumedModel(point, options.resume!.source, discovery.model)
   const target = createTarget({ ...targetOptions, model: discovery.model })
   await checkKeys(target)
+  await checkModelServed(target, discovery, config.model)
+
+  const outcomes = new Map<ProbeName, ProbeOutcome>()
+  for (const run of point?.probeRuns ?? []) {
+    const findings = (point as ResumePoint).findings.filter((f) => f.probe === run.probe)
+    outcomes.set(run.probe, { run, findings, isComplete: true })
+  }
+  const extraFindings: Finding[] = []
+  const report = (state: AuditState): AuditReport => {
+    const findings = config.probes.flatMap((name) => outcomes.get(name)?.findings ?? [])
+    return {
+      schemaVersion: 1,
+      tool: 'kvfence audit',
+      target: config.baseUrl,
+      model: discovery.model,
+      startedAt: point?.startedAt ?? startedAt.toISOString(),
+      durationMs: Date.now() - budget.timeOrigin,
+      seed,
+      budget: config.budget,
+      requestsSent: budget.requestsSent + (point?.origin.requestsBefore ?? 0),
+      probeRuns: config.probes.flatMap((name) => outcomes.get(name)?.run ?? []),
+      findings: [...findings, ...extraFindings],
+      completions: ledger.timeline(),
+      tenants: config.tenants.map((t) => t.name),
+      probes: config.probes,
+      state,
+      pendingProbes: config.probes.filter((name) => outcomes.get(name)?.isComplete !== true),
+      ...(state === 'interrupted' && interruptedBy() ? { interruptedBy: interruptedBy() } : {}),
+      ...(point === null ? {} : { resumed: resumedFrom(point, startedAt) }),
+    }
+  }
 
   let sizing: Promise<PromptSizer | null> | null = null
-  const findings: Finding[] = []
-  const probeRuns: ProbeRun[] = []
+  const sizer = () => (sizing ??= calibrate(target))
   for (const name of config.probes) {
-    const probeStartedAt = performance.now()
-    const requestsBefore = budget.requestsSent
-    budget.takeMostInFlight()
-    emit({ type: 'probe-start', probe: name })
-    ledger.setProbe(name)
-    let isAbandoned = false
-    const context: ProbeContext = {
-      seed: config.seed,
+    if (outcomes.has(name)) continue // kept from the resumed report
+    if (budget.isStopped) break
+    const outcome = await runProbe(name, target, budget, ledger, {
+      seed,
       overCapacityAttempts: config.overCapacityAttempts,
       isAggressive: options.isAggressive === true,
       discovery,
-      sizer: () => (sizing ??= calibrate(target)),
-      log: (message) => {
-        if (!isAbandoned) emit({ type: 'probe-log', probe: name, message })
-      },
-    }
-    let probeFindings: Finding[]
-    try {
-      const outcome = await withinDeadline(probes[name].run(target, budget, context), budget)
-      if (outcome === 'overran') {
-        isAbandoned = true
-        probeFindings = [overranProbe(name, budget)]
-      } else {
-        probeFindings = outcome
-        if (probeFindings.length === 0) throw new Error('probe returned no finding')
-      }
-    } catch (err) {
-      probeFindings = [failedProbe(name, err)]
-    }
-    probeFindings = probeFindings.map((f) => ({
-      ...withReason(f, ledger.unansweredReason(name)),
-      controls: controlsOf(f.probe),
-    }))
-    findings.push(...probeFindings)
-    probeRuns.push({
-      probe: name,
-      durationMs: Math.round(performance.now() - probeStartedAt),
-      requestsSent: budget.requestsSent - requestsBefore,
-      completions: ledger.counts(name),
-      inconclusiveReasons: probeFindings
-        .filter((f) => f.verdict === 'inconclusive')
-        .map((f) => f.title),
-      concurrencyReached: budget.takeMostInFlight(),
+      sizer,
+      emit: options.onProgress ?? (() => {}),
+      interruptedBy,
     })
-    emit({ type: 'probe-end', probe: name, findings: probeFindings })
+    outcomes.set(name, outcome)
+    if (budget.isStopped) break
+    await options.onReport?.(report('running'))
   }
   ledger.setProbe(null)
+
+  if (budget.isStopped) {
+    const why = `the audit was interrupted${interruptedBy() ? ` (${interruptedBy()})` : ''}`
+    for (const name of config.probes) {
+      if (outcomes.has(name)) continue
+      const finding = notRunFinding(name, `not run: ${why} before it`)
+      outcomes.set(name, {
+        run: emptyRun(name, finding.title),
+        findings: [finding],
+        isComplete: false,
+      })
+    }
+    return report('interrupted')
+  }
+
+  // Probes that sent no valid completion (capacity reads discovery only) prove nothing about
+  // whether the target answers one: one short completion of the audit's own does.
+  if (ledger.answerSummary().numExpected === 0) await sendAnswerCheck(target)
+  if (ledger.validSummary().numFailed > 0) health ??= readHealth(target)
   const healthReading = health === null ? null : await (health as Promise<HealthReading>)
-  findings.push(
+  if (budget.isStopped) return report('interrupted')
+  extraFindings.push(
     ...availabilityFindings(ledger, healthReading).map((f) => ({
       ...f,
       controls: controlsOf(f.probe),
     })),
   )
+  const message = noAnswerMessage(ledger.answerSummary(), config.baseUrl, budget, healthReading)
+  if (message !== null) {
+    // Nothing this run did was audited: its probes stay pending, so --resume runs them again.
+    const kept = new Set(point?.kept ?? [])
+    for (const [name, outcome] of outcomes)
+      if (!kept.has(name)) outcomes.set(name, { ...outcome, isComplete: false })
+    const failed = {
+      ...report('tool-error'),
+      toolError: { code: 'no_completion_answered' as const, message },
+    }
+    throw new AuditError('no_completion_answered', message, failed)
+  }
+  return report('finished')
+}
 
-  const report: AuditReport = {
-    schemaVersion: 1,
-    tool: 'kvfence audit',
-    target: config.baseUrl,
-    model: discovery.model,
-    startedAt: startedAt.toISOString(),
-    durationMs: Date.now() - startedAt.getTime(),
-    seed: config.seed,
-    budget: config.budget,
-    requestsSent: budget.requestsSent,
-    probeRuns,
-    findings,
-    completions: ledger.timeline(),
+/** Runs one probe within the deadline (abandoned {@link probeGraceMs} after it, or at once when
+ *  the audit is interrupted) and records its run. It ran to its end (`isComplete`) when it
+ *  returned its findings with the budget not spent: a probe stopped by the budget, abandoned,
+ *  interrupted or failed is run again by `--resume`. */
+async function runProbe(
+  name: ProbeName,
+  target: Target,
+  budget: Budget,
+  ledger: Ledger,
+  context: Omit<ProbeContext, 'log'> & {
+    readonly emit: (event: ProgressEvent) => void
+    readonly interruptedBy: () => string | undefined
+  },
+): Promise<ProbeOutcome> {
+  const { emit } = context
+  const probeStartedAt = performance.now()
+  const requestsBefore = budget.requestsSent
+  budget.takeMostInFlight()
+  emit({ type: 'probe-start', probe: name })
+  ledger.setProbe(name)
+  let isAbandoned = false
+  const probeContext: ProbeContext = {
+    seed: context.seed,
+    overCapacityAttempts: context.overCapacityAttempts,
+    isAggressive: context.isAggressive,
+    discovery: context.discovery,
+    sizer: context.sizer,
+    log: (message) => {
+      if (!isAbandoned) emit({ type: 'probe-log', probe: name, message })
+    },
   }
-  const valid = ledger.validSummary()
-  if (valid.numSent > 0 && valid.numAnswered === 0) {
-    throw new AuditError(
-      'no_completion_answered',
-      noAnswerMessage(valid, config.baseUrl, discovery, healthReading),
-      report,
-    )
+  let findings: Finding[]
+  let hasReturned = false
+  try {
+    const outcome = await withinDeadline(probes[name].run(target, budget, probeContext), budget)
+    if (outcome === 'overran' || outcome === 'interrupted') {
+      isAbandoned = true
+      findings = [
+        outcome === 'overran'
+          ? overranProbe(name, budget)
+          : notRunFinding(
+              name,
+              `not run to the end: the audit was interrupted${context.interruptedBy() ? ` (${context.interruptedBy()})` : ''}`,
+            ),
+      ]
+    } else {
+      findings = outcome
+      if (findings.length === 0) throw new Error('probe returned no finding')
+      hasReturned = true
+    }
+  } catch (err) {
+    findings = [failedProbe(name, err)]
   }
-  return report
+  findings = findings.map((f) => ({
+    ...withReason(f, ledger.unansweredReason(name)),
+    controls: controlsOf(f.probe),
+  }))
+  const isComplete =
+    hasReturned && !budget.isStopped && budget.remainingMs > 0 && budget.remainingRequests > 0
+  const run: ProbeRun = {
+    probe: name,
+    durationMs: Math.round(performance.now() - probeStartedAt),
+    requestsSent: budget.requestsSent - requestsBefore,
+    completions: ledger.counts(name),
+    inconclusiveReasons: findings.filter((f) => f.verdict === 'inconclusive').map((f) => f.title),
+    concurrencyReached: budget.takeMostInFlight(),
+  }
+  if (!budget.isStopped) emit({ type: 'probe-end', probe: name, findings })
+  return { run, findings, isComplete }
+}
+
+/** The run of a probe that never started (the audit was interrupted before it). */
+function emptyRun(probe: ProbeName, reason: string): ProbeRun {
+  return {
+    probe,
+    durationMs: 0,
+    requestsSent: 0,
+    completions: { sent: 0, answered: 0, refused: 0, failed: 0, cut: 0 },
+    inconclusiveReasons: [reason],
+    concurrencyReached: 0,
+  }
+}
+
+/** An inconclusive finding for a probe the audit did not let run (to its end). */
+function notRunFinding(probe: ProbeName, title: string): Finding {
+  return {
+    probe,
+    verdict: 'inconclusive',
+    severity: 'medium',
+    title,
+    evidence: {},
+    remediation:
+      'Continue the audit with --resume and its JSON report, or run it again. ' +
+      inconclusiveRemediation,
+    controls: controlsOf(probe),
+  }
 }
 
 /** `kvfence audit --plan`: what {@link runAudit} with these options would send, per probe, and
@@ -205,9 +366,20 @@ export async function planAudit(
     isAggressive: options.isAggressive === true,
   }
   const isSized = config.probes.some((p) => probesThatSize.includes(p))
+  const probePlans = config.probes.map((name) => probePlan(name, probes[name].plan?.(input) ?? []))
+  const isCompletionSent =
+    isSized || probePlans.some((p) => p.requests.some((r) => r.numRequests > 0 && r.tokensEach > 0))
+  const listed = discovery.modelsListed
+  const isModelUnlisted =
+    config.model !== null && listed.length > 0 && !listed.includes(config.model)
   const own = probePlan('audit', [
     { what: 'discovery reads (GET)', numRequests: discovery.endpoints.length, tokensEach: 0 },
     { what: 'key checks (GET /v1/models)', numRequests: config.tenants.length, tokensEach: 0 },
+    {
+      what: 'answer check (--model not listed; or no probe sends a completion)',
+      numRequests: (isModelUnlisted ? 1 : 0) + (isCompletionSent ? 0 : 1),
+      tokensEach: answerCheckTokens,
+    },
     ...calibrationWords.map((words) => ({
       what: `token calibration (${words} words)`,
       numRequests: isSized ? 1 : 0,
@@ -221,10 +393,7 @@ export async function planAudit(
       poolTokens: discovery.poolTokens,
       contextTokens: discovery.contextTokens,
       endpoints: discovery.endpoints,
-      probes: [
-        own,
-        ...config.probes.map((name) => probePlan(name, probes[name].plan?.(input) ?? [])),
-      ],
+      probes: [own, ...probePlans],
     },
     price,
   )
@@ -247,22 +416,29 @@ export function exitCodeFor(report: AuditReport, failOn: Verdict = 'leak'): 0 | 
  *  the reports (docs/auditing.md promises a few seconds in all). */
 export const probeGraceMs = 2_000
 
-/** `run`'s findings, or 'overran' when it has not ended {@link probeGraceMs} after the budget's
- *  deadline. An abandoned probe can send nothing more (every request is refused past the
- *  deadline); its late rejection is swallowed. */
+/** `run`'s findings, 'overran' when it has not ended {@link probeGraceMs} after the budget's
+ *  deadline, or 'interrupted' as soon as the budget is stopped. An abandoned probe can send
+ *  nothing more (every request is refused past the deadline); its late rejection is swallowed. */
 async function withinDeadline(
   run: Promise<Finding[]>,
   budget: Budget,
-): Promise<Finding[] | 'overran'> {
+): Promise<Finding[] | 'overran' | 'interrupted'> {
   let timer: ReturnType<typeof setTimeout> | undefined
   const overran = new Promise<'overran'>((resolve) => {
     timer = setTimeout(() => resolve('overran'), budget.remainingMs + probeGraceMs)
   })
+  let onStop = (): void => {}
+  const interrupted = new Promise<'interrupted'>((resolve) => {
+    onStop = () => resolve('interrupted')
+    if (budget.isStopped) onStop()
+    else budget.stopped.addEventListener('abort', onStop, { once: true })
+  })
   run.catch(() => {})
   try {
-    return await Promise.race([run, overran])
+    return await Promise.race([run, overran, interrupted])
   } finally {
     clearTimeout(timer)
+    budget.stopped.removeEventListener('abort', onStop)
   }
 }
 
@@ -309,107 +485,6 @@ function failedProbe(probe: ProbeName, err: unknown): Finding {
     evidence: { error: err instanceof Error ? err.message : String(err) },
     remediation: inconclusiveRemediation,
   }
-}
-
-// ─── Availability ────────────────────────────────────────────────────────────────────────────
-
-/** What `GET /health` answered: an HTTP status, or why none came (`timeout`, `network`,
- *  `budget`). */
-interface HealthReading {
-  readonly endpoint: '/health'
-  readonly status: number | string
-}
-
-async function readHealth(target: Target): Promise<HealthReading> {
-  let res: HttpResult
-  try {
-    res = await target.get('/health', { tenant: target.tenants[0] })
-  } catch (err) {
-    if (err instanceof BudgetExhaustedError) return { endpoint: '/health', status: 'budget' }
-    throw err
-  }
-  return { endpoint: '/health', status: res.status ?? res.failure ?? 'network' }
-}
-
-/** Valid completions that failed (5xx, timeouts, broken streams) are a warning whatever the
- *  probes made of them: a probe that could not tell says inconclusive, but an endpoint failing
- *  valid requests is itself a finding. A `/health` that answered 200 meanwhile is another. */
-function availabilityFindings(ledger: Ledger, health: HealthReading | null): Finding[] {
-  const valid = ledger.validSummary()
-  if (valid.numFailed === 0) return []
-  const byCause = Object.entries(valid.failedBy)
-    .sort(([, a], [, b]) => b - a)
-    .map(([cause, n]) => `${cause} ×${n}`)
-    .join(', ')
-  const evidence = {
-    numValidSent: valid.numSent,
-    numValidAnswered: valid.numAnswered,
-    numValidFailed: valid.numFailed,
-    failedBy: valid.failedBy,
-    refusedBy: valid.refusedBy,
-    failedByProbe: valid.failedByProbe,
-    health,
-  }
-  const findings: Finding[] = [
-    {
-      probe: 'availability',
-      verdict: 'warning',
-      severity: valid.numFailed * 10 >= valid.numSent ? 'high' : 'medium',
-      title: `${valid.numFailed} of ${valid.numSent} valid requests failed (${byCause})`,
-      evidence,
-      remediation:
-        'Find why the endpoint fails requests it should answer (its logs at the times in the ' +
-        "report's completions); probes that saw these failures could not tell, and a failing " +
-        'transfer or decode path is where stale pages get read.',
-    },
-  ]
-  if (health !== null && health.status === 200) {
-    findings.push({
-      probe: 'availability',
-      verdict: 'warning',
-      severity: 'high',
-      title: `/health answered 200 while ${valid.numFailed} of ${valid.numSent} valid requests failed`,
-      evidence,
-      remediation:
-        'Make the health check exercise the path requests take (a short completion, or the ' +
-        "workers' own state), so that a load balancer stops sending traffic to an endpoint that " +
-        'fails them.',
-    })
-  }
-  return findings
-}
-
-/** The one line of the `no_completion_answered` tool error: what came back, and the likely cause. */
-function noAnswerMessage(
-  valid: ReturnType<Ledger['validSummary']>,
-  baseUrl: string,
-  discovery: Discovery,
-  health: HealthReading | null,
-): string {
-  const causes = { ...valid.failedBy, ...valid.refusedBy }
-  const sorted = Object.entries(causes).sort(([, a], [, b]) => b - a)
-  const byCause = sorted.map(([cause, n]) => `${cause} ×${n}`).join(', ')
-  const top = sorted[0]?.[0] ?? ''
-  const model = discovery.model
-  const isModelUnlisted =
-    model !== null && discovery.modelsListed.length > 0 && !discovery.modelsListed.includes(model)
-  let hint: string
-  if (top === 'HTTP 404' && isModelUnlisted)
-    hint = `model ${JSON.stringify(model)} is not one /v1/models lists (${discovery.modelsListed.slice(0, 5).join(', ')}): check --model`
-  else if (top === 'HTTP 404')
-    hint = `check --model and the target's path prefix (${baseUrl}/v1/completions was asked)`
-  else if (top === 'HTTP 405' || top === 'HTTP 501')
-    hint = `${baseUrl} does not serve POST /v1/completions: check that --target is an OpenAI-compatible endpoint, with its path prefix`
-  else if (top.startsWith('HTTP 4'))
-    hint =
-      'every one was refused: check --model and that the endpoint takes prompt, max_tokens and temperature'
-  else if (top === 'timeout') hint = 'none was answered within the request timeout'
-  else hint = 'the endpoint failed every one'
-  const healthNote = health === null ? '' : `; /health answered ${health.status}`
-  return (
-    `the target answered none of the ${valid.numSent} valid completions sent to ${baseUrl}/v1/completions ` +
-    `(${byCause})${healthNote}: ${hint}. Nothing was audited`
-  )
 }
 
 // ─── Options ─────────────────────────────────────────────────────────────────────────────────

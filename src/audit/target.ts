@@ -219,6 +219,10 @@ export function createTarget(options: TargetOptions): Target {
         Math.min(requestTimeoutMs, remainingMs),
       )
       cut.signal.addEventListener('abort', () => stop.abort(new DOMException('cut', 'AbortError')))
+      // An interrupted audit cuts what is in flight as its deadline would.
+      const onStopped = () => stop.abort(new DOMException('audit interrupted', 'TimeoutError'))
+      if (budget.isStopped) onStopped()
+      else budget.stopped.addEventListener('abort', onStopped, { once: true })
       const signal = stop.signal
       const cutTimer =
         opts.abortAfterMs === undefined
@@ -249,7 +253,7 @@ export function createTarget(options: TargetOptions): Target {
           readCapped(res, sentAt, read, opts.abortAfterChunks ?? null, cut, cap),
           onAbort,
         ])
-        const atMs = Date.now() - budget.startedAt
+        const atMs = Date.now() - budget.timeOrigin
         return {
           status,
           failure: isTruncated ? 'truncated' : null,
@@ -274,11 +278,12 @@ export function createTarget(options: TargetOptions): Target {
           contentType,
           ...read,
           requestNumber,
-          atMs: Date.now() - budget.startedAt,
+          atMs: Date.now() - budget.timeOrigin,
         }
       } finally {
         if (cutTimer) clearTimeout(cutTimer)
         clearTimeout(deadline)
+        budget.stopped.removeEventListener('abort', onStopped)
       }
     })
 

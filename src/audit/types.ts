@@ -92,6 +92,9 @@ export interface CompletionEntry {
   readonly status: number | null
   readonly failure: string | null
   readonly fate: CompletionFate
+  /** False for a prompt sent to be refused (over capacity, malformed); absent in reports written
+   *  before it was recorded. */
+  readonly isValid?: boolean
 }
 
 /** How one probe ran (for JUnit test-case times and the HTML report). */
@@ -108,8 +111,27 @@ export interface ProbeRun {
   readonly concurrencyReached?: number
 }
 
+/** Where an audit stands when its report is written:
+ *  - `running`: written after a probe ended, more to come (a report left so was killed);
+ *  - `interrupted`: stopped by SIGINT or SIGTERM (`interruptedBy`);
+ *  - `finished`: every probe ran, or was stopped by the budget (see `pendingProbes`);
+ *  - `tool-error`: the audit could not audit (`toolError`): never a verdict. */
+export type AuditState = 'running' | 'interrupted' | 'finished' | 'tool-error'
+
+/** What an audit continued with `--resume` carried over from the report it resumed. */
+export interface ResumedFrom {
+  /** Probes whose runs, findings and completions an earlier run established, kept as they were. */
+  readonly probes: readonly ProbeName[]
+  /** When this (the last) run started, ISO 8601. */
+  readonly resumedAt: string
+  /** What the earlier runs took together: milliseconds, and HTTP requests. */
+  readonly previousDurationMs: number
+  readonly previousRequestsSent: number
+}
+
 /** The JSON report, schema version 1 (docs/report-schema.json; fields are only ever added, and a
- *  change that breaks readers gets a new version). */
+ *  change that breaks readers gets a new version). The fields marked optional are absent only in
+ *  reports written before they were added. */
 export interface AuditReport {
   readonly schemaVersion: 1
   readonly tool: 'kvfence audit'
@@ -126,6 +148,20 @@ export interface AuditReport {
   readonly findings: readonly Finding[]
   /** Every completion the audit sent, in the order they ended. */
   readonly completions: readonly CompletionEntry[]
+  /** The tenants' names, in the order given (the first plants): never their keys. */
+  readonly tenants?: readonly string[]
+  /** The probes chosen, in the order they run. */
+  readonly probes?: readonly ProbeName[]
+  readonly state?: AuditState
+  /** Chosen probes not run to their end (not run yet, interrupted, stopped by the budget, or
+   *  failed): what `--resume` runs again. */
+  readonly pendingProbes?: readonly ProbeName[]
+  /** With state `interrupted`: the signal. */
+  readonly interruptedBy?: 'SIGINT' | 'SIGTERM'
+  /** With state `tool-error`: the error, as the one line on stderr says it. */
+  readonly toolError?: { readonly code: AuditErrorCode; readonly message: string }
+  /** Present when the audit was continued with `--resume`. */
+  readonly resumed?: ResumedFrom
 }
 
 /** Verdicts from least to most alarming; `--fail-on V` fails on V and everything after it. */
@@ -137,14 +173,19 @@ export const verdictRank: Readonly<Record<Verdict, number>> = {
 }
 
 /** `no_completion_answered`: the target answered none of the valid completions the audit sent
- *  (not an OpenAI endpoint, a wrong model or path prefix, an engine failing every request).
- *  `unauthorized_target`: a non-loopback target nobody authorized (authorize.ts). */
+ *  whole, or none could be sent (not an OpenAI endpoint, a wrong path prefix, an engine failing
+ *  every request, answers that never end, a budget spent before any).
+ *  `model_not_served`: `--model` is not one `/v1/models` lists and a completion naming it was
+ *  not answered. `unauthorized_target`: a non-loopback target nobody authorized (authorize.ts).
+ *  `cannot_resume`: the report given to `--resume` is not one this audit can continue. */
 export type AuditErrorCode =
   | 'invalid_options'
   | 'invalid_config'
   | 'target_unreachable'
   | 'no_completion_answered'
+  | 'model_not_served'
   | 'unauthorized_target'
+  | 'cannot_resume'
 
 /** A tool error: the audit could not run at all (bad options, target unreachable). The message
  *  is one line, names tenants but never keys. */

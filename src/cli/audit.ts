@@ -2,9 +2,12 @@
  *  outside. Parses flags (merged over an optional YAML `--config` file, flags winning), runs the
  *  audit, prints progress and a summary, writes the JSON, JUnit XML and HTML reports asked for, and
  *  sets the exit code: 1 for a finding at or above `--fail-on` (always for a leak), 2 for a tool
- *  error (one line on stderr), 0 otherwise. `--list-probes` prints the probes and exits 0.
- *  Never prints a tenant's key. */
+ *  error (one line on stderr), 130 or 143 when interrupted by SIGINT or SIGTERM (one line on
+ *  stderr), 0 otherwise. With `--json` the report is rewritten after every probe, so an
+ *  interrupted or killed audit leaves what it had established, and `--resume FILE` continues it.
+ *  `--list-probes` prints the probes and exits 0. Never prints a tenant's key. */
 import { closeSync, existsSync, openSync, rmSync } from 'node:fs'
+import { readFile } from 'node:fs/promises'
 import { MultiBar, Presets } from 'cli-progress'
 import { Option, type Command } from 'commander'
 import {
@@ -53,7 +56,11 @@ interface AuditFlags {
   pricePerMillionTokens?: string
   authorized?: boolean
   aggressive?: boolean
+  resume?: string
 }
+
+/** Exit codes of an interrupted audit: 128 + the signal's number, as a shell reports it. */
+const interruptExitCodes = { SIGINT: 130, SIGTERM: 143 } as const
 
 export function registerAudit(program: Command): void {
   program
@@ -73,7 +80,10 @@ export function registerAudit(program: Command): void {
       (value: string, previous: string[] | undefined) => [...(previous ?? []), value],
     )
     .option('--model <id>', 'model id (default: the first one /v1/models lists)')
-    .option('--json <file>', 'write the JSON report to this file')
+    .option(
+      '--json <file>',
+      'write the JSON report to this file (rewritten after every probe and on SIGINT/SIGTERM, so --resume can continue an interrupted audit)',
+    )
     .option('--junit <file>', 'write a JUnit XML report (a test case per probe) to this file')
     .option('--html <file>', 'write a self-contained HTML report with plots to this file')
     .option(
@@ -110,8 +120,19 @@ export function registerAudit(program: Command): void {
       'the target is one you may audit (needed for a non-loopback target not in authorized_targets)',
     )
     .option(
+      '--resume <report>',
+      'continue the interrupted audit whose JSON report this is: keep the probes it ran to their end, run the others (same target, model, tenants, probes; the report is rewritten unless --json names another file)',
+    )
+    .option(
       '--aggressive',
       'also send bodies that could disturb a shared engine (cache-fields: engine-internal fields aimed at an unrouted host)',
+    )
+    .addHelpText(
+      'after',
+      '\nExit codes: 0 no finding at or above --fail-on; 1 one at or above it (a leak always is);\n' +
+        '2 tool error, nothing audited (bad options, target unreachable, a key refused, --model not\n' +
+        'served, no valid completion answered whole, a --resume report of another audit);\n' +
+        '130/143 interrupted by SIGINT/SIGTERM (continue with --resume FILE when --json was given).',
     )
     .showHelpAfterError(false)
     .action(async (flags: AuditFlags) => {
@@ -175,8 +196,12 @@ async function audit(flags: AuditFlags): Promise<number> {
     throw new AuditError('invalid_options', '--price-per-million-tokens is only read with --plan')
   }
   const failOn: Verdict = flags.failOn ?? file.failOn ?? 'leak'
+  const resume =
+    flags.resume === undefined
+      ? undefined
+      : { report: await readResumed(flags.resume), source: flags.resume }
   const reports = {
-    json: flags.json ?? file.reports?.json,
+    json: flags.json ?? file.reports?.json ?? flags.resume,
     junit: flags.junit ?? file.reports?.junit,
     html: flags.html ?? file.reports?.html,
   }
@@ -185,12 +210,78 @@ async function audit(flags: AuditFlags): Promise<number> {
   checkWritable('JUnit', reports.junit)
   checkWritable('HTML', reports.html)
   const progress = makeProgress((probesToRun ?? probeNames).length)
-  const report = await runAudit({ ...options, onProgress: progress.onEvent }).finally(progress.stop)
+  const interrupt = new AbortController()
+  const onSignal = (signal: 'SIGINT' | 'SIGTERM'): void => {
+    // A second signal does not wait for the report to be written.
+    if (interrupt.signal.aborted) process.exit(interruptExitCodes[signal])
+    interrupt.abort(signal)
+  }
+  const onInt = () => onSignal('SIGINT')
+  const onTerm = () => onSignal('SIGTERM')
+  process.on('SIGINT', onInt)
+  process.on('SIGTERM', onTerm)
+  const json = reports.json
+  let report
+  try {
+    report = await runAudit({
+      ...options,
+      resume,
+      signal: interrupt.signal,
+      onProgress: progress.onEvent,
+      onReport: json === undefined ? undefined : (r) => writeJsonReport(r, json),
+    })
+  } catch (err) {
+    if (interrupt.signal.aborted) {
+      // Stopped before the probes began (discovery's requests were cut): nothing to keep.
+      const signal = interrupt.signal.reason as 'SIGINT' | 'SIGTERM'
+      process.stderr.write(
+        `kvfence audit: interrupted by ${signal} before any probe ended; nothing was kept\n`,
+      )
+      return interruptExitCodes[signal]
+    }
+    // The tool error's report (state tool-error, no verdict) replaces the progress written.
+    if (err instanceof AuditError && err.report !== undefined && json !== undefined)
+      await writeJsonReport(err.report, json).catch(() => {})
+    throw err
+  } finally {
+    progress.stop()
+    process.off('SIGINT', onInt)
+    process.off('SIGTERM', onTerm)
+  }
+  if (report.state === 'interrupted') {
+    const signal = report.interruptedBy ?? 'SIGINT'
+    const numDone = (report.probes ?? []).length - (report.pendingProbes ?? []).length
+    const kept =
+      json === undefined
+        ? 'no --json was given, so nothing was kept to resume'
+        : `${json} holds them: continue with --resume ${json}`
+    if (json !== undefined) await writeReport('JSON', json, (f) => writeJsonReport(report, f))
+    process.stderr.write(
+      `kvfence audit: interrupted by ${signal}: ${numDone} of ${(report.probes ?? []).length} probes ran to their end; ${kept}\n`,
+    )
+    return interruptExitCodes[signal]
+  }
   process.stdout.write(`\n${formatSummary(report)}\n`)
   await writeReport('JSON', reports.json, (f) => writeJsonReport(report, f))
   await writeReport('JUnit', reports.junit, (f) => writeJunitReport(report, f, failOn))
   await writeReport('HTML', reports.html, (f) => writeHtmlReport(report, f))
   return exitCodeFor(report, failOn)
+}
+
+/** The JSON of the report `--resume` names; one line (`cannot_resume`) when it cannot be read. */
+async function readResumed(file: string): Promise<unknown> {
+  let text: string
+  try {
+    text = await readFile(file, 'utf8')
+  } catch (err) {
+    const reason = (err as { code?: string }).code ?? String(err)
+    throw new AuditError('cannot_resume', `cannot resume ${file}: ${reason}`)
+  }
+  try {
+    return JSON.parse(text) as unknown
+  } catch {
+    throw new AuditError('cannot_resume', `cannot resume ${file}: it is not JSON`)
+  }
 }
 
 /** Throws `invalid_options` (as {@link writeReport} would, later) when `file` cannot be opened for

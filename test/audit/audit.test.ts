@@ -257,9 +257,30 @@ describe('audit verdicts', () => {
 })
 
 describe('audit budget', () => {
+  /** The report, whether the audit returned it or attached it to its tool error. */
+  async function reportOrToolError(
+    kind: StandInKind,
+    options: Partial<AuditOptions>,
+    standInOptions: Parameters<typeof startStandIn>[1] = {},
+  ): Promise<{ report: AuditReport; standIn: StandIn; error: AuditError | null }> {
+    const standIn = await startStandIn(kind, standInOptions)
+    try {
+      const report = await runAudit({ target: standIn.url, tenants, seed: 1234, ...options })
+      return { report, standIn, error: null }
+    } catch (err) {
+      if (!(err instanceof AuditError) || err.report === undefined) throw err
+      return { report: err.report, standIn, error: err }
+    } finally {
+      await standIn.close()
+    }
+  }
+
+  // 1 and 5 requests are spent by discovery and the key checks before any valid completion: the
+  // audit audited nothing, a tool error (it was a report of inconclusives, exit 0); 12 and 20
+  // leave room for some.
   for (const maxRequests of [1, 5, 12, 20]) {
     test(`never sends more than --max-requests ${maxRequests}, and what it could not test is not clean`, async () => {
-      const { report, standIn } = await auditStandIn('leaky', { maxRequests })
+      const { report, standIn, error } = await reportOrToolError('leaky', { maxRequests })
       assert.ok(
         standIn.stats.numRequests <= maxRequests,
         `${standIn.stats.numRequests} > ${maxRequests}`,
@@ -267,6 +288,15 @@ describe('audit budget', () => {
       assert.equal(report.requestsSent, standIn.stats.numRequests)
       assert.ok(report.findings.every((f) => f.verdict !== 'clean'))
       assert.deepEqual([...new Set(report.findings.map((f) => f.probe))], probeNames)
+      if (maxRequests <= 5) {
+        assert.equal(error?.code, 'no_completion_answered')
+        assert.match(
+          error.message,
+          new RegExp(
+            `the request budget \\(--max-requests ${maxRequests}\\) ran out before the first one`,
+          ),
+        )
+      } else assert.equal(error, null)
     })
   }
 
@@ -282,10 +312,13 @@ describe('audit budget', () => {
   test('stops at --max-seconds, cutting a slow request, and reports the rest inconclusive', async () => {
     // With 500 ms per request a whole audit takes well over 20 s; a 1 s budget must stop it. The
     // bound is loose on purpose: the machine may be busy, and what matters is that it stopped.
+    // Discovery alone takes the second: no valid completion ends in time, so the audit is a tool
+    // error (it was exit 0 with every probe inconclusive); its report still says what it saw.
     const started = Date.now()
-    const { report } = await auditStandIn('safe', { maxSeconds: 1 }, { delayMs: 500 })
+    const { report, error } = await reportOrToolError('safe', { maxSeconds: 1 }, { delayMs: 500 })
     const elapsedMs = Date.now() - started
     assert.ok(elapsedMs < 10_000, `took ${elapsedMs} ms`)
+    assert.equal(error?.code, 'no_completion_answered')
     assert.ok(report.durationMs < 10_000, `report says ${report.durationMs} ms`)
     const canary = report.findings.filter((f) => f.probe === 'canary')
     assert.deepEqual(

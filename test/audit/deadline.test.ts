@@ -2,6 +2,8 @@
  *  process, against a stand-in whose every completion streams token events forever. The audit
  *  must exit within `--max-seconds` plus the documented grace (probes conclude, reports are
  *  written), must not call `clean` what it never saw whole, and must print no `-Infinity`.
+ *  Since no valid answer ever ends, nothing was audited: the exit is 2 (a tool error, one line
+ *  saying why), never 0, and the JSON report says `tool-error` with no verdict drawn from it.
  *  The wall-time bound is a hang check with a wide margin, not a performance claim: before the
  *  fix a 3-second abort-race ran for minutes of CPU past its deadline (scanning 8 MiB answers). */
 import assert from 'node:assert/strict'
@@ -64,7 +66,7 @@ describe('an endpoint whose answers never end', () => {
   const readReport = async (file: string): Promise<AuditReport> =>
     JSON.parse(await readFile(file, 'utf8')) as AuditReport
 
-  test('abort-race, events as fast as they are read, --max-seconds 3: ends in time, inconclusive (never clean)', async () => {
+  test('abort-race, events as fast as they are read, --max-seconds 3: ends in time, exit 2 (every answer truncated), inconclusive (never clean)', async () => {
     const json = join(dir, 'abort-race.json')
     const run = await audit(fast.url, [
       '--probes',
@@ -74,24 +76,38 @@ describe('an endpoint whose answers never end', () => {
       '--json',
       json,
     ])
-    assert.equal(run.code, 0, run.stderr)
+    // Every valid answer went on past its size cap: not one was answered, so nothing was audited.
+    assert.equal(run.code, 2, run.stderr)
+    assert.match(
+      run.stderr,
+      /^kvfence audit: the target answered none of the \d+ valid completions sent to http:\/\/127\.0\.0\.1:\d+\/v1\/completions \(HTTP 200 truncated ×\d+\)(; \/health answered 200)?: every answer went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers\. Nothing was audited\n$/,
+    )
     assert.ok(run.wallMs < 3_000 + probeGraceMs + marginMs, `took ${Math.round(run.wallMs)} ms`)
     const report = await readReport(json)
+    assert.equal(report.state, 'tool-error')
+    assert.equal(report.toolError?.code, 'no_completion_answered')
+    assert.deepEqual(report.pendingProbes, ['abort-race'])
     assert.ok(report.durationMs <= 3_000 + probeGraceMs, `report says ${report.durationMs} ms`)
     assert.deepEqual(
-      report.findings.map((f) => [f.probe, f.verdict]),
+      report.findings.filter((f) => f.probe !== 'availability').map((f) => [f.probe, f.verdict]),
       [['abort-race', 'inconclusive']],
     )
     assert.match(report.findings[0].title, /answers to other tenants never ended/)
     assert.doesNotMatch(run.stdout + run.stderr, /Infinity/)
   })
 
-  test('every probe, one event every 20 ms, --max-seconds 4: ends in time, abort-race not clean, no -Infinity', async () => {
+  test('every probe, one event every 20 ms, --max-seconds 4: ends in time, exit 2 (no answer ended), abort-race not clean, no -Infinity', async () => {
     const json = join(dir, 'all.json')
     const run = await audit(slow.url, ['--max-seconds', '4', '--json', json])
-    assert.equal(run.code, 0, run.stderr)
+    // No valid answer ended before the deadline: a tool error naming the deadline, not exit 0.
+    assert.equal(run.code, 2, run.stderr)
+    assert.match(
+      run.stderr,
+      /^kvfence audit: the target answered none of the \d+ valid completions sent to \S+ \(cut at the deadline ×\d+\)(; \/health answered 200)?: none ended before the time budget's deadline: raise --max-seconds, or check that the endpoint ends its answers at max_tokens\. Nothing was audited\n$/,
+    )
     assert.ok(run.wallMs < 4_000 + probeGraceMs + marginMs, `took ${Math.round(run.wallMs)} ms`)
     const report = await readReport(json)
+    assert.equal(report.state, 'tool-error')
     assert.ok(report.durationMs <= 4_000 + probeGraceMs, `report says ${report.durationMs} ms`)
     const verdictOf = (probe: string) => report.findings.find((f) => f.probe === probe)?.verdict
     assert.equal(verdictOf('abort-race'), 'inconclusive')

@@ -65,14 +65,107 @@ describe('a target that answered no valid completion is a tool error', () => {
     })
   })
 
-  test('a wrong --model (404 model_not_found): names the model and the models listed', async () => {
+  // Was no_completion_answered after every probe had spent its requests on 404s: now one
+  // completion naming the unlisted model decides before any probe runs.
+  test('a wrong --model (404 model_not_found): model_not_served before any probe, naming the model and the models listed', async () => {
     await withStandIn('safe', {}, async (url) => {
-      const err = await toolError({ target: url, model: 'tiny-ecko' })
+      for (const probes of [undefined, ['capacity' as const]]) {
+        const err = await toolError({ target: url, model: 'tiny-ecko', probes })
+        assert.equal(err.code, 'model_not_served')
+        assert.match(
+          err.message,
+          /^model "tiny-ecko" is not served by http:\/\/127\.0\.0\.1:\d+: \/v1\/models lists tiny-echo, and a completion naming it got HTTP 404 \(model_not_found\): check --model$/,
+        )
+        assert.equal(err.report, undefined, 'no probe ran')
+      }
+    })
+  })
+
+  test('a model /v1/models does not list but the endpoint serves (an alias): the audit goes on', async () => {
+    await withStandIn('safe', { unlistedModels: ['tiny-alias'] }, async (url) => {
+      const report = await runAudit({
+        target: url,
+        tenants,
+        seed: 1,
+        model: 'tiny-alias',
+        probes: ['capacity'],
+      })
+      assert.equal(report.model, 'tiny-alias')
+      assert.equal(report.state, 'finished')
+      // The model check is the only completion: capacity sends none, so no second check.
+      assert.deepEqual(
+        report.completions.map((c) => [c.probe, c.status, c.fate]),
+        [[null, 200, 'answered']],
+      )
+    })
+  })
+
+  // Probes that send no completion (capacity reads discovery only) used to let these exit 0.
+  test('--probes capacity against a static file server: one check completion, 501, a tool error', async () => {
+    await withStandIn('static', {}, async (url) => {
+      const err = await toolError({ target: url, probes: ['capacity'] })
       assert.equal(err.code, 'no_completion_answered')
       assert.match(
         err.message,
-        /\(HTTP 404 ×\d+\): model "tiny-ecko" is not one \/v1\/models lists \(tiny-echo\): check --model/,
+        /^the target answered none of the 1 valid completions sent to http:\/\/127\.0\.0\.1:\d+\/v1\/completions \(HTTP 501 ×1\); \/health answered 404: http:\/\/127\.0\.0\.1:\d+ does not serve POST \/v1\/completions/,
       )
+      assert.deepEqual(
+        err.report!.completions.map((c) => [c.probe, c.status, c.fate]),
+        [[null, 501, 'failed']],
+      )
+      assert.equal(err.report!.state, 'tool-error')
+      assert.deepEqual(err.report!.pendingProbes, ['capacity'])
+    })
+  })
+
+  test('--probes capacity with a wrong path prefix: the check completion gets 404, a tool error', async () => {
+    await withStandIn('safe', {}, async (url) => {
+      const err = await toolError({ target: `${url}/api`, probes: ['capacity'] })
+      assert.equal(err.code, 'no_completion_answered')
+      assert.match(err.message, /\(HTTP 404 ×1\).*\/api\/v1\/completions was asked/)
+    })
+  })
+
+  test('--probes capacity against a served endpoint: the check completion is answered, the report stands', async () => {
+    await withStandIn('safe', {}, async (url) => {
+      const report = await runAudit({ target: url, tenants, seed: 1, probes: ['capacity'] })
+      assert.deepEqual(
+        report.findings.map((f) => [f.probe, f.verdict]),
+        [['capacity', 'clean']],
+      )
+      assert.deepEqual(
+        report.completions.map((c) => [c.probe, c.tenant, c.status, c.fate]),
+        [[null, 'alice', 200, 'answered']],
+      )
+    })
+  })
+
+  test('a budget spent before any valid completion: a tool error saying so, not a report of inconclusives', async () => {
+    await withStandIn('safe', {}, async (url) => {
+      // Discovery's three reads and the two key checks take all five requests.
+      const err = await toolError({ target: url, maxRequests: 5 })
+      assert.equal(err.code, 'no_completion_answered')
+      assert.match(
+        err.message,
+        /^no valid completion was sent to http:\/\/127\.0\.0\.1:\d+\/v1\/completions: the request budget \(--max-requests 5\) ran out before the first one\. Nothing was audited$/,
+      )
+    })
+  })
+
+  // Answers that never end were counted answered (200) or not counted (cut at the deadline):
+  // exit 0 with "no leak observed".
+  test('every valid answer endless, read to its size cap: truncated counts as not answered, a tool error', async () => {
+    await withStandIn('safe', { isEndless: true }, async (url) => {
+      const err = await toolError({ target: url, probes: ['determinism'], maxSeconds: 20 })
+      assert.equal(err.code, 'no_completion_answered')
+      assert.match(
+        err.message,
+        /\(HTTP 200 truncated ×\d+\); \/health answered 200: every answer went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers\. Nothing was audited$/,
+      )
+      const report = err.report!
+      assert.ok(report.completions.every((c) => c.fate === 'failed' && c.failure === 'truncated'))
+      // Failing valid requests while /health says 200: the availability warnings stand beside it.
+      assert.equal(report.findings.filter((f) => f.probe === 'availability').length, 2)
     })
   })
 
@@ -167,21 +260,27 @@ describe('page-leak takes its baseline before any probe runs', () => {
   })
 })
 
+/** Against an endpoint whose every answer is cut at the deadline, the audit is a tool error
+ *  (no valid completion answered: exit 2); the report it attaches still titles each inconclusive
+ *  with its reason, which is what these tests hold. */
 describe('every inconclusive says why in its title', () => {
   const endless = { isEndless: true, tokenDelayMs: 20 }
+  const cutAtDeadline =
+    /^the target answered none of the (\d+) valid completions sent to \S+ \(cut at the deadline ×\1\): none ended before the time budget's deadline/
 
   test('error-handling whose control was cut at the deadline: says so, and its log line is not empty', async () => {
     const logs: string[] = []
-    const report = await withStandIn('safe', endless, (url) =>
-      runAudit({
+    const err = await withStandIn('safe', endless, (url) =>
+      toolError({
         target: url,
-        tenants,
-        seed: 1,
         probes: ['error-handling'],
         maxSeconds: 2,
         onProgress: (e) => void (e.type === 'probe-log' && logs.push(e.message)),
       }),
     )
+    assert.equal(err.code, 'no_completion_answered')
+    assert.match(err.message, cutAtDeadline)
+    const report = err.report!
     assert.deepEqual(
       report.findings.map((f) => [f.probe, f.verdict, f.title]),
       [
@@ -204,10 +303,11 @@ describe('every inconclusive says why in its title', () => {
   })
 
   test('queueing with no unloaded answer: no "?" for the unloaded time, and the deadline named', async () => {
-    const report = await withStandIn('safe', endless, (url) =>
-      runAudit({ target: url, tenants, seed: 1, probes: ['queueing'], maxSeconds: 2 }),
+    const err = await withStandIn('safe', endless, (url) =>
+      toolError({ target: url, probes: ['queueing'], maxSeconds: 2 }),
     )
-    const [finding] = report.findings
+    assert.match(err.message, cutAtDeadline)
+    const [finding] = err.report!.findings
     assert.equal(finding.verdict, 'inconclusive')
     assert.doesNotMatch(finding.title, /\?/)
     assert.match(finding.title, /cut at the time budget's deadline/)

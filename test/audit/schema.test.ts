@@ -42,6 +42,32 @@ describe('docs/report-schema.json', () => {
       'canary',
     ])
     reports.toolError = await reportOf('static')
+    // Interrupted as the first probe ends, then resumed: both as the files hold them.
+    const standIn = await startStandIn('safe')
+    try {
+      const stop = new AbortController()
+      const options = {
+        target: standIn.url,
+        tenants: standInTenants,
+        seed: 3,
+        probes: ['boundary', 'canary'] as const,
+      }
+      const interrupted = await runAudit({
+        ...options,
+        probes: [...options.probes],
+        signal: stop.signal,
+        onProgress: (e) => void (e.type === 'probe-end' && stop.abort('SIGINT')),
+      })
+      reports.interrupted = JSON.parse(formatJsonReport(interrupted)) as AuditReport
+      const resumed = await runAudit({
+        ...options,
+        probes: [...options.probes],
+        resume: { report: reports.interrupted, source: 'interrupted.json' },
+      })
+      reports.resumed = JSON.parse(formatJsonReport(resumed)) as AuditReport
+    } finally {
+      await standIn.close()
+    }
   })
 
   test('names the probes, verdicts and fates the code uses', () => {
@@ -50,7 +76,7 @@ describe('docs/report-schema.json', () => {
     assert.deepEqual(defs.fate.enum, ['answered', 'refused', 'failed', 'cut'])
   })
 
-  for (const name of ['leaky', 'availability', 'toolError']) {
+  for (const name of ['leaky', 'availability', 'toolError', 'interrupted', 'resumed']) {
     test(`a real report validates: ${name}`, () => {
       const report = reports[name]
       assert.ok(validate(report), errorsOf())
@@ -74,6 +100,14 @@ describe('docs/report-schema.json', () => {
     assert.ok(reports.leaky.findings.some((f) => f.verdict === 'leak'))
     assert.ok(reports.availability.findings.some((f) => f.probe === 'availability'))
     assert.ok(reports.toolError.probeRuns.some((r) => r.inconclusiveReasons.length > 0))
+    assert.equal(reports.toolError.state, 'tool-error')
+    assert.deepEqual(
+      [reports.interrupted.state, reports.interrupted.interruptedBy],
+      ['interrupted', 'SIGINT'],
+    )
+    assert.deepEqual(reports.interrupted.pendingProbes, ['canary'])
+    assert.deepEqual(reports.resumed.resumed?.probes, ['boundary'])
+    assert.equal(reports.resumed.state, 'finished')
   })
 
   test('a report that drifts from the schema does not validate', () => {
@@ -88,6 +122,8 @@ describe('docs/report-schema.json', () => {
         { ...base, probeRuns: [{ ...base.probeRuns[0], completions: undefined }] },
       ],
       ['a start time that is not a date', { ...base, startedAt: 'yesterday' }],
+      ["a state 'done'", { ...base, state: 'done' }],
+      ['a pending probe it does not know', { ...base, pendingProbes: ['nope'] }],
     ]
     for (const [what, report] of bad) {
       const json = JSON.parse(JSON.stringify(report)) as unknown

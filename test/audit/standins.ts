@@ -110,6 +110,8 @@ export interface StandInOptions {
    *  (default), `honoured` (a salt replaces the tenant as the prefix cache's key, whoever sends
    *  it: vllm#53347), or `refused` with 400 (kvfence's router). */
   readonly clientSalt?: 'honoured' | 'refused'
+  /** Models served besides `tiny-echo` that `/v1/models` does not list (a gateway's aliases). */
+  readonly unlistedModels?: readonly string[]
 }
 
 const poolTokens = 384
@@ -228,7 +230,8 @@ export async function startStandIn(
       })
     }
     const request = parsedBody
-    if (request.model !== undefined && request.model !== 'tiny-echo') {
+    const served = ['tiny-echo', ...(options.unlistedModels ?? [])]
+    if (request.model !== undefined && !served.includes(request.model)) {
       return sendJson(res, 404, {
         error: {
           message: `The model \`${request.model}\` does not exist.`,

@@ -1,6 +1,8 @@
 /** The JSON report: the `AuditReport` as is (schema version 1), pretty-printed. Evidence holds
- *  no key and only redacted outputs, so the file can be shared. */
-import { writeFile } from 'node:fs/promises'
+ *  no key and only redacted outputs, so the file can be shared. Written atomically (a temporary
+ *  file renamed over it): the audit rewrites it after every probe, and a reader, or an audit
+ *  killed mid-write, never sees half a report. */
+import writeFileAtomic from 'write-file-atomic'
 import type { AuditReport } from '../types.js'
 
 export function formatJsonReport(report: AuditReport): string {
@@ -8,5 +10,5 @@ export function formatJsonReport(report: AuditReport): string {
 }
 
 export async function writeJsonReport(report: AuditReport, file: string): Promise<void> {
-  await writeFile(file, formatJsonReport(report), 'utf8')
+  await writeFileAtomic(file, formatJsonReport(report), { encoding: 'utf8' })
 }

@@ -1,0 +1,170 @@
+/** The audit's gate: an audit in which the target answered no valid completion whole audited
+ *  nothing, and must end as a tool error (exit 2), never as "no leak observed". Also what the
+ *  audit concludes from every probe's requests together: valid requests that failed, and a
+ *  `/health` that said all was well meanwhile (availability findings).
+ *  Knows the ledger's counts, discovery's model list and how to send one plain completion;
+ *  knows nothing of how probes judge answers. */
+import { BudgetExhaustedError, type Budget } from './budget.js'
+import type { Discovery } from './discovery.js'
+import { cutAtDeadline, fateOf, type AnswerSummary, type Ledger } from './ledger.js'
+import type { CompletionResult, HttpResult, Target } from './target.js'
+import { AuditError, type Finding } from './types.js'
+
+/** The one completion the audit sends of its own to see that the target answers: a short prompt
+ *  any model takes, 4 tokens at most, not streamed. */
+const checkPrompt = 'Reply with one word: is this endpoint answering?'
+const checkMaxTokens = 4
+/** The check's tokens at most, for `--plan`: its 8 words at up to 2 tokens each, plus the
+ *  beginning-of-sequence token and `max_tokens`. */
+export const answerCheckTokens = 2 * 8 + 1 + checkMaxTokens
+
+/** Sends the check completion as the first tenant (valid; counted in the ledger under no probe).
+ *  Null when the budget allows no request. */
+export async function sendAnswerCheck(target: Target): Promise<CompletionResult | null> {
+  try {
+    return await target.complete({
+      tenant: target.tenants[0],
+      prompt: checkPrompt,
+      maxTokens: checkMaxTokens,
+      stream: false,
+    })
+  } catch (err) {
+    if (err instanceof BudgetExhaustedError) return null
+    throw err
+  }
+}
+
+/** `--model` names a model `/v1/models` does not list: one check completion decides, before any
+ *  probe spends the budget on requests that all get 404. Answered whole: the model is served
+ *  under a name the list omits (a gateway's alias), and the audit goes on. Otherwise throws
+ *  `AuditError('model_not_served')`. Nothing is sent when the model is listed, when none was
+ *  given, or when the target lists none (many gateways do not serve `/v1/models`). */
+export async function checkModelServed(
+  target: Target,
+  discovery: Discovery,
+  requestedModel: string | null,
+): Promise<void> {
+  const listed = discovery.modelsListed
+  if (requestedModel === null || listed.length === 0 || listed.includes(requestedModel)) return
+  const result = await sendAnswerCheck(target)
+  if (result === null || fateOf(result, false) === 'answered') return
+  const answer =
+    result.status === null
+      ? (result.failure ?? 'no answer')
+      : `HTTP ${result.status}${result.errorCode === null ? '' : ` (${result.errorCode})`}`
+  throw new AuditError(
+    'model_not_served',
+    `model ${JSON.stringify(requestedModel)} is not served by ${target.baseUrl}: /v1/models lists ` +
+      `${listed.slice(0, 5).join(', ')}${listed.length > 5 ? ', …' : ''}, and a completion naming it got ${answer}: check --model`,
+  )
+}
+
+/** What `GET /health` answered: an HTTP status, or why none came (`timeout`, `network`,
+ *  `budget`). */
+export interface HealthReading {
+  readonly endpoint: '/health'
+  readonly status: number | string
+}
+
+export async function readHealth(target: Target): Promise<HealthReading> {
+  let res: HttpResult
+  try {
+    res = await target.get('/health', { tenant: target.tenants[0] })
+  } catch (err) {
+    if (err instanceof BudgetExhaustedError) return { endpoint: '/health', status: 'budget' }
+    throw err
+  }
+  return { endpoint: '/health', status: res.status ?? res.failure ?? 'network' }
+}
+
+/** The one line of the `no_completion_answered` tool error when this run's valid completions
+ *  include none answered whole, else null. `summary` is this run's (see `Ledger.answerSummary`). */
+export function noAnswerMessage(
+  summary: AnswerSummary,
+  baseUrl: string,
+  budget: Budget,
+  health: HealthReading | null,
+): string | null {
+  if (summary.numAnswered > 0) return null
+  const url = `${baseUrl}/v1/completions`
+  if (summary.numExpected === 0) {
+    const spent =
+      budget.remainingRequests <= 0
+        ? `the request budget (--max-requests ${budget.limits.maxRequests})`
+        : `the time budget (--max-seconds ${budget.limits.maxSeconds})`
+    return `no valid completion was sent to ${url}: ${spent} ran out before the first one. Nothing was audited`
+  }
+  const sorted = Object.entries(summary.notAnsweredBy).sort(([, a], [, b]) => b - a)
+  const byCause = sorted.map(([cause, n]) => `${cause} ×${n}`).join(', ')
+  const top = sorted[0]?.[0] ?? ''
+  let hint: string
+  if (top === cutAtDeadline)
+    hint = `none ended before the time budget's deadline: raise --max-seconds, or check that the endpoint ends its answers at max_tokens`
+  else if (top.endsWith(' truncated'))
+    hint = `every answer went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers`
+  else if (top === 'HTTP 404')
+    hint = `check --model and the target's path prefix (${url} was asked)`
+  else if (top === 'HTTP 405' || top === 'HTTP 501')
+    hint = `${baseUrl} does not serve POST /v1/completions: check that --target is an OpenAI-compatible endpoint, with its path prefix`
+  else if (top.startsWith('HTTP 4'))
+    hint =
+      'every one was refused: check --model and that the endpoint takes prompt, max_tokens and temperature'
+  else if (top === 'timeout') hint = 'none was answered within the request timeout'
+  else hint = 'the endpoint failed every one'
+  // A health check the budget no longer allowed says nothing.
+  const healthNote =
+    health === null || health.status === 'budget' ? '' : `; /health answered ${health.status}`
+  return (
+    `the target answered none of the ${summary.numExpected} valid completions sent to ${url} ` +
+    `(${byCause})${healthNote}: ${hint}. Nothing was audited`
+  )
+}
+
+/** Valid completions that failed (5xx, timeouts, broken or endless streams) are a warning
+ *  whatever the probes made of them: a probe that could not tell says inconclusive, but an
+ *  endpoint failing valid requests is itself a finding. A `/health` that answered 200 meanwhile
+ *  is another. Over the whole audit (a resumed one's earlier completions too). */
+export function availabilityFindings(ledger: Ledger, health: HealthReading | null): Finding[] {
+  const valid = ledger.validSummary()
+  if (valid.numFailed === 0) return []
+  const byCause = Object.entries(valid.failedBy)
+    .sort(([, a], [, b]) => b - a)
+    .map(([cause, n]) => `${cause} ×${n}`)
+    .join(', ')
+  const evidence = {
+    numValidSent: valid.numSent,
+    numValidAnswered: valid.numAnswered,
+    numValidFailed: valid.numFailed,
+    failedBy: valid.failedBy,
+    refusedBy: valid.refusedBy,
+    failedByProbe: valid.failedByProbe,
+    health,
+  }
+  const findings: Finding[] = [
+    {
+      probe: 'availability',
+      verdict: 'warning',
+      severity: valid.numFailed * 10 >= valid.numSent ? 'high' : 'medium',
+      title: `${valid.numFailed} of ${valid.numSent} valid requests failed (${byCause})`,
+      evidence,
+      remediation:
+        'Find why the endpoint fails requests it should answer (its logs at the times in the ' +
+        "report's completions); probes that saw these failures could not tell, and a failing " +
+        'transfer or decode path is where stale pages get read.',
+    },
+  ]
+  if (health !== null && health.status === 200) {
+    findings.push({
+      probe: 'availability',
+      verdict: 'warning',
+      severity: 'high',
+      title: `/health answered 200 while ${valid.numFailed} of ${valid.numSent} valid requests failed`,
+      evidence,
+      remediation:
+        'Make the health check exercise the path requests take (a short completion, or the ' +
+        "workers' own state), so that a load balancer stops sending traffic to an endpoint that " +
+        'fails them.',
+    })
+  }
+  return findings
+}
