@@ -33,6 +33,10 @@ const subjectTokens = 96
 const churnFactor = 2
 /** Churn requests at most: a pool that needs more is inconclusive, not an audit of its own. */
 const maxChurnRequests = 120
+/** A churn prompt is sized with room for its canary's cost ({@link boundedPrompt}), so it may
+ *  come out shorter than planned: up to this share more requests are sent until the churn's
+ *  answered prompts cover what is needed. */
+const churnSlack = 0.5
 
 const remediation =
   'A prefix loaded back from any tier (host memory, disk, a remote store) must be verified before ' +
@@ -40,11 +44,13 @@ const remediation =
   'bytes), and a failed or unverified load must be a miss, recomputed, never a hit. Until fixed, ' +
   'turn the offload tier off or partition it per tenant.'
 
-/** How the churn is sized: prompts of `promptTokens` at most, `numRequests` of them. */
+/** How the churn is sized: prompts of `promptTokens` at most, `numRequests` of them if each
+ *  came out at that size, and `maxRequests` at most. */
 export interface ChurnSize {
   readonly poolTokens: number
   readonly promptTokens: number
   readonly numRequests: number
+  readonly maxRequests: number
 }
 
 /** The churn that covers {@link churnFactor} × `poolTokens` with prompts of the largest size the
@@ -52,10 +58,12 @@ export interface ChurnSize {
 export function churnSize(poolTokens: number | null, limitTokens: number | null): ChurnSize | null {
   if (poolTokens === null || limitTokens === null || limitTokens < 2 * subjectTokens) return null
   const promptTokens = limitTokens
+  const numRequests = Math.ceil((churnFactor * poolTokens) / promptTokens)
   return {
     poolTokens,
     promptTokens,
-    numRequests: Math.ceil((churnFactor * poolTokens) / promptTokens),
+    numRequests,
+    maxRequests: Math.ceil(numRequests * (1 + churnSlack)),
   }
 }
 
@@ -74,7 +82,7 @@ export const evictThenReturnProbe: Probe = {
       },
       {
         what: `churn covering ${churnFactor} × the ${churn.poolTokens}-token pool`,
-        numRequests: churn.numRequests,
+        numRequests: churn.maxRequests,
         tokensEach: churn.promptTokens + maxTokens,
       },
     ]
@@ -135,7 +143,7 @@ class Session {
 
   async run(churn: ChurnSize, budget: Budget): Promise<void> {
     const [subject, ...others] = this.target.tenants
-    const canaries = makeCanaries(this.rng, 1 + churn.numRequests)
+    const canaries = makeCanaries(this.rng, 1 + churn.maxRequests)
     const mine = this.plant(
       'prefix',
       subject,
@@ -145,10 +153,13 @@ class Session {
     this.cold = await this.send(mine, 'cold')
     if (!isAnsweredWhole(this.cold)) return
     this.warm = await this.send(mine, 'warm (before eviction)')
+    const needed = churnFactor * churn.poolTokens
     const batch = Math.max(1, budget.limits.concurrency)
-    for (let at = 0; at < churn.numRequests; at += batch) {
+    for (let i = 0; this.churnTokens < needed && i < churn.maxRequests;) {
+      // Only as many at once as the tokens still missing need, at prompts of the planned size.
+      const numMissing = Math.ceil((needed - this.churnTokens) / churn.promptTokens)
       const sends = []
-      for (let i = at; i < Math.min(at + batch, churn.numRequests); i++) {
+      for (const end = Math.min(i + batch, i + numMissing, churn.maxRequests); i < end; i++) {
         const canary = canaries[1 + i]
         const prompt = boundedPrompt(this.rng, this.sizer, churn.promptTokens, canary)
         const planted = this.plant(`churn${i}`, others[i % others.length], prompt, canary)
@@ -238,7 +249,7 @@ function judge(session: Session, churn: ChurnSize, base: Record<string, unknown>
     !isWhole(cold) || !isWhole(warm)
       ? 'the prefix was not answered cold and warm'
       : session.churnTokens < needed
-        ? `the churn's answered prompts covered ${session.churnTokens} of the ${needed} tokens needed (${session.numChurnAnswered} of ${churn.numRequests} answered${base.stoppedBy !== null ? `; ${String(base.stoppedBy)}` : ''})`
+        ? `the churn's answered prompts covered ${session.churnTokens} of the ${needed} tokens needed (${session.numChurnAnswered} of ${session.numChurnSent} answered${base.stoppedBy !== null ? `; ${String(base.stoppedBy)}` : ''})`
         : !isWhole(returned)
           ? `the returning prefix was not answered${base.stoppedBy !== null ? ` (${String(base.stoppedBy)})` : ''}`
           : null

@@ -51,16 +51,18 @@ export function sizedPrompt(
   return { prompt: `${head} ${fillerText(numFiller)}`, hasCanary: false }
 }
 
-/** A prompt of at most about `numTokens` tokens that always carries `canary`, for traffic whose
- *  size only has to be large: the canary is counted at one token per character (no tokenizer
- *  spends more), so the prompt never passes `numTokens`. */
+/** A prompt of at most `numTokens` tokens that always carries `canary`, for traffic whose size
+ *  only has to be large: the canary is counted at two tokens per character plus two (more than
+ *  any tokenizer spends on a random string, its neighbours' merges included), so the prompt never
+ *  passes `numTokens`. */
 export function boundedPrompt(
   rng: Rng,
   sizer: PromptSizer,
   numTokens: number,
   canary: string,
 ): string {
-  const numFiller = Math.max(1, sizer.wordsFor(numTokens - canary.length, 'down') - headWords)
+  const canaryBound = 2 * canary.length + 2
+  const numFiller = Math.max(1, sizer.wordsFor(numTokens - canaryBound, 'down') - headWords)
   return `${randomHead(rng)} ${canary} ${fillerText(numFiller)}`
 }
 
