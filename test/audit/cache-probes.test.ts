@@ -10,8 +10,11 @@ import {
   type AuditReport,
   type ProbeName,
 } from '../../src/audit/index.js'
+import { Budget } from '../../src/audit/budget.js'
+import { discover } from '../../src/audit/discovery.js'
 import { churnSize } from '../../src/audit/probes/evict-then-return.js'
 import { cacheEdges } from '../../src/audit/probes/sized-material.js'
+import { createTarget } from '../../src/audit/target.js'
 import { standInTenants, startStandIn, type StandInOptions } from './standins.js'
 
 async function audit(
@@ -263,5 +266,38 @@ describe('evict-then-return', () => {
       /^evicting the cache takes 3 requests of 368 tokens \(2 × the 384-token pool\) plus 3; the budget has \d+ requests left/,
     )
     assert.equal(report.probeRuns[0].completions.sent, 0)
+  })
+})
+
+describe('discovery reads page and chunk sizes', () => {
+  const discoverOn = async (options: StandInOptions) => {
+    const standIn = await startStandIn('safe', options)
+    try {
+      const budget = new Budget({ maxRequests: 10, maxSeconds: 30, concurrency: 1 })
+      const target = createTarget({
+        baseUrl: standIn.url,
+        model: null,
+        tenants: standInTenants,
+        budget,
+        requestTimeoutMs: 10_000,
+      })
+      const d = await discover(target, null)
+      return { pageSizes: d.pageSizes, chunkSizes: d.chunkSizes, largest: d.largestPoolTokens }
+    } finally {
+      await standIn.close()
+    }
+  }
+
+  test('SGLang: chunked_prefill_size of /get_server_info; vLLM: block_size of vllm:cache_config_info', async () => {
+    assert.deepEqual(await discoverOn({ flavour: 'sglang' }), {
+      pageSizes: [],
+      chunkSizes: [{ endpoint: '/get_server_info', field: 'chunked_prefill_size', tokens: 8192 }],
+      largest: 384,
+    })
+    assert.deepEqual(await discoverOn({ flavour: 'vllm' }), {
+      pageSizes: [{ endpoint: '/metrics', field: 'vllm:cache_config_info block_size', tokens: 16 }],
+      chunkSizes: [],
+      largest: 384,
+    })
   })
 })

@@ -79,7 +79,9 @@ const remediation =
   "tenant's salt of each page, the last partial page included), that a prompt cached whole still " +
   'recomputes its last token, that a page loaded from any tier is verified (identity, tokens, ' +
   'checksum) before use and that prefill chunks resume at the right position. Until fixed, turn ' +
-  'the prefix cache off or partition it per tenant.'
+  'the prefix cache off or partition it per tenant. A difference without foreign material may ' +
+  'also be a warm path whose kernels add up in another order than the cold one (not ' +
+  'bitwise-identical): then it changes few tokens, late, and stays under a fresh cache_salt.'
 
 export const warmEqualsColdProbe: Probe = {
   name: 'warm-equals-cold',
