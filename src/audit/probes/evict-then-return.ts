@@ -22,8 +22,13 @@ import { createRng, type Rng } from '../rng.js'
 import type { PromptSizer } from '../sizer.js'
 import { isAnsweredWhole, type CompletionResult, type Target } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
-import { findCrossings, leakFindings, type Observed, type Planted } from './material.js'
-import { firstDifference } from './warm-equals-cold.js'
+import {
+  findCrossings,
+  firstDifference,
+  leakFindings,
+  type Observed,
+  type Planted,
+} from './material.js'
 import { boundedPrompt, promptLimit, sizerOrNull } from './sized-material.js'
 
 const maxTokens = 16

@@ -23,7 +23,13 @@ import { createRng, type Rng } from '../rng.js'
 import type { PromptSizer } from '../sizer.js'
 import { isAnsweredWhole, outcomeOf, type CompletionResult, type Target } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
-import { findCrossings, leakFindings, type Observed, type Planted } from './material.js'
+import {
+  findCrossings,
+  firstDifference,
+  leakFindings,
+  type Observed,
+  type Planted,
+} from './material.js'
 import {
   cacheEdges,
   measureCanary,
@@ -342,11 +348,4 @@ function inconclusive(title: string, evidence: Record<string, unknown>): Finding
     evidence,
     remediation: inconclusiveRemediation,
   }
-}
-
-/** Index of the first character where `a` and `b` differ. */
-export function firstDifference(a: string, b: string): number {
-  let i = 0
-  while (i < a.length && i < b.length && a[i] === b[i]) i++
-  return i
 }
