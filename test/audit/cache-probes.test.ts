@@ -13,7 +13,9 @@ import {
 import { Budget } from '../../src/audit/budget.js'
 import { discover } from '../../src/audit/discovery.js'
 import { churnSize } from '../../src/audit/probes/evict-then-return.js'
-import { cacheEdges } from '../../src/audit/probes/sized-material.js'
+import { cacheEdges, sizedPrompt } from '../../src/audit/probes/sized-material.js'
+import { createRng } from '../../src/audit/rng.js'
+import { createSizer } from '../../src/audit/sizer.js'
 import { createTarget } from '../../src/audit/target.js'
 import { standInTenants, startStandIn, type StandInOptions } from './standins.js'
 
@@ -86,6 +88,28 @@ describe('cache edges and churn, from what the endpoint reports', () => {
       cacheEdges([], [], null).map((e) => e.tokens),
       [16, 32, 64, 128, 256, 512, 1024],
     )
+  })
+
+  test('a short prompt carries the longest leading piece of its canary (≥ 8 characters) that leaves room for a filler word', () => {
+    // One token per word plus BOS, a 20-character canary measured at 20 tokens (1 per character).
+    const sizer = createSizer('usage', [
+      { words: 16, tokens: 17 },
+      { words: 64, tokens: 65 },
+    ])!
+    const canary = { tenant: standInTenants[0], canary: 'AbCdEfGh12IjKlMnOp34', canaryTokens: 20 }
+    const words = (p: string) => p.split(' ')
+    // 16 tokens: BOS + 6 head letters + 8 characters of canary + 1 filler word.
+    const at16 = sizedPrompt(createRng(1, 't'), sizer, 16, canary)
+    assert.equal(at16.hasCanary, true)
+    assert.deepEqual(words(at16.prompt).slice(6), ['AbCdEfGh', 'a'])
+    // 15 tokens: a piece of 7 characters would be too short to find; head and 8 filler words.
+    const at15 = sizedPrompt(createRng(1, 't'), sizer, 15, canary)
+    assert.equal(at15.hasCanary, false)
+    assert.deepEqual(words(at15.prompt).slice(6), 'abcdefgh'.split(''))
+    // 40 tokens: the whole canary and 13 filler words (1 + 6 + 20 + 13).
+    const at40 = sizedPrompt(createRng(1, 't'), sizer, 40, canary)
+    assert.equal(words(at40.prompt)[6], canary.canary)
+    assert.equal(words(at40.prompt).length, 6 + 1 + 13)
   })
 
   test('churn: ⌈2 × pool / prompt⌉ requests of the largest prompt, half as many more at most; none without a pool', () => {

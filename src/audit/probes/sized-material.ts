@@ -6,11 +6,12 @@
  *  tenant's (what another tenant's answer must never carry), `filler` the sizer's words. Letters
  *  and filler cost the sizer's tokens per word; a canary's cost is measured once per tenant from
  *  `usage.prompt_tokens` (`measureCanary`), since no sizer knows how a random string tokenizes.
- *  Where the canary does not fit a short length, the prompt is head and filler alone.
+ *  Where the canary does not fit a short length, a piece of it does, or head and filler alone.
  *  Also the lengths where caches cut prompts: page and prefill-chunk sizes the endpoint reports,
  *  else powers of two from 16 to 1,024.
  *  Knows the sizer and canaries; knows nothing of any engine. */
 import { BudgetExhaustedError } from '../budget.js'
+import { minFragmentLength } from '../canaries.js'
 import type { Rng } from '../rng.js'
 import { fillerText, type PromptSizer } from '../sizer.js'
 import { outcomeOf, type Target } from '../target.js'
@@ -32,9 +33,11 @@ export function randomHead(rng: Rng): string {
   return Array.from({ length: headWords }, () => String.fromCharCode(97 + rng.int(0, 25))).join(' ')
 }
 
-/** A prompt estimated at `numTokens` tokens: a fresh head, the canary when its measured cost
- *  leaves room for at least one filler word, then filler. `hasCanary` says whether it carries
- *  the canary. */
+/** A prompt estimated at `numTokens` tokens: a fresh head, the canary, then filler. Where the
+ *  whole canary leaves no room for a filler word, its longest leading piece of at least
+ *  {@link minFragmentLength} characters that does (a piece that long is found in an answer as
+ *  the canary is; its cost is taken in proportion to the measured whole's); where none does,
+ *  head and filler alone. `hasCanary` says whether it carries the canary or a piece of it. */
 export function sizedPrompt(
   rng: Rng,
   sizer: PromptSizer,
@@ -43,9 +46,15 @@ export function sizedPrompt(
 ): { readonly prompt: string; readonly hasCanary: boolean } {
   const head = randomHead(rng)
   if (canary !== null && canary.canaryTokens !== null) {
-    const numFiller = sizer.wordsFor(numTokens - canary.canaryTokens, 'nearest') - headWords
-    if (numFiller >= 1)
-      return { prompt: `${head} ${canary.canary} ${fillerText(numFiller)}`, hasCanary: true }
+    const { length } = canary.canary
+    for (let numChars = length; numChars >= minFragmentLength; numChars--) {
+      const cost = Math.ceil((canary.canaryTokens * numChars) / length)
+      const numFiller = sizer.wordsFor(numTokens - cost, 'nearest') - headWords
+      if (numFiller >= 1 && sizer.estimate(headWords + numFiller) + cost <= numTokens + 1) {
+        const piece = canary.canary.slice(0, numChars)
+        return { prompt: `${head} ${piece} ${fillerText(numFiller)}`, hasCanary: true }
+      }
+    }
   }
   const numFiller = Math.max(1, sizer.wordsFor(numTokens, 'nearest') - headWords)
   return { prompt: `${head} ${fillerText(numFiller)}`, hasCanary: false }
