@@ -51,7 +51,7 @@ export const probesFor: Readonly<Record<FaultName, readonly ProbeName[]>> = {
   // An aborted prefill's unwritten pages published: wrong answers when its prompt comes back.
   'publish-partial': ['abort-race', 'determinism'],
   // A corrupt page loaded back, or another tenant's: changed answers, or a cross-tenant hit.
-  'offload-load-as-hit': ['determinism'],
+  'offload-load-as-hit': ['determinism', 'evict-then-return'],
   'offload-key-without-tenant': ['prefix-timing'],
 }
 

@@ -22,6 +22,11 @@ const byProbe: Readonly<Record<FindingSource, FindingControls>> = {
   // property, not one of the numbered guards.
   'prefix-timing': { aisvs: [aisvsKvPartitioning], guards: [] },
   'cache-fields': { aisvs: [aisvsKvPartitioning], guards: [] },
+  // A warm answer that is not the cold one: a cache entry served under the wrong key or a page
+  // reused without its checks (G4: checksums and identities of every page loaded; G5: epochs).
+  'warm-equals-cold': { aisvs: [aisvsKvPartitioning], guards: ['G4', 'G5'] },
+  // After eviction: a page loaded back from an offload tier must be verified before use (G4).
+  'evict-then-return': { aisvs: [aisvsKvPartitioning], guards: ['G4'] },
   'error-handling': { aisvs: [], guards: ['G2'] },
   availability: { aisvs: [], guards: [] },
 }

@@ -6,6 +6,10 @@
  *    `contextWindow`, `effectiveCapacityTokens`, `workers[].capacityTokens`; SGLang's
  *    `context_length`, `max_total_num_tokens`, `max_req_input_len`;
  *  - `/metrics` (vLLM): `vllm:cache_config_info{num_gpu_blocks, block_size}`.
+ *  And the sizes the KV cache is cut into, where a cache's warm path has its edges: the page size
+ *  (kvfence `pageSize`, SGLang `page_size`, vLLM `block_size`) and the prefill chunk size (SGLang
+ *  `chunked_prefill_size`, vLLM `max_num_batched_tokens`; a negative value means "no chunking" and
+ *  is not read).
  *  Which engine answered is told by the fields it reports (`engine`), because each derives its
  *  largest accepted input its own way:
  *  - SGLang's scheduler sets `max_req_input_len = min(context_len − 1, max_total_num_tokens − 1)
@@ -59,6 +63,8 @@ export interface Discovery {
   readonly contextTokens: number | null
   /** Smallest KV capacity found (tokens): what the endpoint can actually hold. */
   readonly poolTokens: number | null
+  /** Largest KV capacity found (tokens): what traffic must cover to evict from every pool. */
+  readonly largestPoolTokens: number | null
   /** KV pool usage before any probe ran (the idle baseline page-leak compares with), or null when
    *  the endpoint exposes none. Read from the same answers as the capacity, no request of its own. */
   readonly idleUsage: PoolUsage | null
@@ -72,6 +78,10 @@ export interface Discovery {
   /** The largest prompt (tokens) the engine says it accepts, or null when it says none: for
    *  SGLang `max_req_input_len − 1`. */
   readonly inputLimitTokens: number | null
+  /** Page sizes (tokens per page) the endpoint reports, where and as reported. */
+  readonly pageSizes: readonly CapacitySource[]
+  /** Prefill chunk sizes (tokens) the endpoint reports, where and as reported. */
+  readonly chunkSizes: readonly CapacitySource[]
 }
 
 /** Fields that advertise a context window. */
@@ -88,6 +98,14 @@ const poolFields = new Set([
   'capacityTokens',
   'max_total_num_tokens',
   'max_total_tokens',
+])
+/** Fields that state a page size in tokens. */
+const pageSizeFields = new Set(['pageSize', 'page_size'])
+/** Fields that state a prefill chunk size in tokens. */
+const chunkSizeFields = new Set([
+  'chunked_prefill_size',
+  'chunkedPrefillSize',
+  'max_num_batched_tokens',
 ])
 /** Fields that state the longest input an engine accepts (SGLang), not a capacity. */
 const inputLimitFields = new Set(['max_req_input_len'])
@@ -106,7 +124,16 @@ export async function discover(target: Target, requestedModel: string | null): P
   const advertised: CapacitySource[] = []
   const pools: CapacitySource[] = []
   const inputLimits: CapacitySource[] = []
-  const found = { advertised, pools, inputLimits, keys: new Set<string>() }
+  const pageSizes: CapacitySource[] = []
+  const chunkSizes: CapacitySource[] = []
+  const found = {
+    advertised,
+    pools,
+    inputLimits,
+    pageSizes,
+    chunkSizes,
+    keys: new Set<string>(),
+  }
   let metricsText = ''
   let idleUsage: PoolUsage | null = null
   let numRunning: number | null = null
@@ -147,6 +174,7 @@ export async function discover(target: Target, requestedModel: string | null): P
     record('/metrics', metricsRes)
     if (metricsRes.status === 200) {
       pools.push(...parseMetrics(metricsRes.body))
+      pageSizes.push(...pageSizesFromMetrics(metricsRes.body))
       metricsText = metricsRes.body
       idleUsage ??= usageFromMetrics(metricsRes.body)
       numRunning = runningFromMetrics(metricsRes.body)
@@ -177,12 +205,15 @@ export async function discover(target: Target, requestedModel: string | null): P
     pools,
     contextTokens: advertised.length ? Math.max(...advertised.map((s) => s.tokens)) : null,
     poolTokens: pools.length ? Math.min(...pools.map((s) => s.tokens)) : null,
+    largestPoolTokens: pools.length ? Math.max(...pools.map((s) => s.tokens)) : null,
     idleUsage,
     numRunning,
     endpoints,
     engine,
     inputLimits,
     inputLimitTokens,
+    pageSizes,
+    chunkSizes,
   }
 }
 
@@ -211,6 +242,8 @@ function scan(
     readonly advertised: CapacitySource[]
     readonly pools: CapacitySource[]
     readonly inputLimits: CapacitySource[]
+    readonly pageSizes: CapacitySource[]
+    readonly chunkSizes: CapacitySource[]
     /** Every capacity field seen, by name (tells the engine). */
     readonly keys: Set<string>
   },
@@ -230,6 +263,8 @@ function scan(
       if (advertisedFields.has(key)) found.advertised.push({ endpoint, field, tokens })
       else if (poolFields.has(key)) found.pools.push({ endpoint, field: field + role, tokens })
       else if (inputLimitFields.has(key)) found.inputLimits.push({ endpoint, field, tokens })
+      else if (pageSizeFields.has(key)) found.pageSizes.push({ endpoint, field, tokens })
+      else if (chunkSizeFields.has(key)) found.chunkSizes.push({ endpoint, field, tokens })
     } else if (typeof child === 'object' && child !== null) {
       scan(child, endpoint, field, depth + 1, found)
     }
@@ -267,6 +302,23 @@ export function parseMetrics(text: string): CapacitySource[] {
     const tokens = sglang ? asPositiveInt(Number(sglang[2])) : null
     if (tokens !== null) {
       out.push({ endpoint: '/metrics', field: 'sglang:max_total_num_tokens', tokens })
+    }
+  }
+  return out
+}
+
+/** Prometheus text: the page size vLLM reports as `block_size` of `vllm:cache_config_info`. */
+export function pageSizesFromMetrics(text: string): CapacitySource[] {
+  const out: CapacitySource[] = []
+  for (const line of text.split('\n')) {
+    if (!line.startsWith('vllm:cache_config_info{')) continue
+    const blockSize = asPositiveInt(/\bblock_size="([^"]*)"/.exec(line)?.[1])
+    if (blockSize !== null) {
+      out.push({
+        endpoint: '/metrics',
+        field: 'vllm:cache_config_info block_size',
+        tokens: blockSize,
+      })
     }
   }
   return out

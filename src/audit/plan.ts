@@ -18,6 +18,12 @@ export interface PlanInput {
   readonly contextTokens: number | null
   /** The largest prompt the engine says it accepts (SGLang), or null. */
   readonly inputLimitTokens: number | null
+  /** Largest KV pool discovery read (tokens), or null (what churn must cover to evict). */
+  readonly largestPoolTokens?: number | null
+  /** Page sizes the endpoint reports (tokens per page); empty when none. */
+  readonly pageSizes?: readonly number[]
+  /** Prefill chunk sizes the endpoint reports (tokens); empty when none. */
+  readonly chunkSizes?: readonly number[]
   /** `--aggressive`: bodies that could disturb a shared engine are sent too. */
   readonly isAggressive: boolean
 }

@@ -363,6 +363,9 @@ export async function planAudit(
     poolTokens: discovery.poolTokens,
     contextTokens: discovery.contextTokens,
     inputLimitTokens: discovery.inputLimitTokens,
+    largestPoolTokens: discovery.largestPoolTokens,
+    pageSizes: discovery.pageSizes.map((s) => s.tokens),
+    chunkSizes: discovery.chunkSizes.map((s) => s.tokens),
     isAggressive: options.isAggressive === true,
   }
   const isSized = config.probes.some((p) => probesThatSize.includes(p))
@@ -400,7 +403,13 @@ export async function planAudit(
 }
 
 /** Probes that calibrate token counts (the audit's calibration completions are theirs). */
-const probesThatSize: readonly ProbeName[] = ['boundary', 'canary', 'prefix-timing']
+const probesThatSize: readonly ProbeName[] = [
+  'boundary',
+  'canary',
+  'prefix-timing',
+  'warm-equals-cold',
+  'evict-then-return',
+]
 
 /** The exit code `kvfence audit` uses: 1 when a finding's verdict is at or above `failOn` (a leak
  *  always is), else 0. (2, for a tool error, is the caller's: `runAudit` then throws, e.g. for a

@@ -18,6 +18,8 @@ export const probeNames = [
   'determinism',
   'prefix-timing',
   'cache-fields',
+  'warm-equals-cold',
+  'evict-then-return',
   'error-handling',
 ] as const
 export type ProbeName = (typeof probeNames)[number]

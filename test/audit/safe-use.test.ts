@@ -67,10 +67,17 @@ describe('--plan', () => {
       assert.deepEqual(planRow(run.stdout, 'abort-race'), ['48', '10224', '0.0256'])
       // cache-fields: a plain control, then 4 requests for each of cache_salt and extra_key.
       assert.deepEqual(planRow(run.stdout, 'cache-fields'), ['9', '1494', '0.0037'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['342', '52503', '0.1313'])
+      // warm-equals-cold: no page size reported, so powers of two whose +1 fits 384 − 16: 16…256,
+      // 5 edges × 3 lengths × 3 prompts of ≤ 257 + 16 tokens, 2 canary measurements of 47 and 4
+      // salt controls: 2 × 47 + 49 × 273.
+      assert.deepEqual(planRow(run.stdout, 'warm-equals-cold'), ['51', '13471', '0.0337'])
+      // evict-then-return: the prefix 3 × (96 + 16); churn of 2 × 384 in prompts of 368:
+      // ⌈768 / 368⌉ = 3, ⌈3 × 1.5⌉ = 5 at most, × (368 + 16).
+      assert.deepEqual(planRow(run.stdout, 'evict-then-return'), ['8', '2256', '0.0056'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['401', '68230', '0.1706'])
       assert.match(
         run.stdout,
-        /the plan's 342 requests exceed --max-requests 300: if every one is sent, the audit stops after 300/,
+        /the plan's 401 requests exceed --max-requests 300: if every one is sent, the audit stops after 300/,
       )
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
     } finally {

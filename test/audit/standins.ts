@@ -21,7 +21,11 @@
  *  the next request (`isAbortLeak`), a bounded batch (`maxBatch`) and queue (`maxQueued`), output
  *  that changes under load (`isLoadSensitive`), errors answered as 200 (`isErrorAs200`) and a
  *  tenant's own rate limit (`rateLimit`), answers that never end (`isEndless`), valid requests
- *  failed with a 5xx (`failValid`) and pages an abort holds for a while (`abortHoldMs`). */
+ *  failed with a 5xx (`failValid`) and pages an abort holds for a while (`abortHoldMs`).
+ *  `kvCache` is a cache of answers per whole prompt (its "KV" is the prompt's words), keyed by
+ *  tenant, `cache_salt` (as vLLM takes it) and the prompt, in a pool of 384 tokens evicting the
+ *  least recently used, with an optional offload tier: correct, or with one of the warm path's
+ *  bugs (`kvCache.bug`). */
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
 
@@ -112,6 +116,86 @@ export interface StandInOptions {
   readonly clientSalt?: 'honoured' | 'refused'
   /** Models served besides `tiny-echo` that `/v1/models` does not list (a gateway's aliases). */
   readonly unlistedModels?: readonly string[]
+  /** A cache of answers per whole prompt (see the module's header; {@link KvCacheOptions}). */
+  readonly kvCache?: KvCacheOptions
+}
+
+/** The `kvCache` stand-in: what it keeps and which bug it has. */
+export interface KvCacheOptions {
+  /** Entries the pool evicts go to an offload tier, and a later hit loads them back. */
+  readonly isOffloaded?: boolean
+  /** - `page-multiple-cross`: a warm hit of a prompt of an exact multiple of 16 tokens (a prompt
+   *    cached whole) is served from the latest entry of that length and salt that another tenant
+   *    cached (a key that, for a whole last page, keeps the length and salt but drops the tenant
+   *    and the tokens);
+   *  - `page-multiple-shift`: a warm hit of such a prompt is answered one position late (the
+   *    last token of a prompt cached whole is not recomputed): its own words, shifted;
+   *  - `offload-load-any`: every load from the offload tier fails and is counted as a hit anyway:
+   *    the answer comes from whatever the tier's staging buffer last held, the entry it offloaded
+   *    last (dynamo#15079, LMCache#4385). */
+  readonly bug?: 'page-multiple-cross' | 'page-multiple-shift' | 'offload-load-any'
+}
+
+/** One cached prompt: its key's parts and its words (the "KV"). */
+interface KvEntry {
+  readonly tenant: string
+  readonly salt: string
+  readonly numTokens: number
+  readonly words: readonly string[]
+}
+
+/** The `kvCache` stand-in over `capacityTokens`: `lookup` answers the words a prompt's answer is
+ *  made of, and whether they came from the cache (a hit, reported as `cached_tokens`). */
+function createKvCache(
+  options: KvCacheOptions,
+  capacityTokens: number,
+): (entry: KvEntry, prompt: string) => { words: readonly string[]; isHit: boolean } {
+  const pool = new Map<string, KvEntry>()
+  const offloaded = new Map<string, KvEntry>()
+  let lastOffloaded: KvEntry | null = null
+  let numTokensHeld = 0
+  const insert = (key: string, entry: KvEntry): void => {
+    pool.set(key, entry)
+    numTokensHeld += entry.numTokens
+    for (const [oldKey, old] of pool) {
+      if (numTokensHeld <= capacityTokens || oldKey === key) break
+      pool.delete(oldKey)
+      numTokensHeld -= old.numTokens
+      if (options.isOffloaded) {
+        offloaded.set(oldKey, old)
+        lastOffloaded = old
+      }
+    }
+  }
+  return (entry, prompt) => {
+    const key = JSON.stringify([entry.tenant, entry.salt, prompt])
+    const cached = pool.get(key)
+    if (cached !== undefined) {
+      pool.delete(key)
+      pool.set(key, cached)
+      if (options.bug === 'page-multiple-cross' && entry.numTokens % 16 === 0) {
+        const other = [...pool.values()]
+          .reverse()
+          .find(
+            (e) =>
+              e.numTokens === entry.numTokens && e.salt === entry.salt && e.tenant !== entry.tenant,
+          )
+        if (other) return { words: other.words, isHit: true }
+      }
+      if (options.bug === 'page-multiple-shift' && entry.numTokens % 16 === 0)
+        return { words: cached.words.slice(1), isHit: true }
+      return { words: cached.words, isHit: true }
+    }
+    const stored = offloaded.get(key)
+    if (stored !== undefined) {
+      offloaded.delete(key)
+      const loaded = options.bug === 'offload-load-any' && lastOffloaded ? lastOffloaded : stored
+      insert(key, stored)
+      return { words: loaded.words, isHit: true }
+    }
+    insert(key, entry)
+    return { words: entry.words, isHit: false }
+  }
 }
 
 const poolTokens = 384
@@ -143,6 +227,7 @@ export async function startStandIn(
   let numValidSeen = 0
   let numRunningCompletions = 0
   const holdTimers = new Set<ReturnType<typeof setTimeout>>()
+  const kvCache = options.kvCache ? createKvCache(options.kvCache, poolTokens) : null
 
   const handle = async (req: IncomingMessage, res: ServerResponse): Promise<void> => {
     const body = await readBody(req)
@@ -379,6 +464,19 @@ export async function startStandIn(
       if (isCounted) cachedTokens = 32
       await sleep(isHit ? (options.hitDelayMs ?? 1) : (options.missDelayMs ?? 40))
     }
+    if (kvCache !== null && numTokens <= poolTokens) {
+      const { words: served, isHit } = kvCache(
+        {
+          tenant: req.headers.authorization ?? '',
+          salt: typeof fields.cache_salt === 'string' ? fields.cache_salt : '',
+          numTokens,
+          words,
+        },
+        request.prompt,
+      )
+      output = served.slice(0, request.max_tokens)
+      cachedTokens = isHit ? numTokens : 0
+    }
     const tokenDelayMs = options.tokenDelayMs ?? 0
     if (!request.stream && tokenDelayMs > 0) await sleep(tokenDelayMs * request.max_tokens)
     const usage = options.isTokenizeOnly
@@ -387,7 +485,7 @@ export async function startStandIn(
           prompt_tokens: numTokens,
           completion_tokens: output.length,
           total_tokens: numTokens + output.length,
-          ...(options.prefixCache && !options.isCachedTokensHidden
+          ...((options.prefixCache || options.kvCache) && !options.isCachedTokensHidden
             ? { prompt_tokens_details: { cached_tokens: cachedTokens } }
             : {}),
         }

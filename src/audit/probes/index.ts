@@ -9,9 +9,11 @@ import { capacityProbe } from './capacity.js'
 import { concurrencyProbe } from './concurrency.js'
 import { determinismProbe } from './determinism.js'
 import { errorHandlingProbe } from './error-handling.js'
+import { evictThenReturnProbe } from './evict-then-return.js'
 import { pageLeakProbe } from './page-leak.js'
 import { prefixTimingProbe } from './prefix-timing.js'
 import { queueingProbe } from './queueing.js'
+import { warmEqualsColdProbe } from './warm-equals-cold.js'
 
 export const probes: Readonly<Record<ProbeName, Probe>> = {
   capacity: capacityProbe,
@@ -24,5 +26,7 @@ export const probes: Readonly<Record<ProbeName, Probe>> = {
   determinism: determinismProbe,
   'prefix-timing': prefixTimingProbe,
   'cache-fields': cacheFieldsProbe,
+  'warm-equals-cold': warmEqualsColdProbe,
+  'evict-then-return': evictThenReturnProbe,
   'error-handling': errorHandlingProbe,
 }

@@ -1,8 +1,10 @@
 /** Material: what each request of a probe planted (its canaries, inside a whole synthetic prompt),
- *  and the check shared by `abort-race`, `concurrency` and `queueing`: every output may carry
- *  only its own request's material. Another tenant's canary is a leak (critical); another
- *  request's of the same tenant is a leak too (high): requests crossed, and the next time the
- *  other request may belong to someone else. Outputs are kept only redacted.
+ *  and the check shared by `abort-race`, `concurrency`, `queueing`, `warm-equals-cold` and
+ *  `evict-then-return`: every output may carry only its own request's material. Another
+ *  tenant's canary is a leak (critical); another request's of the same tenant is a leak too
+ *  (high): requests crossed, and the next time the other request may belong to someone else.
+ *  Outputs are kept only redacted (where two answers part, `firstDifference`, instead of their
+ *  text).
  *  Knows canaries and completion results; knows nothing of how they were sent. */
 import { findCanaries, plantingMaterial, redact, type CanaryMatch } from '../canaries.js'
 import type { Rng } from '../rng.js'
@@ -141,3 +143,11 @@ export const crossingRemediation =
   'one request (request and transfer ids checked at every hop, including the first token), ' +
   'that an abort frees pages only after every in-flight write into them has ended (deferred ' +
   'release), that freed pages are scrubbed, and that pooled connections are reset after an abort.'
+
+/** Index of the first character where `a` and `b` differ (the shorter one's length when one is a
+ *  prefix of the other): where two answers to one prompt part, kept instead of their text. */
+export function firstDifference(a: string, b: string): number {
+  let i = 0
+  while (i < a.length && i < b.length && a[i] === b[i]) i++
+  return i
+}

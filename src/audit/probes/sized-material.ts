@@ -1,0 +1,173 @@
+/** Canary-bearing prompts of a chosen token length, for the probes whose prompts must land on a
+ *  cache's edges (`warm-equals-cold`) or fill its pool (`evict-then-return`).
+ *
+ *  A prompt is `head canary filler`: `head` is a few random single letters (unique per prompt,
+ *  so that no two prompts share a first page and every first answer is cold), `canary` is the
+ *  tenant's (what another tenant's answer must never carry), `filler` the sizer's words. Letters
+ *  and filler cost the sizer's tokens per word; a canary's cost is measured once per tenant from
+ *  `usage.prompt_tokens` (`measureCanary`), since no sizer knows how a random string tokenizes.
+ *  Where the canary does not fit a short length, a piece of it does, or head and filler alone.
+ *  Also the lengths where caches cut prompts: page and prefill-chunk sizes the endpoint reports,
+ *  else powers of two from 16 to 1,024.
+ *  Knows the sizer and canaries; knows nothing of any engine. */
+import { BudgetExhaustedError } from '../budget.js'
+import { minFragmentLength } from '../canaries.js'
+import type { Rng } from '../rng.js'
+import { fillerText, type PromptSizer } from '../sizer.js'
+import { outcomeOf, type Target } from '../target.js'
+import type { Tenant } from '../types.js'
+
+/** Random letters heading each prompt: 26^6 ≈ 3·10^8 heads, so two prompts of one audit share
+ *  none by chance. */
+export const headWords = 6
+
+/** A tenant's canary and what it costs in tokens on this endpoint (null: not measured). */
+export interface TenantCanary {
+  readonly tenant: Tenant
+  readonly canary: string
+  readonly canaryTokens: number | null
+}
+
+/** A unique head: `headWords` random lowercase letters, space-separated. */
+export function randomHead(rng: Rng): string {
+  return Array.from({ length: headWords }, () => String.fromCharCode(97 + rng.int(0, 25))).join(' ')
+}
+
+/** A prompt estimated at `numTokens` tokens: a fresh head, the canary, then filler. Where the
+ *  whole canary leaves no room for a filler word, its longest leading piece of at least
+ *  {@link minFragmentLength} characters that does (a piece that long is found in an answer as
+ *  the canary is; its cost is taken in proportion to the measured whole's); where none does,
+ *  head and filler alone. `hasCanary` says whether it carries the canary or a piece of it. */
+export function sizedPrompt(
+  rng: Rng,
+  sizer: PromptSizer,
+  numTokens: number,
+  canary: TenantCanary | null,
+): { readonly prompt: string; readonly hasCanary: boolean } {
+  const head = randomHead(rng)
+  if (canary !== null && canary.canaryTokens !== null) {
+    const { length } = canary.canary
+    for (let numChars = length; numChars >= minFragmentLength; numChars--) {
+      const cost = Math.ceil((canary.canaryTokens * numChars) / length)
+      const numFiller = sizer.wordsFor(numTokens - cost, 'nearest') - headWords
+      if (numFiller >= 1 && sizer.estimate(headWords + numFiller) + cost <= numTokens + 1) {
+        const piece = canary.canary.slice(0, numChars)
+        return { prompt: `${head} ${piece} ${fillerText(numFiller)}`, hasCanary: true }
+      }
+    }
+  }
+  const numFiller = Math.max(1, sizer.wordsFor(numTokens, 'nearest') - headWords)
+  return { prompt: `${head} ${fillerText(numFiller)}`, hasCanary: false }
+}
+
+/** A prompt of at most `numTokens` tokens that always carries `canary`, for traffic whose size
+ *  only has to be large: the canary is counted at two tokens per character plus two (more than
+ *  any tokenizer spends on a random string, its neighbours' merges included), so the prompt never
+ *  passes `numTokens`. */
+export function boundedPrompt(
+  rng: Rng,
+  sizer: PromptSizer,
+  numTokens: number,
+  canary: string,
+): string {
+  const canaryBound = 2 * canary.length + 2
+  const numFiller = Math.max(1, sizer.wordsFor(numTokens - canaryBound, 'down') - headWords)
+  return `${randomHead(rng)} ${canary} ${fillerText(numFiller)}`
+}
+
+/** Measures what `canary` costs in tokens: one completion (`max_tokens: 1`) of head, canary and
+ *  16 filler words, minus the sizer's estimate for the words alone. Null when the endpoint did not
+ *  answer it or gave no `usage.prompt_tokens`. Throws `BudgetExhaustedError`. */
+export async function measureCanary(
+  target: Target,
+  rng: Rng,
+  sizer: PromptSizer,
+  tenant: Tenant,
+  canary: string,
+): Promise<TenantCanary> {
+  const numFiller = 16
+  const r = await target.complete({
+    tenant,
+    prompt: `${randomHead(rng)} ${canary} ${fillerText(numFiller)}`,
+    maxTokens: 1,
+    stream: false,
+  })
+  const canaryTokens =
+    outcomeOf(r) === 'accepted' && r.promptTokens !== null
+      ? r.promptTokens - sizer.estimate(headWords + numFiller)
+      : null
+  return {
+    tenant,
+    canary,
+    canaryTokens: canaryTokens !== null && canaryTokens >= 1 ? canaryTokens : null,
+  }
+}
+
+/** The sizer, or null when the budget ran out during calibration (the caller is inconclusive). */
+export async function sizerOrNull(
+  sizer: () => Promise<PromptSizer | null>,
+): Promise<PromptSizer | null> {
+  return sizer().catch((err: unknown) => {
+    if (err instanceof BudgetExhaustedError) return null
+    throw err
+  })
+}
+
+/** Where prompt lengths meet a cache's edges, and why. */
+export interface CacheEdge {
+  readonly tokens: number
+  readonly why: string
+}
+
+/** Smallest edge a prompt is sent on: shorter prompts hold little more than their head. */
+export const minEdgeTokens = 16
+const defaultEdges = [16, 32, 64, 128, 256, 512, 1024]
+/** Page multiples tried per reported page size: P·1, P·2, P·4, P·8 (from the first ≥ 16). */
+const maxPageMultiples = 4
+
+/** The edges to send prompts on: per reported page size P, its multiples P·2^k from the first
+ *  one of at least {@link minEdgeTokens} (up to {@link maxPageMultiples} of them); with no page
+ *  size reported, powers of two from 16 to 1,024; per reported chunk size C, C and 2C. Only edges
+ *  whose `edge + 1` tokens fit under `maxPromptTokens` (null: no limit known) are kept; sorted. */
+export function cacheEdges(
+  pageSizes: readonly number[],
+  chunkSizes: readonly number[],
+  maxPromptTokens: number | null,
+): CacheEdge[] {
+  const edges = new Map<number, string>()
+  const add = (tokens: number, why: string): void => {
+    if (maxPromptTokens !== null && tokens + 1 > maxPromptTokens) return
+    if (!edges.has(tokens)) edges.set(tokens, why)
+  }
+  for (const page of new Set(pageSizes)) {
+    let multiple = page
+    while (multiple < minEdgeTokens) multiple *= 2
+    for (let i = 0; i < maxPageMultiples; i++, multiple *= 2)
+      add(multiple, `${multiple / page} × page ${page}`)
+  }
+  if (pageSizes.length === 0) {
+    for (const tokens of defaultEdges) add(tokens, 'power of two (no page size reported)')
+  }
+  for (const chunk of new Set(chunkSizes)) {
+    if (chunk < minEdgeTokens) continue
+    add(chunk, `chunk ${chunk}`)
+    add(2 * chunk, `2 × chunk ${chunk}`)
+  }
+  return [...edges].map(([tokens, why]) => ({ tokens, why })).sort((a, b) => a.tokens - b.tokens)
+}
+
+/** The largest prompt (tokens) that leaves `maxTokens` to generate within the smallest of the
+ *  pool, the context and the engine's input limit; null when the endpoint reports none. */
+export function promptLimit(
+  limits: {
+    readonly poolTokens: number | null
+    readonly contextTokens: number | null
+    readonly inputLimitTokens: number | null
+  },
+  maxTokens: number,
+): number | null {
+  const known = [limits.poolTokens, limits.contextTokens, limits.inputLimitTokens].filter(
+    (n) => n !== null,
+  )
+  return known.length === 0 ? null : Math.min(...known) - maxTokens
+}

@@ -1,0 +1,327 @@
+/** `warm-equals-cold` and `evict-then-return` against stand-ins over real HTTP: each catches a
+ *  stand-in with the warm-path bug it looks for and passes its correct twin, on vLLM-, SGLang- and
+ *  kvfence-shaped surfaces; plus the edges and churn they size from what discovery read. */
+import assert from 'node:assert/strict'
+import { describe, test } from 'node:test'
+import {
+  planAudit,
+  runAudit,
+  type AuditOptions,
+  type AuditReport,
+  type ProbeName,
+} from '../../src/audit/index.js'
+import { Budget } from '../../src/audit/budget.js'
+import { discover } from '../../src/audit/discovery.js'
+import { churnSize } from '../../src/audit/probes/evict-then-return.js'
+import { cacheEdges, sizedPrompt } from '../../src/audit/probes/sized-material.js'
+import { createRng } from '../../src/audit/rng.js'
+import { createSizer } from '../../src/audit/sizer.js'
+import { createTarget } from '../../src/audit/target.js'
+import { standInTenants, startStandIn, type StandInOptions } from './standins.js'
+
+async function audit(
+  probe: ProbeName,
+  standInOptions: StandInOptions,
+  options: Partial<AuditOptions> = {},
+): Promise<AuditReport> {
+  const standIn = await startStandIn('safe', standInOptions)
+  try {
+    return await runAudit({
+      target: standIn.url,
+      tenants: standInTenants,
+      seed: 21,
+      probes: [probe],
+      ...options,
+    })
+  } finally {
+    await standIn.close()
+  }
+}
+
+const rows = (report: AuditReport): string[][] =>
+  report.findings.map((f) => [f.probe, f.verdict, f.severity])
+
+interface Run {
+  targetTokens: number
+  promptTokens: number | null
+  outcome: string
+  isEqual: boolean | null
+  cause: string | null
+}
+
+describe('cache edges and churn, from what the endpoint reports', () => {
+  test('page 16: its multiples 16, 32, 64, 128; a prompt limit of 100 keeps those whose edge + 1 fits', () => {
+    assert.deepEqual(
+      cacheEdges([16], [], 368).map((e) => [e.tokens, e.why]),
+      [
+        [16, '1 × page 16'],
+        [32, '2 × page 16'],
+        [64, '4 × page 16'],
+        [128, '8 × page 16'],
+      ],
+    )
+    assert.deepEqual(
+      cacheEdges([16], [], 100).map((e) => e.tokens),
+      [16, 32, 64],
+    )
+  })
+
+  test('SGLang page 1 with chunk 512: 16, 32, 64, 128 and the chunk; 2 × chunk past the limit', () => {
+    assert.deepEqual(
+      cacheEdges([1], [512], 1000).map((e) => [e.tokens, e.why]),
+      [
+        [16, '16 × page 1'],
+        [32, '32 × page 1'],
+        [64, '64 × page 1'],
+        [128, '128 × page 1'],
+        [512, 'chunk 512'],
+      ],
+    )
+  })
+
+  test('no page size reported: powers of two 16 to 1,024 (a chunk of 8,192 past the limit adds none)', () => {
+    assert.deepEqual(
+      cacheEdges([], [8192], 368).map((e) => e.tokens),
+      [16, 32, 64, 128, 256],
+    )
+    assert.deepEqual(
+      cacheEdges([], [], null).map((e) => e.tokens),
+      [16, 32, 64, 128, 256, 512, 1024],
+    )
+  })
+
+  test('a short prompt carries the longest leading piece of its canary (≥ 8 characters) that leaves room for a filler word', () => {
+    // One token per word plus BOS, a 20-character canary measured at 20 tokens (1 per character).
+    const sizer = createSizer('usage', [
+      { words: 16, tokens: 17 },
+      { words: 64, tokens: 65 },
+    ])!
+    const canary = { tenant: standInTenants[0], canary: 'AbCdEfGh12IjKlMnOp34', canaryTokens: 20 }
+    const words = (p: string) => p.split(' ')
+    // 16 tokens: BOS + 6 head letters + 8 characters of canary + 1 filler word.
+    const at16 = sizedPrompt(createRng(1, 't'), sizer, 16, canary)
+    assert.equal(at16.hasCanary, true)
+    assert.deepEqual(words(at16.prompt).slice(6), ['AbCdEfGh', 'a'])
+    // 15 tokens: a piece of 7 characters would be too short to find; head and 8 filler words.
+    const at15 = sizedPrompt(createRng(1, 't'), sizer, 15, canary)
+    assert.equal(at15.hasCanary, false)
+    assert.deepEqual(words(at15.prompt).slice(6), 'abcdefgh'.split(''))
+    // 40 tokens: the whole canary and 13 filler words (1 + 6 + 20 + 13).
+    const at40 = sizedPrompt(createRng(1, 't'), sizer, 40, canary)
+    assert.equal(words(at40.prompt)[6], canary.canary)
+    assert.equal(words(at40.prompt).length, 6 + 1 + 13)
+  })
+
+  test('churn: ⌈2 × pool / prompt⌉ requests of the largest prompt, half as many more at most; none without a pool', () => {
+    // 2 × 1,024 = 2,048 tokens in prompts of 368: ⌈5.57⌉ = 6, and ⌈6 × 1.5⌉ = 9 at most.
+    assert.deepEqual(churnSize(1024, 368), {
+      poolTokens: 1024,
+      promptTokens: 368,
+      numRequests: 6,
+      maxRequests: 9,
+    })
+    assert.equal(churnSize(null, 368), null)
+    assert.equal(churnSize(1024, null), null)
+  })
+
+  test('--plan: both probes priced from the vLLM stand-in’s block size and pool', async () => {
+    const standIn = await startStandIn('safe', { flavour: 'vllm' })
+    try {
+      const plan = await planAudit({
+        target: standIn.url,
+        tenants: standInTenants,
+        probes: ['warm-equals-cold', 'evict-then-return'],
+      })
+      const byProbe = new Map(plan.probes.map((p) => [p.probe, p]))
+      // 2 canary measurements + 4 edges × 9 + 4 salt controls.
+      assert.equal(byProbe.get('warm-equals-cold')?.numRequests, 2 + 36 + 4)
+      // Pool 384 (24 blocks × 16), context 384: prompts of 368; ⌈768 / 368⌉ = 3, ⌈3 × 1.5⌉ = 5
+      // at most, plus the prefix's 3.
+      assert.equal(byProbe.get('evict-then-return')?.numRequests, 3 + 5)
+      assert.equal(standIn.stats.paths.filter((p) => p.startsWith('POST')).length, 0)
+    } finally {
+      await standIn.close()
+    }
+  })
+})
+
+describe('warm-equals-cold', () => {
+  test("vLLM surface, a whole-page prompt's warm hit served from another tenant's entry: leak, critical; the fresh cache_salt says key bug", async () => {
+    const report = await audit('warm-equals-cold', {
+      flavour: 'vllm',
+      kvCache: { bug: 'page-multiple-cross' },
+    })
+    assert.ok(report.findings.length >= 1)
+    assert.deepEqual(
+      [...new Set(rows(report).map((r) => r.join(' ')))],
+      ['warm-equals-cold leak critical'],
+    )
+    const e = report.findings[0].evidence as { runs: Run[]; causes: string[]; edges: unknown[] }
+    const differing = e.runs.filter((r) => r.isEqual === false)
+    // Exactly the page multiples differ: 16, 32, 64, 128 tokens.
+    assert.deepEqual(
+      differing.map((r) => r.promptTokens),
+      [16, 32, 64, 128],
+    )
+    assert.deepEqual(
+      differing.map((r) => r.cause),
+      ['key', 'key', 'not tried', 'not tried'],
+    )
+    assert.match(e.causes[0], /^key: under a fresh cache_salt the warm answer equals the cold one/)
+    assert.match(
+      report.findings[0].title,
+      /'s warm 16-token \(1 × page 16\) answer \(HTTP 200\) carried a canary planted by /,
+    )
+    assert.deepEqual(report.findings[0].controls, { aisvs: ['5.5.5'], guards: ['G4', 'G5'] })
+  })
+
+  test('its correct twin: clean, 12 lengths on and ±1 around the page multiples', async () => {
+    const report = await audit('warm-equals-cold', { flavour: 'vllm', kvCache: {} })
+    assert.deepEqual(
+      report.findings.map((f) => [f.verdict, f.title]),
+      [
+        [
+          'clean',
+          'warm answers equalled cold ones at 12 lengths on and ±1 around 16 (1 × page 16), 32 (2 × page 16), 64 (4 × page 16), 128 (8 × page 16)',
+        ],
+      ],
+    )
+    const e = report.findings[0].evidence as { runs: Run[] }
+    assert.deepEqual(
+      e.runs.map((r) => r.promptTokens),
+      [15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129],
+    )
+  })
+
+  test('a whole-page warm hit answered one position late: warning (no foreign material), content bug', async () => {
+    const report = await audit('warm-equals-cold', {
+      flavour: 'vllm',
+      kvCache: { bug: 'page-multiple-shift' },
+    })
+    assert.deepEqual(rows(report), [['warm-equals-cold', 'warning', 'medium']])
+    assert.match(
+      report.findings[0].title,
+      /^a temperature-0 warm answer differed from its cold one at 4 of 12 lengths \(16, 32, 64, 128 tokens\), without another tenant's material; under a fresh cache_salt the warm answer still differs: .* \(a content bug\); no fresh-salt control was sent for this length$/,
+    )
+  })
+
+  test('kvfence surface (cache_salt refused, no page size reported): powers of two, the cause stays open', async () => {
+    const report = await audit('warm-equals-cold', {
+      kvCache: { bug: 'page-multiple-shift' },
+      clientSalt: 'refused',
+    })
+    assert.deepEqual(rows(report), [['warm-equals-cold', 'warning', 'medium']])
+    const e = report.findings[0].evidence as { runs: Run[]; edges: { tokens: number }[] }
+    assert.deepEqual(
+      e.edges.map((x) => x.tokens),
+      [16, 32, 64, 128, 256],
+    )
+    assert.match(report.findings[0].title, /the endpoint refused cache_salt/)
+  })
+
+  test('SGLang surface, correct: clean on powers of two (its chunk of 8,192 is past the pool)', async () => {
+    const report = await audit('warm-equals-cold', { flavour: 'sglang', kvCache: {} })
+    assert.deepEqual(rows(report), [['warm-equals-cold', 'clean', 'info']])
+    assert.equal((report.findings[0].evidence.runs as Run[]).length, 15)
+  })
+
+  test('a budget that runs out part-way: inconclusive with the reason, never clean', async () => {
+    const report = await audit(
+      'warm-equals-cold',
+      { flavour: 'vllm', kvCache: {} },
+      { maxRequests: 20 },
+    )
+    assert.deepEqual(rows(report), [['warm-equals-cold', 'inconclusive', 'medium']])
+    assert.match(
+      report.findings[0].title,
+      /^warm and cold answers not compared on every edge: request budget exhausted after \d+ of 12 lengths$/,
+    )
+  })
+})
+
+describe('evict-then-return', () => {
+  test('an offload tier that counts a failed load as a hit (serving what it offloaded last): leak, critical, bob → alice', async () => {
+    const report = await audit('evict-then-return', {
+      kvCache: { isOffloaded: true, bug: 'offload-load-any' },
+    })
+    assert.deepEqual(rows(report), [['evict-then-return', 'leak', 'critical']])
+    const e = report.findings[0].evidence
+    assert.equal(e.observerTenant, 'alice')
+    assert.equal(e.victimTenant, 'bob')
+    assert.deepEqual(e.request, { label: 'returning (after eviction)', stream: false, status: 200 })
+    assert.deepEqual(report.findings[0].controls, { aisvs: ['5.5.5'], guards: ['G4'] })
+  })
+
+  test('its correct twin: clean, the returning prefix loaded back from the offload tier', async () => {
+    const report = await audit('evict-then-return', { kvCache: { isOffloaded: true } })
+    assert.deepEqual(rows(report), [['evict-then-return', 'clean', 'info']])
+    const e = report.findings[0].evidence as {
+      returned: { promptTokens: number; cachedTokens: number }
+      warm: { cachedTokens: number }
+      numChurnAnswered: number
+      churnTokensAnswered: number
+    }
+    // Pool 384 (the largest the stand-in reports): ⌈768 / 368⌉ = 3 churn prompts.
+    assert.equal(e.numChurnAnswered, 3)
+    assert.ok(e.churnTokensAnswered >= 768)
+    assert.equal(e.warm.cachedTokens, e.returned.promptTokens)
+    assert.equal(e.returned.cachedTokens, e.returned.promptTokens)
+    assert.match(
+      report.findings[0].title,
+      /^alice's prefix returned intact after \d+ tokens of other tenants' traffic \(≥ 2 × the 384-token pool\)/,
+    )
+  })
+
+  test('no offload tier: clean, the returning prefix recomputed (cached_tokens 0)', async () => {
+    const report = await audit('evict-then-return', { kvCache: {}, flavour: 'vllm' })
+    assert.deepEqual(rows(report), [['evict-then-return', 'clean', 'info']])
+    assert.equal((report.findings[0].evidence.returned as { cachedTokens: number }).cachedTokens, 0)
+  })
+
+  test('a budget that cannot cover the churn: inconclusive with the reason, no completion sent', async () => {
+    const report = await audit(
+      'evict-then-return',
+      { kvCache: { isOffloaded: true, bug: 'offload-load-any' } },
+      { maxRequests: 10 },
+    )
+    assert.deepEqual(rows(report), [['evict-then-return', 'inconclusive', 'medium']])
+    assert.match(
+      report.findings[0].title,
+      /^evicting the cache takes 3 requests of 368 tokens \(2 × the 384-token pool\) plus 3; the budget has \d+ requests left/,
+    )
+    assert.equal(report.probeRuns[0].completions.sent, 0)
+  })
+})
+
+describe('discovery reads page and chunk sizes', () => {
+  const discoverOn = async (options: StandInOptions) => {
+    const standIn = await startStandIn('safe', options)
+    try {
+      const budget = new Budget({ maxRequests: 10, maxSeconds: 30, concurrency: 1 })
+      const target = createTarget({
+        baseUrl: standIn.url,
+        model: null,
+        tenants: standInTenants,
+        budget,
+        requestTimeoutMs: 10_000,
+      })
+      const d = await discover(target, null)
+      return { pageSizes: d.pageSizes, chunkSizes: d.chunkSizes, largest: d.largestPoolTokens }
+    } finally {
+      await standIn.close()
+    }
+  }
+
+  test('SGLang: chunked_prefill_size of /get_server_info; vLLM: block_size of vllm:cache_config_info', async () => {
+    assert.deepEqual(await discoverOn({ flavour: 'sglang' }), {
+      pageSizes: [],
+      chunkSizes: [{ endpoint: '/get_server_info', field: 'chunked_prefill_size', tokens: 8192 }],
+      largest: 384,
+    })
+    assert.deepEqual(await discoverOn({ flavour: 'vllm' }), {
+      pageSizes: [{ endpoint: '/metrics', field: 'vllm:cache_config_info block_size', tokens: 16 }],
+      chunkSizes: [],
+      largest: 384,
+    })
+  })
+})
