@@ -4,7 +4,9 @@
  *  - `/v1/models`: `max_model_len` (vLLM, SGLang, kvfence), `context_length`, `context_window`;
  *  - `/server_info` (kvfence, newer SGLang) or `/get_server_info` (SGLang): kvfence's
  *    `contextWindow`, `effectiveCapacityTokens`, `workers[].capacityTokens`; SGLang's
- *    `context_length`, `max_total_num_tokens`, `max_req_input_len`;
+ *    `context_length`, `max_total_num_tokens`, `max_req_input_len`; the chunked-prefill size
+ *    (prompt tokens per prefill step): kvfence's `workers[].prefillChunkTokens`, SGLang's
+ *    `chunked_prefill_size`;
  *  - `/metrics` (vLLM): `vllm:cache_config_info{num_gpu_blocks, block_size}`.
  *  Which engine answered is told by the fields it reports (`engine`), because each derives its
  *  largest accepted input its own way:
@@ -72,6 +74,10 @@ export interface Discovery {
   /** The largest prompt (tokens) the engine says it accepts, or null when it says none: for
    *  SGLang `max_req_input_len − 1`. */
   readonly inputLimitTokens: number | null
+  /** Prompt tokens per prefill step the engine reports (the largest, if several), or null when
+   *  it reports none: a longer prompt is prefilled in several steps, and an abort can land
+   *  between them. */
+  readonly chunkedPrefillTokens: number | null
 }
 
 /** Fields that advertise a context window. */
@@ -91,6 +97,9 @@ const poolFields = new Set([
 ])
 /** Fields that state the longest input an engine accepts (SGLang), not a capacity. */
 const inputLimitFields = new Set(['max_req_input_len'])
+/** Fields that state the chunked-prefill size (SGLang: -1 turns chunking off, which
+ *  `asPositiveInt` drops). */
+const chunkFields = new Set(['chunked_prefill_size', 'prefillChunkTokens'])
 /** Fields only kvfence reports. */
 const kvfenceFields = new Set(['effectiveCapacityTokens', 'contextWindow', 'capacityTokens'])
 /** Fields only SGLang reports. */
@@ -106,7 +115,8 @@ export async function discover(target: Target, requestedModel: string | null): P
   const advertised: CapacitySource[] = []
   const pools: CapacitySource[] = []
   const inputLimits: CapacitySource[] = []
-  const found = { advertised, pools, inputLimits, keys: new Set<string>() }
+  const chunks: CapacitySource[] = []
+  const found = { advertised, pools, inputLimits, chunks, keys: new Set<string>() }
   let metricsText = ''
   let idleUsage: PoolUsage | null = null
   let numRunning: number | null = null
@@ -183,6 +193,7 @@ export async function discover(target: Target, requestedModel: string | null): P
     engine,
     inputLimits,
     inputLimitTokens,
+    chunkedPrefillTokens: chunks.length ? Math.max(...chunks.map((s) => s.tokens)) : null,
   }
 }
 
@@ -211,6 +222,7 @@ function scan(
     readonly advertised: CapacitySource[]
     readonly pools: CapacitySource[]
     readonly inputLimits: CapacitySource[]
+    readonly chunks: CapacitySource[]
     /** Every capacity field seen, by name (tells the engine). */
     readonly keys: Set<string>
   },
@@ -230,6 +242,7 @@ function scan(
       if (advertisedFields.has(key)) found.advertised.push({ endpoint, field, tokens })
       else if (poolFields.has(key)) found.pools.push({ endpoint, field: field + role, tokens })
       else if (inputLimitFields.has(key)) found.inputLimits.push({ endpoint, field, tokens })
+      else if (chunkFields.has(key)) found.chunks.push({ endpoint, field, tokens })
     } else if (typeof child === 'object' && child !== null) {
       scan(child, endpoint, field, depth + 1, found)
     }

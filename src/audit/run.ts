@@ -203,6 +203,7 @@ export async function planAudit(
     contextTokens: discovery.contextTokens,
     inputLimitTokens: discovery.inputLimitTokens,
     isAggressive: options.isAggressive === true,
+    chunkedPrefillTokens: discovery.chunkedPrefillTokens,
   }
   const isSized = config.probes.some((p) => probesThatSize.includes(p))
   const own = probePlan('audit', [
@@ -231,7 +232,7 @@ export async function planAudit(
 }
 
 /** Probes that calibrate token counts (the audit's calibration completions are theirs). */
-const probesThatSize: readonly ProbeName[] = ['boundary', 'canary', 'prefix-timing']
+const probesThatSize: readonly ProbeName[] = ['boundary', 'canary', 'abort-retry', 'prefix-timing']
 
 /** The exit code `kvfence audit` uses: 1 when a finding's verdict is at or above `failOn` (a leak
  *  always is), else 0. (2, for a tool error, is the caller's: `runAudit` then throws, e.g. for a
