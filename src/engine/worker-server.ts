@@ -80,9 +80,7 @@ function serverInfo(ctx: ServerContext): ServerInfo {
     capacityTokens: core.pool.capacityTokens,
     numPagesFree: core.pool.numFree,
     numPagesUsed: core.pool.numUsed - numPagesCached(),
-    ...(role.role === 'prefill'
-      ? { numPagesCached: numPagesCached(), prefillChunkTokens }
-      : {}),
+    ...(role.role === 'prefill' ? { numPagesCached: numPagesCached(), prefillChunkTokens } : {}),
     maxPositionEmbeddings: core.model.config.maxPositionEmbeddings,
     guardsEnabled: Object.values(core.guards).every(Boolean),
     faults: core.faultNames(),
