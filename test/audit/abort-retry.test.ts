@@ -39,13 +39,15 @@ const chunked = (isPartialPublished: boolean) => ({
 })
 
 describe('abort-retry', () => {
-  // The chunk the probe sizes by: reported (128), or the default when vLLM reports none. The
-  // prompt: the stand-in's pool (384) − max_tokens 16 − 8 spare − the canary tail's 120-token
-  // bound leaves 240 filler tokens at most; 128 + 128/4 = 160 when 128 is reported.
+  // The chunk the probe sizes by: reported (128), or the default when vLLM reports none. It
+  // wants 128 + 3 × 128 = 512 filler tokens (more for the default), but the stand-in's pool
+  // (384) − max_tokens 16 − 8 spare − the 96-token bound of the first word and the canary tail
+  // leaves 264; SGLang's input limit, min(384 − 1, 384 − 1) − 5 = 378, refusing 378 and more,
+  // leaves 377 − 24 − 96 = 257. Tokens: BOS + the first word + (filler − 1) words + 5 tail words.
   const cases = [
-    { flavour: 'kvfence', chunkTokens: 128, isChunkReported: true, promptTokens: 165 },
-    { flavour: 'sglang', chunkTokens: 128, isChunkReported: true, promptTokens: 165 },
-    { flavour: 'vllm', chunkTokens: defaultChunkTokens, isChunkReported: false, promptTokens: 245 },
+    { flavour: 'kvfence', chunkTokens: 128, isChunkReported: true, promptTokens: 269 },
+    { flavour: 'sglang', chunkTokens: 128, isChunkReported: true, promptTokens: 262 },
+    { flavour: 'vllm', chunkTokens: defaultChunkTokens, isChunkReported: false, promptTokens: 269 },
   ] as const
   for (const c of cases) {
     test(`${c.flavour}: an aborted prefill's pages published, the retry reads the priming tenant's words: leak, critical, bob → alice`, async () => {
@@ -66,7 +68,8 @@ describe('abort-retry', () => {
       const report = await audit({ flavour: c.flavour, chunkedPrefill: chunked(false) })
       assert.deepEqual(verdicts(report), [['abort-retry', 'clean', 'info']])
       const attempts = report.findings[0].evidence.attempts as { isCutInPrefill: boolean }[]
-      assert.equal(attempts.length, 4)
+      // No cached_tokens to steer by: the six fixed cut points, one after the other.
+      assert.equal(attempts.length, 6)
       assert.ok(attempts.some((a) => a.isCutInPrefill))
     })
   }

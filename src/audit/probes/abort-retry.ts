@@ -42,10 +42,13 @@ import {
 } from './material.js'
 
 const maxTokens = 16
-/** Where the cut falls, as fractions of the cold TTFT, attempt by attempt: spread, since how
- *  much of the TTFT is prefill (rather than queueing, transfer, the first decode step) differs
- *  between engines. */
-const cutFractions = [0.5, 0.3, 0.7, 0.4] as const
+/** Where the cut falls, as fractions of the cold TTFT, attempt by attempt, when the endpoint
+ *  reports no `cached_tokens` to steer by ({@link nextCutFraction}): spread, since how much of
+ *  the TTFT is prefill (rather than queueing, transfer, the first decode step) differs between
+ *  engines, mostly early: on kvfence (one prefill and one decode worker on a 2-core machine)
+ *  cuts at 13 % and 27 % of a 370 ms cold TTFT were seen to land during prefill and none after
+ *  30 %. */
+const cutFractions = [0.15, 0.3, 0.5, 0.08, 0.22, 0.4] as const
 const numAttempts = cutFractions.length
 /** Requests per attempt: cold, priming, cut, retry by the same tenant, retry by another. */
 const requestsPerAttempt = 5
@@ -70,14 +73,17 @@ const remediation =
 interface Sizing {
   readonly chunkTokens: number
   readonly isChunkReported: boolean
-  /** Filler tokens wanted before the canaries: past the chunk by a quarter of it. */
+  /** Filler tokens wanted before the canaries: past the chunk by three times as much (at most
+   *  2,048 tokens, at least a quarter of it), so the cut has several prefill steps to land in. */
   readonly headTokens: number
   /** The largest prompt (tokens) the endpoint says it can hold with `max_tokens`, or null. */
   readonly roomTokens: number | null
 }
 
-/** Upper bound of the canary tail's tokens: ASCII costs at most one token a character. */
-const tailUpperTokens = 2 * 24 + 2 * 24 + cueChars + 16
+/** Upper bound of the tokens beyond the filler (ASCII costs at most one token a character): the
+ *  fresh first word (a canary of at most 24 characters and a space) and the tail
+ *  ` key: C1 C2. key: ` (13 characters and two canaries) with the cue. */
+const tailUpperTokens = 25 + 13 + 2 * 24 + cueChars + 2
 
 function sizing(
   input: Pick<PlanInput, 'poolTokens' | 'contextTokens' | 'inputLimitTokens'> & {
@@ -90,7 +96,7 @@ function sizing(
     (n): n is number => n !== null,
   )
   const roomTokens = limits.length > 0 ? Math.min(...limits) - maxTokens - marginTokens : null
-  const wanted = chunkTokens + Math.ceil(chunkTokens / 4)
+  const wanted = chunkTokens + Math.max(Math.ceil(chunkTokens / 4), Math.min(3 * chunkTokens, 2048))
   const headTokens = roomTokens === null ? wanted : Math.min(wanted, roomTokens - tailUpperTokens)
   return { chunkTokens, isChunkReported: reported !== null, headTokens, roomTokens }
 }
@@ -135,7 +141,7 @@ export const abortRetryProbe: Probe = {
     const attempts: Attempt[] = []
     const stoppedBy = await runUntilExhausted(async () => {
       for (let i = 0; i < numAttempts; i++) {
-        const attempt = plantAttempt(target.tenants, sizer, size, rng, i)
+        const attempt = plantAttempt(target.tenants, sizer, size, rng, i, nextCutFraction(attempts))
         // Recorded before it is sent: what a budget stop leaves half done is still judged.
         attempts.push(attempt)
         await runAttempt(target, context, attempt)
@@ -176,12 +182,13 @@ function plantAttempt(
   size: Sizing,
   rng: Rng,
   index: number,
+  cutFraction: number,
 ): Attempt {
   const roles = { cut: tenants[0], other: tenants[1], reference: tenants[2] ?? tenants[1] }
   const [subjectCanaries, primingCanaries] = [makeCanaries(rng, 3), makeCanaries(rng, 3)]
   return {
     index,
-    cutFraction: cutFractions[index % cutFractions.length],
+    cutFraction,
     subject: {
       id: `a${index}`,
       tenant: roles.cut,
@@ -203,31 +210,63 @@ function plantAttempt(
   }
 }
 
+/** The next cut's fraction of the cold TTFT. Steered by the same tenant's retry, when the
+ *  endpoint reports `cached_tokens`: a retry that found nothing cached after a cut before the
+ *  answer began means the cut came before the prefill published anything (too early, or during
+ *  the prefill of an engine that publishes only completed prefills): cut later; one that found
+ *  the prompt cached means the prefill had published (it had completed: too late; or the bug):
+ *  cut earlier. The cuts then close in on the moment the prefill ends, the last stretch of
+ *  prefill, on either kind of engine. Without `cached_tokens`, {@link cutFractions} in turn. */
+function nextCutFraction(done: readonly Attempt[]): number {
+  let lo = 0
+  let hi = 1
+  for (const a of done) {
+    if (a.cutRun === null || a.retries.length === 0) continue
+    const cached = a.retries[0].result.cachedTokens
+    if (cached === null) return cutFractions[done.length % cutFractions.length]
+    if (!isCutInPrefill(a) || cached > 0) hi = Math.min(hi, a.cutFraction)
+    else lo = Math.max(lo, a.cutFraction)
+  }
+  if (lo === 0 && hi === 1) return cutFractions[0]
+  // Past a stale bound (the TTFT moves between attempts): start the bisection again around it.
+  if (lo >= hi) return lo === 0 ? hi / 2 : Math.min(0.9, (lo + hi) / 2)
+  return hi === 1 ? Math.min(0.9, 2 * lo) : (lo + hi) / 2
+}
+
 /** Cold, priming, cut, then the two retries; stops after the cold run when it was not answered
  *  whole with a first-token time (nothing to time the cut by, nothing to compare with). */
 async function runAttempt(target: Target, context: ProbeContext, attempt: Attempt): Promise<void> {
   const { subject, priming, roles } = attempt
   const as = (tenant: Tenant): Planted => ({ ...subject, tenant })
-  const send = async (p: Planted, label: string, abortAfterMs?: number): Promise<Observed> => {
+  // Streamed where the first token's time matters; the retries whole, for their usage's
+  // `cached_tokens` (what the prefix cache gave them).
+  const send = async (
+    p: Planted,
+    label: string,
+    stream: boolean,
+    abortAfterMs?: number,
+  ): Promise<Observed> => {
     const result = await target.complete({
       tenant: p.tenant,
       prompt: p.prompt,
       maxTokens,
-      stream: true,
+      stream,
       ...(abortAfterMs === undefined ? {} : { abortAfterMs }),
     })
-    const o = { planted: p, label, stream: true, result }
+    const o = { planted: p, label, stream, result }
     attempt.observed.push(o)
     return o
   }
-  const cold = (attempt.cold = await send(as(roles.reference), 'cold'))
+  const cold = (attempt.cold = await send(as(roles.reference), 'cold', true))
   if (!isAnsweredWhole(cold.result) || cold.result.ttftMs === null) return
-  await send(priming, 'priming (same shape)')
+  await send(priming, 'priming (same shape)', false)
   const cutAfterMs = Math.max(1, Math.round(cold.result.ttftMs * attempt.cutFraction))
   attempt.cutAfterMs = cutAfterMs
-  attempt.cutRun = await send(subject, `cut after ${cutAfterMs} ms`, cutAfterMs)
-  attempt.retries.push(await send(subject, 'retry (same tenant, right after the cut)'))
-  attempt.retries.push(await send(as(roles.other), 'retry (another tenant, right after the cut)'))
+  attempt.cutRun = await send(subject, `cut after ${cutAfterMs} ms`, true, cutAfterMs)
+  attempt.retries.push(await send(subject, 'retry (same tenant, right after the cut)', false))
+  attempt.retries.push(
+    await send(as(roles.other), 'retry (another tenant, right after the cut)', false),
+  )
   const { differing, compared } = comparison(attempt)
   context.log(
     `attempt ${attempt.index}: cold TTFT ${Math.round(cold.result.ttftMs)} ms, cut at ${cutAfterMs} ms ${isCutInPrefill(attempt) ? 'during prefill' : 'after the answer began'}; ${differing.length} of ${compared.length} retries differ`,
