@@ -14,12 +14,17 @@
  *    another tenant's canary (leaks only; null otherwise). `placeholder-forward`'s are also
  *    reported as `incident_detect_requests` / `_seconds` (target ≤ 30); its probes are the default
  *    audit's first three, so its request numbers are the default audit's.
+ *    `firstFinding`: the alarm (leak or warning) with the lowest request number, its probe and
+ *    time: docs/faults.md's fault × probe matrix is written from it (bench/audit-matrix.ts).
  *  - As shipped (guards on, context clamped to the pool): the default audit over `--seeds N`
  *    seeds (default 5); `false_findings` counts leak and warning findings (target 0).
+ *  A fault whose effect needs more than the demo's shape gets its own ({@link shapeFor}).
  *
  *  Args: `--faults a,b` (default: every fault), `--seeds N` (default 5), `--seed S` (first seed,
- *  default 1), `--fault-seconds N` (default 120). */
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+ *  default 1), `--fault-seconds N` (default 120), `--docs FILE` (rewrite FILE's fault-matrix
+ *  section from this run: `npm run bench -- audit --json bench/results/audit.json --docs
+ *  docs/faults.md`). */
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { runAudit, type AuditReport } from '../src/audit/index.js'
@@ -29,6 +34,7 @@ import { demoShape } from '../src/cli/demo.js'
 import { startCluster, type ClusterOptions } from '../src/config/launch.js'
 import { faultDescriptions, type FaultName } from '../src/engine/faults.js'
 import { echoModelDir } from '../test/helpers/paths.js'
+import { faultMatrixTable, withMatrix, type FaultRow } from './audit-matrix.js'
 
 /** Per fault, the probes whose observation can show its effect from outside (docs/faults.md,
  *  "guards off, observable as"), in the order an audit runs them:
@@ -48,14 +54,34 @@ export const probesFor: Readonly<Record<FaultName, readonly ProbeName[]>> = {
   'corrupt-transfer': ['canary', 'concurrency', 'determinism'],
   'truncate-transfer': ['canary', 'concurrency', 'determinism'],
   'lost-ack': ['page-leak', 'error-handling'],
-  // An aborted prefill's unwritten pages published: wrong answers when its prompt comes back.
-  'publish-partial': ['abort-race', 'determinism'],
+  // An aborted prefill's unwritten pages published: wrong answers when its prompt comes back,
+  // sent again right after a cut during prefill (`abort-retry`).
+  'publish-partial': ['abort-race', 'abort-retry', 'determinism'],
   // A corrupt page loaded back, or another tenant's: changed answers, or a cross-tenant hit.
   'offload-load-as-hit': ['determinism', 'evict-then-return'],
   'offload-key-without-tenant': ['prefix-timing'],
 }
 
-interface FaultResult {
+/** Per fault, what its effect needs beyond the demo's shape:
+ *  - `publish-partial`: a prefix cache that can hold a prompt past one prefill chunk (256 tokens)
+ *    while that prompt's own pages are still leased: the demo's 24-page prefill pool caches 6
+ *    pages (96 tokens, all written by the first chunk), so nothing unwritten could be published.
+ *    256 prefill pages with 128 for the cache, a 2,048-token context;
+ *  - the offload faults: an offload tier at all (`--prefix-cache-offload-bytes`), 1 MiB. */
+export const shapeFor: Readonly<Partial<Record<FaultName, Partial<ClusterOptions>>>> = {
+  'publish-partial': {
+    prefillPages: 256,
+    decodePages: 128,
+    prefixCachePages: 128,
+    contextWindow: 2048,
+  },
+  'offload-load-as-hit': { prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20)] },
+  'offload-key-without-tenant': {
+    prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20)],
+  },
+}
+
+interface FaultResult extends FaultRow {
   readonly fault: string
   readonly probes: readonly ProbeName[]
   /** `detected`: a probe alarmed above its baseline; `inconclusive`: none did, and at least one
@@ -83,6 +109,7 @@ export async function benchAudit(args: string[]): Promise<object> {
   const numSeeds = Number(flag(args, '--seeds') ?? 5)
   const firstSeed = Number(flag(args, '--seed') ?? 1)
   const faultSeconds = Number(flag(args, '--fault-seconds') ?? 120)
+  const docsFile = flag(args, '--docs')
   if (!Number.isInteger(numSeeds) || numSeeds < 0) throw new Error('--seeds must be an integer ≥ 0')
   if (!(faultSeconds > 0)) throw new Error('--fault-seconds must be > 0')
 
@@ -126,7 +153,10 @@ export async function benchAudit(args: string[]): Promise<object> {
     const perFault: FaultResult[] = []
     for (const fault of faults as FaultName[]) {
       const probes = probesFor[fault]
-      const report = await audit(unsafe(fault), firstSeed, { probes, maxSeconds: faultSeconds })
+      const report = await audit({ ...unsafe(fault), ...shapeFor[fault] }, firstSeed, {
+        probes,
+        maxSeconds: faultSeconds,
+      })
       const alarms = report.findings.filter(
         (f) =>
           (f.verdict === 'leak' || f.verdict === 'warning') &&
@@ -138,6 +168,14 @@ export async function benchAudit(args: string[]): Promise<object> {
         .filter((n): n is number => typeof n === 'number')
       const first = numbers.length > 0 ? Math.min(...numbers) : null
       const firstLeak = leaks.find((f) => f.evidence.requestNumber === first)
+      const numbered = alarms.filter((f) => typeof f.evidence.requestNumber === 'number')
+      const firstAlarm = numbered.reduce<Finding | null>(
+        (a, f) =>
+          a === null || (f.evidence.requestNumber as number) < (a.evidence.requestNumber as number)
+            ? f
+            : a,
+        null,
+      )
       const inconclusive = report.findings
         .filter((f) => f.verdict === 'inconclusive')
         .map((f) => `${f.probe}: ${f.title}`)
@@ -153,6 +191,18 @@ export async function benchAudit(args: string[]): Promise<object> {
         detected: alarms.length > 0,
         detectedBy: alarms.map((f) => `${f.probe}: ${f.verdict}: ${f.title}`),
         inconclusive,
+        firstFinding:
+          firstAlarm === null
+            ? null
+            : {
+                probe: firstAlarm.probe,
+                verdict: firstAlarm.verdict,
+                requestNumber: firstAlarm.evidence.requestNumber as number,
+                seconds:
+                  typeof firstAlarm.evidence.atMs === 'number'
+                    ? firstAlarm.evidence.atMs / 1000
+                    : null,
+              },
         detectRequests: first,
         detectSeconds:
           firstLeak && typeof firstLeak.evidence.atMs === 'number'
@@ -178,7 +228,9 @@ export async function benchAudit(args: string[]): Promise<object> {
     }
 
     const incident = perFault.find((r) => r.fault === 'placeholder-forward')
-    return {
+    const result = {
+      seed: firstSeed,
+      fault_seconds: faultSeconds,
       incident_detect_requests: incident?.detectRequests ?? null,
       incident_detect_seconds: incident?.detectSeconds ?? null,
       incident_detect_target_requests: 30,
@@ -191,6 +243,10 @@ export async function benchAudit(args: string[]): Promise<object> {
       faults: perFault,
       shipped,
     }
+    if (docsFile !== undefined) {
+      writeFileSync(docsFile, withMatrix(readFileSync(docsFile, 'utf8'), faultMatrixTable(result)))
+    }
+    return result
   } finally {
     rmSync(dir, { recursive: true, force: true })
   }

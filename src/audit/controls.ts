@@ -14,6 +14,8 @@ const byProbe: Readonly<Record<FindingSource, FindingControls>> = {
   boundary: { aisvs: [], guards: ['G2', 'G3'] },
   canary: { aisvs: [aisvsKvPartitioning], guards: ['G1', 'G2', 'G3', 'G4', 'G5', 'G6'] },
   'abort-race': { aisvs: [aisvsKvPartitioning], guards: ['G5', 'G6', 'G7', 'G8'] },
+  // G5: the prefix cache publishes only pages a completed prefill filled and sealed.
+  'abort-retry': { aisvs: [aisvsKvPartitioning], guards: ['G5'] },
   concurrency: { aisvs: [aisvsKvPartitioning], guards: ['G4'] },
   queueing: { aisvs: [aisvsKvPartitioning], guards: ['G7'] },
   'page-leak': { aisvs: [], guards: ['G7', 'G8'] },

@@ -7,9 +7,9 @@
  *    `context_length`, `max_total_num_tokens`, `max_req_input_len`;
  *  - `/metrics` (vLLM): `vllm:cache_config_info{num_gpu_blocks, block_size}`.
  *  And the sizes the KV cache is cut into, where a cache's warm path has its edges: the page size
- *  (kvfence `pageSize`, SGLang `page_size`, vLLM `block_size`) and the prefill chunk size (SGLang
- *  `chunked_prefill_size`, vLLM `max_num_batched_tokens`; a negative value means "no chunking" and
- *  is not read).
+ *  (kvfence `pageSize`, SGLang `page_size`, vLLM `block_size`) and the prefill chunk size (kvfence
+ *  `workers[].prefillChunkTokens`, SGLang `chunked_prefill_size`, vLLM `max_num_batched_tokens`;
+ *  a negative value means "no chunking" and is not read).
  *  Which engine answered is told by the fields it reports (`engine`), because each derives its
  *  largest accepted input its own way:
  *  - SGLang's scheduler sets `max_req_input_len = min(context_len − 1, max_total_num_tokens − 1)
@@ -82,6 +82,10 @@ export interface Discovery {
   readonly pageSizes: readonly CapacitySource[]
   /** Prefill chunk sizes (tokens) the endpoint reports, where and as reported. */
   readonly chunkSizes: readonly CapacitySource[]
+  /** Prompt tokens per prefill step the engine reports (the largest of {@link chunkSizes}), or
+   *  null when it reports none: a longer prompt is prefilled in several steps, and an abort can
+   *  land between them. */
+  readonly chunkedPrefillTokens: number | null
 }
 
 /** Fields that advertise a context window. */
@@ -104,6 +108,7 @@ const pageSizeFields = new Set(['pageSize', 'page_size'])
 /** Fields that state a prefill chunk size in tokens. */
 const chunkSizeFields = new Set([
   'chunked_prefill_size',
+  'prefillChunkTokens',
   'chunkedPrefillSize',
   'max_num_batched_tokens',
 ])
@@ -214,6 +219,7 @@ export async function discover(target: Target, requestedModel: string | null): P
     inputLimitTokens,
     pageSizes,
     chunkSizes,
+    chunkedPrefillTokens: chunkSizes.length ? Math.max(...chunkSizes.map((s) => s.tokens)) : null,
   }
 }
 

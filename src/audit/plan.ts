@@ -26,6 +26,9 @@ export interface PlanInput {
   readonly chunkSizes?: readonly number[]
   /** `--aggressive`: bodies that could disturb a shared engine are sent too. */
   readonly isAggressive: boolean
+  /** Prompt tokens per prefill step the engine reports (chunked prefill), or null. Absent:
+   *  null. */
+  readonly chunkedPrefillTokens?: number | null
 }
 
 /** One kind of request a probe sends: how many at most, and the tokens of each at most (prompt

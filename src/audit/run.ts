@@ -367,6 +367,7 @@ export async function planAudit(
     pageSizes: discovery.pageSizes.map((s) => s.tokens),
     chunkSizes: discovery.chunkSizes.map((s) => s.tokens),
     isAggressive: options.isAggressive === true,
+    chunkedPrefillTokens: discovery.chunkedPrefillTokens,
   }
   const isSized = config.probes.some((p) => probesThatSize.includes(p))
   const probePlans = config.probes.map((name) => probePlan(name, probes[name].plan?.(input) ?? []))
@@ -406,6 +407,7 @@ export async function planAudit(
 const probesThatSize: readonly ProbeName[] = [
   'boundary',
   'canary',
+  'abort-retry',
   'prefix-timing',
   'warm-equals-cold',
   'evict-then-return',

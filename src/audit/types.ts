@@ -12,6 +12,7 @@ export const probeNames = [
   'boundary',
   'canary',
   'abort-race',
+  'abort-retry',
   'concurrency',
   'queueing',
   'page-leak',

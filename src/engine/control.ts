@@ -133,6 +133,9 @@ export const ServerInfo = z.object({
   numPagesUsed: z.number().int().min(0),
   /** Prefill worker only: pages held by its prefix cache (evicted on demand). */
   numPagesCached: z.number().int().min(0).optional(),
+  /** Prefill worker only: prompt tokens per prefill step (chunked prefill; SGLang reports the
+   *  same as `chunked_prefill_size`). An abort is seen between steps. */
+  prefillChunkTokens: z.number().int().min(1).optional(),
   /** Longest sequence (prompt + generated tokens) the model's positions allow. */
   maxPositionEmbeddings: z.number().int().min(1),
   guardsEnabled: z.boolean(),

@@ -18,7 +18,7 @@ import { serverTlsOptions, type TlsMaterial } from '../tls.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
 import { GenerateRequest, PrefillRequest, type DecodeEvent, type ServerInfo } from './control.js'
 import type { DecodeWorker } from './decode-worker.js'
-import type { PrefillWorker } from './prefill-worker.js'
+import { prefillChunkTokens, type PrefillWorker } from './prefill-worker.js'
 import type { WorkerCore } from './worker-core.js'
 
 /** How long an idle control connection stays open (ms); the router's agent must time out sooner. */
@@ -80,7 +80,7 @@ function serverInfo(ctx: ServerContext): ServerInfo {
     capacityTokens: core.pool.capacityTokens,
     numPagesFree: core.pool.numFree,
     numPagesUsed: core.pool.numUsed - numPagesCached(),
-    ...(role.role === 'prefill' ? { numPagesCached: numPagesCached() } : {}),
+    ...(role.role === 'prefill' ? { numPagesCached: numPagesCached(), prefillChunkTokens } : {}),
     maxPositionEmbeddings: core.model.config.maxPositionEmbeddings,
     guardsEnabled: Object.values(core.guards).every(Boolean),
     faults: core.faultNames(),

@@ -65,6 +65,10 @@ describe('--plan', () => {
       // abort-race: 8 cuts each beside another tenant's request, then waves of 2, 4 and 8
       // mid-stream cuts likewise (28), then 4 fresh: 48 × (165 + 48).
       assert.deepEqual(planRow(run.stdout, 'abort-race'), ['48', '10224', '0.0256'])
+      // abort-retry: 6 attempts of 5 requests; no chunk reported, so 2,048 assumed, but the pool
+      // (384) − max_tokens 16 − 8 spare − 96 (first word and canary tail) leaves 264 filler
+      // tokens: 30 × (264 + 96 + 16).
+      assert.deepEqual(planRow(run.stdout, 'abort-retry'), ['30', '11280', '0.0282'])
       // cache-fields: a plain control, then 4 requests for each of cache_salt and extra_key.
       assert.deepEqual(planRow(run.stdout, 'cache-fields'), ['9', '1494', '0.0037'])
       // warm-equals-cold: no page size reported, so powers of two whose +1 fits 384 − 16: 16…256,
@@ -74,10 +78,10 @@ describe('--plan', () => {
       // evict-then-return: the prefix 3 × (96 + 16); churn of 2 × 384 in prompts of 368:
       // ⌈768 / 368⌉ = 3, ⌈3 × 1.5⌉ = 5 at most, × (368 + 16).
       assert.deepEqual(planRow(run.stdout, 'evict-then-return'), ['8', '2256', '0.0056'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['401', '68230', '0.1706'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['431', '79510', '0.1988'])
       assert.match(
         run.stdout,
-        /the plan's 401 requests exceed --max-requests 300: if every one is sent, the audit stops after 300/,
+        /the plan's 431 requests exceed --max-requests 300: if every one is sent, the audit stops after 300/,
       )
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
     } finally {

@@ -21,7 +21,9 @@
  *  the next request (`isAbortLeak`), a bounded batch (`maxBatch`) and queue (`maxQueued`), output
  *  that changes under load (`isLoadSensitive`), errors answered as 200 (`isErrorAs200`) and a
  *  tenant's own rate limit (`rateLimit`), answers that never end (`isEndless`), valid requests
- *  failed with a 5xx (`failValid`) and pages an abort holds for a while (`abortHoldMs`).
+ *  failed with a 5xx (`failValid`), pages an abort holds for a while (`abortHoldMs`) and a
+ *  chunked prefill whose aborted pages may be published to a per-tenant prefix cache
+ *  (`chunkedPrefill`, see {@link ChunkedPrefill}).
  *  `kvCache` is a cache of answers per whole prompt (its "KV" is the prompt's words), keyed by
  *  tenant, `cache_salt` (as vLLM takes it) and the prompt, in a pool of 384 tokens evicting the
  *  least recently used, with an optional offload tier: correct, or with one of the warm path's
@@ -118,6 +120,26 @@ export interface StandInOptions {
   readonly unlistedModels?: readonly string[]
   /** A cache of answers per whole prompt (see the module's header; {@link KvCacheOptions}). */
   readonly kvCache?: KvCacheOptions
+  /** Completions are prefilled in chunks, over a prefix cache keyed by tenant (see
+   *  {@link ChunkedPrefill}); reported as kvfence's `prefillChunkTokens` or SGLang's
+   *  `chunked_prefill_size`. */
+  readonly chunkedPrefill?: ChunkedPrefill
+}
+
+/** A chunked prefill over a per-tenant prefix cache (sglang#38319's shape): a prompt's words are
+ *  written into the pool `chunkTokens` at a time, `stepMs` per chunk, and a client that goes
+ *  away is noticed between chunks. A prefill that completes publishes the prompt (its words as
+ *  written) to the tenant's cache; one aborted publishes it too when `isPartialPublished` (the
+ *  bug), positions past the last chunk holding whatever the pool held there before (someone
+ *  else's words: the pool is not scrubbed), and nothing otherwise. A prompt found whole in the
+ *  tenant's cache is not prefilled again. The "model" answers the last `max_tokens` words of
+ *  the prompt as its pages hold them. */
+export interface ChunkedPrefill {
+  readonly chunkTokens: number
+  readonly stepMs: number
+  readonly isPartialPublished: boolean
+  /** Unwritten positions published empty (pages never used: zeros) instead of stale. */
+  readonly isUnwrittenBlank?: boolean
 }
 
 /** The `kvCache` stand-in: what it keeps and which bug it has. */
@@ -218,6 +240,8 @@ export async function startStandIn(
     numPagesUsed: 0,
   }
   const prefixCache = new Map<string, Set<string>>()
+  /** `chunkedPrefill`'s cache: tenant and prompt → the prompt's words as its pages hold them. */
+  const chunkCache = new Map<string, string[]>()
   let numRunning = 0
   const queue: (() => void)[] = []
   let abortedWords: string[] | null = null
@@ -254,7 +278,14 @@ export async function startStandIn(
         contextWindow: contextTokens,
         effectiveCapacityTokens: poolTokens,
         workers: [
-          { role: 'prefill', capacityTokens: poolTokens, numPagesUsed: 0 },
+          {
+            role: 'prefill',
+            capacityTokens: poolTokens,
+            numPagesUsed: 0,
+            ...(options.chunkedPrefill
+              ? { prefillChunkTokens: options.chunkedPrefill.chunkTokens }
+              : {}),
+          },
           { role: 'decode', capacityTokens: poolTokens, numPagesUsed: stats.numPagesUsed },
         ],
       })
@@ -263,7 +294,7 @@ export async function startStandIn(
       return sendJson(res, 200, {
         model_path: 'tiny-echo',
         context_length: null,
-        chunked_prefill_size: 8192,
+        chunked_prefill_size: options.chunkedPrefill?.chunkTokens ?? 8192,
         max_prefill_tokens: 16384,
         internal_states: [
           { max_total_num_tokens: poolTokens, max_req_input_len: sglangInputLimit },
@@ -386,6 +417,14 @@ export async function startStandIn(
           error: { message: 'transfer failed', type: 'server_error', code: 'transfer_failed' },
         })
       }
+    }
+    if (options.chunkedPrefill) {
+      const tenant = options.prefixCache === 'shared' ? '' : (req.headers.authorization ?? '')
+      return serveChunkedPrefill(res, request, words, tenant, {
+        ...options.chunkedPrefill,
+        pool,
+        cache: chunkCache,
+      })
     }
     let output: string[]
     if (numTokens > poolTokens) {
@@ -547,6 +586,63 @@ const steeringFields = new Set([
   'bootstrap_room',
   'positional_embed_overrides',
 ])
+
+/** A completion of the `chunkedPrefill` stand-in (see {@link ChunkedPrefill}): streamed or whole,
+ *  headers sent only once the prefill is done (a cut before then is a cut during prefill). */
+async function serveChunkedPrefill(
+  res: ServerResponse,
+  request: { max_tokens: number; stream?: boolean },
+  words: readonly string[],
+  tenant: string,
+  setup: ChunkedPrefill & { pool: string[]; cache: Map<string, string[]> },
+): Promise<void> {
+  const { pool, cache, chunkTokens, stepMs, isPartialPublished, isUnwrittenBlank } = setup
+  const key = `${tenant}\n${words.join(' ')}`
+  const prompt = ['<bos>', ...words]
+  let pages = cache.get(key)
+  if (pages === undefined) {
+    let isGone = false
+    let numWritten = 0
+    res.on('close', () => (isGone = !res.writableFinished))
+    for (let done = 0; done < prompt.length; done += chunkTokens) {
+      await sleep(stepMs)
+      if (isGone) break
+      numWritten = Math.min(prompt.length, done + chunkTokens)
+      pool.splice(
+        done,
+        Math.min(chunkTokens, prompt.length - done),
+        ...prompt.slice(done, done + chunkTokens),
+      )
+    }
+    // Past the last chunk written, the pages hold what the pool held there: stale words.
+    const written = pool.slice(0, prompt.length)
+    if (isUnwrittenBlank) written.fill('', numWritten)
+    if (isGone) {
+      if (isPartialPublished) cache.set(key, written)
+      return
+    }
+    cache.set(key, written)
+    pages = written
+  }
+  const output = pages.slice(Math.max(1, pages.length - request.max_tokens))
+  const usage = { prompt_tokens: prompt.length, completion_tokens: output.length }
+  if (!request.stream) {
+    return sendJson(res, 200, {
+      object: 'text_completion',
+      model: 'tiny-echo',
+      choices: [{ index: 0, text: ' ' + output.join(' '), finish_reason: 'length' }],
+      usage,
+    })
+  }
+  res.writeHead(200, { 'content-type': 'text/event-stream' })
+  for (const word of output) {
+    res.write(
+      `data: ${JSON.stringify({ object: 'text_completion', choices: [{ index: 0, text: ' ' + word, finish_reason: null }] })}\n\n`,
+    )
+  }
+  res.write(`data: ${JSON.stringify({ object: 'text_completion', choices: [], usage })}\n\n`)
+  res.end('data: [DONE]\n\n')
+}
 
 /** A URL on which nothing listens: a port bound and released. */
 export async function unreachableUrl(): Promise<string> {

@@ -2,6 +2,7 @@
 import type { Probe } from '../probe.js'
 import type { ProbeName } from '../types.js'
 import { abortRaceProbe } from './abort-race.js'
+import { abortRetryProbe } from './abort-retry.js'
 import { boundaryProbe } from './boundary.js'
 import { cacheFieldsProbe } from './cache-fields.js'
 import { canaryProbe } from './canary.js'
@@ -20,6 +21,7 @@ export const probes: Readonly<Record<ProbeName, Probe>> = {
   boundary: boundaryProbe,
   canary: canaryProbe,
   'abort-race': abortRaceProbe,
+  'abort-retry': abortRetryProbe,
   concurrency: concurrencyProbe,
   queueing: queueingProbe,
   'page-leak': pageLeakProbe,
