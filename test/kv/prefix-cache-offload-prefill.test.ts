@@ -2,7 +2,8 @@
  *  A's pages, evicted from a 5-page prefix cache by tenant B's prompt, go to the host-memory ring
  *  and come back verified when A asks again; A's tokens are exactly the single-process engine's
  *  (`generateLocal`, no cache), and the loads are counted. The pool's and cache's invariants are
- *  checked after every request. */
+ *  checked after every request. The cache is one budget shared by all tenants
+ *  (`prefixCacheShared`), so that B's prompt can evict A's pages at all. */
 import assert from 'node:assert/strict'
 import { after, before, describe, it } from 'node:test'
 import type { PrefillResult } from '../../src/engine/control.js'
@@ -31,7 +32,11 @@ describe('prefill with a prefix cache and an offload tier', () => {
 
   before(async () => {
     pair = await startPair({ pageSize: 16, prefillPages: 24, decodePages: 32 })
-    prefill = new PrefillWorker(pair.p, { prefixCachePages: 5, prefixCacheOffloadBytes: 1 << 20 })
+    prefill = new PrefillWorker(pair.p, {
+      prefixCachePages: 5,
+      prefixCacheOffloadBytes: 1 << 20,
+      prefixCacheShared: true,
+    })
     const run = prefill.prefill.bind(prefill)
     prefill.prefill = async (req, signal) => {
       const result = await run(req, signal)
