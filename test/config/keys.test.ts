@@ -101,7 +101,11 @@ describe('kvfence keys', () => {
   it('a new tenants file loads as a registry that knows the printed key', async () => {
     const path = join(dir, 'tenants.yaml')
     const { stdout } = await kvfence('add', 'carol', '--tenants', path)
-    assert.deepEqual(loadTenants(path).authenticate(stdout.trim()), { name: 'carol', limits: {} })
+    assert.deepEqual(loadTenants(path).authenticate(stdout.trim()), {
+      name: 'carol',
+      limits: {},
+      prefixCachePartition: { reservedPages: 0, numDefaultTenants: 1 },
+    })
     await assert.rejects(kvfence('add', 'carol', '--tenants', path), /tenant carol already exists/)
   })
   it('list and remove refuse a file with no tenants list (a wrong path is not an empty list)', async () => {

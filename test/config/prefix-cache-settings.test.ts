@@ -1,5 +1,6 @@
-/** The prefix cache's per-tenant partition (`prefixCachePagesPerTenant`) and offload tier
- *  (`prefixCacheOffloadBytes`) on a config file's prefill entry: accepted when in range, and a bad
+/** The prefix cache's per-tenant cap (`prefixCachePagesPerTenant`), its opt-out to one shared
+ *  budget (`prefixCacheShared`) and offload tier (`prefixCacheOffloadBytes`) on a config file's
+ *  prefill entry: accepted when in range, and a bad
  *  value is one line naming the field. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
@@ -24,6 +25,8 @@ describe('prefix-cache settings of a prefill entry', () => {
       prefixCacheOffloadBytes: 0,
     }
     assert.deepEqual(config([entry])().workers!.prefill, [entry])
+    const shared = { pages: 64, prefixCachePages: 16, prefixCacheShared: true }
+    assert.deepEqual(config([shared])().workers!.prefill, [shared])
   })
 
   it('is one line naming the field when bad', () => {
@@ -33,6 +36,8 @@ describe('prefix-cache settings of a prefill entry', () => {
       [{ pages: 64, prefixCachePagesPerTenant: 0 }, `${at}.prefixCachePagesPerTenant: must be an integer ≥ 1`],
       [{ pages: 64, prefixCachePagesPerTenant: 'all' }, `${at}.prefixCachePagesPerTenant: must be an integer ≥ 1`],
       [{ pages: 64, prefixCacheOffloadBytes: -1 }, `${at}.prefixCacheOffloadBytes: must be an integer ≥ 0`],
+      [{ pages: 64, prefixCacheShared: 'yes' }, `${at}.prefixCacheShared: must be true or false`],
+      [{ pages: 64, prefixCacheShared: true, prefixCachePagesPerTenant: 4 }, `${at}.prefixCachePagesPerTenant: is a partition, not for a shared cache (prefixCacheShared: true)`],
     ] // prettier-ignore
     for (const [entry, message] of cases) {
       assert.throws(config([entry]), { name: 'KvfenceError', message })

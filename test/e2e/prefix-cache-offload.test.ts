@@ -1,6 +1,7 @@
 /** The prefix cache's offload tier in a real cluster (router, prefill and decode workers as OS
  *  processes; the prefill worker started with `--prefix-cache-pages 8
- *  --prefix-cache-offload-bytes 1048576`), driven by the official `openai` client: tenant A's
+ *  --prefix-cache-offload-bytes 1048576 --prefix-cache-shared`: one budget for both tenants, so
+ *  that B can evict A), driven by the official `openai` client: tenant A's
  *  pages, evicted from the 8-page cache by tenant B's prompts, come back from host memory when A
  *  asks again: A's `cached_tokens` are those of a cache that never evicted, its answer is exactly
  *  the single-process engine's, and the prefill worker counts the verified loads. */
@@ -44,7 +45,7 @@ describe('prefix-cache offload tier across a real cluster', () => {
       prefillPages: 64,
       decodePages: 64,
       prefixCachePages: 8,
-      prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20)],
+      prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20), '--prefix-cache-shared'],
       tenantsFile,
       logDir: join(dir, 'logs'),
     })
