@@ -178,10 +178,17 @@ export class PrefixCache {
     const size = partitionPages(this.options.maxPages, spec, this.options.maxPagesPerTenant)
     if (this.sizeOf.get(tenant) === size) return size
     this.sizeOf.set(tenant, size)
+    this.trim(tenant)
+    return size
+  }
+
+  /** Evict `tenant`'s least recently used unpinned pages beyond its assigned partition. */
+  private trim(tenant: string): void {
+    const size = this.sizeOf.get(tenant)
+    if (size === undefined) return
     while ((this.numPagesOf.get(tenant) ?? 0) > size) {
       if (this.evictOne(new Set(), tenant) === 0) break
     }
-    return size
   }
 
   /** The partition of `tenant` (pages), or undefined when the budget is shared. */
@@ -256,9 +263,13 @@ export class PrefixCache {
     return { owner, refs, lease, numTokens: refs.length * this.pool.shape.pageSize }
   }
 
-  /** Unpin a hit's pages (its KV has been copied or the request failed). */
+  /** Unpin a hit's pages (its KV has been copied or the request failed), and bring the tenant's
+   *  partition back within its size if a shrink had to leave pinned pages. */
   release(hit: PrefixHit): void {
     this.pool.unpin(hit.lease)
+    for (const [tenant, owner] of this.owners) {
+      if (owner === hit.owner) this.trim(tenant)
+    }
   }
 
   /** Copy a hit's KV into the first `hit.refs.length` pages of a request's lease, claiming them
@@ -300,8 +311,7 @@ export class PrefixCache {
         chain.push(cached)
         continue
       }
-      const evictable = this.isPartitioned ? tenant : undefined
-      if (this.isAtBudget(tenant) && this.evictOne(new Set(chain), evictable) === 0) break
+      if (!this.makeRoom(tenant, chain)) break
       if (this.pool.numFree <= numPagesReserve) break
       const copy = this.pool.allocate(1, cacheOwner, this.options.tenantId(tenant))
       this.pool.noteWrite(copy, 0, this.pool.shape.pageSize)
@@ -459,8 +469,7 @@ export class PrefixCache {
       return undefined
     }
     if (!this.hasPartition(tenant)) return undefined
-    const evictable = this.isPartitioned ? tenant : undefined
-    if (this.isAtBudget(tenant) && this.evictOne(new Set(found), evictable) === 0) return undefined
+    if (!this.makeRoom(tenant, found)) return undefined
     if (this.pool.numFree === 0) return undefined
     const lease = this.pool.allocate(1, this.ownerOf(tenant), this.options.tenantId(tenant))
     this.pool.noteWrite(lease, 0, pageSize)
@@ -541,6 +550,18 @@ export class PrefixCache {
     }
     if ((this.numPagesOf.size + 1) * perTenant > this.options.maxPages) return false
     this.numPagesOf.set(tenant, 0)
+    return true
+  }
+
+  /** Evict until `tenant` may add a page (its own pages only, with partitions), never a page of
+   *  `keep`; a partition still over its size after a shrink (pages then pinned) is brought back
+   *  within it here. Returns whether a page may be added. */
+  private makeRoom(tenant: string, keep: readonly Entry[]): boolean {
+    const evictable = this.isPartitioned ? tenant : undefined
+    const kept = new Set(keep)
+    while (this.isAtBudget(tenant)) {
+      if (this.evictOne(kept, evictable) === 0) return false
+    }
     return true
   }
 

@@ -178,6 +178,26 @@ describe('prefix cache: partitions assigned from the tenants file (the default)'
   })
 })
 
+describe('prefix cache: a shrink that meets pinned pages', () => {
+  it('finishes when the hit is released: the partition is back within its size', () => {
+    const s = setup(64, { maxPages: 16, assigned: true })
+    s.cache.assign('tenant-a', twoDefault)
+    s.insert('tenant-a', a1)
+    const hit = s.cache.lookup('tenant-a', a1)!
+    assert.equal(hit.numTokens, 12)
+    // The file now gives A one page; its 3 pages are pinned by the hit being copied.
+    assert.equal(
+      s.cache.assign('tenant-a', { pages: 1, reservedPages: 1, numDefaultTenants: 1 }),
+      1,
+    )
+    assert.equal(s.cache.numPages, 3)
+    s.cache.release(hit)
+    assert.equal(s.cache.numPages, 1)
+    s.check()
+    assert.equal(s.hitTokens('tenant-a', a1), 4)
+  })
+})
+
 describe('prefix cache: first-come partitions (maxPagesPerTenant alone)', () => {
   it('a tenant’s hits are identical with and without another tenant’s flood of distinct prefixes', () => {
     const options = { maxPages: 16, maxPagesPerTenant: 8 }
