@@ -11,6 +11,7 @@ import { describeIssue } from '../files/issues.js'
 import { parseYamlDocument, readYamlFileText } from '../files/yaml-file.js'
 import { KvfenceError } from '../errors.js'
 import { newApiKey } from '../router/tenant-keys.js'
+import { intOption } from './options.js'
 import { apiKeyDigest, TenantRecord } from '../router/tenants.js'
 
 /** The file's YAML document and its validated tenants; a missing file is an empty document when
@@ -78,10 +79,20 @@ export function registerKeys(program: Command): void {
       'limit: tokens (prompt + max_tokens) per minute',
       positiveInt,
     )
+    .option(
+      '--prefix-cache-pages <n>',
+      "pages of each prefill worker's prefix cache kept for this tenant alone (0: none; default: an equal share of the rest)",
+      intOption,
+    )
     .action(
       (
         name: string,
-        flags: { tenants: string; maxConcurrent?: number; tokensPerMinute?: number },
+        flags: {
+          tenants: string
+          maxConcurrent?: number
+          tokensPerMinute?: number
+          prefixCachePages?: number
+        },
       ) => {
         const { doc, tenants } = readTenantsDocument(flags.tenants, true)
         if (tenants.some((t) => t.name === name)) {
@@ -103,6 +114,9 @@ export function registerKeys(program: Command): void {
           name,
           keySha256: apiKeyDigest(key),
           ...(Object.keys(limits).length > 0 ? { limits } : {}),
+          ...(flags.prefixCachePages === undefined
+            ? {}
+            : { prefixCachePages: flags.prefixCachePages }),
         })
         if (!parsed.success) {
           const issue = parsed.error.issues[0]

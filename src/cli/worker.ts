@@ -30,9 +30,11 @@ interface WorkerFlags {
   maxBatch: number
   /** Prefill only: most pool pages the prefix cache may hold (default: a quarter of `pages`). */
   prefixCachePages?: number
-  /** Prefill only: pages of each tenant's own prefix-cache partition (default: none, one shared
-   *  budget). */
+  /** Prefill only: the most pages of a tenant's default prefix-cache share (default: an equal
+   *  share of what the tenants file does not give by name). */
   prefixCachePagesPerTenant?: number
+  /** Prefill only: one prefix-cache budget shared by all tenants (default: partitions). */
+  prefixCacheShared?: boolean
   /** Prefill only: host-memory bytes of the prefix cache's offload tier (default 0: none). */
   prefixCacheOffloadBytes?: number
   /** Prefill only: directory of the offload tier's disk part (mode 0700; default: none). */
@@ -109,13 +111,17 @@ export function registerWorkers(program: Command): void {
     if (role === 'prefill') {
       cmd.option(
         '--prefix-cache-pages <n>',
-        'most KV pool pages the prefix cache may hold (keyed per tenant, its pages shared by all: see docs/threat-model.md), 0 = off (default: a quarter of --pages)',
+        'most KV pool pages the prefix cache may hold, split between tenants as the router’s tenants file says (each tenant its own partition), 0 = off (default: a quarter of --pages)',
         intOption,
       )
       cmd.option(
         '--prefix-cache-pages-per-tenant <n>',
-        'give each tenant its own partition of this many prefix-cache pages, so no tenant evicts another’s (closes the load side channel of docs/threat-model.md; default: one budget shared by all)',
+        'the most pages of a tenant’s default share of the prefix cache (default: an equal share of the pages the tenants file does not give by name)',
         intOption,
+      )
+      cmd.option(
+        '--prefix-cache-shared',
+        'one prefix-cache budget shared by all tenants: one tenant’s traffic then changes another’s hits (the load side channel of docs/threat-model.md); for a single tenant only',
       )
       cmd.option(
         '--prefix-cache-offload-bytes <n>',
@@ -247,10 +253,12 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     const prefixCachePages = flags.prefixCachePages ?? Math.floor(flags.pages / 4)
     if (prefixCachePages > flags.pages)
       throw new Error(`--prefix-cache-pages ${prefixCachePages} exceeds --pages ${flags.pages}`)
+    warnIfShared(log, flags, prefixCachePages)
     const worker = new PrefillWorker(core, {
       transferTimeoutMs: flags.transferTimeoutMs,
       prefixCachePages,
       prefixCachePagesPerTenant: flags.prefixCachePagesPerTenant,
+      prefixCacheShared: flags.prefixCacheShared === true,
       prefixCacheOffloadBytes: flags.prefixCacheOffloadBytes,
       prefixCacheOffloadDir: flags.prefixCacheOffloadDir,
       prefixCacheOffloadDiskBytes: flags.prefixCacheOffloadDiskBytes,
@@ -279,4 +287,32 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     log.warn('the process that started this worker is gone; stopping')
     shutdown()
   })
+}
+
+/** Warn at start when the prefix cache is shared by all tenants (`--prefix-cache-shared`) or its
+ *  offload tier is (no `--prefix-cache-pages-per-tenant` to size each tenant's share of it): one
+ *  tenant's traffic then changes another's hits. Throws for `--prefix-cache-shared` with
+ *  `--prefix-cache-pages-per-tenant` (a partition size for a cache without partitions). */
+function warnIfShared(
+  log: { warn: (msg: string) => void },
+  flags: WorkerFlags,
+  prefixCachePages: number,
+): void {
+  if (flags.prefixCacheShared === true && flags.prefixCachePagesPerTenant !== undefined)
+    throw new Error(
+      '--prefix-cache-pages-per-tenant sizes partitions: not with --prefix-cache-shared',
+    )
+  if (prefixCachePages === 0) return
+  if (flags.prefixCacheShared === true) {
+    log.warn(
+      'prefix cache shared by all tenants (--prefix-cache-shared): one tenant’s traffic evicts another’s cached pages, a side channel on its load (docs/threat-model.md); use it with a single tenant only',
+    )
+  } else if (
+    (flags.prefixCacheOffloadBytes ?? 0) > 0 &&
+    flags.prefixCachePagesPerTenant === undefined
+  ) {
+    log.warn(
+      'prefix cache offload tier shared by all tenants: set --prefix-cache-pages-per-tenant to give each tenant its own share of it (docs/threat-model.md)',
+    )
+  }
 }

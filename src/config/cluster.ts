@@ -103,14 +103,15 @@ const prefixCachePartition = z
 
 /** A prefill worker: as {@link WorkerEntry}; one started here may also set `prefixCachePages`,
  *  the most pool pages its prefix cache may hold (`kvfence prefill --prefix-cache-pages`; 0 turns
- *  the cache off, closing the load side channel of docs/threat-model.md; default: a quarter of
- *  `pages`), and `prefixCachePagesPerTenant`, each tenant's own partition of it
- *  (`--prefix-cache-pages-per-tenant`: no tenant evicts another's pages, which closes that side
- *  channel too; default: one budget shared by all tenants), `prefixCacheOffloadBytes`, the host
- *  memory of its offload tier (`--prefix-cache-offload-bytes`; default 0: none), and
- *  `prefixCacheOffloadDir` with `prefixCacheOffloadDiskBytes`, the offload tier's disk part
- *  (`--prefix-cache-offload-dir`, `--prefix-cache-offload-disk-bytes`; both or neither; a relative
- *  directory is resolved against the config file's). */
+ *  the cache off; default: a quarter of `pages`), split between tenants by the tenants file (each
+ *  its own partition: no tenant's traffic changes another's hits); `prefixCachePagesPerTenant`,
+ *  the most pages of a tenant's default share (`--prefix-cache-pages-per-tenant`);
+ *  `prefixCacheShared: true`, one budget shared by all tenants instead (`--prefix-cache-shared`:
+ *  the load side channel of docs/threat-model.md, for single-tenant operators);
+ *  `prefixCacheOffloadBytes`, the host memory of its offload tier (`--prefix-cache-offload-bytes`;
+ *  default 0: none); and `prefixCacheOffloadDir` with `prefixCacheOffloadDiskBytes`, the offload
+ *  tier's disk part (`--prefix-cache-offload-dir`, `--prefix-cache-offload-disk-bytes`; both or
+ *  neither; a relative directory is resolved against the config file's). */
 export const PrefillWorkerEntry = z.union(
   [
     z
@@ -121,6 +122,11 @@ export const PrefillWorkerEntry = z.union(
         prefixCacheOffloadBytes: prefixCacheBudget.optional(),
         prefixCacheOffloadDir: z.string().min(1).optional(),
         prefixCacheOffloadDiskBytes: prefixCachePartition.optional(),
+        prefixCacheShared: z
+          .unknown()
+          .refine((v) => typeof v === 'boolean', 'must be true or false')
+          .transform((v) => v as boolean)
+          .optional(),
       })
       .refine(
         (e) =>
@@ -141,7 +147,11 @@ export const PrefillWorkerEntry = z.union(
           e.prefixCachePages === undefined ||
           e.prefixCachePagesPerTenant <= e.prefixCachePages,
         { error: 'may not exceed prefixCachePages', path: ['prefixCachePagesPerTenant'] },
-      ),
+      )
+      .refine((e) => !(e.prefixCacheShared === true && e.prefixCachePagesPerTenant !== undefined), {
+        error: 'is a partition, not for a shared cache (prefixCacheShared: true)',
+        path: ['prefixCachePagesPerTenant'],
+      }),
     z.strictObject({ url: httpUrl }),
   ],
   { error: workerShapeError.replace('{ pages: N }', '{ pages: N, prefixCachePages?: N }') },

@@ -32,9 +32,12 @@ export type WorkerPlan =
       /** Most pages its prefix cache may hold (`--prefix-cache-pages`, prefill only); default:
        *  the worker's own (a quarter of its pages). */
       prefixCachePages?: number
-      /** Most pages one tenant's partition of the prefix cache may hold
-       *  (`--prefix-cache-pages-per-tenant`, prefill only); default: one budget shared by all. */
+      /** Most pages of a tenant's default share of the prefix cache
+       *  (`--prefix-cache-pages-per-tenant`, prefill only); default: an equal share. */
       prefixCachePagesPerTenant?: number
+      /** One prefix-cache budget shared by all tenants (`--prefix-cache-shared`, prefill only);
+       *  default: each tenant its own partition. */
+      prefixCacheShared?: boolean
       /** Bytes of the prefix cache's host-memory offload tier (`--prefix-cache-offload-bytes`,
        *  prefill only); default: no offload tier. */
       prefixCacheOffloadBytes?: number
@@ -202,6 +205,7 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
         ...(worker.prefixCachePagesPerTenant === undefined
           ? []
           : ['--prefix-cache-pages-per-tenant', String(worker.prefixCachePagesPerTenant)]),
+        ...(worker.prefixCacheShared === true ? ['--prefix-cache-shared'] : []),
         ...(worker.prefixCacheOffloadBytes === undefined
           ? []
           : ['--prefix-cache-offload-bytes', String(worker.prefixCacheOffloadBytes)]),

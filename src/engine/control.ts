@@ -47,6 +47,16 @@ const requestId = z.string().regex(/^[0-9a-f]{32}$/, 'request id must be 32 hex 
 const secret = z.string().regex(/^[0-9a-f]{64}$/, 'transfer secret must be 64 hex digits')
 const tokenIds = z.array(z.number().int().min(0)).min(1)
 
+/** The tenant's prefix-cache partition as the router's tenants file describes it (see
+ *  `PartitionSpec` in src/kv/prefix-cache.ts): its own `prefixCachePages` if any, the sum of
+ *  every tenant's, and the number of tenants without one. Pages, integers ≥ 0. */
+export const PrefixCachePartition = z.strictObject({
+  pages: z.number().int().min(0).optional(),
+  reservedPages: z.number().int().min(0),
+  numDefaultTenants: z.number().int().min(0),
+})
+export type PrefixCachePartition = z.infer<typeof PrefixCachePartition>
+
 /** Router → decode worker: reserve pages for a prompt, receive its KV, decode. */
 export const GenerateRequest = z.object({
   requestId,
@@ -58,6 +68,8 @@ export const GenerateRequest = z.object({
   stopTokenIds: z.array(z.number().int().min(0)),
   /** Per-request secret issued by the router; the transfer's BEGIN frame must carry its HMAC (G10). */
   transferSecret: secret,
+  /** For the prefill worker (the decode worker ignores it): see {@link PrefillRequest}. */
+  prefixCachePartition: PrefixCachePartition.optional(),
 })
 export type GenerateRequest = z.infer<typeof GenerateRequest>
 
@@ -68,6 +80,9 @@ export const PrefillRequest = z.object({
   promptTokenIds: tokenIds,
   sampling: Sampling,
   transferSecret: secret,
+  /** The tenant's prefix-cache partition; absent: the tenant caches nothing in a partitioned
+   *  cache (a router that sends none, or a request sent to the worker by hand). */
+  prefixCachePartition: PrefixCachePartition.optional(),
   /** The decode worker's transfer (data-plane) address. */
   decode: z.object({ host: z.string().min(1), port: z.number().int().min(1).max(65535) }),
 })

@@ -267,6 +267,7 @@ function prefillRequest(request: GenerateRequest, decode: TransferAddress): Pref
     promptTokenIds: request.promptTokenIds,
     sampling: request.sampling,
     transferSecret: request.transferSecret,
+    ...(request.prefixCachePartition && { prefixCachePartition: request.prefixCachePartition }),
     decode,
   }
 }

@@ -31,13 +31,18 @@ export interface PrefillWorkerOptions {
   transferTimeoutMs?: number
   /** Most pages of the KV pool the prefix cache may hold; 0 (the default) turns it off. */
   prefixCachePages?: number
-  /** Pages of each tenant's own partition of the prefix cache (1..prefixCachePages), so that no
-   *  tenant's traffic evicts another's pages; unset (the default): one budget shared by all
-   *  tenants (see {@link PrefixCache}). */
+  /** The most pages of a tenant's default share of the prefix cache (1..prefixCachePages); unset:
+   *  an equal share of what the tenants file does not give by name. */
   prefixCachePagesPerTenant?: number
+  /** One prefix-cache budget shared by all tenants (least recently used across them), so that
+   *  one tenant's traffic changes another's hits: for single-tenant operators only. Default
+   *  false: each tenant caches only in its own partition, which the router sends with each
+   *  request (`prefixCachePartition`, from the tenants file; see {@link PrefixCache.assign}). */
+  prefixCacheShared?: boolean
   /** Bytes of host memory for the prefix cache's offload tier, where pages evicted from the pool
    *  go and are loaded back from (verified) on a hit; 0 or unset: no offload tier. With
-   *  partitions, each tenant gets `bytes / floor(prefixCachePages / prefixCachePagesPerTenant)`. */
+   *  partitions and `prefixCachePagesPerTenant` set, each tenant gets
+   *  `bytes / floor(prefixCachePages / prefixCachePagesPerTenant)`; otherwise the ring is shared. */
   prefixCacheOffloadBytes?: number
   /** Directory of the offload tier's disk part, where pages dropped from host memory (or, with
    *  no host bytes, evicted from the pool) go; must exist, mode 0700. Needs
@@ -74,6 +79,8 @@ export class PrefillWorker {
       throw new RangeError(
         `prefix cache pages ${maxPages} exceed the KV pool's ${core.pool.shape.numPages} pages`,
       )
+    if (options.prefixCacheShared === true && options.prefixCachePagesPerTenant !== undefined)
+      throw new RangeError('prefix cache pages per tenant need partitions, not a shared cache')
     if (maxPages === 0) {
       this.cache = null
       this.cacheMetrics = null
@@ -85,6 +92,7 @@ export class PrefillWorker {
     this.cache = new PrefixCache(core.pool, {
       maxPages,
       maxPagesPerTenant: options.prefixCachePagesPerTenant,
+      assigned: options.prefixCacheShared !== true,
       nextOwner: core.nextOwner,
       tenantId: core.tenantId,
       guards: core.guards,
@@ -188,6 +196,10 @@ export class PrefillWorker {
     isPlaceholder: boolean,
   ): { seq: Sequence; hit: PrefixHit | null } {
     const owner = this.core.nextOwner()
+    // The partition comes from the tenants file, with the request; without one a tenant of a
+    // partitioned cache caches nothing.
+    if (this.cache && this.options.prefixCacheShared !== true && req.prefixCachePartition)
+      this.cache.assign(req.tenant, req.prefixCachePartition)
     // The tenant is the one the router authenticated, so the cache's salt is the server's choice.
     let hit = isPlaceholder ? null : (this.cache?.lookup(req.tenant, tokens) ?? null)
     let lease: PageLease

@@ -18,14 +18,20 @@
  *  {@link PrefixCache.insert} refuses an unsealed or short page with a G5 trip), so an aborted or
  *  failed prefill never leaves KV it did not finish in the cache (sglang#38319).
  *
- *  Budgets: with `maxPagesPerTenant` unset, every tenant's pages share `maxPages` and eviction is
- *  least recently used across tenants, so one tenant's load lowers another's hits (the load side
- *  channel of docs/threat-model.md). With it set, the cache is split into partitions of
- *  `maxPagesPerTenant` pages, at most `floor(maxPages / maxPagesPerTenant)` of them, each given to
- *  a tenant the first time it inserts and kept for the process's life; a tenant evicts only its own
- *  pages, and a tenant that arrives when every partition is taken caches nothing. Then another
- *  tenant's traffic never changes a tenant's hits, except when the pool itself runs short
- *  ({@link PrefixCache.evictFor}: a prompt's pages come before any tenant's cache).
+ *  Budgets, one of three:
+ *  - assigned (`assigned: true`, what a prefill worker runs by default): each tenant's partition is
+ *    the one the router's tenants file gives it ({@link PrefixCache.assign}, with every request):
+ *    its own `prefixCachePages`, or an equal share of the pages the file does not give by name,
+ *    capped at `maxPagesPerTenant`. The size depends only on the file, never on traffic; a tenant
+ *    never assigned one caches nothing. A new size takes effect at the tenant's own next request.
+ *  - first come (`maxPagesPerTenant` alone): partitions of that many pages, at most
+ *    `floor(maxPages / maxPagesPerTenant)`, each given to a tenant at its first insert and kept for
+ *    the process's life; a tenant that arrives when every partition is taken caches nothing.
+ *  - shared (neither): every tenant's pages share `maxPages`, least recently used across tenants,
+ *    so one tenant's load lowers another's hits (the load side channel of docs/threat-model.md).
+ *  With partitions a tenant evicts only its own pages, so another tenant's traffic never changes
+ *  its hits, except when the pool itself runs short ({@link PrefixCache.evictFor}: a prompt's
+ *  pages come before any tenant's cache).
  *
  *  Offload: with an {@link OffloadTier} (host ring, disk, or both), an evicted page's K/V goes
  *  there and a lookup that finds a key missing from the pool loads it back, only once it is
@@ -50,8 +56,12 @@ export interface PrefixCacheOptions {
   nextOwner: () => number
   /** A tenant's number in page metadata; the worker's `core.tenantId`. */
   tenantId: (tenant: string) => number
-  /** Pages of one tenant's partition (1..maxPages); unset: one budget shared by all tenants. */
+  /** Pages of one tenant's partition (1..maxPages): with `assigned`, the most a tenant's default
+   *  share may be; without, the size of every first-come partition. Unset and not `assigned`: one
+   *  budget shared by all tenants. */
   maxPagesPerTenant?: number
+  /** Each tenant caches only in the partition {@link PrefixCache.assign} gave it (default false). */
+  assigned?: boolean
   /** Which guards are on (each default: on). G5: {@link PrefixCache.insert} refuses pages a
    *  prefill did not seal or fill. G4: a page loaded from the offload tier is verified first. */
   guards?: Partial<Pick<Guards, 'G4' | 'G5'>>
@@ -72,6 +82,27 @@ export interface PrefixCacheOptions {
   /** Called for each load from the offload tier: `hit` (verified and used) or `refused` (a miss),
    *  and the tier it came from. */
   onOffloadLoad?: (outcome: 'hit' | 'refused', tier: OffloadTierName) => void
+}
+
+/** A tenant's partition as the tenants file describes it: what the router sends with each of the
+ *  tenant's requests (src/router/tenants.ts) and {@link PrefixCache.assign} turns into pages. */
+export interface PartitionSpec {
+  /** The tenant's own size in the file (`prefixCachePages`, pages, ≥ 0); absent: a default share. */
+  readonly pages?: number
+  /** Pages the file gives tenants by name: the sum of every tenant's `prefixCachePages`. */
+  readonly reservedPages: number
+  /** Tenants in the file without a size of their own (≥ 0). */
+  readonly numDefaultTenants: number
+}
+
+/** Pages of a tenant's partition in a cache of `maxPages` under `spec`: its own size, or
+ *  `floor((maxPages − reservedPages) / numDefaultTenants)` capped at `cap`; 0 when the sizes the
+ *  file gives by name add up to more than the cache (no tenant's share could be honoured). */
+export function partitionPages(maxPages: number, spec: PartitionSpec, cap = Infinity): number {
+  if (spec.reservedPages > maxPages) return 0
+  if (spec.pages !== undefined) return spec.pages
+  if (spec.numDefaultTenants === 0) return 0
+  return Math.min(cap, Math.floor((maxPages - spec.reservedPages) / spec.numDefaultTenants))
 }
 
 /** One cached page. */
@@ -108,6 +139,8 @@ export class PrefixCache {
   private readonly salts = new Map<string, Buffer>()
   /** Pages each tenant holds now (every tenant with a partition is listed, from its first insert). */
   private readonly numPagesOf = new Map<string, number>()
+  /** With `assigned`: each tenant's partition, pages, as last assigned. */
+  private readonly sizeOf = new Map<string, number>()
 
   /** Throws RangeError for a negative or non-integer `maxPages`, or a `maxPagesPerTenant` that is
    *  not an integer in 1..maxPages (when maxPages > 0). */
@@ -128,9 +161,43 @@ export class PrefixCache {
       )
   }
 
-  /** Whether each tenant has its own partition (`maxPagesPerTenant` set). */
+  /** Whether each tenant has its own partition (`assigned`, or `maxPagesPerTenant` set). */
   get isPartitioned(): boolean {
-    return this.options.maxPagesPerTenant !== undefined
+    return this.options.assigned === true || this.options.maxPagesPerTenant !== undefined
+  }
+
+  /** With `assigned`: give `tenant` the partition `spec` describes ({@link partitionPages}),
+   *  evicting its own least recently used unpinned pages beyond it. Called before each of the
+   *  tenant's lookups, so a changed tenants file takes effect at the tenant's next request; no
+   *  other tenant's partition changes. Returns the partition's pages. Throws RangeError for a spec
+   *  whose numbers are not integers ≥ 0, or when the cache is not `assigned`. */
+  assign(tenant: string, spec: PartitionSpec): number {
+    if (this.options.assigned !== true)
+      throw new RangeError('prefix cache partitions are assigned only to an assigned cache')
+    for (const n of [spec.pages ?? 0, spec.reservedPages, spec.numDefaultTenants]) {
+      if (!Number.isInteger(n) || n < 0)
+        throw new RangeError(`a prefix cache partition needs integers ≥ 0, got ${n}`)
+    }
+    const size = partitionPages(this.options.maxPages, spec, this.options.maxPagesPerTenant)
+    if (this.sizeOf.get(tenant) === size) return size
+    this.sizeOf.set(tenant, size)
+    this.trim(tenant)
+    return size
+  }
+
+  /** Evict `tenant`'s least recently used unpinned pages beyond its assigned partition. */
+  private trim(tenant: string): void {
+    const size = this.sizeOf.get(tenant)
+    if (size === undefined) return
+    while ((this.numPagesOf.get(tenant) ?? 0) > size) {
+      if (this.evictOne(new Set(), tenant) === 0) break
+    }
+  }
+
+  /** The partition of `tenant` (pages), or undefined when the budget is shared. */
+  partitionOf(tenant: string): number | undefined {
+    if (this.options.assigned === true) return this.sizeOf.get(tenant) ?? 0
+    return this.options.maxPagesPerTenant
   }
 
   /** Whether the cache may hold pages at all. */
@@ -199,9 +266,13 @@ export class PrefixCache {
     return { owner, refs, lease, numTokens: refs.length * this.pool.shape.pageSize }
   }
 
-  /** Unpin a hit's pages (its KV has been copied or the request failed). */
+  /** Unpin a hit's pages (its KV has been copied or the request failed), and bring the tenant's
+   *  partition back within its size if a shrink had to leave pinned pages. */
   release(hit: PrefixHit): void {
     this.pool.unpin(hit.lease)
+    for (const [tenant, owner] of this.owners) {
+      if (owner === hit.owner) this.trim(tenant)
+    }
   }
 
   /** Copy a hit's KV into the first `hit.refs.length` pages of a request's lease, claiming them
@@ -243,8 +314,7 @@ export class PrefixCache {
         chain.push(cached)
         continue
       }
-      const evictable = this.isPartitioned ? tenant : undefined
-      if (this.isAtBudget(tenant) && this.evictOne(new Set(chain), evictable) === 0) break
+      if (!this.makeRoom(tenant, chain)) break
       if (this.pool.numFree <= numPagesReserve) break
       const copy = this.pool.allocate(1, cacheOwner, this.options.tenantId(tenant))
       this.pool.noteWrite(copy, 0, this.pool.shape.pageSize)
@@ -292,8 +362,10 @@ export class PrefixCache {
    *  partition; the offload ring's own invariant holds. Throws on violation. */
   check(): void {
     const { pool } = this
+    // Assigned partitions may add up to more for a while: a tenant keeps its old size until its
+    // own next request after the tenants file changed (never shrunk by another's traffic).
     assert(
-      this.entries.size <= this.options.maxPages,
+      this.options.assigned === true || this.entries.size <= this.options.maxPages,
       `prefix cache holds ${this.entries.size} pages, more than its ${this.options.maxPages}`,
     )
     const seen = new Set<number>()
@@ -312,8 +384,8 @@ export class PrefixCache {
     for (const e of this.entries.values()) counted.set(e.tenant, (counted.get(e.tenant) ?? 0) + 1)
     for (const [tenant, n] of this.numPagesOf) {
       assert.equal(counted.get(tenant) ?? 0, n, `tenant ${tenant}: ${n} pages counted`)
-      const perTenant = this.options.maxPagesPerTenant
-      if (perTenant !== undefined) assert(n <= perTenant, `tenant ${tenant} over its partition`)
+      const partition = this.partitionOf(tenant)
+      if (partition !== undefined) assert(n <= partition, `tenant ${tenant} over its partition`)
     }
     this.options.offload?.check()
   }
@@ -401,8 +473,7 @@ export class PrefixCache {
       return undefined
     }
     if (!this.hasPartition(tenant)) return undefined
-    const evictable = this.isPartitioned ? tenant : undefined
-    if (this.isAtBudget(tenant) && this.evictOne(new Set(found), evictable) === 0) return undefined
+    if (!this.makeRoom(tenant, found)) return undefined
     if (this.pool.numFree === 0) return undefined
     const lease = this.pool.allocate(1, this.ownerOf(tenant), this.options.tenantId(tenant))
     this.pool.noteWrite(lease, 0, pageSize)
@@ -467,9 +538,15 @@ export class PrefixCache {
     }
   }
 
-  /** Whether `tenant` may cache: always when the budget is shared; with partitions, when it has
-   *  one or one is left (then it is given one, for the process's life). */
+  /** Whether `tenant` may cache: always when the budget is shared; with assigned partitions, when
+   *  its partition has pages; first come, when it has one or one is left (then it is given one,
+   *  for the process's life). */
   private hasPartition(tenant: string): boolean {
+    if (this.options.assigned === true) {
+      if ((this.sizeOf.get(tenant) ?? 0) === 0) return false
+      if (!this.numPagesOf.has(tenant)) this.numPagesOf.set(tenant, 0)
+      return true
+    }
     const perTenant = this.options.maxPagesPerTenant
     if (perTenant === undefined || this.numPagesOf.has(tenant)) {
       if (!this.numPagesOf.has(tenant)) this.numPagesOf.set(tenant, 0)
@@ -480,12 +557,24 @@ export class PrefixCache {
     return true
   }
 
+  /** Evict until `tenant` may add a page (its own pages only, with partitions), never a page of
+   *  `keep`; a partition still over its size after a shrink (pages then pinned) is brought back
+   *  within it here. Returns whether a page may be added. */
+  private makeRoom(tenant: string, keep: readonly Entry[]): boolean {
+    const evictable = this.isPartitioned ? tenant : undefined
+    const kept = new Set(keep)
+    while (this.isAtBudget(tenant)) {
+      if (this.evictOne(kept, evictable) === 0) return false
+    }
+    return true
+  }
+
   /** Whether `tenant` must evict before it adds a page: its partition is full, or (shared budget)
    *  the whole cache is. */
   private isAtBudget(tenant: string): boolean {
-    const perTenant = this.options.maxPagesPerTenant
-    if (perTenant === undefined) return this.entries.size >= this.options.maxPages
-    return this.numPagesOf.get(tenant)! >= perTenant
+    const partition = this.partitionOf(tenant)
+    if (partition === undefined) return this.entries.size >= this.options.maxPages
+    return this.numPagesOf.get(tenant)! >= partition
   }
 
   private ownerOf(tenant: string): number {

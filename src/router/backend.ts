@@ -7,6 +7,7 @@ import type { ServerResponse } from 'node:http'
 import { performance } from 'node:perf_hooks'
 import type { Logger } from 'pino'
 import type { KvfenceError } from '../errors.js'
+import type { PrefixCachePartition } from '../engine/control.js'
 import type { FinishReason, ResponseHeader } from './responses.js'
 import type { ParsedRequest } from './schemas.js'
 import type { AnswerCheck, SentinelUnit } from './sentinel/sentinel.js'
@@ -63,6 +64,8 @@ export interface GenerationJob {
   /** The router's request id (128 random bits, hex). */
   readonly rid: string
   readonly tenant: string
+  /** The tenant's prefix-cache partition under the tenants file it was admitted with. */
+  readonly prefixCachePartition?: PrefixCachePartition
   readonly prompt: PreparedPrompt
   /** Completion tokens admitted at most. */
   readonly maxTokens: number

@@ -86,6 +86,7 @@ export async function serveGeneration(
       body: body as Record<string, unknown>, // an object: the parser has checked it
       rid,
       tenant: tenant.name,
+      prefixCachePartition: tenant.prefixCachePartition,
       prompt,
       maxTokens,
       header,

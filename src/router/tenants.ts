@@ -1,5 +1,6 @@
 /** Tenants, their API keys and limits: the YAML file
- *  `tenants: [{ name, keySha256, limits?: { maxConcurrentRequests?, tokensPerMinute? } }]` and the
+ *  `tenants: [{ name, keySha256, limits?: { maxConcurrentRequests?, tokensPerMinute? },
+ *  prefixCachePages? }]` and the
  *  lookup of a presented key. Keys are held only as SHA-256 digests and compared in constant time.
  *  Knows tenant names and key digests; never holds, returns or logs a plain key. */
 import { createHash, timingSafeEqual } from 'node:crypto'
@@ -8,6 +9,7 @@ import type { Logger } from 'pino'
 import { z } from 'zod'
 import { describeIssue } from '../files/issues.js'
 import { loadYamlFile } from '../files/yaml-file.js'
+import type { PrefixCachePartition } from '../engine/control.js'
 import { KvfenceError } from '../errors.js'
 
 /** A tenant's limits; an absent field is no limit. */
@@ -40,6 +42,9 @@ export const TenantRecord = z.strictObject({
   weight: z.number().gt(0, 'weight must be greater than 0').finite().optional(),
   /** A watch tenant: the response sentinel learns canaries from its prompts. */
   canary: z.boolean().optional(),
+  /** Pages of each prefill worker's prefix cache kept for this tenant alone (0: none); default:
+   *  an equal share of the pages no tenant is given by name (src/kv/prefix-cache.ts). */
+  prefixCachePages: z.number().int().min(0, 'prefixCachePages must be an integer ≥ 0').optional(),
 })
 export type TenantRecord = z.infer<typeof TenantRecord>
 
@@ -53,6 +58,9 @@ export interface Tenant {
   /** Present (true) when marked `canary: true`: its prompts' canaries are watched for in other
    *  tenants' answers. Absent otherwise, so that an ordinary tenant is just its name and limits. */
   readonly isCanary?: true
+  /** Its prefix-cache partition under the whole file, sent to prefill workers with each of its
+   *  requests: its own size if the file gives one, the pages given by name, the tenants without. */
+  readonly prefixCachePartition: PrefixCachePartition
 }
 
 /** A tenant's weight when the tenants file gives none. */
@@ -94,12 +102,22 @@ export function createTenantRegistry(records: readonly TenantRecord[]): TenantRe
     names.add(t.name)
     digests.add(t.keySha256)
   }
+  // The prefix-cache split depends on the whole file only, never on traffic.
+  const sized = parsed.data.filter((t) => t.prefixCachePages !== undefined)
+  const split = {
+    reservedPages: sized.reduce((sum, t) => sum + t.prefixCachePages!, 0),
+    numDefaultTenants: parsed.data.length - sized.length,
+  }
   const entries = parsed.data.map((t) => ({
     tenant: Object.freeze({
       name: t.name,
       limits: Object.freeze({ ...t.limits }),
       ...(t.weight !== undefined && { weight: t.weight }),
       ...(t.canary === true ? { isCanary: true as const } : {}),
+      prefixCachePartition: Object.freeze({
+        ...(t.prefixCachePages !== undefined && { pages: t.prefixCachePages }),
+        ...split,
+      }),
     }),
     digest: Buffer.from(t.keySha256, 'hex'), // 32 bytes
   }))

@@ -101,8 +101,24 @@ describe('kvfence keys', () => {
   it('a new tenants file loads as a registry that knows the printed key', async () => {
     const path = join(dir, 'tenants.yaml')
     const { stdout } = await kvfence('add', 'carol', '--tenants', path)
-    assert.deepEqual(loadTenants(path).authenticate(stdout.trim()), { name: 'carol', limits: {} })
+    assert.deepEqual(loadTenants(path).authenticate(stdout.trim()), {
+      name: 'carol',
+      limits: {},
+      prefixCachePartition: { reservedPages: 0, numDefaultTenants: 1 },
+    })
     await assert.rejects(kvfence('add', 'carol', '--tenants', path), /tenant carol already exists/)
+    // A tenant with its own prefix-cache size: reserved for it, the rest split between the others.
+    const dave = await kvfence('add', 'dave', '--tenants', path, '--prefix-cache-pages', '8')
+    const registry = loadTenants(path)
+    assert.deepEqual(registry.authenticate(dave.stdout.trim())!.prefixCachePartition, {
+      pages: 8,
+      reservedPages: 8,
+      numDefaultTenants: 1,
+    })
+    assert.deepEqual(registry.authenticate(stdout.trim())!.prefixCachePartition, {
+      reservedPages: 8,
+      numDefaultTenants: 1,
+    })
   })
   it('list and remove refuse a file with no tenants list (a wrong path is not an empty list)', async () => {
     const path = join(dir, 'package-like.yaml')

@@ -1,7 +1,8 @@
-/** The prefix cache's per-tenant partition (`prefixCachePagesPerTenant`) and offload tier
- *  (`prefixCacheOffloadBytes`; `prefixCacheOffloadDir` with `prefixCacheOffloadDiskBytes`) on a
- *  config file's prefill entry: accepted when in range (a relative directory resolved against the
- *  config file's), and a bad value is one line naming the field. */
+/** The prefix cache's per-tenant cap (`prefixCachePagesPerTenant`), its opt-out to one shared
+ *  budget (`prefixCacheShared`) and offload tier (`prefixCacheOffloadBytes`; `prefixCacheOffloadDir`
+ *  with `prefixCacheOffloadDiskBytes`) on a config file's prefill entry: accepted when in range (a
+ *  relative directory resolved against the config file's), and a bad value is one line naming the
+ *  field. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { parseClusterConfig } from '../../src/config/cluster.js'
@@ -25,6 +26,8 @@ describe('prefix-cache settings of a prefill entry', () => {
       prefixCacheOffloadBytes: 0,
     }
     assert.deepEqual(config([entry])().workers!.prefill, [entry])
+    const shared = { pages: 64, prefixCachePages: 16, prefixCacheShared: true }
+    assert.deepEqual(config([shared])().workers!.prefill, [shared])
   })
 
   it('resolves a relative offload directory against the config file’s, keeps an absolute one', () => {
@@ -61,6 +64,8 @@ describe('prefix-cache settings of a prefill entry', () => {
       [{ pages: 64, prefixCacheOffloadDir: '/d' }, `${at}.prefixCacheOffloadDir: give both prefixCacheOffloadDir and prefixCacheOffloadDiskBytes, or neither`],
       [{ pages: 64, prefixCacheOffloadDiskBytes: 10 }, `${at}.prefixCacheOffloadDir: give both prefixCacheOffloadDir and prefixCacheOffloadDiskBytes, or neither`],
       [{ pages: 64, prefixCacheOffloadDir: '/d', prefixCacheOffloadDiskBytes: 0 }, `${at}.prefixCacheOffloadDiskBytes: must be an integer ≥ 1`],
+      [{ pages: 64, prefixCacheShared: 'yes' }, `${at}.prefixCacheShared: must be true or false`],
+      [{ pages: 64, prefixCacheShared: true, prefixCachePagesPerTenant: 4 }, `${at}.prefixCachePagesPerTenant: is a partition, not for a shared cache (prefixCacheShared: true)`],
     ] // prettier-ignore
     for (const [entry, message] of cases) {
       assert.throws(config([entry]), { name: 'KvfenceError', message })

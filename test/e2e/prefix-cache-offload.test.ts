@@ -1,6 +1,7 @@
 /** The prefix cache's offload tier in a real cluster (router, prefill and decode workers as OS
  *  processes; the prefill worker started with `--prefix-cache-pages 8` and an offload tier in host
- *  memory, on disk, or both: two pages of host memory above the disk), driven by the official
+ *  memory, on disk, or both: two pages of host memory above the disk; `--prefix-cache-shared`: one
+ *  budget for both tenants, so that B can evict A), driven by the official
  *  `openai` client: tenant A's pages, evicted from the 8-page cache by tenant B's flood, come back
  *  from the offload tier when A asks again: A's `cached_tokens` are those of a cache that never
  *  evicted, its answer is exactly the single-process engine's (the cold answer, temperature 0),
@@ -68,7 +69,7 @@ for (const [tier, { args, hits }] of Object.entries(tiers))
         prefillPages: 64,
         decodePages: 64,
         prefixCachePages: 8,
-        prefillArgs: args,
+        prefillArgs: [...args, '--prefix-cache-shared'],
         tenantsFile,
         logDir: join(dir, tier),
       })

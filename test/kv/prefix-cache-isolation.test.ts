@@ -1,5 +1,6 @@
 /** Tenant isolation of the prefix cache on a bare KV pool (no model): with per-tenant partitions
- *  (`maxPagesPerTenant`) a tenant's hits are exactly the same with and without another tenant's
+ *  (assigned from the tenants file, the prefill worker's default, or first come with
+ *  `maxPagesPerTenant`) a tenant's hits are exactly the same with and without another tenant's
  *  flood of distinct prefixes (with one shared budget, as a control, the flood wipes them out);
  *  partitions are handed out while they last and a pool short of pages takes the requester's own
  *  cached pages first. And publication: only sealed pages (a prefill that completed) are cached,
@@ -8,7 +9,7 @@ import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { GuardError, GuardTrips, makeGuards } from '../../src/kv/guards.js'
 import { KvPool, type PageLease } from '../../src/kv/pool.js'
-import { PrefixCache, type PrefixCacheOptions } from '../../src/kv/prefix-cache.js'
+import { PrefixCache, partitionPages, type PrefixCacheOptions } from '../../src/kv/prefix-cache.js'
 
 /** Pages of 4 tokens, 1 layer, 1 KV head of dim 2. */
 const pageSize = 4
@@ -29,7 +30,7 @@ interface Setup {
 
 function setup(
   numPages: number,
-  options: Pick<PrefixCacheOptions, 'maxPages' | 'maxPagesPerTenant' | 'guards'>,
+  options: Pick<PrefixCacheOptions, 'maxPages' | 'maxPagesPerTenant' | 'guards' | 'assigned'>,
 ): Setup {
   const trips = new GuardTrips()
   const pool = new KvPool(
@@ -99,7 +100,105 @@ function tenantAHits(s: Setup, isFlooded: boolean): number[] {
   return [a1, a2, a3, a1].map((p) => s.hitTokens('tenant-a', p))
 }
 
-describe('prefix cache: tenant partitions', () => {
+/** The tenants file of two tenants without sizes: 16 pages split 8 + 8. */
+const twoDefault = { reservedPages: 0, numDefaultTenants: 2 }
+
+describe('prefix cache: partitions assigned from the tenants file (the default)', () => {
+  it('a tenant’s hits are identical with and without another tenant’s flood of distinct prefixes', () => {
+    const run = (isFlooded: boolean) => {
+      const s = setup(64, { maxPages: 16, assigned: true })
+      for (const t of ['tenant-a', 'tenant-b']) assert.equal(s.cache.assign(t, twoDefault), 8)
+      return { s, hits: tenantAHits(s, isFlooded) }
+    }
+    const quiet = run(false)
+    const flooded = run(true)
+    assert.deepEqual(quiet.hits, [12, 8, 8, 12])
+    assert.deepEqual(flooded.hits, quiet.hits)
+    // B's 10 prompts of 3 pages kept its last 8 pages (2 whole prompts and 2 pages of a third).
+    assert.equal(flooded.s.cache.numPages, 5 + 8)
+    assert.equal(flooded.s.hitTokens('tenant-b', tokens(13, 1900)), 12)
+    assert.equal(flooded.s.hitTokens('tenant-b', tokens(13, 1000)), 0)
+  })
+
+  it('sizes: the file’s own size, else an equal share of the rest (capped); 0 when overbooked', () => {
+    // 16 pages; the file gives one tenant 6 by name and has 3 without a size: 10 / 3 = 3 each.
+    assert.equal(partitionPages(16, { pages: 6, reservedPages: 6, numDefaultTenants: 3 }), 6)
+    assert.equal(partitionPages(16, { reservedPages: 6, numDefaultTenants: 3 }), 3)
+    assert.equal(partitionPages(16, { reservedPages: 6, numDefaultTenants: 3 }, 2), 2)
+    assert.equal(partitionPages(16, { pages: 0, reservedPages: 0, numDefaultTenants: 1 }), 0)
+    // Names asking for 17 of 16 pages: no size can be honoured, so no tenant caches.
+    assert.equal(partitionPages(16, { pages: 9, reservedPages: 17, numDefaultTenants: 1 }), 0)
+    assert.equal(partitionPages(16, { reservedPages: 17, numDefaultTenants: 1 }), 0)
+  })
+
+  it('a tenant never assigned a partition caches nothing; a bad spec is a RangeError', () => {
+    const s = setup(64, { maxPages: 16, assigned: true })
+    assert.equal(s.insert('tenant-a', a1), 0)
+    assert.equal(s.hitTokens('tenant-a', a1), 0)
+    assert.throws(
+      () => s.cache.assign('tenant-a', { reservedPages: -1, numDefaultTenants: 1 }),
+      RangeError,
+    )
+    assert.throws(
+      () => s.cache.assign('tenant-a', { reservedPages: 0, numDefaultTenants: 0.5 }),
+      RangeError,
+    )
+    const shared = setup(64, { maxPages: 16 })
+    assert.throws(() => shared.cache.assign('tenant-a', twoDefault), RangeError)
+  })
+
+  it('a changed file takes effect at the tenant’s own next request, evicting only its pages', () => {
+    const s = setup(64, { maxPages: 16, assigned: true })
+    for (const t of ['tenant-a', 'tenant-b']) s.cache.assign(t, twoDefault)
+    s.insert('tenant-a', a1)
+    s.insert('tenant-a', a2)
+    s.insert('tenant-b', tokens(13, 500))
+    // A third tenant added (keys add): its first request brings the split of 16 / 3 = 5 pages.
+    const three = { reservedPages: 0, numDefaultTenants: 3 }
+    assert.equal(s.cache.assign('tenant-c', three), 5)
+    assert.equal(s.insert('tenant-c', tokens(13, 700)), 3)
+    // A and B keep every page until their own next request.
+    assert.equal(s.cache.numPages, 5 + 3 + 3)
+    assert.equal(s.cache.assign('tenant-a', three), 5)
+    s.check()
+    // A held 5 pages, within its new 5: nothing went. Shrunk to 2 by name, its oldest chain's
+    // deepest pages go first (a1 was used before a2).
+    assert.equal(s.cache.numPages, 11)
+    assert.equal(
+      s.cache.assign('tenant-a', { pages: 2, reservedPages: 2, numDefaultTenants: 2 }),
+      2,
+    )
+    s.check()
+    assert.deepEqual(
+      [a1, a2].map((p) => s.hitTokens('tenant-a', p)),
+      [0, 8],
+    )
+    assert.equal(s.hitTokens('tenant-b', tokens(13, 500)), 12)
+    assert.equal(s.hitTokens('tenant-c', tokens(13, 700)), 12)
+  })
+})
+
+describe('prefix cache: a shrink that meets pinned pages', () => {
+  it('finishes when the hit is released: the partition is back within its size', () => {
+    const s = setup(64, { maxPages: 16, assigned: true })
+    s.cache.assign('tenant-a', twoDefault)
+    s.insert('tenant-a', a1)
+    const hit = s.cache.lookup('tenant-a', a1)!
+    assert.equal(hit.numTokens, 12)
+    // The file now gives A one page; its 3 pages are pinned by the hit being copied.
+    assert.equal(
+      s.cache.assign('tenant-a', { pages: 1, reservedPages: 1, numDefaultTenants: 1 }),
+      1,
+    )
+    assert.equal(s.cache.numPages, 3)
+    s.cache.release(hit)
+    assert.equal(s.cache.numPages, 1)
+    s.check()
+    assert.equal(s.hitTokens('tenant-a', a1), 4)
+  })
+})
+
+describe('prefix cache: first-come partitions (maxPagesPerTenant alone)', () => {
   it('a tenant’s hits are identical with and without another tenant’s flood of distinct prefixes', () => {
     const options = { maxPages: 16, maxPagesPerTenant: 8 }
     const quiet = tenantAHits(setup(64, options), false)

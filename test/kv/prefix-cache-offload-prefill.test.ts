@@ -2,7 +2,8 @@
  *  A's pages, evicted from a 5-page prefix cache by tenant B's prompt, go to the host-memory ring
  *  (or, with only a directory, to files on disk) and come back verified when A asks again; A's tokens are exactly the single-process engine's
  *  (`generateLocal`, no cache), and the loads are counted. The pool's and cache's invariants are
- *  checked after every request. */
+ *  checked after every request. The cache is one budget shared by all tenants
+ *  (`prefixCacheShared`), so that B's prompt can evict A's pages at all. */
 import assert from 'node:assert/strict'
 import { mkdtempSync, readdirSync } from 'node:fs'
 import { tmpdir } from 'node:os'
@@ -43,7 +44,11 @@ for (const [tier, offload] of Object.entries(tiers))
 
     before(async () => {
       pair = await startPair({ pageSize: 16, prefillPages: 24, decodePages: 32 })
-      prefill = new PrefillWorker(pair.p, { prefixCachePages: 5, ...offload })
+      prefill = new PrefillWorker(pair.p, {
+        prefixCachePages: 5,
+        prefixCacheShared: true,
+        ...offload,
+      })
       const run = prefill.prefill.bind(prefill)
       prefill.prefill = async (req, signal) => {
         const result = await run(req, signal)

@@ -3,7 +3,8 @@
  *  emits exactly the single-process engine's tokens (`generateLocal`, which has no cache);
  *  another tenant sending the same prompt never hits and reads only its own pages; a prompt that
  *  needs the cache's pages gets them by eviction instead of `capacity_exhausted`. The pool's and
- *  the cache's invariants are checked after every request. */
+ *  the cache's invariants are checked after every request. The cache is one budget shared by all
+ *  tenants (`prefixCacheShared`): partitions are tested in prefix-cache-isolation and e2e. */
 import assert from 'node:assert/strict'
 import { after, before, describe, it } from 'node:test'
 import type { PrefillResult } from '../../src/engine/control.js'
@@ -43,7 +44,7 @@ describe('prefill with a prefix cache', () => {
 
   before(async () => {
     pair = await startPair({ pageSize, prefillPages: 24, decodePages: 32 })
-    prefill = new PrefillWorker(pair.p, { prefixCachePages: 8 })
+    prefill = new PrefillWorker(pair.p, { prefixCachePages: 8, prefixCacheShared: true })
     // Record every PrefillResult (runRequest drops them).
     const run = prefill.prefill.bind(prefill)
     prefill.prefill = async (req, signal) => {

@@ -4,7 +4,8 @@
  *  aborted prefill is cached; with fault `publish-partial` (its pages inserted on the abort path)
  *  and guards on, G5 refuses them (not filled, not sealed): the prompt is recomputed and the
  *  tokens are the single-process engine's. With every guard off the 18 pages are published, two
- *  of them never written, and the prompt sent again hits all 288 tokens and answers wrongly. */
+ *  of them never written, and the prompt sent again hits all 288 tokens and answers wrongly. The
+ *  cache is shared (`prefixCacheShared`): requests made here carry no tenants-file partition. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import type { PrefillResult } from '../../src/engine/control.js'
@@ -44,7 +45,7 @@ async function abortThenResend(faults: string[], off: GuardId[]): Promise<Run> {
     prefillFaults: faults,
     off,
   })
-  const prefill = new PrefillWorker(pair.p, { prefixCachePages: 24 })
+  const prefill = new PrefillWorker(pair.p, { prefixCachePages: 24, prefixCacheShared: true })
   const results: PrefillResult[] = []
   const run = prefill.prefill.bind(prefill)
   prefill.prefill = async (req, signal) => {

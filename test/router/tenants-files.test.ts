@@ -47,7 +47,11 @@ describe('tenants file errors quote no file content', () => {
       ])
       assert.ok(!text().includes(digest.slice(0, 16)), 'no digest in the log')
       assert.ok(!text().includes(plainKey.slice(0, 16)), 'no key in the log')
-      assert.deepEqual(watcher.registry.authenticate(plainKey), { name: 'alpha', limits: {} })
+      assert.deepEqual(watcher.registry.authenticate(plainKey), {
+        name: 'alpha',
+        limits: {},
+        prefixCachePartition: { reservedPages: 0, numDefaultTenants: 1 },
+      })
     } finally {
       watcher.close()
     }

@@ -38,7 +38,11 @@ describe('watchTenants', () => {
     const watcher = watchTenants(path, { log, intervalMs: 60_000 })
     try {
       const registry = watcher.registry
-      assert.deepEqual(registry.authenticate('key-b'), { name: 'beta', limits: {} })
+      assert.deepEqual(registry.authenticate('key-b'), {
+        name: 'beta',
+        limits: {},
+        prefixCachePartition: { reservedPages: 0, numDefaultTenants: 2 },
+      })
 
       writeFileSync(
         path,
@@ -49,14 +53,22 @@ describe('watchTenants', () => {
       )
       assert.equal(watcher.reload(), true)
       assert.equal(registry.authenticate('key-b'), null)
-      assert.deepEqual(registry.authenticate('key-c'), { name: 'gamma', limits: {} })
+      assert.deepEqual(registry.authenticate('key-c'), {
+        name: 'gamma',
+        limits: {},
+        prefixCachePartition: { reservedPages: 0, numDefaultTenants: 2 },
+      })
       assert.deepEqual(registry.names, ['alpha', 'gamma'])
 
       for (const bad of ['tenants: [oops', 'tenants: []\n', '']) {
         writeFileSync(path, bad)
         assert.equal(watcher.reload(), false)
         assert.deepEqual(registry.names, ['alpha', 'gamma'])
-        assert.deepEqual(registry.authenticate('key-a'), { name: 'alpha', limits: {} })
+        assert.deepEqual(registry.authenticate('key-a'), {
+          name: 'alpha',
+          limits: {},
+          prefixCachePartition: { reservedPages: 0, numDefaultTenants: 2 },
+        })
       }
       const errors = records().filter((l) => l.level === 50)
       assert.equal(errors.length, 3)
@@ -83,7 +95,11 @@ describe('watchTenants', () => {
       assert.deepEqual(watcher.registry.names, ['alpha'])
       writeFileSync(path, head + tenantsYaml([{ name: 'beta', key: 'key-b' }]))
       assert.equal(watcher.reload(), true)
-      assert.deepEqual(watcher.registry.authenticate('key-b'), { name: 'beta', limits: {} })
+      assert.deepEqual(watcher.registry.authenticate('key-b'), {
+        name: 'beta',
+        limits: {},
+        prefixCachePartition: { reservedPages: 0, numDefaultTenants: 1 },
+      })
       assert.equal(watcher.registry.authenticate('key-a'), null)
       writeFileSync(path, tenantsYaml([{ name: 'gamma', key: 'key-c' }])) // neither workers nor backend
       assert.equal(watcher.reload(), false)

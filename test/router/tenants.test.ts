@@ -28,10 +28,45 @@ describe('tenants', () => {
     )
     const tenants = loadTenants(path)
     assert.deepEqual(tenants.names, ['alpha', 'beta'])
-    assert.deepEqual(tenants.authenticate('key-a'), { name: 'alpha', limits: {} })
-    assert.deepEqual(tenants.authenticate('key-b'), { name: 'beta', limits: {} })
+    assert.deepEqual(tenants.authenticate('key-a'), {
+      name: 'alpha',
+      limits: {},
+      prefixCachePartition: { reservedPages: 0, numDefaultTenants: 2 },
+    })
+    assert.deepEqual(tenants.authenticate('key-b'), {
+      name: 'beta',
+      limits: {},
+      prefixCachePartition: { reservedPages: 0, numDefaultTenants: 2 },
+    })
     assert.equal(tenants.authenticate('key-c'), null)
     assert.equal(tenants.authenticate(''), null)
+  })
+
+  it('gives each tenant its prefix-cache partition under the whole file, never under traffic', () => {
+    const record = (name: string, prefixCachePages?: number) => ({
+      name,
+      keySha256: apiKeyDigest(`key-${name}`),
+      ...(prefixCachePages === undefined ? {} : { prefixCachePages }),
+    })
+    const partitions = (registry: ReturnType<typeof createTenantRegistry>, names: string[]) =>
+      names.map((n) => registry.authenticate(`key-${n}`)!.prefixCachePartition)
+    const two = createTenantRegistry([record('a'), record('b')])
+    const split2 = { reservedPages: 0, numDefaultTenants: 2 }
+    assert.deepEqual(partitions(two, ['a', 'b']), [split2, split2])
+    // `keys add c` while the router runs: every tenant's next request carries the new split.
+    const three = createTenantRegistry([record('a'), record('b'), record('c')])
+    const split3 = { reservedPages: 0, numDefaultTenants: 3 }
+    assert.deepEqual(partitions(three, ['a', 'b', 'c']), [split3, split3, split3])
+    // Sizes by name are reserved first; the rest is split between the tenants without one.
+    const sized = createTenantRegistry([record('a', 6), record('b'), record('c', 0)])
+    assert.deepEqual(partitions(sized, ['a', 'b', 'c']), [
+      { pages: 6, reservedPages: 6, numDefaultTenants: 1 },
+      { reservedPages: 6, numDefaultTenants: 1 },
+      { pages: 0, reservedPages: 6, numDefaultTenants: 1 },
+    ])
+    assert.throws(() => createTenantRegistry([record('a', -1)]), {
+      message: 'tenants: 0.prefixCachePages: prefixCachePages must be an integer ≥ 0',
+    })
   })
 
   it('refuses a missing file, bad YAML, a plain key and duplicates, naming the file', () => {

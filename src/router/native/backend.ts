@@ -126,6 +126,7 @@ function workerRequest(tokenizer: Tokenizer, job: GenerationJob): GenerateReques
     sampling: parsed.sampling,
     stopTokenIds: [...new Set([...eos, ...parsed.stopTokenIds])],
     transferSecret: randomBytes(32).toString('hex'),
+    ...(job.prefixCachePartition && { prefixCachePartition: job.prefixCachePartition }),
   }
 }
 
