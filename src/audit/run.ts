@@ -89,7 +89,7 @@ export type ProgressEvent =
   | { readonly type: 'probe-end'; readonly probe: ProbeName; readonly findings: readonly Finding[] }
 
 export const auditDefaults = Object.freeze({
-  maxRequests: 300,
+  maxRequests: 500,
   maxSeconds: 300,
   concurrency: 4,
   maxConcurrency: 16,

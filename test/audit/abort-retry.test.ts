@@ -6,7 +6,7 @@
  *  or a budget that ends first, is inconclusive with the reason, never clean. */
 import assert from 'node:assert/strict'
 import { describe, test } from 'node:test'
-import { runAudit, type AuditOptions, type AuditReport } from '../../src/audit/index.js'
+import { AuditError, runAudit, type AuditOptions, type AuditReport } from '../../src/audit/index.js'
 import { defaultChunkTokens } from '../../src/audit/probes/abort-retry.js'
 import { standInTenants, startStandIn, type StandInOptions } from './standins.js'
 
@@ -91,10 +91,18 @@ describe('abort-retry', () => {
     assert.equal(typeof e.requestNumber, 'number')
   })
 
-  test('answers that never end: inconclusive (no cut can be timed), never clean', async () => {
-    const report = await audit({ isEndless: true }, { maxSeconds: 20, requestTimeoutMs: 3000 })
-    assert.deepEqual(verdicts(report), [['abort-retry', 'inconclusive', 'medium']])
-    assert.match(report.findings[0].title, /no token counts|no cut could be timed/)
+  test('answers that never end: a tool error, the probe inconclusive in its report (no cut can be timed), never clean', async () => {
+    // No valid answer ended, so the audit as a whole is a tool error (exit 2): see gate.test.ts.
+    const err = await audit({ isEndless: true }, { maxSeconds: 20, requestTimeoutMs: 3000 }).then(
+      () => assert.fail('the audit returned a report'),
+      (e: unknown) => e,
+    )
+    assert.ok(err instanceof AuditError, String(err))
+    assert.equal(err.code, 'no_completion_answered')
+    const report = err.report!
+    const own = { ...report, findings: report.findings.filter((f) => f.probe === 'abort-retry') }
+    assert.deepEqual(verdicts(own), [['abort-retry', 'inconclusive', 'medium']])
+    assert.match(own.findings[0].title, /no token counts|no cut could be timed/)
   })
 
   test('a request budget that ends after the cold run: inconclusive, naming the budget', async () => {
@@ -119,7 +127,9 @@ describe('abort-retry', () => {
       })
       assert.deepEqual(verdicts(report), [['abort-retry', 'inconclusive', 'medium']])
       assert.match(report.findings[0].title, /not a prompt over one prefill chunk \(512 tokens\)/)
-      assert.ok(!standIn.stats.paths.includes('POST /v1/completions'))
+      // The probe sent none: the one completion is the audit's own check that the target
+      // answers (sent when no probe sent a valid one; see gate.test.ts).
+      assert.equal(standIn.stats.paths.filter((p) => p === 'POST /v1/completions').length, 1)
     } finally {
       await standIn.close()
     }

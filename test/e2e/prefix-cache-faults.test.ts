@@ -66,29 +66,33 @@ const large: Partial<ClusterOptions> = {
   decodePages: 64,
   prefixCachePages: 64,
   prefillFaults: ['publish-partial'],
+  prefillArgs: ['--prefix-cache-shared'],
 }
 
+// Every cluster here shares one prefix-cache budget between tenants (`--prefix-cache-shared`):
+// the faults act on eviction to the offload tier by another tenant's prompts, and publish-partial
+// needs the whole cache for one tenant's 59 pages, which a default partition would halve.
 const configs = {
   loadAsHitOn: {
     ...small,
     prefillFaults: ['offload-load-as-hit'],
-    prefillArgs: diskArgs(loadAsHitDirs.on),
+    prefillArgs: [...diskArgs(loadAsHitDirs.on), '--prefix-cache-shared'],
   },
   loadAsHitOff: {
     ...small,
     prefillFaults: ['offload-load-as-hit'],
-    prefillArgs: diskArgs(loadAsHitDirs.off),
+    prefillArgs: [...diskArgs(loadAsHitDirs.off), '--prefix-cache-shared'],
     disableGuards: true,
   },
   keyWithoutTenantOn: {
     ...small,
     prefillFaults: ['offload-key-without-tenant'],
-    prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20)],
+    prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20), '--prefix-cache-shared'],
   },
   keyWithoutTenantOff: {
     ...small,
     prefillFaults: ['offload-key-without-tenant'],
-    prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20)],
+    prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20), '--prefix-cache-shared'],
     disableGuards: true,
   },
   publishPartialOn: large,
