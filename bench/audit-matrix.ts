@@ -13,7 +13,10 @@ import { faultDescriptions } from '../src/engine/faults.js'
 export interface FaultRow {
   readonly fault: string
   readonly probes: readonly string[]
-  readonly outcome: 'detected' | 'inconclusive' | 'not detected'
+  readonly outcome: 'detected' | 'tool error' | 'inconclusive' | 'not detected'
+  /** The audit's one-line error when it ended with exit 2 (`tool error`), else null; absent in
+   *  JSON written before the field existed. */
+  readonly toolError?: string | null
   readonly detectedBy: readonly string[]
   readonly inconclusive: readonly string[]
   /** The alarm (leak or warning above the baseline) with the lowest request number: its probe,
@@ -55,8 +58,10 @@ export function checkBenchJson(json: unknown): AuditBenchJson {
     if (typeof r.fault !== 'string' || !Object.hasOwn(faultDescriptions, r.fault))
       fail(`${at}.fault is not a fault of src/engine/faults.ts`)
     if (!Array.isArray(r.probes)) fail(`${at}.probes is not an array`)
-    if (!['detected', 'inconclusive', 'not detected'].includes(r.outcome as string))
-      fail(`${at}.outcome is not detected, inconclusive or not detected`)
+    if (!['detected', 'tool error', 'inconclusive', 'not detected'].includes(r.outcome as string))
+      fail(`${at}.outcome is not detected, tool error, inconclusive or not detected`)
+    if (r.outcome === 'tool error' && typeof r.toolError !== 'string')
+      fail(`${at}.toolError is missing for a tool error`)
     if (!Array.isArray(r.detectedBy) || !Array.isArray(r.inconclusive))
       fail(`${at}.detectedBy or .inconclusive is not an array`)
     const first = r.firstFinding as Record<string, unknown> | null | undefined
@@ -83,13 +88,22 @@ export function faultMatrixTable(json: AuditBenchJson): string {
     const outcome =
       r.outcome === 'detected'
         ? `**detected**: ${unique(r.detectedBy.map((d) => d.split(':').slice(0, 2).join(':'))).join('; ')}`
-        : r.outcome === 'inconclusive'
-          ? `inconclusive: ${unique(r.inconclusive.map((d) => d.split(':')[0])).join(', ')}`
-          : 'not detected'
-    const foundBy = first === null ? (r.outcome === 'detected' ? 'by the end' : '—') : first.probe
+        : r.outcome === 'tool error'
+          ? `**tool error** (exit 2): ${r.toolError}`
+          : r.outcome === 'inconclusive'
+            ? `inconclusive: ${unique(r.inconclusive.map((d) => d.split(':')[0])).join(', ')}`
+            : 'not detected'
+    const foundBy =
+      first !== null
+        ? first.probe
+        : r.outcome === 'detected'
+          ? 'by the end'
+          : r.outcome === 'tool error'
+            ? 'the audit (exit 2)'
+            : '—'
     const after =
       first === null
-        ? r.outcome === 'detected'
+        ? r.outcome === 'detected' || r.outcome === 'tool error'
           ? `${r.requestsSent} (all sent)`
           : '—'
         : `${first.requestNumber}${first.seconds === null ? '' : ` (${first.seconds.toFixed(1)} s)`}`

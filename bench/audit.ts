@@ -27,7 +27,7 @@
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { runAudit, type AuditReport } from '../src/audit/index.js'
+import { AuditError, runAudit, type AuditReport } from '../src/audit/index.js'
 import { verdictRank, type Finding, type ProbeName, type Verdict } from '../src/audit/types.js'
 import { newApiKey, tenantsYaml } from '../src/router/tenant-keys.js'
 import { demoShape } from '../src/cli/demo.js'
@@ -84,9 +84,11 @@ export const shapeFor: Readonly<Partial<Record<FaultName, Partial<ClusterOptions
 interface FaultResult extends FaultRow {
   readonly fault: string
   readonly probes: readonly ProbeName[]
-  /** `detected`: a probe alarmed above its baseline; `inconclusive`: none did, and at least one
-   *  could not tell (the auditor never calls that clean); `not detected`: every probe was clean. */
-  readonly outcome: 'detected' | 'inconclusive' | 'not detected'
+  /** `detected`: a probe alarmed above its baseline; `tool error`: the audit ended with exit 2
+   *  (e.g. no valid completion answered while /health said 200), which fails any CI gate and
+   *  names the failure; `inconclusive`: no alarm, and at least one probe could not tell (the
+   *  auditor never calls that clean); `not detected`: every probe was clean. */
+  readonly outcome: FaultRow['outcome']
   readonly detected: boolean
   /** `probe: verdict: title` of each finding above its probe's baseline verdict. */
   readonly detectedBy: string[]
@@ -153,10 +155,20 @@ export async function benchAudit(args: string[]): Promise<object> {
     const perFault: FaultResult[] = []
     for (const fault of faults as FaultName[]) {
       const probes = probesFor[fault]
-      const report = await audit({ ...unsafe(fault), ...shapeFor[fault] }, firstSeed, {
-        probes,
-        maxSeconds: faultSeconds,
-      })
+      let report: AuditReport
+      let toolError: string | null = null
+      try {
+        report = await audit({ ...unsafe(fault), ...shapeFor[fault] }, firstSeed, {
+          probes,
+          maxSeconds: faultSeconds,
+        })
+      } catch (err) {
+        // A fault that makes every valid request fail ends the audit with exit 2 (a tool error
+        // naming the failure): an outcome of that fault, not of the benchmark.
+        if (!(err instanceof AuditError)) throw err
+        toolError = err.message
+        report = err.report ?? emptyReport()
+      }
       const alarms = report.findings.filter(
         (f) =>
           (f.verdict === 'leak' || f.verdict === 'warning') &&
@@ -185,10 +197,13 @@ export async function benchAudit(args: string[]): Promise<object> {
         outcome:
           alarms.length > 0
             ? 'detected'
-            : inconclusive.length > 0
-              ? 'inconclusive'
-              : 'not detected',
+            : toolError !== null
+              ? 'tool error'
+              : inconclusive.length > 0
+                ? 'inconclusive'
+                : 'not detected',
         detected: alarms.length > 0,
+        toolError,
         detectedBy: alarms.map((f) => `${f.probe}: ${f.verdict}: ${f.title}`),
         inconclusive,
         firstFinding:
@@ -236,6 +251,7 @@ export async function benchAudit(args: string[]): Promise<object> {
       incident_detect_target_requests: 30,
       faults_detected: perFault.filter((r) => r.outcome === 'detected').map((r) => r.fault),
       faults_inconclusive: perFault.filter((r) => r.outcome === 'inconclusive').map((r) => r.fault),
+      faults_tool_error: perFault.filter((r) => r.outcome === 'tool error').map((r) => r.fault),
       faults_not_detected: perFault.filter((r) => r.outcome === 'not detected').map((r) => r.fault),
       false_findings: shipped.reduce((n, s) => n + s.falseFindings.length, 0),
       shipped_seeds: numSeeds,
@@ -266,4 +282,9 @@ function worstVerdicts(findings: readonly Finding[]): Map<Finding['probe'], Verd
 function flag(args: string[], name: string): string | undefined {
   const at = args.indexOf(name)
   return at >= 0 ? args[at + 1] : undefined
+}
+
+/** What a fault's row is built from when the audit ended before it had a report. */
+function emptyReport(): AuditReport {
+  return { findings: [], requestsSent: 0, durationMs: 0 } as unknown as AuditReport
 }

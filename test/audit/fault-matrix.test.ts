@@ -85,6 +85,17 @@ describe('faultMatrixTable', () => {
         requestsSent: 80,
         auditSeconds: 30,
       },
+      {
+        fault: 'corrupt-transfer',
+        probes: ['canary', 'concurrency', 'determinism'],
+        outcome: 'tool error',
+        toolError: 'the target answered none of the 8 valid completions (HTTP 500 ×8)',
+        detectedBy: [],
+        inconclusive: ['canary: no answer'],
+        firstFinding: null,
+        requestsSent: 12,
+        auditSeconds: 4,
+      },
     ],
   }
 
@@ -109,6 +120,10 @@ describe('faultMatrixTable', () => {
       row('drop-abort'),
       '| `drop-abort` | abort-race, page-leak | **detected**: page-leak: warning | by the end | 80 (all sent) |',
     )
+    assert.equal(
+      row('corrupt-transfer'),
+      '| `corrupt-transfer` | canary, concurrency, determinism | **tool error** (exit 2): the target answered none of the 8 valid completions (HTTP 500 ×8) | the audit (exit 2) | 12 (all sent) |',
+    )
     assert.equal(row('skip-scrub'), '| `skip-scrub` | — | not run in this JSON | — | — |')
   })
 
@@ -120,6 +135,13 @@ describe('faultMatrixTable', () => {
       `# T\n\nbefore\n\n${matrixBegin}\n${table}${matrixEnd}\n\nafter\n`,
     )
     assert.equal(generatedMatrix(withMatrix(doc, table)), table)
+  })
+
+  test('a tool error without its line is refused with the field', () => {
+    assert.throws(
+      () => checkBenchJson({ ...json, faults: [{ ...json.faults[3], toolError: undefined }] }),
+      /faults\[0\]\.toolError is missing for a tool error/,
+    )
   })
 
   test('a JSON naming an unknown fault is refused with the field', () => {
