@@ -32,6 +32,9 @@ export interface RouterMetrics {
   readonly promptTokens: Counter
   /** Seconds an admitted request waited in the router queue for a running slot, by tenant. */
   readonly queueWaitSeconds: Histogram<'tenant'>
+  /** Seconds a request that got KV room waited for it in all (its turns, not its tries), by
+   *  tenant; 0 for one that found room at once. */
+  readonly poolWaitSeconds: Histogram<'tenant'>
   /** Tokens generated. */
   readonly completionTokens: Counter
   /** Seconds from request to last byte, by endpoint. */
@@ -56,7 +59,7 @@ export interface RouterMetrics {
 /** Where gauges read live values at scrape time. */
 export interface MetricSources {
   /** Requests running and queued in the router. */
-  queue?: () => { numRunning: number; numQueued: number }
+  queue?: () => { numRunning: number; numQueued: number; numWaitingForRoom?: number }
   /** Every worker's state (scraped once per collection). */
   workers?: () => Promise<WorkerStats[]>
 }
@@ -75,6 +78,14 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
       registers,
       collect() {
         this.set(queue().numRunning)
+      },
+    })
+    new Gauge({
+      name: 'kvfence_router_requests_waiting_for_room',
+      help: 'Requests waiting for room in a full KV pool.',
+      registers,
+      collect() {
+        this.set(queue().numWaitingForRoom ?? 0)
       },
     })
     new Gauge({
@@ -115,6 +126,13 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
     queueWaitSeconds: new Histogram({
       name: 'kvfence_router_queue_wait_seconds',
       help: 'Seconds an admitted request waited in the router queue for a running slot, by tenant.',
+      labelNames: ['tenant'] as const,
+      buckets: [0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60],
+      registers,
+    }),
+    poolWaitSeconds: new Histogram({
+      name: 'kvfence_router_pool_wait_seconds',
+      help: 'Seconds a request waited for room in a full KV pool before the workers took it, by tenant.',
       labelNames: ['tenant'] as const,
       buckets: [0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60],
       registers,

@@ -125,7 +125,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         backend: { kind: options.kind, url: http.base, contextWindow: window, ...capacity },
       }),
     maxTokenChars: null,
-    async preparePrompt(parsed, signal) {
+    async preparePrompt(parsed, _tenant, signal) {
       const context = { http, tokenizer, backendModel, guardsEnabled: options.guardsEnabled }
       const numPromptTokens = await countPromptTokens(
         { ...context, maxInputTokens: capacity.maxInputTokens },

@@ -64,9 +64,8 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
     },
     serverInfo: () => serverInfo(options),
     maxTokenChars: tokenizer.maxTokenChars,
-    async preparePrompt(parsed, signal) {
-      // One queue for all: the Backend interface does not pass the tenant here (yet).
-      const ids = await options.tokenizerPool.tokenize(parsed, '', signal)
+    async preparePrompt(parsed, tenant, signal) {
+      const ids = await options.tokenizerPool.tokenize(parsed, tenant, signal)
       let tokenIds: number[] | null = null
       // An array only when asked for: a prompt refused for its length (G2) never becomes one.
       return {
