@@ -168,23 +168,53 @@ export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
     /** Each tenant's virtual token counter (weighted tokens ÷ weight). */
     serviceOf: tenants.serviceOf,
     check(): void {
-      assert.ok(
-        numRunning >= 0 && numRunning <= queue.maxConcurrentRequests,
-        `running ${numRunning} outside [0, ${queue.maxConcurrentRequests}]`,
-      )
-      const numQueued = tenants.numQueued()
-      assert.ok(
-        numQueued <= queue.maxQueuedRequests,
-        `queued ${numQueued} > ${queue.maxQueuedRequests}`,
-      )
-      assert.ok(
-        numQueued === 0 || numRunning === queue.maxConcurrentRequests,
-        `${numQueued} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run`,
-      )
+      checkSlots(queue, numRunning, tenants.numQueued())
       tenants.check(numRunning)
       room.check()
     },
   }
+}
+
+/** Asserts the slots' invariants: `numRunning` within its bound, `numQueued` within its, and
+ *  none queued while a slot is free. */
+function checkSlots(queue: QueueLimits, numRunning: number, numQueued: number): void {
+  assert.ok(
+    numRunning >= 0 && numRunning <= queue.maxConcurrentRequests,
+    `running ${numRunning} outside [0, ${queue.maxConcurrentRequests}]`,
+  )
+  assert.ok(
+    numQueued <= queue.maxQueuedRequests,
+    `queued ${numQueued} > ${queue.maxQueuedRequests}`,
+  )
+  assert.ok(
+    numQueued === 0 || numRunning === queue.maxConcurrentRequests,
+    `${numQueued} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run`,
+  )
+}
+
+/** The tenant of `queues` (tenant → its waiting items, oldest first, never empty) with the least
+ *  service (`service`: tenant → counter), or undefined when none. Ties (a tenant just lifted to
+ *  another's counter) go to the tenant with fewer requests running (`runningOf`), then to the
+ *  earlier arrival at the head. */
+function leastServedOf(
+  queues: ReadonlyMap<string, readonly { seq: number }[]>,
+  service: ReadonlyMap<string, number>,
+  runningOf: ReadonlyMap<string, number>,
+): string | undefined {
+  let best: { tenant: string; counter: number; numRunning: number; seq: number } | undefined
+  for (const [tenant, items] of queues) {
+    const counter = service.get(tenant) ?? 0
+    const numRunningOfTenant = runningOf.get(tenant) ?? 0
+    const { seq } = items[0]
+    const isBetter =
+      best === undefined ||
+      counter < best.counter ||
+      (counter === best.counter &&
+        (numRunningOfTenant < best.numRunning ||
+          (numRunningOfTenant === best.numRunning && seq < best.seq)))
+    if (isBetter) best = { tenant, counter, numRunning: numRunningOfTenant, seq }
+  }
+  return best?.tenant
 }
 
 /** The tenants' queues and virtual token counters (see the module's header). */
@@ -210,30 +240,12 @@ function createTenantBacklogs() {
     else runningOf.set(tenant, n)
   }
 
-  /** The tenant of `queues` (tenant → its waiting items, oldest first, never empty) with the
-   *  least service, or undefined when none. Ties (a tenant just lifted to another's counter) go to
-   *  the tenant with fewer requests running, then to the earlier arrival at the head. */
-  function leastServed(
-    queues: ReadonlyMap<string, readonly { seq: number }[]>,
-  ): string | undefined {
-    let best: { tenant: string; counter: number; numRunning: number; seq: number } | undefined
-    for (const [tenant, items] of queues) {
-      const counter = service.get(tenant) ?? 0
-      const numRunningOfTenant = runningOf.get(tenant) ?? 0
-      const { seq } = items[0]
-      const isBetter =
-        best === undefined ||
-        counter < best.counter ||
-        (counter === best.counter &&
-          (numRunningOfTenant < best.numRunning ||
-            (numRunningOfTenant === best.numRunning && seq < best.seq)))
-      if (isBetter) best = { tenant, counter, numRunning: numRunningOfTenant, seq }
-    }
-    return best?.tenant
+  function leastServed(queues: ReadonlyMap<string, readonly { seq: number }[]>) {
+    return leastServedOf(queues, service, runningOf)
   }
 
   /** Removes and returns the first request of the backlogged tenant with the least service
-   *  ({@link leastServed}), or undefined when none waits. */
+   *  ({@link leastServedOf}), or undefined when none waits. */
   function takeNext(): QueuedRequest | undefined {
     const tenant = leastServed(backlogs)
     if (tenant === undefined) return undefined
@@ -316,86 +328,119 @@ function createTenantBacklogs() {
     serviceOf: (tenant: string): number => service.get(tenant) ?? 0,
     /** Asserts the backlogs' invariants; `numRunning` is the slots running. */
     check(numRunning: number): void {
-      let numInBacklogs = 0
-      for (const [tenant, requests] of backlogs) {
-        assert.ok(requests.length > 0, `tenant ${tenant} has an empty backlog`)
-        numInBacklogs += requests.length
-      }
-      assert.equal(numInBacklogs, numQueued, `backlogs hold ${numInBacklogs}, counted ${numQueued}`)
-      let numRunningOfTenants = 0
-      for (const n of runningOf.values()) numRunningOfTenants += n
-      assert.equal(
-        numRunningOfTenants,
-        numRunning,
-        `tenants hold ${numRunningOfTenants} slots, ${numRunning} run`,
-      )
+      checkBacklogs(backlogs, runningOf, numQueued, numRunning)
     },
   }
 }
 
-/** Requests waiting for KV room, one queue per tenant (see the module's header); `waitOf` gives a
- *  request's place, wait bound and tenant, `tenants` the counters that pick the next waiter. */
+/** Asserts that `backlogs` hold `numQueued` requests, none empty, and `runningOf` `numRunning`. */
+function checkBacklogs(
+  backlogs: ReadonlyMap<string, readonly QueuedRequest[]>,
+  runningOf: ReadonlyMap<string, number>,
+  numQueued: number,
+  numRunning: number,
+): void {
+  let numInBacklogs = 0
+  for (const [tenant, requests] of backlogs) {
+    assert.ok(requests.length > 0, `tenant ${tenant} has an empty backlog`)
+    numInBacklogs += requests.length
+  }
+  assert.equal(numInBacklogs, numQueued, `backlogs hold ${numInBacklogs}, counted ${numQueued}`)
+  let numRunningOfTenants = 0
+  for (const n of runningOf.values()) numRunningOfTenants += n
+  assert.equal(
+    numRunningOfTenants,
+    numRunning,
+    `tenants hold ${numRunningOfTenants} slots, ${numRunning} run`,
+  )
+}
+
+/** The waiters for KV room, one list per tenant by arrival, and each tenant's backlog of waits
+ *  for room (its waiters and its woken requests still trying); `tenants` holds the counters that
+ *  pick the next waiter and lifts a tenant new to the backlog. */
+function createRoomWaiters(tenants: ReturnType<typeof createTenantBacklogs>) {
+  const waiters = new Map<string, RoomWaiter[]>() // tenant → its waiters by seq; never empty
+  const backlogOf = new Map<string, number>() // tenant → its requests waiting for room or trying (> 0)
+  let numWaiters = 0
+
+  return {
+    numWaiters: () => numWaiters,
+    /** Puts `wait` in its tenant's backlog of waits for room (lifting a tenant new to it). */
+    joinBacklog(wait: RequestWait): void {
+      if (wait.isWaitingForRoom) return
+      wait.isWaitingForRoom = true
+      const { tenant } = wait.claim
+      const n = backlogOf.get(tenant) ?? 0
+      if (n === 0) tenants.lift(tenant, backlogOf.keys())
+      backlogOf.set(tenant, n + 1)
+    },
+    /** Takes `wait` out of its tenant's backlog (no-op if it is not in it). */
+    leaveBacklog(wait: RequestWait): void {
+      if (!wait.isWaitingForRoom) return
+      wait.isWaitingForRoom = false
+      const { tenant } = wait.claim
+      const n = backlogOf.get(tenant)! - 1
+      if (n > 0) return void backlogOf.set(tenant, n)
+      backlogOf.delete(tenant)
+      tenants.noteLeft(tenant)
+    },
+    /** The first waiter of the waiting tenant with the least service, left in place. */
+    next(): RoomWaiter | undefined {
+      const tenant = tenants.leastServed(waiters)
+      return tenant === undefined ? undefined : waiters.get(tenant)![0]
+    },
+    add(waiter: RoomWaiter): void {
+      let list = waiters.get(waiter.tenant)
+      if (list === undefined) waiters.set(waiter.tenant, (list = []))
+      let at = list.length // a retry keeps its place: by seq, not by the time it came back
+      while (at > 0 && list[at - 1].seq > waiter.seq) at--
+      list.splice(at, 0, waiter)
+      numWaiters++
+    },
+    remove(waiter: RoomWaiter): void {
+      const list = waiters.get(waiter.tenant)
+      const i = list?.indexOf(waiter) ?? -1
+      if (i === -1) return
+      list!.splice(i, 1)
+      numWaiters--
+      if (list!.length === 0) waiters.delete(waiter.tenant)
+    },
+    check(): void {
+      let n = 0
+      for (const [tenant, list] of waiters) {
+        assert.ok(list.length > 0, `tenant ${tenant} has an empty queue of room waiters`)
+        assert.ok((backlogOf.get(tenant) ?? 0) >= list.length, `${tenant}'s room backlog short`)
+        for (let i = 1; i < list.length; i++) {
+          assert.ok(list[i - 1].seq < list[i].seq, 'room waiters of a tenant out of order')
+        }
+        n += list.length
+      }
+      assert.equal(n, numWaiters, `room queues hold ${n}, counted ${numWaiters}`)
+    },
+  }
+}
+
+/** Requests waiting for KV room (see the module's header); `waitOf` gives a request's place,
+ *  wait bound and tenant, `tenants` the counters that pick the next waiter. */
 function createRoomQueue(
   queue: QueueLimits,
   nowMs: () => number,
   waitOf: (signal: AbortSignal) => RequestWait,
   tenants: ReturnType<typeof createTenantBacklogs>,
 ) {
-  const waiters = new Map<string, RoomWaiter[]>() // tenant → its waiters by seq; never empty
-  const backlogOf = new Map<string, number>() // tenant → its requests waiting for room or trying (> 0)
-  let numWaiters = 0
+  const waiters = createRoomWaiters(tenants)
   let numWokenTrying = 0 // woken room waiters whose attempt has not ended
   let roomPoll: NodeJS.Timeout | null = null
   const pollMs = queue.roomPollMs ?? roomPollMs
 
-  /** Puts `wait` in its tenant's backlog of waits for room (lifting a tenant new to it). */
-  function joinBacklog(wait: RequestWait): void {
-    if (wait.isWaitingForRoom) return
-    wait.isWaitingForRoom = true
-    const { tenant } = wait.claim
-    const n = backlogOf.get(tenant) ?? 0
-    if (n === 0) tenants.lift(tenant, backlogOf.keys())
-    backlogOf.set(tenant, n + 1)
-  }
-
-  function leaveBacklog(wait: RequestWait): void {
-    if (!wait.isWaitingForRoom) return
-    wait.isWaitingForRoom = false
-    const { tenant } = wait.claim
-    const n = backlogOf.get(tenant)! - 1
-    if (n > 0) return void backlogOf.set(tenant, n)
-    backlogOf.delete(tenant)
-    tenants.noteLeft(tenant)
-  }
-
-  /** Wakes the first waiter of the waiting tenant with the least service. */
   function wakeNextRoomWaiter(): void {
-    const tenant = tenants.leastServed(waiters)
-    if (tenant !== undefined) waiters.get(tenant)![0].wake()
-  }
-
-  function removeWaiter(waiter: RoomWaiter): void {
-    const list = waiters.get(waiter.tenant)
-    const i = list?.indexOf(waiter) ?? -1
-    if (i === -1) return
-    list!.splice(i, 1)
-    numWaiters--
-    if (list!.length === 0) waiters.delete(waiter.tenant)
-  }
-
-  function addWaiter(waiter: RoomWaiter): void {
-    let list = waiters.get(waiter.tenant)
-    if (list === undefined) waiters.set(waiter.tenant, (list = []))
-    let at = list.length // a retry keeps its place: by seq, not by the time it came back
-    while (at > 0 && list[at - 1].seq > waiter.seq) at--
-    list.splice(at, 0, waiter)
-    numWaiters++
+    waiters.next()?.wake()
   }
 
   /** Keeps one poll timer while requests wait for room; it wakes one of them only when no
    *  woken request is trying (that one's end wakes the next). */
   function armRoomPoll(): void {
-    if (roomPoll !== null || numWaiters === 0) return
+    if (roomPoll !== null || waiters.numWaiters() === 0) return
     roomPoll = setTimeout(() => {
       roomPoll = null
       if (numWokenTrying === 0) wakeNextRoomWaiter()
@@ -415,8 +460,8 @@ function createRoomQueue(
         isEnded = true
         numWokenTrying--
         if (isRefused) return
-        leaveBacklog(wait)
-        if (numWaiters > 0) wakeNextRoomWaiter()
+        waiters.leaveBacklog(wait)
+        if (waiters.numWaiters() > 0) wakeNextRoomWaiter()
       },
     }
   }
@@ -424,23 +469,23 @@ function createRoomQueue(
   function waitForRoom(signal: AbortSignal, hasFoundPoolFull: boolean): Promise<RoomTurn> {
     const wait = waitOf(signal)
     if (signal.aborted) {
-      leaveBacklog(wait)
+      waiters.leaveBacklog(wait)
       return Promise.reject(aborted())
     }
-    if (!hasFoundPoolFull && numWaiters === 0 && numWokenTrying === 0) {
+    if (!hasFoundPoolFull && waiters.numWaiters() === 0 && numWokenTrying === 0) {
       return Promise.resolve({ end() {} }) // no one is ahead: try at once
     }
     const remainingMs = wait.deadlineMs - nowMs()
     if (remainingMs <= 0) {
-      leaveBacklog(wait)
-      return Promise.reject(roomTimeout())
+      waiters.leaveBacklog(wait)
+      return Promise.reject(roomTimeout(queue))
     }
-    joinBacklog(wait)
+    waiters.joinBacklog(wait)
     return new Promise<RoomTurn>((resolve, reject) => {
       const leave = () => {
         clearTimeout(timer)
         signal.removeEventListener('abort', onAbort)
-        removeWaiter(waiter)
+        waiters.remove(waiter)
       }
       const waiter: RoomWaiter = {
         seq: wait.seq,
@@ -452,46 +497,38 @@ function createRoomQueue(
       }
       const giveUp = (err: KvfenceError) => {
         leave()
-        leaveBacklog(wait)
+        waiters.leaveBacklog(wait)
         reject(err)
       }
       const onAbort = () => giveUp(aborted())
-      const timer = setTimeout(() => giveUp(roomTimeout()), remainingMs)
+      const timer = setTimeout(() => giveUp(roomTimeout(queue)), remainingMs)
       signal.addEventListener('abort', onAbort, { once: true })
-      addWaiter(waiter)
+      waiters.add(waiter)
       armRoomPoll()
     })
   }
 
-  function roomTimeout(): LimitError {
-    return new LimitError(
-      'capacity_exhausted',
-      `The KV pool has no room for this request right now (waited ${queue.maxQueueWaitMs} ms in all); retry later.`,
-      1,
-    )
-  }
-
   return {
     waitForRoom,
-    numWaiting: () => numWaiters,
+    numWaiting: waiters.numWaiters,
     /** A running request ended: one waiter (if any) may find room now. */
     onRequestEnded(): void {
-      if (numWaiters > 0) wakeNextRoomWaiter()
+      if (waiters.numWaiters() > 0) wakeNextRoomWaiter()
     },
     check(): void {
-      let n = 0
-      for (const [tenant, list] of waiters) {
-        assert.ok(list.length > 0, `tenant ${tenant} has no room waiters but a queue`)
-        assert.ok((backlogOf.get(tenant) ?? 0) >= list.length, `${tenant}'s room backlog short`)
-        for (let i = 1; i < list.length; i++) {
-          assert.ok(list[i - 1].seq < list[i].seq, 'room waiters of a tenant out of order')
-        }
-        n += list.length
-      }
-      assert.equal(n, numWaiters, `room queues hold ${n}, counted ${numWaiters}`)
+      waiters.check()
       assert.ok(numWokenTrying >= 0, `${numWokenTrying} woken room waiters trying`)
     },
   }
+}
+
+/** The refusal of a request whose wait for KV room ran out. */
+function roomTimeout(queue: QueueLimits): LimitError {
+  return new LimitError(
+    'capacity_exhausted',
+    `The KV pool has no room for this request right now (waited ${queue.maxQueueWaitMs} ms in all); retry later.`,
+    1,
+  )
 }
 
 /** The refusal of a queued request whose place went to a tenant with fewer queued. */

@@ -70,33 +70,7 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
   const registers = [registry]
   const latency = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 
-  if (sources.queue) {
-    const queue = sources.queue
-    new Gauge({
-      name: 'kvfence_router_requests_running',
-      help: 'Requests holding a running slot.',
-      registers,
-      collect() {
-        this.set(queue().numRunning)
-      },
-    })
-    new Gauge({
-      name: 'kvfence_router_requests_waiting_for_room',
-      help: 'Requests waiting for room in a full KV pool.',
-      registers,
-      collect() {
-        this.set(queue().numWaitingForRoom ?? 0)
-      },
-    })
-    new Gauge({
-      name: 'kvfence_router_requests_queued',
-      help: 'Requests waiting in the bounded queue.',
-      registers,
-      collect() {
-        this.set(queue().numQueued)
-      },
-    })
-  }
+  if (sources.queue) registerQueueGauges(sources.queue, registers)
   if (sources.workers) registerWorkerGauges(sources.workers, registers)
 
   return Object.freeze({
@@ -191,6 +165,37 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
       help: "Estimated bytes of the response sentinel's prompt fingerprints.",
       registers,
     }),
+  })
+}
+
+/** Gauges of the router's running, queued and room-waiting requests, read from `queue`. */
+function registerQueueGauges(
+  queue: NonNullable<MetricSources['queue']>,
+  registers: Registry[],
+): void {
+  new Gauge({
+    name: 'kvfence_router_requests_running',
+    help: 'Requests holding a running slot.',
+    registers,
+    collect() {
+      this.set(queue().numRunning)
+    },
+  })
+  new Gauge({
+    name: 'kvfence_router_requests_waiting_for_room',
+    help: 'Requests waiting for room in a full KV pool.',
+    registers,
+    collect() {
+      this.set(queue().numWaitingForRoom ?? 0)
+    },
+  })
+  new Gauge({
+    name: 'kvfence_router_requests_queued',
+    help: 'Requests waiting in the bounded queue.',
+    registers,
+    collect() {
+      this.set(queue().numQueued)
+    },
   })
 }
 
