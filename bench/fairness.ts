@@ -23,13 +23,19 @@
  *    alike); the figure is the median over pairs of (p99 with − p99 without). Goal ≤ 10 ms.
  *    `big_chat_p99_rise_ms` is the same for a chat body of 30,000 empty messages (870 KB, refused
  *    for its message count), and `*_p50_rise_ms` the same for the p50s.
+ *  - `pool_fairness_p99_ratio`: the same as `fairness_p99_ratio` with the KV pool as the limit
+ *    instead of the router's slots: the stand-in decode worker holds `--slots` requests at once
+ *    and refuses more as a full pool, the router runs 20 × `--slots`. Small's p99 under a flood of
+ *    10 × `--slots` outstanding ÷ alone; `small_pool_wait_ms_mean` and `flood_pool_wait_ms_mean`
+ *    are the tenants' mean waits for KV room under the flood (`kvfence_router_pool_wait_seconds`).
  *  The router and stand-ins run in a child process (test/router/helpers.ts `startHarness`, the
  *  real `startRouter`, a tokenizer with one long token so that a 1 MB prompt is tokenized rather
  *  than refused by its length alone); the clients run here over keep-alive `node:http`.
  *
  *  Args: `--seconds S` per phase (default 20), `--slots N` (default 16), `--token-ms MS`
- *  (default 10), `--pairs N`, `--window-ms MS`, `--small-every-ms MS`, `--part fairness|big|all`
- *  (default all: `big` runs only the big-body pairs). */
+ *  (default 10), `--pairs N`, `--window-ms MS`, `--small-every-ms MS`,
+ *  `--part fairness|big|pool|all` (default all: `big` runs only the big-body pairs, `pool` only
+ *  the KV pool's figures). */
 import { type ChildProcess, fork } from 'node:child_process'
 import http from 'node:http'
 import { performance } from 'node:perf_hooks'
@@ -71,25 +77,18 @@ export async function benchFairness(args: string[]): Promise<object> {
   const seconds = intFlag(args, '--seconds', 20)
   const numSlots = intFlag(args, '--slots', 16)
   const tokenMs = intFlag(args, '--token-ms', 10)
-  const part = stringFlag(args, '--part', ['all', 'fairness', 'big'])
+  const part = stringFlag(args, '--part', ['all', 'fairness', 'big', 'pool'])
   const pairs: PairsOptions = {
     numPairs: intFlag(args, '--pairs', 8),
     windowMs: intFlag(args, '--window-ms', 3000),
     smallEveryMs: intFlag(args, '--small-every-ms', 20),
   }
-  const child = fork(
-    fileURLToPath(import.meta.url),
-    ['--serve', String(numSlots), String(tokenMs)],
-    {
-      stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
-    },
-  )
+  if (part === 'pool') return benchPool(seconds, numSlots, tokenMs)
+  const pool = part === 'all' ? await benchPool(seconds, numSlots, tokenMs) : {}
+  const child = forkServer('slots', numSlots, tokenMs)
   const agent = new http.Agent({ keepAlive: true, maxSockets: Infinity })
   try {
-    const url = await new Promise<string>((resolve, reject) => {
-      child.once('message', (m) => resolve((m as { url: string }).url))
-      child.once('exit', (code) => reject(new Error(`router process exited with ${code}`)))
-    })
+    const url = await urlOf(child)
     const send = (tenant: string, prompt: string, maxTokens: number) =>
       complete(agent, url, tenant, prompt, maxTokens)
     for (let i = 0; i < 20; i++) await send('small', 'Hi', smallTokens) // warm up
@@ -124,6 +123,7 @@ export async function benchFairness(args: string[]): Promise<object> {
     const p99Flood = p99(underFlood)
     return {
       ...big,
+      ...pool,
       fairness_p99_ratio: round(p99Flood / p99Alone, 3),
       fairness_p99_ratio_goal: 2,
       small_p99_ms_alone: round(p99Alone, 1),
@@ -165,6 +165,65 @@ export async function benchFairness(args: string[]): Promise<object> {
 
 const note =
   'stand-in workers (one token per token_ms) and the router in one child process; clients here'
+
+/** The child process serving the router and stand-ins (see {@link serve}). */
+function forkServer(mode: ServeMode, numSlots: number, tokenMs: number): ChildProcess {
+  return fork(
+    fileURLToPath(import.meta.url),
+    ['--serve', mode, String(numSlots), String(tokenMs)],
+    {
+      stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
+    },
+  )
+}
+
+/** The router's URL, once the child reports it. */
+function urlOf(child: ChildProcess): Promise<string> {
+  return new Promise<string>((resolve, reject) => {
+    child.once('message', (m) => resolve((m as { url: string }).url))
+    child.once('exit', (code) => reject(new Error(`router process exited with ${code}`)))
+  })
+}
+
+/** `pool_fairness_p99_ratio` and the pool waits: see the module's header. */
+async function benchPool(seconds: number, numSlots: number, tokenMs: number): Promise<object> {
+  const child = forkServer('pool', numSlots, tokenMs)
+  const agent = new http.Agent({ keepAlive: true, maxSockets: Infinity })
+  try {
+    const url = await urlOf(child)
+    const send = (tenant: string, prompt: string, maxTokens: number) =>
+      complete(agent, url, tenant, prompt, maxTokens)
+    for (let i = 0; i < 20; i++) await send('small', 'Hi', smallTokens) // warm up
+    const alone = await everySecond(() => send('small', 'Hi', smallTokens), seconds)
+    const smallWaitAlone = await waitTotals(url, 'small', 'pool_wait')
+    const flood = closedLoop(() => send('flood', 'Flood', floodLength()), numSlots * 10)
+    await delay(warmUpMs)
+    const floodWaitBefore = await waitTotals(url, 'flood', 'pool_wait')
+    const underFlood = await everySecond(() => send('small', 'Hi', smallTokens), seconds)
+    const smallWait = await waitTotals(url, 'small', 'pool_wait')
+    const floodWait = await waitTotals(url, 'flood', 'pool_wait')
+    const flooded = await flood.stop()
+    const latencies = (values: Served[]) => values.map((s) => s.latencyMs)
+    const p99Alone = quantile(latencies(alone), 0.99)
+    const p99Flood = quantile(latencies(underFlood), 0.99)
+    const meanMs = (after: WaitTotals, before: WaitTotals) =>
+      round(((after.sum - before.sum) / (after.count - before.count)) * 1000, 1)
+    return {
+      pool_fairness_p99_ratio: round(p99Flood / p99Alone, 3),
+      pool_fairness_p99_ratio_goal: 2,
+      small_pool_p99_ms_alone: round(p99Alone, 1),
+      small_pool_p99_ms_under_flood: round(p99Flood, 1),
+      small_pool_wait_ms_mean: meanMs(smallWait, smallWaitAlone),
+      flood_pool_wait_ms_mean: meanMs(floodWait, floodWaitBefore),
+      small_failed_under_pool_flood: underFlood.filter((s) => s.status !== 200).length,
+      pool_flood_requests_served: flooded.filter((s) => s.status === 200).length,
+      pool_requests_at_once: numSlots,
+    }
+  } finally {
+    agent.destroy()
+    await stop(child)
+  }
+}
 
 /** How the big-body figures are measured (see the module's header). */
 interface PairsOptions {
@@ -316,14 +375,30 @@ function shareErrors(served: readonly Served[]) {
 /** The mean of `tenant`'s waits in the router queue so far (its
  *  `kvfence_router_queue_wait_seconds`), ms: what of its latency the queue accounts for. */
 async function meanQueueWaitMs(url: string, tenant: string): Promise<number> {
+  const { sum, count } = await waitTotals(url, tenant, 'queue_wait')
+  return (sum / count) * 1000
+}
+
+/** A wait histogram's totals: seconds and waits. */
+interface WaitTotals {
+  sum: number
+  count: number
+}
+
+/** `tenant`'s `kvfence_router_{metric}_seconds` sum and count so far (0 for a tenant without). */
+async function waitTotals(
+  url: string,
+  tenant: string,
+  metric: 'queue_wait' | 'pool_wait',
+): Promise<WaitTotals> {
   const text = await (await fetch(`${url}/metrics`)).text()
   const read = (suffix: string) =>
     Number(
-      new RegExp(`kvfence_router_queue_wait_seconds_${suffix}\\{tenant="${tenant}"\\} (\\S+)`).exec(
+      new RegExp(`kvfence_router_${metric}_seconds_${suffix}\\{tenant="${tenant}"\\} (\\S+)`).exec(
         text,
-      )?.[1] ?? NaN,
+      )?.[1] ?? 0,
     )
-  return (read('sum') / read('count')) * 1000
+  return { sum: read('sum'), count: read('count') }
 }
 
 /** Sends one request a second for `seconds`, without waiting for the previous one. */
@@ -410,14 +485,28 @@ async function completeOnce(
   return { tenant, endedMs, latencyMs: endedMs - startedMs, numTokens, status }
 }
 
-/** The child: stand-ins streaming `a` until max_tokens, and the router with `numSlots` slots. */
-async function serve(numSlots: number, tokenMs: number): Promise<void> {
+/** What limits the served requests: the router's slots, or the decode worker's KV pool. */
+type ServeMode = 'slots' | 'pool'
+
+/** The child: stand-ins streaming `a` until max_tokens, and the router with `numSlots` slots
+ *  (mode `slots`), or with 20 × as many and a decode pool holding `numSlots` (mode `pool`). */
+async function serve(mode: ServeMode, numSlots: number, tokenMs: number): Promise<void> {
   const a = charIds('a')[0]
+  const isPool = mode === 'pool'
   const h = await startHarness(
-    { tokenDelayMs: tokenMs, numPages: 4096, reply: () => Array<number>(256).fill(a) },
+    {
+      tokenDelayMs: tokenMs,
+      numPages: 4096,
+      reply: () => Array<number>(256).fill(a),
+      ...(isPool && { maxRunningDecodes: numSlots }),
+    },
     {
       modelDir: tokenizerWithLongToken(),
-      queue: { maxConcurrentRequests: numSlots, maxQueuedRequests: 4096, maxQueueWaitMs: 120_000 },
+      queue: {
+        maxConcurrentRequests: isPool ? numSlots * 20 : numSlots,
+        maxQueuedRequests: 4096,
+        maxQueueWaitMs: 120_000,
+      },
       tenants: Object.entries(tenantWeights).map(([name, weight]) => ({
         name,
         keySha256: apiKeyDigest(keyOf(name)),
@@ -430,6 +519,7 @@ async function serve(numSlots: number, tokenMs: number): Promise<void> {
   // The stand-ins record every request for tests; a benchmark only needs them to answer.
   setInterval(() => {
     h.workers.generateRequests.length = 0
+    h.workers.takenRequests.length = 0
     h.workers.prefillRequests.length = 0
     h.workers.events.length = 0
     h.logs.lines.length = 0
@@ -478,7 +568,8 @@ async function stop(child: ChildProcess): Promise<void> {
 }
 
 if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve') {
-  serve(Number(process.argv[3]), Number(process.argv[4])).catch((err: unknown) => {
+  const mode = process.argv[3] === 'pool' ? 'pool' : 'slots'
+  serve(mode, Number(process.argv[4]), Number(process.argv[5])).catch((err: unknown) => {
     process.stderr.write(`bench fairness: ${err instanceof Error ? err.message : String(err)}\n`)
     process.exit(2)
   })

@@ -93,7 +93,7 @@ export async function admitRequest(
       refuseUntokenizable(parsed, backend.contextWindow(), maxTokenChars),
     )
   }
-  const prompt = await backend.preparePrompt(parsed, r.signal)
+  const prompt = await backend.preparePrompt(parsed, tenant.name, r.signal)
   const { numPromptTokens } = prompt
   r.outcome.numPromptTokens = numPromptTokens
   const maxTokens = await counted('context_length_exceeded', () =>

@@ -35,9 +35,10 @@ export interface Backend {
   readonly sentinelUnit: SentinelUnit
   /** Text of token ids by the model's tokenizer, when the router holds it; else null. */
   readonly detokenize: ((ids: readonly number[]) => string) | null
-  /** Counts (and when the backend needs them, tokenizes) a request's prompt. Throws
-   *  `invalid_request`, `context_length_exceeded` or `worker_unavailable`. */
-  preparePrompt(parsed: ParsedRequest, signal: AbortSignal): Promise<PreparedPrompt>
+  /** Counts (and when the backend needs them, tokenizes) a request's prompt; `tenant` (its name)
+   *  is the queue the prompt waits in for a tokenizer thread, taken in turn with other tenants'.
+   *  Throws `invalid_request`, `context_length_exceeded` or `worker_unavailable`. */
+  preparePrompt(parsed: ParsedRequest, tenant: string, signal: AbortSignal): Promise<PreparedPrompt>
   /** Runs an admitted request and answers it on `job.res` (plain or SSE), filling
    *  `job.outcome`. Throws before the answer has started (the router sends the error); after
    *  that, a failure ends the stream with an error event and goes to `job.logFailure`. */

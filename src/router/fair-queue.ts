@@ -12,9 +12,13 @@
  *    request of the tenant with the most queued, if that tenant has more queued than the newcomer's;
  *    else the newcomer is refused. A tenant with nothing queued is never refused for a queue that
  *    others filled.
- *  - Room in a full KV pool: requests refused for a full pool wait in arrival order; each request
- *    that ends wakes the first of them only, and one that then gets room wakes the next (the room
- *    freed may hold more than one). While any wait, a newcomer queues behind them.
+ *  - Room in a full KV pool: requests refused for a full pool wait, one queue per tenant; each
+ *    request that ends wakes one waiter only, and one that then gets room wakes the next (the room
+ *    freed may hold more than one). The waiter woken is the first of the waiting tenant with the
+ *    least service, by the same counters, lift and ties as the slots: a tenant that fills the pool
+ *    cannot put another's request behind its backlog of waits. A request stays in its tenant's
+ *    backlog from its first refusal until it gets room (its tries in between do not lift it
+ *    again). While any wait, a newcomer queues behind them.
  *  - One wait bound: a request waits at most `maxQueueWaitMs` in all, the queue and the pool waits
  *    together, from the moment it asks for a slot; then 503 with `Retry-After`. The request's
  *    abort signal is what names it across the two waits.
@@ -33,11 +37,14 @@ export const serviceWeights = Object.freeze({ prompt: 1, generated: 2 })
  *  after its end), ms. Only the first waiter polls, so this never makes a herd. */
 export const roomPollMs = 250
 
-/** A request's place across its waits: arrival order and the end of its wait budget. */
+/** A request's place across its waits: arrival order, the end of its wait budget, its tenant. */
 interface RequestWait {
   readonly seq: number
   /** `nowMs()` past which the request may wait no more. */
   readonly deadlineMs: number
+  readonly claim: SlotClaim
+  /** Whether the request is in its tenant's backlog of waits for room (refused, not yet in). */
+  isWaitingForRoom: boolean
 }
 
 /** A request in a tenant's queue. */
@@ -50,6 +57,7 @@ interface QueuedRequest {
 /** A request waiting for KV room. */
 interface RoomWaiter {
   readonly seq: number
+  readonly tenant: string
   wake(): void
 }
 
@@ -61,13 +69,19 @@ export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
   const tenants = createTenantBacklogs()
   const waits = new WeakMap<AbortSignal, RequestWait>()
   let numRunning = 0
-  const room = createRoomQueue(queue, nowMs, waitOf)
+  const room = createRoomQueue(queue, nowMs, waitOf, tenants)
   let nextSeq = 0
 
-  function waitOf(signal: AbortSignal): RequestWait {
+  /** The wait of the request `signal` names, begun now for `claim`'s tenant if it is new. */
+  function waitOf(signal: AbortSignal, claim: SlotClaim = anonymousClaim): RequestWait {
     let wait = waits.get(signal)
     if (wait === undefined) {
-      wait = { seq: nextSeq++, deadlineMs: nowMs() + queue.maxQueueWaitMs }
+      wait = {
+        seq: nextSeq++,
+        deadlineMs: nowMs() + queue.maxQueueWaitMs,
+        claim,
+        isWaitingForRoom: false,
+      }
       waits.set(signal, wait)
     }
     return wait
@@ -95,7 +109,7 @@ export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
 
   function acquireSlot(signal: AbortSignal, claim: SlotClaim = anonymousClaim): Promise<Slot> {
     if (signal.aborted) return Promise.reject(aborted())
-    const wait = waitOf(signal)
+    const wait = waitOf(signal, claim)
     if (numRunning < queue.maxConcurrentRequests) {
       numRunning++
       return Promise.resolve(makeSlot(claim))
@@ -148,28 +162,59 @@ export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
     waitForRoom: room.waitForRoom,
     numQueued: tenants.numQueued,
     numRunning: () => numRunning,
+    numWaitingForRoom: room.numWaiting,
     /** Queued requests by tenant (only tenants with some). */
     numQueuedByTenant: tenants.numQueuedByTenant,
     /** Each tenant's virtual token counter (weighted tokens ÷ weight). */
     serviceOf: tenants.serviceOf,
     check(): void {
-      assert.ok(
-        numRunning >= 0 && numRunning <= queue.maxConcurrentRequests,
-        `running ${numRunning} outside [0, ${queue.maxConcurrentRequests}]`,
-      )
-      const numQueued = tenants.numQueued()
-      assert.ok(
-        numQueued <= queue.maxQueuedRequests,
-        `queued ${numQueued} > ${queue.maxQueuedRequests}`,
-      )
-      assert.ok(
-        numQueued === 0 || numRunning === queue.maxConcurrentRequests,
-        `${numQueued} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run`,
-      )
+      checkSlots(queue, numRunning, tenants.numQueued())
       tenants.check(numRunning)
       room.check()
     },
   }
+}
+
+/** Asserts the slots' invariants: `numRunning` within its bound, `numQueued` within its, and
+ *  none queued while a slot is free. */
+function checkSlots(queue: QueueLimits, numRunning: number, numQueued: number): void {
+  assert.ok(
+    numRunning >= 0 && numRunning <= queue.maxConcurrentRequests,
+    `running ${numRunning} outside [0, ${queue.maxConcurrentRequests}]`,
+  )
+  assert.ok(
+    numQueued <= queue.maxQueuedRequests,
+    `queued ${numQueued} > ${queue.maxQueuedRequests}`,
+  )
+  assert.ok(
+    numQueued === 0 || numRunning === queue.maxConcurrentRequests,
+    `${numQueued} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run`,
+  )
+}
+
+/** The tenant of `queues` (tenant → its waiting items, oldest first, never empty) with the least
+ *  service (`service`: tenant → counter), or undefined when none. Ties (a tenant just lifted to
+ *  another's counter) go to the tenant with fewer requests running (`runningOf`), then to the
+ *  earlier arrival at the head. */
+function leastServedOf(
+  queues: ReadonlyMap<string, readonly { seq: number }[]>,
+  service: ReadonlyMap<string, number>,
+  runningOf: ReadonlyMap<string, number>,
+): string | undefined {
+  let best: { tenant: string; counter: number; numRunning: number; seq: number } | undefined
+  for (const [tenant, items] of queues) {
+    const counter = service.get(tenant) ?? 0
+    const numRunningOfTenant = runningOf.get(tenant) ?? 0
+    const { seq } = items[0]
+    const isBetter =
+      best === undefined ||
+      counter < best.counter ||
+      (counter === best.counter &&
+        (numRunningOfTenant < best.numRunning ||
+          (numRunningOfTenant === best.numRunning && seq < best.seq)))
+    if (isBetter) best = { tenant, counter, numRunning: numRunningOfTenant, seq }
+  }
+  return best?.tenant
 }
 
 /** The tenants' queues and virtual token counters (see the module's header). */
@@ -195,27 +240,33 @@ function createTenantBacklogs() {
     else runningOf.set(tenant, n)
   }
 
-  /** Removes and returns the first request of the backlogged tenant with the least service, or
-   *  undefined when none waits. Ties (a tenant just lifted to another's counter) go to the tenant
-   *  with fewer requests running, then to the earlier arrival. */
+  function leastServed(queues: ReadonlyMap<string, readonly { seq: number }[]>) {
+    return leastServedOf(queues, service, runningOf)
+  }
+
+  /** Removes and returns the first request of the backlogged tenant with the least service
+   *  ({@link leastServedOf}), or undefined when none waits. */
   function takeNext(): QueuedRequest | undefined {
-    let best:
-      { tenant: string; counter: number; numRunning: number; head: QueuedRequest } | undefined
-    for (const [tenant, requests] of backlogs) {
-      const counter = service.get(tenant) ?? 0
-      const numRunningOfTenant = runningOf.get(tenant) ?? 0
-      const head = requests[0]
-      const isBetter =
-        best === undefined ||
-        counter < best.counter ||
-        (counter === best.counter &&
-          (numRunningOfTenant < best.numRunning ||
-            (numRunningOfTenant === best.numRunning && head.seq < best.head.seq)))
-      if (isBetter) best = { tenant, counter, numRunning: numRunningOfTenant, head }
-    }
-    if (best === undefined) return undefined
-    dequeue(best.tenant, best.head)
-    return best.head
+    const tenant = leastServed(backlogs)
+    if (tenant === undefined) return undefined
+    const head = backlogs.get(tenant)![0]
+    dequeue(tenant, head)
+    return head
+  }
+
+  /** VTC's lift of a tenant joining a backlog: its counter rises to the least counter of
+   *  `others` (the tenants already backlogged), or with none to that of the last tenant to leave
+   *  a backlog, so that idling banks no credit. */
+  function lift(tenant: string, others: Iterable<string>): void {
+    let floor = Infinity
+    for (const other of others) floor = Math.min(floor, service.get(other) ?? 0)
+    if (floor === Infinity) floor = lastLeftService
+    service.set(tenant, Math.max(service.get(tenant) ?? 0, floor))
+  }
+
+  /** Notes that `tenant` left a backlog (the floor of the next lift with none backlogged). */
+  function noteLeft(tenant: string): void {
+    lastLeftService = service.get(tenant) ?? 0
   }
 
   /** Takes `request` out of `tenant`'s backlog (no-op if it is not there). */
@@ -227,7 +278,7 @@ function createTenantBacklogs() {
     numQueued--
     if (requests.length === 0) {
       backlogs.delete(tenant)
-      lastLeftService = service.get(tenant) ?? 0
+      noteLeft(tenant)
     }
   }
 
@@ -235,10 +286,7 @@ function createTenantBacklogs() {
   function enqueue(tenant: string, request: QueuedRequest): void {
     let requests = backlogs.get(tenant)
     if (requests === undefined) {
-      let floor = Infinity
-      for (const other of backlogs.keys()) floor = Math.min(floor, service.get(other) ?? 0)
-      if (floor === Infinity) floor = lastLeftService
-      service.set(tenant, Math.max(service.get(tenant) ?? 0, floor))
+      lift(tenant, backlogs.keys())
       requests = []
       backlogs.set(tenant, requests)
     }
@@ -268,6 +316,9 @@ function createTenantBacklogs() {
     startRunning,
     stopRunning,
     takeNext,
+    leastServed,
+    lift,
+    noteLeft,
     dequeue,
     enqueue,
     evictForNewcomer,
@@ -277,52 +328,130 @@ function createTenantBacklogs() {
     serviceOf: (tenant: string): number => service.get(tenant) ?? 0,
     /** Asserts the backlogs' invariants; `numRunning` is the slots running. */
     check(numRunning: number): void {
-      let numInBacklogs = 0
-      for (const [tenant, requests] of backlogs) {
-        assert.ok(requests.length > 0, `tenant ${tenant} has an empty backlog`)
-        numInBacklogs += requests.length
-      }
-      assert.equal(numInBacklogs, numQueued, `backlogs hold ${numInBacklogs}, counted ${numQueued}`)
-      let numRunningOfTenants = 0
-      for (const n of runningOf.values()) numRunningOfTenants += n
-      assert.equal(
-        numRunningOfTenants,
-        numRunning,
-        `tenants hold ${numRunningOfTenants} slots, ${numRunning} run`,
-      )
+      checkBacklogs(backlogs, runningOf, numQueued, numRunning)
     },
   }
 }
 
-/** Requests waiting for KV room, in arrival order (see the module's header); `waitOf` gives a
- *  request's place and wait bound. */
+/** Asserts that `backlogs` hold `numQueued` requests, none empty, and `runningOf` `numRunning`. */
+function checkBacklogs(
+  backlogs: ReadonlyMap<string, readonly QueuedRequest[]>,
+  runningOf: ReadonlyMap<string, number>,
+  numQueued: number,
+  numRunning: number,
+): void {
+  let numInBacklogs = 0
+  for (const [tenant, requests] of backlogs) {
+    assert.ok(requests.length > 0, `tenant ${tenant} has an empty backlog`)
+    numInBacklogs += requests.length
+  }
+  assert.equal(numInBacklogs, numQueued, `backlogs hold ${numInBacklogs}, counted ${numQueued}`)
+  let numRunningOfTenants = 0
+  for (const n of runningOf.values()) numRunningOfTenants += n
+  assert.equal(
+    numRunningOfTenants,
+    numRunning,
+    `tenants hold ${numRunningOfTenants} slots, ${numRunning} run`,
+  )
+}
+
+/** The waiters for KV room, one list per tenant by arrival, and each tenant's backlog of waits
+ *  for room (its waiters and its woken requests still trying); `tenants` holds the counters that
+ *  pick the next waiter and lifts a tenant new to the backlog. */
+function createRoomWaiters(tenants: ReturnType<typeof createTenantBacklogs>) {
+  const waiters = new Map<string, RoomWaiter[]>() // tenant → its waiters by seq; never empty
+  const backlogOf = new Map<string, number>() // tenant → its requests waiting for room or trying (> 0)
+  let numWaiters = 0
+
+  return {
+    numWaiters: () => numWaiters,
+    /** Puts `wait` in its tenant's backlog of waits for room (lifting a tenant new to it). */
+    joinBacklog(wait: RequestWait): void {
+      if (wait.isWaitingForRoom) return
+      wait.isWaitingForRoom = true
+      const { tenant } = wait.claim
+      const n = backlogOf.get(tenant) ?? 0
+      if (n === 0) tenants.lift(tenant, backlogOf.keys())
+      backlogOf.set(tenant, n + 1)
+    },
+    /** Takes `wait` out of its tenant's backlog (no-op if it is not in it). */
+    leaveBacklog(wait: RequestWait): void {
+      if (!wait.isWaitingForRoom) return
+      wait.isWaitingForRoom = false
+      const { tenant } = wait.claim
+      const n = backlogOf.get(tenant)! - 1
+      if (n > 0) return void backlogOf.set(tenant, n)
+      backlogOf.delete(tenant)
+      tenants.noteLeft(tenant)
+    },
+    /** The first waiter of the waiting tenant with the least service, left in place. */
+    next(): RoomWaiter | undefined {
+      const tenant = tenants.leastServed(waiters)
+      return tenant === undefined ? undefined : waiters.get(tenant)![0]
+    },
+    add(waiter: RoomWaiter): void {
+      let list = waiters.get(waiter.tenant)
+      if (list === undefined) waiters.set(waiter.tenant, (list = []))
+      let at = list.length // a retry keeps its place: by seq, not by the time it came back
+      while (at > 0 && list[at - 1].seq > waiter.seq) at--
+      list.splice(at, 0, waiter)
+      numWaiters++
+    },
+    remove(waiter: RoomWaiter): void {
+      const list = waiters.get(waiter.tenant)
+      const i = list?.indexOf(waiter) ?? -1
+      if (i === -1) return
+      list!.splice(i, 1)
+      numWaiters--
+      if (list!.length === 0) waiters.delete(waiter.tenant)
+    },
+    check(): void {
+      let n = 0
+      for (const [tenant, list] of waiters) {
+        assert.ok(list.length > 0, `tenant ${tenant} has an empty queue of room waiters`)
+        assert.ok((backlogOf.get(tenant) ?? 0) >= list.length, `${tenant}'s room backlog short`)
+        for (let i = 1; i < list.length; i++) {
+          assert.ok(list[i - 1].seq < list[i].seq, 'room waiters of a tenant out of order')
+        }
+        n += list.length
+      }
+      assert.equal(n, numWaiters, `room queues hold ${n}, counted ${numWaiters}`)
+    },
+  }
+}
+
+/** Requests waiting for KV room (see the module's header); `waitOf` gives a request's place,
+ *  wait bound and tenant, `tenants` the counters that pick the next waiter. */
 function createRoomQueue(
   queue: QueueLimits,
   nowMs: () => number,
   waitOf: (signal: AbortSignal) => RequestWait,
+  tenants: ReturnType<typeof createTenantBacklogs>,
 ) {
-  const roomWaiters: RoomWaiter[] = [] // by seq (arrival order)
+  const waiters = createRoomWaiters(tenants)
   let numWokenTrying = 0 // woken room waiters whose attempt has not ended
   let roomPoll: NodeJS.Timeout | null = null
+  const pollMs = queue.roomPollMs ?? roomPollMs
 
-  function wakeFirstRoomWaiter(): void {
-    roomWaiters.shift()?.wake()
+  function wakeNextRoomWaiter(): void {
+    waiters.next()?.wake()
   }
 
-  /** Keeps one poll timer while requests wait for room; it wakes the first of them only when no
+  /** Keeps one poll timer while requests wait for room; it wakes one of them only when no
    *  woken request is trying (that one's end wakes the next). */
   function armRoomPoll(): void {
-    if (roomPoll !== null || roomWaiters.length === 0) return
+    if (roomPoll !== null || waiters.numWaiters() === 0) return
     roomPoll = setTimeout(() => {
       roomPoll = null
-      if (numWokenTrying === 0) wakeFirstRoomWaiter()
+      if (numWokenTrying === 0) wakeNextRoomWaiter()
       armRoomPoll()
-    }, roomPollMs)
+    }, pollMs)
     roomPoll.unref()
   }
 
-  /** A turn that, once its attempt ends with room found, wakes the next room waiter. */
-  function wokenTurn(): RoomTurn {
+  /** A turn that, once its attempt ends with room found, takes `wait` out of the backlog and
+   *  wakes the next room waiter; refused, the request stays backlogged for its next wait. */
+  function wokenTurn(wait: RequestWait): RoomTurn {
     numWokenTrying++
     let isEnded = false
     return {
@@ -330,70 +459,76 @@ function createRoomQueue(
         if (isEnded) return
         isEnded = true
         numWokenTrying--
-        if (!isRefused && roomWaiters.length > 0) wakeFirstRoomWaiter()
+        if (isRefused) return
+        waiters.leaveBacklog(wait)
+        if (waiters.numWaiters() > 0) wakeNextRoomWaiter()
       },
     }
   }
 
   function waitForRoom(signal: AbortSignal, hasFoundPoolFull: boolean): Promise<RoomTurn> {
-    if (signal.aborted) return Promise.reject(aborted())
     const wait = waitOf(signal)
-    if (!hasFoundPoolFull && roomWaiters.length === 0 && numWokenTrying === 0) {
+    if (signal.aborted) {
+      waiters.leaveBacklog(wait)
+      return Promise.reject(aborted())
+    }
+    if (!hasFoundPoolFull && waiters.numWaiters() === 0 && numWokenTrying === 0) {
       return Promise.resolve({ end() {} }) // no one is ahead: try at once
     }
     const remainingMs = wait.deadlineMs - nowMs()
-    if (remainingMs <= 0) return Promise.reject(roomTimeout())
+    if (remainingMs <= 0) {
+      waiters.leaveBacklog(wait)
+      return Promise.reject(roomTimeout(queue))
+    }
+    waiters.joinBacklog(wait)
     return new Promise<RoomTurn>((resolve, reject) => {
       const leave = () => {
         clearTimeout(timer)
         signal.removeEventListener('abort', onAbort)
-        const i = roomWaiters.indexOf(waiter)
-        if (i !== -1) roomWaiters.splice(i, 1)
+        waiters.remove(waiter)
       }
       const waiter: RoomWaiter = {
         seq: wait.seq,
+        tenant: wait.claim.tenant,
         wake() {
           leave()
-          resolve(wokenTurn())
+          resolve(wokenTurn(wait))
         },
       }
-      const onAbort = () => {
+      const giveUp = (err: KvfenceError) => {
         leave()
-        reject(aborted())
+        waiters.leaveBacklog(wait)
+        reject(err)
       }
-      const timer = setTimeout(() => {
-        leave()
-        reject(roomTimeout())
-      }, remainingMs)
+      const onAbort = () => giveUp(aborted())
+      const timer = setTimeout(() => giveUp(roomTimeout(queue)), remainingMs)
       signal.addEventListener('abort', onAbort, { once: true })
-      let at = roomWaiters.length
-      while (at > 0 && roomWaiters[at - 1].seq > waiter.seq) at--
-      roomWaiters.splice(at, 0, waiter)
+      waiters.add(waiter)
       armRoomPoll()
     })
   }
 
-  function roomTimeout(): LimitError {
-    return new LimitError(
-      'capacity_exhausted',
-      `The KV pool has no room for this request right now (waited ${queue.maxQueueWaitMs} ms in all); retry later.`,
-      1,
-    )
-  }
-
   return {
     waitForRoom,
-    /** A running request ended: the first waiter (if any) may find room now. */
+    numWaiting: waiters.numWaiters,
+    /** A running request ended: one waiter (if any) may find room now. */
     onRequestEnded(): void {
-      if (roomWaiters.length > 0) wakeFirstRoomWaiter()
+      if (waiters.numWaiters() > 0) wakeNextRoomWaiter()
     },
     check(): void {
-      for (let i = 1; i < roomWaiters.length; i++) {
-        assert.ok(roomWaiters[i - 1].seq < roomWaiters[i].seq, 'room waiters out of order')
-      }
+      waiters.check()
       assert.ok(numWokenTrying >= 0, `${numWokenTrying} woken room waiters trying`)
     },
   }
+}
+
+/** The refusal of a request whose wait for KV room ran out. */
+function roomTimeout(queue: QueueLimits): LimitError {
+  return new LimitError(
+    'capacity_exhausted',
+    `The KV pool has no room for this request right now (waited ${queue.maxQueueWaitMs} ms in all); retry later.`,
+    1,
+  )
 }
 
 /** The refusal of a queued request whose place went to a tenant with fewer queued. */

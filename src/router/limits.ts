@@ -41,6 +41,9 @@ export interface QueueLimits {
   /** Longest a request waits in all, ms: in the queue and for a full KV pool to free up,
    *  together; then 503. */
   readonly maxQueueWaitMs: number
+  /** How often the first request waiting for KV room tries again when no request ends, ms
+   *  (default `roomPollMs` of fair-queue.ts); tests that assert orders set it past their length. */
+  readonly roomPollMs?: number
 }
 
 /** Defaults of {@link QueueLimits}. */
@@ -110,8 +113,9 @@ export interface Limiter {
    *  names the request for {@link Limiter.waitForRoom}: the two waits share one bound. */
   acquireSlot(signal: AbortSignal, claim?: SlotClaim): Promise<Slot>
   /** The request's turn to ask the workers for KV room: at once when `hasFoundPoolFull` is false
-   *  and no request waits for room, else in arrival order once a running request ends (or the
-   *  first waiter's poll); rejects {@link LimitError} `capacity_exhausted` when the request's wait
+   *  and no request waits for room, else once a running request ends (or the poll), the turn
+   *  going to the waiting tenant with the least service (VTC, as for slots), first come first
+   *  served within a tenant; rejects {@link LimitError} `capacity_exhausted` when the request's wait
    *  in all (from its `acquireSlot`) reaches `maxQueueWaitMs`, `request_aborted` when `signal`
    *  fires. End the turn when the attempt knows whether it got room. */
   waitForRoom(signal: AbortSignal, hasFoundPoolFull: boolean): Promise<RoomTurn>
@@ -119,6 +123,8 @@ export interface Limiter {
   readonly numQueued: number
   /** Requests holding a running slot. */
   readonly numRunning: number
+  /** Requests waiting for room in a full KV pool. */
+  readonly numWaitingForRoom: number
   /** Queued requests by tenant (tenants with some queued only). */
   numQueuedByTenant(): Map<string, number>
   /** {@link QueueLimits.maxQueueWaitMs}. */
@@ -159,6 +165,9 @@ export function createLimiter(
     },
     get numRunning() {
       return slots.numRunning()
+    },
+    get numWaitingForRoom() {
+      return slots.numWaitingForRoom()
     },
     numQueuedByTenant: slots.numQueuedByTenant,
     maxQueueWaitMs: queue.maxQueueWaitMs,

@@ -32,6 +32,9 @@ export interface RouterMetrics {
   readonly promptTokens: Counter
   /** Seconds an admitted request waited in the router queue for a running slot, by tenant. */
   readonly queueWaitSeconds: Histogram<'tenant'>
+  /** Seconds a request that got KV room waited for it in all (its turns, not its tries), by
+   *  tenant; 0 for one that found room at once. */
+  readonly poolWaitSeconds: Histogram<'tenant'>
   /** Tokens generated. */
   readonly completionTokens: Counter
   /** Seconds from request to last byte, by endpoint. */
@@ -58,7 +61,7 @@ export interface RouterMetrics {
 /** Where gauges read live values at scrape time. */
 export interface MetricSources {
   /** Requests running and queued in the router. */
-  queue?: () => { numRunning: number; numQueued: number }
+  queue?: () => { numRunning: number; numQueued: number; numWaitingForRoom?: number }
   /** Every worker's state (scraped once per collection). */
   workers?: () => Promise<WorkerStats[]>
 }
@@ -69,25 +72,7 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
   const registers = [registry]
   const latency = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 
-  if (sources.queue) {
-    const queue = sources.queue
-    new Gauge({
-      name: 'kvfence_router_requests_running',
-      help: 'Requests holding a running slot.',
-      registers,
-      collect() {
-        this.set(queue().numRunning)
-      },
-    })
-    new Gauge({
-      name: 'kvfence_router_requests_queued',
-      help: 'Requests waiting in the bounded queue.',
-      registers,
-      collect() {
-        this.set(queue().numQueued)
-      },
-    })
-  }
+  if (sources.queue) registerQueueGauges(sources.queue, registers)
   if (sources.workers) registerWorkerGauges(sources.workers, registers)
 
   return Object.freeze({
@@ -117,6 +102,13 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
     queueWaitSeconds: new Histogram({
       name: 'kvfence_router_queue_wait_seconds',
       help: 'Seconds an admitted request waited in the router queue for a running slot, by tenant.',
+      labelNames: ['tenant'] as const,
+      buckets: [0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60],
+      registers,
+    }),
+    poolWaitSeconds: new Histogram({
+      name: 'kvfence_router_pool_wait_seconds',
+      help: 'Seconds a request waited for room in a full KV pool before the workers took it, by tenant.',
       labelNames: ['tenant'] as const,
       buckets: [0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60],
       registers,
@@ -180,6 +172,37 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
       help: "The response sentinel's cap on its fingerprints' estimated bytes (sentinel.maxBytes).",
       registers,
     }),
+  })
+}
+
+/** Gauges of the router's running, queued and room-waiting requests, read from `queue`. */
+function registerQueueGauges(
+  queue: NonNullable<MetricSources['queue']>,
+  registers: Registry[],
+): void {
+  new Gauge({
+    name: 'kvfence_router_requests_running',
+    help: 'Requests holding a running slot.',
+    registers,
+    collect() {
+      this.set(queue().numRunning)
+    },
+  })
+  new Gauge({
+    name: 'kvfence_router_requests_waiting_for_room',
+    help: 'Requests waiting for room in a full KV pool.',
+    registers,
+    collect() {
+      this.set(queue().numWaitingForRoom ?? 0)
+    },
+  })
+  new Gauge({
+    name: 'kvfence_router_requests_queued',
+    help: 'Requests waiting in the bounded queue.',
+    registers,
+    collect() {
+      this.set(queue().numQueued)
+    },
   })
 }
 

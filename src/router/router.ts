@@ -145,7 +145,12 @@ async function health(backend: Backend, res: ServerResponse): Promise<void> {
 
 /** `GET /server_info`: the model, the window, the backend's own fields and the queue. */
 async function serverInfo(deps: RouterDeps, res: ServerResponse): Promise<void> {
-  const limits = { numRunning: deps.limiter.numRunning, numQueued: deps.limiter.numQueued }
+  const { limiter } = deps
+  const limits = {
+    numRunning: limiter.numRunning,
+    numQueued: limiter.numQueued,
+    numWaitingForRoom: limiter.numWaitingForRoom,
+  }
   const info = await deps.backend.serverInfo()
   sendJson(res, 200, {
     model: deps.config.model,

@@ -330,7 +330,11 @@ async function startNativeBackend(
 
 /** The limiter's queue, for the metrics. */
 function queueOf(limiter: Limiter) {
-  return { numRunning: limiter.numRunning, numQueued: limiter.numQueued }
+  return {
+    numRunning: limiter.numRunning,
+    numQueued: limiter.numQueued,
+    numWaitingForRoom: limiter.numWaitingForRoom,
+  }
 }
 
 /** Listens with a router over `deps`; `closeBackend` runs on close. */

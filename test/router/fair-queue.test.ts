@@ -298,3 +298,91 @@ describe('fair queue at the router', () => {
     }
   })
 })
+
+describe('KV room at the router', () => {
+  /** The tenant and content ("a1", "b2", …) of a request the decode worker took. */
+  function nameOf(request: { promptTokenIds: readonly number[] }): string {
+    const text = request.promptTokenIds
+      .filter((id) => id >= 5)
+      .map((id) => String.fromCharCode(id - 5 + 32))
+      .join('')
+    return /<user>(\w+)/.exec(text)![1]
+  }
+
+  /** Polls the router's `/server_info` until `n` requests wait for KV room. */
+  async function waitForRoomWaiters(h: Awaited<ReturnType<typeof startHarness>>, n: number) {
+    const deadline = Date.now() + 10_000
+    for (;;) {
+      const info = (await (await fetch(`${h.router.url}/server_info`)).json()) as {
+        numWaitingForRoom: number
+      }
+      if (info.numWaitingForRoom === n) return
+      assert.ok(Date.now() < deadline, `${n} requests never waited for room`)
+      await new Promise((resolve) => setTimeout(resolve, 5))
+    }
+  }
+
+  it("a tenant that fills the KV pool cannot put another tenant's requests behind its waits", async () => {
+    const h = await startHarness(
+      { maxRunningDecodes: 1, isHoldingReplies: true },
+      // No poll: only ends of requests wake waiters, so the order is the queue's alone.
+      {
+        queue: {
+          maxConcurrentRequests: 16,
+          maxQueuedRequests: 16,
+          maxQueueWaitMs: 30_000,
+          roomPollMs: 600_000,
+        },
+      },
+    )
+    try {
+      const ask = (tenant: 'alpha' | 'beta', content: string) =>
+        h.client(keys[tenant]).chat.completions.create({
+          ...chat,
+          messages: [{ role: 'user', content }],
+        })
+      const all = [ask('alpha', 'a0')]
+      await waitFor(() => h.workers.numHeld() === 1) // a0 holds the pool
+      const waiting = ['a1', 'a2', 'a3', 'a4', 'b1', 'b2', 'b3']
+      for (const [i, name] of waiting.entries()) {
+        all.push(ask(name.startsWith('a') ? 'alpha' : 'beta', name))
+        await waitForRoomWaiters(h, i + 1)
+      }
+      // a1 tried once and was refused; the others queued behind it without trying.
+      assert.equal(h.workers.numPoolRefused(), 1)
+      for (let k = 1; k <= waiting.length; k++) {
+        h.workers.releaseHeld() // the request in the pool ends; its end wakes one waiter
+        await waitFor(() => h.workers.takenRequests.length === 1 + k && h.workers.numHeld() === 1)
+        if (k < waiting.length) {
+          // Taking room woke the next waiter, refused (the pool holds one) and back in line.
+          await waitFor(() => h.workers.numPoolRefused() === 1 + k)
+          await waitForRoomWaiters(h, waiting.length - k)
+        }
+      }
+      h.workers.releaseHeld()
+      await Promise.all(all)
+      // Hand-worked VTC. Each request: 21 prompt tokens at its slot (all got slots at once),
+      // 15 generated (× 2 = 30) at its end. alpha's five slots: 105. beta joins the waits on
+      // b1's slot (21), lifted to alpha's 105; b2 and b3's slots then make beta 147. a0 ends:
+      // alpha 135 → a1 (ends: 165); beta 147 → b1 (177); alpha 165 → a2 (195); beta 177 → b2
+      // (207); alpha 195 → a3 (225); beta 207 → b3 (237); then a4. Each tenant in its own order.
+      // First come first served was a1 a2 a3 a4 b1 b2 b3.
+      assert.deepEqual(h.workers.takenRequests.map(nameOf), [
+        'a0',
+        'a1',
+        'b1',
+        'a2',
+        'b2',
+        'a3',
+        'b3',
+        'a4',
+      ])
+      const metrics = await (await fetch(`${h.router.url}/metrics`)).text()
+      assert.match(metrics, /kvfence_router_pool_wait_seconds_count\{tenant="alpha"\} 5\n/)
+      assert.match(metrics, /kvfence_router_pool_wait_seconds_count\{tenant="beta"\} 3\n/)
+      assert.match(metrics, /kvfence_router_requests_waiting_for_room 0\n/)
+    } finally {
+      await h.close()
+    }
+  })
+})

@@ -162,6 +162,12 @@ export interface StandInOptions {
   prefillFirstTokenId?: number
   /** The prefill worker reports this many prompt tokens sent (the incident's placeholder: 1). */
   prefillNumTokens?: number
+  /** The decode worker's KV pool holds this many requests at once; one more is refused with
+   *  503 `capacity_exhausted` (a full pool), and a request's room is freed before its `done`. */
+  maxRunningDecodes?: number
+  /** The decode worker holds each request it takes after its first token until the test calls
+   *  `releaseHeld` (in the order they were taken). */
+  isHoldingReplies?: boolean
 }
 
 /** Two `node:http` servers implementing the control plane, recording what they receive. */
@@ -183,6 +189,14 @@ export interface StandIns {
   setNumPages(numPages: number): void
   /** `/internal/generate` requests refused by `decodeRefusal`. */
   numRefused(): number
+  /** `/internal/generate` requests refused for a full pool (`maxRunningDecodes`). */
+  numPoolRefused(): number
+  /** Requests the decode worker took (not refused), in order. */
+  takenRequests: GenerateRequest[]
+  /** Requests held after their first token (`isHoldingReplies`). */
+  numHeld(): number
+  /** Lets the oldest held request finish. */
+  releaseHeld(): void
   /** Request ids whose HTTP request the router closed before the worker finished. */
   decodeClosedEarly: string[]
   prefillClosedEarly: string[]
@@ -208,7 +222,11 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     decodeClosedEarly: [] as string[],
     prefillClosedEarly: [] as string[],
     events: [] as string[],
+    takenRequests: [] as GenerateRequest[],
   }
+  const held: (() => void)[] = []
+  let numRunningDecodes = 0
+  let numPoolRefused = 0
   const info = (role: 'prefill' | 'decode'): ServerInfo => ({
     role,
     model: options.model ?? 'echo-test',
@@ -255,6 +273,18 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       const { status, code, message } = options.decodeRefusal
       return json(res, status, { error: { code, message } })
     }
+    if (numRunningDecodes >= (options.maxRunningDecodes ?? Infinity)) {
+      numPoolRefused++
+      return json(res, 503, { error: { code: 'capacity_exhausted', message: 'KV pool full' } })
+    }
+    numRunningDecodes++
+    let isInPool = true
+    const leavePool = () => {
+      if (isInPool) numRunningDecodes--
+      isInPool = false
+    }
+    res.on('close', leavePool)
+    state.takenRequests.push(request)
     res.writeHead(200, { 'content-type': 'application/x-ndjson' })
     const emit = (event: object) => res.write(`${JSON.stringify(event)}\n`)
     emit({
@@ -274,6 +304,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       }
       emit({ type: 'token', tokenId: token })
       numTokens++
+      if (numTokens === 1 && options.isHoldingReplies) await new Promise<void>((r) => held.push(r))
       await delay(options.tokenDelayMs ?? 0)
       if (request.stopTokenIds.includes(token)) {
         finishReason = 'stop'
@@ -282,6 +313,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       if (numTokens >= request.maxTokens) break
     }
     if (isClosed) return
+    leavePool()
     emit({
       type: 'done',
       finishReason,
@@ -345,6 +377,9 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     numDecodeConnections: () => numDecodeConnections,
     setNumPages: (n: number) => (numPages = n),
     numRefused: () => numRefused,
+    numPoolRefused: () => numPoolRefused,
+    numHeld: () => held.length,
+    releaseHeld: () => held.shift()?.(),
     numInternalRequests: () => state.generateRequests.length + state.prefillRequests.length,
     async close() {
       for (const server of [decode, prefill]) server.closeAllConnections()

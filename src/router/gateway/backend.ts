@@ -129,7 +129,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     // characters per token (counted by the tokenizer, local or the engine's).
     sentinelUnit: 'character',
     detokenize: tokenizer === null ? null : (ids) => tokenizer.decode(ids),
-    async preparePrompt(parsed, signal) {
+    async preparePrompt(parsed, _tenant, signal) {
       const context = { http, tokenizer, backendModel, guardsEnabled: options.guardsEnabled }
       const numPromptTokens = await countPromptTokens(
         { ...context, maxInputTokens: capacity.maxInputTokens },

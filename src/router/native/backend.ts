@@ -66,9 +66,8 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
     maxTokenChars: tokenizer.maxTokenChars,
     sentinelUnit: 'token',
     detokenize: (ids) => tokenizer.decode(ids),
-    async preparePrompt(parsed, signal) {
-      // One queue for all: the Backend interface does not pass the tenant here (yet).
-      const ids = await options.tokenizerPool.tokenize(parsed, '', signal)
+    async preparePrompt(parsed, tenant, signal) {
+      const ids = await options.tokenizerPool.tokenize(parsed, tenant, signal)
       let tokenIds: number[] | null = null
       // An array only when asked for: a prompt refused for its length (G2) never becomes one.
       return {

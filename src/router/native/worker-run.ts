@@ -130,14 +130,17 @@ async function* workerEvents(
   run: WorkerRun,
 ): AsyncGenerator<GenerationEvent, void> {
   const { limiter, metrics } = deps
+  let waitedMs = 0 // in turns for room, the tries not counted
   for (let attempt = 0; ; attempt++) {
     let turn: RoomTurn
+    const waitStartMs = performance.now()
     try {
       turn = await limiter.waitForRoom(run.signal, attempt > 0)
     } catch (err) {
       if (err instanceof LimitError) metrics.admissionRejections.inc({ reason: 'pool_full' })
       throw err
     }
+    waitedMs += performance.now() - waitStartMs
     if (attempt > 0) metrics.poolFullRetries.inc()
     const request = attempt === 0 ? run.request : freshAttempt(run.request)
     if (attempt > 0) run.log.debug({ attempt, workerRid: request.requestId }, 'retrying')
@@ -153,6 +156,7 @@ async function* workerEvents(
       continue
     }
     turn.end(false)
+    metrics.poolWaitSeconds.observe({ tenant: run.request.tenant }, waitedMs / 1000)
     if (first.done) return
     try {
       yield first.value
