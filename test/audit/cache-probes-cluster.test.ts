@@ -52,7 +52,7 @@ test('kvfence as shipped, with an offload tier: warm-equals-cold and evict-then-
   )
 })
 
-test('warm-equals-cold landed on every page multiple it aimed at (16, 32, 64, 128: page 16 read from /server_info)', () => {
+test('warm-equals-cold landed on every edge it aimed at (16, 32, 64, 128: page 16; 256: the prefill chunk; both read from /server_info)', () => {
   const e = report.findings[0].evidence as {
     edges: { tokens: number; why: string }[]
     missedEdges: number[]
@@ -60,10 +60,10 @@ test('warm-equals-cold landed on every page multiple it aimed at (16, 32, 64, 12
   }
   assert.deepEqual(
     e.edges.map((x) => x.why),
-    ['1 × page 16', '2 × page 16', '4 × page 16', '8 × page 16'],
+    ['1 × page 16', '2 × page 16', '4 × page 16', '8 × page 16', 'chunk 256'],
   )
   assert.deepEqual(e.missedEdges, [])
-  assert.equal(e.numCompared, 12)
+  assert.equal(e.numCompared, 15)
 })
 
 test("evict-then-return's churn covered twice the largest pool and the return was loaded back from the offload tier", () => {

@@ -17,6 +17,7 @@ import { loadTokenizer } from '../../src/model/tokenizer.js'
 import { newApiKey } from '../../src/router/tenant-keys.js'
 import { openaiClient as client, incidentShape } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
+import { pollUntil } from '../helpers/poll.js'
 
 const apiKeyDigest = (key: string) => createHash('sha256').update(key, 'utf8').digest('hex')
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-sentinel-'))
@@ -121,9 +122,17 @@ describe('observe mode (the default), over the incident', () => {
     assert.equal(end.suspected - start.suspected, numRuns)
     assert.equal(end.confirmed - start.confirmed, numFragments)
     // The log names the request, tenants and the run's length; it quotes nothing of the text.
-    const lines = readFileSync(join(dir, 'observe', 'router.log'), 'utf8')
-      .split('\n')
-      .filter((l) => l.includes('"msg":"sentinel:'))
+    // The router's log reaches its file through a pipe: wait for the lines (the counters above
+    // were already final), then count them exactly.
+    const logLines = () =>
+      readFileSync(join(dir, 'observe', 'router.log'), 'utf8')
+        .split('\n')
+        .filter((l) => l.includes('"msg":"sentinel:'))
+    await pollUntil(() => logLines().length >= numRuns + numFragments, {
+      timeoutMs: 5_000,
+      intervalMs: 50,
+    })
+    const lines = logLines()
     assert.equal(lines.length, numRuns + numFragments)
     for (const line of lines) {
       const entry = JSON.parse(line) as Record<string, unknown>
