@@ -12,10 +12,10 @@ import { type Cluster, type ClusterOptions, startCluster } from '../config/launc
 import { redeployCluster } from '../config/redeploy.js'
 import { newApiKey } from '../router/tenant-keys.js'
 import { apiKeyDigest } from '../router/tenants.js'
-import { startWatchChild, type WatchLogLine } from './watch-child.js'
+import { startWatchChild, type WatchLogLine } from '../audit/watch/child.js'
 
 /** The watch's cycle in the demo (s): shorter than its 30 s default to keep the demo short; its
- *  budget is scaled up by the same factor (watch-child.ts, docs/monitoring.md). */
+ *  budget is scaled up by the same factor (audit/watch/child.ts, docs/monitoring.md). */
 export const demoWatchCycleSeconds = 5
 
 /** What the act measured; times are `Date.now()` ms, null when it did not happen in time. */

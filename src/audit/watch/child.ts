@@ -4,8 +4,8 @@
  *  would. Knows the watch's flags and log shape; knows nothing of what it watches. */
 import { spawn } from 'node:child_process'
 import { writeFileSync } from 'node:fs'
-import { watchDefaults } from '../audit/watch/index.js'
-import { cliEntry } from '../paths.js'
+import { watchDefaults } from './options.js'
+import { cliEntry } from '../../paths.js'
 
 /** One pino line of the watch's log (`time` in ms since the epoch). */
 export type WatchLogLine = Record<string, unknown> & { msg: string; time: number }
