@@ -21,8 +21,10 @@
  *    the router's log line of the first sentinel event (the log's own clock; negative when the
  *    router noticed before the chunk arrived);
  *    `sentinel_time_to_metric_s`: until `/metrics` shows it (polled every 10 ms).
- *  The watch's figures (`watch_time_to_detect_s`, `watch_token_share`) are not measured here.
- *  Args: `--repeats N`, `--seconds S`, `--clients N`, `--benign-seconds S`. */
+ *  - The watch's figures (`watch_time_to_detect_s`, `watch_token_share`) and both detectors'
+ *    with each fault switched on while the cluster serves: bench/sentinel-watch.ts.
+ *  Args: `--repeats N`, `--seconds S`, `--clients N`, `--benign-seconds S`,
+ *  `--watch-cycle-seconds S` (default 10), `--detect-timeout-seconds S` (default 90). */
 import { fork, type ChildProcess } from 'node:child_process'
 import { createHash, randomBytes } from 'node:crypto'
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs'
@@ -36,6 +38,7 @@ import { newApiKey } from '../src/router/tenant-keys.js'
 import { incidentShape } from '../test/helpers/cluster.js'
 import { echoModelDir } from '../test/helpers/paths.js'
 import { keys, startHarness } from '../test/router/helpers.js'
+import { benchWatchDetection } from './sentinel-watch.js'
 
 const licence =
   'Permission is hereby granted, free of charge, to any person obtaining a copy of this software'
@@ -54,7 +57,18 @@ export async function benchSentinel(args: string[]): Promise<object> {
     intFlag(args, '--clients', 32),
   )
   const cluster = await measureCluster(intFlag(args, '--benign-seconds', 15))
-  return { ...throughput, ...cluster }
+  const watch = await benchWatchDetection(
+    intFlag(args, '--watch-cycle-seconds', 10),
+    intFlag(args, '--detect-timeout-seconds', 90),
+  )
+  // `false_alarms` totals every benign stretch: the faulty cluster's before its fault was
+  // triggered, and both shipped clusters' before their faults were switched on.
+  return {
+    ...throughput,
+    ...cluster,
+    ...watch,
+    false_alarms: cluster.false_alarms + watch.false_alarms_as_shipped,
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

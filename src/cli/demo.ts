@@ -1,7 +1,10 @@
-/** `kvfence demo` (= `npm start`): the incident reproduced, then fenced. Runs a real cluster twice —
- *  once with the incident's configuration (advertised context larger than the prefill pool, the
- *  `placeholder-forward` fault, guards off), once as shipped — audits both with two tenants, and
- *  prints the two outcomes one after the other (80 columns). Writes both audit reports to `--out`. */
+/** `kvfence demo` (= `npm start`): the incident reproduced, then fenced, then caught. Runs a real
+ *  cluster twice — once with the incident's configuration (advertised context larger than the
+ *  prefill pool, the `placeholder-forward` fault, guards off), once as shipped — audits both with
+ *  two tenants, and prints the two outcomes one after the other (80 columns); writes both audit
+ *  reports to `--out`. Then a third act (demo-production.ts): a cluster serving as shipped with
+ *  `kvfence watch` and the router's sentinel running, the fault switched on by a redeploy, and the
+ *  seconds each took to catch it. */
 import { writeFileSync } from 'node:fs'
 import { join, resolve } from 'node:path'
 import type { Command } from 'commander'
@@ -18,6 +21,7 @@ import { makeDir } from '../make-dir.js'
 import { bundledModelDir } from '../paths.js'
 import { newApiKey, tenantsYaml } from '../router/tenant-keys.js'
 import { intOption, threadArgs, threadsHelp, threadsOption } from './options.js'
+import { isCaught, productionLines, runProductionAct } from './demo-production.js'
 
 interface DemoFlags {
   out: string
@@ -94,7 +98,7 @@ async function runDemo(flags: DemoFlags): Promise<number> {
   say()
 
   // 1. The incident.
-  say('── 1/2  the incident: fault placeholder-forward injected, guards off ──')
+  say('── 1/3  the incident: fault placeholder-forward injected, guards off ──')
   const unsafeCluster = await startCluster({
     ...base,
     contextWindow: demoShape.advertisedContext,
@@ -122,7 +126,7 @@ async function runDemo(flags: DemoFlags): Promise<number> {
   say()
 
   // 2. As shipped: the same advertised context is refused (G1), then clamped to the pool.
-  say('── 2/2  as shipped: guards on ──')
+  say('── 2/3  as shipped: guards on ──')
   let refusal = 'started'
   try {
     const c = await startCluster({
@@ -161,7 +165,15 @@ async function runDemo(flags: DemoFlags): Promise<number> {
     await safeCluster.stop()
   }
   say()
+
+  // 3. In production: the watch and the sentinel running when the fault is switched on.
+  say('── 3/3  in production: the fault switched on while the watch and sentinel run ──')
+  const production = await runProductionAct(base, demoShape.advertisedContext, out, say)
+  say()
   say(outcomeTable([unsafe, safe]))
+  say()
+  say('3/3  the fault switched on in production')
+  for (const line of productionLines(production)) say(`  ${line}`)
   say()
   say(
     `reports: ${['unsafe.json', 'unsafe.html', 'safe.json', 'safe.html'].map((f) => join(out, f)).join(', ')}`,
@@ -169,6 +181,10 @@ async function runDemo(flags: DemoFlags): Promise<number> {
   const isExpected = hasLeak(unsafe.report) && !hasLeak(safe.report)
   if (!isExpected) {
     say('UNEXPECTED: the incident run should leak and the shipped run should not; see the reports.')
+    return 1
+  }
+  if (!isCaught(production)) {
+    say('UNEXPECTED: the watch and the sentinel should both catch the fault; see logs/production*.')
     return 1
   }
   return 0
@@ -244,6 +260,9 @@ function verdicts(report: AuditReport): string {
   return [...counts].map(([k, n]) => (n > 1 ? `${k}×${n}` : k)).join(' ')
 }
 
+/** The demo's acts: the incident, as shipped, the fault switched on in production. */
+const numActs = 3
+
 /** Columns the outcome table fits in: a default terminal's. */
 const tableColumns = 80
 
@@ -263,7 +282,7 @@ function outcomeTable(runs: readonly RunOutcome[]): string {
   const lines: string[] = []
   runs.forEach((run, n) => {
     if (n > 0) lines.push('')
-    lines.push(`${n + 1}/${runs.length}  ${run.title}`)
+    lines.push(`${n + 1}/${numActs}  ${run.title}`)
     for (const [label, values] of rowsOf(run)) {
       const parts = values.flatMap((v) => wrapWords(v, valueWidth))
       parts.forEach((part, i) =>

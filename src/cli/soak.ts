@@ -20,6 +20,7 @@ interface SoakFlags {
   json?: string
   model: string
   logDir?: string
+  watchCycleSeconds: number
 }
 
 /** Parse a positive decimal number flag value (minutes may be fractional). */
@@ -78,6 +79,12 @@ export function registerSoak(program: Command): void {
       bundledModelDir,
     )
     .option('--log-dir <dir>', 'keep the cluster parts’ logs in this folder')
+    .option(
+      '--watch-cycle-seconds <s>',
+      'run kvfence watch (two canary tenants) against the cluster at this cycle; 0: no watch',
+      intOption,
+      30,
+    )
     .action(async (flags: SoakFlags) => {
       if (flags.tenants < 2) throw new Error('--tenants must be at least 2')
       if (flags.loops < 1) throw new Error('--loops must be at least 1')
@@ -92,6 +99,7 @@ export function registerSoak(program: Command): void {
         modelDir: flags.model,
         numTenants: flags.tenants,
         keepLogsIn: flags.logDir,
+        watchCycleSeconds: flags.watchCycleSeconds,
       })
       let report: SoakReport
       try {
@@ -131,6 +139,7 @@ function summary(r: SoakReport): string {
     `  errors: ${errors || 'none'}`,
     `  contaminated ${r.contaminated_responses}, oracle mismatches ${r.oracle_mismatches}, over-context answered ${r.over_context_accepted}, hung ${r.hung_requests}`,
     `  page leaks ${r.page_leaks} (max used: prefill ${r.max_pages_used.prefill}, decode ${r.max_pages_used.decode}), RSS growth ${r.rss_growth_ratio}${r.rss_judged ? '' : ' (not judged: run ≥ 3 minutes)'} (${r.rss_mb.after_warmup} → ${r.rss_mb.at_end} MB)`,
+    `  false alarms: sentinel ${r.sentinel === null ? 'unread' : `${r.sentinel.suspected} suspected, ${r.sentinel.confirmed} confirmed`}, watch ${r.watch === null ? 'not run' : `${r.watch.findings} findings in ${r.watch.cycles} cycles`}`,
     `  heap retained after major GCs (reported, not judged): ${heapLine(r) || 'fewer than 3 collections after warm-up'}`,
     ...r.failures.map((f) => `  FAIL: ${f}`),
     '',

@@ -4,7 +4,9 @@
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { newApiKey, tenantsYaml } from '../router/tenant-keys.js'
+import { startWatchChild, type WatchChild } from '../audit/watch/child.js'
+import { newApiKey } from '../router/tenant-keys.js'
+import { apiKeyDigest } from '../router/tenants.js'
 import { startCluster, type Cluster } from '../config/launch.js'
 import type { SoakTarget } from './run.js'
 
@@ -19,20 +21,34 @@ export interface SoakCluster {
   stop(): Promise<void>
 }
 
-/** Start a cluster of `numTenants` tenants serving `modelDir`. Parts' logs go to a temporary
- *  folder (kept only when `keepLogsIn` names one). */
+/** Start a cluster of `numTenants` tenants serving `modelDir` (the router's sentinel observing,
+ *  its default), and, unless `watchCycleSeconds` is 0, `kvfence watch` against it at that cycle
+ *  (default: the watch's 30 s) with two more tenants marked `canary: true` (`soak-watch-a`,
+ *  `-b`), so that the sentinel knows their canaries. Parts' logs (and the watch's, `watch.log`)
+ *  go to a temporary folder, kept only when `keepLogsIn` names one. */
 export async function startSoakCluster(opts: {
   modelDir: string
   numTenants: number
   keepLogsIn?: string
+  watchCycleSeconds?: number
 }): Promise<SoakCluster> {
   const dir = mkdtempSync(join(tmpdir(), 'kvfence-soak-'))
   const tenants = Array.from({ length: opts.numTenants }, (_, i) => ({
     name: `soak-tenant-${i}`,
     key: newApiKey(),
   }))
+  const watchCycleSeconds = opts.watchCycleSeconds ?? 30
+  const watchTenants: Record<string, string> =
+    watchCycleSeconds > 0 ? { 'soak-watch-a': newApiKey(), 'soak-watch-b': newApiKey() } : {}
   const tenantsFile = join(dir, 'tenants.yaml')
-  writeFileSync(tenantsFile, tenantsYaml(tenants))
+  writeFileSync(
+    tenantsFile,
+    'tenants:\n' +
+      tenants.map((t) => `  - { name: ${t.name}, keySha256: ${apiKeyDigest(t.key)} }\n`).join('') +
+      Object.entries(watchTenants)
+        .map(([n, key]) => `  - { name: ${n}, keySha256: ${apiKeyDigest(key)}, canary: true }\n`)
+        .join(''),
+  )
   let cluster: Cluster
   try {
     cluster = await startCluster({
@@ -46,6 +62,16 @@ export async function startSoakCluster(opts: {
     rmSync(dir, { recursive: true, force: true })
     throw err
   }
+  const logDir = opts.keepLogsIn ?? join(dir, 'logs')
+  const watch: WatchChild | null =
+    watchCycleSeconds > 0
+      ? startWatchChild({
+          target: cluster.routerUrl,
+          tenants: watchTenants,
+          cycleSeconds: watchCycleSeconds,
+          logFile: join(logDir, 'watch.log'),
+        })
+      : null
   const pids: Record<string, number> = {}
   for (const [name, child] of Object.entries(cluster.processes))
     if (child.pid !== undefined) pids[name] = child.pid
@@ -60,8 +86,10 @@ export async function startSoakCluster(opts: {
       modelDir: opts.modelDir,
       pageSize: soakShape.pageSize,
       oraclePages: Math.max(soakShape.prefillPages, soakShape.decodePages),
+      ...(watch === null ? {} : { watch }),
     },
     async stop() {
+      await watch?.stop()
       await cluster.stop()
       rmSync(dir, { recursive: true, force: true })
     },

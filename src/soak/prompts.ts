@@ -57,3 +57,27 @@ export function makePrompt(rng: Rng, canaries: readonly string[], numChars: numb
   const text = filler.join(' ')
   return text.length > numChars && planted.length === 0 ? text.slice(0, numChars) : text
 }
+
+/** A long system prompt every tenant sends now and then (shared text: the sentinel must not flag
+ *  an answer that repeats it). */
+export const sharedSystemPrompt =
+  'You are the support assistant of the example company. Answer in English, briefly and ' +
+  'politely, cite the manual where you can, never guess a price, and hand over to a person ' +
+  'when the customer asks for one or is upset.'
+
+/** A public licence paragraph (the MIT licence's first sentence) that two tenants send. */
+export const sharedLicence =
+  'Permission is hereby granted, free of charge, to any person obtaining a copy of this ' +
+  'software and associated documentation files, to deal in the Software without restriction.'
+
+/** Tenants that send {@link sharedLicence}: the first two. */
+export const numLicenceTenants = 2
+
+/** What goes before a prompt of tenant `tenantIndex`: the shared system prompt (a quarter of
+ *  prompts), the shared licence (a quarter of the first two tenants' prompts), or nothing. */
+export function sharedPrefix(rng: Rng, tenantIndex: number): string {
+  const r = rng.next()
+  if (r < 0.25) return `${sharedSystemPrompt} `
+  if (r < 0.5 && tenantIndex < numLicenceTenants) return `${sharedLicence} `
+  return ''
+}

@@ -7,12 +7,13 @@ import { setTimeout as sleep } from 'node:timers/promises'
 import { findCanaries } from '../audit/canaries.js'
 import { createRng } from '../audit/rng.js'
 import { Oracle, type SoakRequest } from './oracle.js'
-import { makePrompt, promptLength, tenantCanaries } from './prompts.js'
+import { makePrompt, promptLength, sharedPrefix, tenantCanaries } from './prompts.js'
 import { sendAndDisconnect, sendWithClient, type Target } from './requests.js'
 import {
   heapAfterMajorGc,
   heapTrends,
   pagesUsed,
+  sentinelCounts,
   rssBytes,
   rssGrowth,
   sumValues,
@@ -40,6 +41,9 @@ export interface SoakTarget {
   /** Tokens per page of the cluster's pools, and pages of the oracle's pool (≥ the context). */
   pageSize: number
   oraclePages: number
+  /** A `kvfence watch` running against the router, when there is one: its cycles and findings
+   *  so far. */
+  watch?: { numCycles(): number; numFindings(): number }
 }
 
 /** Where a soak reports progress (one line at a time); default: nowhere. */
@@ -111,7 +115,9 @@ export async function runSoak(
       numStarted++
       const req: SoakRequest = {
         endpoint: rng.next() < 0.5 ? 'completion' : 'chat',
-        prompt: makePrompt(rng, canaries[tenantIndex], promptLength(rng, contextWindow)),
+        prompt:
+          sharedPrefix(rng, tenantIndex) +
+          makePrompt(rng, canaries[tenantIndex], promptLength(rng, contextWindow)),
         maxTokens: rng.int(1, options.maxTokensUpTo),
       }
       const isOverContext = oracle.promptTokenIds(req).length + req.maxTokens > contextWindow
@@ -149,6 +155,7 @@ export async function runSoak(
 
   // Drain: every page must come back ------------------------------------------------------------
   const pagesAtEnd = await drain(target, options.drainTimeoutMs)
+  const sentinel = await sentinelCounts(target.routerUrl).catch(() => null)
 
   // RSS growth after warm-up (a fitted line, see rssGrowth) ---------------------------------------------
   const growth = rssGrowth(rss, loadMs, options.warmupFraction)
@@ -191,6 +198,11 @@ export async function runSoak(
       at_end: toMb(t.fittedAtEnd),
       slope_mb_per_min: toMb(t.slopePerMinute),
     })),
+    sentinel,
+    watch:
+      target.watch === undefined
+        ? null
+        : { cycles: target.watch.numCycles(), findings: target.watch.numFindings() },
     examples: tally.examples,
   }
   report.failures = failuresOf(report, growth.hasSamples)
@@ -208,6 +220,13 @@ export function failuresOf(report: SoakReport, hasRss = true): string[] {
   if (report.over_context_accepted > 0)
     out.push(`${report.over_context_accepted} over-context prompts were answered`)
   if (report.hung_requests > 0) out.push(`${report.hung_requests} requests hung`)
+  if (report.sentinel === null) out.push("the router's sentinel counts could not be read")
+  else if (report.sentinel.suspected + report.sentinel.confirmed > 0)
+    out.push(
+      `the sentinel flagged ${report.sentinel.suspected} suspected and ${report.sentinel.confirmed} confirmed cross-tenant answers`,
+    )
+  if (report.watch !== null && report.watch.findings > 0)
+    out.push(`kvfence watch announced ${report.watch.findings} findings`)
   if (report.page_leaks > 0)
     out.push(
       `${report.page_leaks} KV pages still in use after the drain (prefill ${report.pages_used_at_end.prefill}, decode ${report.pages_used_at_end.decode})`,

@@ -29,6 +29,23 @@ export async function pagesUsed(url: string, timeoutMs = 5_000): Promise<number>
   return ServerInfo.parse(await res.json()).numPagesUsed
 }
 
+/** The router's response-sentinel events so far: the sums of `kvfence_sentinel_suspected_total`
+ *  and `kvfence_sentinel_confirmed_total` over their labels (0 when a counter has no sample yet).
+ *  Throws when the router does not answer within `timeoutMs`. */
+export async function sentinelCounts(
+  routerUrl: string,
+  timeoutMs = 5_000,
+): Promise<{ suspected: number; confirmed: number }> {
+  const res = await fetch(`${routerUrl}/metrics`, { signal: AbortSignal.timeout(timeoutMs) })
+  if (!res.ok) throw new Error(`${routerUrl}/metrics: HTTP ${res.status}`)
+  const text = await res.text()
+  const sum = (name: string) => samplesOf(text, name).reduce((n, s) => n + s.value, 0)
+  return {
+    suspected: sum('kvfence_sentinel_suspected_total'),
+    confirmed: sum('kvfence_sentinel_confirmed_total'),
+  }
+}
+
 /** The heap the process at `url` retained after its latest major GC (its `/metrics` gauge
  *  `kvfence_heap_used_after_major_gc_bytes`), bytes; null before its first major GC. Throws when
  *  the process does not answer within `timeoutMs` or serves no such gauge. */

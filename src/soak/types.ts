@@ -121,6 +121,14 @@ export interface SoakReport {
     string,
     { collections: number; after_warmup: number; at_end: number; slope_mb_per_min: number }
   >
+  /** Must be 0 and 0: the router's response sentinel (observe) events over the run,
+   *  `kvfence_sentinel_suspected_total` and `kvfence_sentinel_confirmed_total` from its
+   *  `/metrics` after the drain (tenants share a long system prompt and two send the same licence
+   *  paragraph, so a sentinel that flags shared text fails here); null when unreadable. */
+  sentinel: { suspected: number; confirmed: number } | null
+  /** Must be 0 findings: the `kvfence watch` run beside the load (two canary tenants, its default
+   *  cycle), its completed cycles and announced findings; null when no watch ran. */
+  watch: { cycles: number; findings: number } | null
   /** At most 5 examples per problem kind, redacted to the canary found or the first differing
    *  token position (no prompt text). */
   examples: string[]

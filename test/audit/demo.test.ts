@@ -16,7 +16,7 @@ test('kvfence demo writes unsafe.html and safe.html; the incident matrix counts 
     const { stdout } = await promisify(execFile)(
       process.execPath,
       [cliPath, 'demo', '--out', out, '--model', echoModelDir],
-      { timeout: 170_000, env: { ...process.env, KVFENCE_ALLOW_FAULTS: '' } },
+      { timeout: 240_000, env: { ...process.env, KVFENCE_ALLOW_FAULTS: '' } },
     )
     assert.match(stdout, /unsafe\.html, .*safe\.html/)
     const unsafe = JSON.parse(readFileSync(join(out, 'unsafe.json'), 'utf8')) as {

@@ -18,10 +18,10 @@ interface Report {
   }[]
 }
 
-it('kvfence demo shows the leak with the fault and none as shipped, and writes both reports', async () => {
+it('kvfence demo shows the leak with the fault and none as shipped, writes both reports, and catches the fault switched on in production', async () => {
   const out = mkdtempSync(join(tmpdir(), 'kvfence-demo-'))
   const { stdout } = await promisify(execFile)(process.execPath, [cliPath, 'demo', '--out', out], {
-    timeout: 170_000,
+    timeout: 240_000,
     env: { ...process.env, KVFENCE_ALLOW_FAULTS: '' },
   })
   const unsafe = JSON.parse(readFileSync(join(out, 'unsafe.json'), 'utf8')) as Report
@@ -47,6 +47,16 @@ it('kvfence demo shows the leak with the fault and none as shipped, and writes b
   assert.match(stdout, /HTTP 400 context_length_exceeded/)
   assert.match(stdout, /G1 refused to start/)
   assert.ok(!stdout.includes(canary), 'the console shows the canary unredacted')
+
+  // Third act: the fault switched on while the watch and the sentinel run; both catch it.
+  assert.match(stdout, /── 3\/3 {2}in production/)
+  assert.match(stdout, /the watch ran [1-9]\d* cycles, 0 findings/)
+  assert.match(stdout, /sentinel: first (confirmed|suspected) cross-tenant answer +\+\d+\.\d s/)
+  assert.match(stdout, /watch: leak alert \(\w+ probe\) +\+\d+\.\d s, -?\d+\.\d s after the first/)
+  const tooWide = stdout.split('\n').filter((l) => l.length > 80 && !l.startsWith('reports: '))
+  assert.deepEqual(tooWide, [])
+  const watchLog = readFileSync(join(out, 'logs', 'watch.log'), 'utf8')
+  assert.match(watchLog, /"msg":"finding"/)
   assert.ok(stdout.includes(canary.slice(0, 4)), 'the console does not show the redacted canary')
 })
 

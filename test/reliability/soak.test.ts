@@ -32,6 +32,10 @@ it('a 60-second soak with aborts and disconnects keeps every invariant', async (
   assert.deepEqual(report.pages_used_at_end, { prefill: 0, decode: 0 })
   assert.equal(report.hung_requests, 0)
   assert.equal(report.over_context_accepted, 0)
+  // No false alarm: shared system prompt, a licence two tenants send, the watch beside the load.
+  assert.deepEqual(report.sentinel, { suspected: 0, confirmed: 0 })
+  assert.equal(report.watch?.findings, 0)
+  assert.ok((report.watch?.cycles ?? 0) >= 1, 'the watch completed no cycle')
   // V8 heaps grow for the first ~50 s of load: a 60-second run reports RSS growth but cannot judge
   // it (runs of 3 minutes or more do, and fail above 1.05).
   assert.equal(report.rss_judged, false)

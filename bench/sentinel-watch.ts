@@ -1,0 +1,326 @@
+/** The watch's and the sentinel's time to detect a fault switched on in production, and the
+ *  watch's cost (part of `npm run bench -- sentinel`). For each fault (`placeholder-forward`,
+ *  then `early-release`), on a fresh cluster:
+ *  - A real kvfence cluster (bundled echo model, prefill, decode and router processes) serving as
+ *    shipped (guards on, advertised context clamped to the pool, the sentinel observing), four
+ *    tenants sending a benign workload (mixed sizes: a shared system prompt, a shared licence
+ *    paragraph, each tenant's own text of 4–60 words; a third streamed, a tenth of those aborted
+ *    after the first chunk; tenant-2 now and then sends a prompt over the pool, which the shipped
+ *    cluster refuses), and `kvfence watch` (a real process: src/audit/watch/child.ts) with two
+ *    canary tenants at a cycle of `--watch-cycle-seconds` (default 10; its budget scaled up by
+ *    30 ÷ cycle so each cycle runs what a default cycle runs).
+ *  - Once the watch has completed a cycle, the fault is switched on by a redeploy (the router on
+ *    the same URL: config/redeploy.ts) — `placeholder-forward` with guards off and the incident's
+ *    advertised context of 1024 tokens, or `early-release` with guards off — and the workload goes
+ *    on until both have fired or `--detect-timeout-seconds` (default 90) passed.
+ *  Figures per fault (`<fault>.…`), times in seconds:
+ *  - `first_contaminated_s`: after the fault was on, the first answer known to be contaminated:
+ *    the earlier of a workload answer holding a 16-character run of another tenant's own text, and
+ *    the sentinel's first event (it flags an answer while it is produced, before a client has it).
+ *  - `sentinel_time_to_detect_s`: the router log's first sentinel event after the first
+ *    contaminated answer a client received (negative: the sentinel flagged it first; null: no
+ *    client saw contaminated text).
+ *  - `watch_time_to_detect_measured_s`: the watch's first finding log line (its alert; a leak for
+ *    `placeholder-forward`, any verdict for `early-release`, which the audit reports as a
+ *    warning) after the first contaminated answer; `watch_time_to_detect_s` scales it to the default 30 s cycle
+ *    (× 30 ÷ cycle: the watch finds a fault within a number of cycles, not of seconds).
+ *  - `watch_token_share`: the watch's tokens (its `kvfence_watch_tokens_spent_total`: prompt +
+ *    max_tokens, an upper bound) ÷ the workload's (the answers' `usage`; aborted streams count
+ *    nothing, so this is an upper bound too) over the whole run. The scaled budget keeps the
+ *    share of a default-cycle watch: both are scaled by the same factor.
+ *  The top-level `watch_time_to_detect_s` / `watch_token_share` are `placeholder-forward`'s (the
+ *  incident's fault); `false_alarms_as_shipped` counts the watch's findings and the sentinel's
+ *  events before either fault was on (log level warn: the shipped router's log holds only
+ *  those lines that matter), and is added to the bench's `false_alarms`. */
+import { randomBytes } from 'node:crypto'
+import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { type Cluster, type ClusterOptions, startCluster } from '../src/config/launch.js'
+import { redeployCluster } from '../src/config/redeploy.js'
+import { firstSentinelEvent } from '../src/cli/demo-production.js'
+import { startWatchChild, type WatchChild } from '../src/audit/watch/child.js'
+import { newApiKey } from '../src/router/tenant-keys.js'
+import { apiKeyDigest } from '../src/router/tenants.js'
+import { incidentShape } from '../test/helpers/cluster.js'
+import { echoModelDir } from '../test/helpers/paths.js'
+
+const faults = ['placeholder-forward', 'early-release'] as const
+type Fault = (typeof faults)[number]
+
+const systemPrompt =
+  'You are a careful assistant of the example company. Answer briefly and politely, in English.'
+const licence =
+  'Permission is hereby granted, free of charge, to any person obtaining a copy of this software'
+/** 451 tokens: over the 384-token prefill pool. */
+const overCapacityPrompt = 'b '.repeat(225)
+
+/** Runs both faults and returns their figures, and the incident's at the top level. */
+export async function benchWatchDetection(
+  cycleSeconds: number,
+  detectTimeoutSeconds: number,
+): Promise<{ false_alarms_as_shipped: number } & Record<string, unknown>> {
+  const byFault: Record<string, Record<string, number | string | null>> = {}
+  for (const fault of faults) {
+    byFault[fault] = await measureFault(fault, cycleSeconds, detectTimeoutSeconds)
+  }
+  const incident = byFault['placeholder-forward']
+  const before = (f: string) =>
+    Number(byFault[f].watch_findings_before_fault) + Number(byFault[f].sentinel_events_before_fault)
+  return {
+    /** Watch findings and sentinel events while the clusters served as shipped. */
+    false_alarms_as_shipped: faults.reduce((n, f) => n + before(f), 0),
+    watch_time_to_detect_s: incident.watch_time_to_detect_s,
+    watch_token_share: incident.watch_token_share,
+    watch_cycle_s: cycleSeconds,
+    faults_switched_on: byFault,
+  }
+}
+
+async function measureFault(fault: Fault, cycleSeconds: number, detectTimeoutSeconds: number) {
+  const dir = mkdtempSync(join(tmpdir(), `kvfence-bench-watch-${fault}-`))
+  const tenants = Array.from({ length: 4 }, (_, i) => ({
+    name: `tenant-${i + 1}`,
+    key: newApiKey(),
+  }))
+  const watchKeys = { 'watch-a': newApiKey(), 'watch-b': newApiKey() }
+  const tenantsFile = join(dir, 'tenants.yaml')
+  writeFileSync(
+    tenantsFile,
+    'tenants:\n' +
+      tenants.map((t) => `  - { name: ${t.name}, keySha256: ${apiKeyDigest(t.key)} }\n`).join('') +
+      Object.entries(watchKeys)
+        .map(
+          ([name, key]) => `  - { name: ${name}, keySha256: ${apiKeyDigest(key)}, canary: true }\n`,
+        )
+        .join(''),
+  )
+  const shipped: ClusterOptions = {
+    modelDir: echoModelDir,
+    ...incidentShape,
+    tenantsFile,
+    contextWindow: 1024,
+    clampContext: true,
+    logDir: join(dir, 'logs-shipped'),
+    logLevel: 'warn',
+    env: { ...process.env, KVFENCE_ALLOW_FAULTS: '' },
+  }
+  let cluster: Cluster = await startCluster(shipped)
+  const watch = startWatchChild({
+    target: cluster.routerUrl,
+    tenants: watchKeys,
+    cycleSeconds,
+    logFile: join(dir, 'watch.log'),
+    seed: 15,
+  })
+  const workload = startWorkload(
+    cluster.routerUrl,
+    tenants.map((t) => t.key),
+  )
+  try {
+    while (watch.numCycles() === 0) await sleep(250)
+    const faultLogDir = join(dir, 'logs-fault')
+    const redeployed = await redeployCluster(cluster, {
+      ...shipped,
+      ...(fault === 'placeholder-forward'
+        ? { prefillFaults: [fault], clampContext: false }
+        : { decodeFaults: [fault] }),
+      disableGuards: true,
+      logDir: faultLogDir,
+      env: { ...process.env, KVFENCE_ALLOW_FAULTS: '1' },
+    })
+    cluster = redeployed.cluster
+    const faultOnMs = redeployed.servingAtMs
+    const routerLog = join(faultLogDir, 'router.log')
+    const findingsBefore = watch.numFindings()
+    // The incident's fault is a leak; early-release's effect the audit reports is a warning.
+    const newFinding = () =>
+      watch.lines
+        .filter((l) => l.msg === 'finding')
+        .slice(findingsBefore)
+        .find((l) => fault !== 'placeholder-forward' || l.verdict === 'leak') ?? null
+    let sentinel = firstSentinelEvent(routerLog)
+    let alert = newFinding()
+    while (Date.now() < faultOnMs + detectTimeoutSeconds * 1000 && (!sentinel || !alert)) {
+      await sleep(250)
+      sentinel ??= firstSentinelEvent(routerLog)
+      alert ??= newFinding()
+    }
+    const watchTokens = await watchTokensSpent(watch)
+    const seen = workload.contaminatedAtMs()
+    const first = Math.min(...[seen, sentinel?.atMs ?? null].filter((t): t is number => t !== null))
+    const secondsFrom = (from: number | null, to: number | null) =>
+      from === null || to === null || !Number.isFinite(from) ? null : round((to - from) / 1000, 3)
+    const measured = secondsFrom(first, alert?.time ?? null)
+    return {
+      first_contaminated_s: secondsFrom(faultOnMs, Number.isFinite(first) ? first : null),
+      sentinel_time_to_detect_s: secondsFrom(seen, sentinel?.atMs ?? null),
+      sentinel_event: sentinel?.kind ?? null,
+      watch_time_to_detect_measured_s: measured,
+      watch_time_to_detect_s: measured === null ? null : round((measured * 30) / cycleSeconds, 1),
+      watch_finding: alert === null ? null : `${String(alert.verdict)}:${String(alert.probe)}`,
+      watch_findings_before_fault: findingsBefore,
+      sentinel_events_before_fault: countSentinelEvents(join(dir, 'logs-shipped', 'router.log')),
+      watch_findings_after_fault: watch.numFindings() - findingsBefore,
+      watch_tokens: watchTokens,
+      workload_tokens: workload.tokens(),
+      watch_token_share:
+        watchTokens === null ? null : round(watchTokens / Math.max(1, workload.tokens()), 4),
+      redeploy_downtime_s: round((faultOnMs - redeployed.stoppedAtMs) / 1000, 1),
+    }
+  } finally {
+    await workload.stop()
+    await watch.stop()
+    await cluster.stop()
+    rmSync(dir, { recursive: true, force: true })
+  }
+}
+
+/** Sentinel log lines in `routerLog` (0 when there is no such file). */
+function countSentinelEvents(routerLog: string): number {
+  if (!existsSync(routerLog)) return 0
+  return readFileSync(routerLog, 'utf8')
+    .split('\n')
+    .filter((l) => l.includes('"msg":"sentinel:')).length
+}
+
+/** The watch's `kvfence_watch_tokens_spent_total`, or null when its /metrics cannot be read. */
+async function watchTokensSpent(watch: WatchChild): Promise<number | null> {
+  const url = watch.metricsUrl()
+  if (url === null) return null
+  const text = await (await fetch(url)).text()
+  const line = text.split('\n').find((l) => l.startsWith('kvfence_watch_tokens_spent_total'))
+  return line === undefined ? null : Number(line.slice(line.lastIndexOf(' ') + 1))
+}
+
+/** Four tenants' benign traffic; see the module comment. */
+function startWorkload(url: string, keys: readonly string[]) {
+  let isDone = false
+  let tokens = 0
+  let contaminatedAtMs: number | null = null
+  /** Each tenant's own texts of the last few seconds. */
+  const recent: string[][] = keys.map(() => [])
+  const send = async (key: string, body: Record<string, unknown>, path: string, abort: boolean) => {
+    const controller = new AbortController()
+    try {
+      const res = await fetch(`${url}/v1/${path}`, {
+        method: 'POST',
+        signal: controller.signal,
+        headers: { 'content-type': 'application/json', authorization: `Bearer ${key}` },
+        body: JSON.stringify({ model: 'echo-tiny', temperature: 0, ...body }),
+      })
+      if (body.stream !== true) {
+        const json = (await res.json()) as Answer
+        tokens += json.usage?.total_tokens ?? 0
+        return textOf(json)
+      }
+      let text = ''
+      for await (const event of sseEvents(res)) {
+        if (abort) {
+          controller.abort()
+          break
+        }
+        tokens += event.usage?.total_tokens ?? 0
+        text += textOf(event)
+      }
+      return text
+    } catch {
+      await sleep(200) // aborted, or the cluster is being redeployed
+      return ''
+    }
+  }
+  const loop = async (i: number) => {
+    for (let n = 0; !isDone; n++) {
+      const own = ownText(4 + Math.floor(Math.random() * 57))
+      recent[i] = [...recent[i].slice(-9), own]
+      const stream = n % 3 === 2
+      const abort = stream && Math.random() < 0.1
+      const extra = stream ? { stream: true, stream_options: { include_usage: true } } : {}
+      const isOver = i === 1 && n % 5 === 4
+      const answer =
+        n % 2 === 0
+          ? await send(
+              keys[i],
+              {
+                messages: [
+                  { role: 'system', content: systemPrompt },
+                  { role: 'user', content: own },
+                ],
+                max_tokens: 48,
+                ...extra,
+              },
+              'chat/completions',
+              abort,
+            )
+          : await send(
+              keys[i],
+              {
+                prompt: isOver ? overCapacityPrompt : `${licence} ${own}`,
+                max_tokens: 48,
+                ...extra,
+              },
+              'completions',
+              abort,
+            )
+      const others = recent.filter((_, j) => j !== i).flat()
+      if (contaminatedAtMs === null && others.some((t) => hasRun(answer, t)))
+        contaminatedAtMs = Date.now()
+    }
+  }
+  const loops = keys.map((_, i) => loop(i))
+  return {
+    tokens: () => tokens,
+    contaminatedAtMs: () => contaminatedAtMs,
+    stop: async () => {
+      isDone = true
+      await Promise.all(loops)
+    },
+  }
+}
+
+interface Answer {
+  choices?: { text?: string; message?: { content?: string }; delta?: { content?: string } }[]
+  usage?: { total_tokens?: number } | null
+}
+
+function textOf(a: Answer): string {
+  const c = a.choices?.[0]
+  return c?.text ?? c?.message?.content ?? c?.delta?.content ?? ''
+}
+
+/** The JSON events of a server-sent-events response. */
+async function* sseEvents(res: Response): AsyncGenerator<Answer> {
+  if (res.body === null) return
+  const decoder = new TextDecoder()
+  let pending = ''
+  for await (const bytes of res.body as AsyncIterable<Uint8Array>) {
+    pending += decoder.decode(bytes, { stream: true })
+    const lines = pending.split('\n')
+    pending = lines.pop() ?? ''
+    for (const line of lines)
+      if (line.startsWith('data: {')) yield JSON.parse(line.slice(6)) as Answer
+  }
+}
+
+/** `numWords` random 6-letter hex words: text no other tenant sends. */
+function ownText(numWords: number): string {
+  return Array.from({ length: numWords }, () => randomBytes(3).toString('hex')).join(' ')
+}
+
+/** Whether `answer` holds 16 characters whose every 8-character piece occurs in `source`. */
+function hasRun(answer: string, source: string): boolean {
+  let run = 0
+  for (let i = 0; i + 8 <= answer.length; i++) {
+    run = source.includes(answer.slice(i, i + 8)) ? run + 1 : 0
+    if (run >= 9) return true
+  }
+  return false
+}
+
+function round(value: number, digits: number): number {
+  return Number(value.toFixed(digits))
+}
+
+function sleep(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms))
+}
