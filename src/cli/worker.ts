@@ -308,9 +308,10 @@ function warnIfShared(
       'prefix cache shared by all tenants (--prefix-cache-shared): one tenant’s traffic evicts another’s cached pages, a side channel on its load (docs/threat-model.md); use it with a single tenant only',
     )
   } else if (
-    (flags.prefixCacheOffloadBytes ?? 0) > 0 &&
+    ((flags.prefixCacheOffloadBytes ?? 0) > 0 || flags.prefixCacheOffloadDir !== undefined) &&
     flags.prefixCachePagesPerTenant === undefined
   ) {
+    // The host ring and the disk tier alike: either one is shared without a per-tenant share.
     log.warn(
       'prefix cache offload tier shared by all tenants: set --prefix-cache-pages-per-tenant to give each tenant its own share of it (docs/threat-model.md)',
     )
