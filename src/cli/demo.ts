@@ -175,9 +175,9 @@ async function runDemo(flags: DemoFlags): Promise<number> {
   say('3/3  the fault switched on in production')
   for (const line of productionLines(production)) say(`  ${line}`)
   say()
-  say(
-    `reports: ${['unsafe.json', 'unsafe.html', 'safe.json', 'safe.html'].map((f) => join(out, f)).join(', ')}`,
-  )
+  // One report a line: a path is as long as the folder the user chose, the screen is 80 columns.
+  say('reports:')
+  for (const f of ['unsafe.json', 'unsafe.html', 'safe.json', 'safe.html']) say(`  ${join(out, f)}`)
   const isExpected = hasLeak(unsafe.report) && !hasLeak(safe.report)
   if (!isExpected) {
     say('UNEXPECTED: the incident run should leak and the shipped run should not; see the reports.')
