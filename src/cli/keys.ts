@@ -13,6 +13,7 @@ import { KvfenceError } from '../errors.js'
 import { newApiKey } from '../router/tenant-keys.js'
 import { intOption } from './options.js'
 import { apiKeyDigest, TenantRecord } from '../router/tenants.js'
+import { ClusterConfig } from '../config/cluster.js'
 
 /** The file's YAML document and its validated tenants; a missing file is an empty document when
  *  `mayCreate`. Throws `config_invalid` naming the file and the fault. */
@@ -47,6 +48,14 @@ function readTenantsDocument(
     // The library's message names the alias: file content.
     throw new KvfenceError('config_invalid', `${label} is not valid YAML: a bad alias`)
   }
+  // The file is a tenants file or a cluster file (`serve --config`): a key neither has would
+  // make `serve` refuse the file that `keys add` had just written a key into.
+  const unknown = Object.keys(value ?? {}).find((key) => !Object.hasOwn(ClusterConfig.shape, key))
+  if (unknown !== undefined)
+    throw new KvfenceError(
+      'config_invalid',
+      `${path}: unknown key "${unknown}" (a tenants file holds tenants:, a cluster file ${Object.keys(ClusterConfig.shape).join(', ')})`,
+    )
   const parsed = z.array(TenantRecord).safeParse(value?.tenants ?? [])
   if (!parsed.success) {
     const issue = parsed.error.issues[0]

@@ -75,7 +75,7 @@ export function registerServe(program: Command): void {
     .option('--decode-pages <n>', 'pages in the decode worker’s KV pool', positiveIntOption, 64)
     .option(
       '--prefix-cache-pages <n>',
-      'most of the prefill worker’s KV pages its prefix cache may hold, 0 = off (shared by all tenants: see docs/threat-model.md; default: a quarter of --prefill-pages); not with --config',
+      'most of the prefill worker’s KV pages its prefix cache may hold, 0 = off (split between tenants by the tenants file: see docs/operators.md; default: a quarter of --prefill-pages); not with --config',
       intOption,
     )
     .option(

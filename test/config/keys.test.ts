@@ -136,4 +136,20 @@ describe('kvfence keys', () => {
       )
     }
   })
+  it('add refuses a file with a key neither a tenants nor a cluster file has (serve would refuse it)', async () => {
+    const path = join(dir, 'foo.yaml')
+    writeFileSync(path, 'foo: 1\n')
+    const err = await kvfence('add', 'x', '--tenants', path).then(
+      () => null,
+      (e: { code: number; stdout: string; stderr: string }) => e,
+    )
+    assert.ok(err, 'add accepted a file with an unknown key')
+    assert.equal(err.code, 2)
+    assert.equal(err.stdout, '', 'no key is printed')
+    assert.equal(
+      err.stderr.trim(),
+      `kvfence: ${path}: unknown key "foo" (a tenants file holds tenants:, a cluster file model, router, workers, backend, tls, allowPlaintext, tenants)`,
+    )
+    assert.equal(readFileSync(path, 'utf8'), 'foo: 1\n')
+  })
 })
