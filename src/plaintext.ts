@@ -65,3 +65,12 @@ export function hostOfUrl(url: string): string {
     return url
   }
 }
+
+/** The warning for a router that serves its clients over plain HTTP on `host` beyond loopback
+ *  (tenants' API keys and prompts then cross the network in clear), or null when it serves
+ *  HTTPS or only this host. A warning, not a refusal: TLS is often ended in a load balancer in
+ *  front of the router, which the router cannot see. */
+export function clientPlaintextWarning(host: string, isHttps: boolean): string | null {
+  if (isHttps || isLoopbackHost(host)) return null
+  return `router serves clients in plaintext on ${host}: tenants' API keys and prompts cross the network unencrypted unless TLS ends in front of it (--tls-cert/--tls-key to serve HTTPS)`
+}

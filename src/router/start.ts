@@ -31,7 +31,7 @@ import {
   watchTenants,
 } from './tenants.js'
 import { type WorkerClient, createWorkerClient } from './worker-client.js'
-import { checkPlaintextLinks, hostOfUrl } from '../plaintext.js'
+import { checkPlaintextLinks, clientPlaintextWarning, hostOfUrl } from '../plaintext.js'
 import { loadCertPair, reloadCertOnChange, type TlsMaterial } from '../tls.js'
 import { scrapeWorkerStats } from './worker-stats.js'
 
@@ -379,6 +379,8 @@ async function listenRouter(
     },
     'router listening',
   )
+  const plaintextWarning = clientPlaintextWarning(address.address, httpsFiles !== undefined)
+  if (plaintextWarning !== null) log.warn(plaintextWarning)
   const close = async () => {
     stopReloading()
     await new Promise<void>((resolve) => {

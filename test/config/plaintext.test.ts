@@ -17,7 +17,7 @@ import { buildFaultConfig } from '../../src/engine/faults.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
 import { createWorkerCore } from '../../src/engine/worker-core.js'
-import { checkPlaintextLinks, isLoopbackHost } from '../../src/plaintext.js'
+import { checkPlaintextLinks, clientPlaintextWarning, isLoopbackHost } from '../../src/plaintext.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { echoModel } from '../engine/pair.js'
 import { twoTenants } from '../helpers/cluster.js'
@@ -53,6 +53,16 @@ describe('plaintext links beyond loopback', () => {
       assert.equal(isLoopbackHost(host), true, host)
     for (const host of ['0.0.0.0', '::', '[::]', '10.0.0.7', '128.0.0.1', 'db.example', '::ffff:1'])
       assert.equal(isLoopbackHost(host), false, host)
+  })
+
+  it('a router serving clients over plain HTTP beyond loopback is warned about; HTTPS or loopback is not', () => {
+    assert.equal(
+      clientPlaintextWarning('0.0.0.0', false),
+      "router serves clients in plaintext on 0.0.0.0: tenants' API keys and prompts cross the network unencrypted unless TLS ends in front of it (--tls-cert/--tls-key to serve HTTPS)",
+    )
+    assert.equal(clientPlaintextWarning('0.0.0.0', true), null)
+    assert.equal(clientPlaintextWarning('127.0.0.1', false), null)
+    assert.equal(clientPlaintextWarning('::1', false), null)
   })
 
   it('checkPlaintextLinks: loopback passes silently, beyond it refused, or warned when allowed', () => {
