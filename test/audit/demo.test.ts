@@ -18,7 +18,7 @@ test('kvfence demo writes unsafe.html and safe.html; the incident matrix counts 
       [cliPath, 'demo', '--out', out, '--model', echoModelDir],
       { timeout: 240_000, env: { ...process.env, KVFENCE_ALLOW_FAULTS: '' } },
     )
-    assert.match(stdout, /unsafe\.html, .*safe\.html/)
+    assert.match(stdout, /^ {2}\S*unsafe\.html\n {2}\S*safe\.json\n {2}\S*safe\.html$/m)
     const unsafe = JSON.parse(readFileSync(join(out, 'unsafe.json'), 'utf8')) as {
       findings: { probe: string; verdict: string; evidence: Record<string, unknown> }[]
     }
