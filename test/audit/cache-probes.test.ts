@@ -177,8 +177,8 @@ describe('cache edges and churn, from what the endpoint reports', () => {
         probes: ['warm-equals-cold', 'evict-then-return'],
       })
       const byProbe = new Map(plan.probes.map((p) => [p.probe, p]))
-      // 2 canary measurements + 4 edges × 9 + 4 salt controls.
-      assert.equal(byProbe.get('warm-equals-cold')?.numRequests, 2 + 36 + 4)
+      // 2 canary measurements + 4 edges × 9 + 2 re-aimed edges × 3 + 4 salt controls.
+      assert.equal(byProbe.get('warm-equals-cold')?.numRequests, 2 + 36 + 6 + 4)
       // Pool 384 (24 blocks × 16), context 384: prompts of 368; ⌈768 / 368⌉ = 3, ⌈3 × 1.5⌉ = 5
       // at most, plus the prefix's 3.
       assert.equal(byProbe.get('evict-then-return')?.numRequests, 3 + 5)
