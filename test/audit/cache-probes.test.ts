@@ -237,6 +237,24 @@ describe('warm-equals-cold', () => {
     )
   })
 
+  test('an edge its prompt missed by a token the sizer could not foresee is re-aimed once by the miss and lands', async () => {
+    // Prompts past 100 words count one token more: the 128-token edge first lands on 129, is
+    // re-sent aimed at 127 and lands; its ±1 lengths are not re-sent (127 → 128, 129 → 130).
+    const report = await audit('warm-equals-cold', {
+      flavour: 'vllm',
+      kvCache: {},
+      contextTokens: 1024,
+      extraTokenPastWords: 100,
+    })
+    const e = report.findings[0].evidence as { runs: Run[]; missedEdges: number[] }
+    assert.equal(report.findings[0].verdict, 'clean', report.findings[0].title)
+    assert.deepEqual(e.missedEdges, [])
+    assert.deepEqual(
+      e.runs.map((r) => r.promptTokens),
+      [15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 128, 130],
+    )
+  })
+
   test('a whole-page warm hit answered one position late: warning (no foreign material), content bug', async () => {
     const report = await audit('warm-equals-cold', {
       flavour: 'vllm',
