@@ -72,13 +72,13 @@ describe('--plan', () => {
       // cache-fields: a plain control, then 4 requests for each of cache_salt and extra_key.
       assert.deepEqual(planRow(run.stdout, 'cache-fields'), ['9', '1494', '0.0037'])
       // warm-equals-cold: no page size reported, so powers of two whose +1 fits 384 − 16: 16…256,
-      // 5 edges × 3 lengths × 3 prompts of ≤ 257 + 16 tokens, 2 canary measurements of 47 and 4
-      // salt controls: 2 × 47 + 49 × 273.
-      assert.deepEqual(planRow(run.stdout, 'warm-equals-cold'), ['51', '13471', '0.0337'])
+      // 5 edges × 3 lengths × 3 prompts of ≤ 257 + 16 tokens, 2 canary measurements of 47, 2
+      // re-aimed edges × 3 prompts and 4 salt controls: 2 × 47 + 55 × 273.
+      assert.deepEqual(planRow(run.stdout, 'warm-equals-cold'), ['57', '15109', '0.0378'])
       // evict-then-return: the prefix 3 × (96 + 16); churn of 2 × 384 in prompts of 368:
       // ⌈768 / 368⌉ = 3, ⌈3 × 1.5⌉ = 5 at most, × (368 + 16).
       assert.deepEqual(planRow(run.stdout, 'evict-then-return'), ['8', '2256', '0.0056'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['447', '82854', '0.2071'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['453', '84492', '0.2112'])
       // The default budget (500 requests) covers the default plan: nothing is said about it.
       assert.doesNotMatch(run.stdout, /exceed --max-requests/)
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))

@@ -124,6 +124,9 @@ export interface StandInOptions {
    *  {@link ChunkedPrefill}); reported as kvfence's `prefillChunkTokens` or SGLang's
    *  `chunked_prefill_size`. */
   readonly chunkedPrefill?: ChunkedPrefill
+  /** Prompts of more than this many words count one token more than their words and BOS (a
+   *  tokenizer that merges or splits somewhere a short calibration prompt never reaches). */
+  readonly extraTokenPastWords?: number
 }
 
 /** A chunked prefill over a per-tenant prefix cache (sglang#38319's shape): a prompt's words are
@@ -318,7 +321,10 @@ export async function startStandIn(
     }
     if (req.method === 'POST' && path === '/tokenize' && options.isTokenizeOnly) {
       const { prompt } = JSON.parse(body) as { prompt: string }
-      return sendJson(res, 200, { count: countTokens(prompt), max_model_len: contextTokens })
+      return sendJson(res, 200, {
+        count: countTokens(prompt, options.extraTokenPastWords),
+        max_model_len: contextTokens,
+      })
     }
     if (req.method === 'GET' && path === '/metrics' && flavour === 'sglang') {
       res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
@@ -386,7 +392,7 @@ export async function startStandIn(
     }
     const salt = fields.cache_salt ?? fields.extra_key
     const words = request.prompt.trim().split(/\s+/)
-    const numTokens = countTokens(request.prompt)
+    const numTokens = countTokens(request.prompt, options.extraTokenPastWords)
     if (options.isErrorAs200 && numTokens + request.max_tokens > contextTokens) {
       return sendJson(res, 200, {
         choices: [{ index: 0, text: 'Error: input too long', finish_reason: 'stop' }],
@@ -710,8 +716,11 @@ function parseRequest(
   }
 }
 
-function countTokens(prompt: string): number {
-  return prompt.trim().split(/\s+/).length + 1
+function countTokens(prompt: string, extraTokenPastWords?: number): number {
+  const numWords = prompt.trim().split(/\s+/).length
+  return (
+    numWords + 1 + (extraTokenPastWords !== undefined && numWords > extraTokenPastWords ? 1 : 0)
+  )
 }
 
 function readBody(req: IncomingMessage): Promise<string> {

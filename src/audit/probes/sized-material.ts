@@ -37,7 +37,11 @@ export function randomHead(rng: Rng): string {
  *  whole canary leaves no room for a filler word, its longest leading piece of at least
  *  {@link minFragmentLength} characters that does (a piece that long is found in an answer as
  *  the canary is; its cost is taken in proportion to the measured whole's); where none does,
- *  head and filler alone. `hasCanary` says whether it carries the canary or a piece of it. */
+ *  head and filler alone. `hasCanary` says whether it carries the canary or a piece of it.
+ *  A filler word may cost more than one token (two on a character-level tokenizer: the letter and
+ *  its space), so filler alone cannot reach every count: the longest piece whose estimate lands
+ *  exactly on `numTokens` is taken, and only where no piece does, the longest landing at most one
+ *  token over. */
 export function sizedPrompt(
   rng: Rng,
   sizer: PromptSizer,
@@ -47,17 +51,35 @@ export function sizedPrompt(
   const head = randomHead(rng)
   if (canary !== null && canary.canaryTokens !== null) {
     const { length } = canary.canary
+    let nearly: { numChars: number; numFiller: number } | null = null
     for (let numChars = length; numChars >= minFragmentLength; numChars--) {
       const cost = Math.ceil((canary.canaryTokens * numChars) / length)
-      const numFiller = sizer.wordsFor(numTokens - cost, 'nearest') - headWords
-      if (numFiller >= 1 && sizer.estimate(headWords + numFiller) + cost <= numTokens + 1) {
-        const piece = canary.canary.slice(0, numChars)
-        return { prompt: `${head} ${piece} ${fillerText(numFiller)}`, hasCanary: true }
+      const words = sizer.wordsFor(numTokens - cost, 'nearest')
+      for (const numWords of [words, words - 1, words + 1]) {
+        const numFiller = numWords - headWords
+        if (numFiller < 1) continue
+        const estimate = sizer.estimate(numWords) + cost
+        if (estimate === numTokens) return withCanary(head, canary.canary, numChars, numFiller)
+        if (nearly === null && numWords === words && estimate <= numTokens + 1)
+          nearly = { numChars, numFiller }
       }
     }
+    if (nearly !== null) return withCanary(head, canary.canary, nearly.numChars, nearly.numFiller)
   }
   const numFiller = Math.max(1, sizer.wordsFor(numTokens, 'nearest') - headWords)
   return { prompt: `${head} ${fillerText(numFiller)}`, hasCanary: false }
+}
+
+function withCanary(
+  head: string,
+  canary: string,
+  numChars: number,
+  numFiller: number,
+): { readonly prompt: string; readonly hasCanary: boolean } {
+  return {
+    prompt: `${head} ${canary.slice(0, numChars)} ${fillerText(numFiller)}`,
+    hasCanary: true,
+  }
 }
 
 /** A prompt of at most `numTokens` tokens that always carries `canary`, for traffic whose size
