@@ -92,6 +92,10 @@ export function noAnswerMessage(
       budget.remainingRequests <= 0
         ? `the request budget (--max-requests ${budget.limits.maxRequests})`
         : `the time budget (--max-seconds ${budget.limits.maxSeconds})`
+    // Completions the probes cut themselves were sent: say that none of them ended, not that
+    // none was sent (an endpoint whose answers never end looks like this).
+    if (summary.numCutByProbes > 0)
+      return `none of the ${summary.numCutByProbes} valid completions sent to ${url} ended before its probe cut it (do the endpoint's answers end at max_tokens?), and ${spent} ran out before one could be answered whole. Nothing was audited`
     return `no valid completion was sent to ${url}: ${spent} ran out before the first one. Nothing was audited`
   }
   const sorted = Object.entries(summary.notAnsweredBy).sort(([, a], [, b]) => b - a)

@@ -38,6 +38,9 @@ interface Entry extends CompletionEntry {
  *  the others by cause (`HTTP 501`, `HTTP 200 truncated`, `cut at the deadline`). */
 export interface AnswerSummary {
   readonly numExpected: number
+  /** Valid completions of this run that their probe cut on purpose (an abort-race cut, a read
+   *  stopped at its cap): not expected to be answered, but proof that completions were sent. */
+  readonly numCutByProbes: number
   readonly numAnswered: number
   readonly notAnsweredBy: Readonly<Record<string, number>>
 }
@@ -143,8 +146,12 @@ export class Ledger {
       const cause = e.fate === 'cut' ? cutAtDeadline : causeOf(e)
       notAnsweredBy[cause] = (notAnsweredBy[cause] ?? 0) + 1
     }
+    const numCutByProbes = this.entries.filter(
+      (e) => !e.isEarlier && e.isValid && e.fate === 'cut' && e.failure === 'aborted',
+    ).length
     return {
       numExpected: expected.length,
+      numCutByProbes,
       numAnswered: expected.filter((e) => e.fate === 'answered').length,
       notAnsweredBy,
     }
