@@ -21,6 +21,7 @@ import { checkPlaintextLinks, clientPlaintextWarning, isLoopbackHost } from '../
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { echoModel } from '../engine/pair.js'
 import { twoTenants } from '../helpers/cluster.js'
+import { waitUntil } from '../helpers/poll.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 
 const token = newClusterToken()
@@ -128,6 +129,7 @@ describe('plaintext links beyond loopback', () => {
 
   it('with --allow-plaintext it starts, and warns', async () => {
     const logFile = join(dir, 'decode.log')
+    const started: ChildProcess[] = []
     const { ready } = await forkPart(
       [
         'decode',
@@ -147,9 +149,17 @@ describe('plaintext links beyond loopback', () => {
         timeoutMs: 60_000,
         failure: (w, last) => new Error(`decode did not start (${w.kind}): ${last}`),
       },
-      children,
+      started,
     )
     assert.ok(ready.port > 0)
+    // The ready message comes over IPC and may overtake the part's log lines on its stdout pipe
+    // (CI read an empty log once): stop the part, whose exit line ends the log, then read it.
+    await stopAll(started)
+    await waitUntil(() => readFileSync(logFile, 'utf8').includes('ended ('), {
+      timeoutMs: 10_000,
+      intervalMs: 50,
+      what: 'the log of the stopped part ends',
+    })
     const warnings = readFileSync(logFile, 'utf8')
       .split('\n')
       .filter((l) => l.includes('"level":40'))
