@@ -32,10 +32,25 @@ export interface ForkPartOptions {
 }
 
 /** The node flags a part inherits from this process: all but the debugger's (`--inspect*`: every
- *  child would clash on the debug port) and the test runner's (`--test*`: a part is not a test
- *  file). */
+ *  child would clash on the debug port), the test runner's (`--test*`: a part is not a test file)
+ *  and code given on the command line (`-e`/`--eval`/`-p`/`--print` and their script, `-pe`,
+ *  `--input-type`): a child would run that code again instead of the part, and a script that
+ *  starts parts would start them without end. */
 export function partExecArgv(execArgv: readonly string[]): string[] {
-  return execArgv.filter((a) => !/^--(inspect|test|debug)/.test(a))
+  const kept: string[] = []
+  for (let i = 0; i < execArgv.length; i++) {
+    const a = execArgv[i]
+    if (/^--(inspect|test|debug)/.test(a)) continue
+    if (/^--(eval|print|input-type)=/.test(a)) continue
+    if (/^(-e|-p|-pe|-ep|--eval|--print|--input-type)$/.test(a)) {
+      // `--print` may stand alone before `-e`; the others take the next argument as their value.
+      if (a !== '--print' && a !== '-p') i++
+      else if (i + 1 < execArgv.length && !execArgv[i + 1].startsWith('-')) i++
+      continue
+    }
+    kept.push(a)
+  }
+  return kept
 }
 
 /** Forks `kvfence ...args` and resolves with the child and its ready message. The child is pushed

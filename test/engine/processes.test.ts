@@ -24,6 +24,26 @@ describe('partExecArgv', () => {
       ['--max-old-space-size=512', '--enable-source-maps'],
     )
   })
+
+  it('drops code given on the command line with its script, as node itself records it', () => {
+    // The arrays are process.execArgv as node 20 gives them for `node -e S`, `node -p -e S`,
+    // `node -pe S`, `node -p S`, `node --eval=S` and `node --input-type=module -e S`.
+    const script = 'import("./dist/bench/main.js")'
+    for (const argv of [
+      ['-e', script],
+      ['-p', '-e', script],
+      ['-pe', script],
+      ['-p', script],
+      [`--eval=${script}`],
+      ['--input-type=module', '--eval', script],
+      ['--input-type', 'module', '-e', script],
+    ]) {
+      assert.deepEqual(partExecArgv(['--enable-source-maps', ...argv, '--no-warnings']), [
+        '--enable-source-maps',
+        '--no-warnings',
+      ])
+    }
+  })
 })
 
 describe('forkPart', () => {
