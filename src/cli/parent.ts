@@ -37,3 +37,17 @@ export function reportReadyToParent(message: object, onParentGone: () => void): 
     if (err) gone()
   })
 }
+
+/** Calls `stop` on SIGTERM, and on SIGINT unless this part was started by a parent over IPC
+ *  (`kvfence serve`, a supervisor using Node's IPC). A terminal's Ctrl-C sends SIGINT to every
+ *  process of its foreground group; the parent owns the order of the shutdown (the router drains,
+ *  then the workers stop) and signals its parts with SIGTERM. A part acting on the terminal's
+ *  SIGINT too would break that order: the workers would exit under the draining router's streams,
+ *  and the router would take the parent's SIGTERM as a second signal and stop at once. A part
+ *  started from a shell (no IPC) stops on either signal; one whose parent dies stops through
+ *  {@link reportReadyToParent}. */
+export function onStopSignals(stop: () => void): void {
+  process.on('SIGTERM', stop)
+  // Ignored, not left to Node's default (exit) when a parent owns the shutdown.
+  process.on('SIGINT', process.send === undefined ? stop : () => {})
+}

@@ -17,7 +17,7 @@ import type { UnavailablePolicy } from '../router/redis-limits.js'
 import { saltSecretFrom } from '../router/salt-secret.js'
 import type { SentinelMode } from '../router/sentinel/sentinel.js'
 import { collect, intOption, logLevels, portOption } from './options.js'
-import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
+import { exitIfParentGoesDuringStart, onStopSignals, reportReadyToParent } from './parent.js'
 
 interface RouterFlags {
   config?: string
@@ -154,16 +154,15 @@ export function registerRouter(program: Command): void {
         ...httpsOption(flags),
         log,
       })
-      // The first SIGTERM or SIGINT drains (running requests finish, up to --drain-seconds); a
-      // second one stops at once.
+      // The first SIGTERM (or SIGINT from a shell) drains (running requests finish, up to
+      // --drain-seconds); a second one stops at once.
       let isDraining = false
       const shutdown = () => {
         if (isDraining) return void router.close().then(() => process.exit(0))
         isDraining = true
         void router.drain().then(() => process.exit(0))
       }
-      process.on('SIGTERM', shutdown)
-      process.on('SIGINT', shutdown)
+      onStopSignals(shutdown)
       reportReadyToParent(
         {
           type: 'ready',

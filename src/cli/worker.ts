@@ -15,7 +15,7 @@ import { bundledModelDir } from '../paths.js'
 import { checkPlaintextLinks } from '../plaintext.js'
 import { loadTlsMaterial, tlsFilesFrom, type TlsMaterial } from '../tls.js'
 import { TransferServer } from '../transfer/index.js'
-import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
+import { exitIfParentGoesDuringStart, onStopSignals, reportReadyToParent } from './parent.js'
 import { intOption, collect, threadsHelp, threadsOption, logLevels, portOption } from './options.js'
 
 interface WorkerFlags {
@@ -281,8 +281,7 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     server.close()
     process.exit(0)
   }
-  process.on('SIGTERM', shutdown)
-  process.on('SIGINT', shutdown)
+  onStopSignals(shutdown)
   reportReadyToParent(ready, () => {
     log.warn('the process that started this worker is gone; stopping')
     shutdown()

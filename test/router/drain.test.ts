@@ -2,13 +2,14 @@
  *  Retry-After, `/health` is 503, running streams finish (or, past `--drain-seconds`, end with an
  *  error event — never a bare cut), and the process exits 0. Real worker and router processes. */
 import assert from 'node:assert/strict'
-import type { ChildProcess } from 'node:child_process'
+import { type ChildProcess, spawn } from 'node:child_process'
 import { readFileSync, writeFileSync } from 'node:fs'
 import { dirname, join } from 'node:path'
 import { after, before, test } from 'node:test'
 import { parse, stringify } from 'yaml'
 import { startCluster } from '../../src/config/launch.js'
-import { echoModelDir } from '../helpers/paths.js'
+import { cliPath, echoModelDir } from '../helpers/paths.js'
+import { waitUntil } from '../helpers/poll.js'
 import {
   type Ports,
   allocatePorts,
@@ -200,4 +201,26 @@ test('stopping a launched cluster drains its forked router before the workers st
   await cluster.stop()
   // Workers stopped beside the router (SIGTERM to all at once, SIGKILL 3 s later) cut it.
   assert.equal(events(await stream.rest).at(-1), '[DONE]')
+})
+
+test('Ctrl-C on kvfence serve (SIGINT to its whole process group, as a terminal sends it): the running stream finishes with [DONE], exit 0', async () => {
+  const port = await freePort()
+  // Started as from a shell: no IPC channel, its own process group (a terminal's foreground group).
+  const serve = spawn(
+    process.execPath,
+    [cliPath, 'serve', '--model', echoModelDir, '--tenants', tenants.file, '--port', String(port), '--log-level', 'warn'],
+    { detached: true, stdio: ['ignore', 'ignore', 'pipe'] },
+  ) // prettier-ignore
+  const exit = exited(serve)
+  let stderr = ''
+  serve.stderr!.on('data', (chunk: Buffer) => (stderr += chunk.toString('utf8')))
+  await waitUntil(() => stderr.includes('kvfence serving on'), {
+    timeoutMs: 60_000,
+    intervalMs: 50,
+    what: `serve ready (${stderr})`,
+  })
+  const stream = await openStream(200, port)
+  process.kill(-serve.pid!, 'SIGINT')
+  assert.equal(events(await stream.rest).at(-1), '[DONE]', stderr)
+  assert.equal(await exit, 0)
 })
