@@ -5,7 +5,8 @@
  *  as a hit serves KV that is not the prompt's (dynamo#15079, LMCache#4385); a tier keyed by
  *  tokens alone serves one tenant's evicted prefix to another (lmdeploy#4930).
  *
- *  The subject tenant sends 3 canary-bearing prompts (the first cold, then warm: it is cached).
+ *  The subject tenant sends 3 canary-bearing prompts (the first cold, then warm: it is cached),
+ *  each ending with its own first words again, so that its answer depends on its first page.
  *  Then churn: distinct canary-bearing prompts, as large as the endpoint takes, sent by every
  *  audit tenant in turn, the subject included (a cache or tier split per tenant is churned only
  *  by its own tenant's traffic), until their answered prompt tokens add up to 4 times the largest
@@ -38,7 +39,7 @@ import {
   type Observed,
   type Planted,
 } from './material.js'
-import { boundedPrompt, promptLimit, sizerOrNull } from './sized-material.js'
+import { boundedPrompt, headWords, promptLimit, sizerOrNull } from './sized-material.js'
 
 const maxTokens = 16
 /** The subject's prompts: a few pages of any common page size. */
@@ -186,7 +187,9 @@ class Session {
     const [subject, ...others] = tenants
     const canaries = makeCanaries(this.rng, numPrefixes + churn.maxRequests)
     for (let k = 0; k < numPrefixes; k++) {
-      const prompt = boundedPrompt(this.rng, this.sizer, subjectTokens, canaries[k])
+      const prompt = recallPrompt(
+        boundedPrompt(this.rng, this.sizer, subjectTokens - 2 * headWords, canaries[k]),
+      )
       const planted = this.plant(`prefix${k}`, subject, prompt, canaries[k])
       const cold = await this.send(planted, `prefix ${k + 1} cold`)
       if (!isAnsweredWhole(cold)) return
@@ -264,6 +267,14 @@ class Session {
     if (isAnsweredWhole(result)) this.observed.push({ planted, label, stream: false, result })
     return result
   }
+}
+
+/** `prompt` followed by its first {@link headWords} words again: a cue that asks for its start,
+ *  so that its answer depends on its first page (where an evicted prefix's KV lies) and not only
+ *  on its last tokens, on a model that continues what followed an earlier occurrence of its last
+ *  words as on any other. At most 2 tokens a word on any tokenizer the sizer knows. */
+function recallPrompt(prompt: string): string {
+  return `${prompt} ${prompt.split(' ').slice(0, headWords).join(' ')}`
 }
 
 const isWhole = (r: CompletionResult | null): r is CompletionResult =>
