@@ -180,8 +180,8 @@ describe('cache edges and churn, from what the endpoint reports', () => {
       // 2 canary measurements + 4 edges × 9 + 2 re-aimed edges × 3 + 4 salt controls.
       assert.equal(byProbe.get('warm-equals-cold')?.numRequests, 2 + 36 + 6 + 4)
       // Pool 384 (24 blocks × 16), context 384: prompts of 368; ⌈1,536 / 368⌉ = 5, ⌈5 × 1.5⌉ = 8
-      // at most, plus 3 prefixes, a warm one, 3 checks and 3 returns.
-      assert.equal(byProbe.get('evict-then-return')?.numRequests, 10 + 8)
+      // at most, plus 4 prefixes, a warm one, 3 checks and 4 returns.
+      assert.equal(byProbe.get('evict-then-return')?.numRequests, 12 + 8)
       assert.equal(standIn.stats.paths.filter((p) => p.startsWith('POST')).length, 0)
     } finally {
       await standIn.close()
@@ -341,6 +341,7 @@ describe('evict-then-return', () => {
         [true, true],
         [true, true],
         [true, true],
+        [true, true],
       ],
     )
     assert.deepEqual(
@@ -353,7 +354,7 @@ describe('evict-then-return', () => {
     )
     assert.match(
       report.findings[0].title,
-      /^alice's 3 prefixes returned intact after \d+ tokens of every tenant's traffic \(≥ 4 × the 384-token pool\)/,
+      /^alice's 4 prefixes returned intact after \d+ tokens of every tenant's traffic \(≥ 4 × the 384-token pool\)/,
     )
   })
 
@@ -363,7 +364,7 @@ describe('evict-then-return', () => {
     const e = report.findings[0].evidence as { returns: { cachedTokens: number }[] }
     assert.deepEqual(
       e.returns.map((r) => r.cachedTokens),
-      [0, 0, 0],
+      [0, 0, 0, 0],
     )
   })
 
@@ -400,6 +401,7 @@ describe('evict-then-return', () => {
     assert.deepEqual(rows(report), [
       ['evict-then-return', 'leak', 'critical'],
       ['evict-then-return', 'leak', 'high'],
+      ['evict-then-return', 'leak', 'high'],
     ])
     assert.equal(report.findings[0].evidence.victimTenant, 'bob')
   })
@@ -413,7 +415,7 @@ describe('evict-then-return', () => {
     const e = report.findings[0].evidence as { returns: { cachedTokens: number }[] }
     assert.deepEqual(
       e.returns.map((r) => r.cachedTokens),
-      [0, 0, 0],
+      [0, 0, 0, 0],
     )
   })
 
@@ -434,7 +436,7 @@ describe('evict-then-return', () => {
     assert.deepEqual(rows(report), [['evict-then-return', 'inconclusive', 'medium']])
     assert.match(
       report.findings[0].title,
-      /^evicting the cache takes 5 requests of 368 tokens \(4 × the 384-token pool\) plus 10; the budget has \d+ requests left/,
+      /^evicting the cache takes 5 requests of 368 tokens \(4 × the 384-token pool\) plus 12; the budget has \d+ requests left/,
     )
     assert.equal(report.probeRuns[0].completions.sent, 0)
   })

@@ -5,14 +5,15 @@
  *  as a hit serves KV that is not the prompt's (dynamo#15079, LMCache#4385); a tier keyed by
  *  tokens alone serves one tenant's evicted prefix to another (lmdeploy#4930).
  *
- *  The subject tenant sends 3 canary-bearing prompts (the first cold, then warm: it is cached),
+ *  The subject tenant sends 4 canary-bearing prompts (the first cold, then warm: it is cached),
  *  each ending with its own first words again, so that its answer depends on its first page.
  *  Then churn: distinct canary-bearing prompts, as large as the endpoint takes, sent by every
  *  audit tenant in turn, the subject included (a cache or tier split per tenant is churned only
  *  by its own tenant's traffic), until their answered prompt tokens add up to 4 times the largest
  *  KV pool the endpoint reports: past the pool and past a host tier of a few times the pool
  *  (SGLang's default host pool is twice the device pool), so that a bounded tier has wrapped. At
- *  1, 2 and 4 times the pool another tenant sends one of the subject's prefixes, evicted by then:
+ *  1, 2 and 4 times the pool another tenant sends one of the subject's last 3 prefixes, evicted by
+ *  then:
  *  its `cached_tokens` must not exceed what that tenant's own fresh churn prompts were served (a
  *  cross-tenant hit), and its temperature-0 answer must equal the subject's cold one. After the
  *  churn the subject sends its prefixes again: each answer must equal its cold one. Another
@@ -44,8 +45,10 @@ import { boundedPrompt, headWords, promptLimit, sizerOrNull } from './sized-mate
 const maxTokens = 16
 /** The subject's prompts: a few pages of any common page size. */
 const subjectTokens = 96
-/** The subject's prefixes: one for each stage's cross-tenant check. */
-const numPrefixes = 3
+/** The subject's prefixes: the first only ever sent by the subject, then one for each stage's
+ *  cross-tenant check (another tenant's copy of a prefix is the same K/V: where a tier writes it
+ *  over the subject's own copy, only the first prefix's return still shows the damage). */
+const numPrefixes = 4
 /** Stages of the churn, in multiples of the largest pool: another tenant checks one prefix at
  *  each. The last is {@link churnFactor}. */
 const stageFactors = [1, 2, 4] as const
@@ -227,7 +230,7 @@ class Session {
 
   /** Another tenant sends stage `stage`'s prefix: the same prompt, its own request. */
   private async check(stage: number, tenant: Tenant): Promise<void> {
-    const prefix = this.cached[stage % this.cached.length]
+    const prefix = this.cached[1 + (stage % (this.cached.length - 1))]
     // The same material under the same id: the subject's canary in this answer is the prompt's
     // own, not a crossing.
     const asked: Planted = { ...prefix.planted, tenant }
