@@ -39,6 +39,49 @@ export interface AuditBenchJson {
   readonly faults: readonly FaultRow[]
 }
 
+/** `fresh`'s fault rows merged into `earlier` (the JSON of an earlier run, e.g. the committed
+ *  whole matrix): each fault `fresh` ran replaces that fault's row, in the order of
+ *  src/engine/faults.ts; the lists of faults by outcome are recomputed from the merged rows; the
+ *  shipped runs and their false findings are `fresh`'s when it ran any seed (they audit the
+ *  probes as they are now), else `earlier`'s; `merged` records which faults each run gave.
+ *  Throws as {@link checkBenchJson} for either JSON, and when the two runs differ in seed or
+ *  seconds per fault (their rows would not compare). */
+export function mergeBenchJson(earlier: unknown, fresh: unknown): Record<string, unknown> {
+  const a = checkBenchJson(earlier) as AuditBenchJson & Record<string, unknown>
+  const b = checkBenchJson(fresh) as AuditBenchJson & Record<string, unknown>
+  if (a.seed !== b.seed || a.fault_seconds !== b.fault_seconds)
+    throw new Error(
+      `audit bench JSON: cannot merge a run of seed ${b.seed}, ${b.fault_seconds} s per fault into one of seed ${a.seed}, ${a.fault_seconds} s`,
+    )
+  const byFault = new Map(a.faults.map((r) => [r.fault, r]))
+  for (const r of b.faults) byFault.set(r.fault, r)
+  const faults = Object.keys(faultDescriptions)
+    .map((f) => byFault.get(f))
+    .filter((r): r is FaultRow => r !== undefined)
+  const withOutcome = (o: FaultRow['outcome']) =>
+    faults.filter((r) => r.outcome === o).map((r) => r.fault)
+  const isShippedFresh = typeof b.shipped_seeds === 'number' && b.shipped_seeds > 0
+  const shippedFrom = isShippedFresh ? b : a
+  const earlierRuns = Array.isArray(a.merged)
+    ? (a.merged as unknown[])
+    : [{ faults: a.faults.map((r) => r.fault) }]
+  return {
+    ...a,
+    faults_detected: withOutcome('detected'),
+    faults_inconclusive: withOutcome('inconclusive'),
+    faults_tool_error: withOutcome('tool error'),
+    faults_not_detected: withOutcome('not detected'),
+    false_findings: shippedFrom.false_findings,
+    shipped_seeds: shippedFrom.shipped_seeds,
+    shipped: shippedFrom.shipped,
+    faults,
+    merged: [
+      ...earlierRuns,
+      { faults: b.faults.map((r) => r.fault), shipped_seeds: b.shipped_seeds ?? 0 },
+    ],
+  }
+}
+
 export const matrixBegin =
   '<!-- fault-matrix: generated from bench/results/audit.json by bench/audit-matrix.ts; do not edit by hand -->'
 export const matrixEnd = '<!-- fault-matrix: end -->'

@@ -21,9 +21,12 @@
  *  A fault whose effect needs more than the demo's shape gets its own ({@link shapeFor}).
  *
  *  Args: `--faults a,b` (default: every fault), `--seeds N` (default 5), `--seed S` (first seed,
- *  default 1), `--fault-seconds N` (default 120), `--docs FILE` (rewrite FILE's fault-matrix
- *  section from this run: `npm run bench -- audit --json bench/results/audit.json --docs
- *  docs/faults.md`). */
+ *  default 1), `--fault-seconds N` (default 120), `--merge FILE` (the result is this run's rows
+ *  merged into FILE's JSON, an earlier run's: {@link mergeBenchJson}; with `--faults` it updates
+ *  those faults' rows of the whole matrix), `--docs FILE` (rewrite FILE's fault-matrix section
+ *  from the result: `npm run bench -- audit --json bench/results/audit.json --docs
+ *  docs/faults.md`, or with `--faults a,b --merge bench/results/audit.json` and the same
+ *  `--json`). */
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -34,7 +37,7 @@ import { demoShape } from '../src/cli/demo.js'
 import { startCluster, type ClusterOptions } from '../src/config/launch.js'
 import { faultDescriptions, type FaultName } from '../src/engine/faults.js'
 import { echoModelDir } from '../test/helpers/paths.js'
-import { faultMatrixTable, withMatrix, type FaultRow } from './audit-matrix.js'
+import { faultMatrixTable, mergeBenchJson, withMatrix, type FaultRow } from './audit-matrix.js'
 
 /** Per fault, the probes whose observation can show its effect from outside (docs/faults.md,
  *  "guards off, observable as"), in the order an audit runs them:
@@ -59,7 +62,8 @@ export const probesFor: Readonly<Record<FaultName, readonly ProbeName[]>> = {
   'publish-partial': ['abort-race', 'abort-retry', 'determinism'],
   // A corrupt page loaded back, or another tenant's: changed answers, or a cross-tenant hit.
   'offload-load-as-hit': ['determinism', 'evict-then-return'],
-  'offload-key-without-tenant': ['prefix-timing'],
+  // Another tenant's evicted prefix found in the tier: that tenant's cached_tokens for it.
+  'offload-key-without-tenant': ['evict-then-return'],
 }
 
 /** Per fault, what its effect needs beyond the demo's shape:
@@ -67,7 +71,14 @@ export const probesFor: Readonly<Record<FaultName, readonly ProbeName[]>> = {
  *    while that prompt's own pages are still leased: the demo's 24-page prefill pool caches 6
  *    pages (96 tokens, all written by the first chunk), so nothing unwritten could be published.
  *    256 prefill pages with 128 for the cache, a 2,048-token context;
- *  - the offload faults: an offload tier at all (`--prefix-cache-offload-bytes`), 1 MiB. */
+ *  - the offload faults: a host offload tier (`--prefix-cache-offload-bytes`) shared by the
+ *    tenants (the worker's default without `--prefix-cache-pages-per-tenant`: a tier split per
+ *    tenant leaves a key without the tenant nothing to find), the size of the prefill pool (24
+ *    pages of 16 KiB on the echo model, 384 KiB): small enough that the audit's churn (4 × the
+ *    largest pool) wraps it, so that a load finds its slot written over (the failure
+ *    `offload-load-as-hit` counts as a hit), large enough that a prefix evicted at the churn's
+ *    first stage is still there for another tenant's lookup. */
+const offloadTier = ['--prefix-cache-offload-bytes', String(24 * 16 * 1024)]
 export const shapeFor: Readonly<Partial<Record<FaultName, Partial<ClusterOptions>>>> = {
   'publish-partial': {
     prefillPages: 256,
@@ -75,10 +86,8 @@ export const shapeFor: Readonly<Partial<Record<FaultName, Partial<ClusterOptions
     prefixCachePages: 128,
     contextWindow: 2048,
   },
-  'offload-load-as-hit': { prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20)] },
-  'offload-key-without-tenant': {
-    prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20)],
-  },
+  'offload-load-as-hit': { prefillArgs: offloadTier },
+  'offload-key-without-tenant': { prefillArgs: offloadTier },
 }
 
 interface FaultResult extends FaultRow {
@@ -112,6 +121,10 @@ export async function benchAudit(args: string[]): Promise<object> {
   const firstSeed = Number(flag(args, '--seed') ?? 1)
   const faultSeconds = Number(flag(args, '--fault-seconds') ?? 120)
   const docsFile = flag(args, '--docs')
+  const mergeFile = flag(args, '--merge')
+  // Read before anything runs: a missing or malformed file is found in a second, not at the end.
+  const earlier =
+    mergeFile === undefined ? undefined : (JSON.parse(readFileSync(mergeFile, 'utf8')) as unknown)
   if (!Number.isInteger(numSeeds) || numSeeds < 0) throw new Error('--seeds must be an integer ≥ 0')
   if (!(faultSeconds > 0)) throw new Error('--fault-seconds must be > 0')
 
@@ -259,10 +272,12 @@ export async function benchAudit(args: string[]): Promise<object> {
       faults: perFault,
       shipped,
     }
+    const merged = earlier === undefined ? result : mergeBenchJson(earlier, result)
     if (docsFile !== undefined) {
-      writeFileSync(docsFile, withMatrix(readFileSync(docsFile, 'utf8'), faultMatrixTable(result)))
+      const table = faultMatrixTable(merged as unknown as Parameters<typeof faultMatrixTable>[0])
+      writeFileSync(docsFile, withMatrix(readFileSync(docsFile, 'utf8'), table))
     }
-    return result
+    return merged
   } finally {
     rmSync(dir, { recursive: true, force: true })
   }

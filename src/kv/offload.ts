@@ -13,6 +13,15 @@
  *  `bytesPerTenant` set, a tenant's entries are also bounded by it and a store drops only that
  *  tenant's own oldest entries, as the prefix cache's partitions do for pool pages.
  *
+ *  Storage: each entry's payload lies in a slot of host memory; a dropped entry's slot is given
+ *  up and the next store of its size writes over it in place, as a ring of equal pages wraps.
+ *  Dropping does not touch the index: it keeps naming the dropped entry in its old slot (one such
+ *  stale name per slot at most), as an index kept apart from the memory a copy engine writes
+ *  would. So a load always reads the slot and checks that it still holds the entry it names,
+ *  with the checksum recorded at store; a slot given up or written over is a failed load (the
+ *  live failure that a load counted as a hit turns into another entry's KV, possibly another
+ *  tenant's: dynamo#15079, LMCache#4385).
+ *
  *  Knows keys, tenant names, layouts and bytes; knows nothing of pools, models or transfers. */
 import assert from 'node:assert/strict'
 import { xxh64 } from '@node-rs/xxhash'
@@ -112,12 +121,32 @@ export function verifyOffloaded(
   return checksum === page.checksum ? null : `checksum ${checksum}, stored ${page.checksum}`
 }
 
+/** One stretch of the ring's host memory, holding one entry's payload at a time. */
+interface Slot {
+  readonly bytes: Uint8Array
+  /** Key of the entry whose payload it holds now; null while free. */
+  holder: string | null
+  /** Key of the last entry dropped from it, if the index still names that entry here. */
+  staleName: string | null
+}
+
+/** What the index records of an entry when it is stored: its identity and checksum, and where
+ *  its payload was written. */
+interface IndexEntry {
+  readonly page: Omit<OffloadedPage, 'payload'>
+  readonly slot: Slot
+}
+
 /** The host-memory ring of one prefix cache. */
 export class OffloadRing implements OffloadTier {
-  /** Entries by key; Map order is age (oldest first). */
-  private readonly entries = new Map<string, OffloadedPage>()
+  /** The index: entries by key, live or stale; Map order is age (oldest first). */
+  private readonly index = new Map<string, IndexEntry>()
+  /** Slots given up, the last given up last: a store takes the most recent one of its size. */
+  private readonly free: Slot[] = []
   private readonly numBytesOf = new Map<string, number>()
   private numBytesHeld = 0
+  private numPagesHeld = 0
+  private numBytesFree = 0
 
   /** Throws RangeError for a negative or non-integer `bytes` or `bytesPerTenant`. */
   constructor(private readonly options: OffloadRingOptions) {
@@ -128,19 +157,25 @@ export class OffloadRing implements OffloadTier {
     }
   }
 
-  /** Pages held now. */
+  /** Pages held now (stale names not counted). */
   get numPages(): number {
-    return this.entries.size
+    return this.numPagesHeld
   }
 
-  /** Payload bytes held now. */
+  /** Payload bytes held now (stale names not counted). */
   get numBytes(): number {
     return this.numBytesHeld
   }
 
-  /** Keep a copy of `payload` under `key` (replacing an entry of that key), dropping the oldest
-   *  entries (the tenant's own, with `bytesPerTenant`) until it fits; `checksum` defaults to the
-   *  copy's xxh64. Returns false when it can never fit (then nothing changed). */
+  /** Names in the index whose slot now holds another entry or none (for tests and metrics). */
+  get numStaleNames(): number {
+    return this.index.size - this.numPagesHeld
+  }
+
+  /** Keep `payload` under `key` (replacing an entry of that key), dropping the oldest entries
+   *  (the tenant's own, with `bytesPerTenant`) until it fits, and writing it over the slot of the
+   *  last one dropped when that is its size; `checksum` defaults to the payload's xxh64. Returns
+   *  false when it can never fit (then nothing changed). */
   store(
     page: Omit<OffloadedPage, 'checksum' | 'payload'>,
     payload: Uint8Array,
@@ -156,18 +191,37 @@ export class OffloadRing implements OffloadTier {
     }
     // Only when `bytes` is less than the tenants' bounds added up can another tenant's entry go.
     while (this.numBytesHeld + size > bytes) this.dropOldest(undefined)
-    const copy = Uint8Array.from(payload)
-    this.entries.set(page.key, { ...page, checksum: checksum ?? xxh64(copy), payload: copy })
+    const slot = this.slotFor(size)
+    slot.bytes.set(payload)
+    slot.holder = page.key
+    this.index.set(page.key, { page: { ...page, checksum: checksum ?? xxh64(payload) }, slot })
     this.numBytesHeld += size
+    this.numPagesHeld += 1
     this.numBytesOf.set(page.tenant, (this.numBytesOf.get(page.tenant) ?? 0) + size)
     return true
   }
 
-  /** Read the entry under `key` back: failed when its bytes no longer match their checksum (a
-   *  failed read). The entry stays until {@link delete}. */
+  /** Read the entry under `key` back, checking what its slot holds now: failed when the slot was
+   *  given up since (dropped, and perhaps written over by a later entry: the index still names
+   *  it there), or when its bytes no longer match the checksum recorded at store. A failed load
+   *  carries what was read: the entry's identity as the index recorded it, and the slot's bytes
+   *  as they are now (a copy). The entry stays until {@link delete}. */
   load(key: string): OffloadLoad {
-    const page = this.entries.get(key)
-    if (page === undefined) return { kind: 'absent' }
+    const entry = this.index.get(key)
+    if (entry === undefined) return { kind: 'absent' }
+    // A copy: the slot may be written over before the caller is done (making room for the page
+    // in the pool can drop a page into this very ring).
+    const page = { ...entry.page, payload: entry.slot.bytes.slice() }
+    if (entry.slot.holder !== key)
+      return {
+        kind: 'failed',
+        tier: 'host',
+        reason:
+          entry.slot.holder === null
+            ? 'dropped from the ring (its slot is free)'
+            : 'its ring slot was written over by a later entry',
+        page,
+      }
     const checksum = xxh64(page.payload)
     if (checksum !== page.checksum)
       return {
@@ -179,30 +233,52 @@ export class OffloadRing implements OffloadTier {
     return { kind: 'loaded', tier: 'host', page }
   }
 
-  /** The entry under `key`, unverified: for {@link check} and tests only, never to load KV. */
+  /** The live entry under `key` (its payload a view of its slot), unverified: for {@link check}
+   *  and tests only, never to load KV; undefined when absent or stale. */
   peek(key: string): OffloadedPage | undefined {
-    return this.entries.get(key)
+    const entry = this.index.get(key)
+    if (entry === undefined || entry.slot.holder !== key) return undefined
+    return { ...entry.page, payload: entry.slot.bytes }
   }
 
-  /** Drop the entry under `key`, if any. */
+  /** Drop the entry under `key`, live or stale, from the index; a live one's slot is freed. */
   delete(key: string): void {
-    const page = this.entries.get(key)
-    if (page === undefined) return
-    this.entries.delete(key)
-    this.numBytesHeld -= page.payload.byteLength
-    this.numBytesOf.set(page.tenant, this.numBytesOf.get(page.tenant)! - page.payload.byteLength)
+    const entry = this.index.get(key)
+    if (entry === undefined) return
+    this.index.delete(key)
+    const { slot } = entry
+    if (slot.staleName === key) slot.staleName = null
+    if (slot.holder !== key) return
+    this.release(entry)
+    this.giveUp(slot)
   }
 
-  /** The ring's invariant: byte counts add up, per tenant and in all, within their bounds. */
+  /** The ring's invariant: live byte counts add up, per tenant and in all, within their bounds;
+   *  live and free slots together within `bytes`; every name in the index is its slot's holder or
+   *  its slot's one stale name. */
   check(): void {
     const perTenant = new Map<string, number>()
     let total = 0
-    for (const p of this.entries.values()) {
-      total += p.payload.byteLength
-      perTenant.set(p.tenant, (perTenant.get(p.tenant) ?? 0) + p.payload.byteLength)
+    let numLive = 0
+    for (const [key, e] of this.index) {
+      if (e.slot.holder === key) {
+        numLive += 1
+        total += e.slot.bytes.byteLength
+        perTenant.set(e.page.tenant, (perTenant.get(e.page.tenant) ?? 0) + e.slot.bytes.byteLength)
+      } else {
+        assert.equal(e.slot.staleName, key, `offload ring: ${key} named in a slot that forgot it`)
+      }
     }
+    const freeBytes = this.free.reduce((n, s) => n + s.bytes.byteLength, 0)
+    assert.equal(freeBytes, this.numBytesFree, `offload ring counts ${this.numBytesFree} free`)
+    assert(
+      this.free.every((s) => s.holder === null),
+      'offload ring: a free slot is held',
+    )
+    assert.equal(numLive, this.numPagesHeld, `offload ring counts ${this.numPagesHeld} pages`)
     assert.equal(total, this.numBytesHeld, `offload ring counts ${this.numBytesHeld} bytes`)
     assert(total <= this.options.bytes, `offload ring holds ${total} bytes`)
+    assert(total + freeBytes <= this.options.bytes, `offload ring keeps ${total + freeBytes} bytes`)
     for (const [tenant, n] of this.numBytesOf) {
       assert.equal(perTenant.get(tenant) ?? 0, n, `offload ring: tenant ${tenant} bytes`)
       const bound = this.options.bytesPerTenant
@@ -210,15 +286,63 @@ export class OffloadRing implements OffloadTier {
     }
   }
 
-  /** Drop the oldest entry (of `tenant`, when given). */
+  /** Drop the oldest live entry (of `tenant`, when given): the next tier down gets a copy, its
+   *  slot is given up, and the index keeps naming it there (a stale name: a later load reads the
+   *  slot and finds it given up or written over). */
   private dropOldest(tenant: string | undefined): void {
-    for (const p of this.entries.values()) {
-      if (tenant !== undefined && p.tenant !== tenant) continue
-      this.delete(p.key)
-      this.options.onDrop?.(p)
+    for (const [key, e] of this.index) {
+      if (e.slot.holder !== key || (tenant !== undefined && e.page.tenant !== tenant)) continue
+      this.options.onDrop?.({ ...e.page, payload: e.slot.bytes.slice() })
+      this.release(e)
+      const older = e.slot.staleName
+      if (older !== null && this.index.get(older)?.slot === e.slot) this.index.delete(older)
+      e.slot.staleName = key
+      this.giveUp(e.slot)
       return
     }
     assert.fail('offload ring: nothing to drop')
+  }
+
+  /** Count a live entry out (its slot still to be given up). */
+  private release(e: IndexEntry): void {
+    const size = e.slot.bytes.byteLength
+    e.slot.holder = null
+    this.numBytesHeld -= size
+    this.numPagesHeld -= 1
+    this.numBytesOf.set(e.page.tenant, this.numBytesOf.get(e.page.tenant)! - size)
+  }
+
+  /** Put `slot` on the free list, forgetting the oldest free slots (and the stale names in them)
+   *  while live and free bytes together exceed `bytes`. */
+  private giveUp(slot: Slot): void {
+    this.free.push(slot)
+    this.numBytesFree += slot.bytes.byteLength
+    while (this.numBytesHeld + this.numBytesFree > this.options.bytes) this.forget(0)
+  }
+
+  /** Take free slot `i` off the free list for good, with the stale name it holds. */
+  private forget(i: number): Slot {
+    const [slot] = this.free.splice(i, 1)
+    this.numBytesFree -= slot.bytes.byteLength
+    if (slot.staleName !== null && this.index.get(slot.staleName)?.slot === slot)
+      this.index.delete(slot.staleName)
+    slot.staleName = null
+    return slot
+  }
+
+  /** A slot of `size` bytes: the most recently given up one of that size, written over in place
+   *  (its stale name stays in the index), or else fresh memory, after forgetting free slots
+   *  until it fits. */
+  private slotFor(size: number): Slot {
+    for (let i = this.free.length - 1; i >= 0; i--) {
+      const slot = this.free[i]
+      if (slot.bytes.byteLength !== size) continue
+      this.free.splice(i, 1)
+      this.numBytesFree -= size
+      return slot
+    }
+    while (this.numBytesHeld + this.numBytesFree + size > this.options.bytes) this.forget(0)
+    return { bytes: new Uint8Array(size), holder: null, staleName: null }
   }
 }
 
@@ -226,7 +350,8 @@ export class OffloadRing implements OffloadTier {
  *  the upper ring; the ring's dropped entries go down, with the checksum recorded when the page
  *  left the pool (a page corrupted in host memory is not laundered by a fresh checksum on the way
  *  down); a page too large for the ring goes straight down. A load tries the ring, then the lower
- *  tier; a delete drops the key from both. */
+ *  tier (a page the ring dropped went down, though the ring's index may still name it); a delete
+ *  drops the key from both. */
 export class TieredOffload implements OffloadTier {
   readonly upper: OffloadRing
 
@@ -254,14 +379,19 @@ export class TieredOffload implements OffloadTier {
     payload: Uint8Array,
     checksum?: bigint,
   ): boolean {
-    // An older copy below would otherwise outlive this one's eviction from the ring.
-    this.lower.delete(page.key)
+    // An older copy in either tier would otherwise outlive this one: below, its eviction from the
+    // ring; in the ring, this one going straight down for being too large for the ring.
+    this.delete(page.key)
     return this.upper.store(page, payload, checksum) || this.lower.store(page, payload, checksum)
   }
 
+  /** The ring's entry when it loads; else the disk's, which holds what the ring dropped; else
+   *  the ring's failure (the disk has nothing under `key`). */
   load(key: string): OffloadLoad {
     const up = this.upper.load(key)
-    return up.kind === 'absent' ? this.lower.load(key) : up
+    if (up.kind === 'loaded') return up
+    const down = this.lower.load(key)
+    return down.kind === 'absent' && up.kind === 'failed' ? up : down
   }
 
   delete(key: string): void {

@@ -86,16 +86,26 @@ test('warm-equals-cold lands on every edge whatever the seed (2522790461 once mi
   )
 })
 
-test("evict-then-return's churn covered twice the largest pool and the return was loaded back from the offload tier", () => {
+test("evict-then-return's churn covered 4 × the largest pool, another tenant was served none of the evicted prefixes, the returns were loaded back from the offload tier", () => {
   const e = report.findings[1].evidence as {
     churn: { poolTokens: number }
     churnTokensAnswered: number
-    returned: { cachedTokens: number }
+    returns: { cachedTokens: number; isEqual: boolean }[]
+    crossTenantChecks: { factor: number; cachedTokens: number; isEqual: boolean }[]
   }
   // The decode worker's pool: 64 pages × 16 tokens.
   assert.equal(e.churn.poolTokens, 1024)
-  assert.ok(e.churnTokensAnswered >= 2048)
-  assert.ok(e.returned.cachedTokens > 0)
+  assert.ok(e.churnTokensAnswered >= 4096)
+  assert.deepEqual(
+    e.crossTenantChecks.map((c) => [c.factor, c.cachedTokens, c.isEqual]),
+    [
+      [1, 0, true],
+      [2, 0, true],
+      [4, 0, true],
+    ],
+  )
+  assert.ok(e.returns.every((r) => r.isEqual))
+  assert.ok(e.returns.some((r) => r.cachedTokens > 0))
   const hits = /^kvfence_prefix_cache_offload_loads_total\{[^}]*outcome="hit"[^}]*\} (\d+)/m.exec(
     prefillMetrics,
   )

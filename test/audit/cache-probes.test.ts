@@ -156,13 +156,13 @@ describe('cache edges and churn, from what the endpoint reports', () => {
     assert.deepEqual(misses, [])
   })
 
-  test('churn: ⌈2 × pool / prompt⌉ requests of the largest prompt, half as many more at most; none without a pool', () => {
-    // 2 × 1,024 = 2,048 tokens in prompts of 368: ⌈5.57⌉ = 6, and ⌈6 × 1.5⌉ = 9 at most.
+  test('churn: ⌈4 × pool / prompt⌉ requests of the largest prompt, half as many more at most; none without a pool', () => {
+    // 4 × 1,024 = 4,096 tokens in prompts of 368: ⌈11.1⌉ = 12, and ⌈12 × 1.5⌉ = 18 at most.
     assert.deepEqual(churnSize(1024, 368), {
       poolTokens: 1024,
       promptTokens: 368,
-      numRequests: 6,
-      maxRequests: 9,
+      numRequests: 12,
+      maxRequests: 18,
     })
     assert.equal(churnSize(null, 368), null)
     assert.equal(churnSize(1024, null), null)
@@ -179,9 +179,9 @@ describe('cache edges and churn, from what the endpoint reports', () => {
       const byProbe = new Map(plan.probes.map((p) => [p.probe, p]))
       // 2 canary measurements + 4 edges × 9 + 2 re-aimed edges × 3 + 4 salt controls.
       assert.equal(byProbe.get('warm-equals-cold')?.numRequests, 2 + 36 + 6 + 4)
-      // Pool 384 (24 blocks × 16), context 384: prompts of 368; ⌈768 / 368⌉ = 3, ⌈3 × 1.5⌉ = 5
-      // at most, plus the prefix's 3.
-      assert.equal(byProbe.get('evict-then-return')?.numRequests, 3 + 5)
+      // Pool 384 (24 blocks × 16), context 384: prompts of 368; ⌈1,536 / 368⌉ = 5, ⌈5 × 1.5⌉ = 8
+      // at most, plus 4 prefixes, a warm one, 3 checks and 4 returns.
+      assert.equal(byProbe.get('evict-then-return')?.numRequests, 12 + 8)
       assert.equal(standIn.stats.paths.filter((p) => p.startsWith('POST')).length, 0)
     } finally {
       await standIn.close()
@@ -306,38 +306,125 @@ describe('evict-then-return', () => {
     const report = await audit('evict-then-return', {
       kvCache: { isOffloaded: true, bug: 'offload-load-any' },
     })
-    assert.deepEqual(rows(report), [['evict-then-return', 'leak', 'critical']])
-    const e = report.findings[0].evidence
-    assert.equal(e.observerTenant, 'alice')
-    assert.equal(e.victimTenant, 'bob')
-    assert.deepEqual(e.request, { label: 'returning (after eviction)', stream: false, status: 200 })
-    assert.deepEqual(report.findings[0].controls, { aisvs: ['5.5.5'], guards: ['G4'] })
+    const [first] = report.findings
+    assert.deepEqual(
+      [first.probe, first.verdict, first.severity],
+      ['evict-then-return', 'leak', 'critical'],
+    )
+    assert.equal(first.evidence.observerTenant, 'alice')
+    assert.equal(first.evidence.victimTenant, 'bob')
+    assert.deepEqual(first.evidence.request, {
+      label: 'returning (after eviction)',
+      stream: false,
+      status: 200,
+    })
+    assert.deepEqual(first.controls, { aisvs: ['5.5.5'], guards: ['G4'] })
   })
 
-  test('its correct twin: clean, the returning prefix loaded back from the offload tier', async () => {
+  test('its correct twin: clean, the returning prefixes loaded back from the offload tier', async () => {
     const report = await audit('evict-then-return', { kvCache: { isOffloaded: true } })
     assert.deepEqual(rows(report), [['evict-then-return', 'clean', 'info']])
     const e = report.findings[0].evidence as {
-      returned: { promptTokens: number; cachedTokens: number }
-      warm: { cachedTokens: number }
+      returns: { promptTokens: number; cachedTokens: number; isEqual: boolean }[]
+      warm: { cachedTokens: number; promptTokens: number }
+      crossTenantChecks: { factor: number; cachedTokens: number; isEqual: boolean }[]
       numChurnAnswered: number
       churnTokensAnswered: number
     }
-    // Pool 384 (the largest the stand-in reports): ⌈768 / 368⌉ = 3 churn prompts.
-    assert.equal(e.numChurnAnswered, 3)
-    assert.ok(e.churnTokensAnswered >= 768)
-    assert.equal(e.warm.cachedTokens, e.returned.promptTokens)
-    assert.equal(e.returned.cachedTokens, e.returned.promptTokens)
+    // Pool 384 (the largest the stand-in reports): ⌈4 × 384 / 368⌉ = 5 churn prompts.
+    assert.equal(e.numChurnAnswered, 5)
+    assert.ok(e.churnTokensAnswered >= 4 * 384)
+    assert.equal(e.warm.cachedTokens, e.warm.promptTokens)
+    assert.deepEqual(
+      e.returns.map((r) => [r.cachedTokens === r.promptTokens, r.isEqual]),
+      [
+        [true, true],
+        [true, true],
+        [true, true],
+        [true, true],
+      ],
+    )
+    assert.deepEqual(
+      e.crossTenantChecks.map((c) => [c.factor, c.cachedTokens, c.isEqual]),
+      [
+        [1, 0, true],
+        [2, 0, true],
+        [4, 0, true],
+      ],
+    )
     assert.match(
       report.findings[0].title,
-      /^alice's prefix returned intact after \d+ tokens of other tenants' traffic \(≥ 2 × the 384-token pool\)/,
+      /^alice's 4 prefixes returned intact after \d+ tokens of every tenant's traffic \(≥ 4 × the 384-token pool\)/,
     )
   })
 
-  test('no offload tier: clean, the returning prefix recomputed (cached_tokens 0)', async () => {
+  test('no offload tier: clean, the returning prefixes recomputed (cached_tokens 0)', async () => {
     const report = await audit('evict-then-return', { kvCache: {}, flavour: 'vllm' })
     assert.deepEqual(rows(report), [['evict-then-return', 'clean', 'info']])
-    assert.equal((report.findings[0].evidence.returned as { cachedTokens: number }).cachedTokens, 0)
+    const e = report.findings[0].evidence as { returns: { cachedTokens: number }[] }
+    assert.deepEqual(
+      e.returns.map((r) => r.cachedTokens),
+      [0, 0, 0, 0],
+    )
+  })
+
+  test('SGLang surface, a tier keyed without the tenant under a pool split per tenant: bob is served alice’s evicted prefix, leak at the first stage', async () => {
+    const report = await audit('evict-then-return', {
+      flavour: 'sglang',
+      kvCache: { isOffloaded: true, isPartitioned: true, bug: 'offload-key-without-tenant' },
+    })
+    assert.deepEqual(rows(report), [['evict-then-return', 'leak', 'high']])
+    const f = report.findings[0]
+    assert.match(
+      f.title,
+      /^bob's request for alice's prefix, evicted by 1 × the 384-token pool of traffic, was served \d+ cached tokens \(its own fresh prompts at most 0\)/,
+    )
+    const checks = f.evidence.crossTenantChecks as { cachedTokens: number; promptTokens: number }[]
+    assert.equal(checks[0].cachedTokens, checks[0].promptTokens)
+    assert.equal(f.evidence.requestNumber, (checks[0] as { requestNumber?: number }).requestNumber)
+  })
+
+  test('its correct twin (the tier keyed by tenant, the pool split per tenant): clean', async () => {
+    const report = await audit('evict-then-return', {
+      flavour: 'sglang',
+      kvCache: { isOffloaded: true, isPartitioned: true },
+    })
+    assert.deepEqual(rows(report), [['evict-then-return', 'clean', 'info']])
+  })
+
+  test('vLLM surface, a ring tier whose written-over slot is loaded as a hit: the returns carry the churn’s canaries, leak, critical', async () => {
+    const report = await audit('evict-then-return', {
+      flavour: 'vllm',
+      kvCache: { isOffloaded: true, offloadSlots: 4, bug: 'offload-stale-slot' },
+    })
+    // The 4-slot ring wrapped under the churn: alice's slots now hold churn prompts, bob's first.
+    assert.deepEqual(rows(report), [
+      ['evict-then-return', 'leak', 'critical'],
+      ['evict-then-return', 'leak', 'high'],
+      ['evict-then-return', 'leak', 'high'],
+    ])
+    assert.equal(report.findings[0].evidence.victimTenant, 'bob')
+  })
+
+  test('its correct twin (a written-over slot is a miss): clean, the returns recomputed', async () => {
+    const report = await audit('evict-then-return', {
+      flavour: 'vllm',
+      kvCache: { isOffloaded: true, offloadSlots: 4 },
+    })
+    assert.deepEqual(rows(report), [['evict-then-return', 'clean', 'info']])
+    const e = report.findings[0].evidence as { returns: { cachedTokens: number }[] }
+    assert.deepEqual(
+      e.returns.map((r) => r.cachedTokens),
+      [0, 0, 0, 0],
+    )
+  })
+
+  test('a pool split per tenant with a tier that serves what it offloaded last: alice’s own churn evicts her share, leak, critical', async () => {
+    const report = await audit('evict-then-return', {
+      kvCache: { isOffloaded: true, isPartitioned: true, bug: 'offload-load-any' },
+    })
+    assert.deepEqual(rows(report)[0], ['evict-then-return', 'leak', 'critical'])
+    assert.ok(report.findings.every((f) => f.verdict === 'leak'))
   })
 
   test('a budget that cannot cover the churn: inconclusive with the reason, no completion sent', async () => {
@@ -349,7 +436,7 @@ describe('evict-then-return', () => {
     assert.deepEqual(rows(report), [['evict-then-return', 'inconclusive', 'medium']])
     assert.match(
       report.findings[0].title,
-      /^evicting the cache takes 3 requests of 368 tokens \(2 × the 384-token pool\) plus 3; the budget has \d+ requests left/,
+      /^evicting the cache takes 5 requests of 368 tokens \(4 × the 384-token pool\) plus 12; the budget has \d+ requests left/,
     )
     assert.equal(report.probeRuns[0].completions.sent, 0)
   })

@@ -11,6 +11,7 @@ import {
   faultMatrixTable,
   generatedMatrix,
   matrixBegin,
+  mergeBenchJson,
   matrixEnd,
   withMatrix,
   type AuditBenchJson,
@@ -141,6 +142,58 @@ describe('faultMatrixTable', () => {
     assert.throws(
       () => checkBenchJson({ ...json, faults: [{ ...json.faults[3], toolError: undefined }] }),
       /faults\[0\]\.toolError is missing for a tool error/,
+    )
+  })
+
+  test('mergeBenchJson: a run of some faults replaces their rows, keeps the others, recomputes the lists', () => {
+    const earlier = {
+      ...json,
+      faults_detected: ['publish-partial', 'drop-abort'],
+      false_findings: 1,
+      shipped_seeds: 2,
+      shipped: [{ seed: 1, falseFindings: ['x'], inconclusive: [] }],
+    }
+    const fresh = {
+      seed: 1,
+      fault_seconds: 120,
+      shipped_seeds: 2,
+      false_findings: 0,
+      shipped: [{ seed: 1, falseFindings: [], inconclusive: [] }],
+      faults: [
+        { ...json.faults[1], outcome: 'detected', detectedBy: ['page-leak: warning: held'] },
+        { ...json.faults[0], fault: 'offload-load-as-hit', probes: ['evict-then-return'] },
+      ],
+    }
+    const merged = mergeBenchJson(earlier, fresh)
+    assert.deepEqual(
+      (merged.faults as { fault: string; outcome: string }[]).map((r) => [r.fault, r.outcome]),
+      [
+        ['drop-abort', 'detected'],
+        ['corrupt-transfer', 'tool error'],
+        ['lost-ack', 'detected'],
+        ['publish-partial', 'detected'],
+        ['offload-load-as-hit', 'detected'],
+      ],
+    )
+    assert.deepEqual(merged.faults_detected, [
+      'drop-abort',
+      'lost-ack',
+      'publish-partial',
+      'offload-load-as-hit',
+    ])
+    assert.deepEqual(merged.faults_inconclusive, [])
+    assert.deepEqual(merged.faults_tool_error, ['corrupt-transfer'])
+    assert.deepEqual([merged.false_findings, merged.shipped], [0, fresh.shipped])
+    assert.deepEqual(merged.merged, [
+      { faults: ['publish-partial', 'lost-ack', 'drop-abort', 'corrupt-transfer'] },
+      { faults: ['lost-ack', 'offload-load-as-hit'], shipped_seeds: 2 },
+    ])
+    // No shipped seed in the fresh run: the earlier shipped runs stand.
+    assert.equal(mergeBenchJson(earlier, { ...fresh, shipped_seeds: 0 }).false_findings, 1)
+    assert.doesNotThrow(() => checkBenchJson(merged))
+    assert.throws(
+      () => mergeBenchJson(earlier, { ...fresh, seed: 2 }),
+      /cannot merge a run of seed 2, 120 s per fault into one of seed 1, 120 s/,
     )
   })
 

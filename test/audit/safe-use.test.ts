@@ -75,10 +75,10 @@ describe('--plan', () => {
       // 5 edges × 3 lengths × 3 prompts of ≤ 257 + 16 tokens, 2 canary measurements of 47, 2
       // re-aimed edges × 3 prompts and 4 salt controls: 2 × 47 + 55 × 273.
       assert.deepEqual(planRow(run.stdout, 'warm-equals-cold'), ['57', '15109', '0.0378'])
-      // evict-then-return: the prefix 3 × (96 + 16); churn of 2 × 384 in prompts of 368:
-      // ⌈768 / 368⌉ = 3, ⌈3 × 1.5⌉ = 5 at most, × (368 + 16).
-      assert.deepEqual(planRow(run.stdout, 'evict-then-return'), ['8', '2256', '0.0056'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['453', '84492', '0.2112'])
+      // evict-then-return: 4 prefixes cold, one warm, 3 checks and 4 returns, 12 × (96 + 16);
+      // churn of 4 × 384 in prompts of 368: ⌈1,536 / 368⌉ = 5, ⌈5 × 1.5⌉ = 8 at most, × (368 + 16).
+      assert.deepEqual(planRow(run.stdout, 'evict-then-return'), ['20', '4416', '0.0110'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['465', '86652', '0.2166'])
       // The default budget (500 requests) covers the default plan: nothing is said about it.
       assert.doesNotMatch(run.stdout, /exceed --max-requests/)
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))

@@ -149,6 +149,13 @@ export interface ChunkedPrefill {
 export interface KvCacheOptions {
   /** Entries the pool evicts go to an offload tier, and a later hit loads them back. */
   readonly isOffloaded?: boolean
+  /** The pool is split in halves, one per tenant (kvfence's default partitions): a tenant's
+   *  entries are evicted only by its own. */
+  readonly isPartitioned?: boolean
+  /** The offload tier is a ring of this many entries, written over in place as it wraps; its
+   *  index keeps naming an entry whose slot was written over (a load must check the slot).
+   *  Default: unbounded. */
+  readonly offloadSlots?: number
   /** - `page-multiple-cross`: a warm hit of a prompt of an exact multiple of 16 tokens (a prompt
    *    cached whole) is served from the latest entry of that length and salt that another tenant
    *    cached (a key that, for a whole last page, keeps the length and salt but drops the tenant
@@ -157,8 +164,17 @@ export interface KvCacheOptions {
    *    last token of a prompt cached whole is not recomputed): its own words, shifted;
    *  - `offload-load-any`: every load from the offload tier fails and is counted as a hit anyway:
    *    the answer comes from whatever the tier's staging buffer last held, the entry it offloaded
-   *    last (dynamo#15079, LMCache#4385). */
-  readonly bug?: 'page-multiple-cross' | 'page-multiple-shift' | 'offload-load-any'
+   *    last (dynamo#15079, LMCache#4385);
+   *  - `offload-stale-slot`: with `offloadSlots`, a load whose slot was written over is counted
+   *    as a hit and answers the slot's words as they are now (the correct tier: a miss);
+   *  - `offload-key-without-tenant`: the offload tier's key leaves out the tenant (salt and
+   *    prompt only), so another tenant's lookup of an evicted prompt loads it (lmdeploy#4930). */
+  readonly bug?:
+    | 'page-multiple-cross'
+    | 'page-multiple-shift'
+    | 'offload-load-any'
+    | 'offload-stale-slot'
+    | 'offload-key-without-tenant'
 }
 
 /** One cached prompt: its key's parts and its words (the "KV"). */
@@ -169,37 +185,77 @@ interface KvEntry {
   readonly words: readonly string[]
 }
 
+/** The `kvCache` stand-in's offload tier: unbounded, or a ring of `slots` entries whose index
+ *  keeps naming an entry after its slot was written over. `load` answers the entry under `key`
+ *  (removing it), or null; a written-over slot is a miss, or with `isStaleHit` the slot's
+ *  present entry. `lastStored` is the entry offloaded last. */
+function createOffloadTier(slots: number | undefined, isStaleHit: boolean) {
+  const index = new Map<string, number>()
+  const ring: { key: string; entry: KvEntry }[] = []
+  let head = 0
+  let serial = 0
+  const tier = {
+    lastStored: null as KvEntry | null,
+    store(key: string, entry: KvEntry): void {
+      tier.lastStored = entry
+      const at = slots === undefined ? serial++ : head
+      ring[at] = { key, entry }
+      index.set(key, at)
+      if (slots !== undefined) head = (head + 1) % slots
+    },
+    load(key: string): KvEntry | null {
+      const at = index.get(key)
+      if (at === undefined) return null
+      index.delete(key)
+      const slot = ring[at]
+      if (slot.key === key) return slot.entry
+      return isStaleHit ? slot.entry : null
+    },
+  }
+  return tier
+}
+
 /** The `kvCache` stand-in over `capacityTokens`: `lookup` answers the words a prompt's answer is
  *  made of, and whether they came from the cache (a hit, reported as `cached_tokens`). */
 function createKvCache(
   options: KvCacheOptions,
   capacityTokens: number,
 ): (entry: KvEntry, prompt: string) => { words: readonly string[]; isHit: boolean } {
-  const pool = new Map<string, KvEntry>()
-  const offloaded = new Map<string, KvEntry>()
-  let lastOffloaded: KvEntry | null = null
-  let numTokensHeld = 0
-  const insert = (key: string, entry: KvEntry): void => {
-    pool.set(key, entry)
-    numTokensHeld += entry.numTokens
+  /** Pools by partition (the tenant, or '' for one shared pool); keys in LRU order. */
+  const pools = new Map<string, Map<string, { entry: KvEntry; tierKey: string }>>()
+  const held = new Map<string, number>()
+  const capacity = options.isPartitioned ? Math.floor(capacityTokens / 2) : capacityTokens
+  const offloaded = createOffloadTier(options.offloadSlots, options.bug === 'offload-stale-slot')
+  const partitionOf = (entry: KvEntry) => (options.isPartitioned ? entry.tenant : '')
+  const poolOf = (entry: KvEntry) => {
+    const name = partitionOf(entry)
+    if (!pools.has(name)) pools.set(name, new Map())
+    return pools.get(name)!
+  }
+  const insert = (key: string, tierKey: string, entry: KvEntry): void => {
+    const pool = poolOf(entry)
+    const name = partitionOf(entry)
+    pool.set(key, { entry, tierKey })
+    held.set(name, (held.get(name) ?? 0) + entry.numTokens)
     for (const [oldKey, old] of pool) {
-      if (numTokensHeld <= capacityTokens || oldKey === key) break
+      if (held.get(name)! <= capacity || oldKey === key) break
       pool.delete(oldKey)
-      numTokensHeld -= old.numTokens
-      if (options.isOffloaded) {
-        offloaded.set(oldKey, old)
-        lastOffloaded = old
-      }
+      held.set(name, held.get(name)! - old.entry.numTokens)
+      if (options.isOffloaded) offloaded.store(old.tierKey, old.entry)
     }
   }
   return (entry, prompt) => {
     const key = JSON.stringify([entry.tenant, entry.salt, prompt])
-    const cached = pool.get(key)
+    const tierKey =
+      options.bug === 'offload-key-without-tenant' ? JSON.stringify([entry.salt, prompt]) : key
+    const pool = poolOf(entry)
+    const cached = pool.get(key)?.entry
     if (cached !== undefined) {
       pool.delete(key)
-      pool.set(key, cached)
+      pool.set(key, { entry: cached, tierKey })
       if (options.bug === 'page-multiple-cross' && entry.numTokens % 16 === 0) {
-        const other = [...pool.values()]
+        const other = [...pools.values()]
+          .flatMap((p) => [...p.values()].map((v) => v.entry))
           .reverse()
           .find(
             (e) =>
@@ -211,14 +267,15 @@ function createKvCache(
         return { words: cached.words.slice(1), isHit: true }
       return { words: cached.words, isHit: true }
     }
-    const stored = offloaded.get(key)
-    if (stored !== undefined) {
-      offloaded.delete(key)
-      const loaded = options.bug === 'offload-load-any' && lastOffloaded ? lastOffloaded : stored
-      insert(key, stored)
+    const lastStored = offloaded.lastStored
+    const stored = offloaded.load(tierKey)
+    if (stored !== null) {
+      const loaded = options.bug === 'offload-load-any' && lastStored ? lastStored : stored
+      // What the tier held is cached under the asking tenant's key, as a loaded page would be.
+      insert(key, tierKey, { ...stored, tenant: entry.tenant })
       return { words: loaded.words, isHit: true }
     }
-    insert(key, entry)
+    insert(key, tierKey, entry)
     return { words: entry.words, isHit: false }
   }
 }
