@@ -14,6 +14,7 @@ import {
   availabilityFindings,
   checkModelServed,
   noAnswerMessage,
+  NoAnswerWatch,
   readHealth,
   sendAnswerCheck,
   answerCheckTokens,
@@ -129,8 +130,16 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   // The first valid completion that fails asks /health once: a health check that says all is
   // well while requests fail keeps a load balancer sending traffic here.
   let health: Promise<HealthReading> | null = null
-  const ledger = new Ledger(() => {
-    health ??= readHealth(target)
+  // A target seen to serve no completion (a static file server, a wrong path prefix, a closed
+  // port) sends nothing more: the gate's tool error below says why, after a few requests.
+  const notServed = new NoAnswerWatch()
+  const ledger = new Ledger({
+    onRecord: (isValid, result) => {
+      if (notServed.observe(isValid, result)) budget.close()
+    },
+    onFailure: () => {
+      health ??= readHealth(target)
+    },
   })
   ledger.addEarlier(point?.completions ?? [])
   const targetOptions = {
@@ -191,7 +200,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
       interruptedBy,
     })
     outcomes.set(name, outcome)
-    if (budget.isStopped) break
+    if (budget.isStopped || budget.isClosed) break
     await options.onReport?.(report('running'))
   }
   ledger.setProbe(null)
