@@ -181,6 +181,29 @@ describe('authorized targets', () => {
     }
   })
 
+  // URL drops a scheme's default port: "host:80" read as "any port" (it authorized
+  // http://host:8000), and "host:443" never matched https://host.
+  test("an entry's port is the one it writes, :80 and :443 included; a target without one reaches its scheme's default", () => {
+    const allows = (target: string, entry: string): boolean => {
+      try {
+        checkAuthorizedTarget(target, [entry], false)
+        return true
+      } catch (err) {
+        assert.equal((err as { code?: string }).code, 'unauthorized_target')
+        return false
+      }
+    }
+    assert.equal(allows('https://llm.example.com', 'llm.example.com:443'), true)
+    assert.equal(allows('https://llm.example.com/v1', 'https://llm.example.com:443/v1'), true)
+    assert.equal(allows('http://llm.example.com', 'llm.example.com:80'), true)
+    assert.equal(allows('http://llm.example.com:8000', 'llm.example.com:80'), false)
+    assert.equal(allows('https://llm.example.com:8443', 'llm.example.com:443'), false)
+    assert.equal(allows('http://llm.example.com:443', 'http://llm.example.com:80'), false)
+    assert.equal(allows('http://[2001:db8::1]:8000', '[2001:db8::1]:8000'), true)
+    assert.equal(allows('http://[2001:db8::1]:8001', '[2001:db8::1]:8000'), false)
+    assert.equal(allows('http://[2001:db8::1]:8001', '[2001:DB8:0::1]'), true)
+  })
+
   test('loopback is always allowed: 127.0.0.0/8, ::1, localhost', () => {
     for (const host of [
       '127.0.0.1',
