@@ -186,10 +186,14 @@ async function audit(flags: AuditFlags): Promise<number> {
     concurrency: parseCount('--concurrency', flags.concurrency, 1) ?? file.concurrency,
     maxConcurrency: parseCount('--max-concurrency', flags.maxConcurrency, 1) ?? file.maxConcurrency,
   }
+  const resume =
+    flags.resume === undefined
+      ? undefined
+      : { report: await readResumed(flags.resume), source: flags.resume }
   if (flags.plan) {
     const price = parsePrice(flags.pricePerMillionTokens)
     process.stdout.write(
-      `${formatPlan(await planAudit({ ...options, pricePerMillionTokens: price }))}\n`,
+      `${formatPlan(await planAudit({ ...options, resume, pricePerMillionTokens: price }))}\n`,
     )
     return 0
   }
@@ -197,10 +201,6 @@ async function audit(flags: AuditFlags): Promise<number> {
     throw new AuditError('invalid_options', '--price-per-million-tokens is only read with --plan')
   }
   const failOn: Verdict = flags.failOn ?? file.failOn ?? 'leak'
-  const resume =
-    flags.resume === undefined
-      ? undefined
-      : { report: await readResumed(flags.resume), source: flags.resume }
   const reports = {
     json: flags.json ?? file.reports?.json ?? flags.resume,
     junit: flags.junit ?? file.reports?.junit,
