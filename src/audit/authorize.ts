@@ -28,21 +28,36 @@ export function isLoopbackHost(hostname: string): boolean {
   return false
 }
 
-/** The `host[:port]` an authorization entry names: a bare host, `host:port`, or a URL (its
- *  host). Lower-cased; null when it names none. */
-function authorizedHost(entry: string): string | null {
-  const trimmed = entry.trim().toLowerCase()
-  if (trimmed === '') return null
+/** What an authorization entry names: a bare host (any port), `host:port`, or a URL (its host,
+ *  and its port when one is written, `:80` and `:443` included). The host as `URL.hostname`
+ *  gives it (lower case, IPv6 in brackets); null when the entry names none. Parsed by hand for
+ *  the port: `URL` drops a port that is its scheme's default, so `host:80` would read as "any
+ *  port" and `host:443` never match `https://host`. */
+function authorizedEntry(entry: string): { hostname: string; port: number | null } | null {
+  const authority = entry
+    .trim()
+    .replace(/^[a-z][a-z0-9+.-]*:\/\//i, '')
+    .split(/[/?#]/)[0]
+    .replace(/^.*@/, '')
+  const m = /^(\[[^\]]+\]|[^:[\]]+)(?::(\d{1,5}))?$/.exec(authority)
+  if (m === null) return null
   try {
-    return new URL(trimmed.includes('://') ? trimmed : `http://${trimmed}`).host
+    const { hostname } = new URL(`http://${m[1]}`)
+    return { hostname, port: m[2] === undefined ? null : Number(m[2]) }
   } catch {
     return null
   }
 }
 
+/** The port a target URL reaches: the one it writes, or its scheme's default. */
+function portOf(url: URL): number {
+  if (url.port !== '') return Number(url.port)
+  return url.protocol === 'https:' ? 443 : 80
+}
+
 /** Throws `AuditError('unauthorized_target')` (one line saying how to authorize) unless `target`
  *  is loopback, or `authorized` names its host (with any port when the entry gives none, else
- *  that port). `isAuthorizedFlag` (`--authorized`) authorizes the target given. */
+ *  that port; a target without a port reaches its scheme's default, 80 or 443). `isAuthorizedFlag` (`--authorized`) authorizes the target given. */
 export function checkAuthorizedTarget(
   target: string,
   authorized: readonly string[],
@@ -55,13 +70,12 @@ export function checkAuthorizedTarget(
     return // not a URL: runAudit's own validation says so
   }
   if (isAuthorizedFlag || isLoopbackHost(url.hostname)) return
-  const host = url.host.toLowerCase()
   const hostname = url.hostname.toLowerCase()
+  const port = portOf(url)
   for (const entry of authorized) {
-    const named = authorizedHost(entry)
-    if (named === null) continue
-    const hasPort = /:\d+$/.test(named) && !named.endsWith(']')
-    if (hasPort ? named === host : named === hostname) return
+    const named = authorizedEntry(entry)
+    if (named === null || named.hostname !== hostname) continue
+    if (named.port === null || named.port === port) return
   }
   throw new AuditError(
     'unauthorized_target',

@@ -6,15 +6,18 @@ import { setMaxListeners } from 'node:events'
 import type { BudgetLimits } from './types.js'
 
 /** Thrown instead of sending a request the budget does not allow: its requests or its time are
- *  spent, or the audit was `stopped` (interrupted: SIGINT, SIGTERM). */
+ *  spent, the audit was `stopped` (interrupted: SIGINT, SIGTERM), or the budget was `closed`
+ *  because the target was seen to answer no completion (gate.ts). */
 export class BudgetExhaustedError extends Error {
-  constructor(readonly reason: 'requests' | 'seconds' | 'stopped') {
+  constructor(readonly reason: 'requests' | 'seconds' | 'stopped' | 'closed') {
     super(
       reason === 'requests'
         ? 'request budget exhausted'
         : reason === 'seconds'
           ? 'time budget exhausted'
-          : 'the audit was interrupted',
+          : reason === 'stopped'
+            ? 'the audit was interrupted'
+            : 'the audit stopped: the target answers no completion',
     )
     this.name = 'BudgetExhaustedError'
   }
@@ -49,6 +52,7 @@ export class Budget {
   private readonly requestsBefore: number
   /** Aborted by {@link stop}: requests in flight are cut at once. */
   private readonly stopper = new AbortController()
+  private isClosedNow = false
   private numSent = 0
   private numInFlight = 0
   private mostInFlight = 0
@@ -76,6 +80,17 @@ export class Budget {
    *  is 0 and {@link stopped} aborts, which cuts the requests in flight. */
   stop(): void {
     this.stopper.abort()
+  }
+
+  /** Sends nothing more from now on, but lets the requests in flight end as they will (unlike
+   *  {@link stop}, nothing is cut: their answers are what the audit's tool error reports). */
+  close(): void {
+    this.isClosedNow = true
+  }
+
+  /** True once {@link close} was called. */
+  get isClosed(): boolean {
+    return this.isClosedNow
   }
 
   /** Aborts when {@link stop} is called. */
@@ -131,6 +146,7 @@ export class Budget {
     await this.acquireSlot()
     try {
       if (this.isStopped) throw new BudgetExhaustedError('stopped')
+      if (this.isClosedNow) throw new BudgetExhaustedError('closed')
       if (this.numSent >= this.limits.maxRequests) throw new BudgetExhaustedError('requests')
       const remainingMs = this.remainingMs
       if (remainingMs <= 0) throw new BudgetExhaustedError('seconds')

@@ -10,6 +10,47 @@ import { cutAtDeadline, fateOf, type AnswerSummary, type Ledger } from './ledger
 import type { CompletionResult, HttpResult, Target } from './target.js'
 import { AuditError, type Finding } from './types.js'
 
+/** Statuses that say the endpoint does not serve `POST /v1/completions` at all, whatever its
+ *  load: 404 (no such path, or no such model), 405 (method not allowed), 501 (not implemented: a
+ *  static file server). A warming, slow or overloaded endpoint answers 503, 429, 5xx or nothing
+ *  in time instead, and those never count. */
+const notServedStatuses: ReadonlySet<number> = new Set([404, 405, 501])
+
+/** How many valid completions, all not served (see {@link NoAnswerWatch}), end the audit early. */
+export const notServedLimit = 6
+
+/** Whether one completion shows the endpoint serves completions (`served`: any HTTP answer but
+ *  404/405/501), shows it does not (`not-served`: one of those, or a connection refused), or
+ *  tells neither (`neither`: a timeout, a reset, a cut by the auditor before any answer). */
+export function servedSignOf(result: CompletionResult): 'served' | 'not-served' | 'neither' {
+  if (result.status !== null) return notServedStatuses.has(result.status) ? 'not-served' : 'served'
+  return result.failure === 'network' && result.failureDetail === 'ECONNREFUSED'
+    ? 'not-served'
+    : 'neither'
+}
+
+/** Decides early that a target will answer no completion, so that a static file server, a wrong
+ *  path prefix or a closed port ends the audit after a few requests instead of after every
+ *  probe's. The rule: the first {@link notServedLimit} valid completions that told anything were
+ *  all not served, and no completion of this run, valid or not, was served. Any other answer
+ *  (a 200, a 400, a 429, a 503, a 500) turns the watch off for the rest of the run, and timeouts
+ *  count for nothing, so an endpoint that is slow, warming up or shedding load is never cut
+ *  short. One per audit run; feed it every completion as it ends. */
+export class NoAnswerWatch {
+  private numNotServed = 0
+  private isServed = false
+
+  /** Takes one completion of this run; true when this one makes the rule hold (once). */
+  observe(isValid: boolean, result: CompletionResult): boolean {
+    if (this.isServed || this.numNotServed >= notServedLimit) return false
+    const sign = servedSignOf(result)
+    if (sign === 'served') this.isServed = true
+    if (sign !== 'not-served' || !isValid) return false
+    this.numNotServed++
+    return this.numNotServed === notServedLimit
+  }
+}
+
 /** The one completion the audit sends of its own to see that the target answers: a short prompt
  *  any model takes, 4 tokens at most, not streamed. */
 const checkPrompt = 'Reply with one word: is this endpoint answering?'
@@ -114,6 +155,8 @@ export function noAnswerMessage(
     hint =
       'every one was refused: check --model and that the endpoint takes prompt, max_tokens and temperature'
   else if (top === 'timeout') hint = 'none was answered within the request timeout'
+  else if (top === 'network')
+    hint = `no connection to ${baseUrl} could be made or kept: check that the endpoint is still running there`
   else hint = 'the endpoint failed every one'
   // A health check the budget no longer allowed says nothing.
   const healthNote =

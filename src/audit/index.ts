@@ -10,9 +10,21 @@ export {
   type ProgressEvent,
 } from './run.js'
 export { writeJsonReport, formatJsonReport } from './reporters/json.js'
-export { formatProgress, formatSummary } from './reporters/console.js'
+export {
+  consoleWidth,
+  defaultConsoleWidth,
+  formatProgress,
+  formatSummary,
+} from './reporters/console.js'
 export { formatJunitReport, writeJunitReport } from './reporters/junit.js'
-export { formatHtmlReport, writeHtmlReport, readChartJs, plotData } from './reporters/html.js'
+export {
+  formatHtmlReport,
+  writeHtmlReport,
+  readChartJs,
+  plotData,
+  limitMarkers,
+  type LimitMarker,
+} from './reporters/html.js'
 export { checkAuthorizedTarget, isLoopbackHost } from './authorize.js'
 export { formatPlan, type AuditPlan, type ProbePlan, type PlannedRequests } from './plan.js'
 export { loadAuditConfig, parseAuditConfig, type AuditConfigFile } from './config.js'

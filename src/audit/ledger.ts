@@ -48,16 +48,22 @@ export interface AnswerSummary {
 /** The cause a valid completion cut at the time budget's deadline is counted under. */
 export const cutAtDeadline = 'cut at the deadline'
 
+/** What a {@link Ledger} calls (synchronously) as completions are recorded: `onRecord` for each
+ *  one of this run, `onFailure` after it for each valid one that failed. */
+export interface LedgerHooks {
+  readonly onRecord?: (isValid: boolean, result: CompletionResult) => void
+  readonly onFailure?: () => void
+}
+
 /** Per-audit record of completions. One is made by `runAudit` and handed to the target; the
  *  probe that is running when a completion ends is the one it is counted for. */
 export class Ledger {
   private readonly entries: Entry[] = []
   private probe: ProbeName | null = null
-  private readonly onFailure: () => void
+  private readonly hooks: LedgerHooks
 
-  /** `onFailure` is called (synchronously) whenever a valid completion fails. */
-  constructor(onFailure: () => void = () => {}) {
-    this.onFailure = onFailure
+  constructor(hooks: LedgerHooks = {}) {
+    this.hooks = hooks
   }
 
   /** The probe the next completions belong to (null: before or between probes). */
@@ -88,7 +94,8 @@ export class Ledger {
       failure: result.failure,
       fate,
     })
-    if (isValid && fate === 'failed') this.onFailure()
+    this.hooks.onRecord?.(isValid, result)
+    if (isValid && fate === 'failed') this.hooks.onFailure?.()
   }
 
   /** Counts for one probe, or for the whole audit when `probe` is omitted. */

@@ -58,6 +58,8 @@ export interface AuditPlan {
   /** Discovery's reads and what each answered. */
   readonly endpoints: readonly { readonly endpoint: string; readonly status: number | string }[]
   readonly probes: readonly ProbePlan[]
+  /** With `--resume`: the probes the report ran to their end, kept, not planned (absent: none). */
+  readonly kept?: readonly ProbeName[]
   readonly numRequests: number
   readonly numRequestsCapped: number
   readonly numTokens: number
@@ -114,8 +116,12 @@ export function formatPlan(plan: AuditPlan): string {
   )
   const read = plan.endpoints.map((e) => `${e.endpoint} ${e.status}`).join(', ')
   const size = (n: number | null): string => (n === null ? 'unknown' : `${n} tokens`)
+  const kept = plan.kept ?? []
   return [
     `plan for ${plan.target}: upper estimates; no completion was sent`,
+    ...(kept.length === 0
+      ? []
+      : [`resumed: kept from the report, not sent again: ${kept.join(', ')}`]),
     `read from the flags and from discovery (${read}): context ${size(plan.contextTokens)}, KV pool ${size(plan.poolTokens)}`,
     `${'probe'.padEnd(16)}${'requests'.padStart(9)}${'tokens'.padStart(11)}${isPriced ? 'cost'.padStart(10) : ''}`,
     ...rows,

@@ -14,6 +14,7 @@ import {
   availabilityFindings,
   checkModelServed,
   noAnswerMessage,
+  NoAnswerWatch,
   readHealth,
   sendAnswerCheck,
   answerCheckTokens,
@@ -129,8 +130,16 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   // The first valid completion that fails asks /health once: a health check that says all is
   // well while requests fail keeps a load balancer sending traffic here.
   let health: Promise<HealthReading> | null = null
-  const ledger = new Ledger(() => {
-    health ??= readHealth(target)
+  // A target seen to serve no completion (a static file server, a wrong path prefix, a closed
+  // port) sends nothing more: the gate's tool error below says why, after a few requests.
+  const notServed = new NoAnswerWatch()
+  const ledger = new Ledger({
+    onRecord: (isValid, result) => {
+      if (notServed.observe(isValid, result)) budget.close()
+    },
+    onFailure: () => {
+      health ??= readHealth(target)
+    },
   })
   ledger.addEarlier(point?.completions ?? [])
   const targetOptions = {
@@ -191,7 +200,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
       interruptedBy,
     })
     outcomes.set(name, outcome)
-    if (budget.isStopped) break
+    if (budget.isStopped || budget.isClosed) break
     await options.onReport?.(report('running'))
   }
   ledger.setProbe(null)
@@ -336,7 +345,9 @@ function notRunFinding(probe: ProbeName, title: string): Finding {
 }
 
 /** `kvfence audit --plan`: what {@link runAudit} with these options would send, per probe, and
- *  what its tokens cost at `pricePerMillionTokens` (default 0: not priced). Sends discovery's
+ *  what its tokens cost at `pricePerMillionTokens` (default 0: not priced). With `resume`, what
+ *  the resumed run would send: its pending probes only (the others are listed as kept); a report
+ *  of another audit throws `cannot_resume` as `runAudit` does. Sends discovery's
  *  reads only (`GET /v1/models`, server info, `/metrics`: the sizes of several probes follow the
  *  pool and context they report), never a completion. Throws `AuditError` as `runAudit` does
  *  for bad options or an unreachable target. */
@@ -347,6 +358,20 @@ export async function planAudit(
   const price = options.pricePerMillionTokens ?? 0
   if (!(Number.isFinite(price) && price >= 0))
     throw new AuditError('invalid_options', `price per million tokens must be ≥ 0, got ${price}`)
+  // With --resume: the report must be of this audit (as runAudit checks), and only the probes
+  // it did not run to their end are planned.
+  const point =
+    options.resume === undefined
+      ? null
+      : resumePoint(options.resume, {
+          baseUrl: config.baseUrl,
+          tenants: config.tenants.map((t) => t.name),
+          probes: config.probes,
+          seed: options.seed ?? null,
+          model: config.model,
+        })
+  const kept = point?.kept ?? []
+  const planned = config.probes.filter((p) => !kept.includes(p))
   const budget = new Budget(config.budget)
   const discoveryTarget = createTarget({
     baseUrl: config.baseUrl,
@@ -356,6 +381,7 @@ export async function planAudit(
     model: null,
   })
   const discovery = await discover(discoveryTarget, config.model)
+  if (point !== null) checkResumedModel(point, options.resume!.source, discovery.model)
   const input: PlanInput = {
     limits: config.budget,
     numTenants: config.tenants.length,
@@ -369,8 +395,8 @@ export async function planAudit(
     isAggressive: options.isAggressive === true,
     chunkedPrefillTokens: discovery.chunkedPrefillTokens,
   }
-  const isSized = config.probes.some((p) => probesThatSize.includes(p))
-  const probePlans = config.probes.map((name) => probePlan(name, probes[name].plan?.(input) ?? []))
+  const isSized = planned.some((p) => probesThatSize.includes(p))
+  const probePlans = planned.map((name) => probePlan(name, probes[name].plan?.(input) ?? []))
   const isCompletionSent =
     isSized || probePlans.some((p) => p.requests.some((r) => r.numRequests > 0 && r.tokensEach > 0))
   const listed = discovery.modelsListed
@@ -398,6 +424,7 @@ export async function planAudit(
       contextTokens: discovery.contextTokens,
       endpoints: discovery.endpoints,
       probes: [own, ...probePlans],
+      kept,
     },
     price,
   )

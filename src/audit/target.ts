@@ -76,6 +76,9 @@ export interface CompletionResult {
    *  finding was first seen. */
   readonly requestNumber: number
   readonly atMs: number
+  /** Why no HTTP answer came, when none did (`ECONNREFUSED`, ...; see `HttpResult`); absent or
+   *  null otherwise. */
+  readonly failureDetail?: string | null
   /** OpenAI `error.code` (or `error.type`, or a numeric code as text). */
   readonly errorCode: string | null
   /** The server's error message, keys scrubbed, at most 200 characters. */
@@ -398,7 +401,8 @@ function parseCompletion(
     errorCode: null,
     errorMessage: null,
   }
-  if (http.status === null) return { ...base, failure: http.failure, text: '' }
+  if (http.status === null)
+    return { ...base, failure: http.failure, failureDetail: http.failureDetail, text: '' }
   const isOk = http.status >= 200 && http.status < 300
   if (!isOk) return { ...base, ...parseError(tryJson(http.body), scrub), failure: null, text: '' }
   const isSse = isStream || http.contentType.includes('text/event-stream')

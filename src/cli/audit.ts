@@ -18,6 +18,7 @@ import {
   formatPlan,
   planAudit,
   checkAuthorizedTarget,
+  consoleWidth,
   exitCodeFor,
   loadAuditConfig,
   probeNames,
@@ -185,10 +186,14 @@ async function audit(flags: AuditFlags): Promise<number> {
     concurrency: parseCount('--concurrency', flags.concurrency, 1) ?? file.concurrency,
     maxConcurrency: parseCount('--max-concurrency', flags.maxConcurrency, 1) ?? file.maxConcurrency,
   }
+  const resume =
+    flags.resume === undefined
+      ? undefined
+      : { report: await readResumed(flags.resume), source: flags.resume }
   if (flags.plan) {
     const price = parsePrice(flags.pricePerMillionTokens)
     process.stdout.write(
-      `${formatPlan(await planAudit({ ...options, pricePerMillionTokens: price }))}\n`,
+      `${formatPlan(await planAudit({ ...options, resume, pricePerMillionTokens: price }))}\n`,
     )
     return 0
   }
@@ -196,10 +201,6 @@ async function audit(flags: AuditFlags): Promise<number> {
     throw new AuditError('invalid_options', '--price-per-million-tokens is only read with --plan')
   }
   const failOn: Verdict = flags.failOn ?? file.failOn ?? 'leak'
-  const resume =
-    flags.resume === undefined
-      ? undefined
-      : { report: await readResumed(flags.resume), source: flags.resume }
   const reports = {
     json: flags.json ?? file.reports?.json ?? flags.resume,
     junit: flags.junit ?? file.reports?.junit,
@@ -261,7 +262,7 @@ async function audit(flags: AuditFlags): Promise<number> {
     )
     return interruptExitCodes[signal]
   }
-  process.stdout.write(`\n${formatSummary(report)}\n`)
+  process.stdout.write(`\n${formatSummary(report, stdoutWidth())}\n`)
   await writeReport('JSON', reports.json, (f) => writeJsonReport(report, f))
   await writeReport('JUnit', reports.junit, (f) => writeJunitReport(report, f, failOn))
   await writeReport('HTML', reports.html, (f) => writeHtmlReport(report, f))
@@ -398,6 +399,11 @@ function parseSeconds(value: string | undefined): number | undefined {
   return n
 }
 
+/** The columns stdout's lines fit: the terminal's, or the default width for a CI log or a pipe. */
+function stdoutWidth(): number {
+  return consoleWidth(process.stdout.isTTY ? process.stdout.columns : undefined)
+}
+
 /** Console progress: in a terminal, a bar over the probes (on stderr) with each probe's result
  *  printed above it; elsewhere (CI logs, pipes), one plain line per event on stdout. */
 function makeProgress(numProbes: number): {
@@ -406,7 +412,7 @@ function makeProgress(numProbes: number): {
 } {
   if (!process.stderr.isTTY) {
     return {
-      onEvent: (event) => process.stdout.write(`${formatProgress(event)}\n`),
+      onEvent: (event) => process.stdout.write(`${formatProgress(event, stdoutWidth())}\n`),
       stop: () => {},
     }
   }
@@ -423,7 +429,7 @@ function makeProgress(numProbes: number): {
     onEvent: (event) => {
       if (event.type === 'probe-start') bar.update({ probe: event.probe })
       if (event.type === 'probe-end') {
-        bars.log(`${formatProgress(event)}\n`)
+        bars.log(`${formatProgress(event, consoleWidth(process.stderr.columns))}\n`)
         bar.increment()
         bars.update() // render now: a log line waits for the next redraw, and stop() may come first
       }

@@ -104,6 +104,9 @@ describe('kvfence audit (CLI)', () => {
     assert.match(run.stdout, /canary\s+leak\s+critical/)
     assert.match(run.stdout, /LEAK/)
     assertNoKeys(run)
+    // Not a terminal: every line (progress, table, result) fits 100 columns.
+    const widest = Math.max(...run.stdout.split('\n').map((l) => [...l].length))
+    assert.ok(widest <= 100, `a line of ${widest} columns:\n${run.stdout}`)
     const report = Report.parse(JSON.parse(await readFile(file, 'utf8')))
     assert.equal(report.seed, 9)
     assert.ok(report.findings.some((f) => f.verdict === 'leak'))

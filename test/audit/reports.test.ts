@@ -12,6 +12,7 @@ import {
   AuditError,
   formatHtmlReport,
   formatJunitReport,
+  limitMarkers,
   parseAuditConfig,
   plotData,
   readChartJs,
@@ -22,6 +23,79 @@ import {
 import { standInTenants, startStandIn, tenantKeys } from './standins.js'
 
 const chromium = '/usr/bin/chromium'
+
+/** What {@link inChromium} reads from the page: per canvas, its painted pixels and its chart's
+ *  datasets (label, colour, points, and `areaPixels`: pixels inside the chart area, legend and
+ *  axes left out, of exactly the dataset's colour); the tenant matrix's cells. */
+interface PageCheck {
+  charts: {
+    id: string
+    painted: number
+    datasets:
+      { label: string; color: unknown; points: [unknown, unknown][]; areaPixels: number }[] | null
+  }[]
+  cells: [string, string, number][]
+}
+
+/** Opens `html` (written to `file`) in headless Chromium with the network off and returns what
+ *  a script run in the page after load found (see {@link PageCheck}). */
+async function inChromium(html: string, file: string): Promise<PageCheck> {
+  const checker = `<script>addEventListener('load', () => {
+    const charts = [...document.querySelectorAll('canvas')].map((c) => {
+      const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+      let painted = 0;
+      for (let i = 3; i < px.length; i += 4) if (px[i] !== 0) painted++;
+      const chart = Chart.getChart(c);
+      const inArea = (color) => {
+        const m = /^#([0-9a-f]{2})([0-9a-f]{2})([0-9a-f]{2})$/i.exec(color);
+        if (!m || !chart) return 0;
+        const [r, g, b] = m.slice(1).map((h) => parseInt(h, 16));
+        const { left, right, top, bottom } = chart.chartArea;
+        const ratio = c.width / chart.width;
+        let n = 0;
+        for (let y = Math.ceil(top * ratio); y < Math.floor(bottom * ratio); y++)
+          for (let x = Math.ceil(left * ratio); x < Math.floor(right * ratio); x++) {
+            const i = (y * c.width + x) * 4;
+            if (px[i] === r && px[i + 1] === g && px[i + 2] === b && px[i + 3] === 255) n++;
+          }
+        return n;
+      };
+      const datasets = chart ? chart.data.datasets.map((d) => ({ label: d.label, color: d.backgroundColor, points: d.data.map((p) => [p.x, p.y]), areaPixels: inArea(d.backgroundColor) })) : null;
+      return { id: c.id, painted, datasets };
+    });
+    const cells = [...document.querySelectorAll('#tenant-matrix td')].map((td) => [td.dataset.observer, td.dataset.source, Number(td.textContent)]);
+    const pre = document.createElement('pre');
+    pre.id = 'kvfence-check';
+    pre.textContent = JSON.stringify({ charts, cells });
+    document.body.appendChild(pre);
+  });</script>`
+  await writeFile(file, html.replace('</body>', `${checker}</body>`), 'utf8')
+  const dom = await new Promise<string>((resolve, reject) =>
+    execFile(
+      chromium,
+      [
+        '--headless',
+        '--no-sandbox',
+        '--disable-gpu',
+        '--disable-background-networking',
+        '--virtual-time-budget=5000',
+        '--dump-dom',
+        `file://${file}`,
+      ],
+      { timeout: 60_000, maxBuffer: 64 * 1024 * 1024 },
+      (err, stdout) => (err ? reject(err) : resolve(stdout)),
+    ),
+  )
+  const check = /<pre id="kvfence-check">([^<]*)<\/pre>/.exec(dom)
+  assert.ok(check, 'the page ran its scripts')
+  const unescape = (text: string) =>
+    text
+      .replace(/&quot;/g, '"')
+      .replace(/&lt;/g, '<')
+      .replace(/&gt;/g, '>')
+      .replace(/&amp;/g, '&')
+  return JSON.parse(unescape(check[1])) as PageCheck
+}
 
 function finding(probe: Finding['probe'], verdict: Finding['verdict'], title: string): Finding {
   return { probe, verdict, severity: 'info', title, evidence: {}, remediation: 'fix <it> & "go"' }
@@ -217,57 +291,7 @@ describe('HTML report', () => {
       t.skip(`${chromium} is not installed (apt-get install -y chromium)`)
       return
     }
-    // The check runs in the page after load: painted pixels of every canvas, what each chart's
-    // datasets hold (label, colour, points), and the matrix table's cells.
-    const checker = `<script>addEventListener('load', () => {
-      const charts = [...document.querySelectorAll('canvas')].map((c) => {
-        const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-        let painted = 0;
-        for (let i = 3; i < px.length; i += 4) if (px[i] !== 0) painted++;
-        const chart = Chart.getChart(c);
-        const datasets = chart ? chart.data.datasets.map((d) => ({ label: d.label, color: d.backgroundColor, points: d.data.map((p) => [p.x, p.y]) })) : null;
-        return { id: c.id, painted, datasets };
-      });
-      const cells = [...document.querySelectorAll('#tenant-matrix td')].map((td) => [td.dataset.observer, td.dataset.source, Number(td.textContent)]);
-      const pre = document.createElement('pre');
-      pre.id = 'kvfence-check';
-      pre.textContent = JSON.stringify({ charts, cells });
-      document.body.appendChild(pre);
-    });</script>`
-    const file = join(dir, 'report.html')
-    await writeFile(file, html.replace('</body>', `${checker}</body>`), 'utf8')
-    const dom = await new Promise<string>((resolve, reject) =>
-      execFile(
-        chromium,
-        [
-          '--headless',
-          '--no-sandbox',
-          '--disable-gpu',
-          '--disable-background-networking',
-          '--virtual-time-budget=5000',
-          '--dump-dom',
-          `file://${file}`,
-        ],
-        { timeout: 60_000, maxBuffer: 64 * 1024 * 1024 },
-        (err, stdout) => (err ? reject(err) : resolve(stdout)),
-      ),
-    )
-    const check = /<pre id="kvfence-check">([^<]*)<\/pre>/.exec(dom)
-    assert.ok(check, 'the page ran its scripts')
-    const unescape = (text: string) =>
-      text
-        .replace(/&quot;/g, '"')
-        .replace(/&lt;/g, '<')
-        .replace(/&gt;/g, '>')
-        .replace(/&amp;/g, '&')
-    const { charts, cells } = JSON.parse(unescape(check[1])) as {
-      charts: {
-        id: string
-        painted: number
-        datasets: { label: string; color: unknown; points: [unknown, unknown][] }[] | null
-      }[]
-      cells: [string, string, number][]
-    }
+    const { charts, cells } = await inChromium(html, join(dir, 'report.html'))
     assert.deepEqual(charts.map((c) => c.id).sort(), [
       'boundary-chart',
       'pool-chart',
@@ -303,10 +327,17 @@ describe('HTML report', () => {
             : 'accepted, fits',
       ]),
     )
+    // Six sizes (slots 0–5): the pool between 384 and 385, the context between 1024 and 1025;
+    // each marker seen in the chart area in its own colour.
+    const limits = boundary.filter((d) => /tokens$/.test(d.label))
     assert.deepEqual(
-      boundary.filter((d) => /tokens$/.test(d.label)).map((d) => d.label),
-      ['KV pool: 384 tokens', 'advertised context: 1024 tokens'],
+      limits.map((d) => [d.label, d.points[0][0]]),
+      [
+        ['KV pool: 384 tokens', 1.5],
+        ['advertised context: 1024 tokens', 4.5],
+      ],
     )
+    for (const d of limits) assert.ok(d.areaPixels > 20, `${d.label}: ${d.areaPixels} pixels`)
 
     // Pool usage: exactly the samples page-leak read, as points, and its baseline.
     const pageLeak = report.findings.find((f) => f.probe === 'page-leak')!.evidence as {
@@ -355,5 +386,95 @@ describe('HTML report', () => {
       assert.ok(!bare.includes(`<canvas id="${id}"`), id)
     }
     assert.match(bare, /LEAK: data crossed tenants/)
+  })
+})
+
+/** A report whose only finding is a boundary one, with these sizes (accepted up to `fitsUpTo`
+ *  tokens, refused past it) and limits. */
+function boundaryReport(
+  promptTokens: readonly number[],
+  fitsUpTo: number,
+  poolTokens: number,
+  contextTokens: number,
+): AuditReport {
+  const sizes = promptTokens.map((t) => ({
+    labels: `${t}`,
+    promptTokens: t,
+    status: t <= fitsUpTo ? 200 : 400,
+    outcome: t <= fitsUpTo ? 'accepted' : 'rejected',
+    mustReject: t > Math.min(poolTokens, contextTokens),
+  }))
+  return {
+    ...handMade,
+    findings: [
+      {
+        ...finding('boundary', 'clean', 'every size over a limit was refused'),
+        evidence: { sizes, poolTokens, contextTokens },
+      },
+    ],
+  }
+}
+
+describe('the boundary chart shows both limits, whatever they are', () => {
+  test('limitMarkers: apart, equal, or between the same two sizes', () => {
+    const sizes = [383, 384, 385, 1023, 1024, 1025]
+    assert.deepEqual(limitMarkers(sizes, 384, 1024), [
+      { label: 'KV pool: 384 tokens', x: 1.5, color: '#6a3d9a' },
+      { label: 'advertised context: 1024 tokens', x: 4.5, color: '#ff7f0e' },
+    ])
+    // Equal: one marker naming both (two would be drawn one over the other).
+    assert.deepEqual(limitMarkers([383, 384, 385], 384, 384), [
+      { label: 'KV pool = context window: 384 tokens', x: 1.5, color: '#6a3d9a' },
+    ])
+    // 384 and 386 both fall between 384 and 390 (slot 1.5): side by side, the smaller left,
+    // 0.24 slots apart.
+    assert.deepEqual(limitMarkers([383, 384, 390], 384, 386), [
+      { label: 'KV pool: 384 tokens', x: 1.38, color: '#6a3d9a' },
+      { label: 'advertised context: 386 tokens', x: 1.62, color: '#ff7f0e' },
+    ])
+    assert.deepEqual(limitMarkers([383, 384, 390], 386, 384), [
+      { label: 'KV pool: 386 tokens', x: 1.62, color: '#6a3d9a' },
+      { label: 'advertised context: 384 tokens', x: 1.38, color: '#ff7f0e' },
+    ])
+    assert.deepEqual(limitMarkers([383, 384], null, 384), [
+      { label: 'advertised context: 384 tokens', x: 1.5, color: '#ff7f0e' },
+    ])
+    assert.deepEqual(limitMarkers([383, 384], null, null), [])
+  })
+
+  test('headless Chromium: pool = context is one labelled marker; two limits between the same sizes are both seen', async (t) => {
+    if (!existsSync(chromium)) {
+      t.skip(`${chromium} is not installed (apt-get install -y chromium)`)
+      return
+    }
+    const dir = await mkdtemp(join(tmpdir(), 'kvfence-limits-'))
+    try {
+      const chartJs = await readChartJs()
+      const limitsOf = async (report: AuditReport, name: string) => {
+        const { charts } = await inChromium(formatHtmlReport(report, chartJs), join(dir, name))
+        const boundary = charts.find((c) => c.id === 'boundary-chart')!.datasets!
+        return boundary
+          .filter((d) => /tokens$/.test(d.label))
+          .map((d) => ({ label: d.label, x: d.points[0][0], areaPixels: d.areaPixels }))
+      }
+      const equal = await limitsOf(boundaryReport([383, 384, 385, 1024], 384, 384, 384), 'eq.html')
+      assert.deepEqual(
+        equal.map((m) => [m.label, m.x]),
+        [['KV pool = context window: 384 tokens', 1.5]],
+      )
+      assert.ok(equal[0].areaPixels > 20, `${equal[0].areaPixels} pixels`)
+      // Was: the context's marker drawn over the pool's at the same x, the pool's unseen.
+      const close = await limitsOf(boundaryReport([383, 384, 390, 1024], 384, 384, 386), 'c.html')
+      assert.deepEqual(
+        close.map((m) => [m.label, m.x]),
+        [
+          ['KV pool: 384 tokens', 1.38],
+          ['advertised context: 386 tokens', 1.62],
+        ],
+      )
+      for (const m of close) assert.ok(m.areaPixels > 20, `${m.label}: ${m.areaPixels} pixels`)
+    } finally {
+      await rm(dir, { recursive: true, force: true })
+    }
   })
 })

@@ -8,8 +8,15 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { describe, test } from 'node:test'
-import { checkAuthorizedTarget, isLoopbackHost, probeNames, probes } from '../../src/audit/index.js'
-import { startStandIn, tenantKeys } from './standins.js'
+import {
+  checkAuthorizedTarget,
+  isLoopbackHost,
+  probeNames,
+  probes,
+  runAudit,
+} from '../../src/audit/index.js'
+import { formatJsonReport } from '../../src/audit/reporters/json.js'
+import { standInTenants, startStandIn, tenantKeys } from './standins.js'
 
 const mainJs = fileURLToPath(new URL('../../src/cli/main.js', import.meta.url))
 
@@ -111,6 +118,54 @@ describe('--plan', () => {
     }
   })
 
+  // --plan ignored --resume and planned the whole audit again.
+  test('--plan --resume plans the resumed run: the pending probes only, the kept ones named', async () => {
+    const standIn = await startStandIn('safe')
+    const dir = await mkdtemp(join(tmpdir(), 'kvfence-plan-resume-'))
+    try {
+      // An audit of boundary and canary interrupted as boundary ends: canary is pending.
+      const stop = new AbortController()
+      const interrupted = await runAudit({
+        target: standIn.url,
+        tenants: standInTenants,
+        seed: 3,
+        probes: ['boundary', 'canary'],
+        signal: stop.signal,
+        onProgress: (e) => void (e.type === 'probe-end' && stop.abort('SIGINT')),
+      })
+      assert.deepEqual(interrupted.pendingProbes, ['canary'])
+      const file = join(dir, 'audit.json')
+      await writeFile(file, formatJsonReport(interrupted))
+      const posts = standIn.stats.paths.filter((p) => p.startsWith('POST')).length
+      const args = ['audit', '--target', standIn.url, ...tenantFlags, '--seed', '3']
+      const plan = await kvfence([
+        ...args,
+        '--probes',
+        'boundary,canary',
+        '--plan',
+        '--resume',
+        file,
+      ])
+      assert.equal(plan.code, 0, plan.stderr)
+      assert.match(plan.stdout, /^resumed: kept from the report, not sent again: boundary$/m)
+      assert.deepEqual(
+        plan.stdout
+          .split('\n')
+          .filter((l) => /^(boundary|canary) /.test(l))
+          .map((l) => l.split(' ')[0]),
+        ['canary'],
+      )
+      assert.equal(standIn.stats.paths.filter((p) => p.startsWith('POST')).length, posts)
+      // A report of another audit (other probes chosen) is refused as the audit itself would.
+      const other = await kvfence([...args, '--probes', 'canary', '--plan', '--resume', file])
+      assert.equal(other.code, 2)
+      assert.match(other.stderr, /^kvfence audit: cannot resume /)
+    } finally {
+      await standIn.close()
+      await rm(dir, { recursive: true, force: true })
+    }
+  })
+
   test('every probe states its plan', () => {
     for (const name of probeNames) assert.equal(typeof probes[name].plan, 'function', name)
   })
@@ -179,6 +234,29 @@ describe('authorized targets', () => {
     } finally {
       await rm(dir, { recursive: true, force: true })
     }
+  })
+
+  // URL drops a scheme's default port: "host:80" read as "any port" (it authorized
+  // http://host:8000), and "host:443" never matched https://host.
+  test("an entry's port is the one it writes, :80 and :443 included; a target without one reaches its scheme's default", () => {
+    const allows = (target: string, entry: string): boolean => {
+      try {
+        checkAuthorizedTarget(target, [entry], false)
+        return true
+      } catch (err) {
+        assert.equal((err as { code?: string }).code, 'unauthorized_target')
+        return false
+      }
+    }
+    assert.equal(allows('https://llm.example.com', 'llm.example.com:443'), true)
+    assert.equal(allows('https://llm.example.com/v1', 'https://llm.example.com:443/v1'), true)
+    assert.equal(allows('http://llm.example.com', 'llm.example.com:80'), true)
+    assert.equal(allows('http://llm.example.com:8000', 'llm.example.com:80'), false)
+    assert.equal(allows('https://llm.example.com:8443', 'llm.example.com:443'), false)
+    assert.equal(allows('http://llm.example.com:443', 'http://llm.example.com:80'), false)
+    assert.equal(allows('http://[2001:db8::1]:8000', '[2001:db8::1]:8000'), true)
+    assert.equal(allows('http://[2001:db8::1]:8001', '[2001:db8::1]:8000'), false)
+    assert.equal(allows('http://[2001:db8::1]:8001', '[2001:DB8:0::1]'), true)
   })
 
   test('loopback is always allowed: 127.0.0.0/8, ::1, localhost', () => {

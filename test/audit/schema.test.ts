@@ -11,6 +11,7 @@ import {
   runAudit,
   type AuditReport,
 } from '../../src/audit/index.js'
+import { jsonFieldOrder } from '../../src/audit/reporters/json.js'
 import { readReportSchema, reportValidator } from './schema-validator.js'
 import { standInTenants, startStandIn, type StandInKind, type StandInOptions } from './standins.js'
 
@@ -95,6 +96,44 @@ describe('docs/report-schema.json', () => {
       }
     })
   }
+
+  // Each object's fields in the order the schema lists them, whatever order the code built it in
+  // (a finding's controls came after its remediation, a completion's isValid before its status).
+  test('every real report, as the file holds it, lists its fields in the order of the schema', () => {
+    const schema = readReportSchema() as {
+      properties: Record<string, { properties?: Record<string, unknown> }>
+      $defs: Record<string, { properties: Record<string, unknown> }>
+    }
+    const defs = schema.$defs
+    const inOrder = (value: object, properties: Record<string, unknown>, where: string): void => {
+      const keys = Object.keys(value)
+      assert.deepEqual(
+        keys,
+        Object.keys(properties).filter((k) => keys.includes(k)),
+        where,
+      )
+    }
+    for (const [name, raw] of Object.entries(reports)) {
+      const report = JSON.parse(formatJsonReport(raw)) as AuditReport
+      inOrder(report, schema.properties, `${name}: the report`)
+      inOrder(report.budget, schema.properties.budget.properties!, `${name}: budget`)
+      for (const run of report.probeRuns) {
+        inOrder(run, defs.probeRun.properties, `${name}: probe run ${run.probe}`)
+        inOrder(run.completions, defs.counts.properties, `${name}: counts of ${run.probe}`)
+      }
+      for (const f of report.findings) inOrder(f, defs.finding.properties, `${name}: a finding`)
+      for (const c of report.completions)
+        inOrder(c, defs.completion.properties, `${name}: a completion`)
+      if (report.toolError) inOrder(report.toolError, schema.properties.toolError.properties!, name)
+      if (report.resumed) inOrder(report.resumed, schema.properties.resumed.properties!, name)
+    }
+    // The code's list is the schema's (so a field added to one is added to the other).
+    assert.deepEqual(jsonFieldOrder.report, Object.keys(schema.properties))
+    assert.deepEqual(jsonFieldOrder.finding, Object.keys(defs.finding.properties))
+    assert.deepEqual(jsonFieldOrder.completion, Object.keys(defs.completion.properties))
+    assert.deepEqual(jsonFieldOrder.probeRun, Object.keys(defs.probeRun.properties))
+    assert.deepEqual(jsonFieldOrder.counts, Object.keys(defs.counts.properties))
+  })
 
   test('the real reports hold what the schema allows: a leak, an availability warning, inconclusive', () => {
     assert.ok(reports.leaky.findings.some((f) => f.verdict === 'leak'))

@@ -21,7 +21,7 @@
  *  the next request (`isAbortLeak`), a bounded batch (`maxBatch`) and queue (`maxQueued`), output
  *  that changes under load (`isLoadSensitive`), errors answered as 200 (`isErrorAs200`) and a
  *  tenant's own rate limit (`rateLimit`), answers that never end (`isEndless`), valid requests
- *  failed with a 5xx (`failValid`), pages an abort holds for a while (`abortHoldMs`) and a
+ *  failed with a 5xx (`failValid`), an engine warming up (`warmUp`), pages an abort holds for a while (`abortHoldMs`) and a
  *  chunked prefill whose aborted pages may be published to a per-tenant prefix cache
  *  (`chunkedPrefill`, see {@link ChunkedPrefill}).
  *  `kvCache` is a cache of answers per whole prompt (its "KV" is the prompt's words), keyed by
@@ -106,6 +106,9 @@ export interface StandInOptions {
   /** Every `every`-th valid completion (1: all) is answered `status` with a server error body
    *  (an engine whose transfer or decode path fails), counted from the first. */
   readonly failValid?: { readonly status: number; readonly every: number }
+  /** The first `numRefused` completions (valid or not) are answered `status` with a body saying
+   *  the model is loading, and the endpoint serves normally after (an engine warming up). */
+  readonly warmUp?: { readonly status: number; readonly numRefused: number }
   /** A completion whose client went away keeps its pages this long (ms) before they are freed
    *  (an abort the engine never hears of, released by a timeout). */
   readonly abortHoldMs?: number
@@ -309,6 +312,7 @@ export async function startStandIn(
   const keys = new Set(Object.values(tenantKeys))
   let numRateLimitedSeen = 0
   let numValidSeen = 0
+  let numWarmUpRefused = 0
   let numRunningCompletions = 0
   const holdTimers = new Set<ReturnType<typeof setTimeout>>()
   const kvCache = options.kvCache ? createKvCache(options.kvCache, poolTokens) : null
@@ -394,6 +398,12 @@ export async function startStandIn(
       return sendJson(res, 404, { error: { message: 'not found', type: 'invalid_request_error' } })
     }
 
+    if (options.warmUp && numWarmUpRefused < options.warmUp.numRefused) {
+      numWarmUpRefused++
+      return sendJson(res, options.warmUp.status, {
+        error: { message: 'the model is loading', type: 'server_error', code: 'model_loading' },
+      })
+    }
     if (kind === 'refusing') {
       return sendJson(res, 400, {
         error: { message: 'model not served', type: 'invalid_request_error', param: 'model' },

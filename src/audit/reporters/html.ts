@@ -44,6 +44,8 @@ export interface PlotData {
     }[]
     readonly poolTokens: number | null
     readonly contextTokens: number | null
+    /** The limits as dashed markers (see {@link limitMarkers}). */
+    readonly markers: readonly LimitMarker[]
   } | null
   /** The page-leak probe's samples: only what was read, never a value between two readings. */
   readonly pool: {
@@ -67,6 +69,61 @@ export interface PlotData {
       readonly isContaminated: boolean
     }[]
   } | null
+}
+
+/** A limit drawn on the boundary chart: a dashed vertical line at `x` (in size slots: the sizes
+ *  are evenly spaced at 0, 1, 2, …), named in the legend by `label`, in `color`. */
+export interface LimitMarker {
+  readonly label: string
+  readonly x: number
+  readonly color: string
+}
+
+/** How far apart (in size slots) two limits that fall between the same two sizes are drawn, so
+ *  that neither hides the other. */
+const markerSpread = 0.24
+
+/** The boundary chart's markers for the KV pool and the advertised context (tokens; null when
+ *  unknown). Each sits between the last size that fits it and the first that does not. A pool
+ *  equal to the context is one marker, `KV pool = context window`; two limits that differ but
+ *  fall between the same two sizes are drawn side by side, the smaller to the left, so that both
+ *  are seen (one used to be drawn over the other, and the pool's marker was lost). */
+export function limitMarkers(
+  promptTokens: readonly number[],
+  poolTokens: number | null,
+  contextTokens: number | null,
+): LimitMarker[] {
+  const slotOf = (tokens: number): number => promptTokens.filter((t) => t <= tokens).length - 0.5
+  if (poolTokens !== null && poolTokens === contextTokens)
+    return [
+      {
+        label: `KV pool = context window: ${poolTokens} tokens`,
+        x: slotOf(poolTokens),
+        color: '#6a3d9a',
+      },
+    ]
+  const markers: LimitMarker[] = []
+  if (poolTokens !== null)
+    markers.push({
+      label: `KV pool: ${poolTokens} tokens`,
+      x: slotOf(poolTokens),
+      color: '#6a3d9a',
+    })
+  if (contextTokens !== null)
+    markers.push({
+      label: `advertised context: ${contextTokens} tokens`,
+      x: slotOf(contextTokens),
+      color: '#ff7f0e',
+    })
+  if (markers.length === 2 && markers[0].x === markers[1].x) {
+    const [pool, context] = markers
+    const isPoolFirst = (poolTokens as number) < (contextTokens as number)
+    return [
+      { ...pool, x: pool.x + (isPoolFirst ? -1 : 1) * (markerSpread / 2) },
+      { ...context, x: context.x + (isPoolFirst ? 1 : -1) * (markerSpread / 2) },
+    ]
+  }
+  return markers
 }
 
 /** Extracts {@link PlotData} from `report`. */
@@ -123,6 +180,11 @@ export function plotData(report: AuditReport): PlotData {
           sizes,
           poolTokens: boundaryEvidence?.poolTokens ?? null,
           contextTokens: boundaryEvidence?.contextTokens ?? null,
+          markers: limitMarkers(
+            sizes.map((s) => s.promptTokens),
+            boundaryEvidence?.poolTokens ?? null,
+            boundaryEvidence?.contextTokens ?? null,
+          ),
         }
 
   const leak = evidenceOf('page-leak') as {
@@ -365,7 +427,7 @@ if (data.ttft) {
 }
 if (data.boundary) {
   // Sizes evenly spaced (pool−1, pool and pool+1 would overlap on a token scale), each limit a
-  // dashed line between the last size that fits it and the first that does not.
+  // dashed line between the last size that fits it and the first that does not (limitMarkers).
   const sizes = data.boundary.sizes;
   const rows = ['refused (4xx)', 'failed (5xx, timeout)', 'accepted (200)'];
   const rowOf = { 'accepted': rows[2], 'accepted-over-limit': rows[2], 'rejected': rows[0], 'failed': rows[1] };
@@ -378,9 +440,7 @@ if (data.boundary) {
   const datasets = kinds
     .map(([meaning, label, color]) => ({ label, data: sizes.map((s, i) => ({ x: i, y: rowOf[s.meaning], s })).filter((d) => d.s.meaning === meaning), borderColor: color, backgroundColor: color, pointRadius: 8, pointStyle: meaning === 'accepted-over-limit' ? 'crossRot' : 'circle', borderWidth: meaning === 'accepted-over-limit' ? 4 : 1 }))
     .filter((d) => d.data.length > 0);
-  const limitAt = (tokens) => sizes.filter((s) => s.promptTokens <= tokens).length - 0.5;
-  if (data.boundary.poolTokens !== null) datasets.push(marker('KV pool: ' + data.boundary.poolTokens + ' tokens', limitAt(data.boundary.poolTokens), [rows[0], rows[2]], '#6a3d9a'));
-  if (data.boundary.contextTokens !== null) datasets.push(marker('advertised context: ' + data.boundary.contextTokens + ' tokens', limitAt(data.boundary.contextTokens), [rows[0], rows[2]], '#ff7f0e'));
+  for (const m of data.boundary.markers) datasets.push(marker(m.label, m.x, [rows[0], rows[2]], m.color));
   new Chart(document.getElementById('boundary-chart'), {
     type: 'scatter',
     data: { datasets },
