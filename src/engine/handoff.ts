@@ -211,24 +211,31 @@ function requestEnding(rid: string, decodeName: string, options: HandoffOptions)
     fail(new KvfenceError('request_aborted', `request ${rid} was aborted by the client`))
   if (signal.aborted) onClientAbort()
   else signal.addEventListener('abort', onClientAbort, { once: true })
+  // One timer per request, not one per event: an event only notes the time it came, and the
+  // timer, when it fires, waits out what is left of the silence since then.
   let idleTimer: NodeJS.Timeout | undefined
+  let lastHeardMs = 0
+  const onIdleTimer = () => {
+    const silentMs = performance.now() - lastHeardMs
+    if (silentMs < idleTimeoutMs!) {
+      idleTimer = setTimeout(onIdleTimer, idleTimeoutMs! - silentMs)
+      return
+    }
+    fail(
+      new KvfenceError(
+        'worker_unavailable',
+        `decode worker ${decodeName} sent nothing for ${idleTimeoutMs} ms (request ${rid})`,
+      ),
+    )
+  }
   return {
     signal: inner.signal,
     fail,
     failure: () => failure,
     touch() {
       if (idleTimeoutMs === undefined) return
-      clearTimeout(idleTimer)
-      idleTimer = setTimeout(
-        () =>
-          fail(
-            new KvfenceError(
-              'worker_unavailable',
-              `decode worker ${decodeName} sent nothing for ${idleTimeoutMs} ms (request ${rid})`,
-            ),
-          ),
-        idleTimeoutMs,
-      )
+      lastHeardMs = performance.now()
+      idleTimer ??= setTimeout(onIdleTimer, idleTimeoutMs)
     },
     dispose(isFinished) {
       clearTimeout(idleTimer)

@@ -141,6 +141,9 @@ interface Transport {
    *  for a decode worker whose `reserved` event does not name it. Refreshed by every
    *  `/server_info` read, dropped on any failure of a request on that worker. */
   readonly transferAddresses: Map<string, Promise<TransferAddress>>
+  /** URL → its request options, parsed once (a URL string costs every request a parse). The
+   *  keys are the workers' few routes, so it stays small. */
+  readonly targets: Map<string, http.RequestOptions>
 }
 
 /** A {@link WorkerClient} over `node:http` with one keep-alive agent. */
@@ -169,6 +172,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     infoTimeoutMs: options.infoTimeoutMs ?? defaultInfoTimeoutMs,
     decodeUrls,
     transferAddresses: new Map(),
+    targets: new Map(),
   }
   const idleTimeoutMs = options.idleTimeoutMs ?? defaultIdleTimeoutMs
   const guardsEnabled = options.guardsEnabled ?? true
@@ -220,7 +224,7 @@ async function serverInfo(t: Transport, url: string, signal?: AbortSignal): Prom
   let res: http.IncomingMessage
   let body: unknown
   try {
-    res = await sendIdempotent(t.agent, `${url}/server_info`, infoSignal(t, signal))
+    res = await sendIdempotent(t, `${url}/server_info`, infoSignal(t, signal))
     body = await readJson(res)
   } catch (err) {
     throw new KvfenceError('worker_unavailable', `worker ${url}/server_info: ${describe(err)}`)
@@ -248,7 +252,7 @@ async function serverInfo(t: Transport, url: string, signal?: AbortSignal): Prom
 
 async function metricsText(t: Transport, url: string, signal?: AbortSignal): Promise<string> {
   try {
-    const res = await sendIdempotent(t.agent, `${url}/metrics`, infoSignal(t, signal))
+    const res = await sendIdempotent(t, `${url}/metrics`, infoSignal(t, signal))
     const text = await readReplyText(res, maxLineBytes)
     if (res.statusCode !== 200) throw new Error(`HTTP ${res.statusCode}`)
     return text
@@ -264,7 +268,7 @@ async function acceptsClusterToken(
 ): Promise<boolean> {
   try {
     const res = await send(
-      t.agent,
+      t,
       `${url}/internal/cluster_token_check`,
       'POST',
       '{}',
@@ -341,7 +345,7 @@ function decodeSide(t: Transport, url: string): DecodeSide {
       let res: http.IncomingMessage
       try {
         ;({ res, isReusedSocket } = await sendOn(
-          t.agent,
+          t,
           `${url}/internal/generate`,
           'POST',
           JSON.stringify(request),
@@ -389,7 +393,7 @@ async function prefill(
   signal: AbortSignal,
 ): Promise<PrefillResult> {
   const res = await send(
-    t.agent,
+    t,
     `${url}/internal/prefill`,
     'POST',
     JSON.stringify(request),
@@ -418,15 +422,16 @@ async function prefill(
  *  connection was reset before any reply (the worker closed it as the request went out). POSTs
  *  are never repeated: a worker may have acted on one. */
 async function sendIdempotent(
-  agent: http.Agent,
+  t: Transport,
   url: string,
   signal: AbortSignal,
 ): Promise<http.IncomingMessage> {
   try {
-    return await send(agent, url, 'GET', null, signal)
+    return await send(t, url, 'GET', null, signal)
   } catch (err) {
     if (!(err instanceof ReusedSocketReset)) throw err
-    return send(false, url, 'GET', null, signal) // a connection of its own, never a pooled one
+    // A connection of its own, never a pooled one.
+    return send(t, url, 'GET', null, signal, {}, false)
   }
 }
 
@@ -439,25 +444,29 @@ class ReusedSocketReset extends Error {
 }
 
 function send(
-  agent: http.Agent | false,
+  t: Transport,
   url: string,
   method: 'GET' | 'POST',
   body: string | null,
   signal: AbortSignal,
   extraHeaders: http.OutgoingHttpHeaders = {},
+  isPooled = true,
 ): Promise<http.IncomingMessage> {
-  return sendOn(agent, url, method, body, signal, extraHeaders).then((sent) => sent.res)
+  return sendOn(t, url, method, body, signal, extraHeaders, isPooled).then((sent) => sent.res)
 }
 
 /** {@link send}, also telling whether the request went out on a reused keep-alive connection. */
 function sendOn(
-  agent: http.Agent | false,
+  t: Transport,
   url: string,
   method: 'GET' | 'POST',
   body: string | null,
   signal: AbortSignal,
   extraHeaders: http.OutgoingHttpHeaders = {},
+  isPooled = true,
 ): Promise<{ res: http.IncomingMessage; isReusedSocket: boolean }> {
+  const agent = isPooled ? t.agent : false
+  const target = targetOf(t, url)
   return new Promise((resolve, reject) => {
     const headers: http.OutgoingHttpHeaders = { accept: 'application/json', ...extraHeaders }
     if (body !== null) {
@@ -465,7 +474,7 @@ function sendOn(
       headers['content-length'] = Buffer.byteLength(body)
     }
     const request = url.startsWith('https:') ? https.request : http.request
-    const req = request(url, { method, agent, signal, headers }, (res) =>
+    const req = request({ ...target, method, agent, signal, headers }, (res) =>
       resolve({ res, isReusedSocket: req.reusedSocket }),
     )
     req.on('error', (err: NodeJS.ErrnoException) =>
@@ -473,6 +482,22 @@ function sendOn(
     )
     req.end(body ?? undefined)
   })
+}
+
+/** `url`'s request options (protocol, host, port, path), parsed on first use. */
+function targetOf(t: Transport, url: string): http.RequestOptions {
+  let target = t.targets.get(url)
+  if (target === undefined) {
+    const parsed = new URL(url)
+    target = {
+      protocol: parsed.protocol,
+      hostname: hostOf(url),
+      port: parsed.port,
+      path: `${parsed.pathname}${parsed.search}`,
+    }
+    t.targets.set(url, target)
+  }
+  return target
 }
 
 async function readJson(res: http.IncomingMessage): Promise<unknown> {
