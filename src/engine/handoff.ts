@@ -87,6 +87,9 @@ export interface HandoffOptions {
   /** Longest silence from D (no event, counted from before its request starts), in ms; the
    *  request then fails with `worker_unavailable`. Absent = no limit. */
   idleTimeoutMs?: number
+  /** Hears the error the hand-off is about to throw (before it is thrown): a transport's own
+   *  bookkeeping, without a generator layer of its own around every token. */
+  onFailure?: (error: KvfenceError) => void
 }
 
 /** An error a worker reported (its error reply or an `error` event). Its message names the worker
@@ -179,7 +182,9 @@ export async function* handOff(
     isFinished = true // both sides have ended: nothing left to abort
     yield doneEvent(done, result, guardsEnabled, rid, prefill.name)
   } catch (err) {
-    throw ending.failure() ?? asKvfenceError(err, `decode worker ${decode.name}`)
+    const error = ending.failure() ?? asKvfenceError(err, `decode worker ${decode.name}`)
+    options.onFailure?.(error)
+    throw error
   } finally {
     ending.dispose(isFinished)
   }

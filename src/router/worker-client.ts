@@ -31,6 +31,7 @@ import { KvfenceError, isErrorCode } from '../errors.js'
 import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../tls.js'
 import type { WorkerReport } from './capacity.js'
 import { readReplyText } from './http.js'
+import { ndjsonLines } from './ndjson-lines.js'
 
 export { WorkerReportedError, type GenerationEvent }
 
@@ -319,20 +320,21 @@ function transferAddress(
 /** {@link handOff} on one decode and one prefill worker. Any failure but the client's own abort
  *  or a full pool may mean the decode worker restarted elsewhere: its cached transfer address is
  *  then dropped, to be read afresh next time. */
-async function* generateOn(
+function generateOn(
   t: Transport,
   decodeUrl: string,
   prefillUrl: string,
   request: GenerateRequest,
   options: HandoffOptions,
 ): AsyncGenerator<GenerationEvent, void> {
-  try {
-    yield* handOff(request, decodeSide(t, decodeUrl), prefillSide(t, prefillUrl), options)
-  } catch (err) {
-    const isClientAbort = err instanceof KvfenceError && err.code === 'request_aborted'
+  const onFailure = (err: KvfenceError) => {
+    const isClientAbort = err.code === 'request_aborted'
     if (!isClientAbort && !(err instanceof PoolFullError)) t.transferAddresses.delete(decodeUrl)
-    throw err
   }
+  return handOff(request, decodeSide(t, decodeUrl), prefillSide(t, prefillUrl), {
+    ...options,
+    onFailure,
+  })
 }
 
 /** The decode worker at `url` for one request: `POST /internal/generate`, its NDJSON events.
@@ -341,30 +343,32 @@ function decodeSide(t: Transport, url: string): DecodeSide {
   let isReusedSocket = false
   return {
     name: url,
-    async *generate(request, signal) {
-      let res: http.IncomingMessage
-      try {
-        ;({ res, isReusedSocket } = await sendOn(
-          t,
-          `${url}/internal/generate`,
-          'POST',
-          JSON.stringify(request),
-          signal,
-          t.controlHeaders,
-        ))
-      } catch (err) {
-        throw new KvfenceError('worker_unavailable', `decode worker ${url}: ${describe(err)}`)
+    // Not a generator: the reply's lines go straight to the hand-off (see ndjson-lines.ts).
+    generate(request, signal) {
+      let events: AsyncIterableIterator<DecodeEvent> | null = null
+      let ready: Promise<void> | null = null // the request goes out on the first pull
+      const start = () =>
+        startGenerate(t, url, request, signal).then((started) => {
+          isReusedSocket = started.isReusedSocket
+          events = ndjsonLines(started.res, {
+            parse: (line) => parseEvent(line, url),
+            maxLineChars: maxLineBytes,
+            tooLong: () =>
+              new KvfenceError(
+                'internal_error',
+                `decode worker ${url} sent a line over ${maxLineBytes} bytes`,
+              ),
+            asError: (err) => asKvfenceError(err, `decode worker ${url}`),
+          })
+        })
+      const iterator: AsyncIterableIterator<DecodeEvent> = {
+        next: () =>
+          events !== null ? events.next() : (ready ??= start()).then(() => events!.next()),
+        return: () =>
+          events !== null ? events.return!() : Promise.resolve({ value: undefined, done: true }),
+        [Symbol.asyncIterator]: () => iterator,
       }
-      if (res.statusCode !== 200) {
-        const body = await readJson(res).catch(() => null)
-        const error = workerError('decode', url, res.statusCode, body)
-        throw error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
-      }
-      try {
-        yield* decodeEvents(res, url)
-      } catch (err) {
-        throw asKvfenceError(err, `decode worker ${url}`)
-      }
+      return iterator
     },
     transferAddress(reserved, signal) {
       // A new connection may be to a decode worker restarted since its address was cached.
@@ -372,6 +376,36 @@ function decodeSide(t: Transport, url: string): DecodeSide {
       return transferAddress(t, url, reserved, signal)
     },
   }
+}
+
+/** `POST /internal/generate` on the decode worker at `url`, its reply begun with 200. Throws
+ *  `worker_unavailable` when it cannot be sent, and the worker's refusal otherwise (a
+ *  {@link PoolFullError} for `capacity_exhausted`). */
+async function startGenerate(
+  t: Transport,
+  url: string,
+  request: GenerateRequest,
+  signal: AbortSignal,
+): Promise<{ res: http.IncomingMessage; isReusedSocket: boolean }> {
+  let sent: { res: http.IncomingMessage; isReusedSocket: boolean }
+  try {
+    sent = await sendOn(
+      t,
+      `${url}/internal/generate`,
+      'POST',
+      JSON.stringify(request),
+      signal,
+      t.controlHeaders,
+    )
+  } catch (err) {
+    throw new KvfenceError('worker_unavailable', `decode worker ${url}: ${describe(err)}`)
+  }
+  if (sent.res.statusCode !== 200) {
+    const body = await readJson(sent.res).catch(() => null)
+    const error = workerError('decode', url, sent.res.statusCode, body)
+    throw error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
+  }
+  return sent
 }
 
 /** The prefill worker at `url`: `POST /internal/prefill`, its parsed result. A refusal with
@@ -507,28 +541,6 @@ async function readJson(res: http.IncomingMessage): Promise<unknown> {
   } catch {
     throw new Error(`reply is not JSON (HTTP ${res.statusCode})`)
   }
-}
-
-/** The decode worker's NDJSON stream, one parsed event per line. */
-async function* decodeEvents(res: http.IncomingMessage, url: string): AsyncGenerator<DecodeEvent> {
-  res.setEncoding('utf8')
-  let pending = ''
-  for await (const chunk of res as AsyncIterable<string>) {
-    pending += chunk
-    let newline: number
-    while ((newline = pending.indexOf('\n')) !== -1) {
-      const line = pending.slice(0, newline).trim()
-      pending = pending.slice(newline + 1)
-      if (line !== '') yield parseEvent(line, url)
-    }
-    if (pending.length > maxLineBytes) {
-      throw new KvfenceError(
-        'internal_error',
-        `decode worker ${url} sent a line over ${maxLineBytes} bytes`,
-      )
-    }
-  }
-  if (pending.trim() !== '') yield parseEvent(pending.trim(), url)
 }
 
 function parseEvent(line: string, url: string): DecodeEvent {
