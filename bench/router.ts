@@ -63,6 +63,8 @@ interface Endpoints {
 }
 
 const prompt = 'Hello, workers!' // 15 characters: 16 prompt tokens with BOS
+/** How long the clients keep an idle pooled connection, ms: below the servers' keep-alive. */
+const idleSocketMs = 2_000
 const maxTokens = 15
 
 /** Runs the benchmark and returns its JSON. */
@@ -82,7 +84,10 @@ export async function benchRouter(args: string[]): Promise<object> {
       child.once('message', (m) => resolve(m as Endpoints))
       child.once('exit', (code) => reject(new Error(`stand-in process exited with ${code}`)))
     })
-    const agent = new http.Agent({ keepAlive: true, maxSockets: Infinity })
+    // Idle pooled connections are closed here before the servers' keep-alive timeout (Node's 5 s)
+    // closes them: else a request sent as the server closes one fails with ECONNRESET (seen at
+    // load average 25, where a turn of the loop can take seconds).
+    const agent = new http.Agent({ keepAlive: true, maxSockets: Infinity, timeout: idleSocketMs })
     const viaRouter = () => routerRequest(agent, endpoints, false)
     const direct = () => directRequest(agent, endpoints)
 
@@ -182,6 +187,7 @@ async function benchHttps(
   const httpsAgent = new https.Agent({
     keepAlive: true,
     maxSockets: Infinity,
+    timeout: idleSocketMs,
     ca: readFileSync(join(certs, 'ca.crt')),
   })
   const viaHttps = () => routerRequest(httpsAgent, { ...e, routerUrl: e.httpsRouterUrl }, false)
@@ -321,6 +327,7 @@ async function directRequest(agent: http.Agent, e: Endpoints): Promise<void> {
         prefill = post(agent, `${e.prefillUrl}/internal/prefill`, body)
           .then(readAll)
           .then(() => {})
+        prefill.catch(() => {}) // awaited below: not an unhandled rejection meanwhile
       } else if (event.type === 'done') isDone = true
     }
   }

@@ -87,6 +87,9 @@ export interface HandoffOptions {
   /** Longest silence from D (no event, counted from before its request starts), in ms; the
    *  request then fails with `worker_unavailable`. Absent = no limit. */
   idleTimeoutMs?: number
+  /** Hears the error the hand-off is about to throw (before it is thrown): a transport's own
+   *  bookkeeping, without a generator layer of its own around every token. */
+  onFailure?: (error: KvfenceError) => void
 }
 
 /** An error a worker reported (its error reply or an `error` event). Its message names the worker
@@ -179,7 +182,9 @@ export async function* handOff(
     isFinished = true // both sides have ended: nothing left to abort
     yield doneEvent(done, result, guardsEnabled, rid, prefill.name)
   } catch (err) {
-    throw ending.failure() ?? asKvfenceError(err, `decode worker ${decode.name}`)
+    const error = ending.failure() ?? asKvfenceError(err, `decode worker ${decode.name}`)
+    options.onFailure?.(error)
+    throw error
   } finally {
     ending.dispose(isFinished)
   }
@@ -211,24 +216,31 @@ function requestEnding(rid: string, decodeName: string, options: HandoffOptions)
     fail(new KvfenceError('request_aborted', `request ${rid} was aborted by the client`))
   if (signal.aborted) onClientAbort()
   else signal.addEventListener('abort', onClientAbort, { once: true })
+  // One timer per request, not one per event: an event only notes the time it came, and the
+  // timer, when it fires, waits out what is left of the silence since then.
   let idleTimer: NodeJS.Timeout | undefined
+  let lastHeardMs = 0
+  const onIdleTimer = () => {
+    const silentMs = performance.now() - lastHeardMs
+    if (silentMs < idleTimeoutMs!) {
+      idleTimer = setTimeout(onIdleTimer, idleTimeoutMs! - silentMs)
+      return
+    }
+    fail(
+      new KvfenceError(
+        'worker_unavailable',
+        `decode worker ${decodeName} sent nothing for ${idleTimeoutMs} ms (request ${rid})`,
+      ),
+    )
+  }
   return {
     signal: inner.signal,
     fail,
     failure: () => failure,
     touch() {
       if (idleTimeoutMs === undefined) return
-      clearTimeout(idleTimer)
-      idleTimer = setTimeout(
-        () =>
-          fail(
-            new KvfenceError(
-              'worker_unavailable',
-              `decode worker ${decodeName} sent nothing for ${idleTimeoutMs} ms (request ${rid})`,
-            ),
-          ),
-        idleTimeoutMs,
-      )
+      lastHeardMs = performance.now()
+      idleTimer ??= setTimeout(onIdleTimer, idleTimeoutMs)
     },
     dispose(isFinished) {
       clearTimeout(idleTimer)

@@ -55,6 +55,18 @@ export interface Tokenizer {
    *  strip or merge it) — or null when nothing is lost. Always null for a byte-level or
    *  byte-fallback tokenizer, which represents any text. */
   firstLostCharacter(text: string): string | null
+  /** {@link encode}'s ids of `text` and {@link firstLostCharacter}'s answer for it, from one
+   *  encoding of the text where the tokenizer allows (the special tokens added around the text
+   *  are then the ones `encode` adds); a tokenizer that represents any text is not checked. */
+  encodeChecked(text: string, options?: EncodeOptions): CheckedEncoding
+}
+
+/** What {@link Tokenizer.encodeChecked} returns. */
+export interface CheckedEncoding {
+  /** As {@link Tokenizer.encode} gives them. */
+  ids: number[]
+  /** As {@link Tokenizer.firstLostCharacter} gives it. */
+  lost: string | null
 }
 
 /** `invalid_request` (param `param`) for text the tokenizer would silently drop characters of:
@@ -97,11 +109,25 @@ export function loadTokenizer(dir: string): Tokenizer {
   const template = compileChatTemplate(config.chat_template, dir)
 
   const losesNoText = representsAnyText(tokenizerJson)
+  const around = addBos === null && addEos === null ? specialTokensAround(hf) : null
   let maxId = -1
   let maxTokenChars = 1
   for (const [text, id] of hf.get_vocab(true)) {
     maxId = Math.max(maxId, id)
     maxTokenChars = Math.max(maxTokenChars, text.length)
+  }
+
+  /** `bare` (the text's ids alone) with BOS/EOS as `add_bos_token`/`add_eos_token` say. */
+  const withConfiguredSpecials = (bare: number[]): number[] => {
+    if (addBos && bosTokenId !== null) bare.unshift(bosTokenId)
+    if (addEos && eosTokenId !== null) bare.push(eosTokenId)
+    return bare
+  }
+  /** The first character of `text` its ids `bare` do not give back (see firstLostCharacter). */
+  const lostIn = (text: string, bare: number[]): string | null => {
+    const normalized = hf.normalizer === null ? text : hf.normalizer.normalize(text)
+    const decoded = bare.length === 0 ? '' : hf.decode(bare, { skip_special_tokens: false })
+    return firstMissing(normalized, decoded)
   }
 
   return Object.freeze({
@@ -117,18 +143,22 @@ export function loadTokenizer(dir: string): Tokenizer {
       if (!withSpecial || (addBos === null && addEos === null)) {
         return hf.encode(text, { add_special_tokens: withSpecial }).ids
       }
-      const ids = hf.encode(text, { add_special_tokens: false }).ids
-      if (addBos && bosTokenId !== null) ids.unshift(bosTokenId)
-      if (addEos && eosTokenId !== null) ids.push(eosTokenId)
-      return ids
+      return withConfiguredSpecials(hf.encode(text, { add_special_tokens: false }).ids)
     },
 
     firstLostCharacter(text: string): string | null {
       if (losesNoText) return null
-      const normalized = hf.normalizer === null ? text : hf.normalizer.normalize(text)
-      const ids = hf.encode(text, { add_special_tokens: false }).ids
-      const decoded = ids.length === 0 ? '' : hf.decode(ids, { skip_special_tokens: false })
-      return firstMissing(normalized, decoded)
+      return lostIn(text, hf.encode(text, { add_special_tokens: false }).ids)
+    },
+
+    encodeChecked(text: string, options: EncodeOptions = {}): CheckedEncoding {
+      if (losesNoText) return { ids: this.encode(text, options), lost: null }
+      const bare = hf.encode(text, { add_special_tokens: false }).ids
+      const lost = lostIn(text, bare)
+      if (!(options.addSpecialTokens ?? true)) return { ids: bare, lost }
+      if (addBos !== null || addEos !== null) return { ids: withConfiguredSpecials(bare), lost }
+      if (around !== null) return { ids: [...around.prefix, ...bare, ...around.suffix], lost }
+      return { ids: this.encode(text, options), lost } // a post-processor of unknown shape
     },
 
     decode(ids: readonly number[], options: DecodeOptions = {}): string {
@@ -247,6 +277,42 @@ function representsAnyText(json: Record<string, unknown>): boolean {
     mentionsByteLevel(json.pre_tokenizer) ||
     mentionsByteLevel(json.decoder)
   )
+}
+
+/** The special tokens the tokenizer's post-processor puts before and after a single text (e.g.
+ *  TemplateProcessing's `<s>` … `</s>`, BERT's `[CLS]` … `[SEP]`; none for a byte-level one),
+ *  when they are the same whatever the text: found by encoding probe texts with and without
+ *  special tokens. Null when they are not (such a post-processor's ids are then always taken
+ *  from a full encoding). */
+function specialTokensAround(hf: HfTokenizer): { prefix: number[]; suffix: number[] } | null {
+  const encode = (text: string, withSpecial: boolean) =>
+    hf.encode(text, { add_special_tokens: withSpecial }).ids
+  let found: { prefix: number[]; suffix: number[] } | null = null
+  for (const probe of ['a', 'Hello, world! 12 ab']) {
+    const full = encode(probe, true)
+    const bare = encode(probe, false)
+    const at = bare.length === 0 ? -1 : indexOfRun(full, bare)
+    if (at === -1) return null
+    const parts = { prefix: full.slice(0, at), suffix: full.slice(at + bare.length) }
+    if (found === null) found = parts
+    else if (!sameIds(found.prefix, parts.prefix) || !sameIds(found.suffix, parts.suffix))
+      return null
+  }
+  // The empty text too: nothing between them.
+  if (found === null || !sameIds(encode('', true), [...found.prefix, ...found.suffix])) return null
+  return found
+}
+
+/** Where `run` first occurs in `ids` as a contiguous run (0 for an empty run), or -1. */
+function indexOfRun(ids: readonly number[], run: readonly number[]): number {
+  for (let at = 0; at + run.length <= ids.length; at++) {
+    if (run.every((id, i) => ids[at + i] === id)) return at
+  }
+  return -1
+}
+
+function sameIds(a: readonly number[], b: readonly number[]): boolean {
+  return a.length === b.length && a.every((id, i) => b[i] === id)
 }
 
 /** The first non-whitespace character of `want` that `got` does not give back in order, or null. */

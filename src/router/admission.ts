@@ -12,8 +12,21 @@ export function chatPromptTokenIds(
   messages: readonly ChatMessage[],
 ): number[] {
   const text = tokenizer.applyChatTemplate(messages)
-  const hasBos = tokenizer.bosToken !== null && text.startsWith(tokenizer.bosToken)
-  return tokenizer.encode(text, { addSpecialTokens: !hasBos })
+  return tokenizer.encode(text, { addSpecialTokens: !hasLeadingBos(tokenizer, text) })
+}
+
+/** Whether a chat template's `text` already begins with the BOS token (so the encoder must not
+ *  add another). */
+export function hasLeadingBos(tokenizer: Tokenizer, text: string): boolean {
+  return tokenizer.bosToken !== null && text.startsWith(tokenizer.bosToken)
+}
+
+/** `ids` of a completion's text, refused (`invalid_request`, param `prompt`) when there are none. */
+export function checkedNotEmpty(ids: number[]): number[] {
+  if (ids.length === 0) {
+    throw new KvfenceError('invalid_request', 'prompt encodes to no tokens', 'prompt')
+  }
+  return ids
 }
 
 /** Prompt token ids of a completion: the text encoded (BOS per the tokenizer), or the client's
@@ -22,13 +35,7 @@ export function completionPromptTokenIds(
   tokenizer: Tokenizer,
   prompt: { text: string } | { tokenIds: number[] },
 ): number[] {
-  if ('text' in prompt) {
-    const ids = tokenizer.encode(prompt.text)
-    if (ids.length === 0) {
-      throw new KvfenceError('invalid_request', 'prompt encodes to no tokens', 'prompt')
-    }
-    return ids
-  }
+  if ('text' in prompt) return checkedNotEmpty(tokenizer.encode(prompt.text))
   const bad = prompt.tokenIds.find((id) => id >= tokenizer.vocabSize)
   if (bad !== undefined) {
     throw new KvfenceError(

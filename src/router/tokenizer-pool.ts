@@ -10,7 +10,7 @@ import { availableParallelism } from 'node:os'
 import { Worker } from 'node:worker_threads'
 import { KvfenceError, isErrorCode } from '../errors.js'
 import { type Tokenizer, unrepresentableTextError } from '../model/tokenizer.js'
-import { promptTokenIds } from './admission.js'
+import { checkedNotEmpty, completionPromptTokenIds, hasLeadingBos } from './admission.js'
 import type { ParsedRequest } from './schemas.js'
 
 /** Tokenizes prompts; see the module's header. */
@@ -45,19 +45,38 @@ export const defaultNumThreads = Math.max(1, Math.min(2, availableParallelism() 
  *  answer's event) costs as much as tokenizing inline (measured: see the commit that set it). */
 export const defaultInlineMaxChars = 512
 
-/** A prompt's ids with its lost text refused: what the threads (and inline calls) run. */
+/** A prompt's ids with its lost text refused: what the threads (and inline calls) run. The text
+ *  is encoded once: the ids the workers get are the ones the check decoded (a chat's rendered
+ *  prompt is checked whole; only when it loses a character are the messages checked one by one,
+ *  to name the one that holds it). */
 export function checkedPromptTokenIds(tokenizer: Tokenizer, parsed: ParsedRequest): number[] {
-  const texts: [string, string][] =
-    parsed.endpoint === 'chat'
-      ? parsed.messages.map((m, i) => [`messages[${i}].content`, m.content])
-      : 'text' in parsed.prompt
-        ? [['prompt', parsed.prompt.text]]
-        : []
-  for (const [param, text] of texts) {
-    const lost = tokenizer.firstLostCharacter(text)
-    if (lost !== null) throw unrepresentableTextError(lost, param)
+  if (parsed.endpoint === 'chat') {
+    const text = tokenizer.applyChatTemplate(parsed.messages)
+    const { ids, lost } = tokenizer.encodeChecked(text, {
+      addSpecialTokens: !hasLeadingBos(tokenizer, text),
+    })
+    if (lost !== null) throw lostInMessages(tokenizer, parsed.messages, lost)
+    return ids
   }
-  return promptTokenIds(tokenizer, parsed)
+  if (!('text' in parsed.prompt)) return completionPromptTokenIds(tokenizer, parsed.prompt)
+  const { ids, lost } = tokenizer.encodeChecked(parsed.prompt.text)
+  if (lost !== null) throw unrepresentableTextError(lost, 'prompt')
+  return checkedNotEmpty(ids)
+}
+
+/** The error for a chat whose rendered prompt loses `lost`: the first message that loses a
+ *  character on its own is named, as the character it loses; else (lost only in context, or in
+ *  the template's own text) the messages as a whole. */
+function lostInMessages(
+  tokenizer: Tokenizer,
+  messages: readonly { content: string }[],
+  lost: string,
+): KvfenceError {
+  for (const [i, m] of messages.entries()) {
+    const first = tokenizer.firstLostCharacter(m.content)
+    if (first !== null) return unrepresentableTextError(first, `messages[${i}].content`)
+  }
+  return unrepresentableTextError(lost, 'messages')
 }
 
 /** A message from a thread: the ids of job `id`, or the error it threw. */

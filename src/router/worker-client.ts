@@ -31,6 +31,7 @@ import { KvfenceError, isErrorCode } from '../errors.js'
 import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../tls.js'
 import type { WorkerReport } from './capacity.js'
 import { readReplyText } from './http.js'
+import { ndjsonLines } from './ndjson-lines.js'
 
 export { WorkerReportedError, type GenerationEvent }
 
@@ -141,6 +142,9 @@ interface Transport {
    *  for a decode worker whose `reserved` event does not name it. Refreshed by every
    *  `/server_info` read, dropped on any failure of a request on that worker. */
   readonly transferAddresses: Map<string, Promise<TransferAddress>>
+  /** URL → its request options, parsed once (a URL string costs every request a parse). The
+   *  keys are the workers' few routes, so it stays small. */
+  readonly targets: Map<string, http.RequestOptions>
 }
 
 /** A {@link WorkerClient} over `node:http` with one keep-alive agent. */
@@ -169,6 +173,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     infoTimeoutMs: options.infoTimeoutMs ?? defaultInfoTimeoutMs,
     decodeUrls,
     transferAddresses: new Map(),
+    targets: new Map(),
   }
   const idleTimeoutMs = options.idleTimeoutMs ?? defaultIdleTimeoutMs
   const guardsEnabled = options.guardsEnabled ?? true
@@ -220,7 +225,7 @@ async function serverInfo(t: Transport, url: string, signal?: AbortSignal): Prom
   let res: http.IncomingMessage
   let body: unknown
   try {
-    res = await sendIdempotent(t.agent, `${url}/server_info`, infoSignal(t, signal))
+    res = await sendIdempotent(t, `${url}/server_info`, infoSignal(t, signal))
     body = await readJson(res)
   } catch (err) {
     throw new KvfenceError('worker_unavailable', `worker ${url}/server_info: ${describe(err)}`)
@@ -248,7 +253,7 @@ async function serverInfo(t: Transport, url: string, signal?: AbortSignal): Prom
 
 async function metricsText(t: Transport, url: string, signal?: AbortSignal): Promise<string> {
   try {
-    const res = await sendIdempotent(t.agent, `${url}/metrics`, infoSignal(t, signal))
+    const res = await sendIdempotent(t, `${url}/metrics`, infoSignal(t, signal))
     const text = await readReplyText(res, maxLineBytes)
     if (res.statusCode !== 200) throw new Error(`HTTP ${res.statusCode}`)
     return text
@@ -264,7 +269,7 @@ async function acceptsClusterToken(
 ): Promise<boolean> {
   try {
     const res = await send(
-      t.agent,
+      t,
       `${url}/internal/cluster_token_check`,
       'POST',
       '{}',
@@ -315,20 +320,21 @@ function transferAddress(
 /** {@link handOff} on one decode and one prefill worker. Any failure but the client's own abort
  *  or a full pool may mean the decode worker restarted elsewhere: its cached transfer address is
  *  then dropped, to be read afresh next time. */
-async function* generateOn(
+function generateOn(
   t: Transport,
   decodeUrl: string,
   prefillUrl: string,
   request: GenerateRequest,
   options: HandoffOptions,
 ): AsyncGenerator<GenerationEvent, void> {
-  try {
-    yield* handOff(request, decodeSide(t, decodeUrl), prefillSide(t, prefillUrl), options)
-  } catch (err) {
-    const isClientAbort = err instanceof KvfenceError && err.code === 'request_aborted'
+  const onFailure = (err: KvfenceError) => {
+    const isClientAbort = err.code === 'request_aborted'
     if (!isClientAbort && !(err instanceof PoolFullError)) t.transferAddresses.delete(decodeUrl)
-    throw err
   }
+  return handOff(request, decodeSide(t, decodeUrl), prefillSide(t, prefillUrl), {
+    ...options,
+    onFailure,
+  })
 }
 
 /** The decode worker at `url` for one request: `POST /internal/generate`, its NDJSON events.
@@ -337,30 +343,32 @@ function decodeSide(t: Transport, url: string): DecodeSide {
   let isReusedSocket = false
   return {
     name: url,
-    async *generate(request, signal) {
-      let res: http.IncomingMessage
-      try {
-        ;({ res, isReusedSocket } = await sendOn(
-          t.agent,
-          `${url}/internal/generate`,
-          'POST',
-          JSON.stringify(request),
-          signal,
-          t.controlHeaders,
-        ))
-      } catch (err) {
-        throw new KvfenceError('worker_unavailable', `decode worker ${url}: ${describe(err)}`)
+    // Not a generator: the reply's lines go straight to the hand-off (see ndjson-lines.ts).
+    generate(request, signal) {
+      let events: AsyncIterableIterator<DecodeEvent> | null = null
+      let ready: Promise<void> | null = null // the request goes out on the first pull
+      const start = () =>
+        startGenerate(t, url, request, signal).then((started) => {
+          isReusedSocket = started.isReusedSocket
+          events = ndjsonLines(started.res, {
+            parse: (line) => parseEvent(line, url),
+            maxLineChars: maxLineBytes,
+            tooLong: () =>
+              new KvfenceError(
+                'internal_error',
+                `decode worker ${url} sent a line over ${maxLineBytes} bytes`,
+              ),
+            asError: (err) => asKvfenceError(err, `decode worker ${url}`),
+          })
+        })
+      const iterator: AsyncIterableIterator<DecodeEvent> = {
+        next: () =>
+          events !== null ? events.next() : (ready ??= start()).then(() => events!.next()),
+        return: () =>
+          events !== null ? events.return!() : Promise.resolve({ value: undefined, done: true }),
+        [Symbol.asyncIterator]: () => iterator,
       }
-      if (res.statusCode !== 200) {
-        const body = await readJson(res).catch(() => null)
-        const error = workerError('decode', url, res.statusCode, body)
-        throw error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
-      }
-      try {
-        yield* decodeEvents(res, url)
-      } catch (err) {
-        throw asKvfenceError(err, `decode worker ${url}`)
-      }
+      return iterator
     },
     transferAddress(reserved, signal) {
       // A new connection may be to a decode worker restarted since its address was cached.
@@ -368,6 +376,36 @@ function decodeSide(t: Transport, url: string): DecodeSide {
       return transferAddress(t, url, reserved, signal)
     },
   }
+}
+
+/** `POST /internal/generate` on the decode worker at `url`, its reply begun with 200. Throws
+ *  `worker_unavailable` when it cannot be sent, and the worker's refusal otherwise (a
+ *  {@link PoolFullError} for `capacity_exhausted`). */
+async function startGenerate(
+  t: Transport,
+  url: string,
+  request: GenerateRequest,
+  signal: AbortSignal,
+): Promise<{ res: http.IncomingMessage; isReusedSocket: boolean }> {
+  let sent: { res: http.IncomingMessage; isReusedSocket: boolean }
+  try {
+    sent = await sendOn(
+      t,
+      `${url}/internal/generate`,
+      'POST',
+      JSON.stringify(request),
+      signal,
+      t.controlHeaders,
+    )
+  } catch (err) {
+    throw new KvfenceError('worker_unavailable', `decode worker ${url}: ${describe(err)}`)
+  }
+  if (sent.res.statusCode !== 200) {
+    const body = await readJson(sent.res).catch(() => null)
+    const error = workerError('decode', url, sent.res.statusCode, body)
+    throw error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
+  }
+  return sent
 }
 
 /** The prefill worker at `url`: `POST /internal/prefill`, its parsed result. A refusal with
@@ -389,7 +427,7 @@ async function prefill(
   signal: AbortSignal,
 ): Promise<PrefillResult> {
   const res = await send(
-    t.agent,
+    t,
     `${url}/internal/prefill`,
     'POST',
     JSON.stringify(request),
@@ -418,15 +456,16 @@ async function prefill(
  *  connection was reset before any reply (the worker closed it as the request went out). POSTs
  *  are never repeated: a worker may have acted on one. */
 async function sendIdempotent(
-  agent: http.Agent,
+  t: Transport,
   url: string,
   signal: AbortSignal,
 ): Promise<http.IncomingMessage> {
   try {
-    return await send(agent, url, 'GET', null, signal)
+    return await send(t, url, 'GET', null, signal)
   } catch (err) {
     if (!(err instanceof ReusedSocketReset)) throw err
-    return send(false, url, 'GET', null, signal) // a connection of its own, never a pooled one
+    // A connection of its own, never a pooled one.
+    return send(t, url, 'GET', null, signal, {}, false)
   }
 }
 
@@ -439,25 +478,29 @@ class ReusedSocketReset extends Error {
 }
 
 function send(
-  agent: http.Agent | false,
+  t: Transport,
   url: string,
   method: 'GET' | 'POST',
   body: string | null,
   signal: AbortSignal,
   extraHeaders: http.OutgoingHttpHeaders = {},
+  isPooled = true,
 ): Promise<http.IncomingMessage> {
-  return sendOn(agent, url, method, body, signal, extraHeaders).then((sent) => sent.res)
+  return sendOn(t, url, method, body, signal, extraHeaders, isPooled).then((sent) => sent.res)
 }
 
 /** {@link send}, also telling whether the request went out on a reused keep-alive connection. */
 function sendOn(
-  agent: http.Agent | false,
+  t: Transport,
   url: string,
   method: 'GET' | 'POST',
   body: string | null,
   signal: AbortSignal,
   extraHeaders: http.OutgoingHttpHeaders = {},
+  isPooled = true,
 ): Promise<{ res: http.IncomingMessage; isReusedSocket: boolean }> {
+  const agent = isPooled ? t.agent : false
+  const target = targetOf(t, url)
   return new Promise((resolve, reject) => {
     const headers: http.OutgoingHttpHeaders = { accept: 'application/json', ...extraHeaders }
     if (body !== null) {
@@ -465,7 +508,7 @@ function sendOn(
       headers['content-length'] = Buffer.byteLength(body)
     }
     const request = url.startsWith('https:') ? https.request : http.request
-    const req = request(url, { method, agent, signal, headers }, (res) =>
+    const req = request({ ...target, method, agent, signal, headers }, (res) =>
       resolve({ res, isReusedSocket: req.reusedSocket }),
     )
     req.on('error', (err: NodeJS.ErrnoException) =>
@@ -475,6 +518,22 @@ function sendOn(
   })
 }
 
+/** `url`'s request options (protocol, host, port, path), parsed on first use. */
+function targetOf(t: Transport, url: string): http.RequestOptions {
+  let target = t.targets.get(url)
+  if (target === undefined) {
+    const parsed = new URL(url)
+    target = {
+      protocol: parsed.protocol,
+      hostname: hostOf(url),
+      port: parsed.port,
+      path: `${parsed.pathname}${parsed.search}`,
+    }
+    t.targets.set(url, target)
+  }
+  return target
+}
+
 async function readJson(res: http.IncomingMessage): Promise<unknown> {
   const text = await readReplyText(res, maxLineBytes)
   try {
@@ -482,28 +541,6 @@ async function readJson(res: http.IncomingMessage): Promise<unknown> {
   } catch {
     throw new Error(`reply is not JSON (HTTP ${res.statusCode})`)
   }
-}
-
-/** The decode worker's NDJSON stream, one parsed event per line. */
-async function* decodeEvents(res: http.IncomingMessage, url: string): AsyncGenerator<DecodeEvent> {
-  res.setEncoding('utf8')
-  let pending = ''
-  for await (const chunk of res as AsyncIterable<string>) {
-    pending += chunk
-    let newline: number
-    while ((newline = pending.indexOf('\n')) !== -1) {
-      const line = pending.slice(0, newline).trim()
-      pending = pending.slice(newline + 1)
-      if (line !== '') yield parseEvent(line, url)
-    }
-    if (pending.length > maxLineBytes) {
-      throw new KvfenceError(
-        'internal_error',
-        `decode worker ${url} sent a line over ${maxLineBytes} bytes`,
-      )
-    }
-  }
-  if (pending.trim() !== '') yield parseEvent(pending.trim(), url)
 }
 
 function parseEvent(line: string, url: string): DecodeEvent {

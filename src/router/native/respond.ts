@@ -66,7 +66,7 @@ export async function respondStreamed(
   const send = async (piece: string, logprobs: GeneratedLogprobs[]) => {
     heldLogprobs = heldLogprobs.length === 0 ? logprobs : [...heldLogprobs, ...logprobs]
     if (piece === '') return
-    await start()
+    if (!isStarted) await start()
     if (pieceEvent !== null) await writeSseText(res, pieceEvent(piece))
     else await writeSse(res, replies.piece(piece, heldLogprobs))
     heldLogprobs = []

@@ -71,34 +71,46 @@ export async function runGeneration(
     pendingIds = []
     await onText(piece, logprobs, ids)
   }
-  for await (const event of workerEvents(deps, run)) {
-    if (event.type === 'token') {
-      markToken(run.outcome)
-      if (isLogprobs) pending.push(logprobsOf(event, run.request.requestId, text.numTokens))
-      const step = text.push(event.tokenId)
-      pendingIds.push(event.tokenId)
-      run.outcome.numCompletionTokens = text.numTokens
-      if (step.text !== '' || (step.isStopped && pendingIds.length > 0)) await emit(step.text)
-      if (step.isStopped) {
+  const started = await startWorkerEvents(deps, run)
+  if (started === null) {
+    throw new KvfenceError('internal_error', `request ${run.request.requestId} ended without done`)
+  }
+  const { first, events } = started
+  // The events' one consumer, without a generator between it and the workers' events: a leave
+  // (a stop string, an error) closes both worker requests (G8), even at the first event.
+  try {
+    for (let next = first; !next.done; next = await events.next()) {
+      const event = next.value
+      if (event.type === 'token') {
+        markToken(run.outcome)
+        if (isLogprobs) pending.push(logprobsOf(event, run.request.requestId, text.numTokens))
+        const step = text.push(event.tokenId)
+        pendingIds.push(event.tokenId)
+        run.outcome.numCompletionTokens = text.numTokens
+        if (step.text !== '' || (step.isStopped && pendingIds.length > 0)) await emit(step.text)
+        if (step.isStopped) {
+          return {
+            finishReason: 'stop',
+            numCompletionTokens: text.numTokens,
+            cachedTokens: 0,
+            logprobs: pending,
+          }
+        }
+      } else {
+        const rest = text.finish()
+        if (rest.text !== '' || pendingIds.length > 0) await emit(rest.text)
+        deps.metrics.transfers.inc({ status: 'ok' })
+        deps.metrics.transferPages.inc(event.numTransferredPages)
         return {
-          finishReason: 'stop',
-          numCompletionTokens: text.numTokens,
-          cachedTokens: 0,
+          finishReason: event.finishReason,
+          numCompletionTokens: event.completionTokens,
+          cachedTokens: event.cachedTokens ?? 0,
           logprobs: pending,
         }
       }
-    } else {
-      const rest = text.finish()
-      if (rest.text !== '' || pendingIds.length > 0) await emit(rest.text)
-      deps.metrics.transfers.inc({ status: 'ok' })
-      deps.metrics.transferPages.inc(event.numTransferredPages)
-      return {
-        finishReason: event.finishReason,
-        numCompletionTokens: event.completionTokens,
-        cachedTokens: event.cachedTokens ?? 0,
-        logprobs: pending,
-      }
     }
+  } finally {
+    await events.return()
   }
   throw new KvfenceError('internal_error', `request ${run.request.requestId} ended without done`)
 }
@@ -118,17 +130,23 @@ function logprobsOf(
   return { tokenId: event.tokenId, logprobs: event.logprobs }
 }
 
-/** The workers' events for a request. A request refused because a KV pool (decode or prefill)
+/** The workers' first event for a request, and the rest to come. */
+interface StartedEvents {
+  first: IteratorResult<GenerationEvent, void>
+  events: AsyncGenerator<GenerationEvent, void>
+}
+
+/** Starts the request on the workers: its first event and the rest. A request refused because a KV pool (decode or prefill)
  *  is momentarily full, before any token, is tried again when its turn for room comes (in
  *  arrival order, as running requests end: the limiter's `waitForRoom`), until its wait in all
  *  (queue and pool) reaches `maxQueueWaitMs`; then 503 with `Retry-After` (G2). Each retry goes
  *  out under a fresh request id and transfer secret: the previous attempt's decode request was
  *  closed before the refusal surfaced, but the decode worker may not have seen that close yet,
  *  and must never match a transfer to a reservation of another attempt. */
-async function* workerEvents(
+async function startWorkerEvents(
   deps: GenerationDeps,
   run: WorkerRun,
-): AsyncGenerator<GenerationEvent, void> {
+): Promise<StartedEvents | null> {
   const { limiter, metrics } = deps
   let waitedMs = 0 // in turns for room, the tries not counted
   for (let attempt = 0; ; attempt++) {
@@ -157,16 +175,7 @@ async function* workerEvents(
     }
     turn.end(false)
     metrics.poolWaitSeconds.observe({ tenant: run.request.tenant }, waitedMs / 1000)
-    if (first.done) return
-    try {
-      yield first.value
-      yield* events
-    } finally {
-      // A consumer that stops at the first event (a stop string in the first token) must still
-      // close both worker requests (G8); `yield*` forwards that only from the second event on.
-      await events.return()
-    }
-    return
+    return first.done ? null : { first, events }
   }
 }
 
