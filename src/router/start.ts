@@ -337,6 +337,10 @@ function queueOf(limiter: Limiter) {
   }
 }
 
+/** How long the router keeps an idle client connection open (ms), above the 60 s idle timeout
+ *  common in load balancers, so that the balancer, not the router, ends an idle connection. */
+export const routerKeepAliveTimeoutMs = 65_000
+
 /** Listens with a router over `deps`; `closeBackend` runs on close. */
 async function listenRouter(
   options: StartRouterOptions,
@@ -357,6 +361,11 @@ async function listenRouter(
     stopReloading = reloadCertOnChange(httpsServer, httpsFiles, { minVersion: 'TLSv1.2' }, log)
     server = httpsServer
   }
+  // Clients and load balancers reuse idle connections for longer than Node's 5 s default (AWS ALB:
+  // 60 s; a client whose event loop was busy past its own idle timer): a request sent on a
+  // connection the router is closing fails with a reset, never reaching it.
+  server.keepAliveTimeout = routerKeepAliveTimeoutMs
+  server.headersTimeout = routerKeepAliveTimeoutMs + 1_000
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject)
     server.listen(options.port ?? 8000, options.host ?? '127.0.0.1', () => {
