@@ -125,7 +125,7 @@ export function registerWorkers(program: Command): void {
       )
       cmd.option(
         '--prefix-cache-offload-bytes <n>',
-        'host memory for pages evicted from the prefix cache, loaded back (verified) on a hit (default 0: none)',
+        'host memory for pages evicted from the prefix cache, loaded back (verified) on a hit; each tenant has its partition’s share of it unless --prefix-cache-shared (default 0: none)',
         intOption,
       )
       cmd.option(
@@ -134,7 +134,7 @@ export function registerWorkers(program: Command): void {
       )
       cmd.option(
         '--prefix-cache-offload-disk-bytes <n>',
-        'most bytes of files in --prefix-cache-offload-dir (> 0)',
+        'most bytes of files in --prefix-cache-offload-dir (> 0), split between tenants as --prefix-cache-offload-bytes',
         intOption,
       )
     }
@@ -288,10 +288,11 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
   })
 }
 
-/** Warn at start when the prefix cache is shared by all tenants (`--prefix-cache-shared`) or its
- *  offload tier is (no `--prefix-cache-pages-per-tenant` to size each tenant's share of it): one
- *  tenant's traffic then changes another's hits. Throws for `--prefix-cache-shared` with
- *  `--prefix-cache-pages-per-tenant` (a partition size for a cache without partitions). */
+/** Warn at start when the prefix cache is shared by all tenants (`--prefix-cache-shared`, its
+ *  offload tiers with it): one tenant's traffic then changes another's hits. By default each
+ *  tenant has its own partition of the cache and its share of each offload tier, and nothing is
+ *  warned. Throws for `--prefix-cache-shared` with `--prefix-cache-pages-per-tenant` (a partition
+ *  size for a cache without partitions). */
 function warnIfShared(
   log: { warn: (msg: string) => void },
   flags: WorkerFlags,
@@ -301,18 +302,12 @@ function warnIfShared(
     throw new Error(
       '--prefix-cache-pages-per-tenant sizes partitions: not with --prefix-cache-shared',
     )
-  if (prefixCachePages === 0) return
-  if (flags.prefixCacheShared === true) {
-    log.warn(
-      'prefix cache shared by all tenants (--prefix-cache-shared): one tenant’s traffic evicts another’s cached pages, a side channel on its load (docs/threat-model.md); use it with a single tenant only',
-    )
-  } else if (
-    ((flags.prefixCacheOffloadBytes ?? 0) > 0 || flags.prefixCacheOffloadDir !== undefined) &&
-    flags.prefixCachePagesPerTenant === undefined
-  ) {
-    // The host ring and the disk tier alike: either one is shared without a per-tenant share.
-    log.warn(
-      'prefix cache offload tier shared by all tenants: set --prefix-cache-pages-per-tenant to give each tenant its own share of it (docs/threat-model.md)',
-    )
-  }
+  if (prefixCachePages === 0 || flags.prefixCacheShared !== true) return
+  const tiers =
+    (flags.prefixCacheOffloadBytes ?? 0) > 0 || flags.prefixCacheOffloadDir !== undefined
+      ? ' and its offload tier'
+      : ''
+  log.warn(
+    `prefix cache${tiers} shared by all tenants (--prefix-cache-shared): one tenant’s traffic evicts another’s cached pages, a side channel on its load (docs/threat-model.md); use it with a single tenant only`,
+  )
 }

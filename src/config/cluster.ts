@@ -109,7 +109,7 @@ const prefixCachePartition = z
  *  `prefixCacheShared: true`, one budget shared by all tenants instead (`--prefix-cache-shared`:
  *  the load side channel of docs/threat-model.md, for single-tenant operators);
  *  `prefixCacheOffloadBytes`, the host memory of its offload tier (`--prefix-cache-offload-bytes`;
- *  default 0: none); and `prefixCacheOffloadDir` with `prefixCacheOffloadDiskBytes`, the offload
+ *  default 0: none; each tenant its partition's share unless shared); and `prefixCacheOffloadDir` with `prefixCacheOffloadDiskBytes`, the offload
  *  tier's disk part (`--prefix-cache-offload-dir`, `--prefix-cache-offload-disk-bytes`; both or
  *  neither; a relative directory is resolved against the config file's). */
 export const PrefillWorkerEntry = z.union(

@@ -35,11 +35,11 @@ export type WorkerPlan =
       /** Most pages of a tenant's default share of the prefix cache
        *  (`--prefix-cache-pages-per-tenant`, prefill only); default: an equal share. */
       prefixCachePagesPerTenant?: number
-      /** One prefix-cache budget shared by all tenants (`--prefix-cache-shared`, prefill only);
-       *  default: each tenant its own partition. */
+      /** One prefix-cache budget and offload tier shared by all tenants (`--prefix-cache-shared`,
+       *  prefill only); default: each tenant its own partition and share of the tier. */
       prefixCacheShared?: boolean
       /** Bytes of the prefix cache's host-memory offload tier (`--prefix-cache-offload-bytes`,
-       *  prefill only); default: no offload tier. */
+       *  prefill only; split between tenants as the cache is); default: no offload tier. */
       prefixCacheOffloadBytes?: number
       /** Directory and most bytes of the offload tier's disk part (`--prefix-cache-offload-dir`,
        *  `--prefix-cache-offload-disk-bytes`, prefill only); default: no disk tier. */

@@ -106,6 +106,10 @@ export interface DecodeWorkerOptions {
   maxBatch?: number
   /** Most verified sequences waiting for a batch slot; default `defaultMaxWaiting` there. */
   maxWaiting?: number
+  /** How long a reservation waits for its transfer to begin, ms (> 0); default
+   *  {@link bootstrapTimeoutMs}. Not a flag: a benchmark whose cold prefill on a slow model
+   *  outlasts the default sets it (bench/offload.ts). */
+  bootstrapTimeoutMs?: number
 }
 
 /** The decode side of a disaggregated pair. One instance per process. */
@@ -113,10 +117,15 @@ export class DecodeWorker {
   private readonly pending = new Map<string, PendingSequence>()
   private scheduler: DecodeScheduler | undefined
 
+  /** Throws RangeError for a `bootstrapTimeoutMs` that is not a number > 0. */
   constructor(
     readonly core: WorkerCore,
     private readonly options: DecodeWorkerOptions = {},
-  ) {}
+  ) {
+    const wait = options.bootstrapTimeoutMs
+    if (wait !== undefined && !(wait > 0 && Number.isFinite(wait)))
+      throw new RangeError(`decode bootstrap timeout must be a number of ms > 0, got ${wait}`)
+  }
 
   /** Hooks for the transfer receiver: secrets of known requests, and reservations verified
    *  against what the router told this worker (G4). */
@@ -229,16 +238,17 @@ export class DecodeWorker {
     const { seq, signal, pages } = opts
     const { pool, guards } = this.core
     const aborted = () => new KvfenceError('request_aborted', 'request aborted by the router')
+    const waitMs = this.options.bootstrapTimeoutMs ?? bootstrapTimeoutMs
     return new Promise((resolve, reject) => {
       const timer = setTimeout(() => {
         if (entry.phase === 'waiting')
           entry.settle(
             new KvfenceError(
               'transfer_failed',
-              `no transfer for request ${seq.id} within ${bootstrapTimeoutMs} ms`,
+              `no transfer for request ${seq.id} within ${waitMs} ms`,
             ),
           )
-      }, bootstrapTimeoutMs)
+      }, waitMs)
       const onAbort = () => {
         // A transfer in flight keeps its pages pinned; they are released when it settles (G7).
         if (entry.phase === 'waiting' || entry.phase === 'received') entry.settle(aborted())

@@ -7,7 +7,7 @@ import { KvfenceError } from '../errors.js'
 import type { PageLease } from '../kv/pool.js'
 import { OffloadRing, TieredOffload, type OffloadTier } from '../kv/offload.js'
 import { OffloadDisk } from '../kv/offload-disk.js'
-import { PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
+import { partitionBytes, PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
 import { isLoopbackHost } from '../plaintext.js'
 import type { TlsMaterial } from '../tls.js'
 import { TransferClient } from '../transfer/index.js'
@@ -41,14 +41,16 @@ export interface PrefillWorkerOptions {
   prefixCacheShared?: boolean
   /** Bytes of host memory for the prefix cache's offload tier, where pages evicted from the pool
    *  go and are loaded back from (verified) on a hit; 0 or unset: no offload tier. With
-   *  partitions and `prefixCachePagesPerTenant` set, each tenant gets
-   *  `bytes / floor(prefixCachePages / prefixCachePagesPerTenant)`; otherwise the ring is shared. */
+   *  partitions (the default) each tenant has its partition's share of it,
+   *  `floor(bytes × partition pages / prefixCachePages)`, and evicts only its own entries there;
+   *  with `prefixCacheShared` the ring is shared by all tenants. */
   prefixCacheOffloadBytes?: number
   /** Directory of the offload tier's disk part, where pages dropped from host memory (or, with
    *  no host bytes, evicted from the pool) go; must exist, mode 0700. Needs
    *  `prefixCacheOffloadDiskBytes`. Unset: no disk tier. */
   prefixCacheOffloadDir?: string
-  /** Most bytes of files in `prefixCacheOffloadDir` (> 0; split per tenant as the host bytes). */
+  /** Most bytes of files in `prefixCacheOffloadDir` (> 0; split per tenant as the host bytes,
+   *  unless `prefixCacheShared`). */
   prefixCacheOffloadDiskBytes?: number
   /** Mutual TLS for transfers to decode workers (src/tls.ts). Default null: plaintext. */
   transferTls?: TlsMaterial | null
@@ -88,7 +90,9 @@ export class PrefillWorker {
     }
     const metrics = makePrefixCacheMetrics(core, () => this.numPagesCached)
     this.cacheMetrics = metrics
-    const offload = offloadTierOf(options, maxPages)
+    // Each tenant's share of the tiers follows its partition, as assigned at its latest request.
+    const partitionOf = (tenant: string) => this.cache?.partitionOf(tenant) ?? 0
+    const offload = offloadTierOf(options, maxPages, partitionOf)
     this.cache = new PrefixCache(core.pool, {
       maxPages,
       maxPagesPerTenant: options.prefixCachePagesPerTenant,
@@ -402,15 +406,19 @@ interface PrefixCacheMetrics {
 }
 
 /** The prefix cache's offload tier from `options`: host ring, disk, both (disk below host), or
- *  none. With partitions each tenant's share of either is its bytes over the number of
- *  partitions. Throws as {@link OffloadDisk.open} for a bad directory, and Error when only one of
+ *  none. Unless `prefixCacheShared`, each tenant's share of either is its partition's
+ *  ({@link partitionBytes} of the tenant's `partitionOf`, pages of a cache of `maxPages`). Throws
+ *  as {@link OffloadDisk.open} for a bad directory, and Error when only one of
  *  `prefixCacheOffloadDir` and `prefixCacheOffloadDiskBytes` is given. */
-function offloadTierOf(options: PrefillWorkerOptions, maxPages: number): OffloadTier | undefined {
-  const perTenant = options.prefixCachePagesPerTenant
+function offloadTierOf(
+  options: PrefillWorkerOptions,
+  maxPages: number,
+  partitionOf: (tenant: string) => number,
+): OffloadTier | undefined {
   const shareOf = (bytes: number) =>
-    perTenant === undefined
+    options.prefixCacheShared === true
       ? {}
-      : { bytesPerTenant: Math.floor(bytes / Math.floor(maxPages / perTenant)) }
+      : { bytesPerTenant: (t: string) => partitionBytes(bytes, partitionOf(t), maxPages) }
   const hostBytes = options.prefixCacheOffloadBytes ?? 0
   const { prefixCacheOffloadDir: dir, prefixCacheOffloadDiskBytes: diskBytes } = options
   if ((dir === undefined) !== (diskBytes === undefined))

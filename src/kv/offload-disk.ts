@@ -35,7 +35,13 @@ import {
 } from 'node:fs'
 import { join } from 'node:path'
 import { xxh64 } from '@node-rs/xxhash'
-import type { OffloadedPage, OffloadLoad, OffloadTier } from './offload.js'
+import {
+  tenantBytesOf,
+  type OffloadedPage,
+  type OffloadLoad,
+  type OffloadTier,
+  type TenantBytes,
+} from './offload.js'
 
 /** Options of {@link OffloadDisk.open}. */
 export interface OffloadDiskOptions {
@@ -43,8 +49,9 @@ export interface OffloadDiskOptions {
   dir: string
   /** Most file bytes the tier holds (an integer > 0). */
   bytes: number
-  /** Most file bytes of one tenant; unset: `bytes` shared by all tenants. */
-  bytesPerTenant?: number
+  /** Most file bytes of one tenant: the same for all, or each tenant's own (read at each store);
+   *  unset: `bytes` shared by all tenants. */
+  bytesPerTenant?: TenantBytes
 }
 
 /** First bytes of every entry file (format version 1). */
@@ -79,14 +86,14 @@ export class OffloadDisk implements OffloadTier {
   private constructor(private readonly options: OffloadDiskOptions) {}
 
   /** Check `options` and the directory, delete entry files left there, and return the tier.
-   *  Throws RangeError for `bytes` (or `bytesPerTenant`) not an integer > 0, and Error (one line
+   *  Throws RangeError for `bytes` (or `bytesPerTenant`, a figure) not an integer > 0, and Error (one line
    *  naming the directory) when the directory is missing, not a directory, not owned by this
    *  user, open to group or others, or not writable. */
   static open(options: OffloadDiskOptions): OffloadDisk {
     const { dir, bytes, bytesPerTenant } = options
     for (const [name, value] of [
       ['bytes', bytes],
-      ['bytesPerTenant', bytesPerTenant],
+      ['bytesPerTenant', typeof bytesPerTenant === 'function' ? undefined : bytesPerTenant],
     ] as const) {
       if (value !== undefined && (!Number.isInteger(value) || value <= 0))
         throw new RangeError(`offload disk ${name} must be an integer > 0, got ${value}`)
@@ -123,7 +130,8 @@ export class OffloadDisk implements OffloadTier {
     const head = Buffer.from(JSON.stringify(header), 'utf8')
     const size = prefixBytes + head.length + payload.byteLength
     this.delete(page.key)
-    const { bytes, bytesPerTenant } = this.options
+    const { bytes } = this.options
+    const bytesPerTenant = tenantBytesOf(this.options.bytesPerTenant, page.tenant)
     if (size > bytes || (bytesPerTenant !== undefined && size > bytesPerTenant)) return false
     if (bytesPerTenant !== undefined) {
       while ((this.numBytesOf.get(page.tenant) ?? 0) + size > bytesPerTenant)
@@ -183,7 +191,8 @@ export class OffloadDisk implements OffloadTier {
     return join(this.options.dir, `${createHash('sha256').update(key).digest('hex')}.kv`)
   }
 
-  /** The tier's invariant: byte counts add up, per tenant and in all, within their bounds, and
+  /** The tier's invariant: byte counts add up, per tenant and in all, within their bounds (a
+   *  tenant whose share shrank may hold more until its own next store trims it), and
    *  the directory holds exactly the indexed entries' files, each of its recorded size, mode 0600. */
   check(): void {
     const perTenant = new Map<string, number>()
@@ -209,7 +218,8 @@ export class OffloadDisk implements OffloadTier {
     for (const [tenant, n] of this.numBytesOf) {
       assert.equal(perTenant.get(tenant) ?? 0, n, `offload disk: tenant ${tenant} bytes`)
       const bound = this.options.bytesPerTenant
-      if (bound !== undefined) assert(n <= bound, `offload disk: tenant ${tenant} over its bytes`)
+      if (typeof bound === 'number')
+        assert(n <= bound, `offload disk: tenant ${tenant} over its bytes`)
     }
   }
 

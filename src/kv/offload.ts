@@ -10,8 +10,9 @@
  *  (dynamo#15079, LMCache#4385, #5151: a failed load counted as a hit).
  *
  *  The ring holds at most `bytes` payload bytes; storing past that drops the oldest entries. With
- *  `bytesPerTenant` set, a tenant's entries are also bounded by it and a store drops only that
- *  tenant's own oldest entries, as the prefix cache's partitions do for pool pages.
+ *  `bytesPerTenant` set (one figure, or each tenant's own: its share of the prefix cache's
+ *  partitions), a tenant's entries are also bounded by it and a store drops only that tenant's own
+ *  oldest entries, as the prefix cache's partitions do for pool pages.
  *
  *  Storage: each entry's payload lies in a slot of host memory; a dropped entry's slot is given
  *  up and the next store of its size writes over it in place, as a ring of equal pages wraps.
@@ -30,11 +31,26 @@ import { xxh64 } from '@node-rs/xxhash'
 export interface OffloadRingOptions {
   /** Most payload bytes the ring holds (≥ 0; 0 keeps nothing). */
   bytes: number
-  /** Most payload bytes of one tenant; unset: `bytes` shared by all tenants. */
-  bytesPerTenant?: number
+  /** Most payload bytes of one tenant: the same for all, or each tenant's own (read at each
+   *  store, so a tenant's share may change); unset: `bytes` shared by all tenants. */
+  bytesPerTenant?: TenantBytes
   /** Called with each entry the ring drops to make room (not one deleted or replaced): the next
    *  tier down (the disk, {@link TieredOffload}) keeps it, checksum and all. */
   onDrop?: (page: OffloadedPage) => void
+}
+
+/** A per-tenant bound of an offload tier, bytes: one figure for every tenant, or a function of
+ *  the tenant's name (an integer ≥ 0; 0: the tenant keeps nothing there). */
+export type TenantBytes = number | ((tenant: string) => number)
+
+/** `bound` for `tenant` (undefined: no per-tenant bound). Throws RangeError when a function gives
+ *  anything but an integer ≥ 0. */
+export function tenantBytesOf(bound: TenantBytes | undefined, tenant: string): number | undefined {
+  if (typeof bound !== 'function') return bound
+  const n = bound(tenant)
+  if (!Number.isInteger(n) || n < 0)
+    throw new RangeError(`offload bytes of a tenant must be an integer ≥ 0, got ${n}`)
+  return n
 }
 
 /** Which tier a load came from (a label of `kvfence_prefix_cache_offload_loads_total`). */
@@ -148,10 +164,10 @@ export class OffloadRing implements OffloadTier {
   private numPagesHeld = 0
   private numBytesFree = 0
 
-  /** Throws RangeError for a negative or non-integer `bytes` or `bytesPerTenant`. */
+  /** Throws RangeError for a negative or non-integer `bytes` or `bytesPerTenant` (a figure). */
   constructor(private readonly options: OffloadRingOptions) {
     for (const [name, value] of Object.entries(options)) {
-      if (name === 'onDrop') continue
+      if (typeof value === 'function') continue
       if (value !== undefined && (!Number.isInteger(value) || value < 0))
         throw new RangeError(`offload ${name} must be an integer ≥ 0, got ${value}`)
     }
@@ -181,7 +197,8 @@ export class OffloadRing implements OffloadTier {
     payload: Uint8Array,
     checksum?: bigint,
   ): boolean {
-    const { bytes, bytesPerTenant } = this.options
+    const { bytes } = this.options
+    const bytesPerTenant = tenantBytesOf(this.options.bytesPerTenant, page.tenant)
     const size = payload.byteLength
     if (size > bytes || (bytesPerTenant !== undefined && size > bytesPerTenant)) return false
     this.delete(page.key)
@@ -253,9 +270,10 @@ export class OffloadRing implements OffloadTier {
     this.giveUp(slot)
   }
 
-  /** The ring's invariant: live byte counts add up, per tenant and in all, within their bounds;
-   *  live and free slots together within `bytes`; every name in the index is its slot's holder or
-   *  its slot's one stale name. */
+  /** The ring's invariant: live byte counts add up, per tenant and in all, within their bounds (a
+   *  tenant whose share shrank may hold more until its own next store trims it); live and free
+   *  slots together within `bytes`; every name in the index is its slot's holder or its slot's
+   *  one stale name. */
   check(): void {
     const perTenant = new Map<string, number>()
     let total = 0
@@ -282,7 +300,8 @@ export class OffloadRing implements OffloadTier {
     for (const [tenant, n] of this.numBytesOf) {
       assert.equal(perTenant.get(tenant) ?? 0, n, `offload ring: tenant ${tenant} bytes`)
       const bound = this.options.bytesPerTenant
-      if (bound !== undefined) assert(n <= bound, `offload ring: tenant ${tenant} over its bytes`)
+      if (typeof bound === 'number')
+        assert(n <= bound, `offload ring: tenant ${tenant} over its bytes`)
     }
   }
 

@@ -36,7 +36,9 @@
  *  Offload: with an {@link OffloadTier} (host ring, disk, or both), an evicted page's K/V goes
  *  there and a lookup that finds a key missing from the pool loads it back, only once it is
  *  verified (tenant, layout, token count, checksum; G4, as a transfer's pages are); a refused
- *  load is a miss.
+ *  load is a miss. With partitions the worker bounds each tenant's bytes in every tier by its
+ *  partition's share ({@link partitionBytes}), so a tenant's evictions drop only its own
+ *  offloaded pages.
  *
  *  Knows pages, tenants (names and pool numbers) and token ids; knows nothing of models, transfers
  *  or HTTP. Sources followed: the idea of SGLang's radix cache / vLLM's hashed block prefix cache
@@ -103,6 +105,20 @@ export function partitionPages(maxPages: number, spec: PartitionSpec, cap = Infi
   if (spec.pages !== undefined) return spec.pages
   if (spec.numDefaultTenants === 0) return 0
   return Math.min(cap, Math.floor((maxPages - spec.reservedPages) / spec.numDefaultTenants))
+}
+
+/** A tenant's share of an offload tier of `bytes` when its partition is `pages` of a cache of
+ *  `maxPages`: `floor(bytes × pages / maxPages)`, exact (integer arithmetic), so that the shares of
+ *  partitions that fit the cache add up to at most `bytes` and no tenant's store ever has to drop
+ *  another's entry. 0 for a cache of 0 pages. Throws RangeError for arguments that are not
+ *  integers ≥ 0. */
+export function partitionBytes(bytes: number, pages: number, maxPages: number): number {
+  for (const n of [bytes, pages, maxPages]) {
+    if (!Number.isSafeInteger(n) || n < 0)
+      throw new RangeError(`an offload share needs integers ≥ 0, got ${n}`)
+  }
+  if (maxPages === 0) return 0
+  return Number((BigInt(bytes) * BigInt(pages)) / BigInt(maxPages))
 }
 
 /** One cached page. */

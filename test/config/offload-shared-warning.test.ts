@@ -1,7 +1,7 @@
-/** A prefill worker whose prefix-cache offload tier is shared by all tenants (no
- *  `--prefix-cache-pages-per-tenant`) says so at start, for the host-memory ring and for the disk
- *  tier alone alike (a fresh-user trial found the disk tier silent), and not once each tenant has
- *  its own share. */
+/** A prefill worker whose prefix cache and offload tier are shared by all tenants
+ *  (`--prefix-cache-shared`) says so at start, for the host-memory ring and for the disk tier alone
+ *  alike (a fresh-user trial once found the disk tier silent); by default each tenant has its
+ *  partition's share of either tier and nothing is warned. */
 import assert from 'node:assert/strict'
 import { fork } from 'node:child_process'
 import { mkdtempSync } from 'node:fs'
@@ -10,7 +10,9 @@ import { join } from 'node:path'
 import { test } from 'node:test'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 
-const warning = 'prefix cache offload tier shared by all tenants'
+const warning = 'prefix cache and its offload tier shared by all tenants (--prefix-cache-shared)'
+/** What the worker said before the offload tiers were split per tenant by default. */
+const oldWarning = 'offload tier shared by all tenants: set --prefix-cache-pages-per-tenant'
 
 /** Starts `kvfence prefill ARGS` until it is ready, stops it, and returns what it logged. */
 function startupLog(args: string[]): Promise<string> {
@@ -38,14 +40,16 @@ const diskArgs = () => {
 }
 
 test('a disk tier alone, shared by all tenants, is warned at start', async () => {
-  assert.ok((await startupLog(diskArgs())).includes(warning))
+  assert.ok((await startupLog([...diskArgs(), '--prefix-cache-shared'])).includes(warning))
 })
 
 test('a host-memory ring, shared by all tenants, is warned at start', async () => {
-  assert.ok((await startupLog(['--prefix-cache-offload-bytes', '100000'])).includes(warning))
+  const log = await startupLog(['--prefix-cache-offload-bytes', '100000', '--prefix-cache-shared'])
+  assert.ok(log.includes(warning), log)
 })
 
-test('with a per-tenant share of the cache (and so of its tiers) nothing is warned', async () => {
-  const log = await startupLog([...diskArgs(), '--prefix-cache-pages-per-tenant', '2'])
-  assert.ok(!log.includes(warning), log)
+test('by default (each tenant its share of both tiers) nothing is warned', async () => {
+  const log = await startupLog([...diskArgs(), '--prefix-cache-offload-bytes', '100000'])
+  assert.ok(!log.includes('shared by all tenants'), log)
+  assert.ok(!log.includes(oldWarning), log)
 })

@@ -241,6 +241,38 @@ describe('offload disk tier: entries', () => {
     assert.equal(disk.store(meta('big'), new Uint8Array(3 * size)), false)
     disk.check()
   })
+
+  it('each tenant its own bound (a share that may change): a store drops only its own files', () => {
+    const dir = freshDir()
+    const probe = OffloadDisk.open({ dir, bytes: 1 << 16 })
+    probe.store(meta('xx'), bytesOf(1))
+    const size = probe.numBytes
+    const share = new Map([
+      ['tenant-a', 2 * size],
+      ['tenant-b', size],
+    ])
+    // Keys, tenants and payload alike in length and checksum: every file has the probe's size.
+    const disk = OffloadDisk.open({
+      dir,
+      bytes: 3 * size,
+      bytesPerTenant: (t) => share.get(t) ?? 0,
+    })
+    const put = (tenant: string, key: string) => disk.store(meta(key, tenant), bytesOf(1))
+    const held = () =>
+      ['a1', 'a2', 'a3', 'b1', 'b2', 'c1'].filter((k) => disk.load(k).kind === 'loaded')
+    assert.equal(put('tenant-a', 'a1'), true)
+    assert.equal(put('tenant-a', 'a2'), true)
+    assert.equal(put('tenant-b', 'b1'), true)
+    assert.equal(put('tenant-b', 'b2'), true) // B's one file: b1 goes, A's stay
+    assert.deepEqual(held(), ['a1', 'a2', 'b2'])
+    assert.equal(put('tenant-c', 'c1'), false) // no partition, no share
+    assert.deepEqual(held(), ['a1', 'a2', 'b2'])
+    share.set('tenant-a', size) // A's partition shrank: its own next store trims it
+    assert.equal(put('tenant-a', 'a3'), true)
+    assert.deepEqual(held(), ['a3', 'b2'])
+    assert.equal(readdirSync(dir).length, 2)
+    disk.check()
+  })
 })
 
 describe('offload disk tier under the prefix cache', () => {

@@ -10,7 +10,7 @@ import { describe, it } from 'node:test'
 import { GuardTrips, makeGuards } from '../../src/kv/guards.js'
 import { OffloadRing } from '../../src/kv/offload.js'
 import { KvPool, type PageLease } from '../../src/kv/pool.js'
-import { PrefixCache, type PrefixCacheOptions } from '../../src/kv/prefix-cache.js'
+import { partitionBytes, PrefixCache, type PrefixCacheOptions } from '../../src/kv/prefix-cache.js'
 
 /** Pages of 4 tokens, 1 layer, 1 KV head of dim 2: a payload is K (8 floats) then V, 64 bytes. */
 const pageSize = 4
@@ -208,5 +208,52 @@ describe('prefix cache offload tier', () => {
       ),
       false,
     )
+  })
+
+  it('each tenant its own bound (a share that may change): a store drops only its own entries', () => {
+    const share = new Map([
+      ['tenant-a', 2 * pageBytes],
+      ['tenant-b', 1 * pageBytes],
+    ])
+    const ring = new OffloadRing({ bytes: 3 * pageBytes, bytesPerTenant: (t) => share.get(t) ?? 0 })
+    const payload = new Uint8Array(pageBytes)
+    const put = (tenant: string, key: string) =>
+      ring.store({ key, tenant, layout: 'l', numTokens: pageSize }, payload)
+    const held = () => ['a1', 'a2', 'a3', 'b1', 'b2', 'c1'].filter((k) => ring.peek(k))
+    assert.equal(put('tenant-a', 'a1'), true)
+    assert.equal(put('tenant-a', 'a2'), true)
+    assert.equal(put('tenant-b', 'b1'), true)
+    assert.equal(put('tenant-b', 'b2'), true) // B's one page: b1 goes, A's stay
+    assert.deepEqual(held(), ['a1', 'a2', 'b2'])
+    assert.equal(put('tenant-c', 'c1'), false) // no partition, no share: nothing kept or dropped
+    assert.deepEqual(held(), ['a1', 'a2', 'b2'])
+    share.set('tenant-a', pageBytes) // A's partition shrank: its own next store trims it
+    assert.equal(put('tenant-a', 'a3'), true)
+    assert.deepEqual(held(), ['a3', 'b2'])
+    ring.check()
+    const bad = new OffloadRing({ bytes: 3 * pageBytes, bytesPerTenant: () => 0.5 })
+    assert.throws(
+      () => bad.store({ key: 'x', tenant: 't', layout: 'l', numTokens: 4 }, payload),
+      /offload bytes of a tenant must be an integer ≥ 0, got 0.5$/,
+    )
+  })
+})
+
+describe('partitionBytes: a tenant’s share of an offload tier', () => {
+  it('is floor(bytes × partition / cache pages), exact beyond 2^53, and adds up to at most bytes', () => {
+    // Hand-checked: 1000 × 3 / 8 = 375; 1000 × 1 / 3 = 333.33…; a cache of 0 pages keeps nothing.
+    assert.equal(partitionBytes(1000, 3, 8), 375)
+    assert.equal(partitionBytes(1000, 1, 3), 333)
+    assert.equal(partitionBytes(1000, 0, 8), 0)
+    assert.equal(partitionBytes(1000, 8, 8), 1000)
+    assert.equal(partitionBytes(1000, 0, 0), 0)
+    // Products past 2^53: 2^52 × 3 / 4 = 3 × 2^50; (2^53 − 1) × 5 // 7 = 6433713753386422
+    // (Python's integer division).
+    assert.equal(partitionBytes(2 ** 52, 3, 4), 3 * 2 ** 50)
+    assert.equal(partitionBytes(2 ** 53 - 1, 5, 7), 6433713753386422)
+    // Three tenants' default shares of a 16-page cache (5 pages each) within 65536 bytes.
+    assert.ok(3 * partitionBytes(65536, 5, 16) <= 65536)
+    assert.throws(() => partitionBytes(-1, 1, 1), /integers ≥ 0, got -1$/)
+    assert.throws(() => partitionBytes(1, 1.5, 2), /integers ≥ 0, got 1.5$/)
   })
 })
