@@ -53,10 +53,12 @@ const options = (url: string, extra: Partial<AuditOptions> = {}): AuditOptions =
 })
 
 test('corrupt-transfer, guards off: the valid requests answered 500 are an availability warning', async () => {
+  // The concurrency probe alone: with seed 1, two of its 31 requests fail on the corrupted pages
+  // (a 500 and an error event in a stream), as in a whole audit, which took minutes under load.
   const report = await withFaultyCluster(
     'corrupt',
     { prefillFaults: ['corrupt-transfer'] },
-    (url) => runAudit(options(url)),
+    (url) => runAudit(options(url, { probes: ['concurrency'] })),
   )
   const availability = report.findings.filter((f) => f.probe === 'availability')
   assert.ok(availability.length >= 1, JSON.stringify(report.findings.map((f) => f.title)))
