@@ -1,16 +1,26 @@
 #!/usr/bin/env node
-/** The `kvfence` command: one sub-command per file in this folder, registered here. */
+/** The `kvfence` command: one sub-command per file in this folder, registered here. Only the
+ *  file of the sub-command named on the command line is loaded (all of them for `--help`, `help`,
+ *  an unknown name or none): every worker and router a cluster forks is this command, and loading
+ *  every sub-command's modules (the `openai` client, Redis, x509…) cost each of them about as
+ *  long again as its own start. */
 import { Command, CommanderError } from 'commander'
-import { registerAudit } from './audit.js'
-import { registerCerts } from './certs.js'
-import { registerDemo } from './demo.js'
-import { registerGenerate } from './generate.js'
-import { registerKeys } from './keys.js'
-import { registerRouter } from './router.js'
-import { registerServe } from './serve.js'
-import { registerSoak } from './soak.js'
-import { registerWatch } from './watch.js'
-import { registerWorkers } from './worker.js'
+
+type Register = (program: Command) => void
+
+/** Each sub-command's file, in the order `--help` lists them; `prefill` and `decode` share one. */
+const registrars: readonly [names: readonly string[], load: () => Promise<Register>][] = [
+  [['demo'], async () => (await import('./demo.js')).registerDemo],
+  [['serve'], async () => (await import('./serve.js')).registerServe],
+  [['generate'], async () => (await import('./generate.js')).registerGenerate],
+  [['prefill', 'decode'], async () => (await import('./worker.js')).registerWorkers],
+  [['router'], async () => (await import('./router.js')).registerRouter],
+  [['keys'], async () => (await import('./keys.js')).registerKeys],
+  [['certs'], async () => (await import('./certs.js')).registerCerts],
+  [['soak'], async () => (await import('./soak.js')).registerSoak],
+  [['audit'], async () => (await import('./audit.js')).registerAudit],
+  [['watch'], async () => (await import('./watch.js')).registerWatch],
+]
 
 const program = new Command()
 program
@@ -20,18 +30,10 @@ program
   )
   .exitOverride()
 
-registerDemo(program)
-registerServe(program)
-registerGenerate(program)
-registerWorkers(program)
-registerRouter(program)
-registerKeys(program)
-registerCerts(program)
-registerSoak(program)
-registerAudit(program)
-registerWatch(program)
-
 try {
+  const named = process.argv[2]
+  const only = registrars.find(([names]) => names.includes(named))
+  for (const [, load] of only === undefined ? registrars : [only]) (await load())(program)
   await program.parseAsync(process.argv)
 } catch (err) {
   if (err instanceof CommanderError) process.exit(err.exitCode === 0 ? 0 : 2)

@@ -11,7 +11,7 @@ import { cliPath } from '../helpers/paths.js'
 
 function run(args: string[]): Promise<{ code: number | null; stdout: string; stderr: string }> {
   return new Promise((resolve) =>
-    execFile(process.execPath, [cliPath, ...args], { timeout: 20_000 }, (err, stdout, stderr) =>
+    execFile(process.execPath, [cliPath, ...args], { timeout: 60_000 }, (err, stdout, stderr) =>
       resolve({ code: err ? ((err as { code?: number }).code ?? null) : 0, stdout, stderr }),
     ),
   )

@@ -31,7 +31,7 @@ function run(args: string[]): Promise<{ code: number | null; stdout: string; std
     execFile(
       process.execPath,
       [cliPath, ...args],
-      { timeout: 30_000, env: { ...process.env, KVFENCE_CLUSTER_TOKEN: token } },
+      { timeout: 60_000, env: { ...process.env, KVFENCE_CLUSTER_TOKEN: token } },
       (err, stdout, stderr) =>
         resolve({ code: err ? ((err as { code?: number }).code ?? null) : 0, stdout, stderr }),
     ),

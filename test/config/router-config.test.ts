@@ -25,7 +25,7 @@ it('router --config refuses a backend.apiKeyEnv that is not set (exit 2, one lin
   delete env.KVFENCE_TEST_UNSET_KEY
   const err = await promisify(execFile)(process.execPath, [cliEntry, 'router', '--config', file], {
     env,
-    timeout: 30_000,
+    timeout: 60_000,
   }).then(
     () => null,
     (e: { code: number; stderr: string }) => e,

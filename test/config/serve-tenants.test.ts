@@ -103,15 +103,18 @@ it('a part whose parent goes away while it is still starting exits at once (not 
       ...['--prefill', 'http://127.0.0.1:9', '--decode', 'http://127.0.0.1:9'],
       ...['--tenants', tenantsFile, '--port', '0'],
     ],
-    { stdio: ['ignore', 'ignore', 'ignore', 'ipc'] },
+    { stdio: ['ignore', 'ignore', 'pipe', 'ipc'] },
   )
+  let stderr = ''
+  child.stderr!.on('data', (chunk: Buffer) => (stderr += chunk.toString('utf8')))
+  // Its exit and the end of its stderr ('close' never comes once the parent disconnected).
+  const ended = Promise.all([once(child, 'exit'), once(child.stderr!, 'end')])
   await new Promise((r) => setTimeout(r, 1_000))
-  const startedMs = Date.now()
   child.disconnect() // as when serve is killed
-  const [code] = (await once(child, 'exit')) as [number | null]
+  const [[code]] = (await ended) as [[number | null], unknown]
   assert.equal(code, 1)
-  assert.ok(
-    Date.now() - startedMs < 5_000,
-    `exited ${Date.now() - startedMs} ms after its parent left`,
-  )
+  // A router whose start-up gave up says why ("kvfence: worker …: connect ECONNREFUSED …"); one
+  // that left with its parent says nothing. (A bound on the time taken would fail on a loaded
+  // machine, where the router's own start can take longer than the bound.)
+  assert.equal(stderr, '')
 })

@@ -1,11 +1,12 @@
 /** `kvfence demo` (what `npm start` runs), as a user runs it: a child process that starts two real
- *  clusters, audits both, prints the outcomes side by side and writes both reports. */
+ *  clusters, audits both, prints the outcomes side by side and writes both reports (JSON and HTML).
+ *  One run of the demo (minutes on a small machine) is shared by the tests of this file. */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
-import { mkdtempSync, readFileSync, readdirSync } from 'node:fs'
+import { mkdtempSync, readFileSync, readdirSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { it } from 'node:test'
+import { after, it } from 'node:test'
 import { promisify } from 'node:util'
 import { cliPath } from '../helpers/paths.js'
 
@@ -18,12 +19,20 @@ interface Report {
   }[]
 }
 
-it('kvfence demo shows the leak with the fault and none as shipped, writes both reports, and catches the fault switched on in production', async () => {
-  const out = mkdtempSync(join(tmpdir(), 'kvfence-demo-'))
-  const { stdout } = await promisify(execFile)(process.execPath, [cliPath, 'demo', '--out', out], {
+const out = mkdtempSync(join(tmpdir(), 'kvfence-demo-'))
+after(() => rmSync(out, { recursive: true, force: true }))
+let demo: Promise<{ out: string; stdout: string }> | undefined
+/** The demo, run once (by the first test that asks) into `out`. */
+function demoRun(): Promise<{ out: string; stdout: string }> {
+  demo ??= promisify(execFile)(process.execPath, [cliPath, 'demo', '--out', out], {
     timeout: 240_000,
     env: { ...process.env, KVFENCE_ALLOW_FAULTS: '' },
-  })
+  }).then(({ stdout }) => ({ out, stdout }))
+  return demo
+}
+
+it('kvfence demo shows the leak with the fault and none as shipped, writes both reports, and catches the fault switched on in production', async () => {
+  const { out, stdout } = await demoRun()
   const unsafe = JSON.parse(readFileSync(join(out, 'unsafe.json'), 'utf8')) as Report
   const safe = JSON.parse(readFileSync(join(out, 'safe.json'), 'utf8')) as Report
 
@@ -65,6 +74,29 @@ it('kvfence demo shows the leak with the fault and none as shipped, writes both 
   const watchLog = readFileSync(join(out, 'logs', 'watch.log'), 'utf8')
   assert.match(watchLog, /"msg":"finding"/)
   assert.ok(stdout.includes(canary.slice(0, 4)), 'the console does not show the redacted canary')
+})
+
+it('kvfence demo writes unsafe.html and safe.html; the incident matrix counts its leaks', async () => {
+  const { out, stdout } = await demoRun()
+  assert.match(stdout, /^ {2}\S*unsafe\.html\n {2}\S*safe\.json\n {2}\S*safe\.html$/m)
+  const unsafe = JSON.parse(readFileSync(join(out, 'unsafe.json'), 'utf8')) as Report
+  const leak = unsafe.findings.find((f) => f.probe === 'canary' && f.verdict === 'leak')
+  assert.ok(leak, 'the incident run leaked')
+  const { observerTenant, victimTenant, numLeakingRequests } = leak.evidence as {
+    observerTenant: string
+    victimTenant: string
+    numLeakingRequests: number
+  }
+  for (const name of ['unsafe.html', 'safe.html']) {
+    const html = readFileSync(join(out, name), 'utf8')
+    assert.match(html, /^<!doctype html>/, name)
+    assert.ok(html.includes('id="tenant-matrix"'), `${name} has the tenant matrix`)
+    assert.ok(html.includes('<canvas id="timeline-chart"'), `${name} has the timeline`)
+  }
+  const cell = new RegExp(
+    `data-observer="${observerTenant}" data-source="${victimTenant}">(\\d+)</td>`,
+  ).exec(readFileSync(join(out, 'unsafe.html'), 'utf8'))
+  assert.equal(Number(cell?.[1]), numLeakingRequests)
 })
 
 /** The last 3 lines of each log file in `dir`, for a failure message. */
