@@ -174,6 +174,44 @@ describe('kvfence watch against a safe stand-in', () => {
   })
 })
 
+describe('kvfence watch against a stand-in failing valid requests', () => {
+  // The stand-in fails every valid completion with the given status (its prompts that cannot fit
+  // are still refused with 400): a broken decode path (500) is an availability warning, once; an
+  // endpoint shedding load (503) says so on purpose and is none.
+  for (const [status, isFinding] of [
+    [500, true],
+    [503, false],
+  ] as const) {
+    test(`every valid completion answered ${status}: ${isFinding ? 'one availability warning' : 'no finding'}, and the cycles stay inconclusive`, async (t) => {
+      const standIn = await startStandIn('safe', { failValid: { status, every: 1 } })
+      const watch = startWatch(
+        ['--target', standIn.url, ...tenantFlags, ...fastCycles, ...ampleBudget],
+        env,
+      )
+      t.after(async () => {
+        watch.child.kill('SIGKILL')
+        await standIn.close()
+      })
+      await watch.waitFor(
+        (l) => isCycle('inconclusive')(l) && Number(l.cycle) >= 3,
+        60_000,
+        'of a third inconclusive cycle',
+      )
+      const findings = watch.lines.filter((l) => l.msg === 'finding')
+      if (!isFinding) return assert.deepEqual(findings, [])
+      assert.deepEqual(
+        findings.map((l) => [l.finding, l.verdict, l.probe, l.level]),
+        [['warning:availability', 'warning', 'availability', 40]],
+      )
+      const evidence = findings[0].evidence as Record<string, unknown>
+      // Every valid completion of the cycle failed: the plant, the look and whatever was drawn.
+      assert.equal(evidence.numFailed, evidence.numValidSent)
+      assert.deepEqual(evidence.failedBy, { 'HTTP 500 transfer_failed': evidence.numFailed })
+      assert.ok(!watch.lines.some(isCycle('clean')) && !watch.lines.some(isCycle('finding')))
+    })
+  }
+})
+
 describe('kvfence watch as a service', () => {
   test('an endpoint that is down is unreachable (metric, log line), and watched again once it is back', async (t) => {
     const standIn = await startStandIn('safe')

@@ -12,6 +12,8 @@ import type { Finding } from '../types.js'
 import { AlertTracker, type ActiveAlert } from './alerts.js'
 import {
   maxReadRequests,
+  observerMaxTokens,
+  plantMaxTokens,
   promptTokenBound,
   runCycle,
   type CycleReport,
@@ -26,9 +28,10 @@ import { alertEvidence, postWebhook, webhookBody, type AlertStatus } from './web
  *  that draws every trigger can run now and then, and the hour still averages out). */
 const cycleShareFactor = 3
 /** Canary prompts are 200–330 characters plus one canary (≤ 24 characters): ≤ 355 bytes. */
-const plantTokenBound = promptTokenBound('x'.repeat(355)) + 16
-/** An observer's prompt is two canaries (≤ 49 bytes) and answers with up to 32 tokens. */
-const observerTokenBound = promptTokenBound('x'.repeat(49)) + 32
+const plantTokenBound = promptTokenBound('x'.repeat(355)) + plantMaxTokens
+/** An observer's prompt is two canaries (≤ 49 bytes) and answers with up to
+ *  {@link observerMaxTokens} tokens. */
+const observerTokenBound = promptTokenBound('x'.repeat(49)) + observerMaxTokens
 /** The least a cycle sends: the plant and one look by another tenant. */
 const minCycleTokens = plantTokenBound + observerTokenBound
 /** Idle pool usage: this many cycles' readings form the baseline, and a warning needs every
@@ -149,11 +152,13 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
         outcome,
         triggers: report.triggers,
         spent: report.spent,
+        ...(report.refusedTokens > 0 ? { refusedTokens: report.refusedTokens } : {}),
         ...(report.skipped.length > 0 ? { skipped: report.skipped } : {}),
         ...(report.reason !== null ? { reason: report.reason } : {}),
       },
       'cycle',
     )
+    if (report.steps.length > 0) log.debug({ cycle, steps: report.steps }, 'cycle steps')
     if (outcome !== 'unreachable' && outcome !== 'skipped') {
       const changes = alerts.observe(cycle, findings)
       // Metrics first: whoever reads the log line and scrapes then sees the alert already.
@@ -182,6 +187,8 @@ function skippedReport(reason: string): CycleReport {
     poolUsage: null,
     latencies: [],
     sizer: null,
+    steps: [],
+    refusedTokens: 0,
   }
 }
 
