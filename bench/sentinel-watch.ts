@@ -10,7 +10,7 @@
  *    canary tenants at a cycle of `cycleSeconds` (the bench's default: the watch's own 30 s and
  *    its default budget; another cycle scales the budget by 30 ÷ cycle, so that each cycle runs
  *    what a default cycle runs, and its figures are then for that cycle, not the default's).
- *  - Once the watch has completed a cycle, the fault is switched on by a redeploy (the router on
+ *  - Once the watch has completed 3 cycles, the fault is switched on by a redeploy (the router on
  *    the same URL: config/redeploy.ts) — `placeholder-forward` with guards off and the incident's
  *    advertised context of 1024 tokens, or `early-release` with guards off — and the workload goes
  *    on until both have fired or `detectTimeoutSeconds` passed.
@@ -34,9 +34,13 @@
  *  - `watch_token_share`: the watch's tokens (its `kvfence_watch_tokens_spent_total`: prompt +
  *    max_tokens of what the endpoint took, an upper bound; prompts it refused with a 4xx count
  *    nothing, as the workload's refused prompts count nothing) ÷ the workload's (the answers'
- *    `usage`; aborted streams count nothing, so this is an upper bound too) over the whole run;
- *    `watch_token_share_counting_refused` counts the watch's refused prompts at their bound.
- *  - `workload_outcomes_before_fault` / `…_after_fault`: what became of the workload's requests
+ *    `usage`; aborted streams count nothing, so this is an upper bound too) while the cluster
+ *    served as shipped (the watch's first `shippedCycles` cycles, calibration included): what
+ *    monitoring costs all the time. `watch_token_share_whole_run` is over the whole run, the
+ *    fault's stretch included (a faulty endpoint answers the over-pool prompt, which then
+ *    counts), and `…_counting_refused` counts the watch's refused prompts at their bound too.
+ *  - `workload_outcomes_before_fault` (the redeploy's downtime included) / `…_after_fault`: what
+ *    became of the workload's requests
  *    (JSON: `ok`, `HTTP <status>`, `stream error`, `aborted`, `network`).
  *  The top-level `watch_time_to_detect_s` / `watch_token_share` are `placeholder-forward`'s (the
  *  incident's fault); `false_alarms_as_shipped` counts the watch's findings and the sentinel's
@@ -56,6 +60,9 @@ import { incidentShape } from '../test/helpers/cluster.js'
 import { echoModelDir } from '../test/helpers/paths.js'
 
 const faults = ['placeholder-forward', 'early-release'] as const
+/** Watch cycles while the cluster serves as shipped, before the fault: the steady state whose
+ *  cost an operator pays all the time (the first cycle's calibration included). */
+const shippedCycles = 3
 type Fault = (typeof faults)[number]
 
 const systemPrompt =
@@ -143,7 +150,9 @@ async function measureFault(fault: Fault, options: WatchBenchOptions) {
     tenants.map((t) => t.key),
   )
   try {
-    while (watch.numCycles() === 0) await sleep(250)
+    while (watch.numCycles() < shippedCycles) await sleep(250)
+    const watchTokensShipped = await watchTokensSpent(watch)
+    const workloadTokensShipped = workload.tokens()
     const faultLogDir = join(dir, 'logs-fault')
     const redeployed = await redeployCluster(cluster, {
       ...shipped,
@@ -217,9 +226,15 @@ async function measureFault(fault: Fault, options: WatchBenchOptions) {
       watch_tokens: watchTokens,
       watch_refused_prompt_tokens: refusedTokens,
       workload_tokens: workload.tokens(),
+      watch_tokens_as_shipped: watchTokensShipped,
+      workload_tokens_as_shipped: workloadTokensShipped,
       watch_token_share:
+        watchTokensShipped === null
+          ? null
+          : round(watchTokensShipped / Math.max(1, workloadTokensShipped), 4),
+      watch_token_share_whole_run:
         watchTokens === null ? null : round(watchTokens / Math.max(1, workload.tokens()), 4),
-      watch_token_share_counting_refused:
+      watch_token_share_whole_run_counting_refused:
         watchTokens === null
           ? null
           : round((watchTokens + refusedTokens) / Math.max(1, workload.tokens()), 4),

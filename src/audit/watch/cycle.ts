@@ -84,6 +84,25 @@ export interface CyclePlan {
   readonly skipped: readonly string[]
 }
 
+/** A plant (and the cut stream) is canaries joined by spaces, this many characters long (as many
+ *  whole canaries as fit; the audit's material is 200–330): pages enough to fill the most of a
+ *  prompt just over the pool that a wrongly admitted one reads, at two thirds of the audit's
+ *  cost. */
+export const plantMinCharacters = 120
+export const plantMaxCharacters = 200
+
+/** The first of `canaries` (two at least) whose joined length stays within `maxChars`. */
+function upTo(canaries: readonly string[], maxChars: number): string[] {
+  const out: string[] = []
+  let chars = -1
+  for (const c of canaries) {
+    if (out.length >= 2 && chars + 1 + c.length > maxChars) break
+    out.push(c)
+    chars += 1 + c.length
+  }
+  return out
+}
+
 /** Upper bound of the tokens of a prompt: byte-level tokenizers never make more tokens than
  *  UTF-8 bytes, plus a few special tokens. */
 export function promptTokenBound(prompt: string): number {
@@ -114,7 +133,9 @@ export function planCycle(
   // wherever they land); the observers' own prompts are two canaries each, to keep cycles cheap.
   const material = plantMaterial(rng, tenants, ids).map((p, i) => {
     const isPlanting = p.id === 'plant' || p.id === 'cut'
-    const canaries = isPlanting ? p.canaries : p.canaries.slice(0, 2)
+    const canaries = isPlanting
+      ? upTo(p.canaries, rng.int(plantMinCharacters, plantMaxCharacters))
+      : p.canaries.slice(0, 2)
     return { ...p, tenant: tenantsFor[i], canaries, prompt: canaries.join(' ') }
   })
   const byId = new Map(material.map((p) => [p.id, p]))

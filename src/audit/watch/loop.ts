@@ -13,6 +13,7 @@ import { AlertTracker, type ActiveAlert } from './alerts.js'
 import {
   maxReadRequests,
   observerMaxTokens,
+  plantMaxCharacters,
   plantMaxTokens,
   promptTokenBound,
   runCycle,
@@ -27,8 +28,8 @@ import { alertEvidence, postWebhook, webhookBody, type AlertStatus } from './web
 /** A cycle may spend up to this many times its average share of the hourly budget (so a cycle
  *  that draws every trigger can run now and then, and the hour still averages out). */
 const cycleShareFactor = 3
-/** Canary prompts are 200–330 characters plus one canary (≤ 24 characters): ≤ 355 bytes. */
-const plantTokenBound = promptTokenBound('x'.repeat(355)) + plantMaxTokens
+/** Canary prompts are at most {@link plantMaxCharacters} ASCII characters. */
+const plantTokenBound = promptTokenBound('x'.repeat(plantMaxCharacters)) + plantMaxTokens
 /** An observer's prompt is two canaries (≤ 49 bytes) and answers with up to
  *  {@link observerMaxTokens} tokens. */
 const observerTokenBound = promptTokenBound('x'.repeat(49)) + observerMaxTokens
@@ -53,9 +54,9 @@ export function cycleCostBound(config: WatchConfig): {
   readonly allowance: Spend
 } {
   // The plant and the cut stream are whole canary prompts; five observer prompts (the look, the
-  // fresh request after the cut, the burst of three).
+  // fresh request after the cut, the burst of three); one over-capacity or boundary prompt.
   return {
-    maxRequests: maxReadRequests + 9,
+    maxRequests: maxReadRequests + 8,
     maxCanaryTokens: 2 * plantTokenBound + 5 * observerTokenBound,
     allowance: pacing(config).capacity,
   }
