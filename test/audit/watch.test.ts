@@ -248,8 +248,9 @@ describe('kvfence watch as a service', () => {
   })
 
   test('SIGTERM mid-cycle: exit 0 at once, the request in flight is cut', async (t) => {
-    // 300 ms per generated token: a plant (16 tokens) takes ~5 s.
-    const standIn = await startStandIn('safe', { tokenDelayMs: 300 })
+    // 2 s per generated token: a plant (16 tokens) takes ~32 s, so an exit within the hang
+    // bound below (generous for a loaded machine) can only be the cycle abandoned mid-way.
+    const standIn = await startStandIn('safe', { tokenDelayMs: 2000 })
     const watch = startWatch(
       ['--target', standIn.url, ...tenantFlags, ...fastCycles, ...ampleBudget],
       env,
@@ -271,7 +272,7 @@ describe('kvfence watch as a service', () => {
     const { code } = await watch.exited
     const exitMs = Date.now() - signalledAt
     assert.equal(code, 0)
-    assert.ok(exitMs < 3_000, `took ${exitMs} ms to end`)
+    assert.ok(exitMs < 15_000, `took ${exitMs} ms to end`)
     const cutUntil = Date.now() + 2_000
     while (standIn.stats.numInFlight > 0 && Date.now() < cutUntil)
       await new Promise((r) => setTimeout(r, 20))
