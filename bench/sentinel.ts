@@ -24,7 +24,9 @@
  *  - The watch's figures (`watch_time_to_detect_s`, `watch_token_share`) and both detectors'
  *    with each fault switched on while the cluster serves: bench/sentinel-watch.ts.
  *  Args: `--repeats N`, `--seconds S`, `--clients N`, `--benign-seconds S`,
- *  `--watch-cycle-seconds S` (default 10), `--detect-timeout-seconds S` (default 90). */
+ *  `--watch-cycle-seconds S` (default 30, the watch's own), `--detect-timeout-seconds S` (default
+ *  150); `--watch-only` runs the watch part alone, `--faults a,b` some of its faults only,
+ *  `--keep-logs` keeps its clusters' and watches' logs (the folder is printed to stderr). */
 import { fork, type ChildProcess } from 'node:child_process'
 import { createHash, randomBytes } from 'node:crypto'
 import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs'
@@ -51,16 +53,24 @@ const overCapacityPrompt = 'b '.repeat(225) // 451 tokens: over the prefill pool
 
 /** Runs the benchmark and returns its JSON. */
 export async function benchSentinel(args: string[]): Promise<object> {
-  const throughput = await measureThroughput(
-    intFlag(args, '--repeats', 9),
-    intFlag(args, '--seconds', 2),
-    intFlag(args, '--clients', 32),
-  )
-  const cluster = await measureCluster(intFlag(args, '--benign-seconds', 15))
-  const watch = await benchWatchDetection(
-    intFlag(args, '--watch-cycle-seconds', 10),
-    intFlag(args, '--detect-timeout-seconds', 90),
-  )
+  const isWatchOnly = args.includes('--watch-only')
+  const throughput = isWatchOnly
+    ? {}
+    : await measureThroughput(
+        intFlag(args, '--repeats', 9),
+        intFlag(args, '--seconds', 2),
+        intFlag(args, '--clients', 32),
+      )
+  const cluster = isWatchOnly
+    ? { false_alarms: 0 }
+    : await measureCluster(intFlag(args, '--benign-seconds', 15))
+  const faultsAt = args.indexOf('--faults')
+  const watch = await benchWatchDetection({
+    cycleSeconds: intFlag(args, '--watch-cycle-seconds', 30),
+    detectTimeoutSeconds: intFlag(args, '--detect-timeout-seconds', 150),
+    faults: faultsAt === -1 ? undefined : (args[faultsAt + 1] ?? '').split(','),
+    keepLogs: args.includes('--keep-logs'),
+  })
   // `false_alarms` totals every benign stretch: the faulty cluster's before its fault was
   // triggered, and both shipped clusters' before their faults were switched on.
   return {

@@ -276,3 +276,45 @@ describe('the matcher in character mode, prompts not counted (1 character a toke
     )
   })
 })
+
+describe('the matcher in character mode, prompts counted (n = 8, minRunTokens = 16)', () => {
+  const counted = (text: string, numTokens: number) => ({
+    texts: [text],
+    tokenIds: null,
+    numTokens,
+  })
+
+  it('a run is measured by the characters per token of its tenant’s prompts in the window, not since start', () => {
+    let nowMs = 0
+    const { sentinel, events } = sentinelOf({ windowSeconds: 1 }, () => nowMs)
+    // 4 characters a token, then (at half a window, the generations swap) 2 a token.
+    sentinel.admit('a', false, 'ra1', counted('q'.repeat(400), 100))
+    nowMs = 500
+    sentinel.admit('a', false, 'ra2', counted(passage, 20))
+    // Both prompts in the window: c = 440, t = 120, a run needs ⌈16 × 440 ÷ 120⌉ = 59 characters.
+    answerWith(sentinel.admit('b', false, 'rb1', textPrompt('x')), passage)
+    assert.deepEqual(events, [])
+    // The next swap drops the 400-character prompt: c = 40 + 16, t = 20 + 8, 2 characters a
+    // token, so 32 characters of the passage are 16 tokens. Counted since start they would be
+    // ⌈16 × 456 ÷ 128⌉ = 57 characters, more than the passage has.
+    nowMs = 1000
+    sentinel.admit('a', false, 'ra3', counted('mnopmnopmnopmnop', 8))
+    answerWith(sentinel.admit('b', false, 'rb2', textPrompt('x')), passage)
+    assert.deepEqual(events, [
+      {
+        kind: 'suspected',
+        rid: 'rb2',
+        tenant: 'b',
+        sourceTenant: 'a',
+        runTokens: 16,
+        runCharacters: 32,
+      },
+    ])
+    // A whole window without a prompt of `a`: everything is forgotten, its counts too.
+    nowMs = 2500
+    sentinel.admit('a', false, 'ra4', counted('zyxwzyxwzyxwzyxw', 16))
+    answerWith(sentinel.admit('b', false, 'rb3', textPrompt('x')), passage)
+    assert.equal(events.length, 1)
+    sentinel.check()
+  })
+})

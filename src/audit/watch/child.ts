@@ -37,6 +37,8 @@ export function startWatchChild(options: {
   cycleSeconds: number
   logFile: string
   seed?: number
+  /** Its `--log-level` (default its own, info). */
+  logLevel?: string
 }): WatchChild {
   const scale = watchDefaults.cycleSeconds / options.cycleSeconds
   const env: NodeJS.ProcessEnv = { ...process.env }
@@ -61,6 +63,7 @@ export function startWatchChild(options: {
       '--metrics-port',
       '0',
       ...(options.seed === undefined ? [] : ['--seed', String(options.seed)]),
+      ...(options.logLevel === undefined ? [] : ['--log-level', options.logLevel]),
     ],
     { env, stdio: ['ignore', 'pipe', 'pipe'] },
   )

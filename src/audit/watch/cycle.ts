@@ -24,7 +24,13 @@ import {
 } from '../probes/material.js'
 import type { Rng } from '../rng.js'
 import { calibrate, type PromptSizer } from '../sizer.js'
-import { createTarget, outcomeOf, isAnsweredWhole, type Target } from '../target.js'
+import {
+  createTarget,
+  outcomeOf,
+  isAnsweredWhole,
+  type CompletionResult,
+  type Target,
+} from '../target.js'
 import { AuditError, type Finding, type ProbeName, type Tenant } from '../types.js'
 import type { Spend } from './hourly.js'
 
@@ -38,13 +44,20 @@ export const triggerProbes = {
 } as const satisfies Record<string, ProbeName>
 export type TriggerName = keyof typeof triggerProbes
 
-const plantMaxTokens = 16
-const observerMaxTokens = 32
+/** `max_tokens` of the plant. */
+export const plantMaxTokens = 16
+/** Enough for 8 characters of a canary on any tokenizer (the leak detector's fragment). */
+export const observerMaxTokens = 16
 /** Requests a cycle's reads may take: /v1/models, /server_info, /get_server_info, /metrics, and
  *  up to three for pool usage. */
 export const maxReadRequests = 7
-/** Each optional trigger is drawn with this probability (at least one is always drawn). */
-const triggerProbability = 0.5
+/** The stream cut and the burst are each drawn with this probability; one rejection-path
+ *  trigger runs in every cycle. */
+const triggerProbability = 0.25
+/** An over-capacity prompt is this many tokens over the limit at most: prompts just over the
+ *  pool cost least and read the plant's pages best (a larger prompt reads more pages that are
+ *  not the plant's). */
+const maxOverTokens = 32
 
 /** One completion a cycle sends. */
 interface Step {
@@ -69,6 +82,25 @@ export interface CyclePlan {
   readonly cost: Spend
   /** Why a trigger (or the whole cycle) was left out, one line each. */
   readonly skipped: readonly string[]
+}
+
+/** A plant (and the cut stream) is canaries joined by spaces, this many characters long (as many
+ *  whole canaries as fit; the audit's material is 200–330): pages enough to fill the most of a
+ *  prompt just over the pool that a wrongly admitted one reads, at two thirds of the audit's
+ *  cost. */
+export const plantMinCharacters = 120
+export const plantMaxCharacters = 200
+
+/** The first of `canaries` (two at least) whose joined length stays within `maxChars`. */
+function upTo(canaries: readonly string[], maxChars: number): string[] {
+  const out: string[] = []
+  let chars = -1
+  for (const c of canaries) {
+    if (out.length >= 2 && chars + 1 + c.length > maxChars) break
+    out.push(c)
+    chars += 1 + c.length
+  }
+  return out
 }
 
 /** Upper bound of the tokens of a prompt: byte-level tokenizers never make more tokens than
@@ -101,7 +133,9 @@ export function planCycle(
   // wherever they land); the observers' own prompts are two canaries each, to keep cycles cheap.
   const material = plantMaterial(rng, tenants, ids).map((p, i) => {
     const isPlanting = p.id === 'plant' || p.id === 'cut'
-    const canaries = isPlanting ? p.canaries : p.canaries.slice(0, 2)
+    const canaries = isPlanting
+      ? upTo(p.canaries, rng.int(plantMinCharacters, plantMaxCharacters))
+      : p.canaries.slice(0, 2)
     return { ...p, tenant: tenantsFor[i], canaries, prompt: canaries.join(' ') }
   })
   const byId = new Map(material.map((p) => [p.id, p]))
@@ -149,8 +183,14 @@ export function planCycle(
       if (limit === null || sizer === null) return 'pool and context unknown, or no token counts'
       const tokens =
         poolTokens !== null && contextTokens !== null && poolTokens < contextTokens
-          ? rng.int(poolTokens + 1, Math.max(poolTokens + 1, contextTokens - observerMaxTokens))
-          : limit + rng.int(17, 64)
+          ? rng.int(
+              poolTokens + 2,
+              Math.max(
+                poolTokens + 2,
+                Math.min(poolTokens + maxOverTokens, contextTokens - observerMaxTokens),
+              ),
+            )
+          : limit + rng.int(2, maxOverTokens)
       return [[fillerStep('over-capacity', tokens, `over-capacity ${tokens} tokens`)]]
     },
     boundary: () => {
@@ -188,23 +228,15 @@ export function planCycle(
 
 type OptionalTrigger = Exclude<TriggerName, 'plant'>
 
-/** The triggers of one cycle, in order: the rejection-path triggers first (at least one of
- *  them; right after the plant, the pages a wrongly admitted prompt may read are the plant's),
- *  then the others; each drawn with probability {@link triggerProbability}, shuffled
- *  (Fisher–Yates) within its kind. */
+/** The triggers of one cycle, in order: one rejection-path trigger, drawn (right after the
+ *  plant: the pages a wrongly admitted prompt may then read are the plant's; in every cycle, so
+ *  that the incident's path is tried every cycle), then the others, each drawn with probability
+ *  {@link triggerProbability}, in random order. */
 function drawTriggers(rng: Rng): OptionalTrigger[] {
-  const rejection: OptionalTrigger[] = ['over-capacity', 'boundary']
-  const others: OptionalTrigger[] = ['stream-cut', 'burst']
-  const first = rejection.filter(() => rng.next() < triggerProbability)
-  if (first.length === 0) first.push(rng.pick(rejection))
-  const later = others.filter(() => rng.next() < triggerProbability)
-  for (const drawn of [first, later]) {
-    for (let i = drawn.length - 1; i > 0; i--) {
-      const j = rng.int(0, i)
-      ;[drawn[i], drawn[j]] = [drawn[j], drawn[i]]
-    }
-  }
-  return [...first, ...later]
+  const first = rng.pick<OptionalTrigger>(['over-capacity', 'boundary'])
+  const later = (['stream-cut', 'burst'] as const).filter(() => rng.next() < triggerProbability)
+  if (later.length === 2 && rng.next() < 0.5) later.reverse()
+  return [first, ...later]
 }
 
 /** The plan: the plant, each drawn trigger that still fits in `allowance` (the others are named
@@ -270,6 +302,25 @@ export interface CycleReport {
   readonly latencies: readonly { readonly trigger: TriggerName; readonly seconds: number }[]
   /** The sizer learnt this cycle (or the one given). */
   readonly sizer: PromptSizer | null
+  /** What became of each completion, in the order they ended (no text: tenant names, sizes and
+   *  statuses only), for the debug log. */
+  readonly steps: readonly StepSummary[]
+  /** The token bounds of the prompts the endpoint refused (4xx), which `spent` leaves out. */
+  readonly refusedTokens: number
+}
+
+/** One completion of a cycle, without its text. */
+export interface StepSummary {
+  readonly trigger: TriggerName
+  readonly tenant: string
+  readonly stream: boolean
+  readonly status: number | null
+  readonly outcome: 'accepted' | 'rejected' | 'failed'
+  readonly errorCode: string | null
+  readonly promptTokens: number | null
+  readonly answerCharacters: number
+  /** Whether the answer carried another request's canary (a leak). */
+  readonly carriesCanary: boolean
 }
 
 /** What a cycle needs from the loop. */
@@ -315,6 +366,8 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
     poolUsage: null,
     latencies: [],
     sizer: input.sizer,
+    steps: [],
+    refusedTokens: 0,
   }
   const spentSoFar = (tokens: number): Spend => ({ tokens, requests: budget.requestsSent })
   let discovery: Discovery
@@ -363,6 +416,7 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
   }
   const observed: (Observed & { readonly step: Step })[] = []
   const latencies: { trigger: TriggerName; seconds: number }[] = []
+  let refusedTokens = 0
   for (const group of plan.groups) {
     await Promise.all(
       group.map(async (step) => {
@@ -381,10 +435,16 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
           throw err
         }
         latencies.push({ trigger: step.trigger, seconds: (performance.now() - startedAt) / 1000 })
-        // Settle to the count the server reported when it took the prompt; else the bound.
+        // Settle to the count the server reported when it took the prompt; else the bound. A
+        // prompt refused with a 4xx before any token was computed costs the endpoint none (its
+        // bound was reserved all the same, so the hourly limit held while it was in flight).
         const reported = isAnsweredWhole(result) ? result.promptTokens : null
-        tokens +=
-          reported === null ? step.tokenBound : Math.min(step.tokenBound, reported + step.maxTokens)
+        if (isRefused(result)) refusedTokens += step.tokenBound
+        else
+          tokens +=
+            reported === null
+              ? step.tokenBound
+              : Math.min(step.tokenBound, reported + step.maxTokens)
         observed.push({
           planted: step.planted,
           label: step.label,
@@ -395,9 +455,26 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
       }),
     )
   }
-  findings.push(...answerFindings(observed, plan, discovery))
+  findings.push(...answerFindings(observed, plan, discovery), ...availabilityFindings(observed))
+  const carriers = new Set(
+    findCrossings(
+      observed,
+      observed.map((o) => o.planted),
+    ).map((c) => c.observed),
+  )
+  const steps = observed.map(({ step, result }, i): StepSummary => ({
+    trigger: step.trigger,
+    tenant: step.planted.tenant.name,
+    stream: step.stream,
+    status: result.status,
+    outcome: outcomeOf(result),
+    errorCode: result.errorCode,
+    promptTokens: result.promptTokens,
+    answerCharacters: result.text.length,
+    carriesCanary: carriers.has(observed[i]),
+  }))
   const spent = spentSoFar(tokens)
-  const result = { ...base, findings, spent, latencies }
+  const result = { ...base, findings, spent, latencies, steps, refusedTokens }
   const completions = observed.map((o) => o.result)
   if (
     completions.length > 0 &&
@@ -409,8 +486,14 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
       reason: completions[0].errorMessage ?? 'no answer to any completion',
     }
   }
-  if (findings.length > 0) return { ...result, outcome: 'finding', reason: null }
   const reason = inconclusiveReason(observed)
+  // Failing requests are a finding, but a cycle that could not check isolation stays
+  // inconclusive (isolation was not checked: no successful cycle).
+  if (
+    findings.some((f) => f.finding.probe !== 'availability') ||
+    (reason === null && findings.length > 0)
+  )
+    return { ...result, outcome: 'finding', reason: null }
   return { ...result, outcome: reason === null ? 'clean' : 'inconclusive', reason }
 }
 
@@ -429,6 +512,57 @@ function inconclusiveReason(
       (isAnsweredWhole(o.result) || outcomeOf(o.result) === 'rejected'),
   )
   return isObserved ? null : "no other tenant's answer was read whole"
+}
+
+/** A refusal of the request itself (HTTP 4xx, not auth or rate limit): the endpoint computed no
+ *  token of it. */
+function isRefused(result: CompletionResult): boolean {
+  return result.status !== null && result.status >= 400 && outcomeOf(result) === 'rejected'
+}
+
+/** Server errors: HTTP 500 and 502, or an error event inside a 200 stream that is not a
+ *  refusal. Not 503 or 429 (an endpoint shedding load says so on purpose), not timeouts or
+ *  connection errors (a busy or restarting endpoint: `unreachable` says that). */
+function isServerError(result: CompletionResult): boolean {
+  if (result.status === 500 || result.status === 502) return true
+  return (
+    result.status === 200 && result.failure === 'stream_error' && outcomeOf(result) === 'failed'
+  )
+}
+
+/** Valid completions (every one but the prompts that must be refused) failing with server
+ *  errors: at least 2, and at least half of those sent in the cycle. An endpoint that fails
+ *  valid requests is itself a finding (as the audit's `availability`): a failing decode or
+ *  transfer path is where stale pages get read, and a fault may show as failures rather than
+ *  leaks (`early-release` with guards off: the decode pool's free list breaks and most requests
+ *  fail with 500). */
+function availabilityFindings(
+  observed: readonly (Observed & { readonly step: Step })[],
+): WatchFinding[] {
+  const valid = observed.filter((o) => !o.step.mustReject)
+  const failed = valid.filter((o) => isServerError(o.result))
+  if (failed.length < 2 || failed.length * 2 < valid.length) return []
+  const byCause: Record<string, number> = {}
+  for (const { result } of failed) {
+    const cause = `HTTP ${result.status}${result.errorCode === null ? '' : ` ${result.errorCode}`}`
+    byCause[cause] = (byCause[cause] ?? 0) + 1
+  }
+  return [
+    {
+      key: 'warning:availability',
+      finding: {
+        probe: 'availability',
+        verdict: 'warning',
+        severity: 'high',
+        title: `${failed.length} of ${valid.length} valid requests of a cycle failed with server errors`,
+        evidence: { numValidSent: valid.length, numFailed: failed.length, failedBy: byCause },
+        remediation:
+          "Find why the endpoint fails requests it should answer (its workers' logs at this time): " +
+          'a failing decode or transfer path is where stale pages get read; run `kvfence audit` ' +
+          'against it before trusting its answers again.',
+      },
+    },
+  ]
 }
 
 /** Advertising more context than the pool holds: the incident's misconfiguration. */

@@ -12,6 +12,9 @@ import type { Finding } from '../types.js'
 import { AlertTracker, type ActiveAlert } from './alerts.js'
 import {
   maxReadRequests,
+  observerMaxTokens,
+  plantMaxCharacters,
+  plantMaxTokens,
   promptTokenBound,
   runCycle,
   type CycleReport,
@@ -25,10 +28,11 @@ import { alertEvidence, postWebhook, webhookBody, type AlertStatus } from './web
 /** A cycle may spend up to this many times its average share of the hourly budget (so a cycle
  *  that draws every trigger can run now and then, and the hour still averages out). */
 const cycleShareFactor = 3
-/** Canary prompts are 200–330 characters plus one canary (≤ 24 characters): ≤ 355 bytes. */
-const plantTokenBound = promptTokenBound('x'.repeat(355)) + 16
-/** An observer's prompt is two canaries (≤ 49 bytes) and answers with up to 32 tokens. */
-const observerTokenBound = promptTokenBound('x'.repeat(49)) + 32
+/** Canary prompts are at most {@link plantMaxCharacters} ASCII characters. */
+const plantTokenBound = promptTokenBound('x'.repeat(plantMaxCharacters)) + plantMaxTokens
+/** An observer's prompt is two canaries (≤ 49 bytes) and answers with up to
+ *  {@link observerMaxTokens} tokens. */
+const observerTokenBound = promptTokenBound('x'.repeat(49)) + observerMaxTokens
 /** The least a cycle sends: the plant and one look by another tenant. */
 const minCycleTokens = plantTokenBound + observerTokenBound
 /** Idle pool usage: this many cycles' readings form the baseline, and a warning needs every
@@ -50,9 +54,9 @@ export function cycleCostBound(config: WatchConfig): {
   readonly allowance: Spend
 } {
   // The plant and the cut stream are whole canary prompts; five observer prompts (the look, the
-  // fresh request after the cut, the burst of three).
+  // fresh request after the cut, the burst of three); one over-capacity or boundary prompt.
   return {
-    maxRequests: maxReadRequests + 9,
+    maxRequests: maxReadRequests + 8,
     maxCanaryTokens: 2 * plantTokenBound + 5 * observerTokenBound,
     allowance: pacing(config).capacity,
   }
@@ -149,11 +153,13 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
         outcome,
         triggers: report.triggers,
         spent: report.spent,
+        ...(report.refusedTokens > 0 ? { refusedTokens: report.refusedTokens } : {}),
         ...(report.skipped.length > 0 ? { skipped: report.skipped } : {}),
         ...(report.reason !== null ? { reason: report.reason } : {}),
       },
       'cycle',
     )
+    if (report.steps.length > 0) log.debug({ cycle, steps: report.steps }, 'cycle steps')
     if (outcome !== 'unreachable' && outcome !== 'skipped') {
       const changes = alerts.observe(cycle, findings)
       // Metrics first: whoever reads the log line and scrapes then sees the alert already.
@@ -182,6 +188,8 @@ function skippedReport(reason: string): CycleReport {
     poolUsage: null,
     latencies: [],
     sizer: null,
+    steps: [],
+    refusedTokens: 0,
   }
 }
 

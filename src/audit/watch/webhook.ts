@@ -93,6 +93,9 @@ export function alertEvidence(evidence: Record<string, unknown>): Record<string,
     'requests',
     'baseline',
     'readings',
+    'numValidSent',
+    'numFailed',
+    'failedBy',
   ]
   return Object.fromEntries(kept.filter((k) => k in evidence).map((k) => [k, evidence[k]]))
 }

@@ -115,7 +115,15 @@ export interface FingerprintStoreOptions {
   maxBytes: number
   /** The clock, ms (default `Date.now`). */
   now?: () => number
+  /** Hears of every change of generations, so that whatever is kept beside the fingerprints
+   *  (per-tenant counts) covers the same prompts: `rotate` (the newer generation becomes the
+   *  older, the older is dropped), `drop-older` (the cap drops the older generation alone),
+   *  `clear` (a whole window passed: both dropped). */
+  onGenerations?: (change: GenerationChange) => void
 }
+
+/** How a {@link FingerprintStore}'s generations changed. */
+export type GenerationChange = 'rotate' | 'drop-older' | 'clear'
 
 /** An empty {@link FingerprintStore}. */
 export function createFingerprintStore(options: FingerprintStoreOptions): FingerprintStore {
@@ -140,6 +148,7 @@ export function createFingerprintStore(options: FingerprintStoreOptions): Finger
     older = newer
     newer = new Map()
     rotatedAtMs = now()
+    options.onGenerations?.('rotate')
   }
   const valueOf = (fp: number) => newer.get(fp) ?? older.get(fp)
   const expire = () => {
@@ -148,6 +157,7 @@ export function createFingerprintStore(options: FingerprintStoreOptions): Finger
       older = new Map()
       newer = new Map()
       rotatedAtMs = now()
+      options.onGenerations?.('clear')
     } else if (elapsedMs >= options.windowMs / 2) rotate()
   }
   return {
@@ -160,8 +170,10 @@ export function createFingerprintStore(options: FingerprintStoreOptions): Finger
         if (newer.get(fp) !== value) newer.set(fp, value)
         // The cap: the older generation goes first, then the newer starts afresh.
         if (newer.size + older.size > maxFingerprints) {
-          if (older.size > 0) older = new Map()
-          else rotate()
+          if (older.size > 0) {
+            older = new Map()
+            options.onGenerations?.('drop-older')
+          } else rotate()
         }
       }
     },

@@ -13,6 +13,7 @@
 import { KvfenceError } from '../../errors.js'
 import {
   type FingerprintStore,
+  type GenerationChange,
   type NgramHasher,
   createFingerprintStore,
   bytesPerFingerprint,
@@ -87,8 +88,8 @@ const canaryPattern = /[A-Za-z0-9]{12,}/g
  *  piece's token ids to {@link AnswerCheck.push}); `character` — n-grams of `ngramTokens` UTF-16
  *  code units of text, for a router that sees answers as text only. In character mode a run of
  *  `r` characters whose last n-gram another tenant sent is `r × t ÷ c` tokens, where `c` and `t`
- *  are the characters and the counted tokens of all that tenant's prompts admitted so far (one
- *  character per token before any was counted). */
+ *  are the characters and the counted tokens of that tenant's prompts in the window — those whose
+ *  fingerprints are kept (one character per token when none of them was counted). */
 export type SentinelUnit = 'token' | 'character'
 
 /** What the sentinel takes of an admitted prompt. */
@@ -171,7 +172,13 @@ export function createSentinel(options: SentinelOptions): Sentinel {
   const now = options.now ?? Date.now
   const hash = createNgramHasher(options.key)
   const windowMs = settings.windowSeconds * 1000
-  const store = createFingerprintStore({ windowMs, maxBytes: settings.maxBytes, now })
+  const density = createDensity()
+  const store = createFingerprintStore({
+    windowMs,
+    maxBytes: settings.maxBytes,
+    now,
+    onGenerations: (change) => density.onGenerations(change),
+  })
   // Fingerprints of every canary fragment (of `canaryFragmentLength` characters); few, apart.
   const canaries = new Map<number, CanaryFragment>()
   const learnCanaries = (tenant: string, texts: readonly string[]) => {
@@ -189,7 +196,6 @@ export function createSentinel(options: SentinelOptions): Sentinel {
     const oldestMs = now() - windowMs
     for (const [fp, c] of canaries) if (c.atMs < oldestMs) canaries.delete(fp)
   }
-  const density = createDensity()
   const passAll: AnswerCheck = { push: (piece) => piece, finish: () => '' }
   const deps: CheckDeps = {
     settings,
@@ -223,33 +229,53 @@ export function createSentinel(options: SentinelOptions): Sentinel {
   }
 }
 
-/** Characters and counted tokens of each tenant's prompts (character mode). */
+/** Characters and counted tokens of each tenant's recent prompts (character mode): the prompts
+ *  whose fingerprints the store keeps, so a run is measured by what its tenant sends now, not
+ *  by what it sent since the router started. */
 interface Density {
   add(tenant: string, prompt: SentinelPrompt): void
-  /** Characters `c` and counted tokens `t` of `tenant`'s prompts, or 1 and 1 before any was
-   *  counted. */
+  /** Follows the fingerprint store's generations (see {@link GenerationChange}). */
+  onGenerations(change: GenerationChange): void
+  /** Characters `c` and counted tokens `t` of `tenant`'s prompts in the window, or 1 and 1 when
+   *  none was counted in it. */
   of(tenant: string): { readonly chars: number; readonly tokens: number }
 }
 
 const oneCharPerToken = Object.freeze({ chars: 1, tokens: 1 })
 
-/** An empty {@link Density}: sums since the router started, one entry per tenant (tenants are
- *  configured, so bounded). */
+type Sums = Map<string, { chars: number; tokens: number }>
+
+/** An empty {@link Density}: per-tenant sums in two generations, swapped and dropped with the
+ *  fingerprints' (tenants are configured, so each generation is bounded). */
 function createDensity(): Density {
-  const sums = new Map<string, { chars: number; tokens: number }>()
+  let newer: Sums = new Map()
+  let older: Sums = new Map()
   return {
     add(tenant, prompt) {
       let chars = 0
       for (const text of prompt.texts) chars += text.length
       if (prompt.numTokens === null || prompt.numTokens <= 0 || chars === 0) return
-      const sum = sums.get(tenant)
-      if (sum === undefined) sums.set(tenant, { chars, tokens: prompt.numTokens })
+      const sum = newer.get(tenant)
+      if (sum === undefined) newer.set(tenant, { chars, tokens: prompt.numTokens })
       else {
         sum.chars += chars
         sum.tokens += prompt.numTokens
       }
     },
-    of: (tenant) => sums.get(tenant) ?? oneCharPerToken,
+    onGenerations(change) {
+      if (change === 'rotate') older = newer
+      if (change !== 'drop-older') newer = new Map()
+      if (change !== 'rotate') older = new Map()
+    },
+    of(tenant) {
+      const a = newer.get(tenant)
+      const b = older.get(tenant)
+      if (a === undefined && b === undefined) return oneCharPerToken
+      return {
+        chars: (a?.chars ?? 0) + (b?.chars ?? 0),
+        tokens: (a?.tokens ?? 0) + (b?.tokens ?? 0),
+      }
+    },
   }
 }
 
