@@ -71,13 +71,13 @@ export const probesFor: Readonly<Record<FaultName, readonly ProbeName[]>> = {
  *    while that prompt's own pages are still leased: the demo's 24-page prefill pool caches 6
  *    pages (96 tokens, all written by the first chunk), so nothing unwritten could be published.
  *    256 prefill pages with 128 for the cache, a 2,048-token context;
- *  - the offload faults: a host offload tier (`--prefix-cache-offload-bytes`) shared by the
- *    tenants (the worker's default without `--prefix-cache-pages-per-tenant`: a tier split per
- *    tenant leaves a key without the tenant nothing to find), the size of the prefill pool (24
- *    pages of 16 KiB on the echo model, 384 KiB): small enough that the audit's churn (4 × the
- *    largest pool) wraps it, so that a load finds its slot written over (the failure
- *    `offload-load-as-hit` counts as a hit), large enough that a prefix evicted at the churn's
- *    first stage is still there for another tenant's lookup. */
+ *  - the offload faults: a host offload tier (`--prefix-cache-offload-bytes`), split per tenant
+ *    as shipped, the size of the prefill pool (24 pages of 16 KiB on the echo model, 384 KiB):
+ *    small enough that the audit's churn (4 × the largest pool) wraps each tenant's share, so
+ *    that a load finds its slot written over (the failure `offload-load-as-hit` counts as a hit;
+ *    with the split, by the tenant's own pages), large enough that a prefix evicted at the churn's
+ *    first stage is still there for another tenant's lookup (the split bounds bytes, not which
+ *    keys a lookup reaches, so `offload-key-without-tenant` still finds another tenant's entry). */
 const offloadTier = ['--prefix-cache-offload-bytes', String(24 * 16 * 1024)]
 export const shapeFor: Readonly<Partial<Record<FaultName, Partial<ClusterOptions>>>> = {
   'publish-partial': {
