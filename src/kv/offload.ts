@@ -200,8 +200,9 @@ export class OffloadRing implements OffloadTier {
     const { bytes } = this.options
     const bytesPerTenant = tenantBytesOf(this.options.bytesPerTenant, page.tenant)
     const size = payload.byteLength
-    if (size > bytes || (bytesPerTenant !== undefined && size > bytesPerTenant)) return false
+    // First: an older copy under the key must not outlive a store that is refused for its size.
     this.delete(page.key)
+    if (size > bytes || (bytesPerTenant !== undefined && size > bytesPerTenant)) return false
     if (bytesPerTenant !== undefined) {
       while ((this.numBytesOf.get(page.tenant) ?? 0) + size > bytesPerTenant)
         this.dropOldest(page.tenant)

@@ -252,6 +252,18 @@ describe('offload ring under the prefix cache: the ring wraps', () => {
   })
 })
 
+describe('offload ring: a store refused for its size', () => {
+  it('drops the older copy under its key (found by the property below, seed -1171249728)', () => {
+    // 127 bytes, 64 a tenant: 64 bytes fit the tenant's bound, 65 do not.
+    const ring = new OffloadRing({ bytes: 127, bytesPerTenant: 64 })
+    assert.equal(ring.store(meta('k5', 't0'), new Uint8Array(64)), true)
+    assert.equal(ring.store(meta('k5', 't0'), new Uint8Array(65).fill(1)), false)
+    assert.equal(ring.load('k5').kind, 'absent')
+    assert.equal(ring.numBytes, 0)
+    ring.check()
+  })
+})
+
 describe('offload ring: properties', () => {
   it('the invariant holds, memory within bytes, a load a failure or the bytes last stored', () => {
     const op = fc.oneof(
