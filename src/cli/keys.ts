@@ -4,6 +4,7 @@
  *  sections, comments) as it was. */
 import { existsSync } from 'node:fs'
 import type { Command } from 'commander'
+import lockfile from 'proper-lockfile'
 import writeFileAtomic from 'write-file-atomic'
 import { isMap, isSeq, type Document } from 'yaml'
 import { z } from 'zod'
@@ -94,7 +95,7 @@ export function registerKeys(program: Command): void {
       intOption,
     )
     .action(
-      (
+      async (
         name: string,
         flags: {
           tenants: string
@@ -103,42 +104,12 @@ export function registerKeys(program: Command): void {
           prefixCachePages?: number
         },
       ) => {
-        const { doc, tenants } = readTenantsDocument(flags.tenants, true)
-        if (tenants.some((t) => t.name === name)) {
-          throw new KvfenceError(
-            'config_invalid',
-            `tenant ${name} already exists in ${flags.tenants}`,
-          )
+        const unlock = await lockTenantsFile(flags.tenants)
+        try {
+          addTenant(name, flags)
+        } finally {
+          await unlock()
         }
-        const key = newApiKey()
-        const limits = {
-          ...(flags.maxConcurrent === undefined
-            ? {}
-            : { maxConcurrentRequests: flags.maxConcurrent }),
-          ...(flags.tokensPerMinute === undefined
-            ? {}
-            : { tokensPerMinute: flags.tokensPerMinute }),
-        }
-        const parsed = TenantRecord.safeParse({
-          name,
-          keySha256: apiKeyDigest(key),
-          ...(Object.keys(limits).length > 0 ? { limits } : {}),
-          ...(flags.prefixCachePages === undefined
-            ? {}
-            : { prefixCachePages: flags.prefixCachePages }),
-        })
-        if (!parsed.success) {
-          const issue = parsed.error.issues[0]
-          throw new KvfenceError(
-            'config_invalid',
-            `tenant ${JSON.stringify(name)}: ${issue?.message}`,
-          )
-        }
-        const record = parsed.data
-        doc.addIn(['tenants'], doc.createNode(record))
-        writeTenantsFile(flags.tenants, doc)
-        process.stderr.write(`tenant ${name} added to ${flags.tenants}; its key (shown once):\n`)
-        process.stdout.write(`${key}\n`)
       },
     )
   keys
@@ -156,16 +127,84 @@ export function registerKeys(program: Command): void {
     .command('remove <name>')
     .description('remove tenant NAME and its key from the tenants file')
     .option(...fileOption)
-    .action((name: string, flags: { tenants: string }) => {
-      const { doc, tenants } = readTenantsDocument(flags.tenants, false)
-      const index = tenants.findIndex((t) => t.name === name)
-      if (index === -1) {
-        throw new KvfenceError('config_invalid', `tenant ${name} is not in ${flags.tenants}`)
+    .action(async (name: string, flags: { tenants: string }) => {
+      const unlock = await lockTenantsFile(flags.tenants)
+      try {
+        const { doc, tenants } = readTenantsDocument(flags.tenants, false)
+        const index = tenants.findIndex((t) => t.name === name)
+        if (index === -1) {
+          throw new KvfenceError('config_invalid', `tenant ${name} is not in ${flags.tenants}`)
+        }
+        doc.deleteIn(['tenants', index])
+        writeTenantsFile(flags.tenants, doc)
+      } finally {
+        await unlock()
       }
-      doc.deleteIn(['tenants', index])
-      writeTenantsFile(flags.tenants, doc)
       process.stderr.write(`tenant ${name} removed from ${flags.tenants}\n`)
     })
+}
+
+/** `keys add`: a new tenant with a fresh key in the tenants file (the caller holds its lock).
+ *  Throws `config_invalid` when the name exists or the record is invalid. */
+function addTenant(
+  name: string,
+  flags: {
+    tenants: string
+    maxConcurrent?: number
+    tokensPerMinute?: number
+    prefixCachePages?: number
+  },
+): void {
+  const { doc, tenants } = readTenantsDocument(flags.tenants, true)
+  if (tenants.some((t) => t.name === name)) {
+    throw new KvfenceError('config_invalid', `tenant ${name} already exists in ${flags.tenants}`)
+  }
+  const key = newApiKey()
+  const limits = {
+    ...(flags.maxConcurrent === undefined ? {} : { maxConcurrentRequests: flags.maxConcurrent }),
+    ...(flags.tokensPerMinute === undefined ? {} : { tokensPerMinute: flags.tokensPerMinute }),
+  }
+  const parsed = TenantRecord.safeParse({
+    name,
+    keySha256: apiKeyDigest(key),
+    ...(Object.keys(limits).length > 0 ? { limits } : {}),
+    ...(flags.prefixCachePages === undefined ? {} : { prefixCachePages: flags.prefixCachePages }),
+  })
+  if (!parsed.success) {
+    const issue = parsed.error.issues[0]
+    throw new KvfenceError('config_invalid', `tenant ${JSON.stringify(name)}: ${issue?.message}`)
+  }
+  const record = parsed.data
+  doc.addIn(['tenants'], doc.createNode(record))
+  writeTenantsFile(flags.tenants, doc)
+  process.stderr.write(`tenant ${name} added to ${flags.tenants}; its key (shown once):\n`)
+  process.stdout.write(`${key}\n`)
+}
+/** Takes the tenants file's lock (a `PATH.lock` directory, proper-lockfile) for one read, change
+ *  and write of the file: without it two `keys` commands at once each wrote back what they had
+ *  read, and one's change was lost (an added key that never works, or a removal reported done
+ *  while the key stayed valid). Waits up to ~10 s for another command; a lock left by a killed
+ *  command is taken over once stale (10 s without its holder touching it). Resolves with the
+ *  release; throws `config_invalid` when the lock cannot be had. */
+async function lockTenantsFile(path: string): Promise<() => Promise<void>> {
+  try {
+    return await lockfile.lock(path, {
+      realpath: false,
+      stale: 10_000,
+      retries: { retries: 100, minTimeout: 20, maxTimeout: 200 },
+    })
+  } catch (err) {
+    // A missing folder or no write access to it: the same line as a write that fails for it.
+    const code = (err as NodeJS.ErrnoException).code
+    if (code !== undefined && code !== 'ELOCKED') {
+      const reason = /^E[A-Z]+: [^,]*/.exec((err as Error).message)?.[0] ?? code
+      throw new KvfenceError('config_invalid', `cannot write tenants file ${path}: ${reason}`)
+    }
+    throw new KvfenceError(
+      'config_invalid',
+      `cannot lock tenants file ${path} (another kvfence keys command holds ${path}.lock): ${(err as Error).message}`,
+    )
+  }
 }
 
 /** Replace the file in one step (a temporary file, fsynced, renamed over it): a router reloading

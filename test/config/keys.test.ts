@@ -2,7 +2,15 @@
  *  the key printed once, limits and the rest of the file kept. */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
-import { chmodSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
+import {
+  chmodSync,
+  existsSync,
+  mkdtempSync,
+  readFileSync,
+  rmSync,
+  statSync,
+  writeFileSync,
+} from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
@@ -58,6 +66,27 @@ describe('kvfence keys', () => {
         return true
       },
     )
+  })
+
+  it('commands run at once each apply: six adds and a remove racing an add lose nothing (the file is locked)', async () => {
+    const path = join(dir, 'race.yaml')
+    await kvfence('add', 'keep', '--tenants', path)
+    await kvfence('add', 'revoked', '--tenants', path)
+    const names = ['r1', 'r2', 'r3', 'r4', 'r5', 'r6']
+    const outs = await Promise.all([
+      ...names.map((n) => kvfence('add', n, '--tenants', path)),
+      kvfence('remove', 'revoked', '--tenants', path),
+    ])
+    const tenants = (
+      parse(readFileSync(path, 'utf8')) as { tenants: { name: string; keySha256: string }[] }
+    ).tenants
+    assert.deepEqual(tenants.map((t) => t.name).sort(), ['keep', ...names].sort())
+    // Every key printed is one the file now accepts.
+    for (const [i, n] of names.entries()) {
+      const key = outs[i].stdout.trim()
+      assert.equal(tenants.find((t) => t.name === n)?.keySha256, apiKeyDigest(key))
+    }
+    assert.ok(!existsSync(`${path}.lock`), 'the lock is released')
   })
 
   it('replaces the file in one rename (a reloading router never reads half a file), keeping its mode', async () => {
