@@ -287,7 +287,11 @@ describe('publish-partial (an abandoned prefill’s pages published to the prefi
       assert.equal(tokenizer.encode(prompt).length, 945)
       if (!(await abandon(cluster, prompt))) continue
       const again = await complete(cluster, tenantA.key, prompt, 6)
-      return { again, want: oracleText(prompt, 6) }
+      const want = oracleText(prompt, 6)
+      // Every page published and the right answer: P computed the whole prompt before it saw the
+      // abort (seen once in a full run), so no page was left unwritten. Not the case under test.
+      if (again.cached === 944 && again.text === want) continue
+      return { again, want }
     }
     assert.fail('the abort never landed while the prompt was being prefilled (three tries)')
   }
