@@ -123,6 +123,15 @@ function refuseWhileRefusing(backend: Backend): void {
 /** The tenant of the request's bearer key; `invalid_api_key` otherwise. The key is never
  *  echoed, logged or kept. */
 function authenticate(tenants: TenantRegistry, req: IncomingMessage): Tenant {
+  // Node keeps the first of several Authorization headers and drops the rest: a request carrying
+  // two tenants' keys would be served as whichever came first. Ambiguous credentials are refused.
+  const numHeaders = req.headersDistinct.authorization?.length ?? 0
+  if (numHeaders > 1) {
+    throw new KvfenceError(
+      'invalid_api_key',
+      `Send one Authorization header; this request has ${numHeaders}.`,
+    )
+  }
   const key = bearerKey(req.headers.authorization)
   if (key === null) {
     throw new KvfenceError(
