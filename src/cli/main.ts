@@ -4,7 +4,10 @@
  *  an unknown name or none): every worker and router a cluster forks is this command, and loading
  *  every sub-command's modules (the `openai` client, Redis, x509…) cost each of them about as
  *  long again as its own start. */
+import { readFileSync } from 'node:fs'
+import { join } from 'node:path'
 import { Command, CommanderError } from 'commander'
+import { packageRoot } from '../paths.js'
 
 type Register = (program: Command) => void
 
@@ -27,6 +30,12 @@ program
   .name('kvfence')
   .description(
     'Disaggregated LLM serving that is safe from cross-tenant KV-cache leaks, and an auditor that proves it.',
+  )
+  .version(
+    (JSON.parse(readFileSync(join(packageRoot, 'package.json'), 'utf8')) as { version: string })
+      .version,
+    '-V, --version',
+    'print the version of kvfence',
   )
   .exitOverride()
 
