@@ -10,6 +10,7 @@ import { runAudit, type AuditOptions, type Finding } from '../../src/audit/index
 import { startCluster, type ClusterOptions } from '../../src/config/launch.js'
 import { twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
+import { faultyClusterRunner } from './fault-cluster.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-audit-faults-abort-retry-')
 after(() => rmSync(dir, { recursive: true, force: true }))
@@ -21,32 +22,7 @@ const options = (url: string, extra: Partial<AuditOptions> = {}): AuditOptions =
   ...extra,
 })
 
-/** Runs `audit` against a cluster with `faults` and the guards off, then stops the cluster. */
-async function withFaultyCluster<T>(
-  name: string,
-  faults: Partial<ClusterOptions>,
-  audit: (url: string) => Promise<T>,
-): Promise<T> {
-  const cluster = await startCluster({
-    modelDir: echoModelDir,
-    pageSize: 16,
-    prefillPages: 24,
-    decodePages: 64,
-    contextWindow: 1024,
-    clampContext: true,
-    tenantsFile,
-    logDir: join(dir, name),
-    logLevel: 'warn',
-    disableGuards: true,
-    env: { ...process.env, KVFENCE_ALLOW_FAULTS: '1' },
-    ...faults,
-  })
-  try {
-    return await audit(cluster.routerUrl)
-  } finally {
-    await cluster.stop()
-  }
-}
+const withFaultyCluster = faultyClusterRunner(dir, tenantsFile)
 
 // abort-retry against kvfence: publish-partial (an aborted prefill's pages published) needs a
 // prefix cache that holds a prompt past one prefill chunk while its own pages are leased (the

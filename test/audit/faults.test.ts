@@ -9,42 +9,15 @@
  *  One cluster at a time (CPU-heavy on a small machine); each audit is bounded by its probes. */
 import assert from 'node:assert/strict'
 import { rmSync } from 'node:fs'
-import { join } from 'node:path'
 import { after, test } from 'node:test'
 import { AuditError, runAudit, type AuditOptions, type Finding } from '../../src/audit/index.js'
-import { startCluster, type ClusterOptions } from '../../src/config/launch.js'
 import { twoTenants } from '../helpers/cluster.js'
-import { echoModelDir } from '../helpers/paths.js'
+import { faultyClusterRunner } from './fault-cluster.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-audit-faults-')
 after(() => rmSync(dir, { recursive: true, force: true }))
 
-/** Runs `audit` against a cluster with `faults` and the guards off, then stops the cluster. */
-async function withFaultyCluster<T>(
-  name: string,
-  faults: Partial<ClusterOptions>,
-  audit: (url: string) => Promise<T>,
-): Promise<T> {
-  const cluster = await startCluster({
-    modelDir: echoModelDir,
-    pageSize: 16,
-    prefillPages: 24,
-    decodePages: 64,
-    contextWindow: 1024,
-    clampContext: true,
-    tenantsFile,
-    logDir: join(dir, name),
-    logLevel: 'warn',
-    disableGuards: true,
-    env: { ...process.env, KVFENCE_ALLOW_FAULTS: '1' },
-    ...faults,
-  })
-  try {
-    return await audit(cluster.routerUrl)
-  } finally {
-    await cluster.stop()
-  }
-}
+const withFaultyCluster = faultyClusterRunner(dir, tenantsFile)
 
 const options = (url: string, extra: Partial<AuditOptions> = {}): AuditOptions => ({
   target: url,
