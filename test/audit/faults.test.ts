@@ -93,8 +93,25 @@ test('drop-abort, guards off: pages abort-race left held are a page-leak warning
     ['warning', 'high'],
     `${finding.title} ${JSON.stringify(finding.evidence).slice(0, 600)}`,
   )
-  const e = finding.evidence as { preAuditUsage: number; held: number; numRunning: number }
+  const e = finding.evidence as {
+    preAuditUsage: number
+    held?: number
+    numRunning?: number
+    baseline?: number
+    settled?: number
+  }
   assert.equal(e.preAuditUsage, 0)
+  if (e.held === undefined) {
+    // On a loaded machine the cut that D keeps can be one of page-leak's own workload's, not
+    // abort-race's: then the pool does not return to its idle baseline after the workload.
+    assert.equal(e.baseline, 0)
+    assert.ok(e.settled! > 0)
+    assert.match(
+      finding.title,
+      /^KV pool usage did not return to its idle baseline: 0 pages before/,
+    )
+    return
+  }
   assert.equal(e.numRunning, 0)
   assert.ok(e.held > 0)
   assert.match(
