@@ -9,6 +9,10 @@ export const errorCodes = {
   invalid_api_key: { status: 401, type: 'authentication_error' },
   not_found: { status: 404, type: 'invalid_request_error' },
   method_not_allowed: { status: 405, type: 'invalid_request_error' },
+  /** The HTTP parser's limit on the request's headers (Node's `maxHeaderSize`). */
+  headers_too_large: { status: 431, type: 'invalid_request_error' },
+  /** The request's headers did not arrive within the server's `headersTimeout`. */
+  request_timeout: { status: 408, type: 'invalid_request_error' },
   payload_too_large: { status: 413, type: 'invalid_request_error' },
   unsupported_media_type: { status: 415, type: 'invalid_request_error' },
   rate_limited: { status: 429, type: 'rate_limit_error' },

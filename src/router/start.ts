@@ -11,6 +11,7 @@ import { pino, type Logger } from 'pino'
 import { KvfenceError } from '../errors.js'
 import { loadTokenizer } from '../model/tokenizer.js'
 import { type WorkerReport, decideContextWindow } from './capacity.js'
+import { answerClientError } from './client-errors.js'
 import type { Backend } from './backend.js'
 import { type RouterConfig, buildRouterConfig, routerConfigDefaults } from './config.js'
 import { createDrain } from './drain.js'
@@ -366,6 +367,10 @@ async function listenRouter(
   // connection the router is closing fails with a reset, never reaching it.
   server.keepAliveTimeout = routerKeepAliveTimeoutMs
   server.headersTimeout = routerKeepAliveTimeoutMs + 1_000
+  // Node's refusals of unreadable requests get the OpenAI error body too (client-errors.ts).
+  server.on('clientError', (err: NodeJS.ErrnoException, socket) =>
+    answerClientError(err, socket, http.maxHeaderSize, log),
+  )
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject)
     server.listen(options.port ?? 8000, options.host ?? '127.0.0.1', () => {

@@ -4,7 +4,7 @@
 import assert from 'node:assert/strict'
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import http from 'node:http'
-import type { AddressInfo } from 'node:net'
+import { type AddressInfo, connect } from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import OpenAI from 'openai'
@@ -460,6 +460,30 @@ export async function startHarness(
       await workers.close()
       rmSync(tokenizerDir, { recursive: true, force: true })
     },
+  }
+}
+
+/** Sends `bytes` on a raw TCP socket to `url`'s port (for what no HTTP client sends: a header
+ *  twice, a malformed request) and reads to the end; the answer's status, its head (lower case)
+ *  and its body. */
+export async function rawRequest(
+  url: string,
+  bytes: string,
+): Promise<{ status: number; head: string; body: string }> {
+  const { port } = new URL(url)
+  const raw = await new Promise<string>((resolve, reject) => {
+    const socket = connect(Number(port), '127.0.0.1')
+    let text = ''
+    socket.on('data', (c: Buffer) => (text += c.toString('utf8')))
+    socket.on('end', () => resolve(text))
+    socket.on('error', reject)
+    socket.end(bytes)
+  })
+  const split = raw.indexOf('\r\n\r\n')
+  return {
+    status: Number(/^HTTP\/1\.1 (\d+)/.exec(raw)?.[1]),
+    head: raw.slice(0, split).toLowerCase(),
+    body: raw.slice(split + 4),
   }
 }
 

@@ -3,9 +3,8 @@
  *  surface (`/metrics` with worker state, `--log-content`, `cached_tokens`). */
 import assert from 'node:assert/strict'
 import http from 'node:http'
-import { connect } from 'node:net'
 import { describe, it } from 'node:test'
-import { keys, startHarness } from './helpers.js'
+import { keys, rawRequest, startHarness } from './helpers.js'
 
 const chat = { model: 'echo-test', messages: [{ role: 'user' as const, content: 'Hi' }] }
 
@@ -79,30 +78,18 @@ describe('credentials', () => {
   it('two Authorization headers (two tenants’ keys) are refused with 401, not served as the first', async () => {
     const h = await startHarness()
     try {
-      const { port } = new URL(h.router.url)
       const body = JSON.stringify(chat)
       // On a raw socket: the only way to send one header name twice.
       const head = [
         'POST /v1/chat/completions HTTP/1.1',
-        `host: 127.0.0.1:${port}`,
+        `host: ${new URL(h.router.url).host}`,
         `authorization: Bearer ${keys.alpha}`,
         `authorization: Bearer ${keys.beta}`,
         'content-type: application/json',
         `content-length: ${Buffer.byteLength(body)}`,
         'connection: close',
       ]
-      const raw = await new Promise<string>((resolve, reject) => {
-        const socket = connect(Number(port), '127.0.0.1')
-        let text = ''
-        socket.on('data', (c: Buffer) => (text += c.toString('utf8')))
-        socket.on('end', () => resolve(text))
-        socket.on('error', reject)
-        socket.end(`${head.join('\r\n')}\r\n\r\n${body}`)
-      })
-      const answer = {
-        status: Number(/^HTTP\/1\.1 (\d+)/.exec(raw)?.[1]),
-        body: raw.slice(raw.indexOf('\r\n\r\n') + 4),
-      }
+      const answer = await rawRequest(h.router.url, `${head.join('\r\n')}\r\n\r\n${body}`)
       assert.equal(answer.status, 401, answer.body)
       assert.deepEqual(JSON.parse(answer.body), {
         error: {
