@@ -181,6 +181,8 @@ function account(
       )
     }
   }
+  // The line's object is built only when it is written: a busy router logs at warn.
+  if (!log.isLevelEnabled('info')) return
   log.info(
     {
       status: outcome.status,

@@ -187,6 +187,9 @@ function pathOf(url: string | undefined): string {
   // which let a request through a proxy that forwards only `/v1/*` reach the operators' paths.
   const raw = (url ?? '/').split(/[?#]/, 1)[0]
   if (!raw.startsWith('/')) return ''
+  // Without escapes or dots the path is already decoded and has no dot segment: every
+  // request's own path (`/v1/chat/completions`) skips the split and decode below.
+  if (!raw.includes('%') && !raw.includes('.')) return raw
   const segments: string[] = []
   for (const segment of raw.split('/')) {
     let decoded: string
