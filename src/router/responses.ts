@@ -166,9 +166,17 @@ export function startSse(
   if (!isSentWithFirstEvent) res.flushHeaders()
 }
 
-/** Writes one `data: {json}` event; resolves when the socket can take more (or is closed). */
-export function writeSse(res: ServerResponse, value: unknown): Promise<void> {
-  return writeRaw(res, `data: ${JSON.stringify(value)}\n\n`)
+/** Writes one `data: {json}` event. Undefined when the response takes more at once; else a
+ *  promise that resolves when it can (or is closed). Not a promise every time: a stream awaits
+ *  each event, and a settled promise still costs every token of every stream a turn of the
+ *  microtask queue. */
+export function writeSse(res: ServerResponse, value: unknown): Promise<void> | undefined {
+  return writeRaw(res, sseEvent(value))
+}
+
+/** The `data: {json}\n\n` event of `value`. */
+export function sseEvent(value: unknown): string {
+  return `data: ${JSON.stringify(value)}\n\n`
 }
 
 /** Builds `data: {json}\n\n` events that differ from one body only in one string field: the
@@ -187,8 +195,8 @@ export function sseTemplate(bodyWith: (text: string) => unknown): (text: string)
   return (text) => before + JSON.stringify(text) + after
 }
 
-/** Writes an event already framed (`data: …\n\n`); resolves when the socket can take more. */
-export function writeSseText(res: ServerResponse, event: string): Promise<void> {
+/** Writes an event already framed (`data: …\n\n`); undefined or a promise, as {@link writeSse}. */
+export function writeSseText(res: ServerResponse, event: string): Promise<void> | undefined {
   return writeRaw(res, event)
 }
 
@@ -197,7 +205,7 @@ export function endSse(res: ServerResponse): void {
   res.end('data: [DONE]\n\n')
 }
 
-function writeRaw(res: ServerResponse, text: string): Promise<void> {
-  if (res.destroyed || res.writableEnded || res.write(text)) return Promise.resolve()
+function writeRaw(res: ServerResponse, text: string): Promise<void> | undefined {
+  if (res.destroyed || res.writableEnded || res.write(text)) return undefined
   return drained(res)
 }

@@ -5,7 +5,15 @@ import type { GenerationJob } from '../backend.js'
 import { coalesceWrites, sendJson } from '../http.js'
 import type { GeneratedLogprobs } from '../logprobs.js'
 import { endingError, publicError } from '../public-errors.js'
-import { endSse, sseTemplate, startSse, usageOf, writeSse, writeSseText } from '../responses.js'
+import {
+  endSse,
+  sseEvent,
+  sseTemplate,
+  startSse,
+  usageOf,
+  writeSse,
+  writeSseText,
+} from '../responses.js'
 import type { GenerationResult, OnText } from './worker-run.js'
 import type { Replies } from './replies.js'
 
@@ -21,9 +29,10 @@ export async function respondWhole(
   let text = ''
   const logprobs: GeneratedLogprobs[] = []
   // The sentinel sees every piece; in block mode it throws before the body is sent.
-  const result = await generate(async (piece, pieceLogprobs, tokenIds) => {
+  const result = await generate((piece, pieceLogprobs, tokenIds) => {
     text += job.answerCheck.push(piece, tokenIds)
     logprobs.push(...pieceLogprobs)
+    return undefined
   })
   text += job.answerCheck.finish()
   logprobs.push(...result.logprobs)
@@ -47,15 +56,16 @@ export async function respondStreamed(
 ): Promise<void> {
   const { res } = job
   let isStarted = false
-  const start = async () => {
-    if (isStarted) return
+  // Each step below returns a promise only when the client's socket is full (see OnText).
+  const start = (): Promise<void> | undefined => {
+    if (isStarted) return undefined
     isStarted = true
     // Called with the first text in hand: the headers leave with it, in the same socket write
     // as every other event of this event-loop turn.
     startSse(res, {}, true)
     coalesceWrites(res)
     const opening = replies.opening()
-    if (opening !== null) await writeSse(res, opening)
+    return opening === null ? undefined : writeSse(res, opening)
   }
   // Without log-probabilities every piece's chunk is the same but for its text: serialized once.
   const pieceEvent =
@@ -63,13 +73,17 @@ export async function respondStreamed(
   // The sentinel releases text (all of it, but in block mode what a suspect run may still
   // take); log-probabilities wait with their text.
   let heldLogprobs: GeneratedLogprobs[] = []
-  const send = async (piece: string, logprobs: GeneratedLogprobs[]) => {
-    heldLogprobs = heldLogprobs.length === 0 ? logprobs : [...heldLogprobs, ...logprobs]
-    if (piece === '') return
-    if (!isStarted) await start()
-    if (pieceEvent !== null) await writeSseText(res, pieceEvent(piece))
-    else await writeSse(res, replies.piece(piece, heldLogprobs))
+  const writePiece = (piece: string): Promise<void> | undefined => {
+    const event =
+      pieceEvent !== null ? pieceEvent(piece) : sseEvent(replies.piece(piece, heldLogprobs))
     heldLogprobs = []
+    return writeSseText(res, event)
+  }
+  const send = (piece: string, logprobs: GeneratedLogprobs[]): Promise<void> | undefined => {
+    heldLogprobs = heldLogprobs.length === 0 ? logprobs : [...heldLogprobs, ...logprobs]
+    if (piece === '') return undefined
+    const opening = start()
+    return opening === undefined ? writePiece(piece) : opening.then(() => writePiece(piece))
   }
   try {
     const result = await generate((piece, logprobs, tokenIds) =>

@@ -44,12 +44,14 @@ export interface GenerationResult {
 }
 
 /** Hears each piece of an answer's text, with the log-probabilities (when asked for; else none)
- *  and the ids of the tokens received since the previous piece. */
+ *  and the ids of the tokens received since the previous piece. Returns a promise only when the
+ *  next piece must wait for it (the client's socket is full), else undefined: most pieces go
+ *  out without a turn of the microtask queue. */
 export type OnText = (
   text: string,
   logprobs: GeneratedLogprobs[],
   tokenIds: readonly number[],
-) => Promise<void>
+) => Promise<void> | undefined
 
 /** Runs the request on the workers, feeding every piece of new text to `onText` — and, at the
  *  end, the ids of tokens that added no text (an empty piece), so that every token is heard.
@@ -63,13 +65,13 @@ export async function runGeneration(
   const isLogprobs = run.request.sampling.numLogprobs != null
   let pending: GeneratedLogprobs[] = []
   let pendingIds: number[] = []
-  const emit = async (piece: string) => {
+  const emit = (piece: string): Promise<void> | undefined => {
     if (run.outcome.content) run.outcome.content.completion += piece
     const logprobs = pending
     const ids = pendingIds
     pending = []
     pendingIds = []
-    await onText(piece, logprobs, ids)
+    return onText(piece, logprobs, ids)
   }
   const started = await startWorkerEvents(deps, run)
   if (started === null) {
@@ -87,7 +89,10 @@ export async function runGeneration(
         const step = text.push(event.tokenId)
         pendingIds.push(event.tokenId)
         run.outcome.numCompletionTokens = text.numTokens
-        if (step.text !== '' || (step.isStopped && pendingIds.length > 0)) await emit(step.text)
+        if (step.text !== '' || (step.isStopped && pendingIds.length > 0)) {
+          const wait = emit(step.text)
+          if (wait !== undefined) await wait
+        }
         if (step.isStopped) {
           return {
             finishReason: 'stop',
