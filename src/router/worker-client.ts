@@ -567,12 +567,11 @@ function parseEvent(line: string, url: string): DecodeEvent {
 function isPlainTokenEvent(value: unknown): value is DecodeEvent {
   if (typeof value !== 'object' || value === null) return false
   const { type, tokenId } = value as Record<string, unknown>
-  return (
-    type === 'token' &&
-    Number.isSafeInteger(tokenId) &&
-    (tokenId as number) >= 0 &&
-    Object.keys(value).length === 2
-  )
+  if (type !== 'token' || !Number.isSafeInteger(tokenId) || (tokenId as number) < 0) return false
+  // Its own keys counted without an array per token (JSON.parse makes no inherited ones).
+  let numKeys = 0
+  for (const key in value) if (Object.hasOwn(value, key)) numKeys++
+  return numKeys === 2
 }
 
 /** The KvfenceError for a worker's non-200 reply `{ error: { code, message } }`. */
