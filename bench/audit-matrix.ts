@@ -43,7 +43,8 @@ export interface AuditBenchJson {
  *  whole matrix): each fault `fresh` ran replaces that fault's row, in the order of
  *  src/engine/faults.ts; the lists of faults by outcome are recomputed from the merged rows; the
  *  shipped runs and their false findings are `fresh`'s when it ran any seed (they audit the
- *  probes as they are now), else `earlier`'s; `merged` records which faults each run gave.
+ *  probes as they are now), else `earlier`'s; `incident_detect_requests` / `_seconds` are
+ *  `fresh`'s when it ran `placeholder-forward`, else `earlier`'s; `merged` records which faults each run gave.
  *  Throws as {@link checkBenchJson} for either JSON, and when the two runs differ in seed or
  *  seconds per fault (their rows would not compare). */
 export function mergeBenchJson(earlier: unknown, fresh: unknown): Record<string, unknown> {
@@ -65,8 +66,12 @@ export function mergeBenchJson(earlier: unknown, fresh: unknown): Record<string,
   const earlierRuns = Array.isArray(a.merged)
     ? (a.merged as unknown[])
     : [{ faults: a.faults.map((r) => r.fault) }]
+  // The incident's figures go with its row: the fresh run's when it ran that fault.
+  const incidentFrom = b.faults.some((r) => r.fault === 'placeholder-forward') ? b : a
   return {
     ...a,
+    incident_detect_requests: incidentFrom.incident_detect_requests,
+    incident_detect_seconds: incidentFrom.incident_detect_seconds,
     faults_detected: withOutcome('detected'),
     faults_inconclusive: withOutcome('inconclusive'),
     faults_tool_error: withOutcome('tool error'),

@@ -1,6 +1,6 @@
-/** Which targets an audit may be pointed at. An audit sends hundreds of requests, some of them
- *  deliberately malformed or over capacity: pointed at the wrong host by a typo, it is an attack
- *  on someone else's service. Loopback is always allowed (a local engine or a tunnel); any other
+/** Which targets an audit (and `kvfence watch`) may be pointed at. An audit sends hundreds of
+ *  requests, some of them deliberately malformed or over capacity: pointed at the wrong host by a
+ *  typo, it is an attack on someone else's service. Loopback is always allowed (a local engine or a tunnel); any other
  *  host only when the operator names it, in the config (`authorized_targets`) or with
  *  `--authorized`. The check reads the URL only: it runs before any request, and before any
  *  DNS lookup.

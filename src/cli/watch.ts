@@ -2,12 +2,13 @@
  *  dedicated monitoring tenants, within an hourly budget, and exposes Prometheus metrics; a
  *  finding is one JSON log line (stdout) and an optional webhook. Flags are merged over the
  *  audit's YAML `--config` file and its `watch:` section, flags winning. SIGTERM or SIGINT end it
- *  at once, mid-cycle, with exit 0 (requests in flight are cut as the process ends). Bad input is
- *  one line on stderr and exit 2. Never prints a tenant's key or the webhook URL. */
+ *  at once, mid-cycle, with exit 0 (requests in flight are cut as the process ends). Bad input,
+ *  and a target that is not loopback nor authorized (as the audit's), is one line on stderr and
+ *  exit 2. Never prints a tenant's key or the webhook URL. */
 import { randomInt } from 'node:crypto'
 import { Option, type Command } from 'commander'
 import pino from 'pino'
-import { AuditError } from '../audit/index.js'
+import { AuditError, checkAuthorizedTarget } from '../audit/index.js'
 import {
   createWatchMetrics,
   cycleCostBound,
@@ -38,6 +39,7 @@ interface WatchFlags {
   requestTimeoutSeconds?: string
   webhook?: string
   webhookFormat?: WebhookFormat
+  authorized?: boolean
   logLevel: string
 }
 
@@ -87,6 +89,10 @@ export function registerWatch(program: Command): void {
         webhookFormats,
       ),
     )
+    .option(
+      '--authorized',
+      'the target is one you may watch (needed for a non-loopback target not in authorized_targets)',
+    )
     .addOption(new Option('--log-level <level>', 'log level').choices(logLevels).default('info'))
     .showHelpAfterError(false)
     .action(async (flags: WatchFlags) => {
@@ -113,6 +119,9 @@ async function watch(flags: WatchFlags): Promise<number> {
       "required option '--target <url>' not specified (or target: in --config)",
     )
   }
+  // As the audit's, before any request (and any DNS lookup): the watch probes the target for as
+  // long as it runs, so a typo must not aim it at someone else's endpoint.
+  checkAuthorizedTarget(target, file.audit.authorizedTargets ?? [], flags.authorized === true)
   const tenants =
     flags.tenant !== undefined || file.audit.tenants === undefined
       ? parseTenants(flags.tenant ?? [], process.env)

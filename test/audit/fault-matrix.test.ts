@@ -197,6 +197,23 @@ describe('faultMatrixTable', () => {
     )
   })
 
+  // The incident's top-level figures were the earlier run's while its row was the fresh one's.
+  test("mergeBenchJson: the incident's figures are those of the run that gave its row", () => {
+    const earlier = { ...json, incident_detect_requests: 28, incident_detect_seconds: 3.47 }
+    const row = { ...json.faults[0], fault: 'placeholder-forward', detectRequests: 22 }
+    const fresh = {
+      seed: 1,
+      fault_seconds: 120,
+      incident_detect_requests: 22,
+      incident_detect_seconds: 1.7,
+      faults: [row],
+    }
+    const merged = mergeBenchJson(earlier, fresh)
+    assert.deepEqual([merged.incident_detect_requests, merged.incident_detect_seconds], [22, 1.7])
+    const other = mergeBenchJson(earlier, { ...fresh, faults: [json.faults[1]] })
+    assert.deepEqual([other.incident_detect_requests, other.incident_detect_seconds], [28, 3.47])
+  })
+
   test('a JSON naming an unknown fault is refused with the field', () => {
     assert.throws(
       () => checkBenchJson({ ...json, faults: [{ ...json.faults[0], fault: 'no-such-fault' }] }),

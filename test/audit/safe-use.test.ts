@@ -2,7 +2,7 @@
  *  completion, and a target nobody authorized is refused before any request. The real CLI in a
  *  child process against stand-ins, as in cli.test.ts. */
 import assert from 'node:assert/strict'
-import { execFile } from 'node:child_process'
+import { execFile, spawn } from 'node:child_process'
 import { mkdtemp, rm, writeFile } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -32,6 +32,22 @@ function kvfence(args: string[]): Promise<Run> {
       const code = err && typeof err.code === 'number' ? err.code : err ? null : 0
       resolve({ code, stdout, stderr })
     })
+  })
+}
+
+/** Starts the CLI with `args` and resolves with its first stdout line once it has printed one
+ *  (then stops it with SIGTERM), or with its stderr when it exits first. */
+function watchStartLine(args: string[]): Promise<string> {
+  return new Promise((resolve) => {
+    const child = spawn(process.execPath, [mainJs, ...args], { stdio: ['ignore', 'pipe', 'pipe'] })
+    let stdout = ''
+    let stderr = ''
+    child.stderr.setEncoding('utf8').on('data', (chunk: string) => (stderr += chunk))
+    child.stdout.setEncoding('utf8').on('data', (chunk: string) => {
+      stdout += chunk
+      if (stdout.includes('\n')) child.kill('SIGTERM')
+    })
+    child.on('exit', () => resolve(stdout.includes('\n') ? stdout.split('\n')[0] : stderr))
   })
 }
 
@@ -85,7 +101,11 @@ describe('--plan', () => {
       // evict-then-return: 4 prefixes cold, one warm, 3 checks and 4 returns, 12 × (96 + 16);
       // churn of 4 × 384 in prompts of 368: ⌈1,536 / 368⌉ = 5, ⌈5 × 1.5⌉ = 8 at most, × (368 + 16).
       assert.deepEqual(planRow(run.stdout, 'evict-then-return'), ['20', '4416', '0.0110'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['465', '86652', '0.2166'])
+      // canary: 3 plants, then per round of 6 a re-plant (165 + 32), a normal prompt (165 + 64)
+      // and an over-capacity one (at most 960 + 64), and one plant of 352 + 32 covering the
+      // 384-token pool: 9 × 197 + 384 + 6 × 229 + 6 × 1024.
+      assert.deepEqual(planRow(run.stdout, 'canary'), ['22', '9675', '0.0242'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['466', '87036', '0.2176'])
       // The default budget (500 requests) covers the default plan: nothing is said about it.
       assert.doesNotMatch(run.stdout, /exceed --max-requests/)
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
@@ -231,6 +251,32 @@ describe('authorized targets', () => {
       assert.equal(run.code, 2)
       assert.doesNotMatch(run.stderr, /not an authorized target/)
       assert.match(run.stderr, /cannot reach http:\/\/192\.0\.2\.1:9/)
+    } finally {
+      await rm(dir, { recursive: true, force: true })
+    }
+  })
+
+  test('kvfence watch refuses a non-loopback target the same way: exit 2, the same line', async () => {
+    const run = await kvfence(['watch', '--target', 'http://192.0.2.1:8000', ...tenantFlags])
+    assert.equal(run.code, 2)
+    assert.equal(
+      run.stderr,
+      'kvfence watch: 192.0.2.1:8000 is not loopback and not an authorized target: audit only endpoints you are allowed to test, then list it under authorized_targets in --config or pass --authorized\n',
+    )
+    assert.equal(run.stdout, '')
+  })
+
+  test('kvfence watch: authorized_targets in the config, or --authorized, lets it start', async () => {
+    // Authorized, the watch starts (its start-up line, before any request); it is then stopped.
+    const dir = await mkdtemp(join(tmpdir(), 'kvfence-watch-auth-'))
+    try {
+      const file = join(dir, 'audit.yaml')
+      await writeFile(file, 'authorized_targets: ["192.0.2.1:9"]\n')
+      const target = ['--target', 'http://192.0.2.1:9', ...tenantFlags, '--metrics-port', '0']
+      for (const extra of [['--config', file], ['--authorized']]) {
+        const line = await watchStartLine(['watch', ...target, ...extra])
+        assert.match(line, /"msg":"watch started: /, extra.join(' '))
+      }
     } finally {
       await rm(dir, { recursive: true, force: true })
     }

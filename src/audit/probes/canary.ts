@@ -2,25 +2,40 @@
  *  The victim (first tenant) plants unique canaries in short prompts; the observer (second
  *  tenant) sends normal prompts with canaries of its own and over-capacity prompts (between the
  *  KV pool and the advertised context when the pool is smaller, else just over the context).
+ *  Before the over-capacity prompts the victim covers the largest KV pool the endpoint reports
+ *  with canary-dense prompts sent together (so that they hold distinct pages at once): a pool
+ *  that hands out its most recently freed pages first would otherwise have seen only the few
+ *  pages the short plants keep reusing, and an over-capacity request that reads stale pages would
+ *  read pages last written by other traffic (an earlier probe's filler) or never written, with
+ *  no canary to give away.
  *  Rounds interleave the two — observer normal, victim re-plant, observer over-capacity — so the
  *  pages an over-capacity request might wrongly read were last written by the victim.
  *  Any victim canary (or ≥ 8-character fragment) in any observer output, or the other way
  *  round, is a leak. Outputs are kept only redacted: canaries and runs of the victim's planted
  *  prompts stay readable, everything else becomes `·`. */
 import { materialPromptTokens } from '../plan.js'
-import { runUntilExhausted } from '../budget.js'
+import { runUntilExhausted, type Budget } from '../budget.js'
 import { findCanaries, plantingMaterial, redact, type CanaryMatch } from '../canaries.js'
+import type { Discovery } from '../discovery.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
 import { outcomeOf, type CompletionResult, type Outcome } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
+import { denseMaterial } from './material.js'
+import { promptLimit } from './sized-material.js'
 
 const numPlantingPrompts = 3
 const plantMaxTokens = 32
 const observerMaxTokens = 64
 /** Leak findings listed one by one; the rest are counted. */
 const maxLeakFindings = 10
+/** Shortest pool-covering plant worth sending (prompt tokens): shorter ones are mostly the
+ *  request's own overhead. */
+const minCoverTokens = 16
+/** Headroom on the measured tokens per character when sizing pool-covering plants: random
+ *  strings of one length tokenize to a few percent more or fewer tokens on a subword tokenizer. */
+const coverTokenMargin = 1.03
 
 type Kind = 'plant' | 'normal' | 'over-capacity'
 
@@ -51,17 +66,30 @@ export const canaryProbe: Probe = {
   name: 'canary',
   description:
     "tenant A plants unique canaries; tenant B sends normal and over-capacity prompts, streamed and not; any A canary fragment in B's output is a leak",
-  plan: ({ overCapacityAttempts, poolTokens, contextTokens }) => {
+  plan: (input) => {
+    const { overCapacityAttempts, poolTokens, contextTokens } = input
     const sizes = overCapacitySizes(
       { poolTokens, contextTokens },
       overCapacityAttempts,
       (_, hi) => hi,
     )
+    const cover =
+      sizes.length > 0
+        ? poolCover(
+            { ...input, pageSizes: input.pageSizes ?? [] },
+            Math.max(input.limits.concurrency, input.limits.maxConcurrency ?? 0),
+          )
+        : null
     return [
       {
         what: 'planting prompts',
         numRequests: numPlantingPrompts + overCapacityAttempts,
         tokensEach: materialPromptTokens + plantMaxTokens,
+      },
+      {
+        what: 'pool-covering plants, sent together',
+        numRequests: cover?.numPlants ?? 0,
+        tokensEach: cover === null ? 0 : cover.promptTokens + plantMaxTokens,
       },
       {
         what: 'normal prompts of the observer',
@@ -75,7 +103,7 @@ export const canaryProbe: Probe = {
       },
     ]
   },
-  async run(target, _budget, context): Promise<Finding[]> {
+  async run(target, budget, context): Promise<Finding[]> {
     const [victim, observer] = target.tenants
     const rounds = context.overCapacityAttempts
 
@@ -98,6 +126,7 @@ export const canaryProbe: Probe = {
     const sizes = overCapacitySizes(context.discovery, rounds, (lo, hi) => rng.int(lo, hi))
 
     const exchanges: Exchange[] = []
+    const coverPrompts: string[] = []
     const send = async (
       tenant: Tenant,
       kind: Kind,
@@ -118,6 +147,9 @@ export const canaryProbe: Probe = {
     }
 
     let overCapacityPlan = 'none'
+    // Replaced once the plants are sent; stays when no over-capacity prompt is (or the budget ran
+    // out first).
+    let coverSummary: Record<string, unknown> = { sent: false, why: 'no over-capacity prompt sent' }
     const stoppedBy = await runUntilExhausted(async () => {
       const sizer = sizes.length > 0 ? await context.sizer() : null
       overCapacityPlan =
@@ -130,6 +162,27 @@ export const canaryProbe: Probe = {
         await send(victim, 'plant', plantPrompts[i], false, null)
       }
       const numRounds = sizer === null ? Math.min(rounds, 2) : rounds
+      if (sizer !== null) {
+        coverSummary = await coverPool({
+          budget,
+          discovery: context.discovery,
+          // The plants above cost what their answers say: the rate the covering ones are sized by.
+          plants: exchanges.map((e, i) => ({
+            numChars: plantPrompts[i].length,
+            promptTokens: outcomeOf(e.result) === 'accepted' ? e.result.promptTokens : null,
+          })),
+          reserveRequests: 3 * numRounds,
+          material: denseMaterial(createRng(context.seed, 'canary-cover'), [
+            ...victimCanaries.flat(),
+            ...observerCanaries.flat(),
+          ]),
+          plant: async (material) => {
+            victimCanaries.push(material.canaries)
+            coverPrompts.push(material.prompt)
+            await send(victim, 'plant', material.prompt, false, null)
+          },
+        })
+      }
       for (let r = 0; r < numRounds; r++) {
         await send(observer, 'normal', normalPrompts[r], r % 2 === 1, null)
         await send(victim, 'plant', plantPrompts[r % plantPrompts.length], r % 2 === 0, null)
@@ -172,6 +225,7 @@ export const canaryProbe: Probe = {
       numVictimPromptsAccepted: numPlanted,
       victimStatuses: plants.map((e) => e.result.status ?? e.result.failure),
       overCapacityPlan,
+      poolCover: coverSummary,
       stoppedBy,
       observerRequests,
     }
@@ -207,7 +261,7 @@ export const canaryProbe: Probe = {
               knownCanaries,
               first.index,
               160,
-              leak.victim === victim ? plantPrompts : normalPrompts,
+              leak.victim === victim ? [...plantPrompts, ...coverPrompts] : normalPrompts,
             ),
             otherCanariesMatched: others.map((m) => m.canary),
             numLeakingRequests: leaks.length,
@@ -301,4 +355,91 @@ function overCapacitySizes(
   if (known.length === 0) return []
   const limit = Math.min(...known)
   return Array.from({ length: count }, () => limit + randomInt(1, 16))
+}
+
+/** Pool-covering plants: how many, and the prompt tokens of each. */
+export interface PoolCover {
+  readonly numPlants: number
+  /** Prompt tokens of each plant (each also asks for `plantMaxTokens`). */
+  readonly promptTokens: number
+  /** The pool they are meant to cover (tokens): the largest reported. */
+  readonly poolTokens: number
+  /** Plants needed to cover it whole; more than `numPlants` when the in-flight limit is lower. */
+  readonly numNeeded: number
+}
+
+/** The plants that cover the largest KV pool the endpoint reports (the smallest when it reports
+ *  one), all in flight at once: each plant's prompt plus `plantMaxTokens` fits the smallest pool,
+ *  the context and the input limit, and their leases together fit the largest pool, each rounded
+ *  down to the largest page size reported (a page is leased whole). At most `maxInFlight` plants.
+ *  Null when no pool is reported or a plant would be shorter than {@link minCoverTokens}. */
+export function poolCover(
+  limits: {
+    readonly poolTokens: number | null
+    readonly largestPoolTokens?: number | null
+    readonly contextTokens: number | null
+    readonly inputLimitTokens: number | null
+    readonly pageSizes: readonly number[]
+  },
+  maxInFlight: number,
+): PoolCover | null {
+  const poolTokens = limits.largestPoolTokens ?? limits.poolTokens
+  const largestPrompt = promptLimit(limits, plantMaxTokens)
+  if (poolTokens === null || largestPrompt === null || largestPrompt < minCoverTokens) return null
+  const numNeeded = Math.ceil(poolTokens / (largestPrompt + plantMaxTokens))
+  const pageSize = Math.max(1, ...limits.pageSizes)
+  const leaseTokens = Math.floor(poolTokens / numNeeded / pageSize) * pageSize
+  const promptTokens = Math.min(largestPrompt, leaseTokens - plantMaxTokens)
+  if (promptTokens < minCoverTokens) return null
+  return { numPlants: Math.min(numNeeded, maxInFlight), promptTokens, poolTokens, numNeeded }
+}
+
+/** Sends the pool-covering plants ({@link poolCover}) together and says what was sent, for the
+ *  evidence. A plant's characters come from the tokens per character the earlier plants cost
+ *  (their `usage.prompt_tokens`; one token a character, what a byte-level tokenizer spends at most
+ *  on ASCII, when none said), with {@link coverTokenMargin} of headroom. Fewer plants when the
+ *  request budget left, less `reserveRequests`, is short. Throws `BudgetExhaustedError`. */
+async function coverPool(input: {
+  readonly budget: Budget
+  readonly discovery: Pick<
+    Discovery,
+    'poolTokens' | 'largestPoolTokens' | 'contextTokens' | 'inputLimitTokens' | 'pageSizes'
+  >
+  readonly plants: readonly { readonly numChars: number; readonly promptTokens: number | null }[]
+  readonly reserveRequests: number
+  readonly material: ReturnType<typeof denseMaterial>
+  plant(material: { canaries: string[]; prompt: string }): Promise<void>
+}): Promise<Record<string, unknown>> {
+  const { budget, discovery } = input
+  const cover = poolCover(
+    { ...discovery, pageSizes: discovery.pageSizes.map((s) => s.tokens) },
+    budget.maxInFlightLimit,
+  )
+  if (cover === null) return { sent: false, why: 'no KV pool reported, or too small a plant' }
+  const rates = input.plants
+    .filter((p) => p.promptTokens !== null && p.numChars > 0)
+    .map((p) => (p.promptTokens as number) / p.numChars)
+  const tokensPerChar = rates.length > 0 ? Math.max(...rates) : 1
+  const numChars = Math.floor(cover.promptTokens / (tokensPerChar * coverTokenMargin))
+  const numPlants = Math.min(
+    cover.numPlants,
+    Math.max(0, budget.remainingRequests - input.reserveRequests),
+  )
+  const materials = Array.from({ length: numPlants }, () => input.material.next(numChars))
+  // Every plant ends before the rounds start (settled, not raced): a plant still in flight would
+  // hold pages the over-capacity prompt is meant to read.
+  const settled = await budget.withInFlightLimit(numPlants, () =>
+    Promise.allSettled(materials.map(input.plant)),
+  )
+  const failure = settled.find((r) => r.status === 'rejected')
+  if (failure !== undefined) throw failure.reason
+  return {
+    sent: true,
+    poolTokens: cover.poolTokens,
+    numNeeded: cover.numNeeded,
+    numPlants,
+    promptTokensEach: cover.promptTokens,
+    charsEach: numChars,
+    tokensPerChar: Number(tokensPerChar.toFixed(3)),
+  }
 }

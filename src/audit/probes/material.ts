@@ -6,7 +6,14 @@
  *  Outputs are kept only redacted (where two answers part, `firstDifference`, instead of their
  *  text).
  *  Knows canaries and completion results; knows nothing of how they were sent. */
-import { findCanaries, plantingMaterial, redact, type CanaryMatch } from '../canaries.js'
+import {
+  findCanaries,
+  makeCanary,
+  minFragmentLength,
+  plantingMaterial,
+  redact,
+  type CanaryMatch,
+} from '../canaries.js'
 import type { Rng } from '../rng.js'
 import { outcomeOf, type CompletionResult } from '../target.js'
 import type { Finding, ProbeName, Tenant } from '../types.js'
@@ -56,6 +63,39 @@ export function plantMaterial(
       prompt,
     }
   })
+}
+
+/** A source of canary-dense prompts as long as asked: `next(numChars)` gives a prompt of exactly
+ *  `numChars` characters made only of canaries (space-separated, the last one cut to fit: every
+ *  character belongs to a canary, so any stretch an engine replays is one), sharing no fragment of
+ *  {@link minFragmentLength} characters with `taken` or with each other. Meant for prompts as long
+ *  as a KV pool: uniqueness is checked against a set of the pieces taken, not by scanning every
+ *  earlier canary (thousands of them for a pool of 10^5 tokens). */
+export function denseMaterial(
+  rng: Rng,
+  taken: readonly string[],
+): { next(numChars: number): { canaries: string[]; prompt: string } } {
+  const pieces = new Set<string>()
+  const piecesOf = (canary: string): string[] =>
+    Array.from({ length: canary.length - minFragmentLength + 1 }, (_, i) =>
+      canary.slice(i, i + minFragmentLength),
+    )
+  for (const canary of taken) for (const piece of piecesOf(canary)) pieces.add(piece)
+  return {
+    next(numChars) {
+      const canaries: string[] = []
+      let length = -1 // the joined prompt's, without a leading space
+      while (length < numChars) {
+        const canary = makeCanary(rng)
+        const own = piecesOf(canary)
+        if (own.some((piece) => pieces.has(piece))) continue
+        for (const piece of own) pieces.add(piece)
+        canaries.push(canary)
+        length += canary.length + 1
+      }
+      return { canaries, prompt: canaries.join(' ').slice(0, numChars) }
+    },
+  }
 }
 
 /** Every output that holds another request's canary (or a ≥ 8-character fragment of one). */
