@@ -12,7 +12,7 @@ import { describeIssue } from '../files/issues.js'
 import { parseYamlDocument, readYamlFileText } from '../files/yaml-file.js'
 import { KvfenceError } from '../errors.js'
 import { newApiKey } from '../router/tenant-keys.js'
-import { intOption } from './options.js'
+import { intOption, positiveIntOption } from './options.js'
 import { apiKeyDigest, TenantRecord } from '../router/tenants.js'
 import { ClusterConfig } from '../config/cluster.js'
 
@@ -83,11 +83,11 @@ export function registerKeys(program: Command): void {
       'create a key for tenant NAME, store its SHA-256 in the tenants file, print the key once',
     )
     .option(...fileOption)
-    .option('--max-concurrent <n>', 'limit: requests in flight at once', positiveInt)
+    .option('--max-concurrent <n>', 'limit: requests in flight at once', positiveIntOption)
     .option(
       '--tokens-per-minute <n>',
       'limit: tokens (prompt + max_tokens) per minute',
-      positiveInt,
+      positiveIntOption,
     )
     .option(
       '--prefix-cache-pages <n>',
@@ -219,11 +219,4 @@ function writeTenantsFile(path: string, doc: Document): void {
     const reason = /^E[A-Z]+: [^,]*/.exec((err as Error).message)?.[0] ?? (err as Error).message
     throw new KvfenceError('config_invalid', `cannot write tenants file ${path}: ${reason}`)
   }
-}
-
-function positiveInt(value: string): number {
-  if (!/^[1-9]\d*$/.test(value)) {
-    throw new KvfenceError('config_invalid', `expected a positive integer, got "${value}"`)
-  }
-  return Number(value)
 }
