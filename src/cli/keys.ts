@@ -156,8 +156,15 @@ function addTenant(
   },
 ): void {
   const { doc, tenants } = readTenantsDocument(flags.tenants, true)
-  if (tenants.some((t) => t.name === name)) {
-    throw new KvfenceError('config_invalid', `tenant ${name} already exists in ${flags.tenants}`)
+  // Names are compared ignoring case, as the router compares them (sameTenantNames).
+  const existing = tenants.find((t) => t.name.toLowerCase() === name.toLowerCase())?.name
+  if (existing !== undefined) {
+    throw new KvfenceError(
+      'config_invalid',
+      existing === name
+        ? `tenant ${name} already exists in ${flags.tenants}`
+        : `tenant ${existing} already exists in ${flags.tenants}: tenant names are compared ignoring case, so ${name} would be taken for it`,
+    )
   }
   const key = newApiKey()
   const limits = {
