@@ -159,6 +159,15 @@ async function audit(flags: AuditFlags): Promise<number> {
     process.stdout.write(`${formatProbeList()}\n`)
     return 0
   }
+  // Bad numbers first: one line naming the flag, whatever else is missing.
+  const numbers = {
+    seed: parseCount('--seed', flags.seed, 0),
+    maxRequests: parseCount('--max-requests', flags.maxRequests, 1),
+    maxSeconds: parseSeconds(flags.maxSeconds),
+    concurrency: parseCount('--concurrency', flags.concurrency, 1),
+    maxConcurrency: parseCount('--max-concurrency', flags.maxConcurrency, 1),
+    price: parsePrice(flags.pricePerMillionTokens),
+  }
   const file: AuditConfigFile =
     flags.config === undefined ? {} : await loadAuditConfig(flags.config, process.env)
   const target = flags.target ?? file.target
@@ -180,20 +189,19 @@ async function audit(flags: AuditFlags): Promise<number> {
     tenants,
     model: flags.model ?? file.model,
     probes: probesToRun,
-    seed: parseCount('--seed', flags.seed, 0) ?? file.seed,
-    maxRequests: parseCount('--max-requests', flags.maxRequests, 1) ?? file.maxRequests,
-    maxSeconds: parseSeconds(flags.maxSeconds) ?? file.maxSeconds,
-    concurrency: parseCount('--concurrency', flags.concurrency, 1) ?? file.concurrency,
-    maxConcurrency: parseCount('--max-concurrency', flags.maxConcurrency, 1) ?? file.maxConcurrency,
+    seed: numbers.seed ?? file.seed,
+    maxRequests: numbers.maxRequests ?? file.maxRequests,
+    maxSeconds: numbers.maxSeconds ?? file.maxSeconds,
+    concurrency: numbers.concurrency ?? file.concurrency,
+    maxConcurrency: numbers.maxConcurrency ?? file.maxConcurrency,
   }
   const resume =
     flags.resume === undefined
       ? undefined
       : { report: await readResumed(flags.resume), source: flags.resume }
   if (flags.plan) {
-    const price = parsePrice(flags.pricePerMillionTokens)
     process.stdout.write(
-      `${formatPlan(await planAudit({ ...options, resume, pricePerMillionTokens: price }))}\n`,
+      `${formatPlan(await planAudit({ ...options, resume, pricePerMillionTokens: numbers.price }))}\n`,
     )
     return 0
   }

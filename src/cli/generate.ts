@@ -8,7 +8,7 @@ import { buildFaultConfig } from '../engine/faults.js'
 import { loadTokenizer, unrepresentableTextError } from '../model/tokenizer.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
 import { bundledModelDir } from '../paths.js'
-import { intOption, threadsHelp, threadsOption } from './options.js'
+import { intOption, positiveIntOption, threadsHelp, threadsOption } from './options.js'
 
 interface GenerateFlags {
   model: string
@@ -51,15 +51,9 @@ function topPOption(value: string): number {
   return p
 }
 
-function positiveIntOption(value: string): number {
-  if (!/^\d+$/.test(value) || Number(value) < 1)
-    throw new InvalidArgumentError(`expected a positive integer, got "${value}"`)
-  return Number(value)
-}
-
 /** `--top-k`: an integer ≥ -1; -1 and 0 turn it off, as `top_k` of the HTTP API (vLLM's rule). */
 function topKOption(value: string): number | null {
-  if (!/^-?\d+$/.test(value) || Number(value) < -1)
+  if (!/^-?\d+$/.test(value) || Number(value) < -1 || !Number.isSafeInteger(Number(value)))
     throw new InvalidArgumentError(`expected an integer ≥ -1 (-1 or 0: off), got "${value}"`)
   const k = Number(value)
   return k >= 1 ? k : null

@@ -12,7 +12,7 @@ import { describeIssue } from '../files/issues.js'
 import { parseYamlDocument, readYamlFileText } from '../files/yaml-file.js'
 import { KvfenceError } from '../errors.js'
 import { newApiKey } from '../router/tenant-keys.js'
-import { intOption } from './options.js'
+import { intOption, positiveIntOption } from './options.js'
 import { apiKeyDigest, TenantRecord } from '../router/tenants.js'
 import { ClusterConfig } from '../config/cluster.js'
 
@@ -83,11 +83,11 @@ export function registerKeys(program: Command): void {
       'create a key for tenant NAME, store its SHA-256 in the tenants file, print the key once',
     )
     .option(...fileOption)
-    .option('--max-concurrent <n>', 'limit: requests in flight at once', positiveInt)
+    .option('--max-concurrent <n>', 'limit: requests in flight at once', positiveIntOption)
     .option(
       '--tokens-per-minute <n>',
       'limit: tokens (prompt + max_tokens) per minute',
-      positiveInt,
+      positiveIntOption,
     )
     .option(
       '--prefix-cache-pages <n>',
@@ -156,8 +156,15 @@ function addTenant(
   },
 ): void {
   const { doc, tenants } = readTenantsDocument(flags.tenants, true)
-  if (tenants.some((t) => t.name === name)) {
-    throw new KvfenceError('config_invalid', `tenant ${name} already exists in ${flags.tenants}`)
+  // Names are compared ignoring case, as the router compares them (sameTenantNames).
+  const existing = tenants.find((t) => t.name.toLowerCase() === name.toLowerCase())?.name
+  if (existing !== undefined) {
+    throw new KvfenceError(
+      'config_invalid',
+      existing === name
+        ? `tenant ${name} already exists in ${flags.tenants}`
+        : `tenant ${existing} already exists in ${flags.tenants}: tenant names are compared ignoring case, so ${name} would be taken for it`,
+    )
   }
   const key = newApiKey()
   const limits = {
@@ -219,11 +226,4 @@ function writeTenantsFile(path: string, doc: Document): void {
     const reason = /^E[A-Z]+: [^,]*/.exec((err as Error).message)?.[0] ?? (err as Error).message
     throw new KvfenceError('config_invalid', `cannot write tenants file ${path}: ${reason}`)
   }
-}
-
-function positiveInt(value: string): number {
-  if (!/^[1-9]\d*$/.test(value)) {
-    throw new KvfenceError('config_invalid', `expected a positive integer, got "${value}"`)
-  }
-  return Number(value)
 }

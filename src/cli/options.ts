@@ -1,38 +1,57 @@
-/** Option parsers shared by the sub-commands: bad values become a one-line commander error. */
+/** Option parsers shared by the sub-commands: a bad value becomes commander's one-line error,
+ *  which names the flag and the value (`error: option '--pages <n>' argument '-1' is invalid.
+ *  expected a positive integer, got "-1"`), exit 2. Integers are digits only (no sign, fraction
+ *  or exponent) and at most `Number.MAX_SAFE_INTEGER`: past it `Number()` rounds, so a value was
+ *  taken as another one. */
 import { InvalidArgumentError } from 'commander'
 
-/** Parse a non-negative integer flag value. */
-export function intOption(value: string): number {
-  if (!/^\d+$/.test(value))
-    throw new InvalidArgumentError(`expected a non-negative integer, got "${value}"`)
-  return Number(value)
+/** Most milliseconds a Node.js timer waits (2^31 − 1): a longer delay fires after 1 ms instead,
+ *  so a timeout flag above it ended things at once rather than never. */
+export const maxTimerMs = 2 ** 31 - 1
+
+/** A parser of an integer flag in [min, max]; its error says the range (`what` replaces the
+ *  default wording, e.g. "a port from 0 to 65535"). */
+export function intRangeOption(
+  min: number,
+  max: number = Number.MAX_SAFE_INTEGER,
+  what?: string,
+): (value: string) => number {
+  const expected = what ?? describeRange(min, max)
+  return (value) => {
+    const n = /^\d+$/.test(value) ? Number(value) : NaN
+    if (!(Number.isSafeInteger(n) && n >= min && n <= max))
+      throw new InvalidArgumentError(`expected ${expected}, got "${value}"`)
+    return n
+  }
 }
+
+function describeRange(min: number, max: number): string {
+  if (max !== Number.MAX_SAFE_INTEGER) return `an integer from ${min} to ${max}`
+  if (min === 0) return 'a non-negative integer'
+  if (min === 1) return 'a positive integer'
+  return `an integer ≥ ${min}`
+}
+
+/** Parse a non-negative integer flag value. */
+export const intOption = intRangeOption(0)
 
 /** Parse a count that must be at least 1 (pages, tokens per page, a context window). */
-export function positiveIntOption(value: string): number {
-  if (!/^[1-9]\d*$/.test(value))
-    throw new InvalidArgumentError(`expected a positive integer, got "${value}"`)
-  return Number(value)
-}
+export const positiveIntOption = intRangeOption(1)
 
 /** Parse a TCP port flag: an integer from 0 (the system picks one) to 65535. */
-export function portOption(value: string): number {
-  const n = /^\d+$/.test(value) ? Number(value) : NaN
-  if (!(n >= 0 && n <= 65535))
-    throw new InvalidArgumentError(`expected a port from 0 to 65535, got "${value}"`)
-  return n
-}
+export const portOption = intRangeOption(0, 65535, 'a port from 0 to 65535')
+
+/** Parse a timeout in whole seconds, 0 to what a Node.js timer can wait (`maxTimerMs`). */
+export const secondsOption = intRangeOption(0, Math.floor(maxTimerMs / 1000))
+
+/** Parse a timeout in milliseconds, 1 to what a Node.js timer can wait (`maxTimerMs`). */
+export const msOption = intRangeOption(1, maxTimerMs)
 
 /** pino's log levels, for `--log-level` (checked before any part starts). */
 export const logLevels = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const
 
 /** Parse `--threads N`: compute threads per model, 1 to 64. */
-export function threadsOption(value: string): number {
-  const n = /^\d+$/.test(value) ? Number(value) : NaN
-  if (!(n >= 1 && n <= 64))
-    throw new InvalidArgumentError(`expected an integer from 1 to 64, got "${value}"`)
-  return n
-}
+export const threadsOption = intRangeOption(1, 64)
 
 /** Help text of `--threads`. */
 export const threadsHelp = 'compute threads per model (default: min(2, available cores))'

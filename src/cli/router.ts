@@ -16,7 +16,14 @@ import { type StartRouterOptions, startRouter } from '../router/index.js'
 import type { UnavailablePolicy } from '../router/redis-limits.js'
 import { saltSecretFrom } from '../router/salt-secret.js'
 import type { SentinelMode } from '../router/sentinel/sentinel.js'
-import { collect, intOption, logLevels, portOption } from './options.js'
+import {
+  collect,
+  intOption,
+  logLevels,
+  portOption,
+  positiveIntOption,
+  secondsOption,
+} from './options.js'
 import { exitIfParentGoesDuringStart, onStopSignals, reportReadyToParent } from './parent.js'
 
 interface RouterFlags {
@@ -56,7 +63,11 @@ export function registerRouter(program: Command): void {
     .option('--prefill <url>', 'a prefill worker’s control URL; repeatable', collect, [])
     .option('--decode <url>', 'a decode worker’s control URL; repeatable', collect, [])
     .option('--tenants <file>', 'tenants YAML file (create one with `kvfence keys add NAME`)')
-    .option('--max-concurrent <n>', 'requests running at once; more wait in the queue', intOption)
+    .option(
+      '--max-concurrent <n>',
+      'requests running at once; more wait in the queue',
+      positiveIntOption,
+    )
     .option('--max-queued <n>', 'requests waiting at most; more get 503', intOption)
     .option('--log-content', 'log prompts and completions (off by default)', false)
     .option(
@@ -69,12 +80,12 @@ export function registerRouter(program: Command): void {
     .option(
       '--context-window <n>',
       'advertised context window (default: the effective KV capacity)',
-      intOption,
+      positiveIntOption,
     )
     .option(
       '--drain-seconds <n>',
       'on SIGTERM, how long running requests may finish before they are ended (default 30)',
-      intOption,
+      secondsOption,
     )
     .addOption(
       new Option(

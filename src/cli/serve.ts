@@ -14,6 +14,7 @@ import { KvfenceError } from '../errors.js'
 import { loadModelConfig } from '../model/config.js'
 import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
 import { bundledModelDir } from '../paths.js'
+import { queueLimitDefaults } from '../router/limits.js'
 import { loadTenants } from '../router/tenants.js'
 import { checkPlaintextLinks, isLoopbackHost } from '../plaintext.js'
 import { routerDrained } from './router.js'
@@ -21,6 +22,7 @@ import {
   collect,
   intOption,
   positiveIntOption,
+  secondsOption,
   threadArgs,
   threadsHelp,
   threadsOption,
@@ -35,6 +37,8 @@ interface ServeFlags {
   host?: string
   port?: number
   logContent?: boolean
+  maxConcurrent?: number
+  maxQueued?: number
   pageSize: number
   prefillPages: number
   decodePages: number
@@ -70,6 +74,16 @@ export function registerServe(program: Command): void {
         .env('KVFENCE_PORT'),
     )
     .option('--log-content', 'log prompts and completions (off by default)')
+    .option(
+      '--max-concurrent <n>',
+      `requests running at once; more wait in the queue (default ${queueLimitDefaults.maxConcurrentRequests}; with --config: overrides router.maxConcurrentRequests)`,
+      positiveIntOption,
+    )
+    .option(
+      '--max-queued <n>',
+      `requests waiting at most; more get 503 (default ${queueLimitDefaults.maxQueuedRequests}; with --config: overrides router.maxQueuedRequests)`,
+      intOption,
+    )
     .option('--page-size <n>', 'tokens per KV page', positiveIntOption, 16)
     .option('--prefill-pages <n>', 'pages in the prefill worker’s KV pool', positiveIntOption, 64)
     .option('--decode-pages <n>', 'pages in the decode worker’s KV pool', positiveIntOption, 64)
@@ -99,7 +113,7 @@ export function registerServe(program: Command): void {
     .option(
       '--drain-seconds <n>',
       'on SIGTERM, how long running requests may finish before they are ended (default 30; with --config: overrides router.drainSeconds)',
-      intOption,
+      secondsOption,
     )
     .option(
       '--allow-plaintext',
@@ -155,11 +169,10 @@ export function registerServe(program: Command): void {
         prefillFaults: flags.injectFault,
         disableGuards: flags.unsafeDisableGuards,
         logLevel: flags.logLevel ?? 'info',
-        ...withArgs(
-          threadArgs(flags.threads),
-          plaintextArgs,
-          flags.logContent ? ['--log-content'] : [],
-        ),
+        ...withArgs(threadArgs(flags.threads), plaintextArgs, [
+          ...(flags.logContent ? ['--log-content'] : []),
+          ...queueArgs(flags),
+        ]),
       })
       process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
       let isStopping = false
@@ -206,6 +219,8 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
         ? {}
         : { logLevel: flags.logLevel as typeof file.router.logLevel }),
       ...(flags.drainSeconds === undefined ? {} : { drainSeconds: flags.drainSeconds }),
+      ...(flags.maxConcurrent === undefined ? {} : { maxConcurrentRequests: flags.maxConcurrent }),
+      ...(flags.maxQueued === undefined ? {} : { maxQueuedRequests: flags.maxQueued }),
     },
     ...(flags.allowPlaintext ? { allowPlaintext: true } : {}),
   }
@@ -254,6 +269,14 @@ function servePlaintext(host: string, allowPlaintext: boolean): string[] {
     log,
   })
   return isLoopbackHost(host) ? [] : ['--allow-plaintext']
+}
+
+/** The router's `--max-concurrent` / `--max-queued`, passed on when given (else its defaults). */
+function queueArgs(flags: ServeFlags): string[] {
+  return [
+    ...(flags.maxConcurrent === undefined ? [] : ['--max-concurrent', String(flags.maxConcurrent)]),
+    ...(flags.maxQueued === undefined ? [] : ['--max-queued', String(flags.maxQueued)]),
+  ]
 }
 
 /** The workers' flags (`threads`) with `plaintext` added to every part, and `router` to the

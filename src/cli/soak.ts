@@ -7,7 +7,7 @@ import { writeFileSync } from 'node:fs'
 import { InvalidArgumentError, type Command } from 'commander'
 import { bundledModelDir } from '../paths.js'
 import { runSoak, soakDefaults, startSoakCluster, type SoakReport } from '../soak/index.js'
-import { intOption } from './options.js'
+import { intOption, secondsOption } from './options.js'
 
 interface SoakFlags {
   minutes?: number
@@ -82,7 +82,7 @@ export function registerSoak(program: Command): void {
     .option(
       '--watch-cycle-seconds <s>',
       'run kvfence watch (two canary tenants) against the cluster at this cycle; 0: no watch',
-      intOption,
+      secondsOption,
       30,
     )
     .action(async (flags: SoakFlags) => {

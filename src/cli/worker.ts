@@ -2,7 +2,7 @@
  *  (on this host or another). Each prints its bound ports once listening, and tells a parent
  *  process that forked it through the IPC channel. */
 import { clusterTokenEnv, clusterTokenFrom, isLoopbackHost } from '../engine/cluster-token.js'
-import { InvalidArgumentError, Option, type Command } from 'commander'
+import { Option, type Command } from 'commander'
 import { pino } from 'pino'
 import { DecodeWorker } from '../engine/decode-worker.js'
 import { defaultMaxBatch } from '../engine/decode-scheduler.js'
@@ -16,7 +16,17 @@ import { checkPlaintextLinks } from '../plaintext.js'
 import { loadTlsMaterial, tlsFilesFrom, type TlsMaterial } from '../tls.js'
 import { TransferServer } from '../transfer/index.js'
 import { exitIfParentGoesDuringStart, onStopSignals, reportReadyToParent } from './parent.js'
-import { intOption, collect, threadsHelp, threadsOption, logLevels, portOption } from './options.js'
+import {
+  intOption,
+  intRangeOption,
+  collect,
+  msOption,
+  positiveIntOption,
+  threadsHelp,
+  threadsOption,
+  logLevels,
+  portOption,
+} from './options.js'
 
 interface WorkerFlags {
   model: string
@@ -62,8 +72,8 @@ export function registerWorkers(program: Command): void {
         `start a ${role} worker (control plane over HTTP${role === 'decode' ? ', KV transfer receiver over TCP' : ''})`,
       )
       .option('--model <dir>', 'Hugging Face model directory', bundledModelDir)
-      .option('--pages <n>', 'pages in this worker’s KV pool', intOption, 64)
-      .option('--page-size <n>', 'tokens per page', intOption, 16)
+      .option('--pages <n>', 'pages in this worker’s KV pool', positiveIntOption, 64)
+      .option('--page-size <n>', 'tokens per page', positiveIntOption, 16)
       .option('--host <host>', 'control-plane address to bind', '127.0.0.1')
       .option(
         '--port <port>',
@@ -91,7 +101,7 @@ export function registerWorkers(program: Command): void {
       .option(
         '--transfer-timeout-ms <ms>',
         'a KV transfer with no progress (or no ACK) for this long fails (default 30000)',
-        intOption,
+        msOption,
       )
       .addOption(
         new Option('--log-level <level>', 'pino log level').choices(logLevels).default('info'),
@@ -117,7 +127,7 @@ export function registerWorkers(program: Command): void {
       cmd.option(
         '--prefix-cache-pages-per-tenant <n>',
         'the most pages of a tenant’s default share of the prefix cache (default: an equal share of the pages the tenants file does not give by name)',
-        intOption,
+        positiveIntOption,
       )
       cmd.option(
         '--prefix-cache-shared',
@@ -135,7 +145,7 @@ export function registerWorkers(program: Command): void {
       cmd.option(
         '--prefix-cache-offload-disk-bytes <n>',
         'most bytes of files in --prefix-cache-offload-dir (> 0), split between tenants as --prefix-cache-offload-bytes',
-        intOption,
+        positiveIntOption,
       )
     }
     if (role === 'decode') {
@@ -150,11 +160,7 @@ export function registerWorkers(program: Command): void {
         .option(
           '--max-batch <n>',
           'most sequences per decode step (continuous batching)',
-          (v: string) => {
-            const n = intOption(v)
-            if (n < 1) throw new InvalidArgumentError(`expected an integer ≥ 1, got "${v}"`)
-            return n
-          },
+          intRangeOption(1, Number.MAX_SAFE_INTEGER, 'an integer ≥ 1'),
           defaultMaxBatch,
         )
     }

@@ -20,7 +20,7 @@ import { dirname, isAbsolute, resolve } from 'node:path'
 import { z } from 'zod'
 import { KvfenceError } from '../errors.js'
 import { queueLimitDefaults } from '../router/limits.js'
-import { TenantRecord } from '../router/tenants.js'
+import { sameTenantNames, sameTenantNamesFault, TenantRecord } from '../router/tenants.js'
 import { describeIssue } from '../files/issues.js'
 import { loadYamlFile } from '../files/yaml-file.js'
 
@@ -212,12 +212,9 @@ export function parseClusterConfig(value: unknown, source: string, baseDir: stri
   }
   const config = parsed.data
   const at = (p: string | undefined) => (p === undefined || isAbsolute(p) ? p : resolve(baseDir, p))
-  const names = new Set<string>()
-  for (const t of config.tenants) {
-    if (names.has(t.name))
-      throw new KvfenceError('config_invalid', `${source}: tenants: duplicate name ${t.name}`)
-    names.add(t.name)
-  }
+  const same = sameTenantNames(config.tenants.map((t) => t.name))
+  if (same !== null)
+    throw new KvfenceError('config_invalid', `${source}: tenants: ${sameTenantNamesFault(same)}`)
   return deepFreeze({
     ...config,
     model: at(config.model),

@@ -82,24 +82,44 @@ export function apiKeyDigest(apiKey: string): string {
   return createHash('sha256').update(apiKey, 'utf8').digest('hex')
 }
 
-/** A registry over `records`; throws `internal_error` on duplicate names or digests. */
+/** The first two of `names` that are equal ignoring case (`Alice`, `alice`), or null. Tenant
+ *  names are compared so: people read them in logs, metric labels and audit reports, where two
+ *  tenants told apart by case only would be taken for one. */
+export function sameTenantNames(names: readonly string[]): readonly [string, string] | null {
+  const seen = new Map<string, string>()
+  for (const name of names) {
+    const earlier = seen.get(name.toLowerCase())
+    if (earlier !== undefined) return [earlier, name]
+    seen.set(name.toLowerCase(), name)
+  }
+  return null
+}
+
+/** The fault of two names {@link sameTenantNames} found, in a few words. */
+export function sameTenantNamesFault([first, second]: readonly [string, string]): string {
+  return first === second
+    ? `duplicate name ${first}`
+    : `names ${first} and ${second} differ only in case (tenant names are compared ignoring case)`
+}
+
+/** A registry over `records`; throws `internal_error` on names equal ignoring case or on
+ *  duplicate digests. */
 export function createTenantRegistry(records: readonly TenantRecord[]): TenantRegistry {
   const parsed = z.array(TenantRecord).min(1).safeParse(records)
   if (!parsed.success) {
     throw new KvfenceError('internal_error', `tenants: ${describeIssue(parsed.error.issues[0])}`)
   }
-  const names = new Set<string>()
+  const same = sameTenantNames(parsed.data.map((t) => t.name))
+  if (same !== null)
+    throw new KvfenceError('internal_error', `tenants: ${sameTenantNamesFault(same)}`)
   const digests = new Set<string>()
   for (const t of parsed.data) {
-    if (names.has(t.name))
-      throw new KvfenceError('internal_error', `tenants: duplicate name ${t.name}`)
     if (digests.has(t.keySha256)) {
       throw new KvfenceError(
         'internal_error',
         `tenants: tenant ${t.name} shares its key with another`,
       )
     }
-    names.add(t.name)
     digests.add(t.keySha256)
   }
   // The prefix-cache split depends on the whole file only, never on traffic.

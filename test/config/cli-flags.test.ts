@@ -1,12 +1,13 @@
 /** Out-of-range ports and unknown log levels are refused by the CLI before any part starts: one
  *  line naming the flag, exit 2 (they used to surface from Node or pino after workers started). */
 import assert from 'node:assert/strict'
-import { execFile } from 'node:child_process'
+import { execFile, fork } from 'node:child_process'
+import { once } from 'node:events'
 import { mkdirSync, rmSync } from 'node:fs'
 import { createServer } from 'node:net'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
-import { twoTenants } from '../helpers/cluster.js'
+import { openaiClient, twoTenants } from '../helpers/cluster.js'
 import { cliPath } from '../helpers/paths.js'
 
 function run(args: string[]): Promise<{ code: number | null; stdout: string; stderr: string }> {
@@ -28,6 +29,28 @@ const cases: [string[], string][] = [
   [['serve', '--page-size', '0'], `error: option '--page-size <n>' argument '0' is invalid. expected a positive integer, got "0"`],
   [['serve', '--prefill-pages', '0'], `error: option '--prefill-pages <n>' argument '0' is invalid. expected a positive integer, got "0"`],
   [['serve', '--prefix-cache-pages', '-1'], `error: option '--prefix-cache-pages <n>' argument '-1' is invalid. expected a non-negative integer, got "-1"`],
+  // Every numeric flag: one line naming the flag and the value (a fresh-user trial's
+  // `serve --max-concurrent -1` got "unknown option", `keys add --max-concurrent -1` a line
+  // without the flag, and digits past 2^53 or timers past 2^31 ms were taken as other numbers).
+  [['serve', '--max-concurrent', '-1'], `error: option '--max-concurrent <n>' argument '-1' is invalid. expected a positive integer, got "-1"`],
+  [['serve', '--max-queued', 'x'], `error: option '--max-queued <n>' argument 'x' is invalid. expected a non-negative integer, got "x"`],
+  [['serve', '--page-size', '99999999999999999999'], `error: option '--page-size <n>' argument '99999999999999999999' is invalid. expected a positive integer, got "99999999999999999999"`],
+  [['serve', '--drain-seconds', '2147484'], `error: option '--drain-seconds <n>' argument '2147484' is invalid. expected an integer from 0 to 2147483, got "2147484"`],
+  [['router', '--max-concurrent', '0'], `error: option '--max-concurrent <n>' argument '0' is invalid. expected a positive integer, got "0"`],
+  [['router', '--context-window', '0'], `error: option '--context-window <n>' argument '0' is invalid. expected a positive integer, got "0"`],
+  [['prefill', '--pages', '0'], `error: option '--pages <n>' argument '0' is invalid. expected a positive integer, got "0"`],
+  [['decode', '--page-size', '1e3'], `error: option '--page-size <n>' argument '1e3' is invalid. expected a positive integer, got "1e3"`],
+  [['prefill', '--transfer-timeout-ms', '2147483648'], `error: option '--transfer-timeout-ms <ms>' argument '2147483648' is invalid. expected an integer from 1 to 2147483647, got "2147483648"`],
+  [['prefill', '--prefix-cache-pages-per-tenant', '0'], `error: option '--prefix-cache-pages-per-tenant <n>' argument '0' is invalid. expected a positive integer, got "0"`],
+  [['keys', 'add', 'carol', '--max-concurrent', '-1'], `error: option '--max-concurrent <n>' argument '-1' is invalid. expected a positive integer, got "-1"`],
+  [['keys', 'add', 'carol', '--tokens-per-minute', '1.5'], `error: option '--tokens-per-minute <n>' argument '1.5' is invalid. expected a positive integer, got "1.5"`],
+  [['generate', '--prompt', 'hi', '--max-tokens', '99999999999999999999'], `error: option '--max-tokens <n>' argument '99999999999999999999' is invalid. expected a positive integer, got "99999999999999999999"`],
+  [['generate', '--prompt', 'hi', '--top-k', '99999999999999999999'], `error: option '--top-k <k>' argument '99999999999999999999' is invalid. expected an integer ≥ -1 (-1 or 0: off), got "99999999999999999999"`],
+  [['soak', '--tenants', '99999999999999999999'], `error: option '--tenants <k>' argument '99999999999999999999' is invalid. expected a non-negative integer, got "99999999999999999999"`],
+  [['soak', '--watch-cycle-seconds', '2147484'], `error: option '--watch-cycle-seconds <s>' argument '2147484' is invalid. expected an integer from 0 to 2147483, got "2147484"`],
+  [['demo', '--seed', '-1'], `error: option '--seed <n>' argument '-1' is invalid. expected a non-negative integer, got "-1"`],
+  // The audit's numbers are checked before what else is missing (here: the tenants).
+  [['audit', '--target', 'http://127.0.0.1:9', '--max-requests', '-1'], 'kvfence audit: --max-requests must be an integer ≥ 1, got "-1"'],
   // Checked before any part starts: one line, and no part's log lines before it.
   [['serve', '--tenants', '/nonexistent-kvfence/tenants.yaml'], `kvfence: cannot read tenants file /nonexistent-kvfence/tenants.yaml: ENOENT: no such file or directory, open '/nonexistent-kvfence/tenants.yaml'`],
   // A policy for a store that is not configured would be silently ignored.
@@ -76,6 +99,70 @@ describe('serve checks the model folder and its port before any part starts', ()
       )
     } finally {
       taken.close()
+    }
+  })
+})
+
+describe('serve --max-concurrent and --max-queued reach its router', () => {
+  const { dir, tenants, tenantsFile } = twoTenants('kvfence-cli-queue-')
+  after(() => rmSync(dir, { recursive: true, force: true }))
+
+  it('one running, none queued: a second request while the first streams gets 503', async () => {
+    const child = fork(
+      cliPath,
+      [
+        'serve',
+        '--tenants',
+        tenantsFile,
+        '--port',
+        '0',
+        '--max-concurrent',
+        '1',
+        '--max-queued',
+        '0',
+      ],
+      { stdio: ['ignore', 'ignore', 'pipe', 'ipc'] },
+    )
+    let stderr = ''
+    child.stderr!.on('data', (chunk: Buffer) => (stderr += chunk.toString('utf8')))
+    try {
+      const port = await new Promise<number>((resolve, reject) => {
+        child.once('exit', (code) => reject(new Error(`serve exited with ${code}: ${stderr}`)))
+        child.on('message', (m: { type: string; port: number }) => {
+          if (m.type === 'ready') resolve(m.port)
+        })
+      })
+      const url = `http://127.0.0.1:${port}`
+      const first = openaiClient(url, tenants[0].key)
+      const second = openaiClient(url, tenants[1].key)
+      // ~900 tokens of the echo model: the first holds the one slot while the second is sent.
+      const stream = await first.completions.create({
+        model: 'echo-tiny',
+        prompt: 'hold the slot',
+        max_tokens: 900,
+        stream: true,
+      })
+      const chunks = stream[Symbol.asyncIterator]()
+      await chunks.next()
+      await assert.rejects(
+        second.completions.create({ model: 'echo-tiny', prompt: 'hi', max_tokens: 1 }),
+        {
+          status: 503,
+          message: '503 The server is busy: 1 requests running and 0 queued; retry later.',
+        },
+      )
+      while (!(await chunks.next()).done);
+      // The slot is free again once the first has ended.
+      const answer = await second.completions.create({
+        model: 'echo-tiny',
+        prompt: 'hi',
+        max_tokens: 1,
+      })
+      assert.equal(answer.choices.length, 1)
+    } finally {
+      const exited = once(child, 'exit')
+      child.kill('SIGTERM')
+      await exited
     }
   })
 })

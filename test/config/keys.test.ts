@@ -18,6 +18,7 @@ import { promisify } from 'node:util'
 import { parse } from 'yaml'
 import { cliEntry } from '../../src/paths.js'
 import { apiKeyDigest, loadTenants } from '../../src/router/tenants.js'
+import { loadClusterConfig } from '../../src/config/cluster.js'
 
 const run = promisify(execFile)
 const kvfence = (...args: string[]) => run(process.execPath, [cliEntry, 'keys', ...args])
@@ -149,6 +150,44 @@ describe('kvfence keys', () => {
       numDefaultTenants: 1,
     })
   })
+  it('add refuses a name equal to an existing one ignoring case, naming the one that exists', async () => {
+    const path = join(dir, 'case.yaml')
+    await kvfence('add', 'Alice', '--tenants', path)
+    const before = readFileSync(path, 'utf8')
+    const err = await kvfence('add', 'alice', '--tenants', path).then(
+      () => null,
+      (e: { code: number; stdout: string; stderr: string }) => e,
+    )
+    assert.ok(err, 'accepted alice beside Alice')
+    assert.equal(err.code, 2)
+    assert.equal(err.stdout, '', 'no key is printed')
+    assert.equal(
+      err.stderr,
+      `kvfence: tenant Alice already exists in ${path}: tenant names are compared ignoring case, so alice would be taken for it\n`,
+    )
+    assert.equal(readFileSync(path, 'utf8'), before)
+  })
+
+  it('the tenants file loader (and a cluster file) refuses two names equal ignoring case, naming both', () => {
+    const path = join(dir, 'case-pair.yaml')
+    const digest = (s: string) => apiKeyDigest(s)
+    writeFileSync(
+      path,
+      `tenants:\n  - { name: Bob, keySha256: ${digest('1')} }\n  - { name: carol, keySha256: ${digest('2')} }\n  - { name: bob, keySha256: ${digest('3')} }\n`,
+    )
+    assert.throws(() => loadTenants(path), {
+      message: `tenants file ${path}: tenants: names Bob and bob differ only in case (tenant names are compared ignoring case)`,
+    })
+    const cluster = join(dir, 'case-pair-cluster.yaml')
+    writeFileSync(
+      cluster,
+      `workers: { prefill: [{ pages: 8 }], decode: [{ pages: 8 }] }\n${readFileSync(path, 'utf8')}`,
+    )
+    assert.throws(() => loadClusterConfig(cluster), {
+      message: `${cluster}: tenants: names Bob and bob differ only in case (tenant names are compared ignoring case)`,
+    })
+  })
+
   it('list and remove refuse a file with no tenants list (a wrong path is not an empty list)', async () => {
     const path = join(dir, 'package-like.yaml')
     writeFileSync(path, '{"name": "x", "version": "1.0.0"}\n')
