@@ -14,9 +14,11 @@
  *    `--seconds` (default 3), through the router and, for the ratio, straight to the workers.
  *  - Socket writes: `router_socket_writes_per_streamed_request`, the router's writes to client
  *    sockets (`_write`/`_writev` calls, counted in the child) per streamed request of the
- *    throughput run: 1 for the headers, then one per event-loop turn in which the stream had
- *    something to send (src/router/http.ts `coalesceWrites`). Deterministic while the stand-in
- *    sends one token per turn; fewer means tokens were coalesced.
+ *    throughput run: one per event-loop turn in which the stream had something to send (the
+ *    headers leave with the first text; src/router/http.ts `coalesceWrites`), so 15 for the
+ *    stand-in's reply (14 turns with text, then the last chunk with `[DONE]`; its EOS adds no
+ *    text). Deterministic while the stand-in sends one token per turn, as a decode worker sends
+ *    a stream one token per step; fewer means tokens were coalesced.
  *  - HTTPS: `router_https_added_latency_ms_p50`, what serving clients over HTTPS (TLS 1.3, a
  *    certificate of `kvfence certs init`, keep-alive connections) adds: the same request through a
  *    second router of the same child, started with `https`, in front of the same stand-ins, paired

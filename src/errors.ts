@@ -11,7 +11,7 @@ export const errorCodes = {
   method_not_allowed: { status: 405, type: 'invalid_request_error' },
   /** The HTTP parser's limit on the request's headers (Node's `maxHeaderSize`). */
   headers_too_large: { status: 431, type: 'invalid_request_error' },
-  /** The request's headers did not arrive within the server's `headersTimeout`. */
+  /** The request did not arrive in time (Node's `headersTimeout` or `requestTimeout`). */
   request_timeout: { status: 408, type: 'invalid_request_error' },
   payload_too_large: { status: 413, type: 'invalid_request_error' },
   unsupported_media_type: { status: 415, type: 'invalid_request_error' },
