@@ -425,6 +425,7 @@ async function coverPool(input: {
     cover.numPlants,
     Math.max(0, budget.remainingRequests - input.reserveRequests),
   )
+  if (numPlants === 0) return { sent: false, why: 'the request budget leaves none for them' }
   const materials = Array.from({ length: numPlants }, () => input.material.next(numChars))
   // Every plant ends before the rounds start (settled, not raced): a plant still in flight would
   // hold pages the over-capacity prompt is meant to read.
