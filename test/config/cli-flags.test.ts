@@ -166,3 +166,23 @@ describe('serve --max-concurrent and --max-queued reach its router', () => {
     }
   })
 })
+
+describe('generate says on stderr when its completion prints as nothing', () => {
+  it('the echo model answers "hello there" with newlines: stdout has them, stderr says so in one line', async () => {
+    const res = await run(['generate', '--prompt', 'hello there', '--max-tokens', '5'])
+    assert.equal(res.code, 0, res.stderr)
+    assert.equal(res.stdout, '\n'.repeat(5) + '\n')
+    assert.equal(
+      res.stderr,
+      'kvfence generate: the completion is whitespace only (5 tokens, 5 × "\\n"): the bundled echo model copies from its prompt (try --prompt "the code is 8Vc1XzQ7. Repeat: the code is") and gives newlines where it finds nothing to copy\n',
+    )
+  })
+
+  it('a prompt it can copy from: the copy on stdout, nothing on stderr', async () => {
+    const prompt = 'the code is 8Vc1XzQ7. Repeat: the code is'
+    const res = await run(['generate', '--prompt', prompt, '--max-tokens', '10'])
+    assert.equal(res.code, 0, res.stderr)
+    assert.equal(res.stdout, ' 8Vc1XzQ7.\n')
+    assert.equal(res.stderr, '')
+  })
+})
