@@ -1,7 +1,9 @@
 /** `--resume REPORT`: what an earlier run of the same audit established, read back from its JSON
- *  report. A report is continued only when it is of the same audit: schema version, target,
- *  tenants (by name, in order), probe selection, seed (when one is given) and model; otherwise
- *  the audit refuses with one line (`AuditError('cannot_resume')`). The probes it ran to their
+ *  report, and what that audit was (`recordedAudit`: target, model, tenants' names, probes, for
+ *  the CLI to take what is not given again). A report is continued only when it is of the same
+ *  audit: schema version, target, tenants (by name, in order), probe selection, seed (when one is
+ *  given) and model; otherwise the audit refuses with one line (`AuditError('cannot_resume')`).
+ *  The probes it ran to their
  *  end are kept as they were (runs, findings, completions); the others (`pendingProbes`) run
  *  again. Knows the report's shape; knows nothing of HTTP or of how probes judge. */
 import { z } from 'zod'
@@ -67,9 +69,21 @@ const Resumable = z.looseObject({
   completions: z.array(z.looseObject({ probe: ProbeNameSchema.nullable() })),
 })
 
-/** Reads `from.report` and checks it is of `audit`; throws `AuditError('cannot_resume')` with one
- *  line naming the file and what differs, or saying there is nothing left to run. */
-export function resumePoint(from: ResumeSource, audit: ResumeAudit): ResumePoint {
+/** What a report says its audit was, for `--resume` to take what was not given again: the
+ *  target, the model, the tenants' names (never keys: the report has none) and the probes.
+ *  Throws `cannot_resume` as {@link resumePoint} does for a report it cannot read. */
+export function recordedAudit(from: ResumeSource): {
+  readonly target: string
+  readonly model: string | null
+  readonly tenants: readonly string[]
+  readonly probes: readonly ProbeName[]
+} {
+  const r = parseResumable(from)
+  return { target: r.target, model: r.model, tenants: r.tenants, probes: r.probes }
+}
+
+/** `from.report` parsed, or `cannot_resume` naming the file and what it lacks. */
+function parseResumable(from: ResumeSource): z.infer<typeof Resumable> {
   const refuse = (why: string): never => {
     throw new AuditError('cannot_resume', `cannot resume ${from.source}: ${why}`)
   }
@@ -85,12 +99,21 @@ export function resumePoint(from: ResumeSource, audit: ResumeAudit): ResumePoint
       `it lacks what --resume reads (${issue.path.join('.') || 'the report'}: ${issue.message}); reports of kvfence audits before --resume existed cannot be continued`,
     )
   }
-  const r = parsed.data
+  return parsed.data
+}
+
+/** Reads `from.report` and checks it is of `audit`; throws `AuditError('cannot_resume')` with one
+ *  line naming the file and what differs, or saying there is nothing left to run. */
+export function resumePoint(from: ResumeSource, audit: ResumeAudit): ResumePoint {
+  const refuse = (why: string): never => {
+    throw new AuditError('cannot_resume', `cannot resume ${from.source}: ${why}`)
+  }
+  const r = parseResumable(from)
   const list = (names: readonly string[]) => names.join(', ') || '(none)'
   if (r.target !== audit.baseUrl) refuse(`it audited ${r.target}, not ${audit.baseUrl}`)
   if (r.tenants.join('\n') !== audit.tenants.join('\n'))
     refuse(
-      `its tenants are ${list(r.tenants)}, this audit's ${list(audit.tenants)} (by name, in order)`,
+      `its tenants are ${list(r.tenants)}, this audit's ${list(audit.tenants)}: give a key for each of its tenants`,
     )
   if (r.probes.join(',') !== audit.probes.join(','))
     refuse(

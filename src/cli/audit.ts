@@ -33,6 +33,7 @@ import {
   type Tenant,
   type Verdict,
 } from '../audit/index.js'
+import { recordedAudit } from '../audit/resume.js'
 
 const failOnChoices = ['leak', 'warning', 'inconclusive'] as const
 type FailOn = (typeof failOnChoices)[number]
@@ -122,7 +123,7 @@ export function registerAudit(program: Command): void {
     )
     .option(
       '--resume <report>',
-      'continue the interrupted audit whose JSON report this is: keep the probes it ran to their end, run the others (same target, model, tenants, probes; the report is rewritten unless --json names another file)',
+      "continue the interrupted audit whose JSON report this is: keep the probes it ran to their end, run the others (its target, model, probes and seed are taken from it, and must match if given; give its tenants' keys again, in any order; the report is rewritten unless --json names another file)",
     )
     .option(
       '--aggressive',
@@ -170,7 +171,14 @@ async function audit(flags: AuditFlags): Promise<number> {
   }
   const file: AuditConfigFile =
     flags.config === undefined ? {} : await loadAuditConfig(flags.config, process.env)
-  const target = flags.target ?? file.target
+  const resume =
+    flags.resume === undefined
+      ? undefined
+      : { report: await readResumed(flags.resume), source: flags.resume }
+  // What the report records is taken when not given again; what is given must match it
+  // (runAudit refuses another target, model, probes or tenants with one line).
+  const recorded = resume === undefined ? undefined : recordedAudit(resume)
+  const target = flags.target ?? file.target ?? recorded?.target
   if (target === undefined) {
     throw new AuditError(
       'invalid_options',
@@ -179,15 +187,24 @@ async function audit(flags: AuditFlags): Promise<number> {
   }
   // Before any request (and any DNS lookup): a typo must not aim the audit at someone else.
   checkAuthorizedTarget(target, file.authorizedTargets ?? [], flags.authorized === true)
-  const tenants =
+  if (recorded !== undefined && flags.tenant === undefined && file.tenants === undefined) {
+    const names = recorded.tenants.join(', ')
+    throw new AuditError(
+      'invalid_options',
+      `--resume ${flags.resume}: give the keys of its tenants ${names} (--tenant NAME=KEY or NAME=env:VAR each, or --config with keyEnv); the report holds no key`,
+    )
+  }
+  const given =
     flags.tenant !== undefined || file.tenants === undefined
       ? parseTenants(flags.tenant ?? [], process.env)
       : [...file.tenants]
-  const probesToRun = flags.probes === undefined ? file.probes : parseProbes(flags.probes)
+  const tenants = recorded === undefined ? given : inRecordedOrder(given, recorded.tenants)
+  const probesToRun =
+    flags.probes === undefined ? (file.probes ?? recorded?.probes) : parseProbes(flags.probes)
   const options = {
     target,
     tenants,
-    model: flags.model ?? file.model,
+    model: flags.model ?? file.model ?? recorded?.model ?? undefined,
     probes: probesToRun,
     seed: numbers.seed ?? file.seed,
     maxRequests: numbers.maxRequests ?? file.maxRequests,
@@ -195,10 +212,6 @@ async function audit(flags: AuditFlags): Promise<number> {
     concurrency: numbers.concurrency ?? file.concurrency,
     maxConcurrency: numbers.maxConcurrency ?? file.maxConcurrency,
   }
-  const resume =
-    flags.resume === undefined
-      ? undefined
-      : { report: await readResumed(flags.resume), source: flags.resume }
   if (flags.plan) {
     process.stdout.write(
       `${formatPlan(await planAudit({ ...options, resume, pricePerMillionTokens: numbers.price }))}\n`,
@@ -321,6 +334,14 @@ async function writeReport(
     throw new AuditError('invalid_options', `cannot write the ${kind} report to ${file}: ${reason}`)
   }
   process.stdout.write(`${kind} report written to ${file}\n`)
+}
+
+/** `tenants` in the order of the resumed report's `names` when they are the same names (the order
+ *  seeds the canaries); as given otherwise, for runAudit to refuse naming both lists. */
+function inRecordedOrder(tenants: readonly Tenant[], names: readonly string[]): Tenant[] {
+  const byName = new Map(tenants.map((t) => [t.name, t]))
+  const isSame = names.length === tenants.length && names.every((n) => byName.has(n))
+  return isSame ? names.map((n) => byName.get(n)!) : [...tenants]
 }
 
 /** `NAME=KEY` or `NAME=env:VARNAME`. Errors name the tenant, never the key. */

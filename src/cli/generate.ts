@@ -111,6 +111,34 @@ export function registerGenerate(program: Command): void {
         },
         stopTokenIds: eos,
       })
-      process.stdout.write(`${tokenizer.decode(result.tokenIds)}\n`)
+      const text = tokenizer.decode(result.tokenIds)
+      process.stdout.write(`${text}\n`)
+      const note = blankCompletionNote(
+        text,
+        result.tokenIds.length,
+        flags.model === bundledModelDir,
+      )
+      if (note !== null) process.stderr.write(`kvfence generate: ${note}\n`)
     })
+}
+
+/** One line saying that a completion prints as nothing, and what it is, or null when it shows:
+ *  a fresh-user trial took the bundled echo model's newlines for a broken detokenizer. Exported
+ *  for its test. */
+export function blankCompletionNote(
+  text: string,
+  numTokens: number,
+  isBundledModel: boolean,
+): string | null {
+  if (numTokens === 0) return 'the model ended at once (end of sequence first): no completion'
+  if (text.trim() !== '') return null
+  const chars = [...text]
+  const shown =
+    chars.every((c) => c === chars[0]) && chars.length > 0
+      ? `${chars.length} × ${JSON.stringify(chars[0])}`
+      : JSON.stringify(text.length > 40 ? `${text.slice(0, 40)}…` : text)
+  const why = isBundledModel
+    ? ': the bundled echo model copies from its prompt (try --prompt "the code is 8Vc1XzQ7. Repeat: the code is") and gives newlines where it finds nothing to copy'
+    : ''
+  return `the completion is whitespace only (${numTokens} tokens, ${shown})${why}`
 }

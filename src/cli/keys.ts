@@ -94,6 +94,10 @@ export function registerKeys(program: Command): void {
       "pages of each prefill worker's prefix cache kept for this tenant alone (0: none; default: an equal share of the rest)",
       intOption,
     )
+    .option(
+      '--canary',
+      "a watch tenant (canary: true): the router's response sentinel learns canaries from its prompts and confirms a leak when another tenant's answer carries one (for kvfence watch's tenants only; see docs/monitoring.md)",
+    )
     .action(
       async (
         name: string,
@@ -102,6 +106,7 @@ export function registerKeys(program: Command): void {
           maxConcurrent?: number
           tokensPerMinute?: number
           prefixCachePages?: number
+          canary?: boolean
         },
       ) => {
         const unlock = await lockTenantsFile(flags.tenants)
@@ -114,13 +119,16 @@ export function registerKeys(program: Command): void {
     )
   keys
     .command('list')
-    .description('list tenants and their limits (never keys)')
+    .description('list tenants, their limits and which are canary tenants (never keys)')
     .option(...fileOption)
     .action((flags: { tenants: string }) => {
       const { tenants } = readTenantsDocument(flags.tenants, false)
       for (const t of tenants) {
         const limits = Object.entries(t.limits ?? {}).map(([k, v]) => `${k}=${v}`)
-        process.stdout.write(`${t.name}\t${limits.length > 0 ? limits.join(' ') : 'no limits'}\n`)
+        const canary = t.canary === true ? '\tcanary' : ''
+        process.stdout.write(
+          `${t.name}\t${limits.length > 0 ? limits.join(' ') : 'no limits'}${canary}\n`,
+        )
       }
     })
   keys
@@ -153,6 +161,7 @@ function addTenant(
     maxConcurrent?: number
     tokensPerMinute?: number
     prefixCachePages?: number
+    canary?: boolean
   },
 ): void {
   const { doc, tenants } = readTenantsDocument(flags.tenants, true)
@@ -176,6 +185,7 @@ function addTenant(
     keySha256: apiKeyDigest(key),
     ...(Object.keys(limits).length > 0 ? { limits } : {}),
     ...(flags.prefixCachePages === undefined ? {} : { prefixCachePages: flags.prefixCachePages }),
+    ...(flags.canary === true ? { canary: true } : {}),
   })
   if (!parsed.success) {
     const issue = parsed.error.issues[0]
@@ -184,7 +194,8 @@ function addTenant(
   const record = parsed.data
   doc.addIn(['tenants'], doc.createNode(record))
   writeTenantsFile(flags.tenants, doc)
-  process.stderr.write(`tenant ${name} added to ${flags.tenants}; its key (shown once):\n`)
+  const what = flags.canary === true ? 'canary tenant' : 'tenant'
+  process.stderr.write(`${what} ${name} added to ${flags.tenants}; its key (shown once):\n`)
   process.stdout.write(`${key}\n`)
 }
 /** Takes the tenants file's lock (a `PATH.lock` directory, proper-lockfile) for one read, change

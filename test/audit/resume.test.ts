@@ -155,7 +155,7 @@ describe('--resume', () => {
     assert.deepEqual(verdicts(final), verdicts(await readReport(whole)))
   })
 
-  test('killed outright (SIGKILL) after the first probe: the report written after it resumes', async () => {
+  test('killed outright (SIGKILL) after the first probe: the report written after it resumes with only the keys given again (target, model, probes, seed and tenant order from the report)', async () => {
     const json = join(dir, 'killed.json')
     const args = ['--target', standIn.url, ...tenantArgs, ...probeArgs, '--seed', '12']
     const killed = await auditUntil([...args, '--json', json], /^\[canary\] running$/, 'SIGKILL')
@@ -168,10 +168,17 @@ describe('--resume', () => {
       left.probeRuns.map((r) => r.probe),
       ['boundary'],
     )
-    const resumed = await audit([...args, '--resume', json])
+    // No --target, --probes or --seed; the tenants' keys in the other order.
+    const reversed = ['--tenant', `bob=${tenantKeys.bob}`, '--tenant', `alice=${tenantKeys.alice}`]
+    const resumed = await audit([...reversed, '--resume', json])
     assert.equal(resumed.code, 0, resumed.stderr)
     const final = await readReport(json)
     assert.equal(final.state, 'finished')
+    assert.equal(final.target, left.target)
+    assert.equal(final.model, left.model)
+    assert.equal(final.seed, 12)
+    assert.deepEqual(final.tenants, ['alice', 'bob'])
+    assert.deepEqual(final.probes, ['boundary', 'canary', 'determinism'])
     assert.deepEqual(final.resumed?.probes, ['boundary'])
     assert.deepEqual(partsOf(final, 'boundary'), partsOf(left, 'boundary'))
   })
@@ -213,7 +220,15 @@ describe('--resume', () => {
           '--resume',
           partial,
         ],
-        `cannot resume ${partial}: its tenants are alice, bob, this audit's carol, bob (by name, in order)`,
+        `cannot resume ${partial}: its tenants are alice, bob, this audit's carol, bob: give a key for each of its tenants`,
+      ],
+      [
+        ['--resume', partial],
+        `--resume ${partial}: give the keys of its tenants alice, bob (--tenant NAME=KEY or NAME=env:VAR each, or --config with keyEnv); the report holds no key`,
+      ],
+      [
+        ['--target', `${standIn.url}/other`, ...tenantArgs, '--resume', partial],
+        `cannot resume ${partial}: it audited ${standIn.url}, not ${standIn.url}/other`,
       ],
       [
         [...args, '--probes', 'capacity,boundary', '--resume', partial],

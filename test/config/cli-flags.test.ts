@@ -1,12 +1,18 @@
-/** Out-of-range ports and unknown log levels are refused by the CLI before any part starts: one
- *  line naming the flag, exit 2 (they used to surface from Node or pino after workers started). */
+/** Bad flag values are refused by the CLI before any part starts: one line naming the flag and
+ *  the value, exit 2 (they used to surface from Node or pino after workers started, or not at
+ *  all). Also what the CLI says at start that fresh-user trials misread: serve's queue flags,
+ *  generate's blank completions, the gateway's failed /v1/models. */
 import assert from 'node:assert/strict'
 import { execFile, fork } from 'node:child_process'
 import { once } from 'node:events'
-import { mkdirSync, rmSync } from 'node:fs'
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { createServer as createHttpServer } from 'node:http'
+import { tmpdir } from 'node:os'
 import { createServer } from 'node:net'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
+import { stringify } from 'yaml'
+import { apiKeyDigest } from '../../src/router/tenants.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
 import { cliPath } from '../helpers/paths.js'
 
@@ -165,4 +171,60 @@ describe('serve --max-concurrent and --max-queued reach its router', () => {
       await exited
     }
   })
+})
+
+describe('generate says on stderr when its completion prints as nothing', () => {
+  it('the echo model answers "hello there" with newlines: stdout has them, stderr says so in one line', async () => {
+    const res = await run(['generate', '--prompt', 'hello there', '--max-tokens', '5'])
+    assert.equal(res.code, 0, res.stderr)
+    assert.equal(res.stdout, '\n'.repeat(5) + '\n')
+    assert.equal(
+      res.stderr,
+      'kvfence generate: the completion is whitespace only (5 tokens, 5 × "\\n"): the bundled echo model copies from its prompt (try --prompt "the code is 8Vc1XzQ7. Repeat: the code is") and gives newlines where it finds nothing to copy\n',
+    )
+  })
+
+  it('a prompt it can copy from: the copy on stdout, nothing on stderr', async () => {
+    const prompt = 'the code is 8Vc1XzQ7. Repeat: the code is'
+    const res = await run(['generate', '--prompt', prompt, '--max-tokens', '10'])
+    assert.equal(res.code, 0, res.stderr)
+    assert.equal(res.stdout, ' 8Vc1XzQ7.\n')
+    assert.equal(res.stderr, '')
+  })
+})
+
+describe('the gateway says how /v1/models answered when it found no model there', () => {
+  const dir = mkdtempSync(join(tmpdir(), 'kvfence-cli-gateway-'))
+  after(() => rmSync(dir, { recursive: true, force: true }))
+
+  const cases: [number, string, string][] = [
+    [404, '{"detail":"Not Found"}', 'GET /v1/models answered HTTP 404: is backend.url the engine’s base URL (http://host:port, without /v1)?'],
+    [401, '{"error":"unauthorized"}', 'GET /v1/models answered HTTP 401: the engine wants an API key: set backend.apiKeyEnv to the variable holding it (or check that key)'],
+    [200, '{"object":"list","data":[]}', 'no model listed at /v1/models (its data list is empty or not a list)'],
+  ] // prettier-ignore
+  for (const [status, body, reason] of cases) {
+    it(`an engine answering ${status} ${body}`, async () => {
+      const engine = createHttpServer((_req, res) => {
+        res.writeHead(status, { 'content-type': 'application/json' })
+        res.end(body)
+      })
+      await new Promise<void>((resolve) => engine.listen(0, '127.0.0.1', resolve))
+      const base = `http://127.0.0.1:${(engine.address() as { port: number }).port}`
+      const file = join(dir, `gateway-${status}.yaml`)
+      writeFileSync(
+        file,
+        stringify({
+          backend: { kind: 'vllm', url: base },
+          tenants: [{ name: 'alice', keySha256: apiKeyDigest('k') }],
+        }),
+      )
+      try {
+        const res = await run(['router', '--config', file, '--port', '0'])
+        assert.equal(res.code, 2, res.stderr)
+        assert.equal(res.stderr, `kvfence: vllm backend ${base}: ${reason}\n`)
+      } finally {
+        engine.close()
+      }
+    })
+  }
 })

@@ -188,6 +188,23 @@ describe('kvfence keys', () => {
     })
   })
 
+  it('add --canary marks a watch tenant (canary: true) that the router loads as one; list shows it', async () => {
+    const path = join(dir, 'canary.yaml')
+    const { stdout: plain } = await kvfence('add', 'customer', '--tenants', path)
+    const added = await kvfence('add', 'watch-a', '--tenants', path, '--canary')
+    assert.equal(added.stderr, `canary tenant watch-a added to ${path}; its key (shown once):\n`)
+    assert.deepEqual(parse(readFileSync(path, 'utf8')).tenants[1], {
+      name: 'watch-a',
+      keySha256: apiKeyDigest(added.stdout.trim()),
+      canary: true,
+    })
+    const registry = loadTenants(path)
+    assert.equal(registry.authenticate(added.stdout.trim())!.isCanary, true)
+    assert.equal(registry.authenticate(plain.trim())!.isCanary, undefined)
+    const { stdout: listed } = await kvfence('list', '--tenants', path)
+    assert.equal(listed, 'customer\tno limits\nwatch-a\tno limits\tcanary\n')
+  })
+
   it('list and remove refuse a file with no tenants list (a wrong path is not an empty list)', async () => {
     const path = join(dir, 'package-like.yaml')
     writeFileSync(path, '{"name": "x", "version": "1.0.0"}\n')

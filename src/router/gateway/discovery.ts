@@ -3,7 +3,7 @@
  *  Knows the engines' discovery endpoints and the operator's wishes; knows nothing of requests. */
 import type { Logger } from 'pino'
 import { KvfenceError } from '../../errors.js'
-import { type EngineHttp, asObject, json, positive } from './engine-http.js'
+import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
 import { type BackendKind, engines } from './engines.js'
 
 /** What the engine said about itself. */
@@ -23,25 +23,29 @@ export interface Discovery {
 }
 
 /** Reads the engine's model (`backendModel` when given, else the first of its `/v1/models`) and
- *  capacity. Throws `worker_unavailable` when it lists no model or reports no KV capacity. */
+ *  capacity. Throws `worker_unavailable` when it lists no model (saying how `/v1/models`
+ *  answered) or reports no KV capacity. */
 export async function discover(
   kind: BackendKind,
   http: EngineHttp,
   backendModel: string | null,
 ): Promise<Discovery> {
-  const models = await http.call('/v1/models', 'GET', null).catch(() => null)
-  const listed = models?.status === 200 ? asObject(json(models.body))?.data : undefined
+  const models = await http.call('/v1/models', 'GET', null).catch((err: unknown) => err as Error)
+  const listed =
+    !(models instanceof Error) && models.status === 200
+      ? asObject(json(models.body))?.data
+      : undefined
   const entries = Array.isArray(listed) ? listed.map(asObject) : []
   const model =
     backendModel ?? (typeof entries[0]?.id === 'string' ? (entries[0].id as string) : null)
   const entry = entries.find((e) => e?.id === model)
-  const report = await engines[kind].readCapacity(http)
   if (model === null) {
     throw new KvfenceError(
       'worker_unavailable',
-      `${kind} backend ${http.base}: no model listed at /v1/models`,
+      `${kind} backend ${http.base}: ${noModelReason(models)}`,
     )
   }
+  const report = await engines[kind].readCapacity(http)
   if (report.capacityTokens === null) {
     throw new KvfenceError(
       'worker_unavailable',
@@ -56,6 +60,21 @@ export async function discover(
       maxInputTokens: report.maxInputTokens,
     },
   }
+}
+
+/** Why `/v1/models` gave no model id, with a hint for the usual causes: a 404 is most often a
+ *  base URL with a path (`…/v1` is added by the router), a 401 or 403 a missing or wrong key. */
+function noModelReason(models: { status: number } | Error): string {
+  if (models instanceof Error) return `cannot read /v1/models: ${messageOf(models)}`
+  const { status } = models
+  if (status === 200) return 'no model listed at /v1/models (its data list is empty or not a list)'
+  const hint =
+    status === 404
+      ? ': is backend.url the engine’s base URL (http://host:port, without /v1)?'
+      : status === 401 || status === 403
+        ? ': the engine wants an API key: set backend.apiKeyEnv to the variable holding it (or check that key)'
+        : ''
+  return `GET /v1/models answered HTTP ${status}${hint}`
 }
 
 /** The operator's wishes for the window (see `GatewayOptions`). */
