@@ -38,7 +38,11 @@
  *    served as shipped (the watch's first `shippedCycles` cycles, calibration included): what
  *    monitoring costs all the time. `watch_token_share_whole_run` is over the whole run, the
  *    fault's stretch included (a faulty endpoint answers the over-pool prompt, which then
- *    counts), and `…_counting_refused` counts the watch's refused prompts at their bound too.
+ *    counts, and the watch runs its follow-up rounds — a plant and an over-pool prompt each —
+ *    in a cycle where such a prompt was answered 200), and `…_counting_refused` counts the
+ *    watch's refused prompts at their bound too. With `--keep-logs` the watch logs at debug
+ *    level: each cycle's completions (trigger, tenant, status, whether the answer carried a
+ *    canary; no text) are in the kept `watch.log`.
  *  - `workload_outcomes_before_fault` (the redeploy's downtime included) / `…_after_fault`: what
  *    became of the workload's requests
  *    (JSON: `ok`, `HTTP <status>`, `stream error`, `aborted`, `network`).

@@ -6,16 +6,32 @@ import { describe, test } from 'node:test'
 import { createRng } from '../../src/audit/rng.js'
 import { createSizer } from '../../src/audit/sizer.js'
 import { AlertTracker } from '../../src/audit/watch/alerts.js'
-import { planCycle, promptTokenBound, type WatchFinding } from '../../src/audit/watch/cycle.js'
+import { findFragment } from '../../src/audit/canaries.js'
+import {
+  availabilityFindings,
+  planCycle,
+  planFollowUp,
+  plantCharacters,
+  promptTokenBound,
+  type WatchFinding,
+} from '../../src/audit/watch/cycle.js'
 import { HourlyBudget, PacingBucket } from '../../src/audit/watch/hourly.js'
 import { validateWatchOptions } from '../../src/audit/watch/options.js'
 import { webhookBody } from '../../src/audit/watch/webhook.js'
+import type { CompletionResult } from '../../src/audit/target.js'
 import type { Finding } from '../../src/audit/types.js'
 
 const tenants = [
   { name: 'watch-a', key: 'sk-watch-a-0123456789' },
   { name: 'watch-b', key: 'sk-watch-b-9876543210' },
 ]
+
+/** A calibrated sizer of one token per word plus one, and the incident's shape. */
+const sizer = createSizer('usage', [
+  { words: 16, tokens: 17 },
+  { words: 64, tokens: 65 },
+])
+const discovery = { poolTokens: 384, contextTokens: 1024 }
 
 describe('HourlyBudget', () => {
   test('never lets more than the limits into any sliding hour; settling frees the difference', () => {
@@ -93,12 +109,6 @@ describe('AlertTracker', () => {
 })
 
 describe('planCycle', () => {
-  const sizer = createSizer('usage', [
-    { words: 16, tokens: 17 },
-    { words: 64, tokens: 65 },
-  ])
-  const discovery = { poolTokens: 384, contextTokens: 1024 }
-
   test("a plan costs the sum of its requests' bounds, and never more than its allowance", () => {
     for (let seed = 0; seed < 200; seed++) {
       const allowance = { tokens: 300 + ((seed * 97) % 2500), requests: 2 + (seed % 8) }
@@ -150,6 +160,133 @@ describe('planCycle', () => {
     assert.equal(drawn['over-capacity'] + drawn.boundary, 100)
     // The cut and the burst are drawn with probability ¼ each: 25 of 100 expected, σ ≈ 4.3.
     for (const n of [drawn['stream-cut'], drawn.burst]) assert.ok(n >= 8 && n <= 45, `drawn ${n}`)
+  })
+
+  test('the plant is as large as surely fits the limit: 364 characters at most for a 384-token pool', () => {
+    // 384 tokens − 16 (its max_tokens) − 4 (special tokens over the bytes): a byte-level
+    // tokenizer cannot make the prompt larger than the pool. No limit known: 200; the cap: 400.
+    assert.deepEqual(
+      [plantCharacters(384), plantCharacters(null), plantCharacters(1_000_000)],
+      [364, 200, 400],
+    )
+    for (const [known, most] of [
+      [discovery, 364],
+      [{ poolTokens: null, contextTokens: null }, 200],
+      [{ poolTokens: 100_000, contextTokens: 128_000 }, 400],
+    ] as const) {
+      for (let seed = 0; seed < 50; seed++) {
+        const plan = planCycle(createRng(seed, 'plant'), tenants, known, sizer, {
+          tokens: 1e6,
+          requests: 100,
+        })
+        const { prompt, canaries } = plan.groups[0][0].planted
+        assert.equal(prompt, canaries.join(' '))
+        // Whole canaries (16–24 characters each) while the next would not fit.
+        assert.ok(prompt.length <= most && prompt.length > most - 25, `${prompt.length}`)
+        for (const c of canaries) assert.match(c, /^[A-Za-z0-9]{16,24}$/)
+      }
+    }
+  })
+
+  test('a prompt that must be refused asks for 32 tokens (it costs nothing where it is refused)', () => {
+    for (let seed = 0; seed < 30; seed++) {
+      const plan = planCycle(createRng(seed, 'plan'), tenants, discovery, sizer, {
+        tokens: 1e6,
+        requests: 100,
+      })
+      const read = plan.groups[1][0]
+      assert.ok(read.mustReject)
+      assert.equal(read.maxTokens, 32)
+      assert.equal(read.tokenBound, Math.ceil(read.aimedTokens! * 1.05) + 8 + 32)
+    }
+  })
+})
+
+describe('planFollowUp', () => {
+  test('a plant by one tenant, then an over-capacity prompt by the other, sharing no canary fragment with the cycle', () => {
+    for (let seed = 0; seed < 50; seed++) {
+      const rng = createRng(seed, 'follow-up')
+      const taken = planCycle(rng, tenants, discovery, sizer, { tokens: 1e6, requests: 100 })
+        .groups.flat()
+        .flatMap((s) => s.planted.canaries)
+      const groups = planFollowUp(rng, tenants, discovery, sizer, 2, taken)!
+      assert.deepEqual(
+        groups.map((g) => g.length),
+        [1, 1],
+      )
+      const [[plant], [read]] = groups
+      assert.equal(plant.label, 'plant (follow-up 2)')
+      assert.equal(plant.trigger, 'plant')
+      assert.equal(plant.mustReject, false)
+      assert.equal(plant.maxTokens, 16)
+      assert.equal(plant.planted.prompt, plant.planted.canaries.join(' '))
+      assert.ok(plant.planted.prompt.length <= 364 && plant.planted.prompt.length > 339)
+      assert.equal(plant.tokenBound, plant.planted.prompt.length + 4 + 16)
+      for (const c of plant.planted.canaries)
+        for (const t of taken) assert.equal(findFragment(t, c), null)
+      assert.equal(read.trigger, 'over-capacity')
+      assert.equal(read.label, `over-capacity ${read.aimedTokens} tokens (follow-up 2)`)
+      assert.ok(read.aimedTokens! >= 386 && read.aimedTokens! <= 416, `${read.aimedTokens}`)
+      assert.equal(read.mustReject, true)
+      assert.equal(read.maxTokens, 32)
+      assert.notEqual(read.planted.tenant.name, plant.planted.tenant.name)
+    }
+  })
+
+  test('none without a limit to go over or a sizer', () => {
+    const rng = createRng(1, 'follow-up')
+    const unknown = { poolTokens: null, contextTokens: null }
+    assert.equal(planFollowUp(rng, tenants, unknown, sizer, 1, []), null)
+    assert.equal(planFollowUp(rng, tenants, discovery, null, 1, []), null)
+  })
+})
+
+describe('availabilityFindings', () => {
+  const answer = (status: number | null, failure: CompletionResult['failure'] = null) => ({
+    status,
+    failure,
+    text: '',
+    promptTokens: null,
+    cachedTokens: null,
+    ttftMs: null,
+    requestNumber: 1,
+    atMs: 0,
+    errorCode:
+      status === 500 ? 'internal_error' : status === 400 ? 'context_length_exceeded' : null,
+    errorMessage: null,
+  })
+  const observe = (mustReject: boolean, result: CompletionResult) => ({
+    planted: { id: 'x', tenant: tenants[0], canaries: [], prompt: '' },
+    label: 'x',
+    stream: false,
+    result,
+    step: { mustReject },
+  })
+  const refused = observe(true, answer(400))
+
+  test('valid requests timing out while the endpoint refuses the over-capacity prompt at once: a warning', () => {
+    // The bench's early-release cycles: the plant and the look time out, or one times out and
+    // one fails with 500, while the over-capacity prompt is refused with 400.
+    for (const [results, failedBy] of [
+      [[answer(null, 'timeout'), answer(null, 'timeout')], { 'no answer within the timeout': 2 }],
+      [
+        [answer(null, 'timeout'), answer(500)],
+        { 'no answer within the timeout': 1, 'HTTP 500 internal_error': 1 },
+      ],
+    ] as const) {
+      const [finding] = availabilityFindings([refused, ...results.map((r) => observe(false, r))])
+      assert.equal(finding.key, 'warning:availability')
+      assert.deepEqual(finding.finding.evidence, { numValidSent: 2, numFailed: 2, failedBy })
+    }
+  })
+
+  test('no warning for timeouts when nothing of the cycle was answered, for 503s, or for one failure', () => {
+    const timeouts = [answer(null, 'timeout'), answer(null, 'timeout')]
+    assert.deepEqual(availabilityFindings(timeouts.map((r) => observe(false, r))), [])
+    const shed = [answer(503), answer(503)].map((r) => observe(false, r))
+    assert.deepEqual(availabilityFindings([refused, ...shed]), [])
+    const one = [answer(500), answer(200), answer(200)].map((r) => observe(false, r))
+    assert.deepEqual(availabilityFindings([refused, ...one]), [])
   })
 })
 

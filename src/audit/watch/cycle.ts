@@ -14,6 +14,7 @@ import { Budget, BudgetExhaustedError } from '../budget.js'
 import { discover, type Discovery } from '../discovery.js'
 import { rejectionRemediation } from '../probe.js'
 import { readPoolUsage, type PoolUsage } from '../probes/page-leak.js'
+import { makeCanaries } from '../canaries.js'
 import {
   crossingRemediation,
   findCrossings,
@@ -48,6 +49,18 @@ export type TriggerName = keyof typeof triggerProbes
 export const plantMaxTokens = 16
 /** Enough for 8 characters of a canary on any tokenizer (the leak detector's fragment). */
 export const observerMaxTokens = 16
+/** `max_tokens` of a prompt that must be refused (over-capacity, boundary): an endpoint that
+ *  wrongly takes it answers from whatever stale pages it read, and a longer answer gives a
+ *  regurgitation that starts with other text the room to reach a canary (measured on the bundled
+ *  echo model, plant and read in a quiet cluster: 10 of 12 reads carried a canary at 16 tokens,
+ *  12 of 12 at 32). Costs nothing on an endpoint that refuses it. */
+export const readerMaxTokens = 32
+/** Follow-up rounds (a plant, then an over-capacity read at once) a cycle runs at most once a
+ *  prompt over the limit was answered 200 and no leak was seen yet: the rejection path is broken,
+ *  and under a workload one read finds the plant's pages only now and then (the engine hands
+ *  freed pages to whichever request comes next), so the cycle tries again while its allowance
+ *  lasts, to turn the boundary warning into a leak alert (or not) within the cycle. */
+export const maxFollowUpRounds = 4
 /** Requests a cycle's reads may take: /v1/models, /server_info, /get_server_info, /metrics, and
  *  up to three for pool usage. */
 export const maxReadRequests = 7
@@ -60,7 +73,7 @@ const triggerProbability = 0.25
 const maxOverTokens = 32
 
 /** One completion a cycle sends. */
-interface Step {
+export interface Step {
   readonly trigger: TriggerName
   readonly planted: Planted
   readonly label: string
@@ -84,12 +97,44 @@ export interface CyclePlan {
   readonly skipped: readonly string[]
 }
 
-/** A plant (and the cut stream) is canaries joined by spaces, this many characters long (as many
- *  whole canaries as fit; the audit's material is 200–330): pages enough to fill the most of a
- *  prompt just over the pool that a wrongly admitted one reads, at two thirds of the audit's
- *  cost. */
-export const plantMinCharacters = 120
-export const plantMaxCharacters = 200
+/** The plant is canaries joined by spaces (every token part of a canary), as many whole ones as
+ *  fit in the most characters a prompt may have while it surely fits the limit (pool or context,
+ *  whichever is smaller: {@link promptTokenBound} plus `max_tokens` at most the limit), capped
+ *  at {@link plantMaxCharacters}; {@link plantDefaultCharacters} where the limit is unknown. A
+ *  prompt just over the limit, wrongly admitted, reads about a limit's worth of stale pages: a
+ *  plant that size fills them all with canaries where they are its pages (measured on the
+ *  bundled echo model with its 384-token pool and no workload: a read carried a canary in 10 of
+ *  12 tries after a 340-character plant, 6 of 12 after a 160-character one). */
+export const plantMaxCharacters = 400
+export const plantDefaultCharacters = 200
+/** The cut stream (and its fresh request) are canaries too, this many characters long: the
+ *  cut's pages are read by the next request of any size, not only by a prompt over the limit. */
+export const cutMinCharacters = 120
+export const cutMaxCharacters = 200
+
+/** Characters of the plant for an endpoint whose smallest known limit is `limit` tokens. */
+export function plantCharacters(limit: number | null): number {
+  if (limit === null) return plantDefaultCharacters
+  return Math.max(0, Math.min(plantMaxCharacters, limit - plantMaxTokens - promptTokenBound('')))
+}
+
+/** A prompt made only of canaries (sharing no fragment with `taken`), the most whole ones that
+ *  fit in `maxChars` characters, two at least. */
+export function canaryDensePrompt(
+  rng: Rng,
+  maxChars: number,
+  taken: readonly string[] = [],
+): { readonly canaries: string[]; readonly prompt: string } {
+  const canaries: string[] = []
+  let chars = -1
+  for (;;) {
+    const [canary] = makeCanaries(rng, 1, [...taken, ...canaries])
+    if (canaries.length >= 2 && chars + 1 + canary.length > maxChars) break
+    canaries.push(canary)
+    chars += 1 + canary.length
+  }
+  return { canaries, prompt: canaries.join(' ') }
+}
 
 /** The first of `canaries` (two at least) whose joined length stays within `maxChars`. */
 function upTo(canaries: readonly string[], maxChars: number): string[] {
@@ -129,13 +174,25 @@ export function planCycle(
   const ids = ['plant', 'cut', 'fresh', 'burst0', 'burst1', 'burst2', 'look']
   const tenantsFor = [planter, planter, rng.pick(observers), rng.pick(observers), planter]
   tenantsFor.push(rng.pick(observers), rng.pick(observers))
+  const { poolTokens, contextTokens } = discovery
+  const known = [poolTokens, contextTokens].filter((n) => n !== null)
+  const limit = known.length > 0 ? Math.min(...known) : null
   // The plant and the cut stream are canary-dense whole prompts (stale pages then hold canaries
-  // wherever they land); the observers' own prompts are two canaries each, to keep cycles cheap.
-  const material = plantMaterial(rng, tenants, ids).map((p, i) => {
-    const isPlanting = p.id === 'plant' || p.id === 'cut'
-    const canaries = isPlanting
-      ? upTo(p.canaries, rng.int(plantMinCharacters, plantMaxCharacters))
-      : p.canaries.slice(0, 2)
+  // wherever they land), the plant as large as surely fits; the observers' own prompts are two
+  // canaries each, to keep cycles cheap.
+  const base = plantMaterial(rng, tenants, ids)
+  const others = base.filter((p) => p.id !== 'plant').flatMap((p) => p.canaries)
+  const material = base.map((p, i) => {
+    if (p.id === 'plant')
+      return {
+        ...p,
+        tenant: tenantsFor[i],
+        ...canaryDensePrompt(rng, plantCharacters(limit), others),
+      }
+    const canaries =
+      p.id === 'cut'
+        ? upTo(p.canaries, rng.int(cutMinCharacters, cutMaxCharacters))
+        : p.canaries.slice(0, 2)
     return { ...p, tenant: tenantsFor[i], canaries, prompt: canaries.join(' ') }
   })
   const byId = new Map(material.map((p) => [p.id, p]))
@@ -159,38 +216,13 @@ export function planCycle(
       ...extra,
     }
   }
-  const { poolTokens, contextTokens } = discovery
-  const known = [poolTokens, contextTokens].filter((n) => n !== null)
-  const limit = known.length > 0 ? Math.min(...known) : null
-  const fillerStep = (trigger: TriggerName, tokens: number, label: string): Step => ({
-    trigger,
-    planted: {
-      id: trigger,
-      tenant: rng.pick(observers),
-      canaries: [],
-      prompt: sizer!.build(tokens, 'up'),
-    },
-    label,
-    maxTokens: observerMaxTokens,
-    stream: rng.next() < 0.5,
-    mustReject: true,
-    aimedTokens: tokens,
-    tokenBound: fillerTokenBound(tokens) + observerMaxTokens,
-  })
+  const fillerStep = (trigger: TriggerName, tokens: number, label: string): Step =>
+    readStep(rng, trigger, rng.pick(observers), sizer!, tokens, label)
 
   const options: Record<OptionalTrigger, () => Step[][] | string> = {
     'over-capacity': () => {
-      if (limit === null || sizer === null) return 'pool and context unknown, or no token counts'
-      const tokens =
-        poolTokens !== null && contextTokens !== null && poolTokens < contextTokens
-          ? rng.int(
-              poolTokens + 2,
-              Math.max(
-                poolTokens + 2,
-                Math.min(poolTokens + maxOverTokens, contextTokens - observerMaxTokens),
-              ),
-            )
-          : limit + rng.int(2, maxOverTokens)
+      const tokens = overCapacityTokens(rng, discovery)
+      if (tokens === null || sizer === null) return 'pool and context unknown, or no token counts'
       return [[fillerStep('over-capacity', tokens, `over-capacity ${tokens} tokens`)]]
     },
     boundary: () => {
@@ -227,6 +259,74 @@ export function planCycle(
 }
 
 type OptionalTrigger = Exclude<TriggerName, 'plant'>
+
+/** The size of an over-capacity prompt (tokens): over the pool by 2 to {@link maxOverTokens},
+ *  inside the advertised context when that is larger, or over the one limit known by as much;
+ *  null when neither is known. */
+function overCapacityTokens(
+  rng: Rng,
+  discovery: Pick<Discovery, 'poolTokens' | 'contextTokens'>,
+): number | null {
+  const { poolTokens, contextTokens } = discovery
+  const known = [poolTokens, contextTokens].filter((n) => n !== null)
+  if (known.length === 0) return null
+  if (poolTokens !== null && contextTokens !== null && poolTokens < contextTokens) {
+    const most = Math.min(poolTokens + maxOverTokens, contextTokens - readerMaxTokens)
+    return rng.int(poolTokens + 2, Math.max(poolTokens + 2, most))
+  }
+  return Math.min(...known) + rng.int(2, maxOverTokens)
+}
+
+/** A prompt of filler sized to `tokens` that must be refused, sent by `tenant`. */
+function readStep(
+  rng: Rng,
+  trigger: TriggerName,
+  tenant: Tenant,
+  sizer: PromptSizer,
+  tokens: number,
+  label: string,
+): Step {
+  return {
+    trigger,
+    planted: { id: trigger, tenant, canaries: [], prompt: sizer.build(tokens, 'up') },
+    label,
+    maxTokens: readerMaxTokens,
+    stream: rng.next() < 0.5,
+    mustReject: true,
+    aimedTokens: tokens,
+    tokenBound: fillerTokenBound(tokens) + readerMaxTokens,
+  }
+}
+
+/** Follow-up round `round` (1, 2…): a plant by one tenant (drawn), then at once an
+ *  over-capacity prompt by another, as groups; null when the pool and context are unknown or
+ *  there is no sizer. Its canaries share no fragment with `taken`. */
+export function planFollowUp(
+  rng: Rng,
+  tenants: readonly Tenant[],
+  discovery: Pick<Discovery, 'poolTokens' | 'contextTokens'>,
+  sizer: PromptSizer | null,
+  round: number,
+  taken: readonly string[],
+): Step[][] | null {
+  const tokens = overCapacityTokens(rng, discovery)
+  if (tokens === null || sizer === null) return null
+  const planter = rng.pick(tenants)
+  const reader = rng.pick(tenants.filter((t) => t !== planter))
+  const { canaries, prompt } = canaryDensePrompt(rng, plantCharacters(limitOf(discovery)), taken)
+  const plant: Step = {
+    trigger: 'plant',
+    planted: { id: `plant-${round}`, tenant: planter, canaries, prompt },
+    label: `plant (follow-up ${round})`,
+    maxTokens: plantMaxTokens,
+    stream: false,
+    mustReject: false,
+    aimedTokens: null,
+    tokenBound: promptTokenBound(prompt) + plantMaxTokens,
+  }
+  const label = `over-capacity ${tokens} tokens (follow-up ${round})`
+  return [[plant], [readStep(rng, 'over-capacity', reader, sizer, tokens, label)]]
+}
 
 /** The triggers of one cycle, in order: one rejection-path trigger, drawn (right after the
  *  plant: the pages a wrongly admitted prompt may then read are the plant's; in every cycle, so
@@ -307,6 +407,8 @@ export interface CycleReport {
   readonly steps: readonly StepSummary[]
   /** The token bounds of the prompts the endpoint refused (4xx), which `spent` leaves out. */
   readonly refusedTokens: number
+  /** Follow-up rounds run (a plant and an over-capacity read each; see maxFollowUpRounds). */
+  readonly followUps: number
 }
 
 /** One completion of a cycle, without its text. */
@@ -368,6 +470,7 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
     sizer: input.sizer,
     steps: [],
     refusedTokens: 0,
+    followUps: 0,
   }
   const spentSoFar = (tokens: number): Spend => ({ tokens, requests: budget.requestsSent })
   let discovery: Discovery
@@ -417,8 +520,8 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
   const observed: (Observed & { readonly step: Step })[] = []
   const latencies: { trigger: TriggerName; seconds: number }[] = []
   let refusedTokens = 0
-  for (const group of plan.groups) {
-    await Promise.all(
+  const runGroup = (group: readonly Step[]) =>
+    Promise.all(
       group.map(async (step) => {
         const startedAt = performance.now()
         let result
@@ -454,6 +557,30 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
         })
       }),
     )
+  for (const group of plan.groups) await runGroup(group)
+  // A prompt over the limit answered 200 and no leak seen: follow-up rounds while the allowance
+  // lasts, until one shows a leak (see maxFollowUpRounds).
+  let followUps = 0
+  while (
+    followUps < maxFollowUpRounds &&
+    overLimitAnswered(observed, discovery).length > 0 &&
+    findCrossings(
+      observed,
+      observed.map((o) => o.planted),
+    ).length === 0
+  ) {
+    const taken = observed.flatMap((o) => o.planted.canaries)
+    const groups = planFollowUp(input.rng, input.tenants, discovery, sizer, followUps + 1, taken)
+    if (groups === null) break
+    const round = groups.flat()
+    const bound = round.reduce((n, step) => n + step.tokenBound, 0)
+    if (
+      tokens + bound > input.allowance.tokens ||
+      budget.requestsSent + round.length > input.allowance.requests
+    )
+      break
+    followUps++
+    for (const group of groups) await runGroup(group)
   }
   findings.push(...answerFindings(observed, plan, discovery), ...availabilityFindings(observed))
   const carriers = new Set(
@@ -474,7 +601,7 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
     carriesCanary: carriers.has(observed[i]),
   }))
   const spent = spentSoFar(tokens)
-  const result = { ...base, findings, spent, latencies, steps, refusedTokens }
+  const result = { ...base, findings, spent, latencies, steps, refusedTokens, followUps }
   const completions = observed.map((o) => o.result)
   if (
     completions.length > 0 &&
@@ -531,20 +658,28 @@ function isServerError(result: CompletionResult): boolean {
 }
 
 /** Valid completions (every one but the prompts that must be refused) failing with server
- *  errors: at least 2, and at least half of those sent in the cycle. An endpoint that fails
- *  valid requests is itself a finding (as the audit's `availability`): a failing decode or
- *  transfer path is where stale pages get read, and a fault may show as failures rather than
- *  leaks (`early-release` with guards off: the decode pool's free list breaks and most requests
- *  fail with 500). */
-function availabilityFindings(
-  observed: readonly (Observed & { readonly step: Step })[],
+ *  errors, or unanswered within the request timeout while the endpoint answered another request
+ *  of the cycle (it is up: the valid path hangs): at least 2, and at least half of those sent in
+ *  the cycle. An endpoint that fails valid requests is itself a finding (as the audit's
+ *  `availability`): a failing decode or transfer path is where stale pages get read, and a fault
+ *  may show as failures rather than leaks (`early-release` with guards off: the decode pool's
+ *  free list breaks, and the bench's watch saw its plant and look time out, or one time out and
+ *  one fail with 500, while the over-capacity prompt was refused with 400 at once). */
+export function availabilityFindings(
+  observed: readonly (Observed & { readonly step: Pick<Step, 'mustReject'> })[],
 ): WatchFinding[] {
   const valid = observed.filter((o) => !o.step.mustReject)
-  const failed = valid.filter((o) => isServerError(o.result))
+  const isAnswering = observed.some((o) => o.result.status !== null)
+  const failed = valid.filter(
+    (o) => isServerError(o.result) || (isAnswering && o.result.failure === 'timeout'),
+  )
   if (failed.length < 2 || failed.length * 2 < valid.length) return []
   const byCause: Record<string, number> = {}
   for (const { result } of failed) {
-    const cause = `HTTP ${result.status}${result.errorCode === null ? '' : ` ${result.errorCode}`}`
+    const cause =
+      result.status === null
+        ? 'no answer within the timeout'
+        : `HTTP ${result.status}${result.errorCode === null ? '' : ` ${result.errorCode}`}`
     byCause[cause] = (byCause[cause] ?? 0) + 1
   }
   return [
@@ -554,7 +689,7 @@ function availabilityFindings(
         probe: 'availability',
         verdict: 'warning',
         severity: 'high',
-        title: `${failed.length} of ${valid.length} valid requests of a cycle failed with server errors`,
+        title: `${failed.length} of ${valid.length} valid requests of a cycle failed (server errors, or no answer while the endpoint answered others)`,
         evidence: { numValidSent: valid.length, numFailed: failed.length, failedBy: byCause },
         remediation:
           "Find why the endpoint fails requests it should answer (its workers' logs at this time): " +
@@ -617,16 +752,8 @@ function answerFindings(
       })
     }
   }
-  const limit = Math.min(
-    ...[discovery.poolTokens, discovery.contextTokens].filter((n) => n !== null),
-  )
-  const accepted = observed.filter((o) => {
-    if (!o.step.mustReject || outcomeOf(o.result) !== 'accepted') return false
-    const reported = o.result.promptTokens
-    // A count at the limit says our sizing was off by a few tokens, not that a prompt over it
-    // was taken (a placeholder's count would be far below).
-    return !(reported !== null && reported <= limit && reported >= limit - 4)
-  })
+  const limit = limitOf(discovery)
+  const accepted = overLimitAnswered(observed, discovery)
   if (accepted.length > 0) {
     out.push({
       key: 'warning:boundary',
@@ -649,4 +776,24 @@ function answerFindings(
     })
   }
   return out
+}
+
+/** The smallest of the pool and the context the endpoint reports (Infinity when neither). */
+function limitOf(discovery: Pick<Discovery, 'poolTokens' | 'contextTokens'>): number {
+  return Math.min(...[discovery.poolTokens, discovery.contextTokens].filter((n) => n !== null))
+}
+
+/** The prompts that must be refused but were answered 200. A reported count at the limit says
+ *  our sizing was off by a few tokens, not that a prompt over it was taken (a placeholder's count
+ *  would be far below). */
+function overLimitAnswered(
+  observed: readonly (Observed & { readonly step: Step })[],
+  discovery: Pick<Discovery, 'poolTokens' | 'contextTokens'>,
+): (Observed & { readonly step: Step })[] {
+  const limit = limitOf(discovery)
+  return observed.filter((o) => {
+    if (!o.step.mustReject || outcomeOf(o.result) !== 'accepted') return false
+    const reported = o.result.promptTokens
+    return !(reported !== null && reported <= limit && reported >= limit - 4)
+  })
 }

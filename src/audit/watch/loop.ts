@@ -13,6 +13,8 @@ import { AlertTracker, type ActiveAlert } from './alerts.js'
 import {
   maxReadRequests,
   observerMaxTokens,
+  cutMaxCharacters,
+  maxFollowUpRounds,
   plantMaxCharacters,
   plantMaxTokens,
   promptTokenBound,
@@ -26,10 +28,13 @@ import type { WatchConfig } from './options.js'
 import { alertEvidence, postWebhook, webhookBody, type AlertStatus } from './webhook.js'
 
 /** A cycle may spend up to this many times its average share of the hourly budget (so a cycle
- *  that draws every trigger can run now and then, and the hour still averages out). */
-const cycleShareFactor = 3
-/** Canary prompts are at most {@link plantMaxCharacters} ASCII characters. */
+ *  that draws every trigger can run now and then, and one that finds the rejection path broken
+ *  can run its follow-up rounds at once; the hour still averages out). */
+const cycleShareFactor = 6
+/** The plant is at most {@link plantMaxCharacters} ASCII characters, the cut stream
+ *  {@link cutMaxCharacters}. */
 const plantTokenBound = promptTokenBound('x'.repeat(plantMaxCharacters)) + plantMaxTokens
+const cutTokenBound = promptTokenBound('x'.repeat(cutMaxCharacters)) + plantMaxTokens
 /** An observer's prompt is two canaries (≤ 49 bytes) and answers with up to
  *  {@link observerMaxTokens} tokens. */
 const observerTokenBound = promptTokenBound('x'.repeat(49)) + observerMaxTokens
@@ -54,10 +59,13 @@ export function cycleCostBound(config: WatchConfig): {
   readonly allowance: Spend
 } {
   // The plant and the cut stream are whole canary prompts; five observer prompts (the look, the
-  // fresh request after the cut, the burst of three); one over-capacity or boundary prompt.
+  // fresh request after the cut, the burst of three); one over-capacity or boundary prompt; and,
+  // where a prompt over the limit was answered 200, follow-up rounds of a plant and an
+  // over-capacity prompt each.
   return {
-    maxRequests: maxReadRequests + 8,
-    maxCanaryTokens: 2 * plantTokenBound + 5 * observerTokenBound,
+    maxRequests: maxReadRequests + 8 + 2 * maxFollowUpRounds,
+    maxCanaryTokens:
+      (1 + maxFollowUpRounds) * plantTokenBound + cutTokenBound + 5 * observerTokenBound,
     allowance: pacing(config).capacity,
   }
 }
@@ -154,6 +162,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
         triggers: report.triggers,
         spent: report.spent,
         ...(report.refusedTokens > 0 ? { refusedTokens: report.refusedTokens } : {}),
+        ...(report.followUps > 0 ? { followUps: report.followUps } : {}),
         ...(report.skipped.length > 0 ? { skipped: report.skipped } : {}),
         ...(report.reason !== null ? { reason: report.reason } : {}),
       },
@@ -190,6 +199,7 @@ function skippedReport(reason: string): CycleReport {
     sizer: null,
     steps: [],
     refusedTokens: 0,
+    followUps: 0,
   }
 }
 
