@@ -44,8 +44,11 @@ const words = 'river stone light water green paper house small table music bread
 )
 /** 451 tokens: over the 384-token prefill pool. */
 const overCapacityPrompt = 'b '.repeat(225)
-/** How long the act waits for both detections after the fault is on (ms). */
-const detectTimeoutMs = 90_000
+/** How long the act waits for both detections (ms): after the first contaminated answer (or,
+ *  while there is none, after the fault was switched on). The issue's goal for the watch is an
+ *  alert within a minute of the first contaminated answer: one later than that is a miss, and
+ *  waiting longer only makes the demo (and its test) longer. */
+const detectTimeoutMs = 60_000
 
 /** Runs the act: `base` is the demo's deployment (the tenants file is replaced by the act's own,
  *  written to `out`), `advertisedContext` the incident's. Prints as it goes through `say`. */
@@ -110,13 +113,18 @@ export async function runProductionAct(
     cluster = redeployed.cluster
     const faultOnAtMs = redeployed.servingAtMs
     say(`fault on (${((faultOnAtMs - redeployed.stoppedAtMs) / 1000).toFixed(1)} s of downtime)`)
-    const until = faultOnAtMs + detectTimeoutMs
     let sentinel = firstSentinelEvent(join(faultLogDir, 'router.log'))
     const isLeak = (l: WatchLogLine) => l.verdict === 'leak'
     const isAlert = (l: WatchLogLine) => l.time >= redeployed.stoppedAtMs
     let leak = watch.firstFinding(isLeak)
     let alert = watch.firstFinding(isAlert)
-    while (Date.now() < until && (sentinel === null || leak === null)) {
+    const until = () => {
+      const known = [traffic.contaminatedAtMs(), sentinel?.atMs ?? null].filter(
+        (t): t is number => t !== null,
+      )
+      return (known.length > 0 ? Math.min(...known) : faultOnAtMs) + detectTimeoutMs
+    }
+    while (Date.now() < until() && (sentinel === null || leak === null)) {
       await sleep(250)
       sentinel ??= firstSentinelEvent(join(faultLogDir, 'router.log'))
       leak ??= watch.firstFinding(isLeak)
