@@ -6,7 +6,7 @@
 import assert from 'node:assert/strict'
 import { execFile, type ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
-import { readFileSync, rmSync } from 'node:fs'
+import { rmSync } from 'node:fs'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { pino } from 'pino'
@@ -21,7 +21,7 @@ import { checkPlaintextLinks, clientPlaintextWarning, isLoopbackHost } from '../
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { echoModel } from '../engine/pair.js'
 import { twoTenants } from '../helpers/cluster.js'
-import { waitUntil } from '../helpers/poll.js'
+import { stoppedPartLog } from '../helpers/logs.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 
 const token = newClusterToken()
@@ -152,15 +152,7 @@ describe('plaintext links beyond loopback', () => {
       started,
     )
     assert.ok(ready.port > 0)
-    // The ready message comes over IPC and may overtake the part's log lines on its stdout pipe
-    // (CI read an empty log once): stop the part, whose exit line ends the log, then read it.
-    await stopAll(started)
-    await waitUntil(() => readFileSync(logFile, 'utf8').includes('ended ('), {
-      timeoutMs: 10_000,
-      intervalMs: 50,
-      what: 'the log of the stopped part ends',
-    })
-    const warnings = readFileSync(logFile, 'utf8')
+    const warnings = (await stoppedPartLog(started, logFile))
       .split('\n')
       .filter((l) => l.includes('"level":40'))
       .map((l) => (JSON.parse(l) as { msg: string }).msg)

@@ -3,7 +3,6 @@
  *  act as a tenant (e.g. probe that tenant's prefix cache). */
 import assert from 'node:assert/strict'
 import { type ChildProcess, execFile } from 'node:child_process'
-import { readFileSync } from 'node:fs'
 import { randomBytes } from 'node:crypto'
 import { promisify } from 'node:util'
 import { join } from 'node:path'
@@ -15,6 +14,7 @@ import { ClusterTokenRefusedError, createWorkerClient } from '../../src/router/w
 import OpenAI from 'openai'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 import { incidentShape, openaiClient, twoTenants } from '../helpers/cluster.js'
+import { stoppedPartLog } from '../helpers/logs.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-control-auth-')
 
@@ -148,17 +148,18 @@ describe('control-plane authentication', () => {
       assert.equal(err.code, 'worker_unavailable')
       assert.equal(err.type, 'server_error')
 
-      const lines = readFileSync(logFile, 'utf8')
+      const log = await stoppedPartLog(started, logFile)
+      const lines = log
         .split('\n')
-        .filter((l) => l !== '')
+        .filter((l) => l.startsWith('{'))
         .map((l) => JSON.parse(l) as { level: number; msg: string })
       const errors = lines.filter(
         (l) => l.level === 50 && l.msg.includes("refused the router's cluster token"),
       )
       assert.ok(errors.length >= 1, 'the cause is logged at error')
       assert.match(errors[0].msg, /KVFENCE_CLUSTER_TOKEN differs from the workers'/)
-      assert.ok(!readFileSync(logFile, 'utf8').includes(wrongToken), 'the token is never logged')
-      assert.ok(!readFileSync(logFile, 'utf8').includes(tenants[0].key), 'nor the tenant key')
+      assert.ok(!log.includes(wrongToken), 'the token is never logged')
+      assert.ok(!log.includes(tenants[0].key), 'nor the tenant key')
     } finally {
       await stopAll(started)
     }
