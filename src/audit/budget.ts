@@ -5,6 +5,14 @@
 import { setMaxListeners } from 'node:events'
 import type { BudgetLimits } from './types.js'
 
+/** The shortest time budget (s): discovery alone needs a few round trips; less ended in an
+ *  "internal error" or a false "cannot reach" when the deadline fell inside them. */
+export const minAuditSeconds = 1
+/** The longest time budget (s): the budget's deadline is a Node.js timer, which holds at most
+ *  2^31 − 1 ms; a longer one fires after 1 ms (Node's TimeoutOverflowWarning), and every probe
+ *  then ended inconclusive at once: an audit of a leaking endpoint exited 0. */
+export const maxAuditSeconds = Math.floor((2 ** 31 - 1) / 1000)
+
 /** Thrown instead of sending a request the budget does not allow: its requests or its time are
  *  spent, the audit was `stopped` (interrupted: SIGINT, SIGTERM), or the budget was `closed`
  *  because the target was seen to answer no completion (gate.ts). */

@@ -20,6 +20,7 @@
 import { readFile } from 'node:fs/promises'
 import { parse as parseYaml } from 'yaml'
 import { z } from 'zod'
+import { maxAuditSeconds, minAuditSeconds } from './budget.js'
 import { AuditError, probeNames, type ProbeName, type Tenant, type Verdict } from './types.js'
 
 const ConfigFile = z.strictObject({
@@ -39,7 +40,7 @@ const ConfigFile = z.strictObject({
   budget: z
     .strictObject({
       maxRequests: z.number().int().min(1).optional(),
-      maxSeconds: z.number().positive().optional(),
+      maxSeconds: z.number().min(minAuditSeconds).max(maxAuditSeconds).optional(),
       concurrency: z.number().int().min(1).max(256).optional(),
       maxConcurrency: z.number().int().min(1).max(256).optional(),
     })

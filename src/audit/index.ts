@@ -9,6 +9,7 @@ export {
   type AuditOptions,
   type ProgressEvent,
 } from './run.js'
+export { maxAuditSeconds, minAuditSeconds } from './budget.js'
 export { writeJsonReport, formatJsonReport } from './reporters/json.js'
 export {
   consoleWidth,

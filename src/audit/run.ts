@@ -7,7 +7,7 @@
  *  would read as "no leak observed". An interrupted audit (its `signal` aborted) returns its
  *  report in state `interrupted`; `resume` continues one from what it had established. */
 import { randomInt } from 'node:crypto'
-import { Budget, BudgetExhaustedError } from './budget.js'
+import { Budget, BudgetExhaustedError, maxAuditSeconds, minAuditSeconds } from './budget.js'
 import { discover } from './discovery.js'
 import { controlsOf } from './controls.js'
 import {
@@ -585,8 +585,10 @@ function validate(options: AuditOptions): AuditConfig {
     return n
   }
   const maxSeconds = options.maxSeconds ?? auditDefaults.maxSeconds
-  if (!(Number.isFinite(maxSeconds) && maxSeconds > 0))
-    fail(`max seconds must be a positive number, got ${maxSeconds}`)
+  if (!(maxSeconds >= minAuditSeconds && maxSeconds <= maxAuditSeconds))
+    fail(
+      `max seconds must be a number from ${minAuditSeconds} to ${maxAuditSeconds}, got ${maxSeconds}`,
+    )
 
   return Object.freeze({
     baseUrl,

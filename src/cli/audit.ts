@@ -21,6 +21,8 @@ import {
   consoleWidth,
   exitCodeFor,
   loadAuditConfig,
+  maxAuditSeconds,
+  minAuditSeconds,
   probeNames,
   probes,
   runAudit,
@@ -419,10 +421,10 @@ function parsePrice(value: string | undefined): number {
 function parseSeconds(value: string | undefined): number | undefined {
   if (value === undefined) return undefined
   const n = Number(value)
-  if (!/^\d+(\.\d+)?$/.test(value) || !(n > 0)) {
+  if (!/^\d+(\.\d+)?$/.test(value) || !(n >= minAuditSeconds && n <= maxAuditSeconds)) {
     throw new AuditError(
       'invalid_options',
-      `--max-seconds must be a positive number, got ${JSON.stringify(value)}`,
+      `--max-seconds must be a number from ${minAuditSeconds} to ${maxAuditSeconds}, got ${JSON.stringify(value)}`,
     )
   }
   return n
