@@ -15,6 +15,7 @@ export {
   consoleWidth,
   defaultConsoleWidth,
   formatProgress,
+  countedVerdicts,
   formatSummary,
 } from './reporters/console.js'
 export { formatJunitReport, writeJunitReport } from './reporters/junit.js'

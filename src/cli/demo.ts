@@ -202,7 +202,8 @@ async function audit(
     seed: flags.seed,
     probes: ['capacity', 'boundary', 'canary'],
     onProgress: (event) => {
-      if (flags.verbose || event.type !== 'probe-log') say(`  ${formatProgress(event)}`)
+      // 78: the demo's lines stay within 80 columns, indent included.
+      if (flags.verbose || event.type !== 'probe-log') say(`  ${formatProgress(event, 78)}`)
     },
   })
 }

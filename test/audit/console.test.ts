@@ -6,6 +6,7 @@ import assert from 'node:assert/strict'
 import { describe, test } from 'node:test'
 import {
   consoleWidth,
+  countedVerdicts,
   formatProgress,
   formatSummary,
   type AuditReport,
@@ -186,5 +187,24 @@ describe('the width used', () => {
       formatProgress({ type: 'probe-log', probe: 'error-handling', message }),
       `[error-handling]   ${message}`,
     )
+  })
+})
+
+describe('a probe-end progress line', () => {
+  const leak = { verdict: 'leak', severity: 'critical' } as const
+  const warning = { verdict: 'warning', severity: 'high' } as const
+
+  test('says each run of equal findings once, with its count', () => {
+    assert.equal(countedVerdicts([leak, leak, leak, leak, leak]), 'leak (critical) ×5')
+    assert.equal(
+      countedVerdicts([leak, leak, warning, leak]),
+      'leak (critical) ×2, warning (high), leak (critical)',
+    )
+    assert.equal(countedVerdicts([]), '')
+  })
+
+  test("the demo's canary line with ten leaking answers fits 80 columns", () => {
+    const line = `  ${formatProgress({ type: 'probe-end', probe: 'canary', findings: Array(10).fill({ ...leak, probe: 'canary', title: '', evidence: {}, remediation: '' }) }, 78)}`
+    assert.equal(line, '  [canary] leak (critical) ×10')
   })
 })

@@ -40,11 +40,27 @@ export function formatProgress(event: ProgressEvent, width?: number): string {
       case 'probe-log':
         return `  ${event.message}`
       case 'probe-end':
-        return event.findings.map((f) => `${f.verdict} (${f.severity})`).join(', ')
+        return countedVerdicts(event.findings)
     }
   })()
   if (width === undefined) return `${prefix}${text}`
   return hanging(prefix + text, consoleWidth(width), prefix.length + 2)
+}
+
+/** A probe's findings as `verdict (severity)`, in order, each run of equal ones said once with
+ *  its count: "leak (critical) ×5, warning (high)" (a canary probe with ten leaking answers made
+ *  a line wider than the demo's 80 columns). */
+export function countedVerdicts(
+  findings: readonly Pick<Finding, 'verdict' | 'severity'>[],
+): string {
+  const runs: { text: string; count: number }[] = []
+  for (const f of findings) {
+    const text = `${f.verdict} (${f.severity})`
+    const last = runs.at(-1)
+    if (last?.text === text) last.count++
+    else runs.push({ text, count: 1 })
+  }
+  return runs.map((r) => (r.count === 1 ? r.text : `${r.text} ×${r.count}`)).join(', ')
 }
 
 /** The summary after an audit: its target, a table of findings (probe, verdict, severity,
