@@ -53,6 +53,8 @@ const ConfigFile = z.strictObject({
     .optional(),
   failOn: z.enum(['leak', 'warning', 'inconclusive']).optional(),
   authorized_targets: z.array(z.string().min(1)).optional(),
+  // `kvfence watch`'s section (its own parser checks it): one file serves the audit and the watch.
+  watch: z.unknown().optional(),
   reports: z
     .strictObject({
       json: z.string().min(1).optional(),
