@@ -367,6 +367,9 @@ async function listenRouter(
   // connection the router is closing fails with a reset, never reaching it.
   server.keepAliveTimeout = routerKeepAliveTimeoutMs
   server.headersTimeout = routerKeepAliveTimeoutMs + 1_000
+  // Every header counts, not Node's first 2,000: the rest were dropped unseen, a second
+  // Authorization header with them (router.ts refuses two). maxHeaderSize still bounds the head.
+  server.maxHeadersCount = 0
   // Node's refusals of unreadable requests get the OpenAI error body too (client-errors.ts).
   server.on('clientError', (err: NodeJS.ErrnoException, socket) =>
     answerClientError(err, socket, http.maxHeaderSize, log),
