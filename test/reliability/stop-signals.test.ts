@@ -10,7 +10,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, it } from 'node:test'
 import { childPids } from '../../src/cli/stop-children.js'
-import { cliPath } from '../helpers/paths.js'
+import { cliPath, echoModelDir } from '../helpers/paths.js'
 import { pollUntil } from '../helpers/poll.js'
 
 const scratch = mkdtempSync(join(tmpdir(), 'kvfence-stop-signals-'))
@@ -108,4 +108,27 @@ it('kvfence soak stopped by SIGTERM leaves no process (router, workers, watch) n
   assert.ok(tree.length >= 4, `the tree before the signal: ${tree.join(', ')}`)
   await assertAllGone(tree)
   assert.deepEqual(readdirSync(tmp), [])
+})
+
+it('a prefill worker whose parent is killed (its stderr pipe broken) exits instead of hanging in its log flush', async () => {
+  // The parent forks the worker with piped output (as the cluster launcher does), prints its pid
+  // once it is ready, and is killed at once: the worker's 'gone' warning then meets a broken pipe.
+  const parent = [
+    "const { fork } = require('node:child_process')",
+    `const c = fork(${JSON.stringify(cliPath)}, ['prefill', '--model', ${JSON.stringify(echoModelDir)}, '--port', '0', '--pages', '16'], { stdio: ['ignore', 'pipe', 'pipe', 'ipc'] })`,
+    'c.stdout.resume(); c.stderr.resume()',
+    "c.on('message', (m) => { if (m.type === 'ready') { process.stdout.write(String(c.pid) + '\\n'); process.kill(process.pid, 'SIGKILL') } })",
+  ].join('\n')
+  const { stdout } = await new Promise<{ stdout: string }>((resolve) => {
+    const child = spawn(process.execPath, ['-e', parent], { stdio: ['ignore', 'pipe', 'inherit'] })
+    let out = ''
+    child.stdout.setEncoding('utf8').on('data', (s: string) => (out += s))
+    child.once('close', () => resolve({ stdout: out }))
+  })
+  const worker = Number(stdout.trim())
+  assert.ok(worker > 0, `no worker pid from the parent: ${stdout}`)
+  // Without the fix it stays, retrying its write every 100 ms; the poll bounds that hang.
+  const isGone = await pollUntil(() => !isRunning(worker), { timeoutMs: 15_000, intervalMs: 100 })
+  if (!isGone) process.kill(worker, 'SIGKILL')
+  assert.ok(isGone, `worker ${worker} still running after its parent was killed`)
 })
