@@ -22,6 +22,7 @@ import { bundledModelDir } from '../paths.js'
 import { newApiKey, tenantsYaml } from '../router/tenant-keys.js'
 import { intOption, threadArgs, threadsHelp, threadsOption } from './options.js'
 import { isCaught, productionLines, runProductionAct } from './demo-production.js'
+import { exitOnStopSignals, unlessStopped } from './stop-children.js'
 
 interface DemoFlags {
   out: string
@@ -63,7 +64,8 @@ export function registerDemo(program: Command): void {
     .option('--verbose', 'print every probe step', false)
     .option('--threads <n>', threadsHelp, threadsOption)
     .action(async (flags: DemoFlags) => {
-      const code = await runDemo(flags)
+      exitOnStopSignals('kvfence demo')
+      const code = await unlessStopped(() => runDemo(flags))
       process.exitCode = code
     })
 }

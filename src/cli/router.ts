@@ -143,7 +143,12 @@ export function registerRouter(program: Command): void {
           'config_invalid',
           '--limits-on-unavailable needs --limits-redis (it is the policy while Redis is unreachable)',
         )
-      const log = pino({ name: 'kvfence-router', level: flags.logLevel }, pino.destination(2))
+      // Sync: an async stream is flushed on exit by a loop that retries EPIPE for ever, so a part whose
+      // parent (the reader of its stderr) was killed hung in process.exit, deaf to SIGTERM.
+      const log = pino(
+        { name: 'kvfence-router', level: flags.logLevel },
+        pino.destination({ dest: 2, sync: true }),
+      )
       const source = flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config, flags)
       const router = await startRouter({
         host: flags.host,

@@ -224,7 +224,10 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
     },
     ...(flags.allowPlaintext ? { allowPlaintext: true } : {}),
   }
-  const log = pino({ name: 'kvfence-router', level: config.router.logLevel }, pino.destination(2))
+  const log = pino(
+    { name: 'kvfence-router', level: config.router.logLevel },
+    pino.destination({ dest: 2, sync: true }),
+  )
   const cluster = await launchCluster(clusterConfigPlan(config, log, process.env, path))
   process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
   let isStopping = false

@@ -8,6 +8,7 @@ import { InvalidArgumentError, type Command } from 'commander'
 import { bundledModelDir } from '../paths.js'
 import { runSoak, soakDefaults, startSoakCluster, type SoakReport } from '../soak/index.js'
 import { intOption, secondsOption } from './options.js'
+import { exitOnStopSignals, unlessStopped } from './stop-children.js'
 
 interface SoakFlags {
   minutes?: number
@@ -95,29 +96,34 @@ export function registerSoak(program: Command): void {
           ? flags.seconds * 1000
           : (flags.minutes ?? soakDefaults.durationMs / 60_000) * 60_000
       const log = (line: string) => process.stderr.write(`${line}\n`)
-      const soak = await startSoakCluster({
-        modelDir: flags.model,
-        numTenants: flags.tenants,
-        keepLogsIn: flags.logDir,
-        watchCycleSeconds: flags.watchCycleSeconds,
-      })
+      exitOnStopSignals('kvfence soak')
+      const soak = await unlessStopped(() =>
+        startSoakCluster({
+          modelDir: flags.model,
+          numTenants: flags.tenants,
+          keepLogsIn: flags.logDir,
+          watchCycleSeconds: flags.watchCycleSeconds,
+        }),
+      )
       let report: SoakReport
       try {
         log(
           `soak: cluster up at ${soak.cluster.routerUrl}; ${flags.tenants} tenants for ${Math.round(durationMs / 1000)} s`,
         )
-        report = await runSoak(
-          soak.target,
-          {
-            ...soakDefaults,
-            durationMs,
-            numTenants: flags.tenants,
-            loopsPerTenant: flags.loops,
-            maxRequests: flags.maxRequests,
-            seed: flags.seed,
-            warmupFraction: flags.warmup,
-          },
-          log,
+        report = await unlessStopped(() =>
+          runSoak(
+            soak.target,
+            {
+              ...soakDefaults,
+              durationMs,
+              numTenants: flags.tenants,
+              loopsPerTenant: flags.loops,
+              maxRequests: flags.maxRequests,
+              seed: flags.seed,
+              warmupFraction: flags.warmup,
+            },
+            log,
+          ),
         )
       } finally {
         await soak.stop()

@@ -175,7 +175,12 @@ export function registerWorkers(program: Command): void {
 const computeFailureExit = 70
 
 async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Promise<void> {
-  const log = pino({ name: `kvfence-${role}`, level: flags.logLevel }, pino.destination(2))
+  // Sync: an async stream is flushed on exit by a loop that retries EPIPE for ever, so a part whose
+  // parent (the reader of its stderr) was killed hung in process.exit, deaf to SIGTERM.
+  const log = pino(
+    { name: `kvfence-${role}`, level: flags.logLevel },
+    pino.destination({ dest: 2, sync: true }),
+  )
   // Bad TLS files are a one-line error before anything slow (the model) is loaded.
   const tlsFiles = tlsFilesFrom(flags)
   const tls: TlsMaterial | null = tlsFiles === null ? null : loadTlsMaterial(tlsFiles)

@@ -33,6 +33,9 @@ export async function startSoakCluster(opts: {
   watchCycleSeconds?: number
 }): Promise<SoakCluster> {
   const dir = mkdtempSync(join(tmpdir(), 'kvfence-soak-'))
+  const removeDir = () => rmSync(dir, { recursive: true, force: true })
+  // Removed also when this process exits without stop() (SIGINT/SIGTERM: src/cli/stop-children.ts).
+  process.once('exit', removeDir)
   const tenants = Array.from({ length: opts.numTenants }, (_, i) => ({
     name: `soak-tenant-${i}`,
     key: newApiKey(),
@@ -59,7 +62,8 @@ export async function startSoakCluster(opts: {
       logLevel: 'warn',
     })
   } catch (err) {
-    rmSync(dir, { recursive: true, force: true })
+    process.off('exit', removeDir)
+    removeDir()
     throw err
   }
   const logDir = opts.keepLogsIn ?? join(dir, 'logs')
@@ -91,7 +95,8 @@ export async function startSoakCluster(opts: {
     async stop() {
       await watch?.stop()
       await cluster.stop()
-      rmSync(dir, { recursive: true, force: true })
+      process.off('exit', removeDir)
+      removeDir()
     },
   }
 }
