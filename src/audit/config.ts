@@ -22,6 +22,21 @@ import { parse as parseYaml } from 'yaml'
 import { z } from 'zod'
 import { AuditError, probeNames, type ProbeName, type Tenant, type Verdict } from './types.js'
 
+/** The range of the budget's integers, inclusive: the same as `runAudit` checks, here so that a
+ *  value out of range is refused naming where it came from (`--concurrency`, `budget.concurrency`)
+ *  rather than as "concurrency must be …" without either. */
+export const auditBounds = Object.freeze({
+  maxRequests: { min: 1, max: 1_000_000 },
+  concurrency: { min: 1, max: 256 },
+  maxConcurrency: { min: 1, max: 256 },
+})
+
+/** A budget integer within `bound` (the message names the range; the path names the key). */
+function budgetInt(bound: { readonly min: number; readonly max: number }) {
+  const message = `must be an integer from ${bound.min} to ${bound.max}`
+  return z.number().int(message).min(bound.min, message).max(bound.max, message).optional()
+}
+
 const ConfigFile = z.strictObject({
   target: z.string().min(1).optional(),
   model: z.string().min(1).optional(),
@@ -38,10 +53,10 @@ const ConfigFile = z.strictObject({
   probes: z.array(z.enum(probeNames)).min(1).optional(),
   budget: z
     .strictObject({
-      maxRequests: z.number().int().min(1).optional(),
+      maxRequests: budgetInt(auditBounds.maxRequests),
       maxSeconds: z.number().positive().optional(),
-      concurrency: z.number().int().min(1).max(256).optional(),
-      maxConcurrency: z.number().int().min(1).max(256).optional(),
+      concurrency: budgetInt(auditBounds.concurrency),
+      maxConcurrency: budgetInt(auditBounds.maxConcurrency),
     })
     .optional(),
   seed: z

@@ -243,6 +243,17 @@ describe('kvfence audit (CLI)', () => {
       await kvfence(['audit', '--target', url, ...tenantFlags, '--max-requests', '0'], env),
       /--max-requests/,
     )
+    // Out of runAudit's range: the line names the flag and the value as typed.
+    for (const [flag, value, range] of [
+      ['--max-concurrency', '1024', 'from 1 to 256'],
+      ['--concurrency', '300', 'from 1 to 256'],
+      ['--max-requests', '1000001', 'from 1 to 1000000'],
+    ]) {
+      assertOneLineError(
+        await kvfence(['audit', '--target', url, ...tenantFlags, flag, value], env),
+        new RegExp(`^kvfence audit: ${flag} must be an integer ${range}, got "${value}"$`),
+      )
+    }
     assertOneLineError(
       await kvfence(['audit', '--target', url, ...tenantFlags, '--fail-on', 'never'], env),
       /fail-on/,
@@ -336,6 +347,12 @@ describe('kvfence audit (CLI)', () => {
     assertOneLineError(
       await kvfence(['audit', '--config', config]),
       /^kvfence audit: config .*bad\.yaml: budget\.concurrency: /,
+    )
+    // Out of range in the file: the line names the key.
+    await writeFile(config, 'budget: { maxRequests: 1000001 }\n')
+    assertOneLineError(
+      await kvfence(['audit', '--config', config]),
+      /^kvfence audit: config .*bad\.yaml: budget\.maxRequests: must be an integer from 1 to 1000000$/,
     )
     assertOneLineError(
       await kvfence(['audit', '--config', join(dir, 'missing.yaml')]),
