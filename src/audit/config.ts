@@ -76,6 +76,22 @@ const ConfigFile = z.strictObject({
     .optional(),
 })
 
+/** The fault of the first two tenants whose names are equal ignoring case (`tenant a is given
+ *  twice`, `tenants a and A differ only in case …`), or null. Names are compared so, as the
+ *  router compares them: a report or a log that tells two tenants apart by case only would be
+ *  read as one tenant. */
+export function sameTenantNameFault(names: readonly string[]): string | null {
+  const seen = new Map<string, string>()
+  for (const name of names) {
+    const earlier = seen.get(name.toLowerCase())
+    if (earlier === name) return `tenant ${name} is given twice`
+    if (earlier !== undefined)
+      return `tenants ${earlier} and ${name} differ only in case (tenant names are compared ignoring case)`
+    seen.set(name.toLowerCase(), name)
+  }
+  return null
+}
+
 /** The config file's content, keys resolved from the environment. */
 export interface AuditConfigFile {
   readonly target?: string
@@ -151,6 +167,8 @@ export function parseAuditConfig(
     }
     return { name, key }
   })
+  const fault = tenants === undefined ? null : sameTenantNameFault(tenants.map((t) => t.name))
+  if (fault !== null) throw new AuditError('invalid_config', `config ${file}: tenants: ${fault}`)
   return {
     target: c.target,
     model: c.model,

@@ -33,7 +33,7 @@ import {
   type Tenant,
   type Verdict,
 } from '../audit/index.js'
-import { auditBounds } from '../audit/config.js'
+import { auditBounds, sameTenantNameFault } from '../audit/config.js'
 import { recordedAudit } from '../audit/resume.js'
 
 const failOnChoices = ['leak', 'warning', 'inconclusive'] as const
@@ -349,7 +349,8 @@ function inRecordedOrder(tenants: readonly Tenant[], names: readonly string[]): 
   return isSame ? names.map((n) => byName.get(n)!) : [...tenants]
 }
 
-/** `NAME=KEY` or `NAME=env:VARNAME`. Errors name the tenant, never the key. */
+/** `NAME=KEY` or `NAME=env:VARNAME`. Errors name the tenant, never the key; two names equal
+ *  ignoring case are refused (see `sameTenantNameFault`). */
 export function parseTenants(
   values: readonly string[],
   env: Readonly<Record<string, string | undefined>>,
@@ -360,7 +361,7 @@ export function parseTenants(
       `need at least two tenants (--tenant NAME=KEY twice), got ${values.length}`,
     )
   }
-  return values.map((value, i) => {
+  const tenants = values.map((value, i) => {
     const at = value.indexOf('=')
     if (at <= 0) {
       throw new AuditError(
@@ -381,6 +382,9 @@ export function parseTenants(
     }
     return { name, key }
   })
+  const fault = sameTenantNameFault(tenants.map((t) => t.name))
+  if (fault !== null) throw new AuditError('invalid_options', fault)
+  return tenants
 }
 
 function parseProbes(list: string): ProbeName[] {

@@ -17,7 +17,7 @@
 import { readFile } from 'node:fs/promises'
 import { parse as parseYaml, stringify as stringifyYaml } from 'yaml'
 import { z } from 'zod'
-import { parseAuditConfig, type AuditConfigFile } from '../config.js'
+import { parseAuditConfig, sameTenantNameFault, type AuditConfigFile } from '../config.js'
 import { normalizeBaseUrl } from '../run.js'
 import { AuditError, type Tenant } from '../types.js'
 
@@ -109,14 +109,13 @@ export function validateWatchOptions(options: WatchOptions, seed: number): Watch
       `need at least two monitoring tenants (--tenant NAME=env:VAR twice), got ${options.tenants.length}`,
     )
   }
-  const names = new Set<string>()
   for (const tenant of options.tenants) {
     if (!/^[\w.@-]+$/.test(tenant.name))
       fail(`tenant name ${JSON.stringify(tenant.name)} is not a plain word`)
-    if (names.has(tenant.name)) fail(`tenant ${tenant.name} is given twice`)
     if (tenant.key === '') fail(`tenant ${tenant.name} has an empty key`)
-    names.add(tenant.name)
   }
+  const same = sameTenantNameFault(options.tenants.map((t) => t.name))
+  if (same !== null) fail(same)
   if (new Set(options.tenants.map((t) => t.key)).size < options.tenants.length)
     fail('two tenants share one key: give each its own')
   const int = (
