@@ -158,6 +158,32 @@ async function watch(flags: WatchFlags): Promise<number> {
     },
     randomInt(0, 2 ** 32 - 1),
   )
+  // A budget that cannot pay for one cycle would skip every cycle for ever: refuse it now.
+  const cost = cycleCostBound(config)
+  for (const [perHour, least, flag, key, unit] of [
+    [
+      config.maxTokensPerHour,
+      cost.minCycle.tokens,
+      '--max-tokens-per-hour',
+      'maxTokensPerHour',
+      'tokens',
+    ],
+    [
+      config.maxRequestsPerHour,
+      cost.minCycle.requests,
+      '--max-requests-per-hour',
+      'maxRequestsPerHour',
+      'requests',
+    ],
+  ] as const) {
+    if (perHour < least) {
+      const given = flags[key] !== undefined ? flag : `watch.${key} (in ${flags.config})`
+      throw new AuditError(
+        'invalid_options',
+        `${given} ${perHour} cannot pay for one cycle: a cycle needs at least ${least} ${unit} (its reads, a plant and one look), so every cycle would be skipped`,
+      )
+    }
+  }
   const log = pino(
     { name: 'kvfence-watch', level: flags.logLevel },
     pino.destination({ dest: 1, sync: true }),
@@ -176,7 +202,6 @@ async function watch(flags: WatchFlags): Promise<number> {
   }
   process.once('SIGTERM', onSignal)
   process.once('SIGINT', onSignal)
-  const cost = cycleCostBound(config)
   log.info(
     {
       target: config.baseUrl,

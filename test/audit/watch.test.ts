@@ -319,6 +319,18 @@ describe('kvfence watch refuses bad input with one line and exit 2', () => {
       ['--target', 'http://127.0.0.1:1', ...tenantFlags, '--max-requests-per-hour', 'lots'],
       /^kvfence watch: --max-requests-per-hour must be an integer from 1 to 1000000000, got "lots"$/,
     ],
+    // Below one cycle's least cost (the figures a fresh-user trial read in the skip line of a
+    // watch that skipped every cycle for ever): refused at start.
+    [
+      'an hourly token budget below one cycle',
+      ['--target', 'http://127.0.0.1:1', ...tenantFlags, '--max-tokens-per-hour', '1'],
+      /^kvfence watch: --max-tokens-per-hour 1 cannot pay for one cycle: a cycle needs at least 489 tokens /,
+    ],
+    [
+      'an hourly request budget below one cycle',
+      ['--target', 'http://127.0.0.1:1', ...tenantFlags, '--max-requests-per-hour', '8'],
+      /^kvfence watch: --max-requests-per-hour 8 cannot pay for one cycle: a cycle needs at least 9 requests /,
+    ],
     // Out of range: the line names the flag and echoes the value as typed (not 1e20).
     ...(
       [
