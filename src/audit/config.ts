@@ -23,6 +23,21 @@ import { z } from 'zod'
 import { maxAuditSeconds, minAuditSeconds } from './budget.js'
 import { AuditError, probeNames, type ProbeName, type Tenant, type Verdict } from './types.js'
 
+/** The range of the budget's integers, inclusive: the same as `runAudit` checks, here so that a
+ *  value out of range is refused naming where it came from (`--concurrency`, `budget.concurrency`)
+ *  rather than as "concurrency must be …" without either. */
+export const auditBounds = Object.freeze({
+  maxRequests: { min: 1, max: 1_000_000 },
+  concurrency: { min: 1, max: 256 },
+  maxConcurrency: { min: 1, max: 256 },
+})
+
+/** A budget integer within `bound` (the message names the range; the path names the key). */
+function budgetInt(bound: { readonly min: number; readonly max: number }) {
+  const message = `must be an integer from ${bound.min} to ${bound.max}`
+  return z.number().int(message).min(bound.min, message).max(bound.max, message).optional()
+}
+
 const ConfigFile = z.strictObject({
   target: z.string().min(1).optional(),
   model: z.string().min(1).optional(),
@@ -39,10 +54,10 @@ const ConfigFile = z.strictObject({
   probes: z.array(z.enum(probeNames)).min(1).optional(),
   budget: z
     .strictObject({
-      maxRequests: z.number().int().min(1).optional(),
+      maxRequests: budgetInt(auditBounds.maxRequests),
       maxSeconds: z.number().min(minAuditSeconds).max(maxAuditSeconds).optional(),
-      concurrency: z.number().int().min(1).max(256).optional(),
-      maxConcurrency: z.number().int().min(1).max(256).optional(),
+      concurrency: budgetInt(auditBounds.concurrency),
+      maxConcurrency: budgetInt(auditBounds.maxConcurrency),
     })
     .optional(),
   seed: z
@@ -63,6 +78,22 @@ const ConfigFile = z.strictObject({
     })
     .optional(),
 })
+
+/** The fault of the first two tenants whose names are equal ignoring case (`tenant a is given
+ *  twice`, `tenants a and A differ only in case …`), or null. Names are compared so, as the
+ *  router compares them: a report or a log that tells two tenants apart by case only would be
+ *  read as one tenant. */
+export function sameTenantNameFault(names: readonly string[]): string | null {
+  const seen = new Map<string, string>()
+  for (const name of names) {
+    const earlier = seen.get(name.toLowerCase())
+    if (earlier === name) return `tenant ${name} is given twice`
+    if (earlier !== undefined)
+      return `tenants ${earlier} and ${name} differ only in case (tenant names are compared ignoring case)`
+    seen.set(name.toLowerCase(), name)
+  }
+  return null
+}
 
 /** The config file's content, keys resolved from the environment. */
 export interface AuditConfigFile {
@@ -139,6 +170,8 @@ export function parseAuditConfig(
     }
     return { name, key }
   })
+  const fault = tenants === undefined ? null : sameTenantNameFault(tenants.map((t) => t.name))
+  if (fault !== null) throw new AuditError('invalid_config', `config ${file}: tenants: ${fault}`)
   return {
     target: c.target,
     model: c.model,

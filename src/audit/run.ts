@@ -382,6 +382,20 @@ export async function planAudit(
   })
   const discovery = await discover(discoveryTarget, config.model)
   if (point !== null) checkResumedModel(point, options.resume!.source, discovery.model)
+  // A plan of an audit that would end at once is the audit's tool error: a refused key as the
+  // audit says it; a --model /v1/models does not list, without the check completion the audit
+  // would send (a plan sends none).
+  await checkKeys(discoveryTarget)
+  const listed = discovery.modelsListed
+  const isModelUnlisted =
+    config.model !== null && listed.length > 0 && !listed.includes(config.model)
+  if (isModelUnlisted) {
+    throw new AuditError(
+      'model_not_served',
+      `model ${JSON.stringify(config.model)} is not listed by ${config.baseUrl}: /v1/models lists ` +
+        `${listed.slice(0, 5).join(', ')}${listed.length > 5 ? ', …' : ''} (--plan sends no completion to try it): check --model`,
+    )
+  }
   const input: PlanInput = {
     limits: config.budget,
     numTenants: config.tenants.length,
@@ -399,9 +413,6 @@ export async function planAudit(
   const probePlans = planned.map((name) => probePlan(name, probes[name].plan?.(input) ?? []))
   const isCompletionSent =
     isSized || probePlans.some((p) => p.requests.some((r) => r.numRequests > 0 && r.tokensEach > 0))
-  const listed = discovery.modelsListed
-  const isModelUnlisted =
-    config.model !== null && listed.length > 0 && !listed.includes(config.model)
   const own = probePlan('audit', [
     { what: 'discovery reads (GET)', numRequests: discovery.endpoints.length, tokensEach: 0 },
     { what: 'key checks (GET /v1/models)', numRequests: config.tenants.length, tokensEach: 0 },

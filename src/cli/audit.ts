@@ -35,6 +35,7 @@ import {
   type Tenant,
   type Verdict,
 } from '../audit/index.js'
+import { auditBounds, sameTenantNameFault } from '../audit/config.js'
 import { recordedAudit } from '../audit/resume.js'
 
 const failOnChoices = ['leak', 'warning', 'inconclusive'] as const
@@ -164,11 +165,15 @@ async function audit(flags: AuditFlags): Promise<number> {
   }
   // Bad numbers first: one line naming the flag, whatever else is missing.
   const numbers = {
-    seed: parseCount('--seed', flags.seed, 0),
-    maxRequests: parseCount('--max-requests', flags.maxRequests, 1),
+    seed: parseCount('--seed', flags.seed, { min: 0 }),
+    maxRequests: parseCount('--max-requests', flags.maxRequests, auditBounds.maxRequests),
     maxSeconds: parseSeconds(flags.maxSeconds),
-    concurrency: parseCount('--concurrency', flags.concurrency, 1),
-    maxConcurrency: parseCount('--max-concurrency', flags.maxConcurrency, 1),
+    concurrency: parseCount('--concurrency', flags.concurrency, auditBounds.concurrency),
+    maxConcurrency: parseCount(
+      '--max-concurrency',
+      flags.maxConcurrency,
+      auditBounds.maxConcurrency,
+    ),
     price: parsePrice(flags.pricePerMillionTokens),
   }
   const file: AuditConfigFile =
@@ -346,7 +351,8 @@ function inRecordedOrder(tenants: readonly Tenant[], names: readonly string[]): 
   return isSame ? names.map((n) => byName.get(n)!) : [...tenants]
 }
 
-/** `NAME=KEY` or `NAME=env:VARNAME`. Errors name the tenant, never the key. */
+/** `NAME=KEY` or `NAME=env:VARNAME`. Errors name the tenant, never the key; two names equal
+ *  ignoring case are refused (see `sameTenantNameFault`). */
 export function parseTenants(
   values: readonly string[],
   env: Readonly<Record<string, string | undefined>>,
@@ -357,7 +363,7 @@ export function parseTenants(
       `need at least two tenants (--tenant NAME=KEY twice), got ${values.length}`,
     )
   }
-  return values.map((value, i) => {
+  const tenants = values.map((value, i) => {
     const at = value.indexOf('=')
     if (at <= 0) {
       throw new AuditError(
@@ -378,6 +384,9 @@ export function parseTenants(
     }
     return { name, key }
   })
+  const fault = sameTenantNameFault(tenants.map((t) => t.name))
+  if (fault !== null) throw new AuditError('invalid_options', fault)
+  return tenants
 }
 
 function parseProbes(list: string): ProbeName[] {
@@ -396,15 +405,24 @@ function parseProbes(list: string): ProbeName[] {
   return names as ProbeName[]
 }
 
-function parseCount(flag: string, value: string | undefined, min: number): number | undefined {
+/** A flag's integer within `bound` (`max` absent: up to the largest safe integer), or one line
+ *  naming the flag, the range and the value as typed. */
+function parseCount(
+  flag: string,
+  value: string | undefined,
+  bound: { readonly min: number; readonly max?: number },
+): number | undefined {
   if (value === undefined) return undefined
-  if (!/^\d+$/.test(value) || Number(value) < min || !Number.isSafeInteger(Number(value))) {
+  const { min, max = Number.MAX_SAFE_INTEGER } = bound
+  const n = /^\d+$/.test(value) ? Number(value) : NaN
+  if (!(Number.isSafeInteger(n) && n >= min && n <= max)) {
+    const range = bound.max === undefined ? `≥ ${min}` : `from ${min} to ${max}`
     throw new AuditError(
       'invalid_options',
-      `${flag} must be an integer ≥ ${min}, got ${JSON.stringify(value)}`,
+      `${flag} must be an integer ${range}, got ${JSON.stringify(value)}`,
     )
   }
-  return Number(value)
+  return n
 }
 
 function parsePrice(value: string | undefined): number {

@@ -13,7 +13,12 @@ import { parseYamlDocument, readYamlFileText } from '../files/yaml-file.js'
 import { KvfenceError } from '../errors.js'
 import { newApiKey } from '../router/tenant-keys.js'
 import { intOption, positiveIntOption } from './options.js'
-import { apiKeyDigest, TenantRecord } from '../router/tenants.js'
+import {
+  apiKeyDigest,
+  sameTenantNames,
+  sameTenantNamesFault,
+  TenantRecord,
+} from '../router/tenants.js'
 import { ClusterConfig } from '../config/cluster.js'
 
 /** The file's YAML document and its validated tenants; a missing file is an empty document when
@@ -123,6 +128,7 @@ export function registerKeys(program: Command): void {
     .option(...fileOption)
     .action((flags: { tenants: string }) => {
       const { tenants } = readTenantsDocument(flags.tenants, false)
+      checkTenantNames(flags.tenants, tenants)
       for (const t of tenants) {
         const limits = Object.entries(t.limits ?? {}).map(([k, v]) => `${k}=${v}`)
         const canary = t.canary === true ? '\tcanary' : ''
@@ -139,9 +145,17 @@ export function registerKeys(program: Command): void {
       const unlock = await lockTenantsFile(flags.tenants)
       try {
         const { doc, tenants } = readTenantsDocument(flags.tenants, false)
+        // The name as written: removal cuts a tenant off, so a name that matches one only
+        // ignoring case is refused naming it (it may be the one meant, or a typo).
         const index = tenants.findIndex((t) => t.name === name)
         if (index === -1) {
-          throw new KvfenceError('config_invalid', `tenant ${name} is not in ${flags.tenants}`)
+          const other = tenants.find((t) => t.name.toLowerCase() === name.toLowerCase())?.name
+          throw new KvfenceError(
+            'config_invalid',
+            other === undefined
+              ? `tenant ${name} is not in ${flags.tenants}`
+              : `tenant ${name} is not in ${flags.tenants}, but ${other} is: tenant names are compared ignoring case, yet remove takes the name as written (kvfence keys remove ${other})`,
+          )
         }
         doc.deleteIn(['tenants', index])
         writeTenantsFile(flags.tenants, doc)
@@ -150,6 +164,18 @@ export function registerKeys(program: Command): void {
       }
       process.stderr.write(`tenant ${name} removed from ${flags.tenants}\n`)
     })
+}
+
+/** Throws `config_invalid` with the router's own line (`tenants file PATH: tenants: names bob and
+ *  BOB differ only in case …`) when two names are equal ignoring case: `serve` refuses such a
+ *  file, so `list` and `add` must not pass it as good. (`remove` reads it, to fix it.) */
+function checkTenantNames(path: string, tenants: readonly TenantRecord[]): void {
+  const same = sameTenantNames(tenants.map((t) => t.name))
+  if (same !== null)
+    throw new KvfenceError(
+      'config_invalid',
+      `tenants file ${path}: tenants: ${sameTenantNamesFault(same)}`,
+    )
 }
 
 /** `keys add`: a new tenant with a fresh key in the tenants file (the caller holds its lock).
@@ -165,6 +191,7 @@ function addTenant(
   },
 ): void {
   const { doc, tenants } = readTenantsDocument(flags.tenants, true)
+  checkTenantNames(flags.tenants, tenants)
   // Names are compared ignoring case, as the router compares them (sameTenantNames).
   const existing = tenants.find((t) => t.name.toLowerCase() === name.toLowerCase())?.name
   if (existing !== undefined) {

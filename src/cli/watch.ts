@@ -21,6 +21,7 @@ import {
   type WatchConfigFile,
   type WebhookFormat,
 } from '../audit/watch/index.js'
+import { describeWatchBound, watchBounds } from '../audit/watch/options.js'
 import { parseTenants } from './audit.js'
 import { logLevels } from './options.js'
 
@@ -132,25 +133,57 @@ async function watch(flags: WatchFlags): Promise<number> {
       tenants,
       model: flags.model ?? file.audit.model,
       seed: count('--seed', flags.seed, 0) ?? file.audit.seed,
-      cycleSeconds: seconds('--cycle-seconds', flags.cycleSeconds) ?? file.watch.cycleSeconds,
+      cycleSeconds:
+        bounded('--cycle-seconds', flags.cycleSeconds, 'cycleSeconds') ?? file.watch.cycleSeconds,
       maxTokensPerHour:
-        count('--max-tokens-per-hour', flags.maxTokensPerHour, 1) ?? file.watch.maxTokensPerHour,
+        bounded('--max-tokens-per-hour', flags.maxTokensPerHour, 'maxTokensPerHour') ??
+        file.watch.maxTokensPerHour,
       maxRequestsPerHour:
-        count('--max-requests-per-hour', flags.maxRequestsPerHour, 1) ??
+        bounded('--max-requests-per-hour', flags.maxRequestsPerHour, 'maxRequestsPerHour') ??
         file.watch.maxRequestsPerHour,
-      metricsPort: count('--metrics-port', flags.metricsPort, 0) ?? file.watch.metricsPort,
+      metricsPort:
+        bounded('--metrics-port', flags.metricsPort, 'metricsPort') ?? file.watch.metricsPort,
       metricsHost: flags.metricsHost ?? file.watch.metricsHost,
       resolveAfterCycles:
-        count('--resolve-after-cycles', flags.resolveAfterCycles, 1) ??
+        bounded('--resolve-after-cycles', flags.resolveAfterCycles, 'resolveAfterCycles') ??
         file.watch.resolveAfterCycles,
       requestTimeoutSeconds:
-        count('--request-timeout-seconds', flags.requestTimeoutSeconds, 1) ??
-        file.watch.requestTimeoutSeconds,
+        bounded(
+          '--request-timeout-seconds',
+          flags.requestTimeoutSeconds,
+          'requestTimeoutSeconds',
+        ) ?? file.watch.requestTimeoutSeconds,
       webhookUrl: flags.webhook ?? file.watch.webhookUrl,
       webhookFormat: flags.webhookFormat ?? file.watch.webhookFormat,
     },
     randomInt(0, 2 ** 32 - 1),
   )
+  // A budget that cannot pay for one cycle would skip every cycle for ever: refuse it now.
+  const cost = cycleCostBound(config)
+  for (const [perHour, least, flag, key, unit] of [
+    [
+      config.maxTokensPerHour,
+      cost.minCycle.tokens,
+      '--max-tokens-per-hour',
+      'maxTokensPerHour',
+      'tokens',
+    ],
+    [
+      config.maxRequestsPerHour,
+      cost.minCycle.requests,
+      '--max-requests-per-hour',
+      'maxRequestsPerHour',
+      'requests',
+    ],
+  ] as const) {
+    if (perHour < least) {
+      const given = flags[key] !== undefined ? flag : `watch.${key} (in ${flags.config})`
+      throw new AuditError(
+        'invalid_options',
+        `${given} ${perHour} cannot pay for one cycle: a cycle needs at least ${least} ${unit} (its reads, a plant and one look), so every cycle would be skipped`,
+      )
+    }
+  }
   const log = pino(
     { name: 'kvfence-watch', level: flags.logLevel },
     pino.destination({ dest: 1, sync: true }),
@@ -169,7 +202,6 @@ async function watch(flags: WatchFlags): Promise<number> {
   }
   process.once('SIGTERM', onSignal)
   process.once('SIGINT', onSignal)
-  const cost = cycleCostBound(config)
   log.info(
     {
       target: config.baseUrl,
@@ -210,13 +242,20 @@ function count(flag: string, value: string | undefined, min: number): number | u
   return Number(value)
 }
 
-function seconds(flag: string, value: string | undefined): number | undefined {
+/** A flag's value within its {@link watchBounds}, or one line naming the flag, the range and the
+ *  value as typed (`Number()` would echo 99999999999999999999 as 1e20). */
+function bounded(
+  flag: string,
+  value: string | undefined,
+  key: keyof typeof watchBounds,
+): number | undefined {
   if (value === undefined) return undefined
-  const n = Number(value)
-  if (!/^\d+(\.\d+)?$/.test(value) || !(n > 0)) {
+  const bound = watchBounds[key]
+  const n = (bound.integer ? /^\d+$/ : /^\d+(\.\d+)?$/).test(value) ? Number(value) : NaN
+  if (!(n >= bound.min && n <= bound.max)) {
     throw new AuditError(
       'invalid_options',
-      `${flag} must be a positive number, got ${JSON.stringify(value)}`,
+      `${flag} ${describeWatchBound(bound)}, got ${JSON.stringify(value)}`,
     )
   }
   return n

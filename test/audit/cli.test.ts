@@ -243,6 +243,17 @@ describe('kvfence audit (CLI)', () => {
       await kvfence(['audit', '--target', url, ...tenantFlags, '--max-requests', '0'], env),
       /--max-requests/,
     )
+    // Out of runAudit's range: the line names the flag and the value as typed.
+    for (const [flag, value, range] of [
+      ['--max-concurrency', '1024', 'from 1 to 256'],
+      ['--concurrency', '300', 'from 1 to 256'],
+      ['--max-requests', '1000001', 'from 1 to 1000000'],
+    ]) {
+      assertOneLineError(
+        await kvfence(['audit', '--target', url, ...tenantFlags, flag, value], env),
+        new RegExp(`^kvfence audit: ${flag} must be an integer ${range}, got "${value}"$`),
+      )
+    }
     assertOneLineError(
       await kvfence(['audit', '--target', url, ...tenantFlags, '--fail-on', 'never'], env),
       /fail-on/,
@@ -263,6 +274,21 @@ describe('kvfence audit (CLI)', () => {
     ])
     assertOneLineError(dup, /tenant alice is given twice/)
     assertNoKeys(dup)
+    // Names are compared ignoring case, as the router compares them.
+    const cased = await kvfence([
+      'audit',
+      '--target',
+      url,
+      '--tenant',
+      `a=${tenantKeys.alice}`,
+      '--tenant',
+      `A=${tenantKeys.bob}`,
+    ])
+    assertOneLineError(
+      cased,
+      /^kvfence audit: tenants a and A differ only in case \(tenant names are compared ignoring case\)$/,
+    )
+    assertNoKeys(cased)
   })
 
   test('a report that cannot be written is refused before any request (exit 2, one line)', async () => {
@@ -336,6 +362,23 @@ describe('kvfence audit (CLI)', () => {
     assertOneLineError(
       await kvfence(['audit', '--config', config]),
       /^kvfence audit: config .*bad\.yaml: budget\.concurrency: /,
+    )
+    // Out of range in the file: the line names the key.
+    await writeFile(config, 'budget: { maxRequests: 1000001 }\n')
+    assertOneLineError(
+      await kvfence(['audit', '--config', config]),
+      /^kvfence audit: config .*bad\.yaml: budget\.maxRequests: must be an integer from 1 to 1000000$/,
+    )
+    await writeFile(
+      config,
+      'tenants:\n  - { name: bob, keyEnv: KVFENCE_TEST_BOB_KEY }\n  - { name: Bob, keyEnv: KVFENCE_TEST_ALICE_KEY }\n',
+    )
+    assertOneLineError(
+      await kvfence(['audit', '--config', config], {
+        ...env,
+        KVFENCE_TEST_ALICE_KEY: tenantKeys.alice,
+      }),
+      /^kvfence audit: config .*bad\.yaml: tenants: tenants bob and Bob differ only in case \(tenant names are compared ignoring case\)$/,
     )
     assertOneLineError(
       await kvfence(['audit', '--config', join(dir, 'missing.yaml')]),

@@ -61,6 +61,49 @@ function planRow(stdout: string, probe: string): string[] {
 }
 
 describe('--plan', () => {
+  test("a refused key or an unlisted --model is the audit's tool error: one line, exit 2, no completion", async () => {
+    const standIn = await startStandIn('leaky')
+    try {
+      const refused = await kvfence([
+        'audit',
+        '--target',
+        standIn.url,
+        '--tenant',
+        `alice=${tenantKeys.alice}`,
+        '--tenant',
+        'bob=sk-revoked',
+        '--plan',
+      ])
+      assert.equal(refused.code, 2, refused.stdout)
+      assert.equal(refused.stdout, '')
+      assert.equal(
+        refused.stderr,
+        "kvfence audit: tenant bob's key was refused by the target (HTTP 401)\n",
+      )
+      const unlisted = await kvfence([
+        'audit',
+        '--target',
+        standIn.url,
+        ...tenantFlags,
+        '--model',
+        'nope',
+        '--plan',
+      ])
+      assert.equal(unlisted.code, 2, unlisted.stdout)
+      assert.equal(unlisted.stdout, '')
+      assert.match(
+        unlisted.stderr,
+        /^kvfence audit: model "nope" is not listed by http:\/\/127\.0\.0\.1:\d+: \/v1\/models lists [^\n]+ \(--plan sends no completion to try it\): check --model\n$/,
+      )
+      assert.ok(
+        standIn.stats.paths.every((p) => p.startsWith('GET ')),
+        `a completion was sent: ${standIn.stats.paths.join(', ')}`,
+      )
+    } finally {
+      await standIn.close()
+    }
+  })
+
   test('prints per probe the requests and tokens it would send, priced, and sends no completion', async () => {
     // The incident's stand-in: context 1024, pool 384 tokens, reported on /server_info.
     const standIn = await startStandIn('leaky')
@@ -75,7 +118,14 @@ describe('--plan', () => {
         '2.5',
       ])
       assert.equal(run.code, 0, run.stderr)
-      assert.deepEqual(standIn.stats.paths, ['GET /v1/models', 'GET /server_info', 'GET /metrics'])
+      // Discovery's reads, then each tenant's key check (as the audit's).
+      assert.deepEqual(standIn.stats.paths, [
+        'GET /v1/models',
+        'GET /server_info',
+        'GET /metrics',
+        'GET /v1/models',
+        'GET /v1/models',
+      ])
       assert.match(run.stdout, /no completion was sent/)
       assert.match(run.stdout, /context 1024 tokens, KV pool 384 tokens/)
       // Worked by hand from the probes' constants: boundary sends pool−1 and pool twice each

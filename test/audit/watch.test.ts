@@ -312,13 +312,39 @@ describe('kvfence watch refuses bad input with one line and exit 2', () => {
     [
       'a zero budget',
       ['--target', 'http://127.0.0.1:1', ...tenantFlags, '--max-tokens-per-hour', '0'],
-      /^kvfence watch: --max-tokens-per-hour must be an integer ≥ 1, got "0"$/,
+      /^kvfence watch: --max-tokens-per-hour must be an integer from 1 to 1000000000000, got "0"$/,
     ],
     [
       'a budget that is not a number',
       ['--target', 'http://127.0.0.1:1', ...tenantFlags, '--max-requests-per-hour', 'lots'],
-      /^kvfence watch: --max-requests-per-hour must be an integer ≥ 1, got "lots"$/,
+      /^kvfence watch: --max-requests-per-hour must be an integer from 1 to 1000000000, got "lots"$/,
     ],
+    // Below one cycle's least cost (the figures a fresh-user trial read in the skip line of a
+    // watch that skipped every cycle for ever): refused at start.
+    [
+      'an hourly token budget below one cycle',
+      ['--target', 'http://127.0.0.1:1', ...tenantFlags, '--max-tokens-per-hour', '1'],
+      /^kvfence watch: --max-tokens-per-hour 1 cannot pay for one cycle: a cycle needs at least 489 tokens /,
+    ],
+    [
+      'an hourly request budget below one cycle',
+      ['--target', 'http://127.0.0.1:1', ...tenantFlags, '--max-requests-per-hour', '8'],
+      /^kvfence watch: --max-requests-per-hour 8 cannot pay for one cycle: a cycle needs at least 9 requests /,
+    ],
+    // Out of range: the line names the flag and echoes the value as typed (not 1e20).
+    ...(
+      [
+        ['--cycle-seconds', '86401', 'a number from 0.1 to 86400'],
+        ['--cycle-seconds', '99999999999999999999', 'a number from 0.1 to 86400'],
+        ['--request-timeout-seconds', '3000000', 'an integer from 1 to 3600'],
+        ['--resolve-after-cycles', '99999999999', 'an integer from 1 to 100000'],
+        ['--metrics-port', '70000', 'an integer from 0 to 65535'],
+      ] as const
+    ).map(([flag, value, range]): [string, string[], RegExp] => [
+      `${flag} ${value}`,
+      ['--target', 'http://127.0.0.1:1', ...tenantFlags, flag, value],
+      new RegExp(`^kvfence watch: ${flag} must be ${range}, got "${value}"$`),
+    ]),
   ]
   test('a metrics port already taken', async (t) => {
     const taken = createServer()
@@ -396,6 +422,13 @@ describe('kvfence watch --config: the audit config with a watch: section', () =>
     for (const [file, pattern] of [
       [bad, /^kvfence watch: config .*bad\.yaml: watch\.cycleSeconds: /],
       [keyed, /^kvfence watch: config .*keyed\.yaml: tenants\.0: a key is never read from a file/],
+      [
+        write(
+          'range.yaml',
+          `target: http://127.0.0.1:1\n${tenantsYaml}watch:\n  cycleSeconds: 86401\n`,
+        ),
+        /^kvfence watch: config .*range\.yaml: watch\.cycleSeconds: must be a number from 0\.1 to 86400\n$/,
+      ],
     ] as const) {
       const run = startWatch(['--config', file], configEnv)
       const { code } = await run.exited

@@ -56,7 +56,7 @@ const cases: [string[], string][] = [
   [['soak', '--watch-cycle-seconds', '2147484'], `error: option '--watch-cycle-seconds <s>' argument '2147484' is invalid. expected an integer from 0 to 2147483, got "2147484"`],
   [['demo', '--seed', '-1'], `error: option '--seed <n>' argument '-1' is invalid. expected a non-negative integer, got "-1"`],
   // The audit's numbers are checked before what else is missing (here: the tenants).
-  [['audit', '--target', 'http://127.0.0.1:9', '--max-requests', '-1'], 'kvfence audit: --max-requests must be an integer ≥ 1, got "-1"'],
+  [['audit', '--target', 'http://127.0.0.1:9', '--max-requests', '-1'], 'kvfence audit: --max-requests must be an integer from 1 to 1000000, got "-1"'],
   // Checked before any part starts: one line, and no part's log lines before it.
   [['serve', '--tenants', '/nonexistent-kvfence/tenants.yaml'], `kvfence: cannot read tenants file /nonexistent-kvfence/tenants.yaml: ENOENT: no such file or directory, open '/nonexistent-kvfence/tenants.yaml'`],
   // A policy for a store that is not configured would be silently ignored.

@@ -168,6 +168,52 @@ describe('kvfence keys', () => {
     assert.equal(readFileSync(path, 'utf8'), before)
   })
 
+  it('remove takes the name as written: another case is refused, naming the tenant that exists', async () => {
+    const path = join(dir, 'case-remove.yaml')
+    await kvfence('add', 'alice', '--tenants', path)
+    const before = readFileSync(path, 'utf8')
+    const err = await kvfence('remove', 'ALICE', '--tenants', path).then(
+      () => null,
+      (e: { code: number; stderr: string }) => e,
+    )
+    assert.ok(err, 'remove ALICE succeeded')
+    assert.equal(err.code, 2)
+    assert.equal(
+      err.stderr,
+      `kvfence: tenant ALICE is not in ${path}, but alice is: tenant names are compared ignoring case, yet remove takes the name as written (kvfence keys remove alice)\n`,
+    )
+    assert.equal(readFileSync(path, 'utf8'), before, 'the file was changed')
+  })
+
+  it("list refuses a file serve refuses (two names equal ignoring case), with the loader's line", async () => {
+    const path = join(dir, 'case-list.yaml')
+    writeFileSync(
+      path,
+      `tenants:\n  - { name: bob, keySha256: ${apiKeyDigest('1')} }\n  - { name: BOB, keySha256: ${apiKeyDigest('2')} }\n`,
+    )
+    let loaderMessage = ''
+    assert.throws(
+      () => loadTenants(path),
+      (e: Error) => ((loaderMessage = e.message), true),
+    )
+    const err = await kvfence('list', '--tenants', path).then(
+      () => null,
+      (e: { code: number; stdout: string; stderr: string }) => e,
+    )
+    assert.ok(err, 'list passed the file')
+    assert.equal(err.code, 2)
+    assert.equal(err.stdout, '')
+    assert.equal(err.stderr, `kvfence: ${loaderMessage}\n`)
+    assert.equal(
+      loaderMessage,
+      `tenants file ${path}: tenants: names bob and BOB differ only in case (tenant names are compared ignoring case)`,
+    )
+    // remove still reads it, so the file can be fixed with the CLI.
+    await kvfence('remove', 'BOB', '--tenants', path)
+    const { stdout } = await kvfence('list', '--tenants', path)
+    assert.equal(stdout, 'bob\tno limits\n')
+  })
+
   it('the tenants file loader (and a cluster file) refuses two names equal ignoring case, naming both', () => {
     const path = join(dir, 'case-pair.yaml')
     const digest = (s: string) => apiKeyDigest(s)

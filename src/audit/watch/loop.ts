@@ -57,6 +57,9 @@ export function cycleCostBound(config: WatchConfig): {
   readonly maxRequests: number
   readonly maxCanaryTokens: number
   readonly allowance: Spend
+  /** The least a cycle must be allowed to start (its reads, the plant and one look): an hourly
+   *  budget below it skips every cycle. */
+  readonly minCycle: Spend
 } {
   // The plant and the cut stream are whole canary prompts; five observer prompts (the look, the
   // fresh request after the cut, the burst of three); one over-capacity or boundary prompt; and,
@@ -67,6 +70,7 @@ export function cycleCostBound(config: WatchConfig): {
     maxCanaryTokens:
       (1 + maxFollowUpRounds) * plantTokenBound + cutTokenBound + 5 * observerTokenBound,
     allowance: pacing(config).capacity,
+    minCycle: { tokens: minCycleTokens, requests: maxReadRequests + 2 },
   }
 }
 

@@ -17,7 +17,7 @@
 import { readFile } from 'node:fs/promises'
 import { parse as parseYaml, stringify as stringifyYaml } from 'yaml'
 import { z } from 'zod'
-import { parseAuditConfig, type AuditConfigFile } from '../config.js'
+import { parseAuditConfig, sameTenantNameFault, type AuditConfigFile } from '../config.js'
 import { normalizeBaseUrl } from '../run.js'
 import { AuditError, type Tenant } from '../types.js'
 
@@ -43,6 +43,23 @@ export const watchDefaults = Object.freeze({
   /** Requests in flight at most during a cycle. */
   concurrency: 4,
 })
+
+/** The range of each numeric option, inclusive (`integer` false: any number, e.g. 0.3 s). One
+ *  table read by {@link validateWatchOptions}, the config file's parser and the CLI's flag
+ *  parsers, so a bad value is refused with the same range wherever it came from. */
+export const watchBounds = Object.freeze({
+  cycleSeconds: { min: 0.1, max: 86_400, integer: false },
+  maxTokensPerHour: { min: 1, max: 1e12, integer: true },
+  maxRequestsPerHour: { min: 1, max: 1e9, integer: true },
+  metricsPort: { min: 0, max: 65_535, integer: true },
+  resolveAfterCycles: { min: 1, max: 100_000, integer: true },
+  requestTimeoutSeconds: { min: 1, max: 3600, integer: true },
+})
+
+/** `"must be an integer from 1 to 3600"` (or "a number") for one of {@link watchBounds}. */
+export function describeWatchBound(bound: (typeof watchBounds)[keyof typeof watchBounds]): string {
+  return `must be ${bound.integer ? 'an integer' : 'a number'} from ${bound.min} to ${bound.max}`
+}
 
 /** What the operator gave (flags merged over the file); every field optional but target and
  *  tenants. */
@@ -92,14 +109,13 @@ export function validateWatchOptions(options: WatchOptions, seed: number): Watch
       `need at least two monitoring tenants (--tenant NAME=env:VAR twice), got ${options.tenants.length}`,
     )
   }
-  const names = new Set<string>()
   for (const tenant of options.tenants) {
     if (!/^[\w.@-]+$/.test(tenant.name))
       fail(`tenant name ${JSON.stringify(tenant.name)} is not a plain word`)
-    if (names.has(tenant.name)) fail(`tenant ${tenant.name} is given twice`)
     if (tenant.key === '') fail(`tenant ${tenant.name} has an empty key`)
-    names.add(tenant.name)
   }
+  const same = sameTenantNameFault(options.tenants.map((t) => t.name))
+  if (same !== null) fail(same)
   if (new Set(options.tenants.map((t) => t.key)).size < options.tenants.length)
     fail('two tenants share one key: give each its own')
   const int = (
@@ -115,8 +131,13 @@ export function validateWatchOptions(options: WatchOptions, seed: number): Watch
     return n
   }
   const cycleSeconds = options.cycleSeconds ?? watchDefaults.cycleSeconds
-  if (!(Number.isFinite(cycleSeconds) && cycleSeconds >= 0.1 && cycleSeconds <= 86_400))
-    fail(`cycle seconds must be a number from 0.1 to 86400, got ${cycleSeconds}`)
+  const cycleBound = watchBounds.cycleSeconds
+  if (!(
+    Number.isFinite(cycleSeconds) &&
+    cycleSeconds >= cycleBound.min &&
+    cycleSeconds <= cycleBound.max
+  ))
+    fail(`cycle seconds ${describeWatchBound(cycleBound)}, got ${cycleSeconds}`)
   let webhook: WatchConfig['webhook'] = null
   if (options.webhookUrl !== undefined) {
     let url: URL | null = null
@@ -144,46 +165,60 @@ export function validateWatchOptions(options: WatchOptions, seed: number): Watch
       'max tokens per hour',
       options.maxTokensPerHour,
       watchDefaults.maxTokensPerHour,
-      1,
-      1e12,
+      watchBounds.maxTokensPerHour.min,
+      watchBounds.maxTokensPerHour.max,
     ),
     maxRequestsPerHour: int(
       'max requests per hour',
       options.maxRequestsPerHour,
       watchDefaults.maxRequestsPerHour,
-      1,
-      1e9,
+      watchBounds.maxRequestsPerHour.min,
+      watchBounds.maxRequestsPerHour.max,
     ),
-    metricsPort: int('metrics port', options.metricsPort, watchDefaults.metricsPort, 0, 65535),
+    metricsPort: int(
+      'metrics port',
+      options.metricsPort,
+      watchDefaults.metricsPort,
+      watchBounds.metricsPort.min,
+      watchBounds.metricsPort.max,
+    ),
     metricsHost: options.metricsHost ?? watchDefaults.metricsHost,
     resolveAfterCycles: int(
       'resolve after cycles',
       options.resolveAfterCycles,
       watchDefaults.resolveAfterCycles,
-      1,
-      100_000,
+      watchBounds.resolveAfterCycles.min,
+      watchBounds.resolveAfterCycles.max,
     ),
     requestTimeoutMs:
       int(
         'request timeout (s)',
         options.requestTimeoutSeconds,
         watchDefaults.requestTimeoutSeconds,
-        1,
-        3600,
+        watchBounds.requestTimeoutSeconds.min,
+        watchBounds.requestTimeoutSeconds.max,
       ) * 1000,
     concurrency: watchDefaults.concurrency,
     webhook,
   })
 }
 
+/** A config field within its {@link watchBounds} (the error names the range; the caller names the
+ *  key). */
+function bounded(bound: (typeof watchBounds)[keyof typeof watchBounds]) {
+  const n = bound.integer ? z.number().int(describeWatchBound(bound)) : z.number()
+  const message = describeWatchBound(bound)
+  return n.min(bound.min, message).max(bound.max, message).optional()
+}
+
 const WatchSection = z.strictObject({
-  cycleSeconds: z.number().positive().optional(),
-  maxTokensPerHour: z.number().int().min(1).optional(),
-  maxRequestsPerHour: z.number().int().min(1).optional(),
-  metricsPort: z.number().int().min(0).max(65535).optional(),
+  cycleSeconds: bounded(watchBounds.cycleSeconds),
+  maxTokensPerHour: bounded(watchBounds.maxTokensPerHour),
+  maxRequestsPerHour: bounded(watchBounds.maxRequestsPerHour),
+  metricsPort: bounded(watchBounds.metricsPort),
   metricsHost: z.string().min(1).optional(),
-  resolveAfterCycles: z.number().int().min(1).optional(),
-  requestTimeoutSeconds: z.number().int().min(1).optional(),
+  resolveAfterCycles: bounded(watchBounds.resolveAfterCycles),
+  requestTimeoutSeconds: bounded(watchBounds.requestTimeoutSeconds),
   webhook: z
     .strictObject({ url: z.string().min(1), format: z.enum(webhookFormats).optional() })
     .optional(),
