@@ -17,6 +17,7 @@ import { notServedLimit, servedSignOf } from '../../src/audit/gate.js'
 import type { CompletionResult } from '../../src/audit/target.js'
 import { cliPath } from '../helpers/paths.js'
 import { standInTenants, startStandIn, tenantKeys } from './standins.js'
+import { completionResult } from './completion-result.js'
 
 const hasPython = spawnSync('python3', ['--version']).status === 0
 
@@ -34,19 +35,7 @@ function audit(url: string): Promise<{ code: number | null; stdout: string; stde
 
 test('servedSignOf: 404, 405, 501 and a refused connection say "not served"; any other answer says "served"; a timeout or reset says neither', () => {
   const of = (status: number | null, failure: CompletionResult['failure'], detail?: string) =>
-    servedSignOf({
-      status,
-      failure,
-      failureDetail: detail ?? null,
-      text: '',
-      promptTokens: null,
-      cachedTokens: null,
-      ttftMs: null,
-      requestNumber: 1,
-      atMs: 0,
-      errorCode: null,
-      errorMessage: null,
-    })
+    servedSignOf(completionResult({ status, failure, failureDetail: detail ?? null }))
   assert.deepEqual(
     [404, 405, 501].map((s) => of(s, null)),
     ['not-served', 'not-served', 'not-served'],

@@ -20,6 +20,7 @@ import { validateWatchOptions } from '../../src/audit/watch/options.js'
 import { webhookBody } from '../../src/audit/watch/webhook.js'
 import type { CompletionResult } from '../../src/audit/target.js'
 import type { Finding } from '../../src/audit/types.js'
+import { completionResult } from './completion-result.js'
 
 const tenants = [
   { name: 'watch-a', key: 'sk-watch-a-0123456789' },
@@ -242,19 +243,13 @@ describe('planFollowUp', () => {
 })
 
 describe('availabilityFindings', () => {
-  const answer = (status: number | null, failure: CompletionResult['failure'] = null) => ({
-    status,
-    failure,
-    text: '',
-    promptTokens: null,
-    cachedTokens: null,
-    ttftMs: null,
-    requestNumber: 1,
-    atMs: 0,
-    errorCode:
-      status === 500 ? 'internal_error' : status === 400 ? 'context_length_exceeded' : null,
-    errorMessage: null,
-  })
+  const answer = (status: number | null, failure: CompletionResult['failure'] = null) =>
+    completionResult({
+      status,
+      failure,
+      errorCode:
+        status === 500 ? 'internal_error' : status === 400 ? 'context_length_exceeded' : null,
+    })
   const observe = (mustReject: boolean, result: CompletionResult) => ({
     planted: { id: 'x', tenant: tenants[0], canaries: [], prompt: '' },
     label: 'x',
