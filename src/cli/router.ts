@@ -19,6 +19,7 @@ import type { SentinelMode } from '../router/sentinel/sentinel.js'
 import {
   collect,
   intOption,
+  intRangeOption,
   logLevels,
   portOption,
   positiveIntOption,
@@ -40,6 +41,7 @@ interface RouterFlags {
   contextWindow?: number
   drainSeconds?: number
   sentinel?: SentinelMode
+  sentinelWindowSeconds?: number
   clampContext: boolean
   unsafeDisableGuards: boolean
   logLevel: string
@@ -92,6 +94,11 @@ export function registerRouter(program: Command): void {
         '--sentinel <mode>',
         'the response sentinel: off, observe (default) or block',
       ).choices(['off', 'observe', 'block']),
+    )
+    .option(
+      '--sentinel-window-seconds <n>',
+      'how long the sentinel remembers a prompt’s fingerprints and a canary (default 600)',
+      windowSecondsOption,
     )
     .option(
       '--clamp-context',
@@ -162,10 +169,8 @@ export function registerRouter(program: Command): void {
         ...(flags.allowPlaintext ? { allowPlaintext: true } : {}),
         guardsEnabled: faults.guardsEnabled,
         ...(flags.logContent ? { logContent: true } : {}),
-        // The flag wins over the file's `sentinel.mode`, keeping the file's other settings.
-        ...(flags.sentinel === undefined
-          ? {}
-          : { sentinel: { ...source.sentinel, mode: flags.sentinel } }),
+        // The flags win over the file's `sentinel.mode` and `windowSeconds`, keeping its other settings.
+        ...sentinelFlags(flags, source.sentinel),
         clusterToken: clusterTokenFrom(process.env),
         ...httpsOption(flags),
         log,
@@ -202,6 +207,28 @@ export function routerDrained(child: ChildProcess): Promise<void> {
     child.once('exit', () => resolve())
     child.kill('SIGTERM')
   })
+}
+
+/** `--sentinel-window-seconds`: whole seconds, 1 s to a day (fingerprints are kept by clock, and
+ *  the memory cap bounds them whatever the window). */
+const windowSecondsOption = intRangeOption(1, 86_400)
+
+/** `--sentinel` and `--sentinel-window-seconds` over the file's `sentinel:` (its other settings
+ *  kept), or nothing when neither flag is given. */
+function sentinelFlags(
+  flags: RouterFlags,
+  fromSource: StartRouterOptions['sentinel'],
+): Pick<StartRouterOptions, 'sentinel'> {
+  if (flags.sentinel === undefined && flags.sentinelWindowSeconds === undefined) return {}
+  return {
+    sentinel: {
+      ...fromSource,
+      ...(flags.sentinel === undefined ? {} : { mode: flags.sentinel }),
+      ...(flags.sentinelWindowSeconds === undefined
+        ? {}
+        : { windowSeconds: flags.sentinelWindowSeconds }),
+    },
+  }
 }
 
 function fromFlags(

@@ -6,8 +6,14 @@
 import { writeFileSync } from 'node:fs'
 import { InvalidArgumentError, type Command } from 'commander'
 import { bundledModelDir } from '../paths.js'
-import { runSoak, soakDefaults, startSoakCluster, type SoakReport } from '../soak/index.js'
-import { intOption, secondsOption } from './options.js'
+import {
+  runSoak,
+  soakDefaults,
+  soakSentinelWindowSeconds,
+  startSoakCluster,
+  type SoakReport,
+} from '../soak/index.js'
+import { intOption, intRangeOption, secondsOption } from './options.js'
 import { exitOnStopSignals, unlessStopped } from './stop-children.js'
 
 interface SoakFlags {
@@ -22,6 +28,7 @@ interface SoakFlags {
   model: string
   logDir?: string
   watchCycleSeconds: number
+  sentinelWindowSeconds?: number
 }
 
 /** Parse a positive decimal number flag value (minutes may be fractional). */
@@ -86,9 +93,14 @@ export function registerSoak(program: Command): void {
       secondsOption,
       30,
     )
+    .option(
+      '--sentinel-window-seconds <n>',
+      'the router sentinel’s window (default: the warm-up, 30 to 600 s, so its bounded memory is full before RSS is judged)',
+      intRangeOption(1, 86_400),
+    )
     .action(async (flags: SoakFlags) => {
-      if (flags.tenants < 2) throw new Error('--tenants must be at least 2')
-      if (flags.loops < 1) throw new Error('--loops must be at least 1')
+      if (flags.tenants < 2) throw new Error(`--tenants must be at least 2, got ${flags.tenants}`)
+      if (flags.loops < 1) throw new Error(`--loops must be at least 1, got ${flags.loops}`)
       if (flags.minutes !== undefined && flags.seconds !== undefined)
         throw new Error('give --minutes or --seconds, not both')
       const durationMs =
@@ -103,6 +115,8 @@ export function registerSoak(program: Command): void {
           numTenants: flags.tenants,
           keepLogsIn: flags.logDir,
           watchCycleSeconds: flags.watchCycleSeconds,
+          sentinelWindowSeconds:
+            flags.sentinelWindowSeconds ?? soakSentinelWindowSeconds(durationMs, flags.warmup),
         }),
       )
       let report: SoakReport

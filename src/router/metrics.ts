@@ -56,6 +56,8 @@ export interface RouterMetrics {
   readonly sentinelBytes: Gauge
   /** The sentinel's cap on those bytes (`sentinel.maxBytes`). */
   readonly sentinelMaxBytes: Gauge
+  /** How long the sentinel keeps a prompt's fingerprints and a canary (`sentinel.windowSeconds`). */
+  readonly sentinelWindowSeconds: Gauge
 }
 
 /** Where gauges read live values at scrape time. */
@@ -170,6 +172,11 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
     sentinelMaxBytes: new Gauge({
       name: 'kvfence_sentinel_fingerprint_max_bytes',
       help: "The response sentinel's cap on its fingerprints' estimated bytes (sentinel.maxBytes).",
+      registers,
+    }),
+    sentinelWindowSeconds: new Gauge({
+      name: 'kvfence_sentinel_window_seconds',
+      help: "How long the response sentinel keeps a prompt's fingerprints and a canary (sentinel.windowSeconds).",
       registers,
     }),
   })

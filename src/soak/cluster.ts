@@ -31,6 +31,8 @@ export async function startSoakCluster(opts: {
   numTenants: number
   keepLogsIn?: string
   watchCycleSeconds?: number
+  /** The router sentinel's window (`--sentinel-window-seconds`); default: the router's. */
+  sentinelWindowSeconds?: number
 }): Promise<SoakCluster> {
   const dir = mkdtempSync(join(tmpdir(), 'kvfence-soak-'))
   const removeDir = () => rmSync(dir, { recursive: true, force: true })
@@ -60,6 +62,9 @@ export async function startSoakCluster(opts: {
       tenantsFile,
       logDir: opts.keepLogsIn ?? join(dir, 'logs'),
       logLevel: 'warn',
+      ...(opts.sentinelWindowSeconds === undefined
+        ? {}
+        : { routerArgs: ['--sentinel-window-seconds', String(opts.sentinelWindowSeconds)] }),
     })
   } catch (err) {
     process.off('exit', removeDir)

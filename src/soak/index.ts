@@ -3,4 +3,10 @@
 export { runSoak, failuresOf, type SoakTarget, type ProgressFn } from './run.js'
 export { startSoakCluster, soakShape, type SoakCluster } from './cluster.js'
 export { Oracle, type SoakRequest, type Expected } from './oracle.js'
-export { soakDefaults, maxRssGrowthRatio, type SoakOptions, type SoakReport } from './types.js'
+export {
+  soakDefaults,
+  maxRssGrowthRatio,
+  soakSentinelWindowSeconds,
+  type SoakOptions,
+  type SoakReport,
+} from './types.js'

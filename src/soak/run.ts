@@ -14,6 +14,7 @@ import {
   heapTrends,
   pagesUsed,
   sentinelCounts,
+  sentinelWindowSeconds,
   rssBytes,
   rssGrowth,
   sumValues,
@@ -199,6 +200,7 @@ export async function runSoak(
       slope_mb_per_min: toMb(t.slopePerMinute),
     })),
     sentinel,
+    sentinel_window_s: await sentinelWindowSeconds(target.routerUrl).catch(() => null),
     watch:
       target.watch === undefined
         ? null

@@ -46,6 +46,18 @@ export async function sentinelCounts(
   }
 }
 
+/** The router sentinel's window (its `/metrics` gauge `kvfence_sentinel_window_seconds`),
+ *  seconds; null when the router reports none (sentinel off). Throws when the router does not
+ *  answer within `timeoutMs`. */
+export async function sentinelWindowSeconds(
+  routerUrl: string,
+  timeoutMs = 5_000,
+): Promise<number | null> {
+  const res = await fetch(`${routerUrl}/metrics`, { signal: AbortSignal.timeout(timeoutMs) })
+  if (!res.ok) throw new Error(`${routerUrl}/metrics: HTTP ${res.status}`)
+  return samplesOf(await res.text(), 'kvfence_sentinel_window_seconds')[0]?.value ?? null
+}
+
 /** The heap the process at `url` retained after its latest major GC (its `/metrics` gauge
  *  `kvfence_heap_used_after_major_gc_bytes`), bytes; null before its first major GC. Throws when
  *  the process does not answer within `timeoutMs` or serves no such gauge. */

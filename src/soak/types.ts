@@ -126,12 +126,25 @@ export interface SoakReport {
    *  `/metrics` after the drain (tenants share a long system prompt and two send the same licence
    *  paragraph, so a sentinel that flags shared text fails here); null when unreadable. */
   sentinel: { suspected: number; confirmed: number } | null
+  /** The window the router's sentinel keeps fingerprints for, seconds, read from its `/metrics`
+   *  (`soakSentinelWindowSeconds` when the soak started the router); null when unreadable. */
+  sentinel_window_s: number | null
   /** Must be 0 findings: the `kvfence watch` run beside the load (two canary tenants, its default
    *  cycle), its completed cycles and announced findings; null when no watch ran. */
   watch: { cycles: number; findings: number } | null
   /** At most 5 examples per problem kind, redacted to the canary found or the first differing
    *  token position (no prompt text). */
   examples: string[]
+}
+
+/** The sentinel window a soak gives the router, seconds: its warm-up, from 30 s to the router's
+ *  default 600 s. The sentinel keeps fingerprints in two generations and drops the older every
+ *  half window, so its memory grows for one whole window and then saws; with the default 10-minute
+ *  window a 10-minute soak judged RSS growth over the window filling (bounded memory, read as a
+ *  leak: 1.051 on 2026-12-02, the router's heap +1.5 MB/min). With the window inside the warm-up,
+ *  the growth judged after it is what is not bounded. 30 s covers a watch cycle's plant and read. */
+export function soakSentinelWindowSeconds(durationMs: number, warmupFraction: number): number {
+  return Math.min(600, Math.max(30, Math.floor((durationMs * warmupFraction) / 1000)))
 }
 
 /** Shortest load whose RSS growth is judged, ms. */

@@ -44,6 +44,7 @@ const cases: [string[], string][] = [
   [['serve', '--drain-seconds', '2147484'], `error: option '--drain-seconds <n>' argument '2147484' is invalid. expected an integer from 0 to 2147483, got "2147484"`],
   [['router', '--max-concurrent', '0'], `error: option '--max-concurrent <n>' argument '0' is invalid. expected a positive integer, got "0"`],
   [['router', '--context-window', '0'], `error: option '--context-window <n>' argument '0' is invalid. expected a positive integer, got "0"`],
+  [['router', '--sentinel-window-seconds', '86401'], `error: option '--sentinel-window-seconds <n>' argument '86401' is invalid. expected an integer from 1 to 86400, got "86401"`],
   [['prefill', '--pages', '0'], `error: option '--pages <n>' argument '0' is invalid. expected a positive integer, got "0"`],
   [['decode', '--page-size', '1e3'], `error: option '--page-size <n>' argument '1e3' is invalid. expected a positive integer, got "1e3"`],
   [['prefill', '--transfer-timeout-ms', '2147483648'], `error: option '--transfer-timeout-ms <ms>' argument '2147483648' is invalid. expected an integer from 1 to 2147483647, got "2147483648"`],

@@ -36,6 +36,7 @@ const clean: SoakReport = {
   },
   heap_after_gc_mb: {},
   sentinel: { suspected: 0, confirmed: 0 },
+  sentinel_window_s: 30,
   watch: { cycles: 2, findings: 0 },
   examples: [],
 }

@@ -35,6 +35,8 @@ it('a 60-second soak with aborts and disconnects keeps every invariant', async (
   // No false alarm: shared system prompt, a licence two tenants send, the watch beside the load.
   assert.deepEqual(report.sentinel, { suspected: 0, confirmed: 0 })
   assert.equal(report.watch?.findings, 0)
+  // The router's sentinel window is the warm-up (15 s of 60) raised to its 30-second floor.
+  assert.equal(report.sentinel_window_s, 30)
   assert.ok((report.watch?.cycles ?? 0) >= 1, 'the watch completed no cycle')
   // V8 heaps grow for the first ~50 s of load: a 60-second run reports RSS growth but cannot judge
   // it (runs of 3 minutes or more do, and fail above 1.05).
@@ -64,8 +66,12 @@ it('a 60-second soak with aborts and disconnects keeps every invariant', async (
 
 it('kvfence soak refuses bad flags with a one-line message and exit 2 before starting anything', async () => {
   const cases: [string[], string][] = [
-    [['--tenants', '1'], 'kvfence: --tenants must be at least 2'],
-    [['--loops', '0'], 'kvfence: --loops must be at least 1'],
+    [['--tenants', '1'], 'kvfence: --tenants must be at least 2, got 1'],
+    [['--loops', '0'], 'kvfence: --loops must be at least 1, got 0'],
+    [
+      ['--sentinel-window-seconds', '0'],
+      "error: option '--sentinel-window-seconds <n>' argument '0' is invalid. expected an integer from 1 to 86400, got \"0\"",
+    ],
     [['--minutes', '1', '--seconds', '5'], 'kvfence: give --minutes or --seconds, not both'],
   ]
   for (const [args, message] of cases) {

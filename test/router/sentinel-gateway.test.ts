@@ -75,6 +75,7 @@ for (const mode of ['observe', 'block'] as const) {
         `kvfence_sentinel_suspected_total{action="${action}"} 0`,
         `kvfence_sentinel_confirmed_total{action="${action}"} 0`,
         'kvfence_sentinel_fingerprint_max_bytes 67108864',
+        'kvfence_sentinel_window_seconds 600',
       ])
         assert.ok(metrics.split('\n').includes(line), line)
     })

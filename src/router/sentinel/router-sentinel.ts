@@ -20,13 +20,17 @@ import {
 export function createRouterSentinel(
   settings: SentinelSettings,
   unit: SentinelUnit,
-  metrics: Pick<RouterMetrics, 'sentinelSuspected' | 'sentinelConfirmed' | 'sentinelMaxBytes'>,
+  metrics: Pick<
+    RouterMetrics,
+    'sentinelSuspected' | 'sentinelConfirmed' | 'sentinelMaxBytes' | 'sentinelWindowSeconds'
+  >,
   log: Logger,
 ): Sentinel {
   const action = settings.mode === 'block' ? 'blocked' : 'observed'
   metrics.sentinelSuspected.inc({ action }, 0)
   metrics.sentinelConfirmed.inc({ action }, 0)
   metrics.sentinelMaxBytes.set(settings.maxBytes)
+  metrics.sentinelWindowSeconds.set(settings.windowSeconds)
   return createSentinel({
     settings,
     unit,
