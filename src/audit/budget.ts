@@ -2,6 +2,7 @@
  *  `maxSeconds`. Every request the auditor sends goes through `Budget.spend`, which reserves the
  *  request before it is sent, so no limit is ever exceeded, even by one.
  *  Knows nothing of HTTP. */
+import { maxTimerSeconds } from '../timer-limit.js'
 import { setMaxListeners } from 'node:events'
 import type { BudgetLimits } from './types.js'
 
@@ -11,7 +12,7 @@ export const minAuditSeconds = 1
 /** The longest time budget (s): the budget's deadline is a Node.js timer, which holds at most
  *  2^31 − 1 ms; a longer one fires after 1 ms (Node's TimeoutOverflowWarning), and every probe
  *  then ended inconclusive at once: an audit of a leaking endpoint exited 0. */
-export const maxAuditSeconds = Math.floor((2 ** 31 - 1) / 1000)
+export const maxAuditSeconds = maxTimerSeconds
 
 /** Thrown instead of sending a request the budget does not allow: its requests or its time are
  *  spent, the audit was `stopped` (interrupted: SIGINT, SIGTERM), or the budget was `closed`

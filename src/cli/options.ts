@@ -4,10 +4,9 @@
  *  or exponent) and at most `Number.MAX_SAFE_INTEGER`: past it `Number()` rounds, so a value was
  *  taken as another one. */
 import { InvalidArgumentError } from 'commander'
+import { maxTimerMs, maxTimerSeconds } from '../timer-limit.js'
 
-/** Most milliseconds a Node.js timer waits (2^31 − 1): a longer delay fires after 1 ms instead,
- *  so a timeout flag above it ended things at once rather than never. */
-export const maxTimerMs = 2 ** 31 - 1
+export { maxTimerMs }
 
 /** A parser of an integer flag in [min, max]; its error says the range (`what` replaces the
  *  default wording, e.g. "a port from 0 to 65535"). */
@@ -42,7 +41,7 @@ export const positiveIntOption = intRangeOption(1)
 export const portOption = intRangeOption(0, 65535, 'a port from 0 to 65535')
 
 /** Parse a timeout in whole seconds, 0 to what a Node.js timer can wait (`maxTimerMs`). */
-export const secondsOption = intRangeOption(0, Math.floor(maxTimerMs / 1000))
+export const secondsOption = intRangeOption(0, maxTimerSeconds)
 
 /** Parse a timeout in milliseconds, 1 to what a Node.js timer can wait (`maxTimerMs`). */
 export const msOption = intRangeOption(1, maxTimerMs)

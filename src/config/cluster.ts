@@ -18,6 +18,7 @@
  *  Knows the file's shape and defaults; knows nothing of starting processes or serving. */
 import { dirname, isAbsolute, resolve } from 'node:path'
 import { z } from 'zod'
+import { maxTimerMs, maxTimerSeconds } from '../timer-limit.js'
 import { KvfenceError } from '../errors.js'
 import { queueLimitDefaults } from '../router/limits.js'
 import { sameTenantNames, sameTenantNamesFault, TenantRecord } from '../router/tenants.js'
@@ -40,11 +41,16 @@ export const RouterSection = z.strictObject({
   maxBodyBytes: positive.default(1024 * 1024),
   maxConcurrentRequests: positive.default(queueLimitDefaults.maxConcurrentRequests),
   maxQueuedRequests: z.number().int().min(0).default(queueLimitDefaults.maxQueuedRequests),
-  maxQueueWaitMs: z.number().int().min(0).default(queueLimitDefaults.maxQueueWaitMs),
+  maxQueueWaitMs: z
+    .number()
+    .int()
+    .min(0)
+    .max(maxTimerMs)
+    .default(queueLimitDefaults.maxQueueWaitMs),
   logContent: z.boolean().default(false),
   /** On SIGTERM, how long running requests may finish before they are ended, seconds (default
    *  `routerConfigDefaults.drainSeconds`, 30). */
-  drainSeconds: z.number().int().min(0).optional(),
+  drainSeconds: z.number().int().min(0).max(maxTimerSeconds).optional(),
   logLevel: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']).default('info'),
   /** A file holding the secret of gateway mode's cache salts (≥ 32 bytes; relative to this
    *  file), shared by replicas; default: a random secret per process. */
@@ -174,7 +180,7 @@ export const BackendSection = z.strictObject({
   model: z.string().min(1).optional(),
   /** A directory with the engine's tokenizer.json; default: the engine's /tokenize. */
   tokenizerDir: z.string().min(1).optional(),
-  discoveryIntervalMs: z.number().int().min(0).default(30_000),
+  discoveryIntervalMs: z.number().int().min(0).max(maxTimerMs).default(30_000),
   /** Name of an environment variable holding the engine's API key (never the key itself). */
   apiKeyEnv: z.string().min(1).optional(),
 })

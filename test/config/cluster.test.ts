@@ -84,6 +84,23 @@ describe('cluster config', () => {
         /bad\.yaml: Unrecognized key: "extra"/,
       ],
       [{ tenants }, /bad\.yaml: workers: give either workers .* or backend/],
+      // Past what a Node.js timer holds (2^31 − 1 ms) a wait fired after 1 ms: drained at once.
+      [
+        {
+          router: { drainSeconds: 2_147_484 },
+          workers: { prefill: [{ pages: 1 }], decode: [{ pages: 1 }] },
+          tenants,
+        },
+        /bad\.yaml: router\.drainSeconds: Too big: expected number to be <=2147483/,
+      ],
+      [
+        {
+          router: { maxQueueWaitMs: 2 ** 31 },
+          workers: { prefill: [{ pages: 1 }], decode: [{ pages: 1 }] },
+          tenants,
+        },
+        /bad\.yaml: router\.maxQueueWaitMs: Too big: expected number to be <=2147483647/,
+      ],
       ['router: [', /bad\.yaml is not valid YAML/],
     ]
     for (const [value, pattern] of cases) {

@@ -4,7 +4,7 @@
  *  left in use, no hang, no over-context prompt answered, and RSS sampled (judged under 5 % growth only in runs of 3 minutes or more). */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
-import { mkdtempSync, readFileSync } from 'node:fs'
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { it } from 'node:test'
@@ -13,8 +13,10 @@ import { registerSoak } from '../../src/cli/soak.js'
 import { cliPath } from '../helpers/paths.js'
 import type { SoakReport } from '../../src/soak/index.js'
 
-it('a 60-second soak with aborts and disconnects keeps every invariant', async () => {
-  const json = join(mkdtempSync(join(tmpdir(), 'kvfence-soak-test-')), 'soak.json')
+it('a 60-second soak with aborts and disconnects keeps every invariant', async (t) => {
+  const dir = mkdtempSync(join(tmpdir(), 'kvfence-soak-test-'))
+  t.after(() => rmSync(dir, { recursive: true, force: true }))
+  const json = join(dir, 'soak.json')
   const program = new Command().exitOverride()
   registerSoak(program)
   const exitCodeBefore = process.exitCode
