@@ -198,24 +198,27 @@ describe('the gateway says how /v1/models answered when it found no model there'
   const dir = mkdtempSync(join(tmpdir(), 'kvfence-cli-gateway-'))
   after(() => rmSync(dir, { recursive: true, force: true }))
 
-  const cases: [number, string, string][] = [
+  const cases: [number, string, string, string?][] = [
     [404, '{"detail":"Not Found"}', 'GET /v1/models answered HTTP 404: is backend.url the engine’s base URL (http://host:port, without /v1)?'],
     [401, '{"error":"unauthorized"}', 'GET /v1/models answered HTTP 401: the engine wants an API key: set backend.apiKeyEnv to the variable holding it (or check that key)'],
     [200, '{"object":"list","data":[]}', 'no model listed at /v1/models (its data list is empty or not a list)'],
+    // With backend.model set the list is not needed, but a refused key still is the cause (it said
+    // "cannot read its KV capacity").
+    [401, '{"error":"unauthorized"}', 'GET /v1/models answered HTTP 401: the engine wants an API key: set backend.apiKeyEnv to the variable holding it (or check that key)', 'm'],
   ] // prettier-ignore
-  for (const [status, body, reason] of cases) {
-    it(`an engine answering ${status} ${body}`, async () => {
+  for (const [status, body, reason, model] of cases) {
+    it(`an engine answering ${status} ${body}${model === undefined ? '' : ', backend.model set'}`, async () => {
       const engine = createHttpServer((_req, res) => {
         res.writeHead(status, { 'content-type': 'application/json' })
         res.end(body)
       })
       await new Promise<void>((resolve) => engine.listen(0, '127.0.0.1', resolve))
       const base = `http://127.0.0.1:${(engine.address() as { port: number }).port}`
-      const file = join(dir, `gateway-${status}.yaml`)
+      const file = join(dir, `gateway-${status}${model ?? ''}.yaml`)
       writeFileSync(
         file,
         stringify({
-          backend: { kind: 'vllm', url: base },
+          backend: { kind: 'vllm', url: base, ...(model === undefined ? {} : { model }) },
           tenants: [{ name: 'alice', keySha256: apiKeyDigest('k') }],
         }),
       )

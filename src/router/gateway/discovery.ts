@@ -23,8 +23,8 @@ export interface Discovery {
 }
 
 /** Reads the engine's model (`backendModel` when given, else the first of its `/v1/models`) and
- *  capacity. Throws `worker_unavailable` when it lists no model (saying how `/v1/models`
- *  answered) or reports no KV capacity. */
+ *  capacity. Throws `worker_unavailable` when it lists no model or refuses the key (401/403),
+ *  saying how `/v1/models` answered, or reports no KV capacity. */
 export async function discover(
   kind: BackendKind,
   http: EngineHttp,
@@ -39,7 +39,10 @@ export async function discover(
   const model =
     backendModel ?? (typeof entries[0]?.id === 'string' ? (entries[0].id as string) : null)
   const entry = entries.find((e) => e?.id === model)
-  if (model === null) {
+  // A refused key is the cause even when backend.model makes the list unneeded: the capacity
+  // read that follows is refused too, and "cannot read its KV capacity" hid why.
+  const isKeyRefused = !(models instanceof Error) && [401, 403].includes(models.status)
+  if (model === null || isKeyRefused) {
     throw new KvfenceError(
       'worker_unavailable',
       `${kind} backend ${http.base}: ${noModelReason(models)}`,
