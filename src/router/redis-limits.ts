@@ -25,8 +25,9 @@
  *  the shared counter to the floor this replica saw (the least counter of its backlogged tenants),
  *  so idling banks no credit on any replica, and two replicas lifting one tenant to one floor
  *  raise it once, not twice. A tenant's changes between syncs compose into one such pair.
- *  Each batch carries a number; Redis keeps the last one applied per router, so a batch whose
- *  reply was lost is sent again, unchanged, and applied once. While Redis cannot be reached the
+ *  Each batch carries a number; Redis keeps the last one applied per router (for
+ *  `batchMarkerMs`), so a batch whose reply was lost is sent again under its number and applied
+ *  once. The counters vanish `leaseMs` after the last replica's sync. While Redis cannot be reached the
  *  counters are this router's alone, under either policy (fairness is advisory; the limits are
  *  what fail closed); once it answers, the changes made meanwhile are sent, with the counters last
  *  fetched as floors, so a Redis that lost its data gets them back. The sync is also what notices
