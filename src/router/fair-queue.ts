@@ -22,9 +22,13 @@
  *  - One wait bound: a request waits at most `maxQueueWaitMs` in all, the queue and the pool waits
  *    together, from the moment it asks for a slot; then 503 with `Retry-After`. The request's
  *    abort signal is what names it across the two waits.
+ *  - Where the counters live: a {@link ServiceCounters} (limit-store.ts), this process's memory by
+ *    default; with `router.limits.store: redis`, shared by the router replicas (redis-limits.ts),
+ *    read here from a local view at most one sync period behind the other replicas' service.
  *  Knows tenant names, weights, token counts and time; knows nothing of HTTP, workers or keys. */
 import assert from 'node:assert/strict'
 import { KvfenceError } from '../errors.js'
+import { type ServiceCounters, createLocalServiceCounters } from './limit-store.js'
 import { LimitError, type QueueLimits, type RoomTurn, type Slot, type SlotClaim } from './limits.js'
 
 /** Weights of the service a request is counted for, per token: VTC's evaluation weighs a
@@ -64,9 +68,14 @@ interface RoomWaiter {
 /** The claim of a request whose caller named no tenant (one anonymous tenant, weight 1). */
 const anonymousClaim: SlotClaim = Object.freeze({ tenant: '', weight: 1, numPromptTokens: 0 })
 
-/** The queue of running slots and KV room (see the module's header). `nowMs` in ms. */
-export function createFairQueue(queue: QueueLimits, nowMs: () => number) {
-  const tenants = createTenantBacklogs()
+/** The queue of running slots and KV room (see the module's header). `nowMs` in ms; `counters`
+ *  the tenants' virtual token counters (default: in this process). */
+export function createFairQueue(
+  queue: QueueLimits,
+  nowMs: () => number,
+  counters: ServiceCounters = createLocalServiceCounters(),
+) {
+  const tenants = createTenantBacklogs(counters)
   const waits = new WeakMap<AbortSignal, RequestWait>()
   let numRunning = 0
   const room = createRoomQueue(queue, nowMs, waitOf, tenants)
@@ -193,17 +202,17 @@ function checkSlots(queue: QueueLimits, numRunning: number, numQueued: number): 
 }
 
 /** The tenant of `queues` (tenant → its waiting items, oldest first, never empty) with the least
- *  service (`service`: tenant → counter), or undefined when none. Ties (a tenant just lifted to
+ *  service (`counterOf`: tenant → counter), or undefined when none. Ties (a tenant just lifted to
  *  another's counter) go to the tenant with fewer requests running (`runningOf`), then to the
  *  earlier arrival at the head. */
 function leastServedOf(
   queues: ReadonlyMap<string, readonly { seq: number }[]>,
-  service: ReadonlyMap<string, number>,
+  counterOf: (tenant: string) => number,
   runningOf: ReadonlyMap<string, number>,
 ): string | undefined {
   let best: { tenant: string; counter: number; numRunning: number; seq: number } | undefined
   for (const [tenant, items] of queues) {
-    const counter = service.get(tenant) ?? 0
+    const counter = counterOf(tenant)
     const numRunningOfTenant = runningOf.get(tenant) ?? 0
     const { seq } = items[0]
     const isBetter =
@@ -217,16 +226,16 @@ function leastServedOf(
   return best?.tenant
 }
 
-/** The tenants' queues and virtual token counters (see the module's header). */
-function createTenantBacklogs() {
+/** The tenants' queues, and their virtual token counters kept in `service` (see the module's
+ *  header). */
+function createTenantBacklogs(service: ServiceCounters) {
   const backlogs = new Map<string, QueuedRequest[]>() // tenant → its queued requests, oldest first; never empty
-  const service = new Map<string, number>() // tenant → virtual token counter (weighted tokens)
   const runningOf = new Map<string, number>() // tenant → its requests holding a slot (> 0)
   let lastLeftService = 0 // counter of the last tenant whose backlog emptied (VTC's lift with none backlogged)
   let numQueued = 0
 
   function charge(tenant: string, weight: number, numWeightedTokens: number): void {
-    service.set(tenant, (service.get(tenant) ?? 0) + numWeightedTokens / weight)
+    service.add(tenant, numWeightedTokens / weight)
   }
 
   /** Counts a slot of `tenant` as running (ties in {@link takeNext} favour fewer). */
@@ -241,7 +250,7 @@ function createTenantBacklogs() {
   }
 
   function leastServed(queues: ReadonlyMap<string, readonly { seq: number }[]>) {
-    return leastServedOf(queues, service, runningOf)
+    return leastServedOf(queues, service.counterOf, runningOf)
   }
 
   /** Removes and returns the first request of the backlogged tenant with the least service
@@ -259,14 +268,14 @@ function createTenantBacklogs() {
    *  a backlog, so that idling banks no credit. */
   function lift(tenant: string, others: Iterable<string>): void {
     let floor = Infinity
-    for (const other of others) floor = Math.min(floor, service.get(other) ?? 0)
+    for (const other of others) floor = Math.min(floor, service.counterOf(other))
     if (floor === Infinity) floor = lastLeftService
-    service.set(tenant, Math.max(service.get(tenant) ?? 0, floor))
+    service.raiseTo(tenant, floor)
   }
 
   /** Notes that `tenant` left a backlog (the floor of the next lift with none backlogged). */
   function noteLeft(tenant: string): void {
-    lastLeftService = service.get(tenant) ?? 0
+    lastLeftService = service.counterOf(tenant)
   }
 
   /** Takes `request` out of `tenant`'s backlog (no-op if it is not there). */
@@ -325,7 +334,7 @@ function createTenantBacklogs() {
     numQueued: () => numQueued,
     numQueuedByTenant: (): Map<string, number> =>
       new Map([...backlogs].map(([tenant, requests]) => [tenant, requests.length])),
-    serviceOf: (tenant: string): number => service.get(tenant) ?? 0,
+    serviceOf: service.counterOf,
     /** Asserts the backlogs' invariants; `numRunning` is the slots running. */
     check(numRunning: number): void {
       checkBacklogs(backlogs, runningOf, numQueued, numRunning)

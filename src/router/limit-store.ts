@@ -1,7 +1,9 @@
-/** Where a tenant's limits are counted: its requests in flight (concurrency units) and its token
- *  bucket (tokens per minute). One interface, two stores: this process's memory (the default, a
- *  single router) and Redis (redis-limits.ts: several router replicas share each tenant's limits).
- *  The limiter (limits.ts) decides what a refusal says; a store only counts.
+/** Where a tenant's limits are counted: its requests in flight (concurrency units), its token
+ *  bucket (tokens per minute) and its virtual token counter (the fair queue's VTC, fair-queue.ts).
+ *  One interface, two stores: this process's memory (the default, a single router) and Redis
+ *  (redis-limits.ts: several router replicas share each tenant's limits and counters).
+ *  The limiter (limits.ts) decides what a refusal says and the fair queue whom to serve; a store
+ *  only counts.
  *  Knows tenant names, counts and time; knows nothing of HTTP, errors shown to clients or keys. */
 import assert from 'node:assert/strict'
 
@@ -30,10 +32,52 @@ export interface LimitStore {
   charge(tenant: string, tokensPerMinute: number, numTokens: number): MaybePromise<TokenCharge>
   /** Gives `numTokens` back to the tenant's bucket (never past full); best effort. */
   refund(tenant: string, tokensPerMinute: number, numTokens: number): void
+  /** The tenants' virtual token counters the fair queue orders its backlogs by. */
+  readonly service: ServiceCounters
   /** Asserts the store's invariants (tests call it after every operation). */
   check(): void
   /** Stops timers and connections. */
   close(): void
+}
+
+/** The fair queue's virtual token counters (VTC, fair-queue.ts), one per tenant, in weighted
+ *  tokens ÷ the tenant's weight; a tenant never served counts 0. A counter never falls: it grows
+ *  by {@link ServiceCounters.add} (service given) and {@link ServiceCounters.raiseTo} (VTC's lift).
+ *  Every call answers at once (the fair queue decides on the hot path); a store shared across the
+ *  network answers from its local view (redis-limits.ts). */
+export interface ServiceCounters {
+  /** The tenant's counter as this router sees it now. */
+  counterOf(tenant: string): number
+  /** Adds `amount` (≥ 0, finite) to the tenant's counter. */
+  add(tenant: string, amount: number): void
+  /** Raises the tenant's counter to `floor` when it is below (VTC's lift). */
+  raiseTo(tenant: string, floor: number): void
+  /** Asserts the counters' invariants. */
+  check(): void
+}
+
+/** Service counters in this process's memory. */
+export function createLocalServiceCounters(): ServiceCounters {
+  const counters = new Map<string, number>() // tenant → counter (weighted tokens ÷ weight)
+  return {
+    counterOf: (tenant) => counters.get(tenant) ?? 0,
+    add(tenant, amount) {
+      counters.set(tenant, (counters.get(tenant) ?? 0) + amount)
+    },
+    raiseTo(tenant, floor) {
+      if (floor > (counters.get(tenant) ?? 0)) counters.set(tenant, floor)
+    },
+    check() {
+      checkCounters(counters)
+    },
+  }
+}
+
+/** Asserts that every counter of `counters` (tenant → counter) is finite and ≥ 0. */
+export function checkCounters(counters: ReadonlyMap<string, number>): void {
+  for (const [tenant, n] of counters) {
+    assert.ok(Number.isFinite(n) && n >= 0, `tenant ${tenant}'s service counter is ${n}`)
+  }
 }
 
 interface Bucket {
@@ -45,6 +89,7 @@ interface Bucket {
 export function createLocalLimitStore(nowMs: () => number = () => performance.now()): LimitStore {
   const running = new Map<string, number>() // tenant → concurrency units held
   const buckets = new Map<string, Bucket>() // tenant → token bucket (tokensPerMinute)
+  const service = createLocalServiceCounters()
 
   /** The tenant's bucket, refilled for the time since it was last touched. */
   function refill(tenant: string, tokensPerMinute: number): Bucket {
@@ -88,8 +133,10 @@ export function createLocalLimitStore(nowMs: () => number = () => performance.no
       const bucket = refill(tenant, tokensPerMinute)
       bucket.tokens = Math.min(tokensPerMinute, bucket.tokens + numTokens)
     },
+    service,
     check() {
       for (const [tenant, n] of running) assert.ok(n > 0, `tenant ${tenant} counts ${n} requests`)
+      service.check()
     },
     close() {},
   }

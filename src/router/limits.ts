@@ -144,8 +144,8 @@ export interface LocalLimiter extends Limiter {
   holdTenantRoom(tenant: string, limits: TenantLimits): RoomHold
 }
 
-/** A {@link Limiter} counting tenants' limits in `store` (default: this process's memory, see
- *  limit-store.ts). `nowMs` is injectable for tests (default `performance.now`). */
+/** A {@link Limiter} counting tenants' limits and the fair queue's service counters in `store`
+ *  (default: this process's memory, see limit-store.ts). `nowMs` is injectable for tests (default `performance.now`). */
 export function createLimiter(queue?: QueueLimits, nowMs?: () => number): LocalLimiter
 export function createLimiter(queue: QueueLimits, nowMs: () => number, store: LimitStore): Limiter
 export function createLimiter(
@@ -154,7 +154,7 @@ export function createLimiter(
   store: LimitStore = createLocalLimitStore(nowMs),
 ): Limiter {
   const tenants = createTenantLimiter(store)
-  const slots = createFairQueue(queue, nowMs)
+  const slots = createFairQueue(queue, nowMs, store.service)
   return {
     admitTenant: tenants.admitTenant,
     holdTenantRoom: tenants.holdTenantRoom,

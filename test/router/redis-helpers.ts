@@ -1,11 +1,13 @@
 /** A real `redis-server` for the tests and the bench: on a free loopback port, in a temporary
  *  directory, persisting nothing (`--save '' --appendonly no`); stopped and started again on the
- *  same port to play an outage. Not a test file itself. */
+ *  same port to play an outage. And what the tests of router replicas share: a stand-in vLLM whose
+ *  streams hold a request for 3 s, and a chat request to a replica. Not a test file itself. */
 import { type ChildProcess, spawn } from 'node:child_process'
 import { existsSync, mkdtempSync } from 'node:fs'
 import net from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
+import { type Engine, startEngine } from '../helpers/engines.js'
 import { freePort } from '../reliability/helpers.js'
 
 /** Debian's redis-server. */
@@ -81,5 +83,36 @@ function accepts(port: number): Promise<boolean> {
       resolve(true)
     })
     socket.once('error', () => resolve(false))
+  })
+}
+
+/** A stand-in vLLM for router replicas: a streamed reply is 30 tokens 100 ms apart (it holds its
+ *  request for 3 s), a reply not streamed comes at once (30 tokens too). */
+export function startHoldingEngine(): Promise<Engine> {
+  return startEngine('vllm', {
+    poolTokens: 8192,
+    maxModelLen: 2048,
+    tokenDelayMs: 100,
+    numTokens: 30,
+  })
+}
+
+/** A chat completion of tenant `key` through the router at `url`; resolves with the response
+ *  (its body unread when streamed). */
+export function replicaChat(
+  url: string,
+  key: string,
+  stream: boolean,
+  maxTokens = 30,
+): Promise<Response> {
+  return fetch(`${url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${key}`, 'content-type': 'application/json' },
+    body: JSON.stringify({
+      model: 'tiny-engine',
+      messages: [{ role: 'user', content: 'one two three four five six seven eight nine ten' }],
+      max_tokens: maxTokens,
+      stream,
+    }),
   })
 }

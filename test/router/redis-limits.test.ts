@@ -11,10 +11,16 @@ import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { newApiKey } from '../../src/router/tenant-keys.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
-import { type Engine, startEngine } from '../helpers/engines.js'
+import type { Engine } from '../helpers/engines.js'
 import { waitUntil } from '../helpers/poll.js'
 import { freePort, kill9, startPart, stopAll } from '../reliability/helpers.js'
-import { type RedisServer, redisSkipReason, startRedis } from './redis-helpers.js'
+import {
+  type RedisServer,
+  redisSkipReason,
+  replicaChat,
+  startHoldingEngine,
+  startRedis,
+} from './redis-helpers.js'
 
 const skip = redisSkipReason()
 if (skip !== null) console.log(`# skipping the Redis limit tests: ${skip}`)
@@ -30,13 +36,7 @@ const children: ChildProcess[] = []
 
 before(async () => {
   if (skip !== null) return
-  // Streams of 30 tokens 100 ms apart hold a request for 3 s.
-  engine = await startEngine('vllm', {
-    poolTokens: 8192,
-    maxModelLen: 2048,
-    tokenDelayMs: 100,
-    numTokens: 30,
-  })
+  engine = await startHoldingEngine() // its streams hold a request for 3 s
   redis = await startRedis()
 })
 after(async () => {
@@ -87,19 +87,7 @@ async function startReplicas(
   return urls
 }
 
-/** A chat completion through `url`; resolves with the response (its body unread when streamed). */
-function chat(url: string, key: string, stream: boolean, maxTokens = 30): Promise<Response> {
-  return fetch(`${url}/v1/chat/completions`, {
-    method: 'POST',
-    headers: { authorization: `Bearer ${key}`, 'content-type': 'application/json' },
-    body: JSON.stringify({
-      model: 'tiny-engine',
-      messages: [{ role: 'user', content: 'one two three four five six seven eight nine ten' }],
-      max_tokens: maxTokens,
-      stream,
-    }),
-  })
-}
+const chat = replicaChat
 
 /** Opens a streamed request that holds its concurrency unit until its stream ends (3 s). */
 async function holdOne(url: string, key: string): Promise<Response> {
