@@ -33,8 +33,22 @@
  *  The stand-ins and the router run in one child process (the stand-ins of test/router/helpers.ts,
  *  the real `startRouter`); the clients run here, over keep-alive `node:http`.
  *
+ *
+ *  `--part floor` measures instead what the control plane between router and workers costs,
+ *  without the router's own work: in one child, in front of the same stand-ins, three relays of
+ *  the same streamed request — the real router, a bare relay over the control plane as the
+ *  router speaks it (`/internal/generate` NDJSON and `/internal/prefill` over keep-alive HTTP:
+ *  no authentication, admission, tokenizer, checks or metrics), and a bare relay over a
+ *  prototype channel (one persistent connection per worker, all requests multiplexed on it as
+ *  length-prefixed frames, a token a 13-byte binary frame, one socket write per event-loop turn
+ *  per connection; stand-ins of the same work behind it) — and the direct path. Each figure is
+ *  the child's CPU per request (`floor_child_cpu_ms_per_request_*`) and each relay's rate ÷
+ *  direct's (`floor_*_to_direct_throughput_ratio`), medians over repeats of 64-client runs, the
+ *  paths in turn. The channel is a measurement prototype, not a protocol of kvfence.
+ *
  *  Args: `--repeats N` (default 5), `--requests N` per repeat and path (default 400),
- *  `--seconds S` of each throughput run (default 3), `--clients N` (default 64). */
+ *  `--seconds S` of each throughput run (default 3), `--clients N` (default 64),
+ *  `--part floor`. */
 import { fork, type ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
@@ -51,7 +65,17 @@ import { createRedisLimitStore } from '../src/router/redis-limits.js'
 import { startRouter } from '../src/router/start.js'
 import { apiKeyDigest } from '../src/router/tenants.js'
 import { initCerts } from '../src/cli/certs.js'
-import { bosId, charIds, keys, startHarness } from '../test/router/helpers.js'
+import { GenerateRequest, PrefillRequest } from '../src/engine/control.js'
+import { sseTemplate, textCompletion } from '../src/router/responses.js'
+import {
+  bosId,
+  charIds,
+  defaultReplyText,
+  eosId,
+  type Harness,
+  keys,
+  startHarness,
+} from '../test/router/helpers.js'
 import { redisSkipReason, startRedis } from '../test/router/redis-helpers.js'
 
 /** What the child reports once listening. */
@@ -75,6 +99,13 @@ export async function benchRouter(args: string[]): Promise<object> {
   const numRequests = intFlag(args, '--requests', 400)
   const seconds = intFlag(args, '--seconds', 3)
   const numClients = intFlag(args, '--clients', 64)
+  const partAt = args.indexOf('--part')
+  if (partAt !== -1) {
+    if (args[partAt + 1] !== 'floor') {
+      throw new Error(`--part takes floor, got ${String(args[partAt + 1])}`)
+    }
+    return benchFloor(repeats, seconds, numClients)
+  }
 
   const certs = mkdtempSync(join(tmpdir(), 'kvfence-bench-router-'))
   await initCerts(certs)
@@ -375,19 +406,34 @@ function childCounts(child: ChildProcess): Promise<{ numWrites: number; cpuMs: n
 // ---------------------------------------------------------------------------------------------
 // The child: stand-ins and a router
 
-async function serve(certs: string): Promise<void> {
-  const routerOptions = {
-    queue: { maxConcurrentRequests: 256, maxQueuedRequests: 1024 },
-    logContent: false,
-  }
+/** The router options of the child's routers. */
+const benchRouterOptions = {
+  queue: { maxConcurrentRequests: 256, maxQueuedRequests: 1024 },
+  logContent: false,
+}
+
+/** The fast stand-ins (no delays, a pool that never fills) and a router in front of them,
+ *  logging at `warn`; the stand-ins' records of requests are emptied every second. */
+async function startBenchHarness(): Promise<Harness> {
   const h = await startHarness(
     { tokenDelayMs: 0, prefillDelayMs: 0, numPages: 4096 },
-    routerOptions,
+    benchRouterOptions,
   )
   h.logs.log.level = 'warn' // a line per request would be the router's largest cost here
+  // The stand-ins record every request for tests; a benchmark only needs them to answer.
+  setInterval(() => {
+    h.workers.generateRequests.length = 0
+    h.workers.prefillRequests.length = 0
+    h.workers.events.length = 0
+  }, 1000).unref()
+  return h
+}
+
+async function serve(certs: string): Promise<void> {
+  const h = await startBenchHarness()
   // The same router over HTTPS, in front of the same stand-ins.
   const httpsRouter = await startRouter({
-    ...routerOptions,
+    ...benchRouterOptions,
     modelDir: h.tokenizerDir,
     prefillUrls: [h.workers.prefillUrl],
     decodeUrls: [h.workers.decodeUrl],
@@ -397,12 +443,6 @@ async function serve(certs: string): Promise<void> {
     workerWaitMs: 0,
     https: { cert: join(certs, 'router.crt'), key: join(certs, 'router.key') },
   })
-  // The stand-ins record every request for tests; a benchmark only needs them to answer.
-  setInterval(() => {
-    h.workers.generateRequests.length = 0
-    h.workers.prefillRequests.length = 0
-    h.workers.events.length = 0
-  }, 1000).unref()
   // Count the router's socket writes to its clients (server-side sockets on the router's port).
   let numWrites = 0
   const socketProto = net.Socket.prototype as unknown as Record<
@@ -416,11 +456,7 @@ async function serve(certs: string): Promise<void> {
       return original.apply(this, args)
     }
   }
-  process.on('message', (m: { type?: string }) => {
-    if (m.type !== 'writes') return
-    const cpu = process.cpuUsage() // the whole process: its tokenizer threads too
-    process.send?.({ type: 'writes', numWrites, cpuMs: (cpu.user + cpu.system) / 1000 })
-  })
+  answerCounts(() => numWrites)
   const endpoints: Endpoints = {
     routerUrl: h.router.url,
     httpsRouterUrl: httpsRouter.url,
@@ -435,6 +471,323 @@ async function serve(certs: string): Promise<void> {
       .then(() => h.close())
       .finally(() => process.exit(0))
   })
+}
+
+/** Answers the parent's {@link childCounts}: `numWrites()` and the process's CPU so far. */
+function answerCounts(numWrites: () => number): void {
+  process.on('message', (m: { type?: string }) => {
+    if (m.type !== 'writes') return
+    const cpu = process.cpuUsage() // the whole process: its tokenizer threads too
+    process.send?.({
+      type: 'writes',
+      numWrites: numWrites(),
+      cpuMs: (cpu.user + cpu.system) / 1000,
+    })
+  })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The floor (`--part floor`): bare relays over HTTP and over a multiplexed channel
+
+/** What the floor's child reports once listening. */
+interface FloorEndpoints extends Endpoints {
+  httpRelayUrl: string
+  channelRelayUrl: string
+}
+
+/** The floor's paths, in the order each repeat runs them. */
+const floorPaths = ['router', 'http_relay', 'channel_relay', 'direct'] as const
+
+async function benchFloor(repeats: number, seconds: number, numClients: number): Promise<object> {
+  const child = fork(fileURLToPath(import.meta.url), ['--serve-floor'], {
+    stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
+  })
+  try {
+    const e = await new Promise<FloorEndpoints>((resolve, reject) => {
+      child.once('message', (m) => resolve(m as FloorEndpoints))
+      child.once('exit', (code) => reject(new Error(`stand-in process exited with ${code}`)))
+    })
+    const agent = new http.Agent({ keepAlive: true, maxSockets: Infinity, timeout: idleSocketMs })
+    const requests = {
+      router: () => routerRequest(agent, e, true),
+      http_relay: () => routerRequest(agent, { ...e, routerUrl: e.httpRelayUrl }, true),
+      channel_relay: () => routerRequest(agent, { ...e, routerUrl: e.channelRelayUrl }, true),
+      direct: () => directRequest(agent, e),
+    }
+    for (let i = 0; i < 200; i++) await Promise.all(floorPaths.map((path) => requests[path]()))
+    const runs = floorPaths.map(() => [] as { rate: number; cpuMs: number }[])
+    for (let r = 0; r < repeats; r++) {
+      for (const [i, path] of floorPaths.entries()) {
+        const before = await childCounts(child)
+        const run = await closedLoopRate(requests[path], numClients, seconds)
+        const after = await childCounts(child)
+        runs[i].push({ rate: run.rate, cpuMs: (after.cpuMs - before.cpuMs) / run.numDone })
+      }
+    }
+    agent.destroy()
+    const med = (values: number[]) => round(quantile(values, 0.5), 3)
+    const direct = runs[floorPaths.indexOf('direct')]
+    const figures: Record<string, number | string> = {}
+    for (const [i, path] of floorPaths.entries()) {
+      figures[`floor_child_cpu_ms_per_request_${path}`] = med(runs[i].map((x) => x.cpuMs))
+      figures[`floor_requests_per_s_${path}`] = med(runs[i].map((x) => x.rate))
+      if (path !== 'direct') {
+        figures[`floor_${path}_to_direct_throughput_ratio`] = med(
+          runs[i].map((x, r) => x.rate / direct[r].rate),
+        )
+      }
+    }
+    return {
+      ...figures,
+      clients: numClients,
+      repeats,
+      throughput_seconds: seconds,
+      note: 'bare relays (no router checks) and the router in one child; channel_relay is a prototype',
+    }
+  } finally {
+    await stop(child)
+  }
+}
+
+/** The floor's child: the stand-ins and a router (as `serve`), a bare relay over their HTTP
+ *  control plane, and a bare relay over channel stand-ins. */
+async function serveFloor(): Promise<void> {
+  const h = await startBenchHarness()
+  const target = { transferPort: h.workers.transferPort }
+  const httpRelay = http.createServer(bareRelay(httpControlPlane(h.workers), target))
+  const channels = await startChannelStandIns()
+  const channelRelay = http.createServer(bareRelay(channelControlPlane(channels), target))
+  const [httpPort, channelPort] = await Promise.all(
+    [httpRelay, channelRelay].map((server) => listenLocal(server)),
+  )
+  answerCounts(() => 0)
+  const endpoints: FloorEndpoints = {
+    routerUrl: h.router.url,
+    httpsRouterUrl: '',
+    prefillUrl: h.workers.prefillUrl,
+    decodeUrl: h.workers.decodeUrl,
+    transferPort: h.workers.transferPort,
+    httpRelayUrl: `http://127.0.0.1:${httpPort}`,
+    channelRelayUrl: `http://127.0.0.1:${channelPort}`,
+  }
+  process.send?.(endpoints)
+  process.on('disconnect', () => {
+    channels.close()
+    void h.close().finally(() => process.exit(0))
+  })
+}
+
+/** One generation on a control plane, as a bare relay drives it: `onEvent` hears D's events
+ *  (`reserved`, `token`, `done`); `prefill` asks P. */
+interface BareControlPlane {
+  generate(request: GenerateRequest, onEvent: (event: BareEvent) => void): void
+  prefill(request: PrefillRequest): void
+}
+
+type BareEvent = { type: 'reserved' } | { type: 'token'; tokenId: number } | { type: 'done' }
+
+/** A relay with none of the router's work: the body parsed, the prompt's ids by the stand-ins'
+ *  char-level vocabulary, the two control-plane steps, and an SSE chunk per token. */
+function bareRelay(
+  plane: BareControlPlane,
+  target: { transferPort: number },
+): http.RequestListener {
+  const chunk = sseTemplate((text) => textCompletion(floorHeader, text, null, undefined))
+  return (req, res) => {
+    void readAll(req).then((text) => {
+      const body = JSON.parse(text) as { prompt: string; max_tokens: number }
+      const request: GenerateRequest = {
+        requestId: randomBytes(16).toString('hex'),
+        tenant: 'alpha',
+        promptTokenIds: [bosId, ...charIds(body.prompt)],
+        maxTokens: body.max_tokens,
+        sampling: { temperature: 0, topP: 1, seed: null },
+        stopTokenIds: [],
+        transferSecret: randomBytes(32).toString('hex'),
+      }
+      let isStarted = false
+      plane.generate(request, (event) => {
+        if (event.type === 'reserved') {
+          const { maxTokens: _, stopTokenIds: __, ...rest } = request
+          plane.prefill({ ...rest, decode: { host: '127.0.0.1', port: target.transferPort } })
+        } else if (event.type === 'token') {
+          if (!isStarted) res.writeHead(200, { 'content-type': 'text/event-stream; charset=utf-8' })
+          isStarted = true
+          res.write(chunk(String.fromCharCode(event.tokenId)))
+        } else res.end('data: [DONE]\n\n')
+      })
+    })
+  }
+}
+
+const floorHeader = { id: 'cmpl-floor', created: 0, model: 'echo-test' }
+
+/** The control plane as the router speaks it: HTTP/1.1 + JSON over one keep-alive agent. */
+function httpControlPlane(workers: { decodeUrl: string; prefillUrl: string }): BareControlPlane {
+  const agent = new http.Agent({ keepAlive: true })
+  return {
+    generate(request, onEvent) {
+      void post(agent, `${workers.decodeUrl}/internal/generate`, JSON.stringify(request)).then(
+        (res) => {
+          let pending = ''
+          res.setEncoding('utf8')
+          res.on('data', (text: string) => {
+            pending += text
+            let newline: number
+            while ((newline = pending.indexOf('\n')) !== -1) {
+              onEvent(JSON.parse(pending.slice(0, newline)) as BareEvent)
+              pending = pending.slice(newline + 1)
+            }
+          })
+        },
+      )
+    },
+    prefill(request) {
+      void post(agent, `${workers.prefillUrl}/internal/prefill`, JSON.stringify(request)).then(
+        readAll,
+      )
+    },
+  }
+}
+
+/** Frame kinds of the channel prototype. A frame: u32 LE length of what follows | u8 kind |
+ *  u32 LE stream | payload (a token: its id, u32 LE; anything else: JSON). */
+const frameKinds = { generate: 1, prefill: 2, reserved: 3, token: 4, done: 5, result: 6 } as const
+const frameHeaderBytes = 9
+
+function encodeFrame(kind: number, stream: number, payload: object | number): Buffer {
+  const json = typeof payload === 'number' ? null : Buffer.from(JSON.stringify(payload))
+  const frame = Buffer.allocUnsafe(frameHeaderBytes + (json === null ? 4 : json.length))
+  frame.writeUInt32LE(frame.length - 4, 0)
+  frame[4] = kind
+  frame.writeUInt32LE(stream, 5)
+  if (json === null) frame.writeUInt32LE(payload as number, frameHeaderBytes)
+  else json.copy(frame, frameHeaderBytes)
+  return frame
+}
+
+/** Calls `onFrame` for each whole frame read from `socket` (frames may split across reads). */
+function readFrames(
+  socket: net.Socket,
+  onFrame: (kind: number, stream: number, payload: Buffer) => void,
+): void {
+  let buffered: Buffer | null = null
+  socket.on('data', (data: Buffer) => {
+    const bytes: Buffer = buffered === null ? data : Buffer.concat([buffered, data])
+    let at = 0
+    while (bytes.length - at >= 4) {
+      const length = bytes.readUInt32LE(at)
+      if (bytes.length - at - 4 < length) break
+      onFrame(
+        bytes[at + 4],
+        bytes.readUInt32LE(at + 5),
+        bytes.subarray(at + frameHeaderBytes, at + 4 + length),
+      )
+      at += 4 + length
+    }
+    buffered = at === bytes.length ? null : bytes.subarray(at)
+  })
+}
+
+/** Writes frames to `socket`, all those of one event-loop turn in one socket write. */
+function frameWriter(socket: net.Socket): (frame: Buffer) => void {
+  let pending: Buffer[] = []
+  const flush = () => {
+    const frames = pending
+    pending = []
+    socket.write(frames.length === 1 ? frames[0] : Buffer.concat(frames))
+  }
+  return (frame) => {
+    if (pending.length === 0) setImmediate(flush)
+    pending.push(frame)
+  }
+}
+
+/** Stand-ins doing the HTTP ones' work (a parsed request, the same reply, one token per turn)
+ *  behind the channel; the relay's two connections to them. */
+async function startChannelStandIns(): Promise<{
+  decode: net.Socket
+  prefill: net.Socket
+  close(): void
+}> {
+  const reply = [...charIds(defaultReplyText), eosId]
+  const prefilled = new Map<string, () => void>()
+  const decode = net.createServer((socket) => {
+    const write = frameWriter(socket)
+    readFrames(socket, (kind, stream, payload) => {
+      const request = GenerateRequest.parse(JSON.parse(payload.toString()))
+      write(encodeFrame(frameKinds.reserved, stream, { type: 'reserved' }))
+      void new Promise<void>((resolve) => prefilled.set(request.requestId, resolve)).then(
+        async () => {
+          let numTokens = 0
+          for (const tokenId of reply.slice(0, request.maxTokens)) {
+            write(encodeFrame(frameKinds.token, stream, tokenId))
+            numTokens++
+            await new Promise((resolve) => setImmediate(resolve))
+          }
+          write(encodeFrame(frameKinds.done, stream, { type: 'done', completionTokens: numTokens }))
+        },
+      )
+    })
+  })
+  const prefill = net.createServer((socket) => {
+    const write = frameWriter(socket)
+    readFrames(socket, (kind, stream, payload) => {
+      const request = PrefillRequest.parse(JSON.parse(payload.toString()))
+      prefilled.get(request.requestId)?.()
+      prefilled.delete(request.requestId)
+      write(encodeFrame(frameKinds.result, stream, { requestId: request.requestId }))
+    })
+  })
+  const [decodePort, prefillPort] = await Promise.all([decode, prefill].map(listenLocal))
+  const connect = (port: number) => net.connect(port, '127.0.0.1').setNoDelay(true)
+  const sockets = { decode: connect(decodePort), prefill: connect(prefillPort) }
+  return {
+    ...sockets,
+    close() {
+      for (const socket of Object.values(sockets)) socket.destroy()
+      for (const server of [decode, prefill]) server.close()
+    },
+  }
+}
+
+/** The control plane over the channel: one connection per worker, requests told apart by
+ *  stream number. */
+function channelControlPlane(channels: {
+  decode: net.Socket
+  prefill: net.Socket
+}): BareControlPlane {
+  const streams = new Map<number, (event: BareEvent) => void>()
+  let nextStream = 1
+  const toDecode = frameWriter(channels.decode)
+  const toPrefill = frameWriter(channels.prefill)
+  readFrames(channels.decode, (kind, stream, payload) => {
+    const onEvent = streams.get(stream)
+    if (onEvent === undefined) return
+    if (kind === frameKinds.token)
+      return onEvent({ type: 'token', tokenId: payload.readUInt32LE(0) })
+    // Parsed as the HTTP relay parses its lines (JSON), though only the kind is used here.
+    const event = JSON.parse(payload.toString()) as BareEvent
+    if (event.type === 'done') streams.delete(stream)
+    onEvent(event)
+  })
+  readFrames(channels.prefill, () => {}) // the result: read and dropped, as the HTTP relay does
+  return {
+    generate(request, onEvent) {
+      const stream = nextStream++
+      streams.set(stream, onEvent)
+      toDecode(encodeFrame(frameKinds.generate, stream, request))
+    },
+    prefill(request) {
+      toPrefill(encodeFrame(frameKinds.prefill, nextStream++, request))
+    },
+  }
+}
+
+function listenLocal(server: net.Server): Promise<number> {
+  return new Promise((resolve) =>
+    server.listen(0, '127.0.0.1', () => resolve((server.address() as net.AddressInfo).port)),
+  )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -506,6 +859,13 @@ async function stop(child: ChildProcess): Promise<void> {
   const timer = setTimeout(() => child.kill('SIGKILL'), 5_000)
   await exited
   clearTimeout(timer)
+}
+
+if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve-floor') {
+  serveFloor().catch((err: unknown) => {
+    process.stderr.write(`bench router: ${err instanceof Error ? err.message : String(err)}\n`)
+    process.exit(2)
+  })
 }
 
 if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve') {
