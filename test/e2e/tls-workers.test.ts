@@ -7,6 +7,8 @@ import assert from 'node:assert/strict'
 import { type ChildProcess, execFile } from 'node:child_process'
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
 import https from 'node:https'
+import net from 'node:net'
+import tls from 'node:tls'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
@@ -39,6 +41,7 @@ describe('workers over mutual TLS', () => {
   const started: ChildProcess[] = []
   let prefillUrl = ''
   let decodeUrl = ''
+  let decodeTransferPort = 0
 
   before(async () => {
     await promisify(execFile)(process.execPath, [cliEntry, 'certs', 'init', certs])
@@ -55,6 +58,8 @@ describe('workers over mutual TLS', () => {
         },
         started,
       )
+      if (role === 'decode')
+        decodeTransferPort = (ready as typeof ready & { transferPort: number }).transferPort
       return `https://127.0.0.1:${ready.port}`
     }
     ;[prefillUrl, decodeUrl] = await Promise.all([start('prefill'), start('decode')])
@@ -110,6 +115,46 @@ describe('workers over mutual TLS', () => {
       () => 'refused',
     )
     assert.equal(plain, 'refused')
+  })
+
+  it('the decode worker logs each connection its transfer port refuses in the handshake', async () => {
+    const ca = readFileSync(join(certs, 'ca.crt'))
+    // A TLS client that trusts the CA but shows no certificate: D refuses it in the handshake.
+    await new Promise<void>((resolve) => {
+      const socket = tls.connect({ host: '127.0.0.1', port: decodeTransferPort, ca })
+      socket.on('error', () => {})
+      socket.on('close', () => resolve())
+    })
+    // A plaintext peer writing bytes that are no TLS record.
+    await new Promise<void>((resolve) => {
+      const socket = net.connect(decodeTransferPort, '127.0.0.1', () =>
+        socket.write(Buffer.alloc(64, 1)),
+      )
+      socket.on('error', () => {})
+      socket.on('close', () => resolve())
+    })
+    const refused = () =>
+      readFileSync(join(dir, 'decode.log'), 'utf8')
+        .split('\n')
+        .filter((line) => line.includes('"msg":"transfer connection from 127.0.0.1:'))
+        .map((line) =>
+          (JSON.parse(line) as { msg: string }).msg.replace(/:\d+ refused/, ': refused'),
+        )
+    let lines = refused()
+    // The log line is written when the handshake fails, which may come after the client saw it close.
+    for (let i = 0; i < 100 && lines.length < 2; i++) {
+      await new Promise((r) => setTimeout(r, 50))
+      lines = refused()
+    }
+    assert.equal(lines.length, 2, `decode log: ${lines.join(' | ')}`)
+    assert.match(
+      lines[0],
+      /^transfer connection from 127\.0\.0\.1: refused: TLS handshake failed: /,
+    )
+    assert.match(
+      lines[1],
+      /^transfer connection from 127\.0\.0\.1: refused: TLS handshake failed: /,
+    )
   })
 
   it('kvfence router --cluster-tls-* reaches them over mutual TLS and serves HTTPS to the openai client', async () => {
