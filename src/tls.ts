@@ -130,6 +130,25 @@ export function serverTlsOptions(material: TlsMaterial): tls.TlsOptions {
   }
 }
 
+/** Log one warn line for each connection a part's TLS server refuses in the handshake (a client
+ *  without a certificate of the cluster CA, a plaintext client, a timeout): `<what> from
+ *  10.0.0.6:51234 refused: TLS handshake failed: …`, so that the operator of the refusing part
+ *  sees why as well as the peer. `what` names the port, e.g. `transfer connection`. */
+export function logRefusedHandshakes(
+  server: tls.Server,
+  what: string,
+  log: { warn(fields: Record<string, unknown>, message: string): void },
+): void {
+  server.on('tlsClientError', (err: Error, socket: tls.TLSSocket) => {
+    const why = !socket.authorizationError
+      ? describeTlsError(err)
+      : `TLS handshake failed: client certificate refused (${String(socket.authorizationError)})`
+    const peer =
+      socket.remoteAddress === undefined ? 'a peer' : `${socket.remoteAddress}:${socket.remotePort}`
+    log.warn({ peer }, `${what} from ${peer} refused: ${why}`)
+  })
+}
+
 /** Options for a TLS client of a part dialling `host`: TLS 1.3, the CA as the only trust anchor,
  *  this part's certificate shown, and the server's certificate checked for the host dialled (an
  *  IP against IP SANs, a name against DNS SANs and sent as SNI). Without `host` (an agent's
@@ -190,7 +209,9 @@ export function describeTlsError(err: unknown): string {
   const reason = openSslReason(err)
   const code = (err as NodeJS.ErrnoException).code ?? ''
   const hint =
-    reason === 'wrong version number' || reason === 'packet length too long'
+    reason === 'wrong version number' ||
+    reason === 'packet length too long' ||
+    reason === 'http request'
       ? ' (the peer does not speak TLS: is it started without TLS?)'
       : unknownIssuerCodes.has(code)
         ? ' (the peer’s certificate is not from the cluster CA)'

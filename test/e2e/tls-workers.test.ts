@@ -117,44 +117,45 @@ describe('workers over mutual TLS', () => {
     assert.equal(plain, 'refused')
   })
 
-  it('the decode worker logs each connection its transfer port refuses in the handshake', async () => {
+  it('the decode worker logs each connection its ports refuse in the handshake', async () => {
     const ca = readFileSync(join(certs, 'ca.crt'))
-    // A TLS client that trusts the CA but shows no certificate: D refuses it in the handshake.
-    await new Promise<void>((resolve) => {
-      const socket = tls.connect({ host: '127.0.0.1', port: decodeTransferPort, ca })
-      socket.on('error', () => {})
-      socket.on('close', () => resolve())
-    })
-    // A plaintext peer writing bytes that are no TLS record.
-    await new Promise<void>((resolve) => {
-      const socket = net.connect(decodeTransferPort, '127.0.0.1', () =>
-        socket.write(Buffer.alloc(64, 1)),
-      )
-      socket.on('error', () => {})
-      socket.on('close', () => resolve())
-    })
-    const refused = () =>
+    const controlPort = Number(new URL(decodeUrl).port)
+    const logged = (what: string) =>
       readFileSync(join(dir, 'decode.log'), 'utf8')
         .split('\n')
-        .filter((line) => line.includes('"msg":"transfer connection from 127.0.0.1:'))
+        .filter((line) => line.includes(`"msg":"${what} from 127.0.0.1:`))
         .map((line) =>
-          (JSON.parse(line) as { msg: string }).msg.replace(/:\d+ refused/, ': refused'),
+          (JSON.parse(line) as { msg: string }).msg.replace(/127\.0\.0\.1:\d+/, '127.0.0.1:PORT'),
         )
-    let lines = refused()
-    // The log line is written when the handshake fails, which may come after the client saw it close.
-    for (let i = 0; i < 100 && lines.length < 2; i++) {
-      await new Promise((r) => setTimeout(r, 50))
-      lines = refused()
+    for (const [what, port] of [
+      ['transfer connection', decodeTransferPort],
+      ['control connection', controlPort],
+    ] as const) {
+      const before = logged(what).length
+      // A TLS client that trusts the CA but shows no certificate: refused in the handshake.
+      await new Promise<void>((resolve) => {
+        const socket = tls.connect({ host: '127.0.0.1', port, ca })
+        socket.on('error', () => {})
+        socket.on('close', () => resolve())
+      })
+      // A plaintext peer writing bytes that are no TLS record.
+      await new Promise<void>((resolve) => {
+        const socket = net.connect(port, '127.0.0.1', () => socket.write('GET / HTTP/1.1\r\n\r\n'))
+        socket.on('error', () => {})
+        socket.on('close', () => resolve())
+      })
+      // The line is written when the server's side of the handshake fails, which may come after
+      // the client saw the connection close.
+      let lines = logged(what).slice(before)
+      for (let i = 0; i < 100 && lines.length < 2; i++) {
+        await new Promise((r) => setTimeout(r, 50))
+        lines = logged(what).slice(before)
+      }
+      assert.deepEqual(lines, [
+        `${what} from 127.0.0.1:PORT refused: TLS handshake failed: peer did not return a certificate`,
+        `${what} from 127.0.0.1:PORT refused: TLS handshake failed: http request (the peer does not speak TLS: is it started without TLS?)`,
+      ])
     }
-    assert.equal(lines.length, 2, `decode log: ${lines.join(' | ')}`)
-    assert.match(
-      lines[0],
-      /^transfer connection from 127\.0\.0\.1: refused: TLS handshake failed: /,
-    )
-    assert.match(
-      lines[1],
-      /^transfer connection from 127\.0\.0\.1: refused: TLS handshake failed: /,
-    )
   })
 
   it('kvfence router --cluster-tls-* reaches them over mutual TLS and serves HTTPS to the openai client', async () => {
