@@ -5,7 +5,7 @@
  *  Knows files, node:tls options and handshake errors; knows nothing of frames or HTTP routes. */
 import { X509Certificate } from 'node:crypto'
 import { readFileSync, unwatchFile, watchFile } from 'node:fs'
-import { isIP } from 'node:net'
+import net, { isIP } from 'node:net'
 import tls from 'node:tls'
 import { KvfenceError } from './errors.js'
 
@@ -139,12 +139,25 @@ export function logRefusedHandshakes(
   what: string,
   log: { warn(fields: Record<string, unknown>, message: string): void },
 ): void {
+  // The TLS socket has lost its address by the time the handshake fails (its TCP socket is gone):
+  // the address is taken from the TCP socket when it connects, and found again through the TLS
+  // socket's `_parent` (Node's own link to it; without it the line says "a peer").
+  const peers = new WeakMap<net.Socket, string>()
+  server.prependListener('connection', (raw: net.Socket) => {
+    if (raw.remoteAddress !== undefined) peers.set(raw, `${raw.remoteAddress}:${raw.remotePort}`)
+  })
   server.on('tlsClientError', (err: Error, socket: tls.TLSSocket) => {
-    const why = !socket.authorizationError
-      ? describeTlsError(err)
-      : `TLS handshake failed: client certificate refused (${String(socket.authorizationError)})`
+    const code = socket.authorizationError == null ? '' : String(socket.authorizationError)
+    const why =
+      code === ''
+        ? describeTlsError(err)
+        : `TLS handshake failed: client certificate refused (${code}${unknownIssuerCodes.has(code) ? ': not from the cluster CA' : ''})`
+    const raw = (socket as unknown as { _parent?: net.Socket })._parent
     const peer =
-      socket.remoteAddress === undefined ? 'a peer' : `${socket.remoteAddress}:${socket.remotePort}`
+      (raw === undefined ? undefined : peers.get(raw)) ??
+      (socket.remoteAddress === undefined
+        ? 'a peer'
+        : `${socket.remoteAddress}:${socket.remotePort}`)
     log.warn({ peer }, `${what} from ${peer} refused: ${why}`)
   })
 }

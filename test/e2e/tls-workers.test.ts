@@ -120,6 +120,12 @@ describe('workers over mutual TLS', () => {
   it('the decode worker logs each connection its ports refuse in the handshake', async () => {
     const ca = readFileSync(join(certs, 'ca.crt'))
     const controlPort = Number(new URL(decodeUrl).port)
+    const other = join(dir, 'other-certs')
+    await promisify(execFile)(process.execPath, [cliEntry, 'certs', 'init', other])
+    const otherCluster = {
+      cert: readFileSync(join(other, 'router.crt')),
+      key: readFileSync(join(other, 'router.key')),
+    }
     const logged = (what: string) =>
       readFileSync(join(dir, 'decode.log'), 'utf8')
         .split('\n')
@@ -138,6 +144,14 @@ describe('workers over mutual TLS', () => {
         socket.on('error', () => {})
         socket.on('close', () => resolve())
       })
+      // A client with a certificate of another cluster's CA.
+      await new Promise<void>((resolve) => {
+        const socket = tls.connect({ host: '127.0.0.1', port, ca, ...otherCluster }, () =>
+          socket.write('GET / HTTP/1.1\r\n\r\n'),
+        )
+        socket.on('error', () => {})
+        socket.on('close', () => resolve())
+      })
       // A plaintext peer writing bytes that are no TLS record.
       await new Promise<void>((resolve) => {
         const socket = net.connect(port, '127.0.0.1', () => socket.write('GET / HTTP/1.1\r\n\r\n'))
@@ -147,12 +161,13 @@ describe('workers over mutual TLS', () => {
       // The line is written when the server's side of the handshake fails, which may come after
       // the client saw the connection close.
       let lines = logged(what).slice(before)
-      for (let i = 0; i < 100 && lines.length < 2; i++) {
+      for (let i = 0; i < 100 && lines.length < 3; i++) {
         await new Promise((r) => setTimeout(r, 50))
         lines = logged(what).slice(before)
       }
       assert.deepEqual(lines, [
         `${what} from 127.0.0.1:PORT refused: TLS handshake failed: peer did not return a certificate`,
+        `${what} from 127.0.0.1:PORT refused: TLS handshake failed: client certificate refused (UNABLE_TO_VERIFY_LEAF_SIGNATURE: not from the cluster CA)`,
         `${what} from 127.0.0.1:PORT refused: TLS handshake failed: http request (the peer does not speak TLS: is it started without TLS?)`,
       ])
     }
