@@ -88,7 +88,49 @@ export function loadTlsMaterial(files: TlsFiles): TlsMaterial {
     )
   }
   checkCertValidity(material.cert, files.cert)
+  checkSignedByCa(material, files)
   return Object.freeze(material)
+}
+
+/** The certificates of a PEM file, in order; none when it holds none (a key, say). */
+function pemCertificates(pem: Buffer, path: string): X509Certificate[] {
+  const blocks =
+    pem.toString('latin1').match(/-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----/g) ?? []
+  return blocks.map((block) => {
+    try {
+      return new X509Certificate(block)
+    } catch (err) {
+      throw new KvfenceError('config_invalid', `TLS certificate ${path}: ${openSslReason(err)}`)
+    }
+  })
+}
+
+/** Refuse a CA file without a certificate, and a part's certificate that no certificate of that
+ *  file signed (directly, or through intermediates after it in the certificate file): every peer
+ *  sharing this part's CA would refuse it, or this part every peer, so it would run and serve
+ *  nothing (the usual cause: ca.crt copied from another `certs init` than the certificate).
+ *  @throws KvfenceError `config_invalid`, one line naming both files. */
+function checkSignedByCa(material: TlsMaterial, files: TlsFiles): void {
+  const cas = pemCertificates(material.ca, files.ca)
+  if (cas.length === 0)
+    throw new KvfenceError(
+      'config_invalid',
+      `TLS CA ${files.ca} holds no certificate: give the cluster's ca.crt (kvfence certs init)`,
+    )
+  const [leaf, ...intermediates] = pemCertificates(material.cert, files.cert)
+  const signs = (issuer: X509Certificate, cert: X509Certificate) =>
+    cert.checkIssued(issuer) && cert.verify(issuer.publicKey)
+  let cert = leaf
+  for (let depth = 0; depth <= intermediates.length; depth++) {
+    if (cas.some((ca) => signs(ca, cert))) return
+    const next = intermediates.find((c) => c !== cert && signs(c, cert))
+    if (next === undefined) break
+    cert = next
+  }
+  throw new KvfenceError(
+    'config_invalid',
+    `TLS certificate ${files.cert} is not signed by the CA in ${files.ca}: give every part the ca.crt of the kvfence certs init that made its certificate`,
+  )
 }
 
 /** A public server's certificate and key (no client certificates asked for), read and checked to
