@@ -4,7 +4,7 @@
  *  that the server's certificate names the host it dialled (SAN: DNS name or IP address).
  *  Knows files, node:tls options and handshake errors; knows nothing of frames or HTTP routes. */
 import { X509Certificate } from 'node:crypto'
-import { readFileSync, unwatchFile, watchFile } from 'node:fs'
+import { readFileSync, statSync, unwatchFile, watchFile } from 'node:fs'
 import net, { isIP } from 'node:net'
 import tls from 'node:tls'
 import { KvfenceError } from './errors.js'
@@ -150,12 +150,32 @@ export function loadCertPair(files: { cert: string; key: string }): { cert: Buff
 }
 
 function readTls(what: string, path: string): Buffer {
+  let bytes: Buffer
   try {
-    return readFileSync(path)
+    bytes = readFileSync(path)
   } catch (err) {
     const code = (err as NodeJS.ErrnoException).code ?? String(err)
     throw new KvfenceError('config_invalid', `TLS ${what} ${path}: cannot read it (${code})`)
   }
+  if (what === 'key') checkKeyMode(path)
+  return bytes
+}
+
+/** Mode bits a private key may not have: any access by other users, or write by the group (the
+ *  owner's read and write, and the group's read, as PostgreSQL allows, are fine). */
+const keyModeForbidden = 0o037
+
+/** Refuse a private key file other users can read: whoever reads it can act as this part (or, for
+ *  the router's public key, as the API) until the certificate is replaced. `certs init` writes
+ *  keys 0600; a copy made without keeping the mode is the usual cause. @throws KvfenceError
+ *  `config_invalid`, one line with the mode and the fix. */
+function checkKeyMode(path: string): void {
+  const mode = statSync(path).mode & 0o777
+  if ((mode & keyModeForbidden) !== 0)
+    throw new KvfenceError(
+      'config_invalid',
+      `TLS key ${path} has mode 0${mode.toString(8)}, open to other users: chmod 600 ${path}`,
+    )
 }
 
 /** Options for a TLS server of a part: TLS 1.3, a client certificate from the CA required (a

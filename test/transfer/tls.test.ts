@@ -4,7 +4,7 @@
  *  session never sees a frame of it. */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { chmodSync, copyFileSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import net from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -231,6 +231,21 @@ describe('transfer over mutual TLS', () => {
       started.stderr,
       `kvfence: TLS certificate ${cert} is not signed by the CA in ${ca}: give every part the ca.crt of the kvfence certs init that made its certificate\n`,
     )
+  })
+
+  it('a part whose key other users can read is refused at start; the group may read it', async () => {
+    const key = join(root, 'cluster', 'open.key')
+    copyFileSync(join(root, 'cluster', 'decode.key'), key)
+    chmodSync(key, 0o644)
+    const files = { ca: join(root, 'cluster', 'ca.crt'), cert: join(root, 'cluster', 'decode.crt') }
+    const started = await startDecode({ ...files, key })
+    assert.equal(started.code, 2)
+    assert.equal(
+      started.stderr,
+      `kvfence: TLS key ${key} has mode 0644, open to other users: chmod 600 ${key}\n`,
+    )
+    chmodSync(key, 0o640)
+    assert.doesNotThrow(() => loadTlsMaterial({ ...files, key }))
   })
 
   it('a CA file holding no certificate (a key given as --tls-ca) is refused', () => {
