@@ -300,4 +300,38 @@ describe('workers over mutual TLS', () => {
       'kvfence: cluster TLS needs all three of --cluster-tls-ca, --cluster-tls-cert and --cluster-tls-key (see kvfence certs init)\n',
     )
   })
+  it('kvfence router checks its HTTPS pair and its Redis URL before it dials a worker (one line, exit 2)', async () => {
+    const refused = async (...flags: string[]) =>
+      promisify(execFile)(
+        process.execPath,
+        // Workers nobody listens on: the router would wait for them before anything else.
+        [
+          cliEntry,
+          'router',
+          '--prefill',
+          'http://127.0.0.1:1',
+          '--decode',
+          'http://127.0.0.1:2',
+        ].concat(['--tenants', makeTenants().file, '--port', '0', ...flags]),
+        { timeout: 30_000 },
+      ).then(
+        () => ({ code: 0, stderr: '' }),
+        (err: { code: number; stderr: string }) => ({ code: err.code, stderr: err.stderr }),
+      )
+    const missing = join(dir, 'missing.crt')
+    assert.deepEqual(await refused('--tls-cert', missing, '--tls-key', join(certs, 'router.key')), {
+      code: 2,
+      stderr: `kvfence: TLS certificate ${missing}: cannot read it (ENOENT)\n`,
+    })
+    assert.deepEqual(await refused('--limits-redis', 'http://:hunter2@10.0.0.5:6379'), {
+      code: 2,
+      stderr:
+        'kvfence: --limits-redis: must be a redis:// or rediss:// URL, got http://:***@10.0.0.5:6379/\n',
+    })
+    assert.deepEqual(await refused('--limits-redis', 'redis://:hunter2@[bad'), {
+      code: 2,
+      stderr:
+        'kvfence: --limits-redis: must be a redis:// or rediss:// URL, got (unparsable URL)\n',
+    })
+  })
 })
