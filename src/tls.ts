@@ -4,8 +4,8 @@
  *  that the server's certificate names the host it dialled (SAN: DNS name or IP address).
  *  Knows files, node:tls options and handshake errors; knows nothing of frames or HTTP routes. */
 import { X509Certificate } from 'node:crypto'
-import { readFileSync, unwatchFile, watchFile } from 'node:fs'
-import { isIP } from 'node:net'
+import { readFileSync, statSync, unwatchFile, watchFile } from 'node:fs'
+import net, { isIP } from 'node:net'
 import tls from 'node:tls'
 import { KvfenceError } from './errors.js'
 
@@ -88,7 +88,49 @@ export function loadTlsMaterial(files: TlsFiles): TlsMaterial {
     )
   }
   checkCertValidity(material.cert, files.cert)
+  checkSignedByCa(material, files)
   return Object.freeze(material)
+}
+
+/** The certificates of a PEM file, in order; none when it holds none (a key, say). */
+function pemCertificates(pem: Buffer, path: string): X509Certificate[] {
+  const blocks =
+    pem.toString('latin1').match(/-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----/g) ?? []
+  return blocks.map((block) => {
+    try {
+      return new X509Certificate(block)
+    } catch (err) {
+      throw new KvfenceError('config_invalid', `TLS certificate ${path}: ${openSslReason(err)}`)
+    }
+  })
+}
+
+/** Refuse a CA file without a certificate, and a part's certificate that no certificate of that
+ *  file signed (directly, or through intermediates after it in the certificate file): every peer
+ *  sharing this part's CA would refuse it, or this part every peer, so it would run and serve
+ *  nothing (the usual cause: ca.crt copied from another `certs init` than the certificate).
+ *  @throws KvfenceError `config_invalid`, one line naming both files. */
+function checkSignedByCa(material: TlsMaterial, files: TlsFiles): void {
+  const cas = pemCertificates(material.ca, files.ca)
+  if (cas.length === 0)
+    throw new KvfenceError(
+      'config_invalid',
+      `TLS CA ${files.ca} holds no certificate: give the cluster's ca.crt (kvfence certs init)`,
+    )
+  const [leaf, ...intermediates] = pemCertificates(material.cert, files.cert)
+  const signs = (issuer: X509Certificate, cert: X509Certificate) =>
+    cert.checkIssued(issuer) && cert.verify(issuer.publicKey)
+  let cert = leaf
+  for (let depth = 0; depth <= intermediates.length; depth++) {
+    if (cas.some((ca) => signs(ca, cert))) return
+    const next = intermediates.find((c) => c !== cert && signs(c, cert))
+    if (next === undefined) break
+    cert = next
+  }
+  throw new KvfenceError(
+    'config_invalid',
+    `TLS certificate ${files.cert} is not signed by the CA in ${files.ca}: give every part the ca.crt of the kvfence certs init that made its certificate`,
+  )
 }
 
 /** A public server's certificate and key (no client certificates asked for), read and checked to
@@ -108,12 +150,32 @@ export function loadCertPair(files: { cert: string; key: string }): { cert: Buff
 }
 
 function readTls(what: string, path: string): Buffer {
+  let bytes: Buffer
   try {
-    return readFileSync(path)
+    bytes = readFileSync(path)
   } catch (err) {
     const code = (err as NodeJS.ErrnoException).code ?? String(err)
     throw new KvfenceError('config_invalid', `TLS ${what} ${path}: cannot read it (${code})`)
   }
+  if (what === 'key') checkKeyMode(path)
+  return bytes
+}
+
+/** Mode bits a private key may not have: any access by other users, or write by the group (the
+ *  owner's read and write, and the group's read, as PostgreSQL allows, are fine). */
+const keyModeForbidden = 0o037
+
+/** Refuse a private key file other users can read: whoever reads it can act as this part (or, for
+ *  the router's public key, as the API) until the certificate is replaced. `certs init` writes
+ *  keys 0600; a copy made without keeping the mode is the usual cause. @throws KvfenceError
+ *  `config_invalid`, one line with the mode and the fix. */
+function checkKeyMode(path: string): void {
+  const mode = statSync(path).mode & 0o777
+  if ((mode & keyModeForbidden) !== 0)
+    throw new KvfenceError(
+      'config_invalid',
+      `TLS key ${path} has mode 0${mode.toString(8)}, open to other users: chmod 600 ${path}`,
+    )
 }
 
 /** Options for a TLS server of a part: TLS 1.3, a client certificate from the CA required (a
@@ -128,6 +190,38 @@ export function serverTlsOptions(material: TlsMaterial): tls.TlsOptions {
     rejectUnauthorized: true,
     handshakeTimeout: tlsHandshakeTimeoutMs,
   }
+}
+
+/** Log one warn line for each connection a part's TLS server refuses in the handshake (a client
+ *  without a certificate of the cluster CA, a plaintext client, a timeout): `<what> from
+ *  10.0.0.6:51234 refused: TLS handshake failed: …`, so that the operator of the refusing part
+ *  sees why as well as the peer. `what` names the port, e.g. `transfer connection`. */
+export function logRefusedHandshakes(
+  server: tls.Server,
+  what: string,
+  log: { warn(fields: Record<string, unknown>, message: string): void },
+): void {
+  // The TLS socket has lost its address by the time the handshake fails (its TCP socket is gone):
+  // the address is taken from the TCP socket when it connects, and found again through the TLS
+  // socket's `_parent` (Node's own link to it; without it the line says "a peer").
+  const peers = new WeakMap<net.Socket, string>()
+  server.prependListener('connection', (raw: net.Socket) => {
+    if (raw.remoteAddress !== undefined) peers.set(raw, `${raw.remoteAddress}:${raw.remotePort}`)
+  })
+  server.on('tlsClientError', (err: Error, socket: tls.TLSSocket) => {
+    const code = socket.authorizationError == null ? '' : String(socket.authorizationError)
+    const why =
+      code === ''
+        ? describeTlsError(err)
+        : `TLS handshake failed: client certificate refused (${code}${unknownIssuerCodes.has(code) ? ': not from the cluster CA' : ''})`
+    const raw = (socket as unknown as { _parent?: net.Socket })._parent
+    const peer =
+      (raw === undefined ? undefined : peers.get(raw)) ??
+      (socket.remoteAddress === undefined
+        ? 'a peer'
+        : `${socket.remoteAddress}:${socket.remotePort}`)
+    log.warn({ peer }, `${what} from ${peer} refused: ${why}`)
+  })
 }
 
 /** Options for a TLS client of a part dialling `host`: TLS 1.3, the CA as the only trust anchor,
@@ -190,7 +284,9 @@ export function describeTlsError(err: unknown): string {
   const reason = openSslReason(err)
   const code = (err as NodeJS.ErrnoException).code ?? ''
   const hint =
-    reason === 'wrong version number' || reason === 'packet length too long'
+    reason === 'wrong version number' ||
+    reason === 'packet length too long' ||
+    reason === 'http request'
       ? ' (the peer does not speak TLS: is it started without TLS?)'
       : unknownIssuerCodes.has(code)
         ? ' (the peer’s certificate is not from the cluster CA)'

@@ -29,6 +29,20 @@ export type CertPart = (typeof certParts)[number]
 /** Hosts every certificate names, so that one machine's parts can talk over TLS too. */
 export const defaultCertHosts = ['127.0.0.1', 'localhost'] as const
 
+/** Why `host` cannot be a SAN a peer would match, or null when it can: an IP address, or a DNS
+ *  name (RFC 1123: dot-separated labels of letters, digits and inner hyphens, at most 63
+ *  characters each and 253 in all). A URL, a port or a space in `--hosts` would otherwise become
+ *  a DNS SAN no dialled host ever matches, and every handshake would fail. */
+export function hostProblem(host: string): string | null {
+  if (host.length === 0) return 'a host name may not be empty'
+  if (isIP(host) !== 0) return null
+  const label = /^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$/
+  const labels = host.split('.')
+  if (host.length <= 253 && labels.every((l) => label.test(l)) && !/^[\d.]+$/.test(host))
+    return null
+  return `"${host}" is neither an IP address nor a host name (letters, digits, hyphens and dots; no scheme, port or path)`
+}
+
 /** Validity of certificates made by `certs init` unless `--days` says otherwise, days. */
 export const defaultCertDays = 365
 
@@ -106,7 +120,8 @@ export async function loadAuthority(certPem: string, keyPem: string): Promise<Ce
 }
 
 /** A certificate for `part` signed by `ca`, naming `hosts` (IPs as IP SANs, the rest as DNS
- *  SANs), usable as a TLS server and as a TLS client. @throws RangeError on an empty host. */
+ *  SANs), usable as a TLS server and as a TLS client. @throws RangeError on a host that is neither
+ *  an IP nor a host name ({@link hostProblem}). */
 export async function issuePartCert(
   ca: CertAuthority,
   part: string,
@@ -116,7 +131,8 @@ export async function issuePartCert(
   const x509 = await loadX509()
   const keys = await webcrypto.subtle.generateKey(algorithm, true, ['sign', 'verify'])
   const names = hosts.map((host) => {
-    if (host.length === 0) throw new RangeError('a host name may not be empty')
+    const problem = hostProblem(host)
+    if (problem !== null) throw new RangeError(problem)
     return { type: isIP(host) === 0 ? ('dns' as const) : ('ip' as const), value: host }
   })
   const cert = await x509.X509CertificateGenerator.create({
@@ -161,11 +177,11 @@ export function certFileNames(): string[] {
 
 /** Write a cluster CA and a certificate per part into `dir` (made 0700 if missing): keys 0600,
  *  certificates 0644. Returns the paths written. @throws KvfenceError `config_invalid` when a file
- *  exists (and not `force`), `dir` is not a folder, or a host is empty. */
+ *  exists (and not `force`), `dir` is not a folder, or a host is neither an IP nor a host name. */
 export async function initCerts(dir: string, options: InitCertsOptions = {}): Promise<string[]> {
   const hosts = [...new Set([...defaultCertHosts, ...(options.hosts ?? [])])]
-  if (hosts.some((h) => h.length === 0))
-    throw new KvfenceError('config_invalid', '--hosts: a host name may not be empty')
+  const problem = hosts.map(hostProblem).find((p) => p !== null)
+  if (problem !== undefined) throw new KvfenceError('config_invalid', `--hosts: ${problem}`)
   const days = options.days ?? defaultCertDays
   if (existsSync(dir) && !lstatSync(dir).isDirectory())
     throw new KvfenceError('config_invalid', `${dir} exists and is not a folder`)
@@ -206,6 +222,8 @@ function hostsOption(value: string): string[] {
   const hosts = value.split(',').map((h) => h.trim())
   if (hosts.some((h) => h.length === 0))
     throw new InvalidArgumentError(`expected host names or IPs separated by commas, got "${value}"`)
+  const problem = hosts.map(hostProblem).find((p) => p !== null)
+  if (problem !== undefined) throw new InvalidArgumentError(problem)
   return hosts
 }
 

@@ -13,7 +13,7 @@ import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
 import { type StartRouterOptions, startRouter } from '../router/index.js'
-import type { UnavailablePolicy } from '../router/redis-limits.js'
+import { redactedUrl, type UnavailablePolicy } from '../router/redis-limits.js'
 import { saltSecretFrom } from '../router/salt-secret.js'
 import type { SentinelMode } from '../router/sentinel/sentinel.js'
 import {
@@ -338,5 +338,17 @@ function redisLimitsFlags(flags: RouterFlags): Pick<StartRouterOptions, 'redisLi
   if (flags.limitsRedis === undefined) return {}
   if (flags.config !== undefined && loadClusterConfig(flags.config).router.limits !== undefined)
     return {}
+  // As the config file's router.limits.url is checked; never echoed with its password.
+  let protocol = ''
+  try {
+    protocol = new URL(flags.limitsRedis).protocol
+  } catch {
+    // Not a URL: refused below.
+  }
+  if (protocol !== 'redis:' && protocol !== 'rediss:')
+    throw new KvfenceError(
+      'config_invalid',
+      `--limits-redis: must be a redis:// or rediss:// URL, got ${redactedUrl(flags.limitsRedis)}`,
+    )
   return { redisLimits: { url: flags.limitsRedis, onUnavailable: flags.limitsOnUnavailable } }
 }

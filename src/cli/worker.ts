@@ -248,6 +248,8 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     const worker = new DecodeWorker(core, { maxBatch: flags.maxBatch })
     const receiver = new TransferServer(worker.receiverHooks, {
       ...(tls === null ? {} : { tls }),
+      // Refused connections (a failed TLS handshake) and refused transfers are logged here.
+      log,
       verifyManifest: core.guards.G4,
       verifyAuth: core.guards.G10,
       dropAcks: core.hasFault('lost-ack'),

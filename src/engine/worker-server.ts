@@ -14,7 +14,7 @@ import type { Logger } from 'pino'
 import { Gauge, type Registry } from 'prom-client'
 import { KvfenceError } from '../errors.js'
 import { metricsText } from '../process-metrics.js'
-import { serverTlsOptions, type TlsMaterial } from '../tls.js'
+import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../tls.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
 import { GenerateRequest, PrefillRequest, type DecodeEvent, type ServerInfo } from './control.js'
 import type { DecodeWorker } from './decode-worker.js'
@@ -58,10 +58,13 @@ export function createWorkerServer(
   const ctx: ServerContext = { role, core, log, clusterToken, registry, numPagesCached }
   const onRequest = (req: http.IncomingMessage, res: http.ServerResponse) =>
     void handle(ctx, req, res)
-  const server =
-    tls === null
-      ? http.createServer(onRequest)
-      : https.createServer(serverTlsOptions(tls), onRequest)
+  let server: http.Server | https.Server
+  if (tls === null) server = http.createServer(onRequest)
+  else {
+    const httpsServer = https.createServer(serverTlsOptions(tls), onRequest)
+    logRefusedHandshakes(httpsServer, 'control connection', log)
+    server = httpsServer
+  }
   // Keep idle control connections open longer than the router's agent does (its free-socket timeout is
   // shorter), so the router never reuses a connection this server is closing (ECONNRESET race).
   server.keepAliveTimeout = workerKeepAliveTimeoutMs

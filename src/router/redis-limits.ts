@@ -521,7 +521,8 @@ function waitUntilSettled(redis: Redis, maxMs: number): Promise<void> {
 }
 
 /** `url` without a password, for logs. */
-function redactedUrl(url: string): string {
+/** `url` with its password, if any, shown as `***`; `(unparsable URL)` when it is no URL. */
+export function redactedUrl(url: string): string {
   try {
     const u = new URL(url)
     if (u.password !== '') u.password = '***'

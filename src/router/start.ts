@@ -140,6 +140,9 @@ const defaultWorkerWaitMs = 10_000
  *  refuses the configuration. */
 export async function startRouter(options: StartRouterOptions): Promise<RunningRouter> {
   const log = options.log ?? pino({ name: 'kvfence-router' })
+  // The HTTPS pair is checked before any worker is dialled: waiting for workers first put off a
+  // missing or mismatched file until the workers answered (or named them instead).
+  if (options.https !== undefined) loadCertPair(options.https)
   const watcher =
     typeof options.tenants === 'string'
       ? watchTenants(options.tenants, {

@@ -7,7 +7,7 @@
 import net from 'node:net'
 import tls from 'node:tls'
 import type { KvfenceError } from '../errors.js'
-import { describeTlsError, serverTlsOptions, type TlsMaterial } from '../tls.js'
+import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../tls.js'
 import { DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES } from './frames.js'
 import { refusal } from './refusals.js'
 import {
@@ -182,16 +182,7 @@ export class TransferServer extends net.Server {
   private handshakes(material: TlsMaterial): tls.Server {
     const server = tls.createServer(serverTlsOptions(material))
     server.on('secureConnection', (socket: tls.TLSSocket) => this.onConnection(socket))
-    server.on('tlsClientError', (err: Error, socket: tls.TLSSocket) => {
-      const why = !socket.authorizationError
-        ? describeTlsError(err)
-        : `TLS handshake failed: client certificate refused (${String(socket.authorizationError)})`
-      const peer =
-        socket.remoteAddress === undefined
-          ? 'a peer'
-          : `${socket.remoteAddress}:${socket.remotePort}`
-      this.config.log.warn({ peer }, `transfer connection from ${peer} refused: ${why}`)
-    })
+    logRefusedHandshakes(server, 'transfer connection', this.config.log)
     return server
   }
 

@@ -3,7 +3,7 @@
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
 import { X509Certificate, createPrivateKey } from 'node:crypto'
-import { mkdtempSync, readFileSync, rmSync, statSync } from 'node:fs'
+import { existsSync, mkdtempSync, readFileSync, rmSync, statSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
@@ -58,5 +58,31 @@ describe('kvfence certs init', () => {
     assert.equal(readFileSync(join(dir, 'ca.crt'), 'utf8'), before)
     await kvfence('init', dir, '--force')
     assert.notEqual(readFileSync(join(dir, 'ca.crt'), 'utf8'), before)
+  })
+
+  it('refuses a --hosts entry that is neither an IP nor a host name, before writing anything', async () => {
+    for (const [hosts, bad] of [
+      ['10.0.0.6,http://10.0.0.7', 'http://10.0.0.7'],
+      ['10.0.0.6:8101', '10.0.0.6:8101'],
+      ['p1.example,p 2.example', 'p 2.example'],
+      ['999.1.1.1', '999.1.1.1'],
+      ['-p1.example', '-p1.example'],
+    ]) {
+      const dir = join(root, 'c')
+      await assert.rejects(
+        kvfence('init', dir, '--hosts', hosts),
+        (err: { code: number; stderr: string }) => {
+          assert.equal(err.code, 2)
+          assert.equal(
+            err.stderr,
+            `error: option '--hosts <list>' argument '${hosts}' is invalid. "${bad}" is neither an IP address nor a host name (letters, digits, hyphens and dots; no scheme, port or path)\n`,
+          )
+          return true
+        },
+      )
+      assert.equal(existsSync(dir), false, `nothing written for --hosts ${hosts}`)
+    }
+    // Names and addresses of every kind still pass.
+    await kvfence('init', join(root, 'd'), '--hosts', 'p1,p-2.example.org,10.0.0.7,fd00::7')
   })
 })

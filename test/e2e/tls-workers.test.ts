@@ -7,6 +7,8 @@ import assert from 'node:assert/strict'
 import { type ChildProcess, execFile } from 'node:child_process'
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
 import https from 'node:https'
+import net from 'node:net'
+import tls from 'node:tls'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
@@ -39,6 +41,7 @@ describe('workers over mutual TLS', () => {
   const started: ChildProcess[] = []
   let prefillUrl = ''
   let decodeUrl = ''
+  let decodeTransferPort = 0
 
   before(async () => {
     await promisify(execFile)(process.execPath, [cliEntry, 'certs', 'init', certs])
@@ -55,6 +58,8 @@ describe('workers over mutual TLS', () => {
         },
         started,
       )
+      if (role === 'decode')
+        decodeTransferPort = (ready as typeof ready & { transferPort: number }).transferPort
       return `https://127.0.0.1:${ready.port}`
     }
     ;[prefillUrl, decodeUrl] = await Promise.all([start('prefill'), start('decode')])
@@ -110,6 +115,62 @@ describe('workers over mutual TLS', () => {
       () => 'refused',
     )
     assert.equal(plain, 'refused')
+  })
+
+  it('the decode worker logs each connection its ports refuse in the handshake', async () => {
+    const ca = readFileSync(join(certs, 'ca.crt'))
+    const controlPort = Number(new URL(decodeUrl).port)
+    const other = join(dir, 'other-certs')
+    await promisify(execFile)(process.execPath, [cliEntry, 'certs', 'init', other])
+    const otherCluster = {
+      cert: readFileSync(join(other, 'router.crt')),
+      key: readFileSync(join(other, 'router.key')),
+    }
+    const logged = (what: string) =>
+      readFileSync(join(dir, 'decode.log'), 'utf8')
+        .split('\n')
+        .filter((line) => line.includes(`"msg":"${what} from 127.0.0.1:`))
+        .map((line) =>
+          (JSON.parse(line) as { msg: string }).msg.replace(/127\.0\.0\.1:\d+/, '127.0.0.1:PORT'),
+        )
+    for (const [what, port] of [
+      ['transfer connection', decodeTransferPort],
+      ['control connection', controlPort],
+    ] as const) {
+      const before = logged(what).length
+      // A TLS client that trusts the CA but shows no certificate: refused in the handshake.
+      await new Promise<void>((resolve) => {
+        const socket = tls.connect({ host: '127.0.0.1', port, ca })
+        socket.on('error', () => {})
+        socket.on('close', () => resolve())
+      })
+      // A client with a certificate of another cluster's CA.
+      await new Promise<void>((resolve) => {
+        const socket = tls.connect({ host: '127.0.0.1', port, ca, ...otherCluster }, () =>
+          socket.write('GET / HTTP/1.1\r\n\r\n'),
+        )
+        socket.on('error', () => {})
+        socket.on('close', () => resolve())
+      })
+      // A plaintext peer writing bytes that are no TLS record.
+      await new Promise<void>((resolve) => {
+        const socket = net.connect(port, '127.0.0.1', () => socket.write('GET / HTTP/1.1\r\n\r\n'))
+        socket.on('error', () => {})
+        socket.on('close', () => resolve())
+      })
+      // The line is written when the server's side of the handshake fails, which may come after
+      // the client saw the connection close.
+      let lines = logged(what).slice(before)
+      for (let i = 0; i < 100 && lines.length < 3; i++) {
+        await new Promise((r) => setTimeout(r, 50))
+        lines = logged(what).slice(before)
+      }
+      assert.deepEqual(lines, [
+        `${what} from 127.0.0.1:PORT refused: TLS handshake failed: peer did not return a certificate`,
+        `${what} from 127.0.0.1:PORT refused: TLS handshake failed: client certificate refused (UNABLE_TO_VERIFY_LEAF_SIGNATURE: not from the cluster CA)`,
+        `${what} from 127.0.0.1:PORT refused: TLS handshake failed: http request (the peer does not speak TLS: is it started without TLS?)`,
+      ])
+    }
   })
 
   it('kvfence router --cluster-tls-* reaches them over mutual TLS and serves HTTPS to the openai client', async () => {
@@ -238,5 +299,39 @@ describe('workers over mutual TLS', () => {
       run.stderr,
       'kvfence: cluster TLS needs all three of --cluster-tls-ca, --cluster-tls-cert and --cluster-tls-key (see kvfence certs init)\n',
     )
+  })
+  it('kvfence router checks its HTTPS pair and its Redis URL before it dials a worker (one line, exit 2)', async () => {
+    const refused = async (...flags: string[]) =>
+      promisify(execFile)(
+        process.execPath,
+        // Workers nobody listens on: the router would wait for them before anything else.
+        [
+          cliEntry,
+          'router',
+          '--prefill',
+          'http://127.0.0.1:1',
+          '--decode',
+          'http://127.0.0.1:2',
+        ].concat(['--tenants', makeTenants().file, '--port', '0', ...flags]),
+        { timeout: 30_000 },
+      ).then(
+        () => ({ code: 0, stderr: '' }),
+        (err: { code: number; stderr: string }) => ({ code: err.code, stderr: err.stderr }),
+      )
+    const missing = join(dir, 'missing.crt')
+    assert.deepEqual(await refused('--tls-cert', missing, '--tls-key', join(certs, 'router.key')), {
+      code: 2,
+      stderr: `kvfence: TLS certificate ${missing}: cannot read it (ENOENT)\n`,
+    })
+    assert.deepEqual(await refused('--limits-redis', 'http://:hunter2@10.0.0.5:6379'), {
+      code: 2,
+      stderr:
+        'kvfence: --limits-redis: must be a redis:// or rediss:// URL, got http://:***@10.0.0.5:6379/\n',
+    })
+    assert.deepEqual(await refused('--limits-redis', 'redis://:hunter2@[bad'), {
+      code: 2,
+      stderr:
+        'kvfence: --limits-redis: must be a redis:// or rediss:// URL, got (unparsable URL)\n',
+    })
   })
 })

@@ -4,7 +4,7 @@
  *  session never sees a frame of it. */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { chmodSync, copyFileSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import net from 'node:net'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -57,6 +57,21 @@ async function sendTo(
   const err = await sendAndSettle(client, outgoing(spec))
   await client.close()
   return err === null ? null : err.message
+}
+
+/** Start `kvfence decode` with these TLS files; its exit code and stderr. A part that started
+ *  anyway runs until killed: after 20 s it is, and the test fails rather than waits. */
+async function startDecode(files: {
+  ca: string
+  cert: string
+  key: string
+}): Promise<{ code: number; stderr: string }> {
+  const args = ['decode', '--port', '0', '--transfer-port', '0']
+  args.push('--tls-ca', files.ca, '--tls-cert', files.cert, '--tls-key', files.key)
+  return run(process.execPath, [cliEntry, ...args], { timeout: 20_000 }).then(
+    () => ({ code: 0, stderr: '' }),
+    (err: { code: number; stderr: string }) => err,
+  )
 }
 
 describe('transfer over mutual TLS', () => {
@@ -150,7 +165,7 @@ describe('transfer over mutual TLS', () => {
     await until(() => log.lines.length > 0, 2_000, 'the refusal log line')
     assert.match(
       log.lines[0],
-      /^transfer connection from (127\.0\.0\.1:\d+|a peer) refused: TLS handshake failed: client certificate refused \(UNABLE_TO_VERIFY_LEAF_SIGNATURE\)$/,
+      /^transfer connection from 127\.0\.0\.1:\d+ refused: TLS handshake failed: client certificate refused \(UNABLE_TO_VERIFY_LEAF_SIGNATURE: not from the cluster CA\)$/,
     )
   })
 
@@ -177,7 +192,7 @@ describe('transfer over mutual TLS', () => {
     await until(() => log.lines.length > 0, 2_000, 'the refusal log line')
     assert.match(
       log.lines[0],
-      /^transfer connection from (127\.0\.0\.1:\d+|a peer) refused: TLS handshake failed: wrong version number \(the peer does not speak TLS: is it started without TLS\?\)$/,
+      /^transfer connection from 127\.0\.0\.1:\d+ refused: TLS handshake failed: wrong version number \(the peer does not speak TLS: is it started without TLS\?\)$/,
     )
     assert.equal(hooks.reservations.length, 0)
     assert.equal(server.stats.numConnections, 0)
@@ -198,25 +213,49 @@ describe('transfer over mutual TLS', () => {
     const cert = join(root, 'cluster', 'expired.crt')
     const expected = `TLS certificate ${cert} expired on ${expiredOn.toISOString()}: renew it (kvfence certs init --force)`
     assert.throws(() => material('cluster', 'expired'), { message: expected })
-    const started = await run(process.execPath, [
-      cliEntry,
-      'decode',
-      '--port',
-      '0',
-      '--transfer-port',
-      '0',
-      '--tls-ca',
-      join(root, 'cluster', 'ca.crt'),
-      '--tls-cert',
+    const started = await startDecode({
+      ca: join(root, 'cluster', 'ca.crt'),
       cert,
-      '--tls-key',
-      join(root, 'cluster', 'expired.key'),
-    ]).then(
-      () => ({ code: 0, stderr: '' }),
-      (err: { code: number; stderr: string }) => err,
-    )
+      key: join(root, 'cluster', 'expired.key'),
+    })
     assert.equal(started.code, 2)
     assert.equal(started.stderr, `kvfence: ${expected}\n`)
+  })
+
+  it('a part whose certificate its CA file did not sign is refused at start, one line naming both', async () => {
+    const ca = join(root, 'other', 'ca.crt')
+    const cert = join(root, 'cluster', 'decode.crt')
+    const started = await startDecode({ ca, cert, key: join(root, 'cluster', 'decode.key') })
+    assert.equal(started.code, 2)
+    assert.equal(
+      started.stderr,
+      `kvfence: TLS certificate ${cert} is not signed by the CA in ${ca}: give every part the ca.crt of the kvfence certs init that made its certificate\n`,
+    )
+  })
+
+  it('a part whose key other users can read is refused at start; the group may read it', async () => {
+    const key = join(root, 'cluster', 'open.key')
+    copyFileSync(join(root, 'cluster', 'decode.key'), key)
+    chmodSync(key, 0o644)
+    const files = { ca: join(root, 'cluster', 'ca.crt'), cert: join(root, 'cluster', 'decode.crt') }
+    const started = await startDecode({ ...files, key })
+    assert.equal(started.code, 2)
+    assert.equal(
+      started.stderr,
+      `kvfence: TLS key ${key} has mode 0644, open to other users: chmod 600 ${key}\n`,
+    )
+    chmodSync(key, 0o640)
+    assert.doesNotThrow(() => loadTlsMaterial({ ...files, key }))
+  })
+
+  it('a CA file holding no certificate (a key given as --tls-ca) is refused', () => {
+    const key = join(root, 'cluster', 'decode.key')
+    assert.throws(
+      () => loadTlsMaterial({ ca: key, cert: join(root, 'cluster', 'decode.crt'), key }),
+      {
+        message: `TLS CA ${key} holds no certificate: give the cluster's ca.crt (kvfence certs init)`,
+      },
+    )
   })
 
   it('a certificate not valid yet is refused at start, naming the date', () => {
