@@ -115,7 +115,7 @@ export function registerRouter(program: Command): void {
     )
     .option(
       '--tls-cert <file>',
-      'serve clients over HTTPS with this certificate (reloaded on change)',
+      'serve clients over HTTPS with this certificate (reloaded on change; with --config: these or its router.tls, not both)',
     )
     .option('--tls-key <file>', 'the private key of --tls-cert')
     .option(
@@ -325,11 +325,17 @@ function backendApiKey(apiKeyEnv: string | undefined): string | undefined {
   return key
 }
 
-/** `--tls-cert` and `--tls-key`, which go together. @throws KvfenceError `config_invalid`. */
+/** `--tls-cert` and `--tls-key`, which go together, and not beside a config file's `router.tls`.
+ *  @throws KvfenceError `config_invalid`. */
 function httpsOption(flags: RouterFlags): Pick<StartRouterOptions, 'https'> {
   if (flags.tlsCert === undefined && flags.tlsKey === undefined) return {}
   if (flags.tlsCert === undefined || flags.tlsKey === undefined)
     throw new KvfenceError('config_invalid', '--tls-cert and --tls-key go together')
+  if (flags.config !== undefined && loadClusterConfig(flags.config).router.tls !== undefined)
+    throw new KvfenceError(
+      'config_invalid',
+      `${flags.config} has router.tls: give it or --tls-cert/--tls-key, not both`,
+    )
   return { https: { cert: flags.tlsCert, key: flags.tlsKey } }
 }
 

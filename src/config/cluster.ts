@@ -6,6 +6,7 @@
  *  ```yaml
  *  model: ./models/echo-tiny          # tokenizer (and weights for workers started here)
  *  router: { host: 127.0.0.1, port: 8000, maxConcurrentRequests: 64, maxQueuedRequests: 256 }
+ *  # router: { tls: { cert: ./certs/router.crt, key: ./certs/router.key } }   # clients over HTTPS
  *  workers:
  *    pageSize: 16
  *    prefill: [{ pages: 64, prefixCachePages: 0 }]   # started here (prefix cache off) …
@@ -52,6 +53,9 @@ export const RouterSection = z.strictObject({
    *  `routerConfigDefaults.drainSeconds`, 30). */
   drainSeconds: z.number().int().min(0).max(maxTimerSeconds).optional(),
   logLevel: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']).default('info'),
+  /** Serve clients over HTTPS with this certificate and key (paths relative to this file; the
+   *  pair is reloaded on change, as `kvfence router --tls-cert/--tls-key`); default: HTTP. */
+  tls: z.strictObject({ cert: z.string().min(1), key: z.string().min(1) }).optional(),
   /** A file holding the secret of gateway mode's cache salts (≥ 32 bytes; relative to this
    *  file), shared by replicas; default: a random secret per process. */
   saltSecretFile: z.string().min(1).optional(),
@@ -224,9 +228,15 @@ export function parseClusterConfig(value: unknown, source: string, baseDir: stri
   return deepFreeze({
     ...config,
     model: at(config.model),
-    ...(config.router.saltSecretFile === undefined
-      ? {}
-      : { router: { ...config.router, saltSecretFile: at(config.router.saltSecretFile) } }),
+    router: {
+      ...config.router,
+      ...(config.router.saltSecretFile === undefined
+        ? {}
+        : { saltSecretFile: at(config.router.saltSecretFile) }),
+      ...(config.router.tls === undefined
+        ? {}
+        : { tls: { cert: at(config.router.tls.cert)!, key: at(config.router.tls.key)! } }),
+    },
     ...(config.tls === undefined ? {} : { tls: { dir: at(config.tls.dir)! } }),
     ...(config.workers === undefined
       ? {}

@@ -508,7 +508,8 @@ export function routerTlsMaterial(config: ClusterConfig): TlsMaterial | null {
 }
 
 /** The router section of a cluster config as {@link startRouter} options: bind address, served
- *  name, context window, body limit, content logging and queue limits. Shared with
+ *  name, context window, body limit, content logging, queue limits and the clients' HTTPS pair
+ *  (`router.tls`). Shared with
  *  `kvfence router --config`. */
 export function routerSectionOptions(
   r: ClusterConfig['router'],
@@ -525,8 +526,10 @@ export function routerSectionOptions(
   | 'redisLimits'
   | 'sentinel'
   | 'drainSeconds'
+  | 'https'
 > {
   return {
+    ...(r.tls === undefined ? {} : { https: { cert: r.tls.cert, key: r.tls.key } }),
     ...(r.drainSeconds === undefined ? {} : { drainSeconds: r.drainSeconds }),
     host: r.host,
     port: r.port,

@@ -5,7 +5,7 @@
  *  plaintext, is refused before any HTTP request is read. */
 import assert from 'node:assert/strict'
 import { type ChildProcess, execFile } from 'node:child_process'
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import https from 'node:https'
 import net from 'node:net'
 import tls from 'node:tls'
@@ -13,9 +13,11 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { promisify } from 'node:util'
+import { stringify } from 'yaml'
 import { newClusterToken } from '../../src/engine/cluster-token.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
 import { cliEntry } from '../../src/paths.js'
+import { apiKeyDigest } from '../../src/router/tenants.js'
 import { createWorkerClient } from '../../src/router/worker-client.js'
 import { loadTlsMaterial } from '../../src/tls.js'
 import OpenAI from 'openai'
@@ -211,29 +213,11 @@ describe('workers over mutual TLS', () => {
       started,
     )
     const baseURL = `https://127.0.0.1:${ready.port}/v1`
-    // The real openai client; the cluster CA trusted through fetch's dispatcher (undici), as an
-    // operator's client trusting a private CA would.
-    const agent = new Agent({ connect: { ca: readFileSync(join(certs, 'ca.crt')) } })
-    const client = new OpenAI({
-      baseURL,
-      apiKey: tenants.a.key,
-      maxRetries: 0,
-      fetch: ((url: string, init: RequestInit) =>
-        undiciFetch(url, { ...(init as object), dispatcher: agent })) as unknown as typeof fetch,
-    })
+    const { client, agent } = trustingClusterCa(baseURL, tenants.a.key)
     const oracle = new Oracle(echoModelDir, 32, 16)
     try {
       const prompt = 'the river walks near the stone garden'
-      const completion = await client.completions.create({
-        model: 'echo-tiny',
-        prompt,
-        max_tokens: 12,
-        temperature: 0,
-      })
-      assert.equal(
-        completion.choices[0].text,
-        oracle.expected({ endpoint: 'completion', prompt, maxTokens: 12 }).text,
-      )
+      await completesAsOracle(client, oracle, prompt)
       const chat = await client.chat.completions.create({
         model: 'echo-tiny',
         messages: [{ role: 'user', content: prompt }],
@@ -274,6 +258,47 @@ describe('workers over mutual TLS', () => {
     } finally {
       await agent.close()
     }
+  })
+
+  it('kvfence router --config serves HTTPS with the file’s router.tls, and refuses --tls-cert beside it', async () => {
+    const tenants = makeTenants()
+    const file = join(dir, 'https.yaml')
+    // Paths relative to the file, as an operator writes them next to `certs init`'s folder.
+    writeFileSync(
+      file,
+      stringify({
+        model: echoModelDir,
+        router: { port: 0, tls: { cert: 'certs/router.crt', key: 'certs/router.key' } },
+        workers: { prefill: [{ url: prefillUrl }], decode: [{ url: decodeUrl }] },
+        tls: { dir: 'certs' },
+        tenants: [{ name: 'alice', keySha256: apiKeyDigest(tenants.a.key) }],
+      }),
+    )
+    const { ready } = await forkPart(['router', '--config', file, '--log-level', 'warn'], {
+      env: { ...process.env, KVFENCE_CLUSTER_TOKEN: clusterToken },
+      logFile: join(dir, 'router-config.log'),
+      timeoutMs: 60_000,
+      failure: (why, last) => new Error(`router did not start (${why.kind}): ${last}`),
+    }, started) // prettier-ignore
+    const { client, agent } = trustingClusterCa(`https://127.0.0.1:${ready.port}/v1`, tenants.a.key)
+    try {
+      const oracle = new Oracle(echoModelDir, 32, 16)
+      await completesAsOracle(client, oracle, 'the river walks near the stone garden')
+    } finally {
+      await agent.close()
+    }
+    const both = await promisify(execFile)(process.execPath, [
+      cliEntry, 'router', '--config', file,
+      '--tls-cert', join(certs, 'router.crt'), '--tls-key', join(certs, 'router.key'),
+    ]).then(
+      () => ({ code: 0, stderr: '' }),
+      (err: { code: number; stderr: string }) => err,
+    ) // prettier-ignore
+    assert.equal(both.code, 2)
+    assert.equal(
+      both.stderr,
+      `kvfence: ${file} has router.tls: give it or --tls-cert/--tls-key, not both\n`,
+    )
   })
 
   it('kvfence router: --cluster-tls-* go together (one line, exit 2)', async () => {
@@ -335,3 +360,31 @@ describe('workers over mutual TLS', () => {
     })
   })
 })
+
+/** The real openai client at `baseURL` trusting the cluster CA through fetch's dispatcher (undici),
+ *  as an operator's client trusting a private CA would; close `agent` when done. */
+function trustingClusterCa(baseURL: string, apiKey: string): { client: OpenAI; agent: Agent } {
+  const agent = new Agent({ connect: { ca: readFileSync(join(certs, 'ca.crt')) } })
+  const client = new OpenAI({
+    baseURL,
+    apiKey,
+    maxRetries: 0,
+    fetch: ((url: string, init: RequestInit) =>
+      undiciFetch(url, { ...(init as object), dispatcher: agent })) as unknown as typeof fetch,
+  })
+  return { client, agent }
+}
+
+/** A 12-token completion of `prompt` through `client` is exactly the single-process engine's. */
+async function completesAsOracle(client: OpenAI, oracle: Oracle, prompt: string): Promise<void> {
+  const completion = await client.completions.create({
+    model: 'echo-tiny',
+    prompt,
+    max_tokens: 12,
+    temperature: 0,
+  })
+  assert.equal(
+    completion.choices[0].text,
+    oracle.expected({ endpoint: 'completion', prompt, maxTokens: 12 }).text,
+  )
+}
