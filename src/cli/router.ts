@@ -14,7 +14,7 @@ import { KvfenceError } from '../errors.js'
 import { bundledModelDir } from '../paths.js'
 import { type StartRouterOptions, startRouter } from '../router/index.js'
 import { redactedUrl, type UnavailablePolicy } from '../router/redis-limits.js'
-import { saltSecretFrom } from '../router/salt-secret.js'
+import { refuseNativeSaltSecretFile, saltSecretFrom } from '../router/salt-secret.js'
 import type { SentinelMode } from '../router/sentinel/sentinel.js'
 import {
   collect,
@@ -240,6 +240,7 @@ function fromFlags(
       'give --config FILE, or --prefill, --decode and --tenants',
     )
   }
+  refuseNativeSaltSecretFile('--salt-secret-file', flags.saltSecretFile)
   return {
     modelDir: flags.model,
     prefillUrls: flags.prefill,
@@ -260,6 +261,11 @@ function fromConfig(
 ): Partial<StartRouterOptions> & Pick<StartRouterOptions, 'tenants'> {
   const config = loadClusterConfig(path)
   const saltSecretFile = config.router.saltSecretFile ?? flags.saltSecretFile
+  if (config.backend === undefined)
+    refuseNativeSaltSecretFile(
+      config.router.saltSecretFile === undefined ? '--salt-secret-file' : 'router.saltSecretFile',
+      saltSecretFile,
+    )
   const b = config.backend
   const urls = (entries: readonly ({ pages: number } | { url: string })[]) =>
     entries.map((e, i) => {

@@ -21,7 +21,7 @@ import {
   startRouter,
 } from '../router/start.js'
 import { type ClusterConfig, loadClusterConfig } from './cluster.js'
-import { saltSecretFrom } from '../router/salt-secret.js'
+import { refuseNativeSaltSecretFile, saltSecretFrom } from '../router/salt-secret.js'
 import { routerConfigDefaults } from '../router/config.js'
 
 /** A worker of a plan: forked here with its KV pool and flags, or already running at `url`. */
@@ -343,6 +343,7 @@ export function clusterConfigPlan(
       },
     }
   }
+  refuseNativeSaltSecretFile('router.saltSecretFile', r.saltSecretFile)
   const workers = config.workers!
   const allowPlaintext = config.tls === undefined && config.allowPlaintext === true
   if (config.tls === undefined) checkConfigPlaintext(config, log)

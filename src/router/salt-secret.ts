@@ -48,3 +48,15 @@ export function saltSecretFrom(
   }
   return secret
 }
+
+/** Refuses a salt secret file given for native workers, where it would be silently ignored: the
+ *  router's salts are sent to gateway engines only (a native prefill worker derives each tenant's
+ *  salt itself). `what` names the setting (`--salt-secret-file`, `router.saltSecretFile`).
+ *  @throws KvfenceError `config_invalid` when `file` is given. */
+export function refuseNativeSaltSecretFile(what: string, file: string | undefined): void {
+  if (file === undefined) return
+  throw new KvfenceError(
+    'config_invalid',
+    `${what} applies to gateway mode (backend:) only: native prefill workers derive each tenant's cache salt themselves`,
+  )
+}

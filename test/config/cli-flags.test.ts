@@ -61,6 +61,7 @@ const cases: [string[], string][] = [
   // Checked before any part starts: one line, and no part's log lines before it.
   [['serve', '--tenants', '/nonexistent-kvfence/tenants.yaml'], `kvfence: cannot read tenants file /nonexistent-kvfence/tenants.yaml: ENOENT: no such file or directory, open '/nonexistent-kvfence/tenants.yaml'`],
   // A policy for a store that is not configured would be silently ignored.
+  [['router', '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2', '--tenants', 't.yaml', '--salt-secret-file', 's'], "kvfence: --salt-secret-file applies to gateway mode (backend:) only: native prefill workers derive each tenant's cache salt themselves"],
   [['router', '--limits-on-unavailable', 'local'], 'kvfence: --limits-on-unavailable needs --limits-redis (it is the policy while Redis is unreachable)'],
 ] // prettier-ignore
 
@@ -229,6 +230,34 @@ describe('the gateway says how /v1/models answered when it found no model there'
       } finally {
         engine.close()
       }
+    })
+  }
+})
+
+describe('a salt secret file for native workers is refused, not ignored', () => {
+  const dir = mkdtempSync(join(tmpdir(), 'kvfence-cli-salt-'))
+  after(() => rmSync(dir, { recursive: true, force: true }))
+  // The router's salts go to gateway engines only; a native prefill worker salts its own cache.
+  const file = join(dir, 'native.yaml')
+  writeFileSync(
+    file,
+    stringify({
+      router: { saltSecretFile: 'missing.secret' },
+      workers: {
+        prefill: [{ url: 'http://127.0.0.1:1' }],
+        decode: [{ url: 'http://127.0.0.1:2' }],
+      },
+      tenants: [{ name: 'alice', keySha256: apiKeyDigest('k') }],
+    }),
+  )
+  for (const command of ['serve', 'router']) {
+    it(`kvfence ${command} --config with router.saltSecretFile`, async () => {
+      const res = await run([command, '--config', file])
+      assert.equal(res.code, 2, res.stderr)
+      assert.equal(
+        res.stderr,
+        "kvfence: router.saltSecretFile applies to gateway mode (backend:) only: native prefill workers derive each tenant's cache salt themselves\n",
+      )
     })
   }
 })
