@@ -43,7 +43,7 @@ export function saltSecretFrom(
   if (secret.length < minSaltSecretBytes) {
     throw new KvfenceError(
       'config_invalid',
-      `${label} holds ${secret.length} bytes; a salt secret needs at least ${minSaltSecretBytes} (e.g. openssl rand -hex 32)`,
+      `${label} holds ${secret.length} byte${secret.length === 1 ? '' : 's'}; a salt secret needs at least ${minSaltSecretBytes} (e.g. openssl rand -hex 32)`,
     )
   }
   return secret
