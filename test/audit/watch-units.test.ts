@@ -204,21 +204,21 @@ describe('planCycle', () => {
   })
 })
 
-test("at the default budget a cycle may spend what its own triggers and all 12 follow-up rounds cost at most against the incident's shape", () => {
+test("at the default budget a cycle may spend what its own triggers and all 20 follow-up rounds cost at most against the incident's shape", () => {
   const config = validateWatchOptions({ target: 'http://127.0.0.1:8000', tenants }, 1)
   const cost = cycleCostBound(config)
-  // 15 shares of 100,000 tokens and 1,440 requests an hour at 120 cycles an hour.
-  assert.deepEqual(cost.allowance, { tokens: 12_500, requests: 180 })
-  // Reads 7; plant, cut, fresh, burst of 3, look, rejection-path prompt 8; 12 rounds of 2.
-  assert.equal(cost.maxRequests, 7 + 8 + 12 * 2)
-  // 13 plants of ≤ 400 bytes (+ 4, + 16 answer tokens), the cut (200 + 4 + 16), 5 observers
+  // 24 shares of 100,000 tokens and 1,440 requests an hour at 120 cycles an hour.
+  assert.deepEqual(cost.allowance, { tokens: 20_000, requests: 288 })
+  // Reads 7; plant, cut, fresh, burst of 3, look, rejection-path prompt 8; 20 rounds of 2.
+  assert.equal(cost.maxRequests, 7 + 8 + 20 * 2)
+  // 21 plants of ≤ 400 bytes (+ 4, + 16 answer tokens), the cut (200 + 4 + 16), 5 observers
   // (49 + 4 + 16).
-  assert.equal(cost.maxCanaryTokens, 13 * 420 + 220 + 5 * 69)
+  assert.equal(cost.maxCanaryTokens, 21 * 420 + 220 + 5 * 69)
   // The cycle's rejection-path prompt and each round's read: over the 384-token pool by at most
   // 32, bound at ⌈416 × 1.05⌉ + 8 tokens plus 32 answer tokens.
   const readBound = Math.ceil(416 * 1.05) + 8 + 32
   assert.equal(readBound, 477)
-  assert.ok(cost.maxCanaryTokens + 13 * readBound <= cost.allowance.tokens)
+  assert.ok(cost.maxCanaryTokens + 21 * readBound <= cost.allowance.tokens)
   assert.ok(cost.maxRequests <= cost.allowance.requests)
 })
 

@@ -61,9 +61,10 @@ export const readerMaxTokens = 32
  *  out the pages freed last gives them to whichever request it admits next, and the read is one
  *  of several contenders), so the cycle tries again while its allowance lasts, to turn the
  *  boundary warning into a leak alert within the cycle. Each round is an independent try: at
- *  the one in five a read wins under the bench's workload, 12 rounds and the cycle's own read
- *  miss together about once in 18 cycles (0.8¹³). */
-export const maxFollowUpRounds = 12
+ *  the one in five a read wins under the bench's workload, 20 rounds and the cycle's own read
+ *  miss together about once in 100 cycles (0.8²¹; with 12 rounds, once in 18, and the bench
+ *  saw it: the cycles after such a one have only what the pacing bucket refilled). */
+export const maxFollowUpRounds = 20
 /** Requests a cycle's reads may take: /v1/models, /server_info, /get_server_info, /metrics, and
  *  up to three for pool usage. */
 export const maxReadRequests = 7
