@@ -6,8 +6,9 @@
  *    tenants sending a benign workload (mixed sizes: a shared system prompt, a shared licence
  *    paragraph, each tenant's own text of 4–60 words; a third streamed, a tenth of those aborted
  *    after the first chunk; tenant-2 now and then sends a prompt over the pool, which the shipped
- *    cluster refuses; test/helpers/workload.ts), and `kvfence watch` (a real process: src/audit/watch/child.ts) with two
- *    canary tenants at a cycle of `cycleSeconds` (the bench's default: the watch's own 30 s and
+ *    cluster refuses; test/helpers/workload.ts), and `kvfence watch` (a real process:
+ *    src/audit/watch/child.ts) with two canary tenants at a cycle of `cycleSeconds` (the bench's
+ *    default: the watch's own 30 s and
  *    its default budget; another cycle scales the budget by 30 ÷ cycle, so that each cycle runs
  *    what a default cycle runs, and its figures are then for that cycle, not the default's).
  *  - Once the watch has completed 3 cycles, the fault is switched on by a redeploy (the router on
