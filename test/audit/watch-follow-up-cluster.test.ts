@@ -2,7 +2,7 @@
  *  incident's fault injected (guards off) and four benign tenants sending their next request as
  *  soon as their last is answered (test/helpers/workload.ts, the bench's), an over-pool read wins
  *  the plant's freed pages only now and then, and a cycle at the default budget tries again in
- *  its follow-up rounds until one carries the plant's canary. One cycle misses about once in 18
+ *  its follow-up rounds until one carries the plant's canary. One cycle misses about once in 100
  *  (docs/monitoring.md, section 1): two cycles are allowed. */
 import assert from 'node:assert/strict'
 import { rmSync, writeFileSync } from 'node:fs'
