@@ -36,6 +36,7 @@ import { join } from 'node:path'
 import { performance } from 'node:perf_hooks'
 import { fileURLToPath } from 'node:url'
 import { startCluster, type Cluster } from '../src/config/launch.js'
+import { hasRun } from '../src/cli/demo-production.js'
 import { newApiKey } from '../src/router/tenant-keys.js'
 import { incidentShape } from '../test/helpers/cluster.js'
 import { echoModelDir } from '../test/helpers/paths.js'
@@ -373,16 +374,6 @@ async function complete(
 function hasFragment(text: string, secret: string): boolean {
   for (let i = 0; i + 8 <= secret.length; i++)
     if (text.includes(secret.slice(i, i + 8))) return true
-  return false
-}
-
-/** Whether `answer` holds 16 characters whose every 8-character piece occurs in `source`. */
-function hasRun(answer: string, source: string): boolean {
-  let run = 0
-  for (let i = 0; i + 8 <= answer.length; i++) {
-    run = source.includes(answer.slice(i, i + 8)) ? run + 1 : 0
-    if (run >= 9) return true
-  }
   return false
 }
 

@@ -256,8 +256,9 @@ async function servedModel(url: string, key: string): Promise<string> {
   return data[0].id
 }
 
-/** Whether `answer` holds 16 characters whose every 8-character piece occurs in `source`. */
-function hasRun(answer: string, source: string): boolean {
+/** Whether `answer` holds 16 characters whose every 8-character piece occurs in `source` (a
+ *  run of another tenant's text: what the demo and the benches count as contaminated). */
+export function hasRun(answer: string, source: string): boolean {
   let run = 0
   for (let i = 0; i + 8 <= answer.length; i++) {
     run = source.includes(answer.slice(i, i + 8)) ? run + 1 : 0

@@ -1,8 +1,8 @@
 /** Stand-in OpenAI-compatible servers for the auditor's tests, on 127.0.0.1, port 0.
  *  - `leaky`: the incident. Advertises a 1024-token context but holds a 384-token KV pool; a
  *    prompt between the two is "rejected" inside, replaced by a one-token placeholder, and still
- *    decoded: every other time the output is read from the stale pool pages the previous
- *    request left behind (200, coherent, someone else's words).
+ *    decoded: every other time (or every `staleReadEvery`-th time) the output is read from the
+ *    stale pool pages the previous request left behind (200, coherent, someone else's words).
  *  - `safe`: same pool, context = pool, longer prompts refused with 400 context_length_exceeded.
  *  - `broken`: every request answers 500.
  *  - `refusing`: like `safe`, but every completion is refused with a 400 that has nothing to do
@@ -127,6 +127,11 @@ export interface StandInOptions {
    *  {@link ChunkedPrefill}); reported as kvfence's `prefillChunkTokens` or SGLang's
    *  `chunked_prefill_size`. */
   readonly chunkedPrefill?: ChunkedPrefill
+  /** `leaky`: only every this-many-th prompt over the pool (the N-th, the 2N-th…) is decoded over
+   *  the stale pages the previous request left; the others over pages another request took first
+   *  (words no tenant sent), as a read that loses the race for the freed pages under a busy
+   *  workload. Default: every other one (the 1st, the 3rd…). */
+  readonly staleReadEvery?: number
   /** Prompts of more than this many words count one token more than their words and BOS (a
    *  tokenizer that merges or splits somewhere a short calibration prompt never reaches). */
   readonly extraTokenPastWords?: number
@@ -504,7 +509,10 @@ export async function startStandIn(
       // The incident: rejected inside, swapped for a placeholder, decoded over stale pages.
       stats.numOverCapacity++
       pool[0] = '<placeholder>'
-      const isStaleRead = stats.numOverCapacity % 2 === 1
+      const isStaleRead =
+        options.staleReadEvery === undefined
+          ? stats.numOverCapacity % 2 === 1
+          : stats.numOverCapacity % options.staleReadEvery === 0
       output = isStaleRead
         ? pool.slice(1, 1 + request.max_tokens)
         : Array(request.max_tokens).fill('the')

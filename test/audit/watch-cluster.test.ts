@@ -144,6 +144,11 @@ describe('kvfence watch against the real cluster', () => {
           watch.lines.filter((l) => l.msg === 'finding' || l.outcome === 'finding'),
           [],
         )
+        // Every prompt over the limit was refused: no follow-up round ran.
+        assert.deepEqual(
+          watch.lines.filter((l) => l.msg === 'cycle' && l.followUps !== undefined),
+          [],
+        )
         assert.equal(metricValue(metrics, 'kvfence_watch_capacity_gap_tokens'), 0)
         assert.equal(
           metricValue(metrics, 'kvfence_watch_cycles_total', { outcome: 'finding' }),

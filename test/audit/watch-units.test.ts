@@ -16,6 +16,7 @@ import {
   type WatchFinding,
 } from '../../src/audit/watch/cycle.js'
 import { HourlyBudget, PacingBucket } from '../../src/audit/watch/hourly.js'
+import { cycleCostBound } from '../../src/audit/watch/loop.js'
 import { validateWatchOptions } from '../../src/audit/watch/options.js'
 import { webhookBody } from '../../src/audit/watch/webhook.js'
 import type { CompletionResult } from '../../src/audit/target.js'
@@ -201,6 +202,24 @@ describe('planCycle', () => {
       assert.equal(read.tokenBound, Math.ceil(read.aimedTokens! * 1.05) + 8 + 32)
     }
   })
+})
+
+test("at the default budget a cycle may spend what its own triggers and all 20 follow-up rounds cost at most against the incident's shape", () => {
+  const config = validateWatchOptions({ target: 'http://127.0.0.1:8000', tenants }, 1)
+  const cost = cycleCostBound(config)
+  // 24 shares of 100,000 tokens and 1,440 requests an hour at 120 cycles an hour.
+  assert.deepEqual(cost.allowance, { tokens: 20_000, requests: 288 })
+  // Reads 7; plant, cut, fresh, burst of 3, look, rejection-path prompt 8; 20 rounds of 2.
+  assert.equal(cost.maxRequests, 7 + 8 + 20 * 2)
+  // 21 plants of ≤ 400 bytes (+ 4, + 16 answer tokens), the cut (200 + 4 + 16), 5 observers
+  // (49 + 4 + 16).
+  assert.equal(cost.maxCanaryTokens, 21 * 420 + 220 + 5 * 69)
+  // The cycle's rejection-path prompt and each round's read: over the 384-token pool by at most
+  // 32, bound at ⌈416 × 1.05⌉ + 8 tokens plus 32 answer tokens.
+  const readBound = Math.ceil(416 * 1.05) + 8 + 32
+  assert.equal(readBound, 477)
+  assert.ok(cost.maxCanaryTokens + 21 * readBound <= cost.allowance.tokens)
+  assert.ok(cost.maxRequests <= cost.allowance.requests)
 })
 
 describe('planFollowUp', () => {

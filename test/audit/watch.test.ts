@@ -38,6 +38,46 @@ const isCrossTenantLeak = (l: LogLine): boolean => {
 }
 
 describe('kvfence watch against the incident stand-in', () => {
+  test('a read that finds the plant one time in nine: the first cycle, at the default budget, runs 8 follow-up rounds and raises the leak', async (t) => {
+    // The stand-in decodes only its 9th prompt over the pool over the pages the previous request
+    // left (the others over words no tenant sent, as a read that lost the race for the freed pages
+    // to a busy workload): the cycle's own over-capacity or boundary prompt is the 1st, follow-up
+    // round k's read the (k + 1)-th, right after that round's plant.
+    const standIn = await startStandIn('leaky', { staleReadEvery: 9 })
+    const watch = startWatch(
+      ['--target', standIn.url, ...tenantFlags, '--metrics-port', '0', '--seed', '7'],
+      env,
+    )
+    t.after(async () => {
+      watch.child.kill('SIGKILL')
+      await standIn.close()
+    })
+    const leak = await watch.waitFor(isCrossTenantLeak, 60_000, 'with a cross-tenant leak finding')
+    assert.match(String(leak.title), /over-capacity \d+ tokens \(follow-up 8\) answer/)
+    // The cycle's findings are announced one after another: the boundary warning comes last.
+    await watch.waitFor(
+      (l) => l.msg === 'finding' && l.probe === 'boundary',
+      10_000,
+      'with the boundary warning',
+    )
+    const cycles = watch.lines.filter((l) => l.msg === 'cycle')
+    assert.deepEqual(
+      cycles.map((l) => [l.cycle, l.outcome, l.followUps]),
+      [[1, 'finding', 8]],
+    )
+    assert.equal(standIn.stats.numOverCapacity, 9)
+    // The read's 32 words may reach past the last plant into an earlier one of its own tenant (a
+    // same-tenant leak besides): the kinds, not the count, are exact.
+    const kinds = watch.lines
+      .filter((l) => l.msg === 'finding')
+      .map((l) => `${String(l.verdict)}:${String(l.probe)}`)
+    assert.deepEqual([...new Set(kinds)].sort(), [
+      'leak:canary',
+      'warning:boundary',
+      'warning:capacity',
+    ])
+  })
+
   test('a leak is one finding: a log line with its evidence, the metrics, one webhook', async (t) => {
     const standIn = await startStandIn('leaky')
     const receiver = await startReceiver()
@@ -165,6 +205,11 @@ describe('kvfence watch against a safe stand-in', () => {
     )
     assert.ok(metricValue(metrics, 'kvfence_watch_cycles_total', { outcome: 'clean' })! >= 1)
     assert.equal(metricValue(metrics, 'kvfence_watch_capacity_gap_tokens'), 0)
+    // Every prompt over the limit was refused: no follow-up round ran.
+    assert.deepEqual(
+      watch.lines.filter((l) => l.msg === 'cycle' && l.followUps !== undefined),
+      [],
+    )
     assert.deepEqual(
       watch.lines.filter((l) => l.msg === 'finding'),
       [],

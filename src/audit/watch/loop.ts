@@ -29,8 +29,10 @@ import { alertEvidence, postWebhook, webhookBody, type AlertStatus } from './web
 
 /** A cycle may spend up to this many times its average share of the hourly budget (so a cycle
  *  that draws every trigger can run now and then, and one that finds the rejection path broken
- *  can run its follow-up rounds at once; the hour still averages out). */
-const cycleShareFactor = 6
+ *  can run all its follow-up rounds at once: the cycle's own triggers and
+ *  {@link maxFollowUpRounds} rounds of about 860 tokens each fit in 24 shares; the hour still
+ *  averages out, and a healthy endpoint's cycles never come near it). */
+const cycleShareFactor = 24
 /** The plant is at most {@link plantMaxCharacters} ASCII characters, the cut stream
  *  {@link cutMaxCharacters}. */
 const plantTokenBound = promptTokenBound('x'.repeat(plantMaxCharacters)) + plantMaxTokens
