@@ -40,6 +40,7 @@ import { hasRun } from '../src/cli/demo-production.js'
 import { newApiKey } from '../src/router/tenant-keys.js'
 import { incidentShape } from '../test/helpers/cluster.js'
 import { echoModelDir } from '../test/helpers/paths.js'
+import { ownText } from '../test/helpers/workload.js'
 import { keys, startHarness } from '../test/router/helpers.js'
 import { benchWatchDetection } from './sentinel-watch.js'
 
@@ -47,9 +48,6 @@ const licence =
   'Permission is hereby granted, free of charge, to any person obtaining a copy of this software'
 const systemPrompt =
   'You are a careful assistant of the example company. Answer briefly and politely, in English.'
-const words = 'river stone light water green paper house small table music bread cloud field'.split(
-  ' ',
-)
 const overCapacityPrompt = 'b '.repeat(225) // 451 tokens: over the prefill pool of 384
 
 /** Runs the benchmark and returns its JSON. */
@@ -264,17 +262,21 @@ async function measureCluster(benignSeconds: number) {
 
 /** One benign request of a random kind; returns 1. */
 async function benignRequest(cluster: Cluster, key: string): Promise<number> {
-  const own = Array.from({ length: 12 }, () => words[Math.floor(Math.random() * words.length)])
+  // A tenant's own text is its own, as in the watch's workload: 12 words drawn from 13 made every
+  // tenant's passage a reshuffle of the others', and the echo model (a token per character) copied
+  // 16-character runs of them across word boundaries, one of which another tenant alone had sent
+  // (one suspected event in a benign run of 2026-12-02).
+  const own = ownText(12)
   const kind = Math.floor(Math.random() * 3)
   const body =
     kind === 0
       ? {
           messages: [
             { role: 'system', content: systemPrompt },
-            { role: 'user', content: own.join(' ') },
+            { role: 'user', content: own },
           ],
         }
-      : { prompt: kind === 1 ? `${licence} ${own.join(' ')}` : own.join(' ') }
+      : { prompt: kind === 1 ? `${licence} ${own}` : own }
   const path = kind === 0 ? 'chat/completions' : 'completions'
   const res = await fetch(`${cluster.routerUrl}/v1/${path}`, {
     method: 'POST',

@@ -142,7 +142,7 @@ async function* sseEvents(res: Response): AsyncGenerator<Answer> {
 }
 
 /** `numWords` random 6-letter hex words: text no other tenant sends. */
-function ownText(numWords: number): string {
+export function ownText(numWords: number): string {
   return Array.from({ length: numWords }, () => randomBytes(3).toString('hex')).join(' ')
 }
 
