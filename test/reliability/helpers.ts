@@ -2,15 +2,15 @@
  *  `dist/src/cli/main.js` on fixed ports (so one part can be killed and restarted in place), read a
  *  worker's pool, and wait for conditions with bounded polling. */
 import { fork, type ChildProcess } from 'node:child_process'
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { readFileSync, writeFileSync } from 'node:fs'
 import net from 'node:net'
-import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import OpenAI from 'openai'
 import { newApiKey, tenantsYaml } from '../../src/router/tenant-keys.js'
 import { ServerInfo } from '../../src/engine/control.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 import { pollUntil } from '../helpers/poll.js'
+import { tempDir } from '../helpers/temp-dir.js'
 
 /** Pool shape of these tests: prefill 32 × 16 = 512 tokens (the context), decode 64 × 16. */
 export const shape = { pageSize: 16, prefillPages: 32, decodePages: 64 }
@@ -54,17 +54,9 @@ export async function freePort(): Promise<number> {
   throw new Error(`no free port found in ${low}..${high - 1}`)
 }
 
-/** Folders of {@link makeTenants}, removed when the test process exits (79 were left in /tmp
- *  after one day's runs). */
-const tenantDirs: string[] = []
-process.once('exit', () => {
-  for (const dir of tenantDirs) rmSync(dir, { recursive: true, force: true })
-})
-
 /** Two tenants with fresh keys in a temporary tenants file (removed at exit). */
 export function makeTenants(): { file: string; a: Tenant; b: Tenant } {
-  const dir = mkdtempSync(join(tmpdir(), 'kvfence-rel-'))
-  tenantDirs.push(dir)
+  const dir = tempDir('kvfence-rel-')
   const a = { name: 'tenant-a', key: newApiKey() }
   const b = { name: 'tenant-b', key: newApiKey() }
   const file = join(dir, 'tenants.yaml')

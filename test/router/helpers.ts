@@ -2,10 +2,9 @@
  *  and decode workers speaking the control plane over real HTTP, a router in front of them, and
  *  captured logs. Not a test file itself. */
 import assert from 'node:assert/strict'
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { readFileSync, rmSync, writeFileSync } from 'node:fs'
 import http from 'node:http'
 import { type AddressInfo, connect } from 'node:net'
-import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import OpenAI from 'openai'
 import { GenerateRequest, PrefillRequest, type ServerInfo } from '../../src/engine/control.js'
@@ -13,6 +12,7 @@ import { apiKeyDigest } from '../../src/router/tenants.js'
 import { captureLogs, type LogCapture } from '../helpers/logs.js'
 import { waitUntil } from '../helpers/poll.js'
 import { type RunningRouter, type StartRouterOptions, startRouter } from '../../src/router/start.js'
+import { tempDir } from '../helpers/temp-dir.js'
 
 // ---------------------------------------------------------------------------------------------
 // A char-level tokenizer: 0 <pad>, 1 <s>, 2 </s>, 3 <sep>, 4 "\n", 5.. printable ASCII
@@ -39,7 +39,7 @@ export function writeTestTokenizer(
   config: Record<string, unknown> = {},
   options: { chatTemplate?: string | null } = {},
 ): string {
-  const dir = mkdtempSync(join(tmpdir(), 'kvfence-tok-'))
+  const dir = tempDir('kvfence-tok-')
   const specials = ['<pad>', '<s>', '</s>', '<sep>']
   const vocab: Record<string, number> = {}
   specials.forEach((s, id) => (vocab[s] = id))

@@ -7,8 +7,7 @@
  *  ÷ the tenant's weight), not read from the implementation. */
 import assert from 'node:assert/strict'
 import type { ChildProcess } from 'node:child_process'
-import { mkdtempSync, writeFileSync } from 'node:fs'
-import { tmpdir } from 'node:os'
+import { writeFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { after, before, describe, it } from 'node:test'
@@ -32,6 +31,7 @@ import {
   startHoldingEngine,
   startRedis,
 } from './redis-helpers.js'
+import { tempDir } from '../helpers/temp-dir.js'
 
 const skip = redisSkipReason()
 if (skip !== null) console.log(`# skipping the shared fair-queue counters: ${skip}`)
@@ -212,7 +212,7 @@ describe('fair-queue counters shared through Redis', { skip: skip ?? false }, ()
 
 describe('two router replicas share the fair queue', { skip: skip ?? false }, () => {
   const children: ChildProcess[] = []
-  const dir = mkdtempSync(join(tmpdir(), 'kvfence-redis-fair-'))
+  const dir = tempDir('kvfence-redis-fair-')
   const alpha = { name: 'alpha', key: newApiKey() }
   const beta = { name: 'beta', key: newApiKey() }
   let engine: Engine

@@ -3,12 +3,11 @@
  *  same port to play an outage. And what the tests of router replicas share: a stand-in vLLM whose
  *  streams hold a request for 3 s, and a chat request to a replica. Not a test file itself. */
 import { type ChildProcess, spawn } from 'node:child_process'
-import { existsSync, mkdtempSync } from 'node:fs'
+import { existsSync } from 'node:fs'
 import net from 'node:net'
-import { tmpdir } from 'node:os'
-import { join } from 'node:path'
 import { type Engine, startEngine } from '../helpers/engines.js'
 import { freePort } from '../reliability/helpers.js'
+import { tempDir } from '../helpers/temp-dir.js'
 
 /** Debian's redis-server. */
 export const redisServerPath = '/usr/bin/redis-server'
@@ -33,7 +32,7 @@ export interface RedisServer {
 /** Starts a redis-server; resolves once it accepts connections. */
 export async function startRedis(): Promise<RedisServer> {
   const port = await freePort()
-  const dir = mkdtempSync(join(tmpdir(), 'kvfence-redis-'))
+  const dir = tempDir('kvfence-redis-')
   let child: ChildProcess | null = null
   const start = async () => {
     child = spawn(
