@@ -238,44 +238,12 @@ export async function createRedisLimitStore(
   }, leaseMs / 3)
   refreshTimer.unref()
 
-  const service = createSyncedServiceCounters()
-  const countersKey = `${prefix}{service}:counters`
-  const markerKey = `${prefix}{service}:batch:${routerId}`
-  /** One sync: the batch out, every counter back. Runs whenever the connection is up, even while
-   *  a timed-out command marks Redis unavailable: its answer is what marks it available again. */
-  async function syncOnce(): Promise<void> {
-    if (redis.status !== 'ready') return service.fail()
-    const batch = service.takeBatch()
-    try {
-      const reply = await commands.kvfenceService(
-        countersKey,
-        markerKey,
-        batch.seq,
-        batchMarkerMs,
-        leaseMs,
-        ...batchArgs(batch),
-      )
-      service.confirm(batch, countersOf(reply))
-      availability.set(true, 'the service counters synced')
-    } catch (err) {
-      service.fail()
-      availability.set(false, (err as Error).message)
-    }
-  }
-  let syncing: Promise<void> | null = null
-  function startSync(): Promise<void> {
-    syncing ??= syncOnce().finally(() => {
-      syncing = null
-    })
-    return syncing
-  }
-  /** A sync begun after the one running now, if any, has ended. */
-  async function syncAfterCurrent(): Promise<void> {
-    while (syncing !== null) await syncing
-    await startSync()
-  }
-  const syncTimer = setInterval(() => void startSync(), serviceSyncMs)
-  syncTimer.unref()
+  const sync = startServiceSync(redis, commands, availability, {
+    countersKey: `${prefix}{service}:counters`,
+    markerKey: `${prefix}{service}:batch:${routerId}`,
+    leaseMs,
+  })
+  const service = sync.service
 
   return {
     get isAvailable() {
@@ -316,14 +284,67 @@ export async function createRedisLimitStore(
     },
     close() {
       clearInterval(refreshTimer)
-      clearInterval(syncTimer)
+      sync.stop()
       // The last changes go out first (a batch whose reply is lost here is counted once still).
-      void syncAfterCurrent().finally(() => redis.disconnect())
+      void sync.syncAfterCurrent().finally(() => redis.disconnect())
     },
     registerMetrics(registry) {
       registerUnavailableGauge(registry, () => availability.isAvailable)
     },
-    syncService: syncAfterCurrent,
+    syncService: sync.syncAfterCurrent,
+  }
+}
+
+/** Syncs this router's service counters with Redis every {@link serviceSyncMs} (see the section
+ *  below): `countersKey` holds every tenant's counter, `markerKey` this router's last applied
+ *  batch; both expire `leaseMs` after the last sync. `stop` ends the timer. */
+function startServiceSync(
+  redis: Redis,
+  commands: LimitCommands,
+  availability: ReturnType<typeof watchAvailability>,
+  keys: { countersKey: string; markerKey: string; leaseMs: number },
+) {
+  const service = createSyncedServiceCounters()
+  const { countersKey, markerKey, leaseMs } = keys
+  /** One sync: the batch out, every counter back. Runs whenever the connection is up, even while
+   *  a timed-out command marks Redis unavailable: its answer is what marks it available again. */
+  async function syncOnce(): Promise<void> {
+    if (redis.status !== 'ready') return service.fail()
+    const batch = service.takeBatch()
+    try {
+      const reply = await commands.kvfenceService(
+        countersKey,
+        markerKey,
+        batch.seq,
+        batchMarkerMs,
+        leaseMs,
+        ...batchArgs(batch),
+      )
+      service.confirm(batch, countersOf(reply))
+      availability.set(true, 'the service counters synced')
+    } catch (err) {
+      service.fail()
+      availability.set(false, (err as Error).message)
+    }
+  }
+  let syncing: Promise<void> | null = null
+  function startSync(): Promise<void> {
+    syncing ??= syncOnce().finally(() => {
+      syncing = null
+    })
+    return syncing
+  }
+  /** A sync begun after the one running now, if any, has ended. */
+  async function syncAfterCurrent(): Promise<void> {
+    while (syncing !== null) await syncing
+    await startSync()
+  }
+  const syncTimer = setInterval(() => void startSync(), serviceSyncMs)
+  syncTimer.unref()
+  return {
+    service,
+    syncAfterCurrent,
+    stop: () => clearInterval(syncTimer),
   }
 }
 
