@@ -144,7 +144,7 @@ export function registerRouter(program: Command): void {
     .addOption(
       new Option(
         '--control-plane <transport>',
-        'how requests reach the workers: channel (one multiplexed connection per worker; HTTP with a worker without it) or http (one request per step); default http',
+        'how requests reach the workers: channel (one multiplexed connection per worker; HTTP with a worker without it; the default) or http (one request per step)',
       ).choices(['channel', 'http']),
     )
     .action(async (flags: RouterFlags) => {

@@ -115,7 +115,10 @@ function serveConnection(
   service: ChannelService,
   options: ChannelServerOptions,
 ): void {
-  if ('setNoDelay' in socket) (socket as import('node:net').Socket).setNoDelay(true)
+  // Tokens leave at once; a router gone silently (its host lost) is found by TCP keep-alive.
+  const tcp = socket as import('node:net').Socket
+  tcp.setNoDelay?.(true)
+  tcp.setKeepAlive?.(true, 30_000)
   const streams = new Map<number, StreamState>()
   const reader = new FrameReader()
   const write = frameWriter(socket)
@@ -205,6 +208,12 @@ function serveConnection(
   socket.on('data', onData)
   socket.on('error', (err) => options.onConnectionError?.(err))
   socket.on('close', closeAll)
+  // An upgraded socket of an HTTP server is half-open: the router's end (its process stopped, its
+  // channel closed) would otherwise leave this side open and its requests running.
+  socket.on('end', () => {
+    closeAll()
+    socket.destroy()
+  })
   if (head.length > 0) onData(head)
 }
 

@@ -31,6 +31,9 @@ import {
 import { KvfenceError } from '../errors.js'
 import { clientTlsOptions, type TlsMaterial } from '../tls.js'
 
+/** Idle time before TCP keep-alive probes a channel's connection, ms. */
+const keepAliveProbeMs = 30_000
+
 /** One open channel to one worker. */
 export interface ControlChannel {
   /** Opens a decode stream for `request`; its events, parsed. Ends after `done` or an `error`
@@ -92,6 +95,13 @@ export function openChannel(
     req.on('upgrade', (res, socket, head) => {
       req.setTimeout(0)
       socket.setTimeout(0)
+      const protocol = String(res.headers.upgrade ?? '').toLowerCase()
+      if (protocol !== channelProtocol) {
+        socket.destroy()
+        return reject(
+          new Error(`the upgrade switched to ${JSON.stringify(protocol)}, not ${channelProtocol}`),
+        )
+      }
       resolve(channelOn(socket, head, where, options))
     })
     req.on('response', (res) => {
@@ -132,7 +142,10 @@ function channelOn(
   where: string,
   options: ChannelOptions,
 ): ControlChannel {
-  ;(socket as import('node:net').Socket).setNoDelay?.(true)
+  // Tokens leave at once; a peer gone silently (its host lost) is found by TCP keep-alive.
+  const tcp = socket as import('node:net').Socket
+  tcp.setNoDelay?.(true)
+  tcp.setKeepAlive?.(true, keepAliveProbeMs)
   const streams = new Map<number, StreamReceiver>()
   const reader = new FrameReader()
   const write = frameWriter(socket)
@@ -169,6 +182,7 @@ function channelOn(
     fail(new KvfenceError('worker_unavailable', `${where}: control channel: ${err.message}`)),
   )
   socket.on('close', () => fail(closeError))
+  socket.on('end', () => fail(closeError)) // the worker's end: never half-open
   if (head.length > 0) onData(head)
 
   /** A free stream number (u32, wrapping; never one still open). */
@@ -218,22 +232,29 @@ function channelOn(
         const settle = () => signal.removeEventListener('abort', onAbort)
         id = openStream({
           onFrame(frame) {
-            streams.delete(id) // the worker ended the stream
+            // The worker ended the stream; a frame that breaks the format fails it too (and,
+            // thrown on, the connection).
+            streams.delete(id)
             settle()
-            if (frame.kind === 'failed') return reject(refusalOf(frame))
-            if (frame.kind !== 'result') {
-              throw new ChannelFrameError(`a ${frame.kind} frame on prefill stream ${id}`)
+            try {
+              if (frame.kind === 'failed') return reject(refusalOf(frame))
+              if (frame.kind !== 'result') {
+                throw new ChannelFrameError(`a ${frame.kind} frame on prefill stream ${id}`)
+              }
+              const parsed = PrefillResult.safeParse(parseJsonPayload(frame))
+              if (!parsed.success) {
+                return reject(
+                  new KvfenceError(
+                    'internal_error',
+                    `${where}: unexpected reply (${issueText(parsed.error.issues[0])})`,
+                  ),
+                )
+              }
+              resolve(parsed.data)
+            } catch (err) {
+              reject(new KvfenceError('internal_error', `${where}: ${(err as Error).message}`))
+              throw err
             }
-            const parsed = PrefillResult.safeParse(parseJsonPayload(frame))
-            if (!parsed.success) {
-              return reject(
-                new KvfenceError(
-                  'internal_error',
-                  `${where}: unexpected reply (${issueText(parsed.error.issues[0])})`,
-                ),
-              )
-            }
-            resolve(parsed.data)
           },
           onClose(err) {
             settle()
@@ -304,8 +325,9 @@ function decodeStream(
     onFrame(frame) {
       if (frame.kind === 'token') return push({ type: 'token', tokenId: tokenIdOf(frame) })
       if (frame.kind === 'failed') {
+        const refusal = host.refusalOf(frame) // a throw leaves the stream to the connection's failure
         host.forget(id)
-        return end(host.refusalOf(frame))
+        return end(refusal)
       }
       if (frame.kind !== 'event') {
         throw new ChannelFrameError(`a ${frame.kind} frame on decode stream ${id}`)

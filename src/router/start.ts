@@ -121,7 +121,7 @@ export interface StartRouterOptions {
 }
 
 /** Whether the router uses the control channel unless told otherwise. */
-export const defaultControlChannel = false
+export const defaultControlChannel = true
 
 /** A listening router. */
 export interface RunningRouter {

@@ -1,7 +1,9 @@
 /** The router's transport of the control plane (see `src/engine/control.ts`): HTTP/1.1 + JSON
  *  (NDJSON for the decode worker's stream) over one keep-alive agent (`node:http`, or `node:https`
- *  with mutual TLS 1.3 against the cluster CA, src/tls.ts, for `https:` worker URLs), with the
- *  workers' replies parsed at this boundary. One request's steps across the two workers, and the
+ *  with mutual TLS 1.3 against the cluster CA, src/tls.ts, for `https:` worker URLs), or, with
+ *  `controlChannel`, the control channel (control-channel.ts: one multiplexed connection per
+ *  worker over the same TLS, HTTP kept for a worker without it and for `/server_info`, `/metrics`
+ *  and the token probe), with the workers' replies parsed at this boundary. One request's steps across the two workers, and the
  *  checks before any token leaves, are `src/engine/handoff.ts`'s: this file gives it the two
  *  workers as sides, picked round-robin.
  *  Knows worker URLs, HTTP status codes, connections and request ids; knows nothing of text, API

@@ -108,6 +108,22 @@ describe('control channel to plaintext workers', () => {
     await stopAll(started)
   })
 
+  /** Waits until the decode worker counted one more aborted request than `abortedBefore` and
+   *  holds no pages. */
+  async function abortedAndFreed(abortedBefore: number): Promise<void> {
+    await waitUntil(
+      async () =>
+        (await sample(decode.url, 'kvfence_worker_requests_total', 'outcome="request_aborted"')) ===
+        abortedBefore + 1,
+      { timeoutMs: 10_000, intervalMs: 20, what: 'the decode worker counted the abort' },
+    )
+    await waitUntil(async () => (await numPagesUsed(workers, decode.url)) === 0, {
+      timeoutMs: 10_000,
+      intervalMs: 20,
+      what: "the decode worker freed the request's pages",
+    })
+  }
+
   it('generates exactly the single-process tokens, 4 requests at once on one connection per worker', async () => {
     const want = greedyOracle(prompt, 12)
     const got = await Promise.all(
@@ -137,17 +153,7 @@ describe('control channel to plaintext workers', () => {
       (err: unknown) => err instanceof KvfenceError && err.code === 'request_aborted',
     )
     assert.equal(numTokens, 2)
-    await waitUntil(
-      async () =>
-        (await sample(decode.url, 'kvfence_worker_requests_total', 'outcome="request_aborted"')) ===
-        abortedBefore + 1,
-      { timeoutMs: 10_000, intervalMs: 20, what: 'the decode worker counted the abort' },
-    )
-    await waitUntil(async () => (await numPagesUsed(workers, decode.url)) === 0, {
-      timeoutMs: 10_000,
-      intervalMs: 20,
-      what: "the decode worker freed the request's pages",
-    })
+    await abortedAndFreed(abortedBefore)
     assert.equal(await numPagesUsed(workers, prefillUrl), 0)
     // The connection stays: the next request runs on it.
     assert.deepEqual(
@@ -155,6 +161,31 @@ describe('control channel to plaintext workers', () => {
       greedyOracle(prompt, 5),
     )
     assert.equal(await sample(decode.url, 'kvfence_control_channels'), 1)
+  })
+
+  it('a router that closes its channel mid-stream (it stopped) aborts the request on the worker and frees its pages', async () => {
+    const abortedBefore = await sample(
+      decode.url,
+      'kvfence_worker_requests_total',
+      'outcome="request_aborted"',
+    )
+    const leaving = createWorkerClient({
+      prefillUrls: [prefillUrl],
+      decodeUrls: [decode.url],
+      clusterToken,
+      controlChannel: true,
+    })
+    let numTokens = 0
+    await assert.rejects(async () => {
+      for await (const e of leaving.generate(
+        makeRequest('tenant-a', prompt, 900),
+        AbortSignal.timeout(60_000),
+      )) {
+        if (e.type === 'token' && ++numTokens === 2) leaving.close()
+      }
+    }, /control channel closed/)
+    await abortedAndFreed(abortedBefore)
+    assert.equal(await sample(decode.url, 'kvfence_control_channels'), 1, "only the suite's own")
   })
 
   it('refuses the upgrade without the cluster token (401) and a wrong token is ClusterTokenRefusedError', async () => {
