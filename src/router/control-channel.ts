@@ -16,6 +16,7 @@ import {
   encodeJsonFrame,
   encodeFrame,
   FrameReader,
+  maxPayloadBytes,
   parseJsonPayload,
   tokenIdOf,
   type Frame,
@@ -106,7 +107,14 @@ export function openChannel(
     })
     req.on('response', (res) => {
       const chunks: Buffer[] = []
-      res.on('data', (chunk: Buffer) => chunks.push(chunk))
+      let numBytes = 0
+      res.on('data', (chunk: Buffer) => {
+        numBytes += chunk.length
+        if (numBytes > maxPayloadBytes) {
+          return req.destroy(new Error(`a refusal of the upgrade over ${maxPayloadBytes} bytes`))
+        }
+        chunks.push(chunk)
+      })
       res.on('error', reject)
       res.on('end', () => {
         if (res.statusCode === 404) return resolve(channelUnsupported)
