@@ -230,53 +230,68 @@ function channelOn(
       })
     },
     prefill(request, signal) {
-      return new Promise<PrefillResult>((resolve, reject) => {
-        if (signal.aborted) return reject(abortError(signal))
-        let id = 0
-        const onAbort = () => {
-          cancel(id)
-          reject(abortError(signal))
-        }
-        const settle = () => signal.removeEventListener('abort', onAbort)
-        id = openStream({
-          onFrame(frame) {
-            // The worker ended the stream; a frame that breaks the format fails it too (and,
-            // thrown on, the connection).
-            streams.delete(id)
-            settle()
-            try {
-              if (frame.kind === 'failed') return reject(refusalOf(frame))
-              if (frame.kind !== 'result') {
-                throw new ChannelFrameError(`a ${frame.kind} frame on prefill stream ${id}`)
-              }
-              const parsed = PrefillResult.safeParse(parseJsonPayload(frame))
-              if (!parsed.success) {
-                return reject(
-                  new KvfenceError(
-                    'internal_error',
-                    `${where}: unexpected reply (${issueText(parsed.error.issues[0])})`,
-                  ),
-                )
-              }
-              resolve(parsed.data)
-            } catch (err) {
-              reject(new KvfenceError('internal_error', `${where}: ${(err as Error).message}`))
-              throw err
-            }
-          },
-          onClose(err) {
-            settle()
-            reject(err)
-          },
-        })
-        signal.addEventListener('abort', onAbort, { once: true })
-        write(encodeJsonFrame('prefill', id, request))
+      return prefillStream(request, signal, {
+        openStream,
+        cancel,
+        forget: (id) => void streams.delete(id),
+        refusalOf,
+        where,
+        send: (id) => write(encodeJsonFrame('prefill', id, request)),
       })
     },
   }
 }
 
-/** What a decode stream needs of its channel. */
+/** The result of one prefill stream: `result` resolves it, `failed` or the connection's failure
+ *  rejects it; aborting `signal` sends `cancel` and rejects with an `AbortError`. */
+function prefillStream(
+  request: PrefillRequest,
+  signal: AbortSignal,
+  host: StreamHost,
+): Promise<PrefillResult> {
+  return new Promise<PrefillResult>((resolve, reject) => {
+    if (signal.aborted) return reject(abortError(signal))
+    let id = 0
+    const onAbort = () => {
+      host.cancel(id)
+      reject(abortError(signal))
+    }
+    const settle = () => signal.removeEventListener('abort', onAbort)
+    id = host.openStream({
+      onFrame(frame) {
+        // The worker ended the stream; a frame that breaks the format fails it too (and,
+        // thrown on, the connection).
+        host.forget(id)
+        settle()
+        try {
+          if (frame.kind === 'failed') return reject(host.refusalOf(frame))
+          if (frame.kind !== 'result') {
+            throw new ChannelFrameError(`a ${frame.kind} frame on prefill stream ${id}`)
+          }
+          const parsed = PrefillResult.safeParse(parseJsonPayload(frame))
+          if (!parsed.success) {
+            const why = issueText(parsed.error.issues[0])
+            return reject(
+              new KvfenceError('internal_error', `${host.where}: unexpected reply (${why})`),
+            )
+          }
+          resolve(parsed.data)
+        } catch (err) {
+          reject(new KvfenceError('internal_error', `${host.where}: ${(err as Error).message}`))
+          throw err
+        }
+      },
+      onClose(err) {
+        settle()
+        reject(err)
+      },
+    })
+    signal.addEventListener('abort', onAbort, { once: true })
+    host.send(id)
+  })
+}
+
+/** What a stream needs of its channel. */
 interface StreamHost {
   openStream(receiver: StreamReceiver): number
   /** Forgets stream `id` and tells the worker to abort it. */
