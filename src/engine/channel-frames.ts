@@ -4,7 +4,7 @@
  *
  *  | bytes | field   | meaning                                                          |
  *  | ----- | ------- | ---------------------------------------------------------------- |
- *  | 4     | length  | u32 LE: bytes that follow (kind + stream + payload), 5 … 1 MiB+5 |
+ *  | 4     | length  | u32 LE: bytes that follow (kind + stream + payload), 5 … 4 MiB+5 |
  *  | 1     | kind    | one of {@link frameKinds}                                        |
  *  | 4     | stream  | u32 LE: the request's number, chosen by the router               |
  *  | n     | payload | JSON (UTF-8) of the kind's message, a u32 LE token id, or empty  |
@@ -44,8 +44,9 @@ const kindNames = new Map<number, FrameKind>(
 export const lengthBytes = 4
 /** Bytes of kind + stream, counted in the length. */
 const headBytes = 5
-/** Largest payload accepted or sent, bytes (a `generate` of ~100k prompt token ids fits). */
-export const maxPayloadBytes = 1024 * 1024
+/** Largest payload accepted or sent, bytes: the workers' HTTP body limit (worker-server.ts), so
+ *  the channel carries every request HTTP does (a prompt of ~500k token ids). */
+export const maxPayloadBytes = 4 * 1024 * 1024
 
 /** One decoded frame. `payload` is a view into the bytes read (valid until the next read). */
 export interface Frame {

@@ -118,7 +118,7 @@ function serveConnection(
   // Tokens leave at once; a router gone silently (its host lost) is found by TCP keep-alive.
   const tcp = socket as import('node:net').Socket
   tcp.setNoDelay?.(true)
-  tcp.setKeepAlive?.(true, 30_000)
+  tcp.setKeepAlive?.(true, 1_000) // as the router's end (control-channel.ts)
   const streams = new Map<number, StreamState>()
   const reader = new FrameReader()
   const write = frameWriter(socket)

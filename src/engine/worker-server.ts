@@ -17,6 +17,7 @@ import { KvfenceError } from '../errors.js'
 import { metricsText } from '../process-metrics.js'
 import { serverTlsOptions, type TlsMaterial } from '../tls.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
+import { maxPayloadBytes } from './channel-frames.js'
 import {
   acceptChannels,
   asKvfenceError,
@@ -37,8 +38,9 @@ import type { WorkerCore } from './worker-core.js'
 /** How long an idle control connection stays open (ms); the router's agent must time out sooner. */
 export const workerKeepAliveTimeoutMs = 65_000
 
-/** Largest control-plane body accepted (bytes): a prompt of ~100k token ids. */
-const maxBodyBytes = 4 * 1024 * 1024
+/** Largest control-plane body accepted (bytes): a prompt of ~500k token ids; the control
+ *  channel's frames are capped alike (channel-frames.ts). */
+const maxBodyBytes = maxPayloadBytes
 
 /** What {@link createWorkerServer} serves. */
 export type WorkerRole =

@@ -32,8 +32,11 @@ import {
 import { KvfenceError } from '../errors.js'
 import { clientTlsOptions, type TlsMaterial } from '../tls.js'
 
-/** Idle time before TCP keep-alive probes a channel's connection, ms. */
-const keepAliveProbeMs = 30_000
+/** Idle time before TCP keep-alive probes a channel's connection, ms: as Node's HTTP agent probes
+ *  its keep-alive connections (`keepAliveMsecs`), so a worker cut off by the network fails its
+ *  streams as soon as an HTTP request of it would (about 11 s: then 10 probes 1 s apart), before
+ *  the prefill worker's transfer gives up on its own (test/reliability/two-hosts.test.ts). */
+const keepAliveProbeMs = 1_000
 
 /** One open channel to one worker. */
 export interface ControlChannel {
@@ -287,7 +290,13 @@ function prefillStream(
       },
     })
     signal.addEventListener('abort', onAbort, { once: true })
-    host.send(id)
+    try {
+      host.send(id)
+    } catch (err) {
+      host.forget(id) // never sent: nothing to cancel
+      settle()
+      reject(err as Error)
+    }
   })
 }
 
@@ -380,7 +389,12 @@ function decodeStream(
       return end(err as Error)
     }
     signal.addEventListener('abort', onAbort, { once: true })
-    host.send(id)
+    try {
+      host.send(id)
+    } catch (err) {
+      host.forget(id) // never sent: nothing to cancel
+      end(err as Error)
+    }
   }
 
   const iterator: AsyncIterableIterator<DecodeEvent> = {

@@ -62,6 +62,41 @@ describe('control channel: fallback and broken peers', () => {
     }
   })
 
+  it('a request over the frame cap fails alone; the connection carries the next one', async () => {
+    const h = await startHarness()
+    const workers = createWorkerClient({
+      prefillUrls: [h.workers.prefillUrl],
+      decodeUrls: [h.workers.decodeUrl],
+      controlChannel: true,
+    })
+    try {
+      // 700,000 ids of 6 digits and a comma: over the 4 MiB cap as JSON.
+      const huge = { ...generateRequest(), promptTokenIds: Array<number>(700_000).fill(100_000) }
+      const numBytes = Buffer.byteLength(JSON.stringify(huge))
+      await assert.rejects(
+        async () => {
+          for await (const _ of workers.generate(huge, AbortSignal.timeout(10_000))) {
+            // nothing arrives
+          }
+        },
+        (err: unknown) =>
+          err instanceof KvfenceError &&
+          err.code === 'internal_error' &&
+          err.message ===
+            `control channel: a generate payload of ${numBytes} bytes is over ${4 * 1024 * 1024}`,
+      )
+      const tokenIds: number[] = []
+      for await (const e of workers.generate(generateRequest(20), AbortSignal.timeout(10_000)))
+        if (e.type === 'token') tokenIds.push(e.tokenId)
+      assert.deepEqual(tokenIds, [...charIds(defaultReplyText), 2])
+      assert.equal(h.workers.numDecodeChannels(), 1)
+      assert.equal(h.workers.generateRequests.length, 1, 'the request over the cap never left')
+    } finally {
+      workers.close()
+      await h.close()
+    }
+  })
+
   /** A decode-worker impostor: switches to the channel, then answers the `numStreams`-th
    *  `generate` frame with `reply` (raw bytes). Counts upgrades and closed connections. */
   async function startImpostor(numStreams: number, reply: Buffer) {
@@ -104,7 +139,7 @@ describe('control channel: fallback and broken peers', () => {
     [
       'a length over the cap',
       Buffer.from('ffffff7f', 'hex'),
-      /control channel: frame length 2147483647 outside \[5, 1048581\]$/,
+      /control channel: frame length 2147483647 outside \[5, 4194309\]$/,
     ],
     [
       'an event that is not a DecodeEvent',
