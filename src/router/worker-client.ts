@@ -85,8 +85,8 @@ export interface WorkerClient {
    *  `handOff` (engine/handoff.ts). Yields the decode worker's tokens — the first only after the
    *  prefill worker's result was checked against it — and a final `done`; throws a
    *  {@link KvfenceError} on any failure (never a normal `done` after one). Aborting `signal`, or
-   *  leaving the iteration early, closes both worker requests, which aborts the request on both
-   *  workers (G8). */
+   *  leaving the iteration early, closes both worker requests (over the channel: a `cancel` frame
+   *  for each stream), which aborts the request on both workers (G8). */
   generate(request: GenerateRequest, signal: AbortSignal): AsyncGenerator<GenerationEvent, void>
   /** Closes pooled connections. */
   close(): void
