@@ -46,9 +46,12 @@
  *  direct's (`floor_*_to_direct_throughput_ratio`), medians over repeats of 64-client runs, the
  *  paths in turn. The channel is a measurement prototype, not a protocol of kvfence.
  *
+ *  The router reaches the stand-ins over the control channel (its default; the stand-ins serve it
+ *  as workers do), or over HTTP with `--control-plane http`: run both in one session to compare.
+ *
  *  Args: `--repeats N` (default 5), `--requests N` per repeat and path (default 400),
  *  `--seconds S` of each throughput run (default 3), `--clients N` (default 64),
- *  `--part floor`. */
+ *  `--part floor`, `--control-plane channel|http` (default channel). */
 import { fork, type ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
@@ -99,17 +102,25 @@ export async function benchRouter(args: string[]): Promise<object> {
   const numRequests = intFlag(args, '--requests', 400)
   const seconds = intFlag(args, '--seconds', 3)
   const numClients = intFlag(args, '--clients', 64)
+  const planeAt = args.indexOf('--control-plane')
+  const controlPlane = planeAt === -1 ? 'channel' : args[planeAt + 1]
+  if (controlPlane !== 'channel' && controlPlane !== 'http') {
+    throw new Error(`--control-plane takes channel or http, got ${String(controlPlane)}`)
+  }
   const partAt = args.indexOf('--part')
   if (partAt !== -1) {
     if (args[partAt + 1] !== 'floor') {
       throw new Error(`--part takes floor, got ${String(args[partAt + 1])}`)
     }
-    return benchFloor(repeats, seconds, numClients)
+    return {
+      ...(await benchFloor(repeats, seconds, numClients, controlPlane)),
+      control_plane: controlPlane,
+    }
   }
 
   const certs = mkdtempSync(join(tmpdir(), 'kvfence-bench-router-'))
   await initCerts(certs)
-  const child = fork(fileURLToPath(import.meta.url), ['--serve', certs], {
+  const child = fork(fileURLToPath(import.meta.url), ['--serve', certs, controlPlane], {
     stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
   })
   try {
@@ -196,6 +207,7 @@ export async function benchRouter(args: string[]): Promise<object> {
       throughput_seconds: seconds,
       prompt_tokens: prompt.length + 1,
       completion_tokens: maxTokens,
+      control_plane: controlPlane,
       note: 'stand-in workers (no model) in one child process with the router; clients here',
     }
   } finally {
@@ -414,10 +426,10 @@ const benchRouterOptions = {
 
 /** The fast stand-ins (no delays, a pool that never fills) and a router in front of them,
  *  logging at `warn`; the stand-ins' records of requests are emptied every second. */
-async function startBenchHarness(): Promise<Harness> {
+async function startBenchHarness(controlPlane: string): Promise<Harness> {
   const h = await startHarness(
     { tokenDelayMs: 0, prefillDelayMs: 0, numPages: 4096 },
-    benchRouterOptions,
+    { ...benchRouterOptions, controlChannel: controlPlane === 'channel' },
   )
   h.logs.log.level = 'warn' // a line per request would be the router's largest cost here
   // The stand-ins record every request for tests; a benchmark only needs them to answer.
@@ -429,8 +441,8 @@ async function startBenchHarness(): Promise<Harness> {
   return h
 }
 
-async function serve(certs: string): Promise<void> {
-  const h = await startBenchHarness()
+async function serve(certs: string, controlPlane: string): Promise<void> {
+  const h = await startBenchHarness(controlPlane)
   // The same router over HTTPS, in front of the same stand-ins.
   const httpsRouter = await startRouter({
     ...benchRouterOptions,
@@ -498,8 +510,13 @@ interface FloorEndpoints extends Endpoints {
 /** The floor's paths, in the order each repeat runs them. */
 const floorPaths = ['router', 'http_relay', 'channel_relay', 'direct'] as const
 
-async function benchFloor(repeats: number, seconds: number, numClients: number): Promise<object> {
-  const child = fork(fileURLToPath(import.meta.url), ['--serve-floor'], {
+async function benchFloor(
+  repeats: number,
+  seconds: number,
+  numClients: number,
+  controlPlane: string,
+): Promise<object> {
+  const child = fork(fileURLToPath(import.meta.url), ['--serve-floor', controlPlane], {
     stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
   })
   try {
@@ -551,8 +568,8 @@ async function benchFloor(repeats: number, seconds: number, numClients: number):
 
 /** The floor's child: the stand-ins and a router (as `serve`), a bare relay over their HTTP
  *  control plane, and a bare relay over channel stand-ins. */
-async function serveFloor(): Promise<void> {
-  const h = await startBenchHarness()
+async function serveFloor(controlPlane: string): Promise<void> {
+  const h = await startBenchHarness(controlPlane)
   const target = { transferPort: h.workers.transferPort }
   const httpRelay = http.createServer(bareRelay(httpControlPlane(h.workers), target))
   const channels = await startChannelStandIns()
@@ -862,14 +879,14 @@ async function stop(child: ChildProcess): Promise<void> {
 }
 
 if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve-floor') {
-  serveFloor().catch((err: unknown) => {
+  serveFloor(process.argv[3]).catch((err: unknown) => {
     process.stderr.write(`bench router: ${err instanceof Error ? err.message : String(err)}\n`)
     process.exit(2)
   })
 }
 
 if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve') {
-  serve(process.argv[3]).catch((err: unknown) => {
+  serve(process.argv[3], process.argv[4]).catch((err: unknown) => {
     process.stderr.write(`bench router: ${err instanceof Error ? err.message : String(err)}\n`)
     process.exit(2)
   })

@@ -10,6 +10,10 @@
  *    {@link PrefillResult} once the decode worker has acknowledged every page, or a non-200 JSON
  *    error. Closing the HTTP request aborts the prefill and its transfer (G8).
  *  - both            `GET /server_info` → {@link ServerInfo}, `GET /health`, `GET /metrics`.
+ *  - both            `GET /internal/channel` upgraded to `kvfence-control/1`: the same messages,
+ *    many requests on one connection (the router's default; channel-frames.ts, docs/protocol.md
+ *    "The router ↔ worker control channel"). A `cancel` frame aborts a request as closing its
+ *    HTTP request does (G8).
  *
  *  Knows message shapes only; knows nothing of pools, models or tenants' keys. */
 import { z } from 'zod'

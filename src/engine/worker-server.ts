@@ -1,6 +1,7 @@
 /** The control-plane HTTP server of one worker (see control.ts for the message shapes):
- *  `POST /internal/prefill` (prefill role) or `POST /internal/generate` (decode role), plus
- *  `GET /server_info`, `GET /health`, `GET /metrics`. Closing a request's connection aborts it (G8);
+ *  `POST /internal/prefill` (prefill role) or `POST /internal/generate` (decode role), the same
+ *  work multiplexed over the control channel (`GET /internal/channel` upgraded, channel-server.ts),
+ *  plus `GET /server_info`, `GET /health`, `GET /metrics`. Closing a request's connection aborts it (G8);
  *  with G8 on, a decode request whose connection is gone also fails at its next event, so even a
  *  worker that dropped the abort (fault `drop-abort`) stops working for a client that left.
  *  With TLS material it serves HTTPS with mutual TLS 1.3 against the cluster CA (src/tls.ts): a
@@ -16,7 +17,20 @@ import { KvfenceError } from '../errors.js'
 import { metricsText } from '../process-metrics.js'
 import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../tls.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
-import { GenerateRequest, PrefillRequest, type DecodeEvent, type ServerInfo } from './control.js'
+import { maxPayloadBytes } from './channel-frames.js'
+import {
+  acceptChannels,
+  asKvfenceError,
+  type ChannelService,
+  type EventSink,
+} from './channel-server.js'
+import {
+  GenerateRequest,
+  PrefillRequest,
+  type DecodeEvent,
+  type PrefillResult,
+  type ServerInfo,
+} from './control.js'
 import type { DecodeWorker } from './decode-worker.js'
 import { prefillChunkTokens, type PrefillWorker } from './prefill-worker.js'
 import type { WorkerCore } from './worker-core.js'
@@ -24,8 +38,9 @@ import type { WorkerCore } from './worker-core.js'
 /** How long an idle control connection stays open (ms); the router's agent must time out sooner. */
 export const workerKeepAliveTimeoutMs = 65_000
 
-/** Largest control-plane body accepted (bytes): a prompt of ~100k token ids. */
-const maxBodyBytes = 4 * 1024 * 1024
+/** Largest control-plane body accepted (bytes): a prompt of ~500k token ids; the control
+ *  channel's frames are capped alike (channel-frames.ts). */
+const maxBodyBytes = maxPayloadBytes
 
 /** What {@link createWorkerServer} serves. */
 export type WorkerRole =
@@ -69,7 +84,28 @@ export function createWorkerServer(
   // shorter), so the router never reuses a connection this server is closing (ECONNRESET race).
   server.keepAliveTimeout = workerKeepAliveTimeoutMs
   server.headersTimeout = workerKeepAliveTimeoutMs + 1_000
+  const channels = acceptChannels(server, channelService(ctx), {
+    clusterToken,
+    onConnectionError: (err) => log.warn({ err: err.message }, 'control channel failed'),
+  })
+  new Gauge({
+    name: 'kvfence_control_channels',
+    help: 'Control channel connections open (GET /internal/channel upgraded; normally one per router)',
+    registers: [registry],
+    collect() {
+      this.set(channels.numOpen)
+    },
+  })
   return server
+}
+
+/** This worker's work as the control channel serves it (channel-server.ts): the same as its
+ *  `/internal/*` routes'. */
+function channelService(ctx: ServerContext): ChannelService {
+  const { role } = ctx
+  return role.role === 'decode'
+    ? { generate: (body, closed, sink) => runGenerate(ctx, role, body, closed, sink) }
+    : { prefill: (body, closed) => runPrefill(ctx, role.worker, body, closed) }
 }
 
 /** This worker's `/server_info`. */
@@ -140,10 +176,21 @@ async function servePrefill(
   req: http.IncomingMessage,
   res: http.ServerResponse,
 ): Promise<void> {
-  const { core } = ctx
   const body = PrefillRequest.parse(await readJson(req))
-  const abort = abortOnClose(req, res, core)
-  const result = await worker.prefill(body, abort.signal).catch((err: unknown) => {
+  sendJson(res, 200, await runPrefill(ctx, worker, body, closedSignal(req, res)))
+}
+
+/** The prefill worker's work on one request, whichever transport brought it: `closed` aborts
+ *  when the router closed the request (G8; fault `drop-abort`: ignored). */
+async function runPrefill(
+  ctx: ServerContext,
+  worker: PrefillWorker,
+  body: PrefillRequest,
+  closed: AbortSignal,
+): Promise<PrefillResult> {
+  const { core } = ctx
+  const signal = core.hasFault('drop-abort') ? new AbortController().signal : closed
+  const result = await worker.prefill(body, signal).catch((err: unknown) => {
     core.metrics.requests.inc({ outcome: asKvfenceError(err).code })
     throw err
   })
@@ -152,7 +199,7 @@ async function servePrefill(
     { requestId: body.requestId, tenant: body.tenant, numTokens: result.numTokens },
     'prefill done',
   )
-  sendJson(res, 200, result)
+  return result
 }
 
 /** `POST /internal/generate`: stream the decode worker's events as NDJSON; a failure after the
@@ -163,28 +210,53 @@ async function serveGenerate(
   req: http.IncomingMessage,
   res: http.ServerResponse,
 ): Promise<void> {
-  const { core, log } = ctx
   const body = GenerateRequest.parse(await readJson(req))
-  const abort = abortOnClose(req, res, core)
+  let isStreaming = false
+  const sink: EventSink = {
+    get isOpen() {
+      return !(res.destroyed || res.writableEnded)
+    },
+    write(event) {
+      if (!isStreaming) {
+        res.writeHead(200, { 'content-type': 'application/x-ndjson' })
+        isStreaming = true
+      }
+      res.write(`${JSON.stringify(event)}\n`)
+    },
+  }
+  await runGenerate(ctx, role, body, closedSignal(req, res), sink)
+  res.end()
+}
+
+/** The decode worker's work on one request, whichever transport brought it: its events to
+ *  `sink`; a throw before the first event is a refusal, a failure after it the last event
+ *  (`error`). `closed` aborts when the router closed the request (G8; fault `drop-abort`:
+ *  ignored); with G8 on, an event for a closed sink also ends the request, so even a worker that
+ *  dropped the abort stops working for a client that left. */
+async function runGenerate(
+  ctx: ServerContext,
+  role: Extract<WorkerRole, { role: 'decode' }>,
+  body: GenerateRequest,
+  closed: AbortSignal,
+  sink: EventSink,
+): Promise<void> {
+  const { core, log } = ctx
+  const signal = core.hasFault('drop-abort') ? new AbortController().signal : closed
   let isStreaming = false
   const emit = (e: DecodeEvent) => {
-    if (res.destroyed || res.writableEnded) {
+    if (!sink.isOpen) {
       // The router is gone. G8: stop here even if the abort itself was lost.
       if (core.guards.G8 && e.type !== 'error')
         throw new KvfenceError('request_aborted', 'the router closed the request')
       return
     }
-    if (!isStreaming) {
-      res.writeHead(200, { 'content-type': 'application/x-ndjson' })
-      isStreaming = true
-    }
+    isStreaming = true
     // `reserved` names this worker's transfer port, so a router never sends prefill to a
     // port a restarted decode worker no longer listens on.
-    const line = e.type === 'reserved' ? { ...e, transferPort: role.transferPort() } : e
-    res.write(`${JSON.stringify(line)}\n`)
+    sink.write(e.type === 'reserved' ? { ...e, transferPort: role.transferPort() } : e)
   }
   try {
-    await role.worker.generate(body, abort.signal, emit)
+    await role.worker.generate(body, signal, emit)
     core.metrics.requests.inc({ outcome: 'ok' })
   } catch (err) {
     core.metrics.requests.inc({ outcome: asKvfenceError(err).code })
@@ -199,7 +271,6 @@ async function serveGenerate(
     )
     emit({ type: 'error', code: e.code, message: e.message })
   }
-  res.end()
 }
 
 /** Listen on host:port (port 0 picks one) and resolve with the bound port. */
@@ -217,31 +288,14 @@ export function listen(
   })
 }
 
-function asKvfenceError(err: unknown): KvfenceError {
-  if (err instanceof KvfenceError) return err
-  if (err && typeof err === 'object' && 'issues' in err) {
-    return new KvfenceError(
-      'invalid_request',
-      `invalid control message: ${(err as unknown as Error).message}`,
-    )
-  }
-  return new KvfenceError('internal_error', err instanceof Error ? err.message : String(err))
-}
-
-/** An AbortController that fires when the router closes the request before we answered (G8).
- *  Fault `drop-abort`: it never fires (the worker ignores the router's abort). */
-function abortOnClose(
-  req: http.IncomingMessage,
-  res: http.ServerResponse,
-  core: WorkerCore,
-): AbortController {
+/** A signal that aborts when the router closes the request before we answered (G8). */
+function closedSignal(req: http.IncomingMessage, res: http.ServerResponse): AbortSignal {
   const ctl = new AbortController()
-  if (core.hasFault('drop-abort')) return ctl
   res.on('close', () => {
     if (!res.writableFinished) ctl.abort()
   })
   req.on('aborted', () => ctl.abort())
-  return ctl
+  return ctl.signal
 }
 
 async function readJson(req: http.IncomingMessage): Promise<unknown> {

@@ -1,7 +1,9 @@
 /** The router's transport of the control plane (see `src/engine/control.ts`): HTTP/1.1 + JSON
  *  (NDJSON for the decode worker's stream) over one keep-alive agent (`node:http`, or `node:https`
- *  with mutual TLS 1.3 against the cluster CA, src/tls.ts, for `https:` worker URLs), with the
- *  workers' replies parsed at this boundary. One request's steps across the two workers, and the
+ *  with mutual TLS 1.3 against the cluster CA, src/tls.ts, for `https:` worker URLs), or, with
+ *  `controlChannel`, the control channel (control-channel.ts: one multiplexed connection per
+ *  worker over the same TLS, HTTP kept for a worker without it and for `/server_info`, `/metrics`
+ *  and the token probe), with the workers' replies parsed at this boundary. One request's steps across the two workers, and the
  *  checks before any token leaves, are `src/engine/handoff.ts`'s: this file gives it the two
  *  workers as sides, picked round-robin.
  *  Knows worker URLs, HTTP status codes, connections and request ids; knows nothing of text, API
@@ -30,6 +32,7 @@ import {
 import { KvfenceError, isErrorCode } from '../errors.js'
 import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../tls.js'
 import type { WorkerReport } from './capacity.js'
+import { channelUnsupported, openChannel, type ControlChannel } from './control-channel.js'
 import { readReplyText } from './http.js'
 import { ndjsonLines } from './ndjson-lines.js'
 
@@ -82,8 +85,8 @@ export interface WorkerClient {
    *  `handOff` (engine/handoff.ts). Yields the decode worker's tokens — the first only after the
    *  prefill worker's result was checked against it — and a final `done`; throws a
    *  {@link KvfenceError} on any failure (never a normal `done` after one). Aborting `signal`, or
-   *  leaving the iteration early, closes both worker requests, which aborts the request on both
-   *  workers (G8). */
+   *  leaving the iteration early, closes both worker requests (over the channel: a `cancel` frame
+   *  for each stream), which aborts the request on both workers (G8). */
   generate(request: GenerateRequest, signal: AbortSignal): AsyncGenerator<GenerationEvent, void>
   /** Closes pooled connections. */
   close(): void
@@ -108,7 +111,15 @@ export interface WorkerClientOptions {
   /** The router's TLS files, read: required for `https:` worker URLs, refused with `http:` ones
    *  (every worker of a client speaks the same). Default: none (plaintext). */
   tls?: TlsMaterial | null
+  /** Run requests over the control channel (one multiplexed connection per worker, see
+   *  control-channel.ts) rather than one HTTP request per step; a worker that does not serve it
+   *  (404 to the upgrade) gets HTTP. Default false (opt-in: see docs/operators.md). */
+  controlChannel?: boolean
 }
+
+/** How long the router keeps to HTTP with a worker that answered the channel's upgrade 404 before
+ *  it asks again (the worker may have been upgraded since), ms. */
+export const channelRetryMs = 60_000
 
 const defaultIdleTimeoutMs = 120_000
 const defaultInfoTimeoutMs = 5_000
@@ -145,6 +156,19 @@ interface Transport {
   /** URL → its request options, parsed once (a URL string costs every request a parse). The
    *  keys are the workers' few routes, so it stays small. */
   readonly targets: Map<string, http.RequestOptions>
+  readonly tls: TlsMaterial | null
+  readonly clusterToken: string | null
+  /** Worker URL → its control channel (being opened, open, or found unsupported at `since`). */
+  readonly channels: Map<string, ChannelEntry>
+}
+
+/** A worker's control channel as the client holds it. */
+interface ChannelEntry {
+  readonly opening: Promise<ControlChannel | typeof channelUnsupported>
+  /** Once opened: the channel, or `channelUnsupported`. */
+  value?: ControlChannel | typeof channelUnsupported
+  /** When it was asked for, `performance.now()` ms. */
+  readonly since: number
 }
 
 /** A {@link WorkerClient} over `node:http` with one keep-alive agent. */
@@ -174,7 +198,11 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     decodeUrls,
     transferAddresses: new Map(),
     targets: new Map(),
+    tls,
+    clusterToken: options.clusterToken ?? null,
+    channels: new Map(),
   }
+  const isChannelUsed = options.controlChannel ?? false
   const idleTimeoutMs = options.idleTimeoutMs ?? defaultIdleTimeoutMs
   const guardsEnabled = options.guardsEnabled ?? true
   let nextPrefill = 0
@@ -188,7 +216,7 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
   ): AsyncGenerator<GenerationEvent, void> {
     const decodeUrl = decodeUrls[nextDecode++ % decodeUrls.length]
     const prefillUrl = prefillUrls[nextPrefill++ % prefillUrls.length]
-    return generateOn(transport, decodeUrl, prefillUrl, request, {
+    return generateOn(transport, decodeUrl, prefillUrl, isChannelUsed, request, {
       signal,
       guardsEnabled,
       idleTimeoutMs,
@@ -210,6 +238,13 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     generate,
     close(): void {
       transport.agent.destroy()
+      for (const entry of transport.channels.values()) {
+        void entry.opening.then(
+          (c) => c !== channelUnsupported && c.close(),
+          () => {},
+        )
+      }
+      transport.channels.clear()
     },
   })
 }
@@ -324,6 +359,7 @@ function generateOn(
   t: Transport,
   decodeUrl: string,
   prefillUrl: string,
+  isChannelUsed: boolean,
   request: GenerateRequest,
   options: HandoffOptions,
 ): AsyncGenerator<GenerationEvent, void> {
@@ -331,10 +367,9 @@ function generateOn(
     const isClientAbort = err.code === 'request_aborted'
     if (!isClientAbort && !(err instanceof PoolFullError)) t.transferAddresses.delete(decodeUrl)
   }
-  return handOff(request, decodeSide(t, decodeUrl), prefillSide(t, prefillUrl), {
-    ...options,
-    onFailure,
-  })
+  const decode = isChannelUsed ? channelDecodeSide(t, decodeUrl) : decodeSide(t, decodeUrl)
+  const prefill = isChannelUsed ? channelPrefillSide(t, prefillUrl) : prefillSide(t, prefillUrl)
+  return handOff(request, decode, prefill, { ...options, onFailure })
 }
 
 /** The decode worker at `url` for one request: `POST /internal/generate`, its NDJSON events.
@@ -345,12 +380,11 @@ function decodeSide(t: Transport, url: string): DecodeSide {
     name: url,
     // Not a generator: the reply's lines go straight to the hand-off (see ndjson-lines.ts).
     generate(request, signal) {
-      let events: AsyncIterableIterator<DecodeEvent> | null = null
-      let ready: Promise<void> | null = null // the request goes out on the first pull
-      const start = () =>
+      // The request goes out on the first pull.
+      return lazyIterator(() =>
         startGenerate(t, url, request, signal).then((started) => {
           isReusedSocket = started.isReusedSocket
-          events = ndjsonLines(started.res, {
+          return ndjsonLines(started.res, {
             parse: (line) => parseEvent(line, url),
             maxLineChars: maxLineBytes,
             tooLong: () =>
@@ -360,15 +394,8 @@ function decodeSide(t: Transport, url: string): DecodeSide {
               ),
             asError: (err) => asKvfenceError(err, `decode worker ${url}`),
           })
-        })
-      const iterator: AsyncIterableIterator<DecodeEvent> = {
-        next: () =>
-          events !== null ? events.next() : (ready ??= start()).then(() => events!.next()),
-        return: () =>
-          events !== null ? events.return!() : Promise.resolve({ value: undefined, done: true }),
-        [Symbol.asyncIterator]: () => iterator,
-      }
-      return iterator
+        }),
+      )
     },
     transferAddress(reserved, signal) {
       // A new connection may be to a decode worker restarted since its address was cached.
@@ -376,6 +403,23 @@ function decodeSide(t: Transport, url: string): DecodeSide {
       return transferAddress(t, url, reserved, signal)
     },
   }
+}
+
+/** An iterator over what `start` gives, called on the first pull (never, if the consumer leaves
+ *  before). Not a generator: its layer would cost every token a few more promises. */
+function lazyIterator<T>(start: () => Promise<AsyncIterator<T>>): AsyncIterableIterator<T> {
+  let inner: AsyncIterator<T> | null = null
+  let ready: Promise<void> | null = null
+  const iterator: AsyncIterableIterator<T> = {
+    next: () =>
+      inner !== null
+        ? inner.next()
+        : (ready ??= start().then((started) => void (inner = started))).then(() => inner!.next()),
+    return: () =>
+      inner !== null ? inner.return!() : Promise.resolve({ value: undefined, done: true }),
+    [Symbol.asyncIterator]: () => iterator,
+  }
+  return iterator
 }
 
 /** `POST /internal/generate` on the decode worker at `url`, its reply begun with 200. Throws
@@ -447,6 +491,89 @@ async function prefill(
     )
   }
   return parsed.data
+}
+
+// ---------------------------------------------------------------------------------------------
+// The two workers over the control channel
+
+/** The channel to the worker at `url`: the open one, one being opened, or a new one; or
+ *  `channelUnsupported` (HTTP) for a worker that answered 404 less than {@link channelRetryMs}
+ *  ago. Throws `worker_unavailable` when it cannot connect, {@link ClusterTokenRefusedError} when
+ *  the worker refuses the token. */
+function channelTo(
+  t: Transport,
+  url: string,
+  role: 'prefill' | 'decode',
+): Promise<ControlChannel | typeof channelUnsupported> {
+  const held = t.channels.get(url)
+  if (held !== undefined) {
+    const { value } = held
+    if (value === undefined) return held.opening
+    if (value === channelUnsupported && performance.now() - held.since < channelRetryMs)
+      return held.opening
+    if (value !== channelUnsupported && value.isOpen) return held.opening
+  }
+  const where = `${role} worker ${url}`
+  const opening = openChannel({
+    url,
+    role,
+    tls: t.tls,
+    clusterToken: t.clusterToken,
+    connectTimeoutMs: t.infoTimeoutMs,
+    refusal: (status, body) => {
+      const error = workerError(role, url, status, body)
+      return error.code === 'capacity_exhausted' ? new PoolFullError(error.message) : error
+    },
+  }).catch((err: unknown) => {
+    if (t.channels.get(url) === entry) t.channels.delete(url)
+    if (err instanceof KvfenceError) throw err
+    throw new KvfenceError('worker_unavailable', `${where}: ${describe(err)}`)
+  })
+  const entry: ChannelEntry = { opening, since: performance.now() }
+  void opening.then(
+    (value) => (entry.value = value),
+    () => {},
+  )
+  t.channels.set(url, entry)
+  return opening
+}
+
+/** The decode worker at `url` over its channel (HTTP when it has none). */
+function channelDecodeSide(t: Transport, url: string): DecodeSide {
+  const overHttp = decodeSide(t, url)
+  return {
+    name: url,
+    generate(request, signal) {
+      // The stream opens on the first pull.
+      return lazyIterator(() =>
+        channelTo(t, url, 'decode').then((channel) =>
+          channel === channelUnsupported
+            ? overHttp.generate(request, signal)[Symbol.asyncIterator]()
+            : channel.generate(request, signal),
+        ),
+      )
+    },
+    // Every worker that serves the channel names its transfer port in `reserved`.
+    transferAddress: (reserved, signal) => overHttp.transferAddress(reserved, signal),
+  }
+}
+
+/** The prefill worker at `url` over its channel (HTTP when it has none). */
+function channelPrefillSide(t: Transport, url: string): PrefillSide {
+  const overHttp = prefillSide(t, url)
+  return {
+    name: url,
+    prefill: (request, signal) =>
+      channelTo(t, url, 'prefill')
+        .then((channel) =>
+          channel === channelUnsupported
+            ? overHttp.prefill(request, signal)
+            : channel.prefill(request, signal),
+        )
+        .catch((err: unknown) => {
+          throw asKvfenceError(err, `prefill worker ${url}`)
+        }),
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 import assert from 'node:assert/strict'
 import type { ChildProcess } from 'node:child_process'
 import net from 'node:net'
+import { FrameReader } from '../../src/engine/channel-frames.js'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { after, before, describe, it } from 'node:test'
 import fc from 'fast-check'
@@ -107,11 +108,36 @@ function request(path: string, body: Buffer, headers: Record<string, string> = {
   return Buffer.concat([Buffer.from(head, 'latin1'), body])
 }
 
+/** Calls `count` for each request for generation the router sends on `inbound`: an HTTP
+ *  `POST /internal/generate`, or, once the connection switched to the control channel
+ *  (`GET /internal/channel` and its blank line), a `generate` frame. */
+function onGenerate(inbound: net.Socket, count: () => void): void {
+  let frames: FrameReader | null = null
+  let head: string | null = '' // the channel's upgrade request so far; null: an HTTP connection
+  inbound.on('data', (chunk: Buffer) => {
+    if (frames === null) {
+      const text = chunk.toString('latin1')
+      if (head === '' && !text.startsWith('GET /internal/channel ')) head = null
+      if (head === null) {
+        for (const _ of text.matchAll(/POST \/internal\/generate /g)) count()
+        return
+      }
+      head += text
+      const end = head.indexOf('\r\n\r\n')
+      if (end === -1) return
+      frames = new FrameReader()
+      chunk = Buffer.from(head.slice(end + 4), 'latin1')
+    }
+    for (const frame of frames.push(chunk)) if (frame.kind === 'generate') count()
+  })
+}
+
 describe('HTTP fuzzing against the real router', () => {
   let ports: Ports
   let children: ChildProcess[] = []
   let proxy: net.Server
-  /** POSTs that reached the decode worker's control port (i.e. requests the router let through). */
+  /** Requests that reached the decode worker's control port (i.e. the router let them through):
+   *  `POST /internal/generate`s, or `generate` frames on its control channel. */
   let numDecodePosts = 0
 
   before(async () => {
@@ -121,9 +147,7 @@ describe('HTTP fuzzing against the real router', () => {
     const proxyPort = await freePort()
     proxy = net.createServer((inbound) => {
       const outbound = net.connect({ host: '127.0.0.1', port: ports.decode })
-      inbound.on('data', (chunk: Buffer) => {
-        numDecodePosts += chunk.toString('latin1').match(/POST \/internal\/generate /g)?.length ?? 0
-      })
+      onGenerate(inbound, () => numDecodePosts++)
       inbound.pipe(outbound).pipe(inbound)
       inbound.on('error', () => outbound.destroy())
       outbound.on('error', () => inbound.destroy())

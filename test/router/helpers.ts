@@ -7,7 +7,16 @@ import http from 'node:http'
 import { type AddressInfo, connect } from 'node:net'
 import { join } from 'node:path'
 import OpenAI from 'openai'
-import { GenerateRequest, PrefillRequest, type ServerInfo } from '../../src/engine/control.js'
+import type { Duplex } from 'node:stream'
+import { acceptChannels } from '../../src/engine/channel-server.js'
+import {
+  GenerateRequest,
+  PrefillRequest,
+  type DecodeEvent,
+  type PrefillResult,
+  type ServerInfo,
+} from '../../src/engine/control.js'
+import { KvfenceError, type ErrorCode } from '../../src/errors.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { captureLogs, type LogCapture } from '../helpers/logs.js'
 import { waitUntil } from '../helpers/poll.js'
@@ -168,6 +177,9 @@ export interface StandInOptions {
   /** The decode worker holds each request it takes after its first token until the test calls
    *  `releaseHeld` (in the order they were taken). */
   isHoldingReplies?: boolean
+  /** The stand-ins serve the control channel (`GET /internal/channel`) beside their HTTP routes,
+   *  as workers do; false plays workers from before it (the upgrade answered 404). Default true. */
+  isChannelServed?: boolean
 }
 
 /** Two `node:http` servers implementing the control plane, recording what they receive. */
@@ -185,6 +197,8 @@ export interface StandIns {
   closeDecodeConnections(): void
   /** TCP connections the decode worker has accepted so far. */
   numDecodeConnections(): number
+  /** Control channels the decode worker has accepted so far (upgrades it switched). */
+  numDecodeChannels(): number
   /** Stand in for a restart of both workers with pools of `numPages` pages. */
   setNumPages(numPages: number): void
   /** `/internal/generate` requests refused by `decodeRefusal`. */
@@ -212,7 +226,7 @@ export const defaultReplyText = 'Hello, tenant!'
 export async function startStandIns(options: StandInOptions = {}): Promise<StandIns> {
   const pageSize = options.pageSize ?? 16
   let numPages = options.numPages ?? 64
-  const reply = options.reply ?? (() => [...charIds(defaultReplyText), eosId])
+  const reply_ = options.reply ?? (() => [...charIds(defaultReplyText), eosId])
   let transferPort = 47_000 + Math.floor(Math.random() * 1000) // never connected to
   const prefilled = new Map<string, () => void>() // rid → wake the decode worker
   const prefilledEarly = new Set<string>()
@@ -249,33 +263,23 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       .join('')
   let numRefused = 0
   let numPrefillRefused = 0
-  const decode = http.createServer(async (req, res) => {
-    if (req.method === 'GET' && req.url === '/server_info') return json(res, 200, info('decode'))
-    if (req.method === 'GET' && req.url === '/metrics') {
-      res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
-      return res.end(metricsText('decode'))
-    }
-    if (req.method !== 'POST' || req.url !== '/internal/generate') return json(res, 404, {})
-    const request = GenerateRequest.parse(JSON.parse(await readBody(req)))
+  /** The decode worker's work on one request, over either transport. */
+  const runDecode = async (request: GenerateRequest, reply: StandInReply) => {
     state.generateRequests.push(request)
     const rid = request.requestId
     state.events.push(`generate ${rid}`)
-    let isClosed = false
-    res.on('close', () => {
-      isClosed = true
-      if (!res.writableEnded) {
-        state.decodeClosedEarly.push(rid)
-        state.events.push(`decode-closed ${rid}`)
-      }
+    reply.onClosedEarly(() => {
+      state.decodeClosedEarly.push(rid)
+      state.events.push(`decode-closed ${rid}`)
     })
     if (options.decodeRefusal && numRefused < (options.decodeRefusalTimes ?? Infinity)) {
       numRefused++
       const { status, code, message } = options.decodeRefusal
-      return json(res, status, { error: { code, message } })
+      return reply.refuse(status, code, message)
     }
     if (numRunningDecodes >= (options.maxRunningDecodes ?? Infinity)) {
       numPoolRefused++
-      return json(res, 503, { error: { code: 'capacity_exhausted', message: 'KV pool full' } })
+      return reply.refuse(503, 'capacity_exhausted', 'KV pool full')
     }
     numRunningDecodes++
     let isInPool = true
@@ -283,26 +287,28 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       if (isInPool) numRunningDecodes--
       isInPool = false
     }
-    res.on('close', leavePool)
+    reply.onClosed(leavePool)
     state.takenRequests.push(request)
-    res.writeHead(200, { 'content-type': 'application/x-ndjson' })
-    const emit = (event: object) => res.write(`${JSON.stringify(event)}\n`)
-    emit({
+    reply.emit({
       type: 'reserved',
       numPages: Math.ceil(request.promptTokenIds.length / pageSize),
       ...(options.isTransferPortReserved ? { transferPort } : {}),
     })
     if (!prefilledEarly.has(rid)) await new Promise<void>((resolve) => prefilled.set(rid, resolve))
-    const tokens = reply(request.promptTokenIds)
+    const tokens = reply_(request.promptTokenIds)
     let numTokens = 0
     let finishReason: 'stop' | 'length' = 'length'
     for (const token of tokens) {
-      if (isClosed) return
+      if (reply.isClosed) return
       if (numTokens === options.decodeErrorAfterTokens) {
-        emit({ type: 'error', code: 'guard_violation', message: 'page 3 of tenant beta in use' })
-        return res.end()
+        reply.emit({
+          type: 'error',
+          code: 'guard_violation',
+          message: 'page 3 of tenant beta in use',
+        })
+        return reply.end()
       }
-      emit({ type: 'token', tokenId: token })
+      reply.emit({ type: 'token', tokenId: token })
       numTokens++
       if (numTokens === 1 && options.isHoldingReplies) await new Promise<void>((r) => held.push(r))
       await delay(options.tokenDelayMs ?? 0)
@@ -312,16 +318,58 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       }
       if (numTokens >= request.maxTokens) break
     }
-    if (isClosed) return
+    if (reply.isClosed) return
     leavePool()
-    emit({
+    reply.emit({
       type: 'done',
       finishReason,
       promptTokens: request.promptTokenIds.length,
       completionTokens: numTokens,
       ...(options.cachedTokens === undefined ? {} : { cachedTokens: options.cachedTokens }),
     })
-    res.end()
+    reply.end()
+  }
+
+  /** The prefill worker's work on one request, over either transport. */
+  const runPrefill = async (request: PrefillRequest, reply: StandInReply) => {
+    state.prefillRequests.push(request)
+    const rid = request.requestId
+    state.events.push(`prefill ${rid}`)
+    reply.onClosedEarly(() => state.prefillClosedEarly.push(rid))
+    await delay(options.prefillDelayMs ?? 1)
+    if (reply.isClosed) return
+    if (request.decode.host !== '127.0.0.1' || request.decode.port !== transferPort) {
+      // What a real prefill worker meets at a stale address: nobody listening.
+      const where = `${request.decode.host}:${request.decode.port}`
+      const message = `connect ECONNREFUSED ${where} (the decode worker's transfer port is ${transferPort})`
+      return reply.refuse(502, 'transfer_failed', message)
+    }
+    if (options.prefillRefusal && numPrefillRefused < (options.prefillRefusalTimes ?? Infinity)) {
+      numPrefillRefused++
+      const { status, code, message } = options.prefillRefusal
+      return reply.refuse(status, code, message)
+    }
+    const wake = prefilled.get(rid)
+    if (wake) wake()
+    else prefilledEarly.add(rid)
+    reply.emit({
+      requestId: rid,
+      numPages: Math.ceil(request.promptTokenIds.length / pageSize),
+      numTokens: options.prefillNumTokens ?? request.promptTokenIds.length,
+      firstTokenId: options.prefillFirstTokenId ?? reply_(request.promptTokenIds)[0],
+    })
+    reply.end()
+  }
+
+  const decode = http.createServer(async (req, res) => {
+    if (req.method === 'GET' && req.url === '/server_info') return json(res, 200, info('decode'))
+    if (req.method === 'GET' && req.url === '/metrics') {
+      res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
+      return res.end(metricsText('decode'))
+    }
+    if (req.method !== 'POST' || req.url !== '/internal/generate') return json(res, 404, {})
+    const request = GenerateRequest.parse(JSON.parse(await readBody(req)))
+    await runDecode(request, httpReply(res, 'ndjson'))
   })
 
   const prefill = http.createServer(async (req, res) => {
@@ -332,35 +380,49 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     }
     if (req.method !== 'POST' || req.url !== '/internal/prefill') return json(res, 404, {})
     const request = PrefillRequest.parse(JSON.parse(await readBody(req)))
-    state.prefillRequests.push(request)
-    const rid = request.requestId
-    state.events.push(`prefill ${rid}`)
-    res.on('close', () => {
-      if (!res.writableEnded) state.prefillClosedEarly.push(rid)
-    })
-    await delay(options.prefillDelayMs ?? 1)
-    if (res.destroyed) return
-    if (request.decode.host !== '127.0.0.1' || request.decode.port !== transferPort) {
-      // What a real prefill worker meets at a stale address: nobody listening.
-      const where = `${request.decode.host}:${request.decode.port}`
-      const message = `connect ECONNREFUSED ${where} (the decode worker's transfer port is ${transferPort})`
-      return json(res, 502, { error: { code: 'transfer_failed', message } })
-    }
-    if (options.prefillRefusal && numPrefillRefused < (options.prefillRefusalTimes ?? Infinity)) {
-      numPrefillRefused++
-      const { status, code, message } = options.prefillRefusal
-      return json(res, status, { error: { code, message } })
-    }
-    const wake = prefilled.get(rid)
-    if (wake) wake()
-    else prefilledEarly.add(rid)
-    json(res, 200, {
-      requestId: rid,
-      numPages: Math.ceil(request.promptTokenIds.length / pageSize),
-      numTokens: options.prefillNumTokens ?? request.promptTokenIds.length,
-      firstTokenId: options.prefillFirstTokenId ?? reply(request.promptTokenIds)[0],
-    })
+    await runPrefill(request, httpReply(res, 'json'))
   })
+
+  // The control channel (the workers' own end of it, src/engine/channel-server.ts), unless the
+  // stand-ins play workers from before it.
+  const channelSockets = new Set<Duplex>()
+  let numDecodeChannels = 0
+  if (options.isChannelServed ?? true) {
+    const track = (server: http.Server) =>
+      server.on('upgrade', (_req, socket: Duplex) => {
+        channelSockets.add(socket)
+        socket.once('close', () => channelSockets.delete(socket))
+      })
+    acceptChannels(
+      decode,
+      {
+        generate: (request, closed, sink) =>
+          new Promise<void>((resolve, reject) => {
+            const reply = channelReply(closed, (event) => sink.write(event as DecodeEvent), resolve)
+            runDecode(request, reply).catch(reject)
+          }),
+      },
+      { clusterToken: null },
+    )
+    acceptChannels(
+      prefill,
+      {
+        prefill: (request, closed) =>
+          new Promise<PrefillResult>((resolve, reject) => {
+            const reply = channelReply(
+              closed,
+              (result) => resolve(result as PrefillResult),
+              () => {},
+            )
+            runPrefill(request, reply).catch(reject)
+          }),
+      },
+      { clusterToken: null },
+    )
+    track(decode)
+    track(prefill)
+    decode.on('upgrade', () => numDecodeChannels++)
+  }
 
   let numDecodeConnections = 0
   decode.on('connection', () => numDecodeConnections++)
@@ -373,8 +435,12 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       return transferPort
     },
     setTransferPort: (port: number) => (transferPort = port),
-    closeDecodeConnections: () => decode.closeAllConnections(),
+    closeDecodeConnections: () => {
+      decode.closeAllConnections()
+      for (const socket of channelSockets) socket.destroy()
+    },
     numDecodeConnections: () => numDecodeConnections,
+    numDecodeChannels: () => numDecodeChannels,
     setNumPages: (n: number) => (numPages = n),
     numRefused: () => numRefused,
     numPoolRefused: () => numPoolRefused,
@@ -383,6 +449,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     numInternalRequests: () => state.generateRequests.length + state.prefillRequests.length,
     async close() {
       for (const server of [decode, prefill]) server.closeAllConnections()
+      for (const socket of channelSockets) socket.destroy()
       await Promise.all([decode, prefill].map((s) => new Promise((r) => s.close(r))))
     },
   }
@@ -493,6 +560,81 @@ export async function waitFor(predicate: () => boolean, timeoutMs = 2_000): Prom
 }
 
 // ---------------------------------------------------------------------------------------------
+
+/** A stand-in's answer to one request, whichever transport brought it. */
+interface StandInReply {
+  /** Whether the router closed the request (or the connection it came on). */
+  readonly isClosed: boolean
+  /** `onEarly` runs once if the router closes the request before its answer ended. */
+  onClosedEarly(onEarly: () => void): void
+  /** `onClose` runs once the request is closed, early or not. */
+  onClosed(onClose: () => void): void
+  /** Refuses the request (HTTP: `status` with the JSON error; channel: a `failed` frame). */
+  refuse(status: number, code: string, message: string): void
+  /** Sends an event (decode) or the result (prefill). */
+  emit(body: object): void
+  /** Ends the answer. */
+  end(): void
+}
+
+/** A {@link StandInReply} as an HTTP reply: NDJSON lines (decode) or one JSON body (prefill). */
+function httpReply(res: http.ServerResponse, shape: 'ndjson' | 'json'): StandInReply {
+  let isClosed = false
+  res.on('close', () => (isClosed = true))
+  return {
+    get isClosed() {
+      return isClosed || res.destroyed
+    },
+    onClosedEarly: (onEarly) =>
+      void res.on('close', () => {
+        if (!res.writableEnded) onEarly()
+      }),
+    onClosed: (onClose) => void res.on('close', onClose),
+    refuse: (status, code, message) => json(res, status, { error: { code, message } }),
+    emit(body) {
+      if (shape === 'json') return json(res, 200, body)
+      if (!res.headersSent) res.writeHead(200, { 'content-type': 'application/x-ndjson' })
+      res.write(`${JSON.stringify(body)}\n`)
+    },
+    end: () => void (res.writableEnded || res.end()),
+  }
+}
+
+/** A {@link StandInReply} as a channel stream: `closed` aborts on `cancel` or the connection
+ *  closing; a refusal is thrown (the channel sends it as `failed`). */
+function channelReply(
+  closed: AbortSignal,
+  emit: (body: object) => void,
+  onEnd: () => void,
+): StandInReply {
+  let isEnded = false
+  const onCloses: (() => void)[] = []
+  const close = () => {
+    for (const onClose of onCloses.splice(0)) onClose()
+  }
+  closed.addEventListener('abort', close, { once: true })
+  return {
+    get isClosed() {
+      return closed.aborted
+    },
+    onClosedEarly: (onEarly) =>
+      closed.addEventListener('abort', () => {
+        if (!isEnded) onEarly()
+      }),
+    onClosed: (onClose) => void onCloses.push(onClose),
+    refuse(status, code, message) {
+      isEnded = true
+      close()
+      throw new KvfenceError(code as ErrorCode, message)
+    },
+    emit,
+    end() {
+      isEnded = true
+      close()
+      onEnd()
+    },
+  }
+}
 
 function json(res: http.ServerResponse, status: number, body: unknown): void {
   res.writeHead(status, { 'content-type': 'application/json' })

@@ -7,7 +7,7 @@ import { describe, it } from 'node:test'
 import type { ServerInfo } from '../../src/engine/control.js'
 import { KvfenceError } from '../../src/errors.js'
 import { createWorkerClient } from '../../src/router/worker-client.js'
-import { startHarness, waitFor } from './helpers.js'
+import { type Harness, startHarness, waitFor } from './helpers.js'
 
 const info: ServerInfo = {
   role: 'decode',
@@ -50,6 +50,15 @@ async function startResettingWorker(resetNth: number) {
     seen,
     close: () =>
       new Promise<void>((resolve) => (server.closeAllConnections(), server.close(() => resolve()))),
+  }
+}
+
+/** Three completions through the router, one of them streamed, each read to its end. */
+async function threeCompletions(h: Harness): Promise<void> {
+  for (const stream of [false, true, false]) {
+    const res = await h.post('/v1/completions', { model: 'echo-test', prompt: 'Hi', stream })
+    assert.equal(res.status, 200)
+    await res.text()
   }
 }
 
@@ -117,17 +126,29 @@ describe('keep-alive connections to workers', () => {
     }
   })
 
-  it('requests that finish normally leave their decode connection open for the next one', async () => {
-    const h = await startHarness()
+  it('requests that finish normally leave their decode connection open for the next one (HTTP)', async () => {
+    const h = await startHarness({}, { controlChannel: false })
     try {
       const numAtStart = h.workers.numDecodeConnections() // /server_info at start
-      for (const stream of [false, true, false]) {
-        const res = await h.post('/v1/completions', { model: 'echo-test', prompt: 'Hi', stream })
-        assert.equal(res.status, 200)
-        await res.text()
-      }
+      await threeCompletions(h)
       assert.ok(numAtStart <= 1)
       assert.equal(h.workers.numDecodeConnections(), 1, 'a new connection per request')
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('requests that finish normally share one control channel to the decode worker', async () => {
+    const h = await startHarness({}, { controlChannel: true })
+    try {
+      const numAtStart = h.workers.numDecodeConnections() // /server_info at start
+      await threeCompletions(h)
+      assert.ok(numAtStart <= 1)
+      assert.equal(
+        h.workers.numDecodeConnections(),
+        numAtStart + 1,
+        'one channel, not one per request',
+      )
     } finally {
       await h.close()
     }

@@ -1,0 +1,250 @@
+/** The worker's end of the control channel (wire format: channel-frames.ts): the HTTP Upgrade
+ *  `GET /internal/channel` (`Upgrade: kvfence-control/1`) on the control port, checked like every
+ *  `/internal/*` request (mutual TLS in the handshake, then the cluster token, before the switch),
+ *  then one stream per request the router opens. A `cancel` frame, or the connection closing,
+ *  aborts a stream's request exactly as closing its HTTP request does (G8).
+ *  Knows frames, streams and the upgrade; the work is the service's (worker-server.ts gives it the
+ *  worker's, test stand-ins theirs). */
+import type http from 'node:http'
+import type https from 'node:https'
+import type { Duplex } from 'node:stream'
+import { KvfenceError } from '../errors.js'
+import {
+  ChannelFrameError,
+  encodeFrame,
+  encodeJsonFrame,
+  FrameReader,
+  parseJsonPayload,
+  type Frame,
+} from './channel-frames.js'
+import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
+import { GenerateRequest, PrefillRequest, type DecodeEvent, type PrefillResult } from './control.js'
+
+/** The path and protocol of the upgrade. */
+export const channelPath = '/internal/channel'
+export const channelProtocol = 'kvfence-control/1'
+
+/** Where a decode stream's events go. */
+export interface EventSink {
+  /** False once the router cancelled the stream or the connection closed. */
+  readonly isOpen: boolean
+  /** Sends `event` (a no-op once closed). */
+  write(event: DecodeEvent): void
+}
+
+/** What a worker serves over the channel: the same work as its `/internal/*` routes. */
+export interface ChannelService {
+  /** `POST /internal/generate`'s work: events to `sink`; a throw before the first event is the
+   *  worker's refusal (its non-200 reply), after it the service writes an `error` event itself.
+   *  `closed` aborts when the router cancels or the connection closes. Absent on a prefill
+   *  worker (the stream fails with `not_found`). */
+  generate?(request: GenerateRequest, closed: AbortSignal, sink: EventSink): Promise<void>
+  /** `POST /internal/prefill`'s work: its result, or a throw (the non-200 reply). */
+  prefill?(request: PrefillRequest, closed: AbortSignal): Promise<PrefillResult>
+}
+
+/** Options of {@link acceptChannels}. */
+export interface ChannelServerOptions {
+  /** The token the upgrade must carry (header `x-kvfence-cluster-token`); null = none needed. */
+  clusterToken: string | null
+  /** Hears a connection that failed (a malformed frame, a socket error): for the log. */
+  onConnectionError?: (err: Error) => void
+}
+
+/** The channels a server holds. */
+export interface ChannelCount {
+  /** Channel connections open now. */
+  readonly numOpen: number
+}
+
+/** Serves the control channel on `server` (its 'upgrade' event): upgrades to any other path or
+ *  protocol are answered 404, a missing or wrong cluster token 401, both as JSON errors. */
+export function acceptChannels(
+  server: http.Server | https.Server,
+  service: ChannelService,
+  options: ChannelServerOptions,
+): ChannelCount {
+  const count = { numOpen: 0 }
+  server.on('upgrade', (req: http.IncomingMessage, socket: Duplex, head: Buffer) => {
+    const path = (req.url ?? '/').split('?')[0]
+    const protocol = String(req.headers.upgrade ?? '').toLowerCase()
+    if (req.method !== 'GET' || path !== channelPath || protocol !== channelProtocol) {
+      return refuseUpgrade(
+        socket,
+        new KvfenceError('not_found', `no upgrade to ${protocol} on ${req.method} ${path}`),
+      )
+    }
+    if (
+      options.clusterToken !== null &&
+      !isClusterTokenValid(options.clusterToken, req.headers[clusterTokenHeader])
+    ) {
+      return refuseUpgrade(
+        socket,
+        new KvfenceError('invalid_api_key', 'control-plane request without the cluster token'),
+      )
+    }
+    socket.write(
+      `HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: ${channelProtocol}\r\n\r\n`,
+    )
+    count.numOpen++
+    socket.once('close', () => count.numOpen--)
+    serveConnection(socket, head, service, options)
+  })
+  return count
+}
+
+function refuseUpgrade(socket: Duplex, err: KvfenceError): void {
+  const body = JSON.stringify({ error: { code: err.code, message: err.message } })
+  socket.end(
+    `HTTP/1.1 ${err.status} ${err.status === 404 ? 'Not Found' : 'Unauthorized'}\r\n` +
+      `Content-Type: application/json\r\nContent-Length: ${Buffer.byteLength(body)}\r\n` +
+      `Connection: close\r\n\r\n${body}`,
+  )
+}
+
+/** One stream's state on the worker. */
+interface StreamState {
+  readonly closed: AbortController
+  isOpen: boolean
+}
+
+/** Reads the router's frames on `socket` and runs each stream's request. */
+function serveConnection(
+  socket: Duplex,
+  head: Buffer,
+  service: ChannelService,
+  options: ChannelServerOptions,
+): void {
+  // Tokens leave at once; a router gone silently (its host lost) is found by TCP keep-alive.
+  const tcp = socket as import('node:net').Socket
+  tcp.setNoDelay?.(true)
+  tcp.setKeepAlive?.(true, 1_000) // as the router's end (control-channel.ts)
+  const streams = new Map<number, StreamState>()
+  const reader = new FrameReader()
+  const write = frameWriter(socket)
+  let isConnectionOpen = true
+
+  const closeStream = (id: number, state: StreamState) => {
+    state.isOpen = false
+    if (streams.get(id) === state) streams.delete(id)
+  }
+  const fail = (id: number, state: StreamState, err: unknown) => {
+    if (!state.isOpen) return
+    const e = asKvfenceError(err)
+    write(encodeJsonFrame('failed', id, { error: { code: e.code, message: e.message } }))
+    closeStream(id, state)
+  }
+
+  const onFrame = (frame: Frame) => {
+    const id = frame.stream
+    if (frame.kind === 'cancel') {
+      const state = streams.get(id)
+      if (state !== undefined) {
+        closeStream(id, state)
+        state.closed.abort()
+      }
+      return
+    }
+    if (frame.kind !== 'generate' && frame.kind !== 'prefill') {
+      throw new ChannelFrameError(`a ${frame.kind} frame from the router (stream ${id})`)
+    }
+    if (streams.has(id)) throw new ChannelFrameError(`stream ${id} opened twice`)
+    const state: StreamState = { closed: new AbortController(), isOpen: true }
+    streams.set(id, state)
+    const body = parseJsonPayload(frame)
+    if (frame.kind === 'generate') {
+      const sink: EventSink = {
+        get isOpen() {
+          return state.isOpen
+        },
+        write(event) {
+          if (!state.isOpen) return
+          write(
+            event.type === 'token' && event.logprobs === undefined
+              ? encodeFrame('token', id, event.tokenId)
+              : encodeJsonFrame('event', id, event),
+          )
+          if (event.type === 'done' || event.type === 'error') closeStream(id, state)
+        },
+      }
+      void (async () => {
+        if (service.generate === undefined) throw notServed('generate')
+        const request = GenerateRequest.parse(body)
+        await service.generate(request, state.closed.signal, sink)
+        // A service that ended without `done` or `error`: the stream ends as an HTTP reply
+        // without `done` would (the router fails it).
+        if (state.isOpen)
+          fail(id, state, new KvfenceError('internal_error', 'generate ended without done'))
+      })().catch((err: unknown) => fail(id, state, err))
+    } else {
+      void (async () => {
+        if (service.prefill === undefined) throw notServed('prefill')
+        const request = PrefillRequest.parse(body)
+        const result = await service.prefill(request, state.closed.signal)
+        if (!state.isOpen) return
+        write(encodeJsonFrame('result', id, result))
+        closeStream(id, state)
+      })().catch((err: unknown) => fail(id, state, err))
+    }
+  }
+
+  const closeAll = () => {
+    if (!isConnectionOpen) return
+    isConnectionOpen = false
+    for (const [id, state] of streams) {
+      closeStream(id, state)
+      state.closed.abort()
+    }
+  }
+  const onData = (chunk: Buffer) => {
+    try {
+      for (const frame of reader.push(chunk)) onFrame(frame)
+    } catch (err) {
+      options.onConnectionError?.(err as Error)
+      closeAll()
+      socket.destroy()
+    }
+  }
+  socket.on('data', onData)
+  socket.on('error', (err) => options.onConnectionError?.(err))
+  socket.on('close', closeAll)
+  // An upgraded socket of an HTTP server is half-open: the router's end (its process stopped, its
+  // channel closed) would otherwise leave this side open and its requests running.
+  socket.on('end', () => {
+    closeAll()
+    socket.destroy()
+  })
+  if (head.length > 0) onData(head)
+}
+
+/** Writes frames to `socket`, all those of one event-loop turn in one socket write. */
+export function frameWriter(socket: Duplex): (frame: Buffer) => void {
+  let pending: Buffer[] = []
+  const flush = () => {
+    const frames = pending
+    pending = []
+    if (socket.destroyed) return
+    socket.write(frames.length === 1 ? frames[0] : Buffer.concat(frames))
+  }
+  return (frame) => {
+    if (pending.length === 0) setImmediate(flush)
+    pending.push(frame)
+  }
+}
+
+function notServed(what: string): KvfenceError {
+  return new KvfenceError('not_found', `this worker does not ${what}`)
+}
+
+/** `err` as a KvfenceError: a zod parse error is `invalid_request`, anything else not coded
+ *  `internal_error`. Shared by both transports of the worker (worker-server.ts). */
+export function asKvfenceError(err: unknown): KvfenceError {
+  if (err instanceof KvfenceError) return err
+  if (err && typeof err === 'object' && 'issues' in err) {
+    return new KvfenceError(
+      'invalid_request',
+      `invalid control message: ${(err as unknown as Error).message}`,
+    )
+  }
+  return new KvfenceError('internal_error', err instanceof Error ? err.message : String(err))
+}

@@ -1,0 +1,185 @@
+/** The router's end of the control channel (src/router/control-channel.ts) against peers that
+ *  are not today's workers: a worker from before the channel (the upgrade answered 404) is used
+ *  over HTTP, and a peer that sends a frame breaking the format fails every open stream of that
+ *  connection with a clear error, after which the next request opens a new connection. */
+import assert from 'node:assert/strict'
+import { randomBytes } from 'node:crypto'
+import http from 'node:http'
+import type { AddressInfo, Socket } from 'node:net'
+import { describe, it } from 'node:test'
+import { encodeFrame, FrameReader } from '../../src/engine/channel-frames.js'
+import type { GenerateRequest } from '../../src/engine/control.js'
+import { KvfenceError } from '../../src/errors.js'
+import { createWorkerClient } from '../../src/router/worker-client.js'
+import { charIds, defaultReplyText, startHarness, waitFor } from './helpers.js'
+
+function generateRequest(maxTokens = 4): GenerateRequest {
+  return {
+    requestId: randomBytes(16).toString('hex'),
+    tenant: 'alpha',
+    promptTokenIds: [1, 72, 73],
+    maxTokens,
+    sampling: { temperature: 0, topP: 1, seed: null },
+    stopTokenIds: [],
+    transferSecret: randomBytes(32).toString('hex'),
+  }
+}
+
+describe('control channel: fallback and broken peers', () => {
+  it('a worker that answers the upgrade 404 (from before the channel) is used over HTTP', async () => {
+    const h = await startHarness({ isChannelServed: false }, { controlChannel: true })
+    try {
+      const res = await h.post('/v1/completions', {
+        model: 'echo-test',
+        prompt: 'Hi',
+        stream: true,
+      })
+      assert.equal(res.status, 200)
+      const text = await res.text()
+      const pieces = [...text.matchAll(/"text":"([^"]*)"/g)].map((m) => m[1]).join('')
+      assert.equal(pieces, defaultReplyText)
+      assert.equal(h.workers.numDecodeChannels(), 0)
+      assert.equal(h.workers.generateRequests.length, 1, 'the request went over HTTP')
+      assert.equal(h.workers.prefillRequests.length, 1)
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('the same stand-ins serving the channel get the request over it', async () => {
+    const h = await startHarness({}, { controlChannel: true })
+    try {
+      const completion = await h.client().completions.create({
+        model: 'echo-test',
+        prompt: 'Hi',
+        max_tokens: 20,
+      })
+      assert.equal(completion.choices[0].text, defaultReplyText)
+      assert.equal(completion.usage?.completion_tokens, charIds(defaultReplyText).length + 1)
+      assert.equal(h.workers.numDecodeChannels(), 1)
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('a request over the frame cap fails alone; the connection carries the next one', async () => {
+    const h = await startHarness()
+    const workers = createWorkerClient({
+      prefillUrls: [h.workers.prefillUrl],
+      decodeUrls: [h.workers.decodeUrl],
+      controlChannel: true,
+    })
+    try {
+      // 700,000 ids of 6 digits and a comma: over the 4 MiB cap as JSON.
+      const huge = { ...generateRequest(), promptTokenIds: Array<number>(700_000).fill(100_000) }
+      const numBytes = Buffer.byteLength(JSON.stringify(huge))
+      await assert.rejects(
+        async () => {
+          for await (const _ of workers.generate(huge, AbortSignal.timeout(10_000))) {
+            // nothing arrives
+          }
+        },
+        (err: unknown) =>
+          err instanceof KvfenceError &&
+          err.code === 'internal_error' &&
+          err.message ===
+            `control channel: a generate payload of ${numBytes} bytes is over ${4 * 1024 * 1024}`,
+      )
+      const tokenIds: number[] = []
+      for await (const e of workers.generate(generateRequest(20), AbortSignal.timeout(10_000)))
+        if (e.type === 'token') tokenIds.push(e.tokenId)
+      assert.deepEqual(tokenIds, [...charIds(defaultReplyText), 2])
+      assert.equal(h.workers.numDecodeChannels(), 1)
+      assert.equal(h.workers.generateRequests.length, 1, 'the request over the cap never left')
+    } finally {
+      workers.close()
+      await h.close()
+    }
+  })
+
+  /** A decode-worker impostor: switches to the channel, then answers the `numStreams`-th
+   *  `generate` frame with `reply` (raw bytes). Counts upgrades and closed connections. */
+  async function startImpostor(numStreams: number, reply: Buffer) {
+    const seen = { upgrades: 0, closed: 0, generates: 0 }
+    const server = http.createServer((_req, res) => res.writeHead(404).end())
+    server.on('upgrade', (_req, socket: Socket) => {
+      seen.upgrades++
+      socket.write(
+        'HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: kvfence-control/1\r\n\r\n',
+      )
+      const reader = new FrameReader()
+      let numOnThis = 0
+      socket.on('data', (chunk: Buffer) => {
+        for (const frame of reader.push(chunk)) {
+          if (frame.kind !== 'generate') continue
+          seen.generates++
+          if (++numOnThis === numStreams) socket.write(reply)
+        }
+      })
+      socket.on('close', () => seen.closed++)
+      socket.on('end', () => socket.destroy()) // never half-open
+    })
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    return {
+      url: `http://127.0.0.1:${(server.address() as AddressInfo).port}`,
+      seen,
+      close: () =>
+        new Promise<void>(
+          (resolve) => (server.closeAllConnections(), server.close(() => resolve())),
+        ),
+    }
+  }
+
+  const cases: [string, Buffer, RegExp][] = [
+    [
+      'an unknown kind',
+      Buffer.from('05000000' + '63' + '01000000', 'hex'),
+      /control channel: unknown frame kind 99$/,
+    ],
+    [
+      'a length over the cap',
+      Buffer.from('ffffff7f', 'hex'),
+      /control channel: frame length 2147483647 outside \[5, 4194309\]$/,
+    ],
+    [
+      'an event that is not a DecodeEvent',
+      encodeFrame('event', 1, Buffer.from('{"type":"reserved"}')),
+      /control channel: an invalid event on stream 1 \(numPages: /,
+    ],
+  ]
+  for (const [what, bytes, message] of cases) {
+    it(`a frame with ${what} fails every open stream of the connection; the next request reconnects`, async () => {
+      const impostor = await startImpostor(2, bytes)
+      const workers = createWorkerClient({
+        prefillUrls: [impostor.url],
+        decodeUrls: [impostor.url],
+        controlChannel: true,
+      })
+      try {
+        const run = async () => {
+          for await (const _ of workers.generate(generateRequest(), AbortSignal.timeout(10_000))) {
+            // no event arrives before the broken frame
+          }
+        }
+        const results = await Promise.allSettled([run(), run()])
+        for (const r of results) {
+          assert.equal(r.status, 'rejected')
+          const err = (r as PromiseRejectedResult).reason as unknown
+          assert.ok(err instanceof KvfenceError, String(err))
+          assert.equal(err.code, 'internal_error')
+          assert.ok(err.message.startsWith(`decode worker ${impostor.url}: `), err.message)
+          assert.match(err.message, message)
+        }
+        assert.equal(impostor.seen.upgrades, 1)
+        await waitFor(() => impostor.seen.closed === 1) // the router closed the connection
+        // A new connection for the next request (which fails the same way).
+        await Promise.allSettled([run(), run()])
+        assert.equal(impostor.seen.upgrades, 2)
+        assert.equal(impostor.seen.generates, 4)
+      } finally {
+        workers.close()
+        await impostor.close()
+      }
+    })
+  }
+})
