@@ -166,6 +166,25 @@ export interface RedisLimitStore extends LimitStore {
   syncService(): Promise<void>
 }
 
+/** An ioredis client of `url` (not connected yet: `lazyConnect`) with the store's Lua scripts
+ *  defined on it, as `commands`. Commands fail at once while Redis is unreachable (no offline
+ *  queue, no retry) and after {@link commandTimeoutMs}. */
+function newRedisClient(url: string): { redis: Redis; commands: LimitCommands } {
+  const redis = new Redis(url, {
+    enableOfflineQueue: false, // unreachable → fail at once, not queue behind a reconnect
+    maxRetriesPerRequest: 0,
+    commandTimeout: commandTimeoutMs,
+    connectTimeout: connectWaitMs,
+    retryStrategy: (times) => Math.min(100 * times, 1_000),
+    lazyConnect: true,
+  })
+  redis.defineCommand('kvfenceAcquire', { numberOfKeys: 1, lua: acquireScript })
+  redis.defineCommand('kvfenceRefresh', { numberOfKeys: 1, lua: refreshScript })
+  redis.defineCommand('kvfenceTokens', { numberOfKeys: 1, lua: tokensScript })
+  redis.defineCommand('kvfenceService', { numberOfKeys: 2, lua: serviceScript })
+  return { redis, commands: redis as unknown as LimitCommands }
+}
+
 /** Connects to Redis (waiting up to {@link connectWaitMs}; an unreachable Redis at start is
  *  logged and handled by the policy, not fatal) and returns the store. */
 export async function createRedisLimitStore(
@@ -179,19 +198,7 @@ export async function createRedisLimitStore(
   const routerId = randomUUID()
   let numLeases = 0
   const held = new Map<string, Set<string>>() // tenant → lease ids this router holds in Redis
-  const redis = new Redis(settings.url, {
-    enableOfflineQueue: false, // unreachable → fail at once, not queue behind a reconnect
-    maxRetriesPerRequest: 0,
-    commandTimeout: commandTimeoutMs,
-    connectTimeout: connectWaitMs,
-    retryStrategy: (times) => Math.min(100 * times, 1_000),
-    lazyConnect: true,
-  })
-  redis.defineCommand('kvfenceAcquire', { numberOfKeys: 1, lua: acquireScript })
-  redis.defineCommand('kvfenceRefresh', { numberOfKeys: 1, lua: refreshScript })
-  redis.defineCommand('kvfenceTokens', { numberOfKeys: 1, lua: tokensScript })
-  redis.defineCommand('kvfenceService', { numberOfKeys: 2, lua: serviceScript })
-  const commands = redis as unknown as LimitCommands
+  const { redis, commands } = newRedisClient(settings.url)
 
   const availability = watchAvailability(redis, settings.url, policy, log)
   redis.connect().catch((err: Error) => availability.set(false, err.message))
