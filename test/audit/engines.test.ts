@@ -117,7 +117,9 @@ describe('concurrency ramp 1 → 2 → 4 → 8 → 16', () => {
   })
 
   test("the endpoint's own limit (503 capacity_exhausted above 4 at once) stops the ramp there", async () => {
-    const report = await rampAudit({ maxBatch: 4, maxQueued: 0, tokenDelayMs: 3 })
+    // Answers last long enough (30 ms a token) that a burst of 8 is all in flight before the
+    // first ends: at 3 ms, under load, one ended before the 8th arrived and a 5th got in.
+    const report = await rampAudit({ maxBatch: 4, maxQueued: 0, tokenDelayMs: 30 })
     assert.deepEqual(rows(report), [
       [
         'concurrency',
