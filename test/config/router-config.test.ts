@@ -8,8 +8,11 @@ import { join } from 'node:path'
 import { it } from 'node:test'
 import { promisify } from 'node:util'
 import { stringify } from 'yaml'
+import { newApiKey } from '../../src/router/tenant-keys.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { cliEntry } from '../../src/paths.js'
+import { startEngine } from '../helpers/engines.js'
+import { freePort, startPart, stopAll } from '../reliability/helpers.js'
 
 it('router --config refuses a backend.apiKeyEnv that is not set (exit 2, one line)', async () => {
   const dir = mkdtempSync(join(tmpdir(), 'kvfence-router-config-'))
@@ -33,4 +36,51 @@ it('router --config refuses a backend.apiKeyEnv that is not set (exit 2, one lin
   assert.ok(err, 'the router started without its backend key')
   assert.equal(err.code, 2)
   assert.equal(err.stderr.trim(), 'kvfence: backend.apiKeyEnv: KVFENCE_TEST_UNSET_KEY is not set')
+})
+
+it("router --config: the router flags given override the file (a trial's --port lost to the file's default 8000)", async (t) => {
+  const engine = await startEngine('vllm', { poolTokens: 4096, maxModelLen: 2048 })
+  const dir = mkdtempSync(join(tmpdir(), 'kvfence-router-flags-'))
+  const file = join(dir, 'cluster.yaml')
+  const key = newApiKey()
+  // No router.port: its default (8000) once won over --port.
+  writeFileSync(
+    file,
+    stringify({
+      router: { contextWindow: 2048 },
+      backend: { kind: 'vllm', url: engine.url, discoveryIntervalMs: 0 },
+      tenants: [{ name: 'alice', keySha256: apiKeyDigest(key) }],
+    }),
+  )
+  const port = await freePort()
+  const router = await startPart([
+    'router', '--config', file, '--port', String(port), '--context-window', '100',
+  ]) // prettier-ignore
+  t.after(async () => {
+    await stopAll([router])
+    await engine.close()
+  })
+  const info = (await (await fetch(`http://127.0.0.1:${port}/server_info`)).json()) as {
+    contextWindow: number
+  }
+  assert.equal(info.contextWindow, 100)
+})
+
+it('router --config refuses the flags that name what the file gives (they were ignored)', async () => {
+  for (const [flag, value, instead] of [
+    ['--tenants', 't.yaml', "the file's tenants: list is served"],
+    ['--prefill', 'http://127.0.0.1:1', 'give the URLs in workers.prefill'],
+    ['--decode', 'http://127.0.0.1:2', 'give the URLs in workers.decode'],
+    ['--model', 'models/x', 'set model: in the file'],
+  ]) {
+    const err = await promisify(execFile)(process.execPath, [
+      cliEntry, 'router', '--config', 'never-read.yaml', flag, value,
+    ]).then(
+      () => null,
+      (e: { code: number; stderr: string }) => e,
+    ) // prettier-ignore
+    assert.ok(err, `router --config with ${flag} started`)
+    assert.equal(err.code, 2)
+    assert.equal(err.stderr, `kvfence: ${flag} is not used with --config (${instead})\n`)
+  }
 })
