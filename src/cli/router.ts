@@ -154,7 +154,7 @@ export function registerRouter(program: Command): void {
       // Sync: an async stream is flushed on exit by a loop that retries EPIPE for ever, so a part whose
       // parent (the reader of its stderr) was killed hung in process.exit, deaf to SIGTERM.
       const log = pino(
-        { name: 'kvfence-router', level: flags.logLevel },
+        { name: 'kvfence-router', level: routerLogLevel(flags, command) },
         pino.destination({ dest: 2, sync: true }),
       )
       const source = flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config, flags)
@@ -206,6 +206,13 @@ export function registerRouter(program: Command): void {
 function isGiven(command: Command, key: string): boolean {
   const source = command.getOptionValueSource(key)
   return source === 'cli' || source === 'env'
+}
+
+/** `--log-level` when given (or without `--config`), else the file's `router.logLevel` (which
+ *  `router --config` once ignored, logging at info whatever the file said). */
+function routerLogLevel(flags: RouterFlags, command: Command): string {
+  if (flags.config === undefined || isGiven(command, 'logLevel')) return flags.logLevel
+  return loadClusterConfig(flags.config).router.logLevel
 }
 
 /** With `--config`, the flags that name what the file gives are refused (one line), never

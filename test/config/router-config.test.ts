@@ -1,7 +1,7 @@
 /** `kvfence router --config` reads the backend's API key from the variable the file names; an unset
  *  variable stops it with one line (sending no key would be a silent substitution). */
 import assert from 'node:assert/strict'
-import { execFile } from 'node:child_process'
+import { execFile, fork } from 'node:child_process'
 import { mkdtempSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -83,4 +83,34 @@ it('router --config refuses the flags that name what the file gives (they were i
     assert.equal(err.code, 2)
     assert.equal(err.stderr, `kvfence: ${flag} is not used with --config (${instead})\n`)
   }
+})
+
+it("router --config logs at the file's router.logLevel when --log-level is not given", async (t) => {
+  const engine = await startEngine('vllm', { poolTokens: 4096, maxModelLen: 2048 })
+  const dir = mkdtempSync(join(tmpdir(), 'kvfence-router-level-'))
+  const file = join(dir, 'cluster.yaml')
+  const port = await freePort()
+  writeFileSync(
+    file,
+    stringify({
+      router: { port, logLevel: 'error' },
+      backend: { kind: 'vllm', url: engine.url, discoveryIntervalMs: 0 },
+      tenants: [{ name: 'alice', keySha256: apiKeyDigest(newApiKey()) }],
+    }),
+  )
+  const child = fork(cliEntry, ['router', '--config', file], {
+    stdio: ['ignore', 'ignore', 'pipe', 'ipc'],
+  })
+  let stderr = ''
+  child.stderr!.on('data', (chunk: Buffer) => (stderr += chunk.toString('utf8')))
+  t.after(async () => {
+    await stopAll([child])
+    await engine.close()
+  })
+  await new Promise<void>((resolve, reject) => {
+    child.once('exit', (code) => reject(new Error(`router exited with ${code}: ${stderr}`)))
+    child.on('message', (m: { type: string }) => m.type === 'ready' && resolve())
+  })
+  // At info it logs "router listening" (level 30) once ready; at error, nothing.
+  assert.equal(stderr, '')
 })
