@@ -147,8 +147,9 @@ export function registerRouter(program: Command): void {
         'how requests reach the workers: channel (one multiplexed connection per worker; HTTP with a worker without it; the default) or http (one request per step)',
       ).choices(['channel', 'http']),
     )
-    .action(async (flags: RouterFlags) => {
+    .action(async (flags: RouterFlags, command: Command) => {
       exitIfParentGoesDuringStart()
+      if (flags.config !== undefined) refuseFlagsTheFileGives(command)
       const faults = buildFaultConfig([], flags.unsafeDisableGuards, process.env)
       const banner = faultBanner('kvfence router', faults)
       if (banner) process.stderr.write(`${banner}\n`)
@@ -160,7 +161,7 @@ export function registerRouter(program: Command): void {
       // Sync: an async stream is flushed on exit by a loop that retries EPIPE for ever, so a part whose
       // parent (the reader of its stderr) was killed hung in process.exit, deaf to SIGTERM.
       const log = pino(
-        { name: 'kvfence-router', level: flags.logLevel },
+        { name: 'kvfence-router', level: routerLogLevel(flags, command) },
         pino.destination({ dest: 2, sync: true }),
       )
       const source = flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config, flags)
@@ -170,8 +171,9 @@ export function registerRouter(program: Command): void {
         contextWindow: flags.contextWindow,
         clampContext: flags.clampContext,
         ...(flags.drainSeconds === undefined ? {} : { drainSeconds: flags.drainSeconds }),
-        // With --config, the file's router section wins over these flags.
         ...source,
+        // With --config, the flags given override the file's router section (as serve --config).
+        ...(flags.config === undefined ? {} : routerFlagsOverFile(flags, command, source.queue)),
         ...redisLimitsFlags(flags),
         ...(flags.allowPlaintext ? { allowPlaintext: true } : {}),
         guardsEnabled: faults.guardsEnabled,
@@ -207,6 +209,58 @@ export function registerRouter(program: Command): void {
         },
       )
     })
+}
+
+/** Whether the user gave flag `key` (on the command line or by its environment variable), not
+ *  its default. */
+function isGiven(command: Command, key: string): boolean {
+  const source = command.getOptionValueSource(key)
+  return source === 'cli' || source === 'env'
+}
+
+/** `--log-level` when given (or without `--config`), else the file's `router.logLevel` (which
+ *  `router --config` once ignored, logging at info whatever the file said). */
+function routerLogLevel(flags: RouterFlags, command: Command): string {
+  if (flags.config === undefined || isGiven(command, 'logLevel')) return flags.logLevel
+  return loadClusterConfig(flags.config).router.logLevel
+}
+
+/** With `--config`, the flags that name what the file gives are refused (one line), never
+ *  ignored: they once were, without a word. @throws KvfenceError `config_invalid`. */
+function refuseFlagsTheFileGives(command: Command): void {
+  const fileGives: readonly (readonly [string, string, string])[] = [
+    ['prefill', '--prefill', 'give the URLs in workers.prefill'],
+    ['decode', '--decode', 'give the URLs in workers.decode'],
+    ['tenants', '--tenants', "the file's tenants: list is served"],
+    ['model', '--model', 'set model: in the file'],
+  ]
+  for (const [key, flag, instead] of fileGives)
+    if (isGiven(command, key))
+      throw new KvfenceError('config_invalid', `${flag} is not used with --config (${instead})`)
+}
+
+/** The router flags given beside `--config`, over the file's router section: `--host`,
+ *  `--port`, `--context-window`, `--clamp-context`, `--drain-seconds`, `--max-concurrent`,
+ *  `--max-queued` (the file's value stays for a flag not given; a trial's `--port` lost to the
+ *  file's default 8000). */
+function routerFlagsOverFile(
+  flags: RouterFlags,
+  command: Command,
+  fileQueue: StartRouterOptions['queue'],
+): Partial<StartRouterOptions> {
+  const given = (key: string) => isGiven(command, key)
+  return {
+    ...(given('host') ? { host: flags.host } : {}),
+    ...(given('port') ? { port: flags.port } : {}),
+    ...(given('contextWindow') ? { contextWindow: flags.contextWindow } : {}),
+    ...(given('clampContext') ? { clampContext: true } : {}),
+    ...(given('drainSeconds') ? { drainSeconds: flags.drainSeconds } : {}),
+    queue: {
+      ...fileQueue,
+      ...(given('maxConcurrent') ? { maxConcurrentRequests: flags.maxConcurrent } : {}),
+      ...(given('maxQueued') ? { maxQueuedRequests: flags.maxQueued } : {}),
+    },
+  }
 }
 
 /** Sends SIGTERM to a router process (it drains, see `RunningRouter.drain`) and resolves when it

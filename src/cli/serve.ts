@@ -125,17 +125,12 @@ export function registerServe(program: Command): void {
         .choices(logLevels)
         .env('KVFENCE_LOG_LEVEL'),
     )
-    .action(async (flags: ServeFlags) => {
+    .action(async (flags: ServeFlags, command: Command) => {
       exitIfParentGoesDuringStart()
-      if (flags.config !== undefined && flags.threads !== undefined)
-        throw new KvfenceError('config_invalid', '--threads is not used with --config')
-      if (flags.config !== undefined && flags.prefixCachePages !== undefined) {
-        throw new KvfenceError(
-          'config_invalid',
-          '--prefix-cache-pages is not used with --config (set prefixCachePages in workers.prefill)',
-        )
+      if (flags.config !== undefined) {
+        refuseFlagsNotUsedWithConfig(command)
+        return serveConfig(flags.config, flags)
       }
-      if (flags.config !== undefined) return serveConfig(flags.config, flags)
       if (flags.tenants === undefined) {
         throw new KvfenceError('config_invalid', 'give --config FILE or --tenants FILE')
       }
@@ -203,6 +198,35 @@ export function registerServe(program: Command): void {
         })
       }
     })
+}
+
+/** The flags of `serve --tenants` that `serve --config` has no use for, each with where the
+ *  cluster file says the same (or why it cannot). Given with --config they were once ignored
+ *  without a word (a fresh-user trial's `--context-window 100` and `--tenants` served the file's
+ *  window and tenants). */
+const flagsNotUsedWithConfig: readonly (readonly [keyof ServeFlags, string, string])[] = [
+  ['tenants', '--tenants', "the file's tenants: list is served"],
+  ['model', '--model', 'set model: in the file'],
+  ['pageSize', '--page-size', 'set workers.pageSize'],
+  ['prefillPages', '--prefill-pages', 'set pages in workers.prefill'],
+  ['decodePages', '--decode-pages', 'set pages in workers.decode'],
+  ['prefixCachePages', '--prefix-cache-pages', 'set prefixCachePages in workers.prefill'],
+  ['contextWindow', '--context-window', 'set router.contextWindow'],
+  ['clampContext', '--clamp-context', 'set router.clampContext'],
+  ['injectFault', '--inject-fault', 'faults are injected only without --config'],
+  ['unsafeDisableGuards', '--unsafe-disable-guards', 'guards are off only without --config'],
+  ['threads', '--threads', 'workers started from a file use the default'],
+]
+
+/** With `--config`, a flag the file's cluster would not use is refused (one line naming it and
+ *  where the file sets it), never ignored. Reads where commander took each value from, so a
+ *  default is not taken for a flag given. @throws KvfenceError `config_invalid`. */
+function refuseFlagsNotUsedWithConfig(command: Command): void {
+  for (const [key, flag, instead] of flagsNotUsedWithConfig) {
+    const source = command.getOptionValueSource(key)
+    if (source === 'cli' || source === 'env')
+      throw new KvfenceError('config_invalid', `${flag} is not used with --config (${instead})`)
+  }
 }
 
 /** `serve --config FILE`: the cluster of a config file, flags overriding its router fields. */

@@ -140,9 +140,10 @@ export function parseYamlText(text: string, label: string, code: ErrorCode): unk
   try {
     return doc.toJS()
   } catch (err) {
-    // The library's messages here name the alias: its name is file content.
+    // The library's messages here name the alias: its name is file content. It throws a
+    // ReferenceError for both faults; only the one for expansions says "Excessive alias count".
     const fault =
-      err instanceof ReferenceError
+      err instanceof ReferenceError && !/excessive alias count/i.test(err.message)
         ? 'an alias (*name) with no anchor (&name) before it'
         : 'too many alias expansions'
     throw new KvfenceError(code, `${label} is not valid YAML: ${fault}`)

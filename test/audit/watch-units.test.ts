@@ -2,7 +2,10 @@
  *  clock, the alert state across cycles, cycle plans against their allowance, and the webhook
  *  bodies. */
 import assert from 'node:assert/strict'
+import { readFileSync } from 'node:fs'
+import { join } from 'node:path'
 import { describe, test } from 'node:test'
+import { parse } from 'yaml'
 import { createRng } from '../../src/audit/rng.js'
 import { createSizer } from '../../src/audit/sizer.js'
 import { AlertTracker } from '../../src/audit/watch/alerts.js'
@@ -18,10 +21,11 @@ import {
 import { HourlyBudget, PacingBucket } from '../../src/audit/watch/hourly.js'
 import { cycleCostBound } from '../../src/audit/watch/loop.js'
 import { validateWatchOptions } from '../../src/audit/watch/options.js'
-import { webhookBody } from '../../src/audit/watch/webhook.js'
+import { alertNameOf, webhookBody } from '../../src/audit/watch/webhook.js'
 import type { CompletionResult } from '../../src/audit/target.js'
-import type { Finding } from '../../src/audit/types.js'
+import type { Finding, FindingSource } from '../../src/audit/types.js'
 import { completionResult } from './completion-result.js'
+import { repoRoot } from '../helpers/paths.js'
 
 const tenants = [
   { name: 'watch-a', key: 'sk-watch-a-0123456789' },
@@ -331,7 +335,7 @@ test('webhook bodies: Alertmanager webhook v4 and Slack, with no key', () => {
   assert.equal(am.status, 'resolved')
   const [one] = am.alerts as Record<string, unknown>[]
   assert.deepEqual(one.labels, {
-    alertname: 'KvfenceWatchWarning',
+    alertname: 'KvfenceCapacityGap',
     severity: 'warning',
     verdict: 'warning',
     probe: 'capacity',
@@ -352,6 +356,22 @@ test('webhook bodies: Alertmanager webhook v4 and Slack, with no key', () => {
   for (const body of [am, slack]) {
     for (const t of tenants) assert.ok(!JSON.stringify(body).includes(t.key))
   }
+})
+
+test('webhook alertname: the shipped rule that fires for the same finding (Alertmanager groups them)', () => {
+  // A trial's capacity warning came as KvfenceWatchWarning by webhook while Prometheus fired
+  // KvfenceCapacityGap, whose rule KvfenceWatchWarning's leaves out: two alerts for one finding.
+  const file = parse(readFileSync(join(repoRoot, 'deploy', 'kvfence-watch-rules.yml'), 'utf8')) as {
+    groups: { rules: { alert: string; expr: string }[] }[]
+  }
+  const exprOf = new Map(file.groups.flatMap((g) => g.rules).map((r) => [r.alert, r.expr]))
+  const nameOf = (verdict: 'leak' | 'warning', probe: FindingSource) =>
+    alertNameOf({ verdict, probe })
+  assert.match(exprOf.get(nameOf('warning', 'capacity')) ?? '', /kvfence_watch_capacity_gap_tokens/)
+  for (const probe of ['boundary', 'page-leak', 'availability'] as const)
+    assert.match(exprOf.get(nameOf('warning', probe)) ?? '', /verdict="warning", probe!="capacity"/)
+  for (const probe of ['canary', 'boundary', 'abort-race', 'concurrency'] as const)
+    assert.match(exprOf.get(nameOf('leak', probe)) ?? '', /verdict="leak"/)
 })
 
 test('options: fewer than two tenants, a bad URL or a zero budget are refused with one line', () => {

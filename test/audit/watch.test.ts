@@ -257,6 +257,41 @@ describe('kvfence watch against a stand-in failing valid requests', () => {
   }
 })
 
+describe('kvfence watch with a key the endpoint refuses', () => {
+  test('the inconclusive cycles name the tenant whose key was refused', async (t) => {
+    // A trial's wrong key for one tenant gave "no other tenant's answer was read whole" and "the
+    // plant was not accepted (401)": nothing said which key, or that it was a key.
+    const standIn = await startStandIn('safe')
+    const watch = startWatch(
+      [
+        '--target',
+        standIn.url,
+        '--tenant',
+        `alice=${tenantKeys.alice}`,
+        '--tenant',
+        'bob=env:KVFENCE_TEST_BOB_KEY',
+        ...fastCycles,
+        ...ampleBudget,
+      ],
+      { KVFENCE_TEST_BOB_KEY: 'sk-not-a-key-of-this-endpoint' },
+    )
+    t.after(async () => {
+      watch.child.kill('SIGKILL')
+      await standIn.close()
+    })
+    await watch.waitFor(
+      (l) => isCycle('inconclusive')(l) && Number(l.cycle) >= 2,
+      60_000,
+      'of a second inconclusive cycle',
+    )
+    const reasons = new Set(watch.lines.filter(isCycle('inconclusive')).map((l) => l.reason))
+    assert.deepEqual(
+      [...reasons],
+      ["bob's key was refused (HTTP 401): check the key and that the endpoint has this tenant"],
+    )
+  })
+})
+
 describe('kvfence watch as a service', () => {
   test('an endpoint that is down is unreachable (metric, log line), and watched again once it is back', async (t) => {
     const standIn = await startStandIn('safe')

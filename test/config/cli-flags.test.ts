@@ -63,6 +63,20 @@ const cases: [string[], string][] = [
   // A policy for a store that is not configured would be silently ignored.
   [['router', '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2', '--tenants', 't.yaml', '--salt-secret-file', 's'], "kvfence: --salt-secret-file applies to gateway mode (backend:) only: native prefill workers derive each tenant's cache salt themselves"],
   [['router', '--limits-on-unavailable', 'local'], 'kvfence: --limits-on-unavailable needs --limits-redis (it is the policy while Redis is unreachable)'],
+  // serve --config once ignored the flags only serve --tenants uses, without a word (a fresh-user
+  // trial's --context-window 100 served the file's window, --tenants the file's tenants). Refused
+  // before the file is read, so it need not exist here.
+  [['serve', '--config', 'c.yaml', '--tenants', 't.yaml'], "kvfence: --tenants is not used with --config (the file's tenants: list is served)"],
+  [['serve', '--config', 'c.yaml', '--context-window', '100'], 'kvfence: --context-window is not used with --config (set router.contextWindow)'],
+  [['serve', '--config', 'c.yaml', '--clamp-context'], 'kvfence: --clamp-context is not used with --config (set router.clampContext)'],
+  [['serve', '--config', 'c.yaml', '--model', 'models/x'], 'kvfence: --model is not used with --config (set model: in the file)'],
+  [['serve', '--config', 'c.yaml', '--page-size', '8'], 'kvfence: --page-size is not used with --config (set workers.pageSize)'],
+  [['serve', '--config', 'c.yaml', '--prefill-pages', '8'], 'kvfence: --prefill-pages is not used with --config (set pages in workers.prefill)'],
+  [['serve', '--config', 'c.yaml', '--decode-pages', '8'], 'kvfence: --decode-pages is not used with --config (set pages in workers.decode)'],
+  [['serve', '--config', 'c.yaml', '--inject-fault', 'placeholder-forward'], 'kvfence: --inject-fault is not used with --config (faults are injected only without --config)'],
+  [['serve', '--config', 'c.yaml', '--unsafe-disable-guards'], 'kvfence: --unsafe-disable-guards is not used with --config (guards are off only without --config)'],
+  [['serve', '--config', 'c.yaml', '--threads', '1'], 'kvfence: --threads is not used with --config (workers started from a file use the default)'],
+  [['serve', '--config', 'c.yaml', '--prefix-cache-pages', '4'], 'kvfence: --prefix-cache-pages is not used with --config (set prefixCachePages in workers.prefill)'],
 ] // prettier-ignore
 
 describe('CLI flag ranges', () => {

@@ -82,10 +82,17 @@ describe('tenants file errors quote no file content', () => {
   })
 
   it('a message the YAML library would quote content in is replaced by the kind of fault', () => {
+    const laughsLines = ['a: &a [x, x, x, x, x, x, x, x, x]']
+    for (const [name, prev] of ['ba', 'cb', 'dc', 'ed', 'fe', 'gf'])
+      laughsLines.push(`${name}: &${name} [${Array(9).fill(`*${prev}`).join(', ')}]`)
+    laughsLines.push(`tenants: [${Array(9).fill('*g').join(', ')}]\n`)
+    const laughs = laughsLines.join('\n')
     // The library says "Invalid escape sequence \q…" and "Unresolved alias …: sk-…".
     const cases: [string, string][] = [
       [`tenants:\n  - name: "a\\q${plainKey}"\n`, 'line 2, column 13: a bad escape in a double-quoted string'],
       [`tenants: *${plainKey}\n`, 'an alias (*name) with no anchor (&name) before it'],
+      // A "billion laughs" file, every alias anchored: once called an alias with no anchor.
+      [laughs, 'too many alias expansions'],
     ] // prettier-ignore
     for (const [text, fault] of cases) {
       const path = join(dir, 'quoted.yaml')

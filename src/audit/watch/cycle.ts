@@ -629,10 +629,14 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
 }
 
 /** A cycle proves something only when the plant was taken and at least one other tenant's
- *  answer was read whole. */
+ *  answer was read whole. A key the endpoint refused (401, 403) is named first: it explains
+ *  whatever else is missing, and only the operator can fix it. */
 function inconclusiveReason(
   observed: readonly (Observed & { readonly step: Step })[],
 ): string | null {
+  const refused = observed.find((o) => o.result.status === 401 || o.result.status === 403)
+  if (refused)
+    return `${refused.planted.tenant.name}'s key was refused (HTTP ${refused.result.status}): check the key and that the endpoint has this tenant`
   const plant = observed.find((o) => o.step.trigger === 'plant')
   if (!plant || outcomeOf(plant.result) !== 'accepted')
     return `the plant was not accepted (${plant?.result.status ?? plant?.result.failure ?? 'not sent'})`

@@ -6,16 +6,27 @@
  *  Bodies name tenants and canaries (synthetic), never keys and never other answer text.
  *  Knows HTTP and JSON; knows nothing of how a finding was made. */
 import { createHash } from 'node:crypto'
+import type { Finding } from '../types.js'
 import type { ActiveAlert } from './alerts.js'
 import type { WebhookFormat } from './options.js'
 
 export type AlertStatus = 'firing' | 'resolved'
 
+/** The name of the alert rule (deploy/kvfence-watch-rules.yml) that fires for `finding`, so
+ *  that Alertmanager groups the webhook's alert with the rule's: a leak is
+ *  `KvfenceCrossTenantLeak`, the capacity warning `KvfenceCapacityGap` (the rule on
+ *  `kvfence_watch_capacity_gap_tokens`; `KvfenceWatchWarning` leaves it out), any other warning
+ *  `KvfenceWatchWarning`. */
+export function alertNameOf(finding: Pick<Finding, 'verdict' | 'probe'>): string {
+  if (finding.verdict === 'leak') return 'KvfenceCrossTenantLeak'
+  return finding.probe === 'capacity' ? 'KvfenceCapacityGap' : 'KvfenceWatchWarning'
+}
+
 /** Labels an alert carries (Alertmanager) and that the Slack text names. */
 function labelsOf(alert: ActiveAlert): Record<string, string> {
   const { finding } = alert
   return {
-    alertname: finding.verdict === 'leak' ? 'KvfenceCrossTenantLeak' : 'KvfenceWatchWarning',
+    alertname: alertNameOf(finding),
     severity: finding.verdict === 'leak' ? 'critical' : 'warning',
     verdict: finding.verdict,
     probe: finding.probe,
