@@ -153,3 +153,17 @@ export function tokenIdOf(frame: Frame): number {
   }
   return frame.payload.readUInt32LE(0)
 }
+
+/** Idle time before TCP keep-alive probes a control channel's connection, ms: as Node's HTTP agent
+ *  probes its keep-alive connections (`keepAliveMsecs`), so a worker cut off by the network fails
+ *  its streams as soon as an HTTP request of it would (about 11 s: then 10 probes 1 s apart),
+ *  before the prefill worker's transfer gives up on its own (test/reliability/two-hosts.test.ts). */
+export const channelKeepAliveMs = 1_000
+
+/** Tunes a control channel's socket, at either end: tokens leave at once (no Nagle delay), and a
+ *  peer gone silently (its host lost) is found by TCP keep-alive. */
+export function tuneChannelSocket(socket: import('node:stream').Duplex): void {
+  const tcp = socket as import('node:net').Socket
+  tcp.setNoDelay?.(true)
+  tcp.setKeepAlive?.(true, channelKeepAliveMs)
+}

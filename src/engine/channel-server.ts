@@ -16,6 +16,7 @@ import {
   FrameReader,
   parseJsonPayload,
   type Frame,
+  tuneChannelSocket,
 } from './channel-frames.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
 import { GenerateRequest, PrefillRequest, type DecodeEvent, type PrefillResult } from './control.js'
@@ -115,10 +116,7 @@ function serveConnection(
   service: ChannelService,
   options: ChannelServerOptions,
 ): void {
-  // Tokens leave at once; a router gone silently (its host lost) is found by TCP keep-alive.
-  const tcp = socket as import('node:net').Socket
-  tcp.setNoDelay?.(true)
-  tcp.setKeepAlive?.(true, 1_000) // as the router's end (control-channel.ts)
+  tuneChannelSocket(socket)
   const streams = new Map<number, StreamState>()
   const reader = new FrameReader()
   const write = frameWriter(socket)

@@ -20,6 +20,7 @@ import {
   parseJsonPayload,
   tokenIdOf,
   type Frame,
+  tuneChannelSocket,
 } from '../engine/channel-frames.js'
 import { channelPath, channelProtocol, frameWriter } from '../engine/channel-server.js'
 import { clusterTokenHeader } from '../engine/cluster-token.js'
@@ -31,12 +32,6 @@ import {
 } from '../engine/control.js'
 import { KvfenceError } from '../errors.js'
 import { clientTlsOptions, type TlsMaterial } from '../tls.js'
-
-/** Idle time before TCP keep-alive probes a channel's connection, ms: as Node's HTTP agent probes
- *  its keep-alive connections (`keepAliveMsecs`), so a worker cut off by the network fails its
- *  streams as soon as an HTTP request of it would (about 11 s: then 10 probes 1 s apart), before
- *  the prefill worker's transfer gives up on its own (test/reliability/two-hosts.test.ts). */
-const keepAliveProbeMs = 1_000
 
 /** One open channel to one worker. */
 export interface ControlChannel {
@@ -153,10 +148,7 @@ function channelOn(
   where: string,
   options: ChannelOptions,
 ): ControlChannel {
-  // Tokens leave at once; a peer gone silently (its host lost) is found by TCP keep-alive.
-  const tcp = socket as import('node:net').Socket
-  tcp.setNoDelay?.(true)
-  tcp.setKeepAlive?.(true, keepAliveProbeMs)
+  tuneChannelSocket(socket)
   const streams = new Map<number, StreamReceiver>()
   const reader = new FrameReader()
   const write = frameWriter(socket)
