@@ -428,7 +428,7 @@ const benchRouterOptions = {
  *  logging at `warn`; the stand-ins' records of requests are emptied every second. */
 async function startBenchHarness(controlPlane: string): Promise<Harness> {
   const h = await startHarness(
-    { tokenDelayMs: 0, prefillDelayMs: 0, numPages: 4096 },
+    { tokenDelayMs: 0, prefillDelayMs: 0, numPages: 4096, isTransferPortReserved: true },
     { ...benchRouterOptions, controlChannel: controlPlane === 'channel' },
   )
   h.logs.log.level = 'warn' // a line per request would be the router's largest cost here

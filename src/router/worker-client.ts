@@ -514,6 +514,8 @@ function channelTo(
     if (value !== channelUnsupported && value.isOpen) return held.opening
   }
   const where = `${role} worker ${url}`
+  // A new connection may be to a decode worker restarted since its address was cached.
+  if (role === 'decode') t.transferAddresses.delete(url)
   const opening = openChannel({
     url,
     role,
@@ -541,20 +543,26 @@ function channelTo(
 /** The decode worker at `url` over its channel (HTTP when it has none). */
 function channelDecodeSide(t: Transport, url: string): DecodeSide {
   const overHttp = decodeSide(t, url)
+  let isOverHttp = false
   return {
     name: url,
     generate(request, signal) {
       // The stream opens on the first pull.
       return lazyIterator(() =>
-        channelTo(t, url, 'decode').then((channel) =>
-          channel === channelUnsupported
-            ? overHttp.generate(request, signal)[Symbol.asyncIterator]()
-            : channel.generate(request, signal),
-        ),
+        channelTo(t, url, 'decode').then((channel) => {
+          if (channel !== channelUnsupported) return channel.generate(request, signal)
+          isOverHttp = true
+          return overHttp.generate(request, signal)[Symbol.asyncIterator]()
+        }),
       )
     },
-    // Every worker that serves the channel names its transfer port in `reserved`.
-    transferAddress: (reserved, signal) => overHttp.transferAddress(reserved, signal),
+    // Every worker that serves the channel names its transfer port in `reserved`; for one that
+    // does not, the cached address stands while the channel does (a restarted worker closes it,
+    // and any failure drops the cache: see generateOn).
+    transferAddress: (reserved, signal) =>
+      isOverHttp
+        ? overHttp.transferAddress(reserved, signal)
+        : transferAddress(t, url, reserved, signal),
   }
 }
 

@@ -199,6 +199,8 @@ export interface StandIns {
   numDecodeConnections(): number
   /** Control channels the decode worker has accepted so far (upgrades it switched). */
   numDecodeChannels(): number
+  /** `GET /server_info` requests the decode worker has answered so far. */
+  numDecodeInfoReads(): number
   /** Stand in for a restart of both workers with pools of `numPages` pages. */
   setNumPages(numPages: number): void
   /** `/internal/generate` requests refused by `decodeRefusal`. */
@@ -361,8 +363,12 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     reply.end()
   }
 
+  let numDecodeInfoReads = 0
   const decode = http.createServer(async (req, res) => {
-    if (req.method === 'GET' && req.url === '/server_info') return json(res, 200, info('decode'))
+    if (req.method === 'GET' && req.url === '/server_info') {
+      numDecodeInfoReads++
+      return json(res, 200, info('decode'))
+    }
     if (req.method === 'GET' && req.url === '/metrics') {
       res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
       return res.end(metricsText('decode'))
@@ -441,6 +447,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     },
     numDecodeConnections: () => numDecodeConnections,
     numDecodeChannels: () => numDecodeChannels,
+    numDecodeInfoReads: () => numDecodeInfoReads,
     setNumPages: (n: number) => (numPages = n),
     numRefused: () => numRefused,
     numPoolRefused: () => numPoolRefused,

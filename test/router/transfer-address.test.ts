@@ -58,4 +58,19 @@ describe('the decode worker’s transfer address', () => {
       await h.close()
     }
   })
+  it('without it, over the control channel the address is read once, not for every request', async () => {
+    // Found by the router bench: the channel's decode side dropped the cached address before
+    // every request, so each one cost a /server_info round trip over HTTP.
+    const h = await startHarness()
+    try {
+      await h.client().chat.completions.create(request) // read and cached
+      const numReads = h.workers.numDecodeInfoReads()
+      for (let i = 0; i < 5; i++) await h.client().chat.completions.create(request)
+      assert.equal(h.workers.numDecodeChannels(), 1)
+      assert.equal(h.workers.numDecodeInfoReads(), numReads)
+      assert.equal(h.workers.prefillRequests.at(-1)!.decode.port, h.workers.transferPort)
+    } finally {
+      await h.close()
+    }
+  })
 })
