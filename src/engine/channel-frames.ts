@@ -64,13 +64,31 @@ export class ChannelFrameError extends KvfenceError {
   }
 }
 
-/** The frame of `kind` on `stream` with `payload` (bytes, or a JSON value, or a u32 token id). */
+/** The frame of `kind` on `stream` with `payload` (bytes, or a u32 token id, or none). */
 export function encodeFrame(
   kind: FrameKind,
   stream: number,
   payload: Buffer | number | null,
 ): Buffer {
   const numPayloadBytes = payload === null ? 0 : typeof payload === 'number' ? 4 : payload.length
+  const frame = allocFrame(kind, stream, numPayloadBytes)
+  if (typeof payload === 'number') frame.writeUInt32LE(payload, 9)
+  else if (payload !== null) payload.copy(frame, 9)
+  return frame
+}
+
+/** The frame of `kind` on `stream` carrying `message` as JSON. */
+export function encodeJsonFrame(kind: FrameKind, stream: number, message: unknown): Buffer {
+  const json = JSON.stringify(message)
+  // Written in place: one buffer per frame, not the JSON's bytes and then a copy of them.
+  const frame = allocFrame(kind, stream, Buffer.byteLength(json, 'utf8'))
+  frame.write(json, lengthBytes + headBytes, 'utf8')
+  return frame
+}
+
+/** A frame's bytes with its length, kind and stream written and `numPayloadBytes` left to fill;
+ *  throws {@link ChannelFrameError} over {@link maxPayloadBytes}. */
+function allocFrame(kind: FrameKind, stream: number, numPayloadBytes: number): Buffer {
   if (numPayloadBytes > maxPayloadBytes) {
     throw new ChannelFrameError(
       `a ${kind} payload of ${numPayloadBytes} bytes is over ${maxPayloadBytes}`,
@@ -80,14 +98,7 @@ export function encodeFrame(
   frame.writeUInt32LE(headBytes + numPayloadBytes, 0)
   frame[4] = frameKinds[kind]
   frame.writeUInt32LE(stream, 5)
-  if (typeof payload === 'number') frame.writeUInt32LE(payload, 9)
-  else if (payload !== null) payload.copy(frame, 9)
   return frame
-}
-
-/** The frame of `kind` on `stream` carrying `message` as JSON. */
-export function encodeJsonFrame(kind: FrameKind, stream: number, message: unknown): Buffer {
-  return encodeFrame(kind, stream, Buffer.from(JSON.stringify(message), 'utf8'))
 }
 
 /** Reads frames from a byte stream cut anywhere: `push` each chunk read, get the whole frames it

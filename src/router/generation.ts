@@ -2,11 +2,11 @@
  *  its body, admit it (admission-pipeline.ts), let the backend answer it, and account for it —
  *  the metrics and one log line, whatever happened.
  *  Knows HTTP bodies, tenants and the backend interface; knows nothing of workers or engines. */
-import { randomBytes } from 'node:crypto'
 import type { IncomingMessage, ServerResponse } from 'node:http'
 import { performance } from 'node:perf_hooks'
 import type { Logger } from 'pino'
 import { KvfenceError } from '../errors.js'
+import { randomHex } from '../random-hex.js'
 import { admitRequest, emptyHolds, releaseHolds } from './admission-pipeline.js'
 import type { Backend, Outcome } from './backend.js'
 import type { RouterConfig } from './config.js'
@@ -49,7 +49,7 @@ export async function serveGeneration(
   const startedMs = performance.now()
   // The only request id there is: drawn here, never taken from the client (no header or body
   // field can set it), so one tenant cannot name another's request.
-  const rid = randomBytes(16).toString('hex') // 128 bits
+  const rid = randomHex(16) // 128 bits
   const log = deps.log.child({ rid, tenant: tenant.name, endpoint })
   res.setHeader('x-request-id', rid)
   const outcome = emptyOutcome()

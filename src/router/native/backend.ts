@@ -5,7 +5,7 @@
  *  Knows the tokenizer, the worker client and the capacity monitor; knows nothing of keys or
  *  limits. */
 import assert from 'node:assert/strict'
-import { randomBytes } from 'node:crypto'
+import { randomHex } from '../../random-hex.js'
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
 import { KvfenceError } from '../../errors.js'
@@ -124,7 +124,7 @@ function workerRequest(tokenizer: Tokenizer, job: GenerationJob): GenerateReques
     maxTokens: job.maxTokens,
     sampling: parsed.sampling,
     stopTokenIds: [...new Set([...eos, ...parsed.stopTokenIds])],
-    transferSecret: randomBytes(32).toString('hex'),
+    transferSecret: randomHex(32),
     ...(job.prefixCachePartition && { prefixCachePartition: job.prefixCachePartition }),
   }
 }

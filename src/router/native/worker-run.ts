@@ -2,10 +2,10 @@
  *  momentarily full KV pool tried again until the queue's wait runs out, G2), detokenized into
  *  pieces of text that end before any stop string, with the tokens' log-probabilities.
  *  Knows the worker client's events, the tokenizer and stop strings; knows nothing of HTTP. */
-import { randomBytes } from 'node:crypto'
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
 import { KvfenceError } from '../../errors.js'
+import { randomHex } from '../../random-hex.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
 import { type Outcome, markToken } from '../backend.js'
 import { LimitError, type Limiter, type RoomTurn } from '../limits.js'
@@ -188,7 +188,7 @@ async function startWorkerEvents(
 function freshAttempt(request: GenerateRequest): GenerateRequest {
   return {
     ...request,
-    requestId: randomBytes(16).toString('hex'),
-    transferSecret: randomBytes(32).toString('hex'),
+    requestId: randomHex(16),
+    transferSecret: randomHex(32),
   }
 }
