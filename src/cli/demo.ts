@@ -22,7 +22,7 @@ import { bundledModelDir } from '../paths.js'
 import { newApiKey, tenantsYaml } from '../router/tenant-keys.js'
 import { intOption, threadArgs, threadsHelp, threadsOption } from './options.js'
 import { isCaught, productionLines, runProductionAct } from './demo-production.js'
-import { exitOnStopSignals, unlessStopped } from './stop-children.js'
+import { exitOnStopSignals, stopInProgress, unlessStopped } from './stop-children.js'
 
 interface DemoFlags {
   out: string
@@ -139,6 +139,9 @@ async function runDemo(flags: DemoFlags): Promise<number> {
     await c.stop()
     refusal = 'started (G1 did not refuse!)'
   } catch (err) {
+    // A stop signal fails this start-up too (its parts are stopped under it): that is no refusal.
+    const stop = stopInProgress()
+    if (stop !== null) return stop
     refusal = (err as Error).message
     say(`G1 refused to start with an advertised context of ${demoShape.advertisedContext} tokens:`)
     for (const line of wrapWords(refusal, tableColumns - 2)) say(`  ${line}`)

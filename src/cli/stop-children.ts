@@ -79,6 +79,13 @@ export function exitOnStopSignals(name: string): void {
 /** Set once a stop signal arrived; settles only by exiting. */
 let stopping: Promise<never> | null = null
 
+/** The exit a stop signal has begun ({@link exitOnStopSignals}), or null when none arrived. A
+ *  command that expects a failure (the demo's G1 refusal) awaits it before reading a failure as
+ *  its own: a part stopped under it fails too. */
+export function stopInProgress(): Promise<never> | null {
+  return stopping
+}
+
 /** Runs `command`; if it fails after a stop signal (its children were stopped under it), waits for
  *  the signal's exit instead of reporting that failure as the command's error. */
 export async function unlessStopped<T>(command: () => Promise<T>): Promise<T> {

@@ -10,7 +10,7 @@ import { randomHex } from '../random-hex.js'
 import { admitRequest, emptyHolds, releaseHolds } from './admission-pipeline.js'
 import type { Backend, Outcome } from './backend.js'
 import type { RouterConfig } from './config.js'
-import type { Drain } from './drain.js'
+import { type Drain, ShuttingDownError } from './drain.js'
 import { readJsonBody, sendError } from './http.js'
 import { LimitError, type Limiter } from './limits.js'
 import type { RouterMetrics } from './metrics.js'
@@ -153,6 +153,9 @@ function logFailure(backend: Backend, log: Logger, err: KvfenceError): void {
   if (err.code === 'request_aborted') log.info({ code: err.code }, 'client went away')
   // Load shedding is the router working as configured, not a failure to page anyone about.
   else if (err instanceof LimitError) log.warn({ code: err.code }, 'request shed for load')
+  // Nor is the drain's deadline ending a request: the operator stopped the router.
+  else if (err instanceof ShuttingDownError)
+    log.warn({ code: err.code }, 'request ended: the drain deadline passed')
   else if (err.status >= 500) log.error({ code: err.code, detail: err.message }, 'request failed')
   // 4xx: the code and field suffice; the message may quote client input.
   else log.info({ code: err.code, param: err.param }, 'request refused')

@@ -361,9 +361,7 @@ function generationParams(
       'stream_options',
     )
   }
-  const stop = (typeof data.stop === 'string' ? [data.stop] : (data.stop ?? [])).filter(
-    (s) => s.length > 0,
-  )
+  const stop = parseStop(data.stop)
   return {
     model: data.model,
     sampling: {
@@ -382,6 +380,23 @@ function generationParams(
     isStream,
     isUsageStreamed: isStream && (data.stream_options?.include_usage ?? false),
   }
+}
+
+/** `stop` as a list (a single string is a list of one; absent or null, none). An empty string is
+ *  refused (400, param `stop`): it would match before any text, so no completion could be honoured
+ *  with it, and silently dropping it would hide the client's bug. */
+function parseStop(stop: string | string[] | null | undefined): string[] {
+  const stops = typeof stop === 'string' ? [stop] : (stop ?? [])
+  const empty = stops.indexOf('')
+  if (empty !== -1) {
+    const which = typeof stop === 'string' ? 'stop' : `stop[${empty}]`
+    throw new KvfenceError(
+      'invalid_request',
+      `Invalid value for 'stop': ${which} is an empty string; a stop string must have at least one character`,
+      'stop',
+    )
+  }
+  return stops
 }
 
 /** Refuses a `stop_token_ids` entry outside a vocabulary of `vocabSize` tokens (400 naming

@@ -11,7 +11,7 @@ import { pino, type Logger } from 'pino'
 import { KvfenceError } from '../errors.js'
 import { loadTokenizer } from '../model/tokenizer.js'
 import { type WorkerReport, decideContextWindow } from './capacity.js'
-import { answerClientError } from './client-errors.js'
+import { answerClientError, answerPlainHttpOnHttps } from './client-errors.js'
 import type { Backend } from './backend.js'
 import { type RouterConfig, buildRouterConfig, routerConfigDefaults } from './config.js'
 import { createDrain } from './drain.js'
@@ -371,6 +371,7 @@ async function listenRouter(
     const pair = loadCertPair(httpsFiles)
     const httpsServer = https.createServer({ ...pair, minVersion: 'TLSv1.2' }, handler)
     stopReloading = reloadCertOnChange(httpsServer, httpsFiles, { minVersion: 'TLSv1.2' }, log)
+    answerPlainHttpOnHttps(httpsServer, log)
     server = httpsServer
   }
   // Clients and load balancers reuse idle connections for longer than Node's 5 s default (AWS ALB:

@@ -70,17 +70,20 @@ async function assertAllGone(tree: readonly number[]): Promise<void> {
 }
 
 /** `kvfence demo` stopped by `signal` once its output matches `moment` with `minChildren` child
- *  processes: it exits with `code` and one line, and none of its tree is left. */
+ *  processes: it exits with `code` and one line, `checkOutput` accepts its output, and none of its
+ *  tree is left. */
 async function assertDemoStops(
   moment: RegExp,
   minChildren: number,
   signal: NodeJS.Signals,
   code: number,
+  checkOutput: (output: string) => void = () => {},
 ): Promise<void> {
   const tmp = mkdtempSync(join(scratch, 'demo-'))
   const run = await stopAt(['demo', '--out', join(tmp, 'out')], tmp, moment, minChildren, signal)
   assert.equal(run.code, code, run.output)
   assert.equal(run.output.trimEnd().split('\n').at(-1), `kvfence demo: stopped by ${signal}`)
+  checkOutput(run.output)
   assert.ok(run.tree.length >= minChildren, `the tree before the signal: ${run.tree.join(', ')}`)
   await assertAllGone(run.tree)
 }
@@ -91,6 +94,14 @@ it('kvfence demo stopped by SIGTERM while its first cluster starts leaves no pro
 
 it('kvfence demo stopped by SIGINT mid-act (its cluster up, auditing) leaves no process and exits 130', async () => {
   await assertDemoStops(/cluster up at /, 3, 'SIGINT', 130)
+})
+
+it('kvfence demo stopped by SIGTERM as act 2 starts its cluster says it was stopped, not that G1 refused, and exits 143', async () => {
+  // Act 2 first starts a cluster that G1 must refuse; its parts, stopped by the signal, fail its
+  // start-up too. Before the fix that failure was printed as "G1 refused to start ...".
+  await assertDemoStops(/2\/3 {2}as shipped/, 1, 'SIGTERM', 143, (output) =>
+    assert.doesNotMatch(output, /G1 refused/),
+  )
 })
 
 it('kvfence soak stopped by SIGTERM leaves no process (router, workers, watch) nor its temporary folder, and exits 143', async () => {

@@ -2,7 +2,8 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { apiKeyDigest } from '../../src/router/tenants.js'
-import { defaultReplyText, keys, startHarness } from './helpers.js'
+import OpenAI from 'openai'
+import { defaultReplyText, keys, startHarness, waitFor } from './helpers.js'
 
 describe('logging', () => {
   it('never writes an API key, its digest, a prompt or a completion', async () => {
@@ -52,6 +53,53 @@ describe('logging', () => {
           assert.equal(typeof line[field], 'number', field)
         }
       }
+    } finally {
+      await h.close()
+    }
+  })
+
+  it('logs a request the drain deadline ends as warn (an operator stop), never error', async () => {
+    // Both requests held after their first token, so the drain's 0 s deadline ends them: the
+    // streamed one mid-stream (respond.ts), the other before its answer (generation.ts).
+    const h = await startHarness({ isHoldingReplies: true }, { drainSeconds: 0 })
+    try {
+      const isShuttingDown = (status: number | undefined) => (err: unknown) => {
+        assert.ok(err instanceof OpenAI.APIError)
+        assert.equal(err.status, status)
+        assert.equal(err.code, 'shutting_down')
+        return true
+      }
+      const client = h.client()
+      const stream = await client.completions.create({
+        model: 'echo-test',
+        prompt: 'Hi',
+        stream: true,
+      })
+      const whole = assert.rejects(
+        client.completions.create({ model: 'echo-test', prompt: 'Hi' }),
+        isShuttingDown(503),
+      )
+      await waitFor(() => h.workers.numHeld() === 2)
+      await h.router.drain()
+      // The stream's error event comes after its 200 head: the client's error has no status.
+      await assert.rejects(async () => {
+        for await (const _ of stream) void _
+      }, isShuttingDown(undefined))
+      await whole
+      const records = h.logs.records()
+      // pino's levels: 40 warn, 50 error.
+      assert.deepEqual(
+        records.filter((r) => r.level >= 50),
+        [],
+      )
+      const ended = records.filter((r) => r.code === 'shutting_down')
+      assert.deepEqual(
+        ended.map((r) => [r.level, r.msg]),
+        [
+          [40, 'request ended: the drain deadline passed'],
+          [40, 'request ended: the drain deadline passed'],
+        ],
+      )
     } finally {
       await h.close()
     }

@@ -375,6 +375,39 @@ describe('the router refuses invalid requests at its boundary', () => {
     )
   })
 
+  it('refuses an empty stop string on both endpoints with 400 naming stop (openai client)', async () => {
+    const client = h.client()
+    const refusedWith = (message: string) => (err: unknown) => {
+      assert.ok(err instanceof OpenAI.BadRequestError)
+      assert.equal(err.status, 400)
+      assert.equal(err.type, 'invalid_request_error')
+      assert.equal(err.code, 'invalid_request')
+      assert.equal(err.param, 'stop')
+      assert.equal(err.message, `400 ${message}`)
+      return true
+    }
+    const secondEmpty =
+      "Invalid value for 'stop': stop[1] is an empty string; a stop string must have at least one character"
+    await assert.rejects(
+      client.chat.completions.create({
+        model: 'echo-test',
+        messages: [{ role: 'user', content: 'Hi' }],
+        stop: ['\n', ''],
+      }),
+      refusedWith(secondEmpty),
+    )
+    await assert.rejects(
+      client.completions.create({ model: 'echo-test', prompt: 'Hi', stop: ['\n', ''] }),
+      refusedWith(secondEmpty),
+    )
+    await assert.rejects(
+      client.completions.create({ model: 'echo-test', prompt: 'Hi', stop: '' }),
+      refusedWith(
+        "Invalid value for 'stop': stop is an empty string; a stop string must have at least one character",
+      ),
+    )
+  })
+
   it('refuses a wrong key with 401 (OpenAI.AuthenticationError)', async () => {
     await assert.rejects(
       h.client('sk-not-a-tenant').chat.completions.create({
