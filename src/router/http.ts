@@ -55,23 +55,7 @@ export async function readJsonBody(req: IncomingMessage, maxBytes: number): Prom
   }
   const declared = Number(req.headers['content-length'])
   if (Number.isFinite(declared) && declared > maxBytes) throw tooLarge()
-  const chunks: Buffer[] = []
-  let numBytes = 0
-  try {
-    for await (const chunk of req as AsyncIterable<Buffer>) {
-      numBytes += chunk.length
-      if (numBytes > maxBytes) throw tooLarge()
-      chunks.push(chunk)
-    }
-  } catch (err) {
-    if (err instanceof KvfenceError) throw err
-    // Node fails the read with `aborted` (ECONNRESET) when the connection closes mid-body.
-    throw new KvfenceError(
-      'request_aborted',
-      `the client closed the connection after ${numBytes} bytes of the request body`,
-    )
-  }
-  const bytes = Buffer.concat(chunks)
+  const bytes = await readBodyBytes(req, maxBytes, tooLarge)
   if (bytes.length > countedBodyBytes && hasMoreContainers(bytes, maxJsonContainers)) {
     throw new KvfenceError(
       'invalid_request',
@@ -94,6 +78,54 @@ export async function readJsonBody(req: IncomingMessage, maxBytes: number): Prom
       `the request body is not valid JSON: ${err instanceof Error ? err.message : String(err)}`,
     )
   }
+}
+
+/** The request's body bytes, read with listeners (an async iterator over the request costs every
+ *  request a few µs more). Past `maxBytes` it stops reading and rejects with `tooLarge()` (the
+ *  rest is left for the error reply's handling: see {@link sendError}); a connection closed before
+ *  the body's end rejects with `request_aborted`. */
+function readBodyBytes(
+  req: IncomingMessage,
+  maxBytes: number,
+  tooLarge: () => KvfenceError,
+): Promise<Buffer> {
+  return new Promise((resolve, reject) => {
+    const chunks: Buffer[] = []
+    let numBytes = 0
+    const settle = () => {
+      req.off('data', onData)
+      req.off('end', onEnd)
+      req.off('error', onAborted)
+      req.off('close', onAborted)
+    }
+    const onData = (chunk: Buffer) => {
+      numBytes += chunk.length
+      if (numBytes <= maxBytes) return void chunks.push(chunk)
+      settle()
+      req.pause()
+      reject(tooLarge())
+    }
+    const onEnd = () => {
+      settle()
+      resolve(chunks.length === 1 ? chunks[0] : Buffer.concat(chunks, numBytes))
+    }
+    // Node fails the read with `aborted` (ECONNRESET) when the connection closes mid-body; a
+    // 'close' before 'end' is the same.
+    const onAborted = () => {
+      settle()
+      reject(
+        new KvfenceError(
+          'request_aborted',
+          `the client closed the connection after ${numBytes} bytes of the request body`,
+        ),
+      )
+    }
+    if (req.readableEnded) return resolve(Buffer.alloc(0))
+    req.on('data', onData)
+    req.on('end', onEnd)
+    req.on('error', onAborted)
+    req.on('close', onAborted)
+  })
 }
 
 /** Reads a reply from an upstream (a worker or the gateway's engine) as UTF-8 text. Throws a plain
@@ -189,10 +221,21 @@ export function coalesceWrites(res: ServerResponse): void {
     if (!isCorked && !res.writableEnded && !res.destroyed) {
       isCorked = true
       res.cork()
-      setImmediate(uncork)
+      if (uncorkAtTurnEnd.length === 0) setImmediate(uncorkAll)
+      uncorkAtTurnEnd.push(uncork)
     }
     return write.apply(res, args)
   }) as ServerResponse['write']
+}
+
+/** The responses corked in this event-loop turn: one `setImmediate` uncorks them all at its end
+ *  (not one per response: under many streams each token would cost an Immediate of its own). */
+let uncorkAtTurnEnd: (() => void)[] = []
+
+function uncorkAll(): void {
+  const uncorks = uncorkAtTurnEnd
+  uncorkAtTurnEnd = []
+  for (const uncork of uncorks) uncork()
 }
 
 /** Resolves when `res` can take more writes again (`drain`) or is closed. */

@@ -3,7 +3,7 @@
 import assert from 'node:assert/strict'
 import { after, before, describe, it } from 'node:test'
 import OpenAI from 'openai'
-import { type Harness, keys, startHarness } from './helpers.js'
+import { type Harness, keys, rawRequest, startHarness } from './helpers.js'
 
 const chat = (fields: object) => ({
   model: 'echo-test',
@@ -495,6 +495,29 @@ describe('the router refuses invalid requests at its boundary', () => {
     assert.equal(res.status, 413)
     const body = (await res.json()) as { error: { code: string } }
     assert.equal(body.error.code, 'payload_too_large')
+  })
+
+  it('refuses a chunked body that grows past 1 MiB with 413 (no content-length to check first)', async () => {
+    // The body is cut into chunks, and the 413 must reach the client: reading stops at the
+    // limit, and the connection closes after the reply instead of being reset.
+    const piece = 'x'.repeat(64 * 1024)
+    const numPieces = 17 // 1 088 KiB of prompt, past the 1 MiB limit
+    const chunk = (text: string) => `${Buffer.byteLength(text).toString(16)}\r\n${text}\r\n`
+    const json = `{"model":"echo-test","prompt":"${piece.repeat(numPieces)}"}`
+    let body = ''
+    for (let at = 0; at < json.length; at += piece.length)
+      body += chunk(json.slice(at, at + piece.length))
+    const answer = await rawRequest(
+      h.router.url,
+      `POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${keys.alpha}\r\n` +
+        `Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n${body}0\r\n\r\n`,
+    )
+    assert.equal(answer.status, 413)
+    assert.match(answer.head, /\r\nconnection: close/)
+    const error = JSON.parse(
+      answer.body.slice(answer.body.indexOf('{'), answer.body.lastIndexOf('}') + 1),
+    )
+    assert.deepEqual(error.error.code, 'payload_too_large')
   })
 
   it('answers unknown endpoints with 404, and a known one asked with the wrong method with 405 and Allow', async () => {
