@@ -121,7 +121,7 @@ describe('transfer over TCP', () => {
     const hooks = new RecordingHooks()
     const server = await startServer(hooks)
     const relay = await startRelay(server.port)
-    const client = new TransferClient({ host: '127.0.0.1', port: relay.port, stallTimeoutMs: 200 })
+    const client = new TransferClient({ host: '127.0.0.1', port: relay.port, stallTimeoutMs: 500 })
     onCleanup(() => client.close())
     const [a, b, c] = [makeSpec(), makeSpec(), makeSpec(40 * 4, 4, 16 * KiB)]
     for (const s of [a, b, c]) hooks.expect(s)
@@ -150,6 +150,53 @@ describe('transfer over TCP', () => {
     await relay.close()
     await until(() => hooks.of(a.transferId).numAborts === 1, 2_000, "A's abort on D")
     assert.equal(hooks.of(a.transferId).events.at(-1), 'abort connection_closed')
+    server.check()
+    assert.deepEqual(hooks.violations, [])
+    await stopServer(server)
+  })
+
+  it('a receiver that stops reading mid-transfer: the sender, waiting for send buffers, fails stalled, reads nothing after, and the next transfer goes on a new connection', async () => {
+    const hooks = new RecordingHooks()
+    const server = await startServer(hooks)
+    const relay = await startRelay(server.port)
+    const client = new TransferClient({
+      host: '127.0.0.1',
+      port: relay.port,
+      stallTimeoutMs: 500,
+      maxBytesInFlight: 1024 * KiB,
+    })
+    onCleanup(() => client.close())
+    const spec = makeSpec(1, 1, 1)
+    const next = makeSpec(40 * 4, 4, 16 * KiB)
+    for (const s of [spec, next]) hooks.expect(s)
+    hooks.pageSize = 1
+    relay.stallNext(64 * KiB)
+    const numPages = 65_536 // 1 GiB of 16 KiB pages: far more than any socket buffers hold
+    const t = outgoing(spec, {
+      numTokens: numPages,
+      numPages,
+      pageBytes: 16 * KiB,
+      readPage: (ordinal: number, dst: Uint8Array): number => {
+        t.numReads++
+        if (isSettled) t.numReadsAfterSettle++
+        dst[0] = ordinal & 0xff
+        return 1
+      },
+    })
+    let isSettled = false
+    const err = await sendAndSettle(client, t).finally(() => (isSettled = true))
+    assert.equal((err as TransferError | null)?.reason, 'stalled')
+    assert.equal(t.numReadsAfterSettle, 0)
+    assert.ok(t.numReads < numPages, `${t.numReads} pages read`)
+    hooks.pageSize = next.pageSize
+    assert.equal(await sendAndSettle(client, outgoing(next)), null)
+    assert.equal(relay.numConnections(), 2)
+    assertDelivered(hooks, next)
+    assert.equal(hooks.of(spec.transferId).completedWith, null)
+    client.check()
+    await client.close()
+    await relay.close()
+    await until(() => hooks.of(spec.transferId).numAborts === 1, 2_000, 'the abort on D')
     server.check()
     assert.deepEqual(hooks.violations, [])
     await stopServer(server)
