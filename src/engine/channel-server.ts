@@ -68,7 +68,8 @@ const closeGraceMs = 1_000
  *  does: each open stream's request is aborted (G8), the frames already produced are flushed, and
  *  the router fails the streams it still had open with `worker_unavailable`. Upgraded sockets are
  *  outside what `server.close()` ends, and it would not call back while one is open, so this
- *  wraps `server.close` of this server. Upgrades after the close are dropped. */
+ *  wraps `server.close` of this server. Upgrades after the close (until it listens again) are
+ *  dropped. */
 export function acceptChannels(
   server: http.Server | https.Server,
   service: ChannelService,
@@ -85,6 +86,7 @@ export function acceptChannels(
     closeServer(callback)
     return server
   }
+  server.on('listening', () => (isClosing = false)) // listening again after a close
   server.on('upgrade', (req: http.IncomingMessage, socket: Duplex, head: Buffer) => {
     if (isClosing) return void socket.destroy()
     const path = (req.url ?? '/').split('?')[0]
