@@ -58,15 +58,37 @@ export interface ChannelCount {
   readonly numOpen: number
 }
 
+/** After closing a channel, how long its last frames may take to flush before the socket is
+ *  destroyed (a router that does not read must not keep the server from closing), ms. */
+const closeGraceMs = 1_000
+
 /** Serves the control channel on `server` (its 'upgrade' event): upgrades to any other path or
- *  protocol are answered 404, a missing or wrong cluster token 401, both as JSON errors. */
+ *  protocol are answered 404, a missing or wrong cluster token 401, both as JSON errors.
+ *  Closing `server` (`server.close()`) closes every channel connection too, as a worker's exit
+ *  does: each open stream's request is aborted (G8), the frames already produced are flushed, and
+ *  the router fails the streams it still had open with `worker_unavailable`. Upgraded sockets are
+ *  outside what `server.close()` ends, and it would not call back while one is open, so this
+ *  wraps `server.close` of this server. Upgrades after the close (until it listens again) are
+ *  dropped. */
 export function acceptChannels(
   server: http.Server | https.Server,
   service: ChannelService,
   options: ChannelServerOptions,
 ): ChannelCount {
   const count = { numOpen: 0 }
+  /** Each open connection's closer. */
+  const closers = new Set<() => void>()
+  let isClosing = false
+  const closeServer = server.close.bind(server)
+  server.close = (callback?: (err?: Error) => void) => {
+    isClosing = true
+    for (const close of [...closers]) close()
+    closeServer(callback)
+    return server
+  }
+  server.on('listening', () => (isClosing = false)) // listening again after a close
   server.on('upgrade', (req: http.IncomingMessage, socket: Duplex, head: Buffer) => {
+    if (isClosing) return void socket.destroy()
     const path = (req.url ?? '/').split('?')[0]
     const protocol = String(req.headers.upgrade ?? '').toLowerCase()
     if (req.method !== 'GET' || path !== channelPath || protocol !== channelProtocol) {
@@ -88,8 +110,12 @@ export function acceptChannels(
       `HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: ${channelProtocol}\r\n\r\n`,
     )
     count.numOpen++
-    socket.once('close', () => count.numOpen--)
-    serveConnection(socket, head, service, options)
+    const close = serveConnection(socket, head, service, options)
+    closers.add(close)
+    socket.once('close', () => {
+      count.numOpen--
+      closers.delete(close)
+    })
   })
   return count
 }
@@ -109,17 +135,20 @@ interface StreamState {
   isOpen: boolean
 }
 
-/** Reads the router's frames on `socket` and runs each stream's request. */
+/** Reads the router's frames on `socket` and runs each stream's request. Returns the
+ *  connection's closer: it aborts every open stream's request, flushes the frames already
+ *  produced, and ends the socket (destroyed after {@link closeGraceMs} if the router does not
+ *  read). */
 function serveConnection(
   socket: Duplex,
   head: Buffer,
   service: ChannelService,
   options: ChannelServerOptions,
-): void {
+): () => void {
   tuneChannelSocket(socket)
   const streams = new Map<number, StreamState>()
   const reader = new FrameReader()
-  const write = frameWriter(socket)
+  const { write, flush } = frameWriter(socket)
   let isConnectionOpen = true
 
   const closeStream = (id: number, state: StreamState) => {
@@ -213,20 +242,37 @@ function serveConnection(
     socket.destroy()
   })
   if (head.length > 0) onData(head)
+  return () => {
+    closeAll()
+    flush()
+    socket.end(() => socket.destroy())
+    setTimeout(() => socket.destroy(), closeGraceMs).unref()
+  }
 }
 
-/** Writes frames to `socket`, all those of one event-loop turn in one socket write. */
-export function frameWriter(socket: Duplex): (frame: Buffer) => void {
+/** Frames out on one socket. */
+export interface FrameWriter {
+  /** Queues `frame`; the frames of one event-loop turn go in one socket write. */
+  write(frame: Buffer): void
+  /** Writes the queued frames now. Frames after the socket ended or was destroyed are dropped. */
+  flush(): void
+}
+
+/** A {@link FrameWriter} on `socket`. */
+export function frameWriter(socket: Duplex): FrameWriter {
   let pending: Buffer[] = []
   const flush = () => {
     const frames = pending
     pending = []
-    if (socket.destroyed) return
+    if (frames.length === 0 || socket.destroyed || socket.writableEnded) return
     socket.write(frames.length === 1 ? frames[0] : Buffer.concat(frames))
   }
-  return (frame) => {
-    if (pending.length === 0) setImmediate(flush)
-    pending.push(frame)
+  return {
+    write(frame) {
+      if (pending.length === 0) setImmediate(flush)
+      pending.push(frame)
+    },
+    flush,
   }
 }
 

@@ -26,8 +26,10 @@ export interface PrefillWorkerOptions {
   /** Pages per PAGES frame (G9). */
   maxPagesPerFrame?: number
   /** A transfer making no progress (no frame sent, or no ACK after END) for this long fails with
-   *  `transfer_failed` (reason `stalled`), ms. Default: the transfer sender's. Until then the pages
-   *  stay pinned: P never frees them on a timer while the transfer may still read them (G7). */
+   *  `transfer_failed` (reason `stalled`) and closes the connection to that decode worker (the
+   *  transfers sharing it fail, reason `connection_closed`; the next transfer opens a new one), ms.
+   *  Default: the transfer sender's. Until then the pages stay pinned: P never frees them on a
+   *  timer while the transfer may still read them (G7). */
   transferTimeoutMs?: number
   /** Most pages of the KV pool the prefix cache may hold; 0 (the default) turns it off. */
   prefixCachePages?: number

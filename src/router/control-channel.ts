@@ -151,7 +151,7 @@ function channelOn(
   tuneChannelSocket(socket)
   const streams = new Map<number, StreamReceiver>()
   const reader = new FrameReader()
-  const write = frameWriter(socket)
+  const { write } = frameWriter(socket)
   let nextStream = 1
   let isOpen = true
   let closeError = new KvfenceError('worker_unavailable', `${where}: control channel closed`)

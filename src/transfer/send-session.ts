@@ -22,7 +22,7 @@
  *  | a NACK ends its transfer; a zero-id NACK the connection   | D's reason (else refused_by_receiver) | always |
  *  | bytes built or queued ≤ maxBytesInFlight (else the pump waits) | —                  | G9     |
  *  | pages per PAGES frame ≤ maxPagesPerFrame and ≤ the frame cap | —                    | G9     |
- *  | progress (a frame built, or the ACK after END) within stallTimeoutMs | stalled      | always |
+ *  | progress (a frame built, or the ACK after END) within stallTimeoutMs | stalled (the others on the connection: connection_closed) | always |
  *  | the caller's signal has not aborted (then ABORT is sent)  | aborted_by_sender       | always |
  *  Every failure stops the transfer's pump at its next check; ABORT is queued only after the pump
  *  returned, so that D sees no frame of the transfer after it. */
@@ -112,7 +112,7 @@ export interface SendSessionConfig {
   readonly writeBytes: number
   /** Largest frame sent, header included, bytes. */
   readonly maxFrameBytes: number
-  /** A transfer making no progress for this long is aborted, ms. */
+  /** A transfer making no progress for this long fails, and its connection is closed, ms. */
   readonly stallTimeoutMs: number
 }
 
@@ -290,18 +290,7 @@ export class SendSession {
       isPumpDone: false,
       outcome,
       settle,
-      timer: setTimeout(
-        () =>
-          this.fail(
-            s,
-            refusal(
-              'stalled',
-              `transfer ${t.transferId}: no progress for ${this.config.stallTimeoutMs} ms`,
-            ),
-            true,
-          ),
-        this.config.stallTimeoutMs,
-      ),
+      timer: setTimeout(() => this.onStall(s), this.config.stallTimeoutMs),
     }
     this.transfers.set(t.transferId, s)
     this.io.setBusy(true)
@@ -395,6 +384,25 @@ export class SendSession {
       }
     }
     s.settle(err)
+  }
+
+  /** Transfer `s` made no progress for stallTimeoutMs: D stopped reading, or stopped answering, on
+   *  this connection. Frames are delivered in order, so every transfer queued behind `s` would
+   *  stall as well, and the next transfer too: fail `s` (`stalled`), end the connection, and fail
+   *  the transfers sharing it (`connection_closed`). The client opens a new connection for the
+   *  next transfer; D, seeing this one close, aborts every transfer it had on it. No ABORT is sent:
+   *  D may not be reading, and its teardown ends the transfer as well. */
+  private onStall(s: Outgoing): void {
+    if (s.phase === 'settled') return
+    const { transferId } = s.t
+    const ms = this.config.stallTimeoutMs
+    this.fail(s, refusal('stalled', `transfer ${transferId}: no progress for ${ms} ms`), false)
+    this.destroy(
+      refusal(
+        'connection_closed',
+        `connection to ${this.name} closed: transfer ${transferId} made no progress for ${ms} ms`,
+      ),
+    )
   }
 
   // ─── Frames in ────────────────────────────────────────────────────────────────────────────────

@@ -1,6 +1,7 @@
 /** The prefill worker's side of the transfer, as a socket: a client for one decode worker address,
- *  holding one TCP connection to it, opened on first use, reopened after a teardown, and shared by
- *  every transfer to that address (multiplexed by transfer id). The protocol — HELLO, each
+ *  holding one TCP connection to it, opened on first use, reopened after a teardown or a stalled
+ *  transfer (which closes it), and shared by every transfer to that address (multiplexed by
+ *  transfer id). The protocol — HELLO, each
  *  transfer's frames under the byte budget (G9), ACK/NACK, settling each transfer once only after
  *  its reads stopped (G7) — lives in send-session.ts, as the receiver's lives in session.ts.
  *  With `tls`, the connection is mutual TLS 1.3 against the cluster CA (src/tls.ts).
@@ -35,8 +36,9 @@ export interface TransferClientOptions {
   writeBytes?: number
   /** Largest frame sent, header included, bytes; must not exceed the receiver's cap. Default 64 MiB. */
   maxFrameBytes?: number
-  /** A transfer making no progress (no frame built, no ACK after END) for this long is aborted, ms.
-   *  Default 30 000. */
+  /** A transfer making no progress (no frame built, no ACK after END) for this long fails
+   *  (`stalled`) and closes the connection: the transfers sharing it fail (`connection_closed`),
+   *  and the next transfer opens a new one. ms. Default 30 000. */
   stallTimeoutMs?: number
   /** Connecting to a decode worker (TLS handshake included) gives up after this long, ms.
    *  Default 5 000. */

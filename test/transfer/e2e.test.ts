@@ -31,6 +31,7 @@ import {
   pagesBytes,
   rawConnect,
   sendAndSettle,
+  startRelay,
   startServer,
   stopServer,
   transferBytes,
@@ -113,6 +114,91 @@ describe('transfer over TCP', () => {
       'later transfers allocated new buffers',
     )
     await client.close()
+    await stopServer(server)
+  })
+
+  it('a stalled transfer retires its connection: the transfer sharing it fails connection_closed, the next one arrives intact on a new connection', async () => {
+    const hooks = new RecordingHooks()
+    const server = await startServer(hooks)
+    const relay = await startRelay(server.port)
+    const client = new TransferClient({ host: '127.0.0.1', port: relay.port, stallTimeoutMs: 500 })
+    onCleanup(() => client.close())
+    const [a, b, c] = [makeSpec(), makeSpec(), makeSpec(40 * 4, 4, 16 * KiB)]
+    for (const s of [a, b, c]) hooks.expect(s)
+    // D gets HELLO and A's BEGIN on the first connection, then nothing more on it.
+    relay.stallNext(helloBytes().length + beginBytes(a).length)
+    const [tA, tB] = [outgoing(a), outgoing(b)]
+    // A queues all its frames and arms its stall timer before B starts on the same connection, so
+    // A's timer fires first.
+    const [errA, errB] = await Promise.all([sendAndSettle(client, tA), sendAndSettle(client, tB)])
+    assert.equal((errA as TransferError | null)?.reason, 'stalled')
+    assert.equal(errA?.code, 'transfer_failed')
+    assert.equal((errB as TransferError | null)?.reason, 'connection_closed')
+    assert.equal(errB?.code, 'transfer_failed')
+    assert.match(errB!.message, new RegExp(`transfer ${a.transferId} made no progress`))
+    assert.equal(tA.numReadsAfterSettle + tB.numReadsAfterSettle, 0)
+    const tC = outgoing(c)
+    assert.equal(await sendAndSettle(client, tC), null)
+    assert.equal(relay.numConnections(), 2)
+    assertDelivered(hooks, c)
+    assert.equal(tC.numReadsAfterSettle, 0)
+    assert.equal(hooks.of(a.transferId).completedWith, null)
+    assert.throws(() => hooks.of(b.transferId), /no reservation/, "B's BEGIN reached D")
+    client.check()
+    await client.close()
+    // D sees the stalled link close only when the relay closes it (a stuck peer reads nothing).
+    await relay.close()
+    await until(() => hooks.of(a.transferId).numAborts === 1, 2_000, "A's abort on D")
+    assert.equal(hooks.of(a.transferId).events.at(-1), 'abort connection_closed')
+    server.check()
+    assert.deepEqual(hooks.violations, [])
+    await stopServer(server)
+  })
+
+  it('a receiver that stops reading mid-transfer: the sender, waiting for send buffers, fails stalled, reads nothing after, and the next transfer goes on a new connection', async () => {
+    const hooks = new RecordingHooks()
+    const server = await startServer(hooks)
+    const relay = await startRelay(server.port)
+    const client = new TransferClient({
+      host: '127.0.0.1',
+      port: relay.port,
+      stallTimeoutMs: 500,
+      maxBytesInFlight: 1024 * KiB,
+    })
+    onCleanup(() => client.close())
+    const spec = makeSpec(1, 1, 1)
+    const next = makeSpec(40 * 4, 4, 16 * KiB)
+    for (const s of [spec, next]) hooks.expect(s)
+    hooks.pageSize = 1
+    relay.stallNext(64 * KiB)
+    const numPages = 65_536 // 1 GiB of 16 KiB pages: far more than any socket buffers hold
+    const t = outgoing(spec, {
+      numTokens: numPages,
+      numPages,
+      pageBytes: 16 * KiB,
+      readPage: (ordinal: number, dst: Uint8Array): number => {
+        t.numReads++
+        if (isSettled) t.numReadsAfterSettle++
+        dst[0] = ordinal & 0xff
+        return 1
+      },
+    })
+    let isSettled = false
+    const err = await sendAndSettle(client, t).finally(() => (isSettled = true))
+    assert.equal((err as TransferError | null)?.reason, 'stalled')
+    assert.equal(t.numReadsAfterSettle, 0)
+    assert.ok(t.numReads < numPages, `${t.numReads} pages read`)
+    hooks.pageSize = next.pageSize
+    assert.equal(await sendAndSettle(client, outgoing(next)), null)
+    assert.equal(relay.numConnections(), 2)
+    assertDelivered(hooks, next)
+    assert.equal(hooks.of(spec.transferId).completedWith, null)
+    client.check()
+    await client.close()
+    await relay.close()
+    await until(() => hooks.of(spec.transferId).numAborts === 1, 2_000, 'the abort on D')
+    server.check()
+    assert.deepEqual(hooks.violations, [])
     await stopServer(server)
   })
 
@@ -527,6 +613,8 @@ async function fakeReceiver(
   onCleanup(close)
   return {
     frames,
+    /** The connections accepted, in order. */
+    sockets,
     port,
     client: (options = {}): TransferClient => {
       const client = new TransferClient({ host: '127.0.0.1', port, ...options })
@@ -602,13 +690,20 @@ describe('the sender against a hand-written receiver', () => {
     await fake.close()
   })
 
-  it('a receiver that never answers END: P gives up after stallTimeoutMs and sends ABORT', async () => {
-    const fake = await fakeReceiver(() => {})
+  it('a receiver that never answers one END: P rejects it stalled, closes the connection, and sends the next transfer on a new one', async () => {
+    const unanswered = makeSpec()
+    const fake = await fakeReceiver((f, socket) => {
+      if (f.kind === 'end' && f.transferId !== unanswered.transferId)
+        socket.write(encodeAck({ transferId: f.transferId }))
+    })
     const client = fake.client({ stallTimeoutMs: 100 })
-    const spec = makeSpec()
-    const err = await sendAndSettle(client, outgoing(spec))
+    const err = await sendAndSettle(client, outgoing(unanswered))
     assert.equal((err as TransferError | null)?.reason, 'stalled')
-    await until(() => fake.frames.some((f) => f.kind === 'abort'), 2_000, 'ABORT at the receiver')
+    assert.equal(err?.code, 'transfer_failed')
+    await until(() => fake.sockets[0]?.destroyed === true, 2_000, 'the stalled connection closed')
+    assert.equal(await sendAndSettle(client, outgoing(makeSpec())), null)
+    assert.equal(fake.sockets.length, 2)
+    client.check()
     await client.close()
     await fake.close()
   })

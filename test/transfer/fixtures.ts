@@ -543,3 +543,56 @@ export async function rawConnect(port: number): Promise<{
 export async function until(pred: () => boolean, ms = 2_000, what = 'condition'): Promise<void> {
   await waitUntil(pred, { timeoutMs: ms, intervalMs: 2, what })
 }
+
+/** A TCP relay on 127.0.0.1 in front of the receiver at `port`: each connection it accepts is
+ *  relayed both ways over a connection of its own to `port`. `stallNext(numBytes)` makes the next
+ *  connection it accepts stop reading from its sender once it relayed that many bytes, as a decode
+ *  worker that stops reading does: the receiver gets nothing more on that connection (its replies
+ *  still reach the sender), and the sender's writes back up in the kernel. A closed side closes
+ *  the other, except on a stalled link, which no longer reads (as a stuck peer would not). */
+export async function startRelay(port: number): Promise<{
+  port: number
+  /** Connections accepted so far. */
+  numConnections: () => number
+  stallNext: (numBytes: number) => void
+  close: () => Promise<void>
+}> {
+  const stallAfter: number[] = []
+  const sockets = new Set<net.Socket>()
+  let numConnections = 0
+  const server = net.createServer((down) => {
+    numConnections++
+    const limit = stallAfter.shift() ?? Infinity
+    let numRelayed = 0
+    const up = net.connect({ host: '127.0.0.1', port })
+    for (const socket of [down, up]) {
+      sockets.add(socket)
+      socket.on('error', () => {})
+      socket.on('close', () => {
+        sockets.delete(socket)
+        down.destroy()
+        up.destroy()
+      })
+    }
+    down.on('data', (chunk: Buffer) => {
+      const part = chunk.subarray(0, Math.max(0, limit - numRelayed))
+      numRelayed += part.length
+      if (part.length > 0) up.write(part)
+      if (numRelayed >= limit) down.pause()
+    })
+    up.on('data', (chunk: Buffer) => down.write(chunk))
+  })
+  server.listen(0, '127.0.0.1')
+  await once(server, 'listening')
+  const close = async (): Promise<void> => {
+    for (const socket of sockets) socket.destroy()
+    if (server.listening) await new Promise((r) => server.close(r))
+  }
+  onCleanup(close)
+  return {
+    port: (server.address() as net.AddressInfo).port,
+    numConnections: () => numConnections,
+    stallNext: (numBytes) => stallAfter.push(numBytes),
+    close,
+  }
+}

@@ -348,15 +348,23 @@ describe('send session: refusals and failures', () => {
     assert.equal((await start(h, makeSpec()).settled)?.reason, 'connection_closed')
   })
 
-  it('a transfer with no progress for stallTimeoutMs is aborted (stalled)', async () => {
-    const spec = makeSpec(10, 4, 16)
+  it('a transfer with no progress for stallTimeoutMs fails stalled and closes its connection; the transfer sharing it fails connection_closed', async () => {
     const h = new SendHarness({ stallTimeoutMs: 30 })
-    const { settled } = start(h, spec)
+    const stalled = start(h, makeSpec(10, 4, 16))
+    const sharing = start(h, makeSpec(10, 4, 16))
     await tick()
     h.reply(encodeHello({ version: PROTOCOL_VERSION }))
-    const err = await settled
+    const numChunks = h.chunks.length
+    const [err, sharingErr] = await Promise.all([stalled.settled, sharing.settled])
     assert.equal(err?.reason, 'stalled')
-    assert.equal(h.frames.at(-1)?.kind, 'abort')
+    assert.equal(sharingErr?.reason, 'connection_closed')
+    assert.equal(sharingErr?.code, 'transfer_failed')
+    assert.equal(h.isDestroyed, true)
+    assert.equal(h.session.isClosed, true)
+    assert.equal(h.chunks.length, numChunks, 'wrote after the stall (an ABORT to a stuck peer)')
+    assert.equal(stalled.t.numReadsAfterSettle + sharing.t.numReadsAfterSettle, 0)
+    assert.equal(h.session.numActiveTransfers, 0)
+    h.session.check()
   })
 })
 
