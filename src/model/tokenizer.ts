@@ -117,6 +117,11 @@ export function loadTokenizer(dir: string): Tokenizer {
     maxTokenChars = Math.max(maxTokenChars, text.length)
   }
 
+  /** The text of each single token (special tokens skipped) decoded so far: streaming decodes
+   *  every generated token alone once per step (text-stream.ts), and that text never changes.
+   *  Ids in the vocabulary only, so it holds at most one string per token of the vocabulary. */
+  const singleTokenTexts = new Map<number, string>()
+
   /** `bare` (the text's ids alone) with BOS/EOS as `add_bos_token`/`add_eos_token` say. */
   const withConfiguredSpecials = (bare: number[]): number[] => {
     if (addBos && bosTokenId !== null) bare.unshift(bosTokenId)
@@ -163,8 +168,19 @@ export function loadTokenizer(dir: string): Tokenizer {
 
     decode(ids: readonly number[], options: DecodeOptions = {}): string {
       if (ids.length === 0) return ''
+      const skipSpecialTokens = options.skipSpecialTokens ?? true
+      if (ids.length === 1 && skipSpecialTokens && ids[0] >= 0 && ids[0] <= maxId) {
+        const cached = singleTokenTexts.get(ids[0])
+        if (cached !== undefined) return cached
+        const text: string = hf.decode([ids[0]], {
+          skip_special_tokens: true,
+          clean_up_tokenization_spaces: false,
+        })
+        singleTokenTexts.set(ids[0], text)
+        return text
+      }
       return hf.decode([...ids], {
-        skip_special_tokens: options.skipSpecialTokens ?? true,
+        skip_special_tokens: skipSpecialTokens,
         clean_up_tokenization_spaces: false,
       })
     },

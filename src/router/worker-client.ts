@@ -790,5 +790,14 @@ function normalizeBaseUrl(url: string, protocol: 'http:' | 'https:'): string {
 }
 
 function hostOf(baseUrl: string): string {
-  return new URL(baseUrl).hostname.replace(/^\[(.*)\]$/, '$1')
+  let host = hostsOfUrls.get(baseUrl)
+  if (host === undefined) {
+    host = new URL(baseUrl).hostname.replace(/^\[(.*)\]$/, '$1')
+    hostsOfUrls.set(baseUrl, host)
+  }
+  return host
 }
+
+/** Worker URL → its host, parsed once: every request on a decode worker names its host. The keys
+ *  are the configured workers' URLs, so the map stays small. */
+const hostsOfUrls = new Map<string, string>()

@@ -3,11 +3,12 @@
  *  model-directory layout. Expected ids were looked up by hand in the file's `model.vocab`
  *  (byte-level BPE: `Ġ` marks a leading space) and `added_tokens`. */
 import assert from 'node:assert/strict'
-import { copyFileSync, mkdtempSync, rmSync } from 'node:fs'
+import { copyFileSync, mkdtempSync, readFileSync, rmSync } from 'node:fs'
 import { createRequire } from 'node:module'
 import { tmpdir } from 'node:os'
 import { dirname, join } from 'node:path'
 import { after, describe, it } from 'node:test'
+import { Tokenizer as HfTokenizer } from '@huggingface/tokenizers'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
 
 // The package's entry point is dist/main.js; its data files sit in models/ beside dist/.
@@ -41,6 +42,34 @@ describe("Qwen3's published tokenizer", () => {
     const ids = tokenizer.encode(chat)
     assert.equal(ids[0], 151644) // <|im_start|> is one added token, not split
     assert.equal(tokenizer.decode(ids, { skipSpecialTokens: false }), chat)
+  })
+
+  it('decodes single tokens as the library does, the first time and from its cache after', () => {
+    // Incremental streaming decodes each generated token alone every step; kvfence keeps those
+    // texts. They must stay the library's own, including a byte-level token that is half of a
+    // UTF-8 character (U+FFFD alone) and a special token (skipped), and out-of-vocabulary ids
+    // must not be kept at all.
+    const hf = new HfTokenizer(
+      JSON.parse(readFileSync(join(dir, 'tokenizer.json'), 'utf8')),
+      JSON.parse(readFileSync(join(dir, 'tokenizer_config.json'), 'utf8')),
+    )
+    const ids = [9707, 11, 1879, 0, 151645, 151644, ...tokenizer.encode('東京 🙂 🦜')]
+    for (let id = 0; id < 151_000; id += 997) ids.push(id)
+    for (const round of [1, 2]) {
+      for (const id of ids) {
+        const want = hf.decode([id], {
+          skip_special_tokens: true,
+          clean_up_tokenization_spaces: false,
+        })
+        assert.equal(tokenizer.decode([id]), want, `token ${id}, round ${round}`)
+      }
+    }
+    assert.equal(tokenizer.decode([151645]), '') // <|im_end|>, skipped
+    assert.equal(tokenizer.decode([151645], { skipSpecialTokens: false }), '<|im_end|>')
+    // 🦜 is two byte-level tokens (123918, 250), neither a character alone.
+    assert.deepEqual(tokenizer.encode('🦜'), [123918, 250])
+    assert.equal(tokenizer.decode([123918]), '\uFFFD')
+    assert.equal(tokenizer.decode([123918, 250]), '🦜')
   })
 
   it("renders a chat with Qwen3's template", () => {
