@@ -30,6 +30,9 @@
  *    (direct ÷ via router). On a shared machine the rates swing with other processes' load,
  *    while the CPU a request costs moves far less: the better figure to compare two versions by.
  *  Every figure is the median over `--repeats` (default 5) repeats.
+ *  The stand-ins name their transfer port in each `reserved` event, as kvfence's decode worker
+ *  does (an older worker's `/server_info`-only address would add a round trip the bench is not
+ *  about).
  *  The stand-ins and the router run in one child process (the stand-ins of test/router/helpers.ts,
  *  the real `startRouter`); the clients run here, over keep-alive `node:http`.
  *
