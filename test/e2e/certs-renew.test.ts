@@ -2,8 +2,8 @@
  *  `decode` and `router` processes started with certificates of `kvfence certs init --days 20`
  *  warn at start that they expire (naming the file and the date written in it) and expose the
  *  dates on `/metrics`; the parts' certificates are renewed under the same CA while the cluster
- *  serves; the decode worker restarted with its new certificate is trusted by the router and the
- *  prefill worker still holding the old ones (same CA); and the router's public HTTPS pair,
+ *  serves; the decode worker restarted with its new certificate (and its date on its `/metrics`) is
+ *  trusted by the router and the prefill worker still holding the old ones (same CA); and the router's public HTTPS pair,
  *  replaced by a renewed one, is reloaded without a restart, with its warning and gauge updated. */
 import assert from 'node:assert/strict'
 import { type ChildProcess, execFile } from 'node:child_process'
@@ -11,6 +11,7 @@ import { X509Certificate } from 'node:crypto'
 import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
+import https from 'node:https'
 import tls from 'node:tls'
 import { after, before, describe, it } from 'node:test'
 import { promisify } from 'node:util'
@@ -171,6 +172,36 @@ describe('certs renew while the cluster serves', () => {
         .filter((l) => l.level === warnLevel && l.msg.startsWith('TLS certificate'))
         .map((l) => l.msg)
       assert.deepEqual(renewed, [partWarning('decode', expiry(join(certs, 'decode.crt')), 14)])
+      // Its /metrics (mutual TLS, as the router's scrape) gives the new date.
+      const workerMetrics = await new Promise<string>((resolve, reject) => {
+        const req = https.get(
+          {
+            host: '127.0.0.1',
+            port: ports.decode,
+            path: '/metrics',
+            ca,
+            cert: readFileSync(join(certs, 'router.crt')),
+            key: readFileSync(join(certs, 'router.key')),
+            agent: false,
+          },
+          (res) => {
+            let body = ''
+            res.on('data', (chunk: Buffer) => (body += chunk.toString('utf8')))
+            res.on('end', () => resolve(body))
+          },
+        )
+        req.on('error', reject)
+      })
+      const decodeCert = join(certs, 'decode.crt')
+      assert.ok(
+        workerMetrics.includes(
+          `${certExpiryMetric}{file="${decodeCert}",kind="part",role="decode"} ${expiry(decodeCert).getTime() / 1000}\n`,
+        ),
+        workerMetrics
+          .split('\n')
+          .filter((l) => l.startsWith(certExpiryMetric))
+          .join('\n'),
+      )
       const shown = await new Promise<string>((resolve, reject) => {
         const socket = tls.connect(
           {
