@@ -2,17 +2,18 @@
  *  each good for both ends of a TLS connection (serverAuth and clientAuth), with SANs for the given
  *  hosts plus 127.0.0.1 and localhost. The parts then authenticate each other against that CA
  *  alone (src/tls.ts). `kvfence certs renew DIR` issues the parts' certificates again (new keys)
- *  under the CA already in DIR, which it leaves as it is, so that no part needs new trust. Certificates are built by @peculiar/x509 over WebCrypto (ECDSA P-256,
- *  SHA-256), loaded on first use so that other commands never pay for it.
+ *  under the CA already in DIR, which it leaves as it is, so that no part needs new trust.
+ *  Certificates are built by @peculiar/x509 over WebCrypto (ECDSA P-256, SHA-256), loaded on
+ *  first use so that other commands never pay for it.
  *  Knows file names, modes and X.509 profiles; knows nothing of sockets. */
 import { X509Certificate, createPrivateKey, createPublicKey, webcrypto } from 'node:crypto'
 import { chmodSync, existsSync, lstatSync, readFileSync, renameSync, writeFileSync } from 'node:fs'
 import { isIP } from 'node:net'
 import { join } from 'node:path'
-import { randomHex } from '../random-hex.js'
 import { InvalidArgumentError, type Command } from 'commander'
 import { KvfenceError } from '../errors.js'
 import { makeDir } from '../make-dir.js'
+import { randomHex } from '../random-hex.js'
 
 type X509 = typeof import('@peculiar/x509')
 

@@ -13,11 +13,13 @@ import {
   readdirSync,
   rmSync,
   statSync,
+  writeFileSync,
 } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { promisify } from 'node:util'
+import { createAuthority } from '../../src/cli/certs.js'
 import { cliEntry } from '../../src/paths.js'
 
 const run = promisify(execFile)
@@ -167,7 +169,7 @@ describe('kvfence certs renew', () => {
     }
   })
 
-  it('refuses, with one line and exit 2 and nothing written: no CA, a CA key of another CA, an unknown part, a bad host, a CA expiring first', async () => {
+  it('refuses, with one line and exit 2 and nothing written: no CA, a CA key of another CA, an unknown part, a bad host, a CA expiring first or expired, a part with no hosts to keep', async () => {
     const dir = join(root, 'renew-c')
     await kvfence('init', dir, '--days', '10')
     const before = Object.fromEntries(readdirSync(dir).map((name) => [name, read(dir, name)]))
@@ -221,7 +223,36 @@ describe('kvfence certs renew', () => {
       kvfence('renew', join(root, 'renew-none')),
       refusedWith(`kvfence: ${join(root, 'renew-none')} is not a folder of kvfence certs init`),
     )
+    const expired = join(root, 'renew-expired')
+    mkdirSync(expired)
+    const caEnded = new Date(Math.floor(Date.now() / 1000) * 1000 - 86_400_000)
+    const oldCa = await createAuthority({
+      notBefore: new Date(caEnded.getTime() - 86_400_000),
+      notAfter: caEnded,
+    })
+    writeFileSync(join(expired, 'ca.crt'), oldCa.certPem)
+    writeFileSync(join(expired, 'ca.key'), oldCa.keyPem, { mode: 0o600 })
+    await assert.rejects(
+      kvfence('renew', expired, '--hosts', '10.0.0.7'),
+      refusedWith(
+        `kvfence: the CA ${join(expired, 'ca.crt')} expired on ${caEnded.toISOString()}: make a new one (kvfence certs init ${expired} --force) and give every part its ca.crt`,
+      ),
+    )
+    rmSync(join(dir, 'decode.crt'))
+    await assert.rejects(
+      kvfence('renew', dir, '--parts', 'prefill,decode'),
+      refusedWith(
+        `kvfence: ${join(dir, 'decode.crt')} is missing, so its hosts are unknown: give --hosts`,
+      ),
+    )
+    assert.deepEqual(
+      readdirSync(dir).sort(),
+      Object.keys(before)
+        .filter((n) => n !== 'decode.crt')
+        .sort(),
+    )
     for (const [name, text] of Object.entries(before))
-      assert.equal(read(dir, name), text, `${name} unchanged by the refusals`)
+      if (name !== 'decode.crt')
+        assert.equal(read(dir, name), text, `${name} unchanged by the refusals`)
   })
 })
