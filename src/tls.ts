@@ -24,6 +24,9 @@ export interface TlsMaterial {
   readonly ca: Buffer
   readonly cert: Buffer
   readonly key: Buffer
+  /** Where they were read from (for the lines and the gauge of src/cert-expiry.ts); absent for
+   *  material made in memory. */
+  readonly files?: TlsFiles
 }
 
 /** How long a TLS handshake may take before the connection is dropped, ms. */
@@ -61,7 +64,7 @@ export function checkCertValidity(pem: Buffer, path: string, now = new Date()): 
   if (now.getTime() > notAfter.getTime())
     throw new KvfenceError(
       'config_invalid',
-      `TLS certificate ${path} expired on ${notAfter.toISOString()}: renew it (kvfence certs init --force)`,
+      `TLS certificate ${path} expired on ${notAfter.toISOString()}: renew it (kvfence certs renew)`,
     )
   if (now.getTime() < notBefore.getTime())
     throw new KvfenceError(
@@ -88,12 +91,26 @@ export function loadTlsMaterial(files: TlsFiles): TlsMaterial {
     )
   }
   checkCertValidity(material.cert, files.cert)
+  checkCaValidity(material.ca, files.ca)
   checkSignedByCa(material, files)
-  return Object.freeze(material)
+  return Object.freeze({ ...material, files })
 }
 
-/** The certificates of a PEM file, in order; none when it holds none (a key, say). */
-function pemCertificates(pem: Buffer, path: string): X509Certificate[] {
+/** Refuse a CA file whose certificates have all expired: every peer's check of this part's
+ *  certificate chain, and this part's of theirs, fails on it (`certificate has expired`).
+ *  @throws KvfenceError `config_invalid`, one line naming the file and the date. */
+function checkCaValidity(pem: Buffer, path: string, now = new Date()): void {
+  const ends = pemCertificates(pem, path).map((cert) => Date.parse(cert.validTo))
+  if (ends.length === 0 || ends.some((end) => end >= now.getTime())) return
+  throw new KvfenceError(
+    'config_invalid',
+    `TLS CA ${path} expired on ${new Date(Math.max(...ends)).toISOString()}: make a new CA (kvfence certs init DIR --force) and give every part its ca.crt and certificate`,
+  )
+}
+
+/** The certificates of a PEM file, in order; none when it holds none (a key, say).
+ *  @throws KvfenceError `config_invalid` on a certificate block that does not parse. */
+export function pemCertificates(pem: Buffer, path: string): X509Certificate[] {
   const blocks =
     pem.toString('latin1').match(/-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----/g) ?? []
   return blocks.map((block) => {
@@ -309,27 +326,31 @@ function openSslReason(err: unknown): string {
 export const certPollMs = 2_000
 
 /** Keep `server`'s certificate current: whenever `cert` or `key` changes on disk (polled every
- *  {@link certPollMs}), both are read again and installed for new connections
- *  (`setSecureContext`); a pair that cannot be read or does not fit is logged and the previous
- *  one kept. Returns the function that stops watching. */
+ *  {@link certPollMs}), both are read again, checked as at start ({@link loadCertPair}: the pair
+ *  fits, the key's mode, the dates) and installed for new connections (`setSecureContext`), then
+ *  `onInstalled` is called with it; a pair that fails is logged and the previous one kept.
+ *  Returns the function that stops watching. */
 export function reloadCertOnChange(
   server: tls.Server,
   files: { cert: string; key: string },
   options: tls.SecureContextOptions,
   log: { info: (msg: string) => void; warn: (msg: string) => void },
+  onInstalled: (pair: { cert: Buffer; key: Buffer }) => void = () => {},
 ): () => void {
   let installed: { cert: Buffer; key: Buffer } | null = null
   const reload = (): void => {
     try {
-      const pair = { cert: readFileSync(files.cert), key: readFileSync(files.key) }
+      const pair = loadCertPair(files)
       // Both files change on a renewal and each change is seen: install a pair once.
       if (installed !== null && pair.cert.equals(installed.cert) && pair.key.equals(installed.key))
         return
       server.setSecureContext({ ...options, ...pair })
       installed = pair
       log.info(`reloaded the TLS certificate ${files.cert}`)
+      onInstalled(pair)
     } catch (err) {
-      log.warn(`kept the previous TLS certificate: ${files.cert}: ${openSslReason(err)}`)
+      const reason = err instanceof KvfenceError ? err.message : openSslReason(err)
+      log.warn(`kept the previous TLS certificate: ${reason}`)
     }
   }
   const onChange = (now: { mtimeMs: number }, before: { mtimeMs: number }): void => {

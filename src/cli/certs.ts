@@ -1,16 +1,19 @@
 /** `kvfence certs init DIR`: a cluster CA and one certificate per part (router, prefill, decode),
  *  each good for both ends of a TLS connection (serverAuth and clientAuth), with SANs for the given
  *  hosts plus 127.0.0.1 and localhost. The parts then authenticate each other against that CA
- *  alone (src/tls.ts). Certificates are built by @peculiar/x509 over WebCrypto (ECDSA P-256,
- *  SHA-256), loaded on first use so that other commands never pay for it.
+ *  alone (src/tls.ts). `kvfence certs renew DIR` issues the parts' certificates again (new keys)
+ *  under the CA already in DIR, which it leaves as it is, so that no part needs new trust.
+ *  Certificates are built by @peculiar/x509 over WebCrypto (ECDSA P-256, SHA-256), loaded on
+ *  first use so that other commands never pay for it.
  *  Knows file names, modes and X.509 profiles; knows nothing of sockets. */
-import { webcrypto } from 'node:crypto'
-import { existsSync, lstatSync, writeFileSync, chmodSync } from 'node:fs'
+import { X509Certificate, createPrivateKey, createPublicKey, webcrypto } from 'node:crypto'
+import { chmodSync, existsSync, lstatSync, readFileSync, renameSync, writeFileSync } from 'node:fs'
 import { isIP } from 'node:net'
 import { join } from 'node:path'
 import { InvalidArgumentError, type Command } from 'commander'
 import { KvfenceError } from '../errors.js'
 import { makeDir } from '../make-dir.js'
+import { randomHex } from '../random-hex.js'
 
 type X509 = typeof import('@peculiar/x509')
 
@@ -200,15 +203,153 @@ export async function initCerts(dir: string, options: InitCertsOptions = {}): Pr
     makeDir(dir)
     chmodSync(dir, 0o700)
   }
-  for (const [name, { certPem, keyPem: key }] of Object.entries(issued)) {
-    // Keys first, created with their mode (never briefly world-readable), then forced to it when
-    // an existing file is replaced.
-    writeFileSync(join(dir, `${name}.key`), key, { mode: 0o600 })
-    chmodSync(join(dir, `${name}.key`), 0o600)
-    writeFileSync(join(dir, `${name}.crt`), certPem, { mode: 0o644 })
-    chmodSync(join(dir, `${name}.crt`), 0o644)
-  }
+  for (const [name, pair] of Object.entries(issued)) writeIssued(dir, name, pair)
   return paths
+}
+
+/** Write `<name>.key` (0600) then `<name>.crt` (0644) into `dir`, each to a fresh file with its
+ *  mode (a key is never briefly readable by others) renamed over the old one: a part reading the
+ *  files meanwhile sees the old file or the new, never a part of one. */
+function writeIssued(dir: string, name: string, { certPem, keyPem: key }: IssuedCert): void {
+  for (const [path, text, mode] of [
+    [join(dir, `${name}.key`), key, 0o600],
+    [join(dir, `${name}.crt`), certPem, 0o644],
+  ] as const) {
+    const fresh = `${path}.${randomHex(6)}.tmp`
+    writeFileSync(fresh, text, { mode, flag: 'wx' })
+    chmodSync(fresh, mode) // the umask may have taken bits off
+    renameSync(fresh, path)
+  }
+}
+
+/** Options of {@link renewCerts}. */
+export interface RenewCertsOptions {
+  /** The parts to renew. Default: every one of {@link certParts}. */
+  parts?: readonly CertPart[]
+  /** SANs beside {@link defaultCertHosts}. Default: the hosts each part's current certificate
+   *  names (so a renewal keeps them). */
+  hosts?: readonly string[]
+  /** Validity, days. Default {@link defaultCertDays}. */
+  days?: number
+  /** The time the new certificates start from. Default: now. */
+  now?: Date
+}
+
+/** What {@link renewCerts} wrote. */
+export interface RenewedCerts {
+  /** `<part>.crt`, `<part>.key` of each part renewed, in order. */
+  readonly paths: string[]
+  /** When the new certificates expire. */
+  readonly notAfter: Date
+  /** Whether that is the CA's expiry, sooner than the default days (no `days` given). */
+  readonly isCappedByCa: boolean
+}
+
+/** The CA of `dir` (`ca.crt`, `ca.key`), checked able to sign: both files there, the key the
+ *  certificate's, the certificate a CA. @throws KvfenceError `config_invalid`, one line naming
+ *  the file and what is wrong. */
+async function authorityIn(dir: string): Promise<CertAuthority & { notAfter: Date }> {
+  const [crtPath, keyPath] = [join(dir, 'ca.crt'), join(dir, 'ca.key')]
+  const missing = [crtPath, keyPath].find((p) => !existsSync(p))
+  if (missing !== undefined)
+    throw new KvfenceError(
+      'config_invalid',
+      `${missing} is missing: renew needs the CA of kvfence certs init in ${dir} (ca.crt and ca.key)`,
+    )
+  const [certPem, keyPemText] = [readFileSync(crtPath, 'utf8'), readFileSync(keyPath, 'utf8')]
+  let cert: X509Certificate
+  let publicOfKey: Buffer
+  try {
+    cert = new X509Certificate(certPem)
+  } catch (err) {
+    throw new KvfenceError('config_invalid', `${crtPath} is not a PEM certificate (${String(err)})`)
+  }
+  try {
+    publicOfKey = createPublicKey(createPrivateKey(keyPemText)).export({
+      type: 'spki',
+      format: 'der',
+    })
+  } catch (err) {
+    throw new KvfenceError('config_invalid', `${keyPath} is not a PEM private key (${String(err)})`)
+  }
+  if (!cert.ca) throw new KvfenceError('config_invalid', `${crtPath} is not a CA certificate`)
+  if (!publicOfKey.equals(cert.publicKey.export({ type: 'spki', format: 'der' })))
+    throw new KvfenceError(
+      'config_invalid',
+      `${keyPath} is not the key of ${crtPath}: give the pair written by one kvfence certs init`,
+    )
+  const authority = await loadAuthority(certPem, keyPemText)
+  return { ...authority, notAfter: new Date(cert.validTo) }
+}
+
+/** The hosts `certPath`'s SANs name (IP addresses and DNS names, in order). */
+function sanHosts(certPath: string): string[] {
+  const names = new X509Certificate(readFileSync(certPath)).subjectAltName ?? ''
+  // "IP Address:127.0.0.1, DNS:localhost": no SAN kvfence writes holds a comma or a colon prefix.
+  return names
+    .split(', ')
+    .map((name) => /^(?:DNS|IP Address):(.+)$/.exec(name)?.[1])
+    .filter((host): host is string => host !== undefined)
+}
+
+/** Issue the certificates of `parts` again, each with a new key pair, signed by the CA already in
+ *  `dir` (ca.crt and ca.key left untouched): keys 0600, certificates 0644, as {@link initCerts}.
+ *  Every check is made before any file is written. Returns the paths written.
+ *  @throws KvfenceError `config_invalid` when `dir` holds no CA, its key is not the
+ *  certificate's, a host is neither an IP nor a host name, a part has no certificate to take its
+ *  hosts from (and no `hosts`), the CA has expired, or it expires before `days` would (without
+ *  `days`, the certificates end with the CA instead). */
+export async function renewCerts(
+  dir: string,
+  options: RenewCertsOptions = {},
+): Promise<RenewedCerts> {
+  if (!existsSync(dir) || !lstatSync(dir).isDirectory())
+    throw new KvfenceError('config_invalid', `${dir} is not a folder of kvfence certs init`)
+  const extraHosts = options.hosts
+  const problem = (extraHosts ?? []).map(hostProblem).find((p) => p !== null)
+  if (problem !== undefined) throw new KvfenceError('config_invalid', `--hosts: ${problem}`)
+  const ca = await authorityIn(dir)
+  const now = options.now ?? new Date()
+  const caPath = join(dir, 'ca.crt')
+  if (ca.notAfter.getTime() <= now.getTime())
+    throw new KvfenceError(
+      'config_invalid',
+      `the CA ${caPath} expired on ${ca.notAfter.toISOString()}: make a new one (kvfence certs init ${dir} --force) and give every part its ca.crt`,
+    )
+  const days = options.days ?? defaultCertDays
+  const wanted = validityDays(days, now)
+  const isCappedByCa = ca.notAfter.getTime() < wanted.notAfter.getTime()
+  if (isCappedByCa && options.days !== undefined) {
+    const numDaysLeft = Math.floor((ca.notAfter.getTime() - now.getTime()) / 86_400_000)
+    throw new KvfenceError(
+      'config_invalid',
+      `the CA ${caPath} expires on ${ca.notAfter.toISOString()}, before certificates of ${days} days would (${wanted.notAfter.toISOString()}): ` +
+        (numDaysLeft >= 1
+          ? `give --days ${numDaysLeft} or fewer, or make a new CA (kvfence certs init ${dir} --force)`
+          : `make a new CA (kvfence certs init ${dir} --force)`),
+    )
+  }
+  // Without --days a certificate ends with its CA at the latest: init gives both the same days.
+  const validity = isCappedByCa ? { ...wanted, notAfter: ca.notAfter } : wanted
+  const parts = options.parts ?? certParts
+  const hostsOf = (part: CertPart): string[] => {
+    if (extraHosts !== undefined) return [...new Set([...defaultCertHosts, ...extraHosts])]
+    const certPath = join(dir, `${part}.crt`)
+    if (!existsSync(certPath))
+      throw new KvfenceError(
+        'config_invalid',
+        `${certPath} is missing, so its hosts are unknown: give --hosts`,
+      )
+    return sanHosts(certPath)
+  }
+  const issued = new Map<CertPart, IssuedCert>()
+  for (const part of parts) issued.set(part, await issuePartCert(ca, part, hostsOf(part), validity))
+  for (const [part, pair] of issued) writeIssued(dir, part, pair)
+  return {
+    paths: parts.flatMap((part) => [join(dir, `${part}.crt`), join(dir, `${part}.key`)]),
+    notAfter: validity.notAfter,
+    isCappedByCa,
+  }
 }
 
 function daysOption(value: string): number {
@@ -227,7 +368,17 @@ function hostsOption(value: string): string[] {
   return hosts
 }
 
-/** Register `kvfence certs init`. */
+function partsOption(value: string): CertPart[] {
+  const parts = value.split(',').map((p) => p.trim())
+  const unknown = parts.find((p) => !(certParts as readonly string[]).includes(p))
+  if (unknown !== undefined)
+    throw new InvalidArgumentError(
+      `"${unknown}" is not a part; the parts are ${certParts.join(', ')}`,
+    )
+  return [...new Set(parts as CertPart[])]
+}
+
+/** Register `kvfence certs init` and `kvfence certs renew`. */
 export function registerCerts(program: Command): void {
   const certs = program
     .command('certs')
@@ -247,5 +398,33 @@ export function registerCerts(program: Command): void {
     .action(async (dir: string, flags: { hosts?: string[]; days?: number; force: boolean }) => {
       const paths = await initCerts(dir, flags)
       process.stdout.write(`${paths.join('\n')}\n`)
+    })
+  certs
+    .command('renew <dir>')
+    .description(
+      'issue the parts’ certificates again (new keys) under the CA already in <dir>, which stays as it is; copy each renewed .crt/.key to its host',
+    )
+    .option(
+      '--parts <list>',
+      `parts to renew, comma-separated (default: all of ${certParts.join(', ')})`,
+      partsOption,
+    )
+    .option(
+      '--hosts <list>',
+      'host names and IPs the parts run on, comma-separated (127.0.0.1 and localhost are always included; default: those each current certificate names)',
+      hostsOption,
+    )
+    .option(
+      '--days <n>',
+      `validity in days (default ${defaultCertDays}, or until the CA expires if sooner)`,
+      daysOption,
+    )
+    .action(async (dir: string, flags: { parts?: CertPart[]; hosts?: string[]; days?: number }) => {
+      const renewed = await renewCerts(dir, flags)
+      process.stdout.write(`${renewed.paths.join('\n')}\n`)
+      if (renewed.isCappedByCa)
+        process.stderr.write(
+          `kvfence: the renewed certificates expire with the CA in ${join(dir, 'ca.crt')}, on ${renewed.notAfter.toISOString()}: make a new CA before then (kvfence certs init ${dir} --force)\n`,
+        )
     })
 }

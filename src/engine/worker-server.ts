@@ -15,6 +15,7 @@ import type { Logger } from 'pino'
 import { Gauge, type Registry } from 'prom-client'
 import { KvfenceError } from '../errors.js'
 import { metricsText } from '../process-metrics.js'
+import { tlsExpiries, watchCertExpiry } from '../cert-expiry.js'
 import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../tls.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
 import { maxPayloadBytes } from './channel-frames.js'
@@ -79,6 +80,9 @@ export function createWorkerServer(
     const httpsServer = https.createServer(serverTlsOptions(tls), onRequest)
     logRefusedHandshakes(httpsServer, 'control connection', log)
     server = httpsServer
+    const expiry = watchCertExpiry({ log, registry })
+    expiry.set(tlsExpiries(tls))
+    server.once('close', expiry.stop)
   }
   // Keep idle control connections open longer than the router's agent does (its free-socket timeout is
   // shorter), so the router never reuses a connection this server is closing (ECONNRESET race).

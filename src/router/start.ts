@@ -33,6 +33,7 @@ import {
 } from './tenants.js'
 import { type WorkerClient, createWorkerClient } from './worker-client.js'
 import { checkPlaintextLinks, clientPlaintextWarning, hostOfUrl } from '../plaintext.js'
+import { certExpiryOf, tlsExpiries, watchCertExpiry } from '../cert-expiry.js'
 import { loadCertPair, reloadCertOnChange, type TlsMaterial } from '../tls.js'
 import { scrapeWorkerStats } from './worker-stats.js'
 
@@ -365,12 +366,29 @@ async function listenRouter(
   const handler = createRouter({ ...deps, config, drain })
   const httpsFiles = options.https
   let stopReloading = (): void => {}
+  const workerTls = options.workerTls ?? null
+  const expiry =
+    httpsFiles !== undefined || workerTls?.files !== undefined
+      ? watchCertExpiry({ log, registry: deps.metrics.registry })
+      : null
+  if (workerTls !== null) expiry?.set(tlsExpiries(workerTls))
   let server: http.Server | https.Server
   if (httpsFiles === undefined) server = http.createServer(handler)
   else {
     const pair = loadCertPair(httpsFiles)
     const httpsServer = https.createServer({ ...pair, minVersion: 'TLSv1.2' }, handler)
-    stopReloading = reloadCertOnChange(httpsServer, httpsFiles, { minVersion: 'TLSv1.2' }, log)
+    const setHttpsExpiry = (cert: Buffer) => {
+      const httpsExpiry = certExpiryOf(cert, httpsFiles.cert, 'https')
+      if (httpsExpiry !== null) expiry?.set([httpsExpiry])
+    }
+    setHttpsExpiry(pair.cert)
+    stopReloading = reloadCertOnChange(
+      httpsServer,
+      httpsFiles,
+      { minVersion: 'TLSv1.2' },
+      log,
+      (installed) => setHttpsExpiry(installed.cert),
+    )
     answerPlainHttpOnHttps(httpsServer, log)
     server = httpsServer
   }
@@ -412,6 +430,7 @@ async function listenRouter(
   if (plaintextWarning !== null) log.warn(plaintextWarning)
   const close = async () => {
     stopReloading()
+    expiry?.stop()
     await new Promise<void>((resolve) => {
       server.close(() => resolve())
       server.closeAllConnections()

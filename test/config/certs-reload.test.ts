@@ -1,6 +1,7 @@
 /** The router's public HTTPS certificate is reloaded when its files change (reloadCertOnChange in
  *  src/tls.ts): after `kvfence certs init --force` rewrites them, a new connection is served with
- *  the new certificate, without a restart; a broken pair is refused and the previous one kept. */
+ *  the new certificate, without a restart; a broken or expired pair is refused and the previous
+ *  one kept. */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
 import { X509Certificate } from 'node:crypto'
@@ -11,6 +12,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { promisify } from 'node:util'
+import { issuePartCert, loadAuthority } from '../../src/cli/certs.js'
 import { cliEntry } from '../../src/paths.js'
 import { certPollMs, loadCertPair, reloadCertOnChange } from '../../src/tls.js'
 
@@ -46,7 +48,10 @@ describe('HTTPS certificate reload', () => {
     const server = https.createServer(loadCertPair(files), (_req, res) => res.end('ok'))
     const lines: string[] = []
     const log = { info: (m: string) => lines.push(m), warn: (m: string) => lines.push(m) }
-    const stop = reloadCertOnChange(server, files, {}, log)
+    const installed: string[] = []
+    const stop = reloadCertOnChange(server, files, {}, log, (pair) =>
+      installed.push(new X509Certificate(pair.cert).serialNumber),
+    )
     await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
     const { port } = server.address() as AddressInfo
     try {
@@ -66,6 +71,26 @@ describe('HTTPS certificate reload', () => {
       await sleep(certPollMs * 2 + 500)
       assert.equal(await servedSerial(port), second, 'the previous pair is kept')
       assert.match(lines.at(-1) ?? '', /^kept the previous TLS certificate: /)
+
+      // An expired pair is checked as at start, and refused.
+      const ca = await loadAuthority(
+        readFileSync(join(dir, 'ca.crt'), 'utf8'),
+        readFileSync(join(dir, 'ca.key'), 'utf8'),
+      )
+      const expiredOn = new Date(Math.floor(Date.now() / 1000) * 1000 - 86_400_000)
+      const expired = await issuePartCert(ca, 'router', ['127.0.0.1'], {
+        notBefore: new Date(expiredOn.getTime() - 86_400_000),
+        notAfter: expiredOn,
+      })
+      writeFileSync(files.key, expired.keyPem)
+      writeFileSync(files.cert, expired.certPem)
+      await sleep(certPollMs * 2 + 500)
+      assert.equal(await servedSerial(port), second, 'the previous pair is kept')
+      assert.equal(
+        lines.at(-1),
+        `kept the previous TLS certificate: TLS certificate ${files.cert} expired on ${expiredOn.toISOString()}: renew it (kvfence certs renew)`,
+      )
+      assert.deepEqual(installed, [second], 'onInstalled: each pair installed, once')
     } finally {
       stop()
       server.close()

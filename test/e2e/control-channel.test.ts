@@ -27,6 +27,7 @@ import { loadTlsMaterial, type TlsMaterial } from '../../src/tls.js'
 import { greedyOracle, makeRequest, tokensOf } from '../engine/pair.js'
 import { echoModelDir } from '../helpers/paths.js'
 import { waitUntil } from '../helpers/poll.js'
+import { tlsFlags as clusterTlsFlags } from '../helpers/cluster.js'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-control-channel-'))
 const certs = join(dir, 'certs')
@@ -269,14 +270,7 @@ describe('control channel to workers over mutual TLS', () => {
   let prefillUrl = ''
   let decodeUrl = ''
   let tls: TlsMaterial
-  const tlsFlags = (part: string) => [
-    '--tls-ca',
-    join(certs, 'ca.crt'),
-    '--tls-cert',
-    join(certs, `${part}.crt`),
-    '--tls-key',
-    join(certs, `${part}.key`),
-  ]
+  const tlsFlags = (part: string) => clusterTlsFlags(certs, part)
 
   before(async () => {
     await promisify(execFile)(process.execPath, [cliEntry, 'certs', 'init', certs])

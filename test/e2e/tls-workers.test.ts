@@ -21,23 +21,21 @@ import { apiKeyDigest } from '../../src/router/tenants.js'
 import { createWorkerClient } from '../../src/router/worker-client.js'
 import { loadTlsMaterial } from '../../src/tls.js'
 import OpenAI from 'openai'
-import { Agent, fetch as undiciFetch } from 'undici'
+import type { Agent } from 'undici'
 import { Oracle } from '../../src/soak/oracle.js'
 import { greedyOracle, makeRequest, tokensOf } from '../engine/pair.js'
 import { echoModelDir } from '../helpers/paths.js'
 import { makeTenants } from '../reliability/helpers.js'
+import {
+  completesAsOracle,
+  openaiTrusting,
+  tlsFlags as clusterTlsFlags,
+} from '../helpers/cluster.js'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-tls-workers-'))
 const certs = join(dir, 'certs')
 const clusterToken = newClusterToken()
-const tlsFlags = (part: string) => [
-  '--tls-ca',
-  join(certs, 'ca.crt'),
-  '--tls-cert',
-  join(certs, `${part}.crt`),
-  '--tls-key',
-  join(certs, `${part}.key`),
-]
+const tlsFlags = (part: string) => clusterTlsFlags(certs, part)
 
 describe('workers over mutual TLS', () => {
   const started: ChildProcess[] = []
@@ -361,30 +359,7 @@ describe('workers over mutual TLS', () => {
   })
 })
 
-/** The real openai client at `baseURL` trusting the cluster CA through fetch's dispatcher (undici),
- *  as an operator's client trusting a private CA would; close `agent` when done. */
+/** An `openai` client trusting this cluster's CA (which signed the router's certificate). */
 function trustingClusterCa(baseURL: string, apiKey: string): { client: OpenAI; agent: Agent } {
-  const agent = new Agent({ connect: { ca: readFileSync(join(certs, 'ca.crt')) } })
-  const client = new OpenAI({
-    baseURL,
-    apiKey,
-    maxRetries: 0,
-    fetch: ((url: string, init: RequestInit) =>
-      undiciFetch(url, { ...(init as object), dispatcher: agent })) as unknown as typeof fetch,
-  })
-  return { client, agent }
-}
-
-/** A 12-token completion of `prompt` through `client` is exactly the single-process engine's. */
-async function completesAsOracle(client: OpenAI, oracle: Oracle, prompt: string): Promise<void> {
-  const completion = await client.completions.create({
-    model: 'echo-tiny',
-    prompt,
-    max_tokens: 12,
-    temperature: 0,
-  })
-  assert.equal(
-    completion.choices[0].text,
-    oracle.expected({ endpoint: 'completion', prompt, maxTokens: 12 }).text,
-  )
+  return openaiTrusting(baseURL, apiKey, readFileSync(join(certs, 'ca.crt')))
 }

@@ -1,12 +1,15 @@
 /** Shared set-up for tests against a real cluster (src/config/launch.ts): the incident's pool
  *  shape, a temporary folder with a tenants file of two tenants, an `openai` client, and the
  *  workers' `/server_info`. */
+import assert from 'node:assert/strict'
 import { mkdtempSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import OpenAI from 'openai'
+import { Agent, fetch as undiciFetch } from 'undici'
 import { newApiKey, tenantsYaml } from '../../src/router/tenant-keys.js'
 import type { ServerInfo } from '../../src/engine/control.js'
+import type { Oracle } from '../../src/soak/oracle.js'
 
 /** The incident's pools, scaled down to the bundled model (the demo's shape): prefill
  *  24 pages × 16 = 384 tokens, decode 64 × 16 = 1,024 tokens. */
@@ -39,6 +42,57 @@ export function twoTenants(prefix: string): {
  *  answer as sent) and a `timeoutMs` timeout. */
 export function openaiClient(baseURL: string, key: string, timeoutMs = 60_000): OpenAI {
   return new OpenAI({ baseURL: `${baseURL}/v1`, apiKey: key, maxRetries: 0, timeout: timeoutMs })
+}
+
+/** The `openai` client for an HTTPS router at `baseURL` (ending in `/v1`) trusting `ca` (PEM), with
+ *  no retries, and the undici agent that trusts it (close it when done). */
+export function openaiTrusting(
+  baseURL: string,
+  apiKey: string,
+  ca: Buffer,
+): { client: OpenAI; agent: Agent } {
+  const agent = new Agent({ connect: { ca } })
+  const client = new OpenAI({
+    baseURL,
+    apiKey,
+    maxRetries: 0,
+    fetch: ((url: string, init: RequestInit) =>
+      undiciFetch(url, { ...(init as object), dispatcher: agent })) as unknown as typeof fetch,
+  })
+  return { client, agent }
+}
+
+/** The `--tls-ca/--tls-cert/--tls-key` flags of `part` with the files of the `certs init` folder
+ *  `certs`. */
+export function tlsFlags(certs: string, part: string): string[] {
+  return [
+    '--tls-ca',
+    join(certs, 'ca.crt'),
+    '--tls-cert',
+    join(certs, `${part}.crt`),
+    '--tls-key',
+    join(certs, `${part}.key`),
+  ]
+}
+
+/** A `maxTokens`-token completion of `prompt` through `client` is exactly the single-process
+ *  engine's (the echo model). */
+export async function completesAsOracle(
+  client: OpenAI,
+  oracle: Oracle,
+  prompt: string,
+  maxTokens = 12,
+): Promise<void> {
+  const completion = await client.completions.create({
+    model: 'echo-tiny',
+    prompt,
+    max_tokens: maxTokens,
+    temperature: 0,
+  })
+  assert.equal(
+    completion.choices[0].text,
+    oracle.expected({ endpoint: 'completion', prompt, maxTokens }).text,
+  )
 }
 
 /** A worker's `/server_info` (not validated: the tests compare its fields). */

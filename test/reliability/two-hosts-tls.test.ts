@@ -24,6 +24,7 @@ import {
   netnsUnavailable,
   startIn as startInNs,
 } from './netns.js'
+import { tlsFlags as clusterTlsFlags } from '../helpers/cluster.js'
 
 const id = (process.pid % 90_000) + 10_000
 const nsP = `kvtP${id}`
@@ -48,14 +49,7 @@ const call = (
 ) => callRouter(hosts, method, path, key, body, timeoutMs)
 
 const certs = mkdtempSync(join(tmpdir(), 'kvfence-two-hosts-tls-'))
-const tlsFlags = (part: string) => [
-  '--tls-ca',
-  join(certs, 'ca.crt'),
-  '--tls-cert',
-  join(certs, `${part}.crt`),
-  '--tls-key',
-  join(certs, `${part}.key`),
-]
+const tlsFlags = (part: string) => clusterTlsFlags(certs, part)
 
 /** Inside namespace `ns`: connect to host:port in plaintext, send a HELLO-sized burst, and report
  *  how many bytes came back before the peer closed (or 'open' if it did not within 5 s). */

@@ -211,7 +211,7 @@ describe('transfer over mutual TLS', () => {
 
   it('a part given an expired certificate is refused at start, one line naming the file and date', async () => {
     const cert = join(root, 'cluster', 'expired.crt')
-    const expected = `TLS certificate ${cert} expired on ${expiredOn.toISOString()}: renew it (kvfence certs init --force)`
+    const expected = `TLS certificate ${cert} expired on ${expiredOn.toISOString()}: renew it (kvfence certs renew)`
     assert.throws(() => material('cluster', 'expired'), { message: expected })
     const started = await startDecode({
       ca: join(root, 'cluster', 'ca.crt'),
