@@ -733,6 +733,7 @@ async function startChannelStandIns(): Promise<{
   const reply = [...charIds(defaultReplyText), eosId]
   const prefilled = new Map<string, () => void>()
   const decode = net.createServer((socket) => {
+    socket.setNoDelay(true) // as the relay's end: no token waits on Nagle's delay
     const write = frameWriter(socket)
     readFrames(socket, (kind, stream, payload) => {
       const request = GenerateRequest.parse(JSON.parse(payload.toString()))
@@ -751,6 +752,7 @@ async function startChannelStandIns(): Promise<{
     })
   })
   const prefill = net.createServer((socket) => {
+    socket.setNoDelay(true)
     const write = frameWriter(socket)
     readFrames(socket, (kind, stream, payload) => {
       const request = PrefillRequest.parse(JSON.parse(payload.toString()))
