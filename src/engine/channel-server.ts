@@ -6,6 +6,7 @@
  *  Knows frames, streams and the upgrade; the work is the service's (worker-server.ts gives it the
  *  worker's, test stand-ins theirs). */
 import type http from 'node:http'
+import { STATUS_CODES } from 'node:http'
 import type https from 'node:https'
 import type { Duplex } from 'node:stream'
 import { KvfenceError } from '../errors.js'
@@ -123,7 +124,7 @@ export function acceptChannels(
 function refuseUpgrade(socket: Duplex, err: KvfenceError): void {
   const body = JSON.stringify({ error: { code: err.code, message: err.message } })
   socket.end(
-    `HTTP/1.1 ${err.status} ${err.status === 404 ? 'Not Found' : 'Unauthorized'}\r\n` +
+    `HTTP/1.1 ${err.status} ${STATUS_CODES[err.status] ?? 'Error'}\r\n` +
       `Content-Type: application/json\r\nContent-Length: ${Buffer.byteLength(body)}\r\n` +
       `Connection: close\r\n\r\n${body}`,
   )
