@@ -42,6 +42,8 @@ const cases: [string[], string][] = [
   [['serve', '--max-queued', 'x'], `error: option '--max-queued <n>' argument 'x' is invalid. expected a non-negative integer, got "x"`],
   [['serve', '--page-size', '99999999999999999999'], `error: option '--page-size <n>' argument '99999999999999999999' is invalid. expected a positive integer, got "99999999999999999999"`],
   [['serve', '--drain-seconds', '2147484'], `error: option '--drain-seconds <n>' argument '2147484' is invalid. expected an integer from 0 to 2147483, got "2147484"`],
+  [['serve', '--reserved-slots', '-1'], `error: option '--reserved-slots <n>' argument '-1' is invalid. expected a non-negative integer, got "-1"`],
+  [['router', '--reserved-slots', '1.5'], `error: option '--reserved-slots <n>' argument '1.5' is invalid. expected a non-negative integer, got "1.5"`],
   [['router', '--max-concurrent', '0'], `error: option '--max-concurrent <n>' argument '0' is invalid. expected a positive integer, got "0"`],
   [['router', '--context-window', '0'], `error: option '--context-window <n>' argument '0' is invalid. expected a positive integer, got "0"`],
   [['router', '--sentinel-window-seconds', '86401'], `error: option '--sentinel-window-seconds <n>' argument '86401' is invalid. expected an integer from 1 to 86400, got "86401"`],
