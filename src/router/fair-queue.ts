@@ -92,13 +92,11 @@ export function createFairQueue(
   const tenants = createTenantBacklogs(counters)
   const waits = new WeakMap<AbortSignal, RequestWait>()
   let numRunning = 0
+  const reservedSlots = queue.reservedSlots ?? queueLimitDefaults.reservedSlots
+  assert.ok(Number.isInteger(reservedSlots) && reservedSlots >= 0, `reservedSlots ${reservedSlots}`)
   // The slots open to every tenant; the rest only to a tenant with none running. One always is.
   const numOpenSlots =
-    queue.maxConcurrentRequests -
-    Math.min(
-      queue.reservedSlots ?? queueLimitDefaults.reservedSlots,
-      queue.maxConcurrentRequests - 1,
-    )
+    queue.maxConcurrentRequests - Math.min(reservedSlots, queue.maxConcurrentRequests - 1)
   const room = createRoomQueue(queue, nowMs, waitOf, tenants)
   let nextSeq = 0
 
