@@ -2,7 +2,8 @@
  *  the service, through the real router (its fair queue) in front of stand-in workers whose
  *  decode worker streams one token every `--token-ms` (default 10) ms, so that the cluster serves
  *  a known number of requests at once (`--slots`, the router's `maxConcurrentRequests`, default
- *  16) at a known speed.
+ *  16, one of them reserved for a tenant with none running, the router's default) at a known
+ *  speed.
  *  - `fairness_p99_ratio`: tenant `small` sends one request a second (prompt "Hi", 5 tokens
  *    generated) for `--seconds` (default 20), first alone, then while tenant `flood` keeps ten
  *    times as many requests outstanding as the cluster runs (each 25 to 75 tokens generated): small's

@@ -32,6 +32,7 @@ interface RouterFlags {
   logContent: boolean
   maxConcurrent?: number
   maxQueued?: number
+  reservedSlots?: number
   model: string
   prefill: string[]
   decode: string[]
@@ -72,6 +73,11 @@ export function registerRouter(program: Command): void {
       positiveIntOption,
     )
     .option('--max-queued <n>', 'requests waiting at most; more get 503', intOption)
+    .option(
+      '--reserved-slots <n>',
+      'of the running slots, this many only for a tenant with none running, 0 = none; at most --max-concurrent − 1 take effect (default 1)',
+      intOption,
+    )
     .option('--log-content', 'log prompts and completions (off by default)', false)
     .option(
       '--model <dir>',
@@ -241,7 +247,7 @@ function refuseFlagsTheFileGives(command: Command): void {
 
 /** The router flags given beside `--config`, over the file's router section: `--host`,
  *  `--port`, `--context-window`, `--clamp-context`, `--drain-seconds`, `--max-concurrent`,
- *  `--max-queued` (the file's value stays for a flag not given; a trial's `--port` lost to the
+ *  `--max-queued`, `--reserved-slots` (the file's value stays for a flag not given; a trial's `--port` lost to the
  *  file's default 8000). */
 function routerFlagsOverFile(
   flags: RouterFlags,
@@ -259,6 +265,7 @@ function routerFlagsOverFile(
       ...fileQueue,
       ...(given('maxConcurrent') ? { maxConcurrentRequests: flags.maxConcurrent } : {}),
       ...(given('maxQueued') ? { maxQueuedRequests: flags.maxQueued } : {}),
+      ...(given('reservedSlots') ? { reservedSlots: flags.reservedSlots } : {}),
     },
   }
 }
@@ -314,6 +321,7 @@ function fromFlags(
     queue: {
       ...(flags.maxConcurrent === undefined ? {} : { maxConcurrentRequests: flags.maxConcurrent }),
       ...(flags.maxQueued === undefined ? {} : { maxQueuedRequests: flags.maxQueued }),
+      ...(flags.reservedSlots === undefined ? {} : { reservedSlots: flags.reservedSlots }),
     },
   }
 }

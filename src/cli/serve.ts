@@ -39,6 +39,7 @@ interface ServeFlags {
   logContent?: boolean
   maxConcurrent?: number
   maxQueued?: number
+  reservedSlots?: number
   pageSize: number
   prefillPages: number
   decodePages: number
@@ -82,6 +83,11 @@ export function registerServe(program: Command): void {
     .option(
       '--max-queued <n>',
       `requests waiting at most; more get 503 (default ${queueLimitDefaults.maxQueuedRequests}; with --config: overrides router.maxQueuedRequests)`,
+      intOption,
+    )
+    .option(
+      '--reserved-slots <n>',
+      `of the running slots, this many only for a tenant with none running, 0 = none; at most --max-concurrent − 1 take effect (default ${queueLimitDefaults.reservedSlots}; with --config: overrides router.reservedSlots)`,
       intOption,
     )
     .option('--page-size <n>', 'tokens per KV page', positiveIntOption, 16)
@@ -245,6 +251,7 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
       ...(flags.drainSeconds === undefined ? {} : { drainSeconds: flags.drainSeconds }),
       ...(flags.maxConcurrent === undefined ? {} : { maxConcurrentRequests: flags.maxConcurrent }),
       ...(flags.maxQueued === undefined ? {} : { maxQueuedRequests: flags.maxQueued }),
+      ...(flags.reservedSlots === undefined ? {} : { reservedSlots: flags.reservedSlots }),
     },
     ...(flags.allowPlaintext ? { allowPlaintext: true } : {}),
   }
@@ -298,11 +305,13 @@ function servePlaintext(host: string, allowPlaintext: boolean): string[] {
   return isLoopbackHost(host) ? [] : ['--allow-plaintext']
 }
 
-/** The router's `--max-concurrent` / `--max-queued`, passed on when given (else its defaults). */
+/** The router's `--max-concurrent` / `--max-queued` / `--reserved-slots`, passed on when given
+ *  (else its defaults). */
 function queueArgs(flags: ServeFlags): string[] {
   return [
     ...(flags.maxConcurrent === undefined ? [] : ['--max-concurrent', String(flags.maxConcurrent)]),
     ...(flags.maxQueued === undefined ? [] : ['--max-queued', String(flags.maxQueued)]),
+    ...(flags.reservedSlots === undefined ? [] : ['--reserved-slots', String(flags.reservedSlots)]),
   ]
 }
 

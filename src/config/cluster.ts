@@ -5,7 +5,7 @@
  *
  *  ```yaml
  *  model: ./models/echo-tiny          # tokenizer (and weights for workers started here)
- *  router: { host: 127.0.0.1, port: 8000, maxConcurrentRequests: 64, maxQueuedRequests: 256 }
+ *  router: { host: 127.0.0.1, port: 8000, maxConcurrentRequests: 64, maxQueuedRequests: 256, reservedSlots: 1 }
  *  # router: { tls: { cert: ./certs/router.crt, key: ./certs/router.key } }   # clients over HTTPS
  *  workers:
  *    pageSize: 16
@@ -42,6 +42,9 @@ export const RouterSection = z.strictObject({
   maxBodyBytes: positive.default(1024 * 1024),
   maxConcurrentRequests: positive.default(queueLimitDefaults.maxConcurrentRequests),
   maxQueuedRequests: z.number().int().min(0).default(queueLimitDefaults.maxQueuedRequests),
+  /** Slots taken only by a request whose tenant has none running (fair-queue.ts); 0 = none; at
+   *  most `maxConcurrentRequests − 1` take effect. */
+  reservedSlots: z.number().int().min(0).default(queueLimitDefaults.reservedSlots),
   maxQueueWaitMs: z
     .number()
     .int()

@@ -543,6 +543,7 @@ export function routerSectionOptions(
     queue: {
       maxConcurrentRequests: r.maxConcurrentRequests,
       maxQueuedRequests: r.maxQueuedRequests,
+      reservedSlots: r.reservedSlots,
       maxQueueWaitMs: r.maxQueueWaitMs,
     },
     ...(r.limits?.store === 'redis'

@@ -8,6 +8,13 @@
  *    with none, to that of the last tenant to leave the backlog), so that idling banks no credit;
  *    on a tie the tenant with fewer requests running goes first. Within a tenant, first come
  *    first served.
+ *  - Reserved slots: the last `reservedSlots` of the slots (at most all but one) are taken only by
+ *    a request whose tenant has none running, so that a tenant holding the other slots cannot
+ *    make another tenant's first request wait for one of its requests to end. A slot is open to
+ *    a tenant while fewer than `maxConcurrentRequests − reserved` run, or fewer than
+ *    `maxConcurrentRequests` run and the tenant has none running; a freed slot goes to the
+ *    least-served backlogged tenant it is open to. The cost: a tenant alone runs on `reserved`
+ *    slots fewer.
  *  - The queue's bound: with `maxQueuedRequests` waiting, a newcomer takes the place of the newest
  *    request of the tenant with the most queued, if that tenant has more queued than the newcomer's;
  *    else the newcomer is refused. A tenant with nothing queued is never refused for a queue that
@@ -29,7 +36,14 @@
 import assert from 'node:assert/strict'
 import { KvfenceError } from '../errors.js'
 import { type ServiceCounters, createLocalServiceCounters } from './limit-store.js'
-import { LimitError, type QueueLimits, type RoomTurn, type Slot, type SlotClaim } from './limits.js'
+import {
+  LimitError,
+  type QueueLimits,
+  type RoomTurn,
+  type Slot,
+  type SlotClaim,
+  queueLimitDefaults,
+} from './limits.js'
 
 /** Weights of the service a request is counted for, per token: VTC's evaluation weighs a
  *  generated token twice a prompt token (w_p = 1, w_q = 2), as output tokens cost more to
@@ -78,6 +92,11 @@ export function createFairQueue(
   const tenants = createTenantBacklogs(counters)
   const waits = new WeakMap<AbortSignal, RequestWait>()
   let numRunning = 0
+  const reservedSlots = queue.reservedSlots ?? queueLimitDefaults.reservedSlots
+  assert.ok(Number.isInteger(reservedSlots) && reservedSlots >= 0, `reservedSlots ${reservedSlots}`)
+  // The slots open to every tenant; the rest only to a tenant with none running. One always is.
+  const numOpenSlots =
+    queue.maxConcurrentRequests - Math.min(reservedSlots, queue.maxConcurrentRequests - 1)
   const room = createRoomQueue(queue, nowMs, waitOf, tenants)
   let nextSeq = 0
 
@@ -107,19 +126,43 @@ export function createFairQueue(
         isReleased = true
         tenants.charge(claim.tenant, claim.weight, serviceWeights.generated * numGeneratedTokens)
         tenants.stopRunning(claim.tenant)
-        const next = tenants.takeNext()
-        if (next !== undefined)
-          next.grant() // the slot passes on; numRunning is unchanged
-        else numRunning--
+        numRunning--
+        grantOpenSlots()
         room.onRequestEnded()
       },
+    }
+  }
+
+  /** Whether a request of `tenant` may take a slot now (see the module's header). */
+  function isSlotOpenTo(tenant: string): boolean {
+    return (
+      numRunning < numOpenSlots ||
+      (numRunning < queue.maxConcurrentRequests && !tenants.isRunning(tenant))
+    )
+  }
+
+  /** Hands free slots to queued requests while one is open to a backlogged tenant: the first of
+   *  the least served among those it is open to. An end can open two: its own slot, and the
+   *  reserved one to its tenant's next request if that tenant now has none running. */
+  function grantOpenSlots(): void {
+    for (;;) {
+      const next =
+        numRunning < numOpenSlots
+          ? tenants.takeNext()
+          : numRunning < queue.maxConcurrentRequests
+            ? tenants.takeNext((tenant) => !tenants.isRunning(tenant))
+            : undefined
+      if (next === undefined) return
+      numRunning++
+      next.grant() // counts its tenant as running before the next turn of the loop
     }
   }
 
   function acquireSlot(signal: AbortSignal, claim: SlotClaim = anonymousClaim): Promise<Slot> {
     if (signal.aborted) return Promise.reject(aborted())
     const wait = waitOf(signal, claim)
-    if (numRunning < queue.maxConcurrentRequests) {
+    // None queued can take an open slot (check()), so a request it is open to passes no one.
+    if (isSlotOpenTo(claim.tenant)) {
       numRunning++
       return Promise.resolve(makeSlot(claim))
     }
@@ -177,16 +220,27 @@ export function createFairQueue(
     /** Each tenant's virtual token counter (weighted tokens ÷ weight). */
     serviceOf: tenants.serviceOf,
     check(): void {
-      checkSlots(queue, numRunning, tenants.numQueued())
+      checkSlots(queue, numOpenSlots, numRunning, tenants.numQueued())
       tenants.check(numRunning)
+      for (const tenant of tenants.numQueuedByTenant().keys()) {
+        assert.ok(
+          !isSlotOpenTo(tenant),
+          `tenant ${tenant} has requests queued while a slot is open to it: ${numRunning} of ${queue.maxConcurrentRequests} run, ${numOpenSlots} open to all, ${tenant} runs ${tenants.isRunning(tenant) ? 'some' : 'none'}`,
+        )
+      }
       room.check()
     },
   }
 }
 
 /** Asserts the slots' invariants: `numRunning` within its bound, `numQueued` within its, and
- *  none queued while a slot is free. */
-function checkSlots(queue: QueueLimits, numRunning: number, numQueued: number): void {
+ *  none queued while a slot open to every tenant (the first `numOpenSlots`) is free. */
+function checkSlots(
+  queue: QueueLimits,
+  numOpenSlots: number,
+  numRunning: number,
+  numQueued: number,
+): void {
   assert.ok(
     numRunning >= 0 && numRunning <= queue.maxConcurrentRequests,
     `running ${numRunning} outside [0, ${queue.maxConcurrentRequests}]`,
@@ -196,22 +250,28 @@ function checkSlots(queue: QueueLimits, numRunning: number, numQueued: number): 
     `queued ${numQueued} > ${queue.maxQueuedRequests}`,
   )
   assert.ok(
-    numQueued === 0 || numRunning === queue.maxConcurrentRequests,
-    `${numQueued} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run`,
+    numOpenSlots >= 1 && numOpenSlots <= queue.maxConcurrentRequests,
+    `${numOpenSlots} slots open to all, outside [1, ${queue.maxConcurrentRequests}]`,
+  )
+  assert.ok(
+    numQueued === 0 || numRunning >= numOpenSlots,
+    `${numQueued} requests queued while only ${numRunning} of ${queue.maxConcurrentRequests} slots run (${numOpenSlots} open to all)`,
   )
 }
 
 /** The tenant of `queues` (tenant → its waiting items, oldest first, never empty) with the least
- *  service (`counterOf`: tenant → counter), or undefined when none. Ties (a tenant just lifted to
- *  another's counter) go to the tenant with fewer requests running (`runningOf`), then to the
- *  earlier arrival at the head. */
+ *  service (`counterOf`: tenant → counter) among those `isEligible` admits (default all), or
+ *  undefined when none. Ties (a tenant just lifted to another's counter) go to the tenant with
+ *  fewer requests running (`runningOf`), then to the earlier arrival at the head. */
 function leastServedOf(
   queues: ReadonlyMap<string, readonly { seq: number }[]>,
   counterOf: (tenant: string) => number,
   runningOf: ReadonlyMap<string, number>,
+  isEligible: (tenant: string) => boolean = () => true,
 ): string | undefined {
   let best: { tenant: string; counter: number; numRunning: number; seq: number } | undefined
   for (const [tenant, items] of queues) {
+    if (!isEligible(tenant)) continue
     const counter = counterOf(tenant)
     const numRunningOfTenant = runningOf.get(tenant) ?? 0
     const { seq } = items[0]
@@ -249,14 +309,18 @@ function createTenantBacklogs(service: ServiceCounters) {
     else runningOf.set(tenant, n)
   }
 
-  function leastServed(queues: ReadonlyMap<string, readonly { seq: number }[]>) {
-    return leastServedOf(queues, service.counterOf, runningOf)
+  function leastServed(
+    queues: ReadonlyMap<string, readonly { seq: number }[]>,
+    isEligible?: (tenant: string) => boolean,
+  ) {
+    return leastServedOf(queues, service.counterOf, runningOf, isEligible)
   }
 
   /** Removes and returns the first request of the backlogged tenant with the least service
-   *  ({@link leastServedOf}), or undefined when none waits. */
-  function takeNext(): QueuedRequest | undefined {
-    const tenant = leastServed(backlogs)
+   *  among those `isEligible` admits (default all; {@link leastServedOf}), or undefined when none
+   *  waits. */
+  function takeNext(isEligible?: (tenant: string) => boolean): QueuedRequest | undefined {
+    const tenant = leastServed(backlogs, isEligible)
     if (tenant === undefined) return undefined
     const head = backlogs.get(tenant)![0]
     dequeue(tenant, head)
@@ -324,6 +388,8 @@ function createTenantBacklogs(service: ServiceCounters) {
     charge,
     startRunning,
     stopRunning,
+    /** Whether `tenant` has a request holding a slot. */
+    isRunning: (tenant: string): boolean => runningOf.has(tenant),
     takeNext,
     leastServed,
     lift,

@@ -38,6 +38,11 @@ export interface QueueLimits {
   readonly maxConcurrentRequests: number
   /** Requests waiting at most; one more → 503 `capacity_exhausted`. */
   readonly maxQueuedRequests: number
+  /** Of the `maxConcurrentRequests` slots, the last this many are taken only by a request whose
+   *  tenant has none running (fair-queue.ts), so that another tenant's first request need not
+   *  wait for a busy tenant's request to end; 0: none. At most `maxConcurrentRequests − 1` take
+   *  effect (one slot stays open to every tenant). Default 1 ({@link queueLimitDefaults}). */
+  readonly reservedSlots?: number
   /** Longest a request waits in all, ms: in the queue and for a full KV pool to free up,
    *  together; then 503. */
   readonly maxQueueWaitMs: number
@@ -47,11 +52,14 @@ export interface QueueLimits {
 }
 
 /** Defaults of {@link QueueLimits}. */
-export const queueLimitDefaults: QueueLimits = Object.freeze({
+export const queueLimitDefaults = Object.freeze({
   maxConcurrentRequests: 64,
   maxQueuedRequests: 256,
+  // One is enough for a newcomer's first request to start at once; a second newcomer at the
+  // same moment waits for the next slot to free, as all did without.
+  reservedSlots: 1,
   maxQueueWaitMs: 30_000,
-})
+}) satisfies QueueLimits
 
 /** What a tenant's admitted request holds until it ends. */
 export interface TenantTicket {

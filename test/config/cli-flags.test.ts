@@ -42,6 +42,8 @@ const cases: [string[], string][] = [
   [['serve', '--max-queued', 'x'], `error: option '--max-queued <n>' argument 'x' is invalid. expected a non-negative integer, got "x"`],
   [['serve', '--page-size', '99999999999999999999'], `error: option '--page-size <n>' argument '99999999999999999999' is invalid. expected a positive integer, got "99999999999999999999"`],
   [['serve', '--drain-seconds', '2147484'], `error: option '--drain-seconds <n>' argument '2147484' is invalid. expected an integer from 0 to 2147483, got "2147484"`],
+  [['serve', '--reserved-slots', '-1'], `error: option '--reserved-slots <n>' argument '-1' is invalid. expected a non-negative integer, got "-1"`],
+  [['router', '--reserved-slots', '1.5'], `error: option '--reserved-slots <n>' argument '1.5' is invalid. expected a non-negative integer, got "1.5"`],
   [['router', '--max-concurrent', '0'], `error: option '--max-concurrent <n>' argument '0' is invalid. expected a positive integer, got "0"`],
   [['router', '--context-window', '0'], `error: option '--context-window <n>' argument '0' is invalid. expected a positive integer, got "0"`],
   [['router', '--sentinel-window-seconds', '86401'], `error: option '--sentinel-window-seconds <n>' argument '86401' is invalid. expected an integer from 1 to 86400, got "86401"`],
@@ -125,26 +127,15 @@ describe('serve checks the model folder and its port before any part starts', ()
   })
 })
 
-describe('serve --max-concurrent and --max-queued reach its router', () => {
+describe('serve --max-concurrent, --max-queued and --reserved-slots reach its router', () => {
   const { dir, tenants, tenantsFile } = twoTenants('kvfence-cli-queue-')
   after(() => rmSync(dir, { recursive: true, force: true }))
 
-  it('one running, none queued: a second request while the first streams gets 503', async () => {
-    const child = fork(
-      cliPath,
-      [
-        'serve',
-        '--tenants',
-        tenantsFile,
-        '--port',
-        '0',
-        '--max-concurrent',
-        '1',
-        '--max-queued',
-        '0',
-      ],
-      { stdio: ['ignore', 'ignore', 'pipe', 'ipc'] },
-    )
+  /** Runs `kvfence serve` on the two tenants with `queueFlags`, and `body` against its URL. */
+  async function withServe(queueFlags: string[], body: (url: string) => Promise<void>) {
+    const child = fork(cliPath, ['serve', '--tenants', tenantsFile, '--port', '0', ...queueFlags], {
+      stdio: ['ignore', 'ignore', 'pipe', 'ipc'],
+    })
     let stderr = ''
     child.stderr!.on('data', (chunk: Buffer) => (stderr += chunk.toString('utf8')))
     try {
@@ -154,38 +145,61 @@ describe('serve --max-concurrent and --max-queued reach its router', () => {
           if (m.type === 'ready') resolve(m.port)
         })
       })
-      const url = `http://127.0.0.1:${port}`
-      const first = openaiClient(url, tenants[0].key)
-      const second = openaiClient(url, tenants[1].key)
-      // ~900 tokens of the echo model: the first holds the one slot while the second is sent.
-      const stream = await first.completions.create({
-        model: 'echo-tiny',
-        prompt: 'hold the slot',
-        max_tokens: 900,
-        stream: true,
-      })
-      const chunks = stream[Symbol.asyncIterator]()
-      await chunks.next()
-      await assert.rejects(
-        second.completions.create({ model: 'echo-tiny', prompt: 'hi', max_tokens: 1 }),
-        {
-          status: 503,
-          message: '503 The server is busy: 1 requests running and 0 queued; retry later.',
-        },
-      )
-      while (!(await chunks.next()).done);
-      // The slot is free again once the first has ended.
-      const answer = await second.completions.create({
-        model: 'echo-tiny',
-        prompt: 'hi',
-        max_tokens: 1,
-      })
-      assert.equal(answer.choices.length, 1)
+      await body(`http://127.0.0.1:${port}`)
     } finally {
       const exited = once(child, 'exit')
       child.kill('SIGTERM')
       await exited
     }
+  }
+
+  /** Starts a stream of ~900 tokens of the echo model as `client`: it holds a slot until read
+   *  to its end (the iterator returned). */
+  async function holdSlot(client: ReturnType<typeof openaiClient>) {
+    const stream = await client.completions.create({
+      model: 'echo-tiny',
+      prompt: 'hold the slot',
+      max_tokens: 900,
+      stream: true,
+    })
+    const chunks = stream[Symbol.asyncIterator]()
+    await chunks.next()
+    return chunks
+  }
+
+  const small = { model: 'echo-tiny', prompt: 'hi', max_tokens: 1 }
+
+  it('one running, none queued: a second request while the first streams gets 503', async () => {
+    await withServe(['--max-concurrent', '1', '--max-queued', '0'], async (url) => {
+      const first = openaiClient(url, tenants[0].key)
+      const second = openaiClient(url, tenants[1].key)
+      const chunks = await holdSlot(first)
+      await assert.rejects(second.completions.create(small), {
+        status: 503,
+        message: '503 The server is busy: 1 requests running and 0 queued; retry later.',
+      })
+      while (!(await chunks.next()).done);
+      // The slot is free again once the first has ended.
+      const answer = await second.completions.create(small)
+      assert.equal(answer.choices.length, 1)
+    })
+  })
+
+  it('3 slots, 2 reserved: a busy tenant gets 503 for a second request, another tenant runs', async () => {
+    const flags = ['--max-concurrent', '3', '--max-queued', '0', '--reserved-slots', '2']
+    await withServe(flags, async (url) => {
+      const busy = openaiClient(url, tenants[0].key)
+      const chunks = await holdSlot(busy)
+      // One slot is open to all and tenant-a holds it; the 2 reserved (the default reserves 1,
+      // which would run this) are for a tenant with none running.
+      await assert.rejects(busy.completions.create(small), {
+        status: 503,
+        message: '503 The server is busy: 1 requests running and 0 queued; retry later.',
+      })
+      const answer = await openaiClient(url, tenants[1].key).completions.create(small)
+      assert.equal(answer.choices.length, 1)
+      while (!(await chunks.next()).done);
+    })
   })
 })
 

@@ -45,6 +45,7 @@ describe('cluster config', () => {
       maxBodyBytes: 1048576,
       maxConcurrentRequests: 64,
       maxQueuedRequests: 256,
+      reservedSlots: 1,
       maxQueueWaitMs: 30000,
       logContent: false,
       logLevel: 'info',
@@ -100,6 +101,22 @@ describe('cluster config', () => {
           tenants,
         },
         /bad\.yaml: router\.maxQueueWaitMs: Too big: expected number to be <=2147483647/,
+      ],
+      [
+        {
+          router: { reservedSlots: -1 },
+          workers: { prefill: [{ pages: 1 }], decode: [{ pages: 1 }] },
+          tenants,
+        },
+        /bad\.yaml: router\.reservedSlots: Too small: expected number to be >=0/,
+      ],
+      [
+        {
+          router: { reservedSlots: 1.5 },
+          workers: { prefill: [{ pages: 1 }], decode: [{ pages: 1 }] },
+          tenants,
+        },
+        /bad\.yaml: router\.reservedSlots: Invalid input: expected int, received number/,
       ],
       ['router: [', /bad\.yaml is not valid YAML/],
     ]

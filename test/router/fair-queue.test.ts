@@ -4,6 +4,7 @@
  *  comments show the counters), not read from the implementation. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
+import fc from 'fast-check'
 import { roomPollMs } from '../../src/router/fair-queue.js'
 import { LimitError, type Slot, createLimiter } from '../../src/router/limits.js'
 import { apiKeyDigest, createTenantRegistry } from '../../src/router/tenants.js'
@@ -30,6 +31,22 @@ function queued(
     order.push(name)
     return slot
   })
+}
+
+/** The requests waiting in the router's queue, by its `/server_info`. */
+async function numQueuedAt(h: Awaited<ReturnType<typeof startHarness>>): Promise<number> {
+  const info = (await (await fetch(`${h.router.url}/server_info`)).json()) as { numQueued: number }
+  return info.numQueued
+}
+
+/** Polls the router's `/server_info` until `numQueued` requests wait in its queue. */
+async function waitForQueued(h: Awaited<ReturnType<typeof startHarness>>, numQueued: number) {
+  const deadline = Date.now() + 10_000
+  for (;;) {
+    assert.ok(Date.now() < deadline, `${numQueued} requests never queued`)
+    if ((await numQueuedAt(h)) === numQueued) return
+    await new Promise((resolve) => setTimeout(resolve, 5))
+  }
 }
 
 describe('fair queue', () => {
@@ -200,6 +217,269 @@ describe('fair queue', () => {
   })
 })
 
+describe('reserved slots', () => {
+  /** A limiter of `max` slots, `reservedSlots` of them reserved (undefined: the default). */
+  function limiterOf(max: number, reservedSlots?: number, maxQueuedRequests = 16) {
+    return createLimiter({
+      maxConcurrentRequests: max,
+      maxQueuedRequests,
+      maxQueueWaitMs: 10_000,
+      ...(reservedSlots !== undefined && { reservedSlots }),
+    })
+  }
+
+  /** Asks for a slot for each of `names` (tenant: the name's letters) in turn, recording each in
+   *  `order` as it gets one; checks the limiter after each. */
+  function ask(limiter: ReturnType<typeof createLimiter>, order: string[], names: string[]) {
+    const slots = new Map<string, Promise<Slot>>()
+    for (const name of names) {
+      slots.set(name, queued(limiter, order, name, name.replace(/\d+$/, '')))
+      limiter.check()
+    }
+    return slots
+  }
+
+  /** Lets the granted slots' promises settle (a grant resolves one, its `then` records it). */
+  const settled = () => new Promise((resolve) => setImmediate(resolve))
+
+  it("a flood holds max − 1 slots; a newcomer tenant's first request starts at once, a second newcomer gets the next slot", async () => {
+    const limiter = limiterOf(4) // the default: 1 reserved, 3 open to all
+    const order: string[] = []
+    const slots = ask(limiter, order, ['f1', 'f2', 'f3', 'f4', 'f5', 's1', 'o1'])
+    await settled()
+    // f4 and f5 find the 3 open slots taken by f's own; s has none running: the 4th is its.
+    assert.deepEqual(order, ['f1', 'f2', 'f3', 's1'])
+    assert.deepEqual(Object.fromEntries(limiter.numQueuedByTenant()), { f: 2, o: 1 })
+    // f1 ends with 3 left running: the slot freed is the reserved one, open only to a tenant with
+    // none running. o (lifted to f's 30 as it joined) gets it, whatever the counters.
+    ;(await slots.get('f1')!).release(5)
+    limiter.check()
+    await settled()
+    assert.deepEqual(order, ['f1', 'f2', 'f3', 's1', 'o1'])
+    // s1 ends: 3 run (f2, f3, o1), all of f's requests queued behind its own: the reserved slot
+    // stays free for a tenant with none running.
+    ;(await slots.get('s1')!).release(5)
+    limiter.check()
+    await settled()
+    assert.equal(limiter.numRunning, 3)
+    assert.deepEqual(Object.fromEntries(limiter.numQueuedByTenant()), { f: 2 })
+    // A newcomer takes it at once, ahead of f's backlog.
+    const late = ask(limiter, order, ['n1'])
+    await settled()
+    assert.deepEqual(order, ['f1', 'f2', 'f3', 's1', 'o1', 'n1'])
+    // Then f's backlog in its order, one slot at a time as open slots free.
+    for (const name of ['f2', 'f3', 'o1']) {
+      ;(await slots.get(name)!).release(5)
+      limiter.check()
+      await settled()
+    }
+    assert.deepEqual(order, ['f1', 'f2', 'f3', 's1', 'o1', 'n1', 'f4', 'f5'])
+    for (const slot of [late.get('n1')!, slots.get('f4')!, slots.get('f5')!]) (await slot).release()
+    limiter.check()
+    assert.equal(limiter.numRunning, 0)
+  })
+
+  it("one end can open two slots: an open one to the least served, the reserved one to the ended request's tenant", async () => {
+    const limiter = limiterOf(4)
+    const order: string[] = []
+    const slots = ask(limiter, order, ['f1', 'f2', 'x1', 'f3', 'x2'])
+    await settled()
+    // 3 run (the open slots); f3 and x2 queue: both tenants have some running.
+    assert.deepEqual(order, ['f1', 'f2', 'x1'])
+    // Counters: f 20 (two prompts of 10); x 10, lifted to f's 20 as x2 joins the backlog. x1
+    // ends, 5 generated: x 30. The open slot goes to the least served, f (20): f3. x now has
+    // none running, and the reserved slot is free: x2 takes it.
+    ;(await slots.get('x1')!).release(5)
+    limiter.check()
+    await settled()
+    assert.deepEqual(order, ['f1', 'f2', 'x1', 'f3', 'x2'])
+    assert.equal(limiter.numRunning, 4)
+    for (const name of ['f1', 'f2', 'f3', 'x2']) (await slots.get(name)!).release()
+    limiter.check()
+  })
+
+  it('reservedSlots 0: every slot open to all, a newcomer waits for a flood request to end', async () => {
+    const limiter = limiterOf(2, 0)
+    const order: string[] = []
+    const slots = ask(limiter, order, ['f1', 'f2', 'f3', 's1'])
+    await settled()
+    assert.deepEqual(order, ['f1', 'f2'])
+    // f 20, s lifted to f's 20 as it joins; f1 ends with 5 generated: f 30 → s1 (least served).
+    ;(await slots.get('f1')!).release(5)
+    limiter.check()
+    await settled()
+    assert.deepEqual(order, ['f1', 'f2', 's1'])
+    for (const name of ['f2', 's1', 'f3']) {
+      ;(await slots.get(name)!).release()
+      await settled()
+    }
+    assert.deepEqual(order, ['f1', 'f2', 's1', 'f3'])
+    limiter.check()
+  })
+
+  it('max 1: nothing reserved (one slot stays open to all); reservedSlots ≥ max reserves all but one', async () => {
+    const one = limiterOf(1, 3)
+    const order: string[] = []
+    const slots = ask(one, order, ['f1', 'f2', 's1'])
+    await settled()
+    assert.deepEqual(order, ['f1'])
+    ;(await slots.get('f1')!).release(5) // f 20, s lifted to 10 → s1
+    await settled()
+    ;(await slots.get('s1')!).release()
+    await settled()
+    ;(await slots.get('f2')!).release()
+    assert.deepEqual(order, ['f1', 's1', 'f2'])
+    one.check()
+
+    const three = limiterOf(3, 5) // 2 reserved, 1 open to all
+    const order3: string[] = []
+    const slots3 = ask(three, order3, ['f1', 'f2', 's1', 'o1', 'p1'])
+    await settled()
+    assert.deepEqual(order3, ['f1', 's1', 'o1'])
+    assert.deepEqual(Object.fromEntries(three.numQueuedByTenant()), { f: 1, p: 1 })
+    // s1 ends: 2 run (f1, o1), the freed slot is reserved: p (none running) gets it, not f.
+    ;(await slots3.get('s1')!).release()
+    three.check()
+    await settled()
+    assert.deepEqual(order3, ['f1', 's1', 'o1', 'p1'])
+    for (const name of ['f1', 'o1', 'p1', 'f2']) {
+      ;(await slots3.get(name)!).release()
+      three.check()
+      await settled()
+    }
+    assert.deepEqual(order3, ['f1', 's1', 'o1', 'p1', 'f2'])
+    assert.equal(three.numRunning, 0)
+  })
+
+  it('random arrivals, ends and aborts keep the invariants, and each tenant is served in its order', async () => {
+    const op = fc.oneof(
+      {
+        arbitrary: fc.record({
+          kind: fc.constant('arrive' as const),
+          tenant: fc.constantFrom('a', 'b', 'c'),
+        }),
+        weight: 3,
+      },
+      {
+        arbitrary: fc.record({
+          kind: fc.constant('end' as const),
+          index: fc.nat(),
+          numGenerated: fc.nat(20),
+        }),
+        weight: 2,
+      },
+      { arbitrary: fc.record({ kind: fc.constant('abort' as const), index: fc.nat() }), weight: 1 },
+    )
+    await fc.assert(
+      fc.asyncProperty(
+        fc.integer({ min: 1, max: 5 }),
+        fc.integer({ min: 0, max: 6 }),
+        fc.integer({ min: 0, max: 6 }),
+        fc.array(op, { maxLength: 60, size: 'max' }), // 'max': not the default's short lists
+        async (max, reservedSlots, maxQueued, ops) => {
+          const limiter = limiterOf(max, reservedSlots, maxQueued)
+          const numOpen = max - Math.min(reservedSlots, max - 1)
+          const running: { tenant: string; slot: Slot }[] = []
+          const waiting: { tenant: string; seq: number; abort: AbortController }[] = []
+          const servedSeqs = new Map<string, number[]>() // tenant → seqs in the order served
+          let seq = 0
+          for (const o of ops) {
+            if (o.kind === 'arrive') {
+              const wasIdle = !running.some((r) => r.tenant === o.tenant)
+              const numRunningBefore = limiter.numRunning
+              const entry = { tenant: o.tenant, seq: seq++, abort: new AbortController() }
+              waiting.push(entry)
+              limiter
+                .acquireSlot(entry.abort.signal, {
+                  tenant: o.tenant,
+                  weight: 1,
+                  numPromptTokens: 3,
+                })
+                .then(
+                  (slot) => {
+                    running.push({ tenant: o.tenant, slot })
+                    servedSeqs.set(o.tenant, [...(servedSeqs.get(o.tenant) ?? []), entry.seq])
+                  },
+                  (err: unknown) => assert.ok(err instanceof Error), // refused, evicted or aborted
+                )
+                .finally(() => waiting.splice(waiting.indexOf(entry), 1))
+              await settled()
+              // It started at once exactly when a slot was open to it.
+              const isOpen = numRunningBefore < numOpen || (numRunningBefore < max && wasIdle)
+              assert.equal(servedSeqs.get(o.tenant)?.at(-1) === entry.seq, isOpen)
+            } else if (o.kind === 'end' && running.length > 0) {
+              running.splice(o.index % running.length, 1)[0].slot.release(o.numGenerated)
+            } else if (o.kind === 'abort' && waiting.length > 0) {
+              waiting[o.index % waiting.length].abort.abort()
+            }
+            await settled()
+            limiter.check()
+            assert.equal(limiter.numRunning, running.length)
+            assert.ok(running.length <= max)
+          }
+          for (const seqs of servedSeqs.values()) {
+            assert.deepEqual(
+              seqs,
+              [...seqs].sort((x, y) => x - y),
+              'a tenant served out of its order',
+            )
+          }
+          for (const w of [...waiting]) w.abort.abort()
+          for (const r of running) r.slot.release()
+          await settled()
+          limiter.check()
+        },
+      ),
+      { numRuns: 300 },
+    )
+  })
+})
+
+describe('reserved slots at the router', () => {
+  it("a newcomer tenant's request starts while a flooding tenant's backlog waits", async () => {
+    const h = await startHarness(
+      { isHoldingReplies: true },
+      {
+        queue: {
+          maxConcurrentRequests: 3,
+          maxQueuedRequests: 16,
+          reservedSlots: 1,
+          maxQueueWaitMs: 30_000,
+        },
+        tenants: [
+          { name: 'gamma', keySha256: apiKeyDigest(gammaKey) },
+          { name: 'alpha', keySha256: apiKeyDigest(keys.alpha) },
+        ],
+      },
+    )
+    try {
+      const all = [1, 2, 3, 4].map(() => h.client(gammaKey).chat.completions.create(chat))
+      // gamma runs on the 2 open slots, held after their first token; its other 2 queue.
+      await waitFor(() => h.workers.numHeld() === 2)
+      await waitForQueued(h, 2)
+      all.push(h.client(keys.alpha).chat.completions.create(chat))
+      // alpha has none running: it takes the reserved slot at once, gamma's 2 still queued.
+      await waitFor(() => h.workers.numHeld() === 3)
+      assert.deepEqual(
+        h.workers.generateRequests.map((r) => r.tenant),
+        ['gamma', 'gamma', 'alpha'],
+      )
+      assert.equal(await numQueuedAt(h), 2)
+      for (let i = 0; i < 5; i++) {
+        await waitFor(() => h.workers.numHeld() > 0)
+        h.workers.releaseHeld()
+      }
+      await Promise.all(all)
+      assert.deepEqual(
+        h.workers.generateRequests.map((r) => r.tenant),
+        ['gamma', 'gamma', 'alpha', 'gamma', 'gamma'],
+      )
+    } finally {
+      await h.close()
+    }
+  })
+})
+
 describe('tenant weights', () => {
   it('a weight is a number above 0; without one a tenant has none set (weight 1)', () => {
     const record = (weight?: number) => ({
@@ -253,19 +533,6 @@ describe('fair queue at the router', () => {
     }
     await Promise.all(all)
     return h.workers.generateRequests.map((r) => r.tenant)
-  }
-
-  /** Polls the router's `/server_info` until `numQueued` requests wait in its queue. */
-  async function waitForQueued(h: Awaited<ReturnType<typeof startHarness>>, numQueued: number) {
-    const deadline = Date.now() + 10_000
-    for (;;) {
-      assert.ok(Date.now() < deadline, `${numQueued} requests never queued`)
-      const info = (await (await fetch(`${h.router.url}/server_info`)).json()) as {
-        numQueued: number
-      }
-      if (info.numQueued === numQueued) return
-      await new Promise((resolve) => setTimeout(resolve, 5))
-    }
   }
 
   it("alpha's backlog does not delay beta's requests behind it", async () => {
