@@ -3,36 +3,12 @@
  *  Knows HTTP and the OpenAI error body; knows nothing of tokens, workers or tenants. */
 import type { IncomingMessage, ServerResponse } from 'node:http'
 import { KvfenceError, MethodNotAllowedError, toOpenAiError } from '../errors.js'
+import { readBodyText } from './body-text.js'
 import { LimitError } from './limits.js'
-
-const strictUtf8 = new TextDecoder('utf-8', { fatal: true })
 
 /** Most JSON objects and arrays a request body may hold: a chat body at its bounds (2048
  *  messages, 2048 text parts, their lists) holds about 6,200; see {@link readJsonBody}. */
 export const maxJsonContainers = 8192
-
-/** Bodies up to this many bytes are parsed without counting their containers first: they cannot
- *  hold enough objects for their parse to matter. */
-const countedBodyBytes = 64 * 1024
-
-/** Whether the JSON text in `bytes` (UTF-8) opens more than `limit` objects and arrays. A count
- *  of `{` and `[` outside strings, in one pass over the bytes: far cheaper than a parse, which
- *  allocates an object per `{` (and leaves them to the garbage collector). Meaningless for
- *  malformed JSON, which the parse refuses anyway. */
-function hasMoreContainers(bytes: Uint8Array, limit: number): boolean {
-  let numContainers = 0
-  let isInString = false
-  for (let i = 0; i < bytes.length; i++) {
-    const b = bytes[i]
-    if (isInString) {
-      if (b === 0x5c)
-        i++ // a backslash: the next byte is escaped (UTF-8 never has 0x22 inside a code point)
-      else if (b === 0x22) isInString = false
-    } else if (b === 0x22) isInString = true
-    else if ((b === 0x7b || b === 0x5b) && ++numContainers > limit) return true
-  }
-  return false
-}
 
 /** Reads the request body as JSON. Throws `payload_too_large` past `maxBytes` (checked against
  *  `content-length` first, then while reading), `invalid_request` for bytes that are not UTF-8
@@ -55,20 +31,16 @@ export async function readJsonBody(req: IncomingMessage, maxBytes: number): Prom
   }
   const declared = Number(req.headers['content-length'])
   if (Number.isFinite(declared) && declared > maxBytes) throw tooLarge()
-  const bytes = await readBodyBytes(req, maxBytes, tooLarge)
-  if (bytes.length > countedBodyBytes && hasMoreContainers(bytes, maxJsonContainers)) {
+  const { text, numContainers } = await readBodyText(req, maxBytes, tooLarge)
+  if (numContainers > maxJsonContainers) {
     throw new KvfenceError(
       'invalid_request',
       `the request body holds more than ${maxJsonContainers} JSON objects and arrays`,
     )
   }
-  let text: string
-  try {
-    // fatal: bytes that are not UTF-8 are refused, never replaced with U+FFFD behind the client's back.
-    text = strictUtf8.decode(bytes)
-  } catch {
+  // Bytes that are not UTF-8 are refused, never replaced with U+FFFD behind the client's back.
+  if (text === null)
     throw new KvfenceError('invalid_request', 'the request body is not valid UTF-8')
-  }
   if (text.trim() === '') throw new KvfenceError('invalid_request', 'the request body is empty')
   try {
     return JSON.parse(text)
@@ -78,54 +50,6 @@ export async function readJsonBody(req: IncomingMessage, maxBytes: number): Prom
       `the request body is not valid JSON: ${err instanceof Error ? err.message : String(err)}`,
     )
   }
-}
-
-/** The request's body bytes, read with listeners (an async iterator over the request costs every
- *  request a few µs more). Past `maxBytes` it stops reading and rejects with `tooLarge()` (the
- *  rest is left for the error reply's handling: see {@link sendError}); a connection closed before
- *  the body's end rejects with `request_aborted`. */
-function readBodyBytes(
-  req: IncomingMessage,
-  maxBytes: number,
-  tooLarge: () => KvfenceError,
-): Promise<Buffer> {
-  return new Promise((resolve, reject) => {
-    const chunks: Buffer[] = []
-    let numBytes = 0
-    const settle = () => {
-      req.off('data', onData)
-      req.off('end', onEnd)
-      req.off('error', onAborted)
-      req.off('close', onAborted)
-    }
-    const onData = (chunk: Buffer) => {
-      numBytes += chunk.length
-      if (numBytes <= maxBytes) return void chunks.push(chunk)
-      settle()
-      req.pause()
-      reject(tooLarge())
-    }
-    const onEnd = () => {
-      settle()
-      resolve(chunks.length === 1 ? chunks[0] : Buffer.concat(chunks, numBytes))
-    }
-    // Node fails the read with `aborted` (ECONNRESET) when the connection closes mid-body; a
-    // 'close' before 'end' is the same.
-    const onAborted = () => {
-      settle()
-      reject(
-        new KvfenceError(
-          'request_aborted',
-          `the client closed the connection after ${numBytes} bytes of the request body`,
-        ),
-      )
-    }
-    if (req.readableEnded) return resolve(Buffer.alloc(0))
-    req.on('data', onData)
-    req.on('end', onEnd)
-    req.on('error', onAborted)
-    req.on('close', onAborted)
-  })
 }
 
 /** Reads a reply from an upstream (a worker or the gateway's engine) as UTF-8 text. Throws a plain

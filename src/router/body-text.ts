@@ -1,0 +1,159 @@
+/** A request body read as UTF-8 text, its JSON objects and arrays counted as it arrives: a large
+ *  body is checked and decoded chunk by chunk while it is read, so that no single turn of the
+ *  event loop every tenant shares holds the whole of that work (for a 1 MB prompt: a copy of the
+ *  bytes, a pass over them and their decoding, about 2.6 ms together, measured), only the parse.
+ *  Knows bytes, UTF-8 and JSON's brackets; knows nothing of HTTP replies, tenants or workers. */
+import type { IncomingMessage } from 'node:http'
+import { TextDecoder } from 'node:util'
+import { KvfenceError } from '../errors.js'
+
+/** Bodies up to this many bytes are kept whole and decoded at their end, uncounted (a parse of
+ *  them cannot matter); past it, chunks are counted and decoded as they arrive. */
+export const streamedBodyBytes = 64 * 1024
+
+/** What {@link readBodyText} read. */
+export interface BodyText {
+  /** The body as text; null when it is not valid UTF-8 (refused, never replaced with U+FFFD). */
+  text: string | null
+  /** Bytes read. */
+  numBytes: number
+  /** Objects and arrays the body opens (`{` and `[` outside strings); counted only for bodies
+   *  over {@link streamedBodyBytes}, else 0. Meaningless for malformed JSON. */
+  numContainers: number
+}
+
+/** Counts `{` and `[` outside JSON strings, across chunks (a string or an escape may be cut
+ *  anywhere). UTF-8 never has 0x22 or 0x5c inside a multi-byte character. */
+class ContainerCounter {
+  numContainers = 0
+  private isInString = false
+  private isEscaped = false
+
+  push(bytes: Uint8Array): void {
+    let numContainers = this.numContainers
+    let isInString = this.isInString
+    let isEscaped = this.isEscaped
+    for (let i = 0; i < bytes.length; i++) {
+      const b = bytes[i]
+      if (isInString) {
+        if (isEscaped) isEscaped = false
+        else if (b === 0x5c) isEscaped = true
+        else if (b === 0x22) isInString = false
+      } else if (b === 0x22) isInString = true
+      else if (b === 0x7b || b === 0x5b) numContainers++
+    }
+    this.numContainers = numContainers
+    this.isInString = isInString
+    this.isEscaped = isEscaped
+  }
+}
+
+/** A body's text as it arrives: whole at the end while small, then chunk by chunk. */
+class BodyDecoder {
+  private kept: Buffer[] = []
+  private numKeptBytes = 0
+  private stream: { decoder: TextDecoder; counter: ContainerCounter; text: string } | null = null
+  private isInvalid = false
+
+  push(chunk: Buffer): void {
+    if (this.stream === null) {
+      this.kept.push(chunk)
+      this.numKeptBytes += chunk.length
+      if (this.numKeptBytes <= streamedBodyBytes) return
+      this.stream = {
+        decoder: new TextDecoder('utf-8', { fatal: true }),
+        counter: new ContainerCounter(),
+        text: '',
+      }
+      const kept = this.kept
+      this.kept = []
+      for (const piece of kept) this.decode(piece)
+      return
+    }
+    this.decode(chunk)
+  }
+
+  finish(): { text: string | null; numContainers: number } {
+    const stream = this.stream
+    if (stream === null) {
+      const bytes = this.kept.length === 1 ? this.kept[0] : Buffer.concat(this.kept)
+      try {
+        return { text: strictUtf8.decode(bytes), numContainers: 0 }
+      } catch {
+        return { text: null, numContainers: 0 }
+      }
+    }
+    if (!this.isInvalid) {
+      try {
+        stream.text += stream.decoder.decode() // a character cut at the end is invalid
+      } catch {
+        this.isInvalid = true
+      }
+    }
+    return {
+      text: this.isInvalid ? null : stream.text,
+      numContainers: stream.counter.numContainers,
+    }
+  }
+
+  private decode(chunk: Buffer): void {
+    const stream = this.stream!
+    stream.counter.push(chunk)
+    if (this.isInvalid) return
+    try {
+      stream.text += stream.decoder.decode(chunk, { stream: true })
+    } catch {
+      this.isInvalid = true
+    }
+  }
+}
+
+const strictUtf8 = new TextDecoder('utf-8', { fatal: true })
+
+/** Reads `req`'s body (with listeners: an async iterator over the request costs every request a
+ *  few µs more). Past `maxBytes` it stops reading and rejects with `tooLarge()` (the rest is left
+ *  to the error reply, which closes the connection after it); a connection closed before the
+ *  body's end rejects with `request_aborted`. */
+export function readBodyText(
+  req: IncomingMessage,
+  maxBytes: number,
+  tooLarge: () => KvfenceError,
+): Promise<BodyText> {
+  return new Promise((resolve, reject) => {
+    const body = new BodyDecoder()
+    let numBytes = 0
+    const settle = () => {
+      req.off('data', onData)
+      req.off('end', onEnd)
+      req.off('error', onAborted)
+      req.off('close', onAborted)
+    }
+    const onData = (chunk: Buffer) => {
+      numBytes += chunk.length
+      if (numBytes <= maxBytes) return body.push(chunk)
+      settle()
+      req.pause()
+      reject(tooLarge())
+    }
+    const onEnd = () => {
+      settle()
+      resolve({ ...body.finish(), numBytes })
+    }
+    // Node fails the read with `aborted` (ECONNRESET) when the connection closes mid-body; a
+    // 'close' before 'end' is the same.
+    const onAborted = () => {
+      settle()
+      reject(
+        new KvfenceError(
+          'request_aborted',
+          `the client closed the connection after ${numBytes} bytes of the request body`,
+        ),
+      )
+    }
+    if (req.readableEnded) return resolve({ text: '', numBytes: 0, numContainers: 0 })
+    req.on('data', onData)
+    req.on('end', onEnd)
+    req.on('error', onAborted)
+    req.on('close', onAborted)
+  })
+}
