@@ -175,38 +175,7 @@ export function createFairQueue(
         ),
       )
     }
-    return new Promise<Slot>((resolve, reject) => {
-      const leave = () => {
-        clearTimeout(timer)
-        signal.removeEventListener('abort', onAbort)
-        tenants.dequeue(claim.tenant, request)
-      }
-      const request: QueuedRequest = {
-        seq: wait.seq,
-        grant() {
-          leave()
-          resolve(makeSlot(claim))
-        },
-        refuse(err) {
-          leave()
-          reject(err)
-        },
-      }
-      const onAbort = () => request.refuse(aborted())
-      const timer = setTimeout(
-        () =>
-          request.refuse(
-            new LimitError(
-              'capacity_exhausted',
-              `The server is busy: the request waited ${queue.maxQueueWaitMs} ms in the queue; retry later.`,
-              1,
-            ),
-          ),
-        Math.max(0, wait.deadlineMs - nowMs()),
-      )
-      signal.addEventListener('abort', onAbort, { once: true })
-      tenants.enqueue(claim.tenant, request)
-    })
+    return queueForSlot(tenants, claim.tenant, signal, wait, () => makeSlot(claim), queue, nowMs)
   }
 
   return {
@@ -231,6 +200,51 @@ export function createFairQueue(
       room.check()
     },
   }
+}
+
+/** Queues a request (its `wait`) in `tenant`'s backlog until it is granted a slot (`makeSlot`
+ *  makes it), its wait reaches `maxQueueWaitMs` (503 `capacity_exhausted`) or `signal` aborts. */
+function queueForSlot(
+  tenants: ReturnType<typeof createTenantBacklogs>,
+  tenant: string,
+  signal: AbortSignal,
+  wait: RequestWait,
+  makeSlot: () => Slot,
+  queue: QueueLimits,
+  nowMs: () => number,
+): Promise<Slot> {
+  return new Promise<Slot>((resolve, reject) => {
+    const leave = () => {
+      clearTimeout(timer)
+      signal.removeEventListener('abort', onAbort)
+      tenants.dequeue(tenant, request)
+    }
+    const request: QueuedRequest = {
+      seq: wait.seq,
+      grant() {
+        leave()
+        resolve(makeSlot())
+      },
+      refuse(err) {
+        leave()
+        reject(err)
+      },
+    }
+    const onAbort = () => request.refuse(aborted())
+    const timer = setTimeout(
+      () =>
+        request.refuse(
+          new LimitError(
+            'capacity_exhausted',
+            `The server is busy: the request waited ${queue.maxQueueWaitMs} ms in the queue; retry later.`,
+            1,
+          ),
+        ),
+      Math.max(0, wait.deadlineMs - nowMs()),
+    )
+    signal.addEventListener('abort', onAbort, { once: true })
+    tenants.enqueue(tenant, request)
+  })
 }
 
 /** Asserts the slots' invariants: `numRunning` within its bound, `numQueued` within its, and
