@@ -25,7 +25,10 @@ export interface BodyText {
 /** Counts `{` and `[` outside JSON strings, across chunks (a string or an escape may be cut
  *  anywhere). UTF-8 never has 0x22 or 0x5c inside a multi-byte character. */
 class ContainerCounter {
+  /** Counted so far; counting stops once past `limit` (the body is refused then). */
   numContainers = 0
+  constructor(private readonly limit: number) {}
+
   private isInString = false
   private isEscaped = false
 
@@ -40,7 +43,7 @@ class ContainerCounter {
         else if (b === 0x5c) isEscaped = true
         else if (b === 0x22) isInString = false
       } else if (b === 0x22) isInString = true
-      else if (b === 0x7b || b === 0x5b) numContainers++
+      else if ((b === 0x7b || b === 0x5b) && ++numContainers > this.limit) break
     }
     this.numContainers = numContainers
     this.isInString = isInString
@@ -50,6 +53,7 @@ class ContainerCounter {
 
 /** A body's text as it arrives: whole at the end while small, then chunk by chunk. */
 class BodyDecoder {
+  constructor(private readonly maxContainers: number) {}
   private kept: Buffer[] = []
   private numKeptBytes = 0
   private stream: { decoder: TextDecoder; counter: ContainerCounter; text: string } | null = null
@@ -62,7 +66,7 @@ class BodyDecoder {
       if (this.numKeptBytes <= streamedBodyBytes) return
       this.stream = {
         decoder: new TextDecoder('utf-8', { fatal: true }),
-        counter: new ContainerCounter(),
+        counter: new ContainerCounter(this.maxContainers),
         text: '',
       }
       const kept = this.kept
@@ -71,6 +75,12 @@ class BodyDecoder {
       return
     }
     this.decode(chunk)
+  }
+
+  /** Whether the body opens more than `maxContainers` objects and arrays (counted only past
+   *  {@link streamedBodyBytes}): it is then refused, and needs no more reading. */
+  get isOverContainers(): boolean {
+    return (this.stream?.counter.numContainers ?? 0) > this.maxContainers
   }
 
   finish(): { text: string | null; numContainers: number } {
@@ -99,7 +109,7 @@ class BodyDecoder {
   private decode(chunk: Buffer): void {
     const stream = this.stream!
     stream.counter.push(chunk)
-    if (this.isInvalid) return
+    if (this.isInvalid || this.isOverContainers) return
     try {
       stream.text += stream.decoder.decode(chunk, { stream: true })
     } catch {
@@ -111,16 +121,17 @@ class BodyDecoder {
 const strictUtf8 = new TextDecoder('utf-8', { fatal: true })
 
 /** Reads `req`'s body (with listeners: an async iterator over the request costs every request a
- *  few µs more). Past `maxBytes` it stops reading and rejects with `tooLarge()` (the rest is left
- *  to the error reply, which closes the connection after it); a connection closed before the
- *  body's end rejects with `request_aborted`. */
+ *  few µs more). Past `maxBytes` it stops reading and rejects with `tooLarge()`, and as soon as a
+ *  body over {@link streamedBodyBytes} opens more than `maxContainers` objects and arrays, with
+ *  `tooManyContainers()` (the rest is left to the error reply, which closes the connection after
+ *  it); a connection closed before the body's end rejects with `request_aborted`. */
 export function readBodyText(
   req: IncomingMessage,
-  maxBytes: number,
-  tooLarge: () => KvfenceError,
+  limits: { maxBytes: number; maxContainers: number },
+  errors: { tooLarge: () => KvfenceError; tooManyContainers: () => KvfenceError },
 ): Promise<BodyText> {
   return new Promise((resolve, reject) => {
-    const body = new BodyDecoder()
+    const body = new BodyDecoder(limits.maxContainers)
     let numBytes = 0
     const settle = () => {
       req.off('data', onData)
@@ -130,10 +141,14 @@ export function readBodyText(
     }
     const onData = (chunk: Buffer) => {
       numBytes += chunk.length
-      if (numBytes <= maxBytes) return body.push(chunk)
+      if (numBytes > limits.maxBytes) return refuse(errors.tooLarge())
+      body.push(chunk)
+      if (body.isOverContainers) refuse(errors.tooManyContainers())
+    }
+    const refuse = (err: KvfenceError) => {
       settle()
       req.pause()
-      reject(tooLarge())
+      reject(err)
     }
     const onEnd = () => {
       settle()

@@ -31,13 +31,16 @@ export async function readJsonBody(req: IncomingMessage, maxBytes: number): Prom
   }
   const declared = Number(req.headers['content-length'])
   if (Number.isFinite(declared) && declared > maxBytes) throw tooLarge()
-  const { text, numContainers } = await readBodyText(req, maxBytes, tooLarge)
-  if (numContainers > maxJsonContainers) {
-    throw new KvfenceError(
+  const tooManyContainers = () =>
+    new KvfenceError(
       'invalid_request',
       `the request body holds more than ${maxJsonContainers} JSON objects and arrays`,
     )
-  }
+  const { text } = await readBodyText(
+    req,
+    { maxBytes, maxContainers: maxJsonContainers },
+    { tooLarge, tooManyContainers },
+  )
   // Bytes that are not UTF-8 are refused, never replaced with U+FFFD behind the client's back.
   if (text === null)
     throw new KvfenceError('invalid_request', 'the request body is not valid UTF-8')

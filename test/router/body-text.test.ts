@@ -14,7 +14,13 @@ let url = ''
 before(async () => {
   server = http.createServer((req, res) => {
     const tooLarge = () => new KvfenceError('payload_too_large', 'too large')
-    readBodyText(req, 4 * 1024 * 1024, tooLarge).then(
+    const tooManyContainers = () => new KvfenceError('invalid_request', 'too many containers')
+    const maxContainers = Number(req.headers['x-max-containers'] ?? Infinity)
+    readBodyText(
+      req,
+      { maxBytes: 4 * 1024 * 1024, maxContainers },
+      { tooLarge, tooManyContainers },
+    ).then(
       (read) => res.end(JSON.stringify(read)),
       (err: Error) => res.end(JSON.stringify({ error: err.message })),
     )
@@ -25,9 +31,13 @@ before(async () => {
 after(() => server.close())
 
 /** Sends `bytes` in pieces cut at `cuts` (offsets), one write each, a turn apart. */
-function send(bytes: Buffer, cuts: readonly number[]): Promise<Record<string, unknown>> {
+function send(
+  bytes: Buffer,
+  cuts: readonly number[],
+  headers: http.OutgoingHttpHeaders = {},
+): Promise<Record<string, unknown>> {
   return new Promise((resolve, reject) => {
-    const req = http.request(url, { method: 'POST' }, (res) => {
+    const req = http.request(url, { method: 'POST', headers }, (res) => {
       let text = ''
       res.setEncoding('utf8')
       res.on('data', (c: string) => (text += c))
@@ -76,6 +86,23 @@ describe('readBodyText', () => {
       ),
       { numRuns: 40 },
     )
+  })
+
+  it('a large body past the container limit is refused as soon as it passes it', async () => {
+    // 30 000 empty messages (the fairness bench's 870 KB chat): refused at container 8 193,
+    // about a quarter of the way in; the server answers before the client has sent the rest.
+    const json = JSON.stringify({
+      messages: Array.from({ length: 30_000 }, () => ({ role: 'user', content: '' })),
+    })
+    const read = await send(Buffer.from(json), [70_000, 200_000, 400_000], {
+      'x-max-containers': '8192',
+    })
+    assert.deepEqual(read, { error: 'too many containers' })
+    // At the limit exactly, the body is read whole.
+    const atLimit = JSON.stringify({ pad: 'x'.repeat(streamedBodyBytes), a: Array(8190).fill([]) })
+    const whole = await send(Buffer.from(atLimit), [], { 'x-max-containers': '8192' })
+    assert.equal(whole.numContainers, 8192)
+    assert.equal(whole.text, atLimit)
   })
 
   it('a small body is read whole and not counted', async () => {
