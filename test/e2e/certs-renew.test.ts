@@ -136,9 +136,13 @@ describe('certs renew while the cluster serves', () => {
         ['prefill.log', 'prefill'],
         ['router.log', 'router'],
       ]) {
-        const warnings = logLines(log)
-          .filter((l) => l.level === warnLevel && l.msg.startsWith('TLS '))
-          .map((l) => l.msg)
+        const tlsWarnings = () =>
+          logLines(log)
+            .filter((l) => l.level === warnLevel && l.msg.startsWith('TLS '))
+            .map((l) => l.msg)
+        // The log file is the part's stderr: its lines may land after it reports ready.
+        await pollUntil(() => tlsWarnings().length >= 2, { timeoutMs: 10_000, intervalMs: 50 })
+        const warnings = tlsWarnings()
         const own = partWarning(part, expiry(join(certs, `${part}.crt`)), 19)
         assert.deepEqual(warnings.slice(0, 2), [caWarning, own], log)
       }
@@ -168,10 +172,18 @@ describe('certs renew while the cluster serves', () => {
       // worker, still on the certificates they started with, trust it (same CA).
       await stopAll([decode!])
       decode = await startWorker('decode', 'decode-2.log')
-      const renewed = logLines('decode-2.log')
-        .filter((l) => l.level === warnLevel && l.msg.startsWith('TLS certificate'))
-        .map((l) => l.msg)
-      assert.deepEqual(renewed, [partWarning('decode', expiry(join(certs, 'decode.crt')), 14)])
+      const renewedWarnings = () =>
+        logLines('decode-2.log')
+          .filter((l) => l.level === warnLevel && l.msg.startsWith('TLS certificate'))
+          .map((l) => l.msg)
+      // The log file is the part's stderr: its lines may land after it reports ready.
+      await pollUntil(async () => renewedWarnings().length > 0, {
+        timeoutMs: 10_000,
+        intervalMs: 50,
+      })
+      assert.deepEqual(renewedWarnings(), [
+        partWarning('decode', expiry(join(certs, 'decode.crt')), 14),
+      ])
       // Its /metrics (mutual TLS, as the router's scrape) gives the new date.
       const workerMetrics = await new Promise<string>((resolve, reject) => {
         const req = https.get(
