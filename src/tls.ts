@@ -325,7 +325,8 @@ function openSslReason(err: unknown): string {
 /** How often the router's public certificate files are polled for a change, ms. */
 export const certPollMs = 2_000
 
-/** Keep `server`'s certificate current: whenever `cert` or `key` changes on disk (polled every
+/** Keep `server`'s certificate current: whenever `cert` or `key` changes on disk (its content or
+ *  its mode: mtime or ctime; polled every
  *  {@link certPollMs}), both are read again, checked as at start ({@link loadCertPair}: the pair
  *  fits, the key's mode, the dates) and installed for new connections (`setSecureContext`), then
  *  `onInstalled` is called with it; a pair that fails is logged and the previous one kept.
@@ -353,8 +354,11 @@ export function reloadCertOnChange(
       log.warn(`kept the previous TLS certificate: ${reason}`)
     }
   }
-  const onChange = (now: { mtimeMs: number }, before: { mtimeMs: number }): void => {
-    if (now.mtimeMs !== before.mtimeMs) reload()
+  // ctime too: `chmod 600` on a key refused for its mode changes ctime, not mtime, and is the fix
+  // the refusal's line asks for.
+  type Times = { mtimeMs: number; ctimeMs: number }
+  const onChange = (now: Times, before: Times): void => {
+    if (now.mtimeMs !== before.mtimeMs || now.ctimeMs !== before.ctimeMs) reload()
   }
   for (const path of [files.cert, files.key])
     watchFile(path, { interval: certPollMs, persistent: false }, onChange)
