@@ -72,7 +72,8 @@ describe('HTTPS certificate reload', () => {
       assert.equal(await servedSerial(port), second, 'the previous pair is kept')
       assert.match(lines.at(-1) ?? '', /^kept the previous TLS certificate: /)
 
-      // An expired pair is checked as at start, and refused.
+      // An expired pair is checked as at start, and refused; the line says to replace it from
+      // the public CA (certs renew would issue one of the cluster CA, which clients distrust).
       const ca = await loadAuthority(
         readFileSync(join(dir, 'ca.crt'), 'utf8'),
         readFileSync(join(dir, 'ca.key'), 'utf8'),
@@ -88,7 +89,7 @@ describe('HTTPS certificate reload', () => {
       assert.equal(await servedSerial(port), second, 'the previous pair is kept')
       assert.equal(
         lines.at(-1),
-        `kept the previous TLS certificate: TLS certificate ${files.cert} expired on ${expiredOn.toISOString()}: renew it (kvfence certs renew)`,
+        `kept the previous TLS certificate: TLS certificate ${files.cert} expired on ${expiredOn.toISOString()}: replace it (and its key) with a new certificate of your public CA`,
       )
       assert.deepEqual(installed, [second], 'onInstalled: each pair installed, once')
 
