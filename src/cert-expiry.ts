@@ -81,7 +81,8 @@ function fix({ file, kind }: CertExpiry): string {
 /** The certificates a part holds, their expiry logged and exposed; see the module's comment. */
 export interface CertExpiryWatch {
   /** Record the certificates now in use (at start, or after a reload), replacing those of the
-   *  same files, and log a line for each about to expire or expired. */
+   *  same file and kind (one file may be both the router's cluster certificate and its public
+   *  one: each keeps its series), and log a line for each about to expire or expired. */
   set(expiries: readonly CertExpiry[]): void
   /** Every certificate recorded, in the order first set. */
   list(): CertExpiry[]
@@ -106,6 +107,7 @@ export interface CertExpiryWatchOptions {
 export function watchCertExpiry(options: CertExpiryWatchOptions): CertExpiryWatch {
   const { log } = options
   const now = options.now ?? (() => new Date())
+  // Keyed by kind and file: a file given as two kinds is two certificates to the operator.
   const byFile = new Map<string, CertExpiry>()
   const say = (expiries: Iterable<CertExpiry>): void => {
     const at = now()
@@ -131,7 +133,7 @@ export function watchCertExpiry(options: CertExpiryWatchOptions): CertExpiryWatc
   timer.unref()
   return {
     set(expiries) {
-      for (const expiry of expiries) byFile.set(expiry.file, expiry)
+      for (const expiry of expiries) byFile.set(`${expiry.kind} ${expiry.file}`, expiry)
       say(expiries)
     },
     list: () => [...byFile.values()],

@@ -49,10 +49,23 @@ export function tlsFilesFrom(flags: {
   return { ca: tlsCa, cert: tlsCert, key: tlsKey }
 }
 
+/** What to do about an expired cluster certificate (of `certs init`). */
+const renewClusterCert = 'renew it (kvfence certs renew)'
+
+/** What to do about the router's expired public certificate: `certs renew` would issue one of
+ *  the cluster CA, which the router's clients do not trust. */
+const replacePublicCert = 'replace it (and its key) with a new certificate of your public CA'
+
 /** Refuse a certificate outside its validity window at `now`: every peer would refuse it in the
- *  handshake, so a part started with it would run and serve nothing. @throws KvfenceError
- *  `config_invalid`, one line naming the file and the date. */
-export function checkCertValidity(pem: Buffer, path: string, now = new Date()): void {
+ *  handshake, so a part started with it would run and serve nothing. `fix` is what the line tells
+ *  the operator to do about an expired one. @throws KvfenceError `config_invalid`, one line naming
+ *  the file and the date. */
+export function checkCertValidity(
+  pem: Buffer,
+  path: string,
+  now = new Date(),
+  fix = renewClusterCert,
+): void {
   let cert: X509Certificate
   try {
     cert = new X509Certificate(pem)
@@ -64,7 +77,7 @@ export function checkCertValidity(pem: Buffer, path: string, now = new Date()): 
   if (now.getTime() > notAfter.getTime())
     throw new KvfenceError(
       'config_invalid',
-      `TLS certificate ${path} expired on ${notAfter.toISOString()}: renew it (kvfence certs renew)`,
+      `TLS certificate ${path} expired on ${notAfter.toISOString()}: ${fix}`,
     )
   if (now.getTime() < notBefore.getTime())
     throw new KvfenceError(
@@ -162,7 +175,7 @@ export function loadCertPair(files: { cert: string; key: string }): { cert: Buff
       `TLS files ${files.cert} and ${files.key}: ${openSslReason(err)}`,
     )
   }
-  checkCertValidity(pair.cert, files.cert)
+  checkCertValidity(pair.cert, files.cert, new Date(), replacePublicCert)
   return pair
 }
 
@@ -325,7 +338,8 @@ function openSslReason(err: unknown): string {
 /** How often the router's public certificate files are polled for a change, ms. */
 export const certPollMs = 2_000
 
-/** Keep `server`'s certificate current: whenever `cert` or `key` changes on disk (polled every
+/** Keep `server`'s certificate current: whenever `cert` or `key` changes on disk (its content or
+ *  its mode: mtime or ctime; polled every
  *  {@link certPollMs}), both are read again, checked as at start ({@link loadCertPair}: the pair
  *  fits, the key's mode, the dates) and installed for new connections (`setSecureContext`), then
  *  `onInstalled` is called with it; a pair that fails is logged and the previous one kept.
@@ -353,8 +367,11 @@ export function reloadCertOnChange(
       log.warn(`kept the previous TLS certificate: ${reason}`)
     }
   }
-  const onChange = (now: { mtimeMs: number }, before: { mtimeMs: number }): void => {
-    if (now.mtimeMs !== before.mtimeMs) reload()
+  // ctime too: `chmod 600` on a key refused for its mode changes ctime, not mtime, and is the fix
+  // the refusal's line asks for.
+  type Times = { mtimeMs: number; ctimeMs: number }
+  const onChange = (now: Times, before: Times): void => {
+    if (now.mtimeMs !== before.mtimeMs || now.ctimeMs !== before.ctimeMs) reload()
   }
   for (const path of [files.cert, files.key])
     watchFile(path, { interval: certPollMs, persistent: false }, onChange)

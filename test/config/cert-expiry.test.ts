@@ -132,6 +132,33 @@ describe('certificate expiry', () => {
     }
   })
 
+  it('a file that is both the router’s cluster certificate and its public one keeps both series', async () => {
+    // An operator may serve clients with router.crt of certs init too: the https expiry set at
+    // start must not replace the part's (the gauge lost kind="part" when keyed by file alone).
+    const log = recordingLog()
+    const registry = new Registry()
+    const watch = watchCertExpiry({ log, registry, now: () => start })
+    try {
+      watch.set(tlsExpiries(loadTlsMaterial(files)))
+      watch.set([certExpiryOf(decodePem(), files.cert, 'https')!])
+      const text = await registry.metrics()
+      assert.deepEqual(
+        text.split('\n').filter((l) => l.startsWith(`${certExpiryMetric}{`)),
+        [
+          `${certExpiryMetric}{file="${files.ca}",kind="ca"} ${caEnds.getTime() / 1000}`,
+          `${certExpiryMetric}{file="${files.cert}",kind="part"} ${partEnds.getTime() / 1000}`,
+          `${certExpiryMetric}{file="${files.cert}",kind="https"} ${partEnds.getTime() / 1000}`,
+        ],
+      )
+      assert.deepEqual(
+        watch.list().map((e) => e.kind),
+        ['ca', 'part', 'https'],
+      )
+    } finally {
+      watch.stop()
+    }
+  })
+
   it('a part whose CA has expired is refused at start, one line naming the file and the date', async () => {
     const dir = join(root, 'expired-ca')
     const caEnded = new Date(start.getTime() - day)

@@ -1,11 +1,11 @@
 /** The router's public HTTPS certificate is reloaded when its files change (reloadCertOnChange in
  *  src/tls.ts): after `kvfence certs init --force` rewrites them, a new connection is served with
  *  the new certificate, without a restart; a broken or expired pair is refused and the previous
- *  one kept. */
+ *  one kept; a pair refused for its key's mode is installed once `chmod 600` fixes the mode. */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
 import { X509Certificate } from 'node:crypto'
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
+import { chmodSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import https from 'node:https'
 import type { AddressInfo } from 'node:net'
 import { tmpdir } from 'node:os'
@@ -72,7 +72,8 @@ describe('HTTPS certificate reload', () => {
       assert.equal(await servedSerial(port), second, 'the previous pair is kept')
       assert.match(lines.at(-1) ?? '', /^kept the previous TLS certificate: /)
 
-      // An expired pair is checked as at start, and refused.
+      // An expired pair is checked as at start, and refused; the line says to replace it from
+      // the public CA (certs renew would issue one of the cluster CA, which clients distrust).
       const ca = await loadAuthority(
         readFileSync(join(dir, 'ca.crt'), 'utf8'),
         readFileSync(join(dir, 'ca.key'), 'utf8'),
@@ -88,9 +89,31 @@ describe('HTTPS certificate reload', () => {
       assert.equal(await servedSerial(port), second, 'the previous pair is kept')
       assert.equal(
         lines.at(-1),
-        `kept the previous TLS certificate: TLS certificate ${files.cert} expired on ${expiredOn.toISOString()}: renew it (kvfence certs renew)`,
+        `kept the previous TLS certificate: TLS certificate ${files.cert} expired on ${expiredOn.toISOString()}: replace it (and its key) with a new certificate of your public CA`,
       )
       assert.deepEqual(installed, [second], 'onInstalled: each pair installed, once')
+
+      // A key open to other users is refused; `chmod 600`, as the line says, changes only the
+      // key's mode (its ctime, not its mtime), and the pair is then installed.
+      const renewed = await issuePartCert(ca, 'router', ['127.0.0.1'], {
+        notBefore: new Date(Date.now() - 86_400_000),
+        notAfter: new Date(Date.now() + 30 * 86_400_000),
+      })
+      writeFileSync(files.cert, renewed.certPem)
+      writeFileSync(files.key, renewed.keyPem)
+      chmodSync(files.key, 0o644)
+      await sleep(certPollMs * 2 + 500)
+      assert.equal(await servedSerial(port), second, 'the previous pair is kept')
+      assert.equal(
+        lines.at(-1),
+        `kept the previous TLS certificate: TLS key ${files.key} has mode 0644, open to other users: chmod 600 ${files.key}`,
+      )
+      chmodSync(files.key, 0o600)
+      await sleep(certPollMs * 2 + 500)
+      const third = new X509Certificate(renewed.certPem).serialNumber
+      assert.equal(await servedSerial(port), third, 'installed after chmod 600')
+      assert.equal(lines.at(-1), `reloaded the TLS certificate ${files.cert}`)
+      assert.deepEqual(installed, [second, third])
     } finally {
       stop()
       server.close()
