@@ -79,6 +79,16 @@ interface RoomWaiter {
   wake(): void
 }
 
+/** The reserved slots that take effect: `reservedSlots` (default {@link queueLimitDefaults}'),
+ *  at most `maxConcurrentRequests − 1`, so that one slot is always open to every tenant. Throws
+ *  an AssertionError for a negative or fractional `reservedSlots` (config and flags refuse them
+ *  first, in a user's words). */
+export function effectiveReservedSlots(queue: QueueLimits): number {
+  const reservedSlots = queue.reservedSlots ?? queueLimitDefaults.reservedSlots
+  assert.ok(Number.isInteger(reservedSlots) && reservedSlots >= 0, `reservedSlots ${reservedSlots}`)
+  return Math.min(reservedSlots, queue.maxConcurrentRequests - 1)
+}
+
 /** The claim of a request whose caller named no tenant (one anonymous tenant, weight 1). */
 const anonymousClaim: SlotClaim = Object.freeze({ tenant: '', weight: 1, numPromptTokens: 0 })
 
@@ -92,11 +102,8 @@ export function createFairQueue(
   const tenants = createTenantBacklogs(counters)
   const waits = new WeakMap<AbortSignal, RequestWait>()
   let numRunning = 0
-  const reservedSlots = queue.reservedSlots ?? queueLimitDefaults.reservedSlots
-  assert.ok(Number.isInteger(reservedSlots) && reservedSlots >= 0, `reservedSlots ${reservedSlots}`)
   // The slots open to every tenant; the rest only to a tenant with none running. One always is.
-  const numOpenSlots =
-    queue.maxConcurrentRequests - Math.min(reservedSlots, queue.maxConcurrentRequests - 1)
+  const numOpenSlots = queue.maxConcurrentRequests - effectiveReservedSlots(queue)
   const room = createRoomQueue(queue, nowMs, waitOf, tenants)
   let nextSeq = 0
 

@@ -16,6 +16,7 @@ import type { Backend } from './backend.js'
 import { type RouterConfig, buildRouterConfig, routerConfigDefaults } from './config.js'
 import { createDrain } from './drain.js'
 import { type GatewayOptions, startGateway } from './gateway/backend.js'
+import { effectiveReservedSlots } from './fair-queue.js'
 import { type Limiter, type QueueLimits, createLimiter, queueLimitDefaults } from './limits.js'
 import { type RouterMetrics, createRouterMetrics } from './metrics.js'
 import { type RedisLimitSettings, createRedisLimitStore } from './redis-limits.js'
@@ -175,6 +176,13 @@ async function startWithTenants(
 ): Promise<RunningRouter> {
   const tenants = watcher?.registry ?? createTenantRegistry(options.tenants as TenantRecord[])
   const queue = { ...queueLimitDefaults, ...options.queue }
+  const numReserved = effectiveReservedSlots(queue)
+  if (numReserved < queue.reservedSlots) {
+    // An automatic cut is said, never silent: one slot always stays open to every tenant.
+    log.warn(
+      `reservedSlots ${queue.reservedSlots} takes effect as ${numReserved}: of maxConcurrentRequests ${queue.maxConcurrentRequests}, one slot stays open to every tenant`,
+    )
+  }
   const store = options.redisLimits && (await createRedisLimitStore(options.redisLimits, log))
   const limiter = store
     ? createLimiter(queue, () => performance.now(), store)

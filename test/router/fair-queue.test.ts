@@ -653,3 +653,27 @@ describe('KV room at the router', () => {
     }
   })
 })
+
+describe('reserved slots at start', () => {
+  it('says so when reservedSlots is cut to leave one slot open to every tenant, and only then', async () => {
+    // Found by a trial: --reserved-slots 1000 with --max-concurrent 8 took effect as 7 in silence.
+    const cut = await startHarness({}, { queue: { maxConcurrentRequests: 8, reservedSlots: 1000 } })
+    const kept = await startHarness({}, { queue: { maxConcurrentRequests: 8, reservedSlots: 7 } })
+    try {
+      const reservedLines = (h: typeof cut) =>
+        h.logs
+          .records()
+          .filter((r) => r.msg.startsWith('reservedSlots'))
+          .map((r) => [r.level, r.msg])
+      assert.deepEqual(reservedLines(cut), [
+        [
+          40,
+          'reservedSlots 1000 takes effect as 7: of maxConcurrentRequests 8, one slot stays open to every tenant',
+        ],
+      ])
+      assert.deepEqual(reservedLines(kept), [])
+    } finally {
+      await Promise.all([cut.close(), kept.close()])
+    }
+  })
+})
