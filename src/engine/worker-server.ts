@@ -90,7 +90,14 @@ export function createWorkerServer(
   server.headersTimeout = workerKeepAliveTimeoutMs + 1_000
   const channels = acceptChannels(server, channelService(ctx), {
     clusterToken,
-    onConnectionError: (err) => log.warn({ err: err.message }, 'control channel failed'),
+    onConnectionError: (err) => {
+      // A reset is how a router that stopped (or was killed) leaves: its streams end here as for
+      // any close (G8). Anything else (a malformed frame, a TLS failure) is worth a warning.
+      const code = (err as NodeJS.ErrnoException).code
+      if (code === 'ECONNRESET' || code === 'EPIPE') {
+        log.info({ err: err.message }, 'control channel closed by the router')
+      } else log.warn({ err: err.message }, 'control channel failed')
+    },
   })
   new Gauge({
     name: 'kvfence_control_channels',

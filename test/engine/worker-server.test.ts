@@ -21,6 +21,8 @@ import {
   openChannel,
   type ControlChannel,
 } from '../../src/router/control-channel.js'
+import { captureLogs } from '../helpers/logs.js'
+import { waitUntil } from '../helpers/poll.js'
 import { echoModel, makeRequest, tokensOf } from './pair.js'
 
 const log = pino({ level: 'silent' })
@@ -136,4 +138,32 @@ describe('closing a worker server in process', () => {
       socket.destroy()
     },
   )
+})
+
+describe('a router that resets its control channel', () => {
+  it('is logged at info as the router leaving, not as a failure (a trial saw a warn at every router stop)', async () => {
+    const logs = captureLogs()
+    const worker = new PrefillWorker(core())
+    const server = createWorkerServer({ role: 'prefill', worker }, logs.log)
+    const port = await listen(server, '127.0.0.1', 0)
+    closers.push(() => server.close())
+    const socket = net.connect(port, '127.0.0.1')
+    socket.write(
+      'GET /internal/channel HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: kvfence-control/1\r\n\r\n',
+    )
+    const [head] = (await once(socket, 'data')) as [Buffer]
+    assert.match(head.toString('latin1'), /^HTTP\/1\.1 101 /)
+    socket.resetAndDestroy() // RST, as a router process that exits with bytes unread
+    await waitUntil(() => logs.records().some((r) => r.msg.startsWith('control channel')), {
+      timeoutMs: 5_000,
+      intervalMs: 10,
+    })
+    const channelLines = logs
+      .records()
+      .filter((r) => r.msg.startsWith('control channel'))
+      .map((r) => [r.level, r.msg, r.err])
+    assert.deepEqual(channelLines, [
+      [30, 'control channel closed by the router', 'read ECONNRESET'],
+    ])
+  })
 })
