@@ -1,7 +1,7 @@
 /** Small `node:http` helpers for the router: bounded body reading, JSON replies, error replies,
  *  coalesced streaming writes.
  *  Knows HTTP and the OpenAI error body; knows nothing of tokens, workers or tenants. */
-import type { IncomingMessage, ServerResponse } from 'node:http'
+import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import { KvfenceError, MethodNotAllowedError, toOpenAiError } from '../errors.js'
 import { readBodyText } from './body-text.js'
 import { LimitError } from './limits.js'
@@ -9,6 +9,33 @@ import { LimitError } from './limits.js'
 /** Most JSON objects and arrays a request body may hold: a chat body at its bounds (2048
  *  messages, 2048 text parts, their lists) holds about 6,200; see {@link readJsonBody}. */
 export const maxJsonContainers = 8192
+
+/** `payload_too_large` for a body over `maxBytes`. */
+function bodyTooLarge(maxBytes: number): KvfenceError {
+  return new KvfenceError(
+    'payload_too_large',
+    `the request body exceeds the limit of ${maxBytes} bytes`,
+  )
+}
+
+/** Answers `Expect: 100-continue` (the server's `checkContinue` event): a body declared over
+ *  `maxBodyBytes` is refused at once with 413, before the client sends it (RFC 9110 §10.1.1: a
+ *  server may answer with a final status instead of 100 Continue); any other request is told to
+ *  continue and goes to `handler`. Without this Node invites every body, then the 413 follows. */
+export function answerExpectContinue(
+  server: Server,
+  handler: (req: IncomingMessage, res: ServerResponse) => void,
+  maxBodyBytes: number,
+): void {
+  server.on('checkContinue', (req: IncomingMessage, res: ServerResponse) => {
+    const declared = Number(req.headers['content-length'])
+    if (Number.isFinite(declared) && declared > maxBodyBytes) {
+      return sendError(req, res, bodyTooLarge(maxBodyBytes))
+    }
+    res.writeContinue()
+    handler(req, res)
+  })
+}
 
 /** Reads the request body as JSON. Throws `payload_too_large` past `maxBytes` (checked against
  *  `content-length` first, then while reading), `invalid_request` for bytes that are not UTF-8
@@ -18,8 +45,7 @@ export const maxJsonContainers = 8192
  *  `request_aborted` when the client closes the connection before the body's end (a client that
  *  left, not a server error: nothing can be sent to it any more). */
 export async function readJsonBody(req: IncomingMessage, maxBytes: number): Promise<unknown> {
-  const tooLarge = () =>
-    new KvfenceError('payload_too_large', `the request body exceeds the limit of ${maxBytes} bytes`)
+  const tooLarge = () => bodyTooLarge(maxBytes)
   const encoding = req.headers['content-encoding']?.trim().toLowerCase()
   if (encoding !== undefined && encoding !== '' && encoding !== 'identity') {
     // Not decompressed here: reading gzip bytes as JSON would fail obscurely, and reading a plain

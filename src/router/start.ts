@@ -17,6 +17,7 @@ import { type RouterConfig, buildRouterConfig, routerConfigDefaults } from './co
 import { createDrain } from './drain.js'
 import { type GatewayOptions, startGateway } from './gateway/backend.js'
 import { effectiveReservedSlots } from './fair-queue.js'
+import { answerExpectContinue } from './http.js'
 import { type Limiter, type QueueLimits, createLimiter, queueLimitDefaults } from './limits.js'
 import { type RouterMetrics, createRouterMetrics } from './metrics.js'
 import { type RedisLimitSettings, createRedisLimitStore } from './redis-limits.js'
@@ -408,6 +409,7 @@ async function listenRouter(
   // Every header counts, not Node's first 2,000: the rest were dropped unseen, a second
   // Authorization header with them (router.ts refuses two). maxHeaderSize still bounds the head.
   server.maxHeadersCount = 0
+  answerExpectContinue(server, handler, config.maxBodyBytes)
   // Node's refusals of unreadable requests get the OpenAI error body too (client-errors.ts).
   server.on('clientError', (err: NodeJS.ErrnoException, socket) =>
     answerClientError(err, socket, http.maxHeaderSize, log),

@@ -1,6 +1,7 @@
 /** Everything the router refuses at its boundary gets an OpenAI error body naming the field at
  *  fault, and nothing of it reaches a worker. */
 import assert from 'node:assert/strict'
+import { connect } from 'node:net'
 import { after, before, describe, it } from 'node:test'
 import OpenAI from 'openai'
 import { type Harness, keys, rawRequest, startHarness } from './helpers.js'
@@ -518,6 +519,39 @@ describe('the router refuses invalid requests at its boundary', () => {
       answer.body.slice(answer.body.indexOf('{'), answer.body.lastIndexOf('}') + 1),
     )
     assert.deepEqual(error.error.code, 'payload_too_large')
+  })
+
+  it('refuses a body declared over 1 MiB with Expect: 100-continue at once, without inviting it', async () => {
+    // Found by a trial: Node answered 100 Continue, then the 413 came once the body was sent.
+    const head = (length: number) =>
+      `POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${keys.alpha}\r\n` +
+      `Content-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: ${length}\r\n`
+    const refused = await rawRequest(h.router.url, `${head(50_000_000)}\r\n`)
+    assert.equal(refused.status, 413)
+    assert.match(refused.head, /\r\nconnection: close/)
+    assert.equal(
+      (
+        JSON.parse(
+          refused.body.slice(refused.body.indexOf('{'), refused.body.lastIndexOf('}') + 1),
+        ) as { error: { code: string } }
+      ).error.code,
+      'payload_too_large',
+    )
+    // A body within the limit is invited, then read (a model it does not serve: read and
+    // refused, so that no worker is asked, as this suite's last test checks).
+    const body = JSON.stringify(completion({ model: 'no-such-model', prompt: 'Hi' }))
+    // (Not half-closed after the body, as rawRequest does: a client that expects 100 Continue
+    // keeps its side open for the answer.)
+    const served = await new Promise<string>((resolve, reject) => {
+      const socket = connect(Number(new URL(h.router.url).port), '127.0.0.1')
+      let text = ''
+      socket.on('data', (c: Buffer) => (text += c.toString('utf8')))
+      socket.on('close', () => resolve(text))
+      socket.on('error', reject)
+      socket.write(`${head(Buffer.byteLength(body))}Connection: close\r\n\r\n${body}`)
+    })
+    assert.match(served, /^HTTP\/1\.1 100 Continue\r\n\r\nHTTP\/1\.1 404 Not Found\r\n/)
+    assert.match(served, /"code":"model_not_found"/)
   })
 
   it('answers unknown endpoints with 404, and a known one asked with the wrong method with 405 and Allow', async () => {
