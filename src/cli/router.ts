@@ -197,7 +197,11 @@ export function registerRouter(program: Command): void {
       // --drain-seconds); a second one stops at once.
       let isDraining = false
       const shutdown = () => {
-        if (isDraining) return void router.close().then(() => process.exit(0))
+        if (isDraining) {
+          // Said, since it ends what the drain was still letting finish.
+          log.warn('second stop signal: stopping now, not waiting for the drain')
+          return void router.close().then(() => process.exit(0))
+        }
         isDraining = true
         void router.drain().then(() => process.exit(0))
       }

@@ -271,7 +271,10 @@ async function serveConfig(path: string, flags: ServeFlags): Promise<void> {
   // The router drains first (running requests finish); a second signal stops at once.
   let isDraining = false
   const drainThenStop = () => {
-    if (isDraining) return void stop(0)
+    if (isDraining) {
+      process.stderr.write('kvfence: second stop signal: stopping now, not waiting for the drain\n')
+      return void stop(0)
+    }
     isDraining = true
     void (cluster.router?.drain() ?? Promise.resolve()).then(() => stop(0))
   }

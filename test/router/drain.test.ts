@@ -128,6 +128,37 @@ test('SIGTERM with --drain-seconds 0: a running stream ends with an error event,
   assert.equal(await exit, 0)
 })
 
+test('a second SIGTERM while draining stops the router at once and says so, exit 0', async () => {
+  // Found by a trial: the second signal's stop was documented but left no line.
+  const router = await startRouter(30)
+  const exit = exited(router)
+  let stderr = ''
+  router.stderr!.on('data', (chunk: Buffer) => (stderr += chunk.toString('utf8')))
+  const long = await openStream(400)
+  const ended = long.rest.catch(() => {}) // cut: stopping now is what a second signal asks
+  router.kill('SIGTERM')
+  for (let i = 0; i < 100; i++) {
+    const health = await fetch(`http://127.0.0.1:${ports.router}/health`)
+    await health.arrayBuffer()
+    if (health.status === 503) break // draining, the long stream still running
+    await new Promise((r) => setTimeout(r, 20))
+  }
+  router.kill('SIGTERM')
+  assert.equal(await exit, 0)
+  await ended
+  const lines = stderr
+    .split('\n')
+    .filter((l) => l.startsWith('{'))
+    .map((l) => JSON.parse(l) as { level: number; msg: string })
+  assert.ok(
+    lines.some(
+      (l) =>
+        l.level === 40 && l.msg === 'second stop signal: stopping now, not waiting for the drain',
+    ),
+    stderr,
+  )
+})
+
 test('kvfence serve forwards SIGTERM to its router and waits for the drain: the stream finishes, exit 0', async () => {
   const port = await freePort()
   const serve = await startPart(['serve', '--tenants', tenants.file, '--port', String(port)])
