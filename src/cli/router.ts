@@ -200,7 +200,7 @@ export function registerRouter(program: Command): void {
         if (isDraining) {
           // Said, since it ends what the drain was still letting finish.
           log.warn('second stop signal: stopping now, not waiting for the drain')
-          return void router.close().then(() => process.exit(0))
+          return void router.stopNow().then(() => process.exit(0))
         }
         isDraining = true
         void router.drain().then(() => process.exit(0))

@@ -28,6 +28,9 @@ export interface Drain {
   /** Stops taking work; resolves once every running generation has ended, or `seconds` have
    *  passed and the rest were told to end (then once they have, or `graceMs` later). */
   drain(seconds: number, graceMs?: number): Promise<void>
+  /** Stops taking work and tells every running generation to end now (a second stop signal), as
+   *  the drain's deadline would; resolves once they have, or `graceMs` later. */
+  endNow(graceMs?: number): Promise<void>
   /** Notes that a request arrived (any path): the drain ends only once none has arrived for
    *  {@link quietMs}, so that connections still queued in the listen backlog are answered (503)
    *  rather than reset when the server closes. */
@@ -76,17 +79,24 @@ export function createDrain(): Drain {
         whenIdle().then(() => 'idle' as const),
         wait(seconds * 1000),
       ])
-      if (first === 'timeout') {
-        const reason = new ShuttingDownError('The server shut down before this request finished.')
-        for (const end of [...running]) end(reason)
-        await Promise.race([whenIdle(), wait(graceMs)])
-      }
+      if (first === 'timeout') await endRunning(graceMs)
       const quietBy = Date.now() + maxQuietWaitMs
       while (Date.now() - lastRequestMs < quietMs && Date.now() < quietBy) await wait(quietMs / 3)
       phase = 'ended'
     },
+    async endNow(graceMs = defaultGraceMs) {
+      if (phase === 'serving') phase = 'draining'
+      await endRunning(graceMs)
+    },
     noteRequest() {
       lastRequestMs = Date.now()
     },
+  }
+
+  /** Tells every running generation to end; resolves once they have, or `graceMs` later. */
+  async function endRunning(graceMs: number): Promise<void> {
+    const reason = new ShuttingDownError('The server shut down before this request finished.')
+    for (const end of [...running]) end(reason)
+    await Promise.race([whenIdle(), wait(graceMs)])
   }
 }

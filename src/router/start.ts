@@ -139,6 +139,9 @@ export interface RunningRouter {
    *  ones finish for up to `config.drainSeconds`, ends the rest with an error (an SSE error
    *  event in a stream), then {@link close}s. */
   drain(): Promise<void>
+  /** Stop now (a second stop signal): ends every running request at once with that error (an
+   *  SSE error event in a stream: never a bare cut), then {@link close}s. */
+  stopNow(): Promise<void>
 }
 
 /** Interval between polls of workers still coming up, ms. */
@@ -460,6 +463,10 @@ async function listenRouter(
       )
       await drain.drain(config.drainSeconds)
       log.info({ numRunning: drain.numRunning }, 'drained; stopping')
+      await close()
+    },
+    async stopNow() {
+      await drain.endNow()
       await close()
     },
   }
