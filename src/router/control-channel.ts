@@ -209,31 +209,24 @@ function channelOn(
     return options.refusal(undefined, parsed.data)
   }
 
+  const forget = (id: number) => void streams.delete(id)
+  /** A stream's view of this channel; its `send` writes `request` as the stream's first frame. */
+  const hostOf = (kind: 'generate' | 'prefill', request: object): StreamHost => ({
+    openStream,
+    cancel,
+    forget,
+    refusalOf,
+    where,
+    send: (id) => write(encodeJsonFrame(kind, id, request)),
+  })
+
   return {
     get isOpen() {
       return isOpen
     },
     close: () => fail(new KvfenceError('worker_unavailable', `${where}: control channel closed`)),
-    generate(request, signal) {
-      return decodeStream(request, signal, {
-        openStream,
-        cancel,
-        forget: (id) => void streams.delete(id),
-        refusalOf,
-        where,
-        send: (id) => write(encodeJsonFrame('generate', id, request)),
-      })
-    },
-    prefill(request, signal) {
-      return prefillStream(request, signal, {
-        openStream,
-        cancel,
-        forget: (id) => void streams.delete(id),
-        refusalOf,
-        where,
-        send: (id) => write(encodeJsonFrame('prefill', id, request)),
-      })
-    },
+    generate: (request, signal) => decodeStream(request, signal, hostOf('generate', request)),
+    prefill: (request, signal) => prefillStream(request, signal, hostOf('prefill', request)),
   }
 }
 
