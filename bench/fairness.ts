@@ -16,7 +16,7 @@
  *    against its weight's share; the
  *    largest gap, relative to the weight's share. Goal ≤ 0.10.
  *  - `big_prompt_p99_rise_ms`: what tenant `big` sending a 1 MB prompt (999,000 characters,
- *    read, parsed, tokenized in the router's tokenizer threads, then refused for the window) does
+ *    read, parsed, tokenized in the router's tokenizer processes, then refused for the window) does
  *    to the p99 latency of tenant `small`'s small requests (prompt "Hi", 1 token, one every
  *    `--small-every-ms`, default 20, open loop). Measured in `--pairs` (default 8) pairs of
  *    windows of `--window-ms` (default 3000) each, one with `big` sending its bodies back to back

@@ -492,7 +492,7 @@ async function serve(certs: string, controlPlane: string): Promise<void> {
 function answerCounts(numWrites: () => number): void {
   process.on('message', (m: { type?: string }) => {
     if (m.type !== 'writes') return
-    const cpu = process.cpuUsage() // the whole process: its tokenizer threads too
+    const cpu = process.cpuUsage() // the whole process (prompts this short are tokenized inline)
     process.send?.({
       type: 'writes',
       numWrites: numWrites(),

@@ -93,11 +93,15 @@ export async function admitRequest(
       refuseUntokenizable(parsed, backend.contextWindow(), maxTokenChars),
     )
   }
-  const prompt = await backend.preparePrompt(parsed, tenant.name, r.signal)
+  const windowBefore = backend.contextWindow()
+  const prompt = await backend.preparePrompt(parsed, tenant.name, r.signal, windowBefore)
   const { numPromptTokens } = prompt
   r.outcome.numPromptTokens = numPromptTokens
+  // The smaller of the windows before and after counting: never more than the prompt was
+  // prepared for (its ids are kept only below it), never more than the router enforces now.
+  const contextWindow = Math.min(windowBefore, backend.contextWindow())
   const maxTokens = await counted('context_length_exceeded', () =>
-    admit(numPromptTokens, parsed.maxTokens, backend.contextWindow(), {
+    admit(numPromptTokens, parsed.maxTokens, contextWindow, {
       promptParam: promptParamOf(parsed),
       maxTokensParam: parsed.maxTokensParam,
     }),

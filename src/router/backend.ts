@@ -36,9 +36,16 @@ export interface Backend {
   /** Text of token ids by the model's tokenizer, when the router holds it; else null. */
   readonly detokenize: ((ids: readonly number[]) => string) | null
   /** Counts (and when the backend needs them, tokenizes) a request's prompt; `tenant` (its name)
-   *  is the queue the prompt waits in for a tokenizer thread, taken in turn with other tenants'.
+   *  is the queue the prompt waits in for a tokenizer process, taken in turn with other tenants'.
+   *  `contextWindow` (tokens) is the most admission will allow: the ids of a prompt of at least
+   *  that many tokens (refused) need not be kept.
    *  Throws `invalid_request`, `context_length_exceeded` or `worker_unavailable`. */
-  preparePrompt(parsed: ParsedRequest, tenant: string, signal: AbortSignal): Promise<PreparedPrompt>
+  preparePrompt(
+    parsed: ParsedRequest,
+    tenant: string,
+    signal: AbortSignal,
+    contextWindow: number,
+  ): Promise<PreparedPrompt>
   /** Runs an admitted request and answers it on `job.res` (plain or SSE), filling
    *  `job.outcome`. Throws before the answer has started (the router sends the error); after
    *  that, a failure ends the stream with an error event and goes to `job.logFailure`. */
@@ -53,7 +60,8 @@ export interface Backend {
 export interface PreparedPrompt {
   readonly numPromptTokens: number
   /** The prompt's token ids, when the backend runs on ids (kvfence workers); null when it only
-   *  counts them (gateway mode). */
+   *  counts them (gateway mode). Throws `internal_error` for a prompt of at least the
+   *  `contextWindow` it was prepared for (its ids were not kept: admission refuses it). */
   readonly tokenIds: number[] | null
 }
 

@@ -101,8 +101,11 @@ export interface StartRouterOptions {
   drainSeconds?: number
   /** The response sentinel's settings, over `sentinelDefaults` (src/router/sentinel/). */
   sentinel?: Partial<SentinelSettings>
-  /** Threads tokenizing long prompts (default `defaultNumThreads` of tokenizer-pool.ts). */
-  tokenizerThreads?: number
+  /** Processes tokenizing long prompts (default `defaultNumProcesses` of tokenizer-pool.ts). */
+  tokenizerProcesses?: number
+  /** Start the tokenizer processes with the first long prompt rather than with the router
+   *  (default false; tests, most of which send none, set it). */
+  tokenizerProcessesOnDemand?: boolean
   /** The router's TLS files, read (src/tls.ts): the control plane to the workers runs over mutual
    *  TLS, to `https:` worker URLs. Default: plaintext. */
   workerTls?: TlsMaterial | null
@@ -329,7 +332,10 @@ async function startNativeBackend(
       tokenizerPool: createTokenizerPool({
         modelDir: options.modelDir,
         tokenizer,
-        ...(options.tokenizerThreads === undefined ? {} : { numThreads: options.tokenizerThreads }),
+        ...(options.tokenizerProcesses === undefined
+          ? {}
+          : { numProcesses: options.tokenizerProcesses }),
+        startNow: !(options.tokenizerProcessesOnDemand ?? false),
       }),
       workers,
       capacity,

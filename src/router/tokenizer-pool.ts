@@ -1,13 +1,20 @@
-/** Prompt tokenization off the router's event loop: a small pool of `node:worker_threads`, each
- *  with its own copy of the model's tokenizer (loaded from the model directory), so that one
- *  tenant's long prompt never holds up the loop every tenant's requests share. Prompts up to
- *  `inlineMaxChars` (and chats of at most {@link inlineMaxMessages} messages) are tokenized inline:
- *  posting to a thread costs more than they do. Queued
- *  prompts are taken from the tenants in turn, so one tenant's many long prompts delay another
- *  tenant's by at most one prompt per thread.
+/** Prompt tokenization off the router's event loop: a small pool of child processes
+ *  (tokenizer-process.ts), each with its own copy of the model's tokenizer (loaded from the model
+ *  directory), so that one tenant's long prompt never holds up the loop every tenant's requests
+ *  share. Processes, not worker threads: a thread's isolate shares the process's garbage
+ *  collection helpers with the router's loop, and tokenizing a 1 MB prompt allocates ~1.5 GB, so
+ *  its collections took the CPU the loop needed (another tenant's small requests' p99 rose by
+ *  12–16 ms; measured with `npm run bench -- fairness --part big`). Each process collects on its
+ *  own thread (`--single-threaded-gc`) at a lower priority ({@link tokenizerNiceness}). They start
+ *  with the pool (or, with `startNow: false`, when the first prompt needs one), and again when a
+ *  prompt needs one after one exited.
+ *  Prompts up to `inlineMaxChars` (and chats of at most {@link inlineMaxMessages} messages) are
+ *  tokenized inline: sending them to a process costs more than they do. Queued prompts are taken
+ *  from the tenants in turn, so one tenant's many long prompts delay another tenant's by at most
+ *  one prompt per process.
  *  Knows parsed requests, tenants' names and the tokenizer; knows nothing of HTTP or workers. */
+import { type ChildProcess, fork } from 'node:child_process'
 import { availableParallelism } from 'node:os'
-import { Worker } from 'node:worker_threads'
 import { KvfenceError, isErrorCode } from '../errors.js'
 import { type Tokenizer, unrepresentableTextError } from '../model/tokenizer.js'
 import { checkedNotEmpty, completionPromptTokenIds, hasLeadingBos } from './admission.js'
@@ -15,31 +22,53 @@ import type { ParsedRequest } from './schemas.js'
 
 /** Tokenizes prompts; see the module's header. */
 export interface TokenizerPool {
-  /** The prompt's token ids (as `promptTokenIds`), after refusing text the tokenizer would drop.
-   *  The ids come as an Int32Array: a thread hands its buffer over without a copy, and a prompt
-   *  refused for its length is never turned into an array.
-   *  Rejects with the `invalid_request` either throws, or `request_aborted` when `signal` fires
-   *  while the prompt waits for a thread. */
-  tokenize(parsed: ParsedRequest, tenant: string, signal: AbortSignal): Promise<Int32Array>
-  /** Stops the threads; prompts still queued reject with `internal_error`. */
+  /** The prompt's token ids (as `promptTokenIds`) and their number, after refusing text the
+   *  tokenizer would drop. The ids come as an Int32Array (a prompt refused for its length is never
+   *  turned into an array), and from a process only when fewer than `keepBelow` (tokens; default:
+   *  always): a 1 MB prompt over the window is ~1M ids, 4 MB to carry back and collect for
+   *  nothing. Rejects with the `invalid_request` either throws, `request_aborted` when `signal`
+   *  fires while the prompt waits for a process, or `internal_error` when its process exits
+   *  before answering (or fails to start) or the pool is closed. */
+  tokenize(
+    parsed: ParsedRequest,
+    tenant: string,
+    signal: AbortSignal,
+    options?: { keepBelow?: number },
+  ): Promise<TokenizedPrompt>
+  /** Stops the processes; prompts queued or being tokenized reject with `internal_error`. */
   close(): void
+}
+
+/** What {@link TokenizerPool.tokenize} resolves to. */
+export interface TokenizedPrompt {
+  numTokens: number
+  /** The ids; null when not kept (`keepBelow`). */
+  ids: Int32Array | null
 }
 
 /** Options of {@link createTokenizerPool}. */
 export interface TokenizerPoolOptions {
-  /** The model directory the threads load the tokenizer from (the same one as `tokenizer`). */
+  /** The model directory the processes load the tokenizer from (the same one as `tokenizer`). */
   modelDir: string
   /** The main thread's tokenizer, for inline prompts. */
   tokenizer: Tokenizer
-  /** Threads (default {@link defaultNumThreads}). */
-  numThreads?: number
+  /** Processes (default {@link defaultNumProcesses}). */
+  numProcesses?: number
   /** Prompts of at most this many characters are tokenized inline (default
    *  {@link defaultInlineMaxChars}). */
   inlineMaxChars?: number
+  /** Start the processes now (default), not with the first prompt that needs one: with Qwen3's
+   *  tokenizer a process takes ~1 s to load it, which that prompt would otherwise wait. */
+  startNow?: boolean
 }
 
-/** Threads of the pool: at most 2 (a router tokenizes; it does not compute). */
-export const defaultNumThreads = Math.max(1, Math.min(2, availableParallelism() - 1))
+/** Processes of the pool: at most 2 (a router tokenizes; it does not compute). */
+export const defaultNumProcesses = Math.max(1, Math.min(2, availableParallelism() - 1))
+
+/** The niceness a tokenizer process gives itself (`os.setPriority`; 0 is the router's, 19 the
+ *  lowest): on a busy machine the router's loop gets ~9× its CPU share (Linux's weights for 0 and
+ *  10), yet it is not starved the way 19 (~70×) would leave it behind other processes' work. */
+export const tokenizerNiceness = 10
 
 /** Inline up to 512 characters: about where a thread's round trip (posting the request, the
  *  answer's event) costs as much as tokenizing inline (measured: see the commit that set it). */
@@ -79,16 +108,26 @@ function lostInMessages(
   return unrepresentableTextError(lost, 'messages')
 }
 
-/** A message from a thread: the ids of job `id`, or the error it threw. */
-export type ThreadReply =
+/** A job for a tokenizer process: keep the ids only below `keepBelow` tokens. */
+export interface TokenizerJob {
+  id: number
+  parsed: ParsedRequest
+  keepBelow: number
+}
+
+/** A message from a tokenizer process: the ids of job `id` (or only their number, when not
+ *  kept), or the error it threw. */
+export type TokenizerReply =
   | { id: number; tokenIds: Int32Array }
+  | { id: number; numTokens: number }
   | { id: number; error: { code: string; message: string; param: string | null } }
 
 interface Job {
   id: number
   parsed: ParsedRequest
   tenant: string
-  resolve: (ids: Int32Array) => void
+  keepBelow: number
+  resolve: (prompt: TokenizedPrompt) => void
   reject: (err: KvfenceError) => void
   onAbort: () => void
   signal: AbortSignal
@@ -111,24 +150,57 @@ function isInline(parsed: ParsedRequest, inlineMaxChars: number): boolean {
   return numChars(parsed) <= inlineMaxChars
 }
 
-/** Starts the pool's threads (`unref()`ed: they never keep the process alive). */
+/** Whether `member` keeps the event loop alive: while it starts or tokenizes (a prompt waits for
+ *  it), not while idle. Both handles: its channel, and the process itself, whose exit is what
+ *  answers a prompt when it dies (its channel closes first). */
+function holdsLoop(member: Member, isHeld: boolean): void {
+  if (isHeld) {
+    member.child.ref()
+    member.child.channel?.ref()
+  } else {
+    member.child.unref()
+    member.child.channel?.unref()
+  }
+}
+
+/** One process of the pool. */
+interface Member {
+  child: ChildProcess
+  /** Whether it has loaded its tokenizer (said `{ ready: true }`). */
+  isReady: boolean
+  /** The prompt it is tokenizing. */
+  job: Job | null
+}
+
+/** Makes the pool and (unless `startNow` is false) starts its processes. */
 export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPool {
   const inlineMaxChars = options.inlineMaxChars ?? defaultInlineMaxChars
-  const script = new URL('./tokenizer-thread.js', import.meta.url)
+  const numProcesses = options.numProcesses ?? defaultNumProcesses
+  const script = new URL('./tokenizer-process.js', import.meta.url)
   /** Each tenant's waiting prompts, in arrival order; the map's order is the turn order. */
   const queues = new Map<string, Job[]>()
-  const idle: Worker[] = []
-  const running = new Map<Worker, Job>()
+  const members: Member[] = []
   let nextId = 0
   let isClosed = false
 
-  const settle = (worker: Worker, reply: ThreadReply) => {
-    const job = running.get(worker)
-    running.delete(worker)
-    idle.push(worker)
-    if (job !== undefined && job.id === reply.id) {
+  const rejectQueued = (err: KvfenceError) => {
+    for (const queue of queues.values()) {
+      for (const job of queue) {
+        job.signal.removeEventListener('abort', job.onAbort)
+        job.reject(err)
+      }
+    }
+    queues.clear()
+  }
+  const settle = (member: Member, reply: TokenizerReply) => {
+    const job = member.job
+    member.job = null
+    holdsLoop(member, false)
+    if (job !== null && job.id === reply.id) {
       job.signal.removeEventListener('abort', job.onAbort)
-      if ('tokenIds' in reply) job.resolve(reply.tokenIds)
+      if ('tokenIds' in reply)
+        job.resolve({ numTokens: reply.tokenIds.length, ids: reply.tokenIds })
+      else if ('numTokens' in reply) job.resolve({ numTokens: reply.numTokens, ids: null })
       else {
         const { code, message, param } = reply.error
         job.reject(new KvfenceError(isErrorCode(code) ? code : 'internal_error', message, param))
@@ -136,44 +208,85 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
     }
     dispatch()
   }
-  /** Gives idle threads the next prompt of each tenant in turn. */
+  const onExit = (member: Member, how: string) => {
+    const at = members.indexOf(member)
+    if (at === -1) return // said twice ('error' then 'exit')
+    members.splice(at, 1)
+    const err = new KvfenceError('internal_error', `the tokenizer process ${how}`)
+    if (member.job !== null) {
+      member.job.signal.removeEventListener('abort', member.job.onAbort)
+      member.job.reject(err)
+      member.job = null
+    }
+    // One that never started will not start for the next prompt either: the waiting prompts
+    // are refused rather than each starting (and losing) another process.
+    if (!member.isReady) rejectQueued(err)
+    if (!isClosed) dispatch()
+  }
+  const start = (): Member => {
+    const child = fork(script, [options.modelDir], {
+      execArgv: ['--single-threaded-gc'],
+      serialization: 'advanced', // the ids come back as an Int32Array, not a JSON array
+      stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
+    })
+    const member: Member = { child, isReady: false, job: null }
+    child.on('message', (message: TokenizerReply | { ready: true }) => {
+      if ('ready' in message) {
+        member.isReady = true
+        holdsLoop(member, false)
+        dispatch()
+      } else settle(member, message)
+    })
+    child.on('error', (err) => onExit(member, `failed: ${err.message}`))
+    child.on('exit', (code, signal) =>
+      onExit(member, `exited (${signal ?? `code ${code ?? 'unknown'}`})`),
+    )
+    members.push(member)
+    return member
+  }
+  /** Gives idle processes the next prompt of each tenant in turn; starts a process when prompts
+   *  wait and the pool has fewer than it may. */
   const dispatch = () => {
-    while (idle.length > 0 && queues.size > 0) {
+    while (queues.size > 0) {
+      const member = members.find((m) => m.isReady && m.job === null)
+      if (member === undefined) {
+        if (members.length < numProcesses && !members.some((m) => !m.isReady)) start()
+        // Prompts wait for a process to start: it holds the loop until it is ready.
+        for (const m of members) if (!m.isReady) holdsLoop(m, true)
+        return
+      }
       const [tenant, queue] = queues.entries().next().value as [string, Job[]]
       const job = queue.shift()!
       queues.delete(tenant)
       if (queue.length > 0) queues.set(tenant, queue) // to the back of the turn
-      const worker = idle.pop()!
-      running.set(worker, job)
-      worker.postMessage({ id: job.id, parsed: job.parsed })
+      member.job = job
+      holdsLoop(member, true)
+      member.child.send({
+        id: job.id,
+        parsed: job.parsed,
+        keepBelow: job.keepBelow,
+      } satisfies TokenizerJob)
     }
   }
 
-  const workers = Array.from({ length: options.numThreads ?? defaultNumThreads }, () => {
-    const worker = new Worker(script, { workerData: { modelDir: options.modelDir } })
-    worker.unref()
-    worker.on('message', (reply: ThreadReply) => settle(worker, reply))
-    worker.on('error', (err) => {
-      const job = running.get(worker)
-      running.delete(worker)
-      job?.reject(new KvfenceError('internal_error', `tokenizer thread failed: ${err.message}`))
-    })
-    idle.push(worker)
-    return worker
-  })
+  if (options.startNow ?? true) {
+    for (let i = 0; i < numProcesses; i++) holdsLoop(start(), false)
+  }
 
   return {
-    async tokenize(parsed, tenant, signal) {
+    async tokenize(parsed, tenant, signal, { keepBelow = Infinity } = {}) {
       if (isInline(parsed, inlineMaxChars)) {
-        return Int32Array.from(checkedPromptTokenIds(options.tokenizer, parsed))
+        const ids = Int32Array.from(checkedPromptTokenIds(options.tokenizer, parsed))
+        return { numTokens: ids.length, ids }
       }
       if (isClosed) throw new KvfenceError('internal_error', 'the tokenizer pool is closed')
       if (signal.aborted) throw new KvfenceError('request_aborted', 'the client went away')
-      return new Promise<Int32Array>((resolve, reject) => {
+      return new Promise<TokenizedPrompt>((resolve, reject) => {
         const job: Job = {
           id: nextId++,
           parsed,
           tenant,
+          keepBelow,
           resolve,
           reject,
           signal,
@@ -182,7 +295,7 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
         job.onAbort = () => {
           const queue = queues.get(tenant)
           const at = queue?.indexOf(job) ?? -1
-          if (at === -1) return // on a thread: its answer is dropped when it comes
+          if (at === -1) return // in a process: its answer is dropped when it comes
           queue!.splice(at, 1)
           if (queue!.length === 0) queues.delete(tenant)
           reject(new KvfenceError('request_aborted', 'the client went away'))
@@ -196,11 +309,12 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
     },
     close() {
       isClosed = true
-      for (const queue of queues.values()) {
-        for (const job of queue) job.reject(new KvfenceError('internal_error', 'router stopped'))
+      const stopped = new KvfenceError('internal_error', 'router stopped')
+      rejectQueued(stopped)
+      for (const member of members.splice(0)) {
+        if (member.job !== null) member.job.reject(stopped)
+        member.child.kill()
       }
-      queues.clear()
-      for (const worker of workers) void worker.terminate()
     },
   }
 }

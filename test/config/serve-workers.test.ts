@@ -24,6 +24,7 @@ import { cliEntry } from '../../src/paths.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { openaiClient } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
+import { isRunning } from '../helpers/processes.js'
 
 const skip = process.platform === 'linux' ? false : 'finds processes through /proc (Linux only)'
 const markerName = 'KVFENCE_TEST_PROCESS_MARK'
@@ -54,15 +55,6 @@ function markedPids(marker: string): number[] {
     }
   }
   return pids
-}
-
-function isAlive(pid: number): boolean {
-  try {
-    process.kill(pid, 0)
-    return true
-  } catch {
-    return false
-  }
 }
 
 /** Forks `kvfence serve --config path` with a fresh marker; stderr is collected. */
@@ -176,7 +168,7 @@ describe('kvfence serve --config with workers started from { pages }', () => {
         child.kill('SIGTERM')
       }
       assert.equal(await exited(child), 0, stderr())
-      for (const pid of workerPids) assert.equal(isAlive(pid), false, `worker ${pid} still runs`)
+      for (const pid of workerPids) assert.equal(isRunning(pid), false, `worker ${pid} still runs`)
       assert.deepEqual(markedPids(marker), [], 'no process of this run is left')
     },
   )

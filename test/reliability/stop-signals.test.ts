@@ -12,6 +12,7 @@ import { after, it } from 'node:test'
 import { childPids } from '../../src/cli/stop-children.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 import { pollUntil } from '../helpers/poll.js'
+import { isRunning } from '../helpers/processes.js'
 
 const scratch = mkdtempSync(join(tmpdir(), 'kvfence-stop-signals-'))
 after(() => rmSync(scratch, { recursive: true, force: true }))
@@ -19,15 +20,6 @@ after(() => rmSync(scratch, { recursive: true, force: true }))
 /** Every process below `pid` (children, their children, …), from /proc. */
 function descendants(pid: number): number[] {
   return childPids(pid).flatMap((child) => [child, ...descendants(child)])
-}
-
-function isRunning(pid: number): boolean {
-  try {
-    process.kill(pid, 0)
-    return true
-  } catch {
-    return false
-  }
 }
 
 /** Starts `kvfence ...args` (its TMPDIR `tmp`), waits until its output matches `moment` and it has

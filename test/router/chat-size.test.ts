@@ -138,24 +138,24 @@ describe('where a chat prompt is tokenized', () => {
     })
   after(() => rmSync(dir, { recursive: true, force: true }))
 
-  it(`inline up to ${inlineMaxMessages} messages, in a thread past that even with no characters`, async () => {
+  it(`inline up to ${inlineMaxMessages} messages, in a process past that even with no characters`, async () => {
     assert.equal(inlineMaxMessages, 8)
     const main = counting(loadTokenizer(dir))
-    const pool = createTokenizerPool({ modelDir: dir, tokenizer: main.tokenizer, numThreads: 1 })
+    const pool = createTokenizerPool({ modelDir: dir, tokenizer: main.tokenizer, numProcesses: 1 })
     try {
       const signal = new AbortController().signal
       const few = chatOf(8)
       assert.deepEqual(
-        [...(await pool.tokenize(few, 'alpha', signal))],
+        [...(await pool.tokenize(few, 'alpha', signal)).ids!],
         checkedPromptTokenIds(reference, few),
       )
       const numInline = main.numCalls()
       assert.ok(numInline > 0, 'eight messages are tokenized inline')
       // 2048 empty messages: `<user>\n` each (7 tokens) after the BOS.
       const many = chatOf(2048)
-      const ids = await pool.tokenize(many, 'alpha', signal)
-      assert.equal(ids.length, 1 + 2048 * 7 + '<assistant>'.length)
-      assert.deepEqual([...ids], checkedPromptTokenIds(reference, many))
+      const { numTokens, ids } = await pool.tokenize(many, 'alpha', signal)
+      assert.equal(numTokens, 1 + 2048 * 7 + '<assistant>'.length)
+      assert.deepEqual([...ids!], checkedPromptTokenIds(reference, many))
       assert.equal(main.numCalls(), numInline, 'the main thread tokenized none of the 2048')
     } finally {
       pool.close()

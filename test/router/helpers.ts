@@ -505,6 +505,7 @@ export async function startHarness(
       port: 0,
       log: logs.log,
       workerWaitMs: 0,
+      tokenizerProcessesOnDemand: true, // most tests send no long prompt
       ...routerOptions,
     })
   } catch (err) {

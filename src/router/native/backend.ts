@@ -66,13 +66,21 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
     maxTokenChars: tokenizer.maxTokenChars,
     sentinelUnit: 'token',
     detokenize: (ids) => tokenizer.decode(ids),
-    async preparePrompt(parsed, tenant, signal) {
-      const ids = await options.tokenizerPool.tokenize(parsed, tenant, signal)
+    async preparePrompt(parsed, tenant, signal, contextWindow) {
+      const { numTokens, ids } = await options.tokenizerPool.tokenize(parsed, tenant, signal, {
+        keepBelow: contextWindow,
+      })
       let tokenIds: number[] | null = null
       // An array only when asked for: a prompt refused for its length (G2) never becomes one.
       return {
-        numPromptTokens: ids.length,
+        numPromptTokens: numTokens,
         get tokenIds() {
+          if (ids === null) {
+            throw new KvfenceError(
+              'internal_error',
+              `the ids of a prompt of ${numTokens} tokens were not kept (its window: ${contextWindow} tokens)`,
+            )
+          }
           return (tokenIds ??= Array.from(ids))
         },
       }
