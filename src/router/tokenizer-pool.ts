@@ -70,11 +70,12 @@ export const defaultNumProcesses = Math.max(1, Math.min(2, availableParallelism(
  *  10), yet it is not starved the way 19 (~70×) would leave it behind other processes' work. */
 export const tokenizerNiceness = 10
 
-/** Inline up to 512 characters: about where a thread's round trip (posting the request, the
- *  answer's event) costs as much as tokenizing inline (measured: see the commit that set it). */
+/** Inline up to 512 characters: about where a worker thread's round trip (posting the request,
+ *  the answer's event) cost as much as tokenizing inline (measured: see the commit that set it);
+ *  a process's round trip, over a pipe, costs more still. */
 export const defaultInlineMaxChars = 512
 
-/** A prompt's ids with its lost text refused: what the threads (and inline calls) run. The text
+/** A prompt's ids with its lost text refused: what the processes (and inline calls) run. The text
  *  is encoded once: the ids the workers get are the ones the check decoded (a chat's rendered
  *  prompt is checked whole; only when it loses a character are the messages checked one by one,
  *  to name the one that holds it). */
@@ -144,7 +145,7 @@ function numChars(parsed: ParsedRequest): number {
   return 'text' in parsed.prompt ? parsed.prompt.text.length : 0
 }
 
-/** Whether tokenizing `parsed` costs less inline than a thread's round trip. */
+/** Whether tokenizing `parsed` costs less inline than a process's round trip. */
 function isInline(parsed: ParsedRequest, inlineMaxChars: number): boolean {
   if (parsed.endpoint === 'chat' && parsed.messages.length > inlineMaxMessages) return false
   return numChars(parsed) <= inlineMaxChars
@@ -172,26 +173,66 @@ interface Member {
   job: Job | null
 }
 
+/** Forks one tokenizer process: `onMessage` hears what it says, `onGone` how it ended (once or
+ *  twice: a failed send's 'error', then its 'exit'). */
+function startMember(
+  modelDir: string,
+  onMessage: (member: Member, message: TokenizerReply | { ready: true }) => void,
+  onGone: (member: Member, how: string) => void,
+): Member {
+  const child = fork(new URL('./tokenizer-process.js', import.meta.url), [modelDir], {
+    execArgv: ['--single-threaded-gc'],
+    serialization: 'advanced', // the ids come back as an Int32Array, not a JSON array
+    stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
+  })
+  const member: Member = { child, isReady: false, job: null }
+  child.on('message', (message: TokenizerReply | { ready: true }) => onMessage(member, message))
+  child.on('error', (err) => onGone(member, `failed: ${err.message}`))
+  child.on('exit', (code, signal) =>
+    onGone(member, `exited (${signal ?? `code ${code ?? 'unknown'}`})`),
+  )
+  return member
+}
+
+/** The next job's id (a reply names the job it answers). */
+let nextJobId = 0
+
+/** A job for `fields.tenant`'s queue in `queues`; `signal` firing while it waits there takes it
+ *  out and rejects it with `request_aborted` (on a process, its answer is dropped when it comes). */
+function newJob(queues: Map<string, Job[]>, fields: Omit<Job, 'id' | 'onAbort'>): Job {
+  const job: Job = { ...fields, id: nextJobId++, onAbort: () => {} }
+  job.onAbort = () => {
+    const queue = queues.get(job.tenant)
+    const at = queue?.indexOf(job) ?? -1
+    if (at === -1) return
+    queue!.splice(at, 1)
+    if (queue!.length === 0) queues.delete(job.tenant)
+    job.reject(new KvfenceError('request_aborted', 'the client went away'))
+  }
+  job.signal.addEventListener('abort', job.onAbort, { once: true })
+  return job
+}
+
+/** Rejects every job queued in `queues` with `err`, and empties them. */
+function rejectAll(queues: Map<string, Job[]>, err: KvfenceError): void {
+  for (const queue of queues.values()) {
+    for (const job of queue) {
+      job.signal.removeEventListener('abort', job.onAbort)
+      job.reject(err)
+    }
+  }
+  queues.clear()
+}
+
 /** Makes the pool and (unless `startNow` is false) starts its processes. */
 export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPool {
   const inlineMaxChars = options.inlineMaxChars ?? defaultInlineMaxChars
   const numProcesses = options.numProcesses ?? defaultNumProcesses
-  const script = new URL('./tokenizer-process.js', import.meta.url)
   /** Each tenant's waiting prompts, in arrival order; the map's order is the turn order. */
   const queues = new Map<string, Job[]>()
   const members: Member[] = []
-  let nextId = 0
   let isClosed = false
 
-  const rejectQueued = (err: KvfenceError) => {
-    for (const queue of queues.values()) {
-      for (const job of queue) {
-        job.signal.removeEventListener('abort', job.onAbort)
-        job.reject(err)
-      }
-    }
-    queues.clear()
-  }
   const settle = (member: Member, reply: TokenizerReply) => {
     const job = member.job
     member.job = null
@@ -212,6 +253,8 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
     const at = members.indexOf(member)
     if (at === -1) return // said twice ('error' then 'exit')
     members.splice(at, 1)
+    // An 'error' (a send that failed) may come from a process still running: not to be left.
+    if (member.child.exitCode === null && member.child.signalCode === null) member.child.kill()
     const err = new KvfenceError('internal_error', `the tokenizer process ${how}`)
     if (member.job !== null) {
       member.job.signal.removeEventListener('abort', member.job.onAbort)
@@ -220,27 +263,17 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
     }
     // One that never started will not start for the next prompt either: the waiting prompts
     // are refused rather than each starting (and losing) another process.
-    if (!member.isReady) rejectQueued(err)
+    if (!member.isReady) rejectAll(queues, err)
     if (!isClosed) dispatch()
   }
+  const onMessage = (member: Member, message: TokenizerReply | { ready: true }) => {
+    if (!('ready' in message)) return settle(member, message)
+    member.isReady = true
+    holdsLoop(member, false)
+    dispatch()
+  }
   const start = (): Member => {
-    const child = fork(script, [options.modelDir], {
-      execArgv: ['--single-threaded-gc'],
-      serialization: 'advanced', // the ids come back as an Int32Array, not a JSON array
-      stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
-    })
-    const member: Member = { child, isReady: false, job: null }
-    child.on('message', (message: TokenizerReply | { ready: true }) => {
-      if ('ready' in message) {
-        member.isReady = true
-        holdsLoop(member, false)
-        dispatch()
-      } else settle(member, message)
-    })
-    child.on('error', (err) => onExit(member, `failed: ${err.message}`))
-    child.on('exit', (code, signal) =>
-      onExit(member, `exited (${signal ?? `code ${code ?? 'unknown'}`})`),
-    )
+    const member = startMember(options.modelDir, onMessage, onExit)
     members.push(member)
     return member
   }
@@ -282,25 +315,7 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
       if (isClosed) throw new KvfenceError('internal_error', 'the tokenizer pool is closed')
       if (signal.aborted) throw new KvfenceError('request_aborted', 'the client went away')
       return new Promise<TokenizedPrompt>((resolve, reject) => {
-        const job: Job = {
-          id: nextId++,
-          parsed,
-          tenant,
-          keepBelow,
-          resolve,
-          reject,
-          signal,
-          onAbort: () => {},
-        }
-        job.onAbort = () => {
-          const queue = queues.get(tenant)
-          const at = queue?.indexOf(job) ?? -1
-          if (at === -1) return // in a process: its answer is dropped when it comes
-          queue!.splice(at, 1)
-          if (queue!.length === 0) queues.delete(tenant)
-          reject(new KvfenceError('request_aborted', 'the client went away'))
-        }
-        signal.addEventListener('abort', job.onAbort, { once: true })
+        const job = newJob(queues, { parsed, tenant, keepBelow, signal, resolve, reject })
         const queue = queues.get(tenant)
         if (queue === undefined) queues.set(tenant, [job])
         else queue.push(job)
@@ -310,7 +325,7 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
     close() {
       isClosed = true
       const stopped = new KvfenceError('internal_error', 'router stopped')
-      rejectQueued(stopped)
+      rejectAll(queues, stopped)
       for (const member of members.splice(0)) {
         if (member.job !== null) member.job.reject(stopped)
         member.child.kill()

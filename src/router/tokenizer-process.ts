@@ -1,7 +1,8 @@
 /** A tokenizer pool's process (tokenizer-pool.ts): lowers its own scheduling priority, loads the
  *  model directory's tokenizer once, says it is ready, then answers each {@link TokenizerJob}
- *  with the prompt's token ids (only their number at `keepBelow` or more) or the error it threw. Run by `fork` with V8's `--single-threaded-gc`,
- *  so that all its work (its garbage collection too) runs on its one niced thread.
+ *  with the prompt's token ids (only their number at `keepBelow` or more) or the error it threw.
+ *  Run by `fork` with V8's `--single-threaded-gc`, so that all its work (its garbage collection
+ *  too) runs on its one niced thread.
  *  Knows the tokenizer and parsed requests; knows nothing of tenants, HTTP or workers. */
 import { setPriority } from 'node:os'
 import { KvfenceError } from '../errors.js'

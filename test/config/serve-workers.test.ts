@@ -100,7 +100,11 @@ describe('kvfence serve --config with workers started from { pages }', () => {
         const roles = workerPids.map((pid) =>
           roleOf(readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0')),
         )
-        assert.deepEqual(roles.sort(), ['decode', 'prefill'], 'two workers, started by serve')
+        assert.deepEqual(
+          roles.sort(),
+          ['decode', 'prefill', 'tokenizer'],
+          "two workers and the router's tokenizer process, started by serve",
+        )
 
         // The answer is exactly the single-process engine's (temperature 0).
         const prompt = 'the stone garden Qx7vR2 and the stone garden'
@@ -168,7 +172,7 @@ describe('kvfence serve --config with workers started from { pages }', () => {
         child.kill('SIGTERM')
       }
       assert.equal(await exited(child), 0, stderr())
-      for (const pid of workerPids) assert.equal(isRunning(pid), false, `worker ${pid} still runs`)
+      for (const pid of workerPids) assert.equal(isRunning(pid), false, `process ${pid} still runs`)
       assert.deepEqual(markedPids(marker), [], 'no process of this run is left')
     },
   )
@@ -204,8 +208,10 @@ describe('kvfence serve --config with workers started from { pages }', () => {
 })
 
 /** The subcommand of a `node [node flags] …/main.js <role> …` command line (node flags such as the
- *  test runner's `--test-timeout` come before the script and vary). */
+ *  test runner's `--test-timeout` come before the script and vary), or `tokenizer` for a router's
+ *  tokenizer process. */
 function roleOf(argv: string[]): string {
+  if (argv.some((a) => a.endsWith('tokenizer-process.js'))) return 'tokenizer'
   const script = argv.findIndex((a) => a.endsWith('main.js'))
   return script >= 0 ? (argv[script + 1] ?? '') : ''
 }
