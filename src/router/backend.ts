@@ -52,8 +52,9 @@ export interface Backend {
   generate(job: GenerationJob): Promise<void>
   /** Hears of every failed request (a failed worker may call for a re-check of G1). */
   noteFailure(error: KvfenceError): void
-  /** Stops timers and closes connections. */
-  close(): void
+  /** Stops timers, closes connections and stops the backend's processes (kvfence's tokenizer
+   *  processes); resolves once they have exited. */
+  close(): Promise<void>
 }
 
 /** A prompt counted by {@link Backend.preparePrompt}. */

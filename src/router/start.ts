@@ -220,14 +220,14 @@ async function startWithTenants(
       log,
     )
     const deps = { tenants, backend, limiter, metrics: started.metrics, log, sentinel }
-    return await listenRouter(options, config, deps, () => {
+    return await listenRouter(options, config, deps, async () => {
       watcher?.close()
-      backend.close()
       store?.close()
+      await backend.close()
     })
   } catch (err) {
-    backend.close()
     store?.close()
+    await backend.close()
     throw err
   }
 }
@@ -303,6 +303,7 @@ async function startNativeBackend(
     tls: options.workerTls ?? null,
     controlChannel: options.controlChannel ?? defaultControlChannel,
   })
+  let backend: Backend | null = null
   try {
     const reports = await waitForWorkers(workers, options.workerWaitMs ?? defaultWorkerWaitMs)
     const model = checkWorkers(reports, workers, guardsEnabled, log)
@@ -327,7 +328,7 @@ async function startNativeBackend(
       intervalMs: options.capacityRecheckMs ?? defaultCapacityRecheckMs,
       log,
     })
-    const backend = createNativeBackend({
+    backend = createNativeBackend({
       tokenizer,
       tokenizerPool: createTokenizerPool({
         modelDir: options.modelDir,
@@ -354,7 +355,9 @@ async function startNativeBackend(
     }
     return { backend, config, metrics }
   } catch (err) {
-    workers.close()
+    // The backend, once made, holds the workers' client and the tokenizer processes.
+    if (backend === null) workers.close()
+    else await backend.close()
     throw err
   }
 }
@@ -377,7 +380,7 @@ async function listenRouter(
   options: StartRouterOptions,
   config: RouterConfig,
   deps: Omit<Parameters<typeof createRouter>[0], 'config' | 'drain'>,
-  closeBackend: () => void,
+  closeBackend: () => Promise<void>,
 ): Promise<RunningRouter> {
   const { log } = deps
   const drain = createDrain()
@@ -454,7 +457,7 @@ async function listenRouter(
       server.close(() => resolve())
       server.closeAllConnections()
     })
-    closeBackend()
+    await closeBackend()
   }
   return {
     url,

@@ -35,8 +35,9 @@ export interface TokenizerPool {
     signal: AbortSignal,
     options?: { keepBelow?: number },
   ): Promise<TokenizedPrompt>
-  /** Stops the processes; prompts queued or being tokenized reject with `internal_error`. */
-  close(): void
+  /** Stops the processes; prompts queued or being tokenized reject with `internal_error`.
+   *  Resolves once every process has exited (at once: they keep no SIGTERM handler). */
+  close(): Promise<void>
 }
 
 /** What {@link TokenizerPool.tokenize} resolves to. */
@@ -322,14 +323,20 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
         dispatch()
       })
     },
-    close() {
+    async close() {
       isClosed = true
       const stopped = new KvfenceError('internal_error', 'router stopped')
       rejectAll(queues, stopped)
-      for (const member of members.splice(0)) {
+      const exits = members.splice(0).map((member) => {
         if (member.job !== null) member.job.reject(stopped)
-        member.child.kill()
-      }
+        const { child } = member
+        if (child.exitCode !== null || child.signalCode !== null) return Promise.resolve()
+        const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()))
+        holdsLoop(member, true) // its exit is awaited
+        child.kill()
+        return exited
+      })
+      await Promise.all(exits)
     },
   }
 }

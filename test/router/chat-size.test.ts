@@ -158,7 +158,7 @@ describe('where a chat prompt is tokenized', () => {
       assert.deepEqual([...ids!], checkedPromptTokenIds(reference, many))
       assert.equal(main.numCalls(), numInline, 'the main thread tokenized none of the 2048')
     } finally {
-      pool.close()
+      await pool.close()
     }
   })
 })

@@ -140,7 +140,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     },
     generate: (job) => relay(relayContext, job),
     noteFailure() {},
-    close() {
+    async close() {
       if (timer !== null) clearInterval(timer)
       http.close()
     },

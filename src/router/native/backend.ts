@@ -108,10 +108,10 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
       // A worker that failed may have restarted with a smaller pool: re-check G1 now.
       if (isWorkerFailure && error !== capacity.current().refusal) capacity.recheckSoon()
     },
-    close() {
-      options.tokenizerPool.close()
+    async close() {
       capacity.close()
       workers.close()
+      await options.tokenizerPool.close()
     },
   }
 }
