@@ -1,58 +1,8 @@
-/** Prompt tokenization and G2 admission: a request is admitted only when its prompt and the
- *  tokens it may generate fit the advertised context window.
- *  Knows token counts, the context window and the tokenizer; knows nothing of workers or HTTP. */
+/** G2 admission: a request is admitted only when its prompt and the tokens it may generate fit
+ *  the advertised context window (its prompt's tokens are counted in prompt-ids.ts).
+ *  Knows token counts, the context window and parsed requests; knows nothing of workers or HTTP. */
 import { KvfenceError } from '../errors.js'
-import type { ChatMessage, Tokenizer } from '../model/tokenizer.js'
 import { type ParsedRequest, promptNumChars, promptParamOf } from './schemas.js'
-
-/** Prompt token ids of a chat: the chat template's text, encoded. BOS is added by the encoder
- *  unless the template already wrote it (so that it is never doubled). */
-export function chatPromptTokenIds(
-  tokenizer: Tokenizer,
-  messages: readonly ChatMessage[],
-): number[] {
-  const text = tokenizer.applyChatTemplate(messages)
-  return tokenizer.encode(text, { addSpecialTokens: !hasLeadingBos(tokenizer, text) })
-}
-
-/** Whether a chat template's `text` already begins with the BOS token (so the encoder must not
- *  add another). */
-export function hasLeadingBos(tokenizer: Tokenizer, text: string): boolean {
-  return tokenizer.bosToken !== null && text.startsWith(tokenizer.bosToken)
-}
-
-/** `ids` of a completion's text, refused (`invalid_request`, param `prompt`) when there are none. */
-export function checkedNotEmpty(ids: number[]): number[] {
-  if (ids.length === 0) {
-    throw new KvfenceError('invalid_request', 'prompt encodes to no tokens', 'prompt')
-  }
-  return ids
-}
-
-/** Prompt token ids of a completion: the text encoded (BOS per the tokenizer), or the client's
- *  token ids as they are after a range check. Throws `invalid_request` (param `prompt`). */
-export function completionPromptTokenIds(
-  tokenizer: Tokenizer,
-  prompt: { text: string } | { tokenIds: number[] },
-): number[] {
-  if ('text' in prompt) return checkedNotEmpty(tokenizer.encode(prompt.text))
-  const bad = prompt.tokenIds.find((id) => id >= tokenizer.vocabSize)
-  if (bad !== undefined) {
-    throw new KvfenceError(
-      'invalid_request',
-      `token id ${bad} is out of range: the vocabulary has ${tokenizer.vocabSize} tokens`,
-      'prompt',
-    )
-  }
-  return prompt.tokenIds
-}
-
-/** Prompt token ids of a parsed request of either endpoint (see the two functions above). */
-export function promptTokenIds(tokenizer: Tokenizer, parsed: ParsedRequest): number[] {
-  return parsed.endpoint === 'chat'
-    ? chatPromptTokenIds(tokenizer, parsed.messages)
-    : completionPromptTokenIds(tokenizer, parsed.prompt)
-}
 
 /** Where the counts came from, for the error's `param` and message. */
 export interface AdmissionFields {

@@ -16,8 +16,8 @@
 import { type ChildProcess, fork } from 'node:child_process'
 import { availableParallelism } from 'node:os'
 import { KvfenceError, isErrorCode } from '../errors.js'
-import { type Tokenizer, unrepresentableTextError } from '../model/tokenizer.js'
-import { checkedNotEmpty, completionPromptTokenIds, hasLeadingBos } from './admission.js'
+import type { Tokenizer } from '../model/tokenizer.js'
+import { checkedPromptTokenIds } from './prompt-ids.js'
 import type { ParsedRequest } from './schemas.js'
 
 /** Tokenizes prompts; see the module's header. */
@@ -75,40 +75,6 @@ export const tokenizerNiceness = 10
  *  the answer's event) cost as much as tokenizing inline (measured: see the commit that set it);
  *  a process's round trip, over a pipe, costs more still. */
 export const defaultInlineMaxChars = 512
-
-/** A prompt's ids with its lost text refused: what the processes (and inline calls) run. The text
- *  is encoded once: the ids the workers get are the ones the check decoded (a chat's rendered
- *  prompt is checked whole; only when it loses a character are the messages checked one by one,
- *  to name the one that holds it). */
-export function checkedPromptTokenIds(tokenizer: Tokenizer, parsed: ParsedRequest): number[] {
-  if (parsed.endpoint === 'chat') {
-    const text = tokenizer.applyChatTemplate(parsed.messages)
-    const { ids, lost } = tokenizer.encodeChecked(text, {
-      addSpecialTokens: !hasLeadingBos(tokenizer, text),
-    })
-    if (lost !== null) throw lostInMessages(tokenizer, parsed.messages, lost)
-    return ids
-  }
-  if (!('text' in parsed.prompt)) return completionPromptTokenIds(tokenizer, parsed.prompt)
-  const { ids, lost } = tokenizer.encodeChecked(parsed.prompt.text)
-  if (lost !== null) throw unrepresentableTextError(lost, 'prompt')
-  return checkedNotEmpty(ids)
-}
-
-/** The error for a chat whose rendered prompt loses `lost`: the first message that loses a
- *  character on its own is named, as the character it loses; else (lost only in context, or in
- *  the template's own text) the messages as a whole. */
-function lostInMessages(
-  tokenizer: Tokenizer,
-  messages: readonly { content: string }[],
-  lost: string,
-): KvfenceError {
-  for (const [i, m] of messages.entries()) {
-    const first = tokenizer.firstLostCharacter(m.content)
-    if (first !== null) return unrepresentableTextError(first, `messages[${i}].content`)
-  }
-  return unrepresentableTextError(lost, 'messages')
-}
 
 /** A job for a tokenizer process: keep the ids only below `keepBelow` tokens. */
 export interface TokenizerJob {

@@ -7,12 +7,8 @@
 import { setPriority } from 'node:os'
 import { KvfenceError } from '../errors.js'
 import { loadTokenizer } from '../model/tokenizer.js'
-import {
-  type TokenizerJob,
-  type TokenizerReply,
-  checkedPromptTokenIds,
-  tokenizerNiceness,
-} from './tokenizer-pool.js'
+import { checkedPromptTokenIds } from './prompt-ids.js'
+import { type TokenizerJob, type TokenizerReply, tokenizerNiceness } from './tokenizer-pool.js'
 
 /** Serves the pool over the IPC channel (the process's entry point). */
 function serve(modelDir: string): void {

@@ -14,11 +14,8 @@ import {
   maxChatMessages,
   parseChatRequest,
 } from '../../src/router/schemas.js'
-import {
-  checkedPromptTokenIds,
-  createTokenizerPool,
-  inlineMaxMessages,
-} from '../../src/router/tokenizer-pool.js'
+import { checkedPromptTokenIds } from '../../src/router/prompt-ids.js'
+import { createTokenizerPool, inlineMaxMessages } from '../../src/router/tokenizer-pool.js'
 import { type Harness, startHarness, writeTestTokenizer } from './helpers.js'
 
 const emptyMessages = (n: number) =>

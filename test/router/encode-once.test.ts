@@ -10,7 +10,7 @@ import { Tokenizer as HfTokenizer } from '@huggingface/tokenizers'
 import { KvfenceError } from '../../src/errors.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
 import { requestParsers } from '../../src/router/schemas.js'
-import { checkedPromptTokenIds } from '../../src/router/tokenizer-pool.js'
+import { checkedPromptTokenIds } from '../../src/router/prompt-ids.js'
 import { bosId, charIds, writeTestTokenizer } from './helpers.js'
 
 /** Runs `f`, counting the tokenizer library's encodings meanwhile. */

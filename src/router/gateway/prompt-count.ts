@@ -4,7 +4,7 @@
  *  Knows parsed requests and the engine's `/tokenize`; knows nothing of tenants or limits. */
 import { KvfenceError } from '../../errors.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
-import { promptTokenIds } from '../admission.js'
+import { promptTokenIds } from '../prompt-ids.js'
 import { type ParsedRequest, promptParamOf } from '../schemas.js'
 import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
 
