@@ -25,7 +25,10 @@ export interface BodyText {
 }
 
 /** Counts `{` and `[` outside JSON strings, across chunks (a string or an escape may be cut
- *  anywhere). UTF-8 never has 0x22 or 0x5c inside a multi-byte character. */
+ *  anywhere). UTF-8 never has 0x22 or 0x5c inside a multi-byte character. Inside a string it
+ *  jumps from one quote or backslash to the next with `Buffer.indexOf` (native) instead of
+ *  looking at every byte: a 1 MB prompt is almost all string, and a byte-by-byte loop cost the
+ *  event loop ~11 ms of it (measured). */
 class ContainerCounter {
   /** Counted so far; counting stops once past `limit` (the body is refused then). */
   numContainers = 0
@@ -34,23 +37,48 @@ class ContainerCounter {
   private isInString = false
   private isEscaped = false
 
-  push(bytes: Uint8Array): void {
+  push(bytes: Buffer): void {
+    const n = bytes.length
     let numContainers = this.numContainers
     let isInString = this.isInString
     let isEscaped = this.isEscaped
-    for (let i = 0; i < bytes.length; i++) {
-      const b = bytes[i]
+    // The next quote and backslash at or after where they were last looked for (n: none left);
+    // each is searched for again only once passed, so every byte is searched over at most once.
+    let nextQuote = -1
+    let nextBackslash = -1
+    let i = 0
+    while (i < n) {
       if (isInString) {
-        if (isEscaped) isEscaped = false
-        else if (b === 0x5c) isEscaped = true
-        else if (b === 0x22) isInString = false
-      } else if (b === 0x22) isInString = true
+        if (isEscaped) {
+          isEscaped = false
+          i++ // the escaped byte, whatever it is
+          continue
+        }
+        if (nextQuote < i) nextQuote = indexOrEnd(bytes, 0x22, i)
+        if (nextBackslash < i) nextBackslash = indexOrEnd(bytes, 0x5c, i)
+        if (nextBackslash < nextQuote) {
+          isEscaped = true
+          i = nextBackslash + 1
+        } else {
+          isInString = nextQuote === n // the string goes on into the next chunk
+          i = nextQuote + 1
+        }
+        continue
+      }
+      const b = bytes[i++]
+      if (b === 0x22) isInString = true
       else if ((b === 0x7b || b === 0x5b) && ++numContainers > this.limit) break
     }
     this.numContainers = numContainers
     this.isInString = isInString
     this.isEscaped = isEscaped
   }
+}
+
+/** Where `byte` next is in `bytes` from `from`, or `bytes.length` when it is not. */
+function indexOrEnd(bytes: Buffer, byte: number, from: number): number {
+  const at = bytes.indexOf(byte, from)
+  return at === -1 ? bytes.length : at
 }
 
 /** A body's chunks as they arrive, counted past {@link streamedBodyBytes}; its text at the end. */

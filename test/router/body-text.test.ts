@@ -88,6 +88,19 @@ describe('readBodyText', () => {
     )
   })
 
+  it('escapes cut at every byte: quotes after odd and even runs of backslashes, brackets inside strings', async () => {
+    // '\\"' in the text is `\\\"` in JSON: an escaped backslash, then an escaped quote.
+    const tricky = '\\\\"{[\\' + '\\'.repeat(3) + '"]}'
+    const pad = 'x'.repeat(streamedBodyBytes)
+    const json = JSON.stringify({ s: tricky, t: [{ u: [] }, tricky], pad })
+    const bytes = Buffer.from(json, 'utf8')
+    for (let cut = 1; cut < 60; cut++) {
+      const read = await send(bytes, [cut])
+      assert.equal(read.text, json, `cut at ${cut}`)
+      assert.equal(read.numContainers, 4, `cut at ${cut}`) // the body, t, {u}, []
+    }
+  })
+
   it('a large body past the container limit is refused as soon as it passes it', async () => {
     // 30 000 empty messages (the fairness bench's 870 KB chat): refused at container 8 193,
     // about a quarter of the way in; the server answers before the client has sent the rest.
