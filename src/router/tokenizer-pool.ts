@@ -35,8 +35,9 @@ export interface TokenizerPool {
     signal: AbortSignal,
     options?: { keepBelow?: number },
   ): Promise<TokenizedPrompt>
-  /** Stops the processes; prompts queued or being tokenized reject with `internal_error`.
-   *  Resolves once every process has exited (at once: they keep no SIGTERM handler). */
+  /** Stops the processes (SIGKILL: they hold nothing to save, and it ends even a stopped one);
+   *  prompts queued or being tokenized reject with `internal_error`. Resolves once every process
+   *  has exited. */
   close(): Promise<void>
 }
 
@@ -164,16 +165,18 @@ function startMember(
 /** The next job's id (a reply names the job it answers). */
 let nextJobId = 0
 
-/** A job for `fields.tenant`'s queue in `queues`; `signal` firing while it waits there takes it
- *  out and rejects it with `request_aborted` (on a process, its answer is dropped when it comes). */
+/** A job for `fields.tenant`'s queue in `queues`; `signal` firing rejects it with
+ *  `request_aborted` at once, and takes it out of its queue if it waits there (on a process, the
+ *  answer that comes later settles nothing: the drain's deadline must not wait for it). */
 function newJob(queues: Map<string, Job[]>, fields: Omit<Job, 'id' | 'onAbort'>): Job {
   const job: Job = { ...fields, id: nextJobId++, onAbort: () => {} }
   job.onAbort = () => {
     const queue = queues.get(job.tenant)
     const at = queue?.indexOf(job) ?? -1
-    if (at === -1) return
-    queue!.splice(at, 1)
-    if (queue!.length === 0) queues.delete(job.tenant)
+    if (at !== -1) {
+      queue!.splice(at, 1)
+      if (queue!.length === 0) queues.delete(job.tenant)
+    }
     job.reject(new KvfenceError('request_aborted', 'the client went away'))
   }
   job.signal.addEventListener('abort', job.onAbort, { once: true })
@@ -299,7 +302,7 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
         if (child.exitCode !== null || child.signalCode !== null) return Promise.resolve()
         const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()))
         holdsLoop(member, true) // its exit is awaited
-        child.kill()
+        child.kill('SIGKILL')
         return exited
       })
       await Promise.all(exits)

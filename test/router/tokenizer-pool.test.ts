@@ -207,6 +207,40 @@ test('closing the pool fails the prompt being tokenized and resolves once its pr
   }
 })
 
+test("closing the pool ends even a stopped tokenizer process (SIGSTOP): the router's stop never waits on one", async () => {
+  const { pool, close } = poolOfOne()
+  try {
+    await pool.tokenize(completionOf('warm'), 'alpha', noSignal)
+    const pid = theTokenizerPid()
+    process.kill(pid, 'SIGSTOP')
+    // Before the fix close() sent SIGTERM, which a stopped process never acts on: it hung.
+    const bound = new Promise<'hung'>((resolve) =>
+      setTimeout(() => resolve('hung'), 15_000).unref(),
+    )
+    assert.equal(await Promise.race([pool.close().then(() => 'closed'), bound]), 'closed')
+    assert.equal(isRunning(pid), false)
+  } finally {
+    await close()
+  }
+})
+
+test('a prompt whose request ends (client gone, drain deadline) while in a process rejects at once with request_aborted', async () => {
+  const { pool, close } = poolOfOne()
+  try {
+    await pool.tokenize(completionOf('warm'), 'alpha', noSignal)
+    const abort = new AbortController()
+    const long = pool.tokenize(completionOf('ab '.repeat(300_000)), 'alpha', abort.signal)
+    await new Promise((resolve) => setTimeout(resolve, 50)) // on the process by now
+    abort.abort()
+    // Before the fix it waited for the process's answer and resolved with the ids.
+    await assert.rejects(long, { code: 'request_aborted' })
+    const next = await pool.tokenize(completionOf('next'), 'alpha', noSignal)
+    assert.deepEqual([...next.ids!], [1, ...charIds('next')])
+  } finally {
+    await close()
+  }
+})
+
 test('a router process killed with SIGKILL leaves no tokenizer process behind', async () => {
   // A parent that starts a pool, has it start its process, prints that process's pid and is
   // killed: the process sees its channel close and exits.
