@@ -224,7 +224,8 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
     if (at === -1) return // said twice ('error' then 'exit')
     members.splice(at, 1)
     // An 'error' (a send that failed) may come from a process still running: not to be left.
-    if (member.child.exitCode === null && member.child.signalCode === null) member.child.kill()
+    if (member.child.exitCode === null && member.child.signalCode === null)
+      member.child.kill('SIGKILL')
     const err = new KvfenceError('internal_error', `the tokenizer process ${how}`)
     if (member.job !== null) {
       member.job.signal.removeEventListener('abort', member.job.onAbort)
