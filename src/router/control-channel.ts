@@ -402,7 +402,7 @@ function decodeStream(
 }
 
 /** The error `http.request` fails with when its `signal` aborts (as the HTTP transport's). */
-function abortError(signal: AbortSignal): Error {
+export function abortError(signal: AbortSignal): Error {
   return Object.assign(new Error('The operation was aborted', { cause: signal.reason }), {
     name: 'AbortError',
     code: 'ABORT_ERR',

@@ -32,7 +32,12 @@ import {
 import { KvfenceError, isErrorCode } from '../errors.js'
 import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../tls.js'
 import type { WorkerReport } from './capacity.js'
-import { channelUnsupported, openChannel, type ControlChannel } from './control-channel.js'
+import {
+  abortError,
+  channelUnsupported,
+  openChannel,
+  type ControlChannel,
+} from './control-channel.js'
 import { readReplyText } from './http.js'
 import { ndjsonLines } from './ndjson-lines.js'
 
@@ -549,7 +554,7 @@ function channelDecodeSide(t: Transport, url: string): DecodeSide {
     generate(request, signal) {
       // The stream opens on the first pull.
       return lazyIterator(() =>
-        channelTo(t, url, 'decode').then((channel) => {
+        untilAborted(channelTo(t, url, 'decode'), signal).then((channel) => {
           if (channel !== channelUnsupported) return channel.generate(request, signal)
           isOverHttp = true
           return overHttp.generate(request, signal)[Symbol.asyncIterator]()
@@ -566,13 +571,35 @@ function channelDecodeSide(t: Transport, url: string): DecodeSide {
   }
 }
 
+/** `opening` (a channel shared by every request to its worker), or the request's own abort
+ *  error as soon as `signal` fires: a request must not wait out a connection to a worker that
+ *  does not answer (a stopped one) once its client has gone or the drain's deadline has passed;
+ *  the opening goes on for the requests after it. */
+function untilAborted<T>(opening: Promise<T>, signal: AbortSignal): Promise<T> {
+  if (signal.aborted) return Promise.reject(abortError(signal))
+  return new Promise<T>((resolve, reject) => {
+    const onAbort = () => reject(abortError(signal))
+    signal.addEventListener('abort', onAbort, { once: true })
+    opening.then(
+      (value) => {
+        signal.removeEventListener('abort', onAbort)
+        resolve(value)
+      },
+      (err: unknown) => {
+        signal.removeEventListener('abort', onAbort)
+        reject(err as Error)
+      },
+    )
+  })
+}
+
 /** The prefill worker at `url` over its channel (HTTP when it has none). */
 function channelPrefillSide(t: Transport, url: string): PrefillSide {
   const overHttp = prefillSide(t, url)
   return {
     name: url,
     prefill: (request, signal) =>
-      channelTo(t, url, 'prefill')
+      untilAborted(channelTo(t, url, 'prefill'), signal)
         .then((channel) =>
           channel === channelUnsupported
             ? overHttp.prefill(request, signal)
@@ -666,14 +693,6 @@ function destroyOnAbort(req: http.ClientRequest, signal: AbortSignal): void {
   signal.addEventListener('abort', onAbort, { once: true })
   // 'close': the reply was read to its end, or the request or its connection was destroyed.
   req.once('close', () => signal.removeEventListener('abort', onAbort))
-}
-
-/** The error `http.request` fails with when its `signal` aborts. */
-function abortError(signal: AbortSignal): Error {
-  return Object.assign(new Error('The operation was aborted', { cause: signal.reason }), {
-    name: 'AbortError',
-    code: 'ABORT_ERR',
-  })
 }
 
 /** `url`'s request options (protocol, host, port, path), parsed on first use. */

@@ -5,7 +5,7 @@
 import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
 import http from 'node:http'
-import type { AddressInfo, Socket } from 'node:net'
+import net, { type AddressInfo, type Socket } from 'node:net'
 import { describe, it } from 'node:test'
 import { encodeFrame, FrameReader } from '../../src/engine/channel-frames.js'
 import type { GenerateRequest } from '../../src/engine/control.js'
@@ -179,6 +179,59 @@ describe('control channel: fallback and broken peers', () => {
       } finally {
         workers.close()
         await impostor.close()
+      }
+    })
+  }
+})
+
+describe('control channel: a worker that takes the connection and never answers the upgrade', () => {
+  /** A peer that accepts TCP connections and holds them without a byte in reply (as a stopped
+   *  worker's kernel does): the channel's opening waits for it. */
+  async function startSilent() {
+    const sockets: Socket[] = []
+    const server = net.createServer((socket) => sockets.push(socket))
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+    return {
+      url: `http://127.0.0.1:${(server.address() as AddressInfo).port}`,
+      numConnections: () => sockets.length,
+      close: () =>
+        new Promise<void>((resolve) => {
+          for (const s of sockets) s.destroy()
+          server.close(() => resolve())
+        }),
+    }
+  }
+
+  for (const side of ['prefill', 'decode'] as const) {
+    it(`a request waiting for the ${side} worker's channel ends when its signal aborts, not at the connect timeout`, async () => {
+      // Found by a trial: the drain's deadline (and a client's disconnect) could not end a request
+      // waiting to open the channel of a stopped worker; the client got no reply at all.
+      const h = await startHarness()
+      const silent = await startSilent()
+      const workers = createWorkerClient({
+        prefillUrls: [side === 'prefill' ? silent.url : h.workers.prefillUrl],
+        decodeUrls: [side === 'decode' ? silent.url : h.workers.decodeUrl],
+        controlChannel: true,
+        // Without the fix the wait ended only here, with worker_unavailable (a stopped worker).
+        infoTimeoutMs: 30_000,
+      })
+      const abort = new AbortController()
+      try {
+        const run = (async () => {
+          for await (const _ of workers.generate(generateRequest(), abort.signal)) {
+            // no event can arrive
+          }
+        })()
+        await waitFor(() => silent.numConnections() === 1)
+        abort.abort()
+        await assert.rejects(
+          run,
+          (err: unknown) => err instanceof KvfenceError && err.code === 'request_aborted',
+        )
+      } finally {
+        workers.close()
+        await silent.close()
+        await h.close()
       }
     })
   }

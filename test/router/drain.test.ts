@@ -4,10 +4,12 @@
 import assert from 'node:assert/strict'
 import { type ChildProcess, spawn } from 'node:child_process'
 import { readFileSync, writeFileSync } from 'node:fs'
+import net, { type AddressInfo, type Socket } from 'node:net'
 import { dirname, join } from 'node:path'
 import { after, before, test } from 'node:test'
 import { parse, stringify } from 'yaml'
 import { startCluster } from '../../src/config/launch.js'
+import { channelPath } from '../../src/engine/channel-server.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 import { waitUntil } from '../helpers/poll.js'
 import {
@@ -31,10 +33,13 @@ before(async () => {
 })
 after(() => stopAll(workers))
 
-function startRouter(drainSeconds: number): Promise<ChildProcess> {
+function startRouter(
+  drainSeconds: number,
+  decodeUrl = `http://127.0.0.1:${ports.decode}`,
+): Promise<ChildProcess> {
   return startPart([
     'router', '--model', echoModelDir, '--host', '127.0.0.1', '--port', String(ports.router),
-    '--prefill', `http://127.0.0.1:${ports.prefill}`, '--decode', `http://127.0.0.1:${ports.decode}`,
+    '--prefill', `http://127.0.0.1:${ports.prefill}`, '--decode', decodeUrl,
     '--tenants', tenants.file, '--drain-seconds', String(drainSeconds),
   ]) // prettier-ignore
 }
@@ -77,6 +82,40 @@ function events(text: string): string[] {
     .split('\n\n')
     .filter((e) => e.startsWith('data: '))
     .map((e) => e.slice('data: '.length))
+}
+
+/** A TCP relay to the worker at `port` that passes every request through except the router's
+ *  upgrade to the control channel: that connection it holds open with no reply, as the kernel
+ *  of a stopped worker would. `held` resolves once one is held. */
+async function startChannelHold(port: number) {
+  const sockets: Socket[] = []
+  let onHeld = () => {}
+  const held = new Promise<void>((resolve) => (onHeld = resolve))
+  const server = net.createServer((socket) => {
+    sockets.push(socket)
+    socket.on('error', () => socket.destroy())
+    socket.once('data', (first: Buffer) => {
+      socket.pause()
+      if (first.toString('latin1').startsWith(`GET ${channelPath} `)) return onHeld()
+      const upstream = net.connect(port, '127.0.0.1', () => {
+        upstream.write(first)
+        socket.pipe(upstream).pipe(socket)
+      })
+      sockets.push(upstream)
+      upstream.on('error', () => socket.destroy())
+      upstream.on('close', () => socket.destroy())
+    })
+  })
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  return {
+    url: `http://127.0.0.1:${(server.address() as AddressInfo).port}`,
+    held,
+    close: () =>
+      new Promise<void>((resolve) => {
+        for (const s of sockets) s.destroy()
+        server.close(() => resolve())
+      }),
+  }
 }
 
 function exited(child: ChildProcess): Promise<number | null> {
@@ -255,4 +294,29 @@ test('Ctrl-C on kvfence serve (SIGINT to its whole process group, as a terminal 
   process.kill(-serve.pid!, 'SIGINT')
   assert.equal(events(await stream.rest).at(-1), '[DONE]', stderr)
   assert.equal(await exit, 0)
+})
+
+test('a request waiting on a decode worker that takes the connection and never answers the control channel gets the 503 body at the deadline, not a bare cut', async () => {
+  // Found by a trial (the decode worker SIGSTOPped): the wait to open the channel ignored the
+  // drain's deadline, the router closed its connections late and the client got no reply at all.
+  const hold = await startChannelHold(ports.decode)
+  const router = await startRouter(1, hold.url)
+  const exit = exited(router)
+  try {
+    const answer = fetch(`http://127.0.0.1:${ports.router}/v1/completions`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${tenants.a.key}`, 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'echo-tiny', prompt: 'hello there', max_tokens: 5 }),
+    })
+    await hold.held // the request is running, waiting for the channel
+    router.kill('SIGTERM')
+    const res = await answer
+    assert.equal(res.status, 503)
+    const body = (await res.json()) as { error: { code: string } }
+    assert.equal(body.error.code, 'shutting_down')
+    assert.equal(await exit, 0)
+  } finally {
+    router.kill('SIGKILL')
+    await hold.close()
+  }
 })
