@@ -141,12 +141,19 @@ export function noAnswerMessage(
   }
   const sorted = Object.entries(summary.notAnsweredBy).sort(([, a], [, b]) => b - a)
   const byCause = sorted.map(([cause, n]) => `${cause} ×${n}`).join(', ')
-  const top = sorted[0]?.[0] ?? ''
+  // A cut at the deadline is the audit's own, and its hint asks whether the endpoint ends its
+  // answers; an answer truncated at its size cap says it does not, however many were cut.
+  const truncated = sorted.find(([cause]) => cause.endsWith(' truncated'))?.[0]
+  const top =
+    sorted[0]?.[0] === cutAtDeadline ? (truncated ?? cutAtDeadline) : (sorted[0]?.[0] ?? '')
   let hint: string
   if (top === cutAtDeadline)
     hint = `none ended before the time budget's deadline: raise --max-seconds, or check that the endpoint ends its answers at max_tokens`
   else if (top.endsWith(' truncated'))
-    hint = `every answer went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers`
+    hint =
+      cutAtDeadline in summary.notAnsweredBy
+        ? `every answer not cut at the deadline went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers`
+        : `every answer went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers`
   else if (top === 'HTTP 404')
     hint = `check --model and the target's path prefix (${url} was asked)`
   else if (top === 'HTTP 405' || top === 'HTTP 501')

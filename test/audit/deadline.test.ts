@@ -68,7 +68,7 @@ describe('an endpoint whose answers never end', () => {
   const readReport = async (file: string): Promise<AuditReport> =>
     JSON.parse(await readFile(file, 'utf8')) as AuditReport
 
-  test('abort-race, events as fast as they are read, --max-seconds 3: ends in time, exit 2 (every answer truncated), inconclusive (never clean)', async () => {
+  test('abort-race, events as fast as they are read, --max-seconds 3: ends in time, exit 2 (no answer ended, and the line says how), inconclusive (never clean)', async () => {
     const json = join(dir, 'abort-race.json')
     const run = await audit(fast.url, [
       '--probes',
@@ -78,15 +78,40 @@ describe('an endpoint whose answers never end', () => {
       '--json',
       json,
     ])
-    // Every valid answer went on past its size cap (a request in flight at the deadline is cut
-    // there instead): not one was answered, so nothing was audited.
+    // No valid answer ended: each went on past its size cap, or was in flight at the deadline and
+    // cut there (how many of each depends on how fast this machine reads). Not one was answered,
+    // so nothing was audited, and the line names the cause these counts show.
     assert.equal(run.code, 2, run.stderr)
-    assert.match(
+    const report = await readReport(json)
+    const numNotAnsweredBy = new Map<string, number>()
+    for (const c of report.completions) {
+      if (c.isValid === false || c.failure === 'aborted') continue // abort-race's own cuts
+      const isTruncated = c.status === 200 && c.failure === 'truncated' && c.fate === 'failed'
+      const isAtDeadline = c.status === null && c.failure === 'timeout' && c.fate === 'cut'
+      assert.ok(isTruncated || isAtDeadline, `completion ${JSON.stringify(c)}`)
+      const cause = isTruncated ? 'HTTP 200 truncated' : 'cut at the deadline'
+      numNotAnsweredBy.set(cause, (numNotAnsweredBy.get(cause) ?? 0) + 1)
+    }
+    const numSent = [...numNotAnsweredBy.values()].reduce((a, b) => a + b, 0)
+    const byCause = [...numNotAnsweredBy]
+      .sort(([, a], [, b]) => b - a)
+      .map(([cause, n]) => `${cause} ×${n}`)
+      .join(', ')
+    // /health is read once a valid completion failed (a truncation), unless the budget was spent.
+    const health = report.findings.find((f) => f.probe === 'availability')?.evidence.health as
+      { status: number | string } | null | undefined
+    const healthNote =
+      health == null || health.status === 'budget' ? '' : `; /health answered ${health.status}`
+    const hint = !numNotAnsweredBy.has('HTTP 200 truncated')
+      ? "none ended before the time budget's deadline: raise --max-seconds, or check that the endpoint ends its answers at max_tokens"
+      : numNotAnsweredBy.has('cut at the deadline')
+        ? 'every answer not cut at the deadline went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers'
+        : 'every answer went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers'
+    assert.equal(
       run.stderr,
-      /^kvfence audit: the target answered none of the \d+ valid completions sent to http:\/\/127\.0\.0\.1:\d+\/v1\/completions \(HTTP 200 truncated ×\d+(, cut at the deadline ×\d+)?\)(; \/health answered 200)?: every answer went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers\. Nothing was audited\n$/,
+      `kvfence audit: the target answered none of the ${numSent} valid completions sent to ${fast.url}/v1/completions (${byCause})${healthNote}: ${hint}. Nothing was audited\n`,
     )
     assert.ok(run.wallMs < 3_000 + probeGraceMs + marginMs, `took ${Math.round(run.wallMs)} ms`)
-    const report = await readReport(json)
     assert.equal(report.state, 'tool-error')
     assert.equal(report.toolError?.code, 'no_completion_answered')
     assert.deepEqual(report.pendingProbes, ['abort-race'])

@@ -1,7 +1,8 @@
 /** The one line of the `no_completion_answered` tool error when no valid completion of the run was
  *  answered whole, worked by hand for each case: nothing sent before a budget ran out, and
  *  completions that were sent but cut by their own probes before they ended (a fresh-user trial
- *  got "no valid completion was sent" against an endpoint whose answers never end). */
+ *  got "no valid completion was sent" against an endpoint whose answers never end), and answers
+ *  that never ended, truncated at their size cap or cut at the deadline in any mix. */
 import assert from 'node:assert/strict'
 import { test } from 'node:test'
 import { Budget } from '../../src/audit/budget.js'
@@ -35,4 +36,41 @@ test('an answered completion: no tool error', () => {
     ),
     null,
   )
+})
+
+/** An endless endpoint's outcome: valid completions truncated at their size cap, and cut at the
+ *  deadline, in the order the ledger met them. */
+const endless = (notAnsweredBy: Record<string, number>) => {
+  const numExpected = Object.values(notAnsweredBy).reduce((a, b) => a + b, 0)
+  return { numExpected, numCutByProbes: 0, numAnswered: 0, notAnsweredBy }
+}
+const health = { endpoint: '/health', status: 200 } as const
+const pastCap =
+  'every answer went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers'
+const pastCapOrCut =
+  'every answer not cut at the deadline went on past max_tokens until it was cut at its size cap: the endpoint does not end its answers'
+const deadline =
+  "none ended before the time budget's deadline: raise --max-seconds, or check that the endpoint ends its answers at max_tokens"
+
+test('answers that never ended: a truncation names the endpoint, whatever the deadline cut', () => {
+  const cases: [Record<string, number>, string][] = [
+    [{ 'HTTP 200 truncated': 29 }, `(HTTP 200 truncated ×29); /health answered 200: ${pastCap}`],
+    [
+      { 'HTTP 200 truncated': 22, 'cut at the deadline': 1 },
+      `(HTTP 200 truncated ×22, cut at the deadline ×1); /health answered 200: ${pastCapOrCut}`,
+    ],
+    // More cut than truncated (a loaded machine reads slowly): still the endpoint's fault.
+    [
+      { 'HTTP 200 truncated': 1, 'cut at the deadline': 3 },
+      `(cut at the deadline ×3, HTTP 200 truncated ×1); /health answered 200: ${pastCapOrCut}`,
+    ],
+    [{ 'cut at the deadline': 4 }, `(cut at the deadline ×4); /health answered 200: ${deadline}`],
+  ]
+  for (const [notAnsweredBy, tail] of cases) {
+    const summary = endless(notAnsweredBy)
+    assert.equal(
+      noAnswerMessage(summary, 'http://127.0.0.1:9', budget, health),
+      `the target answered none of the ${summary.numExpected} valid completions sent to ${url} ${tail}. Nothing was audited`,
+    )
+  }
 })
