@@ -2,7 +2,6 @@
  *  that run elsewhere (or on this host), from flags or from a cluster config file
  *  (`--config FILE`: its router, tenants, and workers given by `url` or its gateway backend).
  *  Tells a parent process that forked it, once listening. */
-import type { ChildProcess } from 'node:child_process'
 import { clusterTokenFrom } from '../engine/cluster-token.js'
 import { Option, type Command } from 'commander'
 import { pino } from 'pino'
@@ -272,16 +271,6 @@ function routerFlagsOverFile(
       ...(given('reservedSlots') ? { reservedSlots: flags.reservedSlots } : {}),
     },
   }
-}
-
-/** Sends SIGTERM to a router process (it drains, see `RunningRouter.drain`) and resolves when it
- *  has exited; at once when it already had. */
-export function routerDrained(child: ChildProcess): Promise<void> {
-  if (child.exitCode !== null || child.signalCode !== null) return Promise.resolve()
-  return new Promise((resolve) => {
-    child.once('exit', () => resolve())
-    child.kill('SIGTERM')
-  })
 }
 
 /** `--sentinel-window-seconds`: whole seconds, 1 s to a day (fingerprints are kept by clock, and

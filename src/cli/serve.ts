@@ -17,7 +17,6 @@ import { bundledModelDir } from '../paths.js'
 import { queueLimitDefaults } from '../router/limits.js'
 import { loadTenants } from '../router/tenants.js'
 import { checkPlaintextLinks, isLoopbackHost } from '../plaintext.js'
-import { routerDrained } from './router.js'
 import {
   collect,
   intOption,
@@ -177,21 +176,30 @@ export function registerServe(program: Command): void {
       })
       process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
       let isStopping = false
-      const stop = async () => {
+      let stopped: Promise<void> | undefined
+      // Stopping the cluster drains the router first (running requests finish), bounded: SIGKILL
+      // after its drain time and 5 s. A router that never exits (a trial SIGSTOPped it) once held
+      // serve for ever, deaf to more signals.
+      const stop = () => {
         isStopping = true
-        await cluster.stop()
-        process.exit(0)
+        stopped ??= cluster.stop().then(() => process.exit(0))
       }
-      // The router drains first (running requests finish), then every part stops.
+      // A second signal stops at once: passed on, the router's own second signal ends its running
+      // streams with an error event and exits; one that does not within 2 s is killed.
       const drainThenStop = () => {
-        isStopping = true
-        void routerDrained(cluster.processes.router).then(stop)
+        if (stopped === undefined) return stop()
+        process.stderr.write(
+          'kvfence: second stop signal: stopping now, not waiting for the drain\n',
+        )
+        const { router } = cluster.processes
+        router.kill('SIGTERM')
+        setTimeout(() => router.kill('SIGKILL'), secondSignalGraceMs).unref()
       }
       process.on('SIGINT', drainThenStop)
       process.on('SIGTERM', drainThenStop)
       reportReadyToParent(
         { type: 'ready', role: 'router', port: Number(new URL(cluster.routerUrl).port) },
-        () => void stop(),
+        stop,
       )
       for (const child of Object.values(cluster.processes)) {
         child.once('exit', (code, signal) => {
@@ -205,6 +213,10 @@ export function registerServe(program: Command): void {
       }
     })
 }
+
+/** How long a router given the second stop signal may take to end its streams and exit before
+ *  SIGKILL (ms). */
+const secondSignalGraceMs = 2000
 
 /** The flags of `serve --tenants` that `serve --config` has no use for, each with where the
  *  cluster file says the same (or why it cannot). Given with --config they were once ignored

@@ -2,7 +2,7 @@
  *  `dist/src/cli/main.js` on fixed ports (so one part can be killed and restarted in place), read a
  *  worker's pool, and wait for conditions with bounded polling. */
 import { fork, type ChildProcess } from 'node:child_process'
-import { readFileSync, writeFileSync } from 'node:fs'
+import { readFileSync, readdirSync, writeFileSync } from 'node:fs'
 import net from 'node:net'
 import { join } from 'node:path'
 import OpenAI from 'openai'
@@ -191,4 +191,19 @@ export async function eventually(probe: () => Promise<boolean>, tries = 100): Pr
 /** An `openai` client for `baseUrl` (router root) with no retries and a bounded timeout. */
 export function client(baseUrl: string, key: string, timeoutMs = 30_000): OpenAI {
   return new OpenAI({ baseURL: `${baseUrl}/v1`, apiKey: key, maxRetries: 0, timeout: timeoutMs })
+}
+
+/** The pid of the child of `parent` whose command line names `part` (Linux /proc). */
+export function childPid(parent: number, part: string): number {
+  for (const entry of readdirSync('/proc')) {
+    if (!/^\d+$/.test(entry)) continue
+    try {
+      const ppid = Number(readFileSync(`/proc/${entry}/stat`, 'utf8').split(') ')[1].split(' ')[1])
+      const argv = readFileSync(`/proc/${entry}/cmdline`, 'utf8').split('\0')
+      if (ppid === parent && argv.includes(part)) return Number(entry)
+    } catch {
+      // the process ended meanwhile
+    }
+  }
+  throw new Error(`no ${part} child of ${parent}`)
 }

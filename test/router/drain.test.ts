@@ -15,6 +15,7 @@ import { waitUntil } from '../helpers/poll.js'
 import {
   type Ports,
   allocatePorts,
+  childPid,
   freePort,
   makeTenants,
   startDecode,
@@ -41,6 +42,14 @@ function startRouter(
     'router', '--model', echoModelDir, '--host', '127.0.0.1', '--port', String(ports.router),
     '--prefill', `http://127.0.0.1:${ports.prefill}`, '--decode', decodeUrl,
     '--tenants', tenants.file, '--drain-seconds', String(drainSeconds),
+  ]) // prettier-ignore
+}
+
+/** `kvfence serve` of the echo model on `port` with `--drain-seconds drainSeconds`. */
+function startServe(port: number, drainSeconds: number): Promise<ChildProcess> {
+  return startPart([
+    'serve', '--model', echoModelDir, '--tenants', tenants.file, '--port', String(port),
+    '--drain-seconds', String(drainSeconds),
   ]) // prettier-ignore
 }
 
@@ -211,10 +220,7 @@ test('kvfence serve forwards SIGTERM to its router and waits for the drain: the 
 
 test('kvfence serve --drain-seconds 5: SIGTERM lets a running stream finish with [DONE], exit 0', async () => {
   const port = await freePort()
-  const serve = await startPart([
-    'serve', '--model', echoModelDir, '--tenants', tenants.file, '--port', String(port),
-    '--drain-seconds', '5',
-  ]) // prettier-ignore
+  const serve = await startServe(port, 5)
   const exit = exited(serve)
   const stream = await openStream(60, port)
   serve.kill('SIGTERM')
@@ -224,10 +230,7 @@ test('kvfence serve --drain-seconds 5: SIGTERM lets a running stream finish with
 
 test('kvfence serve --drain-seconds 0 reaches its router: a running stream ends with an error event', async () => {
   const port = await freePort()
-  const serve = await startPart([
-    'serve', '--model', echoModelDir, '--tenants', tenants.file, '--port', String(port),
-    '--drain-seconds', '0',
-  ]) // prettier-ignore
+  const serve = await startServe(port, 0)
   const exit = exited(serve)
   const stream = await openStream(400, port)
   serve.kill('SIGTERM')
@@ -235,6 +238,64 @@ test('kvfence serve --drain-seconds 0 reaches its router: a running stream ends 
   assert.equal((JSON.parse(last) as { error: { code: string } }).error.code, 'shutting_down')
   assert.equal(await exit, 0)
 })
+
+test(
+  'kvfence serve whose router never exits (SIGSTOPped): SIGTERM still ends it after the drain time and 5 s, the router killed, exit 0',
+  { timeout: 30_000 },
+  async () => {
+    // Found by a trial: serve waited on the router's exit with no bound, deaf to more signals.
+    const port = await freePort()
+    const serve = await startServe(port, 1)
+    const exit = exited(serve)
+    const router = childPid(serve.pid!, 'router')
+    process.kill(router, 'SIGSTOP')
+    try {
+      serve.kill('SIGTERM')
+      assert.equal(await exit, 0)
+      assert.throws(() => process.kill(router, 0), { code: 'ESRCH' })
+    } finally {
+      // Gone, as they should be; killed here when not, so a failure cannot hang the file.
+      for (const pid of [router, serve.pid!]) {
+        try {
+          process.kill(pid, 'SIGKILL')
+        } catch {
+          // gone
+        }
+      }
+    }
+  },
+)
+
+test(
+  'a second SIGTERM to kvfence serve stops at once: the running stream ends with an error event, said on stderr, exit 0',
+  { timeout: 25_000 },
+  async () => {
+    // Within the test's 25 s, well short of the 30 s drain the first signal began.
+    const port = await freePort()
+    const serve = await startServe(port, 30)
+    const exit = exited(serve)
+    let stderr = ''
+    serve.stderr!.on('data', (chunk: Buffer) => (stderr += chunk.toString('utf8')))
+    const long = await openStream(400, port)
+    serve.kill('SIGTERM')
+    await waitUntil(
+      async () => {
+        const health = await fetch(`http://127.0.0.1:${port}/health`)
+        await health.arrayBuffer()
+        return health.status === 503
+      },
+      { timeoutMs: 10_000, intervalMs: 20, what: 'the router draining' },
+    )
+    serve.kill('SIGTERM')
+    const last = JSON.parse(events(await long.rest).at(-1)!) as { error: { code: string } }
+    assert.equal(last.error.code, 'shutting_down')
+    assert.equal(await exit, 0)
+    assert.ok(
+      stderr.includes('kvfence: second stop signal: stopping now, not waiting for the drain\n'),
+      stderr,
+    )
+  },
+)
 
 test('kvfence serve --config: router.drainSeconds reaches the router (0: the stream ends with an error event)', async () => {
   const port = await freePort()

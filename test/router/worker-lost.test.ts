@@ -2,10 +2,10 @@
  *  with Retry-After — none a reset connection. Real worker and router processes. */
 import assert from 'node:assert/strict'
 import type { ChildProcess } from 'node:child_process'
-import { readFileSync, readdirSync } from 'node:fs'
 import { after, test } from 'node:test'
 import {
   allocatePorts,
+  childPid,
   freePort,
   kill9,
   makeTenants,
@@ -54,21 +54,6 @@ test('SIGKILL of the prefill worker under 20 requests: each client gets 200 or 5
   for (const r of failed)
     assert.deepEqual(r, { status: 503, retryAfter: '1', code: 'worker_unavailable' })
 })
-
-/** The pid of the child of `parent` whose command line names `part` (Linux /proc). */
-function childPid(parent: number, part: string): number {
-  for (const entry of readdirSync('/proc')) {
-    if (!/^\d+$/.test(entry)) continue
-    try {
-      const ppid = Number(readFileSync(`/proc/${entry}/stat`, 'utf8').split(') ')[1].split(' ')[1])
-      const argv = readFileSync(`/proc/${entry}/cmdline`, 'utf8').split('\0')
-      if (ppid === parent && argv.includes(part)) return Number(entry)
-    } catch {
-      // the process ended meanwhile
-    }
-  }
-  throw new Error(`no ${part} child of ${parent}`)
-}
 
 test('kvfence serve, SIGKILL of its prefill worker under 20 requests: no client sees a reset connection', async () => {
   const port = await freePort()
