@@ -28,7 +28,8 @@ export interface TokenizerPool {
    *  always): a 1 MB prompt over the window is ~1M ids, 4 MB to carry back and collect for
    *  nothing. Rejects with the `invalid_request` either throws, `request_aborted` when `signal`
    *  fires while the prompt waits for a process, or `internal_error` when its process exits
-   *  before answering (or fails to start) or the pool is closed. */
+   *  before answering (or fails to start, or is killed for not answering within
+   *  `answerTimeoutMs`) or the pool is closed. */
   tokenize(
     parsed: ParsedRequest,
     tenant: string,
@@ -62,6 +63,10 @@ export interface TokenizerPoolOptions {
   /** Start the processes now (default), not with the first prompt that needs one: with Qwen3's
    *  tokenizer a process takes ~1 s to load it, which that prompt would otherwise wait. */
   startNow?: boolean
+  /** How long a process may take to load its tokenizer or to answer one prompt before it is
+   *  killed (ms; default {@link defaultAnswerTimeoutMs}): a stopped or stuck one would otherwise
+   *  hold its prompt, and every prompt queued behind it, for ever. */
+  answerTimeoutMs?: number
 }
 
 /** Processes of the pool: at most 2 (a router tokenizes; it does not compute). */
@@ -71,6 +76,10 @@ export const defaultNumProcesses = Math.max(1, Math.min(2, availableParallelism(
  *  lowest): on a busy machine the router's loop gets ~9× its CPU share (Linux's weights for 0 and
  *  10), yet it is not starved the way 19 (~70×) would leave it behind other processes' work. */
 export const tokenizerNiceness = 10
+
+/** A process's longest turn, ms: a minute, ~100× what loading Qwen3's tokenizer (~1 s) or a
+ *  1 MB prompt (~0.5 s) takes here, so that only a process that has stopped answering meets it. */
+export const defaultAnswerTimeoutMs = 60_000
 
 /** Inline up to 512 characters: about where a worker thread's round trip (posting the request,
  *  the answer's event) cost as much as tokenizing inline (measured: see the commit that set it);
@@ -139,6 +148,10 @@ interface Member {
   isReady: boolean
   /** The prompt it is tokenizing. */
   job: Job | null
+  /** Kills it when it has not answered (said ready, or answered its job) in time. */
+  answerTimer: NodeJS.Timeout | undefined
+  /** Whether {@link Member.answerTimer} killed it. */
+  isUnanswering: boolean
 }
 
 /** Forks one tokenizer process: `onMessage` hears what it says, `onGone` how it ended (once or
@@ -153,7 +166,13 @@ function startMember(
     serialization: 'advanced', // the ids come back as an Int32Array, not a JSON array
     stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
   })
-  const member: Member = { child, isReady: false, job: null }
+  const member: Member = {
+    child,
+    isReady: false,
+    job: null,
+    answerTimer: undefined,
+    isUnanswering: false,
+  }
   child.on('message', (message: TokenizerReply | { ready: true }) => onMessage(member, message))
   child.on('error', (err) => onGone(member, `failed: ${err.message}`))
   child.on('exit', (code, signal) =>
@@ -203,9 +222,22 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
   const members: Member[] = []
   let isClosed = false
 
+  const answerTimeoutMs = options.answerTimeoutMs ?? defaultAnswerTimeoutMs
+  /** Starts (`owes`) or ends `member`'s wait for an answer: SIGKILL at the deadline, after
+   *  which its exit fails the prompt it held (or, when it never started, the waiting ones). */
+  const awaitAnswer = (member: Member, owes: boolean) => {
+    clearTimeout(member.answerTimer)
+    member.answerTimer = !owes
+      ? undefined
+      : setTimeout(() => {
+          member.isUnanswering = true
+          member.child.kill('SIGKILL')
+        }, answerTimeoutMs).unref() // the process's own handles hold the loop while it owes one
+  }
   const settle = (member: Member, reply: TokenizerReply) => {
     const job = member.job
     member.job = null
+    awaitAnswer(member, false)
     holdsLoop(member, false)
     if (job !== null && job.id === reply.id) {
       job.signal.removeEventListener('abort', job.onAbort)
@@ -223,10 +255,16 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
     const at = members.indexOf(member)
     if (at === -1) return // said twice ('error' then 'exit')
     members.splice(at, 1)
+    awaitAnswer(member, false)
     // An 'error' (a send that failed) may come from a process still running: not to be left.
     if (member.child.exitCode === null && member.child.signalCode === null)
       member.child.kill('SIGKILL')
-    const err = new KvfenceError('internal_error', `the tokenizer process ${how}`)
+    const err = new KvfenceError(
+      'internal_error',
+      member.isUnanswering
+        ? `the tokenizer process did not answer within ${answerTimeoutMs} ms and was killed`
+        : `the tokenizer process ${how}`,
+    )
     if (member.job !== null) {
       member.job.signal.removeEventListener('abort', member.job.onAbort)
       member.job.reject(err)
@@ -240,12 +278,14 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
   const onMessage = (member: Member, message: TokenizerReply | { ready: true }) => {
     if (!('ready' in message)) return settle(member, message)
     member.isReady = true
+    awaitAnswer(member, false)
     holdsLoop(member, false)
     dispatch()
   }
   const start = (): Member => {
     const member = startMember(options.modelDir, onMessage, onExit)
     members.push(member)
+    awaitAnswer(member, true) // its tokenizer loaded
     return member
   }
   /** Gives idle processes the next prompt of each tenant in turn; starts a process when prompts
@@ -265,6 +305,7 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
       if (queue.length > 0) queues.set(tenant, queue) // to the back of the turn
       member.job = job
       holdsLoop(member, true)
+      awaitAnswer(member, true)
       member.child.send({
         id: job.id,
         parsed: job.parsed,
@@ -298,6 +339,7 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
       const stopped = new KvfenceError('internal_error', 'router stopped')
       rejectAll(queues, stopped)
       const exits = members.splice(0).map((member) => {
+        awaitAnswer(member, false)
         if (member.job !== null) member.job.reject(stopped)
         const { child } = member
         if (child.exitCode !== null || child.signalCode !== null) return Promise.resolve()

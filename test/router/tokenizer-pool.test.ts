@@ -99,7 +99,7 @@ function theTokenizerPid(): number {
 }
 
 /** A pool of one process that takes every prompt, over the test tokenizer. */
-function poolOfOne() {
+function poolOfOne(answerTimeoutMs?: number) {
   const modelDir = writeTestTokenizer()
   const pool = createTokenizerPool({
     modelDir,
@@ -107,6 +107,7 @@ function poolOfOne() {
     numProcesses: 1,
     inlineMaxChars: 0,
     startNow: false,
+    answerTimeoutMs,
   })
   return {
     pool,
@@ -183,6 +184,28 @@ test('a tokenizer process killed mid-prompt fails that prompt with internal_erro
     })
     const next = await pool.tokenize(completionOf('again'), 'alpha', noSignal)
     assert.deepEqual([...next.ids!], [1, ...charIds('again')])
+    assert.notEqual(theTokenizerPid(), pid, 'a new process')
+  } finally {
+    await close()
+  }
+})
+
+test('a tokenizer process that stops answering (SIGSTOP) is killed at answerTimeoutMs: its prompt fails with internal_error, the one queued behind it goes to a new process', async () => {
+  // Found by a trial: a stopped process held its prompt, and every one queued behind it, for ever.
+  const { pool, close } = poolOfOne(1000)
+  try {
+    await pool.tokenize(completionOf('warm'), 'alpha', noSignal)
+    const pid = theTokenizerPid()
+    process.kill(pid, 'SIGSTOP')
+    const held = pool.tokenize(completionOf('held'), 'alpha', noSignal)
+    const queued = pool.tokenize(completionOf('queued'), 'beta', noSignal)
+    await assert.rejects(held, {
+      code: 'internal_error',
+      message: 'the tokenizer process did not answer within 1000 ms and was killed',
+    })
+    // Taken by the process started in its place.
+    assert.deepEqual([...(await queued).ids!], [1, ...charIds('queued')])
+    assert.equal(isRunning(pid), false)
     assert.notEqual(theTokenizerPid(), pid, 'a new process')
   } finally {
     await close()
