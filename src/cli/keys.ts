@@ -12,7 +12,7 @@ import { describeIssue } from '../files/issues.js'
 import { parseYamlDocument, readYamlFileText } from '../files/yaml-file.js'
 import { KvfenceError } from '../errors.js'
 import { newApiKey } from '../router/tenant-keys.js'
-import { intOption, positiveIntOption } from './options.js'
+import { intOption, positiveIntOption, weightOption } from './options.js'
 import {
   apiKeyDigest,
   sameTenantNames,
@@ -100,6 +100,11 @@ export function registerKeys(program: Command): void {
       intOption,
     )
     .option(
+      '--weight <w>',
+      "the tenant's share against other waiting tenants in the router's fair queue (0.001 to 1000; default 1)",
+      weightOption,
+    )
+    .option(
       '--canary',
       "a watch tenant (canary: true): the router's response sentinel learns canaries from its prompts and confirms a leak when another tenant's answer carries one (for kvfence watch's tenants only; see docs/monitoring.md)",
     )
@@ -111,6 +116,7 @@ export function registerKeys(program: Command): void {
           maxConcurrent?: number
           tokensPerMinute?: number
           prefixCachePages?: number
+          weight?: number
           canary?: boolean
         },
       ) => {
@@ -124,17 +130,22 @@ export function registerKeys(program: Command): void {
     )
   keys
     .command('list')
-    .description('list tenants, their limits and which are canary tenants (never keys)')
+    .description(
+      'list tenants, their limits, weights, prefix-cache pages and which are canary tenants (never keys)',
+    )
     .option(...fileOption)
     .action((flags: { tenants: string }) => {
       const { tenants } = readTenantsDocument(flags.tenants, false)
       checkTenantNames(flags.tenants, tenants)
       for (const t of tenants) {
         const limits = Object.entries(t.limits ?? {}).map(([k, v]) => `${k}=${v}`)
-        const canary = t.canary === true ? '\tcanary' : ''
-        process.stdout.write(
-          `${t.name}\t${limits.length > 0 ? limits.join(' ') : 'no limits'}${canary}\n`,
-        )
+        const more = [
+          ...(t.weight === undefined ? [] : [`weight=${t.weight}`]),
+          ...(t.prefixCachePages === undefined ? [] : [`prefixCachePages=${t.prefixCachePages}`]),
+          ...(t.canary === true ? ['canary'] : []),
+        ]
+        const columns = [t.name, limits.length > 0 ? limits.join(' ') : 'no limits', ...more]
+        process.stdout.write(`${columns.join('\t')}\n`)
       }
     })
   keys
@@ -187,6 +198,7 @@ function addTenant(
     maxConcurrent?: number
     tokensPerMinute?: number
     prefixCachePages?: number
+    weight?: number
     canary?: boolean
   },
 ): void {
@@ -212,6 +224,7 @@ function addTenant(
     keySha256: apiKeyDigest(key),
     ...(Object.keys(limits).length > 0 ? { limits } : {}),
     ...(flags.prefixCachePages === undefined ? {} : { prefixCachePages: flags.prefixCachePages }),
+    ...(flags.weight === undefined ? {} : { weight: flags.weight }),
     ...(flags.canary === true ? { canary: true } : {}),
   })
   if (!parsed.success) {

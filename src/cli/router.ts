@@ -16,7 +16,7 @@ import { redactedUrl, type UnavailablePolicy } from '../router/redis-limits.js'
 import { refuseNativeSaltSecretFile, saltSecretFrom } from '../router/salt-secret.js'
 import type { SentinelMode } from '../router/sentinel/sentinel.js'
 import {
-  collect,
+  collectUrl,
   intOption,
   intRangeOption,
   logLevels,
@@ -63,8 +63,8 @@ export function registerRouter(program: Command): void {
     .command('router')
     .description('start the OpenAI-compatible router in front of prefill and decode workers')
     .option('--config <file>', 'cluster config YAML (router, tenants, worker URLs or backend)')
-    .option('--prefill <url>', 'a prefill worker’s control URL; repeatable', collect, [])
-    .option('--decode <url>', 'a decode worker’s control URL; repeatable', collect, [])
+    .option('--prefill <url>', 'a prefill worker’s control URL; repeatable', collectUrl, [])
+    .option('--decode <url>', 'a decode worker’s control URL; repeatable', collectUrl, [])
     .option('--tenants <file>', 'tenants YAML file (create one with `kvfence keys add NAME`)')
     .option(
       '--max-concurrent <n>',

@@ -22,6 +22,15 @@ export const TenantLimits = z.strictObject({
 })
 export type TenantLimits = z.infer<typeof TenantLimits>
 
+/** The smallest weight a tenant may have: with {@link maxTenantWeight}, a million to one is more
+ *  spread than any operator needs, and a weight far smaller (1e-300 was accepted) drives the
+ *  tenant's virtual token counter past what a double holds, where it stops ordering anything
+ *  (fair-queue.ts). */
+export const minTenantWeight = 0.001
+
+/** The largest weight a tenant may have (see {@link minTenantWeight}). */
+export const maxTenantWeight = 1000
+
 /** One tenant as configured: its name (logged, sent to workers), its key's SHA-256 (hex) and its
  *  limits. */
 export const TenantRecord = z.strictObject({
@@ -39,7 +48,11 @@ export const TenantRecord = z.strictObject({
   /** The tenant's share of the router's service against other tenants with requests queued
    *  (fair-queue.ts): a tenant of weight 2 is served twice the tokens of one of weight 1 while both
    *  wait. Default 1. */
-  weight: z.number().gt(0, 'weight must be greater than 0').finite().optional(),
+  weight: z
+    .number()
+    .min(minTenantWeight, `weight must be from ${minTenantWeight} to ${maxTenantWeight}`)
+    .max(maxTenantWeight, `weight must be from ${minTenantWeight} to ${maxTenantWeight}`)
+    .optional(),
   /** A watch tenant: the response sentinel learns canaries from its prompts. */
   canary: z.boolean().optional(),
   /** Pages of each prefill worker's prefix cache kept for this tenant alone (0: none); default:

@@ -53,11 +53,16 @@ const cases: [string[], string][] = [
   [['prefill', '--prefix-cache-pages-per-tenant', '0'], `error: option '--prefix-cache-pages-per-tenant <n>' argument '0' is invalid. expected a positive integer, got "0"`],
   [['keys', 'add', 'carol', '--max-concurrent', '-1'], `error: option '--max-concurrent <n>' argument '-1' is invalid. expected a positive integer, got "-1"`],
   [['keys', 'add', 'carol', '--tokens-per-minute', '1.5'], `error: option '--tokens-per-minute <n>' argument '1.5' is invalid. expected a positive integer, got "1.5"`],
+  [['keys', 'add', 'carol', '--weight', '0'], `error: option '--weight <w>' argument '0' is invalid. expected a number from 0.001 to 1000, got "0"`],
+  [['keys', 'add', 'carol', '--weight', '1e-300'], `error: option '--weight <w>' argument '1e-300' is invalid. expected a number from 0.001 to 1000, got "1e-300"`],
   [['generate', '--prompt', 'hi', '--max-tokens', '99999999999999999999'], `error: option '--max-tokens <n>' argument '99999999999999999999' is invalid. expected a positive integer, got "99999999999999999999"`],
   [['generate', '--prompt', 'hi', '--top-k', '99999999999999999999'], `error: option '--top-k <k>' argument '99999999999999999999' is invalid. expected an integer ≥ -1 (-1 or 0: off), got "99999999999999999999"`],
   [['soak', '--tenants', '99999999999999999999'], `error: option '--tenants <k>' argument '99999999999999999999' is invalid. expected a non-negative integer, got "99999999999999999999"`],
   [['soak', '--watch-cycle-seconds', '2147484'], `error: option '--watch-cycle-seconds <s>' argument '2147484' is invalid. expected an integer from 0 to 2147483, got "2147484"`],
   [['demo', '--seed', '-1'], `error: option '--seed <n>' argument '-1' is invalid. expected a non-negative integer, got "-1"`],
+  // A worker URL that is not one was refused as a host "dialed without TLS" (a fresh-user trial).
+  [['router', '--prefill', 'notaurl', '--decode', 'http://127.0.0.1:2'], `error: option '--prefill <url>' argument 'notaurl' is invalid. expected an http:// or https:// URL, got "notaurl"`],
+  [['router', '--prefill', 'http://127.0.0.1:1', '--decode', 'ftp://127.0.0.1:2'], `error: option '--decode <url>' argument 'ftp://127.0.0.1:2' is invalid. expected an http:// or https:// URL, got "ftp://127.0.0.1:2"`],
   // The audit's numbers are checked before what else is missing (here: the tenants).
   [['audit', '--target', 'http://127.0.0.1:9', '--max-requests', '-1'], 'kvfence audit: --max-requests must be an integer from 1 to 1000000, got "-1"'],
   // Checked before any part starts: one line, and no part's log lines before it.

@@ -251,6 +251,29 @@ describe('kvfence keys', () => {
     assert.equal(listed, 'customer\tno limits\nwatch-a\tno limits\tcanary\n')
   })
 
+  it('add --weight and --prefix-cache-pages write them; list shows them after the limits', async () => {
+    // A trial found no way to set a weight from the CLI, and list hid the ones set in the file.
+    const path = join(dir, 'weights.yaml')
+    const { stdout: key } = await kvfence(
+      'add', 'alice', '--tenants', path, '--weight', '2.5', '--prefix-cache-pages', '4',
+      '--max-concurrent', '3',
+    ) // prettier-ignore
+    await kvfence('add', 'bob', '--tenants', path)
+    assert.deepEqual(parse(readFileSync(path, 'utf8')).tenants[0], {
+      name: 'alice',
+      keySha256: apiKeyDigest(key.trim()),
+      limits: { maxConcurrentRequests: 3 },
+      prefixCachePages: 4,
+      weight: 2.5,
+    })
+    assert.equal(loadTenants(path).authenticate(key.trim())!.weight, 2.5)
+    const { stdout: listed } = await kvfence('list', '--tenants', path)
+    assert.equal(
+      listed,
+      'alice\tmaxConcurrentRequests=3\tweight=2.5\tprefixCachePages=4\nbob\tno limits\n',
+    )
+  })
+
   it('list and remove refuse a file with no tenants list (a wrong path is not an empty list)', async () => {
     const path = join(dir, 'package-like.yaml')
     writeFileSync(path, '{"name": "x", "version": "1.0.0"}\n')

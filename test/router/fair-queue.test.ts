@@ -481,7 +481,7 @@ describe('reserved slots at the router', () => {
 })
 
 describe('tenant weights', () => {
-  it('a weight is a number above 0; without one a tenant has none set (weight 1)', () => {
+  it('a weight is a number from 0.001 to 1000; without one a tenant has none set (weight 1)', () => {
     const record = (weight?: number) => ({
       name: 'alpha',
       keySha256: apiKeyDigest(keys.alpha),
@@ -489,8 +489,11 @@ describe('tenant weights', () => {
     })
     assert.equal(createTenantRegistry([record(2.5)]).authenticate(keys.alpha)?.weight, 2.5)
     assert.equal(createTenantRegistry([record()]).authenticate(keys.alpha)?.weight, undefined)
-    for (const bad of [0, -1]) {
-      assert.throws(() => createTenantRegistry([record(bad)]), /weight must be greater than 0/)
+    for (const good of [0.001, 1000])
+      assert.equal(createTenantRegistry([record(good)]).authenticate(keys.alpha)?.weight, good)
+    // 1e-300 was taken: its virtual token counter overflows to Infinity after one request.
+    for (const bad of [0, -1, 1e-300, 0.0009, 1000.5]) {
+      assert.throws(() => createTenantRegistry([record(bad)]), /weight must be from 0.001 to 1000/)
     }
   })
 })
