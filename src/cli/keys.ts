@@ -3,7 +3,7 @@
  *  new key once (it cannot be recovered later). Edits keep the rest of the file (limits, other
  *  sections, comments) as it was. */
 import { existsSync } from 'node:fs'
-import type { Command } from 'commander'
+import { type Command, InvalidArgumentError } from 'commander'
 import lockfile from 'proper-lockfile'
 import writeFileAtomic from 'write-file-atomic'
 import { isMap, isSeq, type Document } from 'yaml'
@@ -12,9 +12,11 @@ import { describeIssue } from '../files/issues.js'
 import { parseYamlDocument, readYamlFileText } from '../files/yaml-file.js'
 import { KvfenceError } from '../errors.js'
 import { newApiKey } from '../router/tenant-keys.js'
-import { intOption, positiveIntOption, weightOption } from './options.js'
+import { intOption, positiveIntOption } from './options.js'
 import {
   apiKeyDigest,
+  maxTenantWeight,
+  minTenantWeight,
   sameTenantNames,
   sameTenantNamesFault,
   TenantRecord,
@@ -76,6 +78,17 @@ function readTenantsDocument(
   if (isSeq(seq) && seq.items.length === 0) seq.flow = false
   if (isNew) doc.contents!.flow = false
   return { doc, tenants: parsed.data }
+}
+
+/** Parse a tenant's weight (`keys add --weight`), as commander's one-line error (see options.ts): a decimal number in the range the tenants file
+ *  accepts ({@link minTenantWeight} to {@link maxTenantWeight}). */
+function weightOption(value: string): number {
+  const w = /^\d+(\.\d+)?$/.test(value) ? Number(value) : NaN
+  if (!(w >= minTenantWeight && w <= maxTenantWeight))
+    throw new InvalidArgumentError(
+      `expected a number from ${minTenantWeight} to ${maxTenantWeight}, got "${value}"`,
+    )
+  return w
 }
 
 /** Register `kvfence keys`. */

@@ -4,7 +4,6 @@
  *  or exponent) and at most `Number.MAX_SAFE_INTEGER`: past it `Number()` rounds, so a value was
  *  taken as another one. */
 import { InvalidArgumentError } from 'commander'
-import { maxTenantWeight, minTenantWeight } from '../router/tenants.js'
 import { maxTimerMs, maxTimerSeconds } from '../timer-limit.js'
 
 export { maxTimerMs }
@@ -70,17 +69,6 @@ export function threadArgs(threads: number | undefined): {
 /** Collect a repeatable flag into an array. */
 export function collect(value: string, previous: string[]): string[] {
   return [...previous, value]
-}
-
-/** Parse a tenant's weight (`keys add --weight`): a decimal number in the range the tenants file
- *  accepts ({@link minTenantWeight} to {@link maxTenantWeight}). */
-export function weightOption(value: string): number {
-  const w = /^\d+(\.\d+)?$/.test(value) ? Number(value) : NaN
-  if (!(w >= minTenantWeight && w <= maxTenantWeight))
-    throw new InvalidArgumentError(
-      `expected a number from ${minTenantWeight} to ${maxTenantWeight}, got "${value}"`,
-    )
-  return w
 }
 
 /** Collect a repeatable URL flag (a worker's control URL) into an array, refusing a value that
