@@ -5,7 +5,7 @@
  *  worker over the same TLS, HTTP kept for a worker without it and for `/server_info`, `/metrics`
  *  and the token probe), with the workers' replies parsed at this boundary. One request's steps across the two workers, and the
  *  checks before any token leaves, are `src/engine/handoff.ts`'s: this file gives it the two
- *  workers as sides, picked round-robin.
+ *  workers as sides, picked round-robin among those whose last probe (`serverInfo`) answered.
  *  Knows worker URLs, HTTP status codes, connections and request ids; knows nothing of text, API
  *  keys or OpenAI shapes. */
 import { clusterTokenHeader } from '../engine/cluster-token.js'
@@ -75,7 +75,9 @@ export interface WorkerClient {
   readonly prefillUrls: readonly string[]
   /** Base URLs of the decode workers. */
   readonly decodeUrls: readonly string[]
-  /** `GET {url}/server_info` of one worker; throws `worker_unavailable`. */
+  /** `GET {url}/server_info` of one worker; throws `worker_unavailable` (no answer within the
+   *  client's info deadline or before `signal` aborts, or a reply that is not a worker's). Every
+   *  call is a probe: until another one answers, a worker it failed on gets no new requests. */
   serverInfo(url: string, signal?: AbortSignal): Promise<ServerInfo>
   /** `GET {url}/metrics` of one worker (Prometheus text); throws `worker_unavailable`. */
   metricsText(url: string, signal?: AbortSignal): Promise<string>
@@ -84,14 +86,18 @@ export interface WorkerClient {
    *  the token answers 200; one from before that route, 404). Throws `worker_unavailable` when it
    *  does not answer. */
   acceptsClusterToken(url: string, signal?: AbortSignal): Promise<boolean>
-  /** `/server_info` of every worker (prefill first); throws `worker_unavailable` if any fails. */
+  /** `/server_info` of every worker (prefill first), each a probe as with `serverInfo`; throws
+   *  `worker_unavailable` if any fails. */
   serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]>
-  /** Runs one request on a decode and a prefill worker (picked round-robin) through
-   *  `handOff` (engine/handoff.ts). Yields the decode worker's tokens — the first only after the
-   *  prefill worker's result was checked against it — and a final `done`; throws a
-   *  {@link KvfenceError} on any failure (never a normal `done` after one). Aborting `signal`, or
-   *  leaving the iteration early, closes both worker requests (over the channel: a `cancel` frame
-   *  for each stream), which aborts the request on both workers (G8). */
+  /** Runs one request on a decode and a prefill worker through `handOff` (engine/handoff.ts),
+   *  each picked round-robin among the workers of its role not found unreachable by their last
+   *  probe. Yields the decode worker's tokens — the first only after the prefill worker's result
+   *  was checked against it — and a final `done`; throws a {@link KvfenceError} on any failure
+   *  (never a normal `done` after one). When no worker of a role is reachable, each is probed
+   *  again (for up to 1 s) before any is asked to run it: `worker_unavailable` at the first pull
+   *  when none answers. Aborting `signal`, or leaving the iteration early, closes both worker
+   *  requests (over the channel: a `cancel` frame for each stream), which aborts the request on
+   *  both workers (G8). */
   generate(request: GenerateRequest, signal: AbortSignal): AsyncGenerator<GenerationEvent, void>
   /** Closes pooled connections. */
   close(): void
@@ -165,6 +171,11 @@ interface Transport {
   readonly clusterToken: string | null
   /** Worker URL → its control channel (being opened, open, or found unsupported at `since`). */
   readonly channels: Map<string, ChannelEntry>
+  /** Worker URL → why its last finished probe got no answer (absent: it answered, or was never
+   *  probed). New requests go to the other workers of its role. Only {@link probe} writes it. */
+  readonly unreachable: Map<string, string>
+  /** Worker URL → the probe new requests wait on while no worker of its role is reachable. */
+  readonly requestProbes: Map<string, Promise<unknown>>
 }
 
 /** A worker's control channel as the client holds it. */
@@ -206,6 +217,8 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     tls,
     clusterToken: options.clusterToken ?? null,
     channels: new Map(),
+    unreachable: new Map(),
+    requestProbes: new Map(),
   }
   const isChannelUsed = options.controlChannel ?? false
   const idleTimeoutMs = options.idleTimeoutMs ?? defaultIdleTimeoutMs
@@ -219,25 +232,35 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
     request: GenerateRequest,
     signal: AbortSignal,
   ): AsyncGenerator<GenerationEvent, void> {
-    const decodeUrl = decodeUrls[nextDecode++ % decodeUrls.length]
-    const prefillUrl = prefillUrls[nextPrefill++ % prefillUrls.length]
-    return generateOn(transport, decodeUrl, prefillUrl, isChannelUsed, request, {
-      signal,
-      guardsEnabled,
-      idleTimeoutMs,
-    })
+    const decode = { role: 'decode', urls: decodeUrls, start: nextDecode++ } as const
+    const prefill = { role: 'prefill', urls: prefillUrls, start: nextPrefill++ } as const
+    const options = { signal, guardsEnabled, idleTimeoutMs }
+    const decodeUrl = pickReachable(transport, decode)
+    const prefillUrl = pickReachable(transport, prefill)
+    if (decodeUrl !== null && prefillUrl !== null)
+      return generateOn(transport, decodeUrl, prefillUrl, isChannelUsed, request, options)
+    // A stopped worker keeps its connections open and answers nothing: sent there, the request
+    // would wait out `idleTimeoutMs`. Probed again first, a restarted or resumed one serves it
+    // (a generator layer of its own only on this path).
+    return (async function* () {
+      const [d, p] = await Promise.all([
+        pickAfterProbe(transport, decode, request.requestId, signal),
+        pickAfterProbe(transport, prefill, request.requestId, signal),
+      ])
+      yield* generateOn(transport, d, p, isChannelUsed, request, options)
+    })()
   }
 
   return Object.freeze({
     prefillUrls,
     decodeUrls,
-    serverInfo: (url: string, signal?: AbortSignal) => serverInfo(transport, url, signal),
+    serverInfo: (url: string, signal?: AbortSignal) => probe(transport, url, signal),
     metricsText: (url: string, signal?: AbortSignal) => metricsText(transport, url, signal),
     acceptsClusterToken: (url: string, signal?: AbortSignal) =>
       acceptsClusterToken(transport, url, signal),
     async serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]> {
       const urls = [...prefillUrls, ...decodeUrls]
-      const infos = await Promise.all(urls.map((url) => serverInfo(transport, url, signal)))
+      const infos = await Promise.all(urls.map((url) => probe(transport, url, signal)))
       return urls.map((url, i) => ({ url, info: infos[i] }))
     },
     generate,
@@ -252,6 +275,83 @@ export function createWorkerClient(options: WorkerClientOptions): WorkerClient {
       transport.channels.clear()
     },
   })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reachability: what the probes found, and the pick of a worker for a new request
+
+/** {@link serverInfo} as a probe: an answer makes the worker at `url` reachable again, a failure
+ *  unreachable (the last probe to finish decides, whatever its deadline: a slow answer to an
+ *  earlier probe is still an answer now). */
+async function probe(t: Transport, url: string, signal?: AbortSignal): Promise<ServerInfo> {
+  try {
+    const info = await serverInfo(t, url, signal)
+    t.unreachable.delete(url)
+    return info
+  } catch (err) {
+    t.unreachable.set(url, err instanceof Error ? err.message : String(err))
+    throw err
+  }
+}
+
+/** The workers of one role a request may go to, and where its round-robin pick starts. */
+interface Candidates {
+  readonly role: 'prefill' | 'decode'
+  readonly urls: readonly string[]
+  readonly start: number
+}
+
+/** How long a new request waits for an unreachable worker to answer a probe again when no worker
+ *  of its role is reachable, ms: one restarted or resumed serves it; one still silent refuses it
+ *  this soon. */
+const requestProbeTimeoutMs = 1_000
+
+/** The first worker from `start` on that is not unreachable, or null when none is. */
+function pickReachable(t: Transport, { urls, start }: Candidates): string | null {
+  for (let i = 0; i < urls.length; i++) {
+    const url = urls[(start + i) % urls.length]
+    if (!t.unreachable.has(url)) return url
+  }
+  return null
+}
+
+/** {@link pickReachable}, but with none reachable every worker of the role is probed again first
+ *  (one probe of {@link requestProbeTimeoutMs} per worker, shared by the requests waiting).
+ *  Throws `worker_unavailable` when none answers, `request_aborted` when `signal` aborts first. */
+async function pickAfterProbe(
+  t: Transport,
+  candidates: Candidates,
+  rid: string,
+  signal: AbortSignal,
+): Promise<string> {
+  const { role, urls } = candidates
+  const found = pickReachable(t, candidates)
+  if (found !== null) return found
+  try {
+    await untilAborted(Promise.all(urls.map((url) => requestProbe(t, url))), signal)
+  } catch {
+    // Only the abort rejects: a probe's failure is in `t.unreachable`.
+    throw new KvfenceError(
+      'request_aborted',
+      `request ${rid} was aborted while its ${role} workers were probed`,
+    )
+  }
+  const url = pickReachable(t, candidates)
+  if (url !== null) return url
+  const why = urls.map((u) => t.unreachable.get(u)).join('; ')
+  throw new KvfenceError('worker_unavailable', `no ${role} worker answered a probe: ${why}`)
+}
+
+/** The probe of the worker at `url` that new requests wait on; settles (never rejects) once its
+ *  outcome is in `t.unreachable`. */
+function requestProbe(t: Transport, url: string): Promise<unknown> {
+  let probing = t.requestProbes.get(url)
+  if (probing === undefined) {
+    const settled = () => t.requestProbes.delete(url)
+    probing = probe(t, url, AbortSignal.timeout(requestProbeTimeoutMs)).then(settled, settled)
+    t.requestProbes.set(url, probing)
+  }
+  return probing
 }
 
 /** `signal` bounded by the client's info deadline. */

@@ -5,7 +5,9 @@
  *  requests with 503 (guards on) until the workers can hold it again; with guards off it only
  *  warns (the incident's configuration). Each check also asks every worker whether it takes the
  *  router's cluster token: while one refuses it, new requests fail with 503 `worker_unavailable`
- *  (the operator's misconfiguration, not the tenant's key) and `/health` is 503.
+ *  (the operator's misconfiguration, not the tenant's key) and `/health` is 503. Each read is
+ *  also one of the worker client's probes: new requests pass over a worker that does not answer
+ *  until it answers one (worker-client.ts).
  *  Knows workers' `ServerInfo`s and the operator's wishes; knows nothing of HTTP or requests. */
 import type { Logger } from 'pino'
 import { KvfenceError } from '../../errors.js'
