@@ -150,8 +150,8 @@ interface Member {
   job: Job | null
   /** Kills it when it has not answered (said ready, or answered its job) in time. */
   answerTimer: NodeJS.Timeout | undefined
-  /** Whether {@link Member.answerTimer} killed it. */
-  isUnanswering: boolean
+  /** Why {@link Member.answerTimer} killed it; null while it has not. */
+  killedFor: string | null
 }
 
 /** Forks one tokenizer process: `onMessage` hears what it says, `onGone` how it ended (once or
@@ -171,7 +171,7 @@ function startMember(
     isReady: false,
     job: null,
     answerTimer: undefined,
-    isUnanswering: false,
+    killedFor: null,
   }
   child.on('message', (message: TokenizerReply | { ready: true }) => onMessage(member, message))
   child.on('error', (err) => onGone(member, `failed: ${err.message}`))
@@ -179,6 +179,31 @@ function startMember(
     onGone(member, `exited (${signal ?? `code ${code ?? 'unknown'}`})`),
   )
   return member
+}
+
+/** Starts (a deadline in ms) or ends (null) `member`'s wait for an answer: SIGKILL at the
+ *  deadline, after which its exit fails the prompt it held (or, when it never started, the
+ *  waiting ones). */
+function awaitAnswerOf(member: Member, timeoutMs: number | null): void {
+  clearTimeout(member.answerTimer)
+  member.answerTimer =
+    timeoutMs === null
+      ? undefined
+      : setTimeout(() => {
+          member.killedFor = `did not answer within ${timeoutMs} ms and was killed`
+          member.child.kill('SIGKILL')
+        }, timeoutMs).unref() // the process's own handles hold the loop while it owes one
+}
+
+/** Settles `job` with its process's `reply`. */
+function answer(job: Job, reply: TokenizerReply): void {
+  job.signal.removeEventListener('abort', job.onAbort)
+  if ('tokenIds' in reply) job.resolve({ numTokens: reply.tokenIds.length, ids: reply.tokenIds })
+  else if ('numTokens' in reply) job.resolve({ numTokens: reply.numTokens, ids: null })
+  else {
+    const { code, message, param } = reply.error
+    job.reject(new KvfenceError(isErrorCode(code) ? code : 'internal_error', message, param))
+  }
 }
 
 /** The next job's id (a reply names the job it answers). */
@@ -223,32 +248,14 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
   let isClosed = false
 
   const answerTimeoutMs = options.answerTimeoutMs ?? defaultAnswerTimeoutMs
-  /** Starts (`owes`) or ends `member`'s wait for an answer: SIGKILL at the deadline, after
-   *  which its exit fails the prompt it held (or, when it never started, the waiting ones). */
-  const awaitAnswer = (member: Member, owes: boolean) => {
-    clearTimeout(member.answerTimer)
-    member.answerTimer = !owes
-      ? undefined
-      : setTimeout(() => {
-          member.isUnanswering = true
-          member.child.kill('SIGKILL')
-        }, answerTimeoutMs).unref() // the process's own handles hold the loop while it owes one
-  }
+  const awaitAnswer = (member: Member, owes: boolean) =>
+    awaitAnswerOf(member, owes ? answerTimeoutMs : null)
   const settle = (member: Member, reply: TokenizerReply) => {
     const job = member.job
     member.job = null
     awaitAnswer(member, false)
     holdsLoop(member, false)
-    if (job !== null && job.id === reply.id) {
-      job.signal.removeEventListener('abort', job.onAbort)
-      if ('tokenIds' in reply)
-        job.resolve({ numTokens: reply.tokenIds.length, ids: reply.tokenIds })
-      else if ('numTokens' in reply) job.resolve({ numTokens: reply.numTokens, ids: null })
-      else {
-        const { code, message, param } = reply.error
-        job.reject(new KvfenceError(isErrorCode(code) ? code : 'internal_error', message, param))
-      }
-    }
+    if (job !== null && job.id === reply.id) answer(job, reply)
     dispatch()
   }
   const onExit = (member: Member, how: string) => {
@@ -261,9 +268,7 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
       member.child.kill('SIGKILL')
     const err = new KvfenceError(
       'internal_error',
-      member.isUnanswering
-        ? `the tokenizer process did not answer within ${answerTimeoutMs} ms and was killed`
-        : `the tokenizer process ${how}`,
+      `the tokenizer process ${member.killedFor ?? how}`,
     )
     if (member.job !== null) {
       member.job.signal.removeEventListener('abort', member.job.onAbort)
