@@ -364,11 +364,17 @@ function infoSignal(t: Transport, signal: AbortSignal | undefined): AbortSignal 
 async function serverInfo(t: Transport, url: string, signal?: AbortSignal): Promise<ServerInfo> {
   let res: http.IncomingMessage
   let body: unknown
+  const bounded = infoSignal(t, signal)
   try {
-    res = await sendIdempotent(t, `${url}/server_info`, infoSignal(t, signal))
+    res = await sendIdempotent(t, `${url}/server_info`, bounded)
     body = await readJson(res)
   } catch (err) {
-    throw new KvfenceError('worker_unavailable', `worker ${url}/server_info: ${describe(err)}`)
+    // A deadline met says so: "ABORT_ERR The operation was aborted" read as the router's doing.
+    const why =
+      bounded.reason instanceof DOMException && bounded.reason.name === 'TimeoutError'
+        ? 'no answer before the deadline (a stopped, stuck or overloaded worker)'
+        : describe(err)
+    throw new KvfenceError('worker_unavailable', `worker ${url}/server_info: ${why}`)
   }
   if (res.statusCode !== 200) {
     throw new KvfenceError(
