@@ -14,6 +14,10 @@ import { type TokenizerJob, type TokenizerReply, tokenizerNiceness } from './tok
 function serve(modelDir: string): void {
   // The router gone (its channel closed): nothing is left to answer.
   process.once('disconnect', () => process.exit(0))
+  // Ignored: Ctrl-C reaches the whole process group (and systemd's stop the whole cgroup), and
+  // the prompt held here must still be answered while the router drains. The router ends this
+  // process (SIGKILL), or its going does (above).
+  for (const signal of ['SIGINT', 'SIGTERM'] as const) process.on(signal, () => {})
   const send = (message: TokenizerReply | { ready: true }) => {
     // A send failing on a channel closing under it is that same end, not an error to throw.
     if (process.connected) process.send!(message, undefined, undefined, () => {})

@@ -212,6 +212,27 @@ test('a tokenizer process that stops answering (SIGSTOP) is killed at answerTime
   }
 })
 
+test('a tokenizer process outlives SIGINT and SIGTERM sent to its process group (Ctrl-C, systemd): the prompt it holds is answered', async () => {
+  // Found by a trial: Ctrl-C on serve reached the tokenizer process too; it died, and the prompt
+  // it held got a 500 while the router drained.
+  const { pool, close } = poolOfOne()
+  try {
+    await pool.tokenize(completionOf('warm'), 'alpha', noSignal)
+    const pid = theTokenizerPid()
+    const long = pool.tokenize(completionOf('ab '.repeat(300_000)), 'alpha', noSignal)
+    process.kill(pid, 'SIGINT')
+    process.kill(pid, 'SIGTERM')
+    assert.equal((await long).numTokens, 1 + 900_000)
+    assert.deepEqual(
+      [...(await pool.tokenize(completionOf('next'), 'alpha', noSignal)).ids!],
+      [1, ...charIds('next')],
+    )
+    assert.equal(theTokenizerPid(), pid, 'the same process')
+  } finally {
+    await close()
+  }
+})
+
 test('closing the pool fails the prompt being tokenized and resolves once its process has exited', async () => {
   const { pool, close } = poolOfOne()
   try {
