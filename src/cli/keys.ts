@@ -80,10 +80,10 @@ function readTenantsDocument(
   return { doc, tenants: parsed.data }
 }
 
-/** Parse a tenant's weight (`keys add --weight`), as commander's one-line error (see options.ts): a decimal number in the range the tenants file
+/** Parse a tenant's weight (`keys add --weight`; `2`, `0.5` or `1e3`, as YAML reads the file's), as commander's one-line error (see options.ts): a decimal number in the range the tenants file
  *  accepts ({@link minTenantWeight} to {@link maxTenantWeight}). */
 function weightOption(value: string): number {
-  const w = /^\d+(\.\d+)?$/.test(value) ? Number(value) : NaN
+  const w = /^\d+(\.\d+)?(e[+-]?\d+)?$/i.test(value) ? Number(value) : NaN
   if (!(w >= minTenantWeight && w <= maxTenantWeight))
     throw new InvalidArgumentError(
       `expected a number from ${minTenantWeight} to ${maxTenantWeight}, got "${value}"`,

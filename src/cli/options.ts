@@ -72,15 +72,22 @@ export function collect(value: string, previous: string[]): string[] {
 }
 
 /** Collect a repeatable URL flag (a worker's control URL) into an array, refusing a value that
- *  is not an http:// or https:// URL (it was first taken for a host to dial without TLS). */
+ *  is not an http:// or https:// URL (it was first taken for a host to dial without TLS) or has a
+ *  path, query or credentials. */
 export function collectUrl(value: string, previous: string[]): string[] {
-  let protocol: string
+  let url: URL
   try {
-    protocol = new URL(value).protocol
+    url = new URL(value)
   } catch {
     throw new InvalidArgumentError(`expected an http:// or https:// URL, got "${value}"`)
   }
-  if (protocol !== 'http:' && protocol !== 'https:')
+  if (url.protocol !== 'http:' && url.protocol !== 'https:')
     throw new InvalidArgumentError(`expected an http:// or https:// URL, got "${value}"`)
+  // The router dials the worker's own paths (/server_info, /internal/…) at its origin: a path
+  // given here was dropped without a word.
+  if (url.pathname !== '/' || url.search !== '' || url.hash !== '' || url.username !== '')
+    throw new InvalidArgumentError(
+      `expected a worker's base URL (scheme, host and port only), got "${value}"`,
+    )
   return [...previous, value]
 }

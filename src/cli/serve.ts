@@ -182,7 +182,14 @@ export function registerServe(program: Command): void {
       // serve for ever, deaf to more signals.
       const stop = () => {
         isStopping = true
-        stopped ??= cluster.stop().then(() => process.exit(0))
+        stopped ??= cluster.stop().then(() => {
+          // Said: its running requests were cut without the drain's error events.
+          if (cluster.processes.router.signalCode === 'SIGKILL')
+            process.stderr.write(
+              'kvfence: the router did not exit in time (stopped or stuck?): killed, its running requests cut\n',
+            )
+          process.exit(0)
+        })
       }
       // A second signal stops at once: passed on, the router's own second signal ends its running
       // streams with an error event and exits; one that does not within 2 s is killed.

@@ -63,6 +63,8 @@ const cases: [string[], string][] = [
   // A worker URL that is not one was refused as a host "dialed without TLS" (a fresh-user trial).
   [['router', '--prefill', 'notaurl', '--decode', 'http://127.0.0.1:2'], `error: option '--prefill <url>' argument 'notaurl' is invalid. expected an http:// or https:// URL, got "notaurl"`],
   [['router', '--prefill', 'http://127.0.0.1:1', '--decode', 'ftp://127.0.0.1:2'], `error: option '--decode <url>' argument 'ftp://127.0.0.1:2' is invalid. expected an http:// or https:// URL, got "ftp://127.0.0.1:2"`],
+  [['router', '--prefill', 'http://127.0.0.1:1/some/path?x=1', '--decode', 'http://127.0.0.1:2'], `error: option '--prefill <url>' argument 'http://127.0.0.1:1/some/path?x=1' is invalid. expected a worker's base URL (scheme, host and port only), got "http://127.0.0.1:1/some/path?x=1"`],
+  [['keys', 'add', 'carol', '--weight', '2e3'], `error: option '--weight <w>' argument '2e3' is invalid. expected a number from 0.001 to 1000, got "2e3"`],
   // The audit's numbers are checked before what else is missing (here: the tenants).
   [['audit', '--target', 'http://127.0.0.1:9', '--max-requests', '-1'], 'kvfence audit: --max-requests must be an integer from 1 to 1000000, got "-1"'],
   // Checked before any part starts: one line, and no part's log lines before it.

@@ -258,7 +258,10 @@ describe('kvfence keys', () => {
       'add', 'alice', '--tenants', path, '--weight', '2.5', '--prefix-cache-pages', '4',
       '--max-concurrent', '3',
     ) // prettier-ignore
-    await kvfence('add', 'bob', '--tenants', path)
+    // Written as YAML reads a weight: 1e3 is 1000 there too.
+    await kvfence('add', 'bob', '--tenants', path, '--weight', '1e3')
+    await kvfence('add', 'carol', '--tenants', path)
+    assert.equal(parse(readFileSync(path, 'utf8')).tenants[1].weight, 1000)
     assert.deepEqual(parse(readFileSync(path, 'utf8')).tenants[0], {
       name: 'alice',
       keySha256: apiKeyDigest(key.trim()),
@@ -270,7 +273,7 @@ describe('kvfence keys', () => {
     const { stdout: listed } = await kvfence('list', '--tenants', path)
     assert.equal(
       listed,
-      'alice\tmaxConcurrentRequests=3\tweight=2.5\tprefixCachePages=4\nbob\tno limits\n',
+      'alice\tmaxConcurrentRequests=3\tweight=2.5\tprefixCachePages=4\nbob\tno limits\tweight=1000\ncarol\tno limits\n',
     )
   })
 

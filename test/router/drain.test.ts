@@ -247,11 +247,19 @@ test(
     const port = await freePort()
     const serve = await startServe(port, 1)
     const exit = exited(serve)
+    let stderr = ''
+    serve.stderr!.on('data', (chunk: Buffer) => (stderr += chunk.toString('utf8')))
     const router = childPid(serve.pid!, 'router')
     process.kill(router, 'SIGSTOP')
     try {
       serve.kill('SIGTERM')
       assert.equal(await exit, 0)
+      assert.ok(
+        stderr.includes(
+          'kvfence: the router did not exit in time (stopped or stuck?): killed, its running requests cut\n',
+        ),
+        stderr,
+      )
       assert.throws(() => process.kill(router, 0), { code: 'ESRCH' })
     } finally {
       // Gone, as they should be; killed here when not, so a failure cannot hang the file.
