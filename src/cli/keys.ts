@@ -2,7 +2,8 @@
  *  a tenants file or the cluster config file. Only SHA-256 digests are stored; `add` prints the
  *  new key once (it cannot be recovered later). Edits keep the rest of the file (limits, other
  *  sections, comments) as it was. */
-import { existsSync } from 'node:fs'
+import { accessSync, constants, existsSync } from 'node:fs'
+import { dirname } from 'node:path'
 import { type Command, InvalidArgumentError } from 'commander'
 import lockfile from 'proper-lockfile'
 import writeFileAtomic from 'write-file-atomic'
@@ -259,6 +260,8 @@ function addTenant(
  *  release; throws `config_invalid` when the lock cannot be had. */
 async function lockTenantsFile(path: string): Promise<() => Promise<void>> {
   try {
+    // The lock retries any failure for 20 s: a missing folder is told at once.
+    accessSync(dirname(path), constants.W_OK)
     return await lockfile.lock(path, {
       realpath: false,
       stale: 10_000,

@@ -59,6 +59,8 @@ describe('tenants and config file errors on the CLI', () => {
     [['serve', '--tenants', folder], `tenants file ${folder} is a directory, not a file`],
     [['serve', '--config', folder], `config file ${folder} is a directory, not a file`],
     [['keys', 'add', 'bob', '--tenants', '/nonexistent-kvfence/dir/t.yaml'], 'cannot write tenants file /nonexistent-kvfence/dir/t.yaml: ENOENT: no such file or directory'],
+    // At once: the lock used to retry ENOENT for 20 s first (a trial).
+    [['keys', 'remove', 'bob', '--tenants', '/nonexistent-kvfence/dir/t.yaml'], 'cannot write tenants file /nonexistent-kvfence/dir/t.yaml: ENOENT: no such file or directory'],
   ] // prettier-ignore
   for (const [args, message] of cases) {
     it(`kvfence ${args.join(' ')}`, async () => {
