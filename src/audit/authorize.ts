@@ -69,6 +69,9 @@ export function checkAuthorizedTarget(
   } catch {
     return // not a URL: runAudit's own validation says so
   }
+  // Not http(s) (`localhost:8000` parses with the scheme `localhost:`): that is what is wrong with
+  // it, and runAudit's validation says so; asked to authorize it, the user was told the wrong fault.
+  if (url.protocol !== 'http:' && url.protocol !== 'https:') return
   if (isAuthorizedFlag || isLoopbackHost(url.hostname)) return
   const hostname = url.hostname.toLowerCase()
   const port = portOf(url)

@@ -255,6 +255,19 @@ describe('authorized targets', () => {
     assert.ok(Date.now() - started < 30_000)
   })
 
+  test('a target without http(s):// is told so, not that it is unauthorized', async () => {
+    // Found by a trial: `localhost:18143` parses with the scheme `localhost:` and an empty host,
+    // and was refused as " is not loopback and not an authorized target".
+    for (const [target, scheme] of [
+      ['localhost:18143', 'localhost:'],
+      ['ftp://192.0.2.1', 'ftp:'],
+    ]) {
+      const run = await kvfence(['audit', '--target', target, ...tenantFlags])
+      assert.equal(run.code, 2)
+      assert.equal(run.stderr, `kvfence audit: target must be an http(s) URL, got ${scheme}\n`)
+    }
+  })
+
   test('--plan is refused the same way (its discovery reads are requests too)', async () => {
     const run = await kvfence(['audit', '--target', 'http://192.0.2.1', ...tenantFlags, '--plan'])
     assert.equal(run.code, 2)
