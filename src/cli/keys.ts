@@ -81,8 +81,9 @@ function readTenantsDocument(
   return { doc, tenants: parsed.data }
 }
 
-/** Parse a tenant's weight (`keys add --weight`; `2`, `0.5` or `1e3`, as YAML reads the file's), as commander's one-line error (see options.ts): a decimal number in the range the tenants file
- *  accepts ({@link minTenantWeight} to {@link maxTenantWeight}). */
+/** Parses `keys add --weight`: a number (`2`, `0.5` or `1e3`, as YAML reads the file's) from
+ *  {@link minTenantWeight} to {@link maxTenantWeight}, else commander's one-line error (see
+ *  options.ts). */
 function weightOption(value: string): number {
   const w = /^\d+(\.\d+)?(e[+-]?\d+)?$/i.test(value) ? Number(value) : NaN
   if (!(w >= minTenantWeight && w <= maxTenantWeight))

@@ -75,13 +75,13 @@ export function collect(value: string, previous: string[]): string[] {
  *  is not an http:// or https:// URL (it was first taken for a host to dial without TLS) or has a
  *  path, query or credentials. */
 export function collectUrl(value: string, previous: string[]): string[] {
-  let url: URL
+  let url: URL | null = null
   try {
     url = new URL(value)
   } catch {
-    throw new InvalidArgumentError(`expected an http:// or https:// URL, got "${value}"`)
+    // not a URL: refused below
   }
-  if (url.protocol !== 'http:' && url.protocol !== 'https:')
+  if (url === null || (url.protocol !== 'http:' && url.protocol !== 'https:'))
     throw new InvalidArgumentError(`expected an http:// or https:// URL, got "${value}"`)
   // The router dials the worker's own paths (/server_info, /internal/…) at its origin: a path
   // given here was dropped without a word.
