@@ -71,7 +71,7 @@ import { createRedisLimitStore } from '../src/router/redis-limits.js'
 import { startRouter } from '../src/router/start.js'
 import { apiKeyDigest } from '../src/router/tenants.js'
 import { initCerts } from '../src/cli/certs.js'
-import { GenerateRequest, PrefillRequest } from '../src/engine/control.js'
+import { GenerateRequest, PrefillRequest } from '../src/control/messages.js'
 import { sseTemplate, textCompletion } from '../src/router/responses.js'
 import {
   bosId,

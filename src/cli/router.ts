@@ -2,7 +2,7 @@
  *  that run elsewhere (or on this host), from flags or from a cluster config file
  *  (`--config FILE`: its router, tenants, and workers given by `url` or its gateway backend).
  *  Tells a parent process that forked it, once listening. */
-import { clusterTokenFrom } from '../engine/cluster-token.js'
+import { clusterTokenFrom } from '../control/cluster-token.js'
 import { Option, type Command } from 'commander'
 import { pino } from 'pino'
 import { type ClusterConfig, loadClusterConfig } from '../config/cluster.js'

@@ -1,7 +1,7 @@
 /** `kvfence prefill` and `kvfence decode`: start one worker of a disaggregated pair on its own
  *  (on this host or another). Each prints its bound ports once listening, and tells a parent
  *  process that forked it through the IPC channel. */
-import { clusterTokenEnv, clusterTokenFrom, isLoopbackHost } from '../engine/cluster-token.js'
+import { clusterTokenEnv, clusterTokenFrom, isLoopbackHost } from '../control/cluster-token.js'
 import { Option, type Command } from 'commander'
 import { pino } from 'pino'
 import { DecodeWorker } from '../engine/decode-worker.js'

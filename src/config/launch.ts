@@ -8,7 +8,7 @@
 import type { ChildProcess } from 'node:child_process'
 import { join } from 'node:path'
 import type { Logger } from 'pino'
-import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../engine/cluster-token.js'
+import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../control/cluster-token.js'
 import { checkPlaintextLinks, hostOfUrl, isLoopbackHost } from '../plaintext.js'
 import { forkPart, stopAll } from '../engine/processes.js'
 import { KvfenceError } from '../errors.js'

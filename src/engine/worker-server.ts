@@ -1,4 +1,4 @@
-/** The control-plane HTTP server of one worker (see control.ts for the message shapes):
+/** The control-plane HTTP server of one worker (see src/control/messages.ts for the message shapes):
  *  `POST /internal/prefill` (prefill role) or `POST /internal/generate` (decode role), the same
  *  work multiplexed over the control channel (`GET /internal/channel` upgraded, channel-server.ts),
  *  plus `GET /server_info`, `GET /health`, `GET /metrics`. Closing a request's connection aborts it (G8);
@@ -17,21 +17,21 @@ import { KvfenceError } from '../errors.js'
 import { metricsText } from '../process-metrics.js'
 import { tlsExpiries, watchCertExpiry } from '../cert-expiry.js'
 import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../tls.js'
-import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
-import { maxPayloadBytes } from './channel-frames.js'
+import { clusterTokenHeader, isClusterTokenValid } from '../control/cluster-token.js'
+import { maxPayloadBytes } from '../control/channel-frames.js'
 import {
   acceptChannels,
   asKvfenceError,
   type ChannelService,
   type EventSink,
-} from './channel-server.js'
+} from '../control/channel-server.js'
 import {
   GenerateRequest,
   PrefillRequest,
   type DecodeEvent,
   type PrefillResult,
   type ServerInfo,
-} from './control.js'
+} from '../control/messages.js'
 import type { DecodeWorker } from './decode-worker.js'
 import { prefillChunkTokens, type PrefillWorker } from './prefill-worker.js'
 import type { WorkerCore } from './worker-core.js'

@@ -2,7 +2,7 @@
  *  Every refusal is a {@link KvfenceError} whose `param` names the offending field.
  *  Knows OpenAI's request fields; knows nothing of tokens, tenants or workers. */
 import { z } from 'zod'
-import type { Sampling } from '../engine/control.js'
+import type { Sampling } from '../control/messages.js'
 import { KvfenceError } from '../errors.js'
 import type { ChatMessage } from '../model/tokenizer.js'
 import { maxStopStrings } from './text-stream.js'

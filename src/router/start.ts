@@ -33,7 +33,7 @@ import {
   createTenantRegistry,
   watchTenants,
 } from './tenants.js'
-import { type WorkerClient, createWorkerClient } from './worker-client.js'
+import { type WorkerClient, createWorkerClient } from '../control/worker-client.js'
 import { checkPlaintextLinks, clientPlaintextWarning, hostOfUrl } from '../plaintext.js'
 import { certExpiryOf, tlsExpiries, watchCertExpiry } from '../cert-expiry.js'
 import { loadCertPair, reloadCertOnChange, type TlsMaterial } from '../tls.js'
@@ -113,7 +113,7 @@ export interface StartRouterOptions {
    *  logged as a warning); default false: the router refuses to start (src/plaintext.ts). */
   allowPlaintext?: boolean
   /** Run requests to the workers over the control channel (one multiplexed connection per
-   *  worker, src/router/control-channel.ts; HTTP with a worker that does not serve it). Default:
+   *  worker, src/control/channel-client.ts; HTTP with a worker that does not serve it). Default:
    *  {@link defaultControlChannel}. */
   controlChannel?: boolean
   /** Serve clients over HTTPS with this certificate and key (PEM files), reloaded when they

@@ -1,8 +1,12 @@
 /** The layers of src/ and the direction of their imports, read from the sources with the
  *  TypeScript compiler (every `import`, `export … from` and `import()` with a relative path):
- *  cli → soak → config → router → engine → model → transfer, kv. A folder imports only those to
- *  its right (its own files too). The audit is a column apart: it imports none of the layers, and
- *  only cli and soak import it. The shared floor (files in src/ itself, such as errors.ts and
+ *  cli → soak → config → router | engine → control → model → transfer, kv. A folder imports only
+ *  those to its right (its own files too). Router and engine are beside each other, as the two
+ *  kinds of process they run in: neither imports the other. What they say to each other is
+ *  control's (the messages, the hand-off, the channel's two ends, the cluster token): the router
+ *  holds control's client, a worker control's channel server, so the router imports no engine
+ *  code and a worker no router code. The audit is a column apart: it imports none of the layers,
+ *  and only cli and soak import it. The shared floor (files in src/ itself, such as errors.ts and
  *  paths.ts, and src/files/) is imported by all and imports nothing but itself.
  *  Package imports (`node:*`, npm) are not checked here. */
 import assert from 'node:assert/strict'
@@ -20,7 +24,8 @@ const layerRank: Readonly<Record<string, number>> = {
   soak: 5,
   config: 4,
   router: 3,
-  engine: 2,
+  engine: 3,
+  control: 2,
   model: 1,
   transfer: 0,
   kv: 0,
@@ -104,6 +109,12 @@ describe('layers of src/', () => {
       ['router/tenants.ts', 'config/issues.ts', 'router imports config, a layer above it'],
       ['router/tenants.ts', 'files/issues.ts', undefined],
       ['engine/decode-worker.ts', 'kv/pool.ts', undefined],
+      ['router/start.ts', 'engine/faults.ts', 'router imports engine, a layer beside it'],
+      ['engine/worker-server.ts', 'router/http.ts', 'engine imports router, a layer beside it'],
+      ['router/start.ts', 'control/worker-client.ts', undefined],
+      ['engine/worker-server.ts', 'control/channel-server.ts', undefined],
+      ['control/handoff.ts', 'engine/sequence.ts', 'control imports engine, a layer above it'],
+      ['control/channel-client.ts', 'router/http.ts', 'control imports router, a layer above it'],
       ['kv/pool.ts', 'transfer/frames.ts', 'kv imports transfer, a layer beside it'],
       ['model/forward.ts', 'model/threads/team.ts', undefined],
       ['audit/run.ts', 'router/tenants.ts', 'the audit imports router'],

@@ -13,8 +13,8 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { promisify } from 'node:util'
-import { clusterTokenHeader, newClusterToken } from '../../src/engine/cluster-token.js'
-import type { GenerateRequest } from '../../src/engine/control.js'
+import { clusterTokenHeader, newClusterToken } from '../../src/control/cluster-token.js'
+import type { GenerateRequest } from '../../src/control/messages.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
 import { KvfenceError } from '../../src/errors.js'
 import { cliEntry } from '../../src/paths.js'
@@ -22,7 +22,7 @@ import {
   ClusterTokenRefusedError,
   createWorkerClient,
   type WorkerClient,
-} from '../../src/router/worker-client.js'
+} from '../../src/control/worker-client.js'
 import { loadTlsMaterial, type TlsMaterial } from '../../src/tls.js'
 import { greedyOracle, makeRequest, tokensOf } from '../engine/pair.js'
 import { echoModelDir } from '../helpers/paths.js'

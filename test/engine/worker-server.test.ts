@@ -9,7 +9,7 @@ import { once } from 'node:events'
 import net from 'node:net'
 import { after, describe, it } from 'node:test'
 import { pino } from 'pino'
-import type { PrefillRequest } from '../../src/engine/control.js'
+import type { PrefillRequest } from '../../src/control/messages.js'
 import { DecodeWorker } from '../../src/engine/decode-worker.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
@@ -20,7 +20,7 @@ import {
   channelUnsupported,
   openChannel,
   type ControlChannel,
-} from '../../src/router/control-channel.js'
+} from '../../src/control/channel-client.js'
 import { captureLogs } from '../helpers/logs.js'
 import { waitUntil } from '../helpers/poll.js'
 import { echoModel, makeRequest, tokensOf } from './pair.js'

@@ -6,7 +6,7 @@
 import assert from 'node:assert/strict'
 import type { ChildProcess } from 'node:child_process'
 import net from 'node:net'
-import { FrameReader } from '../../src/engine/channel-frames.js'
+import { FrameReader } from '../../src/control/channel-frames.js'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { after, before, describe, it } from 'node:test'
 import fc from 'fast-check'

@@ -7,10 +7,10 @@ import { randomBytes } from 'node:crypto'
 import http from 'node:http'
 import net, { type AddressInfo, type Socket } from 'node:net'
 import { describe, it } from 'node:test'
-import { encodeFrame, FrameReader } from '../../src/engine/channel-frames.js'
-import type { GenerateRequest } from '../../src/engine/control.js'
+import { encodeFrame, FrameReader } from '../../src/control/channel-frames.js'
+import type { GenerateRequest } from '../../src/control/messages.js'
 import { KvfenceError } from '../../src/errors.js'
-import { createWorkerClient } from '../../src/router/worker-client.js'
+import { createWorkerClient } from '../../src/control/worker-client.js'
 import { charIds, defaultReplyText, startHarness, waitFor } from './helpers.js'
 
 function generateRequest(maxTokens = 4): GenerateRequest {

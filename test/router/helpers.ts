@@ -8,14 +8,14 @@ import { type AddressInfo, connect } from 'node:net'
 import { join } from 'node:path'
 import OpenAI from 'openai'
 import type { Duplex } from 'node:stream'
-import { acceptChannels } from '../../src/engine/channel-server.js'
+import { acceptChannels } from '../../src/control/channel-server.js'
 import {
   GenerateRequest,
   PrefillRequest,
   type DecodeEvent,
   type PrefillResult,
   type ServerInfo,
-} from '../../src/engine/control.js'
+} from '../../src/control/messages.js'
 import { KvfenceError, type ErrorCode } from '../../src/errors.js'
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { captureLogs, type LogCapture } from '../helpers/logs.js'
@@ -163,7 +163,7 @@ export interface StandInOptions {
   /** … only its first this many requests (default: all). */
   prefillRefusalTimes?: number
   /** The decode worker names its transfer port in each `reserved` event (as a decode worker that
-   *  follows control.ts does); default false (an older decode worker: `/server_info` only). */
+   *  follows messages.ts does); default false (an older decode worker: `/server_info` only). */
   isTransferPortReserved?: boolean
   /** The decode worker sends an `error` event after this many tokens. */
   decodeErrorAfterTokens?: number
@@ -389,7 +389,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     await runPrefill(request, httpReply(res, 'json'))
   })
 
-  // The control channel (the workers' own end of it, src/engine/channel-server.ts), unless the
+  // The control channel (the workers' own end of it, src/control/channel-server.ts), unless the
   // stand-ins play workers from before it.
   const channelSockets = new Set<Duplex>()
   let numDecodeChannels = 0

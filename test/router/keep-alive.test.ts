@@ -4,9 +4,9 @@ import assert from 'node:assert/strict'
 import http from 'node:http'
 import type { AddressInfo, Socket } from 'node:net'
 import { describe, it } from 'node:test'
-import type { ServerInfo } from '../../src/engine/control.js'
+import type { ServerInfo } from '../../src/control/messages.js'
 import { KvfenceError } from '../../src/errors.js'
-import { createWorkerClient } from '../../src/router/worker-client.js'
+import { createWorkerClient } from '../../src/control/worker-client.js'
 import { type Harness, startHarness, waitFor } from './helpers.js'
 
 const info: ServerInfo = {

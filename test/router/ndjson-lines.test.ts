@@ -1,4 +1,4 @@
-/** `ndjsonLines` (src/router/ndjson-lines.ts), the decode worker's reply as parsed lines, over
+/** `ndjsonLines` (src/control/ndjson-lines.ts), the decode worker's reply as parsed lines, over
  *  real HTTP on loopback: lines split anywhere across writes arrive whole and in order (a last
  *  line without a newline too, blank lines skipped); a line over the bound, a parse error and a
  *  reply cut before its end each end the iteration with that error, after the lines before it;
@@ -7,7 +7,7 @@ import assert from 'node:assert/strict'
 import http from 'node:http'
 import type { AddressInfo } from 'node:net'
 import { after, before, describe, it } from 'node:test'
-import { ndjsonLines } from '../../src/router/ndjson-lines.js'
+import { ndjsonLines } from '../../src/control/ndjson-lines.js'
 
 type Handler = (res: http.ServerResponse) => Promise<void>
 

@@ -1,14 +1,14 @@
-/** The router's transport of the control plane (see `src/engine/control.ts`): HTTP/1.1 + JSON
+/** The router's transport of the control plane (see `src/control/messages.ts`): HTTP/1.1 + JSON
  *  (NDJSON for the decode worker's stream) over one keep-alive agent (`node:http`, or `node:https`
  *  with mutual TLS 1.3 against the cluster CA, src/tls.ts, for `https:` worker URLs), or, with
- *  `controlChannel`, the control channel (control-channel.ts: one multiplexed connection per
+ *  `controlChannel`, the control channel (channel-client.ts: one multiplexed connection per
  *  worker over the same TLS, HTTP kept for a worker without it and for `/server_info`, `/metrics`
  *  and the token probe), with the workers' replies parsed at this boundary. One request's steps across the two workers, and the
- *  checks before any token leaves, are `src/engine/handoff.ts`'s: this file gives it the two
+ *  checks before any token leaves, are `src/control/handoff.ts`'s: this file gives it the two
  *  workers as sides, picked round-robin among those whose last probe (`serverInfo`) answered.
  *  Knows worker URLs, HTTP status codes, connections and request ids; knows nothing of text, API
  *  keys or OpenAI shapes. */
-import { clusterTokenHeader } from '../engine/cluster-token.js'
+import { clusterTokenHeader } from './cluster-token.js'
 import http from 'node:http'
 import https from 'node:https'
 import { z } from 'zod'
@@ -18,7 +18,7 @@ import {
   type PrefillRequest,
   PrefillResult,
   ServerInfo,
-} from '../engine/control.js'
+} from './messages.js'
 import {
   handOff,
   WorkerReportedError,
@@ -28,20 +28,24 @@ import {
   type PrefillSide,
   type ReservedEvent,
   type TransferAddress,
-} from '../engine/handoff.js'
+} from './handoff.js'
 import { KvfenceError, isErrorCode } from '../errors.js'
 import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../tls.js'
-import type { WorkerReport } from './capacity.js'
 import {
   abortError,
   channelUnsupported,
   openChannel,
   type ControlChannel,
-} from './control-channel.js'
-import { readReplyText } from './http.js'
+} from './channel-client.js'
 import { ndjsonLines } from './ndjson-lines.js'
 
 export { WorkerReportedError, type GenerationEvent }
+
+/** A worker's `/server_info`, tagged with its URL (for messages). */
+export interface WorkerReport {
+  url: string
+  info: ServerInfo
+}
 
 /** A worker refused a request with `capacity_exhausted` (its KV pool is momentarily full) before
  *  any token was produced: the decode worker outright (nothing reserved), or the prefill worker
@@ -89,7 +93,7 @@ export interface WorkerClient {
   /** `/server_info` of every worker (prefill first), each a probe as with `serverInfo`; throws
    *  `worker_unavailable` if any fails. */
   serverInfoAll(signal?: AbortSignal): Promise<WorkerReport[]>
-  /** Runs one request on a decode and a prefill worker through `handOff` (engine/handoff.ts),
+  /** Runs one request on a decode and a prefill worker through `handOff` (control/handoff.ts),
    *  each picked round-robin among the workers of its role not found unreachable by their last
    *  probe. Yields the decode worker's tokens — the first only after the prefill worker's result
    *  was checked against it — and a final `done`; throws a {@link KvfenceError} on any failure
@@ -117,13 +121,13 @@ export interface WorkerClientOptions {
   /** Cross-check the workers' reports (prompt length, first token, counts) before any output
    *  leaves; false only in the incident's configuration. Default true. */
   guardsEnabled?: boolean
-  /** The cluster token the workers require on `POST /internal/*` (see engine/cluster-token.ts). */
+  /** The cluster token the workers require on `POST /internal/*` (see control/cluster-token.ts). */
   clusterToken?: string | null
   /** The router's TLS files, read: required for `https:` worker URLs, refused with `http:` ones
    *  (every worker of a client speaks the same). Default: none (plaintext). */
   tls?: TlsMaterial | null
   /** Run requests over the control channel (one multiplexed connection per worker, see
-   *  control-channel.ts) rather than one HTTP request per step; a worker that does not serve it
+   *  channel-client.ts) rather than one HTTP request per step; a worker that does not serve it
    *  (404 to the upgrade) gets HTTP. Default false (opt-in: see docs/operators.md). */
   controlChannel?: boolean
 }
@@ -142,7 +146,7 @@ const maxLineBytes = 1024 * 1024 // longest NDJSON line or JSON reply accepted f
 
 // ---------------------------------------------------------------------------------------------
 // Parsers for what workers send (the boundary: parsed once, trusted inside): the shared schemas
-// of control.ts, and the error body.
+// of messages.ts, and the error body.
 
 const WorkerErrorSchema = z.object({
   error: z.object({ code: z.string(), message: z.string() }),
@@ -815,6 +819,23 @@ function targetOf(t: Transport, url: string): http.RequestOptions {
     t.targets.set(url, target)
   }
   return target
+}
+
+/** A worker's reply as UTF-8 text. Throws a plain Error "reply longer than `maxBytes` bytes"
+ *  (after destroying the reply) past `maxBytes`, so that a runaway worker cannot fill the router's
+ *  memory. */
+async function readReplyText(res: http.IncomingMessage, maxBytes: number): Promise<string> {
+  const chunks: Buffer[] = []
+  let numBytes = 0
+  for await (const chunk of res as AsyncIterable<Buffer>) {
+    numBytes += chunk.length
+    if (numBytes > maxBytes) {
+      res.destroy()
+      throw new Error(`reply longer than ${maxBytes} bytes`)
+    }
+    chunks.push(chunk)
+  }
+  return Buffer.concat(chunks).toString('utf8')
 }
 
 async function readJson(res: http.IncomingMessage): Promise<unknown> {

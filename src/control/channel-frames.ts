@@ -1,6 +1,6 @@
 /** The control channel's wire format: length-prefixed frames of many streams on one connection
  *  between the router and one worker (the connection itself: channel-server.ts on the worker,
- *  src/router/control-channel.ts on the router; the protocol: docs/protocol.md "Control channel").
+ *  src/control/channel-client.ts on the router; the protocol: docs/protocol.md "Control channel").
  *
  *  | bytes | field   | meaning                                                          |
  *  | ----- | ------- | ---------------------------------------------------------------- |

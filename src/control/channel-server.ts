@@ -20,7 +20,12 @@ import {
   tuneChannelSocket,
 } from './channel-frames.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
-import { GenerateRequest, PrefillRequest, type DecodeEvent, type PrefillResult } from './control.js'
+import {
+  GenerateRequest,
+  PrefillRequest,
+  type DecodeEvent,
+  type PrefillResult,
+} from './messages.js'
 
 /** The path and protocol of the upgrade. */
 export const channelPath = '/internal/channel'

@@ -1,11 +1,11 @@
-/** The router's end of the control channel (wire format: src/engine/channel-frames.ts; the
- *  worker's end: src/engine/channel-server.ts): one connection per worker, opened by an HTTP
+/** The router's end of the control channel (wire format: src/control/channel-frames.ts; the
+ *  worker's end: src/control/channel-server.ts): one connection per worker, opened by an HTTP
  *  Upgrade (`GET /internal/channel`, `Upgrade: kvfence-control/1`) over the same TLS and with the
  *  same cluster token as the `/internal/*` requests, every request a stream numbered here.
  *  The connection closing fails every open stream with `worker_unavailable`; the next request
  *  opens a new one. A worker that answers the upgrade 404 (one from before the channel) is
  *  told apart, so the caller can fall back to HTTP.
- *  Knows sockets, frames and streams; parses what the worker sends with control.ts's schemas;
+ *  Knows sockets, frames and streams; parses what the worker sends with messages.ts's schemas;
  *  knows nothing of the hand-off's checks (handoff.ts) or of OpenAI shapes. */
 import http from 'node:http'
 import https from 'node:https'
@@ -21,15 +21,15 @@ import {
   tokenIdOf,
   type Frame,
   tuneChannelSocket,
-} from '../engine/channel-frames.js'
-import { channelPath, channelProtocol, frameWriter } from '../engine/channel-server.js'
-import { clusterTokenHeader } from '../engine/cluster-token.js'
+} from './channel-frames.js'
+import { channelPath, channelProtocol, frameWriter } from './channel-server.js'
+import { clusterTokenHeader } from './cluster-token.js'
 import {
   DecodeEvent,
   PrefillResult,
   type GenerateRequest,
   type PrefillRequest,
-} from '../engine/control.js'
+} from './messages.js'
 import { KvfenceError } from '../errors.js'
 import { clientTlsOptions, type TlsMaterial } from '../tls.js'
 
