@@ -54,7 +54,6 @@ interface RouterFlags {
   clusterTlsCert?: string
   clusterTlsKey?: string
   allowPlaintext: boolean
-  controlPlane?: 'channel' | 'http'
 }
 
 /** Register `kvfence router`. */
@@ -146,12 +145,6 @@ export function registerRouter(program: Command): void {
       'without cluster TLS, reach workers beyond loopback anyway (logged as a warning): refused otherwise',
       false,
     )
-    .addOption(
-      new Option(
-        '--control-plane <transport>',
-        'how requests reach the workers: channel (one multiplexed connection per worker; HTTP with a worker without it; the default) or http (one request per step)',
-      ).choices(['channel', 'http']),
-    )
     .action(async (flags: RouterFlags, command: Command) => {
       exitIfParentGoesDuringStart()
       if (flags.config !== undefined) refuseFlagsTheFileGives(command)
@@ -186,9 +179,6 @@ export function registerRouter(program: Command): void {
         // The flags win over the file's `sentinel.mode` and `windowSeconds`, keeping its other settings.
         ...sentinelFlags(flags, source.sentinel),
         clusterToken: clusterTokenFrom(process.env),
-        ...(flags.controlPlane === undefined
-          ? {}
-          : { controlChannel: flags.controlPlane === 'channel' }),
         ...httpsOption(flags),
         log,
       })

@@ -112,10 +112,6 @@ export interface StartRouterOptions {
   /** Without `workerTls`, dial `http:` workers beyond loopback anyway (`--allow-plaintext`,
    *  logged as a warning); default false: the router refuses to start (src/plaintext.ts). */
   allowPlaintext?: boolean
-  /** Run requests to the workers over the control channel (one multiplexed connection per
-   *  worker, src/control/channel-client.ts; HTTP with a worker that does not serve it). Default:
-   *  {@link defaultControlChannel}. */
-  controlChannel?: boolean
   /** Serve clients over HTTPS with this certificate and key (PEM files), reloaded when they
    *  change on disk. Default: plain HTTP. */
   https?: { cert: string; key: string }
@@ -125,9 +121,6 @@ export interface StartRouterOptions {
    *  this process. */
   redisLimits?: RedisLimitSettings
 }
-
-/** Whether the router uses the control channel unless told otherwise. */
-export const defaultControlChannel = true
 
 /** A listening router. */
 export interface RunningRouter {
@@ -301,7 +294,6 @@ async function startNativeBackend(
     guardsEnabled,
     clusterToken: options.clusterToken ?? null,
     tls: options.workerTls ?? null,
-    controlChannel: options.controlChannel ?? defaultControlChannel,
   })
   let backend: Backend | null = null
   try {

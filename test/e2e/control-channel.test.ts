@@ -1,4 +1,4 @@
-/** The control channel (src/router/control-channel.ts ↔ src/engine/channel-server.ts) between the
+/** The control channel (src/control/channel-client.ts ↔ src/control/channel-server.ts) between the
  *  router's worker client and real `kvfence prefill`/`kvfence decode` processes: requests share
  *  one connection per worker and generate exactly the single-process tokens; a client's abort
  *  reaches the decode worker as `cancel`, which aborts the request and frees its pages (G8); a
@@ -101,7 +101,6 @@ describe('control channel to plaintext workers', () => {
       prefillUrls: [prefillUrl],
       decodeUrls: [decode.url],
       clusterToken,
-      controlChannel: true,
     })
   })
   after(async () => {
@@ -174,7 +173,6 @@ describe('control channel to plaintext workers', () => {
       prefillUrls: [prefillUrl],
       decodeUrls: [decode.url],
       clusterToken,
-      controlChannel: true,
     })
     let numTokens = 0
     await assert.rejects(async () => {
@@ -209,7 +207,6 @@ describe('control channel to plaintext workers', () => {
       prefillUrls: [prefillUrl],
       decodeUrls: [decode.url],
       clusterToken: newClusterToken(),
-      controlChannel: true,
     })
     try {
       await assert.rejects(
@@ -298,7 +295,6 @@ describe('control channel to workers over mutual TLS', () => {
       decodeUrls: [decodeUrl],
       clusterToken,
       tls,
-      controlChannel: true,
     })
     try {
       const got = await Promise.all(
@@ -320,7 +316,6 @@ describe('control channel to workers over mutual TLS', () => {
       decodeUrls: [decodeUrl],
       clusterToken,
       tls: { ...tls, cert: undefined as unknown as Buffer, key: undefined as unknown as Buffer },
-      controlChannel: true,
     })
     try {
       await assert.rejects(

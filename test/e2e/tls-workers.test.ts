@@ -1,6 +1,6 @@
 /** Real `kvfence prefill` and `kvfence decode` processes started with `--tls-*` (certificates from
- *  the real `kvfence certs init`), driven by the router's worker client over HTTPS: the control
- *  plane and the KV transfer both run over mutual TLS 1.3, and a request generates exactly the
+ *  the real `kvfence certs init`), driven by the router's worker client over TLS: the control
+ *  channel, the probes and the KV transfer all run over mutual TLS 1.3, and a request generates exactly the
  *  single-process engine's tokens. A client without a certificate of the cluster CA, or in
  *  plaintext, is refused before any HTTP request is read. */
 import assert from 'node:assert/strict'
