@@ -640,18 +640,19 @@ const floorHeader = { id: 'cmpl-floor', created: 0, model: 'echo-test' }
 
 /** The control plane as the router speaks it: its control channel to each stand-in. */
 function controlChannelPlane(channels: DirectChannels): BareControlPlane {
-  const signal = new AbortController().signal
+  // Never aborted; one per stream, as the router gives each request its own.
+  const signal = () => new AbortController().signal
   return {
     generate(request, onEvent) {
       void (async () => {
-        for await (const event of channels.decode.generate(request, signal)) {
+        for await (const event of channels.decode.generate(request, signal())) {
           if (event.type === 'reserved' || event.type === 'token' || event.type === 'done')
             onEvent(event)
         }
       })()
     },
     prefill(request) {
-      void channels.prefill.prefill(request, signal)
+      void channels.prefill.prefill(request, signal())
     },
   }
 }
