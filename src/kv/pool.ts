@@ -9,7 +9,7 @@
  *  page's epoch; every page starts poisoned and every free scrubs it again (G6). Reads check
  *  owner, epoch and fill (G5). */
 import assert from 'node:assert/strict'
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import { GuardTrips, type Guards } from './guards.js'
 
 /** Page states. Only pool.ts assigns them. */

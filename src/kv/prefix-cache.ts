@@ -87,7 +87,7 @@ export interface PrefixCacheOptions {
 }
 
 /** A tenant's partition as the tenants file describes it: what the router sends with each of the
- *  tenant's requests (src/router/tenants.ts) and {@link PrefixCache.assign} turns into pages. */
+ *  tenant's requests (src/router/tenants/tenants.ts) and {@link PrefixCache.assign} turns into pages. */
 export interface PartitionSpec {
   /** The tenant's own size in the file (`prefixCachePages`, pages, ≥ 0); absent: a default share. */
   readonly pages?: number

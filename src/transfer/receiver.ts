@@ -1,13 +1,13 @@
 /** The decode worker's transfer endpoint: a TCP server that gives each connection a
  *  {@link ReceiverSession} and tears sessions down with their sockets. With `tls`, each connection
- *  first completes a mutual TLS 1.3 handshake against the cluster CA (src/tls.ts): a peer without a
+ *  first completes a mutual TLS 1.3 handshake against the cluster CA (src/link/tls.ts): a peer without a
  *  certificate from it is dropped then, and no session ever sees a byte of it.
  *  Knows sockets, TLS and the receiver's configuration; the checks live in session.ts, the pool behind
  *  the {@link ReceiverHooks}. A misbehaving peer can end its own connection, never the server. */
 import net from 'node:net'
 import tls from 'node:tls'
-import type { KvfenceError } from '../errors.js'
-import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../tls.js'
+import type { KvfenceError } from '../common/errors.js'
+import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../link/tls.js'
 import { DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES } from './frames.js'
 import { refusal } from './refusals.js'
 import {
@@ -44,7 +44,7 @@ export interface TransferServerOptions {
   log?: TransferLog
   /** Fault injection only (`lost-ack`): never send ACKs. Default false. */
   dropAcks?: boolean
-  /** Mutual TLS against the cluster CA (loadTlsMaterial in src/tls.ts). Default: plaintext. */
+  /** Mutual TLS against the cluster CA (loadTlsMaterial in src/link/tls.ts). Default: plaintext. */
   tls?: TlsMaterial
 }
 

@@ -35,7 +35,7 @@
  *  covers the checksums as received; with G4 on they are the payloads' own, so the MAC binds the
  *  pages' bytes to the request's secret (a peer who sees the connection cannot splice in other
  *  pages); with G4 off it binds only the checksums claimed. */
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import { EndMacBuilder, verifyBeginMac } from './auth.js'
 import { ManifestHasher, pageChecksum } from './checksum.js'
 import {

@@ -2,8 +2,9 @@
  *  TypeScript compiler (every `import`, `export … from` and `import()` with a relative path):
  *  cli → soak → config → router → engine → model → transfer, kv. A folder imports only those to
  *  its right (its own files too). The audit is a column apart: it imports none of the layers, and
- *  only cli and soak import it. The shared floor (files in src/ itself, such as errors.ts and
- *  paths.ts, and src/files/) is imported by all and imports nothing but itself.
+ *  only cli and soak import it. The shared floor — src/common/ (errors, paths, small helpers),
+ *  src/link/ (how parts link: mutual TLS, certificate expiry, the plaintext rule) and src/files/ —
+ *  is imported by all and imports nothing but itself. src/ itself holds no files.
  *  Package imports (`node:*`, npm) are not checked here. */
 import assert from 'node:assert/strict'
 import { readdirSync, readFileSync } from 'node:fs'
@@ -26,16 +27,16 @@ const layerRank: Readonly<Record<string, number>> = {
   kv: 0,
 }
 
-/** Folders of the shared floor, beside the files in src/ itself. */
-const sharedFolders = new Set(['files'])
+/** Folders of the shared floor. */
+const sharedFolders = new Set(['common', 'link', 'files'])
 
 /** The folders that may import the audit. */
 const auditImporters = new Set(['cli', 'soak'])
 
 /** The part of src/ a file belongs to: its top folder, or `shared` for the floor. `path` is
- *  relative to src/, with `/` separators. */
+ *  relative to src/, with `/` separators; a file in src/ itself belongs to no part. */
 function partOf(path: string): string {
-  const top = path.includes('/') ? path.slice(0, path.indexOf('/')) : 'shared'
+  const top = path.includes('/') ? path.slice(0, path.indexOf('/')) : '(src/ itself)'
   return sharedFolders.has(top) ? 'shared' : top
 }
 
@@ -44,6 +45,8 @@ function partOf(path: string): string {
 export function importViolation(from: string, to: string): string | undefined {
   const a = partOf(from)
   const b = partOf(to)
+  if (a !== 'shared' && a !== 'audit' && layerRank[a] === undefined)
+    return `${a} is not a known layer`
   if (a === b || b === 'shared') return undefined
   if (a === 'shared') return `the shared floor imports ${b}`
   if (a === 'audit') return `the audit imports ${b}`
@@ -101,21 +104,24 @@ describe('layers of src/', () => {
       ['cli/serve.ts', 'config/launch.ts', undefined],
       ['soak/cluster.ts', 'config/launch.ts', undefined],
       ['soak/cluster.ts', 'cli/keys.ts', 'soak imports cli, a layer above it'],
-      ['router/tenants.ts', 'config/issues.ts', 'router imports config, a layer above it'],
-      ['router/tenants.ts', 'files/issues.ts', undefined],
+      ['router/tenants/tenants.ts', 'config/issues.ts', 'router imports config, a layer above it'],
+      ['router/tenants/tenants.ts', 'files/issues.ts', undefined],
       ['engine/decode-worker.ts', 'kv/pool.ts', undefined],
       ['kv/pool.ts', 'transfer/frames.ts', 'kv imports transfer, a layer beside it'],
       ['model/forward.ts', 'model/threads/team.ts', undefined],
-      ['audit/run.ts', 'router/tenants.ts', 'the audit imports router'],
-      ['audit/probes/canary.ts', 'errors.ts', undefined],
+      ['audit/run.ts', 'router/tenants/tenants.ts', 'the audit imports router'],
+      ['audit/probes/canary.ts', 'common/errors.ts', undefined],
       [
         'router/gateway.ts',
         'audit/canaries.ts',
         'router imports the audit (only cli and soak may)',
       ],
       ['soak/oracle.ts', 'audit/rng.ts', undefined],
-      ['errors.ts', 'engine/faults.ts', 'the shared floor imports engine'],
-      ['files/yaml-file.ts', 'errors.ts', undefined],
+      ['common/errors.ts', 'engine/faults.ts', 'the shared floor imports engine'],
+      ['link/tls.ts', 'router/api/http.ts', 'the shared floor imports router'],
+      ['router/start.ts', 'link/tls.ts', undefined],
+      ['loose.ts', 'common/errors.ts', '(src/ itself) is not a known layer'],
+      ['files/yaml-file.ts', 'common/errors.ts', undefined],
     ]
     for (const [from, to, want] of cases)
       assert.equal(importViolation(from, to), want, `${from} → ${to}`)

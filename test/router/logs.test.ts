@@ -1,7 +1,7 @@
 /** The router's log names request ids and tenants, never keys, prompts or completions. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import OpenAI from 'openai'
 import { defaultReplyText, keys, startHarness, waitFor } from './helpers.js'
 

@@ -4,7 +4,7 @@
 import { randomBytes } from 'node:crypto'
 import { once } from 'node:events'
 import net from 'node:net'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import { beginMac, endMac } from '../../src/transfer/auth.js'
 import { manifestChecksum, pageChecksum } from '../../src/transfer/checksum.js'
 import {

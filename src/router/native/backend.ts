@@ -1,22 +1,22 @@
 /** The native backend: kvfence's own prefill and decode workers. The router tokenizes prompts
  *  here and detokenizes the workers' tokens into text; G1 is the capacity monitor's
- *  (capacity-monitor.ts), the workers' events and their retries are generation.ts's, and the
+ *  (capacity-monitor.ts), the workers' events and their retries are ../generation.ts's, and the
  *  answer's bodies respond.ts's.
  *  Knows the tokenizer, the worker client and the capacity monitor; knows nothing of keys or
  *  limits. */
 import assert from 'node:assert/strict'
-import { randomHex } from '../../random-hex.js'
+import { randomHex } from '../../common/random-hex.js'
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
-import { KvfenceError } from '../../errors.js'
+import { KvfenceError } from '../../common/errors.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
 import type { Backend, GenerationJob } from '../backend.js'
-import type { Limiter } from '../limits.js'
-import type { RouterMetrics } from '../metrics.js'
-import { messageOf } from '../public-errors.js'
-import { checkStopTokenIds } from '../schemas.js'
+import type { Limiter } from '../admission/limits.js'
+import type { RouterMetrics } from '../metrics/metrics.js'
+import { messageOf } from '../api/public-errors.js'
+import { checkStopTokenIds } from '../api/schemas.js'
 import type { WorkerClient } from '../worker-client.js'
-import type { TokenizerPool } from '../tokenizer-pool.js'
+import type { TokenizerPool } from '../tokenize/tokenizer-pool.js'
 import type { CapacityMonitor } from './capacity-monitor.js'
 import { type GenerationDeps, runGeneration } from './worker-run.js'
 import { repliesOf } from './replies.js'

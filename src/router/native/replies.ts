@@ -1,5 +1,5 @@
 /** The OpenAI bodies of a natively generated answer, one builder per endpoint, chosen once per
- *  request (responses.ts builds the bodies, logprobs.ts their log-probabilities).
+ *  request (../api/responses.ts builds the bodies, ../api/logprobs.ts their log-probabilities).
  *  Knows the endpoints' body shapes and log-probability formats; knows nothing of workers. */
 import type { Tokenizer } from '../../model/tokenizer.js'
 import {
@@ -7,7 +7,7 @@ import {
   type GeneratedLogprobs,
   chatLogprobs,
   tokenTextOf,
-} from '../logprobs.js'
+} from '../api/logprobs.js'
 import {
   type FinishReason,
   type ResponseHeader,
@@ -17,8 +17,8 @@ import {
   chatUsageChunk,
   textCompletion,
   textUsageChunk,
-} from '../responses.js'
-import type { Endpoint } from '../schemas.js'
+} from '../api/responses.js'
+import type { Endpoint } from '../api/schemas.js'
 
 /** The bodies of one response. `entries` are the log-probabilities of the tokens whose text the
  *  body carries (ignored when the client did not ask for them). */

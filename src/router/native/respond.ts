@@ -1,10 +1,10 @@
 /** The answer to a natively generated request, on the client's response: one JSON body, or SSE.
  *  Knows the response and the OpenAI bodies (through replies.ts); knows nothing of workers. */
-import { toOpenAiError } from '../../errors.js'
+import { toOpenAiError } from '../../common/errors.js'
 import type { GenerationJob } from '../backend.js'
-import { coalesceWrites, sendJson } from '../http.js'
-import type { GeneratedLogprobs } from '../logprobs.js'
-import { endingError, publicError } from '../public-errors.js'
+import { coalesceWrites, sendJson } from '../api/http.js'
+import type { GeneratedLogprobs } from '../api/logprobs.js'
+import { endingError, publicError } from '../api/public-errors.js'
 import {
   endSse,
   sseEvent,
@@ -13,7 +13,7 @@ import {
   usageOf,
   writeSse,
   writeSseText,
-} from '../responses.js'
+} from '../api/responses.js'
 import type { GenerationResult, OnText } from './worker-run.js'
 import type { Replies } from './replies.js'
 

@@ -4,15 +4,15 @@
  *  Knows the worker client's events, the tokenizer and stop strings; knows nothing of HTTP. */
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
-import { KvfenceError } from '../../errors.js'
-import { randomHex } from '../../random-hex.js'
+import { KvfenceError } from '../../common/errors.js'
+import { randomHex } from '../../common/random-hex.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
 import { type Outcome, markToken } from '../backend.js'
-import { LimitError, type Limiter, type RoomTurn } from '../limits.js'
-import type { GeneratedLogprobs } from '../logprobs.js'
-import type { RouterMetrics } from '../metrics.js'
-import type { FinishReason } from '../responses.js'
-import { TextStream } from '../text-stream.js'
+import { LimitError, type Limiter, type RoomTurn } from '../admission/limits.js'
+import type { GeneratedLogprobs } from '../api/logprobs.js'
+import type { RouterMetrics } from '../metrics/metrics.js'
+import type { FinishReason } from '../api/responses.js'
+import { TextStream } from '../tokenize/text-stream.js'
 import { type GenerationEvent, PoolFullError, type WorkerClient } from '../worker-client.js'
 
 /** What running a request on the workers needs. */
