@@ -14,7 +14,7 @@ import { KvfenceError } from '../common/errors.js'
 import { loadModelConfig } from '../model/config.js'
 import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
 import { bundledModelDir } from '../common/paths.js'
-import { queueLimitDefaults } from '../router/admission/limits.js'
+import { queueLimitDefaults } from '../router/admission/queue-limits.js'
 import { loadTenants } from '../router/tenants/tenants.js'
 import { checkPlaintextLinks, isLoopbackHost } from '../link/plaintext.js'
 import {

@@ -35,13 +35,9 @@ export {
   type WorkerClientOptions,
 } from './worker-client.js'
 export { createRouterMetrics, type RouterMetrics } from './metrics/metrics.js'
-export {
-  createLimiter,
-  LimitError,
-  queueLimitDefaults,
-  type Limiter,
-  type QueueLimits,
-} from './admission/limits.js'
+export { createLimiter, type Limiter } from './admission/limits.js'
+export { LimitError } from './admission/limit-error.js'
+export { queueLimitDefaults, type QueueLimits } from './admission/queue-limits.js'
 export {
   startGateway,
   type BackendKind,

@@ -18,12 +18,8 @@ import { createDrain } from './drain.js'
 import { type GatewayOptions, startGateway } from './gateway/backend.js'
 import { effectiveReservedSlots } from './admission/fair-queue.js'
 import { answerExpectContinue } from './api/http.js'
-import {
-  type Limiter,
-  type QueueLimits,
-  createLimiter,
-  queueLimitDefaults,
-} from './admission/limits.js'
+import { type Limiter, createLimiter } from './admission/limits.js'
+import { type QueueLimits, queueLimitDefaults } from './admission/queue-limits.js'
 import { type RouterMetrics, createRouterMetrics } from './metrics/metrics.js'
 import { type RedisLimitSettings, createRedisLimitStore } from './admission/redis-limits.js'
 import { createNativeBackend } from './native/backend.js'

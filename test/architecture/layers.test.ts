@@ -7,13 +7,8 @@
  *  is imported by all and imports nothing but itself. src/ itself holds no files.
  *  Package imports (`node:*`, npm) are not checked here. */
 import assert from 'node:assert/strict'
-import { readdirSync, readFileSync } from 'node:fs'
-import { dirname, join, relative, resolve, sep } from 'node:path'
 import { describe, it } from 'node:test'
-import ts from 'typescript'
-import { repoRoot } from '../helpers/paths.js'
-
-const srcDir = join(repoRoot, 'src')
+import { srcImportEdges } from './imports.js'
 
 /** Rank of each layer: a folder may import a folder of lower rank. */
 const layerRank: Readonly<Record<string, number>> = {
@@ -59,45 +54,6 @@ export function importViolation(from: string, to: string): string | undefined {
   return rb < ra ? undefined : `${a} imports ${b}, a layer ${rb === ra ? 'beside' : 'above'} it`
 }
 
-/** Relative module paths a source text imports or re-exports, with their 1-based lines. */
-function importsOf(fileName: string, text: string): { specifier: string; line: number }[] {
-  const source = ts.createSourceFile(fileName, text, ts.ScriptTarget.Latest, true)
-  const found: { specifier: string; line: number }[] = []
-  const add = (node: ts.Node, literal: ts.Expression | undefined) => {
-    if (literal === undefined || !ts.isStringLiteral(literal)) return
-    if (!literal.text.startsWith('.')) return
-    const line = source.getLineAndCharacterOfPosition(node.getStart()).line + 1
-    found.push({ specifier: literal.text, line })
-  }
-  const visit = (node: ts.Node) => {
-    if (ts.isImportDeclaration(node) || ts.isExportDeclaration(node))
-      add(node, node.moduleSpecifier)
-    else if (ts.isCallExpression(node) && node.expression.kind === ts.SyntaxKind.ImportKeyword)
-      add(node, node.arguments[0])
-    else if (ts.isImportTypeNode(node) && ts.isLiteralTypeNode(node.argument))
-      add(node, node.argument.literal as ts.Expression)
-    ts.forEachChild(node, visit)
-  }
-  visit(source)
-  return found
-}
-
-/** Every `.ts` file under `dir`, absolute. */
-function sourceFiles(dir: string): string[] {
-  return readdirSync(dir, { withFileTypes: true }).flatMap((e) =>
-    e.isDirectory()
-      ? sourceFiles(join(dir, e.name))
-      : e.name.endsWith('.ts')
-        ? [join(dir, e.name)]
-        : [],
-  )
-}
-
-/** A path relative to src/ with `/` separators. */
-function srcRelative(path: string): string {
-  return relative(srcDir, path).split(sep).join('/')
-}
-
 describe('layers of src/', () => {
   it('the rule: down the layers, the audit apart, the shared floor for all', () => {
     const cases: [string, string, string | undefined][] = [
@@ -129,13 +85,9 @@ describe('layers of src/', () => {
 
   it('no import in src/ runs against the layers', () => {
     const violations: string[] = []
-    for (const file of sourceFiles(srcDir)) {
-      for (const { specifier, line } of importsOf(file, readFileSync(file, 'utf8'))) {
-        const target = resolve(dirname(file), specifier).replace(/\.js$/, '.ts')
-        const why = importViolation(srcRelative(file), srcRelative(target))
-        if (why !== undefined)
-          violations.push(`src/${srcRelative(file)}:${line} '${specifier}': ${why}`)
-      }
+    for (const { from, to, line, specifier } of srcImportEdges()) {
+      const why = importViolation(from, to)
+      if (why !== undefined) violations.push(`src/${from}:${line} '${specifier}': ${why}`)
     }
     assert.deepEqual(violations, [], `imports against the layers:\n${violations.join('\n')}`)
   })

@@ -36,14 +36,14 @@
 import assert from 'node:assert/strict'
 import { KvfenceError } from '../../common/errors.js'
 import { type ServiceCounters, createLocalServiceCounters } from './limit-store.js'
+import { LimitError } from './limit-error.js'
 import {
-  LimitError,
   type QueueLimits,
   type RoomTurn,
   type Slot,
   type SlotClaim,
   queueLimitDefaults,
-} from './limits.js'
+} from './queue-limits.js'
 
 /** Weights of the service a request is counted for, per token: VTC's evaluation weighs a
  *  generated token twice a prompt token (w_p = 1, w_q = 2), as output tokens cost more to

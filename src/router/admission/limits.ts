@@ -3,92 +3,23 @@
  *  long; fair-queue.ts). Every refusal says how long to wait (`Retry-After`), or that waiting
  *  cannot help.
  *  Knows tenant names, token counts and time; knows nothing of HTTP bodies, workers or keys. */
-import { KvfenceError } from '../../common/errors.js'
+import { LimitError } from './limit-error.js'
+import {
+  type QueueLimits,
+  type RoomTurn,
+  type Slot,
+  type SlotClaim,
+  queueLimitDefaults,
+} from './queue-limits.js'
 import { createFairQueue } from './fair-queue.js'
 import { type LimitStore, type MaybePromise, createLocalLimitStore, thenOf } from './limit-store.js'
 import type { TenantLimits } from '../tenants/tenants.js'
-
-/** A refusal for load, with the seconds the client should wait before trying again, or null
- *  when no wait can help (the request is larger than the tenant's whole limit). */
-export class LimitError extends KvfenceError {
-  constructor(
-    code: 'rate_limited' | 'capacity_exhausted',
-    message: string,
-    /** Whole seconds for `Retry-After` (≥ 1), or null: retrying the same request cannot succeed. */
-    readonly retryAfterSec: number | null,
-  ) {
-    super(code, message)
-    this.name = 'LimitError'
-  }
-}
-
-/** A refusal because the shared limit store (Redis) cannot be reached under `fail-closed`: 503
- *  `capacity_exhausted` with `Retry-After`, counted apart from a tenant's own limits
- *  (`reason="limit_store_unavailable"` in `kvfence_router_admission_rejections_total`). */
-export class LimitStoreUnavailableError extends LimitError {
-  constructor(message: string, retryAfterSec: number) {
-    super('capacity_exhausted', message, retryAfterSec)
-    this.name = 'LimitStoreUnavailableError'
-  }
-}
-
-/** The router-wide limits. */
-export interface QueueLimits {
-  /** Requests running on the workers at once; more wait in the queue. */
-  readonly maxConcurrentRequests: number
-  /** Requests waiting at most; one more → 503 `capacity_exhausted`. */
-  readonly maxQueuedRequests: number
-  /** Of the `maxConcurrentRequests` slots, the last this many are taken only by a request whose
-   *  tenant has none running (fair-queue.ts), so that another tenant's first request need not
-   *  wait for a busy tenant's request to end; 0: none. At most `maxConcurrentRequests − 1` take
-   *  effect (one slot stays open to every tenant). Default 1 ({@link queueLimitDefaults}). */
-  readonly reservedSlots?: number
-  /** Longest a request waits in all, ms: in the queue and for a full KV pool to free up,
-   *  together; then 503. */
-  readonly maxQueueWaitMs: number
-  /** How often the first request waiting for KV room tries again when no request ends, ms
-   *  (default `roomPollMs` of fair-queue.ts); tests that assert orders set it past their length. */
-  readonly roomPollMs?: number
-}
-
-/** Defaults of {@link QueueLimits}. */
-export const queueLimitDefaults = Object.freeze({
-  maxConcurrentRequests: 64,
-  maxQueuedRequests: 256,
-  // One is enough for a newcomer's first request to start at once; a second newcomer at the
-  // same moment waits for the next slot to free, as all did without.
-  reservedSlots: 1,
-  maxQueueWaitMs: 30_000,
-}) satisfies QueueLimits
 
 /** What a tenant's admitted request holds until it ends. */
 export interface TenantTicket {
   /** Ends the request: frees its concurrency slot and refunds `numUnusedTokens` to the tenant's
    *  token budget. Idempotent. */
   release(numUnusedTokens: number): void
-}
-
-/** A running slot of the router-wide limit. */
-export interface Slot {
-  /** Frees the slot (hands it to the next queued request), counting `numGeneratedTokens`
-   *  (default 0) to its tenant's service. Idempotent. */
-  release(numGeneratedTokens?: number): void
-}
-
-/** Who asks for a running slot: the tenant whose queue it waits in, the tenant's weight (its
- *  share of the service against other backlogged tenants, > 0) and the prompt's token count
- *  (charged to the tenant's service when the slot is granted). */
-export interface SlotClaim {
-  readonly tenant: string
-  readonly weight: number
-  readonly numPromptTokens: number
-}
-
-/** A request's turn to ask the workers for KV room. */
-export interface RoomTurn {
-  /** Ends the turn: `isRefused` when the pool was still full (the request waits again), else the
-   *  turn passes to the next request waiting for room. Idempotent. */
-  end(isRefused: boolean): void
 }
 
 /** A request counted against its tenant's concurrency limit; `release` (idempotent) stops

@@ -8,14 +8,9 @@ import { performance } from 'node:perf_hooks'
 import { KvfenceError } from '../../common/errors.js'
 import { admit, refuseUntokenizable } from './context-window.js'
 import type { Backend, Outcome, PreparedPrompt } from '../backend.js'
-import {
-  LimitError,
-  LimitStoreUnavailableError,
-  type Limiter,
-  type RoomHold,
-  type Slot,
-  type TenantTicket,
-} from './limits.js'
+import { LimitError, LimitStoreUnavailableError } from './limit-error.js'
+import { type Limiter, type RoomHold, type TenantTicket } from './limits.js'
+import { type Slot } from './queue-limits.js'
 import type { RouterMetrics } from '../metrics/metrics.js'
 import { type ParsedRequest, promptParamOf } from '../api/schemas.js'
 import { type Tenant, defaultTenantWeight } from '../tenants/tenants.js'

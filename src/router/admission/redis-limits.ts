@@ -46,7 +46,7 @@ import {
   checkCounters,
   createLocalLimitStore,
 } from './limit-store.js'
-import { LimitError, LimitStoreUnavailableError } from './limits.js'
+import { LimitError, LimitStoreUnavailableError } from './limit-error.js'
 
 /** What the router does while Redis cannot be reached. */
 export type UnavailablePolicy = 'fail-closed' | 'local'

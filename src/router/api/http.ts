@@ -4,7 +4,7 @@
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'
 import { KvfenceError, MethodNotAllowedError, toOpenAiError } from '../../common/errors.js'
 import { readBodyText } from './body-text.js'
-import { LimitError } from '../admission/limits.js'
+import { LimitError } from '../admission/limit-error.js'
 
 /** Most JSON objects and arrays a request body may hold: a chat body at its bounds (2048
  *  messages, 2048 text parts, their lists) holds about 6,200; see {@link readJsonBody}. */

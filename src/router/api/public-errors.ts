@@ -2,7 +2,7 @@
  *  server-side one; the workers' own message (which may name pages, requests or peers) is logged
  *  only. Knows error codes; knows nothing of HTTP or workers. */
 import { KvfenceError, type ErrorCode } from '../../common/errors.js'
-import { LimitError } from '../admission/limits.js'
+import { LimitError } from '../admission/limit-error.js'
 import { WorkerReportedError } from '../worker-client.js'
 
 /** The fixed sentence of each server-side code. */

@@ -13,7 +13,8 @@ import { setTimeout as sleep } from 'node:timers/promises'
 import { after, before, describe, it } from 'node:test'
 import { Redis } from 'ioredis'
 import { pino } from 'pino'
-import { type Limiter, type Slot, createLimiter } from '../../../src/router/admission/limits.js'
+import { type Limiter, createLimiter } from '../../../src/router/admission/limits.js'
+import { type Slot } from '../../../src/router/admission/queue-limits.js'
 import {
   type RedisLimitStore,
   createRedisLimitStore,

@@ -7,11 +7,9 @@ import {
   type LimitStore,
   createLocalLimitStore,
 } from '../../../src/router/admission/limit-store.js'
-import {
-  LimitError,
-  createLimiter,
-  queueLimitDefaults,
-} from '../../../src/router/admission/limits.js'
+import { LimitError } from '../../../src/router/admission/limit-error.js'
+import { createLimiter } from '../../../src/router/admission/limits.js'
+import { queueLimitDefaults } from '../../../src/router/admission/queue-limits.js'
 import { createRedisLimitStore } from '../../../src/router/admission/redis-limits.js'
 import { freePort } from '../../reliability/helpers.js'
 import { type RedisServer, redisSkipReason, startRedis } from './redis-helpers.js'
