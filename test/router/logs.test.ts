@@ -60,7 +60,7 @@ describe('logging', () => {
 
   it('logs a request the drain deadline ends as warn (an operator stop), never error', async () => {
     // Both requests held after their first token, so the drain's 0 s deadline ends them: the
-    // streamed one mid-stream (respond.ts), the other before its answer (generation.ts).
+    // streamed one mid-stream (native/write-response.ts), the other before its answer (generation.ts).
     const h = await startHarness({ isHoldingReplies: true }, { drainSeconds: 0 })
     try {
       const isShuttingDown = (status: number | undefined) => (err: unknown) => {

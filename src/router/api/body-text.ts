@@ -4,7 +4,7 @@
  *  chunk alive for as long as the body took to arrive: the scavenges copied and promoted them,
  *  and the major collections they brought stalled the event loop every tenant shares (a 1 MB
  *  prompt's effect on another tenant's p99 fell from ~9.5 to ~6 ms without them, measured).
- *  Knows bytes, UTF-8 and JSON's brackets; knows nothing of HTTP replies, tenants or workers. */
+ *  Knows bytes, UTF-8 and JSON's brackets; knows nothing of HTTP responses, tenants or workers. */
 import type { IncomingMessage } from 'node:http'
 import { TextDecoder } from 'node:util'
 import { KvfenceError } from '../../common/errors.js'
@@ -124,7 +124,7 @@ const strictUtf8 = new TextDecoder('utf-8', { fatal: true })
 /** Reads `req`'s body (with listeners: an async iterator over the request costs every request a
  *  few µs more). Past `maxBytes` it stops reading and rejects with `tooLarge()`, and as soon as a
  *  body over {@link streamedBodyBytes} opens more than `maxContainers` objects and arrays, with
- *  `tooManyContainers()` (the rest is left to the error reply, which closes the connection after
+ *  `tooManyContainers()` (the rest is left to the error response, which closes the connection after
  *  it); a connection closed before the body's end rejects with `request_aborted`. */
 export function readBodyText(
   req: IncomingMessage,

@@ -1,4 +1,4 @@
-/** Small `node:http` helpers for the router: bounded body reading, JSON replies, error replies,
+/** Small `node:http` helpers for the router: bounded body reading, JSON responses, error responses,
  *  coalesced streaming writes.
  *  Knows HTTP and the OpenAI error body; knows nothing of tokens, workers or tenants. */
 import type { IncomingMessage, Server, ServerResponse } from 'node:http'

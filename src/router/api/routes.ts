@@ -51,7 +51,7 @@ export type RequestHandler = (req: IncomingMessage, res: ServerResponse) => void
 export function createRouter(deps: RouterDeps): RequestHandler {
   return (req, res) => {
     deps.drain.noteRequest()
-    // A draining router asks every client to reconnect (elsewhere) after this reply.
+    // A draining router asks every client to reconnect (elsewhere) after this response.
     if (deps.drain.phase !== 'serving') res.setHeader('connection', 'close')
     route(deps, req, res).catch((err: unknown) => {
       const error = asKvfenceError(err)

@@ -185,7 +185,7 @@ async function relayStream(
   return stream.end()
 }
 
-/** The client's side of a relayed SSE reply: headers at the first event, the text and finish
+/** The client's SSE response relayed from the engine's reply: headers at the first event, the text and finish
  *  reason seen so far. */
 function createRelayedStream(job: GenerationJob, upstream: http.IncomingMessage) {
   const { res } = job

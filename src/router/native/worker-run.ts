@@ -18,7 +18,7 @@ import { TextStream } from '../tokenize/text-stream.js'
 import { type GenerationEvent, PoolFullError, type WorkerClient } from '../worker-client.js'
 
 /** What running a request on the workers needs. */
-export interface GenerationDeps {
+export interface WorkerRunDeps {
   tokenizer: Tokenizer
   workers: WorkerClient
   /** For waiting on a full KV pool: in arrival order, within the request's one wait bound. */
@@ -59,7 +59,7 @@ export type OnText = (
  *  end, the ids of tokens that added no text (an empty piece), so that every token is heard.
  *  Leaving early (a stop string) closes both worker requests. */
 export async function runGeneration(
-  deps: GenerationDeps,
+  deps: WorkerRunDeps,
   run: WorkerRun,
   onText: OnText,
 ): Promise<GenerationResult> {
@@ -151,7 +151,7 @@ interface StartedEvents {
  *  closed before the refusal surfaced, but the decode worker may not have seen that close yet,
  *  and must never match a transfer to a reservation of another attempt. */
 async function startWorkerEvents(
-  deps: GenerationDeps,
+  deps: WorkerRunDeps,
   run: WorkerRun,
 ): Promise<StartedEvents | null> {
   const { limiter, metrics } = deps

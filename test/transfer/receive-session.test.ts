@@ -1,4 +1,4 @@
-/** The receiver's checks, one test each, driven without sockets through one ReceiverSession.
+/** The receiver's checks, one test each, driven without sockets through one ReceiveSession.
  *  Every refusal test asserts the exact reason, so that removing the check makes it fail (a later
  *  check would refuse for another reason, or nothing would). Always-on checks are tested with
  *  guards off, where they are the only line of defence. */

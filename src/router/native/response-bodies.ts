@@ -22,7 +22,7 @@ import type { Endpoint } from '../api/schemas.js'
 
 /** The bodies of one response. `entries` are the log-probabilities of the tokens whose text the
  *  body carries (ignored when the client did not ask for them). */
-export interface Replies {
+export interface ResponseBodies {
   /** The whole, non-streamed answer. */
   whole(text: string, finish: FinishReason, usage: Usage, entries: GeneratedLogprobs[]): unknown
   /** The chunk that opens a stream, or null when the endpoint has none. */
@@ -37,7 +37,7 @@ export interface Replies {
 }
 
 /** What a response's bodies depend on. */
-export interface RepliesOptions {
+export interface ResponseBodiesOptions {
   header: ResponseHeader
   /** `stream_options.include_usage`. */
   isUsageStreamed: boolean
@@ -45,8 +45,8 @@ export interface RepliesOptions {
   logprobsTokenizer: Tokenizer | null
 }
 
-/** Builds one response's {@link Replies}. */
-export type RepliesOf = (options: RepliesOptions) => Replies
+/** Builds one response's {@link ResponseBodies}. */
+export type ResponseBodiesOf = (options: ResponseBodiesOptions) => ResponseBodies
 
 /** The text of a token id by `tokenizer`; with `shown`, as the completion text shows it
  *  (special tokens skipped). */
@@ -54,7 +54,11 @@ function tokenText(tokenizer: Tokenizer, shown = false) {
   return tokenTextOf((ids, options) => tokenizer.decode(ids, options), shown)
 }
 
-function chatReplies({ header: h, isUsageStreamed, logprobsTokenizer }: RepliesOptions): Replies {
+function chatResponseBodies({
+  header: h,
+  isUsageStreamed,
+  logprobsTokenizer,
+}: ResponseBodiesOptions): ResponseBodies {
   const texts = logprobsTokenizer === null ? null : tokenText(logprobsTokenizer)
   const logprobs = (entries: GeneratedLogprobs[]) =>
     texts === null ? null : chatLogprobs(entries, texts)
@@ -69,7 +73,10 @@ function chatReplies({ header: h, isUsageStreamed, logprobsTokenizer }: RepliesO
   }
 }
 
-function completionReplies({ header: h, logprobsTokenizer: t }: RepliesOptions): Replies {
+function completionResponseBodies({
+  header: h,
+  logprobsTokenizer: t,
+}: ResponseBodiesOptions): ResponseBodies {
   const builder =
     t === null ? null : new CompletionLogprobsBuilder(tokenText(t), tokenText(t, true))
   const logprobs = (entries: GeneratedLogprobs[]) =>
@@ -85,7 +92,7 @@ function completionReplies({ header: h, logprobsTokenizer: t }: RepliesOptions):
 }
 
 /** Each endpoint's builder. */
-export const repliesOf: { readonly [E in Endpoint]: RepliesOf } = {
-  chat: chatReplies,
-  completion: completionReplies,
+export const responseBodiesOf: { readonly [E in Endpoint]: ResponseBodiesOf } = {
+  chat: chatResponseBodies,
+  completion: completionResponseBodies,
 }

@@ -1,5 +1,5 @@
 /** The answer to a natively generated request, on the client's response: one JSON body, or SSE.
- *  Knows the response and the OpenAI bodies (through replies.ts); knows nothing of workers. */
+ *  Knows the response and the OpenAI bodies (through response-bodies.ts); knows nothing of workers. */
 import { toOpenAiError } from '../../common/errors.js'
 import type { GenerationJob } from '../backend.js'
 import { coalesceWrites, sendJson } from '../api/http.js'
@@ -15,15 +15,15 @@ import {
   writeSseText,
 } from '../api/responses.js'
 import type { GenerationResult, OnText } from './worker-run.js'
-import type { Replies } from './replies.js'
+import type { ResponseBodies } from './response-bodies.js'
 
 /** Runs a generation, giving each piece of text to `onText`, as {@link runGeneration} does. */
 export type Generate = (onText: OnText) => Promise<GenerationResult>
 
 /** One JSON body once the generation has ended. */
-export async function respondWhole(
+export async function writeWholeResponse(
   job: GenerationJob,
-  replies: Replies,
+  bodies: ResponseBodies,
   generate: Generate,
 ): Promise<void> {
   let text = ''
@@ -43,15 +43,15 @@ export async function respondWhole(
   )
   job.outcome.numCompletionTokens = result.numCompletionTokens
   job.outcome.finishReason = result.finishReason
-  sendJson(job.res, 200, replies.whole(text, result.finishReason, usage, logprobs))
+  sendJson(job.res, 200, bodies.whole(text, result.finishReason, usage, logprobs))
 }
 
 /** SSE. Headers go out with the first text, so that a refusal before any output (capacity,
  *  a failed prefill) is still a plain HTTP error; a failure after it is an in-stream error
  *  event followed by the end of the stream, never a normal finish. */
-export async function respondStreamed(
+export async function writeStreamedResponse(
   job: GenerationJob,
-  replies: Replies,
+  bodies: ResponseBodies,
   generate: Generate,
 ): Promise<void> {
   const { res } = job
@@ -64,18 +64,18 @@ export async function respondStreamed(
     // as every other event of this event-loop turn.
     startSse(res, {}, true)
     coalesceWrites(res)
-    const opening = replies.opening()
+    const opening = bodies.opening()
     return opening === null ? undefined : writeSse(res, opening)
   }
   // Without log-probabilities every piece's chunk is the same but for its text: serialized once.
   const pieceEvent =
-    job.parsed.sampling.numLogprobs == null ? sseTemplate((text) => replies.piece(text, [])) : null
+    job.parsed.sampling.numLogprobs == null ? sseTemplate((text) => bodies.piece(text, [])) : null
   // The sentinel releases text (all of it, but in block mode what a suspect run may still
   // take); log-probabilities wait with their text.
   let heldLogprobs: GeneratedLogprobs[] = []
   const writePiece = (piece: string): Promise<void> | undefined => {
     const event =
-      pieceEvent !== null ? pieceEvent(piece) : sseEvent(replies.piece(piece, heldLogprobs))
+      pieceEvent !== null ? pieceEvent(piece) : sseEvent(bodies.piece(piece, heldLogprobs))
     heldLogprobs = []
     return writeSseText(res, event)
   }
@@ -93,12 +93,12 @@ export async function respondStreamed(
     job.outcome.numCompletionTokens = result.numCompletionTokens
     job.outcome.finishReason = result.finishReason
     await start()
-    await writeSse(res, replies.last(result.finishReason, [...heldLogprobs, ...result.logprobs]))
+    await writeSse(res, bodies.last(result.finishReason, [...heldLogprobs, ...result.logprobs]))
     if (job.parsed.isUsageStreamed) {
       const { numPromptTokens } = job.outcome
       await writeSse(
         res,
-        replies.usage(usageOf(numPromptTokens, result.numCompletionTokens, result.cachedTokens)),
+        bodies.usage(usageOf(numPromptTokens, result.numCompletionTokens, result.cachedTokens)),
       )
     }
     endSse(res)

@@ -122,7 +122,7 @@ export interface ReceiverCounters {
 }
 
 /** How a session talks to its connection. */
-export interface SessionIo {
+export interface ReceiveIo {
   /** Queue bytes to the peer. */
   write(bytes: Uint8Array): void
   /** Flush what was queued, then close the connection. */
@@ -149,7 +149,7 @@ interface ActiveTransfer {
 }
 
 /** One connection's receiving side. */
-export class ReceiverSession {
+export class ReceiveSession {
   private phase: SessionPhase = 'awaiting_hello'
   private readonly transfers = new Map<string, ActiveTransfer>()
   /** Ids of transfers that ended on this connection, oldest first (bounded). */
@@ -160,7 +160,7 @@ export class ReceiverSession {
   constructor(
     private readonly hooks: ReceiverHooks,
     private readonly config: ReceiverConfig,
-    private readonly io: SessionIo,
+    private readonly io: ReceiveIo,
     private readonly counters: ReceiverCounters,
   ) {
     this.parser = new FrameParser(
