@@ -28,8 +28,8 @@ import {
   type GenerateRequest,
   type PrefillRequest,
 } from './messages.js'
-import { KvfenceError } from '../errors.js'
-import { clientTlsOptions, type TlsMaterial } from '../tls.js'
+import { KvfenceError } from '../common/errors.js'
+import { clientTlsOptions, type TlsMaterial } from '../link/tls.js'
 import { abortError } from './abort.js'
 import { issueText } from './error-text.js'
 

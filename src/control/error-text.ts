@@ -2,9 +2,9 @@
  *  failure, and a schema's first issue. Knows Node's errors and zod's issues; knows nothing of
  *  workers. */
 import type { z } from 'zod'
-import { describeTlsError } from '../tls.js'
+import { describeTlsError } from '../link/tls.js'
 
-/** `err` as one line: a TLS failure in words (src/tls.ts), else its message with its code
+/** `err` as one line: a TLS failure in words (src/link/tls.ts), else its message with its code
  *  (`ECONNREFUSED …`). */
 export function describeError(err: unknown): string {
   if (err instanceof Error) {

@@ -6,8 +6,8 @@
  *  serves the router's `/server_info`, `/metrics` and token probes over HTTP).
  *  Knows worker URLs, channels and request ids; knows nothing of text, API keys or OpenAI shapes. */
 import { z } from 'zod'
-import { KvfenceError, isErrorCode } from '../errors.js'
-import type { TlsMaterial } from '../tls.js'
+import { KvfenceError, isErrorCode } from '../common/errors.js'
+import type { TlsMaterial } from '../link/tls.js'
 import { untilAborted } from './abort.js'
 import { openChannel, type ControlChannel } from './channel-client.js'
 import { describeError } from './error-text.js'

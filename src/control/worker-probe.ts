@@ -1,5 +1,5 @@
 /** The router's probes of its workers, over HTTP/1.1 on one keep-alive agent (`node:http`, or
- *  `node:https` with mutual TLS 1.3 against the cluster CA, src/tls.ts, for `https:` worker URLs):
+ *  `node:https` with mutual TLS 1.3 against the cluster CA, src/link/tls.ts, for `https:` worker URLs):
  *  `GET /server_info` (whether a worker answers, and what it is), `GET /metrics`, and
  *  `POST /internal/cluster_token_check`; and what the probes found: which workers are unreachable
  *  (new requests go to the others) and each decode worker's transfer address. A request's steps
@@ -8,8 +8,9 @@
  *  steps, text, API keys or OpenAI shapes. */
 import http from 'node:http'
 import https from 'node:https'
-import { KvfenceError } from '../errors.js'
-import { clientTlsOptions, type TlsMaterial } from '../tls.js'
+import { KvfenceError } from '../common/errors.js'
+import { readReplyText } from '../common/reply-text.js'
+import { clientTlsOptions, type TlsMaterial } from '../link/tls.js'
 import { untilAborted } from './abort.js'
 import { clusterTokenHeader } from './cluster-token.js'
 import { describeError, issueText } from './error-text.js'
@@ -258,7 +259,7 @@ async function serverInfo(p: Probes, url: string, signal?: AbortSignal): Promise
 async function metricsText(p: Probes, url: string, signal?: AbortSignal): Promise<string> {
   try {
     const res = await sendIdempotent(p, `${url}/metrics`, infoSignal(p, signal))
-    const text = await readReplyText(res)
+    const text = await readReplyText(res, maxReplyBytes)
     if (res.statusCode !== 200) throw new Error(`HTTP ${res.statusCode}`)
     return text
   } catch (err) {
@@ -272,7 +273,7 @@ async function acceptsClusterToken(p: Probes, url: string, signal?: AbortSignal)
       signal: infoSignal(p, signal),
       headers: p.tokenHeaders,
     })
-    await readReplyText(res) // drained, so the connection goes back to the pool
+    await readReplyText(res, maxReplyBytes) // drained, so the connection goes back to the pool
     return res.statusCode !== 401 && res.statusCode !== 403
   } catch (err) {
     throw new KvfenceError('worker_unavailable', `worker ${url} token check: ${describeError(err)}`)
@@ -379,25 +380,8 @@ function targetOf(p: Probes, url: string): http.RequestOptions {
   return target
 }
 
-/** A worker's reply as UTF-8 text. Throws a plain Error "reply longer than … bytes" (after
- *  destroying the reply) past {@link maxReplyBytes}, so that a runaway worker cannot fill the
- *  router's memory. */
-async function readReplyText(res: http.IncomingMessage): Promise<string> {
-  const chunks: Buffer[] = []
-  let numBytes = 0
-  for await (const chunk of res as AsyncIterable<Buffer>) {
-    numBytes += chunk.length
-    if (numBytes > maxReplyBytes) {
-      res.destroy()
-      throw new Error(`reply longer than ${maxReplyBytes} bytes`)
-    }
-    chunks.push(chunk)
-  }
-  return Buffer.concat(chunks).toString('utf8')
-}
-
 async function readJson(res: http.IncomingMessage): Promise<unknown> {
-  const text = await readReplyText(res)
+  const text = await readReplyText(res, maxReplyBytes)
   try {
     return JSON.parse(text)
   } catch {

@@ -22,7 +22,7 @@ import {
   type HandoffOptions,
   type PrefillSide,
 } from '../../src/control/handoff.js'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import {
   greedyOracle,
   makeRequest,

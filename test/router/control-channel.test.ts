@@ -11,7 +11,7 @@ import net, { type AddressInfo, type Socket } from 'node:net'
 import { describe, it } from 'node:test'
 import { encodeFrame, FrameReader } from '../../src/control/channel-frames.js'
 import type { GenerateRequest } from '../../src/control/messages.js'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import { createWorkerClient } from '../../src/control/worker-client.js'
 import { charIds, defaultReplyText, startHarness, waitFor } from './helpers.js'
 

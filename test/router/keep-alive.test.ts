@@ -6,7 +6,7 @@ import http from 'node:http'
 import type { AddressInfo, Socket } from 'node:net'
 import { describe, it } from 'node:test'
 import type { ServerInfo } from '../../src/control/messages.js'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import { createWorkerClient } from '../../src/control/worker-client.js'
 import { type Harness, startHarness, waitFor } from './helpers.js'
 
