@@ -117,12 +117,17 @@ export async function startEngine(kind: EngineKind, options: EngineOptions): Pro
 
   /** Earlier prompts' words by prefix-cache key. */
   const cache = new Map<string, string[][]>()
+  const deadSockets = new WeakSet<object>()
   const server = http.createServer(async (req, res) => {
+    if (deadSockets.has(req.socket)) return req.socket.destroy()
     const chunks: Buffer[] = []
     for await (const c of req as AsyncIterable<Buffer>) chunks.push(c)
     const body = chunks.length > 0 ? JSON.parse(Buffer.concat(chunks).toString('utf8')) : null
     const route = `${req.method} ${req.url}`
     if (kind === 'openai' && route === 'GET /v1/models') {
+      // As uvicorn after a handler's exception: the connection is not kept, though the answer
+      // does not say so; the next request sent on it is cut unanswered.
+      deadSockets.add(req.socket)
       res.writeHead(500, { 'content-type': 'text/plain; charset=utf-8' })
       return res.end('Internal Server Error')
     }
