@@ -8,7 +8,7 @@
  *  Knows the engines' HTTP APIs and OpenAI bodies; knows nothing of tenants' keys or kvfence's
  *  workers. */
 import type { Logger } from 'pino'
-import { KvfenceError } from '../../errors.js'
+import { KvfenceError } from '../../common/errors.js'
 import { loadTokenizer } from '../../model/tokenizer.js'
 import type { Backend } from '../backend.js'
 import { type EngineHttp, createEngineHttp, messageOf } from './engine-http.js'
@@ -18,7 +18,7 @@ import { countPromptTokens } from './prompt-count.js'
 import { createCacheSalts, relay } from './relay.js'
 import { type PathIsolationGuard, createPathIsolationGuard } from './isolation.js'
 import { type SelfCheckContext, type SelfCheckReport, runSelfCheck } from './self-check.js'
-import type { Endpoint } from '../schemas.js'
+import type { Endpoint } from '../api/schemas.js'
 
 export type { BackendKind } from './engines.js'
 export type { BackendCapacity } from './discovery.js'
@@ -60,7 +60,7 @@ export interface GatewayOptions {
   /** How often to run the isolation self-check again, ms (default
    *  {@link defaultSelfCheckIntervalMs}; 0 = only at start). */
   selfCheckIntervalMs?: number
-  /** The secret of the tenants' `cache_salt`s (salt-secret.ts); null or absent: one drawn per
+  /** The secret of the tenants' `cache_salt`s (../tenants/salt-secret.ts); null or absent: one drawn per
    *  process (logged as such). */
   saltSecret?: Uint8Array | null
 }

@@ -10,8 +10,8 @@
  *  The check runs at start, every `intervalMs`, and on demand (`recheck`).
  *  Knows endpoints and self-check results; knows nothing of tenants or requests' bodies. */
 import type { Logger } from 'pino'
-import { KvfenceError } from '../../errors.js'
-import type { Endpoint } from '../schemas.js'
+import { KvfenceError } from '../../common/errors.js'
+import type { Endpoint } from '../api/schemas.js'
 import { type PathCheck, type SelfCheckReport, enginePaths } from './self-check.js'
 
 /** The gateway's standing on each path after the last self-check. */

@@ -3,10 +3,10 @@
  *  `{model, prompt|messages}` → `{count}` (or `tokens`), or llama.cpp's (`/apply-template` for
  *  messages, then `/tokenize {content}` → `{tokens}`). A prompt given as token ids is its length.
  *  Knows parsed requests and the engine's `/tokenize`; knows nothing of tenants or limits. */
-import { KvfenceError } from '../../errors.js'
+import { KvfenceError } from '../../common/errors.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
-import { promptTokenIds } from '../prompt-ids.js'
-import { type ParsedRequest, promptParamOf } from '../schemas.js'
+import { promptTokenIds } from '../tokenize/prompt-ids.js'
+import { type ParsedRequest, promptParamOf } from '../api/schemas.js'
 import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
 
 /** What counting needs to know of the engine. */

@@ -12,7 +12,7 @@
  *  Knows the engine's OpenAI endpoints and `usage.prompt_tokens_details.cached_tokens`; knows
  *  nothing of real tenants, keys or admission. */
 import { randomBytes } from 'node:crypto'
-import type { Endpoint } from '../schemas.js'
+import type { Endpoint } from '../api/schemas.js'
 import { type EngineHttp, asObject, json, messageOf } from './engine-http.js'
 
 /** What the self-check concluded of one path:
