@@ -5,62 +5,44 @@ import { clusterTokenEnv, clusterTokenFrom, isLoopbackHost } from '../engine/clu
 import { Option, type Command } from 'commander'
 import { pino } from 'pino'
 import { DecodeWorker } from '../engine/decode-worker.js'
-import { defaultMaxBatch } from '../engine/decode-scheduler.js'
 import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { PrefillWorker } from '../engine/prefill-worker.js'
 import { createWorkerCore } from '../engine/worker-core.js'
 import { createWorkerServer, listen } from '../engine/worker-server.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
-import { bundledModelDir } from '../paths.js'
 import { checkPlaintextLinks } from '../plaintext.js'
 import { loadTlsMaterial, tlsFilesFrom, type TlsMaterial } from '../tls.js'
 import { TransferServer } from '../transfer/index.js'
-import { exitIfParentGoesDuringStart, onStopSignals, reportReadyToParent } from './parent.js'
 import {
-  intOption,
-  intRangeOption,
-  collect,
-  msOption,
-  positiveIntOption,
-  threadsHelp,
-  threadsOption,
-  logLevels,
-  portOption,
-} from './options.js'
+  defaultOf,
+  flagOf,
+  optionsOf,
+  type WorkerFlags,
+  type WorkerOption,
+  type WorkerRole,
+} from '../engine/worker-options.js'
+import { exitIfParentGoesDuringStart, onStopSignals, reportReadyToParent } from './parent.js'
+import { collect, intRangeOption } from './options.js'
 
-interface WorkerFlags {
-  model: string
-  pages: number
-  pageSize: number
-  host: string
-  port: number
-  transferHost: string
-  transferPort: number
-  /** Decode only: most sequences per decode step. */
-  maxBatch: number
-  /** Prefill only: most pool pages the prefix cache may hold (default: a quarter of `pages`). */
-  prefixCachePages?: number
-  /** Prefill only: the most pages of a tenant's default prefix-cache share (default: an equal
-   *  share of what the tenants file does not give by name). */
-  prefixCachePagesPerTenant?: number
-  /** Prefill only: one prefix-cache budget shared by all tenants (default: partitions). */
-  prefixCacheShared?: boolean
-  /** Prefill only: host-memory bytes of the prefix cache's offload tier (default 0: none). */
-  prefixCacheOffloadBytes?: number
-  /** Prefill only: directory of the offload tier's disk part (mode 0700; default: none). */
-  prefixCacheOffloadDir?: string
-  /** Prefill only: most bytes of files in that directory. */
-  prefixCacheOffloadDiskBytes?: number
-  injectFault: string[]
-  unsafeDisableGuards: boolean
-  unsafeDisableGuard: string[]
-  transferTimeoutMs?: number
-  logLevel: string
-  threads?: number
-  tlsCa?: string
-  tlsCert?: string
-  tlsKey?: string
-  allowPlaintext: boolean
+/** The flag of worker option `name` as commander takes it: its parser (the range check and its
+ *  error), choices and default, for `role`. */
+function commanderOption(name: string, o: WorkerOption, role: WorkerRole): Option {
+  const option = new Option(
+    o.kind === 'switch' ? flagOf(name) : `${flagOf(name)} <${o.arg ?? 'n'}>`,
+    o.doc,
+  )
+  if (o.kind === 'int') option.argParser(intRangeOption(o.min, o.max, o.what))
+  if (o.kind === 'list') option.argParser(collect)
+  if (o.kind === 'text' && o.choices !== undefined) option.choices(o.choices)
+  const value = defaultOf(o, role)
+  if (value !== undefined) option.default(value)
+  return option
+}
+
+/** Adds the flags of every option `role` takes (src/engine/worker-options.ts) to `cmd`. */
+export function addWorkerOptions(cmd: Command, role: WorkerRole): Command {
+  for (const [name, o] of optionsOf(role)) cmd.addOption(commanderOption(name, o, role))
+  return cmd
 }
 
 /** Register `kvfence prefill` and `kvfence decode`. */
@@ -71,100 +53,7 @@ export function registerWorkers(program: Command): void {
       .description(
         `start a ${role} worker (control plane over HTTP${role === 'decode' ? ', KV transfer receiver over TCP' : ''})`,
       )
-      .option('--model <dir>', 'Hugging Face model directory', bundledModelDir)
-      .option('--pages <n>', 'pages in this worker’s KV pool', positiveIntOption, 64)
-      .option('--page-size <n>', 'tokens per page', positiveIntOption, 16)
-      .option('--host <host>', 'control-plane address to bind', '127.0.0.1')
-      .option(
-        '--port <port>',
-        'control-plane port (0 picks one)',
-        portOption,
-        role === 'prefill' ? 8101 : 8102,
-      )
-      .option(
-        '--inject-fault <name>',
-        'inject a fault (needs KVFENCE_ALLOW_FAULTS=1); repeatable',
-        collect,
-        [],
-      )
-      .option(
-        '--unsafe-disable-guards',
-        'turn every safety guard off (needs KVFENCE_ALLOW_FAULTS=1)',
-        false,
-      )
-      .option(
-        '--unsafe-disable-guard <id>',
-        'turn one safety guard off, e.g. G7 (needs KVFENCE_ALLOW_FAULTS=1); repeatable',
-        collect,
-        [],
-      )
-      .option(
-        '--transfer-timeout-ms <ms>',
-        'a KV transfer with no progress (or no ACK) for this long fails (default 30000)',
-        msOption,
-      )
-      .addOption(
-        new Option('--log-level <level>', 'pino log level').choices(logLevels).default('info'),
-      )
-      .option('--threads <n>', threadsHelp, threadsOption)
-      .option(
-        '--tls-ca <file>',
-        'cluster CA certificate: with --tls-cert/--tls-key, the control plane and KV transfers run over mutual TLS 1.3 (kvfence certs init)',
-      )
-      .option('--tls-cert <file>', 'this worker’s certificate, signed by the cluster CA')
-      .option('--tls-key <file>', 'this worker’s private key')
-      .option(
-        '--allow-plaintext',
-        `without TLS, bind (and, prefill, send KV pages to) addresses beyond loopback anyway: refused otherwise`,
-        false,
-      )
-    if (role === 'prefill') {
-      cmd.option(
-        '--prefix-cache-pages <n>',
-        'most KV pool pages the prefix cache may hold, split between tenants as the router’s tenants file says (each tenant its own partition), 0 = off (default: a quarter of --pages)',
-        intOption,
-      )
-      cmd.option(
-        '--prefix-cache-pages-per-tenant <n>',
-        'the most pages of a tenant’s default share of the prefix cache (default: an equal share of the pages the tenants file does not give by name)',
-        positiveIntOption,
-      )
-      cmd.option(
-        '--prefix-cache-shared',
-        'one prefix-cache budget shared by all tenants: one tenant’s traffic then changes another’s hits (the load side channel of docs/threat-model.md); for a single tenant only',
-      )
-      cmd.option(
-        '--prefix-cache-offload-bytes <n>',
-        'host memory for pages evicted from the prefix cache, loaded back (verified) on a hit; each tenant has its partition’s share of it unless --prefix-cache-shared (default 0: none)',
-        intOption,
-      )
-      cmd.option(
-        '--prefix-cache-offload-dir <dir>',
-        'a directory (existing, mode 0700) for pages dropped from the host offload tier (or evicted from the cache, without --prefix-cache-offload-bytes), loaded back (verified) on a hit; needs --prefix-cache-offload-disk-bytes',
-      )
-      cmd.option(
-        '--prefix-cache-offload-disk-bytes <n>',
-        'most bytes of files in --prefix-cache-offload-dir (> 0), split between tenants as --prefix-cache-offload-bytes',
-        positiveIntOption,
-      )
-    }
-    if (role === 'decode') {
-      cmd
-        .option('--transfer-host <host>', 'KV transfer receiver address to bind', '127.0.0.1')
-        .option(
-          '--transfer-port <port>',
-          'KV transfer receiver port (0 picks one)',
-          portOption,
-          8103,
-        )
-        .option(
-          '--max-batch <n>',
-          'most sequences per decode step (continuous batching)',
-          intRangeOption(1, Number.MAX_SAFE_INTEGER, 'an integer ≥ 1'),
-          defaultMaxBatch,
-        )
-    }
-    cmd.action(async (flags: WorkerFlags) => {
+    addWorkerOptions(cmd, role).action(async (flags: WorkerFlags) => {
       exitIfParentGoesDuringStart()
       await startWorker(role, flags)
     })
