@@ -3,11 +3,11 @@
  *  process that forked it through the IPC channel. */
 import { clusterTokenEnv, clusterTokenFrom, isLoopbackHost } from '../engine/cluster-token.js'
 import { Option, type Command } from 'commander'
-import { pino } from 'pino'
+import { pino, type Logger } from 'pino'
 import { DecodeWorker } from '../engine/decode-worker.js'
 import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { PrefillWorker } from '../engine/prefill-worker.js'
-import { createWorkerCore } from '../engine/worker-core.js'
+import { createWorkerCore, type WorkerCore } from '../engine/worker-core.js'
 import { createWorkerServer, listen } from '../engine/worker-server.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
 import { checkPlaintextLinks } from '../plaintext.js'
@@ -63,7 +63,10 @@ export function registerWorkers(program: Command): void {
 /** Exit code of a worker whose compute threads failed (EX_SOFTWARE, sysexits.h). */
 const computeFailureExit = 70
 
-async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Promise<void> {
+/** Starts the worker `flags` describe: checks that need no model first (TLS files, the offload
+ *  pair), then the model and pool, the link rules, the servers; reports ready and stops on a
+ *  signal or when the parent is gone. */
+async function startWorker(role: WorkerRole, flags: WorkerFlags): Promise<void> {
   // Sync: an async stream is flushed on exit by a loop that retries EPIPE for ever, so a part whose
   // parent (the reader of its stderr) was killed hung in process.exit, deaf to SIGTERM.
   const log = pino(
@@ -82,6 +85,35 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
         ? '--prefix-cache-offload-disk-bytes needs --prefix-cache-offload-dir'
         : '--prefix-cache-offload-dir needs --prefix-cache-offload-disk-bytes',
     )
+  const core = createCore(role, flags, log)
+  const clusterToken = checkLinks(role, flags, tls, log)
+  const { server, transferPort } =
+    role === 'decode'
+      ? await serveDecode(core, flags, tls, log, clusterToken)
+      : servePrefill(core, flags, tls, log, clusterToken)
+  const port = await listen(server, flags.host, flags.port)
+  const ready = {
+    type: 'ready',
+    role,
+    port,
+    tls: tls !== null,
+    transferPort,
+    capacityTokens: core.pool.capacityTokens,
+  }
+  log.info(ready, `${role} worker listening`)
+  const shutdown = () => {
+    server.close()
+    process.exit(0)
+  }
+  onStopSignals(shutdown)
+  reportReadyToParent(ready, () => {
+    log.warn('the process that started this worker is gone; stopping')
+    shutdown()
+  })
+}
+
+/** The worker's model, pool and faults (the fault banner printed when any is on). */
+function createCore(role: WorkerRole, flags: WorkerFlags, log: Logger): WorkerCore {
   const faults = buildFaultConfig(
     flags.injectFault,
     flags.unsafeDisableGuards,
@@ -90,7 +122,7 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
   )
   const banner = faultBanner(`kvfence ${role}`, faults)
   if (banner) process.stderr.write(`${banner}\n`)
-  const core = createWorkerCore({
+  return createWorkerCore({
     model: loadModel(flags.model, {
       threads: flags.threads ?? defaultThreads(),
       // A helper thread that failed or stopped may still be writing the shared memory: no later
@@ -109,6 +141,17 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
     pageSize: flags.pageSize,
     faults,
   })
+}
+
+/** The control plane's cluster token (null: none set, allowed on loopback only, with a warning)
+ *  after the plaintext rule for the addresses the worker binds (src/plaintext.ts). Throws when a
+ *  rule refuses. */
+function checkLinks(
+  role: WorkerRole,
+  flags: WorkerFlags,
+  tls: TlsMaterial | null,
+  log: Logger,
+): string | null {
   const clusterToken = clusterTokenFrom(process.env)
   if (clusterToken === null) {
     if (!isLoopbackHost(flags.host)) {
@@ -131,63 +174,63 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
       tlsHint: '--tls-ca/--tls-cert/--tls-key',
       log,
     })
-  let transferPort: number | undefined
-  let server
-  if (role === 'decode') {
-    const worker = new DecodeWorker(core, { maxBatch: flags.maxBatch })
-    const receiver = new TransferServer(worker.receiverHooks, {
-      ...(tls === null ? {} : { tls }),
-      // Refused connections (a failed TLS handshake) and refused transfers are logged here.
-      log,
-      verifyManifest: core.guards.G4,
-      verifyAuth: core.guards.G10,
-      dropAcks: core.hasFault('lost-ack'),
-      ...(flags.transferTimeoutMs === undefined ? {} : { stallTimeoutMs: flags.transferTimeoutMs }),
-    })
-    transferPort = await listen(receiver, flags.transferHost, flags.transferPort)
-    server = createWorkerServer(
-      { role, worker, transferPort: () => transferPort! },
-      log,
-      clusterToken,
-      tls,
-    )
-  } else {
-    const prefixCachePages = flags.prefixCachePages ?? Math.floor(flags.pages / 4)
-    if (prefixCachePages > flags.pages)
-      throw new Error(`--prefix-cache-pages ${prefixCachePages} exceeds --pages ${flags.pages}`)
-    warnIfShared(log, flags, prefixCachePages)
-    const worker = new PrefillWorker(core, {
-      transferTimeoutMs: flags.transferTimeoutMs,
-      prefixCachePages,
-      prefixCachePagesPerTenant: flags.prefixCachePagesPerTenant,
-      prefixCacheShared: flags.prefixCacheShared === true,
-      prefixCacheOffloadBytes: flags.prefixCacheOffloadBytes,
-      prefixCacheOffloadDir: flags.prefixCacheOffloadDir,
-      prefixCacheOffloadDiskBytes: flags.prefixCacheOffloadDiskBytes,
-      transferTls: tls,
-      allowPlaintext: flags.allowPlaintext,
-    })
-    server = createWorkerServer({ role, worker }, log, clusterToken, tls)
-  }
-  const port = await listen(server, flags.host, flags.port)
-  const ready = {
-    type: 'ready',
-    role,
-    port,
-    tls: tls !== null,
-    transferPort,
-    capacityTokens: core.pool.capacityTokens,
-  }
-  log.info(ready, `${role} worker listening`)
-  const shutdown = () => {
-    server.close()
-    process.exit(0)
-  }
-  onStopSignals(shutdown)
-  reportReadyToParent(ready, () => {
-    log.warn('the process that started this worker is gone; stopping')
-    shutdown()
+  return clusterToken
+}
+
+/** A decode worker: its KV transfer receiver, listening, and its control server (not yet). */
+async function serveDecode(
+  core: WorkerCore,
+  flags: WorkerFlags<'decode'>,
+  tls: TlsMaterial | null,
+  log: Logger,
+  clusterToken: string | null,
+) {
+  const worker = new DecodeWorker(core, { maxBatch: flags.maxBatch })
+  const receiver = new TransferServer(worker.receiverHooks, {
+    ...(tls === null ? {} : { tls }),
+    // Refused connections (a failed TLS handshake) and refused transfers are logged here.
+    log,
+    verifyManifest: core.guards.G4,
+    verifyAuth: core.guards.G10,
+    dropAcks: core.hasFault('lost-ack'),
+    ...(flags.transferTimeoutMs === undefined ? {} : { stallTimeoutMs: flags.transferTimeoutMs }),
   })
+  const transferPort = await listen(receiver, flags.transferHost, flags.transferPort)
+  const server = createWorkerServer(
+    { role: 'decode', worker, transferPort: () => transferPort },
+    log,
+    clusterToken,
+    tls,
+  )
+  return { server, transferPort }
+}
+
+/** A prefill worker with its prefix cache (a quarter of the pool by default) and its control
+ *  server (not yet listening). Throws for a cache larger than the pool. */
+function servePrefill(
+  core: WorkerCore,
+  flags: WorkerFlags<'prefill'>,
+  tls: TlsMaterial | null,
+  log: Logger,
+  clusterToken: string | null,
+) {
+  const prefixCachePages = flags.prefixCachePages ?? Math.floor(flags.pages / 4)
+  if (prefixCachePages > flags.pages)
+    throw new Error(`--prefix-cache-pages ${prefixCachePages} exceeds --pages ${flags.pages}`)
+  warnIfShared(log, flags, prefixCachePages)
+  const worker = new PrefillWorker(core, {
+    transferTimeoutMs: flags.transferTimeoutMs,
+    prefixCachePages,
+    prefixCachePagesPerTenant: flags.prefixCachePagesPerTenant,
+    prefixCacheShared: flags.prefixCacheShared === true,
+    prefixCacheOffloadBytes: flags.prefixCacheOffloadBytes,
+    prefixCacheOffloadDir: flags.prefixCacheOffloadDir,
+    prefixCacheOffloadDiskBytes: flags.prefixCacheOffloadDiskBytes,
+    transferTls: tls,
+    allowPlaintext: flags.allowPlaintext,
+  })
+  const server = createWorkerServer({ role: 'prefill', worker }, log, clusterToken, tls)
+  return { server, transferPort: undefined }
 }
 
 /** Warn at start when the prefix cache is shared by all tenants (`--prefix-cache-shared`, its
@@ -197,7 +240,7 @@ async function startWorker(role: 'prefill' | 'decode', flags: WorkerFlags): Prom
  *  size for a cache without partitions). */
 function warnIfShared(
   log: { warn: (msg: string) => void },
-  flags: WorkerFlags,
+  flags: WorkerFlags<'prefill'>,
   prefixCachePages: number,
 ): void {
   if (flags.prefixCacheShared === true && flags.prefixCachePagesPerTenant !== undefined)
