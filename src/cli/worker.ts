@@ -10,8 +10,8 @@ import { PrefillWorker } from '../engine/prefill-worker.js'
 import { createWorkerCore, type WorkerCore } from '../engine/worker-core.js'
 import { createWorkerServer, listen } from '../engine/worker-server.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
-import { checkPlaintextLinks } from '../plaintext.js'
-import { loadTlsMaterial, tlsFilesFrom, type TlsMaterial } from '../tls.js'
+import { checkPlaintextLinks } from '../link/plaintext.js'
+import { loadTlsMaterial, tlsFilesFrom, type TlsMaterial } from '../link/tls.js'
 import { TransferServer } from '../transfer/index.js'
 import {
   defaultOf,

@@ -4,8 +4,8 @@
  *  entries of the cluster file's schema (src/config/cluster.ts) and the argv the launcher passes
  *  to a forked worker ({@link workerArgv}, src/config/launch.ts); a new option is one entry here.
  *  Knows names, ranges and defaults; knows nothing of commander, zod or processes. */
-import { bundledModelDir } from '../paths.js'
-import { maxTimerMs } from '../timer-limit.js'
+import { bundledModelDir } from '../common/paths.js'
+import { maxTimerMs } from '../common/timer-limit.js'
 import { defaultMaxBatch } from './decode-scheduler.js'
 
 /** The two kinds of worker. */

@@ -24,7 +24,7 @@ import {
   type WorkerOption,
   type WorkerRole,
 } from '../../src/engine/worker-options.js'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 
 const roles: WorkerRole[] = ['prefill', 'decode']
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-worker-options-'))
