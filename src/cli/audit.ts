@@ -163,62 +163,7 @@ async function audit(flags: AuditFlags): Promise<number> {
     process.stdout.write(`${formatProbeList()}\n`)
     return 0
   }
-  // Bad numbers first: one line naming the flag, whatever else is missing.
-  const numbers = {
-    seed: parseCount('--seed', flags.seed, { min: 0 }),
-    maxRequests: parseCount('--max-requests', flags.maxRequests, auditBounds.maxRequests),
-    maxSeconds: parseSeconds(flags.maxSeconds),
-    concurrency: parseCount('--concurrency', flags.concurrency, auditBounds.concurrency),
-    maxConcurrency: parseCount(
-      '--max-concurrency',
-      flags.maxConcurrency,
-      auditBounds.maxConcurrency,
-    ),
-    price: parsePrice(flags.pricePerMillionTokens),
-  }
-  const file: AuditConfigFile =
-    flags.config === undefined ? {} : await loadAuditConfig(flags.config, process.env)
-  const resume =
-    flags.resume === undefined
-      ? undefined
-      : { report: await readResumed(flags.resume), source: flags.resume }
-  // What the report records is taken when not given again; what is given must match it
-  // (runAudit refuses another target, model, probes or tenants with one line).
-  const recorded = resume === undefined ? undefined : recordedAudit(resume)
-  const target = flags.target ?? file.target ?? recorded?.target
-  if (target === undefined) {
-    throw new AuditError(
-      'invalid_options',
-      "required option '--target <url>' not specified (or target: in --config)",
-    )
-  }
-  // Before any request (and any DNS lookup): a typo must not aim the audit at someone else.
-  checkAuthorizedTarget(target, file.authorizedTargets ?? [], flags.authorized === true)
-  if (recorded !== undefined && flags.tenant === undefined && file.tenants === undefined) {
-    const names = recorded.tenants.join(', ')
-    throw new AuditError(
-      'invalid_options',
-      `--resume ${flags.resume}: give the keys of its tenants ${names} (--tenant NAME=KEY or NAME=env:VAR each, or --config with keyEnv); the report holds no key`,
-    )
-  }
-  const given =
-    flags.tenant !== undefined || file.tenants === undefined
-      ? parseTenants(flags.tenant ?? [], process.env)
-      : [...file.tenants]
-  const tenants = recorded === undefined ? given : inRecordedOrder(given, recorded.tenants)
-  const probesToRun =
-    flags.probes === undefined ? (file.probes ?? recorded?.probes) : parseProbes(flags.probes)
-  const options = {
-    target,
-    tenants,
-    model: flags.model ?? file.model ?? recorded?.model ?? undefined,
-    probes: probesToRun,
-    seed: numbers.seed ?? file.seed,
-    maxRequests: numbers.maxRequests ?? file.maxRequests,
-    maxSeconds: numbers.maxSeconds ?? file.maxSeconds,
-    concurrency: numbers.concurrency ?? file.concurrency,
-    maxConcurrency: numbers.maxConcurrency ?? file.maxConcurrency,
-  }
+  const { numbers, file, resume, options } = await auditInputs(flags)
   if (flags.plan) {
     process.stdout.write(
       `${formatPlan(await planAudit({ ...options, resume, pricePerMillionTokens: numbers.price }))}\n`,
@@ -238,7 +183,7 @@ async function audit(flags: AuditFlags): Promise<number> {
   checkWritable('JSON', reports.json)
   checkWritable('JUnit', reports.junit)
   checkWritable('HTML', reports.html)
-  const progress = makeProgress((probesToRun ?? probeNames).length)
+  const progress = makeProgress((options.probes ?? probeNames).length)
   const interrupt = new AbortController()
   const onSignal = (signal: 'SIGINT' | 'SIGTERM'): void => {
     // A second signal does not wait for the report to be written.
@@ -295,6 +240,71 @@ async function audit(flags: AuditFlags): Promise<number> {
   await writeReport('JUnit', reports.junit, (f) => writeJunitReport(report, f, failOn))
   await writeReport('HTML', reports.html, (f) => writeHtmlReport(report, f))
   return exitCodeFor(report, failOn)
+}
+
+/** What an audit runs with: the flags' numbers (checked first: one line naming the flag,
+ *  whatever else is missing), the `--config` file, the report `--resume` names, and the run's
+ *  options, each from the flags, else the file, else the resumed report. Throws AuditError
+ *  `invalid_options` for a missing target or missing tenant keys, and for an unauthorized
+ *  target before any request. */
+async function auditInputs(flags: AuditFlags) {
+  // Bad numbers first: one line naming the flag, whatever else is missing.
+  const numbers = {
+    seed: parseCount('--seed', flags.seed, { min: 0 }),
+    maxRequests: parseCount('--max-requests', flags.maxRequests, auditBounds.maxRequests),
+    maxSeconds: parseSeconds(flags.maxSeconds),
+    concurrency: parseCount('--concurrency', flags.concurrency, auditBounds.concurrency),
+    maxConcurrency: parseCount(
+      '--max-concurrency',
+      flags.maxConcurrency,
+      auditBounds.maxConcurrency,
+    ),
+    price: parsePrice(flags.pricePerMillionTokens),
+  }
+  const file: AuditConfigFile =
+    flags.config === undefined ? {} : await loadAuditConfig(flags.config, process.env)
+  const resume =
+    flags.resume === undefined
+      ? undefined
+      : { report: await readResumed(flags.resume), source: flags.resume }
+  // What the report records is taken when not given again; what is given must match it
+  // (runAudit refuses another target, model, probes or tenants with one line).
+  const recorded = resume === undefined ? undefined : recordedAudit(resume)
+  const target = flags.target ?? file.target ?? recorded?.target
+  if (target === undefined) {
+    throw new AuditError(
+      'invalid_options',
+      "required option '--target <url>' not specified (or target: in --config)",
+    )
+  }
+  // Before any request (and any DNS lookup): a typo must not aim the audit at someone else.
+  checkAuthorizedTarget(target, file.authorizedTargets ?? [], flags.authorized === true)
+  if (recorded !== undefined && flags.tenant === undefined && file.tenants === undefined) {
+    const names = recorded.tenants.join(', ')
+    throw new AuditError(
+      'invalid_options',
+      `--resume ${flags.resume}: give the keys of its tenants ${names} (--tenant NAME=KEY or NAME=env:VAR each, or --config with keyEnv); the report holds no key`,
+    )
+  }
+  const given =
+    flags.tenant !== undefined || file.tenants === undefined
+      ? parseTenants(flags.tenant ?? [], process.env)
+      : [...file.tenants]
+  const tenants = recorded === undefined ? given : inRecordedOrder(given, recorded.tenants)
+  const probesToRun =
+    flags.probes === undefined ? (file.probes ?? recorded?.probes) : parseProbes(flags.probes)
+  const options = {
+    target,
+    tenants,
+    model: flags.model ?? file.model ?? recorded?.model ?? undefined,
+    probes: probesToRun,
+    seed: numbers.seed ?? file.seed,
+    maxRequests: numbers.maxRequests ?? file.maxRequests,
+    maxSeconds: numbers.maxSeconds ?? file.maxSeconds,
+    concurrency: numbers.concurrency ?? file.concurrency,
+    maxConcurrency: numbers.maxConcurrency ?? file.maxConcurrency,
+  }
+  return { numbers, file, resume, options }
 }
 
 /** The JSON of the report `--resume` names; one line (`cannot_resume`) when it cannot be read. */
