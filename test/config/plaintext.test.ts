@@ -21,7 +21,7 @@ import { checkPlaintextLinks, clientPlaintextWarning, isLoopbackHost } from '../
 import { apiKeyDigest } from '../../src/router/tenants.js'
 import { echoModel } from '../engine/pair.js'
 import { twoTenants } from '../helpers/cluster.js'
-import { stoppedPartLog } from '../helpers/logs.js'
+import { stoppedPartLog } from '../helpers/processes.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 
 const token = newClusterToken()
