@@ -46,6 +46,24 @@ export async function kvfence(...args: string[]): Promise<CliResult> {
   }
 }
 
+/** {@link kvfence} with `env` added to `process.env` while it runs (as a child given
+ *  `{ ...process.env, ...env }` would see it); the variables are restored after. */
+export async function kvfenceWithEnv(
+  env: Readonly<Record<string, string>>,
+  ...args: string[]
+): Promise<CliResult> {
+  const before = new Map(Object.keys(env).map((k) => [k, process.env[k]]))
+  Object.assign(process.env, env)
+  try {
+    return await kvfence(...args)
+  } finally {
+    for (const [k, v] of before) {
+      if (v === undefined) delete process.env[k]
+      else process.env[k] = v
+    }
+  }
+}
+
 /** {@link kvfence}, settling as `promisify(execFile)` of the `kvfence` process does: resolves
  *  with its output on code 0, rejects otherwise with an Error carrying `code`, `stdout` and
  *  `stderr` (its message ends with the stderr text). */
