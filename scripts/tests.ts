@@ -1,100 +1,46 @@
-/** Runs the compiled test suite (`dist/test`) in one of two tiers with `node --test`:
+/** Runs the compiled test suite with `node --test`, one tier or both (tiers.ts says which file is
+ *  in which):
  *
- *    node dist/scripts/tests.js all    every test file (`npm test`)
- *    node dist/scripts/tests.js unit   the in-process tier (`npm run test:unit`)
+ *    node dist/scripts/tests.js all       every test file (`npm test`)
+ *    node dist/scripts/tests.js unit      the in-process tier (`npm run test:unit`)
+ *    node dist/scripts/tests.js process   the tier that starts processes
  *
- *  The tier of a file is read from its imports, so no list or naming rule can drift: a test file
- *  is a *process* test when its static import graph (its own imports, the test helpers' and the
- *  modules' of src it reaches, relative paths and `import()` of a literal path) reaches
- *  `node:child_process` or `node:cluster`, the only ways a Node program starts another OS process;
- *  every other test file is a *unit* test, which starts no process and so opens no real cluster.
- *  A unit test may still listen on 127.0.0.1 and run worker threads.
- *
- *  Only `*.test.js` files are given to `node --test`: handed a folder, Node 20 also runs every
- *  helper module under `test/` as a test file, one process each. Arguments after the tier are
- *  passed to `node --test` before the files (for example `--test-reporter=spec`). */
+ *  Arguments after the tier go to `node --test` before the files (e.g. `--test-reporter=spec`). */
 import { spawnSync } from 'node:child_process'
-import { existsSync, readdirSync, readFileSync } from 'node:fs'
-import { dirname, join, relative, resolve } from 'node:path'
+import { availableParallelism } from 'node:os'
+import { dirname, resolve } from 'node:path'
 import { fileURLToPath } from 'node:url'
+import { tiers } from './tiers.js'
 
-/** The modules through which a Node program starts another OS process. */
-const processModules = new Set(['node:child_process', 'child_process', 'node:cluster', 'cluster'])
-
-/** Specifiers of a compiled ES module's static imports, re-exports and `import()` of a literal. */
-export function importSpecifiers(js: string): string[] {
-  const found: string[] = []
-  const pattern = /(?:\bfrom\s*|\bimport\s*\(?\s*)(['"])([^'"\n]+)\1/g
-  for (const m of js.matchAll(pattern)) found.push(m[2])
-  return found
+const [tier, ...nodeArgs] = process.argv.slice(2)
+const root = resolve(dirname(fileURLToPath(import.meta.url)), '..', '..')
+const split = tiers(root)
+// The process tier first: its files run longest, and starting them first leaves the short unit
+// files to fill the slots at the end.
+const files =
+  tier === 'all'
+    ? [...split.process, ...split.unit]
+    : tier === 'unit'
+      ? split.unit
+      : tier === 'process'
+        ? split.process
+        : undefined
+if (files === undefined) {
+  process.stderr.write(`tests: give a tier: all, unit or process (got ${String(tier)})\n`)
+  process.exit(2)
 }
-
-/** Whether the module at `file` (a compiled `.js` path) reaches a process-starting module through
- *  its imports. `memo` caches each visited file's answer across calls. */
-export function reachesProcess(file: string, memo = new Map<string, boolean>()): boolean {
-  const known = memo.get(file)
-  if (known !== undefined) return known
-  memo.set(file, false) // an import cycle back to this file adds nothing
-  let found = false
-  for (const spec of importSpecifiers(readFileSync(file, 'utf8'))) {
-    if (processModules.has(spec)) found = true
-    else if (spec.startsWith('.')) {
-      const target = resolve(dirname(file), spec)
-      if (existsSync(target) && reachesProcess(target, memo)) found = true
-    }
-    if (found) break
-  }
-  memo.set(file, found)
-  return found
-}
-
-/** Every `*.test.js` file under `dir`, sorted, as paths relative to `root`. */
-export function testFiles(dir: string, root: string): string[] {
-  const files: string[] = []
-  const walk = (d: string) => {
-    for (const e of readdirSync(d, { withFileTypes: true })) {
-      const p = join(d, e.name)
-      if (e.isDirectory()) walk(p)
-      else if (e.name.endsWith('.test.js')) files.push(relative(root, p))
-    }
-  }
-  walk(dir)
-  return files.sort()
-}
-
-/** The test files of each tier, paths relative to `root` (the package root). */
-export function tiers(root: string): { unit: string[]; process: string[] } {
-  const memo = new Map<string, boolean>()
-  const unit: string[] = []
-  const process: string[] = []
-  for (const f of testFiles(join(root, 'dist', 'test'), root))
-    (reachesProcess(join(root, f), memo) ? process : unit).push(f)
-  return { unit, process }
-}
-
-const isMain =
-  process.argv[1] !== undefined && resolve(process.argv[1]) === fileURLToPath(import.meta.url)
-if (isMain) {
-  const [tier, ...nodeArgs] = process.argv.slice(2)
-  const root = resolve(dirname(fileURLToPath(import.meta.url)), '..', '..')
-  const split = tiers(root)
-  const files =
-    tier === 'all'
-      ? [...split.unit, ...split.process].sort()
-      : tier === 'unit'
-        ? split.unit
-        : tier === 'process'
-          ? split.process
-          : undefined
-  if (files === undefined) {
-    process.stderr.write(`tests: give a tier: all, unit or process (got ${String(tier)})\n`)
-    process.exit(2)
-  }
-  const concurrency = tier === 'unit' ? 2 : 3
-  const run = spawnSync(
-    process.execPath,
-    ['--test', `--test-concurrency=${concurrency}`, '--test-timeout=300000', ...nodeArgs, ...files],
-    { cwd: root, stdio: 'inherit' },
-  )
-  process.exit(run.status ?? 1)
-}
+// Unit files only compute: one per core. Process files mostly wait on their clusters: three at a
+// time on two cores, as before the tiers.
+const unitConcurrency = availableParallelism()
+const run = spawnSync(
+  process.execPath,
+  [
+    '--test',
+    `--test-concurrency=${tier === 'unit' ? unitConcurrency : 3}`,
+    '--test-timeout=300000',
+    ...nodeArgs,
+    ...files,
+  ],
+  { cwd: root, stdio: 'inherit' },
+)
+process.exit(run.status ?? 1)
