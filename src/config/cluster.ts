@@ -19,10 +19,10 @@
  *  Knows the file's shape and defaults; knows nothing of starting processes or serving. */
 import { dirname, isAbsolute, resolve } from 'node:path'
 import { z } from 'zod'
-import { maxTimerMs, maxTimerSeconds } from '../timer-limit.js'
-import { KvfenceError } from '../errors.js'
-import { queueLimitDefaults } from '../router/limits.js'
-import { sameTenantNames, sameTenantNamesFault, TenantRecord } from '../router/tenants.js'
+import { maxTimerMs, maxTimerSeconds } from '../common/timer-limit.js'
+import { KvfenceError } from '../common/errors.js'
+import { queueLimitDefaults } from '../router/admission/queue-limits.js'
+import { sameTenantNames, sameTenantNamesFault, TenantRecord } from '../router/tenants/tenants.js'
 import { describeIssue } from '../files/issues.js'
 import { loadYamlFile } from '../files/yaml-file.js'
 
@@ -42,7 +42,7 @@ export const RouterSection = z.strictObject({
   maxBodyBytes: positive.default(1024 * 1024),
   maxConcurrentRequests: positive.default(queueLimitDefaults.maxConcurrentRequests),
   maxQueuedRequests: z.number().int().min(0).default(queueLimitDefaults.maxQueuedRequests),
-  /** Slots taken only by a request whose tenant has none running (fair-queue.ts); 0 = none; at
+  /** Slots taken only by a request whose tenant has none running (router/admission/fair-queue.ts); 0 = none; at
    *  most `maxConcurrentRequests − 1` take effect. */
   reservedSlots: z.number().int().min(0).default(queueLimitDefaults.reservedSlots),
   maxQueueWaitMs: z
@@ -206,7 +206,7 @@ export const ClusterConfig = z
     backend: BackendSection.optional(),
     tls: TlsSection.optional(),
     /** Without `tls:`, let the parts bind and dial addresses beyond loopback in plaintext (each
-     *  logs a warning); default: such a cluster is refused at start (src/plaintext.ts). */
+     *  logs a warning); default: such a cluster is refused at start (src/link/plaintext.ts). */
     allowPlaintext: z.boolean().optional(),
     tenants: z.array(TenantRecord).min(1, 'tenants must list at least one tenant'),
   })

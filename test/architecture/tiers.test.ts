@@ -33,7 +33,7 @@ describe('test tiers', () => {
     // Files that start clusters or the CLI, and files that compute in-process.
     for (const f of ['e2e/demo', 'e2e/faults', 'config/cli-flags', 'reliability/soak'])
       assert.ok(process.includes(`dist/test/${f}.test.js`), f)
-    for (const f of ['kv/pool', 'transfer/session', 'architecture/tiers', 'model/forward'])
+    for (const f of ['kv/pool', 'transfer/frames', 'architecture/tiers', 'model/forward'])
       assert.ok(unit.includes(`dist/test/${f}.test.js`), f)
   })
 })

@@ -46,7 +46,7 @@ export interface GatewayOptions {
   /** Deadline of discovery and tokenize calls, ms (default {@link defaultTimeoutMs}). */
   timeoutMs?: number
   log: Logger
-  /** The secret of the tenants' `cache_salt`s (salt-secret.ts); null or absent: one drawn per
+  /** The secret of the tenants' `cache_salt`s (../tenants/salt-secret.ts); null or absent: one drawn per
    *  process (logged as such). */
   saltSecret?: Uint8Array | null
 }

@@ -2,7 +2,7 @@
  *  its own endpoints) and the context window the router advertises over it.
  *  Knows the engines' discovery endpoints and the operator's wishes; knows nothing of requests. */
 import type { Logger } from 'pino'
-import { KvfenceError } from '../../errors.js'
+import { KvfenceError } from '../../common/errors.js'
 import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
 import { type BackendKind, engines } from './engines.js'
 

@@ -3,8 +3,8 @@
  *  Knows URLs, the engine's API key and JSON; knows nothing of what the engine's answers mean. */
 import http from 'node:http'
 import https from 'node:https'
-import { KvfenceError } from '../../errors.js'
-import { readReplyText } from '../http.js'
+import { KvfenceError } from '../../common/errors.js'
+import { readReplyText } from '../api/http.js'
 
 /** Largest engine reply read whole, bytes. */
 const maxReplyBytes = 16 * 1024 * 1024

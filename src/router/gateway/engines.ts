@@ -8,7 +8,7 @@
  *  What both share (`/v1/models`, `/tokenize`) is in discovery.ts and prompt-count.ts.
  *  Knows the engines' HTTP APIs; knows nothing of tenants, admission or OpenAI bodies. */
 import type { Logger } from 'pino'
-import { samplesOf } from '../prometheus-text.js'
+import { samplesOf } from '../metrics/prometheus-text.js'
 import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
 
 /** Engines the gateway knows how to discover and abort on. */

@@ -2,10 +2,10 @@
  *  `tokenizer.json` when one is configured, else the engine's `POST /tokenize`
  *  `{model, prompt|messages}` → `{count}` (or `tokens`). A prompt given as token ids is its length.
  *  Knows parsed requests and the engine's `/tokenize`; knows nothing of tenants or limits. */
-import { KvfenceError } from '../../errors.js'
+import { KvfenceError } from '../../common/errors.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
-import { promptTokenIds } from '../prompt-ids.js'
-import { type ParsedRequest, promptParamOf } from '../schemas.js'
+import { promptTokenIds } from '../tokenize/prompt-ids.js'
+import { type ParsedRequest, promptParamOf } from '../api/schemas.js'
 import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
 
 /** What counting needs to know of the engine. */

@@ -5,12 +5,12 @@
  *  Knows the engine's generation endpoints and SSE; knows nothing of keys, limits or admission. */
 import { createHmac, randomBytes } from 'node:crypto'
 import type http from 'node:http'
-import { KvfenceError, toOpenAiError } from '../../errors.js'
+import { KvfenceError, toOpenAiError } from '../../common/errors.js'
 import { type GenerationJob, markToken } from '../backend.js'
-import { coalesceWrites, drained, sendJson } from '../http.js'
-import { endingError, publicError } from '../public-errors.js'
-import type { FinishReason } from '../responses.js'
-import type { Endpoint } from '../schemas.js'
+import { coalesceWrites, drained, sendJson } from '../api/http.js'
+import { endingError, publicError } from '../api/public-errors.js'
+import type { FinishReason } from '../api/responses.js'
+import type { Endpoint } from '../api/schemas.js'
 import { type EngineHttp, asObject, json, messageOf } from './engine-http.js'
 import {
   isErrorEvent,
@@ -48,7 +48,7 @@ const enginePaths: { readonly [E in Endpoint]: string } = {
 }
 
 /** Each tenant's `cache_salt`: HMAC-SHA-256 of its name under `secret` — the configured one
- *  (see salt-secret.ts: the same on every replica and across restarts), or, when null, one drawn
+ *  (see ../tenants/salt-secret.ts: the same on every replica and across restarts), or, when null, one drawn
  *  here (stable for this process's life only). Different for every tenant (a tenant keeps its
  *  own cache hits), and not computable by anyone who can read the engine's requests or logs. */
 export function createCacheSalts(secret: Uint8Array | null = null): (tenant: string) => string {
@@ -104,7 +104,7 @@ export async function relay(c: RelayContext, job: GenerationJob): Promise<void> 
 function engineBody(c: RelayContext, job: GenerationJob): Record<string, unknown> {
   const body: Record<string, unknown> = { ...job.body, model: c.backendModel }
   // The engine's prefix cache is shared by every tenant unless a salt separates them: vLLM and
-  // SGLang both key it by `cache_salt` (a client cannot send one: schemas.ts refuses it).
+  // SGLang both key it by `cache_salt` (a client cannot send one: ../api/schemas.ts refuses it).
   body.cache_salt = c.cacheSaltOf(job.tenant)
   if (job.parsed.endpoint === 'chat' && body.max_completion_tokens != null) {
     body.max_completion_tokens = job.maxTokens
@@ -185,7 +185,7 @@ async function relayStream(
   return stream.end()
 }
 
-/** The client's side of a relayed SSE reply: headers at the first event, the text and finish
+/** The client's SSE response relayed from the engine's reply: headers at the first event, the text and finish
  *  reason seen so far. */
 function createRelayedStream(job: GenerationJob, upstream: http.IncomingMessage) {
   const { res } = job
