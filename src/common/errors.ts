@@ -18,6 +18,8 @@ export const errorCodes = {
   rate_limited: { status: 429, type: 'rate_limit_error' },
   capacity_exhausted: { status: 503, type: 'server_error' },
   worker_unavailable: { status: 503, type: 'server_error' },
+  /** Gateway mode: the engine's isolation self-check refused this path (router/gateway/). */
+  path_refused: { status: 503, type: 'server_error' },
   /** The router is draining before it stops: retry elsewhere (503 with Retry-After). */
   shutting_down: { status: 503, type: 'server_error' },
   request_aborted: { status: 499, type: 'server_error' },

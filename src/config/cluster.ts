@@ -180,17 +180,31 @@ export const WorkersSection = z.strictObject({
 })
 
 /** Gateway mode: the engine behind the router. */
-export const BackendSection = z.strictObject({
-  kind: z.enum(['sglang', 'vllm']),
-  url: httpUrl,
-  /** The engine's model id; default: the first it lists. */
-  model: z.string().min(1).optional(),
-  /** A directory with the engine's tokenizer.json; default: the engine's /tokenize. */
-  tokenizerDir: z.string().min(1).optional(),
-  discoveryIntervalMs: z.number().int().min(0).max(maxTimerMs).default(30_000),
-  /** Name of an environment variable holding the engine's API key (never the key itself). */
-  apiKeyEnv: z.string().min(1).optional(),
-})
+export const BackendSection = z
+  .strictObject({
+    kind: z.enum(['sglang', 'vllm', 'llamacpp', 'openai']),
+    url: httpUrl,
+    /** The engine's model id; default: the first it lists. */
+    model: z.string().min(1).optional(),
+    /** A directory with the engine's tokenizer.json; default: the engine's /tokenize. */
+    tokenizerDir: z.string().min(1).optional(),
+    discoveryIntervalMs: z.number().int().min(0).max(maxTimerMs).default(30_000),
+    /** Name of an environment variable holding the engine's API key (never the key itself). */
+    apiKeyEnv: z.string().min(1).optional(),
+    /** The engine's KV capacity in tokens, as the operator knows it: required for `openai` (a plain
+     *  server that reports none, so that G1 can be checked); for the others it caps the report. */
+    kvPoolTokens: positive.optional(),
+    /** Paths served even where the isolation self-check finds that the engine does not keep
+     *  tenants' prefix caches apart or refuses the salt (default: none: such a path is refused). */
+    allowUnsalted: z.array(z.enum(['chat', 'completion'])).optional(),
+    /** How often the isolation self-check runs again, ms (0: only at start). */
+    selfCheckIntervalMs: z.number().int().min(0).max(maxTimerMs).default(600_000),
+  })
+  .refine((b) => b.kind !== 'openai' || b.kvPoolTokens !== undefined, {
+    error:
+      'kind openai reports no KV capacity: declare it with kvPoolTokens (G1 cannot be checked otherwise)',
+    path: ['kvPoolTokens'],
+  })
 
 /** Mutual TLS between the parts: `dir` holds what `kvfence certs init` wrote (ca.crt and
  *  router/prefill/decode .crt/.key); relative to the config file. */

@@ -572,6 +572,9 @@ export function gatewayOptions(
     backendModel: b.model,
     tokenizerDir: b.tokenizerDir,
     discoveryIntervalMs: b.discoveryIntervalMs,
+    ...(b.kvPoolTokens === undefined ? {} : { kvPoolTokens: b.kvPoolTokens }),
+    ...(b.allowUnsalted === undefined ? {} : { allowUnsalted: b.allowUnsalted }),
+    selfCheckIntervalMs: b.selfCheckIntervalMs,
     apiKey,
   }
 }

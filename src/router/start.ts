@@ -264,7 +264,10 @@ async function startGatewayBackend(
       effectiveCapacityTokens: gateway.capacity().capacityTokens,
       pageSize: 1,
     },
-    metrics: createRouterMetrics({ queue: () => queueOf(limiter) }),
+    metrics: createRouterMetrics({
+      queue: () => queueOf(limiter),
+      isolation: () => gateway.lastSelfCheck()?.paths ?? [],
+    }),
   }
 }
 

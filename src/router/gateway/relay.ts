@@ -20,6 +20,7 @@ import {
   openAiWhole,
 } from './engine-replies.js'
 import type { Engine } from './engines.js'
+import { enginePaths } from './self-check.js'
 
 /** How a relayed request ended. */
 interface RelayOutcome {
@@ -37,15 +38,12 @@ export interface RelayContext {
   backendModel: string
   /** The tenant's `cache_salt` (see {@link createCacheSalts}). */
   cacheSaltOf(tenant: string): string
+  /** Whether the salt goes to the engine on `endpoint` (isolation.ts: not where the engine
+   *  refuses it and the operator allowed the path unsalted). */
+  isSalted(endpoint: Endpoint): boolean
 }
 
 const validFinishReasons = new Set(['stop', 'length', 'content_filter', 'tool_calls'])
-
-/** The engine's path of each endpoint. */
-const enginePaths: { readonly [E in Endpoint]: string } = {
-  chat: '/v1/chat/completions',
-  completion: '/v1/completions',
-}
 
 /** Each tenant's `cache_salt`: HMAC-SHA-256 of its name under `secret` — the configured one
  *  (see ../tenants/salt-secret.ts: the same on every replica and across restarts), or, when null, one drawn
@@ -105,7 +103,7 @@ function engineBody(c: RelayContext, job: GenerationJob): Record<string, unknown
   const body: Record<string, unknown> = { ...job.body, model: c.backendModel }
   // The engine's prefix cache is shared by every tenant unless a salt separates them: vLLM and
   // SGLang both key it by `cache_salt` (a client cannot send one: ../api/schemas.ts refuses it).
-  body.cache_salt = c.cacheSaltOf(job.tenant)
+  if (c.isSalted(job.parsed.endpoint)) body.cache_salt = c.cacheSaltOf(job.tenant)
   if (job.parsed.endpoint === 'chat' && body.max_completion_tokens != null) {
     body.max_completion_tokens = job.maxTokens
   } else body.max_tokens = job.maxTokens
@@ -192,6 +190,7 @@ function createRelayedStream(job: GenerationJob, upstream: http.IncomingMessage)
   const streamOptions = asObject(job.body.stream_options)
   const isUsageStreamed = streamOptions?.include_usage === true
   let isStarted = false
+  let isDoneSent = false
   let numChunks = 0
   let text = ''
   let finishReason: FinishReason | null = null
@@ -243,6 +242,7 @@ function createRelayedStream(job: GenerationJob, upstream: http.IncomingMessage)
       if (data.trim() === '[DONE]') {
         start()
         res.write('data: [DONE]\n\n')
+        isDoneSent = true
         return null
       }
       const value = asObject(json(data))
@@ -284,10 +284,16 @@ function createRelayedStream(job: GenerationJob, upstream: http.IncomingMessage)
       res.end(`data: ${JSON.stringify(toOpenAiError(publicError(error, job.rid)))}\n\n`)
       return { status: error.status, numCompletionTokens: numChunks, finishReason: null, text }
     },
-    /** Ends a stream the engine finished; throws `worker_unavailable` when it sent nothing. */
+    /** Ends a stream the engine finished, always as OpenAI's end (`data: [DONE]`, which some
+     *  engines omit: Hugging Face `transformers serve`); a stream that closed with neither a
+     *  finish reason nor `[DONE]` was cut, and ends with an error event. Throws
+     *  `worker_unavailable` when it sent nothing. */
     end(): RelayOutcome {
       if (!isStarted) throw new KvfenceError('worker_unavailable', 'backend stream was empty')
-      res.end()
+      if (!isDoneSent && finishReason === null) {
+        return this.fail('the stream closed with neither a finish reason nor [DONE]')
+      }
+      res.end(isDoneSent ? undefined : 'data: [DONE]\n\n')
       return { status: 200, numCompletionTokens: numChunks, finishReason, text }
     },
   }

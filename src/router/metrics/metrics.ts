@@ -66,6 +66,8 @@ export interface MetricSources {
   queue?: () => { numRunning: number; numQueued: number; numWaitingForRoom?: number }
   /** Every worker's state (scraped once per collection). */
   workers?: () => Promise<WorkerStats[]>
+  /** Gateway mode: the last isolation self-check's result on each path (empty before it). */
+  isolation?: () => readonly { endpoint: string; result: string }[]
 }
 
 /** Fresh metrics in a fresh registry. */
@@ -76,6 +78,7 @@ export function createRouterMetrics(sources: MetricSources = {}): RouterMetrics 
 
   if (sources.queue) registerQueueGauges(sources.queue, registers)
   if (sources.workers) registerWorkerGauges(sources.workers, registers)
+  if (sources.isolation) registerIsolationGauge(sources.isolation, registers)
 
   return Object.freeze({
     registry,
@@ -209,6 +212,24 @@ function registerQueueGauges(
     registers,
     collect() {
       this.set(queue().numQueued)
+    },
+  })
+}
+
+/** Gateway mode: 1 for each path's last isolation self-check result (`isolated`, `shared`,
+ *  `salt-refused`, `cannot-tell`); an alert on `result!="isolated"` names the path. */
+function registerIsolationGauge(
+  isolation: NonNullable<MetricSources['isolation']>,
+  registers: Registry[],
+): void {
+  new Gauge({
+    name: 'kvfence_gateway_path_isolation',
+    help: "The engine's isolation self-check result per gateway path (1 = the current result).",
+    labelNames: ['endpoint', 'result'] as const,
+    registers,
+    collect() {
+      this.reset()
+      for (const { endpoint, result } of isolation()) this.set({ endpoint, result }, 1)
     },
   })
 }

@@ -15,6 +15,15 @@ export async function startGatewayRouter(
     discoveryIntervalMs?: number
     /** Served model name; null: none configured (the engine's own id is served). */
     modelName?: string | null
+    /** The engine's model id (`backend.model`). */
+    backendModel?: string
+    /** `backend.kvPoolTokens`. */
+    kvPoolTokens?: number
+    /** `backend.allowUnsalted`. */
+    allowUnsalted?: ('chat' | 'completion')[]
+    /** The isolation self-check's interval, ms (default 0: only at start). */
+    selfCheckIntervalMs?: number
+    log?: import('pino').Logger
   } = {},
 ): Promise<RunningRouter> {
   return startRouter({
@@ -23,6 +32,10 @@ export async function startGatewayRouter(
       url: engine.url,
       tokenizerDir: extra.tokenizerDir,
       discoveryIntervalMs: extra.discoveryIntervalMs ?? 0,
+      selfCheckIntervalMs: extra.selfCheckIntervalMs ?? 0,
+      ...(extra.backendModel === undefined ? {} : { backendModel: extra.backendModel }),
+      ...(extra.kvPoolTokens === undefined ? {} : { kvPoolTokens: extra.kvPoolTokens }),
+      ...(extra.allowUnsalted === undefined ? {} : { allowUnsalted: extra.allowUnsalted }),
     },
     ...(extra.modelName === null ? {} : { modelName: extra.modelName ?? 'served' }),
     contextWindow: extra.contextWindow,
@@ -31,6 +44,6 @@ export async function startGatewayRouter(
       { name: 'beta', keySha256: apiKeyDigest(keys.beta) },
     ],
     port: 0,
-    log: captureLogs().log,
+    log: extra.log ?? captureLogs().log,
   })
 }

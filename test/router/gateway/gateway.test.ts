@@ -88,6 +88,7 @@ describe('gateway mode', () => {
         url: engine.url,
         contextWindow: 256,
         capacityTokens: 256,
+        reportedCapacityTokens: 256,
         maxModelLen: 8192,
         maxInputTokens: 251,
       })
