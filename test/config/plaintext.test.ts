@@ -25,7 +25,7 @@ import {
 import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import { echoModel } from '../engine/pair.js'
 import { twoTenants } from '../helpers/cluster.js'
-import { stoppedPartLog } from '../helpers/logs.js'
+import { stoppedPartLog } from '../helpers/processes.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 
 const token = newClusterToken()

@@ -15,7 +15,7 @@ import { ClusterTokenRefusedError, createWorkerClient } from '../../src/control/
 import OpenAI from 'openai'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 import { incidentShape, openaiClient, twoTenants } from '../helpers/cluster.js'
-import { stoppedPartLog } from '../helpers/logs.js'
+import { stoppedPartLog } from '../helpers/processes.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-control-auth-')
 
