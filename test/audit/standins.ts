@@ -74,6 +74,10 @@ export interface StandInOptions {
   /** `llamacpp`: the whole cache `/props` reports (`n_ctx`); default none, or the pool when the
    *  context is larger. */
   readonly wholeCacheTokens?: number
+  /** Appended to the text of every whole (not streamed) answer: words a model may write. */
+  readonly answerSuffix?: string
+  /** Fields added to every whole answer's body (`error: null`, as some servers send). */
+  readonly answerFields?: Readonly<Record<string, unknown>>
   /** Counts a prompt's tokens (a real tokenizer); default: its words plus one BOS token. */
   readonly countTokens?: (prompt: string) => number
   readonly hitDelayMs?: number
@@ -647,8 +651,15 @@ export async function startStandIn(
         id: 'cmpl-1',
         object: 'text_completion',
         model: 'tiny-echo',
-        choices: [{ index: 0, text: ' ' + output.join(' '), finish_reason: 'length' }],
+        choices: [
+          {
+            index: 0,
+            text: ' ' + output.join(' ') + (options.answerSuffix ?? ''),
+            finish_reason: 'length',
+          },
+        ],
         usage,
+        ...options.answerFields,
       })
     }
     res.writeHead(200, { 'content-type': 'text/event-stream' })
