@@ -308,7 +308,10 @@ function engineOf(keys: ReadonlySet<string>, metricsText: string): EngineKind | 
 }
 
 /** Prometheus text: vLLM's `vllm:cache_config_info{block_size="16",num_gpu_blocks="2048",...} 1`
- *  gives the KV capacity as blocks × block size; SGLang's `sglang:max_total_num_tokens` directly. */
+ *  gives the KV capacity as blocks × block size; SGLang's `sglang:max_total_num_tokens` directly.
+ *  Not where the labels give a `sliding_window`: such a cache holds windows, and vLLM sizes it so
+ *  that one request of `max_model_len` fits in fewer blocks than its length, so blocks × block
+ *  size is no bound on what one request may send. */
 export function parseMetrics(text: string): CapacitySource[] {
   const out: CapacitySource[] = []
   for (const line of text.split('\n')) {
@@ -317,7 +320,8 @@ export function parseMetrics(text: string): CapacitySource[] {
       for (const m of line.matchAll(/(\w+)="([^"]*)"/g)) labels.set(m[1], m[2])
       const numBlocks = asPositiveInt(labels.get('num_gpu_blocks'))
       const blockSize = asPositiveInt(labels.get('block_size'))
-      if (numBlocks !== null && blockSize !== null) {
+      const isWindowed = asPositiveInt(labels.get('sliding_window')) !== null
+      if (numBlocks !== null && blockSize !== null && !isWindowed) {
         out.push({
           endpoint: '/metrics',
           field: 'vllm:cache_config_info num_gpu_blocks × block_size',

@@ -7,6 +7,7 @@
 import assert from 'node:assert/strict'
 import { describe, test } from 'node:test'
 import { runAudit, type AuditReport, type ProbeName } from '../../src/audit/index.js'
+import { parseMetrics } from '../../src/audit/discovery.js'
 import { readLlamaCppProps, readLlamaCppSlots, readTgiInfo } from '../../src/audit/surfaces.js'
 import { standInTenants, startStandIn, type StandInOptions } from './standins.js'
 
@@ -113,6 +114,19 @@ describe('readers, on the shapes the engines publish', () => {
       'not TGI without its router or batch budget',
     )
   })
+})
+
+test("vLLM's cache_config_info: blocks × block size, except for a sliding-window cache (no bound on one request)", () => {
+  const info = (labels: string) =>
+    `vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="2048"${labels}} 1.0\n`
+  assert.deepEqual(parseMetrics(info(',sliding_window="None"')), [
+    {
+      endpoint: '/metrics',
+      field: 'vllm:cache_config_info num_gpu_blocks × block_size',
+      tokens: 32768,
+    },
+  ])
+  assert.deepEqual(parseMetrics(info(',sliding_window="4096"')), [])
 })
 
 describe("llama.cpp's server", () => {
