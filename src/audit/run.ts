@@ -19,7 +19,12 @@ import {
   sendAnswerCheck,
   answerCheckTokens,
   type HealthReading,
+  defaultFailOn,
+  failsGate,
+  asTerms,
+  type FailOnTerm,
 } from './gate.js'
+import { withClass } from './classes.js'
 import { Ledger } from './ledger.js'
 import type { ProbeContext } from './probe.js'
 import { inconclusiveRemediation } from './probe.js'
@@ -43,8 +48,6 @@ import {
   type ProbeName,
   type ProbeRun,
   type Tenant,
-  type Verdict,
-  verdictRank,
 } from './types.js'
 
 export interface AuditOptions {
@@ -157,14 +160,17 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
 
   const outcomes = new Map<ProbeName, ProbeOutcome>()
   for (const run of point?.probeRuns ?? []) {
-    const findings = (point as ResumePoint).findings.filter((f) => f.probe === run.probe)
+    // A version-1 report's findings have no class: they get it as this audit would give it.
+    const findings = (point as ResumePoint).findings
+      .filter((f) => f.probe === run.probe)
+      .map((f) => withClass(f))
     outcomes.set(run.probe, { run, findings, isComplete: true })
   }
   const extraFindings: Finding[] = []
   const report = (state: AuditState): AuditReport => {
     const findings = config.probes.flatMap((name) => outcomes.get(name)?.findings ?? [])
     return {
-      schemaVersion: 1,
+      schemaVersion: 2,
       tool: 'kvfence audit',
       target: config.baseUrl,
       model: discovery.model,
@@ -226,10 +232,9 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   const healthReading = health === null ? null : await (health as Promise<HealthReading>)
   if (budget.isStopped) return report('interrupted')
   extraFindings.push(
-    ...availabilityFindings(ledger, healthReading).map((f) => ({
-      ...f,
-      controls: controlsOf(f.probe),
-    })),
+    ...availabilityFindings(ledger, healthReading).map((f) =>
+      withClass({ ...f, controls: controlsOf(f.probe) }),
+    ),
   )
   const message = noAnswerMessage(ledger.answerSummary(), config.baseUrl, budget, healthReading)
   if (message !== null) {
@@ -299,10 +304,9 @@ async function runProbe(
   } catch (err) {
     findings = [failedProbe(name, err)]
   }
-  findings = findings.map((f) => ({
-    ...withReason(f, ledger.unansweredReason(name)),
-    controls: controlsOf(f.probe),
-  }))
+  findings = findings.map((f) =>
+    withClass({ ...withReason(f, ledger.unansweredReason(name)), controls: controlsOf(f.probe) }),
+  )
   const isComplete =
     hasReturned && !budget.isStopped && budget.remainingMs > 0 && budget.remainingRequests > 0
   const run: ProbeRun = {
@@ -331,7 +335,7 @@ function emptyRun(probe: ProbeName, reason: string): ProbeRun {
 
 /** An inconclusive finding for a probe the audit did not let run (to its end). */
 function notRunFinding(probe: ProbeName, title: string): Finding {
-  return {
+  return withClass({
     probe,
     verdict: 'inconclusive',
     severity: 'medium',
@@ -341,7 +345,7 @@ function notRunFinding(probe: ProbeName, title: string): Finding {
       'Continue the audit with --resume and its JSON report, or run it again. ' +
       inconclusiveRemediation,
     controls: controlsOf(probe),
-  }
+  })
 }
 
 /** `kvfence audit --plan`: what {@link runAudit} with these options would send, per probe, and
@@ -451,12 +455,16 @@ const probesThatSize: readonly ProbeName[] = [
   'evict-then-return',
 ]
 
-/** The exit code `kvfence audit` uses: 1 when a finding's verdict is at or above `failOn` (a leak
- *  always is), else 0. (2, for a tool error, is the caller's: `runAudit` then throws, e.g. for a
- *  target that answered none of the valid completions.) */
-export function exitCodeFor(report: AuditReport, failOn: Verdict = 'leak'): 0 | 1 {
-  const threshold = verdictRank[failOn]
-  return report.findings.some((f) => verdictRank[f.verdict] >= threshold) ? 1 : 0
+/** The exit code `kvfence audit` uses: 1 when a finding fails the gate `failOn` (gate.ts: by
+ *  class, severity, tag or verdict; a leak always fails), else 0. (2, for a tool error, is the
+ *  caller's: `runAudit` then throws, e.g. for a target that answered none of the valid
+ *  completions.) */
+export function exitCodeFor(
+  report: AuditReport,
+  failOn: FailOnTerm | readonly FailOnTerm[] = defaultFailOn,
+): 0 | 1 {
+  const terms = asTerms(failOn)
+  return report.findings.some((f) => failsGate(f, terms)) ? 1 : 0
 }
 
 /** How long after the budget's deadline a probe may still take to conclude from what it saw
