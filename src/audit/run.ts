@@ -8,7 +8,7 @@
  *  report in state `interrupted`; `resume` continues one from what it had established. */
 import { randomInt } from 'node:crypto'
 import { Budget, BudgetExhaustedError, maxAuditSeconds, minAuditSeconds } from './budget.js'
-import { discover } from './discovery.js'
+import { discover, type Discovery } from './discovery.js'
 import { controlsOf } from './controls.js'
 import {
   availabilityFindings,
@@ -37,7 +37,14 @@ import {
   type ResumeSource,
 } from './resume.js'
 import { calibrate, calibrationWords, type PromptSizer } from './sizer.js'
-import { probePlan, totalPlan, type AuditPlan, type PlanInput } from './plan.js'
+import {
+  probePlan,
+  shareBudget,
+  totalPlan,
+  type AuditPlan,
+  type PlanInput,
+  type ProbePlan,
+} from './plan.js'
 import { createTarget, type Target } from './target.js'
 import {
   AuditError,
@@ -193,9 +200,17 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
 
   let sizing: Promise<PromptSizer | null> | null = null
   const sizer = () => (sizing ??= calibrate(target))
+  // Each probe's share, held back for it while the probes before it run.
+  const toRun = config.probes.filter((name) => !outcomes.has(name))
+  const shares = probeShares(config, discovery, toRun, options.isAggressive === true)
   for (const name of config.probes) {
     if (outcomes.has(name)) continue // kept from the resumed report
     if (budget.isStopped) break
+    const later = toRun.slice(toRun.indexOf(name) + 1).map((n) => shares.get(n)!)
+    budget.holdBack(
+      later.reduce((s, x) => s + x.requests, 0),
+      later.reduce((s, x) => s + x.ms, 0),
+    )
     const outcome = await runProbe(name, target, budget, ledger, {
       seed,
       overCapacityAttempts: config.overCapacityAttempts,
@@ -209,6 +224,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     if (budget.isStopped || budget.isClosed) break
     await options.onReport?.(report('running'))
   }
+  budget.holdBack(0, 0)
   ledger.setProbe(null)
 
   if (budget.isStopped) {
@@ -307,8 +323,13 @@ async function runProbe(
   findings = findings.map((f) =>
     withClass({ ...withReason(f, ledger.unansweredReason(name)), controls: controlsOf(f.probe) }),
   )
+  // Stopped by its share, a probe that could not tell is run again by --resume; one that told
+  // is done.
   const isComplete =
-    hasReturned && !budget.isStopped && budget.remainingMs > 0 && budget.remainingRequests > 0
+    hasReturned &&
+    !budget.isStopped &&
+    budget.remainingMs > 0 &&
+    (budget.remainingRequests > 0 || findings.every((f) => f.verdict !== 'inconclusive'))
   const run: ProbeRun = {
     probe: name,
     durationMs: Math.round(performance.now() - probeStartedAt),
@@ -400,6 +421,37 @@ export async function planAudit(
         `${listed.slice(0, 5).join(', ')}${listed.length > 5 ? ', …' : ''} (--plan sends no completion to try it): check --model`,
     )
   }
+  const { own, probePlans } = planProbes(
+    config,
+    discovery,
+    planned,
+    options.isAggressive === true,
+    isModelUnlisted,
+  )
+  return totalPlan(
+    {
+      target: config.baseUrl,
+      limits: config.budget,
+      poolTokens: discovery.poolTokens,
+      contextTokens: discovery.contextTokens,
+      endpoints: discovery.endpoints,
+      probes: [own, ...probePlans],
+      kept,
+    },
+    price,
+  )
+}
+
+/** The plans of the `planned` probes from discovery's numbers, and the audit's own requests
+ *  (discovery's reads, key checks, the answer check, token calibration): what `--plan` prints
+ *  and what the audit shares its budget by. */
+function planProbes(
+  config: AuditConfig,
+  discovery: Discovery,
+  planned: readonly ProbeName[],
+  isAggressive: boolean,
+  isModelUnlisted: boolean,
+): { own: ProbePlan; probePlans: ProbePlan[] } {
   const input: PlanInput = {
     limits: config.budget,
     numTenants: config.tenants.length,
@@ -410,7 +462,7 @@ export async function planAudit(
     largestPoolTokens: discovery.largestPoolTokens,
     pageSizes: discovery.pageSizes.map((s) => s.tokens),
     chunkSizes: discovery.chunkSizes.map((s) => s.tokens),
-    isAggressive: options.isAggressive === true,
+    isAggressive,
     chunkedPrefillTokens: discovery.chunkedPrefillTokens,
   }
   const isSized = planned.some((p) => probesThatSize.includes(p))
@@ -431,18 +483,23 @@ export async function planAudit(
       tokensEach: 2 * words + 2,
     })),
   ])
-  return totalPlan(
-    {
-      target: config.baseUrl,
-      limits: config.budget,
-      poolTokens: discovery.poolTokens,
-      contextTokens: discovery.contextTokens,
-      endpoints: discovery.endpoints,
-      probes: [own, ...probePlans],
-      kept,
-    },
-    price,
-  )
+  return { own, probePlans }
+}
+
+/** Each probe's share of the budget (plan.ts), from the same plans `--plan` prints: requests
+ *  and milliseconds by probe. */
+function probeShares(
+  config: AuditConfig,
+  discovery: Discovery,
+  planned: readonly ProbeName[],
+  isAggressive: boolean,
+): Map<ProbeName, { requests: number; ms: number }> {
+  const listed = discovery.modelsListed
+  const isModelUnlisted =
+    config.model !== null && listed.length > 0 && !listed.includes(config.model)
+  const { own, probePlans } = planProbes(config, discovery, planned, isAggressive, isModelUnlisted)
+  const shares = shareBudget(probePlans, config.budget, own.numRequests)
+  return new Map(shares.map((s) => [s.probe, { requests: s.numRequests, ms: s.seconds * 1000 }]))
 }
 
 /** Probes that calibrate token counts (the audit's calibration completions are theirs). */
