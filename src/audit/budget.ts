@@ -4,7 +4,7 @@
  *  shares of the probes after it (plan.ts) are held back ({@link Budget.holdBack}): a probe may
  *  spend what earlier ones left, never what later ones were given.
  *  Knows nothing of HTTP. */
-import { maxTimerSeconds } from '../timer-limit.js'
+import { maxTimerSeconds } from '../common/timer-limit.js'
 import { setMaxListeners } from 'node:events'
 import type { BudgetLimits } from './types.js'
 
