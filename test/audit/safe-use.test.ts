@@ -331,6 +331,32 @@ describe('authorized targets', () => {
     assert.equal(run.stdout, '')
   })
 
+  test('kvfence watch --plan: a cycle and an hour at most, before anything is sent', async () => {
+    const standIn = await startStandIn('safe')
+    try {
+      const run = await kvfence([
+        'watch',
+        '--target',
+        standIn.url,
+        ...tenantFlags,
+        '--plan',
+        '--cycle-seconds',
+        '60',
+        '--max-requests-per-hour',
+        '600',
+      ])
+      assert.equal(run.code, 0, run.stderr)
+      assert.deepEqual(standIn.stats.paths, [])
+      // cycle.ts: 7 reads at most, the plant, the cut stream and its fresh request, the look, a
+      // burst of 3 and one over-capacity prompt (8), and 20 follow-up rounds of 2.
+      assert.match(run.stdout, /a cycle sends at most 55 requests/)
+      assert.match(run.stdout, /60\.0 cycles an hour/)
+      assert.match(run.stdout, /an hour: at most 600 requests \(--max-requests-per-hour\)/)
+    } finally {
+      await standIn.close()
+    }
+  })
+
   test('kvfence watch: authorized_targets in the config, or --authorized, lets it start', async () => {
     // Authorized, the watch starts (its start-up line, before any request); it is then stopped.
     const dir = await mkdtemp(join(tmpdir(), 'kvfence-watch-auth-'))
