@@ -1,7 +1,7 @@
 /** `kvfence audit`: proves (or disproves) tenant isolation of any OpenAI-compatible endpoint from
  *  outside. Parses flags (merged over an optional YAML `--config` file, flags winning), runs the
  *  audit, prints progress and a summary, writes the JSON, JUnit XML and HTML reports asked for, and
- *  sets the exit code: 1 for a finding at or above `--fail-on` (always for a leak), 2 for a tool
+ *  sets the exit code: 1 for a finding `--fail-on` names (always for a leak), 2 for a tool
  *  error (one line on stderr), 130 or 143 when interrupted by SIGINT or SIGTERM (one line on
  *  stderr), 0 otherwise. With `--json` the report is rewritten after every probe, so an
  *  interrupted or killed audit leaves what it had established, and `--resume FILE` continues it.
@@ -9,7 +9,7 @@
 import { closeSync, existsSync, openSync, rmSync } from 'node:fs'
 import { readFile } from 'node:fs/promises'
 import { MultiBar, Presets } from 'cli-progress'
-import { Option, type Command } from 'commander'
+import type { Command } from 'commander'
 import {
   AuditError,
   auditDefaults,
@@ -33,13 +33,16 @@ import {
   type ProbeName,
   type ProgressEvent,
   type Tenant,
-  type Verdict,
 } from '../audit/index.js'
+import {
+  defaultFailOn,
+  failOnTerms,
+  formatFailOn,
+  parseFailOn,
+  type FailOnTerm,
+} from '../audit/gate.js'
 import { auditBounds, sameTenantNameFault } from '../audit/config.js'
 import { recordedAudit } from '../audit/resume.js'
-
-const failOnChoices = ['leak', 'warning', 'inconclusive'] as const
-type FailOn = (typeof failOnChoices)[number]
 
 interface AuditFlags {
   target?: string
@@ -56,7 +59,7 @@ interface AuditFlags {
   maxSeconds?: string
   concurrency?: string
   maxConcurrency?: string
-  failOn?: FailOn
+  failOn?: string
   plan?: boolean
   pricePerMillionTokens?: string
   authorized?: boolean
@@ -106,11 +109,9 @@ export function registerAudit(program: Command): void {
       '--max-concurrency <n>',
       `in flight at most for the probes that ramp their load 1, 2, 4, 8, 16 (default ${auditDefaults.maxConcurrency}, or --concurrency when given)`,
     )
-    .addOption(
-      new Option(
-        '--fail-on <verdict>',
-        'exit 1 on a finding with this verdict or a worse one (default leak)',
-      ).choices(failOnChoices),
+    .option(
+      '--fail-on <terms>',
+      `exit 1 on a finding of these classes, severities (and above), tags or verdicts (and worse), comma-separated: ${failOnTerms.join(', ')} (default ${formatFailOn(defaultFailOn)}; a leak always fails)`,
     )
     .option(
       '--plan',
@@ -134,7 +135,7 @@ export function registerAudit(program: Command): void {
     )
     .addHelpText(
       'after',
-      '\nExit codes: 0 no finding at or above --fail-on; 1 one at or above it (a leak always is);\n' +
+      '\nExit codes: 0 no finding --fail-on names; 1 one it names (a leak always is);\n' +
         '2 tool error, nothing audited (bad options, target unreachable, a key refused, --model not\n' +
         'served, no valid completion answered whole, a --resume report of another audit);\n' +
         '130/143 interrupted by SIGINT/SIGTERM (continue with --resume FILE when --json was given).',
@@ -173,7 +174,8 @@ async function audit(flags: AuditFlags): Promise<number> {
   if (flags.pricePerMillionTokens !== undefined) {
     throw new AuditError('invalid_options', '--price-per-million-tokens is only read with --plan')
   }
-  const failOn: Verdict = flags.failOn ?? file.failOn ?? 'leak'
+  const failOn: readonly FailOnTerm[] =
+    flags.failOn === undefined ? (file.failOn ?? defaultFailOn) : parseFailOn(flags.failOn)
   const reports = {
     json: flags.json ?? file.reports?.json ?? flags.resume,
     junit: flags.junit ?? file.reports?.junit,

@@ -12,6 +12,7 @@ import { AuditError, checkAuthorizedTarget } from '../audit/index.js'
 import {
   createWatchMetrics,
   cycleCostBound,
+  formatWatchPlan,
   loadWatchConfig,
   runWatch,
   serveMetrics,
@@ -41,6 +42,7 @@ interface WatchFlags {
   webhook?: string
   webhookFormat?: WebhookFormat
   authorized?: boolean
+  plan?: boolean
   logLevel: string
 }
 
@@ -93,6 +95,10 @@ export function registerWatch(program: Command): void {
     .option(
       '--authorized',
       'the target is one you may watch (needed for a non-loopback target not in authorized_targets)',
+    )
+    .option(
+      '--plan',
+      'print what a cycle and an hour send at most (sends nothing, reads nothing) and exit 0',
     )
     .addOption(new Option('--log-level <level>', 'log level').choices(logLevels).default('info'))
     .showHelpAfterError(false)
@@ -161,6 +167,10 @@ async function watch(flags: WatchFlags): Promise<number> {
   const cost = cycleCostBound(config)
   // A budget that cannot pay for one cycle would skip every cycle for ever: refuse it now.
   refuseBudgetBelowOneCycle(config, cost, flags)
+  if (flags.plan === true) {
+    process.stdout.write(`${formatWatchPlan(config)}\n`)
+    return 0
+  }
   const log = pino(
     { name: 'kvfence-watch', level: flags.logLevel },
     pino.destination({ dest: 1, sync: true }),

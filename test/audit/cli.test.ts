@@ -64,7 +64,7 @@ function assertOneLineError(run: Run, pattern: RegExp): void {
 }
 
 const Report = z.object({
-  schemaVersion: z.literal(1),
+  schemaVersion: z.literal(2),
   tool: z.literal('kvfence audit'),
   target: z.string(),
   model: z.string().nullable(),

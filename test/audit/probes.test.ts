@@ -163,9 +163,10 @@ describe('determinism', () => {
 })
 
 describe('prefix-timing (Gu et al.)', () => {
-  test('a prefix cache shared across tenants that reports cached_tokens: leak (direct signal)', async () => {
+  test('a prefix cache shared across tenants that reports cached_tokens: side channel (direct signal)', async () => {
     const report = await audit('prefix-timing', { prefixCache: 'shared' })
-    assert.deepEqual(verdicts(report), [['prefix-timing', 'leak', 'high']])
+    assert.deepEqual(verdicts(report), [['prefix-timing', 'warning', 'high']])
+    assert.equal(report.findings[0].class, 'side-channel')
     assert.deepEqual(report.findings[0].evidence.directSignal, {
       cachedTokensHit: 32,
       cachedTokensMiss: 0,
@@ -185,12 +186,13 @@ describe('prefix-timing (Gu et al.)', () => {
     )
   })
 
-  test('shared, cached_tokens hidden: leak from the TTFT distributions (KS test)', async () => {
+  test('shared, cached_tokens hidden: side channel from the TTFT distributions (KS test)', async () => {
     const report = await audit('prefix-timing', {
       prefixCache: 'shared',
       isCachedTokensHidden: true,
     })
-    assert.deepEqual(verdicts(report), [['prefix-timing', 'leak', 'high']])
+    assert.deepEqual(verdicts(report), [['prefix-timing', 'warning', 'high']])
+    assert.equal(report.findings[0].class, 'side-channel')
     assert.match(report.findings[0].title, /^timing side channel/)
     const cross = report.findings[0].evidence.cross as { ttftMs: { hit: number[]; miss: number[] } }
     assert.equal(cross.ttftMs.hit.length, 10)

@@ -52,10 +52,11 @@ function watchStartLine(args: string[]): Promise<string> {
 const tenantFlags = ['--tenant', `alice=${tenantKeys.alice}`, '--tenant', `bob=${tenantKeys.bob}`]
 
 /** The row of `probe` in the plan's table: [requests, tokens, cost?]. */
+/** A probe's row of a priced plan: its requests, tokens and cost (its share's columns follow). */
 function planRow(stdout: string, probe: string): string[] {
   const line = stdout.split('\n').find((l) => l.startsWith(`${probe} `))
   assert.ok(line, `no row for ${probe}:\n${stdout}`)
-  return line.trim().split(/\s+/).slice(1)
+  return line.trim().split(/\s+/).slice(1, 4)
 }
 
 describe('--plan', () => {
@@ -178,8 +179,9 @@ describe('--plan', () => {
       assert.ok(!standIn.stats.paths.some((p) => p.startsWith('POST')), standIn.stats.paths.join())
       assert.match(
         run.stdout,
-        /the audit stops after 50 and the probes it does not reach are inconclusive/,
+        /exceed --max-requests 50: each probe gets its share \(every probe runs; none starves the ones after it\)/,
       )
+      assert.match(run.stdout, /^ {2}prefix-timing needs up to \d+ requests/m)
       assert.match(run.stdout, /tokens only: give --price-per-million-tokens/)
     } finally {
       await standIn.close()
@@ -325,6 +327,32 @@ describe('authorized targets', () => {
       'kvfence watch: 192.0.2.1:8000 is not loopback and not an authorized target: audit only endpoints you are allowed to test, then list it under authorized_targets in --config or pass --authorized\n',
     )
     assert.equal(run.stdout, '')
+  })
+
+  test('kvfence watch --plan: a cycle and an hour at most, before anything is sent', async () => {
+    const standIn = await startStandIn('safe')
+    try {
+      const run = await kvfence([
+        'watch',
+        '--target',
+        standIn.url,
+        ...tenantFlags,
+        '--plan',
+        '--cycle-seconds',
+        '60',
+        '--max-requests-per-hour',
+        '600',
+      ])
+      assert.equal(run.code, 0, run.stderr)
+      assert.deepEqual(standIn.stats.paths, [])
+      // cycle.ts: 7 reads at most, the plant, the cut stream and its fresh request, the look, a
+      // burst of 3 and one over-capacity prompt (8), and 20 follow-up rounds of 2.
+      assert.match(run.stdout, /a cycle sends at most 55 requests/)
+      assert.match(run.stdout, /60\.0 cycles an hour/)
+      assert.match(run.stdout, /an hour: at most 600 requests \(--max-requests-per-hour\)/)
+    } finally {
+      await standIn.close()
+    }
   })
 
   test('kvfence watch: authorized_targets in the config, or --authorized, lets it start', async () => {

@@ -129,6 +129,8 @@ export interface StandInOptions {
   /** A completion whose client went away keeps its pages this long (ms) before they are freed
    *  (an abort the engine never hears of, released by a timeout). */
   readonly abortHoldMs?: number
+  /** The KV pool (tokens, a multiple of 16); default 384. */
+  readonly poolTokens?: number
   /** Advertised context window (tokens); default 1024 for `leaky`, the pool (384) otherwise. A
    *  `safe` stand-in refuses a prompt plus max_tokens over it. */
   readonly contextTokens?: number
@@ -305,12 +307,14 @@ function createKvCache(
   }
 }
 
-const poolTokens = 384
+/** The KV pool (tokens) unless `poolTokens` is given. */
+const defaultPoolTokens = 384
 
 export async function startStandIn(
   kind: StandInKind,
   options: StandInOptions = {},
 ): Promise<StandIn> {
+  const poolTokens = options.poolTokens ?? defaultPoolTokens
   const contextTokens = options.contextTokens ?? (kind === 'leaky' ? 1024 : poolTokens)
   // SGLang's scheduler: min(context − 1, pool − 1) − 5, and an input of that many tokens or more
   // is refused (a correct SGLang; the leaky one decodes it over stale pages instead).
