@@ -66,7 +66,7 @@ const maxChurnRequests = 120
 /** A churn prompt is sized with room for its canary's cost ({@link boundedPrompt}), so it may
  *  come out shorter than planned: up to this share more requests are sent until the churn's
  *  answered prompts cover what is needed. */
-const churnSlack = 1
+const churnSlack = 0.5
 /** Requests besides the churn: the prefixes cold, the first warm, a check per stage, the returns
  *  (and one per tenant measuring its mark, counted where the tenants are known). */
 const numFixedRequests = numPrefixes + 1 + stageFactors.length + numPrefixes
