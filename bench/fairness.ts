@@ -45,7 +45,7 @@ import { performance } from 'node:perf_hooks'
 import { setTimeout as delay } from 'node:timers/promises'
 import { fileURLToPath } from 'node:url'
 import { charIds, startHarness, tokenizerWithLongToken } from '../test/router/helpers.js'
-import { apiKeyDigest } from '../src/router/tenants.js'
+import { apiKeyDigest } from '../src/router/tenants/tenants.js'
 
 /** The tenants: name → weight (absent: the default, 1). */
 const tenantWeights: Readonly<Record<string, number | undefined>> = {

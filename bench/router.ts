@@ -15,7 +15,7 @@
  *  - Socket writes: `router_socket_writes_per_streamed_request`, the router's writes to client
  *    sockets (`_write`/`_writev` calls, counted in the child) per streamed request of the
  *    throughput run: one per event-loop turn in which the stream had something to send (the
- *    headers leave with the first text; src/router/http.ts `coalesceWrites`), so 15 for the
+ *    headers leave with the first text; src/router/api/http.ts `coalesceWrites`), so 15 for the
  *    stand-in's reply (14 turns with text, then the last chunk with `[DONE]`; its EOS adds no
  *    text). Deterministic while the stand-in sends one token per turn, as a decode worker sends
  *    a stream one token per step; fewer means tokens were coalesced.
@@ -66,13 +66,14 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { pino } from 'pino'
-import { type Limiter, createLimiter, queueLimitDefaults } from '../src/router/limits.js'
-import { createRedisLimitStore } from '../src/router/redis-limits.js'
+import { type Limiter, createLimiter } from '../src/router/admission/limits.js'
+import { queueLimitDefaults } from '../src/router/admission/queue-limits.js'
+import { createRedisLimitStore } from '../src/router/admission/redis-limits.js'
 import { startRouter } from '../src/router/start.js'
-import { apiKeyDigest } from '../src/router/tenants.js'
+import { apiKeyDigest } from '../src/router/tenants/tenants.js'
 import { initCerts } from '../src/cli/certs.js'
 import { GenerateRequest, PrefillRequest } from '../src/engine/control.js'
-import { sseTemplate, textCompletion } from '../src/router/responses.js'
+import { sseTemplate, textCompletion } from '../src/router/api/responses.js'
 import {
   bosId,
   charIds,
@@ -82,7 +83,7 @@ import {
   keys,
   startHarness,
 } from '../test/router/helpers.js'
-import { redisSkipReason, startRedis } from '../test/router/redis-helpers.js'
+import { redisSkipReason, startRedis } from '../test/router/admission/redis-helpers.js'
 
 /** What the child reports once listening. */
 interface Endpoints {

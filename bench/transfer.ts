@@ -31,7 +31,7 @@ import { createWorkerCore, gatherPage, scatterPage } from '../src/engine/worker-
 import { makeGuards } from '../src/kv/guards.js'
 import { KvPool, type PoolShape } from '../src/kv/pool.js'
 import { loadModel } from '../src/model/weights.js'
-import type { TlsMaterial } from '../src/tls.js'
+import type { TlsMaterial } from '../src/link/tls.js'
 import { pageChecksum } from '../src/transfer/checksum.js'
 import { TransferClient, TransferServer } from '../src/transfer/index.js'
 import { echoModelDir } from '../test/helpers/paths.js'

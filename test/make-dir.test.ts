@@ -7,7 +7,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { promisify } from 'node:util'
-import { makeDir } from '../src/make-dir.js'
+import { makeDir } from '../src/common/make-dir.js'
 import { cliPath } from './helpers/paths.js'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-make-dir-'))

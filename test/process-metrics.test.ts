@@ -5,8 +5,8 @@ import { describe, it } from 'node:test'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { setFlagsFromString } from 'node:v8'
 import { runInNewContext } from 'node:vm'
-import { heapAfterMajorGcMetric, processRegistry } from '../src/process-metrics.js'
-import { samplesOf } from '../src/router/prometheus-text.js'
+import { heapAfterMajorGcMetric, processRegistry } from '../src/common/process-metrics.js'
+import { samplesOf } from '../src/router/metrics/prometheus-text.js'
 
 setFlagsFromString('--expose-gc')
 const gc = runInNewContext('gc') as () => void

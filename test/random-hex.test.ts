@@ -1,7 +1,7 @@
 /** randomHex: fresh CSPRNG bytes as hex, drawn from a pool that refills itself. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
-import { randomHex } from '../src/random-hex.js'
+import { randomHex } from '../src/common/random-hex.js'
 
 describe('randomHex', () => {
   it('gives 2 × n lowercase hex characters for n bytes', () => {

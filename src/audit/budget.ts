@@ -2,7 +2,7 @@
  *  `maxSeconds`. Every request the auditor sends goes through `Budget.spend`, which reserves the
  *  request before it is sent, so no limit is ever exceeded, even by one.
  *  Knows nothing of HTTP. */
-import { maxTimerSeconds } from '../timer-limit.js'
+import { maxTimerSeconds } from '../common/timer-limit.js'
 import { setMaxListeners } from 'node:events'
 import type { BudgetLimits } from './types.js'
 

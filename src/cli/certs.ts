@@ -1,7 +1,7 @@
 /** `kvfence certs init DIR`: a cluster CA and one certificate per part (router, prefill, decode),
  *  each good for both ends of a TLS connection (serverAuth and clientAuth), with SANs for the given
  *  hosts plus 127.0.0.1 and localhost. The parts then authenticate each other against that CA
- *  alone (src/tls.ts). `kvfence certs renew DIR` issues the parts' certificates again (new keys)
+ *  alone (src/link/tls.ts). `kvfence certs renew DIR` issues the parts' certificates again (new keys)
  *  under the CA already in DIR, which it leaves as it is, so that no part needs new trust.
  *  Certificates are built by @peculiar/x509 over WebCrypto (ECDSA P-256, SHA-256), loaded on
  *  first use so that other commands never pay for it.
@@ -11,9 +11,9 @@ import { chmodSync, existsSync, lstatSync, readFileSync, renameSync, writeFileSy
 import { isIP } from 'node:net'
 import { join } from 'node:path'
 import { InvalidArgumentError, type Command } from 'commander'
-import { KvfenceError } from '../errors.js'
-import { makeDir } from '../make-dir.js'
-import { randomHex } from '../random-hex.js'
+import { KvfenceError } from '../common/errors.js'
+import { makeDir } from '../common/make-dir.js'
+import { randomHex } from '../common/random-hex.js'
 
 type X509 = typeof import('@peculiar/x509')
 

@@ -10,8 +10,8 @@ import { existsSync, readFileSync, writeFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { type Cluster, type ClusterOptions, startCluster } from '../config/launch.js'
 import { redeployCluster } from '../config/redeploy.js'
-import { newApiKey } from '../router/tenant-keys.js'
-import { apiKeyDigest } from '../router/tenants.js'
+import { newApiKey } from '../router/tenants/tenant-keys.js'
+import { apiKeyDigest } from '../router/tenants/tenants.js'
 import { startWatchChild, type WatchLogLine } from '../audit/watch/child.js'
 
 /** The watch's cycle in the demo (s): shorter than its 30 s default to keep the demo short; its

@@ -17,9 +17,9 @@ import {
   type Finding,
 } from '../audit/index.js'
 import { startCluster, type ClusterOptions } from '../config/launch.js'
-import { makeDir } from '../make-dir.js'
-import { bundledModelDir } from '../paths.js'
-import { newApiKey, tenantsYaml } from '../router/tenant-keys.js'
+import { makeDir } from '../common/make-dir.js'
+import { bundledModelDir } from '../common/paths.js'
+import { newApiKey, tenantsYaml } from '../router/tenants/tenant-keys.js'
 import { intOption, threadArgs, threadsHelp, threadsOption } from './options.js'
 import { isCaught, productionLines, runProductionAct } from './demo-production.js'
 import { exitOnStopSignals, stopInProgress, unlessStopped } from './stop-children.js'

@@ -7,7 +7,7 @@ import { generateLocal } from '../engine/local-engine.js'
 import { buildFaultConfig } from '../engine/faults.js'
 import { loadTokenizer, unrepresentableTextError } from '../model/tokenizer.js'
 import { defaultThreads, loadModel } from '../model/weights.js'
-import { bundledModelDir } from '../paths.js'
+import { bundledModelDir } from '../common/paths.js'
 import { intOption, positiveIntOption, threadsHelp, threadsOption } from './options.js'
 
 interface GenerateFlags {

@@ -11,8 +11,8 @@ import { isMap, isSeq, type Document } from 'yaml'
 import { z } from 'zod'
 import { describeIssue } from '../files/issues.js'
 import { parseYamlDocument, readYamlFileText } from '../files/yaml-file.js'
-import { KvfenceError } from '../errors.js'
-import { newApiKey } from '../router/tenant-keys.js'
+import { KvfenceError } from '../common/errors.js'
+import { newApiKey } from '../router/tenants/tenant-keys.js'
 import { intOption, positiveIntOption } from './options.js'
 import {
   apiKeyDigest,
@@ -21,7 +21,7 @@ import {
   sameTenantNames,
   sameTenantNamesFault,
   TenantRecord,
-} from '../router/tenants.js'
+} from '../router/tenants/tenants.js'
 import { ClusterConfig } from '../config/cluster.js'
 
 /** The file's YAML document and its validated tenants; a missing file is an empty document when

@@ -7,7 +7,7 @@
 import { readFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { Command, CommanderError } from 'commander'
-import { packageRoot } from '../paths.js'
+import { packageRoot } from '../common/paths.js'
 
 type Register = (program: Command) => void
 

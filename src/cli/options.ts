@@ -4,7 +4,7 @@
  *  or exponent) and at most `Number.MAX_SAFE_INTEGER`: past it `Number()` rounds, so a value was
  *  taken as another one. */
 import { InvalidArgumentError } from 'commander'
-import { maxTimerMs, maxTimerSeconds } from '../timer-limit.js'
+import { maxTimerMs, maxTimerSeconds } from '../common/timer-limit.js'
 
 export { maxTimerMs }
 

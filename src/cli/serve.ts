@@ -10,13 +10,13 @@ import { pino } from 'pino'
 import { loadClusterConfig } from '../config/cluster.js'
 import { clusterConfigPlan, launchCluster, startCluster } from '../config/launch.js'
 import { buildFaultConfig } from '../engine/faults.js'
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import { loadModelConfig } from '../model/config.js'
 import { exitIfParentGoesDuringStart, reportReadyToParent } from './parent.js'
-import { bundledModelDir } from '../paths.js'
-import { queueLimitDefaults } from '../router/limits.js'
-import { loadTenants } from '../router/tenants.js'
-import { checkPlaintextLinks, isLoopbackHost } from '../plaintext.js'
+import { bundledModelDir } from '../common/paths.js'
+import { queueLimitDefaults } from '../router/admission/queue-limits.js'
+import { loadTenants } from '../router/tenants/tenants.js'
+import { checkPlaintextLinks, isLoopbackHost } from '../link/plaintext.js'
 import {
   collect,
   intOption,

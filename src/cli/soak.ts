@@ -5,7 +5,7 @@
  *  tool error (one line on stderr), 0 otherwise. Never prints a key, a prompt or a completion. */
 import { writeFileSync } from 'node:fs'
 import { InvalidArgumentError, type Command } from 'commander'
-import { bundledModelDir } from '../paths.js'
+import { bundledModelDir } from '../common/paths.js'
 import {
   runSoak,
   soakDefaults,

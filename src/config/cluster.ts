@@ -19,10 +19,10 @@
  *  Knows the file's shape and defaults; knows nothing of starting processes or serving. */
 import { dirname, isAbsolute, resolve } from 'node:path'
 import { z } from 'zod'
-import { maxTimerMs, maxTimerSeconds } from '../timer-limit.js'
-import { KvfenceError } from '../errors.js'
-import { queueLimitDefaults } from '../router/limits.js'
-import { sameTenantNames, sameTenantNamesFault, TenantRecord } from '../router/tenants.js'
+import { maxTimerMs, maxTimerSeconds } from '../common/timer-limit.js'
+import { KvfenceError } from '../common/errors.js'
+import { queueLimitDefaults } from '../router/admission/queue-limits.js'
+import { sameTenantNames, sameTenantNamesFault, TenantRecord } from '../router/tenants/tenants.js'
 import { describeIssue } from '../files/issues.js'
 import { loadYamlFile } from '../files/yaml-file.js'
 
@@ -42,7 +42,7 @@ export const RouterSection = z.strictObject({
   maxBodyBytes: positive.default(1024 * 1024),
   maxConcurrentRequests: positive.default(queueLimitDefaults.maxConcurrentRequests),
   maxQueuedRequests: z.number().int().min(0).default(queueLimitDefaults.maxQueuedRequests),
-  /** Slots taken only by a request whose tenant has none running (fair-queue.ts); 0 = none; at
+  /** Slots taken only by a request whose tenant has none running (router/admission/fair-queue.ts); 0 = none; at
    *  most `maxConcurrentRequests − 1` take effect. */
   reservedSlots: z.number().int().min(0).default(queueLimitDefaults.reservedSlots),
   maxQueueWaitMs: z
@@ -180,17 +180,31 @@ export const WorkersSection = z.strictObject({
 })
 
 /** Gateway mode: the engine behind the router. */
-export const BackendSection = z.strictObject({
-  kind: z.enum(['sglang', 'vllm']),
-  url: httpUrl,
-  /** The engine's model id; default: the first it lists. */
-  model: z.string().min(1).optional(),
-  /** A directory with the engine's tokenizer.json; default: the engine's /tokenize. */
-  tokenizerDir: z.string().min(1).optional(),
-  discoveryIntervalMs: z.number().int().min(0).max(maxTimerMs).default(30_000),
-  /** Name of an environment variable holding the engine's API key (never the key itself). */
-  apiKeyEnv: z.string().min(1).optional(),
-})
+export const BackendSection = z
+  .strictObject({
+    kind: z.enum(['sglang', 'vllm', 'llamacpp', 'openai']),
+    url: httpUrl,
+    /** The engine's model id; default: the first it lists. */
+    model: z.string().min(1).optional(),
+    /** A directory with the engine's tokenizer.json; default: the engine's /tokenize. */
+    tokenizerDir: z.string().min(1).optional(),
+    discoveryIntervalMs: z.number().int().min(0).max(maxTimerMs).default(30_000),
+    /** Name of an environment variable holding the engine's API key (never the key itself). */
+    apiKeyEnv: z.string().min(1).optional(),
+    /** The engine's KV capacity in tokens, as the operator knows it: required for `openai` (a plain
+     *  server that reports none, so that G1 can be checked); for the others it caps the report. */
+    kvPoolTokens: positive.optional(),
+    /** Paths served even where the isolation self-check finds that the engine does not keep
+     *  tenants' prefix caches apart or refuses the salt (default: none: such a path is refused). */
+    allowUnsalted: z.array(z.enum(['chat', 'completion'])).optional(),
+    /** How often the isolation self-check runs again, ms (0: only at start). */
+    selfCheckIntervalMs: z.number().int().min(0).max(maxTimerMs).default(600_000),
+  })
+  .refine((b) => b.kind !== 'openai' || b.kvPoolTokens !== undefined, {
+    error:
+      'kind openai reports no KV capacity: declare it with kvPoolTokens (G1 cannot be checked otherwise)',
+    path: ['kvPoolTokens'],
+  })
 
 /** Mutual TLS between the parts: `dir` holds what `kvfence certs init` wrote (ca.crt and
  *  router/prefill/decode .crt/.key); relative to the config file. */
@@ -206,7 +220,7 @@ export const ClusterConfig = z
     backend: BackendSection.optional(),
     tls: TlsSection.optional(),
     /** Without `tls:`, let the parts bind and dial addresses beyond loopback in plaintext (each
-     *  logs a warning); default: such a cluster is refused at start (src/plaintext.ts). */
+     *  logs a warning); default: such a cluster is refused at start (src/link/plaintext.ts). */
     allowPlaintext: z.boolean().optional(),
     tenants: z.array(TenantRecord).min(1, 'tenants must list at least one tenant'),
   })

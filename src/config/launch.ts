@@ -9,11 +9,11 @@ import type { ChildProcess } from 'node:child_process'
 import { join } from 'node:path'
 import type { Logger } from 'pino'
 import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../engine/cluster-token.js'
-import { checkPlaintextLinks, hostOfUrl, isLoopbackHost } from '../plaintext.js'
+import { checkPlaintextLinks, hostOfUrl, isLoopbackHost } from '../link/plaintext.js'
 import { forkPart, stopAll } from '../engine/processes.js'
-import { KvfenceError } from '../errors.js'
-import { bundledModelDir } from '../paths.js'
-import { loadTlsMaterial, type TlsFiles, type TlsMaterial } from '../tls.js'
+import { KvfenceError } from '../common/errors.js'
+import { bundledModelDir } from '../common/paths.js'
+import { loadTlsMaterial, type TlsFiles, type TlsMaterial } from '../link/tls.js'
 import {
   type GatewayBackendOptions,
   type RunningRouter,
@@ -21,7 +21,7 @@ import {
   startRouter,
 } from '../router/start.js'
 import { type ClusterConfig, loadClusterConfig } from './cluster.js'
-import { refuseNativeSaltSecretFile, saltSecretFrom } from '../router/salt-secret.js'
+import { refuseNativeSaltSecretFile, saltSecretFrom } from '../router/tenants/salt-secret.js'
 import { routerConfigDefaults } from '../router/config.js'
 
 /** A worker of a plan: forked here with its KV pool and flags, or already running at `url`. */
@@ -366,7 +366,7 @@ export function clusterConfigPlan(
 
 /** A native cluster config without `tls:`: plaintext on loopback is said (info); beyond loopback
  *  (the parts' bind address, a worker's URL) it is refused in one line before anything starts,
- *  or warned about with `allowPlaintext: true` (src/plaintext.ts). */
+ *  or warned about with `allowPlaintext: true` (src/link/plaintext.ts). */
 function checkConfigPlaintext(config: ClusterConfig, log: Logger): void {
   const w = config.workers!
   const entries = [...w.prefill, ...w.decode]
@@ -572,6 +572,9 @@ export function gatewayOptions(
     backendModel: b.model,
     tokenizerDir: b.tokenizerDir,
     discoveryIntervalMs: b.discoveryIntervalMs,
+    ...(b.kvPoolTokens === undefined ? {} : { kvPoolTokens: b.kvPoolTokens }),
+    ...(b.allowUnsalted === undefined ? {} : { allowUnsalted: b.allowUnsalted }),
+    selfCheckIntervalMs: b.selfCheckIntervalMs,
     apiKey,
   }
 }

@@ -22,7 +22,7 @@
  *
  *  Pure: encode and decode only; knows nothing of sockets, streams' states or the messages'
  *  schemas. */
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 
 /** Frame kinds and their byte on the wire. */
 export const frameKinds = {

@@ -9,7 +9,7 @@ import type http from 'node:http'
 import { STATUS_CODES } from 'node:http'
 import type https from 'node:https'
 import type { Duplex } from 'node:stream'
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import {
   ChannelFrameError,
   encodeFrame,

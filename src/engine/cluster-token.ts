@@ -34,5 +34,5 @@ export function isClusterTokenValid(
   return timingSafeEqual(digest(token), digest(presented))
 }
 
-/** Whether a bind address only accepts connections from this host (see src/plaintext.ts). */
-export { isLoopbackHost } from '../plaintext.js'
+/** Whether a bind address only accepts connections from this host (see src/link/plaintext.ts). */
+export { isLoopbackHost } from '../link/plaintext.js'

@@ -2,7 +2,7 @@
  *  then generates tokens for many requests at once (continuous batching: decode-scheduler.ts).
  *  Knows token ids, tenants and the transfer receiver's hooks; knows nothing of HTTP, keys or text. */
 import assert from 'node:assert/strict'
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import { leasePrefix, type PageLease } from '../kv/pool.js'
 import type { BeginInfo, ReceiverHooks, Reservation } from '../transfer/index.js'
 import type { DecodeEvent, GenerateRequest } from './control.js'

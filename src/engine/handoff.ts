@@ -12,7 +12,7 @@
  *
  *  Knows the control-plane messages (control.ts) and the two sides as small interfaces; knows
  *  nothing of HTTP, sockets, URLs' meaning, pools or text. */
-import { KvfenceError, isErrorCode, type ErrorCode } from '../errors.js'
+import { KvfenceError, isErrorCode, type ErrorCode } from '../common/errors.js'
 import type {
   DecodeEvent,
   GenerateRequest,

@@ -1,7 +1,7 @@
 /** The single-process engine: prefill and decode in one pool, no transfer. It is the simplest tour of
  *  the engine API (`kvfence generate`) and the oracle the disaggregated path must match token for token.
  *  Knows token ids; knows nothing of tenants' keys, HTTP or text. */
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import { forward } from '../model/forward.js'
 import type { TokenLogprobs } from '../model/sampling.js'
 import type { Sampling } from './control.js'

@@ -5,7 +5,7 @@
  *  behind it is done within a few steps instead of waiting for the long one.
  *  Knows sequences and token ids; knows nothing of transfers, HTTP, tenants or text. */
 import { setImmediate as yieldToLoop } from 'node:timers/promises'
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import type { KvPool } from '../kv/pool.js'
 import { forwardBatch, type Rope } from '../model/forward.js'
 import type { Model } from '../model/weights.js'

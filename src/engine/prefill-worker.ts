@@ -3,13 +3,13 @@
  *  Knows token ids, tenants and the transfer client; knows nothing of HTTP, API keys or text. */
 import { randomBytes } from 'node:crypto'
 import { Counter, Gauge } from 'prom-client'
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import type { PageLease } from '../kv/pool.js'
 import { OffloadRing, TieredOffload, type OffloadTier } from '../kv/offload.js'
 import { OffloadDisk } from '../kv/offload-disk.js'
 import { partitionBytes, PrefixCache, type PrefixHit } from '../kv/prefix-cache.js'
-import { isLoopbackHost } from '../plaintext.js'
-import type { TlsMaterial } from '../tls.js'
+import { isLoopbackHost } from '../link/plaintext.js'
+import type { TlsMaterial } from '../link/tls.js'
 import { TransferClient } from '../transfer/index.js'
 import type { PrefillRequest, PrefillResult } from './control.js'
 import { PrefillScheduler } from './prefill-scheduler.js'
@@ -54,11 +54,11 @@ export interface PrefillWorkerOptions {
   /** Most bytes of files in `prefixCacheOffloadDir` (> 0; split per tenant as the host bytes,
    *  unless `prefixCacheShared`). */
   prefixCacheOffloadDiskBytes?: number
-  /** Mutual TLS for transfers to decode workers (src/tls.ts). Default null: plaintext. */
+  /** Mutual TLS for transfers to decode workers (src/link/tls.ts). Default null: plaintext. */
   transferTls?: TlsMaterial | null
   /** Without `transferTls`, send KV pages in plaintext to decode workers beyond loopback too
    *  (`--allow-plaintext`); default false: such a transfer fails with `transfer_failed` before
-   *  any byte is sent (src/plaintext.ts). */
+   *  any byte is sent (src/link/plaintext.ts). */
   allowPlaintext?: boolean
 }
 
@@ -163,7 +163,7 @@ export class PrefillWorker {
   }
 
   /** Without TLS, KV pages go to a decode worker beyond loopback only when the operator allowed
-   *  plaintext (src/plaintext.ts). @throws KvfenceError `transfer_failed`. */
+   *  plaintext (src/link/plaintext.ts). @throws KvfenceError `transfer_failed`. */
   private checkPlaintextTransfer(host: string): void {
     if (this.options.transferTls != null || this.options.allowPlaintext || isLoopbackHost(host))
       return

@@ -4,8 +4,8 @@
 import { fork, type ChildProcess } from 'node:child_process'
 import { createWriteStream } from 'node:fs'
 import { dirname } from 'node:path'
-import { makeDir } from '../make-dir.js'
-import { cliEntry } from '../paths.js'
+import { makeDir } from '../common/make-dir.js'
+import { cliEntry } from '../common/paths.js'
 
 /** What a part sends its parent once listening (src/cli/worker.ts, src/cli/router.ts); parts add
  *  more fields (role, transferPort, …). */

@@ -45,7 +45,7 @@ export class Sequence implements SequenceFields {
     this.lease = fields.lease
   }
 
-  /** The request slot owning the pages (never reused while the process lives). */
+  /** The owner id of the pages (never reused while the process lives). */
   get owner(): number {
     return this.lease.owner
   }

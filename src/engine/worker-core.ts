@@ -1,5 +1,5 @@
 /** What every worker (prefill or decode) holds: the model, its RoPE tables, one KV pool, the
- *  guard switches and trip counters, the injected faults, the request-slot and tenant numbering,
+ *  guard switches and trip counters, the injected faults, the owner and tenant numbering,
  *  and the worker's Prometheus counters.
  *  Knows engine state; knows nothing of HTTP or the transfer wire format. */
 import { Counter, Registry } from 'prom-client'
@@ -34,7 +34,7 @@ export interface WorkerCore {
   trips: GuardTrips
   hasFault(name: FaultName): boolean
   faultNames(): string[]
-  /** A fresh request slot (owner id ≥ 1), never reused while the process lives (u32 space). */
+  /** A fresh owner id (≥ 1), never reused while the process lives (u32 space). */
   nextOwner(): number
   /** A small stable number for a tenant name (page metadata stores numbers, not names). */
   tenantId(name: string): number

@@ -4,7 +4,7 @@
  *  plus `GET /server_info`, `GET /health`, `GET /metrics`. Closing a request's connection aborts it (G8);
  *  with G8 on, a decode request whose connection is gone also fails at its next event, so even a
  *  worker that dropped the abort (fault `drop-abort`) stops working for a client that left.
- *  With TLS material it serves HTTPS with mutual TLS 1.3 against the cluster CA (src/tls.ts): a
+ *  With TLS material it serves HTTPS with mutual TLS 1.3 against the cluster CA (src/link/tls.ts): a
  *  client without a certificate from the CA is refused in the handshake, before any request is
  *  read.
  *  Knows HTTP, TLS and the control messages; the engine work is the workers'. */
@@ -13,10 +13,10 @@ import https from 'node:https'
 import type { AddressInfo } from 'node:net'
 import type { Logger } from 'pino'
 import { Gauge, type Registry } from 'prom-client'
-import { KvfenceError } from '../errors.js'
-import { metricsText } from '../process-metrics.js'
-import { tlsExpiries, watchCertExpiry } from '../cert-expiry.js'
-import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../tls.js'
+import { KvfenceError } from '../common/errors.js'
+import { metricsText } from '../common/process-metrics.js'
+import { tlsExpiries, watchCertExpiry } from '../link/cert-expiry.js'
+import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../link/tls.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
 import { maxPayloadBytes } from './channel-frames.js'
 import {

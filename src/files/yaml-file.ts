@@ -9,7 +9,7 @@
  *  Knows files and YAML syntax; knows nothing of what the documents mean. */
 import { closeSync, constants, fstatSync, openSync, readSync } from 'node:fs'
 import { type Document, type ErrorCode as YamlErrorCode, LineCounter, parseDocument } from 'yaml'
-import { type ErrorCode, KvfenceError } from '../errors.js'
+import { type ErrorCode, KvfenceError } from '../common/errors.js'
 
 /** The largest tenants or config file read, bytes (16 MiB: some 80 000 tenants). */
 export const maxYamlFileBytes = 16 * 1024 * 1024

@@ -1,6 +1,6 @@
 /** The safety guards of DESIGN.md §4: which are on, and what a trip looks like.
  *  Knows guard ids and counts trips; knows nothing of pools, transfers or HTTP. */
-import { KvfenceError, type ErrorCode } from '../errors.js'
+import { KvfenceError, type ErrorCode } from '../common/errors.js'
 
 /** Guard ids, DESIGN.md §4. */
 export const guardIds = ['G1', 'G2', 'G3', 'G4', 'G5', 'G6', 'G7', 'G8', 'G9', 'G10'] as const

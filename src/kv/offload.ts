@@ -14,12 +14,12 @@
  *  partitions), a tenant's entries are also bounded by it and a store drops only that tenant's own
  *  oldest entries, as the prefix cache's partitions do for pool pages.
  *
- *  Storage: each entry's payload lies in a slot of host memory; a dropped entry's slot is given
+ *  Storage: each entry's payload lies in a cell of host memory; a dropped entry's cell is given
  *  up and the next store of its size writes over it in place, as a ring of equal pages wraps.
- *  Dropping does not touch the index: it keeps naming the dropped entry in its old slot (one such
- *  stale name per slot at most), as an index kept apart from the memory a copy engine writes
- *  would. So a load always reads the slot and checks that it still holds the entry it names,
- *  with the checksum recorded at store; a slot given up or written over is a failed load (the
+ *  Dropping does not touch the index: it keeps naming the dropped entry in its old cell (one such
+ *  stale name per cell at most), as an index kept apart from the memory a copy engine writes
+ *  would. So a load always reads the cell and checks that it still holds the entry it names,
+ *  with the checksum recorded at store; a cell given up or written over is a failed load (the
  *  live failure that a load counted as a hit turns into another entry's KV, possibly another
  *  tenant's: dynamo#15079, LMCache#4385).
  *
@@ -138,7 +138,7 @@ export function verifyOffloaded(
 }
 
 /** One stretch of the ring's host memory, holding one entry's payload at a time. */
-interface Slot {
+interface Cell {
   readonly bytes: Uint8Array
   /** Key of the entry whose payload it holds now; null while free. */
   holder: string | null
@@ -150,15 +150,15 @@ interface Slot {
  *  its payload was written. */
 interface IndexEntry {
   readonly page: Omit<OffloadedPage, 'payload'>
-  readonly slot: Slot
+  readonly cell: Cell
 }
 
 /** The host-memory ring of one prefix cache. */
 export class OffloadRing implements OffloadTier {
   /** The index: entries by key, live or stale; Map order is age (oldest first). */
   private readonly index = new Map<string, IndexEntry>()
-  /** Slots given up, the last given up last: a store takes the most recent one of its size. */
-  private readonly free: Slot[] = []
+  /** Cells given up, the last given up last: a store takes the most recent one of its size. */
+  private readonly free: Cell[] = []
   private readonly numBytesOf = new Map<string, number>()
   private numBytesHeld = 0
   private numPagesHeld = 0
@@ -183,13 +183,13 @@ export class OffloadRing implements OffloadTier {
     return this.numBytesHeld
   }
 
-  /** Names in the index whose slot now holds another entry or none (for tests and metrics). */
+  /** Names in the index whose cell now holds another entry or none (for tests and metrics). */
   get numStaleNames(): number {
     return this.index.size - this.numPagesHeld
   }
 
   /** Keep `payload` under `key` (replacing an entry of that key), dropping the oldest entries
-   *  (the tenant's own, with `bytesPerTenant`) until it fits, and writing it over the slot of the
+   *  (the tenant's own, with `bytesPerTenant`) until it fits, and writing it over the cell of the
    *  last one dropped when that is its size; `checksum` defaults to the payload's xxh64. Returns
    *  false when it can never fit (then nothing changed). */
   store(
@@ -209,35 +209,35 @@ export class OffloadRing implements OffloadTier {
     }
     // Only when `bytes` is less than the tenants' bounds added up can another tenant's entry go.
     while (this.numBytesHeld + size > bytes) this.dropOldest(undefined)
-    const slot = this.slotFor(size)
-    slot.bytes.set(payload)
-    slot.holder = page.key
-    this.index.set(page.key, { page: { ...page, checksum: checksum ?? xxh64(payload) }, slot })
+    const cell = this.cellFor(size)
+    cell.bytes.set(payload)
+    cell.holder = page.key
+    this.index.set(page.key, { page: { ...page, checksum: checksum ?? xxh64(payload) }, cell })
     this.numBytesHeld += size
     this.numPagesHeld += 1
     this.numBytesOf.set(page.tenant, (this.numBytesOf.get(page.tenant) ?? 0) + size)
     return true
   }
 
-  /** Read the entry under `key` back, checking what its slot holds now: failed when the slot was
+  /** Read the entry under `key` back, checking what its cell holds now: failed when the cell was
    *  given up since (dropped, and perhaps written over by a later entry: the index still names
    *  it there), or when its bytes no longer match the checksum recorded at store. A failed load
-   *  carries what was read: the entry's identity as the index recorded it, and the slot's bytes
+   *  carries what was read: the entry's identity as the index recorded it, and the cell's bytes
    *  as they are now (a copy). The entry stays until {@link delete}. */
   load(key: string): OffloadLoad {
     const entry = this.index.get(key)
     if (entry === undefined) return { kind: 'absent' }
-    // A copy: the slot may be written over before the caller is done (making room for the page
+    // A copy: the cell may be written over before the caller is done (making room for the page
     // in the pool can drop a page into this very ring).
-    const page = { ...entry.page, payload: entry.slot.bytes.slice() }
-    if (entry.slot.holder !== key)
+    const page = { ...entry.page, payload: entry.cell.bytes.slice() }
+    if (entry.cell.holder !== key)
       return {
         kind: 'failed',
         tier: 'host',
         reason:
-          entry.slot.holder === null
-            ? 'dropped from the ring (its slot is free)'
-            : 'its ring slot was written over by a later entry',
+          entry.cell.holder === null
+            ? 'dropped from the ring (its cell is free)'
+            : 'its ring cell was written over by a later entry',
         page,
       }
     const checksum = xxh64(page.payload)
@@ -251,48 +251,48 @@ export class OffloadRing implements OffloadTier {
     return { kind: 'loaded', tier: 'host', page }
   }
 
-  /** The live entry under `key` (its payload a view of its slot), unverified: for {@link check}
+  /** The live entry under `key` (its payload a view of its cell), unverified: for {@link check}
    *  and tests only, never to load KV; undefined when absent or stale. */
   peek(key: string): OffloadedPage | undefined {
     const entry = this.index.get(key)
-    if (entry === undefined || entry.slot.holder !== key) return undefined
-    return { ...entry.page, payload: entry.slot.bytes }
+    if (entry === undefined || entry.cell.holder !== key) return undefined
+    return { ...entry.page, payload: entry.cell.bytes }
   }
 
-  /** Drop the entry under `key`, live or stale, from the index; a live one's slot is freed. */
+  /** Drop the entry under `key`, live or stale, from the index; a live one's cell is freed. */
   delete(key: string): void {
     const entry = this.index.get(key)
     if (entry === undefined) return
     this.index.delete(key)
-    const { slot } = entry
-    if (slot.staleName === key) slot.staleName = null
-    if (slot.holder !== key) return
+    const { cell } = entry
+    if (cell.staleName === key) cell.staleName = null
+    if (cell.holder !== key) return
     this.release(entry)
-    this.giveUp(slot)
+    this.giveUp(cell)
   }
 
   /** The ring's invariant: live byte counts add up, per tenant and in all, within their bounds (a
    *  tenant whose share shrank may hold more until its own next store trims it); live and free
-   *  slots together within `bytes`; every name in the index is its slot's holder or its slot's
+   *  cells together within `bytes`; every name in the index is its cell's holder or its cell's
    *  one stale name. */
   check(): void {
     const perTenant = new Map<string, number>()
     let total = 0
     let numLive = 0
     for (const [key, e] of this.index) {
-      if (e.slot.holder === key) {
+      if (e.cell.holder === key) {
         numLive += 1
-        total += e.slot.bytes.byteLength
-        perTenant.set(e.page.tenant, (perTenant.get(e.page.tenant) ?? 0) + e.slot.bytes.byteLength)
+        total += e.cell.bytes.byteLength
+        perTenant.set(e.page.tenant, (perTenant.get(e.page.tenant) ?? 0) + e.cell.bytes.byteLength)
       } else {
-        assert.equal(e.slot.staleName, key, `offload ring: ${key} named in a slot that forgot it`)
+        assert.equal(e.cell.staleName, key, `offload ring: ${key} named in a cell that forgot it`)
       }
     }
     const freeBytes = this.free.reduce((n, s) => n + s.bytes.byteLength, 0)
     assert.equal(freeBytes, this.numBytesFree, `offload ring counts ${this.numBytesFree} free`)
     assert(
       this.free.every((s) => s.holder === null),
-      'offload ring: a free slot is held',
+      'offload ring: a free cell is held',
     )
     assert.equal(numLive, this.numPagesHeld, `offload ring counts ${this.numPagesHeld} pages`)
     assert.equal(total, this.numBytesHeld, `offload ring counts ${this.numBytesHeld} bytes`)
@@ -307,59 +307,59 @@ export class OffloadRing implements OffloadTier {
   }
 
   /** Drop the oldest live entry (of `tenant`, when given): the next tier down gets a copy, its
-   *  slot is given up, and the index keeps naming it there (a stale name: a later load reads the
-   *  slot and finds it given up or written over). */
+   *  cell is given up, and the index keeps naming it there (a stale name: a later load reads the
+   *  cell and finds it given up or written over). */
   private dropOldest(tenant: string | undefined): void {
     for (const [key, e] of this.index) {
-      if (e.slot.holder !== key || (tenant !== undefined && e.page.tenant !== tenant)) continue
-      this.options.onDrop?.({ ...e.page, payload: e.slot.bytes.slice() })
+      if (e.cell.holder !== key || (tenant !== undefined && e.page.tenant !== tenant)) continue
+      this.options.onDrop?.({ ...e.page, payload: e.cell.bytes.slice() })
       this.release(e)
-      const older = e.slot.staleName
-      if (older !== null && this.index.get(older)?.slot === e.slot) this.index.delete(older)
-      e.slot.staleName = key
-      this.giveUp(e.slot)
+      const older = e.cell.staleName
+      if (older !== null && this.index.get(older)?.cell === e.cell) this.index.delete(older)
+      e.cell.staleName = key
+      this.giveUp(e.cell)
       return
     }
     assert.fail('offload ring: nothing to drop')
   }
 
-  /** Count a live entry out (its slot still to be given up). */
+  /** Count a live entry out (its cell still to be given up). */
   private release(e: IndexEntry): void {
-    const size = e.slot.bytes.byteLength
-    e.slot.holder = null
+    const size = e.cell.bytes.byteLength
+    e.cell.holder = null
     this.numBytesHeld -= size
     this.numPagesHeld -= 1
     this.numBytesOf.set(e.page.tenant, this.numBytesOf.get(e.page.tenant)! - size)
   }
 
-  /** Put `slot` on the free list, forgetting the oldest free slots (and the stale names in them)
+  /** Put `cell` on the free list, forgetting the oldest free cells (and the stale names in them)
    *  while live and free bytes together exceed `bytes`. */
-  private giveUp(slot: Slot): void {
-    this.free.push(slot)
-    this.numBytesFree += slot.bytes.byteLength
+  private giveUp(cell: Cell): void {
+    this.free.push(cell)
+    this.numBytesFree += cell.bytes.byteLength
     while (this.numBytesHeld + this.numBytesFree > this.options.bytes) this.forget(0)
   }
 
-  /** Take free slot `i` off the free list for good, with the stale name it holds. */
-  private forget(i: number): Slot {
-    const [slot] = this.free.splice(i, 1)
-    this.numBytesFree -= slot.bytes.byteLength
-    if (slot.staleName !== null && this.index.get(slot.staleName)?.slot === slot)
-      this.index.delete(slot.staleName)
-    slot.staleName = null
-    return slot
+  /** Take free cell `i` off the free list for good, with the stale name it holds. */
+  private forget(i: number): Cell {
+    const [cell] = this.free.splice(i, 1)
+    this.numBytesFree -= cell.bytes.byteLength
+    if (cell.staleName !== null && this.index.get(cell.staleName)?.cell === cell)
+      this.index.delete(cell.staleName)
+    cell.staleName = null
+    return cell
   }
 
-  /** A slot of `size` bytes: the most recently given up one of that size, written over in place
-   *  (its stale name stays in the index), or else fresh memory, after forgetting free slots
+  /** A cell of `size` bytes: the most recently given up one of that size, written over in place
+   *  (its stale name stays in the index), or else fresh memory, after forgetting free cells
    *  until it fits. */
-  private slotFor(size: number): Slot {
+  private cellFor(size: number): Cell {
     for (let i = this.free.length - 1; i >= 0; i--) {
-      const slot = this.free[i]
-      if (slot.bytes.byteLength !== size) continue
+      const cell = this.free[i]
+      if (cell.bytes.byteLength !== size) continue
       this.free.splice(i, 1)
       this.numBytesFree -= size
-      return slot
+      return cell
     }
     while (this.numBytesHeld + this.numBytesFree + size > this.options.bytes) this.forget(0)
     return { bytes: new Uint8Array(size), holder: null, staleName: null }

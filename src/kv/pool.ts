@@ -1,7 +1,7 @@
 /** The KV pool of one worker: fixed storage for every layer's K and V, cut into pages of
  *  `pageSize` tokens, and the metadata that says who owns each page and what it holds.
  *
- *  Knows pages, owners (request slots), tenants (small ints), epochs, fills and the leases it hands
+ *  Knows pages, owners (one id per request, ≥ 1), tenants (small ints), epochs, fills and the leases it hands
  *  out; knows nothing of models, transfers or HTTP. Only this file assigns page states.
  *
  *  Page life: free → reserved (owner writes) → sealed (read-only) → free, with a pin count that
@@ -9,7 +9,7 @@
  *  page's epoch; every page starts poisoned and every free scrubs it again (G6). Reads check
  *  owner, epoch and fill (G5). */
 import assert from 'node:assert/strict'
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import { GuardTrips, type Guards } from './guards.js'
 
 /** Page states. Only pool.ts assigns them. */
@@ -40,7 +40,7 @@ export interface PageRef {
  *  metadata (G5, G7), so a lease whose pages were released (or one put together by hand) is refused
  *  once its pages are free or another request's. */
 export interface PageLease {
-  /** Request slot (≥ 1) the pages were allocated for. */
+  /** Owner id (≥ 1) of the request the pages were allocated for. */
   readonly owner: number
   /** The tenant's pool number. */
   readonly tenant: number
@@ -65,7 +65,7 @@ export interface PoolFaults {
 /** Value written over every freed page (G6): a read of a freed page yields NaN logits. */
 export const poisonValue = Number.NaN
 
-/** The owner id meaning "no owner". Request slots are ≥ 1. */
+/** The owner id meaning "no owner". Owners are ≥ 1. */
 export const noOwner = 0
 
 /** A worker's KV pool. Storage per layer: `k[layer]`, `v[layer]` of shape
@@ -159,7 +159,7 @@ export class KvPool {
     return numPages <= this.freeList.length
   }
 
-  /** Reserve `numPages` pages for request slot `owner` of tenant `tenant`, bumping each epoch, and
+  /** Reserve `numPages` pages for owner `owner` of tenant `tenant`, bumping each epoch, and
    *  return their lease. Throws `capacity_exhausted` when the pool has too few free pages (nothing
    *  is allocated then). */
   allocate(numPages: number, owner: number, tenant: number): PageLease {

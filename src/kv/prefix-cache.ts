@@ -8,7 +8,7 @@
  *  authenticated (never from a client field), differs between tenants (another tenant's lookup
  *  computes other keys and cannot hit), and cannot be computed outside this process.
  *
- *  Pages: each tenant's cached pages are owned by one request slot reserved for that tenant's cache
+ *  Pages: each tenant's cached pages are owned by one owner id reserved for that tenant's cache
  *  (its "cache owner"), written once, sealed, and at the epoch recorded at allocation: they obey
  *  G5–G7 like any request's pages. A hit is pinned while its KV is copied into the requester's own
  *  pages; a cached page is never handed to a request and never mutated. Eviction is least recently
@@ -54,7 +54,7 @@ import { PageState, type KvPool, type PageLease, type PageRef } from './pool.js'
 export interface PrefixCacheOptions {
   /** Most pages the cache may hold (≥ 0; 0 turns the cache off). */
   maxPages: number
-  /** A fresh request slot (owner id) for a tenant's cache owner; the worker's `core.nextOwner`. */
+  /** A fresh owner id for a tenant's cache owner; the worker's `core.nextOwner`. */
   nextOwner: () => number
   /** A tenant's number in page metadata; the worker's `core.tenantId`. */
   tenantId: (tenant: string) => number
@@ -87,7 +87,7 @@ export interface PrefixCacheOptions {
 }
 
 /** A tenant's partition as the tenants file describes it: what the router sends with each of the
- *  tenant's requests (src/router/tenants.ts) and {@link PrefixCache.assign} turns into pages. */
+ *  tenant's requests (src/router/tenants/tenants.ts) and {@link PrefixCache.assign} turns into pages. */
 export interface PartitionSpec {
   /** The tenant's own size in the file (`prefixCachePages`, pages, ≥ 0); absent: a default share. */
   readonly pages?: number

@@ -111,19 +111,19 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
     buffers.add(b)
     return b
   }
-  const slots = new Map<string, { ptr: number; capacity: number }>()
-  function scratch(slot: string, count: number): Float32Array {
-    let s = slots.get(slot)
+  const scratches = new Map<string, { ptr: number; capacity: number }>()
+  function scratch(key: string, count: number): Float32Array {
+    let s = scratches.get(key)
     if (!s || s.capacity < count) {
       const capacity = Math.max(count, (s?.capacity ?? 0) * 2)
-      slots.set(slot, (s = { ptr: reserve(capacity * 4), capacity }))
+      scratches.set(key, (s = { ptr: reserve(capacity * 4), capacity }))
     }
     return new Float32Array(buffer(), s.ptr, count)
   }
-  /** Address of `a` in the memory, or of a scratch copy of it (`slot`) when it lives elsewhere. */
-  function addressOf(a: Float32Array, slot: string, copyIn: boolean): number {
+  /** Address of `a` in the memory, or of a scratch copy of it (`key`) when it lives elsewhere. */
+  function addressOf(a: Float32Array, key: string, copyIn: boolean): number {
     if (buffers.has(a.buffer)) return a.byteOffset
-    const copy = scratch(slot, a.length)
+    const copy = scratch(key, a.length)
     if (copyIn) copy.set(a)
     return copy.byteOffset
   }

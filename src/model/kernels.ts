@@ -178,9 +178,9 @@ export function createTsKernels(): Kernels {
     close() {},
     allocF32: (count) => new Float32Array(count),
     allocU16: (count) => new Uint16Array(count),
-    scratch(slot, count) {
-      let buf = scratch.get(slot)
-      if (!buf || buf.length < count) scratch.set(slot, (buf = new Float32Array(count)))
+    scratch(key, count) {
+      let buf = scratch.get(key)
+      if (!buf || buf.length < count) scratch.set(key, (buf = new Float32Array(count)))
       return buf.subarray(0, count)
     },
     linear(out, x, w: LinearWeights, bias, n) {

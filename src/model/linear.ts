@@ -36,9 +36,9 @@ export interface Kernels {
   allocF32(count: number): Float32Array
   /** A zeroed, long-lived u16 array in the kernels' memory (BF16 weights). */
   allocU16(count: number): Uint16Array
-  /** A reusable F32 array of `count` floats for slot `slot`: the same memory on every call with
-   *  the same slot (contents undefined), so a caller must not hold it across calls. */
-  scratch(slot: string, count: number): Float32Array
+  /** A reusable F32 array of `count` floats under `key`: the same memory on every call with
+   *  the same key (contents undefined), so a caller must not hold it across calls. */
+  scratch(key: string, count: number): Float32Array
   /** out[n, outDim] = x[n, inDim] · wᵀ + bias. */
   linear(
     out: Float32Array,

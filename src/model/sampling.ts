@@ -17,7 +17,7 @@
  *  Ties are broken by the lower token id everywhere, so a seed fixes the tokens exactly.
  *
  *  Knows logits, token ids and random numbers; knows nothing of requests, HTTP or text. */
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 
 /** A deterministic random stream in [0, 1) (SplitMix32-style; seeded per request). */
 export function makeRandom(seed: number): () => number {

@@ -5,7 +5,7 @@ import { readFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { Tokenizer as HfTokenizer } from '@huggingface/tokenizers'
 import { Template } from '@huggingface/jinja'
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 
 /** One chat message as the chat template sees it (content already flattened to text). */
 export interface ChatMessage {

@@ -6,10 +6,10 @@
 import type { ServerResponse } from 'node:http'
 import { performance } from 'node:perf_hooks'
 import type { Logger } from 'pino'
-import type { KvfenceError } from '../errors.js'
+import type { KvfenceError } from '../common/errors.js'
 import type { PrefixCachePartition } from '../engine/control.js'
-import type { FinishReason, ResponseHeader } from './responses.js'
-import type { ParsedRequest } from './schemas.js'
+import type { FinishReason, ResponseHeader } from './api/responses.js'
+import type { ParsedRequest } from './api/schemas.js'
 import type { AnswerCheck, SentinelUnit } from './sentinel/sentinel.js'
 
 /** A backend: see the module's header. */

@@ -30,8 +30,8 @@ import {
   type GenerateRequest,
   type PrefillRequest,
 } from '../engine/control.js'
-import { KvfenceError } from '../errors.js'
-import { clientTlsOptions, type TlsMaterial } from '../tls.js'
+import { KvfenceError } from '../common/errors.js'
+import { clientTlsOptions, type TlsMaterial } from '../link/tls.js'
 
 /** One open channel to one worker. */
 export interface ControlChannel {

@@ -5,7 +5,7 @@
  *
  *  Phases (only this file assigns them):
  *    serving ──drain()──▶ draining ──deadline or idle──▶ ended */
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 
 /** The error of a request refused or ended because the router is stopping (503, Retry-After). */
 export class ShuttingDownError extends KvfenceError {

@@ -1,23 +1,24 @@
 /** One generation request in the router, for both endpoints and any backend: draw its id, parse
- *  its body, admit it (admission-pipeline.ts), let the backend answer it, and account for it —
+ *  its body, admit it (admission/pipeline.ts), let the backend answer it, and account for it —
  *  the metrics and one log line, whatever happened.
  *  Knows HTTP bodies, tenants and the backend interface; knows nothing of workers or engines. */
 import type { IncomingMessage, ServerResponse } from 'node:http'
 import { performance } from 'node:perf_hooks'
 import type { Logger } from 'pino'
-import { KvfenceError } from '../errors.js'
-import { randomHex } from '../random-hex.js'
-import { admitRequest, emptyHolds, releaseHolds } from './admission-pipeline.js'
+import { KvfenceError } from '../common/errors.js'
+import { randomHex } from '../common/random-hex.js'
+import { admitRequest, emptyHolds, releaseHolds } from './admission/pipeline.js'
 import type { Backend, Outcome } from './backend.js'
 import type { RouterConfig } from './config.js'
 import { type Drain, ShuttingDownError } from './drain.js'
-import { readJsonBody, sendError } from './http.js'
-import { LimitError, type Limiter } from './limits.js'
-import type { RouterMetrics } from './metrics.js'
-import { endingError, publicError } from './public-errors.js'
-import type { ResponseHeader } from './responses.js'
-import { type Endpoint, type ParsedRequest, loggedPromptOf, requestParsers } from './schemas.js'
-import type { Tenant } from './tenants.js'
+import { readJsonBody, sendError } from './api/http.js'
+import { LimitError } from './admission/limit-error.js'
+import { type Limiter } from './admission/limits.js'
+import type { RouterMetrics } from './metrics/metrics.js'
+import { endingError, publicError } from './api/public-errors.js'
+import type { ResponseHeader } from './api/responses.js'
+import { type Endpoint, type ParsedRequest, loggedPromptOf, requestParsers } from './api/schemas.js'
+import type { Tenant } from './tenants/tenants.js'
 import { sentinelPromptOf } from './sentinel/router-sentinel.js'
 import type { Sentinel } from './sentinel/sentinel.js'
 

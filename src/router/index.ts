@@ -1,6 +1,6 @@
 /** The router's public surface: build a handler ({@link createRouter}) or a whole listening
  *  router ({@link startRouter}), and the parts they are made of. */
-export { createRouter, type RequestHandler, type RouterDeps } from './router.js'
+export { createRouter, type RequestHandler, type RouterDeps } from './api/routes.js'
 export {
   startRouter,
   type GatewayBackendOptions,
@@ -20,28 +20,24 @@ export {
   type ContextWindowDecision,
   type ContextWindowOptions,
   type WorkerReport,
-} from './capacity.js'
+} from './admission/capacity.js'
 export {
   apiKeyDigest,
   createTenantRegistry,
   loadTenants,
   TenantRecord,
   type TenantRegistry,
-} from './tenants.js'
+} from './tenants/tenants.js'
 export {
   createWorkerClient,
   type GenerationEvent,
   type WorkerClient,
   type WorkerClientOptions,
 } from './worker-client.js'
-export { createRouterMetrics, type RouterMetrics } from './metrics.js'
-export {
-  createLimiter,
-  LimitError,
-  queueLimitDefaults,
-  type Limiter,
-  type QueueLimits,
-} from './limits.js'
+export { createRouterMetrics, type RouterMetrics } from './metrics/metrics.js'
+export { createLimiter, type Limiter } from './admission/limits.js'
+export { LimitError } from './admission/limit-error.js'
+export { queueLimitDefaults, type QueueLimits } from './admission/queue-limits.js'
 export {
   startGateway,
   type BackendKind,

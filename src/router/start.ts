@@ -8,36 +8,37 @@ import https from 'node:https'
 import type { AddressInfo } from 'node:net'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { pino, type Logger } from 'pino'
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import { loadTokenizer } from '../model/tokenizer.js'
-import { type WorkerReport, decideContextWindow } from './capacity.js'
-import { answerClientError, answerPlainHttpOnHttps } from './client-errors.js'
+import { type WorkerReport, decideContextWindow } from './admission/capacity.js'
+import { answerClientError, answerPlainHttpOnHttps } from './api/client-errors.js'
 import type { Backend } from './backend.js'
 import { type RouterConfig, buildRouterConfig, routerConfigDefaults } from './config.js'
 import { createDrain } from './drain.js'
 import { type GatewayOptions, startGateway } from './gateway/backend.js'
-import { effectiveReservedSlots } from './fair-queue.js'
-import { answerExpectContinue } from './http.js'
-import { type Limiter, type QueueLimits, createLimiter, queueLimitDefaults } from './limits.js'
-import { type RouterMetrics, createRouterMetrics } from './metrics.js'
-import { type RedisLimitSettings, createRedisLimitStore } from './redis-limits.js'
+import { effectiveReservedSlots } from './admission/fair-queue.js'
+import { answerExpectContinue } from './api/http.js'
+import { type Limiter, createLimiter } from './admission/limits.js'
+import { type QueueLimits, queueLimitDefaults } from './admission/queue-limits.js'
+import { type RouterMetrics, createRouterMetrics } from './metrics/metrics.js'
+import { type RedisLimitSettings, createRedisLimitStore } from './admission/redis-limits.js'
 import { createNativeBackend } from './native/backend.js'
 import { createCapacityMonitor, defaultCapacityRecheckMs } from './native/capacity-monitor.js'
-import { createRouter } from './router.js'
+import { createRouter } from './api/routes.js'
 import { createRouterSentinel } from './sentinel/router-sentinel.js'
 import type { SentinelSettings } from './sentinel/sentinel.js'
-import { createTokenizerPool } from './tokenizer-pool.js'
+import { createTokenizerPool } from './tokenize/tokenizer-pool.js'
 import {
   type TenantRecord,
   type TenantsWatcher,
   createTenantRegistry,
   watchTenants,
-} from './tenants.js'
+} from './tenants/tenants.js'
 import { type WorkerClient, createWorkerClient } from './worker-client.js'
-import { checkPlaintextLinks, clientPlaintextWarning, hostOfUrl } from '../plaintext.js'
-import { certExpiryOf, tlsExpiries, watchCertExpiry } from '../cert-expiry.js'
-import { loadCertPair, reloadCertOnChange, type TlsMaterial } from '../tls.js'
-import { scrapeWorkerStats } from './worker-stats.js'
+import { checkPlaintextLinks, clientPlaintextWarning, hostOfUrl } from '../link/plaintext.js'
+import { certExpiryOf, tlsExpiries, watchCertExpiry } from '../link/cert-expiry.js'
+import { loadCertPair, reloadCertOnChange, type TlsMaterial } from '../link/tls.js'
+import { scrapeWorkerStats } from './metrics/worker-stats.js'
 
 /** Gateway mode: the engine behind the router (see gateway/backend.ts). */
 export type GatewayBackendOptions = Omit<
@@ -101,16 +102,16 @@ export interface StartRouterOptions {
   drainSeconds?: number
   /** The response sentinel's settings, over `sentinelDefaults` (src/router/sentinel/). */
   sentinel?: Partial<SentinelSettings>
-  /** Processes tokenizing long prompts (default `defaultNumProcesses` of tokenizer-pool.ts). */
+  /** Processes tokenizing long prompts (default `defaultNumProcesses` of tokenize/tokenizer-pool.ts). */
   tokenizerProcesses?: number
   /** Start the tokenizer processes with the first long prompt rather than with the router
    *  (default false; tests, most of which send none, set it). */
   tokenizerProcessesOnDemand?: boolean
-  /** The router's TLS files, read (src/tls.ts): the control plane to the workers runs over mutual
+  /** The router's TLS files, read (src/link/tls.ts): the control plane to the workers runs over mutual
    *  TLS, to `https:` worker URLs. Default: plaintext. */
   workerTls?: TlsMaterial | null
   /** Without `workerTls`, dial `http:` workers beyond loopback anyway (`--allow-plaintext`,
-   *  logged as a warning); default false: the router refuses to start (src/plaintext.ts). */
+   *  logged as a warning); default false: the router refuses to start (src/link/plaintext.ts). */
   allowPlaintext?: boolean
   /** Run requests to the workers over the control channel (one multiplexed connection per
    *  worker, src/router/control-channel.ts; HTTP with a worker that does not serve it). Default:
@@ -121,7 +122,7 @@ export interface StartRouterOptions {
   https?: { cert: string; key: string }
   /** Logger (default: pino to stdout at info). */
   log?: Logger
-  /** Count tenants' limits in Redis, shared by router replicas (redis-limits.ts); default: in
+  /** Count tenants' limits in Redis, shared by router replicas (admission/redis-limits.ts); default: in
    *  this process. */
   redisLimits?: RedisLimitSettings
 }
@@ -263,7 +264,10 @@ async function startGatewayBackend(
       effectiveCapacityTokens: gateway.capacity().capacityTokens,
       pageSize: 1,
     },
-    metrics: createRouterMetrics({ queue: () => queueOf(limiter) }),
+    metrics: createRouterMetrics({
+      queue: () => queueOf(limiter),
+      isolation: () => gateway.lastSelfCheck()?.paths ?? [],
+    }),
   }
 }
 
@@ -419,10 +423,10 @@ async function listenRouter(
   server.keepAliveTimeout = routerKeepAliveTimeoutMs
   server.headersTimeout = routerKeepAliveTimeoutMs + 1_000
   // Every header counts, not Node's first 2,000: the rest were dropped unseen, a second
-  // Authorization header with them (router.ts refuses two). maxHeaderSize still bounds the head.
+  // Authorization header with them (api/routes.ts refuses two). maxHeaderSize still bounds the head.
   server.maxHeadersCount = 0
   answerExpectContinue(server, handler, config.maxBodyBytes)
-  // Node's refusals of unreadable requests get the OpenAI error body too (client-errors.ts).
+  // Node's refusals of unreadable requests get the OpenAI error body too (api/client-errors.ts).
   server.on('clientError', (err: NodeJS.ErrnoException, socket) =>
     answerClientError(err, socket, http.maxHeaderSize, log),
   )

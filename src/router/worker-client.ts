@@ -1,6 +1,6 @@
 /** The router's transport of the control plane (see `src/engine/control.ts`): HTTP/1.1 + JSON
  *  (NDJSON for the decode worker's stream) over one keep-alive agent (`node:http`, or `node:https`
- *  with mutual TLS 1.3 against the cluster CA, src/tls.ts, for `https:` worker URLs), or, with
+ *  with mutual TLS 1.3 against the cluster CA, src/link/tls.ts, for `https:` worker URLs), or, with
  *  `controlChannel`, the control channel (control-channel.ts: one multiplexed connection per
  *  worker over the same TLS, HTTP kept for a worker without it and for `/server_info`, `/metrics`
  *  and the token probe), with the workers' replies parsed at this boundary. One request's steps across the two workers, and the
@@ -29,16 +29,16 @@ import {
   type ReservedEvent,
   type TransferAddress,
 } from '../engine/handoff.js'
-import { KvfenceError, isErrorCode } from '../errors.js'
-import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../tls.js'
-import type { WorkerReport } from './capacity.js'
+import { KvfenceError, isErrorCode } from '../common/errors.js'
+import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../link/tls.js'
+import type { WorkerReport } from './admission/capacity.js'
 import {
   abortError,
   channelUnsupported,
   openChannel,
   type ControlChannel,
 } from './control-channel.js'
-import { readReplyText } from './http.js'
+import { readReplyText } from './api/http.js'
 import { ndjsonLines } from './ndjson-lines.js'
 
 export { WorkerReportedError, type GenerationEvent }

@@ -7,7 +7,7 @@ import { generateLocal } from '../engine/local-engine.js'
 import { createWorkerCore, type WorkerCore } from '../engine/worker-core.js'
 import { loadModel } from '../model/weights.js'
 import { loadTokenizer, type Tokenizer } from '../model/tokenizer.js'
-import { chatPromptTokenIds, completionPromptTokenIds } from '../router/prompt-ids.js'
+import { chatPromptTokenIds, completionPromptTokenIds } from '../router/tokenize/prompt-ids.js'
 
 /** A request as the soak sends it. */
 export interface SoakRequest {

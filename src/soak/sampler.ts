@@ -4,8 +4,8 @@
  *  Knows /proc, `/metrics` and the workers' `/server_info`; knows nothing of requests. */
 import { readFileSync } from 'node:fs'
 import { ServerInfo } from '../engine/control.js'
-import { heapAfterMajorGcMetric } from '../process-metrics.js'
-import { samplesOf } from '../router/prometheus-text.js'
+import { heapAfterMajorGcMetric } from '../common/process-metrics.js'
+import { samplesOf } from '../router/metrics/prometheus-text.js'
 import type { RssSample } from './types.js'
 
 /** Resident set size of process `pid` in bytes (VmRSS), or null when it is gone or /proc has

@@ -57,7 +57,7 @@
  *  NACK (D → P) — body 19 + c + m bytes
  *  | 0   | 16   | transferId   | all zero: the whole connection is refused, then closed  |
  *  | 16  | 1    | codeBytes    | u8 c, 1..64                                             |
- *  | 17  | c    | code         | ASCII, an ErrorCode of src/errors.ts                    |
+ *  | 17  | c    | code         | ASCII, an ErrorCode of src/common/errors.ts                    |
  *  | 17+c| 2    | messageBytes | u16 m, 0..1024                                          |
  *  | 19+c| m    | message      | UTF-8, "<reason>: <detail>"                             |
  *
@@ -67,7 +67,7 @@
  *  | 18  | m    | reason       | UTF-8                                                   |
  */
 import { randomBytes } from 'node:crypto'
-import { isErrorCode, type ErrorCode } from '../errors.js'
+import { isErrorCode, type ErrorCode } from '../common/errors.js'
 
 // ─── Constants ──────────────────────────────────────────────────────────────────────────────────
 

@@ -1,22 +1,22 @@
 /** The decode worker's transfer endpoint: a TCP server that gives each connection a
- *  {@link ReceiverSession} and tears sessions down with their sockets. With `tls`, each connection
- *  first completes a mutual TLS 1.3 handshake against the cluster CA (src/tls.ts): a peer without a
+ *  {@link ReceiveSession} and tears sessions down with their sockets. With `tls`, each connection
+ *  first completes a mutual TLS 1.3 handshake against the cluster CA (src/link/tls.ts): a peer without a
  *  certificate from it is dropped then, and no session ever sees a byte of it.
- *  Knows sockets, TLS and the receiver's configuration; the checks live in session.ts, the pool behind
+ *  Knows sockets, TLS and the receiver's configuration; the checks live in receive-session.ts, the pool behind
  *  the {@link ReceiverHooks}. A misbehaving peer can end its own connection, never the server. */
 import net from 'node:net'
 import tls from 'node:tls'
-import type { KvfenceError } from '../errors.js'
-import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../tls.js'
+import type { KvfenceError } from '../common/errors.js'
+import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../link/tls.js'
 import { DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES } from './frames.js'
 import { refusal } from './refusals.js'
 import {
-  ReceiverSession,
+  ReceiveSession,
   type ReceiverConfig,
   type ReceiverCounters,
   type ReceiverHooks,
   type TransferLog,
-} from './session.js'
+} from './receive-session.js'
 
 export type {
   BeginInfo,
@@ -25,7 +25,7 @@ export type {
   ReceiverHooks,
   Reservation,
   TransferLog,
-} from './session.js'
+} from './receive-session.js'
 
 /** Options of {@link TransferServer}; each default sits beside its field. */
 export interface TransferServerOptions {
@@ -44,7 +44,7 @@ export interface TransferServerOptions {
   log?: TransferLog
   /** Fault injection only (`lost-ack`): never send ACKs. Default false. */
   dropAcks?: boolean
-  /** Mutual TLS against the cluster CA (loadTlsMaterial in src/tls.ts). Default: plaintext. */
+  /** Mutual TLS against the cluster CA (loadTlsMaterial in src/link/tls.ts). Default: plaintext. */
   tls?: TlsMaterial
 }
 
@@ -90,7 +90,7 @@ export interface TransferServerStats extends ReceiverCounters {
  *  a free one, read back from `.port`) that verifies transfers and hands their pages to the hooks. */
 export class TransferServer extends net.Server {
   private readonly config: ReceiverConfig
-  private readonly sessions = new Map<net.Socket, ReceiverSession>()
+  private readonly sessions = new Map<net.Socket, ReceiveSession>()
   private readonly counters: ReceiverCounters = {
     numStarted: 0,
     numCompleted: 0,
@@ -194,7 +194,7 @@ export class TransferServer extends net.Server {
     socket.setNoDelay(true)
     socket.setKeepAlive(true, 10_000)
     const peer = `${socket.remoteAddress}:${socket.remotePort}`
-    const session = new ReceiverSession(
+    const session = new ReceiveSession(
       this.hooks,
       this.config,
       {

@@ -3,7 +3,7 @@
  *  message ("<reason>: <detail>"), which is what a NACK puts on the wire, so that both sides, logs
  *  and tests can tell one refusal from another without parsing prose.
  *  Knows reasons and error codes; knows nothing of sockets or pools. */
-import { KvfenceError, type ErrorCode } from '../errors.js'
+import { KvfenceError, type ErrorCode } from '../common/errors.js'
 
 /** Every reason a transfer or connection can be refused or torn down. */
 export const refusalReasons = [

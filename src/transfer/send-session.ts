@@ -26,7 +26,7 @@
  *  | the caller's signal has not aborted (then ABORT is sent)  | aborted_by_sender       | always |
  *  Every failure stops the transfer's pump at its next check; ABORT is queued only after the pump
  *  returned, so that D sees no frame of the transfer after it. */
-import { KvfenceError } from '../errors.js'
+import { KvfenceError } from '../common/errors.js'
 import { beginMac, EndMacBuilder } from './auth.js'
 import { ManifestHasher, pageChecksum } from './checksum.js'
 import {

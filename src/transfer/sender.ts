@@ -4,12 +4,12 @@
  *  transfer id). The protocol — HELLO, each
  *  transfer's frames under the byte budget (G9), ACK/NACK, settling each transfer once only after
  *  its reads stopped (G7) — lives in send-session.ts, as the receiver's lives in session.ts.
- *  With `tls`, the connection is mutual TLS 1.3 against the cluster CA (src/tls.ts).
+ *  With `tls`, the connection is mutual TLS 1.3 against the cluster CA (src/link/tls.ts).
  *  Knows sockets, TLS, addresses and timeouts of connecting; knows nothing of pools or the model. */
 import net from 'node:net'
 import tls from 'node:tls'
-import type { KvfenceError } from '../errors.js'
-import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../tls.js'
+import type { KvfenceError } from '../common/errors.js'
+import { clientTlsOptions, describeTlsError, type TlsMaterial } from '../link/tls.js'
 import { DEFAULT_MAX_FRAME_BYTES, MAX_PAGES_PER_FRAME } from './frames.js'
 import { refusal } from './refusals.js'
 import {
@@ -43,7 +43,7 @@ export interface TransferClientOptions {
   /** Connecting to a decode worker (TLS handshake included) gives up after this long, ms.
    *  Default 5 000. */
   connectTimeoutMs?: number
-  /** Mutual TLS against the cluster CA (loadTlsMaterial in src/tls.ts). Default: plaintext. */
+  /** Mutual TLS against the cluster CA (loadTlsMaterial in src/link/tls.ts). Default: plaintext. */
   tls?: TlsMaterial
 }
 

@@ -81,7 +81,7 @@ export interface StandInOptions {
    *  (kvfence's body for a full queue). */
   readonly maxQueued?: number
   /** Completions of `tenant` past its first `numAllowed` are refused 429 `rate_limited`, the body
-   *  kvfence's router sends a tenant over its own tokens-per-minute limit (src/errors.ts). */
+   *  kvfence's router sends a tenant over its own tokens-per-minute limit (src/common/errors.ts). */
   readonly rateLimit?: { readonly tenant: keyof typeof tenantKeys; readonly numAllowed: number }
   /** A completion whose client went away keeps its pages forever. */
   readonly isPageLeakOnAbort?: boolean

@@ -1,4 +1,4 @@
-/** Warnings before a TLS certificate expires (src/cert-expiry.ts), with certificates issued here
+/** Warnings before a TLS certificate expires (src/link/cert-expiry.ts), with certificates issued here
  *  for known dates: a warning from 30 days before, naming the file, the date and the command; an
  *  error once past; the gauge of each file's expiry; the daily re-check; and a part refused at
  *  start when its CA has expired (every handshake would fail on it). */
@@ -17,10 +17,10 @@ import {
   expiryNotice,
   tlsExpiries,
   watchCertExpiry,
-} from '../../src/cert-expiry.js'
+} from '../../src/link/cert-expiry.js'
 import { createAuthority, issuePartCert } from '../../src/cli/certs.js'
-import { cliEntry } from '../../src/paths.js'
-import { loadTlsMaterial } from '../../src/tls.js'
+import { cliEntry } from '../../src/common/paths.js'
+import { loadTlsMaterial } from '../../src/link/tls.js'
 import { pollUntil } from '../helpers/poll.js'
 
 const root = mkdtempSync(join(tmpdir(), 'kvfence-cert-expiry-'))

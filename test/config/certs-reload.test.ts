@@ -1,5 +1,5 @@
 /** The router's public HTTPS certificate is reloaded when its files change (reloadCertOnChange in
- *  src/tls.ts): after `kvfence certs init --force` rewrites them, a new connection is served with
+ *  src/link/tls.ts): after `kvfence certs init --force` rewrites them, a new connection is served with
  *  the new certificate, without a restart; a broken or expired pair is refused and the previous
  *  one kept; a pair refused for its key's mode is installed once `chmod 600` fixes the mode. */
 import assert from 'node:assert/strict'
@@ -13,8 +13,8 @@ import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { promisify } from 'node:util'
 import { issuePartCert, loadAuthority } from '../../src/cli/certs.js'
-import { cliEntry } from '../../src/paths.js'
-import { certPollMs, loadCertPair, reloadCertOnChange } from '../../src/tls.js'
+import { cliEntry } from '../../src/common/paths.js'
+import { certPollMs, loadCertPair, reloadCertOnChange } from '../../src/link/tls.js'
 
 const run = promisify(execFile)
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-certs-reload-'))

@@ -20,7 +20,7 @@ import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { promisify } from 'node:util'
 import { createAuthority } from '../../src/cli/certs.js'
-import { cliEntry } from '../../src/paths.js'
+import { cliEntry } from '../../src/common/paths.js'
 
 const run = promisify(execFile)
 const kvfence = (...args: string[]) => run(process.execPath, [cliEntry, 'certs', ...args])

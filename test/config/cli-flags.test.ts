@@ -12,7 +12,7 @@ import { createServer } from 'node:net'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { stringify } from 'yaml'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
 import { cliPath } from '../helpers/paths.js'
 

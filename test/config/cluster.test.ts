@@ -10,8 +10,8 @@ import { promisify } from 'node:util'
 import OpenAI from 'openai'
 import { stringify } from 'yaml'
 import { loadClusterConfig } from '../../src/config/cluster.js'
-import { cliEntry } from '../../src/paths.js'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import { cliEntry } from '../../src/common/paths.js'
+import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import { keys, startStandIns, writeTestTokenizer } from '../router/helpers.js'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-config-'))

@@ -10,7 +10,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { loadClusterConfig } from '../../src/config/cluster.js'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import { cliPath } from '../helpers/paths.js'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-file-reads-'))

@@ -16,8 +16,8 @@ import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { promisify } from 'node:util'
 import { parse } from 'yaml'
-import { cliEntry } from '../../src/paths.js'
-import { apiKeyDigest, loadTenants } from '../../src/router/tenants.js'
+import { cliEntry } from '../../src/common/paths.js'
+import { apiKeyDigest, loadTenants } from '../../src/router/tenants/tenants.js'
 import { loadClusterConfig } from '../../src/config/cluster.js'
 
 const run = promisify(execFile)

@@ -17,8 +17,12 @@ import { buildFaultConfig } from '../../src/engine/faults.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
 import { createWorkerCore } from '../../src/engine/worker-core.js'
-import { checkPlaintextLinks, clientPlaintextWarning, isLoopbackHost } from '../../src/plaintext.js'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import {
+  checkPlaintextLinks,
+  clientPlaintextWarning,
+  isLoopbackHost,
+} from '../../src/link/plaintext.js'
+import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import { echoModel } from '../engine/pair.js'
 import { twoTenants } from '../helpers/cluster.js'
 import { stoppedPartLog } from '../helpers/logs.js'
@@ -38,7 +42,7 @@ function run(args: string[]): Promise<{ code: number | null; stdout: string; std
   )
 }
 
-/** The refusal's wording after "<part> <where> without TLS: refused, " (src/plaintext.ts). */
+/** The refusal's wording after "<part> <where> without TLS: refused, " (src/link/plaintext.ts). */
 const why = 'tenants’ prompts and KV pages would cross the network in plaintext'
 
 describe('plaintext links beyond loopback', () => {

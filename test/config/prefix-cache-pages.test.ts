@@ -11,7 +11,7 @@ import { after, describe, it } from 'node:test'
 import { pino } from 'pino'
 import { parseClusterConfig } from '../../src/config/cluster.js'
 import { clusterConfigPlan, launchCluster, startCluster } from '../../src/config/launch.js'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 

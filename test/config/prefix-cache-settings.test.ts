@@ -6,8 +6,8 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { parseClusterConfig } from '../../src/config/cluster.js'
-import { newApiKey } from '../../src/router/tenant-keys.js'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import { newApiKey } from '../../src/router/tenants/tenant-keys.js'
+import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 
 const records = [{ name: 'tenant-a', keySha256: apiKeyDigest(newApiKey()) }]
 const config = (prefill: unknown[]) => () =>

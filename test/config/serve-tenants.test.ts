@@ -8,8 +8,8 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, it } from 'node:test'
 import OpenAI from 'openai'
-import { newApiKey, tenantsYaml } from '../../src/router/tenant-keys.js'
-import { cliEntry } from '../../src/paths.js'
+import { newApiKey, tenantsYaml } from '../../src/router/tenants/tenant-keys.js'
+import { cliEntry } from '../../src/common/paths.js'
 
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-serve-'))
 after(() => rmSync(dir, { recursive: true, force: true }))

@@ -5,7 +5,7 @@ import { readFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { it } from 'node:test'
 import { promisify } from 'node:util'
-import { cliEntry, packageRoot } from '../../src/paths.js'
+import { cliEntry, packageRoot } from '../../src/common/paths.js'
 
 it('kvfence --version and -V print package.json’s version and exit 0', async () => {
   const { version } = JSON.parse(readFileSync(join(packageRoot, 'package.json'), 'utf8')) as {

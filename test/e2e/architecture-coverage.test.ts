@@ -15,7 +15,7 @@
 import assert from 'node:assert/strict'
 import { readFileSync, writeFileSync } from 'node:fs'
 import { before, describe, it } from 'node:test'
-import type { ErrorCode } from '../../src/errors.js'
+import type { ErrorCode } from '../../src/common/errors.js'
 import { implementedFaults } from '../../src/engine/faults.js'
 import type { WorkerCore } from '../../src/engine/worker-core.js'
 import { guardIds, type GuardId } from '../../src/kv/guards.js'

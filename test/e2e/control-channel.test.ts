@@ -16,14 +16,14 @@ import { promisify } from 'node:util'
 import { clusterTokenHeader, newClusterToken } from '../../src/engine/cluster-token.js'
 import type { GenerateRequest } from '../../src/engine/control.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
-import { KvfenceError } from '../../src/errors.js'
-import { cliEntry } from '../../src/paths.js'
+import { KvfenceError } from '../../src/common/errors.js'
+import { cliEntry } from '../../src/common/paths.js'
 import {
   ClusterTokenRefusedError,
   createWorkerClient,
   type WorkerClient,
 } from '../../src/router/worker-client.js'
-import { loadTlsMaterial, type TlsMaterial } from '../../src/tls.js'
+import { loadTlsMaterial, type TlsMaterial } from '../../src/link/tls.js'
 import { greedyOracle, makeRequest, tokensOf } from '../engine/pair.js'
 import { echoModelDir } from '../helpers/paths.js'
 import { waitUntil } from '../helpers/poll.js'

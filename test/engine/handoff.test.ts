@@ -22,7 +22,7 @@ import {
   type HandoffOptions,
   type PrefillSide,
 } from '../../src/engine/handoff.js'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import { greedyOracle, makeRequest, runRequest, startPair, tokensOf, type Pair } from './pair.js'
 
 const rid = '0123456789abcdef0123456789abcdef'

@@ -2,7 +2,7 @@
  *  (`handOff` of src/engine/handoff.ts: D reserves first, then P prefills with D's address).
  *  Used by the worker tests; each pair has its own pools, guards and faults. */
 import { randomBytes } from 'node:crypto'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import type { DecodeEvent, GenerateRequest } from '../../src/engine/control.js'
 import { DecodeWorker } from '../../src/engine/decode-worker.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'

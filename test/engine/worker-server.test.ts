@@ -15,7 +15,7 @@ import { buildFaultConfig } from '../../src/engine/faults.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import { createWorkerCore, type WorkerCore } from '../../src/engine/worker-core.js'
 import { createWorkerServer, listen } from '../../src/engine/worker-server.js'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import {
   channelUnsupported,
   openChannel,

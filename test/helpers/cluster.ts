@@ -7,7 +7,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import OpenAI from 'openai'
 import { Agent, fetch as undiciFetch } from 'undici'
-import { newApiKey, tenantsYaml } from '../../src/router/tenant-keys.js'
+import { newApiKey, tenantsYaml } from '../../src/router/tenants/tenant-keys.js'
 import type { ServerInfo } from '../../src/engine/control.js'
 import type { Oracle } from '../../src/soak/oracle.js'
 

@@ -1,10 +1,18 @@
-/** Stand-ins for SGLang and vLLM behind the gateway, on 127.0.0.1 (port 0), answering in each
+/** Stand-ins for SGLang, vLLM, llama.cpp's server and a plain OpenAI-compatible server behind the
+ *  gateway, on 127.0.0.1 (port 0), answering in each
  *  engine's own documented shapes, extra fields and nulls included, so that the gateway's
  *  translation to OpenAI's shapes is tested against what the engines really send:
  *  - discovery: SGLang `/get_server_info` (`max_total_num_tokens`, `max_req_input_len`,
  *    `context_length`) and `/abort_request {rid}`; vLLM `/metrics`
  *    `vllm:cache_config_info{block_size, num_gpu_blocks}`, `/v1/models` `max_model_len`, `/tokenize`
- *    `{count, max_model_len, tokens}` (words are tokens).
+ *    `{count, max_model_len, tokens}` (words are tokens); llama.cpp `/props`
+ *    `default_generation_settings.n_ctx` (one slot's context); the plain server (`openai`) reports
+ *    nothing, as Hugging Face `transformers serve` 5.17 does (tried here): `/v1/models` answers 500,
+ *    a field outside OpenAI's is refused with 422 `{"detail": "Unexpected fields in the request:
+ *    {'cache_salt'}"}`, and its streams end without `data: [DONE]`.
+ *  - prefix cache (`prefixCache`): `cached_tokens` is the longest run of words a prompt shares with
+ *    an earlier one under the same key — the `cache_salt` (`salted`) or nothing (`shared`, an
+ *    engine that ignores the salt); absent: `prompt_tokens_details: null`.
  *  - bodies (pydantic models of sglang/srt/entrypoints/openai/protocol.py and
  *    vllm/entrypoints/openai/protocol.py, dumped as those servers dump them): non-streamed replies
  *    with every field, None as null (SGLang `matched_stop`, `tool_calls: null`, `metadata`, usage
@@ -27,15 +35,23 @@ export type EngineFailure =
   'bad-request' | 'server-error' | 'stream-error' | 'stream-error-at-start'
 
 /** A running stand-in engine. */
+/** The engines the stand-in can be. */
+export type EngineKind = 'sglang' | 'vllm' | 'llamacpp' | 'openai'
+
 export interface Engine {
   url: string
-  kind: 'sglang' | 'vllm'
+  kind: EngineKind
   /** KV pool in tokens; may be changed while running. */
   poolTokens: number
+  /** How its prefix cache keys prompts (null: it has none); may be changed while running. */
+  prefixCache: 'salted' | 'shared' | null
   /** Set to make completions fail (see {@link EngineFailure}); null: answer normally. */
   failure: EngineFailure | null
-  /** Bodies of the completion requests received. */
+  /** Bodies of the completion requests received (the gateway's self-check's apart). */
   completions: Record<string, unknown>[]
+  /** Bodies of the gateway's isolation self-check requests (prompt `kvfence isolation
+   *  self-check …`). */
+  selfChecks: Record<string, unknown>[]
   /** `rid`s of SGLang `/abort_request` calls. */
   aborted: string[]
   tokenizeCalls: number
@@ -50,7 +66,18 @@ export interface EngineOptions {
   tokenDelayMs?: number
   /** Words in a reply (default 3). */
   numTokens?: number
+  /** How a prefix cache keys prompts, when the engine has one (see the module's header). */
+  prefixCache?: 'salted' | 'shared'
 }
+
+/** Fields a plain server accepts on completions (OpenAI's; anything else is refused, 422). */
+const openAiFields = new Set(
+  (
+    'model messages prompt max_tokens max_completion_tokens stream stream_options temperature ' +
+    'top_p n stop seed presence_penalty frequency_penalty logprobs top_logprobs logit_bias user ' +
+    'response_format tools tool_choice echo suffix best_of'
+  ).split(' '),
+)
 
 /** The text the engine's reply carries for `numTokens` words. */
 export function engineReplyText(numTokens = 3): string {
@@ -58,16 +85,15 @@ export function engineReplyText(numTokens = 3): string {
 }
 
 /** Starts a stand-in engine of `kind`. */
-export async function startEngine(
-  kind: 'sglang' | 'vllm',
-  options: EngineOptions,
-): Promise<Engine> {
+export async function startEngine(kind: EngineKind, options: EngineOptions): Promise<Engine> {
   const engine: Engine = {
     url: '',
     kind,
     poolTokens: options.poolTokens,
+    prefixCache: options.prefixCache ?? null,
     failure: null,
     completions: [],
+    selfChecks: [],
     aborted: [],
     tokenizeCalls: 0,
     close: async () => undefined,
@@ -89,11 +115,43 @@ export async function startEngine(
       ? { error: { object: 'error', message, type: 'InternalServerError', param: null, code: 500 } }
       : { error: { message, type: 'InternalServerError', param: null, code: 500 } }
 
+  /** Earlier prompts' words by prefix-cache key. */
+  const cache = new Map<string, string[][]>()
+  const deadSockets = new WeakSet<object>()
   const server = http.createServer(async (req, res) => {
+    if (deadSockets.has(req.socket)) return req.socket.destroy()
     const chunks: Buffer[] = []
     for await (const c of req as AsyncIterable<Buffer>) chunks.push(c)
     const body = chunks.length > 0 ? JSON.parse(Buffer.concat(chunks).toString('utf8')) : null
     const route = `${req.method} ${req.url}`
+    if (kind === 'openai' && route === 'GET /v1/models') {
+      // As uvicorn after a handler's exception: the connection is not kept, though the answer
+      // does not say so; the next request sent on it is cut unanswered.
+      deadSockets.add(req.socket)
+      res.writeHead(500, { 'content-type': 'text/plain; charset=utf-8' })
+      return res.end('Internal Server Error')
+    }
+    if (kind === 'llamacpp' && route === 'GET /props') {
+      return send(res, 200, {
+        default_generation_settings: { n_ctx: engine.poolTokens, params: { n_predict: -1 } },
+        total_slots: 1,
+        model_path: 'tiny-engine.gguf',
+        chat_template: '',
+        build_info: 'b7000-stand-in',
+      })
+    }
+    if (kind === 'llamacpp' && route === 'POST /apply-template') {
+      engine.tokenizeCalls++
+      const turns = body.messages.map(
+        (m: { role: string; content: string }) => `${m.role}: ${m.content}`,
+      )
+      return send(res, 200, { prompt: `${turns.join(' ')} assistant:` })
+    }
+    if (kind === 'llamacpp' && route === 'POST /tokenize') {
+      engine.tokenizeCalls++
+      const words: string[] = String(body.content).trim().split(/\s+/)
+      return send(res, 200, { tokens: words.map((_w, i) => i + 10) })
+    }
     if (route === 'GET /v1/models') {
       const card = { id: 'tiny-engine', object: 'model', created: 0, owned_by: kind }
       return send(res, 200, {
@@ -146,7 +204,17 @@ export async function startEngine(
     if (!isChat && route !== 'POST /v1/completions') {
       return send(res, 404, { detail: 'Not Found' })
     }
-    engine.completions.push(body)
+    const promptText: string =
+      typeof body.prompt === 'string'
+        ? body.prompt
+        : (body.messages ?? []).map((m: { content: string }) => m.content).join(' ')
+    const isSelfCheck = promptText.startsWith('kvfence isolation self-check')
+    ;(isSelfCheck ? engine.selfChecks : engine.completions).push(body)
+    const unexpected = Object.keys(body).filter((k) => !openAiFields.has(k))
+    if (kind === 'openai' && unexpected.length > 0) {
+      const fields = unexpected.map((k) => `'${k}'`).join(', ')
+      return send(res, 422, { detail: `Unexpected fields in the request: {${fields}}` })
+    }
     if (engine.failure === 'bad-request') {
       return send(res, 400, errorBody(400, 'temperature must be in [0, 2], got 7.0'))
     }
@@ -164,7 +232,10 @@ export async function startEngine(
       prompt_tokens: 4,
       total_tokens: 4 + words.length,
       completion_tokens: words.length,
-      prompt_tokens_details: null,
+      prompt_tokens_details:
+        engine.prefixCache === null
+          ? null
+          : { cached_tokens: cachedWords(cache, cacheKey(engine.prefixCache, body), promptText) },
       ...(kind === 'sglang' ? { reasoning_tokens: 0 } : {}),
     }
     if (!body.stream) {
@@ -268,7 +339,7 @@ export async function startEngine(
         usage: { prompt_tokens, total_tokens, completion_tokens },
       })
     }
-    res.end('data: [DONE]\n\n')
+    res.end(kind === 'openai' ? undefined : 'data: [DONE]\n\n')
   })
   await new Promise<void>((r) => server.listen(0, '127.0.0.1', r))
   engine.url = `http://127.0.0.1:${(server.address() as AddressInfo).port}`
@@ -277,4 +348,24 @@ export async function startEngine(
     await new Promise((r) => server.close(r))
   }
   return engine
+}
+
+/** The prefix-cache key of a request: its salt when the cache is salted, else one for all. */
+function cacheKey(prefixCache: 'salted' | 'shared', body: { cache_salt?: unknown }): string {
+  return prefixCache === 'salted' ? String(body.cache_salt ?? '') : ''
+}
+
+/** Words of `text` shared as a prefix with the longest match among earlier prompts under `key`;
+ *  records `text` under it. */
+function cachedWords(cache: Map<string, string[][]>, key: string, text: string): number {
+  const words = text.trim().split(/\s+/)
+  const earlier = cache.get(key) ?? []
+  let best = 0
+  for (const seen of earlier) {
+    let n = 0
+    while (n < words.length && n < seen.length && words[n] === seen[n]) n++
+    best = Math.max(best, n)
+  }
+  cache.set(key, [...earlier, words])
+  return best
 }

@@ -1,8 +1,8 @@
-/** The host offload ring's storage (src/kv/offload.ts): slots written over in place as the ring
- *  wraps, an index that keeps naming a dropped entry in its old slot, and the load that reads the
- *  slot and finds it given up or written over (a failed load, never a loaded one). Then the live
+/** The host offload ring's storage (src/kv/offload.ts): cells written over in place as the ring
+ *  wraps, an index that keeps naming a dropped entry in its old cell, and the load that reads the
+ *  cell and finds it given up or written over (a failed load, never a loaded one). Then the live
  *  failure this gives the prefix cache, with no byte damaged by hand: a tenant's prefix dropped
- *  from a full ring and its slot written over by another tenant's page is refused with G4 on (a
+ *  from a full ring and its cell written over by another tenant's page is refused with G4 on (a
  *  miss, the right K/V recomputed) and, with fault `offload-load-as-hit` and G4 off, served as a
  *  hit on the other tenant's K/V. Then properties (fast-check): under random stores, loads and
  *  deletes the ring's invariant holds, its memory stays within its bytes, and a load is a failure
@@ -31,12 +31,12 @@ const meta = (key: string, tenant = 'tenant-a') => ({
 const bytesOf = (seed: number, n = pageBytes) =>
   Uint8Array.from({ length: n }, (_, i) => (seed + i) & 255)
 
-describe('offload ring: slots written over in place', () => {
-  it('a dropped entry stays named in its slot; once written over, its load fails with the later bytes', () => {
+describe('offload ring: cells written over in place', () => {
+  it('a dropped entry stays named in its cell; once written over, its load fails with the later bytes', () => {
     const ring = new OffloadRing({ bytes: 2 * pageBytes })
     ring.store(meta('a'), bytesOf(1))
     ring.store(meta('b'), bytesOf(2))
-    // Full: c drops a (the oldest) and is written into a's slot.
+    // Full: c drops a (the oldest) and is written into a's cell.
     ring.store(meta('c', 'tenant-b'), bytesOf(3))
     assert.equal(ring.numPages, 2)
     assert.equal(ring.numBytes, 2 * pageBytes)
@@ -45,8 +45,8 @@ describe('offload ring: slots written over in place', () => {
     const got = ring.load('a')
     assert.equal(got.kind, 'failed')
     assert.ok(got.kind === 'failed' && got.page !== undefined)
-    assert.equal(got.reason, 'its ring slot was written over by a later entry')
-    // The index's record of a (key, tenant) with the slot's bytes as they are now: c's.
+    assert.equal(got.reason, 'its ring cell was written over by a later entry')
+    // The index's record of a (key, tenant) with the cell's bytes as they are now: c's.
     assert.deepEqual(
       { key: got.page.key, tenant: got.page.tenant, payload: got.page.payload },
       { key: 'a', tenant: 'tenant-a', payload: bytesOf(3) },
@@ -59,18 +59,18 @@ describe('offload ring: slots written over in place', () => {
     ring.check()
   })
 
-  it('a slot given up but not yet written over: still a failed load, its bytes intact', () => {
+  it('a cell given up but not yet written over: still a failed load, its bytes intact', () => {
     const ring = new OffloadRing({ bytes: 2 * pageBytes })
     ring.store(meta('a'), bytesOf(1))
     ring.store(meta('b'), bytesOf(2))
-    // A page of another size cannot reuse a's slot: a is dropped, its slot forgotten for room.
+    // A page of another size cannot reuse a's cell: a is dropped, its cell forgotten for room.
     ring.store(meta('big'), bytesOf(3, 2 * pageBytes))
     assert.deepEqual([ring.load('a').kind, ring.load('b').kind], ['absent', 'absent'])
     ring.check()
     const small = new OffloadRing({ bytes: 3 * pageBytes, bytesPerTenant: pageBytes })
     small.store(meta('a'), bytesOf(1))
     small.store(meta('x', 'tenant-b'), bytesOf(9))
-    // tenant-a over its one page: a is dropped, and a2's slot is a's (in place).
+    // tenant-a over its one page: a is dropped, and a2's cell is a's (in place).
     small.store(meta('a2'), bytesOf(2))
     const a = small.load('a')
     assert.ok(a.kind === 'failed' && a.page !== undefined)
@@ -96,7 +96,7 @@ describe('offload ring: slots written over in place', () => {
     ring.check()
   })
 
-  it('a slot written over twice names only its last dropped entry (the index stays bounded)', () => {
+  it('a cell written over twice names only its last dropped entry (the index stays bounded)', () => {
     const ring = new OffloadRing({ bytes: pageBytes })
     for (const k of ['a', 'b', 'c', 'd']) ring.store(meta(k), bytesOf(k.charCodeAt(0)))
     assert.equal(ring.numStaleNames, 1)
@@ -211,7 +211,7 @@ const tokens = (n: number, base: number) => Array.from({ length: n }, (_, i) => 
 
 describe('offload ring under the prefix cache: the ring wraps', () => {
   // A's prefix (2 pages) goes to the ring when A's next prompt takes its partition; B's prompts
-  // then push 4 pages through the 4-page ring, writing over A's slots.
+  // then push 4 pages through the 4-page ring, writing over A's cells.
   const run = (extra: Partial<PrefixCacheOptions>, perTenant = false) => {
     const s = setup(extra, 4, perTenant)
     const prefix = tokens(9, 100)
@@ -228,11 +228,11 @@ describe('offload ring under the prefix cache: the ring wraps', () => {
     assert.deepEqual(s.loads, ['refused'])
   })
 
-  it('fault offload-load-as-hit with G4 off: A is served B’s K/V from the written-over slots', () => {
+  it('fault offload-load-as-hit with G4 off: A is served B’s K/V from the written-over cells', () => {
     const { s, got } = run({ faults: { offloadLoadAsHit: true }, guards: { G4: false } })
     assert.equal(got.numTokens, 8)
     // The ring took A's pages (deepest first: 104–107, then 100–103), then B's 300s; B's 400s,
-    // dropped from B's partition by its 500s, were written over A's slots in the same order.
+    // dropped from B's partition by its 500s, were written over A's cells in the same order.
     assert.deepEqual(
       got.k,
       tokens(8, 400).map((id) => kOf(2, id, 0)),
@@ -240,10 +240,10 @@ describe('offload ring under the prefix cache: the ring wraps', () => {
     assert.deepEqual(s.loads, ['hit', 'hit'])
   })
 
-  it('a ring split per tenant: B never writes over A’s slots, but A’s own reload can', () => {
+  it('a ring split per tenant: B never writes over A’s cells, but A’s own reload can', () => {
     const { s, got } = run({ faults: { offloadLoadAsHit: true }, guards: { G4: false } }, true)
     // Page 100–103 comes back; loading it into A's partition drops A's 204–207 into A's full
-    // half of the ring, written over page 104–107's slot: that page is served A's other K/V.
+    // half of the ring, written over page 104–107's cell: that page is served A's other K/V.
     assert.deepEqual(
       got.k,
       [...tokens(4, 100), ...tokens(4, 204)].map((id) => kOf(1, id, 0)),
@@ -271,7 +271,7 @@ describe('offload ring: properties', () => {
         kind: fc.constant('store' as const),
         key: fc.integer({ min: 0, max: 7 }),
         tenant: fc.integer({ min: 0, max: 2 }),
-        // Mostly whole pages (a ring of equal slots), sometimes other sizes.
+        // Mostly whole pages (a ring of equal cells), sometimes other sizes.
         length: fc.oneof(fc.constant(pageBytes), fc.integer({ min: 0, max: 3 * pageBytes })),
         seed: fc.integer({ min: 0, max: 255 }),
       }),

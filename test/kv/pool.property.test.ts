@@ -6,7 +6,7 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import fc from 'fast-check'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import { GuardError, makeGuards, type GuardId } from '../../src/kv/guards.js'
 import { KvPool, PageState, type PageLease, type PageRef } from '../../src/kv/pool.js'
 

@@ -4,7 +4,7 @@
  *  shows the bug class it rules out. Expected values are worked out by hand in the comments. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import {
   GuardError,
   GuardTrips,

@@ -12,7 +12,7 @@ import type { PrefillResult } from '../../src/engine/control.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import { guardIds, type GuardId } from '../../src/kv/guards.js'
 import type { PageLease } from '../../src/kv/pool.js'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import {
   greedyOracle as oracle,
   makeRequest,

@@ -10,7 +10,7 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { RequestSampler, phaseSeed } from '../../src/engine/request-sampler.js'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import {
   applyPenalties,
   argmax,

@@ -4,7 +4,7 @@ import { existsSync, rmSync, writeFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { after, describe, it } from 'node:test'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
 import { charIds, writeTestTokenizer } from '../router/helpers.js'
 

@@ -9,7 +9,7 @@ import net, { type AddressInfo, type Socket } from 'node:net'
 import { describe, it } from 'node:test'
 import { encodeFrame, FrameReader } from '../../src/engine/channel-frames.js'
 import type { GenerateRequest } from '../../src/engine/control.js'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import { createWorkerClient } from '../../src/router/worker-client.js'
 import { charIds, defaultReplyText, startHarness, waitFor } from './helpers.js'
 

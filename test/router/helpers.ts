@@ -16,8 +16,8 @@ import {
   type PrefillResult,
   type ServerInfo,
 } from '../../src/engine/control.js'
-import { KvfenceError, type ErrorCode } from '../../src/errors.js'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import { KvfenceError, type ErrorCode } from '../../src/common/errors.js'
+import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import { captureLogs, type LogCapture } from '../helpers/logs.js'
 import { waitUntil } from '../helpers/poll.js'
 import { type RunningRouter, type StartRouterOptions, startRouter } from '../../src/router/start.js'

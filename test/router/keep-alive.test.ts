@@ -5,7 +5,7 @@ import http from 'node:http'
 import type { AddressInfo, Socket } from 'node:net'
 import { describe, it } from 'node:test'
 import type { ServerInfo } from '../../src/engine/control.js'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import { createWorkerClient } from '../../src/router/worker-client.js'
 import { type Harness, startHarness, waitFor } from './helpers.js'
 

@@ -1,7 +1,7 @@
 /** The router's log names request ids and tenants, never keys, prompts or completions. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
-import { apiKeyDigest } from '../../src/router/tenants.js'
+import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import OpenAI from 'openai'
 import { defaultReplyText, keys, startHarness, waitFor } from './helpers.js'
 
@@ -60,7 +60,7 @@ describe('logging', () => {
 
   it('logs a request the drain deadline ends as warn (an operator stop), never error', async () => {
     // Both requests held after their first token, so the drain's 0 s deadline ends them: the
-    // streamed one mid-stream (respond.ts), the other before its answer (generation.ts).
+    // streamed one mid-stream (native/write-response.ts), the other before its answer (generation.ts).
     const h = await startHarness({ isHoldingReplies: true }, { drainSeconds: 0 })
     try {
       const isShuttingDown = (status: number | undefined) => (err: unknown) => {

@@ -5,7 +5,7 @@ import assert from 'node:assert/strict'
 import { once } from 'node:events'
 import net from 'node:net'
 import { after, before, describe, it } from 'node:test'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import {
   PROTOCOL_VERSION,
   encodeAck,

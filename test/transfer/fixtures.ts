@@ -1,10 +1,10 @@
 /** Shared fixtures of the transfer tests: a recording decode-side pool behind the receiver hooks,
  *  a page source for the sender, frame builders for hand-made (often wrong) streams, and a
- *  socket-free harness around one ReceiverSession. */
+ *  socket-free harness around one ReceiveSession. */
 import { randomBytes } from 'node:crypto'
 import { once } from 'node:events'
 import net from 'node:net'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import { beginMac, endMac } from '../../src/transfer/auth.js'
 import { manifestChecksum, pageChecksum } from '../../src/transfer/checksum.js'
 import {
@@ -30,12 +30,12 @@ import {
   type TransferClientOptions,
 } from '../../src/transfer/sender.js'
 import {
-  ReceiverSession,
+  ReceiveSession,
   type BeginInfo,
   type ReceiverCounters,
   type ReceiverHooks,
   type Reservation,
-} from '../../src/transfer/session.js'
+} from '../../src/transfer/receive-session.js'
 import { waitUntil } from '../helpers/poll.js'
 
 // ─── Fixed frames ───────────────────────────────────────────────────────────────────────────────
@@ -397,7 +397,7 @@ export function decodeAll(bytes: Uint8Array): Frame[] {
 
 // ─── A socket-free receiver ─────────────────────────────────────────────────────────────────────
 
-/** One ReceiverSession with its output captured. */
+/** One ReceiveSession with its output captured. */
 export class SessionHarness {
   readonly hooks: RecordingHooks
   readonly counters: ReceiverCounters = {
@@ -406,13 +406,13 @@ export class SessionHarness {
     numAborted: 0,
     numRefused: 0,
   }
-  readonly session: ReceiverSession
+  readonly session: ReceiveSession
   private readonly output: Buffer[] = []
   isIoClosed = false
 
   constructor(options: TransferServerOptions = {}, hooks = new RecordingHooks()) {
     this.hooks = hooks
-    this.session = new ReceiverSession(
+    this.session = new ReceiveSession(
       hooks,
       receiverConfig({ stallTimeoutMs: 60_000, ...options }),
       {

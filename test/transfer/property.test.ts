@@ -5,7 +5,7 @@
 import assert from 'node:assert/strict'
 import { after, describe, it } from 'node:test'
 import fc from 'fast-check'
-import type { KvfenceError } from '../../src/errors.js'
+import type { KvfenceError } from '../../src/common/errors.js'
 import {
   RecordingHooks,
   clientFor,

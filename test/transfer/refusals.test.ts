@@ -1,7 +1,7 @@
 /** Refusals carry a typed reason: made here with `refusal`, or read once off a peer's NACK. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
-import { KvfenceError } from '../../src/errors.js'
+import { KvfenceError } from '../../src/common/errors.js'
 import { refusal, refusalFromWire, TransferError } from '../../src/transfer/refusals.js'
 
 describe('refusals', () => {

@@ -1,5 +1,5 @@
 /** The sending side's checks and its byte budget, driven without sockets through one SendSession.
- *  Its output is checked against an independent reader (a ReceiverSession, which must accept it
+ *  Its output is checked against an independent reader (a ReceiveSession, which must accept it
  *  page for page), and D's replies are fed back split at every byte. Every failure test asserts
  *  the exact reason, that the transfer settled once, and that no page was read after it settled. */
 import assert from 'node:assert/strict'
@@ -368,7 +368,7 @@ describe('send session: refusals and failures', () => {
   })
 })
 
-/** Bytes of a reply frame decoded from a ReceiverSession's output (HELLO, ACK or NACK). */
+/** Bytes of a reply frame decoded from a ReceiveSession's output (HELLO, ACK or NACK). */
 function encodeReply(f: Frame): Buffer {
   switch (f.kind) {
     case 'hello':

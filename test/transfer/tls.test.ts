@@ -11,8 +11,8 @@ import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { promisify } from 'node:util'
 import { issuePartCert, loadAuthority } from '../../src/cli/certs.js'
-import { cliEntry } from '../../src/paths.js'
-import { loadTlsMaterial, type TlsMaterial } from '../../src/tls.js'
+import { cliEntry } from '../../src/common/paths.js'
+import { loadTlsMaterial, type TlsMaterial } from '../../src/link/tls.js'
 import type { TransferLog, TransferServer } from '../../src/transfer/receiver.js'
 import {
   RecordingHooks,

@@ -5,7 +5,7 @@
 import { spawn } from 'node:child_process'
 import { writeFileSync } from 'node:fs'
 import { watchDefaults } from './options.js'
-import { cliEntry } from '../../paths.js'
+import { cliEntry } from '../../common/paths.js'
 
 /** One pino line of the watch's log (`time` in ms since the epoch). */
 export type WatchLogLine = Record<string, unknown> & { msg: string; time: number }

@@ -8,6 +8,7 @@
  *  Knows the engines' HTTP APIs and OpenAI bodies; knows nothing of tenants' keys or kvfence's
  *  workers. */
 import type { Logger } from 'pino'
+import { KvfenceError } from '../../common/errors.js'
 import { loadTokenizer } from '../../model/tokenizer.js'
 import type { Backend } from '../backend.js'
 import { type EngineHttp, createEngineHttp, messageOf } from './engine-http.js'
@@ -15,6 +16,9 @@ import { type BackendCapacity, decideWindow, discover } from './discovery.js'
 import { type BackendKind, engines } from './engines.js'
 import { countPromptTokens } from './prompt-count.js'
 import { createCacheSalts, relay } from './relay.js'
+import { type PathIsolationGuard, createPathIsolationGuard } from './isolation.js'
+import { type SelfCheckContext, type SelfCheckReport, runSelfCheck } from './self-check.js'
+import type { Endpoint } from '../api/schemas.js'
 
 export type { BackendKind } from './engines.js'
 export type { BackendCapacity } from './discovery.js'
@@ -34,6 +38,9 @@ export interface GatewayOptions {
   tokenizerDir?: string
   /** Advertised context window; default: what the engine can hold. */
   contextWindow?: number
+  /** The engine's KV capacity in tokens as the operator declares it (`backend.kvPoolTokens`):
+   *  required for an engine that reports none (`openai`); elsewhere it caps the report. */
+  kvPoolTokens?: number
   /** Clamp an over-large window instead of refusing to start (G1). */
   clampContext: boolean
   /** False = allow advertising more than the engine holds (the incident's configuration). */
@@ -46,7 +53,14 @@ export interface GatewayOptions {
   /** Deadline of discovery and tokenize calls, ms (default {@link defaultTimeoutMs}). */
   timeoutMs?: number
   log: Logger
-  /** The secret of the tenants' `cache_salt`s (salt-secret.ts); null or absent: one drawn per
+  /** Paths served even where the isolation self-check finds that the engine does not keep
+   *  tenants' prefix caches apart (`shared`) or refuses the salt (`salt-refused`: then sent
+   *  without it). Default: none (such a path is refused). */
+  allowUnsalted?: readonly Endpoint[]
+  /** How often to run the isolation self-check again, ms (default
+   *  {@link defaultSelfCheckIntervalMs}; 0 = only at start). */
+  selfCheckIntervalMs?: number
+  /** The secret of the tenants' `cache_salt`s (../tenants/salt-secret.ts); null or absent: one drawn per
    *  process (logged as such). */
   saltSecret?: Uint8Array | null
 }
@@ -62,12 +76,22 @@ export interface Gateway extends Backend {
   capacity(): BackendCapacity
   /** Re-reads the engine's capacity now (also done every `discoveryIntervalMs`). */
   rediscover(): Promise<void>
+  /** Runs the isolation self-check now (also at start and every `selfCheckIntervalMs`) and
+   *  applies it; resolves with its report. */
+  selfCheck(): Promise<SelfCheckReport>
+  /** The last self-check's report. */
+  lastSelfCheck(): SelfCheckReport | null
 }
 
 /** Interval of the periodic re-discovery, ms. */
 const defaultIntervalMs = 30_000
 /** Deadline of discovery and tokenize calls, ms. */
 const defaultTimeoutMs = 5_000
+/** Interval of the periodic isolation self-check, ms: an engine redeployed without salt support
+ *  is caught within it. */
+const defaultSelfCheckIntervalMs = 10 * 60_000
+/** The paths the gateway proxies, each checked by the self-check. */
+const proxiedEndpoints: readonly Endpoint[] = ['chat', 'completion']
 
 /** Discovers the engine's capacity, decides the window (G1) and returns the gateway. Throws
  *  `config_invalid` for a URL that is not http(s), `worker_unavailable` when the engine does not
@@ -76,8 +100,16 @@ const defaultTimeoutMs = 5_000
 export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   const http = createEngineHttp(options.url, options.apiKey, options.timeoutMs ?? defaultTimeoutMs)
   const tokenizer = options.tokenizerDir === undefined ? null : loadTokenizer(options.tokenizerDir)
-  const found = await discover(options.kind, http, options.backendModel ?? null)
+  if (tokenizer === null && engines[options.kind].tokenize === null) {
+    throw new KvfenceError(
+      'config_invalid',
+      `${options.kind} backend: the engine cannot count prompts (no /tokenize); set backend.tokenizerDir to a directory with its tokenizer.json, so that G2 can count them`,
+    )
+  }
+  const declared = options.kvPoolTokens ?? null
+  const found = await discover(options.kind, http, options.backendModel ?? null, declared)
   const { backendModel } = found
+  logCapacitySource(options, found.capacity)
   let capacity = found.capacity
   let window = decideWindow(capacity, true, http.base, options)
   const servedModel = options.servedModel ?? backendModel
@@ -97,6 +129,16 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   const timer = intervalMs > 0 ? setInterval(() => void rediscover(), intervalMs) : null
   timer?.unref()
 
+  let checks: SelfChecks
+  try {
+    checks = await startSelfChecks(options, () => ({ http, backendModel, contextWindow: window }))
+  } catch (err) {
+    if (timer !== null) clearInterval(timer)
+    http.close()
+    throw err
+  }
+  const { isolation } = checks
+
   if (options.saltSecret == null) {
     options.log.info(
       'cache salts: a random secret of this process (replicas differ; set KVFENCE_SALT_SECRET or router.saltSecretFile to share them)',
@@ -107,6 +149,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     engine: engines[options.kind],
     backendModel,
     cacheSaltOf: createCacheSalts(options.saltSecret ?? null),
+    isSalted: (endpoint: Endpoint) => isolation.isSalted(endpoint),
   }
   return {
     name: options.kind,
@@ -115,6 +158,8 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     servedModel,
     capacity: () => capacity,
     rediscover,
+    selfCheck: () => checks.run(),
+    lastSelfCheck: () => isolation.last(),
     contextWindow: () => window,
     refusal: () => null,
     unavailableReason: () => Promise.resolve(null),
@@ -123,6 +168,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         effectiveCapacityTokens: capacity.capacityTokens,
         guardsEnabled: options.guardsEnabled,
         backend: { kind: options.kind, url: http.base, contextWindow: window, ...capacity },
+        isolationSelfCheck: isolation.last(),
       }),
     maxTokenChars: null,
     // Answers arrive as text: the sentinel matches characters, converted with the prompts' own
@@ -130,7 +176,13 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     sentinelUnit: 'character',
     detokenize: tokenizer === null ? null : (ids) => tokenizer.decode(ids),
     async preparePrompt(parsed, _tenant, signal) {
-      const context = { http, tokenizer, backendModel, guardsEnabled: options.guardsEnabled }
+      const context = {
+        http,
+        tokenizer,
+        backendModel,
+        guardsEnabled: options.guardsEnabled,
+        engineTokenize: engines[options.kind].tokenize,
+      }
       const numPromptTokens = await countPromptTokens(
         { ...context, maxInputTokens: capacity.maxInputTokens },
         parsed,
@@ -138,10 +190,14 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       )
       return { numPromptTokens, tokenIds: null }
     },
-    generate: (job) => relay(relayContext, job),
+    generate(job) {
+      isolation.checkServed(job.parsed.endpoint)
+      return relay(relayContext, job)
+    },
     noteFailure() {},
     async close() {
       if (timer !== null) clearInterval(timer)
+      checks.stop()
       http.close()
     },
   }
@@ -155,7 +211,8 @@ async function rediscovered(
   backendModel: string,
 ): Promise<{ capacity: BackendCapacity; window: number } | null> {
   try {
-    const capacity = (await discover(options.kind, http, backendModel)).capacity
+    const declared = options.kvPoolTokens ?? null
+    const capacity = (await discover(options.kind, http, backendModel, declared)).capacity
     return { capacity, window: decideWindow(capacity, false, http.base, options) }
   } catch (err) {
     options.log.warn(
@@ -163,5 +220,65 @@ async function rediscovered(
       'backend capacity discovery failed; keeping the last',
     )
     return null
+  }
+}
+
+/** Says at start where the KV capacity that G1 holds the window to came from: the engine's own
+ *  report, the operator's declaration alone (G1 then rests on it), or the smaller of the two. */
+function logCapacitySource(options: GatewayOptions, c: BackendCapacity): void {
+  const { kind, log } = options
+  const declared = options.kvPoolTokens
+  if (c.reportedCapacityTokens === null) {
+    log.warn(
+      { capacityTokens: c.capacityTokens },
+      `${kind} backend reports no KV capacity: G1 rests on the declared backend.kvPoolTokens (${declared} tokens); check it against the engine's own configuration`,
+    )
+  } else if (declared !== undefined && declared !== c.reportedCapacityTokens) {
+    log.warn(
+      { reported: c.reportedCapacityTokens, declared, capacityTokens: c.capacityTokens },
+      `${kind} backend reports ${c.reportedCapacityTokens} tokens of KV, backend.kvPoolTokens declares ${declared}: the smaller holds`,
+    )
+  }
+}
+
+/** The isolation self-checks of a gateway: the guard they feed, a run now, and the timer. */
+interface SelfChecks {
+  readonly isolation: PathIsolationGuard
+  run(): Promise<SelfCheckReport>
+  stop(): void
+}
+
+/** Runs the isolation self-check once (throwing `guard_violation` for a path that must be
+ *  refused at start) and every `selfCheckIntervalMs` after; `context` gives the engine and the
+ *  window at each run. */
+async function startSelfChecks(
+  options: GatewayOptions,
+  context: () => SelfCheckContext,
+): Promise<SelfChecks> {
+  const isolation = createPathIsolationGuard({
+    allowUnsalted: options.allowUnsalted ?? [],
+    guardsEnabled: options.guardsEnabled,
+    kind: options.kind,
+    log: options.log,
+  })
+  const run = async (isStart = false) => {
+    const report = await runSelfCheck(context(), proxiedEndpoints)
+    options.log.info(
+      { numRequests: report.numRequests, numTokens: report.numTokens, ms: report.durationMs },
+      'isolation self-check done',
+    )
+    isolation.apply(report, isStart)
+    return report
+  }
+  await run(true)
+  const everyMs = options.selfCheckIntervalMs ?? defaultSelfCheckIntervalMs
+  const timer = everyMs > 0 ? setInterval(() => void run(), everyMs) : null
+  timer?.unref()
+  return {
+    isolation,
+    run: () => run(),
+    stop: () => {
+      if (timer !== null) clearInterval(timer)
+    },
   }
 }

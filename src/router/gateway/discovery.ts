@@ -2,14 +2,16 @@
  *  its own endpoints) and the context window the router advertises over it.
  *  Knows the engines' discovery endpoints and the operator's wishes; knows nothing of requests. */
 import type { Logger } from 'pino'
-import { KvfenceError } from '../../errors.js'
+import { KvfenceError } from '../../common/errors.js'
 import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
 import { type BackendKind, engines } from './engines.js'
 
 /** What the engine said about itself. */
 export interface BackendCapacity {
-  /** KV pool in tokens. */
+  /** KV pool in tokens: the smaller of what the engine reports and what the operator declared. */
   capacityTokens: number
+  /** What the engine itself reported (null: nothing; the declaration stands alone). */
+  reportedCapacityTokens: number | null
   /** Longest sequence the model allows (`context_length` / `max_model_len`), when reported. */
   maxModelLen: number | null
   /** Longest prompt the engine accepts (`max_req_input_len`), when reported. */
@@ -23,12 +25,16 @@ export interface Discovery {
 }
 
 /** Reads the engine's model (`backendModel` when given, else the first of its `/v1/models`) and
- *  capacity. Throws `worker_unavailable` when it lists no model or refuses the key (401/403),
- *  saying how `/v1/models` answered, or reports no KV capacity. */
+ *  capacity. `declaredPoolTokens` is the KV capacity the operator declared (`backend.kvPoolTokens`):
+ *  it stands in where the engine reports none and caps what it reports (the smaller wins: a
+ *  declaration is a promise about the deployment, a report about the process). Throws
+ *  `worker_unavailable` when it lists no model or refuses the key (401/403), saying how
+ *  `/v1/models` answered, or when neither the engine nor the operator gives a KV capacity. */
 export async function discover(
   kind: BackendKind,
   http: EngineHttp,
   backendModel: string | null,
+  declaredPoolTokens: number | null = null,
 ): Promise<Discovery> {
   const models = await http.call('/v1/models', 'GET', null).catch((err: unknown) => err as Error)
   const listed =
@@ -49,16 +55,21 @@ export async function discover(
     )
   }
   const report = await engines[kind].readCapacity(http)
-  if (report.capacityTokens === null) {
+  const capacityTokens =
+    report.capacityTokens === null
+      ? declaredPoolTokens
+      : Math.min(report.capacityTokens, declaredPoolTokens ?? Infinity)
+  if (capacityTokens === null) {
     throw new KvfenceError(
       'worker_unavailable',
-      `${kind} backend ${http.base}: cannot read its KV capacity (${engines[kind].capacitySource})`,
+      `${kind} backend ${http.base}: cannot read its KV capacity (${engines[kind].capacitySource}); declare it with backend.kvPoolTokens`,
     )
   }
   return {
     backendModel: model,
     capacity: {
-      capacityTokens: report.capacityTokens,
+      capacityTokens,
+      reportedCapacityTokens: report.capacityTokens,
       maxModelLen: report.maxModelLen ?? positive(entry?.max_model_len),
       maxInputTokens: report.maxInputTokens,
     },
@@ -72,11 +83,13 @@ function noModelReason(models: { status: number } | Error): string {
   const { status } = models
   if (status === 200) return 'no model listed at /v1/models (its data list is empty or not a list)'
   const hint =
-    status === 404
-      ? ': is backend.url the engine’s base URL (http://host:port, without /v1)?'
-      : status === 401 || status === 403
-        ? ': the engine wants an API key: set backend.apiKeyEnv to the variable holding it (or check that key)'
-        : ''
+    status >= 500
+      ? ': the engine cannot list its models: set backend.model to the model id it serves'
+      : status === 404
+        ? ': is backend.url the engine’s base URL (http://host:port, without /v1)?'
+        : status === 401 || status === 403
+          ? ': the engine wants an API key: set backend.apiKeyEnv to the variable holding it (or check that key)'
+          : ''
   return `GET /v1/models answered HTTP ${status}${hint}`
 }
 

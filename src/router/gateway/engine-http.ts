@@ -3,8 +3,8 @@
  *  Knows URLs, the engine's API key and JSON; knows nothing of what the engine's answers mean. */
 import http from 'node:http'
 import https from 'node:https'
-import { KvfenceError } from '../../errors.js'
-import { readReplyText } from '../http.js'
+import { KvfenceError } from '../../common/errors.js'
+import { readReplyText } from '../api/http.js'
 
 /** Largest engine reply read whole, bytes. */
 const maxReplyBytes = 16 * 1024 * 1024
@@ -69,7 +69,11 @@ export function createEngineHttp(
   }
 }
 
-/** Sends one request (`body` null: none, else JSON) and resolves with the response unread. */
+/** Sends one request (`body` null: none, else JSON) and resolves with the response unread. A
+ *  request that fails with ECONNRESET on a kept-alive connection before any answer is sent once
+ *  more on a new one: the engine had closed that connection while it was idle (uvicorn closes it
+ *  after a handler's exception, e.g. `transformers serve`'s 500 on `/v1/models`), so the request
+ *  never reached it (Node's `request.reusedSocket` case). */
 function send(
   agent: http.Agent,
   url: string,
@@ -77,6 +81,7 @@ function send(
   headers: Record<string, string>,
   body: unknown,
   signal: AbortSignal,
+  isRetry = false,
 ): Promise<http.IncomingMessage> {
   return new Promise((resolve, reject) => {
     const text = body === null ? null : JSON.stringify(body)
@@ -98,7 +103,11 @@ function send(
       },
       resolve,
     )
-    req.on('error', reject)
+    req.on('error', (err: NodeJS.ErrnoException) => {
+      if (!isRetry && req.reusedSocket && err.code === 'ECONNRESET' && !signal.aborted) {
+        send(agent, url, method, headers, body, signal, true).then(resolve, reject)
+      } else reject(err)
+    })
     req.end(text ?? undefined)
   })
 }

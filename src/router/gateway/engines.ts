@@ -5,14 +5,19 @@
  *    abort: `POST /abort_request {"rid"}`; the request id is sent as `rid`.
  *  - vLLM `GET /metrics` `vllm:cache_config_info{num_gpu_blocks, block_size}` (KV pool =
  *    blocks × block size); closing the connection aborts the request.
+ *  - llama.cpp's server `GET /props`: `default_generation_settings.n_ctx` is the context of one
+ *    slot (the whole KV cache divided among `total_slots` parallel slots), so it is what one
+ *    request can hold; closing the connection aborts the request.
+ *  - a plain OpenAI-compatible server (`openai`, e.g. Hugging Face `transformers serve`) reports
+ *    no capacity at all: the operator declares it (`backend.kvPoolTokens`).
  *  What both share (`/v1/models`, `/tokenize`) is in discovery.ts and prompt-count.ts.
  *  Knows the engines' HTTP APIs; knows nothing of tenants, admission or OpenAI bodies. */
 import type { Logger } from 'pino'
-import { samplesOf } from '../prometheus-text.js'
+import { samplesOf } from '../metrics/prometheus-text.js'
 import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
 
 /** Engines the gateway knows how to discover and abort on. */
-export type BackendKind = 'sglang' | 'vllm'
+export type BackendKind = 'sglang' | 'vllm' | 'llamacpp' | 'openai'
 
 /** What an engine's own endpoints say about its capacity (null: not reported). */
 export interface EngineCapacityReport {
@@ -30,6 +35,10 @@ export interface Engine {
   readCapacity(http: EngineHttp): Promise<EngineCapacityReport>
   /** Where {@link Engine.readCapacity} looks, for the error when it finds nothing. */
   readonly capacitySource: string
+  /** How the engine counts a prompt: vLLM's and SGLang's `POST /tokenize {model, prompt|messages}`,
+   *  llama.cpp's (`POST /apply-template {messages}` → `{prompt}`, then `POST /tokenize {content}`
+   *  → `{tokens}`), or not at all (a local `tokenizerDir` is then required). */
+  readonly tokenize: 'openai' | 'llamacpp' | null
   /** Names the request `rid` in the engine's `body` when the engine aborts by id. */
   nameRequest(body: Record<string, unknown>, rid: string): void
   /** Aborts request `rid` on the engine after its client went away (fire and forget: the
@@ -52,6 +61,7 @@ const sglang: Engine = {
     }
   },
   capacitySource: '/server_info or /get_server_info max_total_num_tokens',
+  tokenize: 'openai',
   nameRequest(body, rid) {
     body.rid = rid
   },
@@ -76,9 +86,34 @@ const vllm: Engine = {
     return { capacityTokens, maxModelLen: null, maxInputTokens: null }
   },
   capacitySource: '/metrics vllm:cache_config_info',
+  tokenize: 'openai',
   nameRequest() {}, // vLLM takes no request id: it aborts when the connection closes
   abort() {},
 }
 
+const llamacpp: Engine = {
+  async readCapacity(http) {
+    const res = await http.call('/props', 'GET', null).catch(() => null)
+    const props = res?.status === 200 ? asObject(json(res.body)) : null
+    const settings = asObject(props?.default_generation_settings)
+    // n_ctx here is one slot's share of the KV cache: no request can be longer.
+    const slotContext = positive(settings?.n_ctx)
+    return { capacityTokens: slotContext, maxModelLen: slotContext, maxInputTokens: null }
+  },
+  capacitySource: '/props default_generation_settings.n_ctx',
+  tokenize: 'llamacpp',
+  nameRequest() {}, // llama.cpp takes no request id: it stops a slot when the connection closes
+  abort() {},
+}
+
+const openai: Engine = {
+  readCapacity: () =>
+    Promise.resolve({ capacityTokens: null, maxModelLen: null, maxInputTokens: null }),
+  capacitySource: 'nothing: a plain OpenAI-compatible server reports no KV capacity',
+  tokenize: null,
+  nameRequest() {},
+  abort() {},
+}
+
 /** Each engine's particulars. */
-export const engines: { readonly [K in BackendKind]: Engine } = { sglang, vllm }
+export const engines: { readonly [K in BackendKind]: Engine } = { sglang, vllm, llamacpp, openai }

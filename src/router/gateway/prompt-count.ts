@@ -1,11 +1,12 @@
 /** Gateway mode's prompt count (for G2): by the engine's own tokenizer — a local copy of its
  *  `tokenizer.json` when one is configured, else the engine's `POST /tokenize`
- *  `{model, prompt|messages}` → `{count}` (or `tokens`). A prompt given as token ids is its length.
+ *  `{model, prompt|messages}` → `{count}` (or `tokens`), or llama.cpp's (`/apply-template` for
+ *  messages, then `/tokenize {content}` → `{tokens}`). A prompt given as token ids is its length.
  *  Knows parsed requests and the engine's `/tokenize`; knows nothing of tenants or limits. */
-import { KvfenceError } from '../../errors.js'
+import { KvfenceError } from '../../common/errors.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
-import { promptTokenIds } from '../prompt-ids.js'
-import { type ParsedRequest, promptParamOf } from '../schemas.js'
+import { promptTokenIds } from '../tokenize/prompt-ids.js'
+import { type ParsedRequest, promptParamOf } from '../api/schemas.js'
 import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
 
 /** What counting needs to know of the engine. */
@@ -14,6 +15,8 @@ export interface PromptCountContext {
   /** A local copy of the engine's tokenizer, or null to ask the engine. */
   tokenizer: Tokenizer | null
   backendModel: string
+  /** How the engine counts (engines.ts); null: it cannot, and `tokenizer` is set. */
+  engineTokenize: 'openai' | 'llamacpp' | null
   /** The engine's longest accepted prompt (null: not reported). */
   maxInputTokens: number | null
   guardsEnabled: boolean
@@ -31,7 +34,9 @@ export async function countPromptTokens(
       ? parsed.prompt.tokenIds.length
       : c.tokenizer !== null
         ? promptTokenIds(c.tokenizer, parsed).length
-        : await countByEngine(c, tokenizeBody(parsed, c.backendModel), signal)
+        : c.engineTokenize === 'llamacpp'
+          ? await countByLlamaCpp(c, parsed, signal)
+          : await countByEngine(c, tokenizeBody(parsed, c.backendModel), signal)
   if (c.guardsEnabled && c.maxInputTokens !== null && numPromptTokens > c.maxInputTokens) {
     throw new KvfenceError(
       'context_length_exceeded',
@@ -48,26 +53,56 @@ function tokenizeBody(parsed: ParsedRequest, model: string): Record<string, unkn
   return { model, prompt: 'text' in parsed.prompt ? parsed.prompt.text : parsed.prompt.tokenIds }
 }
 
+/** llama.cpp's count: a chat's messages rendered by its own template first. */
+async function countByLlamaCpp(
+  c: PromptCountContext,
+  parsed: ParsedRequest,
+  signal: AbortSignal,
+): Promise<number> {
+  if (parsed.endpoint === 'completion' && 'tokenIds' in parsed.prompt) {
+    return parsed.prompt.tokenIds.length
+  }
+  let content: string
+  if (parsed.endpoint === 'chat') {
+    const res = await callEngine(c, '/apply-template', { messages: parsed.messages }, signal)
+    const rendered = res.status === 200 ? asObject(json(res.body))?.prompt : undefined
+    if (typeof rendered !== 'string') {
+      throw new KvfenceError(
+        'worker_unavailable',
+        `backend ${c.http.base}/apply-template did not render the messages (HTTP ${res.status}); configure tokenizerDir`,
+      )
+    }
+    content = rendered
+  } else content = 'text' in parsed.prompt ? parsed.prompt.text : ''
+  return countByEngine(c, { content }, signal)
+}
+
+/** One call of the engine's tokenizer endpoints under the request's signal and the deadline. */
+async function callEngine(
+  c: PromptCountContext,
+  path: string,
+  body: Record<string, unknown>,
+  signal: AbortSignal,
+) {
+  try {
+    return await c.http.call(
+      path,
+      'POST',
+      body,
+      AbortSignal.any([signal, AbortSignal.timeout(c.http.timeoutMs)]),
+    )
+  } catch (err) {
+    throw new KvfenceError('worker_unavailable', `backend ${c.http.base}${path}: ${messageOf(err)}`)
+  }
+}
+
 /** The engine's `/tokenize` count of a prompt. */
 async function countByEngine(
   c: PromptCountContext,
   body: Record<string, unknown>,
   signal: AbortSignal,
 ): Promise<number> {
-  let res
-  try {
-    res = await c.http.call(
-      '/tokenize',
-      'POST',
-      body,
-      AbortSignal.any([signal, AbortSignal.timeout(c.http.timeoutMs)]),
-    )
-  } catch (err) {
-    throw new KvfenceError(
-      'worker_unavailable',
-      `backend ${c.http.base}/tokenize: ${messageOf(err)}`,
-    )
-  }
+  const res = await callEngine(c, '/tokenize', body, signal)
   const reply = res.status === 200 ? asObject(json(res.body)) : null
   const count =
     positive(reply?.count) ?? (Array.isArray(reply?.tokens) ? reply.tokens.length : null)

@@ -5,12 +5,12 @@
  *  Knows the engine's generation endpoints and SSE; knows nothing of keys, limits or admission. */
 import { createHmac, randomBytes } from 'node:crypto'
 import type http from 'node:http'
-import { KvfenceError, toOpenAiError } from '../../errors.js'
+import { KvfenceError, toOpenAiError } from '../../common/errors.js'
 import { type GenerationJob, markToken } from '../backend.js'
-import { coalesceWrites, drained, sendJson } from '../http.js'
-import { endingError, publicError } from '../public-errors.js'
-import type { FinishReason } from '../responses.js'
-import type { Endpoint } from '../schemas.js'
+import { coalesceWrites, drained, sendJson } from '../api/http.js'
+import { endingError, publicError } from '../api/public-errors.js'
+import type { FinishReason } from '../api/responses.js'
+import type { Endpoint } from '../api/schemas.js'
 import { type EngineHttp, asObject, json, messageOf } from './engine-http.js'
 import {
   isErrorEvent,
@@ -20,6 +20,7 @@ import {
   openAiWhole,
 } from './engine-replies.js'
 import type { Engine } from './engines.js'
+import { enginePaths } from './self-check.js'
 
 /** How a relayed request ended. */
 interface RelayOutcome {
@@ -37,18 +38,15 @@ export interface RelayContext {
   backendModel: string
   /** The tenant's `cache_salt` (see {@link createCacheSalts}). */
   cacheSaltOf(tenant: string): string
+  /** Whether the salt goes to the engine on `endpoint` (isolation.ts: not where the engine
+   *  refuses it and the operator allowed the path unsalted). */
+  isSalted(endpoint: Endpoint): boolean
 }
 
 const validFinishReasons = new Set(['stop', 'length', 'content_filter', 'tool_calls'])
 
-/** The engine's path of each endpoint. */
-const enginePaths: { readonly [E in Endpoint]: string } = {
-  chat: '/v1/chat/completions',
-  completion: '/v1/completions',
-}
-
 /** Each tenant's `cache_salt`: HMAC-SHA-256 of its name under `secret` — the configured one
- *  (see salt-secret.ts: the same on every replica and across restarts), or, when null, one drawn
+ *  (see ../tenants/salt-secret.ts: the same on every replica and across restarts), or, when null, one drawn
  *  here (stable for this process's life only). Different for every tenant (a tenant keeps its
  *  own cache hits), and not computable by anyone who can read the engine's requests or logs. */
 export function createCacheSalts(secret: Uint8Array | null = null): (tenant: string) => string {
@@ -104,8 +102,8 @@ export async function relay(c: RelayContext, job: GenerationJob): Promise<void> 
 function engineBody(c: RelayContext, job: GenerationJob): Record<string, unknown> {
   const body: Record<string, unknown> = { ...job.body, model: c.backendModel }
   // The engine's prefix cache is shared by every tenant unless a salt separates them: vLLM and
-  // SGLang both key it by `cache_salt` (a client cannot send one: schemas.ts refuses it).
-  body.cache_salt = c.cacheSaltOf(job.tenant)
+  // SGLang both key it by `cache_salt` (a client cannot send one: ../api/schemas.ts refuses it).
+  if (c.isSalted(job.parsed.endpoint)) body.cache_salt = c.cacheSaltOf(job.tenant)
   if (job.parsed.endpoint === 'chat' && body.max_completion_tokens != null) {
     body.max_completion_tokens = job.maxTokens
   } else body.max_tokens = job.maxTokens
@@ -185,13 +183,14 @@ async function relayStream(
   return stream.end()
 }
 
-/** The client's side of a relayed SSE reply: headers at the first event, the text and finish
+/** The client's SSE response relayed from the engine's reply: headers at the first event, the text and finish
  *  reason seen so far. */
 function createRelayedStream(job: GenerationJob, upstream: http.IncomingMessage) {
   const { res } = job
   const streamOptions = asObject(job.body.stream_options)
   const isUsageStreamed = streamOptions?.include_usage === true
   let isStarted = false
+  let isDoneSent = false
   let numChunks = 0
   let text = ''
   let finishReason: FinishReason | null = null
@@ -243,6 +242,7 @@ function createRelayedStream(job: GenerationJob, upstream: http.IncomingMessage)
       if (data.trim() === '[DONE]') {
         start()
         res.write('data: [DONE]\n\n')
+        isDoneSent = true
         return null
       }
       const value = asObject(json(data))
@@ -284,10 +284,16 @@ function createRelayedStream(job: GenerationJob, upstream: http.IncomingMessage)
       res.end(`data: ${JSON.stringify(toOpenAiError(publicError(error, job.rid)))}\n\n`)
       return { status: error.status, numCompletionTokens: numChunks, finishReason: null, text }
     },
-    /** Ends a stream the engine finished; throws `worker_unavailable` when it sent nothing. */
+    /** Ends a stream the engine finished, always as OpenAI's end (`data: [DONE]`, which some
+     *  engines omit: Hugging Face `transformers serve`); a stream that closed with neither a
+     *  finish reason nor `[DONE]` was cut, and ends with an error event. Throws
+     *  `worker_unavailable` when it sent nothing. */
     end(): RelayOutcome {
       if (!isStarted) throw new KvfenceError('worker_unavailable', 'backend stream was empty')
-      res.end()
+      if (!isDoneSent && finishReason === null) {
+        return this.fail('the stream closed with neither a finish reason nor [DONE]')
+      }
+      res.end(isDoneSent ? undefined : 'data: [DONE]\n\n')
       return { status: 200, numCompletionTokens: numChunks, finishReason, text }
     },
   }

@@ -1,26 +1,26 @@
 /** The native backend: kvfence's own prefill and decode workers. The router tokenizes prompts
  *  here and detokenizes the workers' tokens into text; G1 is the capacity monitor's
- *  (capacity-monitor.ts), the workers' events and their retries are generation.ts's, and the
- *  answer's bodies respond.ts's.
+ *  (capacity-monitor.ts), the workers' events and their retries are worker-run.ts's, and the
+ *  answer's bodies write-response.ts's.
  *  Knows the tokenizer, the worker client and the capacity monitor; knows nothing of keys or
  *  limits. */
 import assert from 'node:assert/strict'
-import { randomHex } from '../../random-hex.js'
+import { randomHex } from '../../common/random-hex.js'
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
-import { KvfenceError } from '../../errors.js'
+import { KvfenceError } from '../../common/errors.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
 import type { Backend, GenerationJob } from '../backend.js'
-import type { Limiter } from '../limits.js'
-import type { RouterMetrics } from '../metrics.js'
-import { messageOf } from '../public-errors.js'
-import { checkStopTokenIds } from '../schemas.js'
+import type { Limiter } from '../admission/limits.js'
+import type { RouterMetrics } from '../metrics/metrics.js'
+import { messageOf } from '../api/public-errors.js'
+import { checkStopTokenIds } from '../api/schemas.js'
 import type { WorkerClient } from '../worker-client.js'
-import type { TokenizerPool } from '../tokenizer-pool.js'
+import type { TokenizerPool } from '../tokenize/tokenizer-pool.js'
 import type { CapacityMonitor } from './capacity-monitor.js'
-import { type GenerationDeps, runGeneration } from './worker-run.js'
-import { repliesOf } from './replies.js'
-import { respondStreamed, respondWhole } from './respond.js'
+import { type WorkerRunDeps, runGeneration } from './worker-run.js'
+import { responseBodiesOf } from './response-bodies.js'
+import { writeStreamedResponse, writeWholeResponse } from './write-response.js'
 
 /** Options of {@link createNativeBackend}. */
 export interface NativeBackendOptions {
@@ -46,7 +46,7 @@ const healthTimeoutMs = 2_000
 /** The native {@link Backend}; `close` stops the capacity monitor and the worker client. */
 export function createNativeBackend(options: NativeBackendOptions): Backend {
   const { tokenizer, workers, capacity, metrics } = options
-  const deps: GenerationDeps = { tokenizer, workers, limiter: options.limiter, metrics }
+  const deps: WorkerRunDeps = { tokenizer, workers, limiter: options.limiter, metrics }
   return {
     name: 'kvfence',
     contextWindow: () => capacity.current().contextWindow,
@@ -93,13 +93,13 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
         log: job.log,
         outcome: job.outcome,
       }
-      const replies = repliesOf[job.parsed.endpoint]({
+      const bodies = responseBodiesOf[job.parsed.endpoint]({
         header: job.header,
         isUsageStreamed: job.parsed.isUsageStreamed,
         logprobsTokenizer: run.request.sampling.numLogprobs != null ? tokenizer : null,
       })
-      const respond = job.parsed.isStream ? respondStreamed : respondWhole
-      await respond(job, replies, (onText) => runGeneration(deps, run, onText))
+      const writeResponse = job.parsed.isStream ? writeStreamedResponse : writeWholeResponse
+      await writeResponse(job, bodies, (onText) => runGeneration(deps, run, onText))
     },
     noteFailure(error) {
       if (error.code === 'transfer_failed') metrics.transfers.inc({ status: 'failed' })

@@ -10,9 +10,9 @@
  *  until it answers one (worker-client.ts).
  *  Knows workers' `ServerInfo`s and the operator's wishes; knows nothing of HTTP or requests. */
 import type { Logger } from 'pino'
-import { KvfenceError } from '../../errors.js'
+import { KvfenceError } from '../../common/errors.js'
 import type { ServerInfo } from '../../engine/control.js'
-import { type WorkerReport, decideContextWindow, effectiveCapacity } from '../capacity.js'
+import { type WorkerReport, decideContextWindow, effectiveCapacity } from '../admission/capacity.js'
 import { ClusterTokenRefusedError, type WorkerClient } from '../worker-client.js'
 
 /** The window the router admits against now. */

@@ -4,19 +4,21 @@
  *  Knows the worker client's events, the tokenizer and stop strings; knows nothing of HTTP. */
 import type { Logger } from 'pino'
 import type { GenerateRequest } from '../../engine/control.js'
-import { KvfenceError } from '../../errors.js'
-import { randomHex } from '../../random-hex.js'
+import { KvfenceError } from '../../common/errors.js'
+import { randomHex } from '../../common/random-hex.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
 import { type Outcome, markToken } from '../backend.js'
-import { LimitError, type Limiter, type RoomTurn } from '../limits.js'
-import type { GeneratedLogprobs } from '../logprobs.js'
-import type { RouterMetrics } from '../metrics.js'
-import type { FinishReason } from '../responses.js'
-import { TextStream } from '../text-stream.js'
+import { LimitError } from '../admission/limit-error.js'
+import { type Limiter } from '../admission/limits.js'
+import { type RoomTurn } from '../admission/queue-limits.js'
+import type { GeneratedLogprobs } from '../api/logprobs.js'
+import type { RouterMetrics } from '../metrics/metrics.js'
+import type { FinishReason } from '../api/responses.js'
+import { TextStream } from '../tokenize/text-stream.js'
 import { type GenerationEvent, PoolFullError, type WorkerClient } from '../worker-client.js'
 
 /** What running a request on the workers needs. */
-export interface GenerationDeps {
+export interface WorkerRunDeps {
   tokenizer: Tokenizer
   workers: WorkerClient
   /** For waiting on a full KV pool: in arrival order, within the request's one wait bound. */
@@ -57,7 +59,7 @@ export type OnText = (
  *  end, the ids of tokens that added no text (an empty piece), so that every token is heard.
  *  Leaving early (a stop string) closes both worker requests. */
 export async function runGeneration(
-  deps: GenerationDeps,
+  deps: WorkerRunDeps,
   run: WorkerRun,
   onText: OnText,
 ): Promise<GenerationResult> {
@@ -149,7 +151,7 @@ interface StartedEvents {
  *  closed before the refusal surfaced, but the decode worker may not have seen that close yet,
  *  and must never match a transfer to a reservation of another attempt. */
 async function startWorkerEvents(
-  deps: GenerationDeps,
+  deps: WorkerRunDeps,
   run: WorkerRun,
 ): Promise<StartedEvents | null> {
   const { limiter, metrics } = deps

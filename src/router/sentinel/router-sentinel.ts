@@ -4,8 +4,8 @@
  *  Knows the router's metrics, its logger and parsed requests; knows nothing of backends. */
 import type { Logger } from 'pino'
 import type { PreparedPrompt } from '../backend.js'
-import type { RouterMetrics } from '../metrics.js'
-import type { ParsedRequest } from '../schemas.js'
+import type { RouterMetrics } from '../metrics/metrics.js'
+import type { ParsedRequest } from '../api/schemas.js'
 import {
   type Sentinel,
   type SentinelPrompt,

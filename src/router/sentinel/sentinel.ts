@@ -10,7 +10,7 @@
  *  its length in characters ÷ the characters per token measured on the source tenant's prompts.
  *  Knows tenants' names, request ids, texts and token ids while checking them; keeps only keyed
  *  fingerprints and per-tenant character and token counts. */
-import { KvfenceError } from '../../errors.js'
+import { KvfenceError } from '../../common/errors.js'
 import {
   type FingerprintStore,
   type GenerationChange,
