@@ -173,6 +173,91 @@ async function audit(flags: AuditFlags): Promise<number> {
     process.stdout.write(`${formatProbeList()}\n`)
     return 0
   }
+  const { numbers, file, resume, options } = await auditInputs(flags)
+  if (flags.plan) {
+    process.stdout.write(
+      `${formatPlan(await planAudit({ ...options, resume, pricePerMillionTokens: numbers.price }))}\n`,
+    )
+    return 0
+  }
+  if (flags.pricePerMillionTokens !== undefined) {
+    throw new AuditError('invalid_options', '--price-per-million-tokens is only read with --plan')
+  }
+  const failOn: Verdict = flags.failOn ?? file.failOn ?? 'leak'
+  const reports = {
+    json: flags.json ?? file.reports?.json ?? flags.resume,
+    junit: flags.junit ?? file.reports?.junit,
+    html: flags.html ?? file.reports?.html,
+  }
+  // A report that cannot be written is an error now, not after the audit spent its budget.
+  checkWritable('JSON', reports.json)
+  checkWritable('JUnit', reports.junit)
+  checkWritable('HTML', reports.html)
+  const progress = makeProgress((options.probes ?? probeNames).length)
+  const interrupt = new AbortController()
+  const onSignal = (signal: 'SIGINT' | 'SIGTERM'): void => {
+    // A second signal does not wait for the report to be written.
+    if (interrupt.signal.aborted) process.exit(interruptExitCodes[signal])
+    interrupt.abort(signal)
+  }
+  const onInt = () => onSignal('SIGINT')
+  const onTerm = () => onSignal('SIGTERM')
+  process.on('SIGINT', onInt)
+  process.on('SIGTERM', onTerm)
+  const json = reports.json
+  let report
+  try {
+    report = await runAudit({
+      ...options,
+      resume,
+      signal: interrupt.signal,
+      onProgress: progress.onEvent,
+      onReport: json === undefined ? undefined : (r) => writeJsonReport(r, json),
+    })
+  } catch (err) {
+    if (interrupt.signal.aborted) {
+      // Stopped before the probes began (discovery's requests were cut): nothing to keep.
+      const signal = interrupt.signal.reason as 'SIGINT' | 'SIGTERM'
+      process.stderr.write(
+        `kvfence audit: interrupted by ${signal} before any probe ended; nothing was kept\n`,
+      )
+      return interruptExitCodes[signal]
+    }
+    // The tool error's report (state tool-error, no verdict) replaces the progress written.
+    if (err instanceof AuditError && err.report !== undefined && json !== undefined)
+      await writeJsonReport(err.report, json).catch(() => {})
+    throw err
+  } finally {
+    progress.stop()
+    process.off('SIGINT', onInt)
+    process.off('SIGTERM', onTerm)
+  }
+  if (report.state === 'interrupted') {
+    const signal = report.interruptedBy ?? 'SIGINT'
+    const numDone = (report.probes ?? []).length - (report.pendingProbes ?? []).length
+    const kept =
+      json === undefined
+        ? 'no --json was given, so nothing was kept to resume'
+        : `${json} holds them: continue with --resume ${json}`
+    if (json !== undefined) await writeReport('JSON', json, (f) => writeJsonReport(report, f))
+    process.stderr.write(
+      `kvfence audit: interrupted by ${signal}: ${numDone} of ${(report.probes ?? []).length} probes ran to their end; ${kept}\n`,
+    )
+    return interruptExitCodes[signal]
+  }
+  process.stdout.write(`\n${formatSummary(report, stdoutWidth())}\n`)
+  await writeReport('JSON', reports.json, (f) => writeJsonReport(report, f))
+  await writeReport('JUnit', reports.junit, (f) => writeJunitReport(report, f, failOn))
+  await writeReport('HTML', reports.html, (f) => writeHtmlReport(report, f))
+  return exitCodeFor(report, failOn)
+}
+
+/** What an audit runs with: the flags' numbers (checked first: one line naming the flag,
+ *  whatever else is missing), the `--config` file, the report `--resume` names, and the run's
+ *  options, each from the flags, else the file, else the resumed report. Throws AuditError
+ *  `invalid_options` for a missing target or missing tenant keys, and for an unauthorized
+ *  target before any request. */
+async function auditInputs(flags: AuditFlags) {
   // Bad numbers first: one line naming the flag, whatever else is missing.
   const numbers = {
     seed: parseCount('--seed', flags.seed, { min: 0 }),
@@ -234,82 +319,7 @@ async function audit(flags: AuditFlags): Promise<number> {
     contextWindow: numbers.contextWindow,
     kvPoolTokens: numbers.kvPoolTokens,
   }
-  if (flags.plan) {
-    process.stdout.write(
-      `${formatPlan(await planAudit({ ...options, resume, pricePerMillionTokens: numbers.price }))}\n`,
-    )
-    return 0
-  }
-  if (flags.pricePerMillionTokens !== undefined) {
-    throw new AuditError('invalid_options', '--price-per-million-tokens is only read with --plan')
-  }
-  const failOn: Verdict = flags.failOn ?? file.failOn ?? 'leak'
-  const reports = {
-    json: flags.json ?? file.reports?.json ?? flags.resume,
-    junit: flags.junit ?? file.reports?.junit,
-    html: flags.html ?? file.reports?.html,
-  }
-  // A report that cannot be written is an error now, not after the audit spent its budget.
-  checkWritable('JSON', reports.json)
-  checkWritable('JUnit', reports.junit)
-  checkWritable('HTML', reports.html)
-  const progress = makeProgress((probesToRun ?? probeNames).length)
-  const interrupt = new AbortController()
-  const onSignal = (signal: 'SIGINT' | 'SIGTERM'): void => {
-    // A second signal does not wait for the report to be written.
-    if (interrupt.signal.aborted) process.exit(interruptExitCodes[signal])
-    interrupt.abort(signal)
-  }
-  const onInt = () => onSignal('SIGINT')
-  const onTerm = () => onSignal('SIGTERM')
-  process.on('SIGINT', onInt)
-  process.on('SIGTERM', onTerm)
-  const json = reports.json
-  let report
-  try {
-    report = await runAudit({
-      ...options,
-      resume,
-      signal: interrupt.signal,
-      onProgress: progress.onEvent,
-      onReport: json === undefined ? undefined : (r) => writeJsonReport(r, json),
-    })
-  } catch (err) {
-    if (interrupt.signal.aborted) {
-      // Stopped before the probes began (discovery's requests were cut): nothing to keep.
-      const signal = interrupt.signal.reason as 'SIGINT' | 'SIGTERM'
-      process.stderr.write(
-        `kvfence audit: interrupted by ${signal} before any probe ended; nothing was kept\n`,
-      )
-      return interruptExitCodes[signal]
-    }
-    // The tool error's report (state tool-error, no verdict) replaces the progress written.
-    if (err instanceof AuditError && err.report !== undefined && json !== undefined)
-      await writeJsonReport(err.report, json).catch(() => {})
-    throw err
-  } finally {
-    progress.stop()
-    process.off('SIGINT', onInt)
-    process.off('SIGTERM', onTerm)
-  }
-  if (report.state === 'interrupted') {
-    const signal = report.interruptedBy ?? 'SIGINT'
-    const numDone = (report.probes ?? []).length - (report.pendingProbes ?? []).length
-    const kept =
-      json === undefined
-        ? 'no --json was given, so nothing was kept to resume'
-        : `${json} holds them: continue with --resume ${json}`
-    if (json !== undefined) await writeReport('JSON', json, (f) => writeJsonReport(report, f))
-    process.stderr.write(
-      `kvfence audit: interrupted by ${signal}: ${numDone} of ${(report.probes ?? []).length} probes ran to their end; ${kept}\n`,
-    )
-    return interruptExitCodes[signal]
-  }
-  process.stdout.write(`\n${formatSummary(report, stdoutWidth())}\n`)
-  await writeReport('JSON', reports.json, (f) => writeJsonReport(report, f))
-  await writeReport('JUnit', reports.junit, (f) => writeJunitReport(report, f, failOn))
-  await writeReport('HTML', reports.html, (f) => writeHtmlReport(report, f))
-  return exitCodeFor(report, failOn)
+  return { numbers, file, resume, options }
 }
 
 /** The JSON of the report `--resume` names; one line (`cannot_resume`) when it cannot be read. */

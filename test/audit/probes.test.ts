@@ -290,6 +290,19 @@ describe('error-handling', () => {
     )
   })
 
+  test("a correct engine whose answers carry error: null and a model that writes 'error' mid-text: clean", async () => {
+    // llama.cpp's surface answers max_tokens over the context (generation stops there): that
+    // answer's text is the model's, not an error, and its null error field is no error.
+    const report = await audit('error-handling', {
+      flavour: 'llamacpp',
+      answerFields: { error: null },
+      answerSuffix: ' and no error was found, as the maximum was',
+    })
+    assert.deepEqual(verdicts(report), [['error-handling', 'clean', 'info']])
+    const cases = report.findings[0].evidence.cases as { case: string; result: string }[]
+    assert.equal(cases.find((c) => c.case === 'max_tokens over the context')?.result, 'accepted')
+  })
+
   test('every invalid request refused with a 4xx: clean', async () => {
     const report = await audit('error-handling', {})
     assert.deepEqual(verdicts(report), [['error-handling', 'clean', 'info']])

@@ -1,8 +1,9 @@
 /** Using the auditor safely in CI: `--plan` says what an audit would send without sending a
- *  completion, and a target nobody authorized is refused before any request. The real CLI in a
- *  child process against stand-ins, as in cli.test.ts. */
+ *  completion, and a target nobody authorized is refused before any request. The real CLI against
+ *  stand-ins, as in cli.test.ts: in this process, and in a child process for the watch's first
+ *  line (stopped with SIGTERM). */
 import assert from 'node:assert/strict'
-import { execFile, spawn } from 'node:child_process'
+import { spawn } from 'node:child_process'
 import { mkdtemp, rm, writeFile } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -17,6 +18,7 @@ import {
 } from '../../src/audit/index.js'
 import { formatJsonReport } from '../../src/audit/reporters/json.js'
 import { standInTenants, startStandIn, tenantKeys } from './standins.js'
+import { kvfenceWithEnv } from '../helpers/cli.js'
 
 const mainJs = fileURLToPath(new URL('../../src/cli/main.js', import.meta.url))
 
@@ -26,13 +28,9 @@ interface Run {
   stderr: string
 }
 
+/** `kvfence …` in this process (test/helpers/cli.ts: the same parsing, action and exit code). */
 function kvfence(args: string[]): Promise<Run> {
-  return new Promise((resolve) => {
-    execFile(process.execPath, [mainJs, ...args], { timeout: 60_000 }, (err, stdout, stderr) => {
-      const code = err && typeof err.code === 'number' ? err.code : err ? null : 0
-      resolve({ code, stdout, stderr })
-    })
-  })
+  return kvfenceWithEnv({}, ...args)
 }
 
 /** Starts the CLI with `args` and resolves with its first stdout line once it has printed one
