@@ -94,6 +94,24 @@ export interface Discovery {
    *  null when it reports none: a longer prompt is prefilled in several steps, and an abort can
    *  land between them. */
   readonly chunkedPrefillTokens: number | null
+  /** Where a size the operator gave (`--context-window`, `--kv-pool-tokens`) differs from what
+   *  the endpoint reported: the given one is used (absent: none given, or none differs). */
+  readonly givenDisagreements?: readonly CapacityDisagreement[]
+}
+
+/** Sizes the operator gives for what the endpoint does not say, or says wrongly (tokens). */
+export interface GivenCapacity {
+  /** `--context-window`: the longest prompt plus `max_tokens` clients may send. */
+  readonly contextTokens?: number
+  /** `--kv-pool-tokens`: the KV pool of the smallest worker. */
+  readonly poolTokens?: number
+}
+
+/** A size the operator gave and what the endpoint reported instead. */
+export interface CapacityDisagreement {
+  readonly flag: '--context-window' | '--kv-pool-tokens'
+  readonly givenTokens: number
+  readonly reported: readonly CapacitySource[]
 }
 
 /** Fields that advertise a context window. Not `max_total_tokens`: TGI's is one request's
@@ -127,7 +145,11 @@ const maxScanDepth = 4
 
 /** Reads `/v1/models`, server info and metrics. Throws `AuditError('target_unreachable')` when the
  *  first request gets no HTTP answer at all. */
-export async function discover(target: Target, requestedModel: string | null): Promise<Discovery> {
+export async function discover(
+  target: Target,
+  requestedModel: string | null,
+  given: GivenCapacity = {},
+): Promise<Discovery> {
   const tenant = target.tenants[0]
   const endpoints: EndpointStatus[] = []
   const advertised: CapacitySource[] = []
@@ -217,7 +239,7 @@ export async function discover(target: Target, requestedModel: string | null): P
       tokens: limit + sglangInputReserveTokens,
     })
   }
-  return {
+  return withGiven(given, {
     modelsListed: models.map((m) => m.id),
     model,
     advertised,
@@ -234,7 +256,39 @@ export async function discover(target: Target, requestedModel: string | null): P
     pageSizes,
     chunkSizes,
     chunkedPrefillTokens: chunkSizes.length ? Math.max(...chunkSizes.map((s) => s.tokens)) : null,
+  })
+}
+
+/** `discovery` with the operator's sizes in place of the reported ones: the flag wins, since the
+ *  operator may know what an endpoint reports wrongly (a pool per process read as the whole),
+ *  and a reported size that differs is kept in the sources and named in `givenDisagreements`. */
+export function withGiven(given: GivenCapacity, discovery: Discovery): Discovery {
+  const disagreements: CapacityDisagreement[] = []
+  let out = discovery
+  if (given.contextTokens !== undefined) {
+    const tokens = given.contextTokens
+    const differing = discovery.advertised.filter((s) => s.tokens !== tokens)
+    if (differing.length > 0)
+      disagreements.push({ flag: '--context-window', givenTokens: tokens, reported: differing })
+    out = {
+      ...out,
+      advertised: [{ endpoint: '--context-window', field: 'flag', tokens }, ...out.advertised],
+      contextTokens: tokens,
+    }
   }
+  if (given.poolTokens !== undefined) {
+    const tokens = given.poolTokens
+    const differing = discovery.pools.filter((s) => s.tokens !== tokens)
+    if (differing.length > 0)
+      disagreements.push({ flag: '--kv-pool-tokens', givenTokens: tokens, reported: differing })
+    out = {
+      ...out,
+      pools: [{ endpoint: '--kv-pool-tokens', field: 'flag', tokens }, ...out.pools],
+      poolTokens: tokens,
+      largestPoolTokens: tokens,
+    }
+  }
+  return disagreements.length === 0 ? out : { ...out, givenDisagreements: disagreements }
 }
 
 /** Adds what llama.cpp's or TGI's endpoint said to what discovery found. */

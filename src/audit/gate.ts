@@ -177,6 +177,14 @@ export function noAnswerMessage(
   )
 }
 
+/** An `availability` finding that says the endpoint went down during the audit (outage.ts): it
+ *  fails the gate whatever `--fail-on` says, as a leak does, because the probes after it
+ *  audited nothing and an audit that harmed or lost its endpoint must never read as "no leak
+ *  observed" with exit 0. */
+export function isOutageFinding(finding: Finding): boolean {
+  return finding.probe === 'availability' && finding.evidence.outage !== undefined
+}
+
 /** Valid completions that failed (5xx, timeouts, broken or endless streams) are a warning
  *  whatever the probes made of them: a probe that could not tell says inconclusive, but an
  *  endpoint failing valid requests is itself a finding. A `/health` that answered 200 meanwhile

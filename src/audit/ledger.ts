@@ -71,6 +71,11 @@ export class Ledger {
     this.probe = probe
   }
 
+  /** The probe whose completions are being recorded now (null: the audit's own). */
+  get currentProbe(): ProbeName | null {
+    return this.probe
+  }
+
   /** Takes an earlier run's completions (a resumed audit's kept probes) as they were recorded;
    *  they count in every summary but {@link answerSummary}, which is this run's. An entry
    *  without `isValid` (none is written without it) is taken as valid. */

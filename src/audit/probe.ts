@@ -3,6 +3,7 @@
 import type { Budget } from './budget.js'
 import type { Discovery } from './discovery.js'
 import type { PlanInput, PlannedRequests } from './plan.js'
+import type { PromptCeiling } from './prompt-ceiling.js'
 import type { PromptSizer } from './sizer.js'
 import type { Target } from './target.js'
 import type { Finding, ProbeName } from './types.js'
@@ -13,6 +14,9 @@ export interface ProbeContext {
   readonly overCapacityAttempts: number
   /** What the endpoint said about itself (read once before the probes run). */
   readonly discovery: Discovery
+  /** How large a request may be where the endpoint reports no limit (prompt-ceiling.ts); absent
+   *  (watch): {@link PromptCeiling}'s first step. */
+  readonly ceiling?: PromptCeiling | null
   /** Token calibration, done once on first use; null when the endpoint gave no token counts. */
   sizer(): Promise<PromptSizer | null>
   /** `--aggressive`: probes may send bodies that could disturb a shared engine (cache-fields'

@@ -8,13 +8,14 @@
  *  report in state `interrupted`; `resume` continues one from what it had established. */
 import { randomInt } from 'node:crypto'
 import { Budget, BudgetExhaustedError, maxAuditSeconds, minAuditSeconds } from './budget.js'
-import { discover, type Discovery } from './discovery.js'
+import { discover, type Discovery, type GivenCapacity } from './discovery.js'
 import { controlsOf } from './controls.js'
 import {
   availabilityFindings,
   checkModelServed,
   noAnswerMessage,
   NoAnswerWatch,
+  isOutageFinding,
   readHealth,
   sendAnswerCheck,
   answerCheckTokens,
@@ -26,6 +27,8 @@ import {
 } from './gate.js'
 import { withClass } from './classes.js'
 import { Ledger } from './ledger.js'
+import { OutageWatch, type SentRequest } from './outage.js'
+import { PromptCeiling } from './prompt-ceiling.js'
 import type { ProbeContext } from './probe.js'
 import { inconclusiveRemediation } from './probe.js'
 import { probes } from './probes/index.js'
@@ -45,7 +48,12 @@ import {
   type PlanInput,
   type ProbePlan,
 } from './plan.js'
-import { createTarget, type Target } from './target.js'
+import {
+  createTarget,
+  type CompletionRequest,
+  type CompletionResult,
+  type Target,
+} from './target.js'
 import {
   AuditError,
   probeNames,
@@ -76,9 +84,15 @@ export interface AuditOptions {
   readonly maxConcurrency?: number
   readonly requestTimeoutMs?: number // default 60_000, cut shorter by the deadline
   readonly overCapacityAttempts?: number // default 6
-  /** Send bodies that could disturb a shared engine (cache-fields' engine-internal fields);
-   *  default false. */
+  /** Send bodies that could disturb a shared engine (cache-fields' engine-internal fields), and,
+   *  where the endpoint reports no limit, requests past the prompt ceiling's fixed cap
+   *  (prompt-ceiling.ts) and an unbounded `max_tokens` (error-handling); default false. */
   readonly isAggressive?: boolean
+  /** `--context-window`: the endpoint's context window (tokens), used in place of what it reports
+   *  (a disagreement is reported). */
+  readonly contextWindow?: number
+  /** `--kv-pool-tokens`: the endpoint's smallest KV pool (tokens), likewise. */
+  readonly kvPoolTokens?: number
   /** Progress, one line at a time (probe started, probe details, probe finished). */
   readonly onProgress?: (event: ProgressEvent) => void
   /** Aborting it interrupts the audit (its reason, `'SIGINT'` or `'SIGTERM'`, is reported): no
@@ -152,18 +166,36 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     },
   })
   ledger.addEarlier(point?.completions ?? [])
+  // Requests grow only from answered ones where no limit is known, and an endpoint that goes
+  // down for good stops the audit (prompt-ceiling.ts, outage.ts).
+  let ceiling: PromptCeiling | null = null
+  const outage = new OutageWatch()
   const targetOptions = {
     baseUrl: config.baseUrl,
     tenants: config.tenants,
     budget,
     requestTimeoutMs: config.requestTimeoutMs,
     ledger,
+    onCompletion: (request: CompletionRequest, result: CompletionResult) => {
+      const isValid = request.isValid ?? true
+      const promptTokens = result.promptTokens ?? request.estimatedPromptTokens ?? null
+      ceiling?.observe(isValid, promptTokens, result)
+      const sent = sentRequest(request, result, promptTokens, ledger.currentProbe)
+      if (outage.observe(isValid, sent, result)) budget.close()
+    },
   }
-  const discovery = await discover(createTarget({ ...targetOptions, model: null }), config.model)
+  const discovery = await discover(
+    createTarget({ ...targetOptions, model: null }),
+    config.model,
+    config.given,
+  )
   if (point !== null) checkResumedModel(point, options.resume!.source, discovery.model)
   const target = createTarget({ ...targetOptions, model: discovery.model })
+  ceiling = new PromptCeiling(knownLimitTokens(discovery), options.isAggressive === true)
   await checkKeys(target)
   await checkModelServed(target, discovery, config.model)
+  // Read before any probe, so that a health check that turns bad during the audit is seen.
+  const healthBefore = await readHealth(target)
 
   const outcomes = new Map<ProbeName, ProbeOutcome>()
   for (const run of point?.probeRuns ?? []) {
@@ -216,6 +248,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
       overCapacityAttempts: config.overCapacityAttempts,
       isAggressive: options.isAggressive === true,
       discovery,
+      ceiling,
       sizer,
       emit: options.onProgress ?? (() => {}),
       interruptedBy,
@@ -226,6 +259,20 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   }
   budget.holdBack(0, 0)
   ledger.setProbe(null)
+  if (outage.isDown() && !budget.isStopped) {
+    for (const name of config.probes) {
+      if (outcomes.has(name)) continue
+      const finding = notRunFinding(
+        name,
+        'not run: the endpoint went down before it (availability)',
+      )
+      outcomes.set(name, {
+        run: emptyRun(name, finding.title),
+        findings: [finding],
+        isComplete: false,
+      })
+    }
+  }
 
   if (budget.isStopped) {
     const why = `the audit was interrupted${interruptedBy() ? ` (${interruptedBy()})` : ''}`
@@ -247,10 +294,17 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   if (ledger.validSummary().numFailed > 0) health ??= readHealth(target)
   const healthReading = health === null ? null : await (health as Promise<HealthReading>)
   if (budget.isStopped) return report('interrupted')
+  const healthAfter =
+    healthBefore.status === 200 || outage.isDown() ? await readHealth(target) : null
+  const outageFinding = outage.finding({
+    before: healthBefore.status === 'budget' ? null : healthBefore.status,
+    after: healthAfter === null || healthAfter.status === 'budget' ? null : healthAfter.status,
+  })
   extraFindings.push(
-    ...availabilityFindings(ledger, healthReading).map((f) =>
-      withClass({ ...f, controls: controlsOf(f.probe) }),
-    ),
+    ...[
+      ...(outageFinding === null ? [] : [outageFinding]),
+      ...availabilityFindings(ledger, healthReading),
+    ].map((f) => withClass({ ...f, controls: controlsOf(f.probe) })),
   )
   const message = noAnswerMessage(ledger.answerSummary(), config.baseUrl, budget, healthReading)
   if (message !== null) {
@@ -293,6 +347,7 @@ async function runProbe(
     overCapacityAttempts: context.overCapacityAttempts,
     isAggressive: context.isAggressive,
     discovery: context.discovery,
+    ceiling: context.ceiling,
     sizer: context.sizer,
     log: (message) => {
       if (!isAbandoned) emit({ type: 'probe-log', probe: name, message })
@@ -340,6 +395,35 @@ async function runProbe(
   }
   if (!budget.isStopped) emit({ type: 'probe-end', probe: name, findings })
   return { run, findings, isComplete }
+}
+
+/** The smallest limit the endpoint (or the operator) gave for one request's tokens, or null. */
+export function knownLimitTokens(discovery: Discovery): number | null {
+  const known = [discovery.contextTokens, discovery.poolTokens, discovery.inputLimitTokens].filter(
+    (n): n is number => n !== null,
+  )
+  return known.length === 0 ? null : Math.min(...known)
+}
+
+/** One completion as the outage watch keeps it: sizes and fate, no text. */
+function sentRequest(
+  request: CompletionRequest,
+  result: CompletionResult,
+  promptTokens: number | null,
+  probe: ProbeName | null,
+): SentRequest {
+  return {
+    requestNumber: result.requestNumber,
+    atMs: result.atMs,
+    probe,
+    tenant: request.tenant.name,
+    promptTokens,
+    promptChars: request.prompt.length,
+    maxTokens: request.maxTokens,
+    isStream: request.stream,
+    status: result.status,
+    failure: result.failure,
+  }
 }
 
 /** The run of a probe that never started (the audit was interrupted before it). */
@@ -405,7 +489,7 @@ export async function planAudit(
     requestTimeoutMs: config.requestTimeoutMs,
     model: null,
   })
-  const discovery = await discover(discoveryTarget, config.model)
+  const discovery = await discover(discoveryTarget, config.model, config.given)
   if (point !== null) checkResumedModel(point, options.resume!.source, discovery.model)
   // A plan of an audit that would end at once is the audit's tool error: a refused key as the
   // audit says it; a --model /v1/models does not list, without the check completion the audit
@@ -512,7 +596,8 @@ const probesThatSize: readonly ProbeName[] = [
   'evict-then-return',
 ]
 
-/** The exit code `kvfence audit` uses: 1 when a finding fails the gate `failOn` (gate.ts: by
+/** The exit code `kvfence audit` uses: 1 when the endpoint went down during the audit (an
+ *  outage finding fails every gate), or when a finding fails the gate `failOn` (gate.ts: by
  *  class, severity, tag or verdict; a leak always fails), else 0. (2, for a tool error, is the
  *  caller's: `runAudit` then throws, e.g. for a target that answered none of the valid
  *  completions.) */
@@ -520,6 +605,7 @@ export function exitCodeFor(
   report: AuditReport,
   failOn: FailOnTerm | readonly FailOnTerm[] = defaultFailOn,
 ): 0 | 1 {
+  if (report.findings.some(isOutageFinding)) return 1
   const terms = asTerms(failOn)
   return report.findings.some((f) => failsGate(f, terms)) ? 1 : 0
 }
@@ -617,6 +703,7 @@ interface AuditConfig {
   }
   readonly requestTimeoutMs: number
   readonly overCapacityAttempts: number
+  readonly given: GivenCapacity
 }
 
 function validate(options: AuditOptions): AuditConfig {
@@ -704,6 +791,14 @@ function validate(options: AuditOptions): AuditConfig {
       1,
       100,
     ),
+    given: Object.freeze({
+      ...(options.contextWindow === undefined
+        ? {}
+        : { contextTokens: intIn('context window', options.contextWindow, 0, 2, 1e9) }),
+      ...(options.kvPoolTokens === undefined
+        ? {}
+        : { poolTokens: intIn('KV pool tokens', options.kvPoolTokens, 0, 2, 1e12) }),
+    }),
   })
 }
 

@@ -58,6 +58,9 @@ export interface CompletionRequest {
   readonly isValid?: boolean
   /** More body fields (the cache-fields probe's); never `prompt`, `max_tokens` or `model`. */
   readonly extraFields?: Readonly<Record<string, unknown>>
+  /** The sender's estimate of the prompt's tokens, for when the answer reports none (what the
+   *  prompt ceiling and the outage finding go by). */
+  readonly estimatedPromptTokens?: number
 }
 
 export interface CompletionResult {
@@ -182,6 +185,9 @@ export interface TargetOptions {
   readonly requestTimeoutMs: number
   /** Where every completion's fate is recorded; none when omitted. */
   readonly ledger?: Ledger
+  /** Called with every completion as it ends, after the ledger (the prompt ceiling and the
+   *  outage watch); none when omitted. */
+  readonly onCompletion?: (request: CompletionRequest, result: CompletionResult) => void
 }
 
 /** Largest response body read (bytes) unless a request asks for less; past it the request is
@@ -199,7 +205,7 @@ const maxErrorMessageChars = 200
 const abortGraceMs = 100
 
 export function createTarget(options: TargetOptions): Target {
-  const { baseUrl, model, tenants, budget, requestTimeoutMs, ledger } = options
+  const { baseUrl, model, tenants, budget, requestTimeoutMs, ledger, onCompletion } = options
   const keys = tenants.map((t) => t.key).filter((k) => k.length >= 4)
 
   const scrub = (text: string): string => {
@@ -323,6 +329,7 @@ export function createTarget(options: TargetOptions): Target {
     })
     const result = parseCompletion(http, request.stream, scrub)
     ledger?.record(request.tenant.name, request.isValid ?? true, result, budget.remainingMs === 0)
+    onCompletion?.(request, result)
     return result
   }
 

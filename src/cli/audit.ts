@@ -64,6 +64,8 @@ interface AuditFlags {
   pricePerMillionTokens?: string
   authorized?: boolean
   aggressive?: boolean
+  contextWindow?: string
+  kvPoolTokens?: string
   resume?: string
 }
 
@@ -131,7 +133,15 @@ export function registerAudit(program: Command): void {
     )
     .option(
       '--aggressive',
-      'also send bodies that could disturb a shared engine (cache-fields: engine-internal fields aimed at an unrouted host)',
+      "also send what could disturb a shared engine: cache-fields' engine-internal fields aimed at an unrouted host, and, where the endpoint reports no context or pool, prompts past 1,024 tokens and an unbounded max_tokens",
+    )
+    .option(
+      '--context-window <tokens>',
+      "the endpoint's context window, for an endpoint that does not report it (used over what it reports; a difference is named in the capacity finding)",
+    )
+    .option(
+      '--kv-pool-tokens <tokens>',
+      "the KV pool of the endpoint's smallest worker, in tokens, likewise",
     )
     .addHelpText(
       'after',
@@ -262,6 +272,8 @@ async function auditInputs(flags: AuditFlags) {
       auditBounds.maxConcurrency,
     ),
     price: parsePrice(flags.pricePerMillionTokens),
+    contextWindow: parseCount('--context-window', flags.contextWindow, { min: 2 }),
+    kvPoolTokens: parseCount('--kv-pool-tokens', flags.kvPoolTokens, { min: 2 }),
   }
   const file: AuditConfigFile =
     flags.config === undefined ? {} : await loadAuditConfig(flags.config, process.env)
@@ -305,6 +317,9 @@ async function auditInputs(flags: AuditFlags) {
     maxSeconds: numbers.maxSeconds ?? file.maxSeconds,
     concurrency: numbers.concurrency ?? file.concurrency,
     maxConcurrency: numbers.maxConcurrency ?? file.maxConcurrency,
+    isAggressive: flags.aggressive === true,
+    contextWindow: numbers.contextWindow,
+    kvPoolTokens: numbers.kvPoolTokens,
   }
   return { numbers, file, resume, options }
 }

@@ -31,6 +31,8 @@ interface WatchFlags {
   config?: string
   tenant?: string[]
   model?: string
+  contextWindow?: string
+  kvPoolTokens?: string
   seed?: string
   cycleSeconds?: string
   maxTokensPerHour?: string
@@ -60,6 +62,11 @@ export function registerWatch(program: Command): void {
       (value: string, previous: string[] | undefined) => [...(previous ?? []), value],
     )
     .option('--model <id>', 'model id (default: the first one /v1/models lists)')
+    .option(
+      '--context-window <tokens>',
+      "the endpoint's context window, for an endpoint that does not report it (used over what it reports)",
+    )
+    .option('--kv-pool-tokens <tokens>', "the KV pool of the endpoint's smallest worker, likewise")
     .option('--seed <n>', 'seed of the random draws (default: random, logged)')
     .option(
       '--cycle-seconds <s>',
@@ -138,6 +145,8 @@ async function watch(flags: WatchFlags): Promise<number> {
       target,
       tenants,
       model: flags.model ?? file.audit.model,
+      contextWindow: count('--context-window', flags.contextWindow, 2),
+      kvPoolTokens: count('--kv-pool-tokens', flags.kvPoolTokens, 2),
       seed: count('--seed', flags.seed, 0) ?? file.audit.seed,
       cycleSeconds:
         bounded('--cycle-seconds', flags.cycleSeconds, 'cycleSeconds') ?? file.watch.cycleSeconds,

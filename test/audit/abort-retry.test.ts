@@ -64,13 +64,26 @@ describe('abort-retry', () => {
       assert.deepEqual(first.controls, { aisvs: ['5.5.5'], guards: ['G5'] })
     })
 
-    test(`${c.flavour}: only completed prefills published: clean, with cuts during prefill`, async () => {
-      const report = await audit({ flavour: c.flavour, chunkedPrefill: chunked(false) })
+    test(`${c.flavour}: only completed prefills published, cached_tokens reported: clean, with cuts during prefill and a cache hit seen`, async () => {
+      const report = await audit({
+        flavour: c.flavour,
+        chunkedPrefill: { ...chunked(false), isCachedTokensReported: true },
+      })
       assert.deepEqual(verdicts(report), [['abort-retry', 'clean', 'info']])
       const attempts = report.findings[0].evidence.attempts as { isCutInPrefill: boolean }[]
-      // No cached_tokens to steer by: the six fixed cut points, one after the other.
       assert.equal(attempts.length, 6)
       assert.ok(attempts.some((a) => a.isCutInPrefill))
+      // The positive control: the last prompt answered whole, sent again, served from the cache.
+      const control = report.findings[0].evidence.cacheControl as { cachedTokens: number }
+      assert.equal(control.cachedTokens, c.promptTokens)
+    })
+
+    test(`${c.flavour}: only completed prefills published, no cached_tokens: inconclusive, no cache hit seen`, async () => {
+      const report = await audit({ flavour: c.flavour, chunkedPrefill: chunked(false) })
+      assert.deepEqual(verdicts(report), [['abort-retry', 'inconclusive', 'medium']])
+      // No cached_tokens to steer by: the six fixed cut points, one after the other.
+      assert.equal((report.findings[0].evidence.attempts as unknown[]).length, 6)
+      assert.match(report.findings[0].title, /no request was seen served from a prefix cache/)
     })
   }
 

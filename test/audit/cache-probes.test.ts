@@ -181,7 +181,8 @@ describe('cache edges and churn, from what the endpoint reports', () => {
       assert.equal(byProbe.get('warm-equals-cold')?.numRequests, 2 + 36 + 6 + 4)
       // Pool 384 (24 blocks × 16), context 384: prompts of 368; ⌈1,536 / 368⌉ = 5, ⌈5 × 1.5⌉ = 8
       // at most, plus 4 prefixes, a warm one, 3 checks and 4 returns.
-      assert.equal(byProbe.get('evict-then-return')?.numRequests, 12 + 8)
+      // 12 fixed, one canary measurement per tenant, 8 churn at most.
+      assert.equal(byProbe.get('evict-then-return')?.numRequests, 12 + 2 + 8)
       assert.equal(standIn.stats.paths.filter((p) => p.startsWith('POST')).length, 0)
     } finally {
       await standIn.close()
@@ -226,7 +227,9 @@ describe('warm-equals-cold', () => {
       [
         [
           'clean',
-          'warm answers equalled cold ones at 12 lengths on and ±1 around 16 (1 × page 16), 32 (2 × page 16), 64 (4 × page 16), 128 (8 × page 16)',
+          // The positive control: the stand-in serves a warm prompt whole from its cache, the
+          // longest being 129 tokens.
+          'warm answers equalled cold ones at 12 lengths on and ±1 around 16 (1 × page 16), 32 (2 × page 16), 64 (4 × page 16), 128 (8 × page 16) (positive control: warm requests were served up to 129 cached tokens)',
         ],
       ],
     )
@@ -331,8 +334,10 @@ describe('evict-then-return', () => {
       numChurnAnswered: number
       churnTokensAnswered: number
     }
-    // Pool 384 (the largest the stand-in reports): ⌈4 × 384 / 368⌉ = 5 churn prompts.
-    assert.equal(e.numChurnAnswered, 5)
+    // Pool 384 (the largest the stand-in reports): ⌈4 × 384 / 368⌉ = 5 churn prompts if each
+    // came out at 368 tokens; each carries its canary every 6 filler words, priced at 1.5 × its
+    // measured cost, so each comes out shorter and 7 (of at most ⌈5 × 1.5⌉ = 8) are answered.
+    assert.equal(e.numChurnAnswered, 7)
     assert.ok(e.churnTokensAnswered >= 4 * 384)
     assert.equal(e.warm.cachedTokens, e.warm.promptTokens)
     assert.deepEqual(
@@ -399,7 +404,9 @@ describe('evict-then-return', () => {
       kvCache: { isOffloaded: true, offloadSlots: 4, bug: 'offload-stale-slot' },
     })
     // The 4-slot ring wrapped under the churn: alice's slots now hold churn prompts, bob's first.
+    // Every churn prompt carries its canary end to end, so each replayed one is named.
     assert.deepEqual(rows(report), [
+      ['evict-then-return', 'leak', 'critical'],
       ['evict-then-return', 'leak', 'critical'],
       ['evict-then-return', 'leak', 'high'],
       ['evict-then-return', 'leak', 'high'],

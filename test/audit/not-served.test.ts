@@ -128,8 +128,9 @@ describe('a target that serves no completion: exit 2 after a few requests', () =
       Array.from({ length: notServedLimit }, () => ['canary', null, 'network']),
     )
     // Discovery's reads (models, two server infos, metrics, and with no pool said llama.cpp's
-    // /props and /slots and TGI's /info), two key checks, six completions and one /health.
-    assert.equal(report.requestsSent, 7 + 2 + notServedLimit + 1)
+    // /props and /slots and TGI's /info), two key checks, the /health read before the probes,
+    // six completions and one /health after the first failure.
+    assert.equal(report.requestsSent, 7 + 2 + 1 + notServedLimit + 1)
     assert.deepEqual(report.pendingProbes, report.probes)
   })
 

@@ -195,8 +195,8 @@ describe('prefix-timing (Gu et al.)', () => {
     assert.equal(report.findings[0].class, 'side-channel')
     assert.match(report.findings[0].title, /^timing side channel/)
     const cross = report.findings[0].evidence.cross as { ttftMs: { hit: number[]; miss: number[] } }
-    assert.equal(cross.ttftMs.hit.length, 10)
-    assert.equal(cross.ttftMs.miss.length, 10)
+    assert.equal(cross.ttftMs.hit.length, 12)
+    assert.equal(cross.ttftMs.miss.length, 12)
   })
 
   test('a cache keyed by tenant: clean, because the control (own reuse) does show a difference', async () => {
@@ -230,8 +230,8 @@ describe('prefix-timing (Gu et al.)', () => {
       'control' | 'cross',
       { cachedTokens: number[] }
     >
-    assert.deepEqual(control.cachedTokens, Array(10).fill(32))
-    assert.deepEqual(cross.cachedTokens, Array(10).fill(0))
+    assert.deepEqual(control.cachedTokens, Array(12).fill(32))
+    assert.deepEqual(cross.cachedTokens, Array(12).fill(0))
   })
 
   test('cached_tokens decides without TTFT: hits reported but answered slower than misses, clean', async () => {

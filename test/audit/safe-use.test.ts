@@ -148,13 +148,14 @@ describe('--plan', () => {
       // re-aimed edges × 3 prompts and 4 salt controls: 2 × 47 + 55 × 273.
       assert.deepEqual(planRow(run.stdout, 'warm-equals-cold'), ['57', '15109', '0.0378'])
       // evict-then-return: 4 prefixes cold, one warm, 3 checks and 4 returns, 12 × (96 + 16);
-      // churn of 4 × 384 in prompts of 368: ⌈1,536 / 368⌉ = 5, ⌈5 × 1.5⌉ = 8 at most, × (368 + 16).
-      assert.deepEqual(planRow(run.stdout, 'evict-then-return'), ['20', '4416', '0.0110'])
+      // each tenant's canary cost, 2 × 48; churn of 4 × 384 in prompts of 368:
+      // ⌈1,536 / 368⌉ = 5, ⌈5 × 1.5⌉ = 8 at most, × (368 + 16).
+      assert.deepEqual(planRow(run.stdout, 'evict-then-return'), ['22', '4512', '0.0113'])
       // canary: 3 plants, then per round of 6 a re-plant (165 + 32), a normal prompt (165 + 64)
       // and an over-capacity one (at most 960 + 64), and one plant of 352 + 32 covering the
       // 384-token pool: 9 × 197 + 384 + 6 × 229 + 6 × 1024.
       assert.deepEqual(planRow(run.stdout, 'canary'), ['22', '9675', '0.0242'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['466', '87036', '0.2176'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['480', '88857', '0.2221'])
       // The default budget (500 requests) covers the default plan: nothing is said about it.
       assert.doesNotMatch(run.stdout, /exceed --max-requests/)
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))

@@ -170,6 +170,8 @@ export interface ChunkedPrefill {
   readonly isPartialPublished: boolean
   /** Unwritten positions published empty (pages never used: zeros) instead of stale. */
   readonly isUnwrittenBlank?: boolean
+  /** Report `cached_tokens` (the whole prompt on a hit in the tenant's cache, else 0). */
+  readonly isCachedTokensReported?: boolean
 }
 
 /** The `kvCache` stand-in: what it keeps and which bug it has. */
@@ -729,6 +731,7 @@ async function serveChunkedPrefill(
   const key = `${tenant}\n${words.join(' ')}`
   const prompt = ['<bos>', ...words]
   let pages = cache.get(key)
+  const cachedTokens = pages === undefined ? 0 : prompt.length
   if (pages === undefined) {
     let isGone = false
     let numWritten = 0
@@ -754,7 +757,13 @@ async function serveChunkedPrefill(
     pages = written
   }
   const output = pages.slice(Math.max(1, pages.length - request.max_tokens))
-  const usage = { prompt_tokens: prompt.length, completion_tokens: output.length }
+  const usage = {
+    prompt_tokens: prompt.length,
+    completion_tokens: output.length,
+    ...(setup.isCachedTokensReported
+      ? { prompt_tokens_details: { cached_tokens: cachedTokens } }
+      : {}),
+  }
   if (!request.stream) {
     return sendJson(res, 200, {
       object: 'text_completion',

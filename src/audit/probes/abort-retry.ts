@@ -28,6 +28,7 @@ import type { PlanInput } from '../plan.js'
 import type { Probe, ProbeContext } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
+import { firstCeilingTokens, unknownLimitTokens } from '../prompt-ceiling.js'
 import type { PromptSizer } from '../sizer.js'
 import { fillerText } from '../sizer.js'
 import { isAnsweredWhole, type CompletionResult, type Target } from '../target.js'
@@ -77,8 +78,11 @@ interface Sizing {
   /** Filler tokens wanted before the canaries: past the chunk by three times as much (at most
    *  2,048 tokens, at least a quarter of it), so the cut has several prefill steps to land in. */
   readonly headTokens: number
-  /** The largest prompt (tokens) the endpoint says it can hold with `max_tokens`, or null. */
+  /** The largest prompt (tokens) the endpoint says it can hold with `max_tokens`, or, where it
+   *  says nothing, what the prompt ceiling allows now (prompt-ceiling.ts); null: no bound. */
   readonly roomTokens: number | null
+  /** True when `roomTokens` is the prompt ceiling's, not a limit the endpoint or operator gave. */
+  readonly isCeiling: boolean
 }
 
 /** Upper bound of the tokens beyond the filler (ASCII costs at most one token a character): the
@@ -86,20 +90,30 @@ interface Sizing {
  *  ` key: C1 C2. key: ` (13 characters and two canaries) with the cue. */
 const tailUpperTokens = 25 + 13 + 2 * 24 + cueChars + 2
 
+/** `ceilingTokens`: a request's tokens at most where the endpoint reports no limit (the prompt
+ *  ceiling's, or null for none). */
 function sizing(
   input: Pick<PlanInput, 'poolTokens' | 'contextTokens' | 'inputLimitTokens'> & {
     readonly chunkedPrefillTokens?: number | null
   },
+  ceilingTokens: number | null,
 ): Sizing {
   const reported = input.chunkedPrefillTokens ?? null
   const chunkTokens = reported ?? defaultChunkTokens
   const limits = [input.poolTokens, input.contextTokens, input.inputLimitTokens].filter(
     (n): n is number => n !== null,
   )
-  const roomTokens = limits.length > 0 ? Math.min(...limits) - maxTokens - marginTokens : null
+  const limit = limits.length > 0 ? Math.min(...limits) : ceilingTokens
+  const roomTokens = limit === null ? null : limit - maxTokens - marginTokens
   const wanted = chunkTokens + Math.max(Math.ceil(chunkTokens / 4), Math.min(3 * chunkTokens, 2048))
   const headTokens = roomTokens === null ? wanted : Math.min(wanted, roomTokens - tailUpperTokens)
-  return { chunkTokens, isChunkReported: reported !== null, headTokens, roomTokens }
+  return {
+    chunkTokens,
+    isChunkReported: reported !== null,
+    headTokens,
+    roomTokens,
+    isCeiling: limits.length === 0 && ceilingTokens !== null,
+  }
 }
 
 export const abortRetryProbe: Probe = {
@@ -107,7 +121,8 @@ export const abortRetryProbe: Probe = {
   description:
     'a prompt over one prefill chunk is cut during prefill, then sent again at once by the same tenant and another; temperature-0 answers must equal the cold answer and carry no other request’s canary',
   plan: (input) => {
-    const { headTokens } = sizing(input)
+    // With no limit known, the prompts grow from answered ones up to the ceiling's cap at most.
+    const { headTokens } = sizing(input, input.isAggressive ? null : unknownLimitTokens)
     return [
       {
         what: 'attempts: cold, priming, cut during prefill, two retries',
@@ -117,7 +132,8 @@ export const abortRetryProbe: Probe = {
     ]
   },
   async run(target, budget, context): Promise<Finding[]> {
-    const size = sizing(context.discovery)
+    const ceiling = () => context.ceiling?.maxRequestTokens() ?? firstCeilingTokens
+    const size = sizing(context.discovery, ceiling())
     if (size.isChunkReported && size.headTokens <= size.chunkTokens) {
       return [
         inconclusive(
@@ -140,16 +156,22 @@ export const abortRetryProbe: Probe = {
     }
     const rng = createRng(context.seed, 'abort-retry')
     const attempts: Attempt[] = []
+    let control: Observed | null = null
     const stoppedBy = await runUntilExhausted(async () => {
       for (let i = 0; i < numAttempts; i++) {
-        const attempt = plantAttempt(target.tenants, sizer, size, rng, i, nextCutFraction(attempts))
+        // Where no limit is known, each attempt's prompt is as large as answers so far allow.
+        const now = sizing(context.discovery, ceiling())
+        if (now.headTokens < 1) break
+        const attempt = plantAttempt(target.tenants, sizer, now, rng, i, nextCutFraction(attempts))
         // Recorded before it is sent: what a budget stop leaves half done is still judged.
         attempts.push(attempt)
         await runAttempt(target, context, attempt)
-        if (isDecisive(attempt)) break
+        if (isDecisive(attempt)) return
       }
+      control = await sendCacheControl(target, attempts)
     })
-    return judge(attempts, size, stoppedBy)
+    const evidenceSize = { ...size, ceiling: context.ceiling?.describe() ?? null }
+    return judge(attempts, evidenceSize, stoppedBy, control)
   },
 }
 
@@ -163,6 +185,8 @@ interface Attempt {
    *  when there is one). */
   readonly roles: { readonly cut: Tenant; readonly other: Tenant; readonly reference: Tenant }
   readonly observed: Observed[]
+  /** The prompt's estimated tokens (filler and the tail's upper bound). */
+  readonly promptTokens: number
   cold: Observed | null
   cutRun: Observed | null
   cutAfterMs: number | null
@@ -204,6 +228,7 @@ function plantAttempt(
     },
     roles,
     observed: [],
+    promptTokens: size.headTokens + tailUpperTokens,
     cold: null,
     cutRun: null,
     cutAfterMs: null,
@@ -252,6 +277,7 @@ async function runAttempt(target: Target, context: ProbeContext, attempt: Attemp
       prompt: p.prompt,
       maxTokens,
       stream,
+      estimatedPromptTokens: attempt.promptTokens,
       ...(abortAfterMs === undefined ? {} : { abortAfterMs }),
     })
     const o = { planted: p, label, stream, result }
@@ -272,6 +298,34 @@ async function runAttempt(target: Target, context: ProbeContext, attempt: Attemp
   context.log(
     `attempt ${attempt.index}: cold TTFT ${Math.round(cold.result.ttftMs)} ms, cut at ${cutAfterMs} ms ${isCutInPrefill(attempt) ? 'during prefill' : 'after the answer began'}; ${differing.length} of ${compared.length} retries differ`,
   )
+}
+
+/** The positive control: the prompt of the last attempt whose same-tenant retry was answered
+ *  whole (and so prefilled to its end) is sent once more by that tenant, which a prefix cache
+ *  must then serve from cache (`cached_tokens` above 0). Without a hit seen, no retry showed the
+ *  cache at work, and "the retries equal the cold answer" proves nothing about reused pages.
+ *  Null when no attempt had such a retry. */
+async function sendCacheControl(
+  target: Target,
+  attempts: readonly Attempt[],
+): Promise<Observed | null> {
+  const last = [...attempts].reverse().find((a) => a.retries.some((o) => isAnsweredWhole(o.result)))
+  if (last === undefined) return null
+  const result = await target.complete({
+    tenant: last.subject.tenant,
+    prompt: last.subject.prompt,
+    maxTokens,
+    stream: false,
+    estimatedPromptTokens: last.promptTokens,
+  })
+  const o: Observed = {
+    planted: last.subject,
+    label: 'control (same tenant, prompt answered whole before)',
+    stream: false,
+    result,
+  }
+  last.observed.push(o)
+  return o
 }
 
 /** The retries answered whole, and those whose text is not the cold answer's. */
@@ -302,7 +356,12 @@ function isCutBeforeAnswer(result: CompletionResult): boolean {
   return result.failure === 'aborted' && result.ttftMs === null && result.text === ''
 }
 
-function judge(attempts: readonly Attempt[], size: Sizing, stoppedBy: string | null): Finding[] {
+function judge(
+  attempts: readonly Attempt[],
+  size: Sizing & { readonly ceiling: string | null },
+  stoppedBy: string | null,
+  control: Observed | null,
+): Finding[] {
   const planted = attempts.flatMap((a) => [a.subject, a.priming])
   const observed = attempts.flatMap((a) => a.observed)
   const summary = {
@@ -319,6 +378,11 @@ function judge(attempts: readonly Attempt[], size: Sizing, stoppedBy: string | n
       cachedTokens: a.observed.map((o) => o.result.cachedTokens),
     })),
     stoppedBy,
+    ceiling: size.ceiling,
+    cacheControl:
+      control === null
+        ? null
+        : { cachedTokens: control.result.cachedTokens, status: control.result.status },
     requests: requestLog(observed),
   }
   const crossings = findCrossings(observed, planted)
@@ -347,12 +411,22 @@ function judge(attempts: readonly Attempt[], size: Sizing, stoppedBy: string | n
             : 'no retry after a cut during prefill was answered whole, so none could be compared'
     return [inconclusive(stoppedBy === null ? reason : `${reason} (${stoppedBy})`, summary)]
   }
+  const mostCached = Math.max(0, ...observed.map((o) => o.result.cachedTokens ?? 0))
+  if (mostCached === 0) {
+    const isReported = observed.some((o) => o.result.cachedTokens !== null)
+    return [
+      inconclusive(
+        `${inPrefill.length} prompts cut during prefill and ${numCompared} retries answered the cold answer, but no request was seen served from a prefix cache (cached_tokens ${isReported ? 'always 0' : 'not reported'}, the control included): reuse of an aborted prefill's pages was not exercised`,
+        summary,
+      ),
+    ]
+  }
   return [
     {
       probe: 'abort-retry',
       verdict: 'clean',
       severity: 'info',
-      title: `${inPrefill.length} prompts cut during prefill; ${numCompared} retries by the same and another tenant answered exactly the cold answer`,
+      title: `${inPrefill.length} prompts cut during prefill; ${numCompared} retries by the same and another tenant answered exactly the cold answer (positive control: the prefix cache served ${mostCached} cached tokens)`,
       evidence: summary,
       remediation: 'None needed.',
     },

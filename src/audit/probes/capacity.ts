@@ -53,6 +53,16 @@ function inputRule(discovery: Discovery): Record<string, unknown> {
   }
 }
 
+/** Where the operator's `--context-window` or `--kv-pool-tokens` was used over a size the
+ *  endpoint reported otherwise: said in the title, since the verdict rests on the flag. */
+function givenNote(discovery: Discovery): string {
+  const notes = (discovery.givenDisagreements ?? []).map(
+    (d) =>
+      `${d.flag} ${d.givenTokens} used where the endpoint reports ${d.reported.map((s) => `${s.tokens} (${s.endpoint} ${s.field})`).join(', ')}`,
+  )
+  return notes.length === 0 ? '' : ` (${notes.join('; ')})`
+}
+
 /** `/v1/models 200, /props 404, …`: what discovery asked and got. */
 function askedOf(endpoints: Discovery['endpoints']): string {
   return endpoints.length === 0
@@ -74,7 +84,11 @@ export const capacityProbe: Probe = {
       poolSources: pools,
       endpoints,
       inputRule: inputRule(discovery),
+      ...(discovery.givenDisagreements === undefined
+        ? {}
+        : { givenDisagreements: discovery.givenDisagreements }),
     }
+    const given = givenNote(discovery)
     if (contextTokens === null || poolTokens === null) {
       const missing = [
         contextTokens === null ? 'advertised context window' : null,
@@ -105,7 +119,7 @@ export const capacityProbe: Probe = {
           probe: 'capacity',
           verdict: 'warning',
           severity: 'high',
-          title: `advertised context ${contextTokens} tokens > effective KV pool ${poolTokens} tokens`,
+          title: `advertised context ${contextTokens} tokens > effective KV pool ${poolTokens} tokens${given}`,
           evidence,
           remediation:
             `Lower the advertised context window (max_model_len / context length) to at most ` +
@@ -122,7 +136,8 @@ export const capacityProbe: Probe = {
         severity: 'info',
         title:
           `advertised context ${contextTokens} tokens fits the KV pool of ${poolTokens} tokens` +
-          sglangNote(discovery),
+          sglangNote(discovery) +
+          given,
         evidence,
         remediation: 'None needed. Keep the context window at or below the KV pool after changes.',
       },

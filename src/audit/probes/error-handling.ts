@@ -48,14 +48,20 @@ export const errorHandlingProbe: Probe = {
   name: 'error-handling',
   description:
     'malformed JSON, a missing prompt, bad max_tokens and over-length prompts must get a 4xx, never a 200 carrying an error text',
-  plan: ({ poolTokens, contextTokens }) => {
+  plan: ({ poolTokens, contextTokens, isAggressive }) => {
     const sizes = [poolTokens, contextTokens].filter((n) => n !== null)
     const limit = sizes.length === 0 ? null : Math.min(...sizes)
+    const overMaxTokens = overContextMaxTokens(limit, isAggressive)
     return [
       { what: 'valid control', numRequests: 1, tokensEach: 3 },
       { what: 'malformed requests', numRequests: 4, tokensEach: 6 },
-      // Refused when the endpoint validates; generated to the end when it does not.
-      { what: 'max_tokens over the context', numRequests: 1, tokensEach: (limit ?? 0) + 1002 },
+      // Refused when the endpoint validates; generated to the end when it does not: priced at
+      // every token it asks for.
+      {
+        what: 'max_tokens over the context',
+        numRequests: overMaxTokens === null ? 0 : 1,
+        tokensEach: (overMaxTokens ?? 0) + 2,
+      },
       {
         what: 'prompt twice the limit',
         numRequests: limit === null ? 0 : 1,
@@ -68,7 +74,9 @@ export const errorHandlingProbe: Probe = {
     const { contextTokens, poolTokens } = context.discovery
     const model = target.model === null ? {} : { model: target.model }
     const json = (o: Record<string, unknown>) => JSON.stringify({ ...model, ...o })
-    const limit = Math.min(...[contextTokens, poolTokens].filter((n) => n !== null), 1_000_000)
+    const known = [contextTokens, poolTokens].filter((n) => n !== null)
+    const limit = known.length === 0 ? null : Math.min(...known)
+    const overMaxTokens = overContextMaxTokens(limit, context.isAggressive === true)
     const cases: Case[] = [
       {
         name: 'malformed JSON',
@@ -102,18 +110,24 @@ export const errorHandlingProbe: Probe = {
         isMalformed: true,
         isCutEarly: true,
       },
-      {
+    ]
+    if (overMaxTokens !== null) {
+      cases.push({
         name: 'max_tokens over the context',
-        body: json({
-          prompt: 'hello',
-          max_tokens: limit === 1_000_000 ? 10_000_000 : limit + 1000,
-        }),
+        body: json({ prompt: 'hello', max_tokens: overMaxTokens }),
         isAcceptTolerated: true,
         acceptSeverity: 'info',
         isMalformed: false,
-      },
-    ]
-    if (limit < 1_000_000) {
+      })
+    }
+    // What was not sent, and why: a clean verdict names it.
+    const notSent =
+      overMaxTokens === null
+        ? [
+            'max_tokens over the context (no context window known: an engine that does not validate max_tokens would generate it all; give --context-window, or --aggressive)',
+          ]
+        : []
+    if (limit !== null) {
       // Every filler word costs at least one token, so 2 × limit words are over the limit.
       cases.push({
         name: 'prompt twice the limit',
@@ -161,7 +175,13 @@ export const errorHandlingProbe: Probe = {
         : results.map((r) => `${r.case}: ${r.status ?? 'none'} ${r.result}`).join('; '),
     )
     const controlAnswer = control === null ? null : describeAnswer(control)
-    const evidence = { isControlAccepted, control: controlAnswer, cases: results, stoppedBy }
+    const evidence = {
+      isControlAccepted,
+      control: controlAnswer,
+      cases: results,
+      notSent,
+      stoppedBy,
+    }
 
     const findings: Finding[] = []
     const as200 = results.filter((r) => r.result === 'error-as-200')
@@ -237,7 +257,8 @@ export const errorHandlingProbe: Probe = {
           `refused all ${cases.length} invalid requests with a 4xx (or clamped max_tokens)` +
           (refusedBy5xx.length === 0
             ? ''
-            : `; refused with a 5xx and an error object instead of a 4xx: ${refusedBy5xx.map((r) => r.case).join(', ')}`),
+            : `; refused with a 5xx and an error object instead of a 4xx: ${refusedBy5xx.map((r) => r.case).join(', ')}`) +
+          (notSent.length === 0 ? '' : `; not sent: ${notSent.join('; ')}`),
         evidence,
         remediation: 'None needed.',
       },
@@ -246,6 +267,17 @@ export const errorHandlingProbe: Probe = {
 }
 
 const notARejection = new Set([401, 403, 404, 408, 429])
+
+/** `max_tokens` past the context, for the case that checks it is validated: one token past the
+ *  smallest limit known (an engine that does not validate generates at most that many, a bounded
+ *  cost); with no limit known, none under the default options (an engine that does not validate
+ *  would generate until it wedged: `transformers serve` kept generating `max_tokens: 10000000`
+ *  after the client left, and hung), and with `--aggressive` 2^20 + 1, past every context served
+ *  today. */
+export function overContextMaxTokens(limit: number | null, isAggressive: boolean): number | null {
+  if (limit !== null) return limit + 1
+  return isAggressive ? 2 ** 20 + 1 : null
+}
 
 /** `HTTP 503 capacity_exhausted`, `timeout`, `network (ECONNRESET)`: what a completion got. */
 function describeAnswer(result: CompletionResult): string {

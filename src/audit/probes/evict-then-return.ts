@@ -40,7 +40,14 @@ import {
   type Observed,
   type Planted,
 } from './material.js'
-import { boundedPrompt, headWords, promptLimit, sizerOrNull } from './sized-material.js'
+import {
+  headWords,
+  markedPrompt,
+  measureCanary,
+  promptLimit,
+  sizerOrNull,
+  type TenantCanary,
+} from './sized-material.js'
 
 const maxTokens = 16
 /** The subject's prompts: a few pages of any common page size. */
@@ -60,7 +67,8 @@ const maxChurnRequests = 120
  *  come out shorter than planned: up to this share more requests are sent until the churn's
  *  answered prompts cover what is needed. */
 const churnSlack = 0.5
-/** Requests besides the churn: the prefixes cold, the first warm, a check per stage, the returns. */
+/** Requests besides the churn: the prefixes cold, the first warm, a check per stage, the returns
+ *  (and one per tenant measuring its mark, counted where the tenants are known). */
 const numFixedRequests = numPrefixes + 1 + stageFactors.length + numPrefixes
 
 const remediation =
@@ -105,6 +113,7 @@ export const evictThenReturnProbe: Probe = {
         numRequests: numFixedRequests,
         tokensEach: subjectTokens + maxTokens,
       },
+      { what: "each tenant's canary cost", numRequests: input.numTenants, tokensEach: 48 },
       {
         what: `churn covering ${churnFactor} × the ${churn.poolTokens}-token pool`,
         numRequests: churn.maxRequests,
@@ -126,7 +135,7 @@ export const evictThenReturnProbe: Probe = {
         ),
       ]
     }
-    const needed = numFixedRequests + churn.numRequests
+    const needed = numFixedRequests + target.tenants.length + churn.numRequests
     if (churn.numRequests > maxChurnRequests || needed > budget.remainingRequests) {
       return [
         inconclusive(
@@ -188,12 +197,22 @@ class Session {
   async run(churn: ChurnSize, budget: Budget): Promise<void> {
     const { tenants } = this.target
     const [subject, ...others] = tenants
-    const canaries = makeCanaries(this.rng, numPrefixes + churn.maxRequests)
+    const canaries = makeCanaries(this.rng, numPrefixes + churn.maxRequests + tenants.length)
+    // Every prompt carries its canary end to end (markedPrompt), so that an answer replaying any
+    // stretch of another request's traffic (the churn included) names whose it was; what a
+    // canary costs is measured once per tenant.
+    const calibrations = new Map<string, TenantCanary>()
+    for (const [i, tenant] of tenants.entries()) {
+      const canary = canaries[numPrefixes + churn.maxRequests + i]
+      const measured = await measureCanary(this.target, this.rng, this.sizer, tenant, canary)
+      calibrations.set(tenant.name, measured)
+    }
+    const marked = (tenant: Tenant, numTokens: number, canary: string): string =>
+      markedPrompt(this.rng, this.sizer, numTokens, canary, calibrations.get(tenant.name)!)
+    const materialOf = (_tenant: Tenant, canary: string) => [canary]
     for (let k = 0; k < numPrefixes; k++) {
-      const prompt = recallPrompt(
-        boundedPrompt(this.rng, this.sizer, subjectTokens - 2 * headWords, canaries[k]),
-      )
-      const planted = this.plant(`prefix${k}`, subject, prompt, canaries[k])
+      const prompt = recallPrompt(marked(subject, subjectTokens - 2 * headWords, canaries[k]))
+      const planted = this.plant(`prefix${k}`, subject, prompt, materialOf(subject, canaries[k]))
       const cold = await this.send(planted, `prefix ${k + 1} cold`)
       if (!isAnsweredWhole(cold)) return
       this.cached.push({ planted, cold })
@@ -208,9 +227,10 @@ class Session {
       const sends = []
       for (const end = Math.min(i + batch, i + numMissing, churn.maxRequests); i < end; i++) {
         const canary = canaries[numPrefixes + i]
-        const prompt = boundedPrompt(this.rng, this.sizer, churn.promptTokens, canary)
+        const tenant = tenants[i % tenants.length]
+        const prompt = marked(tenant, churn.promptTokens, canary)
         sends.push(
-          this.churnOne(this.plant(`churn${i}`, tenants[i % tenants.length], prompt, canary)),
+          this.churnOne(this.plant(`churn${i}`, tenant, prompt, materialOf(tenant, canary))),
         )
       }
       await Promise.all(sends)
@@ -254,8 +274,8 @@ class Session {
     this.ownCached.set(name, Math.max(this.ownCached.get(name) ?? 0, r.cachedTokens ?? 0))
   }
 
-  private plant(id: string, tenant: Tenant, prompt: string, canary: string): Planted {
-    const planted = { id, tenant, canaries: [canary], prompt }
+  private plant(id: string, tenant: Tenant, prompt: string, canaries: string[]): Planted {
+    const planted = { id, tenant, canaries, prompt }
     this.planted.push(planted)
     return planted
   }

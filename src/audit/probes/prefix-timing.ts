@@ -7,7 +7,9 @@
  *  else the result is inconclusive. `usage.prompt_tokens_details.cached_tokens`, when reported,
  *  is read as a direct signal. Prefixes are random single letters (the sizer's filler shape, so
  *  their token count is known) behind a canary. Requests are non-streamed with `max_tokens: 1`,
- *  so time to the first body byte is prefill plus one token. Then the eviction arm
+ *  so time to the first body byte is prefill plus one token; the victim's priming request
+ *  generates {@link primeMaxTokens}, so that an engine that shares pages only after a second
+ *  generated token caches it too. Then the eviction arm
  *  (prefix-eviction.ts): whether another tenant's traffic lowers one's own hits, a side channel
  *  on its load; a second finding only when it finds that channel. */
 import { BudgetExhaustedError, runUntilExhausted } from '../budget.js'
@@ -16,6 +18,7 @@ import type { Budget } from '../budget.js'
 import type { Probe, ProbeContext } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
+import { firstCeilingTokens } from '../prompt-ceiling.js'
 import { ksTwoSample, median, type KsResult } from '../stats.js'
 import { outcomeOf, type CompletionResult, type Target } from '../target.js'
 import {
@@ -27,8 +30,13 @@ import {
 } from './prefix-eviction.js'
 import type { Finding, Tenant } from '../types.js'
 
-/** Pairs (hit, miss) per arm, at most. */
-const maxSamples = 10
+/** Pairs (hit, miss) per arm, at most: a two-sample KS test of 12 against 12 reaches p < 0.001
+ *  on a clean separation even with a few samples lost to noise. */
+const maxSamples = 12
+/** Tokens the victim's priming request generates: more than one, since an engine may share a
+ *  request's pages only once it has generated a second token (`transformers serve` with
+ *  continuous batching does not share the pages of a request that stopped at its first). */
+export const primeMaxTokens = 4
 const minSamples = 5
 /** p below this with hits faster: a difference. */
 const alpha = 0.01
@@ -66,7 +74,7 @@ export const prefixTimingProbe: Probe = {
       {
         what: `${maxSamples} samples × 2 arms × 3 prompts of a ${prefixTokens}-token prefix`,
         numRequests: 6 * Math.min(maxSamples, Math.floor(limits.maxRequests / 6)),
-        tokensEach: prefixTokens + suffixTokens + 1,
+        tokensEach: prefixTokens + suffixTokens + primeMaxTokens,
       },
       {
         what: `${evictionRounds} eviction rounds × (4 of the observer's + ${floodSize(poolTokens, prefixTokens)} of the other tenant's) prompts`,
@@ -96,9 +104,8 @@ async function runEviction(
   const [victim, observer] = target.tenants
   const rng = createRng(context.seed, 'prefix-eviction')
   const sizer = await context.sizer().catch(() => null)
-  const { poolTokens, contextTokens } = context.discovery
-  const limits = [poolTokens, contextTokens].filter((n) => n !== null)
-  const prefixTokens = Math.min(maxPrefixTokens, ...limits.map((n) => Math.floor(n / 2)))
+  const { poolTokens } = context.discovery
+  const prefixTokens = prefixTokensFor(context)
   const prefixWords = sizer === null ? defaultPrefixWords : sizer.wordsFor(prefixTokens, 'down')
   const numFlood = floodSize(poolTokens, sizer === null ? defaultPrefixWords : prefixTokens)
   let rounds: EvictionRound[] = []
@@ -120,6 +127,18 @@ async function runEviction(
   return { finding: evictionFinding(rounds, observer, victim, numFlood), numFlood, rounds }
 }
 
+/** The prefixes' tokens: half the smallest limit known, at most {@link maxPrefixTokens}; with no
+ *  limit known, within what the prompt ceiling allows (prompt-ceiling.ts). */
+function prefixTokensFor(context: ProbeContext): number {
+  const { poolTokens, contextTokens } = context.discovery
+  const limits = [poolTokens, contextTokens].filter((n) => n !== null)
+  const ceiling =
+    limits.length > 0
+      ? Infinity
+      : (context.ceiling?.maxRequestTokens() ?? firstCeilingTokens) - suffixTokens - primeMaxTokens
+  return Math.max(1, Math.min(maxPrefixTokens, ceiling, ...limits.map((n) => Math.floor(n / 2))))
+}
+
 /** The membership arms (the module's header). */
 async function runMembership(
   target: Target,
@@ -132,16 +151,14 @@ async function runMembership(
     if (err instanceof BudgetExhaustedError) return null
     throw err
   })
-  const { poolTokens, contextTokens } = context.discovery
-  const limits = [poolTokens, contextTokens].filter((n) => n !== null)
-  const prefixTokens = Math.min(maxPrefixTokens, ...limits.map((n) => Math.floor(n / 2)))
+  const prefixTokens = prefixTokensFor(context)
   const prefixWords = sizer === null ? defaultPrefixWords : sizer.wordsFor(prefixTokens, 'down')
   const numSamples = Math.min(maxSamples, Math.floor(budget.remainingRequests / 6))
 
   const control: TimingArm = { hitMs: [], missMs: [], hitCachedTokens: [], missCachedTokens: [] }
   const cross: TimingArm = { hitMs: [], missMs: [], hitCachedTokens: [], missCachedTokens: [] }
-  const send = (tenant: Tenant, prompt: string): Promise<CompletionResult> =>
-    target.complete({ tenant, prompt, maxTokens: 1, stream: false })
+  const send = (tenant: Tenant, prompt: string, maxTokens = 1): Promise<CompletionResult> =>
+    target.complete({ tenant, prompt, maxTokens, stream: false })
   const record = (arm: TimingArm, kind: 'hit' | 'miss', r: CompletionResult): void => {
     if (outcomeOf(r) !== 'accepted' || r.ttftMs === null) return
     arm[kind === 'hit' ? 'hitMs' : 'missMs'].push(r.ttftMs)
@@ -155,7 +172,7 @@ async function runMembership(
       ] as const) {
         const primed = randomPrefix(rng, prefixWords)
         const fresh = randomPrefix(rng, prefixWords)
-        await send(victim, `${primed} ${suffix(rng)}`)
+        await send(victim, `${primed} ${suffix(rng)}`, primeMaxTokens)
         // Alternate the order of hit and miss so that drift in load affects both alike.
         const hitFirst = i % 2 === 0
         const hit = () => send(reader, `${primed} ${suffix(rng)}`)

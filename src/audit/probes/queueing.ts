@@ -1,7 +1,8 @@
 /** Probe `queueing`: fills the endpoint with long generations from the victim (every slot but
  *  one the budget allows), then sends short requests from the other tenants that must wait behind
- *  them. A request counts as queued when its time to first byte is over 3× the unloaded one
- *  (+ 20 ms). Queued answers are checked like `concurrency`'s: only their own material. Catches
+ *  them. A streamed request counts as queued when its time to first token is over 3× the
+ *  unloaded streamed one (+ 20 ms): streamed against streamed, since a non-streamed answer's
+ *  first byte comes after its whole generation. Queued answers are checked like `concurrency`'s: only their own material. Catches
  *  queue, lease and timeout paths that hand a waiting request pages or results that expired or
  *  belonged to another request (vllm#52234).
  *  The verdict rests only on what the HTTP answers say. Clean needs either requests seen waiting,
@@ -103,11 +104,17 @@ export const queueingProbe: Probe = {
       )
       await Promise.all([...holding, ...waiting])
     })
+    // Like with like: only streamed requests' first bytes are times to the first token (a
+    // non-streamed answer's first byte comes after its whole generation), and the unloaded
+    // baseline is streamed.
     const ttft = (label: string) =>
       observed
         .filter(
           (o) =>
-            o.label === label && o.result.ttftMs !== null && outcomeOf(o.result) === 'accepted',
+            o.label === label &&
+            o.stream &&
+            o.result.ttftMs !== null &&
+            outcomeOf(o.result) === 'accepted',
         )
         .map((o) => o.result.ttftMs as number)
     const unloadedMs = median(ttft('unloaded'))

@@ -97,6 +97,40 @@ export function boundedPrompt(
   return `${randomHead(rng)} ${canary} ${fillerText(numFiller)}`
 }
 
+/** Filler words between two copies of a prompt's canary in a {@link markedPrompt}: fewer than
+ *  the 16 tokens an audit's answer holds, so that any stretch of the prompt an engine replays
+ *  into another request's answer carries its canary. */
+export const markEveryWords = 6
+
+/** A prompt of at most about `numTokens` tokens, for traffic whose size only has to be large
+ *  (eviction, filler), attributable all along to the request (and so the tenant) that sent it:
+ *  `head canary (filler×6 canary)…`, the canary repeated every {@link markEveryWords} filler words
+ *  to the end. Its cost is estimated from `calibration` (a canary of the tenant's measured on
+ *  this endpoint, see {@link measureCanary}): its tokens per character, half as much again, plus
+ *  2 for merges at its joins; unmeasured, {@link boundedPrompt}'s bound. Where not even one
+ *  repeat fits, {@link boundedPrompt}'s prompt. */
+export function markedPrompt(
+  rng: Rng,
+  sizer: PromptSizer,
+  numTokens: number,
+  canary: string,
+  calibration: TenantCanary,
+): string {
+  const measured = calibration.canaryTokens
+  const canaryCost =
+    measured === null
+      ? 2 * canary.length + 2
+      : Math.ceil((1.5 * canary.length * measured) / calibration.canary.length) + 2
+  const cost = (numCopies: number, numWords: number): number =>
+    sizer.estimate(headWords + numWords) + numCopies * canaryCost
+  let numRepeats = 0
+  while (cost(numRepeats + 2, (numRepeats + 1) * markEveryWords) <= numTokens) numRepeats++
+  if (numRepeats === 0) return boundedPrompt(rng, sizer, numTokens, canary)
+  const segment = `${fillerText(markEveryWords)} ${canary}`
+  const segments = Array.from({ length: numRepeats }, () => segment).join(' ')
+  return `${randomHead(rng)} ${canary} ${segments}`
+}
+
 /** Measures what `canary` costs in tokens: one completion (`max_tokens: 1`) of head, canary and
  *  16 filler words, minus the sizer's estimate for the words alone. Null when the endpoint did not
  *  answer it or gave no `usage.prompt_tokens`. Throws `BudgetExhaustedError`. */

@@ -20,6 +20,7 @@ import { makeCanaries } from '../canaries.js'
 import type { Probe, ProbeContext } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
+import { firstCeilingTokens, unknownLimitTokens } from '../prompt-ceiling.js'
 import type { PromptSizer } from '../sizer.js'
 import { isAnsweredWhole, outcomeOf, type CompletionResult, type Target } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
@@ -100,7 +101,7 @@ export const warmEqualsColdProbe: Probe = {
     const edges = cacheEdges(
       input.pageSizes ?? [],
       input.chunkSizes ?? [],
-      promptLimit(input, maxTokens),
+      promptLimit(input, maxTokens) ?? (input.isAggressive ? null : unknownLimitTokens - maxTokens),
     )
     const longest = Math.max(0, ...edges.map((e) => e.tokens + 1)) + maxTokens
     return [
@@ -129,12 +130,14 @@ export const warmEqualsColdProbe: Probe = {
   async run(target, _budget, context): Promise<Finding[]> {
     const rng = createRng(context.seed, 'warm-equals-cold')
     const { discovery } = context
+    // With no limit known, the prompt ceiling's (grown from what was answered) bounds the edges.
+    const ceiling = context.ceiling?.maxRequestTokens() ?? firstCeilingTokens
     const edges = cacheEdges(
       discovery.pageSizes.map((s) => s.tokens),
       discovery.chunkSizes.map((s) => s.tokens),
-      promptLimit(discovery, maxTokens),
+      promptLimit(discovery, maxTokens) ?? ceiling - maxTokens,
     )
-    const base = { edges, maxTokens }
+    const base = { edges, maxTokens, ceiling: context.ceiling?.describe() ?? null }
     const sizer = await sizerOrNull(() => context.sizer())
     if (sizer === null)
       return [
@@ -354,12 +357,24 @@ function judge(
             : null
   if (reason !== null)
     return [inconclusive(`warm and cold answers not compared on every edge: ${reason}`, evidence)]
+  // The positive control: a warm answer the endpoint says came from its cache. Without one, the
+  // warm path was never shown taken, and equal answers prove nothing about it.
+  const mostCached = Math.max(0, ...compared.map((r) => r.warmCachedTokens ?? 0))
+  if (mostCached === 0) {
+    const isReported = compared.some((r) => r.warmCachedTokens !== null)
+    return [
+      inconclusive(
+        `warm answers equalled cold ones at ${compared.length} lengths, but no warm request was seen served from a cache (cached_tokens ${isReported ? 'always 0' : 'not reported'}): the warm path was not exercised`,
+        evidence,
+      ),
+    ]
+  }
   return [
     {
       probe: 'warm-equals-cold',
       verdict: 'clean',
       severity: 'info',
-      title: `warm answers equalled cold ones at ${compared.length} lengths on and ±1 around ${edges.map((e) => `${e.tokens} (${e.why})`).join(', ')}`,
+      title: `warm answers equalled cold ones at ${compared.length} lengths on and ±1 around ${edges.map((e) => `${e.tokens} (${e.why})`).join(', ')} (positive control: warm requests were served up to ${mostCached} cached tokens)`,
       evidence,
       remediation: 'None needed.',
     },

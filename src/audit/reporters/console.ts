@@ -5,6 +5,7 @@
  *  the same text whole). Knows the report's shape; knows nothing of terminals. */
 import stringWidth from 'string-width'
 import wrapAnsi from 'wrap-ansi'
+import { isOutageFinding } from '../gate.js'
 import type { ProgressEvent } from '../run.js'
 import type { AuditReport, Finding } from '../types.js'
 import { formatControls } from '../controls.js'
@@ -77,13 +78,16 @@ export function formatSummary(report: AuditReport, width: number = defaultConsol
   const inconclusiveProbes = [
     ...new Set(report.findings.filter((f) => f.verdict === 'inconclusive').map((f) => f.probe)),
   ]
+  const isDown = report.findings.some(isOutageFinding)
   const result =
     numLeaks > 0
       ? `LEAK: ${numLeaks} finding(s) show data crossing tenants`
-      : numWarnings + numInconclusive > 0
-        ? `no leak observed; ${numWarnings} warning(s)${byClass(report.findings)}, ${numInconclusive} inconclusive` +
-          (numInconclusive > 0 ? ' (isolation not proven)' : '')
-        : 'clean: every probe passed'
+      : isDown
+        ? `ENDPOINT WENT DOWN during the audit (see availability): ${numWarnings} warning(s)${byClass(report.findings)}, ${numInconclusive} inconclusive; isolation not proven`
+        : numWarnings + numInconclusive > 0
+          ? `no leak observed; ${numWarnings} warning(s)${byClass(report.findings)}, ${numInconclusive} inconclusive` +
+            (numInconclusive > 0 ? ' (isolation not proven)' : '')
+          : 'clean: every probe passed'
   // "Could not tell" must not read like a pass: say so on lines of their own.
   const notProven =
     numLeaks === 0 && numInconclusive > 0

@@ -11,7 +11,7 @@
  *  budget reserved, so nothing is sent past it.
  *  Knows the audit's targets, canaries and probes; knows nothing of how any engine works. */
 import { Budget, BudgetExhaustedError } from '../budget.js'
-import { discover, type Discovery } from '../discovery.js'
+import { discover, type Discovery, type GivenCapacity } from '../discovery.js'
 import { rejectionRemediation } from '../probe.js'
 import { readPoolUsage, type PoolUsage } from '../probes/page-leak.js'
 import { makeCanaries } from '../canaries.js'
@@ -434,6 +434,8 @@ export interface CycleInput {
   readonly baseUrl: string
   readonly tenants: readonly Tenant[]
   readonly model: string | null
+  /** Sizes the operator gave (`--context-window`, `--kv-pool-tokens`); absent: none. */
+  readonly given?: GivenCapacity
   readonly rng: Rng
   readonly sizer: PromptSizer | null
   /** The endpoint pool usage was read from before (asked first). */
@@ -480,7 +482,7 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
   let discovery: Discovery
   let poolUsage: PoolUsage | null
   try {
-    discovery = await discover(targetOf(null), input.model)
+    discovery = await discover(targetOf(null), input.model, input.given)
     poolUsage = await readPoolUsage(targetOf(discovery.model), input.usageEndpoint)
   } catch (err) {
     if (err instanceof AuditError && err.code === 'target_unreachable') {

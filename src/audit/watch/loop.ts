@@ -127,6 +127,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
         baseUrl: config.baseUrl,
         tenants: config.tenants,
         model: config.model,
+        given: config.given,
         rng: createRng(rng.int(0, 2 ** 32 - 1), `cycle ${cycle}`),
         sizer,
         usageEndpoint,

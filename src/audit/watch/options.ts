@@ -14,6 +14,7 @@
  *    webhook: { url: https://alerts.example/hook, format: alertmanager }   # or slack
  *  ```
  *  Knows YAML and numbers; knows nothing of HTTP. */
+import type { GivenCapacity } from '../discovery.js'
 import { readFile } from 'node:fs/promises'
 import { parse as parseYaml, stringify as stringifyYaml } from 'yaml'
 import { z } from 'zod'
@@ -67,6 +68,9 @@ export interface WatchOptions {
   readonly target: string
   readonly tenants: readonly Tenant[]
   readonly model?: string
+  /** `--context-window`, `--kv-pool-tokens` (tokens): used over what discovery reads. */
+  readonly contextWindow?: number
+  readonly kvPoolTokens?: number
   readonly seed?: number
   readonly cycleSeconds?: number
   readonly maxTokensPerHour?: number
@@ -86,6 +90,8 @@ export interface WatchConfig {
   readonly baseUrl: string
   readonly tenants: readonly Tenant[]
   readonly model: string | null
+  /** Sizes the operator gave, used over what discovery reads (discovery.ts `withGiven`). */
+  readonly given: GivenCapacity
   readonly seed: number
   readonly cycleSeconds: number
   readonly maxTokensPerHour: number
@@ -159,6 +165,14 @@ export function validateWatchOptions(options: WatchOptions, seed: number): Watch
     baseUrl,
     tenants: Object.freeze(options.tenants.map((t) => Object.freeze({ name: t.name, key: t.key }))),
     model: options.model ?? null,
+    given: Object.freeze({
+      ...(options.contextWindow === undefined
+        ? {}
+        : { contextTokens: int('context window', options.contextWindow, 0, 2, 1e9) }),
+      ...(options.kvPoolTokens === undefined
+        ? {}
+        : { poolTokens: int('KV pool tokens', options.kvPoolTokens, 0, 2, 1e12) }),
+    }),
     seed: int('seed', options.seed, seed, 0, 2 ** 32 - 1),
     cycleSeconds,
     maxTokensPerHour: int(
