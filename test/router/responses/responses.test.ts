@@ -295,3 +295,42 @@ describe('the Responses API on kvfence workers', { skip: specSkip }, () => {
     assert.ok(!metrics.includes('Secret'), 'a prompt in the metrics')
   })
 })
+
+describe('a Responses stream whose worker fails after the first text', { skip: specSkip }, () => {
+  let h: Harness
+  before(async () => {
+    h = await startHarness({ decodeErrorAfterTokens: 3 })
+  })
+  after(() => h.close())
+
+  it('ends with an error event after the text so far, never a completed response; nothing stored', async () => {
+    const validator = loadValidators()
+    const res = await h.post('/v1/responses', { model, input: 'Hi', stream: true })
+    assert.equal(res.status, 200)
+    const events = (await res.text())
+      .split('\n\n')
+      .filter((e) => e !== '')
+      .map((e) => {
+        const [eventLine, dataLine] = e.split('\n')
+        const value = JSON.parse(dataLine.slice('data: '.length)) as { type: string }
+        assert.equal(eventLine, `event: ${value.type}`)
+        return value as Record<string, unknown> & { type: string }
+      })
+    for (const event of events) {
+      assert.deepEqual(violations(validator('ResponseStreamEvent'), event), [], event.type)
+    }
+    const types = events.map((e) => e.type)
+    assert.ok(!types.includes('response.completed'))
+    const last = events.at(-1)!
+    assert.equal(last.type, 'error')
+    assert.equal(last.param, null)
+    assert.equal(typeof last.code, 'string')
+    const text = events
+      .filter((e) => e.type === 'response.output_text.delta')
+      .map((e) => e.delta)
+      .join('')
+    assert.equal(text, defaultReplyText.slice(0, 3))
+    const id = (events[0].response as { id: string }).id
+    assert.equal((await failure(h.client().responses.retrieve(id))).status, 404)
+  })
+})
