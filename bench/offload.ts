@@ -20,7 +20,7 @@
 import { mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import type { PrefillResult } from '../src/engine/control.js'
+import type { PrefillResult } from '../src/control/messages.js'
 import { DecodeWorker } from '../src/engine/decode-worker.js'
 import { buildFaultConfig } from '../src/engine/faults.js'
 import { PrefillWorker, type PrefillWorkerOptions } from '../src/engine/prefill-worker.js'

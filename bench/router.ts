@@ -3,8 +3,8 @@
  *  as its event loop turns), so that only the router's own cost shows.
  *  - Added latency: the same request (16 prompt tokens, 15 generated), one at a time, alternately
  *    (a) through the router (`POST /v1/completions`, not streamed) and (b) straight to the
- *    workers, doing the router's control-plane steps by hand (`/internal/generate` on D, on
- *    `reserved` `/internal/prefill` on P, read to `done`). Each router request is paired with the
+ *    workers, doing the router's control-plane steps by hand on a control channel of its own to
+ *    each (a `generate` stream on D, on `reserved` a `prefill` stream on P, read to `done`). Each router request is paired with the
  *    direct one sent beside it (which goes first alternates per pair, so drift and order weigh on
  *    both alike); `router_added_latency_ms_p50`/`_p99` are the p50/p99 of the per-pair differences
  *    (a) − (b), never a difference of two percentiles (which can come out negative: the two
@@ -39,9 +39,9 @@
  *
  *  `--part floor` measures instead what the control plane between router and workers costs,
  *  without the router's own work: in one child, in front of the same stand-ins, three relays of
- *  the same streamed request — the real router, a bare relay over the control plane as the
- *  router speaks it (`/internal/generate` NDJSON and `/internal/prefill` over keep-alive HTTP:
- *  no authentication, admission, tokenizer, checks or metrics), and a bare relay over a
+ *  the same streamed request — the real router, a bare relay over the control channel as the
+ *  router speaks it (src/control/channel-client.ts: no authentication, admission, tokenizer,
+ *  checks or metrics), and a bare relay over a
  *  prototype channel (one persistent connection per worker, all requests multiplexed on it as
  *  length-prefixed frames, a token a 13-byte binary frame, one socket write per event-loop turn
  *  per connection; stand-ins of the same work behind it) — and the direct path. Each figure is
@@ -49,12 +49,11 @@
  *  direct's (`floor_*_to_direct_throughput_ratio`), medians over repeats of 64-client runs, the
  *  paths in turn. The channel is a measurement prototype, not a protocol of kvfence.
  *
- *  The router reaches the stand-ins over the control channel (its default; the stand-ins serve it
- *  as workers do), or over HTTP with `--control-plane http`: run both in one session to compare.
+ *  The router reaches the stand-ins over the control channel, which they serve as workers do.
  *
  *  Args: `--repeats N` (default 5), `--requests N` per repeat and path (default 400),
  *  `--seconds S` of each throughput run (default 3), `--clients N` (default 64),
- *  `--part floor`, `--control-plane channel|http` (default channel). */
+ *  `--part floor`. */
 import { fork, type ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
@@ -72,7 +71,9 @@ import { createRedisLimitStore } from '../src/router/admission/redis-limits.js'
 import { startRouter } from '../src/router/start.js'
 import { apiKeyDigest } from '../src/router/tenants/tenants.js'
 import { initCerts } from '../src/cli/certs.js'
-import { GenerateRequest, PrefillRequest } from '../src/engine/control.js'
+import { openChannel, type ControlChannel } from '../src/control/channel-client.js'
+import { GenerateRequest, PrefillRequest } from '../src/control/messages.js'
+import { KvfenceError } from '../src/common/errors.js'
 import { sseTemplate, textCompletion } from '../src/router/api/responses.js'
 import {
   bosId,
@@ -106,25 +107,17 @@ export async function benchRouter(args: string[]): Promise<object> {
   const numRequests = intFlag(args, '--requests', 400)
   const seconds = intFlag(args, '--seconds', 3)
   const numClients = intFlag(args, '--clients', 64)
-  const planeAt = args.indexOf('--control-plane')
-  const controlPlane = planeAt === -1 ? 'channel' : args[planeAt + 1]
-  if (controlPlane !== 'channel' && controlPlane !== 'http') {
-    throw new Error(`--control-plane takes channel or http, got ${String(controlPlane)}`)
-  }
   const partAt = args.indexOf('--part')
   if (partAt !== -1) {
     if (args[partAt + 1] !== 'floor') {
       throw new Error(`--part takes floor, got ${String(args[partAt + 1])}`)
     }
-    return {
-      ...(await benchFloor(repeats, seconds, numClients, controlPlane)),
-      control_plane: controlPlane,
-    }
+    return benchFloor(repeats, seconds, numClients)
   }
 
   const certs = mkdtempSync(join(tmpdir(), 'kvfence-bench-router-'))
   await initCerts(certs)
-  const child = fork(fileURLToPath(import.meta.url), ['--serve', certs, controlPlane], {
+  const child = fork(fileURLToPath(import.meta.url), ['--serve', certs], {
     stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
   })
   try {
@@ -136,8 +129,9 @@ export async function benchRouter(args: string[]): Promise<object> {
     // closes them: else a request sent as the server closes one fails with ECONNRESET (seen at
     // load average 25, where a turn of the loop can take seconds).
     const agent = new http.Agent({ keepAlive: true, maxSockets: Infinity, timeout: idleSocketMs })
+    const channels = await openDirectChannels(endpoints)
     const viaRouter = () => routerRequest(agent, endpoints, false)
-    const direct = () => directRequest(agent, endpoints)
+    const direct = () => directRequest(channels, endpoints)
 
     // Warm up both paths (JIT, connections).
     for (let i = 0; i < 200; i++) await Promise.all([viaRouter(), direct()])
@@ -184,6 +178,8 @@ export async function benchRouter(args: string[]): Promise<object> {
     }
     const httpsAdded = await benchHttps(agent, endpoints, certs, repeats, numRequests)
     agent.destroy()
+    channels.decode.close()
+    channels.prefill.close()
     const med = (values: number[]) => round(quantile(values, 0.5), 3)
     const redisLimits = await benchRedisLimits(repeats, numRequests)
     return {
@@ -211,7 +207,6 @@ export async function benchRouter(args: string[]): Promise<object> {
       throughput_seconds: seconds,
       prompt_tokens: prompt.length + 1,
       completion_tokens: maxTokens,
-      control_plane: controlPlane,
       note: 'stand-in workers (no model) in one child process with the router; clients here',
     }
   } finally {
@@ -335,50 +330,50 @@ async function routerRequest(
   if (res.statusCode !== 200) throw new Error(`router: HTTP ${res.statusCode}: ${text}`)
 }
 
+/** The direct path's own control channels, one to each stand-in (as the router holds one). */
+interface DirectChannels {
+  decode: ControlChannel
+  prefill: ControlChannel
+}
+
+async function openDirectChannels(e: Endpoints): Promise<DirectChannels> {
+  const open = (url: string, role: 'prefill' | 'decode') =>
+    openChannel({
+      url,
+      role,
+      tls: null,
+      clusterToken: null,
+      connectTimeoutMs: 5_000,
+      refusal: (status) => new KvfenceError('worker_unavailable', `${role}: HTTP ${status}`),
+    })
+  const [decode, prefill] = await Promise.all([
+    open(e.decodeUrl, 'decode'),
+    open(e.prefillUrl, 'prefill'),
+  ])
+  return { decode, prefill }
+}
+
 /** The router's control-plane steps for the same request, by hand. */
-async function directRequest(agent: http.Agent, e: Endpoints): Promise<void> {
-  const requestId = randomBytes(16).toString('hex')
-  const transferSecret = randomBytes(32).toString('hex')
-  const promptTokenIds = [bosId, ...charIds(prompt)]
-  const sampling = { temperature: 0, topP: 1, seed: null }
-  const res = await post(
-    agent,
-    `${e.decodeUrl}/internal/generate`,
-    JSON.stringify({
-      requestId,
-      tenant: 'alpha',
-      promptTokenIds,
-      maxTokens,
-      sampling,
-      stopTokenIds: [],
-      transferSecret,
-    }),
-  )
-  let prefill: Promise<void> | null = null
-  let pending = ''
+async function directRequest(c: DirectChannels, e: Endpoints): Promise<void> {
+  const request: GenerateRequest = {
+    requestId: randomBytes(16).toString('hex'),
+    tenant: 'alpha',
+    promptTokenIds: [bosId, ...charIds(prompt)],
+    maxTokens,
+    sampling: { temperature: 0, topP: 1, seed: null },
+    stopTokenIds: [],
+    transferSecret: randomBytes(32).toString('hex'),
+  }
+  const signal = new AbortController().signal
+  let prefill: Promise<unknown> | null = null
   let isDone = false
-  res.setEncoding('utf8')
-  for await (const chunk of res as AsyncIterable<string>) {
-    pending += chunk
-    let newline: number
-    while ((newline = pending.indexOf('\n')) !== -1) {
-      const event = JSON.parse(pending.slice(0, newline)) as { type: string }
-      pending = pending.slice(newline + 1)
-      if (event.type === 'reserved') {
-        const body = JSON.stringify({
-          requestId,
-          tenant: 'alpha',
-          promptTokenIds,
-          sampling,
-          transferSecret,
-          decode: { host: '127.0.0.1', port: e.transferPort },
-        })
-        prefill = post(agent, `${e.prefillUrl}/internal/prefill`, body)
-          .then(readAll)
-          .then(() => {})
-        prefill.catch(() => {}) // awaited below: not an unhandled rejection meanwhile
-      } else if (event.type === 'done') isDone = true
-    }
+  for await (const event of c.decode.generate(request, signal)) {
+    if (event.type === 'reserved') {
+      const { maxTokens: _, stopTokenIds: __, ...rest } = request
+      const decode = { host: '127.0.0.1', port: e.transferPort }
+      prefill = c.prefill.prefill({ ...rest, decode }, signal)
+      prefill.catch(() => {}) // awaited below: not an unhandled rejection meanwhile
+    } else if (event.type === 'done') isDone = true
   }
   await prefill
   if (!isDone) throw new Error('direct: the decode stand-in ended without done')
@@ -430,10 +425,10 @@ const benchRouterOptions = {
 
 /** The fast stand-ins (no delays, a pool that never fills) and a router in front of them,
  *  logging at `warn`; the stand-ins' records of requests are emptied every second. */
-async function startBenchHarness(controlPlane: string): Promise<Harness> {
+async function startBenchHarness(): Promise<Harness> {
   const h = await startHarness(
     { tokenDelayMs: 0, prefillDelayMs: 0, numPages: 4096, isTransferPortReserved: true },
-    { ...benchRouterOptions, controlChannel: controlPlane === 'channel' },
+    benchRouterOptions,
   )
   h.logs.log.level = 'warn' // a line per request would be the router's largest cost here
   // The stand-ins record every request for tests; a benchmark only needs them to answer.
@@ -445,8 +440,8 @@ async function startBenchHarness(controlPlane: string): Promise<Harness> {
   return h
 }
 
-async function serve(certs: string, controlPlane: string): Promise<void> {
-  const h = await startBenchHarness(controlPlane)
+async function serve(certs: string): Promise<void> {
+  const h = await startBenchHarness()
   // The same router over HTTPS, in front of the same stand-ins.
   const httpsRouter = await startRouter({
     ...benchRouterOptions,
@@ -503,24 +498,19 @@ function answerCounts(numWrites: () => number): void {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The floor (`--part floor`): bare relays over HTTP and over a multiplexed channel
+// The floor (`--part floor`): bare relays over the control channel and over a prototype
 
 /** What the floor's child reports once listening. */
 interface FloorEndpoints extends Endpoints {
-  httpRelayUrl: string
+  controlRelayUrl: string
   channelRelayUrl: string
 }
 
 /** The floor's paths, in the order each repeat runs them. */
-const floorPaths = ['router', 'http_relay', 'channel_relay', 'direct'] as const
+const floorPaths = ['router', 'control_relay', 'channel_relay', 'direct'] as const
 
-async function benchFloor(
-  repeats: number,
-  seconds: number,
-  numClients: number,
-  controlPlane: string,
-): Promise<object> {
-  const child = fork(fileURLToPath(import.meta.url), ['--serve-floor', controlPlane], {
+async function benchFloor(repeats: number, seconds: number, numClients: number): Promise<object> {
+  const child = fork(fileURLToPath(import.meta.url), ['--serve-floor'], {
     stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
   })
   try {
@@ -529,11 +519,12 @@ async function benchFloor(
       child.once('exit', (code) => reject(new Error(`stand-in process exited with ${code}`)))
     })
     const agent = new http.Agent({ keepAlive: true, maxSockets: Infinity, timeout: idleSocketMs })
+    const channels = await openDirectChannels(e)
     const requests = {
       router: () => routerRequest(agent, e, true),
-      http_relay: () => routerRequest(agent, { ...e, routerUrl: e.httpRelayUrl }, true),
+      control_relay: () => routerRequest(agent, { ...e, routerUrl: e.controlRelayUrl }, true),
       channel_relay: () => routerRequest(agent, { ...e, routerUrl: e.channelRelayUrl }, true),
-      direct: () => directRequest(agent, e),
+      direct: () => directRequest(channels, e),
     }
     for (let i = 0; i < 200; i++) await Promise.all(floorPaths.map((path) => requests[path]()))
     const runs = floorPaths.map(() => [] as { rate: number; cpuMs: number }[])
@@ -546,6 +537,8 @@ async function benchFloor(
       }
     }
     agent.destroy()
+    channels.decode.close()
+    channels.prefill.close()
     const med = (values: number[]) => round(quantile(values, 0.5), 3)
     const direct = runs[floorPaths.indexOf('direct')]
     const figures: Record<string, number | string> = {}
@@ -570,16 +563,17 @@ async function benchFloor(
   }
 }
 
-/** The floor's child: the stand-ins and a router (as `serve`), a bare relay over their HTTP
- *  control plane, and a bare relay over channel stand-ins. */
-async function serveFloor(controlPlane: string): Promise<void> {
-  const h = await startBenchHarness(controlPlane)
+/** The floor's child: the stand-ins and a router (as `serve`), a bare relay over their control
+ *  channel, and a bare relay over the prototype's channel stand-ins. */
+async function serveFloor(): Promise<void> {
+  const h = await startBenchHarness()
   const target = { transferPort: h.workers.transferPort }
-  const httpRelay = http.createServer(bareRelay(httpControlPlane(h.workers), target))
+  const ownChannels = await openDirectChannels({ ...h.workers, routerUrl: '', httpsRouterUrl: '' })
+  const controlRelay = http.createServer(bareRelay(controlChannelPlane(ownChannels), target))
   const channels = await startChannelStandIns()
   const channelRelay = http.createServer(bareRelay(channelControlPlane(channels), target))
-  const [httpPort, channelPort] = await Promise.all(
-    [httpRelay, channelRelay].map((server) => listenLocal(server)),
+  const [controlPort, channelPort] = await Promise.all(
+    [controlRelay, channelRelay].map((server) => listenLocal(server)),
   )
   answerCounts(() => 0)
   const endpoints: FloorEndpoints = {
@@ -588,12 +582,14 @@ async function serveFloor(controlPlane: string): Promise<void> {
     prefillUrl: h.workers.prefillUrl,
     decodeUrl: h.workers.decodeUrl,
     transferPort: h.workers.transferPort,
-    httpRelayUrl: `http://127.0.0.1:${httpPort}`,
+    controlRelayUrl: `http://127.0.0.1:${controlPort}`,
     channelRelayUrl: `http://127.0.0.1:${channelPort}`,
   }
   process.send?.(endpoints)
   process.on('disconnect', () => {
     channels.close()
+    ownChannels.decode.close()
+    ownChannels.prefill.close()
     void h.close().finally(() => process.exit(0))
   })
 }
@@ -643,30 +639,21 @@ function bareRelay(
 
 const floorHeader = { id: 'cmpl-floor', created: 0, model: 'echo-test' }
 
-/** The control plane as the router speaks it: HTTP/1.1 + JSON over one keep-alive agent. */
-function httpControlPlane(workers: { decodeUrl: string; prefillUrl: string }): BareControlPlane {
-  const agent = new http.Agent({ keepAlive: true })
+/** The control plane as the router speaks it: its control channel to each stand-in. */
+function controlChannelPlane(channels: DirectChannels): BareControlPlane {
+  // Never aborted; one per stream, as the router gives each request its own.
+  const signal = () => new AbortController().signal
   return {
     generate(request, onEvent) {
-      void post(agent, `${workers.decodeUrl}/internal/generate`, JSON.stringify(request)).then(
-        (res) => {
-          let pending = ''
-          res.setEncoding('utf8')
-          res.on('data', (text: string) => {
-            pending += text
-            let newline: number
-            while ((newline = pending.indexOf('\n')) !== -1) {
-              onEvent(JSON.parse(pending.slice(0, newline)) as BareEvent)
-              pending = pending.slice(newline + 1)
-            }
-          })
-        },
-      )
+      void (async () => {
+        for await (const event of channels.decode.generate(request, signal())) {
+          if (event.type === 'reserved' || event.type === 'token' || event.type === 'done')
+            onEvent(event)
+        }
+      })()
     },
     prefill(request) {
-      void post(agent, `${workers.prefillUrl}/internal/prefill`, JSON.stringify(request)).then(
-        readAll,
-      )
+      void channels.prefill.prefill(request, signal())
     },
   }
 }
@@ -724,7 +711,7 @@ function frameWriter(socket: net.Socket): (frame: Buffer) => void {
   }
 }
 
-/** Stand-ins doing the HTTP ones' work (a parsed request, the same reply, one token per turn)
+/** Stand-ins doing the control-channel ones' work (a parsed request, the same reply, one token per turn)
  *  behind the channel; the relay's two connections to them. */
 async function startChannelStandIns(): Promise<{
   decode: net.Socket
@@ -789,12 +776,12 @@ function channelControlPlane(channels: {
     if (onEvent === undefined) return
     if (kind === frameKinds.token)
       return onEvent({ type: 'token', tokenId: payload.readUInt32LE(0) })
-    // Parsed as the HTTP relay parses its lines (JSON), though only the kind is used here.
+    // Parsed as JSON, as the control relay parses its events, though only the kind is used here.
     const event = JSON.parse(payload.toString()) as BareEvent
     if (event.type === 'done') streams.delete(stream)
     onEvent(event)
   })
-  readFrames(channels.prefill, () => {}) // the result: read and dropped, as the HTTP relay does
+  readFrames(channels.prefill, () => {}) // the result: read and dropped, as the control relay does
   return {
     generate(request, onEvent) {
       const stream = nextStream++
@@ -885,14 +872,14 @@ async function stop(child: ChildProcess): Promise<void> {
 }
 
 if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve-floor') {
-  serveFloor(process.argv[3]).catch((err: unknown) => {
+  serveFloor().catch((err: unknown) => {
     process.stderr.write(`bench router: ${err instanceof Error ? err.message : String(err)}\n`)
     process.exit(2)
   })
 }
 
 if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve') {
-  serve(process.argv[3], process.argv[4]).catch((err: unknown) => {
+  serve(process.argv[3]).catch((err: unknown) => {
     process.stderr.write(`bench router: ${err instanceof Error ? err.message : String(err)}\n`)
     process.exit(2)
   })

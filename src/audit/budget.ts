@@ -1,6 +1,8 @@
 /** The audit's budget: at most `maxRequests` requests, `concurrency` of them in flight, all within
  *  `maxSeconds`. Every request the auditor sends goes through `Budget.spend`, which reserves the
- *  request before it is sent, so no limit is ever exceeded, even by one.
+ *  request before it is sent, so no limit is ever exceeded, even by one. While a probe runs, the
+ *  shares of the probes after it (plan.ts) are held back ({@link Budget.holdBack}): a probe may
+ *  spend what earlier ones left, never what later ones were given.
  *  Knows nothing of HTTP. */
 import { maxTimerSeconds } from '../common/timer-limit.js'
 import { setMaxListeners } from 'node:events'
@@ -62,6 +64,9 @@ export class Budget {
   /** Aborted by {@link stop}: requests in flight are cut at once. */
   private readonly stopper = new AbortController()
   private isClosedNow = false
+  /** Requests and milliseconds held back for the probes still to run. */
+  private heldRequests = 0
+  private heldMs = 0
   private numSent = 0
   private numInFlight = 0
   private mostInFlight = 0
@@ -139,13 +144,33 @@ export class Budget {
     return this.numSent
   }
 
+  /** Requests the running probe may still send: the budget's, less what is held back for the
+   *  probes after it (never negative). */
   get remainingRequests(): number {
+    return Math.max(0, this.limits.maxRequests - this.numSent - this.heldRequests)
+  }
+
+  /** Requests left in the whole budget, held back or not. */
+  get unspentRequests(): number {
     return this.limits.maxRequests - this.numSent
   }
 
-  /** Milliseconds left before the deadline (never negative; 0 once stopped). */
+  /** Milliseconds the running probe has left: to the deadline, less what is held back for the
+   *  probes after it (never negative; 0 once stopped). */
   get remainingMs(): number {
+    return this.isStopped ? 0 : Math.max(0, this.deadline - this.heldMs - Date.now())
+  }
+
+  /** Milliseconds left before the whole budget's deadline (0 once stopped). */
+  get unspentMs(): number {
     return this.isStopped ? 0 : Math.max(0, this.deadline - Date.now())
+  }
+
+  /** Holds `requests` and `ms` back from what {@link spend} lets the running probe use: the
+   *  shares of the probes after it. `holdBack(0, 0)` releases everything. */
+  holdBack(requests: number, ms: number): void {
+    this.heldRequests = Math.max(0, requests)
+    this.heldMs = Math.max(0, ms)
   }
 
   /** Runs `send` as one request: waits for a concurrency slot, then reserves one request and
@@ -156,7 +181,8 @@ export class Budget {
     try {
       if (this.isStopped) throw new BudgetExhaustedError('stopped')
       if (this.isClosedNow) throw new BudgetExhaustedError('closed')
-      if (this.numSent >= this.limits.maxRequests) throw new BudgetExhaustedError('requests')
+      if (this.numSent + this.heldRequests >= this.limits.maxRequests)
+        throw new BudgetExhaustedError('requests')
       const remainingMs = this.remainingMs
       if (remainingMs <= 0) throw new BudgetExhaustedError('seconds')
       this.numSent++

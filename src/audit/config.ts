@@ -12,7 +12,7 @@
  *  probes: [capacity, boundary, canary] # optional, default all
  *  budget: { maxRequests: 500, maxSeconds: 300, concurrency: 4 }
  *  seed: 42
- *  failOn: leak                         # leak | warning | inconclusive
+ *  failOn: [content-leak, availability] # classes, severities, tags or verdicts (gate.ts)
  *  reports: { json: audit.json, junit: audit.xml, html: audit.html }
  *  authorized_targets: [llm.staging.internal]  # hosts other than loopback the audit may reach
  *  ```
@@ -21,7 +21,8 @@ import { readFile } from 'node:fs/promises'
 import { parse as parseYaml } from 'yaml'
 import { z } from 'zod'
 import { maxAuditSeconds, minAuditSeconds } from './budget.js'
-import { AuditError, probeNames, type ProbeName, type Tenant, type Verdict } from './types.js'
+import { failOnTerms, type FailOnTerm } from './gate.js'
+import { AuditError, probeNames, type ProbeName, type Tenant } from './types.js'
 
 /** The range of the budget's integers, inclusive: the same as `runAudit` checks, here so that a
  *  value out of range is refused naming where it came from (`--concurrency`, `budget.concurrency`)
@@ -66,7 +67,13 @@ const ConfigFile = z.strictObject({
     .min(0)
     .max(2 ** 32 - 1)
     .optional(),
-  failOn: z.enum(['leak', 'warning', 'inconclusive']).optional(),
+  // One term or a list of them (`failOn: high`, `failOn: [content-leak, availability]`).
+  failOn: z
+    .union([
+      z.enum(failOnTerms as [FailOnTerm, ...FailOnTerm[]]),
+      z.array(z.enum(failOnTerms as [FailOnTerm, ...FailOnTerm[]])).min(1),
+    ])
+    .optional(),
   authorized_targets: z.array(z.string().min(1)).optional(),
   // `kvfence watch`'s section (its own parser checks it): one file serves the audit and the watch.
   watch: z.unknown().optional(),
@@ -106,7 +113,7 @@ export interface AuditConfigFile {
   readonly concurrency?: number
   readonly maxConcurrency?: number
   readonly seed?: number
-  readonly failOn?: Verdict
+  readonly failOn?: readonly FailOnTerm[]
   readonly reports?: { readonly json?: string; readonly junit?: string; readonly html?: string }
   /** Hosts (`host`, `host:port` or a URL) other than loopback the audit may be pointed at. */
   readonly authorizedTargets?: readonly string[]
@@ -183,7 +190,8 @@ export function parseAuditConfig(
     // Present only when given, so a file without them reads as before.
     ...(c.budget?.maxConcurrency === undefined ? {} : { maxConcurrency: c.budget.maxConcurrency }),
     seed: c.seed,
-    failOn: c.failOn,
+    failOn:
+      c.failOn === undefined ? undefined : typeof c.failOn === 'string' ? [c.failOn] : c.failOn,
     reports: c.reports,
     ...(c.authorized_targets === undefined ? {} : { authorizedTargets: c.authorized_targets }),
   }

@@ -5,7 +5,9 @@
  *  - `/server_info` (kvfence, newer SGLang) or `/get_server_info` (SGLang): kvfence's
  *    `contextWindow`, `effectiveCapacityTokens`, `workers[].capacityTokens`; SGLang's
  *    `context_length`, `max_total_num_tokens`, `max_req_input_len`;
- *  - `/metrics` (vLLM): `vllm:cache_config_info{num_gpu_blocks, block_size}`.
+ *  - `/metrics` (vLLM): `vllm:cache_config_info{num_gpu_blocks, block_size}`;
+ *  - where none of these says anything: llama.cpp's `/props` (else `/slots`) and TGI's `/info`,
+ *    read by their engines' rules (surfaces.ts).
  *  And the sizes the KV cache is cut into, where a cache's warm path has its edges: the page size
  *  (kvfence `pageSize`, SGLang `page_size`, vLLM `block_size`) and the prefill chunk size (kvfence
  *  `workers[].prefillChunkTokens`, SGLang `chunked_prefill_size`, vLLM `max_num_batched_tokens`;
@@ -21,6 +23,10 @@
  *    `max_model_len` does not fit the KV cache (vllm/v1/core/kv_cache_utils.py): a pool smaller
  *    than the context is never its normal state.
  *  - kvfence reports its pool and context directly.
+ *  - llama.cpp and TGI: see surfaces.ts (one slot's `n_ctx`; TGI's `max_total_tokens` against
+ *    `max_batch_total_tokens`).
+ *  An endpoint that reports none of these (a plain OpenAI-compatible server) leaves the sizes
+ *  null: the operator may give them (`--context-window`, `--kv-pool-tokens`).
  *  Knows field names of public APIs and these published rules; knows nothing else of how any
  *  engine works inside. */
 import { BudgetExhaustedError } from './budget.js'
@@ -30,6 +36,7 @@ import {
   usageFromMetrics,
   type PoolUsage,
 } from './pool-usage.js'
+import { readSurface, type SurfaceReading } from './surfaces.js'
 import { tryJson, type HttpResult, type Target } from './target.js'
 import { AuditError } from './types.js'
 
@@ -47,7 +54,7 @@ export interface EndpointStatus {
 }
 
 /** The engine whose reports discovery read, told by the fields it answered; null: none known. */
-export type EngineKind = 'kvfence' | 'sglang' | 'vllm'
+export type EngineKind = 'kvfence' | 'sglang' | 'vllm' | 'llamacpp' | 'tgi'
 
 /** SGLang's reserve: `max_req_input_len` is the smaller of context and pool minus this. */
 export const sglangInputReserveTokens = 6
@@ -73,10 +80,11 @@ export interface Discovery {
   readonly endpoints: readonly EndpointStatus[]
   /** The engine the reports are from (see the module's header), or null. */
   readonly engine: EngineKind | null
-  /** Input limits the engine reports (SGLang's `max_req_input_len`), as reported. */
+  /** Input limits the engine reports (SGLang's `max_req_input_len`, llama.cpp's slot `n_ctx`,
+   *  TGI's `max_input_tokens`), as reported. */
   readonly inputLimits: readonly CapacitySource[]
   /** The largest prompt (tokens) the engine says it accepts, or null when it says none: for
-   *  SGLang `max_req_input_len − 1`. */
+   *  SGLang `max_req_input_len − 1`, llama.cpp `n_ctx − 1`, TGI `max_input_tokens`. */
   readonly inputLimitTokens: number | null
   /** Page sizes (tokens per page) the endpoint reports, where and as reported. */
   readonly pageSizes: readonly CapacitySource[]
@@ -88,7 +96,8 @@ export interface Discovery {
   readonly chunkedPrefillTokens: number | null
 }
 
-/** Fields that advertise a context window. */
+/** Fields that advertise a context window. Not `max_total_tokens`: TGI's is one request's
+ *  prompt plus new tokens, SGLang's a cap on its pool; each is read where its engine is known. */
 const advertisedFields = new Set([
   'max_model_len',
   'context_length',
@@ -97,12 +106,7 @@ const advertisedFields = new Set([
   'max_context_length',
 ])
 /** Fields that state a KV capacity in tokens. */
-const poolFields = new Set([
-  'effectiveCapacityTokens',
-  'capacityTokens',
-  'max_total_num_tokens',
-  'max_total_tokens',
-])
+const poolFields = new Set(['effectiveCapacityTokens', 'capacityTokens', 'max_total_num_tokens'])
 /** Fields that state a page size in tokens. */
 const pageSizeFields = new Set(['pageSize', 'page_size'])
 /** Fields that state a prefill chunk size in tokens. */
@@ -142,6 +146,7 @@ export async function discover(target: Target, requestedModel: string | null): P
   let metricsText = ''
   let idleUsage: PoolUsage | null = null
   let numRunning: number | null = null
+  let surface: SurfaceReading | null = null
   const record = (endpoint: string, res: HttpResult): void => {
     endpoints.push({ endpoint, status: res.status ?? res.failure ?? 'network' })
   }
@@ -184,15 +189,24 @@ export async function discover(target: Target, requestedModel: string | null): P
       idleUsage ??= usageFromMetrics(metricsRes.body)
       numRunning = runningFromMetrics(metricsRes.body)
     }
+    // Nothing said the pool: llama.cpp's or TGI's own endpoints may.
+    if (!isObject(info) && pools.length === 0) {
+      surface = await readSurface(target, tenant, record)
+      if (surface !== null) addSurface(found, surface)
+    }
   } catch (err) {
     if (!(err instanceof BudgetExhaustedError)) throw err
     endpoints.push({ endpoint: '(remaining discovery)', status: 'budget' })
   }
 
-  const engine = engineOf(found.keys, metricsText)
-  const inputLimitTokens = inputLimits.length
-    ? Math.min(...inputLimits.map((s) => s.tokens)) - 1
-    : null
+  const engine = surface?.engine ?? engineOf(found.keys, metricsText)
+  numRunning ??= surface?.numRunning ?? null
+  const inputLimitTokens =
+    surface !== null
+      ? surface.largestInputTokens
+      : inputLimits.length
+        ? Math.min(...inputLimits.map((s) => s.tokens)) - 1
+        : null
   // Without max_total_num_tokens, SGLang's input limit still bounds its pool from below.
   if (engine === 'sglang' && pools.length === 0 && inputLimits.length > 0) {
     const limit = Math.min(...inputLimits.map((s) => s.tokens))
@@ -223,6 +237,14 @@ export async function discover(target: Target, requestedModel: string | null): P
   }
 }
 
+/** Adds what llama.cpp's or TGI's endpoint said to what discovery found. */
+function addSurface(found: Found, surface: SurfaceReading): void {
+  found.advertised.push(...surface.advertised)
+  found.pools.push(...surface.pools)
+  found.inputLimits.push(...surface.inputLimits)
+  found.pageSizes.push(...surface.pageSizes)
+}
+
 interface ListedModel {
   readonly id: string
   readonly index: number
@@ -239,21 +261,18 @@ function listModels(json: unknown): ListedModel[] {
 }
 
 /** Walks a JSON object (a few levels deep) collecting known capacity fields. */
-function scan(
-  value: unknown,
-  endpoint: string,
-  path: string,
-  depth: number,
-  found: {
-    readonly advertised: CapacitySource[]
-    readonly pools: CapacitySource[]
-    readonly inputLimits: CapacitySource[]
-    readonly pageSizes: CapacitySource[]
-    readonly chunkSizes: CapacitySource[]
-    /** Every capacity field seen, by name (tells the engine). */
-    readonly keys: Set<string>
-  },
-): void {
+/** What discovery collects, by kind. */
+interface Found {
+  readonly advertised: CapacitySource[]
+  readonly pools: CapacitySource[]
+  readonly inputLimits: CapacitySource[]
+  readonly pageSizes: CapacitySource[]
+  readonly chunkSizes: CapacitySource[]
+  /** Every capacity field seen, by name (tells the engine). */
+  readonly keys: Set<string>
+}
+
+function scan(value: unknown, endpoint: string, path: string, depth: number, found: Found): void {
   if (depth > maxScanDepth) return
   if (Array.isArray(value)) {
     value.forEach((item, i) => scan(item, endpoint, `${path}[${i}]`, depth + 1, found))
@@ -278,16 +297,21 @@ function scan(
 }
 
 /** The engine told by the fields it reported: kvfence's and SGLang's own field names, else
- *  vLLM's or SGLang's metric prefixes. */
+ *  vLLM's, SGLang's, llama.cpp's or TGI's metric prefixes. */
 function engineOf(keys: ReadonlySet<string>, metricsText: string): EngineKind | null {
   if ([...kvfenceFields].some((k) => keys.has(k))) return 'kvfence'
   if ([...sglangFields].some((k) => keys.has(k)) || /^sglang:/m.test(metricsText)) return 'sglang'
   if (/^vllm:/m.test(metricsText)) return 'vllm'
+  if (/^llamacpp:/m.test(metricsText)) return 'llamacpp'
+  if (/^tgi_/m.test(metricsText)) return 'tgi'
   return null
 }
 
 /** Prometheus text: vLLM's `vllm:cache_config_info{block_size="16",num_gpu_blocks="2048",...} 1`
- *  gives the KV capacity as blocks × block size; SGLang's `sglang:max_total_num_tokens` directly. */
+ *  gives the KV capacity as blocks × block size; SGLang's `sglang:max_total_num_tokens` directly.
+ *  Not where the labels give a `sliding_window`: such a cache holds windows, and vLLM sizes it so
+ *  that one request of `max_model_len` fits in fewer blocks than its length, so blocks × block
+ *  size is no bound on what one request may send. */
 export function parseMetrics(text: string): CapacitySource[] {
   const out: CapacitySource[] = []
   for (const line of text.split('\n')) {
@@ -296,7 +320,8 @@ export function parseMetrics(text: string): CapacitySource[] {
       for (const m of line.matchAll(/(\w+)="([^"]*)"/g)) labels.set(m[1], m[2])
       const numBlocks = asPositiveInt(labels.get('num_gpu_blocks'))
       const blockSize = asPositiveInt(labels.get('block_size'))
-      if (numBlocks !== null && blockSize !== null) {
+      const isWindowed = asPositiveInt(labels.get('sliding_window')) !== null
+      if (numBlocks !== null && blockSize !== null && !isWindowed) {
         out.push({
           endpoint: '/metrics',
           field: 'vllm:cache_config_info num_gpu_blocks × block_size',

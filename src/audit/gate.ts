@@ -1,4 +1,5 @@
-/** The audit's gate: an audit in which the target answered no valid completion whole audited
+/** The audit's gates. The CI gate (`--fail-on`): which findings fail the run, by class, severity,
+ *  tag or verdict. The answer gate: an audit in which the target answered no valid completion whole audited
  *  nothing, and must end as a tool error (exit 2), never as "no leak observed". Also what the
  *  audit concludes from every probe's requests together: valid requests that failed, and a
  *  `/health` that said all was well meanwhile (availability findings).
@@ -8,7 +9,9 @@ import { BudgetExhaustedError, type Budget } from './budget.js'
 import type { Discovery } from './discovery.js'
 import { cutAtDeadline, fateOf, type AnswerSummary, type Ledger } from './ledger.js'
 import type { CompletionResult, HttpResult, Target } from './target.js'
-import { AuditError, type Finding } from './types.js'
+import { findingClasses, findingTags, severityRank, withClass } from './classes.js'
+import type { FindingClass, FindingTag } from './classes.js'
+import { AuditError, verdictRank, type Finding, type Severity, type Verdict } from './types.js'
 
 /** Statuses that say the endpoint does not serve `POST /v1/completions` at all, whatever its
  *  load: 404 (no such path, or no such model), 405 (method not allowed), 501 (not implemented: a
@@ -221,4 +224,83 @@ export function availabilityFindings(ledger: Ledger, health: HealthReading | nul
     })
   }
   return findings
+}
+
+// ─── The CI gate: --fail-on ──────────────────────────────────────────────────────────────────
+
+/** One term of `--fail-on`:
+ *  - a class (`content-leak`, `side-channel`, …): a finding of that class seen (verdict `leak` or
+ *    `warning`);
+ *  - a severity (`critical` … `info`): a finding seen at that severity or above;
+ *  - a tag (`over-pool-accepted`): a finding seen that carries it;
+ *  - a verdict, as before classes: `leak`, `warning` (and `leak`), `inconclusive` (and both).
+ *  A `leak` verdict (a content leak) fails under every gate: the auditor fails closed. */
+export type FailOnTerm = FindingClass | Severity | FindingTag | Exclude<Verdict, 'clean'>
+
+const verdictTerms = ['leak', 'warning', 'inconclusive'] as const
+const severityTerms = ['critical', 'high', 'medium', 'low', 'info'] as const
+/** Every term `--fail-on` takes, in the order `--help` lists them. */
+export const failOnTerms: readonly FailOnTerm[] = [
+  ...findingClasses,
+  ...severityTerms,
+  ...findingTags,
+  ...verdictTerms,
+]
+
+/** The default gate: another tenant's material seen, and the incident's precondition (a prompt
+ *  over the reported KV pool accepted with 200, no other tier reported). */
+export const defaultFailOn: readonly FailOnTerm[] = ['content-leak', 'over-pool-accepted']
+
+/** `--fail-on`'s text (terms separated by commas, spaces allowed) as terms; throws
+ *  `AuditError('invalid_options')` naming an unknown term and the known ones. */
+export function parseFailOn(text: string): FailOnTerm[] {
+  const terms = text
+    .split(',')
+    .map((t) => t.trim())
+    .filter((t) => t !== '')
+  if (terms.length === 0)
+    throw new AuditError(
+      'invalid_options',
+      `--fail-on needs at least one of ${failOnTerms.join(', ')}`,
+    )
+  for (const term of terms) {
+    if (!(failOnTerms as readonly string[]).includes(term))
+      throw new AuditError(
+        'invalid_options',
+        `--fail-on: unknown term ${JSON.stringify(term)} (known: ${failOnTerms.join(', ')})`,
+      )
+  }
+  return [...new Set(terms)] as FailOnTerm[]
+}
+
+/** Whether `finding` fails a gate of `terms` (see {@link FailOnTerm}). */
+export function failsGate(finding: Finding, terms: readonly FailOnTerm[]): boolean {
+  if (finding.verdict === 'leak') return true
+  const isSeen = finding.verdict === 'warning'
+  return terms.some((term) => {
+    if ((verdictTerms as readonly string[]).includes(term))
+      return verdictRank[finding.verdict] >= verdictRank[term as Verdict]
+    if (!isSeen) return false
+    if ((severityTerms as readonly string[]).includes(term))
+      return severityRank[finding.severity] >= severityRank[term as Severity]
+    if ((findingTags as readonly string[]).includes(term))
+      return (finding.tags ?? []).includes(term as FindingTag)
+    return (finding.class ?? withClass(finding).class) === term
+  })
+}
+
+/** A gate given as one term or as several, as a list. */
+export function asTerms(failOn: FailOnTerm | readonly FailOnTerm[]): readonly FailOnTerm[] {
+  return typeof failOn === 'string' ? [failOn as FailOnTerm] : (failOn as readonly FailOnTerm[])
+}
+
+/** Whether the gate lets inconclusive findings fail (an `inconclusive` term): the JUnit report
+ *  then shows them as errors, not as skipped. */
+export function isInconclusiveGated(terms: readonly FailOnTerm[]): boolean {
+  return terms.includes('inconclusive')
+}
+
+/** The gate as one line (`content-leak, over-pool-accepted`). */
+export function formatFailOn(terms: readonly FailOnTerm[]): string {
+  return terms.join(',')
 }

@@ -5,7 +5,8 @@
  *  - `/metrics`: `kvfence_kv_pages_used` (pages), vLLM `vllm:kv_cache_usage_perc` or
  *    `vllm:gpu_cache_usage_perc` (fraction), SGLang `sglang:token_usage` (fraction).
  *  Requests running: `/metrics` `kvfence_router_requests_running`, vLLM
- *  `vllm:num_requests_running`, SGLang `sglang:num_running_reqs`.
+ *  `vllm:num_requests_running`, SGLang `sglang:num_running_reqs`, llama.cpp
+ *  `llamacpp:requests_processing`, TGI `tgi_batch_current_size`.
  *  Knows field names of public APIs; knows nothing of how any engine works inside. */
 import { tryJson, type Target } from './target.js'
 
@@ -96,6 +97,8 @@ export function runningFromMetrics(text: string): number | null {
     'kvfence_router_requests_running',
     'vllm:num_requests_running',
     'sglang:num_running_reqs',
+    'llamacpp:requests_processing',
+    'tgi_batch_current_size',
   ])
   let sum: number | null = null
   for (const line of text.split('\n')) {

@@ -88,9 +88,10 @@ function parseResumable(from: ResumeSource): z.infer<typeof Resumable> {
     throw new AuditError('cannot_resume', `cannot resume ${from.source}: ${why}`)
   }
   const version = (from.report as { schemaVersion?: unknown } | null)?.schemaVersion
-  if (version !== 1)
+  // Version 1 lacks only the findings' classes, which the audit gives kept findings again.
+  if (version !== 1 && version !== 2)
     refuse(
-      `it is not a kvfence audit report of schema version 1 (schemaVersion ${String(version)})`,
+      `it is not a kvfence audit report of schema version 1 or 2 (schemaVersion ${String(version)})`,
     )
   const parsed = Resumable.safeParse(from.report)
   if (!parsed.success) {

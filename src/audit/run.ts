@@ -8,7 +8,7 @@
  *  report in state `interrupted`; `resume` continues one from what it had established. */
 import { randomInt } from 'node:crypto'
 import { Budget, BudgetExhaustedError, maxAuditSeconds, minAuditSeconds } from './budget.js'
-import { discover } from './discovery.js'
+import { discover, type Discovery } from './discovery.js'
 import { controlsOf } from './controls.js'
 import {
   availabilityFindings,
@@ -19,7 +19,12 @@ import {
   sendAnswerCheck,
   answerCheckTokens,
   type HealthReading,
+  defaultFailOn,
+  failsGate,
+  asTerms,
+  type FailOnTerm,
 } from './gate.js'
+import { withClass } from './classes.js'
 import { Ledger } from './ledger.js'
 import type { ProbeContext } from './probe.js'
 import { inconclusiveRemediation } from './probe.js'
@@ -32,7 +37,14 @@ import {
   type ResumeSource,
 } from './resume.js'
 import { calibrate, calibrationWords, type PromptSizer } from './sizer.js'
-import { probePlan, totalPlan, type AuditPlan, type PlanInput } from './plan.js'
+import {
+  probePlan,
+  shareBudget,
+  totalPlan,
+  type AuditPlan,
+  type PlanInput,
+  type ProbePlan,
+} from './plan.js'
 import { createTarget, type Target } from './target.js'
 import {
   AuditError,
@@ -43,8 +55,6 @@ import {
   type ProbeName,
   type ProbeRun,
   type Tenant,
-  type Verdict,
-  verdictRank,
 } from './types.js'
 
 export interface AuditOptions {
@@ -157,14 +167,17 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
 
   const outcomes = new Map<ProbeName, ProbeOutcome>()
   for (const run of point?.probeRuns ?? []) {
-    const findings = (point as ResumePoint).findings.filter((f) => f.probe === run.probe)
+    // A version-1 report's findings have no class: they get it as this audit would give it.
+    const findings = (point as ResumePoint).findings
+      .filter((f) => f.probe === run.probe)
+      .map((f) => withClass(f))
     outcomes.set(run.probe, { run, findings, isComplete: true })
   }
   const extraFindings: Finding[] = []
   const report = (state: AuditState): AuditReport => {
     const findings = config.probes.flatMap((name) => outcomes.get(name)?.findings ?? [])
     return {
-      schemaVersion: 1,
+      schemaVersion: 2,
       tool: 'kvfence audit',
       target: config.baseUrl,
       model: discovery.model,
@@ -187,9 +200,17 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
 
   let sizing: Promise<PromptSizer | null> | null = null
   const sizer = () => (sizing ??= calibrate(target))
+  // Each probe's share, held back for it while the probes before it run.
+  const toRun = config.probes.filter((name) => !outcomes.has(name))
+  const shares = probeShares(config, discovery, toRun, options.isAggressive === true)
   for (const name of config.probes) {
     if (outcomes.has(name)) continue // kept from the resumed report
     if (budget.isStopped) break
+    const later = toRun.slice(toRun.indexOf(name) + 1).map((n) => shares.get(n)!)
+    budget.holdBack(
+      later.reduce((s, x) => s + x.requests, 0),
+      later.reduce((s, x) => s + x.ms, 0),
+    )
     const outcome = await runProbe(name, target, budget, ledger, {
       seed,
       overCapacityAttempts: config.overCapacityAttempts,
@@ -203,6 +224,7 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     if (budget.isStopped || budget.isClosed) break
     await options.onReport?.(report('running'))
   }
+  budget.holdBack(0, 0)
   ledger.setProbe(null)
 
   if (budget.isStopped) {
@@ -226,10 +248,9 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   const healthReading = health === null ? null : await (health as Promise<HealthReading>)
   if (budget.isStopped) return report('interrupted')
   extraFindings.push(
-    ...availabilityFindings(ledger, healthReading).map((f) => ({
-      ...f,
-      controls: controlsOf(f.probe),
-    })),
+    ...availabilityFindings(ledger, healthReading).map((f) =>
+      withClass({ ...f, controls: controlsOf(f.probe) }),
+    ),
   )
   const message = noAnswerMessage(ledger.answerSummary(), config.baseUrl, budget, healthReading)
   if (message !== null) {
@@ -299,12 +320,16 @@ async function runProbe(
   } catch (err) {
     findings = [failedProbe(name, err)]
   }
-  findings = findings.map((f) => ({
-    ...withReason(f, ledger.unansweredReason(name)),
-    controls: controlsOf(f.probe),
-  }))
+  findings = findings.map((f) =>
+    withClass({ ...withReason(f, ledger.unansweredReason(name)), controls: controlsOf(f.probe) }),
+  )
+  // Stopped by its share, a probe that could not tell is run again by --resume; one that told
+  // is done.
   const isComplete =
-    hasReturned && !budget.isStopped && budget.remainingMs > 0 && budget.remainingRequests > 0
+    hasReturned &&
+    !budget.isStopped &&
+    budget.remainingMs > 0 &&
+    (budget.remainingRequests > 0 || findings.every((f) => f.verdict !== 'inconclusive'))
   const run: ProbeRun = {
     probe: name,
     durationMs: Math.round(performance.now() - probeStartedAt),
@@ -331,7 +356,7 @@ function emptyRun(probe: ProbeName, reason: string): ProbeRun {
 
 /** An inconclusive finding for a probe the audit did not let run (to its end). */
 function notRunFinding(probe: ProbeName, title: string): Finding {
-  return {
+  return withClass({
     probe,
     verdict: 'inconclusive',
     severity: 'medium',
@@ -341,7 +366,7 @@ function notRunFinding(probe: ProbeName, title: string): Finding {
       'Continue the audit with --resume and its JSON report, or run it again. ' +
       inconclusiveRemediation,
     controls: controlsOf(probe),
-  }
+  })
 }
 
 /** `kvfence audit --plan`: what {@link runAudit} with these options would send, per probe, and
@@ -396,6 +421,37 @@ export async function planAudit(
         `${listed.slice(0, 5).join(', ')}${listed.length > 5 ? ', …' : ''} (--plan sends no completion to try it): check --model`,
     )
   }
+  const { own, probePlans } = planProbes(
+    config,
+    discovery,
+    planned,
+    options.isAggressive === true,
+    isModelUnlisted,
+  )
+  return totalPlan(
+    {
+      target: config.baseUrl,
+      limits: config.budget,
+      poolTokens: discovery.poolTokens,
+      contextTokens: discovery.contextTokens,
+      endpoints: discovery.endpoints,
+      probes: [own, ...probePlans],
+      kept,
+    },
+    price,
+  )
+}
+
+/** The plans of the `planned` probes from discovery's numbers, and the audit's own requests
+ *  (discovery's reads, key checks, the answer check, token calibration): what `--plan` prints
+ *  and what the audit shares its budget by. */
+function planProbes(
+  config: AuditConfig,
+  discovery: Discovery,
+  planned: readonly ProbeName[],
+  isAggressive: boolean,
+  isModelUnlisted: boolean,
+): { own: ProbePlan; probePlans: ProbePlan[] } {
   const input: PlanInput = {
     limits: config.budget,
     numTenants: config.tenants.length,
@@ -406,7 +462,7 @@ export async function planAudit(
     largestPoolTokens: discovery.largestPoolTokens,
     pageSizes: discovery.pageSizes.map((s) => s.tokens),
     chunkSizes: discovery.chunkSizes.map((s) => s.tokens),
-    isAggressive: options.isAggressive === true,
+    isAggressive,
     chunkedPrefillTokens: discovery.chunkedPrefillTokens,
   }
   const isSized = planned.some((p) => probesThatSize.includes(p))
@@ -427,18 +483,23 @@ export async function planAudit(
       tokensEach: 2 * words + 2,
     })),
   ])
-  return totalPlan(
-    {
-      target: config.baseUrl,
-      limits: config.budget,
-      poolTokens: discovery.poolTokens,
-      contextTokens: discovery.contextTokens,
-      endpoints: discovery.endpoints,
-      probes: [own, ...probePlans],
-      kept,
-    },
-    price,
-  )
+  return { own, probePlans }
+}
+
+/** Each probe's share of the budget (plan.ts), from the same plans `--plan` prints: requests
+ *  and milliseconds by probe. */
+function probeShares(
+  config: AuditConfig,
+  discovery: Discovery,
+  planned: readonly ProbeName[],
+  isAggressive: boolean,
+): Map<ProbeName, { requests: number; ms: number }> {
+  const listed = discovery.modelsListed
+  const isModelUnlisted =
+    config.model !== null && listed.length > 0 && !listed.includes(config.model)
+  const { own, probePlans } = planProbes(config, discovery, planned, isAggressive, isModelUnlisted)
+  const shares = shareBudget(probePlans, config.budget, own.numRequests)
+  return new Map(shares.map((s) => [s.probe, { requests: s.numRequests, ms: s.seconds * 1000 }]))
 }
 
 /** Probes that calibrate token counts (the audit's calibration completions are theirs). */
@@ -451,12 +512,16 @@ const probesThatSize: readonly ProbeName[] = [
   'evict-then-return',
 ]
 
-/** The exit code `kvfence audit` uses: 1 when a finding's verdict is at or above `failOn` (a leak
- *  always is), else 0. (2, for a tool error, is the caller's: `runAudit` then throws, e.g. for a
- *  target that answered none of the valid completions.) */
-export function exitCodeFor(report: AuditReport, failOn: Verdict = 'leak'): 0 | 1 {
-  const threshold = verdictRank[failOn]
-  return report.findings.some((f) => verdictRank[f.verdict] >= threshold) ? 1 : 0
+/** The exit code `kvfence audit` uses: 1 when a finding fails the gate `failOn` (gate.ts: by
+ *  class, severity, tag or verdict; a leak always fails), else 0. (2, for a tool error, is the
+ *  caller's: `runAudit` then throws, e.g. for a target that answered none of the valid
+ *  completions.) */
+export function exitCodeFor(
+  report: AuditReport,
+  failOn: FailOnTerm | readonly FailOnTerm[] = defaultFailOn,
+): 0 | 1 {
+  const terms = asTerms(failOn)
+  return report.findings.some((f) => failsGate(f, terms)) ? 1 : 0
 }
 
 /** How long after the budget's deadline a probe may still take to conclude from what it saw

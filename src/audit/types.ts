@@ -1,7 +1,10 @@
 /** The auditor's vocabulary: tenants, findings, verdicts and the report.
  *  Knows nothing of HTTP or of any serving engine; every other audit module speaks these words. */
+import type { FindingClass, FindingTag } from './classes.js'
 
-/** What a probe concluded. `inconclusive` means "could not tell" and never counts as clean. */
+/** What a probe concluded. `inconclusive` means "could not tell" and never counts as clean.
+ *  `leak` is only ever the verdict of a `content-leak` (another tenant's material crossed); every
+ *  other harm seen is a `warning`, its class (classes.ts) saying which kind. */
 export type Verdict = 'leak' | 'clean' | 'inconclusive' | 'warning'
 
 export type Severity = 'critical' | 'high' | 'medium' | 'low' | 'info'
@@ -46,6 +49,14 @@ export interface FindingControls {
 export interface Finding {
   readonly probe: FindingSource
   readonly verdict: Verdict
+  /** The kind of harm (classes.ts): for a clean or inconclusive finding, the kind its probe looks
+   *  for. Set by the audit for every finding; a probe names it only where its probe's default
+   *  class (`probeClass`) is not the one. */
+  readonly class?: FindingClass
+  /** The class's CWE ids (`CWE-226`); set by the audit with the class. */
+  readonly cwe?: readonly string[]
+  /** Marks a gate can name (`over-pool-accepted`); absent: none. */
+  readonly tags?: readonly FindingTag[]
   readonly severity: Severity
   readonly title: string
   readonly evidence: Record<string, unknown>
@@ -132,11 +143,12 @@ export interface ResumedFrom {
   readonly previousRequestsSent: number
 }
 
-/** The JSON report, schema version 1 (docs/report-schema.json; fields are only ever added, and a
- *  change that breaks readers gets a new version). The fields marked optional are absent only in
- *  reports written before they were added. */
+/** The JSON report, schema version 2 (docs/report-schema.json; fields are only ever added, and a
+ *  change that breaks readers gets a new version). Version 2: every finding has its `class` and
+ *  `cwe`, and a side channel is a `warning`, no longer a `leak`. The fields marked optional are
+ *  absent only in reports written before they were added. */
 export interface AuditReport {
-  readonly schemaVersion: 1
+  readonly schemaVersion: 2
   readonly tool: 'kvfence audit'
   /** The target's base URL, without credentials. */
   readonly target: string
@@ -167,7 +179,8 @@ export interface AuditReport {
   readonly resumed?: ResumedFrom
 }
 
-/** Verdicts from least to most alarming; `--fail-on V` fails on V and everything after it. */
+/** Verdicts from least to most alarming; `--fail-on V` (a verdict) fails on V and everything
+ *  after it. */
 export const verdictRank: Readonly<Record<Verdict, number>> = {
   clean: 0,
   inconclusive: 1,

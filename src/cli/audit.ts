@@ -1,7 +1,7 @@
 /** `kvfence audit`: proves (or disproves) tenant isolation of any OpenAI-compatible endpoint from
  *  outside. Parses flags (merged over an optional YAML `--config` file, flags winning), runs the
  *  audit, prints progress and a summary, writes the JSON, JUnit XML and HTML reports asked for, and
- *  sets the exit code: 1 for a finding at or above `--fail-on` (always for a leak), 2 for a tool
+ *  sets the exit code: 1 for a finding `--fail-on` names (always for a leak), 2 for a tool
  *  error (one line on stderr), 130 or 143 when interrupted by SIGINT or SIGTERM (one line on
  *  stderr), 0 otherwise. With `--json` the report is rewritten after every probe, so an
  *  interrupted or killed audit leaves what it had established, and `--resume FILE` continues it.
@@ -9,7 +9,7 @@
 import { closeSync, existsSync, openSync, rmSync } from 'node:fs'
 import { readFile } from 'node:fs/promises'
 import { MultiBar, Presets } from 'cli-progress'
-import { Option, type Command } from 'commander'
+import type { Command } from 'commander'
 import {
   AuditError,
   auditDefaults,
@@ -33,13 +33,16 @@ import {
   type ProbeName,
   type ProgressEvent,
   type Tenant,
-  type Verdict,
 } from '../audit/index.js'
+import {
+  defaultFailOn,
+  failOnTerms,
+  formatFailOn,
+  parseFailOn,
+  type FailOnTerm,
+} from '../audit/gate.js'
 import { auditBounds, sameTenantNameFault } from '../audit/config.js'
 import { recordedAudit } from '../audit/resume.js'
-
-const failOnChoices = ['leak', 'warning', 'inconclusive'] as const
-type FailOn = (typeof failOnChoices)[number]
 
 interface AuditFlags {
   target?: string
@@ -56,7 +59,7 @@ interface AuditFlags {
   maxSeconds?: string
   concurrency?: string
   maxConcurrency?: string
-  failOn?: FailOn
+  failOn?: string
   plan?: boolean
   pricePerMillionTokens?: string
   authorized?: boolean
@@ -106,11 +109,9 @@ export function registerAudit(program: Command): void {
       '--max-concurrency <n>',
       `in flight at most for the probes that ramp their load 1, 2, 4, 8, 16 (default ${auditDefaults.maxConcurrency}, or --concurrency when given)`,
     )
-    .addOption(
-      new Option(
-        '--fail-on <verdict>',
-        'exit 1 on a finding with this verdict or a worse one (default leak)',
-      ).choices(failOnChoices),
+    .option(
+      '--fail-on <terms>',
+      `exit 1 on a finding of these classes, severities (and above), tags or verdicts (and worse), comma-separated: ${failOnTerms.join(', ')} (default ${formatFailOn(defaultFailOn)}; a leak always fails)`,
     )
     .option(
       '--plan',
@@ -134,7 +135,7 @@ export function registerAudit(program: Command): void {
     )
     .addHelpText(
       'after',
-      '\nExit codes: 0 no finding at or above --fail-on; 1 one at or above it (a leak always is);\n' +
+      '\nExit codes: 0 no finding --fail-on names; 1 one it names (a leak always is);\n' +
         '2 tool error, nothing audited (bad options, target unreachable, a key refused, --model not\n' +
         'served, no valid completion answered whole, a --resume report of another audit);\n' +
         '130/143 interrupted by SIGINT/SIGTERM (continue with --resume FILE when --json was given).',
@@ -163,62 +164,7 @@ async function audit(flags: AuditFlags): Promise<number> {
     process.stdout.write(`${formatProbeList()}\n`)
     return 0
   }
-  // Bad numbers first: one line naming the flag, whatever else is missing.
-  const numbers = {
-    seed: parseCount('--seed', flags.seed, { min: 0 }),
-    maxRequests: parseCount('--max-requests', flags.maxRequests, auditBounds.maxRequests),
-    maxSeconds: parseSeconds(flags.maxSeconds),
-    concurrency: parseCount('--concurrency', flags.concurrency, auditBounds.concurrency),
-    maxConcurrency: parseCount(
-      '--max-concurrency',
-      flags.maxConcurrency,
-      auditBounds.maxConcurrency,
-    ),
-    price: parsePrice(flags.pricePerMillionTokens),
-  }
-  const file: AuditConfigFile =
-    flags.config === undefined ? {} : await loadAuditConfig(flags.config, process.env)
-  const resume =
-    flags.resume === undefined
-      ? undefined
-      : { report: await readResumed(flags.resume), source: flags.resume }
-  // What the report records is taken when not given again; what is given must match it
-  // (runAudit refuses another target, model, probes or tenants with one line).
-  const recorded = resume === undefined ? undefined : recordedAudit(resume)
-  const target = flags.target ?? file.target ?? recorded?.target
-  if (target === undefined) {
-    throw new AuditError(
-      'invalid_options',
-      "required option '--target <url>' not specified (or target: in --config)",
-    )
-  }
-  // Before any request (and any DNS lookup): a typo must not aim the audit at someone else.
-  checkAuthorizedTarget(target, file.authorizedTargets ?? [], flags.authorized === true)
-  if (recorded !== undefined && flags.tenant === undefined && file.tenants === undefined) {
-    const names = recorded.tenants.join(', ')
-    throw new AuditError(
-      'invalid_options',
-      `--resume ${flags.resume}: give the keys of its tenants ${names} (--tenant NAME=KEY or NAME=env:VAR each, or --config with keyEnv); the report holds no key`,
-    )
-  }
-  const given =
-    flags.tenant !== undefined || file.tenants === undefined
-      ? parseTenants(flags.tenant ?? [], process.env)
-      : [...file.tenants]
-  const tenants = recorded === undefined ? given : inRecordedOrder(given, recorded.tenants)
-  const probesToRun =
-    flags.probes === undefined ? (file.probes ?? recorded?.probes) : parseProbes(flags.probes)
-  const options = {
-    target,
-    tenants,
-    model: flags.model ?? file.model ?? recorded?.model ?? undefined,
-    probes: probesToRun,
-    seed: numbers.seed ?? file.seed,
-    maxRequests: numbers.maxRequests ?? file.maxRequests,
-    maxSeconds: numbers.maxSeconds ?? file.maxSeconds,
-    concurrency: numbers.concurrency ?? file.concurrency,
-    maxConcurrency: numbers.maxConcurrency ?? file.maxConcurrency,
-  }
+  const { numbers, file, resume, options } = await auditInputs(flags)
   if (flags.plan) {
     process.stdout.write(
       `${formatPlan(await planAudit({ ...options, resume, pricePerMillionTokens: numbers.price }))}\n`,
@@ -228,7 +174,8 @@ async function audit(flags: AuditFlags): Promise<number> {
   if (flags.pricePerMillionTokens !== undefined) {
     throw new AuditError('invalid_options', '--price-per-million-tokens is only read with --plan')
   }
-  const failOn: Verdict = flags.failOn ?? file.failOn ?? 'leak'
+  const failOn: readonly FailOnTerm[] =
+    flags.failOn === undefined ? (file.failOn ?? defaultFailOn) : parseFailOn(flags.failOn)
   const reports = {
     json: flags.json ?? file.reports?.json ?? flags.resume,
     junit: flags.junit ?? file.reports?.junit,
@@ -238,7 +185,7 @@ async function audit(flags: AuditFlags): Promise<number> {
   checkWritable('JSON', reports.json)
   checkWritable('JUnit', reports.junit)
   checkWritable('HTML', reports.html)
-  const progress = makeProgress((probesToRun ?? probeNames).length)
+  const progress = makeProgress((options.probes ?? probeNames).length)
   const interrupt = new AbortController()
   const onSignal = (signal: 'SIGINT' | 'SIGTERM'): void => {
     // A second signal does not wait for the report to be written.
@@ -295,6 +242,71 @@ async function audit(flags: AuditFlags): Promise<number> {
   await writeReport('JUnit', reports.junit, (f) => writeJunitReport(report, f, failOn))
   await writeReport('HTML', reports.html, (f) => writeHtmlReport(report, f))
   return exitCodeFor(report, failOn)
+}
+
+/** What an audit runs with: the flags' numbers (checked first: one line naming the flag,
+ *  whatever else is missing), the `--config` file, the report `--resume` names, and the run's
+ *  options, each from the flags, else the file, else the resumed report. Throws AuditError
+ *  `invalid_options` for a missing target or missing tenant keys, and for an unauthorized
+ *  target before any request. */
+async function auditInputs(flags: AuditFlags) {
+  // Bad numbers first: one line naming the flag, whatever else is missing.
+  const numbers = {
+    seed: parseCount('--seed', flags.seed, { min: 0 }),
+    maxRequests: parseCount('--max-requests', flags.maxRequests, auditBounds.maxRequests),
+    maxSeconds: parseSeconds(flags.maxSeconds),
+    concurrency: parseCount('--concurrency', flags.concurrency, auditBounds.concurrency),
+    maxConcurrency: parseCount(
+      '--max-concurrency',
+      flags.maxConcurrency,
+      auditBounds.maxConcurrency,
+    ),
+    price: parsePrice(flags.pricePerMillionTokens),
+  }
+  const file: AuditConfigFile =
+    flags.config === undefined ? {} : await loadAuditConfig(flags.config, process.env)
+  const resume =
+    flags.resume === undefined
+      ? undefined
+      : { report: await readResumed(flags.resume), source: flags.resume }
+  // What the report records is taken when not given again; what is given must match it
+  // (runAudit refuses another target, model, probes or tenants with one line).
+  const recorded = resume === undefined ? undefined : recordedAudit(resume)
+  const target = flags.target ?? file.target ?? recorded?.target
+  if (target === undefined) {
+    throw new AuditError(
+      'invalid_options',
+      "required option '--target <url>' not specified (or target: in --config)",
+    )
+  }
+  // Before any request (and any DNS lookup): a typo must not aim the audit at someone else.
+  checkAuthorizedTarget(target, file.authorizedTargets ?? [], flags.authorized === true)
+  if (recorded !== undefined && flags.tenant === undefined && file.tenants === undefined) {
+    const names = recorded.tenants.join(', ')
+    throw new AuditError(
+      'invalid_options',
+      `--resume ${flags.resume}: give the keys of its tenants ${names} (--tenant NAME=KEY or NAME=env:VAR each, or --config with keyEnv); the report holds no key`,
+    )
+  }
+  const given =
+    flags.tenant !== undefined || file.tenants === undefined
+      ? parseTenants(flags.tenant ?? [], process.env)
+      : [...file.tenants]
+  const tenants = recorded === undefined ? given : inRecordedOrder(given, recorded.tenants)
+  const probesToRun =
+    flags.probes === undefined ? (file.probes ?? recorded?.probes) : parseProbes(flags.probes)
+  const options = {
+    target,
+    tenants,
+    model: flags.model ?? file.model ?? recorded?.model ?? undefined,
+    probes: probesToRun,
+    seed: numbers.seed ?? file.seed,
+    maxRequests: numbers.maxRequests ?? file.maxRequests,
+    maxSeconds: numbers.maxSeconds ?? file.maxSeconds,
+    concurrency: numbers.concurrency ?? file.concurrency,
+    maxConcurrency: numbers.maxConcurrency ?? file.maxConcurrency,
+  }
+  return { numbers, file, resume, options }
 }
 
 /** The JSON of the report `--resume` names; one line (`cannot_resume`) when it cannot be read. */

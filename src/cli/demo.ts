@@ -100,31 +100,7 @@ async function runDemo(flags: DemoFlags): Promise<number> {
   say()
 
   // 1. The incident.
-  say('── 1/3  the incident: fault placeholder-forward injected, guards off ──')
-  const unsafeCluster = await startCluster({
-    ...base,
-    contextWindow: demoShape.advertisedContext,
-    prefillFaults: ['placeholder-forward'],
-    disableGuards: true,
-    env: { ...process.env, KVFENCE_ALLOW_FAULTS: '1' },
-    logDir: join(out, 'logs', 'unsafe'),
-  })
-  let unsafe: RunOutcome
-  try {
-    say(`cluster up at ${unsafeCluster.routerUrl} (3 processes)`)
-    say(`  logs in ${join(out, 'logs', 'unsafe')}`)
-    const report = await audit(unsafeCluster.routerUrl, tenants, flags, say)
-    await writeJsonReport(report, join(out, 'unsafe.json'))
-    await writeHtmlReport(report, join(out, 'unsafe.html'))
-    unsafe = {
-      title: 'incident (fault, guards off)',
-      startup: `started, advertising ${demoShape.advertisedContext} tokens`,
-      contextWindow: `${demoShape.advertisedContext}`,
-      report,
-    }
-  } finally {
-    await unsafeCluster.stop()
-  }
+  const unsafe = await runIncidentAct(base, tenants, flags, out, say)
   say()
 
   // 2. As shipped: the same advertised context is refused (G1), then clamped to the pool.
@@ -193,6 +169,41 @@ async function runDemo(flags: DemoFlags): Promise<number> {
     return 1
   }
   return 0
+}
+
+/** Act 1, the incident: the cluster started with fault placeholder-forward and its guards off,
+ *  audited; its reports written to `out`. */
+async function runIncidentAct(
+  base: ClusterOptions,
+  tenants: { name: string; key: string }[],
+  flags: DemoFlags,
+  out: string,
+  say: (line?: string) => void,
+): Promise<RunOutcome> {
+  say('── 1/3  the incident: fault placeholder-forward injected, guards off ──')
+  const unsafeCluster = await startCluster({
+    ...base,
+    contextWindow: demoShape.advertisedContext,
+    prefillFaults: ['placeholder-forward'],
+    disableGuards: true,
+    env: { ...process.env, KVFENCE_ALLOW_FAULTS: '1' },
+    logDir: join(out, 'logs', 'unsafe'),
+  })
+  try {
+    say(`cluster up at ${unsafeCluster.routerUrl} (3 processes)`)
+    say(`  logs in ${join(out, 'logs', 'unsafe')}`)
+    const report = await audit(unsafeCluster.routerUrl, tenants, flags, say)
+    await writeJsonReport(report, join(out, 'unsafe.json'))
+    await writeHtmlReport(report, join(out, 'unsafe.html'))
+    return {
+      title: 'incident (fault, guards off)',
+      startup: `started, advertising ${demoShape.advertisedContext} tokens`,
+      contextWindow: `${demoShape.advertisedContext}`,
+      report,
+    }
+  } finally {
+    await unsafeCluster.stop()
+  }
 }
 
 async function audit(

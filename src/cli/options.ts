@@ -5,6 +5,7 @@
  *  taken as another one. */
 import { InvalidArgumentError } from 'commander'
 import { maxTimerMs, maxTimerSeconds } from '../common/timer-limit.js'
+import { logLevels, workerOptions } from '../engine/worker-options.js'
 
 export { maxTimerMs }
 
@@ -47,13 +48,13 @@ export const secondsOption = intRangeOption(0, maxTimerSeconds)
 export const msOption = intRangeOption(1, maxTimerMs)
 
 /** pino's log levels, for `--log-level` (checked before any part starts). */
-export const logLevels = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const
+export { logLevels }
 
-/** Parse `--threads N`: compute threads per model, 1 to 64. */
-export const threadsOption = intRangeOption(1, 64)
+/** Parse `--threads N`: compute threads per model, in the workers' range. */
+export const threadsOption = intRangeOption(workerOptions.threads.min, workerOptions.threads.max)
 
-/** Help text of `--threads`. */
-export const threadsHelp = 'compute threads per model (default: min(2, available cores))'
+/** Help text of `--threads`, as the workers give it. */
+export const threadsHelp = workerOptions.threads.doc
 
 /** Cluster options that pass `--threads N` to both workers when given (else they use their
  *  default). */

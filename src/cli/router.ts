@@ -2,7 +2,7 @@
  *  that run elsewhere (or on this host), from flags or from a cluster config file
  *  (`--config FILE`: its router, tenants, and workers given by `url` or its gateway backend).
  *  Tells a parent process that forked it, once listening. */
-import { clusterTokenFrom } from '../engine/cluster-token.js'
+import { clusterTokenFrom } from '../control/cluster-token.js'
 import { Option, type Command } from 'commander'
 import { pino } from 'pino'
 import { type ClusterConfig, loadClusterConfig } from '../config/cluster.js'
@@ -54,7 +54,6 @@ interface RouterFlags {
   clusterTlsCert?: string
   clusterTlsKey?: string
   allowPlaintext: boolean
-  controlPlane?: 'channel' | 'http'
 }
 
 /** Register `kvfence router`. */
@@ -146,78 +145,73 @@ export function registerRouter(program: Command): void {
       'without cluster TLS, reach workers beyond loopback anyway (logged as a warning): refused otherwise',
       false,
     )
-    .addOption(
-      new Option(
-        '--control-plane <transport>',
-        'how requests reach the workers: channel (one multiplexed connection per worker; HTTP with a worker without it; the default) or http (one request per step)',
-      ).choices(['channel', 'http']),
+    .action(runRouter)
+}
+
+/** Starts the router `flags` (or the file of `--config`) describe, reports ready to a parent,
+ *  drains on the first stop signal and stops on the second. */
+async function runRouter(flags: RouterFlags, command: Command): Promise<void> {
+  exitIfParentGoesDuringStart()
+  if (flags.config !== undefined) refuseFlagsTheFileGives(command)
+  const faults = buildFaultConfig([], flags.unsafeDisableGuards, process.env)
+  const banner = faultBanner('kvfence router', faults)
+  if (banner) process.stderr.write(`${banner}\n`)
+  if (flags.limitsOnUnavailable !== undefined && flags.limitsRedis === undefined)
+    throw new KvfenceError(
+      'config_invalid',
+      '--limits-on-unavailable needs --limits-redis (it is the policy while Redis is unreachable)',
     )
-    .action(async (flags: RouterFlags, command: Command) => {
-      exitIfParentGoesDuringStart()
-      if (flags.config !== undefined) refuseFlagsTheFileGives(command)
-      const faults = buildFaultConfig([], flags.unsafeDisableGuards, process.env)
-      const banner = faultBanner('kvfence router', faults)
-      if (banner) process.stderr.write(`${banner}\n`)
-      if (flags.limitsOnUnavailable !== undefined && flags.limitsRedis === undefined)
-        throw new KvfenceError(
-          'config_invalid',
-          '--limits-on-unavailable needs --limits-redis (it is the policy while Redis is unreachable)',
-        )
-      // Sync: an async stream is flushed on exit by a loop that retries EPIPE for ever, so a part whose
-      // parent (the reader of its stderr) was killed hung in process.exit, deaf to SIGTERM.
-      const log = pino(
-        { name: 'kvfence-router', level: routerLogLevel(flags, command) },
-        pino.destination({ dest: 2, sync: true }),
-      )
-      const source = flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config, flags)
-      const router = await startRouter({
-        host: flags.host,
-        port: flags.port,
-        contextWindow: flags.contextWindow,
-        clampContext: flags.clampContext,
-        ...(flags.drainSeconds === undefined ? {} : { drainSeconds: flags.drainSeconds }),
-        ...source,
-        // With --config, the flags given override the file's router section (as serve --config).
-        ...(flags.config === undefined ? {} : routerFlagsOverFile(flags, command, source.queue)),
-        ...redisLimitsFlags(flags),
-        ...(flags.allowPlaintext ? { allowPlaintext: true } : {}),
-        guardsEnabled: faults.guardsEnabled,
-        ...(flags.logContent ? { logContent: true } : {}),
-        // The flags win over the file's `sentinel.mode` and `windowSeconds`, keeping its other settings.
-        ...sentinelFlags(flags, source.sentinel),
-        clusterToken: clusterTokenFrom(process.env),
-        ...(flags.controlPlane === undefined
-          ? {}
-          : { controlChannel: flags.controlPlane === 'channel' }),
-        ...httpsOption(flags),
-        log,
-      })
-      // The first SIGTERM (or SIGINT from a shell) drains (running requests finish, up to
-      // --drain-seconds); a second one stops at once.
-      let isDraining = false
-      const shutdown = () => {
-        if (isDraining) {
-          // Said, since it ends what the drain was still letting finish.
-          log.warn('second stop signal: stopping now, not waiting for the drain')
-          return void router.stopNow().then(() => process.exit(0))
-        }
-        isDraining = true
-        void router.drain().then(() => process.exit(0))
-      }
-      onStopSignals(shutdown)
-      reportReadyToParent(
-        {
-          type: 'ready',
-          role: 'router',
-          port: router.port,
-          contextWindow: router.config.contextWindow,
-        },
-        () => {
-          log.warn('the process that started this router is gone; stopping')
-          shutdown()
-        },
-      )
-    })
+  // Sync: an async stream is flushed on exit by a loop that retries EPIPE for ever, so a part whose
+  // parent (the reader of its stderr) was killed hung in process.exit, deaf to SIGTERM.
+  const log = pino(
+    { name: 'kvfence-router', level: routerLogLevel(flags, command) },
+    pino.destination({ dest: 2, sync: true }),
+  )
+  const source = flags.config === undefined ? fromFlags(flags) : fromConfig(flags.config, flags)
+  const router = await startRouter({
+    host: flags.host,
+    port: flags.port,
+    contextWindow: flags.contextWindow,
+    clampContext: flags.clampContext,
+    ...(flags.drainSeconds === undefined ? {} : { drainSeconds: flags.drainSeconds }),
+    ...source,
+    // With --config, the flags given override the file's router section (as serve --config).
+    ...(flags.config === undefined ? {} : routerFlagsOverFile(flags, command, source.queue)),
+    ...redisLimitsFlags(flags),
+    ...(flags.allowPlaintext ? { allowPlaintext: true } : {}),
+    guardsEnabled: faults.guardsEnabled,
+    ...(flags.logContent ? { logContent: true } : {}),
+    // The flags win over the file's `sentinel.mode` and `windowSeconds`, keeping its other settings.
+    ...sentinelFlags(flags, source.sentinel),
+    clusterToken: clusterTokenFrom(process.env),
+    ...httpsOption(flags),
+    log,
+  })
+  // The first SIGTERM (or SIGINT from a shell) drains (running requests finish, up to
+  // --drain-seconds); a second one stops at once.
+  let isDraining = false
+  const shutdown = () => {
+    if (isDraining) {
+      // Said, since it ends what the drain was still letting finish.
+      log.warn('second stop signal: stopping now, not waiting for the drain')
+      return void router.stopNow().then(() => process.exit(0))
+    }
+    isDraining = true
+    void router.drain().then(() => process.exit(0))
+  }
+  onStopSignals(shutdown)
+  reportReadyToParent(
+    {
+      type: 'ready',
+      role: 'router',
+      port: router.port,
+      contextWindow: router.config.contextWindow,
+    },
+    () => {
+      log.warn('the process that started this router is gone; stopping')
+      shutdown()
+    },
+  )
 }
 
 /** Whether the user gave flag `key` (on the command line or by its environment variable), not

@@ -8,7 +8,7 @@ import { join } from 'node:path'
 import { type Command, Option } from 'commander'
 import { pino } from 'pino'
 import { loadClusterConfig } from '../config/cluster.js'
-import { clusterConfigPlan, launchCluster, startCluster } from '../config/launch.js'
+import { type Cluster, clusterConfigPlan, launchCluster, startCluster } from '../config/launch.js'
 import { buildFaultConfig } from '../engine/faults.js'
 import { KvfenceError } from '../common/errors.js'
 import { loadModelConfig } from '../model/config.js'
@@ -130,95 +130,101 @@ export function registerServe(program: Command): void {
         .choices(logLevels)
         .env('KVFENCE_LOG_LEVEL'),
     )
-    .action(async (flags: ServeFlags, command: Command) => {
-      exitIfParentGoesDuringStart()
-      if (flags.config !== undefined) {
-        refuseFlagsNotUsedWithConfig(command)
-        return serveConfig(flags.config, flags)
-      }
-      if (flags.tenants === undefined) {
-        throw new KvfenceError('config_invalid', 'give --config FILE or --tenants FILE')
-      }
-      // What the parts would refuse, refused before any of them starts (one line, no part's logs).
-      loadTenants(flags.tenants)
-      if (flags.prefixCachePages !== undefined && flags.prefixCachePages > flags.prefillPages) {
-        throw new KvfenceError(
-          'config_invalid',
-          `--prefix-cache-pages ${flags.prefixCachePages} exceeds --prefill-pages ${flags.prefillPages}`,
-        )
-      }
-      buildFaultConfig(flags.injectFault, flags.unsafeDisableGuards, process.env)
-      const host = flags.host ?? '127.0.0.1'
-      const plaintextArgs = servePlaintext(host, flags.allowPlaintext)
-      checkModelDir(flags.model)
-      await checkPortFree(flags.host ?? '127.0.0.1', flags.port ?? 8000)
-      if (plaintextArgs.length === 0)
-        process.stderr.write('kvfence: control and data planes are plaintext on loopback\n')
-      const cluster = await startCluster({
-        modelDir: flags.model,
-        tenantsFile: flags.tenants,
-        host,
-        routerPort: flags.port ?? 8000,
-        drainSeconds: flags.drainSeconds,
-        pageSize: flags.pageSize,
-        prefillPages: flags.prefillPages,
-        decodePages: flags.decodePages,
-        prefixCachePages: flags.prefixCachePages,
-        contextWindow: flags.contextWindow,
-        clampContext: flags.clampContext,
-        prefillFaults: flags.injectFault,
-        disableGuards: flags.unsafeDisableGuards,
-        logLevel: flags.logLevel ?? 'info',
-        ...withArgs(threadArgs(flags.threads), plaintextArgs, [
-          ...(flags.logContent ? ['--log-content'] : []),
-          ...queueArgs(flags),
-        ]),
-      })
-      process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
-      let isStopping = false
-      let stopped: Promise<void> | undefined
-      // Stopping the cluster drains the router first (running requests finish), bounded: SIGKILL
-      // after its drain time and 5 s. A router that never exits (a trial SIGSTOPped it) once held
-      // serve for ever, deaf to more signals.
-      const stop = () => {
-        isStopping = true
-        stopped ??= cluster.stop().then(() => {
-          // Said: its running requests were cut without the drain's error events.
-          if (cluster.processes.router.signalCode === 'SIGKILL')
-            process.stderr.write(
-              'kvfence: the router did not exit in time (stopped or stuck?): killed, its running requests cut\n',
-            )
-          process.exit(0)
-        })
-      }
-      // A second signal stops at once: passed on, the router's own second signal ends its running
-      // streams with an error event and exits; one that does not within 2 s is killed.
-      const drainThenStop = () => {
-        if (stopped === undefined) return stop()
+    .action(runServe)
+}
+
+/** `kvfence serve`: the cluster of `--config`, or one from the flags (`--tenants`) after what
+ *  its parts would refuse is refused here, in one line; then supervised until stopped. */
+async function runServe(flags: ServeFlags, command: Command): Promise<void> {
+  exitIfParentGoesDuringStart()
+  if (flags.config !== undefined) {
+    refuseFlagsNotUsedWithConfig(command)
+    return serveConfig(flags.config, flags)
+  }
+  if (flags.tenants === undefined) {
+    throw new KvfenceError('config_invalid', 'give --config FILE or --tenants FILE')
+  }
+  // What the parts would refuse, refused before any of them starts (one line, no part's logs).
+  loadTenants(flags.tenants)
+  if (flags.prefixCachePages !== undefined && flags.prefixCachePages > flags.prefillPages) {
+    throw new KvfenceError(
+      'config_invalid',
+      `--prefix-cache-pages ${flags.prefixCachePages} exceeds --prefill-pages ${flags.prefillPages}`,
+    )
+  }
+  buildFaultConfig(flags.injectFault, flags.unsafeDisableGuards, process.env)
+  const host = flags.host ?? '127.0.0.1'
+  const plaintextArgs = servePlaintext(host, flags.allowPlaintext)
+  checkModelDir(flags.model)
+  await checkPortFree(flags.host ?? '127.0.0.1', flags.port ?? 8000)
+  if (plaintextArgs.length === 0)
+    process.stderr.write('kvfence: control and data planes are plaintext on loopback\n')
+  const cluster = await startCluster({
+    modelDir: flags.model,
+    tenantsFile: flags.tenants,
+    host,
+    routerPort: flags.port ?? 8000,
+    drainSeconds: flags.drainSeconds,
+    pageSize: flags.pageSize,
+    prefillPages: flags.prefillPages,
+    decodePages: flags.decodePages,
+    prefixCachePages: flags.prefixCachePages,
+    contextWindow: flags.contextWindow,
+    clampContext: flags.clampContext,
+    prefillFaults: flags.injectFault,
+    disableGuards: flags.unsafeDisableGuards,
+    logLevel: flags.logLevel ?? 'info',
+    ...withArgs(threadArgs(flags.threads), plaintextArgs, [
+      ...(flags.logContent ? ['--log-content'] : []),
+      ...queueArgs(flags),
+    ]),
+  })
+  superviseCluster(cluster)
+}
+
+/** Says where `cluster` serves and supervises it: the first stop signal drains the router then
+ *  stops it all, a second stops at once; a part that exits on its own stops the rest (exit 1). */
+function superviseCluster(cluster: Cluster): void {
+  process.stderr.write(`kvfence serving on ${cluster.routerUrl}/v1 (Ctrl-C stops)\n`)
+  let isStopping = false
+  let stopped: Promise<void> | undefined
+  // Stopping the cluster drains the router first (running requests finish), bounded: SIGKILL
+  // after its drain time and 5 s. A router that never exits (a trial SIGSTOPped it) once held
+  // serve for ever, deaf to more signals.
+  const stop = () => {
+    isStopping = true
+    stopped ??= cluster.stop().then(() => {
+      // Said: its running requests were cut without the drain's error events.
+      if (cluster.processes.router.signalCode === 'SIGKILL')
         process.stderr.write(
-          'kvfence: second stop signal: stopping now, not waiting for the drain\n',
+          'kvfence: the router did not exit in time (stopped or stuck?): killed, its running requests cut\n',
         )
-        const { router } = cluster.processes
-        router.kill('SIGTERM')
-        setTimeout(() => router.kill('SIGKILL'), secondSignalGraceMs).unref()
-      }
-      process.on('SIGINT', drainThenStop)
-      process.on('SIGTERM', drainThenStop)
-      reportReadyToParent(
-        { type: 'ready', role: 'router', port: Number(new URL(cluster.routerUrl).port) },
-        stop,
-      )
-      for (const child of Object.values(cluster.processes)) {
-        child.once('exit', (code, signal) => {
-          if (isStopping) return
-          isStopping = true
-          process.stderr.write(
-            `kvfence: a part of the cluster ${howEnded(code, signal)}; stopping\n`,
-          )
-          void cluster.stop().then(() => process.exit(1))
-        })
-      }
+      process.exit(0)
     })
+  }
+  // A second signal stops at once: passed on, the router's own second signal ends its running
+  // streams with an error event and exits; one that does not within 2 s is killed.
+  const drainThenStop = () => {
+    if (stopped === undefined) return stop()
+    process.stderr.write('kvfence: second stop signal: stopping now, not waiting for the drain\n')
+    const { router } = cluster.processes
+    router.kill('SIGTERM')
+    setTimeout(() => router.kill('SIGKILL'), secondSignalGraceMs).unref()
+  }
+  process.on('SIGINT', drainThenStop)
+  process.on('SIGTERM', drainThenStop)
+  reportReadyToParent(
+    { type: 'ready', role: 'router', port: Number(new URL(cluster.routerUrl).port) },
+    stop,
+  )
+  for (const child of Object.values(cluster.processes)) {
+    child.once('exit', (code, signal) => {
+      if (isStopping) return
+      isStopping = true
+      process.stderr.write(`kvfence: a part of the cluster ${howEnded(code, signal)}; stopping\n`)
+      void cluster.stop().then(() => process.exit(1))
+    })
+  }
 }
 
 /** How long a router given the second stop signal may take to end its streams and exit before

@@ -12,6 +12,7 @@ import { AuditError, checkAuthorizedTarget } from '../audit/index.js'
 import {
   createWatchMetrics,
   cycleCostBound,
+  formatWatchPlan,
   loadWatchConfig,
   runWatch,
   serveMetrics,
@@ -41,6 +42,7 @@ interface WatchFlags {
   webhook?: string
   webhookFormat?: WebhookFormat
   authorized?: boolean
+  plan?: boolean
   logLevel: string
 }
 
@@ -93,6 +95,10 @@ export function registerWatch(program: Command): void {
     .option(
       '--authorized',
       'the target is one you may watch (needed for a non-loopback target not in authorized_targets)',
+    )
+    .option(
+      '--plan',
+      'print what a cycle and an hour send at most (sends nothing, reads nothing) and exit 0',
     )
     .addOption(new Option('--log-level <level>', 'log level').choices(logLevels).default('info'))
     .showHelpAfterError(false)
@@ -158,31 +164,12 @@ async function watch(flags: WatchFlags): Promise<number> {
     },
     randomInt(0, 2 ** 32 - 1),
   )
-  // A budget that cannot pay for one cycle would skip every cycle for ever: refuse it now.
   const cost = cycleCostBound(config)
-  for (const [perHour, least, flag, key, unit] of [
-    [
-      config.maxTokensPerHour,
-      cost.minCycle.tokens,
-      '--max-tokens-per-hour',
-      'maxTokensPerHour',
-      'tokens',
-    ],
-    [
-      config.maxRequestsPerHour,
-      cost.minCycle.requests,
-      '--max-requests-per-hour',
-      'maxRequestsPerHour',
-      'requests',
-    ],
-  ] as const) {
-    if (perHour < least) {
-      const given = flags[key] !== undefined ? flag : `watch.${key} (in ${flags.config})`
-      throw new AuditError(
-        'invalid_options',
-        `${given} ${perHour} cannot pay for one cycle: a cycle needs at least ${least} ${unit} (its reads, a plant and one look), so every cycle would be skipped`,
-      )
-    }
+  // A budget that cannot pay for one cycle would skip every cycle for ever: refuse it now.
+  refuseBudgetBelowOneCycle(config, cost, flags)
+  if (flags.plan === true) {
+    process.stdout.write(`${formatWatchPlan(config)}\n`)
+    return 0
   }
   const log = pino(
     { name: 'kvfence-watch', level: flags.logLevel },
@@ -229,6 +216,39 @@ async function watch(flags: WatchFlags): Promise<number> {
   log.info('watch stopped')
   // Ending the process cuts the abandoned cycle's requests (their sockets close).
   process.exit(0)
+}
+
+/** Throws AuditError `invalid_options` naming the flag (or the file's field) of an hourly budget
+ *  smaller than one cycle's least cost `cost.minCycle`. */
+function refuseBudgetBelowOneCycle(
+  config: ReturnType<typeof validateWatchOptions>,
+  cost: ReturnType<typeof cycleCostBound>,
+  flags: WatchFlags,
+): void {
+  for (const [perHour, least, flag, key, unit] of [
+    [
+      config.maxTokensPerHour,
+      cost.minCycle.tokens,
+      '--max-tokens-per-hour',
+      'maxTokensPerHour',
+      'tokens',
+    ],
+    [
+      config.maxRequestsPerHour,
+      cost.minCycle.requests,
+      '--max-requests-per-hour',
+      'maxRequestsPerHour',
+      'requests',
+    ],
+  ] as const) {
+    if (perHour < least) {
+      const given = flags[key] !== undefined ? flag : `watch.${key} (in ${flags.config})`
+      throw new AuditError(
+        'invalid_options',
+        `${given} ${perHour} cannot pay for one cycle: a cycle needs at least ${least} ${unit} (its reads, a plant and one look), so every cycle would be skipped`,
+      )
+    }
+  }
 }
 
 function count(flag: string, value: string | undefined, min: number): number | undefined {

@@ -25,6 +25,13 @@ import { queueLimitDefaults } from '../router/admission/queue-limits.js'
 import { sameTenantNames, sameTenantNamesFault, TenantRecord } from '../router/tenants/tenants.js'
 import { describeIssue } from '../files/issues.js'
 import { loadYamlFile } from '../files/yaml-file.js'
+import {
+  logLevels,
+  optionsOf,
+  type WorkerFileEntry,
+  type WorkerOption,
+  type WorkerRole,
+} from '../engine/worker-options.js'
 
 const port = z.number().int().min(0).max(65535)
 const positive = z.number().int().min(1)
@@ -55,7 +62,7 @@ export const RouterSection = z.strictObject({
   /** On SIGTERM, how long running requests may finish before they are ended, seconds (default
    *  `routerConfigDefaults.drainSeconds`, 30). */
   drainSeconds: z.number().int().min(0).max(maxTimerSeconds).optional(),
-  logLevel: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']).default('info'),
+  logLevel: z.enum(logLevels).default('info'),
   /** Serve clients over HTTPS with this certificate and key (paths relative to this file; the
    *  pair is reloaded on change, as `kvfence router --tls-cert/--tls-key`); default: HTTP. */
   tls: z.strictObject({ cert: z.string().min(1), key: z.string().min(1) }).optional(),
@@ -94,25 +101,55 @@ export const RouterSection = z.strictObject({
 const workerShapeError =
   'a worker is { pages: N } (started here) or { url: http://host:port } (running)'
 
-/** A worker: started here with a pool of `pages`, or already running at `url`. */
-export const WorkerEntry = z.union(
-  [z.strictObject({ pages: positive }), z.strictObject({ url: httpUrl })],
-  {
-    error: workerShapeError,
-  },
-)
-export type WorkerEntry = z.infer<typeof WorkerEntry>
+/** The schema of worker option `o` in a worker entry. A required option is a plain zod check; an
+ *  optional one is checked by a refinement rather than z.number().int(): a wrong type inside a
+ *  union member makes zod report only the union's message, which would not name the field. */
+function entryField(o: WorkerOption): z.ZodType {
+  if (o.kind === 'int') {
+    if (o.inFile === 'required') {
+      const n = z.number().int().min(o.min)
+      return o.max === undefined ? n : n.max(o.max)
+    }
+    const range = o.max === undefined ? `≥ ${o.min}` : `from ${o.min} to ${o.max}`
+    return z
+      .unknown()
+      .refine(
+        (v) =>
+          Number.isInteger(v) && (v as number) >= o.min && (v as number) <= (o.max ?? Infinity),
+        `must be an integer ${range}`,
+      )
+      .transform((v) => v as number)
+      .optional()
+  }
+  if (o.kind === 'switch')
+    return z
+      .unknown()
+      .refine((v) => typeof v === 'boolean', 'must be true or false')
+      .transform((v) => v as boolean)
+      .optional()
+  if (o.kind === 'text') {
+    const t = o.choices === undefined ? z.string().min(1) : z.enum(o.choices as [string])
+    return o.inFile === 'required' ? t : t.optional()
+  }
+  const l = z.array(z.string().min(1))
+  return o.inFile === 'required' ? l : l.optional()
+}
 
-// Checked by a refinement rather than z.number().int(): a wrong type inside a union member makes
-// zod report only the union's message, which would not name the field.
-const prefixCacheBudget = z
-  .unknown()
-  .refine((v) => Number.isInteger(v) && (v as number) >= 0, 'must be an integer ≥ 0')
-  .transform((v) => v as number)
-const prefixCachePartition = z
-  .unknown()
-  .refine((v) => Number.isInteger(v) && (v as number) >= 1, 'must be an integer ≥ 1')
-  .transform((v) => v as number)
+/** A worker of `role` started here: the options of src/engine/worker-options.ts that a worker
+ *  entry sets (`pages`, and for prefill its prefix cache and offload tiers). */
+function startedWorker<R extends WorkerRole>(role: R) {
+  const shape = Object.fromEntries(
+    optionsOf(role).flatMap(([name, o]) => (o.inFile === undefined ? [] : [[name, entryField(o)]])),
+  )
+  return z.strictObject(shape) as unknown as z.ZodType<WorkerFileEntry<R>>
+}
+
+/** A decode worker: started here with a pool of `pages` (and the other options a decode worker
+ *  entry may set), or already running at `url`. */
+export const WorkerEntry = z.union([startedWorker('decode'), z.strictObject({ url: httpUrl })], {
+  error: workerShapeError,
+})
+export type WorkerEntry = z.infer<typeof WorkerEntry>
 
 /** A prefill worker: as {@link WorkerEntry}; one started here may also set `prefixCachePages`,
  *  the most pool pages its prefix cache may hold (`kvfence prefill --prefix-cache-pages`; 0 turns
@@ -122,25 +159,14 @@ const prefixCachePartition = z
  *  `prefixCacheShared: true`, one budget shared by all tenants instead (`--prefix-cache-shared`:
  *  the load side channel of docs/threat-model.md, for single-tenant operators);
  *  `prefixCacheOffloadBytes`, the host memory of its offload tier (`--prefix-cache-offload-bytes`;
- *  default 0: none; each tenant its partition's share unless shared); and `prefixCacheOffloadDir` with `prefixCacheOffloadDiskBytes`, the offload
- *  tier's disk part (`--prefix-cache-offload-dir`, `--prefix-cache-offload-disk-bytes`; both or
- *  neither; a relative directory is resolved against the config file's). */
+ *  default 0: none; each tenant its partition's share unless shared); and
+ *  `prefixCacheOffloadDir` with `prefixCacheOffloadDiskBytes`, the offload tier's disk part
+ *  (`--prefix-cache-offload-dir`, `--prefix-cache-offload-disk-bytes`; both or neither; a
+ *  relative directory is resolved against the config file's). The rules between these options
+ *  are checked here. */
 export const PrefillWorkerEntry = z.union(
   [
-    z
-      .strictObject({
-        pages: positive,
-        prefixCachePages: prefixCacheBudget.optional(),
-        prefixCachePagesPerTenant: prefixCachePartition.optional(),
-        prefixCacheOffloadBytes: prefixCacheBudget.optional(),
-        prefixCacheOffloadDir: z.string().min(1).optional(),
-        prefixCacheOffloadDiskBytes: prefixCachePartition.optional(),
-        prefixCacheShared: z
-          .unknown()
-          .refine((v) => typeof v === 'boolean', 'must be true or false')
-          .transform((v) => v as boolean)
-          .optional(),
-      })
+    startedWorker('prefill')
       .refine(
         (e) =>
           (e.prefixCacheOffloadDir === undefined) === (e.prefixCacheOffloadDiskBytes === undefined),
@@ -260,11 +286,8 @@ export function parseClusterConfig(value: unknown, source: string, baseDir: stri
       : {
           workers: {
             ...config.workers,
-            prefill: config.workers.prefill.map((w) =>
-              'prefixCacheOffloadDir' in w && w.prefixCacheOffloadDir !== undefined
-                ? { ...w, prefixCacheOffloadDir: at(w.prefixCacheOffloadDir) }
-                : w,
-            ),
+            prefill: config.workers.prefill.map((w) => resolvePaths(w, 'prefill', at)),
+            decode: config.workers.decode.map((w) => resolvePaths(w, 'decode', at)),
           },
         }),
     ...(config.backend === undefined
@@ -279,6 +302,20 @@ export function parseClusterConfig(value: unknown, source: string, baseDir: stri
 export function loadClusterConfig(path: string): ClusterConfig {
   const value = loadYamlFile(path, `config file ${path}`, 'config_invalid')
   return parseClusterConfig(value, path, dirname(resolve(path)))
+}
+
+/** `entry` with each path option of `role` (a text option marked `isPath`) resolved by `at`. */
+function resolvePaths<E extends object>(
+  entry: E,
+  role: WorkerRole,
+  at: (p: string | undefined) => string | undefined,
+): E {
+  const paths = optionsOf(role).flatMap(([name, o]) =>
+    o.kind === 'text' && o.isPath === true && name in entry
+      ? [[name, at((entry as Record<string, string>)[name])]]
+      : [],
+  )
+  return paths.length === 0 ? entry : { ...entry, ...Object.fromEntries(paths) }
 }
 
 function deepFreeze<T>(value: T): T {

@@ -8,7 +8,7 @@
 import type { ChildProcess } from 'node:child_process'
 import { join } from 'node:path'
 import type { Logger } from 'pino'
-import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../engine/cluster-token.js'
+import { clusterTokenEnv, clusterTokenFrom, newClusterToken } from '../control/cluster-token.js'
 import { checkPlaintextLinks, hostOfUrl, isLoopbackHost } from '../link/plaintext.js'
 import { forkPart, stopAll } from '../engine/processes.js'
 import { KvfenceError } from '../common/errors.js'
@@ -22,37 +22,30 @@ import {
 } from '../router/start.js'
 import { type ClusterConfig, loadClusterConfig } from './cluster.js'
 import { refuseNativeSaltSecretFile, saltSecretFrom } from '../router/tenants/salt-secret.js'
+import {
+  workerArgv,
+  type WorkerFileEntry,
+  type WorkerRole,
+  type WorkerValues,
+} from '../engine/worker-options.js'
 import { routerConfigDefaults } from '../router/config.js'
 
-/** A worker of a plan: forked here with its KV pool and flags, or already running at `url`. */
-export type WorkerPlan =
-  | {
-      /** Pages in its KV pool (`--pages`). */
-      pages: number
-      /** Most pages its prefix cache may hold (`--prefix-cache-pages`, prefill only); default:
-       *  the worker's own (a quarter of its pages). */
-      prefixCachePages?: number
-      /** Most pages of a tenant's default share of the prefix cache
-       *  (`--prefix-cache-pages-per-tenant`, prefill only); default: an equal share. */
-      prefixCachePagesPerTenant?: number
-      /** One prefix-cache budget and offload tier shared by all tenants (`--prefix-cache-shared`,
-       *  prefill only); default: each tenant its own partition and share of the tier. */
-      prefixCacheShared?: boolean
-      /** Bytes of the prefix cache's host-memory offload tier (`--prefix-cache-offload-bytes`,
-       *  prefill only; split between tenants as the cache is); default: no offload tier. */
-      prefixCacheOffloadBytes?: number
-      /** Directory and most bytes of the offload tier's disk part (`--prefix-cache-offload-dir`,
-       *  `--prefix-cache-offload-disk-bytes`, prefill only); default: no disk tier. */
-      prefixCacheOffloadDir?: string
-      prefixCacheOffloadDiskBytes?: number
+/** A worker of role `R` in a plan: forked here with the options a worker entry of the cluster
+ *  file sets (`pages` and, for prefill, its prefix cache: src/engine/worker-options.ts), or
+ *  already running at `url`. */
+export type WorkerPlan<R extends WorkerRole = WorkerRole> =
+  | (WorkerFileEntry<R> & {
       /** Its mutual-TLS files (`--tls-ca/--tls-cert/--tls-key`); its URL is then `https:`.
        *  Default: plaintext. */
       tls?: TlsFiles | null
+      /** Without `tls`, bind (and send KV pages to) addresses beyond loopback anyway
+       *  (`--allow-plaintext`). */
+      allowPlaintext?: boolean
       /** Faults to inject (`--inject-fault`; needs KVFENCE_ALLOW_FAULTS=1 in the plan's env). */
       faults?: readonly string[]
       /** Further flags, e.g. `['--transfer-timeout-ms', '1000']`. */
       args?: readonly string[]
-    }
+    })
   | { url: string }
 
 /** The router of a plan: started in this process with these {@link startRouter} options (the
@@ -100,8 +93,8 @@ export interface LaunchPlan {
    *  parts: its `KVFENCE_CLUSTER_TOKEN`, or a fresh one. */
   env?: NodeJS.ProcessEnv
   /** Workers; both empty in gateway mode. */
-  prefill: readonly WorkerPlan[]
-  decode: readonly WorkerPlan[]
+  prefill: readonly WorkerPlan<'prefill'>[]
+  decode: readonly WorkerPlan<'decode'>[]
   /** Every guard off in the forked parts (`--unsafe-disable-guards`; needs KVFENCE_ALLOW_FAULTS=1). */
   disableGuards?: boolean
   /** Guards off one by one in the forked workers (`--unsafe-disable-guard ID`); a forked router,
@@ -155,10 +148,6 @@ function urlOf(host: string, port: number, isTls = false): string {
 export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> {
   const clusterToken = clusterTokenFrom(plan.env ?? process.env) ?? newClusterToken()
   const env = { ...(plan.env ?? process.env), [clusterTokenEnv]: clusterToken }
-  const unsafeFlags = [
-    ...(plan.disableGuards ? ['--unsafe-disable-guards'] : []),
-    ...(plan.disabledGuards ?? []).flatMap((id) => ['--unsafe-disable-guard', id]),
-  ]
   const children: ChildProcess[] = []
   const fork = async (name: string, args: readonly string[], tls: TlsFiles | null) => {
     const { child, ready } = await forkPart(
@@ -182,47 +171,9 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
     )
     return { child, url: urlOf(plan.host, ready.port, tls !== null) }
   }
-  const startWorker = async (role: 'prefill' | 'decode', worker: WorkerPlan) => {
+  const startWorker = async (role: WorkerRole, worker: WorkerPlan) => {
     if ('url' in worker) return { url: worker.url, child: undefined }
-    return fork(
-      role,
-      [
-        '--model',
-        plan.modelDir,
-        '--page-size',
-        String(plan.pageSize),
-        '--host',
-        plan.host,
-        '--port',
-        '0',
-        ...(worker.faults ?? []).flatMap((f) => ['--inject-fault', f]),
-        ...unsafeFlags,
-        '--pages',
-        String(worker.pages),
-        ...(worker.prefixCachePages === undefined
-          ? []
-          : ['--prefix-cache-pages', String(worker.prefixCachePages)]),
-        ...(worker.prefixCachePagesPerTenant === undefined
-          ? []
-          : ['--prefix-cache-pages-per-tenant', String(worker.prefixCachePagesPerTenant)]),
-        ...(worker.prefixCacheShared === true ? ['--prefix-cache-shared'] : []),
-        ...(worker.prefixCacheOffloadBytes === undefined
-          ? []
-          : ['--prefix-cache-offload-bytes', String(worker.prefixCacheOffloadBytes)]),
-        ...(worker.prefixCacheOffloadDir === undefined
-          ? []
-          : ['--prefix-cache-offload-dir', worker.prefixCacheOffloadDir]),
-        ...(worker.prefixCacheOffloadDiskBytes === undefined
-          ? []
-          : ['--prefix-cache-offload-disk-bytes', String(worker.prefixCacheOffloadDiskBytes)]),
-        ...(role === 'decode' ? ['--transfer-host', plan.host, '--transfer-port', '0'] : []),
-        ...(worker.tls
-          ? ['--tls-ca', worker.tls.ca, '--tls-cert', worker.tls.cert, '--tls-key', worker.tls.key]
-          : []),
-        ...(worker.args ?? []),
-      ],
-      worker.tls ?? null,
-    )
+    return fork(role, workerArgs(plan, role, worker), worker.tls ?? null)
   }
   let router: RunningRouter | undefined
   try {
@@ -242,7 +193,7 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
       router = await startRouter({ ...r.options, ...workers, host: plan.host, clusterToken })
       routerUrl = router.url
     } else {
-      const isRouterUnsafe = unsafeFlags.length > 0
+      const isRouterUnsafe = plan.disableGuards === true || (plan.disabledGuards ?? []).length > 0
       const started = await fork(
         'router',
         [
@@ -291,6 +242,33 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
     await stopAll(children)
     throw err
   }
+}
+
+/** The flags `kvfence prefill|decode` is forked with for `worker` of `plan` (all but
+ *  `--log-level`, which every forked part gets): the plan's model, page size and address (ports
+ *  0: the worker picks them), its faults, guards and TLS files, the options of its entry, then
+ *  its further flags (a later flag wins). */
+export function workerArgs(
+  plan: LaunchPlan,
+  role: WorkerRole,
+  worker: Exclude<WorkerPlan, { url: string }>,
+): string[] {
+  const { tls, faults, args, allowPlaintext, ...entry } = worker
+  const values: WorkerValues = {
+    ...entry,
+    model: plan.modelDir,
+    pageSize: plan.pageSize,
+    host: plan.host,
+    port: 0,
+    transferHost: plan.host,
+    transferPort: 0,
+    injectFault: [...(faults ?? [])],
+    unsafeDisableGuards: plan.disableGuards,
+    unsafeDisableGuard: [...(plan.disabledGuards ?? [])],
+    ...(tls ? { tlsCa: tls.ca, tlsCert: tls.cert, tlsKey: tls.key } : {}),
+    allowPlaintext,
+  }
+  return [...workerArgv(role, values), ...(args ?? [])]
 }
 
 /** The plan of a cluster config: its workers (forked with `pages`, or running at `url`) and the
@@ -347,14 +325,12 @@ export function clusterConfigPlan(
   const workers = config.workers!
   const allowPlaintext = config.tls === undefined && config.allowPlaintext === true
   if (config.tls === undefined) checkConfigPlaintext(config, log)
-  const withTls = (role: 'prefill' | 'decode') => (w: WorkerPlan) =>
-    'url' in w
-      ? w
-      : {
-          ...w,
-          tls: tlsFilesOf(config, role),
-          ...(allowPlaintext ? { args: ['--allow-plaintext'] } : {}),
-        }
+  const withTls =
+    <R extends WorkerRole>(role: R) =>
+    (w: WorkerPlan<R>): WorkerPlan<R> =>
+      'url' in w
+        ? w
+        : { ...w, tls: tlsFilesOf(config, role), ...(allowPlaintext ? { allowPlaintext } : {}) }
   return {
     ...plan,
     pageSize: workers.pageSize,

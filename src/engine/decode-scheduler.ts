@@ -8,7 +8,7 @@ import { KvfenceError } from '../common/errors.js'
 import type { KvPool } from '../kv/pool.js'
 import { forwardBatch, type Rope } from '../model/forward.js'
 import type { Model } from '../model/weights.js'
-import type { DecodeEvent } from './control.js'
+import type { DecodeEvent } from '../control/messages.js'
 import type { SampledToken } from './request-sampler.js'
 import type { Sequence } from './sequence.js'
 

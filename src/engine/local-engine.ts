@@ -4,7 +4,7 @@
 import { KvfenceError } from '../common/errors.js'
 import { forward } from '../model/forward.js'
 import type { TokenLogprobs } from '../model/sampling.js'
-import type { Sampling } from './control.js'
+import type { Sampling } from '../control/messages.js'
 import { RequestSampler } from './request-sampler.js'
 import { Sequence } from './sequence.js'
 import type { WorkerCore } from './worker-core.js'

@@ -11,7 +11,7 @@ import { partitionBytes, PrefixCache, type PrefixHit } from '../kv/prefix-cache.
 import { isLoopbackHost } from '../link/plaintext.js'
 import type { TlsMaterial } from '../link/tls.js'
 import { TransferClient } from '../transfer/index.js'
-import type { PrefillRequest, PrefillResult } from './control.js'
+import type { PrefillRequest, PrefillResult } from '../control/messages.js'
 import { PrefillScheduler } from './prefill-scheduler.js'
 import { RequestSampler, type SampledToken } from './request-sampler.js'
 import { Sequence } from './sequence.js'

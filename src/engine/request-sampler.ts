@@ -6,7 +6,7 @@
  *  Knows token ids and logits; knows nothing of pools, transfers, HTTP or text. */
 import { randomBytes } from 'node:crypto'
 import { makeRandom, sample, tokenLogprobs, type TokenLogprobs } from '../model/sampling.js'
-import type { Sampling } from './control.js'
+import type { Sampling } from '../control/messages.js'
 
 /** Which side of a request draws: the prefill worker (first token) or the decode worker (the rest). */
 export type SamplingPhase = 'prefill' | 'decode'

@@ -5,7 +5,7 @@
  *  HTTP, transfers, API keys or text. */
 import type { PageLease } from '../kv/pool.js'
 import type { BatchSequence } from '../model/forward.js'
-import type { Sampling } from './control.js'
+import type { Sampling } from '../control/messages.js'
 
 /** What a {@link Sequence} is made of. */
 export interface SequenceFields {

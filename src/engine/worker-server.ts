@@ -1,12 +1,13 @@
-/** The control-plane HTTP server of one worker (see control.ts for the message shapes):
- *  `POST /internal/prefill` (prefill role) or `POST /internal/generate` (decode role), the same
- *  work multiplexed over the control channel (`GET /internal/channel` upgraded, channel-server.ts),
- *  plus `GET /server_info`, `GET /health`, `GET /metrics`. Closing a request's connection aborts it (G8);
- *  with G8 on, a decode request whose connection is gone also fails at its next event, so even a
- *  worker that dropped the abort (fault `drop-abort`) stops working for a client that left.
- *  With TLS material it serves HTTPS with mutual TLS 1.3 against the cluster CA (src/link/tls.ts): a
- *  client without a certificate from the CA is refused in the handshake, before any request is
- *  read.
+/** The control server of one worker: the control channel (`GET /internal/channel` upgraded,
+ *  src/control/channel-server.ts), which carries every request step (prefill on a prefill worker,
+ *  generate on a decode worker; messages: src/control/messages.ts), plus the HTTP routes probes
+ *  and operators read: `GET /server_info`, `GET /health`, `GET /metrics`, and the router's token
+ *  probe `POST /internal/cluster_token_check`. A stream's `cancel`, or its channel closing, aborts
+ *  its request (G8); with G8 on, a decode request whose stream is closed also fails at its next
+ *  event, so even a worker that dropped the abort (fault `drop-abort`) stops working for a client
+ *  that left. With TLS material it serves HTTPS with mutual TLS 1.3 against the cluster CA
+ *  (src/link/tls.ts): a client without a certificate from the CA is refused in the handshake, before
+ *  any request is read.
  *  Knows HTTP, TLS and the control messages; the engine work is the workers'. */
 import http from 'node:http'
 import https from 'node:https'
@@ -17,31 +18,27 @@ import { KvfenceError } from '../common/errors.js'
 import { metricsText } from '../common/process-metrics.js'
 import { tlsExpiries, watchCertExpiry } from '../link/cert-expiry.js'
 import { logRefusedHandshakes, serverTlsOptions, type TlsMaterial } from '../link/tls.js'
-import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
-import { maxPayloadBytes } from './channel-frames.js'
+import { clusterTokenHeader, isClusterTokenValid } from '../control/cluster-token.js'
 import {
   acceptChannels,
   asKvfenceError,
   type ChannelService,
   type EventSink,
-} from './channel-server.js'
-import {
+} from '../control/channel-server.js'
+import type {
   GenerateRequest,
   PrefillRequest,
-  type DecodeEvent,
-  type PrefillResult,
-  type ServerInfo,
-} from './control.js'
+  DecodeEvent,
+  PrefillResult,
+  ServerInfo,
+} from '../control/messages.js'
 import type { DecodeWorker } from './decode-worker.js'
 import { prefillChunkTokens, type PrefillWorker } from './prefill-worker.js'
 import type { WorkerCore } from './worker-core.js'
 
-/** How long an idle control connection stays open (ms); the router's agent must time out sooner. */
+/** How long an idle HTTP connection (a probe's) stays open (ms); the router's agent must time out
+ *  sooner. */
 export const workerKeepAliveTimeoutMs = 65_000
-
-/** Largest control-plane body accepted (bytes): a prompt of ~500k token ids; the control
- *  channel's frames are capped alike (channel-frames.ts). */
-const maxBodyBytes = maxPayloadBytes
 
 /** What {@link createWorkerServer} serves. */
 export type WorkerRole =
@@ -84,8 +81,8 @@ export function createWorkerServer(
     expiry.set(tlsExpiries(tls))
     server.once('close', expiry.stop)
   }
-  // Keep idle control connections open longer than the router's agent does (its free-socket timeout is
-  // shorter), so the router never reuses a connection this server is closing (ECONNRESET race).
+  // Keep idle connections open longer than the router's probe agent does (its free-socket timeout
+  // is shorter), so the router never reuses a connection this server is closing (ECONNRESET race).
   server.keepAliveTimeout = workerKeepAliveTimeoutMs
   server.headersTimeout = workerKeepAliveTimeoutMs + 1_000
   const channels = acceptChannels(server, channelService(ctx), {
@@ -110,8 +107,7 @@ export function createWorkerServer(
   return server
 }
 
-/** This worker's work as the control channel serves it (channel-server.ts): the same as its
- *  `/internal/*` routes'. */
+/** This worker's work as the control channel serves it (src/control/channel-server.ts). */
 function channelService(ctx: ServerContext): ChannelService {
   const { role } = ctx
   return role.role === 'decode'
@@ -138,14 +134,13 @@ function serverInfo(ctx: ServerContext): ServerInfo {
   }
 }
 
-/** Route one request; every error becomes a JSON error answer (or ends a stream already begun). */
+/** Route one HTTP request; every error becomes a JSON error answer. */
 async function handle(
   ctx: ServerContext,
   req: http.IncomingMessage,
   res: http.ServerResponse,
 ): Promise<void> {
   const route = `${req.method} ${(req.url ?? '/').split('?')[0]}`
-  const { role } = ctx
   try {
     if (route === 'GET /health') return sendJson(res, 200, { status: 'ok' })
     if (route === 'GET /server_info') return sendJson(res, 200, serverInfo(ctx))
@@ -154,7 +149,8 @@ async function handle(
       res.end(await metricsText(ctx.registry))
       return
     }
-    // The control plane names tenants and issues transfer secrets: only the router may use it.
+    // The control plane names tenants and issues transfer secrets: only the router may use it
+    // (the channel's upgrade is checked alike, in channel-server.ts).
     if (
       route.startsWith('POST /internal/') &&
       ctx.clusterToken !== null &&
@@ -167,10 +163,6 @@ async function handle(
       req.resume()
       return sendJson(res, 200, { ok: true })
     }
-    if (route === 'POST /internal/prefill' && role.role === 'prefill')
-      return await servePrefill(ctx, role.worker, req, res)
-    if (route === 'POST /internal/generate' && role.role === 'decode')
-      return await serveGenerate(ctx, role, req, res)
     throw new KvfenceError('not_found', `no route ${route}`)
   } catch (err) {
     const e = asKvfenceError(err)
@@ -180,19 +172,8 @@ async function handle(
   }
 }
 
-/** `POST /internal/prefill`: prefill, transfer, then answer the {@link PrefillResult} as JSON. */
-async function servePrefill(
-  ctx: ServerContext,
-  worker: PrefillWorker,
-  req: http.IncomingMessage,
-  res: http.ServerResponse,
-): Promise<void> {
-  const body = PrefillRequest.parse(await readJson(req))
-  sendJson(res, 200, await runPrefill(ctx, worker, body, closedSignal(req, res)))
-}
-
-/** The prefill worker's work on one request, whichever transport brought it: `closed` aborts
- *  when the router closed the request (G8; fault `drop-abort`: ignored). */
+/** The prefill worker's work on one request: `closed` aborts when the router cancelled the stream
+ *  or its channel closed (G8; fault `drop-abort`: ignored). */
 async function runPrefill(
   ctx: ServerContext,
   worker: PrefillWorker,
@@ -213,36 +194,9 @@ async function runPrefill(
   return result
 }
 
-/** `POST /internal/generate`: stream the decode worker's events as NDJSON; a failure after the
- *  stream began is its last line (`error`). */
-async function serveGenerate(
-  ctx: ServerContext,
-  role: Extract<WorkerRole, { role: 'decode' }>,
-  req: http.IncomingMessage,
-  res: http.ServerResponse,
-): Promise<void> {
-  const body = GenerateRequest.parse(await readJson(req))
-  let isStreaming = false
-  const sink: EventSink = {
-    get isOpen() {
-      return !(res.destroyed || res.writableEnded)
-    },
-    write(event) {
-      if (!isStreaming) {
-        res.writeHead(200, { 'content-type': 'application/x-ndjson' })
-        isStreaming = true
-      }
-      res.write(`${JSON.stringify(event)}\n`)
-    },
-  }
-  await runGenerate(ctx, role, body, closedSignal(req, res), sink)
-  res.end()
-}
-
-/** The decode worker's work on one request, whichever transport brought it: its events to
- *  `sink`; a throw before the first event is a refusal, a failure after it the last event
- *  (`error`). `closed` aborts when the router closed the request (G8; fault `drop-abort`:
- *  ignored); with G8 on, an event for a closed sink also ends the request, so even a worker that
+/** The decode worker's work on one request: its events to `sink`; a throw before the first event
+ *  is a refusal, a failure after it the last event (`error`). `closed` aborts when the router
+ *  cancelled the stream or its channel closed (G8; fault `drop-abort`: ignored); with G8 on, an event for a closed sink also ends the request, so even a worker that
  *  dropped the abort stops working for a client that left. */
 async function runGenerate(
   ctx: ServerContext,
@@ -297,32 +251,6 @@ export function listen(
       resolve((server.address() as AddressInfo).port)
     })
   })
-}
-
-/** A signal that aborts when the router closes the request before we answered (G8). */
-function closedSignal(req: http.IncomingMessage, res: http.ServerResponse): AbortSignal {
-  const ctl = new AbortController()
-  res.on('close', () => {
-    if (!res.writableFinished) ctl.abort()
-  })
-  req.on('aborted', () => ctl.abort())
-  return ctl.signal
-}
-
-async function readJson(req: http.IncomingMessage): Promise<unknown> {
-  const chunks: Buffer[] = []
-  let size = 0
-  for await (const chunk of req) {
-    size += (chunk as Buffer).length
-    if (size > maxBodyBytes)
-      throw new KvfenceError('payload_too_large', `control body over ${maxBodyBytes} bytes`)
-    chunks.push(chunk as Buffer)
-  }
-  try {
-    return JSON.parse(Buffer.concat(chunks).toString('utf8'))
-  } catch {
-    throw new KvfenceError('invalid_request', 'control body is not valid JSON')
-  }
 }
 
 function sendJson(res: http.ServerResponse, status: number, body: unknown): void {

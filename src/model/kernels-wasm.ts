@@ -69,69 +69,13 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
   const threads = options.threads ?? 1
   if (!Number.isInteger(threads) || threads < 1 || threads > 64)
     throw new Error(`threads must be an integer from 1 to 64, got ${threads}`)
-  let bytes: Buffer
-  try {
-    bytes = readFileSync(kernelsWasmPath)
-  } catch {
-    throw new Error(
-      `WebAssembly kernels not built: ${kernelsWasmPath} is missing (run npm run build:wasm)`,
-    )
-  }
-  const memory = new WebAssembly.Memory({ initial: 16, maximum: maxPages, shared: true })
-  let wasm: KernelExports
-  let module: object
-  try {
-    module = new WebAssembly.Module(bytes)
-    const instance = new WebAssembly.Instance(module, { env: { memory } })
-    wasm = instance.exports as unknown as KernelExports
-  } catch (err) {
-    throw new Error(`cannot load the WebAssembly SIMD kernels: ${(err as Error).message}`)
-  }
+  const { module, memory, wasm } = loadKernels()
   const parallelMinWork = options.parallelMinWork ?? defaultParallelMinWork
   let team: ThreadTeam | null =
     threads > 1 ? startTeam(threads, module, memory, wasm, options.onFailure) : null
-
-  // Every SharedArrayBuffer this memory has handed out (one per size it had): a typed array over
-  // one of them is inside the memory, at address = its byteOffset.
-  const buffers = new WeakSet<ArrayBufferLike>()
-  let top = heapStart
-
-  /** Reserve `bytes` (16-byte aligned) and return the address. */
-  function reserve(numBytes: number): number {
-    const ptr = top
-    top += Math.ceil(numBytes / 16) * 16
-    const needPages = Math.ceil(top / pageBytes) - memory.buffer.byteLength / pageBytes
-    if (top > maxPages * pageBytes)
-      throw new RangeError(`WebAssembly memory full (${top} bytes wanted)`)
-    if (needPages > 0) memory.grow(needPages)
-    return ptr
-  }
-  function buffer(): ArrayBufferLike {
-    const b = memory.buffer
-    buffers.add(b)
-    return b
-  }
-  const scratches = new Map<string, { ptr: number; capacity: number }>()
-  function scratch(key: string, count: number): Float32Array {
-    let s = scratches.get(key)
-    if (!s || s.capacity < count) {
-      const capacity = Math.max(count, (s?.capacity ?? 0) * 2)
-      scratches.set(key, (s = { ptr: reserve(capacity * 4), capacity }))
-    }
-    return new Float32Array(buffer(), s.ptr, count)
-  }
-  /** Address of `a` in the memory, or of a scratch copy of it (`key`) when it lives elsewhere. */
-  function addressOf(a: Float32Array, key: string, copyIn: boolean): number {
-    if (buffers.has(a.buffer)) return a.byteOffset
-    const copy = scratch(key, a.length)
-    if (copyIn) copy.set(a)
-    return copy.byteOffset
-  }
-  function weightAddress(w: LinearWeights): number {
-    if (!buffers.has(w.data.buffer))
-      throw new Error('weights were not allocated by these WebAssembly kernels')
-    return w.data.byteOffset
-  }
+  // The element-wise exports, typed here (threads/protocol.ts types the threaded ones).
+  const elementwise = wasm as unknown as ElementwiseExports
+  const { buffers, reserve, buffer, scratch, addressOf, weightAddress } = createHeap(memory)
 
   return {
     name: 'wasm-simd',
@@ -213,7 +157,7 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
       const outPtr = addressOf(out, 'rmsNorm.out', false)
       const xPtr = addressOf(x, 'rmsNorm.x', true)
       const wPtr = addressOf(weight, 'rmsNorm.weight', true)
-      elementwise().rmsNorm(outPtr, xPtr, wPtr, n, d, eps)
+      elementwise.rmsNorm(outPtr, xPtr, wPtr, n, d, eps)
       if (!buffers.has(out.buffer)) out.set(new Float32Array(buffer(), outPtr, n * d))
     },
     swiglu(gate, up, count) {
@@ -227,7 +171,7 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
     },
     addInPlace(x, y, count) {
       const xPtr = addressOf(x.subarray(0, count), 'add.x', true)
-      elementwise().addInPlace(xPtr, addressOf(y.subarray(0, count), 'add.y', true), count)
+      elementwise.addInPlace(xPtr, addressOf(y.subarray(0, count), 'add.y', true), count)
       if (!buffers.has(x.buffer)) x.set(new Float32Array(buffer(), xPtr, count))
     },
     rope(x, cos, sin, n, numHeads, headDim) {
@@ -236,14 +180,81 @@ export function createWasmKernels(options: WasmKernelOptions = {}): Kernels {
       const xPtr = addressOf(x.subarray(0, count), 'rope.x', true)
       const cPtr = addressOf(cos.subarray(0, angles), 'rope.cos', true)
       const sPtr = addressOf(sin.subarray(0, angles), 'rope.sin', true)
-      elementwise().rope(xPtr, cPtr, sPtr, n, numHeads, headDim)
+      elementwise.rope(xPtr, cPtr, sPtr, n, numHeads, headDim)
       if (!buffers.has(x.buffer)) x.set(new Float32Array(buffer(), xPtr, count))
     },
   }
-  /** The element-wise exports, typed here (threads/protocol.ts types the threaded ones). */
-  function elementwise(): ElementwiseExports {
-    return wasm as unknown as ElementwiseExports
+}
+
+/** The compiled module, instantiated over a fresh shared memory. Throws a one-line error when
+ *  the module is missing (run `npm run build:wasm`) or the runtime cannot load it (no SIMD or
+ *  threads). */
+function loadKernels(): { module: object; memory: WasmMemory; wasm: KernelExports } {
+  let bytes: Buffer
+  try {
+    bytes = readFileSync(kernelsWasmPath)
+  } catch {
+    throw new Error(
+      `WebAssembly kernels not built: ${kernelsWasmPath} is missing (run npm run build:wasm)`,
+    )
   }
+  const memory = new WebAssembly.Memory({ initial: 16, maximum: maxPages, shared: true })
+  try {
+    const module = new WebAssembly.Module(bytes)
+    const instance = new WebAssembly.Instance(module, { env: { memory } })
+    return { module, memory, wasm: instance.exports as unknown as KernelExports }
+  } catch (err) {
+    throw new Error(`cannot load the WebAssembly SIMD kernels: ${(err as Error).message}`)
+  }
+}
+
+/** The allocator of `memory` above {@link heapStart}: it only grows. `scratch(key, count)` is a
+ *  reusable array per key; `addressOf` the address of an array inside the memory, or of a
+ *  scratch copy of one outside it. */
+function createHeap(memory: WasmMemory) {
+  // Every SharedArrayBuffer this memory has handed out (one per size it had): a typed array over
+  // one of them is inside the memory, at address = its byteOffset.
+  const buffers = new WeakSet<ArrayBufferLike>()
+  let top = heapStart
+
+  /** Reserve `bytes` (16-byte aligned) and return the address. */
+  function reserve(numBytes: number): number {
+    const ptr = top
+    top += Math.ceil(numBytes / 16) * 16
+    const needPages = Math.ceil(top / pageBytes) - memory.buffer.byteLength / pageBytes
+    if (top > maxPages * pageBytes)
+      throw new RangeError(`WebAssembly memory full (${top} bytes wanted)`)
+    if (needPages > 0) memory.grow(needPages)
+    return ptr
+  }
+  function buffer(): ArrayBufferLike {
+    const b = memory.buffer
+    buffers.add(b)
+    return b
+  }
+  const scratches = new Map<string, { ptr: number; capacity: number }>()
+  function scratch(key: string, count: number): Float32Array {
+    let s = scratches.get(key)
+    if (!s || s.capacity < count) {
+      const capacity = Math.max(count, (s?.capacity ?? 0) * 2)
+      scratches.set(key, (s = { ptr: reserve(capacity * 4), capacity }))
+    }
+    return new Float32Array(buffer(), s.ptr, count)
+  }
+  /** Address of `a` in the memory, or of a scratch copy of it (`key`) when it lives elsewhere. */
+  function addressOf(a: Float32Array, key: string, copyIn: boolean): number {
+    if (buffers.has(a.buffer)) return a.byteOffset
+    const copy = scratch(key, a.length)
+    if (copyIn) copy.set(a)
+    return copy.byteOffset
+  }
+  function weightAddress(w: LinearWeights): number {
+    if (!buffers.has(w.data.buffer))
+      throw new Error('weights were not allocated by these WebAssembly kernels')
+    return w.data.byteOffset
+  }
+
+  return { buffers, reserve, buffer, scratch, addressOf, weightAddress }
 }
 
 /** Element-wise exports of asm/kernels.ts; addresses are bytes in the shared memory. */

@@ -186,33 +186,44 @@ export function loadTokenizer(dir: string): Tokenizer {
     },
 
     applyChatTemplate(messages: readonly ChatMessage[]): string {
-      if (template === null) {
-        throw new KvfenceError(
-          'invalid_request',
-          'this model has no chat template; use /v1/completions',
-          'messages',
-        )
-      }
-      try {
-        return template.render({
-          messages,
-          add_generation_prompt: true,
-          bos_token: bosToken ?? '',
-          eos_token: eosToken ?? '',
-        })
-      } catch (err) {
-        throw new KvfenceError(
-          'invalid_request',
-          `the chat template rejected the messages: ${errorMessage(err)}`,
-          'messages',
-        )
-      }
+      return renderChatTemplate(template, messages, bosToken, eosToken)
     },
   })
 }
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
+
+/** `messages` rendered by the model's chat template with the generation prompt added. Throws
+ *  `invalid_request` (param `messages`) when the model has none or the template rejects them. */
+function renderChatTemplate(
+  template: Template | null,
+  messages: readonly ChatMessage[],
+  bosToken: string | null,
+  eosToken: string | null,
+): string {
+  if (template === null) {
+    throw new KvfenceError(
+      'invalid_request',
+      'this model has no chat template; use /v1/completions',
+      'messages',
+    )
+  }
+  try {
+    return template.render({
+      messages,
+      add_generation_prompt: true,
+      bos_token: bosToken ?? '',
+      eos_token: eosToken ?? '',
+    })
+  } catch (err) {
+    throw new KvfenceError(
+      'invalid_request',
+      `the chat template rejected the messages: ${errorMessage(err)}`,
+      'messages',
+    )
+  }
+}
 
 function readJsonObject(path: string): Record<string, unknown> {
   let text: string

@@ -82,6 +82,7 @@ export async function serveGeneration(
   const rid = randomHex(16) // 128 bits
   const log = deps.log.child({ rid, tenant: tenant.name, endpoint })
   res.setHeader('x-request-id', rid)
+  echoClientRequestId(req, res)
   const outcome = emptyOutcome()
   // Fires when the client goes away, or at the drain's deadline (its reason is then the error
   // the client is told).
@@ -227,4 +228,20 @@ function account(
     },
     'request finished',
   )
+}
+
+/** The longest client request id echoed, characters. */
+const maxClientRequestIdChars = 512
+
+/** A client's own request id (`X-Client-Request-Id`, as OpenAI's API takes it, or `X-Request-Id`)
+ *  goes back to that client alone as `x-client-request-id`; it never reaches a worker or an
+ *  engine, whose requests carry the router's id only (sglang PR #19035, vLLM PR #27987: ids two
+ *  clients chose alike crossed their requests). One that is not 1–512 visible ASCII characters is
+ *  not echoed. */
+function echoClientRequestId(req: IncomingMessage, res: ServerResponse): void {
+  const sent = req.headers['x-client-request-id'] ?? req.headers['x-request-id']
+  const id = Array.isArray(sent) ? sent[0] : sent
+  if (id !== undefined && id.length <= maxClientRequestIdChars && /^[\x21-\x7e]+$/.test(id)) {
+    res.setHeader('x-client-request-id', id)
+  }
 }

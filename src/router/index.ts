@@ -33,7 +33,7 @@ export {
   type GenerationEvent,
   type WorkerClient,
   type WorkerClientOptions,
-} from './worker-client.js'
+} from '../control/worker-client.js'
 export { createRouterMetrics, type RouterMetrics } from './metrics/metrics.js'
 export { createLimiter, type Limiter } from './admission/limits.js'
 export { LimitError } from './admission/limit-error.js'
@@ -46,4 +46,4 @@ export {
 } from './gateway/backend.js'
 export { createNativeBackend, type NativeBackendOptions } from './native/backend.js'
 export type { Backend, GenerationJob, Outcome, PreparedPrompt } from './backend.js'
-export { PoolFullError } from './worker-client.js'
+export { PoolFullError } from '../control/worker-client.js'

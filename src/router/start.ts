@@ -34,7 +34,7 @@ import {
   createTenantRegistry,
   watchTenants,
 } from './tenants/tenants.js'
-import { type WorkerClient, createWorkerClient } from './worker-client.js'
+import { type WorkerClient, createWorkerClient } from '../control/worker-client.js'
 import { checkPlaintextLinks, clientPlaintextWarning, hostOfUrl } from '../link/plaintext.js'
 import { certExpiryOf, tlsExpiries, watchCertExpiry } from '../link/cert-expiry.js'
 import { loadCertPair, reloadCertOnChange, type TlsMaterial } from '../link/tls.js'
@@ -113,10 +113,6 @@ export interface StartRouterOptions {
   /** Without `workerTls`, dial `http:` workers beyond loopback anyway (`--allow-plaintext`,
    *  logged as a warning); default false: the router refuses to start (src/link/plaintext.ts). */
   allowPlaintext?: boolean
-  /** Run requests to the workers over the control channel (one multiplexed connection per
-   *  worker, src/router/control-channel.ts; HTTP with a worker that does not serve it). Default:
-   *  {@link defaultControlChannel}. */
-  controlChannel?: boolean
   /** Serve clients over HTTPS with this certificate and key (PEM files), reloaded when they
    *  change on disk. Default: plain HTTP. */
   https?: { cert: string; key: string }
@@ -126,9 +122,6 @@ export interface StartRouterOptions {
    *  this process. */
   redisLimits?: RedisLimitSettings
 }
-
-/** Whether the router uses the control channel unless told otherwise. */
-export const defaultControlChannel = true
 
 /** A listening router. */
 export interface RunningRouter {
@@ -305,7 +298,6 @@ async function startNativeBackend(
     guardsEnabled,
     clusterToken: options.clusterToken ?? null,
     tls: options.workerTls ?? null,
-    controlChannel: options.controlChannel ?? defaultControlChannel,
   })
   let backend: Backend | null = null
   try {

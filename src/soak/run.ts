@@ -158,6 +158,41 @@ export async function runSoak(
   const pagesAtEnd = await drain(target, options.drainTimeoutMs)
   const sentinel = await sentinelCounts(target.routerUrl).catch(() => null)
 
+  const report = soakReport({
+    target,
+    options,
+    tally,
+    numStarted,
+    loadMs,
+    pagesAtEnd,
+    maxPages,
+    rss,
+    heap,
+    sentinel,
+    sentinelWindow: await sentinelWindowSeconds(target.routerUrl).catch(() => null),
+  })
+  return report
+}
+
+/** What {@link soakReport} reads: the run's target and options and what it measured. */
+interface Measured {
+  target: SoakTarget
+  options: SoakOptions
+  tally: ReturnType<typeof newTally>
+  numStarted: number
+  loadMs: number
+  pagesAtEnd: SoakReport['pages_used_at_end']
+  maxPages: SoakReport['max_pages_used']
+  rss: RssSample[]
+  heap: RssSample[]
+  sentinel: SoakReport['sentinel']
+  sentinelWindow: SoakReport['sentinel_window_s']
+}
+
+/** The report of a soak from what it measured, with the invariants it breaks (`failures`, `ok`). */
+function soakReport(f: Measured): SoakReport {
+  const { target, options, tally, numStarted, loadMs, pagesAtEnd, maxPages, rss, heap, sentinel } =
+    f
   // RSS growth after warm-up (a fitted line, see rssGrowth) ---------------------------------------------
   const growth = rssGrowth(rss, loadMs, options.warmupFraction)
   const total = (s: RssSample) => sumValues(s.bytes)
@@ -200,7 +235,7 @@ export async function runSoak(
       slope_mb_per_min: toMb(t.slopePerMinute),
     })),
     sentinel,
-    sentinel_window_s: await sentinelWindowSeconds(target.routerUrl).catch(() => null),
+    sentinel_window_s: f.sentinelWindow,
     watch:
       target.watch === undefined
         ? null

@@ -3,7 +3,7 @@
  *  in use on each worker (its `/server_info`).
  *  Knows /proc, `/metrics` and the workers' `/server_info`; knows nothing of requests. */
 import { readFileSync } from 'node:fs'
-import { ServerInfo } from '../engine/control.js'
+import { ServerInfo } from '../control/messages.js'
 import { heapAfterMajorGcMetric } from '../common/process-metrics.js'
 import { samplesOf } from '../router/metrics/prometheus-text.js'
 import type { RssSample } from './types.js'

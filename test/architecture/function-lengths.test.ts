@@ -1,12 +1,13 @@
-/** No function in the router, the engine or the transfer is over {@link maxLines} lines: each
- *  tells one story a reader can hold (STYLE.md 14 allows a long one that does, such as the
- *  forward pass in src/model, which is not measured here). A function's length is counted with
+/** No function in src/ (but src/audit, which the auditor's own work brings under the bound) is
+ *  over {@link maxLines} lines: each tells one story a reader can hold. STYLE.md 14 allows a long
+ *  one that does: the one such function is named in {@link exceptions} with its reason. A
+ *  function's length is counted with
  *  the TypeScript compiler, from the line of its first token (after its doc comment) to the line
  *  of its closing brace, both included; nested functions are measured on their own and also count
  *  inside the one that holds them. */
 import assert from 'node:assert/strict'
 import { readdirSync, readFileSync } from 'node:fs'
-import { join, relative } from 'node:path'
+import { join, relative, sep } from 'node:path'
 import { describe, it } from 'node:test'
 import ts from 'typescript'
 import { repoRoot } from '../helpers/paths.js'
@@ -14,8 +15,17 @@ import { repoRoot } from '../helpers/paths.js'
 /** The longest function allowed, in lines. */
 const maxLines = 120
 
-/** Folders of src/ whose functions are measured. */
-const measuredFolders = ['router', 'engine', 'transfer']
+/** Folders of src/ whose functions are not measured. */
+const unmeasuredFolders = ['audit']
+
+/** Functions allowed over {@link maxLines}, as `path:name` (path relative to the repository), each
+ *  with why it stays one function. */
+const exceptions: Readonly<Record<string, string>> = {
+  'src/model/forward.ts:forwardBatch':
+    'the forward pass, one story read top to bottom beside its shape comments (STYLE.md 14): ' +
+    'embedding, then per layer attention and MLP, then the logits; split into steps it would ' +
+    'hand a dozen buffers between functions and hide the order of a layer',
+}
 
 /** Every function with a body in a source text: its name (or `<anonymous>`), 1-based first line
  *  and length in lines. */
@@ -73,16 +83,20 @@ describe('function lengths', () => {
     ])
   })
 
-  it(`no function in src/${measuredFolders.join(', src/')} is over ${maxLines} lines`, () => {
+  it(`no function in src/ (but src/${unmeasuredFolders.join(', src/')}) is over ${maxLines} lines, but the named exceptions`, () => {
     const tooLong: string[] = []
-    for (const folder of measuredFolders) {
-      for (const file of sourceFiles(join(repoRoot, 'src', folder))) {
-        for (const f of functionLengths(file, readFileSync(file, 'utf8'))) {
-          if (f.numLines > maxLines)
-            tooLong.push(`${relative(repoRoot, file)}:${f.line} ${f.name}: ${f.numLines} lines`)
-        }
+    const longExceptions: string[] = []
+    for (const file of sourceFiles(join(repoRoot, 'src'))) {
+      const path = relative(repoRoot, file).split(sep).join('/')
+      if (unmeasuredFolders.some((folder) => path.startsWith(`src/${folder}/`))) continue
+      for (const f of functionLengths(file, readFileSync(file, 'utf8'))) {
+        if (f.numLines <= maxLines) continue
+        if (`${path}:${f.name}` in exceptions) longExceptions.push(`${path}:${f.name}`)
+        else tooLong.push(`${path}:${f.line} ${f.name}: ${f.numLines} lines`)
       }
     }
     assert.deepEqual(tooLong, [], `functions over ${maxLines} lines:\n${tooLong.join('\n')}`)
+    // An exception that is no longer long is struck from the list rather than kept in reserve.
+    assert.deepEqual(longExceptions.sort(), Object.keys(exceptions).sort())
   })
 })

@@ -1,7 +1,11 @@
 /** The layers of src/ and the direction of their imports, read from the sources with the
  *  TypeScript compiler (every `import`, `export … from` and `import()` with a relative path):
- *  cli → soak → config → router → engine → model → transfer, kv. A folder imports only those to
- *  its right (its own files too). The audit is a column apart: it imports none of the layers, and
+ *  cli → soak → config → router | engine → control → model → transfer, kv. A folder imports only
+ *  those to its right (its own files too). Router and engine are beside each other, as the two
+ *  kinds of process they run in: neither imports the other. What they say to each other is
+ *  control's (the messages, the hand-off, the channel's two ends, the cluster token): the router
+ *  holds control's client, a worker control's channel server, so the router imports no engine
+ *  code and a worker no router code. The audit is a column apart: it imports none of the layers, and
  *  only cli and soak import it. The shared floor — src/common/ (errors, paths, small helpers),
  *  src/link/ (how parts link: mutual TLS, certificate expiry, the plaintext rule) and src/files/ —
  *  is imported by all and imports nothing but itself. src/ itself holds no files.
@@ -16,7 +20,8 @@ const layerRank: Readonly<Record<string, number>> = {
   soak: 5,
   config: 4,
   router: 3,
-  engine: 2,
+  engine: 3,
+  control: 2,
   model: 1,
   transfer: 0,
   kv: 0,
@@ -63,6 +68,16 @@ describe('layers of src/', () => {
       ['router/tenants/tenants.ts', 'config/issues.ts', 'router imports config, a layer above it'],
       ['router/tenants/tenants.ts', 'files/issues.ts', undefined],
       ['engine/decode-worker.ts', 'kv/pool.ts', undefined],
+      ['router/start.ts', 'engine/faults.ts', 'router imports engine, a layer beside it'],
+      ['engine/worker-server.ts', 'router/api/http.ts', 'engine imports router, a layer beside it'],
+      ['router/start.ts', 'control/worker-client.ts', undefined],
+      ['engine/worker-server.ts', 'control/channel-server.ts', undefined],
+      ['control/handoff.ts', 'engine/sequence.ts', 'control imports engine, a layer above it'],
+      [
+        'control/channel-client.ts',
+        'router/api/http.ts',
+        'control imports router, a layer above it',
+      ],
       ['kv/pool.ts', 'transfer/frames.ts', 'kv imports transfer, a layer beside it'],
       ['model/forward.ts', 'model/threads/team.ts', undefined],
       ['audit/run.ts', 'router/tenants/tenants.ts', 'the audit imports router'],

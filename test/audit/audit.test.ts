@@ -120,7 +120,7 @@ describe('audit of a leaky endpoint (the incident: context 1024, KV pool 384)', 
   })
 
   test('the report has the documented shape and holds no key', () => {
-    assert.equal(report.schemaVersion, 1)
+    assert.equal(report.schemaVersion, 2)
     assert.equal(report.tool, 'kvfence audit')
     assert.equal(report.target, standIn.url)
     assert.equal(report.model, 'tiny-echo')

@@ -1,5 +1,6 @@
-/** `kvfence audit` as a user runs it: the real CLI in a child process against stand-ins.
- *  Exit codes: 1 leak, 0 clean, 2 tool error (one line on stderr, no stack trace). */
+/** `kvfence audit` as a user runs it, against stand-ins: the real CLI in a child process for the
+ *  first test, in this process (test/helpers/cli.ts: the same parsing, action and exit code) for
+ *  the rest. Exit codes: 1 leak, 0 clean, 2 tool error (one line on stderr, no stack trace). */
 import assert from 'node:assert/strict'
 import { execFile } from 'node:child_process'
 import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises'
@@ -9,6 +10,7 @@ import { fileURLToPath } from 'node:url'
 import { after, before, describe, test } from 'node:test'
 import { z } from 'zod'
 import { probeNames } from '../../src/audit/index.js'
+import { kvfenceWithEnv } from '../helpers/cli.js'
 import { startStandIn, tenantKeys, unreachableUrl, type StandIn } from './standins.js'
 
 const mainJs = fileURLToPath(new URL('../../src/cli/main.js', import.meta.url))
@@ -19,7 +21,13 @@ interface Run {
   stderr: string
 }
 
+/** `kvfence …` in this process, with `env` added to its environment while it runs. */
 function kvfence(args: string[], env: Record<string, string> = {}): Promise<Run> {
+  return kvfenceWithEnv(env, ...args)
+}
+
+/** `kvfence …` as a child process with `env` added to this one's. */
+function kvfenceProcess(args: string[], env: Record<string, string> = {}): Promise<Run> {
   return new Promise((resolve) => {
     execFile(
       process.execPath,
@@ -56,7 +64,7 @@ function assertOneLineError(run: Run, pattern: RegExp): void {
 }
 
 const Report = z.object({
-  schemaVersion: z.literal(1),
+  schemaVersion: z.literal(2),
   tool: z.literal('kvfence audit'),
   target: z.string(),
   model: z.string().nullable(),
@@ -94,7 +102,7 @@ describe('kvfence audit (CLI)', () => {
 
   test('exits 1 on a leaky endpoint, prints a line per probe and a summary, writes the JSON report', async () => {
     const file = join(dir, 'leaky.json')
-    const run = await kvfence(
+    const run = await kvfenceProcess(
       ['audit', '--target', standIns.leaky!.url, ...tenantFlags, '--seed', '9', '--json', file],
       env,
     )

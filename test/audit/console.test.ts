@@ -34,7 +34,7 @@ const titles = [
   'fits',
 ]
 const report: AuditReport = {
-  schemaVersion: 1,
+  schemaVersion: 2,
   tool: 'kvfence audit',
   target: 'http://127.0.0.1:8000',
   model: 'tiny-echo',
@@ -59,6 +59,9 @@ const report: AuditReport = {
   completions: [],
 }
 const controls = ['AISVS 5.5.5; G1, G2, G3, G4, G5, G6', 'G2', 'AISVS 5.5.5; G4, G5', 'G1']
+/** The finding column: a finding seen (leak, warning) leads with its class (classes.ts: a
+ *  canary's leak is a content leak, warm-equals-cold's changed answer an integrity warning). */
+const shown = [`[content-leak] ${titles[0]}`, titles[1], `[integrity] ${titles[2]}`, titles[3]]
 
 /** Characters, not bytes: every title here is of one-column characters (hand-checked). */
 const columnsOf = (line: string): number => [...line].length
@@ -87,7 +90,7 @@ describe('the findings table fits the width', () => {
       const summary = formatSummary(report, width)
       const widest = Math.max(...summary.split('\n').map(columnsOf))
       assert.ok(widest <= width, `a line of ${widest} columns`)
-      assert.deepEqual(columnTexts(summary, 'finding').map(squeeze), titles.map(squeeze))
+      assert.deepEqual(columnTexts(summary, 'finding').map(squeeze), shown.map(squeeze))
       assert.deepEqual(columnTexts(summary, 'controls').map(squeeze), controls.map(squeeze))
     })
   }
@@ -106,10 +109,10 @@ describe('the findings table fits the width', () => {
     )
     assert.equal(
       lines[3],
-      "canary            leak          critical  AISVS 5.5.5; G1,     bob's output contained a canary",
+      "canary            leak          critical  AISVS 5.5.5; G1,     [content-leak] bob's output contained",
     )
-    assert.equal(lines[4], `${' '.repeat(42)}G2, G3, G4, G5, G6   planted by alice (over-capacity`)
-    assert.equal(lines[5], `${' '.repeat(63)}prompt, HTTP 200)`)
+    assert.equal(lines[4], `${' '.repeat(42)}G2, G3, G4, G5, G6   a canary planted by alice`)
+    assert.equal(lines[5], `${' '.repeat(63)}(over-capacity prompt, HTTP 200)`)
     // The URL's 113 x's fill whole lines of the finding column: split inside the word.
     assert.ok(lines.some((l) => l.endsWith(` ${'x'.repeat(37)}`)))
   })
@@ -121,8 +124,8 @@ describe('the findings table fits the width', () => {
       [
         'kvfence audit of http://127.0.0.1:8000 (model tiny-echo, seed 7)',
         'probe     verdict  severity  controls                             finding',
-        '--------  -------  --------  -----------------------------------  ' + '-'.repeat(81),
-        `canary    leak     critical  AISVS 5.5.5; G1, G2, G3, G4, G5, G6  ${titles[0]}`,
+        '--------  -------  --------  -----------------------------------  ' + '-'.repeat(96),
+        `canary    leak     critical  AISVS 5.5.5; G1, G2, G3, G4, G5, G6  ${shown[0]}`,
         'capacity  clean    info      G1                                   fits',
         '',
         'LEAK: 1 finding(s) show data crossing tenants. 42 requests in 12.3 s.',

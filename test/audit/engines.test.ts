@@ -159,20 +159,24 @@ describe('cache-fields: fields that steer the cache must be refused or ignored',
     }
   }
 
-  test("a client's cache_salt honoured (another tenant's salt opens its prefix): leak per field", async () => {
+  test("a client's cache_salt honoured (another tenant's salt opens its prefix): a side channel per field, not a leak", async () => {
     const report = await fieldsAudit({ prefixCache: 'per-tenant', clientSalt: 'honoured' })
     assert.deepEqual(rows(report), [
       [
         'cache-fields',
-        'leak',
+        'warning',
         "cache_salt is honoured from clients: bob's request with alice's cache_salt value reported 32 cached tokens of a prefix only alice sent",
       ],
       [
         'cache-fields',
-        'leak',
+        'warning',
         "extra_key is honoured from clients: bob's request with alice's extra_key value reported 32 cached tokens of a prefix only alice sent",
       ],
     ])
+    assert.deepEqual(
+      report.findings.map((f) => f.class),
+      ['side-channel', 'side-channel'],
+    )
   })
 
   test('its twin that ignores the fields (cache keyed by tenant), and one that refuses them: clean', async () => {
@@ -195,9 +199,12 @@ describe('cache-fields: fields that steer the cache must be refused or ignored',
     )
   })
 
-  test('a cache shared whatever the field: leak saying so; no prefix cache at all: inconclusive (no positive control)', async () => {
+  test('a cache shared whatever the field: a side-channel warning saying so; no prefix cache at all: inconclusive (no positive control)', async () => {
     const shared = await fieldsAudit({ prefixCache: 'shared' })
-    assert.equal(shared.findings[0].verdict, 'leak')
+    assert.deepEqual(
+      [shared.findings[0].verdict, shared.findings[0].class, shared.findings[0].severity],
+      ['warning', 'side-channel', 'high'],
+    )
     assert.match(
       shared.findings[0].title,
       /it did without the field too: the prefix cache is shared across tenants$/,
@@ -238,7 +245,10 @@ describe('controls: each finding names OWASP AISVS 5.5.5 where it applies and th
     assert.ok(validate(JSON.parse(JSON.stringify(report))), errorsOf())
     const line = 'AISVS 5.5.5; G1, G2, G3, G4, G5, G6'
     // Wide enough for the controls on one line (at 100 columns they wrap in their column).
-    assert.match(formatSummary(report, 200), new RegExp(`canary\\s+leak\\s+critical\\s+${line}`))
+    assert.match(
+      formatSummary(report, 200),
+      new RegExp(`canary\\s+leak\\s+critical\\s+${line}\\s+\\[content-leak\\]`),
+    )
     assert.ok(formatJunitReport(report).includes(`controls: ${line}`))
     assert.ok(formatHtmlReport(report, '').includes(`<td>${line}</td>`))
   })

@@ -231,7 +231,7 @@ describe('valid requests that fail are an availability finding', () => {
     // The JUnit report fails exactly when the exit code is 1: the availability case too.
     assert.match(
       formatJunitReport(report, 'warning'),
-      /<testcase classname="kvfence\.audit" name="availability" time="0\.000">\n {6}<failure type="warning" message="\d+ of \d+ valid requests failed/,
+      /<testcase classname="kvfence\.audit" name="availability" time="0\.000">\n {6}<failure type="availability" message="\d+ of \d+ valid requests failed/,
     )
     // Per probe: the counts add up to what the ledger recorded.
     const sum = report.probeRuns.reduce((n, r) => n + r.completions.failed, 0)

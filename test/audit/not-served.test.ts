@@ -127,9 +127,9 @@ describe('a target that serves no completion: exit 2 after a few requests', () =
       report.completions.map((c) => [c.probe, c.status, c.failure]),
       Array.from({ length: notServedLimit }, () => ['canary', null, 'network']),
     )
-    // Discovery's reads (models, two server infos, metrics), two key checks, six completions
-    // and one /health.
-    assert.equal(report.requestsSent, 4 + 2 + notServedLimit + 1)
+    // Discovery's reads (models, two server infos, metrics, and with no pool said llama.cpp's
+    // /props and /slots and TGI's /info), two key checks, six completions and one /health.
+    assert.equal(report.requestsSent, 7 + 2 + notServedLimit + 1)
     assert.deepEqual(report.pendingProbes, report.probes)
   })
 

@@ -163,9 +163,10 @@ describe('determinism', () => {
 })
 
 describe('prefix-timing (Gu et al.)', () => {
-  test('a prefix cache shared across tenants that reports cached_tokens: leak (direct signal)', async () => {
+  test('a prefix cache shared across tenants that reports cached_tokens: side channel (direct signal)', async () => {
     const report = await audit('prefix-timing', { prefixCache: 'shared' })
-    assert.deepEqual(verdicts(report), [['prefix-timing', 'leak', 'high']])
+    assert.deepEqual(verdicts(report), [['prefix-timing', 'warning', 'high']])
+    assert.equal(report.findings[0].class, 'side-channel')
     assert.deepEqual(report.findings[0].evidence.directSignal, {
       cachedTokensHit: 32,
       cachedTokensMiss: 0,
@@ -185,12 +186,13 @@ describe('prefix-timing (Gu et al.)', () => {
     )
   })
 
-  test('shared, cached_tokens hidden: leak from the TTFT distributions (KS test)', async () => {
+  test('shared, cached_tokens hidden: side channel from the TTFT distributions (KS test)', async () => {
     const report = await audit('prefix-timing', {
       prefixCache: 'shared',
       isCachedTokensHidden: true,
     })
-    assert.deepEqual(verdicts(report), [['prefix-timing', 'leak', 'high']])
+    assert.deepEqual(verdicts(report), [['prefix-timing', 'warning', 'high']])
+    assert.equal(report.findings[0].class, 'side-channel')
     assert.match(report.findings[0].title, /^timing side channel/)
     const cross = report.findings[0].evidence.cross as { ttftMs: { hit: number[]; miss: number[] } }
     assert.equal(cross.ttftMs.hit.length, 10)
@@ -288,6 +290,19 @@ describe('error-handling', () => {
       report.findings[0].title,
       'answered 200 with an error text instead of a 4xx: malformed JSON, missing prompt, negative max_tokens, max_tokens not a number, max_tokens over the context, prompt twice the limit',
     )
+  })
+
+  test("a correct engine whose answers carry error: null and a model that writes 'error' mid-text: clean", async () => {
+    // llama.cpp's surface answers max_tokens over the context (generation stops there): that
+    // answer's text is the model's, not an error, and its null error field is no error.
+    const report = await audit('error-handling', {
+      flavour: 'llamacpp',
+      answerFields: { error: null },
+      answerSuffix: ' and no error was found, as the maximum was',
+    })
+    assert.deepEqual(verdicts(report), [['error-handling', 'clean', 'info']])
+    const cases = report.findings[0].evidence.cases as { case: string; result: string }[]
+    assert.equal(cases.find((c) => c.case === 'max_tokens over the context')?.result, 'accepted')
   })
 
   test('every invalid request refused with a 4xx: clean', async () => {

@@ -102,7 +102,7 @@ function finding(probe: Finding['probe'], verdict: Finding['verdict'], title: st
 }
 
 const handMade: AuditReport = {
-  schemaVersion: 1,
+  schemaVersion: 2,
   tool: 'kvfence audit',
   target: 'http://127.0.0.1:8000',
   model: 'tiny-echo',
@@ -152,7 +152,7 @@ const handMade: AuditReport = {
 }
 
 describe('JUnit XML report', () => {
-  test('default --fail-on leak: the leak fails, the warning passes, inconclusive is skipped', () => {
+  test('default gate: the content leak fails, the warning passes, inconclusive is skipped', () => {
     const xml = formatJunitReport(handMade)
     assert.match(
       xml,
@@ -160,11 +160,11 @@ describe('JUnit XML report', () => {
     )
     assert.match(
       xml,
-      /<testcase classname="kvfence\.audit" name="boundary" time="1\.500">\n {6}<system-out>\[warning\/info\] accepted 385 &gt; 384/,
+      /<testcase classname="kvfence\.audit" name="boundary" time="1\.500">\n {6}<system-out>\[warning\/info\] misconfiguration CWE-1284 CWE-20: accepted 385 &gt; 384/,
     )
     assert.match(
       xml,
-      /<testcase classname="kvfence\.audit" name="canary" time="2\.000">\n {6}<failure type="leak" message="bob's output held alice's canary">/,
+      /<testcase classname="kvfence\.audit" name="canary" time="2\.000">\n {6}<failure type="content-leak" message="bob's output held alice's canary">/,
     )
     assert.match(
       xml,
@@ -177,7 +177,7 @@ describe('JUnit XML report', () => {
   test('--fail-on inconclusive: the warning fails and inconclusive is an error', () => {
     const xml = formatJunitReport(handMade, 'inconclusive')
     assert.match(xml, /tests="4" failures="2" errors="1" skipped="0"/)
-    assert.match(xml, /<failure type="warning" message="accepted 385 &gt; 384">/)
+    assert.match(xml, /<failure type="misconfiguration" message="accepted 385 &gt; 384">/)
     assert.match(xml, /<error type="inconclusive" message="no usage exposed">/)
   })
 })
@@ -213,7 +213,7 @@ describe('YAML config', () => {
       maxSeconds: 30,
       concurrency: 8,
       seed: 99,
-      failOn: 'warning',
+      failOn: ['warning'],
       reports: { junit: 'out.xml' },
     })
   })

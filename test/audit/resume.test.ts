@@ -1,10 +1,11 @@
-/** `kvfence audit --resume`: the real CLI in child processes against a stand-in on loopback. An
+/** `kvfence audit --resume`: the real CLI against a stand-in on loopback (in child processes where
+ *  a signal or a kill ends it, in this process for runs to their end). An
  *  audit interrupted (SIGINT, SIGTERM) or killed outright after its first probe leaves a JSON
  *  report of what it had established; `--resume` keeps those probes as they were, runs only the
  *  others, and its report says which were resumed. A report of another audit is refused with one
  *  line. */
 import assert from 'node:assert/strict'
-import { execFile, spawn } from 'node:child_process'
+import { spawn } from 'node:child_process'
 import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -13,6 +14,7 @@ import { after, before, describe, test } from 'node:test'
 import type { AuditReport } from '../../src/audit/index.js'
 import { reportValidator } from './schema-validator.js'
 import { startStandIn, tenantKeys, type StandIn } from './standins.js'
+import { kvfenceWithEnv } from '../helpers/cli.js'
 
 const mainJs = fileURLToPath(new URL('../../src/cli/main.js', import.meta.url))
 const tenantArgs = ['--tenant', `alice=${tenantKeys.alice}`, '--tenant', `bob=${tenantKeys.bob}`]
@@ -25,19 +27,9 @@ interface Run {
   stderr: string
 }
 
-/** Runs `kvfence audit` to its end. */
-function audit(args: string[]): Promise<Run> {
-  return new Promise((resolve) => {
-    execFile(
-      process.execPath,
-      [mainJs, 'audit', ...args],
-      { timeout: 120_000 },
-      (err, stdout, stderr) => {
-        const code = err && typeof err.code === 'number' ? err.code : err ? null : 0
-        resolve({ code, signal: err?.signal ?? null, stdout, stderr })
-      },
-    )
-  })
+/** Runs `kvfence audit` to its end, in this process (test/helpers/cli.ts); never signalled. */
+async function audit(args: string[]): Promise<Run> {
+  return { ...(await kvfenceWithEnv({}, 'audit', ...args)), signal: null }
 }
 
 /** Runs `kvfence audit` and sends `signal` once a stdout line matches `at`. */

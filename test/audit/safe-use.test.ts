@@ -1,8 +1,9 @@
 /** Using the auditor safely in CI: `--plan` says what an audit would send without sending a
- *  completion, and a target nobody authorized is refused before any request. The real CLI in a
- *  child process against stand-ins, as in cli.test.ts. */
+ *  completion, and a target nobody authorized is refused before any request. The real CLI against
+ *  stand-ins, as in cli.test.ts: in this process, and in a child process for the watch's first
+ *  line (stopped with SIGTERM). */
 import assert from 'node:assert/strict'
-import { execFile, spawn } from 'node:child_process'
+import { spawn } from 'node:child_process'
 import { mkdtemp, rm, writeFile } from 'node:fs/promises'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -17,6 +18,7 @@ import {
 } from '../../src/audit/index.js'
 import { formatJsonReport } from '../../src/audit/reporters/json.js'
 import { standInTenants, startStandIn, tenantKeys } from './standins.js'
+import { kvfenceWithEnv } from '../helpers/cli.js'
 
 const mainJs = fileURLToPath(new URL('../../src/cli/main.js', import.meta.url))
 
@@ -26,13 +28,9 @@ interface Run {
   stderr: string
 }
 
+/** `kvfence …` in this process (test/helpers/cli.ts: the same parsing, action and exit code). */
 function kvfence(args: string[]): Promise<Run> {
-  return new Promise((resolve) => {
-    execFile(process.execPath, [mainJs, ...args], { timeout: 60_000 }, (err, stdout, stderr) => {
-      const code = err && typeof err.code === 'number' ? err.code : err ? null : 0
-      resolve({ code, stdout, stderr })
-    })
-  })
+  return kvfenceWithEnv({}, ...args)
 }
 
 /** Starts the CLI with `args` and resolves with its first stdout line once it has printed one
@@ -54,10 +52,11 @@ function watchStartLine(args: string[]): Promise<string> {
 const tenantFlags = ['--tenant', `alice=${tenantKeys.alice}`, '--tenant', `bob=${tenantKeys.bob}`]
 
 /** The row of `probe` in the plan's table: [requests, tokens, cost?]. */
+/** A probe's row of a priced plan: its requests, tokens and cost (its share's columns follow). */
 function planRow(stdout: string, probe: string): string[] {
   const line = stdout.split('\n').find((l) => l.startsWith(`${probe} `))
   assert.ok(line, `no row for ${probe}:\n${stdout}`)
-  return line.trim().split(/\s+/).slice(1)
+  return line.trim().split(/\s+/).slice(1, 4)
 }
 
 describe('--plan', () => {
@@ -180,8 +179,9 @@ describe('--plan', () => {
       assert.ok(!standIn.stats.paths.some((p) => p.startsWith('POST')), standIn.stats.paths.join())
       assert.match(
         run.stdout,
-        /the audit stops after 50 and the probes it does not reach are inconclusive/,
+        /exceed --max-requests 50: each probe gets its share \(every probe runs; none starves the ones after it\)/,
       )
+      assert.match(run.stdout, /^ {2}prefix-timing needs up to \d+ requests/m)
       assert.match(run.stdout, /tokens only: give --price-per-million-tokens/)
     } finally {
       await standIn.close()
@@ -327,6 +327,32 @@ describe('authorized targets', () => {
       'kvfence watch: 192.0.2.1:8000 is not loopback and not an authorized target: audit only endpoints you are allowed to test, then list it under authorized_targets in --config or pass --authorized\n',
     )
     assert.equal(run.stdout, '')
+  })
+
+  test('kvfence watch --plan: a cycle and an hour at most, before anything is sent', async () => {
+    const standIn = await startStandIn('safe')
+    try {
+      const run = await kvfence([
+        'watch',
+        '--target',
+        standIn.url,
+        ...tenantFlags,
+        '--plan',
+        '--cycle-seconds',
+        '60',
+        '--max-requests-per-hour',
+        '600',
+      ])
+      assert.equal(run.code, 0, run.stderr)
+      assert.deepEqual(standIn.stats.paths, [])
+      // cycle.ts: 7 reads at most, the plant, the cut stream and its fresh request, the look, a
+      // burst of 3 and one over-capacity prompt (8), and 20 follow-up rounds of 2.
+      assert.match(run.stdout, /a cycle sends at most 55 requests/)
+      assert.match(run.stdout, /60\.0 cycles an hour/)
+      assert.match(run.stdout, /an hour: at most 600 requests \(--max-requests-per-hour\)/)
+    } finally {
+      await standIn.close()
+    }
   })
 
   test('kvfence watch: authorized_targets in the config, or --authorized, lets it start', async () => {

@@ -12,6 +12,7 @@ import {
   type AuditReport,
 } from '../../src/audit/index.js'
 import { jsonFieldOrder } from '../../src/audit/reporters/json.js'
+import { findingClasses, findingTags } from '../../src/audit/classes.js'
 import { readReportSchema, reportValidator } from './schema-validator.js'
 import { standInTenants, startStandIn, type StandInKind, type StandInOptions } from './standins.js'
 
@@ -127,6 +128,13 @@ describe('docs/report-schema.json', () => {
       if (report.toolError) inOrder(report.toolError, schema.properties.toolError.properties!, name)
       if (report.resumed) inOrder(report.resumed, schema.properties.resumed.properties!, name)
     }
+    // The classes and their CWE ids are the code's (classes.ts).
+    const findingSchema = defs.finding.properties as {
+      class: { enum: string[] }
+      tags: { items: { enum: string[] } }
+    }
+    assert.deepEqual(findingSchema.class.enum, [...findingClasses])
+    assert.deepEqual(findingSchema.tags.items.enum, [...findingTags])
     // The code's list is the schema's (so a field added to one is added to the other).
     assert.deepEqual(jsonFieldOrder.report, Object.keys(schema.properties))
     assert.deepEqual(jsonFieldOrder.finding, Object.keys(defs.finding.properties))
@@ -154,7 +162,12 @@ describe('docs/report-schema.json', () => {
     const bad: [string, unknown][] = [
       ['an unknown top-level field', { ...base, extra: 1 }],
       ['no completions', { ...base, completions: undefined }],
-      ['schema version 2', { ...base, schemaVersion: 2 }],
+      ['schema version 3', { ...base, schemaVersion: 3 }],
+      [
+        'a finding without its class',
+        { ...base, findings: [{ ...base.findings[0], class: undefined }] },
+      ],
+      ["a class 'leak'", { ...base, findings: [{ ...base.findings[0], class: 'leak' }] }],
       ["a verdict 'pass'", { ...base, findings: [{ ...base.findings[0], verdict: 'pass' }] }],
       [
         'a probe run without its counts',

@@ -9,7 +9,9 @@
  *    with size (as when the model id or a parameter is wrong).
  *  - `static`: not an inference server at all, a plain static file server (`python -m
  *    http.server`): `GET /` is a page, other GETs 404, every POST 501.
- *  Discovery endpoints take the shape of kvfence, SGLang or vLLM (`flavour`); an SGLang-shaped
+ *  Discovery endpoints take the shape of kvfence, SGLang or vLLM (`flavour`), or of llama.cpp's
+ *  server, TGI or a plain server that reports nothing, which also parse and refuse completions
+ *  as those engines do (surface-standins.ts); an SGLang-shaped
  *  stand-in reports and (when `safe`) enforces SGLang's input limit, `min(context − 1, pool − 1)
  *  − 5`; `/health` answers
  *  200 whatever happens to completions. A completion naming another model than `tiny-echo` gets
@@ -30,6 +32,12 @@
  *  bugs (`kvCache.bug`). */
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
+import {
+  parseSurfaceRequest,
+  serveSurfaceGet,
+  type SurfaceFlavour,
+  type SurfaceRequest,
+} from './surface-standins.js'
 
 export type StandInKind = 'leaky' | 'safe' | 'broken' | 'refusing' | 'static'
 
@@ -62,7 +70,16 @@ export interface StandInOptions {
   /** Serve `/tokenize` (vLLM shape) and report no usage. */
   readonly isTokenizeOnly?: boolean
   /** Which server's discovery endpoints to imitate (default kvfence). */
-  readonly flavour?: 'kvfence' | 'sglang' | 'vllm'
+  readonly flavour?: 'kvfence' | 'sglang' | 'vllm' | SurfaceFlavour
+  /** `llamacpp`: the whole cache `/props` reports (`n_ctx`); default none, or the pool when the
+   *  context is larger. */
+  readonly wholeCacheTokens?: number
+  /** Appended to the text of every whole (not streamed) answer: words a model may write. */
+  readonly answerSuffix?: string
+  /** Fields added to every whole answer's body (`error: null`, as some servers send). */
+  readonly answerFields?: Readonly<Record<string, unknown>>
+  /** Counts a prompt's tokens (a real tokenizer); default: its words plus one BOS token. */
+  readonly countTokens?: (prompt: string) => number
   readonly hitDelayMs?: number
   readonly missDelayMs?: number
   /** Prefix cache over the first 32 words: none (default), keyed by tenant, or shared. A hit is
@@ -112,6 +129,8 @@ export interface StandInOptions {
   /** A completion whose client went away keeps its pages this long (ms) before they are freed
    *  (an abort the engine never hears of, released by a timeout). */
   readonly abortHoldMs?: number
+  /** The KV pool (tokens, a multiple of 16); default 384. */
+  readonly poolTokens?: number
   /** Advertised context window (tokens); default 1024 for `leaky`, the pool (384) otherwise. A
    *  `safe` stand-in refuses a prompt plus max_tokens over it. */
   readonly contextTokens?: number
@@ -288,12 +307,14 @@ function createKvCache(
   }
 }
 
-const poolTokens = 384
+/** The KV pool (tokens) unless `poolTokens` is given. */
+const defaultPoolTokens = 384
 
 export async function startStandIn(
   kind: StandInKind,
   options: StandInOptions = {},
 ): Promise<StandIn> {
+  const poolTokens = options.poolTokens ?? defaultPoolTokens
   const contextTokens = options.contextTokens ?? (kind === 'leaky' ? 1024 : poolTokens)
   // SGLang's scheduler: min(context − 1, pool − 1) − 5, and an input of that many tokens or more
   // is refused (a correct SGLang; the leaky one decodes it over stale pages instead).
@@ -321,6 +342,8 @@ export async function startStandIn(
   let numRunningCompletions = 0
   const holdTimers = new Set<ReturnType<typeof setTimeout>>()
   const kvCache = options.kvCache ? createKvCache(options.kvCache, poolTokens) : null
+  const count = (prompt: string): number =>
+    options.countTokens?.(prompt) ?? countTokens(prompt, options.extraTokenPastWords)
 
   const handle = async (req: IncomingMessage, res: ServerResponse): Promise<void> => {
     const body = await readBody(req)
@@ -335,13 +358,24 @@ export async function startStandIn(
         error: { message: 'bad key', type: 'authentication_error', code: 'invalid_api_key' },
       })
     }
+    const flavour = options.flavour ?? 'kvfence'
+    const sizes = {
+      contextTokens,
+      poolTokens,
+      numSlots: 4,
+      numRunning: numRunningCompletions,
+      // A slot larger than the pool: the whole cache is reported (as some llama.cpp builds do).
+      wholeCacheTokens:
+        options.wholeCacheTokens ?? (contextTokens > poolTokens ? poolTokens : null),
+    }
+    if (isSurface(flavour) && req.method === 'GET' && serveSurfaceGet(res, flavour, path, sizes))
+      return
     if (req.method === 'GET' && path === '/v1/models') {
       return sendJson(res, 200, {
         object: 'list',
         data: [{ id: 'tiny-echo', object: 'model', max_model_len: contextTokens }],
       })
     }
-    const flavour = options.flavour ?? 'kvfence'
     if (req.method === 'GET' && path === '/server_info' && flavour === 'kvfence') {
       return sendJson(res, 200, {
         contextWindow: contextTokens,
@@ -388,7 +422,7 @@ export async function startStandIn(
     if (req.method === 'POST' && path === '/tokenize' && options.isTokenizeOnly) {
       const { prompt } = JSON.parse(body) as { prompt: string }
       return sendJson(res, 200, {
-        count: countTokens(prompt, options.extraTokenPastWords),
+        count: count(prompt),
         max_model_len: contextTokens,
       })
     }
@@ -415,7 +449,14 @@ export async function startStandIn(
       })
     }
     if (options.isEndless) return streamForever(res, options.tokenDelayMs ?? 0)
-    const parsedBody = parseRequest(body)
+    const surfaceRequest = isSurface(flavour)
+      ? parseSurfaceRequest(flavour, body, contextTokens, count)
+      : null
+    if (surfaceRequest !== null && 'status' in surfaceRequest)
+      return sendJson(res, surfaceRequest.status, surfaceRequest.body)
+    const parsedBody = surfaceRequest
+      ? fromSurface(surfaceRequest, contextTokens, count)
+      : parseRequest(body)
     if (typeof parsedBody === 'string') {
       if (options.isErrorAs200)
         return sendJson(res, 200, { object: 'error', message: parsedBody, code: 400 })
@@ -464,13 +505,13 @@ export async function startStandIn(
     }
     const salt = fields.cache_salt ?? fields.extra_key
     const words = request.prompt.trim().split(/\s+/)
-    const numTokens = countTokens(request.prompt, options.extraTokenPastWords)
+    const numTokens = count(request.prompt)
     if (options.isErrorAs200 && numTokens + request.max_tokens > contextTokens) {
       return sendJson(res, 200, {
         choices: [{ index: 0, text: 'Error: input too long', finish_reason: 'stop' }],
       })
     }
-    if (numTokens + request.max_tokens > contextTokens) {
+    if (surfaceRequest === null && numTokens + request.max_tokens > contextTokens) {
       return sendJson(res, 400, {
         error: {
           message: `This model's maximum context length is ${contextTokens} tokens; you requested ${numTokens + request.max_tokens}.`,
@@ -614,8 +655,15 @@ export async function startStandIn(
         id: 'cmpl-1',
         object: 'text_completion',
         model: 'tiny-echo',
-        choices: [{ index: 0, text: ' ' + output.join(' '), finish_reason: 'length' }],
+        choices: [
+          {
+            index: 0,
+            text: ' ' + output.join(' ') + (options.answerSuffix ?? ''),
+            finish_reason: 'length',
+          },
+        ],
         usage,
+        ...options.answerFields,
       })
     }
     res.writeHead(200, { 'content-type': 'text/event-stream' })
@@ -767,6 +815,26 @@ function serveStatic(req: IncomingMessage, res: ServerResponse, path: string): v
   res.end(
     `<html><body><h1>Error response</h1><p>Error code: ${status}</p><p>${text}</p></body></html>\n`,
   )
+}
+
+function isSurface(flavour: string): flavour is SurfaceFlavour {
+  return flavour === 'llamacpp' || flavour === 'tgi' || flavour === 'plain'
+}
+
+/** A surface's accepted request in this stand-in's terms: "no limit" generates to the end of the
+ *  context (at least one token), as llama.cpp does. */
+function fromSurface(
+  request: Exclude<SurfaceRequest, { status: number }>,
+  contextTokens: number,
+  count: (prompt: string) => number,
+): { prompt: string; max_tokens: number; stream?: boolean; model?: string } {
+  const room = Math.max(1, contextTokens - count(request.prompt))
+  return {
+    prompt: request.prompt,
+    max_tokens: Math.min(request.maxTokens ?? room, room),
+    stream: request.stream,
+    model: request.model,
+  }
 }
 
 /** The completion request, or why it is invalid. */

@@ -338,6 +338,7 @@ test('webhook bodies: Alertmanager webhook v4 and Slack, with no key', () => {
     alertname: 'KvfenceCapacityGap',
     severity: 'warning',
     verdict: 'warning',
+    class: 'misconfiguration',
     probe: 'capacity',
     finding: 'warning:capacity',
     target: 'http://llm:8000',

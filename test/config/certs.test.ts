@@ -2,7 +2,6 @@
  *  back with Node's own X.509 parser (an implementation independent of the library that wrote
  *  them). */
 import assert from 'node:assert/strict'
-import { execFile } from 'node:child_process'
 import { X509Certificate, createPrivateKey } from 'node:crypto'
 import {
   copyFileSync,
@@ -18,12 +17,11 @@ import {
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
-import { promisify } from 'node:util'
 import { createAuthority } from '../../src/cli/certs.js'
-import { cliEntry } from '../../src/common/paths.js'
+import { kvfenceOrThrow } from '../helpers/cli.js'
 
-const run = promisify(execFile)
-const kvfence = (...args: string[]) => run(process.execPath, [cliEntry, 'certs', ...args])
+/** `kvfence certs …` in this process (test/helpers/cli.ts), settling as the process would. */
+const kvfence = (...args: string[]) => kvfenceOrThrow('certs', ...args)
 const root = mkdtempSync(join(tmpdir(), 'kvfence-certs-'))
 
 describe('kvfence certs init', () => {

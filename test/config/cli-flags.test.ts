@@ -1,6 +1,7 @@
 /** Bad flag values are refused by the CLI before any part starts: one line naming the flag and
  *  the value, exit 2 (they used to surface from Node or pino after workers started, or not at
- *  all). Also what the CLI says at start that fresh-user trials misread: serve's queue flags,
+ *  all). The table runs the CLI in this process (test/helpers/cli.ts); one case runs it as a
+ *  process, to show the refusal reaches the exit status and stderr of `kvfence` itself. Also what the CLI says at start that fresh-user trials misread: serve's queue flags,
  *  generate's blank completions, the gateway's failed /v1/models. */
 import assert from 'node:assert/strict'
 import { execFile, fork } from 'node:child_process'
@@ -14,6 +15,7 @@ import { after, describe, it } from 'node:test'
 import { stringify } from 'yaml'
 import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
+import { kvfence } from '../helpers/cli.js'
 import { cliPath } from '../helpers/paths.js'
 
 function run(args: string[]): Promise<{ code: number | null; stdout: string; stderr: string }> {
@@ -91,12 +93,20 @@ const cases: [string[], string][] = [
 describe('CLI flag ranges', () => {
   for (const [args, message] of cases) {
     it(`kvfence ${args.join(' ')}`, async () => {
-      const res = await run(args)
+      const res = await kvfence(...args)
       assert.equal(res.code, 2)
       assert.equal(res.stderr.trim(), message)
       assert.equal(res.stdout, '')
     })
   }
+
+  it('as a process: the refusal is its stderr line and exit status 2', async () => {
+    const [args, message] = cases[0]
+    const res = await run(args)
+    assert.equal(res.code, 2)
+    assert.equal(res.stderr.trim(), message)
+    assert.equal(res.stdout, '')
+  })
 })
 
 describe('serve checks the model folder and its port before any part starts', () => {

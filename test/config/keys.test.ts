@@ -19,9 +19,13 @@ import { parse } from 'yaml'
 import { cliEntry } from '../../src/common/paths.js'
 import { apiKeyDigest, loadTenants } from '../../src/router/tenants/tenants.js'
 import { loadClusterConfig } from '../../src/config/cluster.js'
+import { kvfenceOrThrow } from '../helpers/cli.js'
 
 const run = promisify(execFile)
-const kvfence = (...args: string[]) => run(process.execPath, [cliEntry, 'keys', ...args])
+/** `kvfence keys …` as a process: for commands racing on one file (its lock is across processes). */
+const kvfenceProcess = (...args: string[]) => run(process.execPath, [cliEntry, 'keys', ...args])
+/** `kvfence keys …` in this process (test/helpers/cli.ts), settling as the process would. */
+const kvfence = (...args: string[]) => kvfenceOrThrow('keys', ...args)
 const dir = mkdtempSync(join(tmpdir(), 'kvfence-keys-'))
 
 describe('kvfence keys', () => {
@@ -75,8 +79,8 @@ describe('kvfence keys', () => {
     await kvfence('add', 'revoked', '--tenants', path)
     const names = ['r1', 'r2', 'r3', 'r4', 'r5', 'r6']
     const outs = await Promise.all([
-      ...names.map((n) => kvfence('add', n, '--tenants', path)),
-      kvfence('remove', 'revoked', '--tenants', path),
+      ...names.map((n) => kvfenceProcess('add', n, '--tenants', path)),
+      kvfenceProcess('remove', 'revoked', '--tenants', path),
     ])
     const tenants = (
       parse(readFileSync(path, 'utf8')) as { tenants: { name: string; keySha256: string }[] }

@@ -11,8 +11,8 @@ import { join } from 'node:path'
 import { after, describe, it } from 'node:test'
 import { pino } from 'pino'
 import { parseClusterConfig } from '../../src/config/cluster.js'
-import { clusterConfigPlan } from '../../src/config/launch.js'
-import { newClusterToken } from '../../src/engine/cluster-token.js'
+import { clusterConfigPlan, workerArgs } from '../../src/config/launch.js'
+import { newClusterToken } from '../../src/control/cluster-token.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
@@ -25,7 +25,7 @@ import {
 import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import { echoModel } from '../engine/pair.js'
 import { twoTenants } from '../helpers/cluster.js'
-import { stoppedPartLog } from '../helpers/logs.js'
+import { stoppedPartLog } from '../helpers/processes.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 
 const token = newClusterToken()
@@ -224,7 +224,10 @@ describe('plaintext links beyond loopback', () => {
     const warnings: string[] = []
     const recording = pino({ level: 'warn' }, { write: (l: string) => void warnings.push(l) })
     const plan = clusterConfigPlan(file({ allowPlaintext: true }), recording)
-    assert.deepEqual(plan.prefill, [{ pages: 8, tls: null, args: ['--allow-plaintext'] }])
+    assert.deepEqual(plan.prefill, [{ pages: 8, tls: null, allowPlaintext: true }])
+    const worker = plan.prefill[0]
+    assert.ok(!('url' in worker))
+    assert.ok(workerArgs(plan, 'prefill', worker).includes('--allow-plaintext'))
     assert.deepEqual(plan.decode, [{ url: 'http://10.213.9.2:8102' }])
     assert.equal(plan.router.runs === 'here' && plan.router.options.allowPlaintext, true)
     assert.equal(warnings.length, 1)

@@ -4,17 +4,18 @@
 import assert from 'node:assert/strict'
 import { type ChildProcess, execFile } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
+import http from 'node:http'
 import { promisify } from 'node:util'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
-import { clusterTokenHeader, newClusterToken } from '../../src/engine/cluster-token.js'
+import { clusterTokenHeader, newClusterToken } from '../../src/control/cluster-token.js'
 import { startCluster, type Cluster } from '../../src/config/launch.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
-import { ClusterTokenRefusedError, createWorkerClient } from '../../src/router/worker-client.js'
+import { ClusterTokenRefusedError, createWorkerClient } from '../../src/control/worker-client.js'
 import OpenAI from 'openai'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 import { incidentShape, openaiClient, twoTenants } from '../helpers/cluster.js'
-import { stoppedPartLog } from '../helpers/logs.js'
+import { stoppedPartLog } from '../helpers/processes.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-control-auth-')
 
@@ -31,6 +32,33 @@ function generateBody(tenant: string) {
 }
 
 const clusterToken = newClusterToken()
+
+/** Asks the worker at `url` for its control channel (`GET /internal/channel` upgraded) with
+ *  `headers`: the answer's status (101 when it switched; the connection is then closed at once)
+ *  and body. */
+function channelUpgrade(
+  url: string,
+  headers: Record<string, string>,
+): Promise<{ status: number; body: string }> {
+  return new Promise((resolve, reject) => {
+    const req = http.request(`${url}/internal/channel`, {
+      headers: { connection: 'Upgrade', upgrade: 'kvfence-control/1', ...headers },
+      agent: false,
+    })
+    req.on('upgrade', (res, socket) => {
+      socket.destroy()
+      resolve({ status: res.statusCode ?? 0, body: '' })
+    })
+    req.on('response', (res) => {
+      let body = ''
+      res.setEncoding('utf8')
+      res.on('data', (chunk: string) => (body += chunk))
+      res.on('end', () => resolve({ status: res.statusCode ?? 0, body }))
+    })
+    req.on('error', reject)
+    req.end()
+  })
+}
 
 describe('control-plane authentication', () => {
   let cluster: Cluster
@@ -66,28 +94,23 @@ describe('control-plane authentication', () => {
     }
   })
 
-  it('refuses a control request without the cluster token, or with a wrong one (401)', async () => {
+  it('refuses a control channel without the cluster token, or with a wrong one (401)', async () => {
     const cases: Record<string, string>[] = [{}, { [clusterTokenHeader]: 'not-the-token' }]
     for (const headers of cases) {
-      for (const [url, body] of [
-        [`${cluster.decodeUrl}/internal/generate`, generateBody('tenant-a')],
-        [
-          `${cluster.prefillUrl}/internal/prefill`,
-          { ...generateBody('tenant-a'), decode: { host: '127.0.0.1', port: 1 } },
-        ],
-      ] as const) {
-        const res = await fetch(url, {
-          method: 'POST',
-          headers: { 'content-type': 'application/json', ...headers },
-          body: JSON.stringify(body),
-        })
-        assert.equal(res.status, 401)
+      for (const url of [cluster.decodeUrl, cluster.prefillUrl]) {
+        const refused = await channelUpgrade(url, headers)
+        assert.equal(refused.status, 401)
         assert.equal(
-          ((await res.json()) as { error: { code: string } }).error.code,
+          (JSON.parse(refused.body) as { error: { code: string } }).error.code,
           'invalid_api_key',
         )
       }
     }
+    // The token itself opens it: the refusals above were the token's doing.
+    assert.equal(
+      (await channelUpgrade(cluster.decodeUrl, { [clusterTokenHeader]: clusterToken })).status,
+      101,
+    )
     const info = (await (await fetch(`${cluster.decodeUrl}/server_info`)).json()) as {
       numPagesUsed: number
     }

@@ -1,4 +1,4 @@
-/** The control channel (src/router/control-channel.ts ↔ src/engine/channel-server.ts) between the
+/** The control channel (src/control/channel-client.ts ↔ src/control/channel-server.ts) between the
  *  router's worker client and real `kvfence prefill`/`kvfence decode` processes: requests share
  *  one connection per worker and generate exactly the single-process tokens; a client's abort
  *  reaches the decode worker as `cancel`, which aborts the request and frees its pages (G8); a
@@ -13,8 +13,8 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { promisify } from 'node:util'
-import { clusterTokenHeader, newClusterToken } from '../../src/engine/cluster-token.js'
-import type { GenerateRequest } from '../../src/engine/control.js'
+import { clusterTokenHeader, newClusterToken } from '../../src/control/cluster-token.js'
+import type { GenerateRequest } from '../../src/control/messages.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
 import { KvfenceError } from '../../src/common/errors.js'
 import { cliEntry } from '../../src/common/paths.js'
@@ -22,7 +22,7 @@ import {
   ClusterTokenRefusedError,
   createWorkerClient,
   type WorkerClient,
-} from '../../src/router/worker-client.js'
+} from '../../src/control/worker-client.js'
 import { loadTlsMaterial, type TlsMaterial } from '../../src/link/tls.js'
 import { greedyOracle, makeRequest, tokensOf } from '../engine/pair.js'
 import { echoModelDir } from '../helpers/paths.js'
@@ -101,7 +101,6 @@ describe('control channel to plaintext workers', () => {
       prefillUrls: [prefillUrl],
       decodeUrls: [decode.url],
       clusterToken,
-      controlChannel: true,
     })
   })
   after(async () => {
@@ -174,7 +173,6 @@ describe('control channel to plaintext workers', () => {
       prefillUrls: [prefillUrl],
       decodeUrls: [decode.url],
       clusterToken,
-      controlChannel: true,
     })
     let numTokens = 0
     await assert.rejects(async () => {
@@ -209,7 +207,6 @@ describe('control channel to plaintext workers', () => {
       prefillUrls: [prefillUrl],
       decodeUrls: [decode.url],
       clusterToken: newClusterToken(),
-      controlChannel: true,
     })
     try {
       await assert.rejects(
@@ -298,7 +295,6 @@ describe('control channel to workers over mutual TLS', () => {
       decodeUrls: [decodeUrl],
       clusterToken,
       tls,
-      controlChannel: true,
     })
     try {
       const got = await Promise.all(
@@ -320,7 +316,6 @@ describe('control channel to workers over mutual TLS', () => {
       decodeUrls: [decodeUrl],
       clusterToken,
       tls: { ...tls, cert: undefined as unknown as Buffer, key: undefined as unknown as Buffer },
-      controlChannel: true,
     })
     try {
       await assert.rejects(

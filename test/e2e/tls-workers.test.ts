@@ -1,6 +1,6 @@
 /** Real `kvfence prefill` and `kvfence decode` processes started with `--tls-*` (certificates from
- *  the real `kvfence certs init`), driven by the router's worker client over HTTPS: the control
- *  plane and the KV transfer both run over mutual TLS 1.3, and a request generates exactly the
+ *  the real `kvfence certs init`), driven by the router's worker client over TLS: the control
+ *  channel, the probes and the KV transfer all run over mutual TLS 1.3, and a request generates exactly the
  *  single-process engine's tokens. A client without a certificate of the cluster CA, or in
  *  plaintext, is refused before any HTTP request is read. */
 import assert from 'node:assert/strict'
@@ -14,11 +14,11 @@ import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { promisify } from 'node:util'
 import { stringify } from 'yaml'
-import { newClusterToken } from '../../src/engine/cluster-token.js'
+import { newClusterToken } from '../../src/control/cluster-token.js'
 import { forkPart, stopAll } from '../../src/engine/processes.js'
 import { cliEntry } from '../../src/common/paths.js'
 import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
-import { createWorkerClient } from '../../src/router/worker-client.js'
+import { createWorkerClient } from '../../src/control/worker-client.js'
 import { loadTlsMaterial } from '../../src/link/tls.js'
 import OpenAI from 'openai'
 import type { Agent } from 'undici'

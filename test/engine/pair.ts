@@ -1,9 +1,9 @@
 /** An in-process prefill + decode pair over real loopback TCP, driven by the router's own hand-off
- *  (`handOff` of src/engine/handoff.ts: D reserves first, then P prefills with D's address).
+ *  (`handOff` of src/control/handoff.ts: D reserves first, then P prefills with D's address).
  *  Used by the worker tests; each pair has its own pools, guards and faults. */
 import { randomBytes } from 'node:crypto'
 import { KvfenceError } from '../../src/common/errors.js'
-import type { DecodeEvent, GenerateRequest } from '../../src/engine/control.js'
+import type { DecodeEvent, GenerateRequest } from '../../src/control/messages.js'
 import { DecodeWorker } from '../../src/engine/decode-worker.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
 import {
@@ -11,7 +11,7 @@ import {
   type DecodeSide,
   type GenerationEvent,
   type PrefillSide,
-} from '../../src/engine/handoff.js'
+} from '../../src/control/handoff.js'
 import { generateLocal } from '../../src/engine/local-engine.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import { createWorkerCore, type WorkerCore } from '../../src/engine/worker-core.js'

@@ -8,7 +8,7 @@ import { join } from 'node:path'
 import OpenAI from 'openai'
 import { Agent, fetch as undiciFetch } from 'undici'
 import { newApiKey, tenantsYaml } from '../../src/router/tenants/tenant-keys.js'
-import type { ServerInfo } from '../../src/engine/control.js'
+import type { ServerInfo } from '../../src/control/messages.js'
 import type { Oracle } from '../../src/soak/oracle.js'
 
 /** The incident's pools, scaled down to the bundled model (the demo's shape): prefill

@@ -49,6 +49,10 @@ export interface Engine {
   failure: EngineFailure | null
   /** Bodies of the completion requests received (the gateway's self-check's apart). */
   completions: Record<string, unknown>[]
+  /** Headers of the completion requests, in the order of {@link Engine.completions}. */
+  completionHeaders: http.IncomingHttpHeaders[]
+  /** Every `METHOD /path` the engine was sent, in order. */
+  routes: string[]
   /** Bodies of the gateway's isolation self-check requests (prompt `kvfence isolation
    *  self-check …`). */
   selfChecks: Record<string, unknown>[]
@@ -93,6 +97,8 @@ export async function startEngine(kind: EngineKind, options: EngineOptions): Pro
     prefixCache: options.prefixCache ?? null,
     failure: null,
     completions: [],
+    completionHeaders: [],
+    routes: [],
     selfChecks: [],
     aborted: [],
     tokenizeCalls: 0,
@@ -124,6 +130,7 @@ export async function startEngine(kind: EngineKind, options: EngineOptions): Pro
     for await (const c of req as AsyncIterable<Buffer>) chunks.push(c)
     const body = chunks.length > 0 ? JSON.parse(Buffer.concat(chunks).toString('utf8')) : null
     const route = `${req.method} ${req.url}`
+    engine.routes.push(route)
     if (kind === 'openai' && route === 'GET /v1/models') {
       // As uvicorn after a handler's exception: the connection is not kept, though the answer
       // does not say so; the next request sent on it is cut unanswered.
@@ -210,6 +217,7 @@ export async function startEngine(kind: EngineKind, options: EngineOptions): Pro
         : (body.messages ?? []).map((m: { content: string }) => m.content).join(' ')
     const isSelfCheck = promptText.startsWith('kvfence isolation self-check')
     ;(isSelfCheck ? engine.selfChecks : engine.completions).push(body)
+    if (!isSelfCheck) engine.completionHeaders.push(req.headers)
     const unexpected = Object.keys(body).filter((k) => !openAiFields.has(k))
     if (kind === 'openai' && unexpected.length > 0) {
       const fields = unexpected.map((k) => `'${k}'`).join(', ')

@@ -1,11 +1,7 @@
-/** Reading what was logged in tests: a pino logger that writes into memory, and the log of a
- *  stopped part. */
-import type { ChildProcess } from 'node:child_process'
-import { readFileSync } from 'node:fs'
+/** Reading what was logged in tests: a pino logger that writes into memory. The log of a stopped
+ *  part is read with `stoppedPartLog` of processes.ts. */
 import { Writable } from 'node:stream'
 import { type Logger, pino } from 'pino'
-import { stopAll } from '../../src/engine/processes.js'
-import { waitUntil } from './poll.js'
 
 /** What a {@link captureLogs} logger wrote. */
 export interface LogCapture {
@@ -33,18 +29,4 @@ export function captureLogs(level = 'debug'): LogCapture {
     text: () => lines.join(''),
     records: () => lines.map((l) => JSON.parse(l) as ReturnType<LogCapture['records']>[number]),
   }
-}
-
-/** Stops the parts in `started` and returns the whole log `forkPart` wrote to `logFile` once it
- *  has ended (its last line is the parent's "ended (…)"). A part's ready message comes over IPC
- *  and its log lines over a stdout pipe, so a log read while the part runs may miss lines it has
- *  already written (CI read an empty log once; a full run missed a router's error line). */
-export async function stoppedPartLog(started: ChildProcess[], logFile: string): Promise<string> {
-  await stopAll(started)
-  await waitUntil(() => readFileSync(logFile, 'utf8').includes('ended ('), {
-    timeoutMs: 10_000,
-    intervalMs: 50,
-    what: 'the log of the stopped part ends',
-  })
-  return readFileSync(logFile, 'utf8')
 }

@@ -9,7 +9,7 @@ import { mkdtempSync, readdirSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
-import type { PrefillResult } from '../../src/engine/control.js'
+import type { PrefillResult } from '../../src/control/messages.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import {
   greedyOracle as oracle,

@@ -7,7 +7,7 @@
  *  tenants (`prefixCacheShared`): partitions are tested in prefix-cache-isolation and e2e. */
 import assert from 'node:assert/strict'
 import { after, before, describe, it } from 'node:test'
-import type { PrefillResult } from '../../src/engine/control.js'
+import type { PrefillResult } from '../../src/control/messages.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import type { PageLease } from '../../src/kv/pool.js'
 import {

@@ -8,7 +8,7 @@
  *  cache is shared (`prefixCacheShared`): requests made here carry no tenants-file partition. */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
-import type { PrefillResult } from '../../src/engine/control.js'
+import type { PrefillResult } from '../../src/control/messages.js'
 import { PrefillWorker } from '../../src/engine/prefill-worker.js'
 import { guardIds, type GuardId } from '../../src/kv/guards.js'
 import type { PageLease } from '../../src/kv/pool.js'

@@ -6,7 +6,7 @@
 import assert from 'node:assert/strict'
 import type { ChildProcess } from 'node:child_process'
 import net from 'node:net'
-import { FrameReader } from '../../src/engine/channel-frames.js'
+import { FrameReader } from '../../src/control/channel-frames.js'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { after, before, describe, it } from 'node:test'
 import fc from 'fast-check'
@@ -108,20 +108,18 @@ function request(path: string, body: Buffer, headers: Record<string, string> = {
   return Buffer.concat([Buffer.from(head, 'latin1'), body])
 }
 
-/** Calls `count` for each request for generation the router sends on `inbound`: an HTTP
- *  `POST /internal/generate`, or, once the connection switched to the control channel
- *  (`GET /internal/channel` and its blank line), a `generate` frame. */
+/** Calls `count` for each request for generation the router sends on `inbound`: a `generate`
+ *  frame, once the connection switched to the control channel (`GET /internal/channel` and its
+ *  blank line). Other connections carry the router's probes (`GET /server_info`, …): no
+ *  generation. */
 function onGenerate(inbound: net.Socket, count: () => void): void {
   let frames: FrameReader | null = null
-  let head: string | null = '' // the channel's upgrade request so far; null: an HTTP connection
+  let head: string | null = '' // the channel's upgrade request so far; null: a probe's connection
   inbound.on('data', (chunk: Buffer) => {
     if (frames === null) {
       const text = chunk.toString('latin1')
       if (head === '' && !text.startsWith('GET /internal/channel ')) head = null
-      if (head === null) {
-        for (const _ of text.matchAll(/POST \/internal\/generate /g)) count()
-        return
-      }
+      if (head === null) return
       head += text
       const end = head.indexOf('\r\n\r\n')
       if (end === -1) return
@@ -137,7 +135,7 @@ describe('HTTP fuzzing against the real router', () => {
   let children: ChildProcess[] = []
   let proxy: net.Server
   /** Requests that reached the decode worker's control port (i.e. the router let them through):
-   *  `POST /internal/generate`s, or `generate` frames on its control channel. */
+   *  `generate` frames on its control channel. */
   let numDecodePosts = 0
 
   before(async () => {

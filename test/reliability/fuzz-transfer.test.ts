@@ -8,7 +8,7 @@ import { randomBytes } from 'node:crypto'
 import net from 'node:net'
 import { after, before, describe, it } from 'node:test'
 import fc from 'fast-check'
-import { ServerInfo } from '../../src/engine/control.js'
+import { ServerInfo } from '../../src/control/messages.js'
 import { Oracle } from '../../src/soak/oracle.js'
 import {
   encodeBegin,

@@ -3,7 +3,7 @@
  *  across namespaces, so no address outside them is ever used). */
 import { execFileSync, spawn, type ChildProcess } from 'node:child_process'
 import http from 'node:http'
-import { clusterTokenEnv } from '../../src/engine/cluster-token.js'
+import { clusterTokenEnv } from '../../src/control/cluster-token.js'
 import { cliPath } from '../helpers/paths.js'
 
 /** One two-hosts setup: the router's namespace, the forwarder's socket, the router's port there

@@ -3,7 +3,8 @@
  *  finding, each with its own sentence; a clean report of the same shape has no failure. */
 import assert from 'node:assert/strict'
 import { test } from 'node:test'
-import { failuresOf, type SoakReport } from '../../src/soak/index.js'
+import { failuresOf } from '../../src/soak/run.js'
+import type { SoakReport } from '../../src/soak/types.js'
 
 /** A report with every must-be-0 figure 0 (hand-written, not produced by a soak). */
 const clean: SoakReport = {

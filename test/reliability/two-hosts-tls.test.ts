@@ -5,7 +5,7 @@
  *  oracle's tokens; a plaintext peer on P's host that dials D's transfer port is dropped with no
  *  frame answered and nothing reserved. Needs root and `ip netns`; skipped, with the reason,
  *  elsewhere. */
-import { newClusterToken } from '../../src/engine/cluster-token.js'
+import { newClusterToken } from '../../src/control/cluster-token.js'
 import assert from 'node:assert/strict'
 import { execFileSync, type ChildProcess } from 'node:child_process'
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'

@@ -5,7 +5,7 @@
  *  is slowed and cut during a large prompt's transfer: the request ends in a clean error, both
  *  pools return to 0 pages, and once the link is back the next request is served with the oracle's
  *  tokens. Needs root and `ip netns` (CI runs as root); skipped, with the reason, elsewhere. */
-import { newClusterToken } from '../../src/engine/cluster-token.js'
+import { newClusterToken } from '../../src/control/cluster-token.js'
 import assert from 'node:assert/strict'
 import { type ChildProcess } from 'node:child_process'
 import { rmSync } from 'node:fs'

@@ -1,16 +1,18 @@
-/** The router's end of the control channel (src/router/control-channel.ts) against peers that
- *  are not today's workers: a worker from before the channel (the upgrade answered 404) is used
- *  over HTTP, and a peer that sends a frame breaking the format fails every open stream of that
- *  connection with a clear error, after which the next request opens a new connection. */
+/** The router's end of the control channel (src/control/channel-client.ts) against peers that
+ *  are not today's workers: a peer without the channel (the upgrade answered 404) gets no request
+ *  and the client a 503; a peer that resets the connection under a request step fails it without
+ *  the step being sent again; a peer that sends a frame breaking the format fails every open
+ *  stream of that connection with a clear error, after which the next request opens a new
+ *  connection. */
 import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
 import http from 'node:http'
 import net, { type AddressInfo, type Socket } from 'node:net'
 import { describe, it } from 'node:test'
-import { encodeFrame, FrameReader } from '../../src/engine/channel-frames.js'
-import type { GenerateRequest } from '../../src/engine/control.js'
+import { encodeFrame, FrameReader } from '../../src/control/channel-frames.js'
+import type { GenerateRequest } from '../../src/control/messages.js'
 import { KvfenceError } from '../../src/common/errors.js'
-import { createWorkerClient } from '../../src/router/worker-client.js'
+import { createWorkerClient } from '../../src/control/worker-client.js'
 import { charIds, defaultReplyText, startHarness, waitFor } from './helpers.js'
 
 function generateRequest(maxTokens = 4): GenerateRequest {
@@ -26,28 +28,37 @@ function generateRequest(maxTokens = 4): GenerateRequest {
 }
 
 describe('control channel: fallback and broken peers', () => {
-  it('a worker that answers the upgrade 404 (from before the channel) is used over HTTP', async () => {
-    const h = await startHarness({ isChannelServed: false }, { controlChannel: true })
+  it('a worker that answers the upgrade 404 (no control channel) gets no request: 503 worker_unavailable, the cause logged', async () => {
+    // Before the channel was the one transport, such a worker was sent its requests over HTTP.
+    const h = await startHarness({ isChannelServed: false })
     try {
       const res = await h.post('/v1/completions', {
         model: 'echo-test',
         prompt: 'Hi',
         stream: true,
       })
-      assert.equal(res.status, 200)
-      const text = await res.text()
-      const pieces = [...text.matchAll(/"text":"([^"]*)"/g)].map((m) => m[1]).join('')
-      assert.equal(pieces, defaultReplyText)
+      assert.equal(res.status, 503)
+      assert.equal(
+        ((await res.json()) as { error: { code: string } }).error.code,
+        'worker_unavailable',
+      )
       assert.equal(h.workers.numDecodeChannels(), 0)
-      assert.equal(h.workers.generateRequests.length, 1, 'the request went over HTTP')
-      assert.equal(h.workers.prefillRequests.length, 1)
+      assert.equal(h.workers.numInternalRequests(), 0, 'no request step reached a worker')
+      assert.ok(
+        h.logs
+          .text()
+          .includes(
+            `decode worker ${h.workers.decodeUrl} does not serve the control channel (HTTP 404 to its upgrade)`,
+          ),
+        h.logs.text(),
+      )
     } finally {
       await h.close()
     }
   })
 
   it('the same stand-ins serving the channel get the request over it', async () => {
-    const h = await startHarness({}, { controlChannel: true })
+    const h = await startHarness()
     try {
       const completion = await h.client().completions.create({
         model: 'echo-test',
@@ -67,7 +78,6 @@ describe('control channel: fallback and broken peers', () => {
     const workers = createWorkerClient({
       prefillUrls: [h.workers.prefillUrl],
       decodeUrls: [h.workers.decodeUrl],
-      controlChannel: true,
     })
     try {
       // 700,000 ids of 6 digits and a comma: over the 4 MiB cap as JSON.
@@ -98,8 +108,9 @@ describe('control channel: fallback and broken peers', () => {
   })
 
   /** A decode-worker impostor: switches to the channel, then answers the `numStreams`-th
-   *  `generate` frame with `reply` (raw bytes). Counts upgrades and closed connections. */
-  async function startImpostor(numStreams: number, reply: Buffer) {
+   *  `generate` frame with `reply` (raw bytes), or resets the connection (`'reset'`). Counts
+   *  upgrades, `generate` frames and closed connections. */
+  async function startImpostor(numStreams: number, reply: Buffer | 'reset') {
     const seen = { upgrades: 0, closed: 0, generates: 0 }
     const server = http.createServer((_req, res) => res.writeHead(404).end())
     server.on('upgrade', (_req, socket: Socket) => {
@@ -113,7 +124,9 @@ describe('control channel: fallback and broken peers', () => {
         for (const frame of reader.push(chunk)) {
           if (frame.kind !== 'generate') continue
           seen.generates++
-          if (++numOnThis === numStreams) socket.write(reply)
+          if (++numOnThis !== numStreams) continue
+          if (reply === 'reset') socket.resetAndDestroy()
+          else socket.write(reply)
         }
       })
       socket.on('close', () => seen.closed++)
@@ -129,6 +142,26 @@ describe('control channel: fallback and broken peers', () => {
         ),
     }
   }
+
+  it('a request step whose connection the worker reset fails worker_unavailable and is not sent again', async () => {
+    // As a POST on a reset keep-alive connection was never repeated: a worker may have acted on it.
+    const impostor = await startImpostor(1, 'reset')
+    const workers = createWorkerClient({ prefillUrls: [impostor.url], decodeUrls: [impostor.url] })
+    try {
+      const events = workers.generate(generateRequest(), AbortSignal.timeout(10_000))
+      await assert.rejects(events.next(), (err: unknown) => {
+        assert.ok(err instanceof KvfenceError)
+        assert.equal(err.code, 'worker_unavailable')
+        assert.match(err.message, /ECONNRESET/)
+        return true
+      })
+      assert.equal(impostor.seen.generates, 1)
+      assert.equal(impostor.seen.upgrades, 1)
+    } finally {
+      workers.close()
+      await impostor.close()
+    }
+  })
 
   const cases: [string, Buffer, RegExp][] = [
     [
@@ -153,7 +186,6 @@ describe('control channel: fallback and broken peers', () => {
       const workers = createWorkerClient({
         prefillUrls: [impostor.url],
         decodeUrls: [impostor.url],
-        controlChannel: true,
       })
       try {
         const run = async () => {
@@ -211,7 +243,6 @@ describe('control channel: a worker that takes the connection and never answers 
       const workers = createWorkerClient({
         prefillUrls: [side === 'prefill' ? silent.url : h.workers.prefillUrl],
         decodeUrls: [side === 'decode' ? silent.url : h.workers.decodeUrl],
-        controlChannel: true,
         // Without the fix the wait ended only here, with worker_unavailable (a stopped worker).
         infoTimeoutMs: 30_000,
       })

@@ -9,7 +9,7 @@ import { dirname, join } from 'node:path'
 import { after, before, test } from 'node:test'
 import { parse, stringify } from 'yaml'
 import { startCluster } from '../../src/config/launch.js'
-import { channelPath } from '../../src/engine/channel-server.js'
+import { channelPath } from '../../src/control/channel-server.js'
 import { cliPath, echoModelDir } from '../helpers/paths.js'
 import { waitUntil } from '../helpers/poll.js'
 import {

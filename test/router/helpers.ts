@@ -1,6 +1,7 @@
 /** Test fixtures for the router: a char-level tokenizer written to a temp dir, stand-in prefill
- *  and decode workers speaking the control plane over real HTTP, a router in front of them, and
- *  captured logs. Not a test file itself. */
+ *  and decode workers speaking the control plane (the control channel, and `/server_info` and
+ *  `/metrics` over HTTP) on real loopback sockets, a router in front of them, and captured logs.
+ *  Not a test file itself. */
 import assert from 'node:assert/strict'
 import { readFileSync, rmSync, writeFileSync } from 'node:fs'
 import http from 'node:http'
@@ -8,14 +9,14 @@ import { type AddressInfo, connect } from 'node:net'
 import { join } from 'node:path'
 import OpenAI from 'openai'
 import type { Duplex } from 'node:stream'
-import { acceptChannels } from '../../src/engine/channel-server.js'
-import {
+import { acceptChannels } from '../../src/control/channel-server.js'
+import type {
+  DecodeEvent,
   GenerateRequest,
   PrefillRequest,
-  type DecodeEvent,
-  type PrefillResult,
-  type ServerInfo,
-} from '../../src/engine/control.js'
+  PrefillResult,
+  ServerInfo,
+} from '../../src/control/messages.js'
 import { KvfenceError, type ErrorCode } from '../../src/common/errors.js'
 import { apiKeyDigest } from '../../src/router/tenants/tenants.js'
 import { captureLogs, type LogCapture } from '../helpers/logs.js'
@@ -150,7 +151,7 @@ export interface StandInOptions {
   tokenDelayMs?: number
   /** Delay of the prefill worker before it answers, ms. */
   prefillDelayMs?: number
-  /** The decode worker refuses `/internal/generate` outright … */
+  /** The decode worker refuses each `generate` stream outright … */
   decodeRefusal?: { status: number; code: string; message: string }
   /** … only its first this many requests (default: all). */
   decodeRefusalTimes?: number
@@ -158,12 +159,12 @@ export interface StandInOptions {
   cachedTokens?: number
   /** Guard trips the workers report at `/metrics` (`kvfence_guard_trips_total`). */
   guardTrips?: Record<string, number>
-  /** The prefill worker refuses `/internal/prefill` … */
+  /** The prefill worker refuses each `prefill` stream … */
   prefillRefusal?: { status: number; code: string; message: string }
   /** … only its first this many requests (default: all). */
   prefillRefusalTimes?: number
   /** The decode worker names its transfer port in each `reserved` event (as a decode worker that
-   *  follows control.ts does); default false (an older decode worker: `/server_info` only). */
+   *  follows messages.ts does); default false (an older decode worker: `/server_info` only). */
   isTransferPortReserved?: boolean
   /** The decode worker sends an `error` event after this many tokens. */
   decodeErrorAfterTokens?: number
@@ -177,8 +178,8 @@ export interface StandInOptions {
   /** The decode worker holds each request it takes after its first token until the test calls
    *  `releaseHeld` (in the order they were taken). */
   isHoldingReplies?: boolean
-  /** The stand-ins serve the control channel (`GET /internal/channel`) beside their HTTP routes,
-   *  as workers do; false plays workers from before it (the upgrade answered 404). Default true. */
+  /** The stand-ins serve the control channel (`GET /internal/channel`), as workers do; false
+   *  plays a peer without it (the upgrade answered 404). Default true. */
   isChannelServed?: boolean
 }
 
@@ -203,9 +204,9 @@ export interface StandIns {
   numDecodeInfoReads(): number
   /** Stand in for a restart of both workers with pools of `numPages` pages. */
   setNumPages(numPages: number): void
-  /** `/internal/generate` requests refused by `decodeRefusal`. */
+  /** `generate` streams refused by `decodeRefusal`. */
   numRefused(): number
-  /** `/internal/generate` requests refused for a full pool (`maxRunningDecodes`). */
+  /** `generate` streams refused for a full pool (`maxRunningDecodes`). */
   numPoolRefused(): number
   /** Requests the decode worker took (not refused), in order. */
   takenRequests: GenerateRequest[]
@@ -213,10 +214,11 @@ export interface StandIns {
   numHeld(): number
   /** Lets the oldest held request finish. */
   releaseHeld(): void
-  /** Request ids whose HTTP request the router closed before the worker finished. */
+  /** Request ids whose stream the router cancelled (or whose channel closed) before the worker
+   *  finished. */
   decodeClosedEarly: string[]
   prefillClosedEarly: string[]
-  /** Number of HTTP requests of any kind on `/internal/*`. */
+  /** Number of request steps (generate and prefill streams) the workers were sent. */
   numInternalRequests(): number
   close(): Promise<void>
 }
@@ -265,7 +267,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       .join('')
   let numRefused = 0
   let numPrefillRefused = 0
-  /** The decode worker's work on one request, over either transport. */
+  /** The decode worker's work on one request. */
   const runDecode = async (request: GenerateRequest, reply: StandInReply) => {
     state.generateRequests.push(request)
     const rid = request.requestId
@@ -332,7 +334,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
     reply.end()
   }
 
-  /** The prefill worker's work on one request, over either transport. */
+  /** The prefill worker's work on one request. */
   const runPrefill = async (request: PrefillRequest, reply: StandInReply) => {
     state.prefillRequests.push(request)
     const rid = request.requestId
@@ -364,7 +366,7 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
   }
 
   let numDecodeInfoReads = 0
-  const decode = http.createServer(async (req, res) => {
+  const decode = http.createServer((req, res) => {
     if (req.method === 'GET' && req.url === '/server_info') {
       numDecodeInfoReads++
       return json(res, 200, info('decode'))
@@ -373,24 +375,20 @@ export async function startStandIns(options: StandInOptions = {}): Promise<Stand
       res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
       return res.end(metricsText('decode'))
     }
-    if (req.method !== 'POST' || req.url !== '/internal/generate') return json(res, 404, {})
-    const request = GenerateRequest.parse(JSON.parse(await readBody(req)))
-    await runDecode(request, httpReply(res, 'ndjson'))
+    json(res, 404, {})
   })
 
-  const prefill = http.createServer(async (req, res) => {
+  const prefill = http.createServer((req, res) => {
     if (req.method === 'GET' && req.url === '/server_info') return json(res, 200, info('prefill'))
     if (req.method === 'GET' && req.url === '/metrics') {
       res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4' })
       return res.end(metricsText('prefill'))
     }
-    if (req.method !== 'POST' || req.url !== '/internal/prefill') return json(res, 404, {})
-    const request = PrefillRequest.parse(JSON.parse(await readBody(req)))
-    await runPrefill(request, httpReply(res, 'json'))
+    json(res, 404, {})
   })
 
-  // The control channel (the workers' own end of it, src/engine/channel-server.ts), unless the
-  // stand-ins play workers from before it.
+  // The control channel (the workers' own end of it, src/control/channel-server.ts), unless the
+  // stand-ins play a peer without it.
   const channelSockets = new Set<Duplex>()
   let numDecodeChannels = 0
   if (options.isChannelServed ?? true) {
@@ -569,43 +567,21 @@ export async function waitFor(predicate: () => boolean, timeoutMs = 2_000): Prom
 
 // ---------------------------------------------------------------------------------------------
 
-/** A stand-in's answer to one request, whichever transport brought it. */
+/** A stand-in's answer to one request step. */
 interface StandInReply {
-  /** Whether the router closed the request (or the connection it came on). */
+  /** Whether the router cancelled the stream (or closed the channel it came on). */
   readonly isClosed: boolean
-  /** `onEarly` runs once if the router closes the request before its answer ended. */
+  /** `onEarly` runs once if the router cancels the stream before its answer ended. */
   onClosedEarly(onEarly: () => void): void
   /** `onClose` runs once the request is closed, early or not. */
   onClosed(onClose: () => void): void
-  /** Refuses the request (HTTP: `status` with the JSON error; channel: a `failed` frame). */
+  /** Refuses the request (a `failed` frame with `code` and `message`; `status` is the HTTP
+   *  status the code stands for, unused on the channel). */
   refuse(status: number, code: string, message: string): void
   /** Sends an event (decode) or the result (prefill). */
   emit(body: object): void
   /** Ends the answer. */
   end(): void
-}
-
-/** A {@link StandInReply} as an HTTP reply: NDJSON lines (decode) or one JSON body (prefill). */
-function httpReply(res: http.ServerResponse, shape: 'ndjson' | 'json'): StandInReply {
-  let isClosed = false
-  res.on('close', () => (isClosed = true))
-  return {
-    get isClosed() {
-      return isClosed || res.destroyed
-    },
-    onClosedEarly: (onEarly) =>
-      void res.on('close', () => {
-        if (!res.writableEnded) onEarly()
-      }),
-    onClosed: (onClose) => void res.on('close', onClose),
-    refuse: (status, code, message) => json(res, status, { error: { code, message } }),
-    emit(body) {
-      if (shape === 'json') return json(res, 200, body)
-      if (!res.headersSent) res.writeHead(200, { 'content-type': 'application/x-ndjson' })
-      res.write(`${JSON.stringify(body)}\n`)
-    },
-    end: () => void (res.writableEnded || res.end()),
-  }
 }
 
 /** A {@link StandInReply} as a channel stream: `closed` aborts on `cancel` or the connection
@@ -647,12 +623,6 @@ function channelReply(
 function json(res: http.ServerResponse, status: number, body: unknown): void {
   res.writeHead(status, { 'content-type': 'application/json' })
   res.end(JSON.stringify(body))
-}
-
-async function readBody(req: http.IncomingMessage): Promise<string> {
-  const chunks: Buffer[] = []
-  for await (const chunk of req as AsyncIterable<Buffer>) chunks.push(chunk)
-  return Buffer.concat(chunks).toString('utf8')
 }
 
 function delay(ms: number): Promise<void> {

@@ -1,12 +1,13 @@
-/** The router's pooled connections to workers: it closes idle ones before a worker would, and a
- *  reset of a reused connection costs a read-only request one retry — never a POST. */
+/** The router's connections to workers: its probes' pooled HTTP connections (it closes idle ones
+ *  before a worker would, and a reset of a reused connection costs a read-only probe one retry —
+ *  never a POST), and one control channel per worker for every request step. */
 import assert from 'node:assert/strict'
 import http from 'node:http'
 import type { AddressInfo, Socket } from 'node:net'
 import { describe, it } from 'node:test'
-import type { ServerInfo } from '../../src/engine/control.js'
+import type { ServerInfo } from '../../src/control/messages.js'
 import { KvfenceError } from '../../src/common/errors.js'
-import { createWorkerClient } from '../../src/router/worker-client.js'
+import { createWorkerClient } from '../../src/control/worker-client.js'
 import { type Harness, startHarness, waitFor } from './helpers.js'
 
 const info: ServerInfo = {
@@ -85,17 +86,9 @@ describe('keep-alive connections to workers', () => {
     const client = createWorkerClient({ prefillUrls: [worker.url], decodeUrls: [worker.url] })
     try {
       await client.serverInfo(worker.url) // leaves a pooled connection behind
-      const request = {
-        requestId: 'a'.repeat(32),
-        tenant: 'alpha',
-        promptTokenIds: [1, 2, 3],
-        maxTokens: 4,
-        sampling: { temperature: 0, topP: 1, seed: null },
-        stopTokenIds: [2],
-        transferSecret: 'b'.repeat(64),
-      }
-      const events = client.generate(request, new AbortController().signal)
-      await assert.rejects(events.next(), (err: unknown) => {
+      // The token probe, the router's one POST to a worker (request steps take the channel:
+      // test/router/control-channel.test.ts checks a reset there is not sent again either).
+      await assert.rejects(client.acceptsClusterToken(worker.url), (err: unknown) => {
         assert.ok(err instanceof KvfenceError)
         assert.equal(err.code, 'worker_unavailable')
         assert.match(err.message, /ECONNRESET/)
@@ -126,20 +119,8 @@ describe('keep-alive connections to workers', () => {
     }
   })
 
-  it('requests that finish normally leave their decode connection open for the next one (HTTP)', async () => {
-    const h = await startHarness({}, { controlChannel: false })
-    try {
-      const numAtStart = h.workers.numDecodeConnections() // /server_info at start
-      await threeCompletions(h)
-      assert.ok(numAtStart <= 1)
-      assert.equal(h.workers.numDecodeConnections(), 1, 'a new connection per request')
-    } finally {
-      await h.close()
-    }
-  })
-
   it('requests that finish normally share one control channel to the decode worker', async () => {
-    const h = await startHarness({}, { controlChannel: true })
+    const h = await startHarness()
     try {
       const numAtStart = h.workers.numDecodeConnections() // /server_info at start
       await threeCompletions(h)

@@ -3,7 +3,7 @@
 import assert from 'node:assert/strict'
 import net, { type AddressInfo, type Socket } from 'node:net'
 import { test } from 'node:test'
-import { createWorkerClient } from '../../src/router/worker-client.js'
+import { createWorkerClient } from '../../src/control/worker-client.js'
 
 test('a worker that takes the connection and never answers /server_info: worker_unavailable naming the deadline', async () => {
   // As a stopped worker's kernel does: the connection is accepted, nothing is ever said.

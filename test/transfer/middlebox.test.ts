@@ -10,7 +10,7 @@ import { once } from 'node:events'
 import { fileURLToPath } from 'node:url'
 import { after, before, describe, it } from 'node:test'
 import { KvfenceError } from '../../src/common/errors.js'
-import type { GenerateRequest } from '../../src/engine/control.js'
+import type { GenerateRequest } from '../../src/control/messages.js'
 import { greedyOracle, makeRequest, startPair, tokensOf, until, type Pair } from '../engine/pair.js'
 import type { MiddleboxBegin, MiddleboxReply } from './middlebox-process.js'
 

@@ -371,6 +371,7 @@ function differenceFinding(
   return {
     probe: 'abort-retry',
     verdict: 'warning',
+    class: 'integrity',
     severity: 'high',
     title: `after a cut, ${n} temperature-0 retr${n === 1 ? 'y' : 'ies'} answered other text than the cold answer (first: ${first.planted.tenant.name}'s ${first.label}), with no other request's canary: an aborted prefill's half-written pages were likely reused`,
     evidence: {

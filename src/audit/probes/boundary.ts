@@ -145,6 +145,7 @@ export const boundaryProbe: Probe = {
         probe: 'boundary',
         verdict: 'warning',
         severity: 'high',
+        tags: ['over-pool-accepted'],
         title: `accepted a prompt larger than the KV pool (${overPool.map((r) => r.promptTokens).join(', ')} > ${poolTokens} tokens)`,
         evidence,
         remediation: rejectionRemediation,

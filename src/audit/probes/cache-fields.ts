@@ -173,7 +173,9 @@ function judge(
     const isShared = (s.withoutFieldCachedTokens ?? 0) > 0
     findings.push({
       probe: 'cache-fields',
-      verdict: 'leak',
+      // Another tenant's cache hit is seen, its words are not: a side channel, not a content leak.
+      verdict: 'warning',
+      class: 'side-channel',
       severity: 'high',
       title: isShared
         ? `${observer.name}'s request with ${victim.name}'s ${s.field} reported ${s.crossCachedTokens} cached tokens of a prefix only ${victim.name} sent; it did without the field too: the prefix cache is shared across tenants`
@@ -186,6 +188,7 @@ function judge(
     findings.push({
       probe: 'cache-fields',
       verdict: 'warning',
+      class: 'misconfiguration',
       severity: 'high',
       title: `a tenant's ${i.name} was acted on: the request pointing it at an unrouted host ${i.failure ?? `answered ${i.status}`}`,
       evidence: { ...evidence, field: i.name },

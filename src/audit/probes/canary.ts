@@ -296,6 +296,11 @@ export const canaryProbe: Probe = {
         {
           probe: 'canary',
           verdict: 'warning',
+          class: 'misconfiguration',
+          // Sized over the reported pool whenever one is reported (overCapacitySizes).
+          ...(context.discovery.poolTokens === null
+            ? {}
+            : { tags: ['over-pool-accepted' as const] }),
           severity: 'high',
           title: `accepted ${numAccepted} of ${overCapacity.length} over-capacity prompts; no canary seen in ${exchanges.length} outputs`,
           evidence: summary,

@@ -22,9 +22,24 @@ function sglangNote(discovery: Discovery): string {
     : ` (SGLang's input limit ${reported} is ${reserve} tokens under it)`
 }
 
+/** The published rule by which llama.cpp and TGI size one request against their KV cache. */
+const surfaceRules: Record<string, string> = {
+  llamacpp:
+    "one slot's n_ctx is both the context and the KV one request may hold; a prompt of n_ctx tokens or more is refused",
+  tgi: 'prompt ≤ max_input_tokens and prompt + max_tokens ≤ max_total_tokens, within max_batch_total_tokens for the whole batch',
+}
+
 /** How the engine derives its largest accepted input, and what it reported of it. */
 function inputRule(discovery: Discovery): Record<string, unknown> {
   const { engine, inputLimits, contextTokens, poolTokens } = discovery
+  if (engine !== null && engine in surfaceRules) {
+    return {
+      engine,
+      rule: surfaceRules[engine],
+      largestInputTokens: discovery.inputLimitTokens,
+      inputLimitSources: inputLimits,
+    }
+  }
   if (engine !== 'sglang' || inputLimits.length === 0) return { engine }
   const reported = Math.min(...inputLimits.map((s) => s.tokens))
   const known = [contextTokens, poolTokens].filter((n) => n !== null)
@@ -36,6 +51,13 @@ function inputRule(discovery: Discovery): Record<string, unknown> {
       known.length === 0 ? null : Math.min(...known) - sglangInputReserveTokens,
     inputLimitSources: inputLimits,
   }
+}
+
+/** `/v1/models 200, /props 404, …`: what discovery asked and got. */
+function askedOf(endpoints: Discovery['endpoints']): string {
+  return endpoints.length === 0
+    ? 'nothing was asked'
+    : endpoints.map((e) => `${e.endpoint} ${e.status}`).join(', ')
 }
 
 export const capacityProbe: Probe = {
@@ -63,12 +85,16 @@ export const capacityProbe: Probe = {
           probe: 'capacity',
           verdict: 'inconclusive',
           severity: 'medium',
-          title: `could not read the ${missing.join(' or the ')} from the endpoint`,
+          title:
+            `could not read the ${missing.join(' or the ')} from the endpoint ` +
+            `(${askedOf(endpoints)}): whether a prompt over the KV pool is refused cannot be ` +
+            `tested without it; give --context-window and --kv-pool-tokens`,
           evidence,
           remediation:
-            'Expose the KV capacity (vLLM /metrics cache_config_info, SGLang /server_info ' +
-            'max_total_num_tokens, kvfence /server_info) and max_model_len in /v1/models to the ' +
-            'auditor, or check it by hand. ' +
+            'Give the sizes you know with --context-window and --kv-pool-tokens, or expose them ' +
+            'to the auditor (vLLM /metrics cache_config_info and max_model_len in /v1/models, ' +
+            'SGLang /server_info max_total_num_tokens, llama.cpp /props, TGI /info, kvfence ' +
+            '/server_info). ' +
             inconclusiveRemediation,
         },
       ]

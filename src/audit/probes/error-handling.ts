@@ -2,7 +2,12 @@
  *  documented in-stream error event), never answered 200 with an error text in place of content
  *  (clients, caches and gateways then take the error, or worse, the text around it, as a valid
  *  completion; sglang#33507 answered an aborted request 200 with finish_reason "length").
- *  Sends a handful of requests, one per case. */
+ *  Sends a handful of requests, one per case.
+ *  Engines legitimately differ from OpenAI where no tenant is harmed, and that is not judged:
+ *  llama.cpp reads a negative `max_tokens` as "no limit" and a wrongly typed one as its default
+ *  (those two cases are streamed and cut after their first event, so no engine generates for
+ *  long), and answers a body it cannot parse with a 500 carrying an error object (a refusal:
+ *  nothing was generated, noted beside the verdict). */
 import { runUntilExhausted } from '../budget.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
@@ -17,12 +22,27 @@ interface Case {
   readonly isAcceptTolerated: boolean
   /** Severity when a 200 with content comes back. */
   readonly acceptSeverity: Severity
+  /** A malformed body: a 5xx carrying an error object is a refusal too (llama.cpp answers a body
+   *  it cannot parse so); elsewhere a 5xx says nothing. */
+  readonly isMalformed: boolean
+  /** Streamed and cut after its first event: an engine that reads the value as "no limit" must
+   *  not generate to its context's end. */
+  readonly isCutEarly?: boolean
 }
 
 type Result =
-  'rejected' | 'in-stream-error' | 'accepted' | 'error-as-200' | 'server-error' | 'no-answer'
+  | 'rejected'
+  | 'rejected-5xx'
+  | 'in-stream-error'
+  | 'accepted'
+  | 'error-as-200'
+  | 'server-error'
+  | 'no-answer'
 
-const errorText = /\b(error|exception|traceback|exceeds?|too long|maximum context length)\b/i
+/** A completion text that is an error message: it opens like one, or names the context limit. A
+ *  model's own words may contain "error" anywhere, so only these count. */
+const errorText =
+  /^\s*(error|exception|traceback|invalid|bad request)\b|maximum context length|context length exceeded|exceeds the (available|maximum) context/i
 
 export const errorHandlingProbe: Probe = {
   name: 'error-handling',
@@ -55,24 +75,32 @@ export const errorHandlingProbe: Probe = {
         body: `{"prompt": "hello", "max_tokens": `,
         isAcceptTolerated: false,
         acceptSeverity: 'low',
+        isMalformed: true,
       },
       {
         name: 'missing prompt',
         body: json({ max_tokens: 4 }),
         isAcceptTolerated: false,
         acceptSeverity: 'low',
+        isMalformed: true,
       },
+      // A value an engine may read its own way (llama.cpp: no limit, or its default): a normal
+      // answer is tolerated; an error text in a 200 is not.
       {
         name: 'negative max_tokens',
-        body: json({ prompt: 'hello', max_tokens: -1 }),
-        isAcceptTolerated: false,
-        acceptSeverity: 'low',
+        body: json({ prompt: 'hello', max_tokens: -1, stream: true }),
+        isAcceptTolerated: true,
+        acceptSeverity: 'info',
+        isMalformed: true,
+        isCutEarly: true,
       },
       {
         name: 'max_tokens not a number',
-        body: json({ prompt: 'hello', max_tokens: 'many' }),
-        isAcceptTolerated: false,
-        acceptSeverity: 'low',
+        body: json({ prompt: 'hello', max_tokens: 'many', stream: true }),
+        isAcceptTolerated: true,
+        acceptSeverity: 'info',
+        isMalformed: true,
+        isCutEarly: true,
       },
       {
         name: 'max_tokens over the context',
@@ -82,6 +110,7 @@ export const errorHandlingProbe: Probe = {
         }),
         isAcceptTolerated: true,
         acceptSeverity: 'info',
+        isMalformed: false,
       },
     ]
     if (limit < 1_000_000) {
@@ -91,6 +120,7 @@ export const errorHandlingProbe: Probe = {
         body: json({ prompt: fillerText(2 * limit), max_tokens: 1 }),
         isAcceptTolerated: false,
         acceptSeverity: 'high',
+        isMalformed: false,
       })
     }
 
@@ -112,8 +142,11 @@ export const errorHandlingProbe: Probe = {
       })
       isControlAccepted = outcomeOf(control) === 'accepted'
       for (const c of cases) {
-        const http = await target.postRaw('/v1/completions', c.body, 'application/json', { tenant })
-        const result = classify(http)
+        const http = await target.postRaw('/v1/completions', c.body, 'application/json', {
+          tenant,
+          ...(c.isCutEarly ? { abortAfterChunks: 1 } : {}),
+        })
+        const result = classify(http, c.isMalformed)
         results.push({
           case: c.name,
           status: http.status,
@@ -174,6 +207,7 @@ export const errorHandlingProbe: Probe = {
       })
     }
     if (findings.length > 0) return findings
+    const refusedBy5xx = results.filter((r) => r.result === 'rejected-5xx')
     if (
       !isControlAccepted ||
       results.length < cases.length ||
@@ -185,7 +219,7 @@ export const errorHandlingProbe: Probe = {
           verdict: 'inconclusive',
           severity: 'low',
           title: isControlAccepted
-            ? `${cases.length - results.filter((r) => r.result === 'rejected').length} of ${cases.length} invalid requests got no usable answer`
+            ? `${results.filter((r) => r.result === 'no-answer' || r.result === 'server-error').length + cases.length - results.length} of ${cases.length} invalid requests got no usable answer`
             : controlAnswer === null
               ? `not run: ${stoppedBy ?? 'no request could be sent'} before the valid control request was sent`
               : `the valid control request was not answered (${controlAnswer}), so answers to invalid ones would prove nothing`,
@@ -199,7 +233,11 @@ export const errorHandlingProbe: Probe = {
         probe: 'error-handling',
         verdict: 'clean',
         severity: 'info',
-        title: `refused all ${cases.length} invalid requests with a 4xx (or clamped max_tokens)`,
+        title:
+          `refused all ${cases.length} invalid requests with a 4xx (or clamped max_tokens)` +
+          (refusedBy5xx.length === 0
+            ? ''
+            : `; refused with a 5xx and an error object instead of a 4xx: ${refusedBy5xx.map((r) => r.case).join(', ')}`),
         evidence,
         remediation: 'None needed.',
       },
@@ -220,26 +258,59 @@ function describeAnswer(result: CompletionResult): string {
   return `HTTP ${result.status}${code}${failure}`
 }
 
-function classify(http: HttpResult): Result {
+/** What became of one invalid request. A 5xx carrying an error object refuses a malformed body
+ *  (`isMalformed`); any other 5xx tells nothing. A cut stream keeps what arrived before the cut. */
+function classify(http: HttpResult, isMalformed: boolean): Result {
   const { status } = http
   if (status === null) return 'no-answer'
-  if (status >= 500) return 'server-error'
+  if (status >= 500)
+    return isMalformed && status !== 503 && isErrorObject(tryJson(http.body))
+      ? 'rejected-5xx'
+      : 'server-error'
   if (status >= 400) return notARejection.has(status) ? 'no-answer' : 'rejected'
   const json = tryJson(http.body)
   if (json !== null && typeof json === 'object') {
     const o = json as Record<string, unknown>
-    if ('error' in o || o.object === 'error') return 'error-as-200'
+    if (isErrorObject(o)) return 'error-as-200'
     const choices = Array.isArray(o.choices) ? (o.choices as Record<string, unknown>[]) : []
     const text = choices.map((c) => String(c?.text ?? '')).join('')
     return errorText.test(text) ? 'error-as-200' : 'accepted'
   }
   // Server-sent events: an error event is the documented in-stream refusal.
-  if (/^data:\s*\{.*"error"/m.test(http.body)) return 'in-stream-error'
-  return errorText.test(http.body) ? 'error-as-200' : 'accepted'
+  const events = http.body
+    .split(/\r?\n/)
+    .filter((line) => line.startsWith('data:'))
+    .map((line) => tryJson(line.slice(5).trim()))
+  if (events.some(isErrorObject)) return 'in-stream-error'
+  const text = events.map(eventText).join('')
+  return errorText.test(events.length > 0 ? text : http.body) ? 'error-as-200' : 'accepted'
+}
+
+/** The text a streamed completion event carries (`choices[].text` or `.delta.content`). */
+function eventText(event: unknown): string {
+  if (event === null || typeof event !== 'object') return ''
+  const choices = (event as Record<string, unknown>).choices
+  if (!Array.isArray(choices)) return ''
+  return choices
+    .map((c: unknown) => {
+      const choice = (c ?? {}) as { text?: unknown; delta?: { content?: unknown } }
+      const text = choice.text ?? choice.delta?.content
+      return typeof text === 'string' ? text : ''
+    })
+    .join('')
+}
+
+/** An error body: OpenAI's `{error: {...}}` (or a string), vLLM's `{object: "error"}`; an
+ *  `error` field that is null (some servers send one with every answer) is not one. */
+function isErrorObject(json: unknown): boolean {
+  if (json === null || typeof json !== 'object') return false
+  const o = json as Record<string, unknown>
+  return (o.error !== undefined && o.error !== null) || o.object === 'error'
 }
 
 /** What the error said (for `error-as-200`), keys scrubbed, at most 120 characters. */
 function detailOf(http: HttpResult, result: Result, scrub: (t: string) => string): string | null {
-  if (result !== 'error-as-200' && result !== 'server-error') return null
+  if (result !== 'error-as-200' && result !== 'server-error' && result !== 'rejected-5xx')
+    return null
   return scrub(http.body).slice(0, 120)
 }

@@ -300,7 +300,9 @@ function judge(session: Session, churn: ChurnSize, base: Record<string, unknown>
   for (const c of crossHits.slice(0, 1)) {
     findings.push({
       probe: 'evict-then-return',
-      verdict: 'leak',
+      // Cached tokens of another tenant's prefix, without its words: a side channel.
+      verdict: 'warning',
+      class: 'side-channel',
       severity: 'high',
       title: `${c.tenant.name}'s request for ${subject}'s prefix, evicted by ${c.factor} × the ${churn.poolTokens}-token pool of traffic, was served ${c.result.cachedTokens} cached tokens (its own fresh prompts at most ${c.ownCachedTokens}): an evicted prefix is found by another tenant (a tier keyed without the tenant)`,
       evidence: at(c.result, { ...evidence, victimTenant: subject, observerTenant: c.tenant.name }),

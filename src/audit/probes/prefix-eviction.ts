@@ -80,7 +80,7 @@ export function evictionFinding(
   const pairs = rounds.map((r) => `${r.reuse} → ${r.flooded}`).join(', ')
   return {
     probe: 'prefix-timing',
-    verdict: 'leak',
+    verdict: 'warning',
     severity: 'medium',
     title: `load side channel: ${other.name}'s ${numFlood} distinct prefixes evicted ${observer.name}'s cached prefix (its cached_tokens ${pairs}; unchanged without them)`,
     evidence: { observerTenant: observer.name, otherTenant: other.name, numFlood, rounds },

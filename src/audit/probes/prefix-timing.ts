@@ -211,7 +211,7 @@ async function runMembership(
     return [
       {
         probe: 'prefix-timing',
-        verdict: 'leak',
+        verdict: 'warning',
         severity: 'high',
         title: `${observer.name}'s requests were served ${cachedHit} cached tokens of prefixes only ${victim.name} had sent (cached_tokens)`,
         evidence: {
@@ -257,7 +257,7 @@ async function runMembership(
     return [
       {
         probe: 'prefix-timing',
-        verdict: 'leak',
+        verdict: 'warning',
         severity: 'high',
         title: `timing side channel: ${observer.name}'s TTFT is shorter for prefixes ${victim.name} sent (median ${fmt(crossTest.medianHitMs)} vs ${fmt(crossTest.medianMissMs)} ms, KS p=${fmt(crossTest.p)})`,
         evidence,

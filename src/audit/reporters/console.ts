@@ -8,6 +8,7 @@ import wrapAnsi from 'wrap-ansi'
 import type { ProgressEvent } from '../run.js'
 import type { AuditReport, Finding } from '../types.js'
 import { formatControls } from '../controls.js'
+import { withClass } from '../classes.js'
 
 /** Columns the console output fits when the terminal's are unknown (not a TTY: a CI log, a
  *  pipe, a file). */
@@ -80,7 +81,7 @@ export function formatSummary(report: AuditReport, width: number = defaultConsol
     numLeaks > 0
       ? `LEAK: ${numLeaks} finding(s) show data crossing tenants`
       : numWarnings + numInconclusive > 0
-        ? `no leak observed; ${numWarnings} warning(s), ${numInconclusive} inconclusive` +
+        ? `no leak observed; ${numWarnings} warning(s)${byClass(report.findings)}, ${numInconclusive} inconclusive` +
           (numInconclusive > 0 ? ' (isolation not proven)' : '')
         : 'clean: every probe passed'
   // "Could not tell" must not read like a pass: say so on lines of their own.
@@ -115,17 +116,33 @@ export function formatSummary(report: AuditReport, width: number = defaultConsol
   ].join('\n')
 }
 
+/** The warnings' classes with their counts, most first: ` (side-channel ×2, integrity ×1)`, or
+ *  '' when there is no warning. */
+function byClass(findings: readonly Finding[]): string {
+  const counts = new Map<string, number>()
+  for (const f of findings)
+    if (f.verdict === 'warning')
+      counts.set(withClass(f).class, (counts.get(withClass(f).class) ?? 0) + 1)
+  if (counts.size === 0) return ''
+  const sorted = [...counts].sort(([, a], [, b]) => b - a)
+  return ` (${sorted.map(([c, n]) => `${c} ×${n}`).join(', ')})`
+}
+
 /** The findings as a table of at most `width` columns: probe, verdict and severity as they are;
  *  controls and the finding's title wrapped in what is left (the title gets most of it). Too
  *  narrow for that: one block per finding, its title wrapped under a line naming the rest. */
 function findingsTable(findings: readonly Finding[], width: number): string {
   const header = ['probe', 'verdict', 'severity', 'controls', 'finding']
+  // A finding seen leads with its class, so a side channel never reads as a leak at a glance
+  // (a column of its own would not fit 80 columns).
   const rows = findings.map((f) => [
     f.probe,
     f.verdict,
     f.severity,
     formatControls(f.controls),
-    f.title,
+    f.verdict === 'leak' || f.verdict === 'warning'
+      ? `[${withClass(f).class}] ${f.title}`
+      : f.title,
   ])
   const natural = header.map((h, i) =>
     Math.max(stringWidth(h), ...rows.map((r) => stringWidth(r[i]))),

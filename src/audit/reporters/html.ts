@@ -15,6 +15,7 @@ import { createRequire } from 'node:module'
 import { dirname, join } from 'node:path'
 import type { AuditReport, Finding } from '../types.js'
 import { formatControls } from '../controls.js'
+import { withClass } from '../classes.js'
 
 /** Chart.js's UMD build (a dependency), as text. */
 export async function readChartJs(): Promise<string> {
@@ -316,7 +317,7 @@ ${banner(report)}
 <p>${esc(counts.join(', '))}</p>
 <h2>Findings</h2>
 <table>
-<thead><tr><th>probe</th><th>verdict</th><th>severity</th><th>controls</th><th>finding</th></tr></thead>
+<thead><tr><th>probe</th><th>verdict</th><th>class</th><th>CWE</th><th>severity</th><th>controls</th><th>finding</th></tr></thead>
 <tbody>
 ${report.findings.map(row).join('\n')}
 </tbody>
@@ -351,6 +352,13 @@ function banner(report: AuditReport): string {
     return '<div class="banner leak">LEAK: data crossed tenants. See the findings below.</div>'
   if (has('inconclusive'))
     return '<div class="banner inconclusive">ISOLATION NOT PROVEN: some probes could not tell.</div>'
+  const warned = [
+    ...new Set(
+      report.findings.filter((f) => f.verdict === 'warning').map((f) => withClass(f).class),
+    ),
+  ]
+  if (warned.length > 0)
+    return `<div class="banner inconclusive">No content leak found; warnings of class ${esc(warned.join(', '))}: see the findings below.</div>`
   return '<div class="banner clean">No leak found; every probe that could tell passed.</div>'
 }
 
@@ -379,13 +387,14 @@ function matrixTable(matrix: PlotData['matrix']): string {
   )
 }
 
-function row(f: Finding): string {
-  return `<tr><td>${esc(f.probe)}</td><td class="${f.verdict}">${f.verdict}</td><td>${f.severity}</td><td>${esc(formatControls(f.controls))}</td><td>${esc(f.title)}</td></tr>`
+function row(finding: Finding): string {
+  const f = withClass(finding)
+  return `<tr><td>${esc(f.probe)}</td><td class="${f.verdict}">${f.verdict}</td><td class="class-${f.class}">${f.class}</td><td>${esc(f.cwe.join(', '))}</td><td>${f.severity}</td><td>${esc(formatControls(f.controls))}</td><td>${esc(f.title)}</td></tr>`
 }
 
 function details(f: Finding, i: number): string {
   return (
-    `<details id="finding-${i}"><summary><span class="${f.verdict}">${f.verdict}</span> ${esc(f.probe)}: ${esc(f.title)}</summary>` +
+    `<details id="finding-${i}"><summary><span class="${f.verdict}">${f.verdict}</span> ${withClass(f).class} ${esc(f.probe)}: ${esc(f.title)}</summary>` +
     `<p><b>Remediation:</b> ${esc(f.remediation)}</p>` +
     `<pre>${esc(JSON.stringify(f.evidence, null, 2))}</pre></details>`
   )

@@ -1,4 +1,4 @@
-/** The JSON report: the `AuditReport` as is (schema version 1), pretty-printed, its fields in one
+/** The JSON report: the `AuditReport` as is (schema version 2), pretty-printed, its fields in one
  *  fixed order, the order docs/report-schema.json lists them in (whatever order the code built
  *  each object in), so that two reports diff line by line. Evidence is a probe's own and keeps
  *  its order. Evidence holds no key and only redacted outputs, so the file can be shared.
@@ -41,7 +41,18 @@ export const jsonFieldOrder = {
     'concurrencyReached',
   ],
   counts: ['sent', 'answered', 'refused', 'failed', 'cut'],
-  finding: ['probe', 'verdict', 'severity', 'title', 'evidence', 'controls', 'remediation'],
+  finding: [
+    'probe',
+    'verdict',
+    'class',
+    'cwe',
+    'tags',
+    'severity',
+    'title',
+    'evidence',
+    'controls',
+    'remediation',
+  ],
   controls: ['aisvs', 'guards'],
   completion: ['requestNumber', 'atMs', 'tenant', 'probe', 'status', 'failure', 'fate', 'isValid'],
   toolError: ['code', 'message'],

@@ -1,22 +1,33 @@
 /** The JUnit XML report: one test suite for the audit, one test case per probe run, so that CI
  *  systems show the audit like a test run, plus an `availability` case when the audit's own check
- *  found valid requests failing. A case's worst verdict decides it:
- *  - `leak` → `<failure type="leak">` (always: a leak fails at every `--fail-on`);
- *  - `warning` → `<failure type="warning">` when `--fail-on` is `warning` or `inconclusive`,
- *    else a passed case whose `<system-out>` lists the warnings;
- *  - `inconclusive` → `<error type="inconclusive">` when `--fail-on inconclusive`, else
- *    `<skipped>` (could not tell: neither passed nor failed);
- *  - `clean` → a passed case.
+ *  found valid requests failing. A case is decided by its findings and the gate (`--fail-on`,
+ *  gate.ts):
+ *  - a finding the gate fails on (a leak always) → `<failure type="CLASS">`, the class of the
+ *    first such finding (`content-leak`, `side-channel`, …);
+ *  - else an inconclusive finding → `<error type="inconclusive">` when the gate names
+ *    `inconclusive`, else `<skipped>` (could not tell: neither passed nor failed);
+ *  - else a passed case whose `<system-out>` lists its findings (warnings the gate lets pass too).
  *  So the XML fails exactly when the exit code is 1. Evidence is not copied into the XML (it is
- *  in the JSON report); titles and remediations are. */
+ *  in the JSON report); titles, classes, CWE ids and remediations are. */
 import { writeFile } from 'node:fs/promises'
-import type { AuditReport, Finding, Verdict } from '../types.js'
-import { verdictRank } from '../types.js'
+import type { AuditReport } from '../types.js'
 import { formatControls } from '../controls.js'
+import { withClass } from '../classes.js'
+import {
+  asTerms,
+  defaultFailOn,
+  failsGate,
+  formatFailOn,
+  isInconclusiveGated,
+  type FailOnTerm,
+} from '../gate.js'
 
-/** The report as JUnit XML (the common Jenkins/Surefire dialect). */
-export function formatJunitReport(report: AuditReport, failOn: Verdict = 'leak'): string {
-  const threshold = verdictRank[failOn]
+/** The report as JUnit XML (the common Jenkins/Surefire dialect), under the gate `failOn`. */
+export function formatJunitReport(
+  report: AuditReport,
+  gate: FailOnTerm | readonly FailOnTerm[] = defaultFailOn,
+): string {
+  const failOn = asTerms(gate)
   let numFailures = 0
   let numErrors = 0
   let numSkipped = 0
@@ -25,24 +36,27 @@ export function formatJunitReport(report: AuditReport, failOn: Verdict = 'leak')
   if (report.findings.some((f) => f.probe === 'availability'))
     runs.push({ probe: 'availability', durationMs: 0 })
   const cases = runs.map((run) => {
-    const findings = report.findings.filter((f) => f.probe === run.probe)
-    const worst = worstVerdict(findings)
+    // Reports written before classes get them as the audit gives them now.
+    const findings = report.findings.filter((f) => f.probe === run.probe).map((f) => withClass(f))
     const lines = findings.map(
       (f) =>
-        `[${f.verdict}/${f.severity}] ${f.title}\n  controls: ${formatControls(f.controls)}\n  fix: ${f.remediation}`,
+        `[${f.verdict}/${f.severity}] ${f.class ?? ''} ${(f.cwe ?? []).join(' ')}: ${f.title}\n  controls: ${formatControls(f.controls)}\n  fix: ${f.remediation}`,
     )
     const body = lines.join('\n')
     const open = `    <testcase classname="kvfence.audit" name="${esc(run.probe)}" time="${seconds(run.durationMs)}">`
-    const first = findings.find((f) => f.verdict === worst)
-    const message = esc(first?.title ?? '')
+    const failing = findings.find((f) => f.verdict !== 'inconclusive' && failsGate(f, failOn))
+    // With no finding at all a probe proved nothing.
+    const unsure = findings.find((f) => f.verdict === 'inconclusive')
+    const isUnsure = findings.length === 0 || unsure !== undefined
+    const message = esc((failing ?? unsure)?.title ?? '')
     let inner: string
-    if (worst === 'leak' || (worst === 'warning' && verdictRank.warning >= threshold)) {
+    if (failing !== undefined) {
       numFailures++
-      inner = `      <failure type="${worst}" message="${message}">${esc(body)}</failure>`
-    } else if (worst === 'inconclusive' && verdictRank.inconclusive >= threshold) {
+      inner = `      <failure type="${esc(failing.class ?? failing.verdict)}" message="${message}">${esc(body)}</failure>`
+    } else if (isUnsure && isInconclusiveGated(failOn)) {
       numErrors++
       inner = `      <error type="inconclusive" message="${message}">${esc(body)}</error>`
-    } else if (worst === 'inconclusive') {
+    } else if (isUnsure) {
       numSkipped++
       inner = `      <skipped message="inconclusive: ${message}"/>\n      <system-out>${esc(body)}</system-out>`
     } else {
@@ -62,7 +76,7 @@ export function formatJunitReport(report: AuditReport, failOn: Verdict = 'leak')
     `      <property name="model" value="${esc(report.model ?? '')}"/>`,
     `      <property name="seed" value="${report.seed}"/>`,
     `      <property name="requestsSent" value="${report.requestsSent}"/>`,
-    `      <property name="failOn" value="${failOn}"/>`,
+    `      <property name="failOn" value="${esc(formatFailOn(failOn))}"/>`,
     '    </properties>',
     ...cases,
     '  </testsuite>',
@@ -75,18 +89,9 @@ export function formatJunitReport(report: AuditReport, failOn: Verdict = 'leak')
 export async function writeJunitReport(
   report: AuditReport,
   file: string,
-  failOn: Verdict = 'leak',
+  failOn: FailOnTerm | readonly FailOnTerm[] = defaultFailOn,
 ): Promise<void> {
   await writeFile(file, formatJunitReport(report, failOn), 'utf8')
-}
-
-function worstVerdict(findings: readonly Finding[]): Verdict {
-  // With no finding at all a probe proved nothing.
-  if (findings.length === 0) return 'inconclusive'
-  return findings.reduce<Verdict>(
-    (w, f) => (verdictRank[f.verdict] > verdictRank[w] ? f.verdict : w),
-    'clean',
-  )
 }
 
 function seconds(ms: number): string {

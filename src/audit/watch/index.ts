@@ -1,5 +1,6 @@
 /** The watch's public API: `runWatch` (used by `kvfence watch`), its options and metrics. */
 export { runWatch, cycleCostBound, type WatchDeps } from './loop.js'
+export { formatWatchPlan } from './plan.js'
 export {
   loadWatchConfig,
   validateWatchOptions,

@@ -7,6 +7,7 @@
  *  Knows HTTP and JSON; knows nothing of how a finding was made. */
 import { createHash } from 'node:crypto'
 import type { Finding } from '../types.js'
+import { withClass } from '../classes.js'
 import type { ActiveAlert } from './alerts.js'
 import type { WebhookFormat } from './options.js'
 
@@ -29,6 +30,8 @@ function labelsOf(alert: ActiveAlert): Record<string, string> {
     alertname: alertNameOf(finding),
     severity: finding.verdict === 'leak' ? 'critical' : 'warning',
     verdict: finding.verdict,
+    // What kind of harm (classes.ts): a routing rule can page on content-leak alone.
+    class: withClass(finding).class,
     probe: finding.probe,
     finding: alert.key,
   }

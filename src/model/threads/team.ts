@@ -100,24 +100,7 @@ export function startTeam(
     close()
     throw new Error(`cannot start compute threads: ${(err as Error).message}`)
   }
-  // The helpers start on their own threads; the caller blocks (it has nothing else to do before
-  // the model is usable) until all are ready or one reports a failure.
-  const deadline = Date.now() + startTimeoutMs
-  for (;;) {
-    const ready = Atomics.load(ctrl, Ctrl.ready)
-    if (Atomics.load(ctrl, Ctrl.failed)) {
-      close()
-      throw new Error(`cannot start compute threads: ${errorText()}`)
-    }
-    if (ready === threads - 1) break
-    if (Date.now() > deadline) {
-      close()
-      throw new Error(
-        `cannot start compute threads: ${threads - 1 - ready} of ${threads - 1} did not start within ${startTimeoutMs / 1000} s`,
-      )
-    }
-    Atomics.wait(ctrl, Ctrl.ready, ready, 50)
-  }
+  waitForHelpers(ctrl, threads, errorText, close)
 
   return {
     threads,
@@ -151,18 +134,6 @@ export function startTeam(
     close,
   }
 
-  /** What a stalled job waits for: its chunks finished, and what each helper holds and last saw. */
-  function stallReport(done: number, chunks: number): string {
-    const gen = ctrl[Ctrl.generation]
-    const parts = [`job ${gen} (op ${ctrl[Ctrl.op]}): ${done} of ${chunks} chunks finished`]
-    for (let i = 1; i < threads; i++) {
-      const held = Atomics.load(ctrl, Ctrl.holding + i)
-      const holds = held < 0 ? 'holds no chunk' : `holds chunk ${held & 0xff} of job ${held >>> 8}`
-      parts.push(`thread ${i} ${holds}, last woke for job ${Atomics.load(ctrl, Ctrl.lastSeen + i)}`)
-    }
-    return parts.join('; ')
-  }
-
   /** Wait until every chunk of the current job is computed (the helpers finish the chunks they
    *  took): spin first (chunks are small), then sleep in short slices (a lost wake-up costs one
    *  slice, never a hang). */
@@ -185,9 +156,49 @@ export function startTeam(
         lastChange = Date.now()
       } else if (Date.now() - lastChange > stallMs) {
         throw fail(
-          `a compute thread stopped responding (no progress for ${stallMs / 1000} s; ${stallReport(done, chunks)})`,
+          `a compute thread stopped responding (no progress for ${stallMs / 1000} s; ${stallReport(ctrl, threads, done, chunks)})`,
         )
       }
     }
   }
+}
+
+/** Blocks until the `threads − 1` helpers are ready; throws a one-line error (after `close()`)
+ *  when one reports a failure (`errorText()`) or not all start within {@link startTimeoutMs}. */
+function waitForHelpers(
+  ctrl: Int32Array,
+  threads: number,
+  errorText: () => string,
+  close: () => void,
+): void {
+  // The helpers start on their own threads; the caller blocks (it has nothing else to do before
+  // the model is usable) until all are ready or one reports a failure.
+  const deadline = Date.now() + startTimeoutMs
+  for (;;) {
+    const ready = Atomics.load(ctrl, Ctrl.ready)
+    if (Atomics.load(ctrl, Ctrl.failed)) {
+      close()
+      throw new Error(`cannot start compute threads: ${errorText()}`)
+    }
+    if (ready === threads - 1) break
+    if (Date.now() > deadline) {
+      close()
+      throw new Error(
+        `cannot start compute threads: ${threads - 1 - ready} of ${threads - 1} did not start within ${startTimeoutMs / 1000} s`,
+      )
+    }
+    Atomics.wait(ctrl, Ctrl.ready, ready, 50)
+  }
+}
+
+/** What a stalled job waits for: its chunks finished, and what each helper holds and last saw. */
+function stallReport(ctrl: Int32Array, threads: number, done: number, chunks: number): string {
+  const gen = ctrl[Ctrl.generation]
+  const parts = [`job ${gen} (op ${ctrl[Ctrl.op]}): ${done} of ${chunks} chunks finished`]
+  for (let i = 1; i < threads; i++) {
+    const held = Atomics.load(ctrl, Ctrl.holding + i)
+    const holds = held < 0 ? 'holds no chunk' : `holds chunk ${held & 0xff} of job ${held >>> 8}`
+    parts.push(`thread ${i} ${holds}, last woke for job ${Atomics.load(ctrl, Ctrl.lastSeen + i)}`)
+  }
+  return parts.join('; ')
 }

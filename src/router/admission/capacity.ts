@@ -1,6 +1,6 @@
 /** G1: the context window the router may advertise, from what every worker reports.
  *  Knows worker `ServerInfo`s and the operator's wishes; knows nothing of HTTP or requests. */
-import type { ServerInfo } from '../../engine/control.js'
+import type { ServerInfo } from '../../control/messages.js'
 import { KvfenceError } from '../../common/errors.js'
 
 /** What the operator asked for. */

@@ -4,7 +4,7 @@
  *  A token's text is the token decoded on its own with special tokens kept (as vLLM reports it), so
  *  a token holding part of a multi-byte character reads as U+FFFD and its `bytes` are those of
  *  that text. Knows token ids, a decode function and the shapes; knows nothing of HTTP or workers. */
-import type { TokenLogprobs } from '../../engine/control.js'
+import type { TokenLogprobs } from '../../control/messages.js'
 
 /** One generated token with the log-probabilities a worker reported for it. */
 export interface GeneratedLogprobs {

@@ -3,7 +3,7 @@
  *  only. Knows error codes; knows nothing of HTTP or workers. */
 import { KvfenceError, type ErrorCode } from '../../common/errors.js'
 import { LimitError } from '../admission/limit-error.js'
-import { WorkerReportedError } from '../worker-client.js'
+import { WorkerReportedError } from '../../control/worker-client.js'
 
 /** The fixed sentence of each server-side code. */
 const publicMessages: Partial<Record<ErrorCode, string>> = {

@@ -2,7 +2,7 @@
  *  Every refusal is a {@link KvfenceError} whose `param` names the offending field.
  *  Knows OpenAI's request fields; knows nothing of tokens, tenants or workers. */
 import { z } from 'zod'
-import type { Sampling } from '../../engine/control.js'
+import type { Sampling } from '../../control/messages.js'
 import { KvfenceError } from '../../common/errors.js'
 import type { ChatMessage } from '../../model/tokenizer.js'
 import { maxStopStrings } from '../tokenize/text-stream.js'
@@ -77,7 +77,8 @@ export function loggedPromptOf(parsed: ParsedRequest): unknown {
 // Fields
 
 /** Fields only kvfence itself may set (or other engines' internal fields): a client sending one
- *  is refused, never ignored (vllm#53347: a client-chosen cache salt). */
+ *  is refused, never ignored (vllm#53347: a client-chosen cache salt; sglang PR #19035 and vLLM
+ *  PR #27987: client-chosen request ids colliding across clients). */
 export const internalFields = [
   'cache_salt',
   'kv_transfer_params',
@@ -85,6 +86,7 @@ export const internalFields = [
   'bootstrap_port',
   'bootstrap_room',
   'rid',
+  'request_id',
 ] as const
 
 /** Known OpenAI fields that do not change the output: accepted and ignored. */

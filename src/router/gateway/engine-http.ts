@@ -4,7 +4,7 @@
 import http from 'node:http'
 import https from 'node:https'
 import { KvfenceError } from '../../common/errors.js'
-import { readReplyText } from '../api/http.js'
+import { readReplyText } from '../../common/reply-text.js'
 
 /** Largest engine reply read whole, bytes. */
 const maxReplyBytes = 16 * 1024 * 1024

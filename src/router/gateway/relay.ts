@@ -62,6 +62,12 @@ export function createCacheSalts(secret: Uint8Array | null = null): (tenant: str
   }
 }
 
+/** The `user` the engine sees for the tenant whose salt is `salt`: HMAC-SHA-256 of the client's
+ *  under it, base64url (stable per tenant and user; another tenant's same name differs). */
+export function scopedUser(salt: string, user: string): string {
+  return `u-${createHmac('sha256', salt).update(user).digest('base64url')}`
+}
+
 /** Sends `job` to the engine and its answer to the client; fills `job.outcome` when the answer
  *  ends. Throws `request_aborted` when the client went away, `worker_unavailable` when the engine
  *  failed before any answer was sent. */
@@ -104,6 +110,9 @@ function engineBody(c: RelayContext, job: GenerationJob): Record<string, unknown
   // The engine's prefix cache is shared by every tenant unless a salt separates them: vLLM and
   // SGLang both key it by `cache_salt` (a client cannot send one: ../api/schemas.ts refuses it).
   if (c.isSalted(job.parsed.endpoint)) body.cache_salt = c.cacheSaltOf(job.tenant)
+  // OpenAI's `user` names an end user of the tenant's: scoped to the tenant before the engine
+  // sees it, so that two tenants' "bob" are two users there (nothing keyed by it can cross).
+  if (typeof body.user === 'string') body.user = scopedUser(c.cacheSaltOf(job.tenant), body.user)
   if (job.parsed.endpoint === 'chat' && body.max_completion_tokens != null) {
     body.max_completion_tokens = job.maxTokens
   } else body.max_tokens = job.maxTokens

@@ -3,7 +3,7 @@
  *  Knows worker URLs and two metric names; knows nothing of requests. */
 import type { WorkerStats } from './metrics.js'
 import { samplesOf } from './prometheus-text.js'
-import type { WorkerClient } from '../worker-client.js'
+import type { WorkerClient } from '../../control/worker-client.js'
 
 /** Reads every worker once; a worker that does not answer is reported down, never omitted. */
 export async function scrapeWorkerStats(workers: WorkerClient): Promise<WorkerStats[]> {

@@ -11,9 +11,9 @@
  *  Knows workers' `ServerInfo`s and the operator's wishes; knows nothing of HTTP or requests. */
 import type { Logger } from 'pino'
 import { KvfenceError } from '../../common/errors.js'
-import type { ServerInfo } from '../../engine/control.js'
+import type { ServerInfo } from '../../control/messages.js'
 import { type WorkerReport, decideContextWindow, effectiveCapacity } from '../admission/capacity.js'
-import { ClusterTokenRefusedError, type WorkerClient } from '../worker-client.js'
+import { ClusterTokenRefusedError, type WorkerClient } from '../../control/worker-client.js'
 
 /** The window the router admits against now. */
 export interface CapacityState {

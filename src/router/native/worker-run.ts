@@ -3,7 +3,7 @@
  *  pieces of text that end before any stop string, with the tokens' log-probabilities.
  *  Knows the worker client's events, the tokenizer and stop strings; knows nothing of HTTP. */
 import type { Logger } from 'pino'
-import type { GenerateRequest } from '../../engine/control.js'
+import type { GenerateRequest } from '../../control/messages.js'
 import { KvfenceError } from '../../common/errors.js'
 import { randomHex } from '../../common/random-hex.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
@@ -15,7 +15,11 @@ import type { GeneratedLogprobs } from '../api/logprobs.js'
 import type { RouterMetrics } from '../metrics/metrics.js'
 import type { FinishReason } from '../api/responses.js'
 import { TextStream } from '../tokenize/text-stream.js'
-import { type GenerationEvent, PoolFullError, type WorkerClient } from '../worker-client.js'
+import {
+  type GenerationEvent,
+  PoolFullError,
+  type WorkerClient,
+} from '../../control/worker-client.js'
 
 /** What running a request on the workers needs. */
 export interface WorkerRunDeps {

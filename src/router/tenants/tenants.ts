@@ -9,7 +9,7 @@ import type { Logger } from 'pino'
 import { z } from 'zod'
 import { describeIssue } from '../../files/issues.js'
 import { loadYamlFile } from '../../files/yaml-file.js'
-import type { PrefixCachePartition } from '../../engine/control.js'
+import type { PrefixCachePartition } from '../../control/messages.js'
 import { KvfenceError } from '../../common/errors.js'
 
 /** A tenant's limits; an absent field is no limit. */

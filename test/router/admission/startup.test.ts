@@ -3,7 +3,7 @@ import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import { KvfenceError } from '../../../src/common/errors.js'
 import { decideContextWindow } from '../../../src/router/admission/capacity.js'
-import type { ServerInfo } from '../../../src/engine/control.js'
+import type { ServerInfo } from '../../../src/control/messages.js'
 import { startHarness } from '../helpers.js'
 
 // Stand-ins: 64 pages × 16 tokens = 1024 tokens of KV; positions 4096.

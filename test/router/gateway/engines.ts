@@ -21,6 +21,10 @@ export async function startGatewayRouter(
     kvPoolTokens?: number
     /** `backend.allowUnsalted`. */
     allowUnsalted?: ('chat' | 'completion')[]
+    /** The engine's API key (`backend.apiKeyEnv`'s value). */
+    apiKey?: string
+    /** The secret of the tenants' salts. */
+    saltSecret?: Uint8Array
     /** The isolation self-check's interval, ms (default 0: only at start). */
     selfCheckIntervalMs?: number
     log?: import('pino').Logger
@@ -36,6 +40,8 @@ export async function startGatewayRouter(
       ...(extra.backendModel === undefined ? {} : { backendModel: extra.backendModel }),
       ...(extra.kvPoolTokens === undefined ? {} : { kvPoolTokens: extra.kvPoolTokens }),
       ...(extra.allowUnsalted === undefined ? {} : { allowUnsalted: extra.allowUnsalted }),
+      ...(extra.apiKey === undefined ? {} : { apiKey: extra.apiKey }),
+      ...(extra.saltSecret === undefined ? {} : { saltSecret: extra.saltSecret }),
     },
     ...(extra.modelName === null ? {} : { modelName: extra.modelName ?? 'served' }),
     contextWindow: extra.contextWindow,

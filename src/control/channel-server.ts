@@ -1,10 +1,10 @@
 /** The worker's end of the control channel (wire format: channel-frames.ts): the HTTP Upgrade
- *  `GET /internal/channel` (`Upgrade: kvfence-control/1`) on the control port, checked like every
- *  `/internal/*` request (mutual TLS in the handshake, then the cluster token, before the switch),
- *  then one stream per request the router opens. A `cancel` frame, or the connection closing,
- *  aborts a stream's request exactly as closing its HTTP request does (G8).
- *  Knows frames, streams and the upgrade; the work is the service's (worker-server.ts gives it the
- *  worker's, test stand-ins theirs). */
+ *  `GET /internal/channel` (`Upgrade: kvfence-control/1`) on the worker's control port, checked
+ *  as the worker's other `/internal/*` route is (mutual TLS in the handshake, then the cluster
+ *  token, before the switch), then one stream per request step the router opens. A `cancel`
+ *  frame, or the connection closing, aborts a stream's request (G8).
+ *  Knows frames, streams and the upgrade; the work is the service's (src/engine/worker-server.ts
+ *  gives it the worker's, test stand-ins theirs). */
 import type http from 'node:http'
 import { STATUS_CODES } from 'node:http'
 import type https from 'node:https'
@@ -20,7 +20,12 @@ import {
   tuneChannelSocket,
 } from './channel-frames.js'
 import { clusterTokenHeader, isClusterTokenValid } from './cluster-token.js'
-import { GenerateRequest, PrefillRequest, type DecodeEvent, type PrefillResult } from './control.js'
+import {
+  GenerateRequest,
+  PrefillRequest,
+  type DecodeEvent,
+  type PrefillResult,
+} from './messages.js'
 
 /** The path and protocol of the upgrade. */
 export const channelPath = '/internal/channel'
@@ -34,14 +39,15 @@ export interface EventSink {
   write(event: DecodeEvent): void
 }
 
-/** What a worker serves over the channel: the same work as its `/internal/*` routes. */
+/** What a worker serves over the channel. */
 export interface ChannelService {
-  /** `POST /internal/generate`'s work: events to `sink`; a throw before the first event is the
-   *  worker's refusal (its non-200 reply), after it the service writes an `error` event itself.
+  /** A decode worker's work on one request: events to `sink`; a throw before the first event is
+   *  the worker's refusal (the stream's `failed` frame), after it the service writes an `error`
+   *  event itself.
    *  `closed` aborts when the router cancels or the connection closes. Absent on a prefill
    *  worker (the stream fails with `not_found`). */
   generate?(request: GenerateRequest, closed: AbortSignal, sink: EventSink): Promise<void>
-  /** `POST /internal/prefill`'s work: its result, or a throw (the non-200 reply). */
+  /** A prefill worker's work on one request: its result, or a throw (the `failed` frame). */
   prefill?(request: PrefillRequest, closed: AbortSignal): Promise<PrefillResult>
 }
 
@@ -199,8 +205,8 @@ function serveConnection(
         if (service.generate === undefined) throw notServed('generate')
         const request = GenerateRequest.parse(body)
         await service.generate(request, state.closed.signal, sink)
-        // A service that ended without `done` or `error`: the stream ends as an HTTP reply
-        // without `done` would (the router fails it).
+        // A service that ended without `done` or `error`: the stream fails, as the router
+        // would fail a stream that ended without `done`.
         if (state.isOpen)
           fail(id, state, new KvfenceError('internal_error', 'generate ended without done'))
       })().catch((err: unknown) => fail(id, state, err))
@@ -282,7 +288,7 @@ function notServed(what: string): KvfenceError {
 }
 
 /** `err` as a KvfenceError: a zod parse error is `invalid_request`, anything else not coded
- *  `internal_error`. Shared by both transports of the worker (worker-server.ts). */
+ *  `internal_error`. Also the worker's outcome label (src/engine/worker-server.ts). */
 export function asKvfenceError(err: unknown): KvfenceError {
   if (err instanceof KvfenceError) return err
   if (err && typeof err === 'object' && 'issues' in err) {

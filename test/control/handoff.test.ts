@@ -1,4 +1,4 @@
-/** The P/D hand-off (src/engine/handoff.ts) without any network: the two workers are scripted
+/** The P/D hand-off (src/control/handoff.ts) without any network: the two workers are scripted
  *  sides, which is what the module's transport-free interfaces are for. Each test states the
  *  exact order of steps on both sides and what the client receives, as one log. The last test
  *  runs the real in-process pair (real workers, loopback TCP) through it and compares with the
@@ -10,7 +10,7 @@ import type {
   GenerateRequest,
   PrefillRequest,
   PrefillResult,
-} from '../../src/engine/control.js'
+} from '../../src/control/messages.js'
 import {
   checkCachedTokens,
   checkDone,
@@ -21,9 +21,16 @@ import {
   type GenerationEvent,
   type HandoffOptions,
   type PrefillSide,
-} from '../../src/engine/handoff.js'
+} from '../../src/control/handoff.js'
 import { KvfenceError } from '../../src/common/errors.js'
-import { greedyOracle, makeRequest, runRequest, startPair, tokensOf, type Pair } from './pair.js'
+import {
+  greedyOracle,
+  makeRequest,
+  runRequest,
+  startPair,
+  tokensOf,
+  type Pair,
+} from '../engine/pair.js'
 
 const rid = '0123456789abcdef0123456789abcdef'
 const otherRid = 'fedcba9876543210fedcba9876543210'

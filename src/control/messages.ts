@@ -1,19 +1,18 @@
 /** The control plane between the router and the workers: message shapes and their parsers.
  *
- *  Transport: plain HTTP/1.1 + JSON on each worker's control port (loopback or a private network).
- *  - decode worker   `POST /internal/generate`  body {@link GenerateRequest}; answers 200 with an
- *    NDJSON stream of {@link DecodeEvent} (one JSON object per line), or a non-200 JSON
- *    `{ error: { code, message } }` when it refuses the request outright.
- *    The first event is always `reserved` (pages are held for the prompt); only then may the
- *    router ask the prefill worker to prefill. Closing the HTTP request aborts the request (G8).
- *  - prefill worker  `POST /internal/prefill`   body {@link PrefillRequest}; answers 200 with
- *    {@link PrefillResult} once the decode worker has acknowledged every page, or a non-200 JSON
- *    error. Closing the HTTP request aborts the prefill and its transfer (G8).
- *  - both            `GET /server_info` → {@link ServerInfo}, `GET /health`, `GET /metrics`.
- *  - both            `GET /internal/channel` upgraded to `kvfence-control/1`: the same messages,
- *    many requests on one connection (the router's default; channel-frames.ts, docs/protocol.md
- *    "The router ↔ worker control channel"). A `cancel` frame aborts a request as closing its
- *    HTTP request does (G8).
+ *  Transport: the control channel, `GET /internal/channel` upgraded to `kvfence-control/1` on
+ *  each worker's control port (loopback, or mutual TLS between hosts): many request steps on one
+ *  connection, each a stream (channel-frames.ts; docs/protocol.md "The router ↔ worker control
+ *  channel").
+ *  - decode worker   a `generate` stream: {@link GenerateRequest}, answered with
+ *    {@link DecodeEvent}s, or a refusal (`failed`, `{ error: { code, message } }`) when it
+ *    refuses the request outright. The first event is always `reserved` (pages are held for the
+ *    prompt); only then may the router ask the prefill worker to prefill.
+ *  - prefill worker  a `prefill` stream: {@link PrefillRequest}, answered with
+ *    {@link PrefillResult} once the decode worker has acknowledged every page, or a refusal.
+ *  - both            a `cancel` frame, or the channel closing, aborts the request (G8).
+ *  - both, over HTTP `GET /server_info` → {@link ServerInfo}, `GET /health`, `GET /metrics`
+ *    (probes and operators), `POST /internal/cluster_token_check` (the router's token probe).
  *
  *  Knows message shapes only; knows nothing of pools, models or tenants' keys. */
 import { z } from 'zod'
@@ -107,7 +106,7 @@ export const PrefillResult = z.object({
 })
 export type PrefillResult = z.infer<typeof PrefillResult>
 
-/** One line of the decode worker's NDJSON stream. */
+/** One event of the decode worker's stream. */
 export const DecodeEvent = z.discriminatedUnion('type', [
   z.object({
     type: z.literal('reserved'),

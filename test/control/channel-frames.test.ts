@@ -1,4 +1,4 @@
-/** The control channel's frame codec (src/engine/channel-frames.ts): what is encoded is decoded
+/** The control channel's frame codec (src/control/channel-frames.ts): what is encoded is decoded
  *  unchanged however the bytes are cut, and a frame that breaks the format is a clear error that
  *  leaves the reader unusable. */
 import assert from 'node:assert/strict'
@@ -13,7 +13,7 @@ import {
   parseJsonPayload,
   tokenIdOf,
   type Frame,
-} from '../../src/engine/channel-frames.js'
+} from '../../src/control/channel-frames.js'
 
 /** A conversation's worth of frames of every kind. */
 function sampleFrames(): Buffer[] {

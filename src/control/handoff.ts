@@ -10,7 +10,7 @@
  *  Any failure, the client's abort, or the consumer leaving early aborts the one signal both sides
  *  were given, which ends the request on both workers (G8).
  *
- *  Knows the control-plane messages (control.ts) and the two sides as small interfaces; knows
+ *  Knows the control-plane messages (messages.ts) and the two sides as small interfaces; knows
  *  nothing of HTTP, sockets, URLs' meaning, pools or text. */
 import { KvfenceError, isErrorCode, type ErrorCode } from '../common/errors.js'
 import type {
@@ -19,7 +19,7 @@ import type {
   PrefillRequest,
   PrefillResult,
   TokenLogprobs,
-} from './control.js'
+} from './messages.js'
 
 /** What {@link handOff} yields: the decode worker's tokens, then one `done`. */
 export type GenerationEvent =

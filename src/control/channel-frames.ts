@@ -1,6 +1,6 @@
 /** The control channel's wire format: length-prefixed frames of many streams on one connection
  *  between the router and one worker (the connection itself: channel-server.ts on the worker,
- *  src/router/control-channel.ts on the router; the protocol: docs/protocol.md "Control channel").
+ *  channel-client.ts on the router; the protocol: docs/protocol.md "Control channel").
  *
  *  | bytes | field   | meaning                                                          |
  *  | ----- | ------- | ---------------------------------------------------------------- |
@@ -10,15 +10,15 @@
  *  | n     | payload | JSON (UTF-8) of the kind's message, a u32 LE token id, or empty  |
  *
  *  Kinds (→W router to worker, →R worker to router):
- *  | kind     | dir | payload                                   | meaning                         |
- *  | -------- | --- | ----------------------------------------- | ------------------------------- |
- *  | generate | →W  | JSON `GenerateRequest`                     | opens a decode stream           |
- *  | prefill  | →W  | JSON `PrefillRequest`                      | opens a prefill stream          |
- *  | cancel   | →W  | empty                                      | abort the stream (G8)           |
- *  | event    | →R  | JSON `DecodeEvent` (`done`/`error` end it) | the decode worker's NDJSON line |
- *  | token    | →R  | u32 LE token id                            | `{type:'token',tokenId}` binary |
- *  | result   | →R  | JSON `PrefillResult` (ends the stream)     | the prefill worker's 200 reply  |
- *  | failed   | →R  | JSON `{ code, message }` (ends the stream) | a worker's non-200 JSON reply   |
+ *  | kind     | dir | payload                                     | meaning                  |
+ *  | -------- | --- | ------------------------------------------- | ------------------------ |
+ *  | generate | →W  | JSON `GenerateRequest`                      | opens a decode stream    |
+ *  | prefill  | →W  | JSON `PrefillRequest`                       | opens a prefill stream   |
+ *  | cancel   | →W  | empty                                       | abort the stream (G8)    |
+ *  | event    | →R  | JSON `DecodeEvent` (`done`/`error` end it)  | a decode worker's event  |
+ *  | token    | →R  | u32 LE token id                             | `{type:'token',tokenId}` |
+ *  | result   | →R  | JSON `PrefillResult` (ends the stream)      | a prefill worker's result |
+ *  | failed   | →R  | JSON `{ error: { code, message } }` (ends) | the worker's refusal     |
  *
  *  Pure: encode and decode only; knows nothing of sockets, streams' states or the messages'
  *  schemas. */
@@ -44,8 +44,7 @@ const kindNames = new Map<number, FrameKind>(
 export const lengthBytes = 4
 /** Bytes of kind + stream, counted in the length. */
 const headBytes = 5
-/** Largest payload accepted or sent, bytes: the workers' HTTP body limit (worker-server.ts), so
- *  the channel carries every request HTTP does (a prompt of ~500k token ids). */
+/** Largest payload accepted or sent, bytes: a prompt of ~500k token ids. */
 export const maxPayloadBytes = 4 * 1024 * 1024
 
 /** One decoded frame. `payload` is a view into the bytes read (valid until the next read). */
@@ -165,10 +164,10 @@ export function tokenIdOf(frame: Frame): number {
   return frame.payload.readUInt32LE(0)
 }
 
-/** Idle time before TCP keep-alive probes a control channel's connection, ms: as Node's HTTP agent
- *  probes its keep-alive connections (`keepAliveMsecs`), so a worker cut off by the network fails
- *  its streams as soon as an HTTP request of it would (about 11 s: then 10 probes 1 s apart),
- *  before the prefill worker's transfer gives up on its own (test/reliability/two-hosts.test.ts). */
+/** Idle time before TCP keep-alive probes a control channel's connection, ms (Node's HTTP agent's
+ *  `keepAliveMsecs`), so a worker cut off by the network fails its streams in about 11 s (then
+ *  10 probes 1 s apart), before the prefill worker's transfer gives up on its own
+ *  (test/reliability/two-hosts.test.ts). */
 export const channelKeepAliveMs = 1_000
 
 /** Tunes a control channel's socket, at either end: tokens leave at once (no Nagle delay), and a

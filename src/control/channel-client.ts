@@ -1,11 +1,9 @@
-/** The router's end of the control channel (wire format: src/engine/channel-frames.ts; the
- *  worker's end: src/engine/channel-server.ts): one connection per worker, opened by an HTTP
- *  Upgrade (`GET /internal/channel`, `Upgrade: kvfence-control/1`) over the same TLS and with the
- *  same cluster token as the `/internal/*` requests, every request a stream numbered here.
- *  The connection closing fails every open stream with `worker_unavailable`; the next request
- *  opens a new one. A worker that answers the upgrade 404 (one from before the channel) is
- *  told apart, so the caller can fall back to HTTP.
- *  Knows sockets, frames and streams; parses what the worker sends with control.ts's schemas;
+/** The router's end of the control channel (wire format: channel-frames.ts; the worker's end:
+ *  channel-server.ts): one connection per worker, opened by an HTTP Upgrade
+ *  (`GET /internal/channel`, `Upgrade: kvfence-control/1`) over the worker's TLS and with the
+ *  cluster token, every request a stream numbered here. The connection closing fails every open
+ *  stream with `worker_unavailable`; the next request opens a new one.
+ *  Knows sockets, frames and streams; parses what the worker sends with messages.ts's schemas;
  *  knows nothing of the hand-off's checks (handoff.ts) or of OpenAI shapes. */
 import http from 'node:http'
 import https from 'node:https'
@@ -21,17 +19,19 @@ import {
   tokenIdOf,
   type Frame,
   tuneChannelSocket,
-} from '../engine/channel-frames.js'
-import { channelPath, channelProtocol, frameWriter } from '../engine/channel-server.js'
-import { clusterTokenHeader } from '../engine/cluster-token.js'
+} from './channel-frames.js'
+import { channelPath, channelProtocol, frameWriter } from './channel-server.js'
+import { clusterTokenHeader } from './cluster-token.js'
 import {
   DecodeEvent,
   PrefillResult,
   type GenerateRequest,
   type PrefillRequest,
-} from '../engine/control.js'
+} from './messages.js'
 import { KvfenceError } from '../common/errors.js'
 import { clientTlsOptions, type TlsMaterial } from '../link/tls.js'
+import { abortError } from './abort.js'
+import { issueText } from './error-text.js'
 
 /** One open channel to one worker. */
 export interface ControlChannel {
@@ -57,19 +57,14 @@ export interface ChannelOptions {
   clusterToken: string | null
   /** Deadline of the upgrade, ms. */
   connectTimeoutMs: number
-  /** The error for the worker's refusal of the upgrade with `status` (401/403 the cluster token),
-   *  or of a stream (`failed`, status undefined) with `body` (`{ error: { code, message } }`). */
+  /** The error for the worker's refusal of the upgrade with `status` (401/403 the cluster token,
+   *  404 a peer without the channel), or of a stream (`failed`, status undefined) with `body` (`{ error: { code, message } }`). */
   refusal(status: number | undefined, body: unknown): KvfenceError
 }
 
-/** The worker does not serve the channel (it answered the upgrade 404): use HTTP. */
-export const channelUnsupported = Symbol('channel unsupported')
-
-/** Opens the channel to `options.url`: the open channel, {@link channelUnsupported} for a 404, or
- *  a throw (`worker_unavailable` when it cannot connect, the refusal for any other answer). */
-export function openChannel(
-  options: ChannelOptions,
-): Promise<ControlChannel | typeof channelUnsupported> {
+/** Opens the channel to `options.url`: the open channel, or a throw (a plain Error when it
+ *  cannot connect, the {@link ChannelOptions.refusal} of any answer but the switch). */
+export function openChannel(options: ChannelOptions): Promise<ControlChannel> {
   const base = new URL(options.url)
   const hostname = base.hostname.replace(/^\[(.*)\]$/, '$1')
   const isTls = base.protocol === 'https:'
@@ -115,7 +110,6 @@ export function openChannel(
       })
       res.on('error', reject)
       res.on('end', () => {
-        if (res.statusCode === 404) return resolve(channelUnsupported)
         let body: unknown = null
         try {
           body = JSON.parse(Buffer.concat(chunks).toString('utf8'))
@@ -399,18 +393,4 @@ function decodeStream(
     [Symbol.asyncIterator]: () => iterator,
   }
   return iterator
-}
-
-/** The error `http.request` fails with when its `signal` aborts (as the HTTP transport's). */
-export function abortError(signal: AbortSignal): Error {
-  return Object.assign(new Error('The operation was aborted', { cause: signal.reason }), {
-    name: 'AbortError',
-    code: 'ABORT_ERR',
-  })
-}
-
-function issueText(issue: z.core.$ZodIssue | undefined): string {
-  if (issue === undefined) return 'invalid'
-  const path = issue.path.map(String).join('.')
-  return path === '' ? issue.message : `${path}: ${issue.message}`
 }

@@ -1,12 +1,12 @@
-/** The control-plane credential shared by the router and its workers. Workers accept
- *  `POST /internal/*` (which names tenants and issues transfer secrets) only from a caller that
- *  presents it, so a process that merely reaches a worker's port cannot act as any tenant.
+/** The control-plane credential shared by the router and its workers. Workers open the control
+ *  channel (whose requests name tenants and carry transfer secrets) and answer `POST /internal/*`
+ *  only for a caller that presents it, so a process that merely reaches a worker's port cannot act as any tenant.
  *  Read once from `KVFENCE_CLUSTER_TOKEN` (an environment variable, never a flag: argv is visible
  *  to every local user); `kvfence serve` and `kvfence demo` make a random one for their children.
  *  Knows the header and the comparison; knows nothing of requests. */
 import { createHash, randomBytes, timingSafeEqual } from 'node:crypto'
 
-/** The header that carries the token on control-plane requests. */
+/** The header that carries the token on the channel's upgrade and `POST /internal/*`. */
 export const clusterTokenHeader = 'x-kvfence-cluster-token'
 
 /** The environment variable the token is read from. */
