@@ -92,6 +92,36 @@ export interface GenerationJob {
   /** The response sentinel's check: every piece of the answer goes through it before the client,
    *  with its token ids when the backend's `sentinelUnit` is `token` (src/router/sentinel/). */
   readonly answerCheck: AnswerCheck
+  /** Set when the endpoint writes its own bodies from the answer's text (the Responses API):
+   *  the backend then runs the request as chat and hands the writer its text, piece by piece,
+   *  instead of writing chat bodies itself. */
+  readonly writer?: AnswerWriter
+}
+
+/** Receives one piece of an answer's text (with its token ids when the backend has them);
+ *  returns a promise only when the client's socket is full. */
+export type OnAnswerText = (
+  piece: string,
+  tokenIds?: readonly number[],
+) => Promise<void> | undefined
+
+/** How a generation ended, as a {@link AnswerWriter} learns it. */
+export interface AnswerEnd {
+  finishReason: FinishReason
+  numCompletionTokens: number
+  /** Prompt tokens whose KV came from a prefix cache (0 when unknown). */
+  cachedTokens: number
+}
+
+/** Runs an admitted request, giving each piece of its answer to `onText`; resolves with how it
+ *  ended. Throws as {@link Backend.generate} does (`request_aborted`, `worker_unavailable`, …). */
+export type AnswerGeneration = (onText: OnAnswerText) => Promise<AnswerEnd>
+
+/** Writes a request's answer on `job.res` in the endpoint's own shape, from the text a backend
+ *  generates; fills `job.outcome` (completion tokens, finish reason) and passes every piece
+ *  through `job.answerCheck` before the client sees it. */
+export interface AnswerWriter {
+  write(job: GenerationJob, generate: AnswerGeneration): Promise<void>
 }
 
 /** What the request log line and the metrics report of one request. */

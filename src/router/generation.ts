@@ -8,7 +8,7 @@ import type { Logger } from 'pino'
 import { KvfenceError } from '../common/errors.js'
 import { randomHex } from '../common/random-hex.js'
 import { admitRequest, emptyHolds, releaseHolds } from './admission/pipeline.js'
-import type { Backend, Outcome } from './backend.js'
+import type { AnswerWriter, Backend, Outcome } from './backend.js'
 import type { RouterConfig } from './config.js'
 import { type Drain, ShuttingDownError } from './drain.js'
 import { readJsonBody, sendError } from './api/http.js'
@@ -35,18 +35,47 @@ export interface GenerationDeps {
   sentinel: Sentinel
 }
 
-/** The prefix of each endpoint's response ids. */
-const idPrefixes: { readonly [E in Endpoint]: string } = { chat: 'chatcmpl', completion: 'cmpl' }
+/** What a generation endpoint is to the router: its name in metrics and logs, its response ids'
+ *  prefix, and how its body becomes the request a backend runs. */
+export interface GenerationRoute {
+  /** The `endpoint` label of metrics and logs. */
+  readonly label: string
+  /** The prefix of its response ids (`chatcmpl-`, `cmpl-`, `resp_`). */
+  readonly idPrefix: string
+  /** The request the backend runs for `body`, and the writer of its answer when the endpoint
+   *  writes its own bodies; throws `invalid_request` (or another client error) for a bad body.
+   *  `header` is the response's id, time and model. */
+  parse(
+    body: unknown,
+    tenant: Tenant,
+    header: ResponseHeader,
+  ): { parsed: ParsedRequest; writer?: AnswerWriter }
+}
 
-/** Serves `POST` of `endpoint` for `tenant` (authenticated). Never rejects: a failure is answered
+/** The route of each OpenAI completion endpoint (its bodies written by the backend). */
+export const completionRoutes: { readonly [E in Endpoint]: GenerationRoute } = {
+  chat: {
+    label: 'chat',
+    idPrefix: 'chatcmpl-',
+    parse: (body) => ({ parsed: requestParsers.chat(body) }),
+  },
+  completion: {
+    label: 'completion',
+    idPrefix: 'cmpl-',
+    parse: (body) => ({ parsed: requestParsers.completion(body) }),
+  },
+}
+
+/** Serves `POST` of `route` for `tenant` (authenticated). Never rejects: a failure is answered
  *  (unless the client went away) and logged. */
 export async function serveGeneration(
   deps: GenerationDeps,
-  endpoint: Endpoint,
+  route: GenerationRoute,
   req: IncomingMessage,
   res: ServerResponse,
   tenant: Tenant,
 ): Promise<void> {
+  const endpoint = route.label
   const startedMs = performance.now()
   // The only request id there is: drawn here, never taken from the client (no header or body
   // field can set it), so one tenant cannot name another's request.
@@ -63,7 +92,13 @@ export async function serveGeneration(
   const leave = deps.drain.enter((reason) => abort.abort(reason))
   try {
     const body = await readJsonBody(req, deps.config.maxBodyBytes)
-    const parsed = parseRequest(deps.config, endpoint, body)
+    const header: ResponseHeader = {
+      id: `${route.idPrefix}${rid}`,
+      created: Math.floor(Date.now() / 1000),
+      model: deps.config.model,
+    }
+    const { parsed, writer } = route.parse(body, tenant, header)
+    checkModel(deps.config, parsed)
     if (deps.config.logContent) outcome.content = { prompt: loggedPromptOf(parsed), completion: '' }
     const { prompt, maxTokens } = await admitRequest(
       deps,
@@ -78,11 +113,6 @@ export async function serveGeneration(
       sentinelPromptOf(parsed, prompt, deps.backend.detokenize),
     )
     deps.metrics.sentinelBytes.set(deps.sentinel.numBytes)
-    const header: ResponseHeader = {
-      id: `${idPrefixes[endpoint]}-${rid}`,
-      created: Math.floor(Date.now() / 1000),
-      model: deps.config.model,
-    }
     await deps.backend.generate({
       parsed,
       body: body as Record<string, unknown>, // an object: the parser has checked it
@@ -98,6 +128,7 @@ export async function serveGeneration(
       outcome,
       logFailure: (error) => logFailure(deps.backend, log, error),
       answerCheck,
+      ...(writer === undefined ? {} : { writer }),
     })
   } catch (err) {
     const error = endingError(err, signal)
@@ -114,9 +145,8 @@ export async function serveGeneration(
   }
 }
 
-/** The body parsed for `endpoint`; `model_not_found` unless it names the served model. */
-function parseRequest(config: RouterConfig, endpoint: Endpoint, body: unknown): ParsedRequest {
-  const parsed = requestParsers[endpoint](body)
+/** `model_not_found` unless the request names the served model. */
+function checkModel(config: RouterConfig, parsed: ParsedRequest): void {
   if (parsed.model !== config.model) {
     throw new KvfenceError(
       'model_not_found',
@@ -124,7 +154,6 @@ function parseRequest(config: RouterConfig, endpoint: Endpoint, body: unknown): 
       'model',
     )
   }
-  return parsed
 }
 
 /** G8: a controller whose signal fires when the client goes away, wherever the request is
@@ -166,7 +195,7 @@ function logFailure(backend: Backend, log: Logger, err: KvfenceError): void {
 /** The request's metrics and its log line. */
 function account(
   deps: GenerationDeps,
-  endpoint: Endpoint,
+  endpoint: string,
   tenant: Tenant,
   outcome: Outcome,
   startedMs: number,

@@ -7,7 +7,7 @@ import { type ParsedRequest, promptNumChars, promptParamOf } from '../api/schema
 /** Where the counts came from, for the error's `param` and message. */
 export interface AdmissionFields {
   promptParam: 'messages' | 'prompt'
-  maxTokensParam: 'max_tokens' | 'max_completion_tokens'
+  maxTokensParam: 'max_tokens' | 'max_completion_tokens' | 'max_output_tokens'
 }
 
 /** G2. Returns the number of tokens the request may generate: `maxTokens`, or when null the rest

@@ -1,6 +1,7 @@
 /** The router's HTTP API: an OpenAI-compatible gateway in front of a {@link Backend} — kvfence's
  *  own workers, or (gateway mode) another engine's OpenAI API.
- *  `POST /v1/chat/completions`, `POST /v1/completions` (plain and SSE), `GET /v1/models`,
+ *  `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (plain and SSE),
+ *  `GET|DELETE /v1/responses/{id}` (../responses/), `GET /v1/models`,
  *  `GET /v1/models/{id}`, `GET|HEAD /health`, `GET /server_info`, `GET /metrics`.
  *  While the router drains (../drain.ts), generation and model requests get 503 `shutting_down`
  *  and `/health` 503; `/server_info` and `/metrics` still answer, for the operator.
@@ -18,7 +19,9 @@ import { metricsText } from '../../common/process-metrics.js'
 import type { Backend } from '../backend.js'
 import type { RouterConfig } from '../config.js'
 import { type Drain, ShuttingDownError } from '../drain.js'
-import { serveGeneration } from '../generation.js'
+import { type GenerationRoute, completionRoutes, serveGeneration } from '../generation.js'
+import { deleteResponse, responsesRoute, retrieveResponse } from '../responses/api.js'
+import { ResponseStore } from '../responses/store.js'
 import { sendError, sendJson } from './http.js'
 import type { Limiter } from '../admission/limits.js'
 import type { Sentinel } from '../sentinel/sentinel.js'
@@ -42,6 +45,8 @@ export interface RouterDeps {
   drain: Drain
   /** The response sentinel (src/router/sentinel/). */
   sentinel: Sentinel
+  /** The Responses API's stored responses (a new, empty store when not given). */
+  responseStore?: ResponseStore
 }
 
 /** A `node:http` request handler. */
@@ -49,11 +54,13 @@ export type RequestHandler = (req: IncomingMessage, res: ServerResponse) => void
 
 /** Builds the router's request handler. */
 export function createRouter(deps: RouterDeps): RequestHandler {
+  const store = deps.responseStore ?? new ResponseStore()
+  const routes: Routes = { ...deps, store, responsesRoute: responsesRoute(store) }
   return (req, res) => {
     deps.drain.noteRequest()
     // A draining router asks every client to reconnect (elsewhere) after this response.
     if (deps.drain.phase !== 'serving') res.setHeader('connection', 'close')
-    route(deps, req, res).catch((err: unknown) => {
+    route(routes, req, res).catch((err: unknown) => {
       const error = asKvfenceError(err)
       if (error instanceof ShuttingDownError)
         deps.log.warn({ code: error.code }, 'request refused: the router is draining')
@@ -65,7 +72,13 @@ export function createRouter(deps: RouterDeps): RequestHandler {
   }
 }
 
-async function route(deps: RouterDeps, req: IncomingMessage, res: ServerResponse): Promise<void> {
+/** The deps with the Responses API's store and route. */
+interface Routes extends RouterDeps {
+  store: ResponseStore
+  responsesRoute: GenerationRoute
+}
+
+async function route(deps: Routes, req: IncomingMessage, res: ServerResponse): Promise<void> {
   const { config, backend } = deps
   const path = pathOf(req.url)
   const isDraining = deps.drain.phase !== 'serving'
@@ -91,9 +104,23 @@ async function route(deps: RouterDeps, req: IncomingMessage, res: ServerResponse
         modelList(config.model, config.createdAtSec, backend.contextWindow()),
       )
     case 'POST /v1/chat/completions':
-      return serveGeneration(deps, 'chat', req, res, authenticate(deps.tenants, req))
+      return serveGeneration(deps, completionRoutes.chat, req, res, authenticate(deps.tenants, req))
     case 'POST /v1/completions':
-      return serveGeneration(deps, 'completion', req, res, authenticate(deps.tenants, req))
+      return serveGeneration(
+        deps,
+        completionRoutes.completion,
+        req,
+        res,
+        authenticate(deps.tenants, req),
+      )
+    case 'POST /v1/responses':
+      return serveGeneration(deps, deps.responsesRoute, req, res, authenticate(deps.tenants, req))
+  }
+  const responseId = storedResponseIdOf(path)
+  if (responseId !== null && (req.method === 'GET' || req.method === 'DELETE')) {
+    const tenant = authenticate(deps.tenants, req)
+    if (req.method === 'GET') return retrieveResponse(deps.store, tenant, responseId, res)
+    return deleteResponse(deps.store, tenant, responseId, res)
   }
   if (req.method === 'GET' && path.startsWith('/v1/models/')) {
     authenticate(deps.tenants, req)
@@ -190,7 +217,17 @@ const allowedMethods = new Map([
   ['/v1/models', 'GET'],
   ['/v1/chat/completions', 'POST'],
   ['/v1/completions', 'POST'],
+  ['/v1/responses', 'POST'],
 ])
+
+/** The `{id}` of `/v1/responses/{id}` (any string but one holding a slash: the store judges
+ *  it), or null for another path. */
+function storedResponseIdOf(path: string): string | null {
+  const prefix = '/v1/responses/'
+  if (!path.startsWith(prefix)) return null
+  const id = path.slice(prefix.length)
+  return id.includes('/') ? null : id
+}
 
 /** The decoded path of a request URL ('' when it does not parse or has a dot segment: it then
  *  matches no route). */

@@ -13,7 +13,7 @@ export interface GenerationParams {
   /** Tokens to generate at most; null = the rest of the context window (vLLM's rule). */
   maxTokens: number | null
   /** The field `maxTokens` came from (for error messages). */
-  maxTokensParam: 'max_tokens' | 'max_completion_tokens'
+  maxTokensParam: 'max_tokens' | 'max_completion_tokens' | 'max_output_tokens'
   /** Validated; `numLogprobs` set when the response carries log-probabilities. */
   sampling: Sampling
   /** Stop strings (non-empty); the output ends before the first one found. */
@@ -114,7 +114,7 @@ const isEmptyMap = (v: unknown) =>
   isNullish(v) || (typeof v === 'object' && !Array.isArray(v) && Object.keys(v!).length === 0)
 
 /** A known OpenAI feature kvfence does not implement: accepted only at its no-op value. */
-interface InertField {
+export interface InertField {
   /** Whether `v` is the no-op value. */
   accepts: (v: unknown) => boolean
   /** The accepted values, for the error message. */
@@ -447,8 +447,9 @@ function parsePrompt(prompt: unknown): ParsedCompletionRequest['prompt'] {
   )
 }
 
-/** Refuses non-objects, internal fields, unknown fields and unsupported features. */
-function checkFields(
+/** Refuses non-objects, internal fields, unknown fields and unsupported features (each a 400
+ *  `invalid_request` naming the field); returns the body as an object. */
+export function checkFields(
   body: unknown,
   supported: readonly string[],
   inert: Record<string, InertField>,
@@ -485,7 +486,8 @@ function checkFields(
   return object
 }
 
-function parseWith<T extends z.ZodType>(schema: T, value: unknown): z.infer<T> {
+/** `value` parsed by `schema`; else a 400 `invalid_request` naming the first field at fault. */
+export function parseWith<T extends z.ZodType>(schema: T, value: unknown): z.infer<T> {
   const parsed = schema.safeParse(value, { reportInput: true })
   if (parsed.success) return parsed.data
   // A field this server does not know says more than what else is wrong with the same message

@@ -16,6 +16,7 @@ import { type BackendCapacity, decideWindow, discover } from './discovery.js'
 import { type BackendKind, engines } from './engines.js'
 import { countPromptTokens } from './prompt-count.js'
 import { createCacheSalts, relay } from './relay.js'
+import { relayText } from './relay-text.js'
 import { type PathIsolationGuard, createPathIsolationGuard } from './isolation.js'
 import { type SelfCheckContext, type SelfCheckReport, runSelfCheck } from './self-check.js'
 import type { Endpoint } from '../api/schemas.js'
@@ -192,6 +193,10 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     },
     generate(job) {
       isolation.checkServed(job.parsed.endpoint)
+      const { writer } = job
+      if (writer !== undefined) {
+        return writer.write(job, (onText) => relayText(relayContext, job, onText))
+      }
       return relay(relayContext, job)
     },
     noteFailure() {},

@@ -93,6 +93,11 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
         log: job.log,
         outcome: job.outcome,
       }
+      if (job.writer !== undefined) {
+        return job.writer.write(job, (onText) =>
+          runGeneration(deps, run, (piece, _logprobs, tokenIds) => onText(piece, tokenIds)),
+        )
+      }
       const bodies = responseBodiesOf[job.parsed.endpoint]({
         header: job.header,
         isUsageStreamed: job.parsed.isUsageStreamed,
