@@ -144,6 +144,7 @@ describe('kvfence watch against the incident stand-in', () => {
         alertname: 'KvfenceCrossTenantLeak',
         severity: 'critical',
         verdict: 'leak',
+        class: 'content-leak',
         probe,
         finding: leakKey,
         target: undefined,
