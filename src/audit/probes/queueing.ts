@@ -97,6 +97,9 @@ export const queueingProbe: Probe = {
       const holding = holders.map((_, i) =>
         send(baseline.length + i, 'holding the batch', holderMaxTokens, true),
       )
+      // Handled now: a holder that fails (the budget running out) during the pause below would
+      // otherwise be an unhandled rejection, which ends the process; Promise.all still sees it.
+      for (const h of holding) h.catch(() => undefined)
       // Let the holders reach the server before the waiters queue up behind them.
       await new Promise((r) => setTimeout(r, 20))
       const waiting = waiters.map((_, i) =>
