@@ -68,6 +68,7 @@ export class Budget {
   private heldRequests = 0
   private heldMs = 0
   private numSent = 0
+  private numRefusedNow = 0
   private numInFlight = 0
   private mostInFlight = 0
   /** Requests in flight at most now: `limits.concurrency`, raised up to `limits.maxConcurrency`
@@ -146,6 +147,12 @@ export class Budget {
 
   /** Requests the running probe may still send: the budget's, less what is held back for the
    *  probes after it (never negative). */
+  /** Requests refused so far for want of requests or time (a probe whose count rose while it ran
+   *  was stopped by the budget; one that spent exactly its share was not). */
+  get numRefused(): number {
+    return this.numRefusedNow
+  }
+
   get remainingRequests(): number {
     return Math.max(0, this.limits.maxRequests - this.numSent - this.heldRequests)
   }
@@ -181,10 +188,15 @@ export class Budget {
     try {
       if (this.isStopped) throw new BudgetExhaustedError('stopped')
       if (this.isClosedNow) throw new BudgetExhaustedError('closed')
-      if (this.numSent + this.heldRequests >= this.limits.maxRequests)
+      if (this.numSent + this.heldRequests >= this.limits.maxRequests) {
+        this.numRefusedNow++
         throw new BudgetExhaustedError('requests')
+      }
       const remainingMs = this.remainingMs
-      if (remainingMs <= 0) throw new BudgetExhaustedError('seconds')
+      if (remainingMs <= 0) {
+        this.numRefusedNow++
+        throw new BudgetExhaustedError('seconds')
+      }
       this.numSent++
       return await send(remainingMs, this.requestsBefore + this.numSent)
     } finally {

@@ -338,6 +338,7 @@ async function runProbe(
   const { emit } = context
   const probeStartedAt = performance.now()
   const requestsBefore = budget.requestsSent
+  const refusedBefore = budget.numRefused
   budget.takeMostInFlight()
   emit({ type: 'probe-start', probe: name })
   ledger.setProbe(name)
@@ -378,13 +379,14 @@ async function runProbe(
   findings = findings.map((f) =>
     withClass({ ...withReason(f, ledger.unansweredReason(name)), controls: controlsOf(f.probe) }),
   )
-  // Stopped by its share, a probe that could not tell is run again by --resume; one that told
-  // is done.
+  // Stopped by its share (a request of its was refused), a probe that could not tell is run again
+  // by --resume; one that told, or that spent exactly its share and could not tell anyway, is
+  // done.
   const isComplete =
     hasReturned &&
     !budget.isStopped &&
     budget.remainingMs > 0 &&
-    (budget.remainingRequests > 0 || findings.every((f) => f.verdict !== 'inconclusive'))
+    (budget.numRefused === refusedBefore || findings.every((f) => f.verdict !== 'inconclusive'))
   const run: ProbeRun = {
     probe: name,
     durationMs: Math.round(performance.now() - probeStartedAt),
