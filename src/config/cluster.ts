@@ -223,8 +223,18 @@ export const BackendSection = z
     /** Paths served even where the isolation self-check finds that the engine does not keep
      *  tenants' prefix caches apart or refuses the salt (default: none: such a path is refused). */
     allowUnsalted: z.array(z.enum(['chat', 'completion'])).optional(),
-    /** How often the isolation self-check runs again, ms (0: only at start). */
-    selfCheckIntervalMs: z.number().int().min(0).max(maxTimerMs).default(600_000),
+    /** How often the isolation self-check runs again, ms (0: only at start; else at least 10 s,
+     *  since each run sends the engine up to six requests). */
+    selfCheckIntervalMs: z
+      .number()
+      .int()
+      .min(0)
+      .max(maxTimerMs)
+      .refine((ms) => ms === 0 || ms >= 10_000, {
+        error:
+          'must be 0 (at start only) or at least 10000 ms: each run sends the engine up to six requests',
+      })
+      .default(600_000),
   })
   .refine((b) => b.kind !== 'openai' || b.kvPoolTokens !== undefined, {
     error:

@@ -7,11 +7,20 @@
  *  What differs per engine is in engines.ts.
  *  Knows the engines' HTTP APIs and OpenAI bodies; knows nothing of tenants' keys or kvfence's
  *  workers. */
+import { readFileSync } from 'node:fs'
+import { join } from 'node:path'
 import type { Logger } from 'pino'
 import { KvfenceError } from '../../common/errors.js'
 import { loadTokenizer } from '../../model/tokenizer.js'
 import type { Backend } from '../backend.js'
-import { type EngineHttp, createEngineHttp, messageOf } from './engine-http.js'
+import {
+  type EngineHttp,
+  asObject,
+  createEngineHttp,
+  json,
+  messageOf,
+  positive,
+} from './engine-http.js'
 import { type BackendCapacity, decideWindow, discover } from './discovery.js'
 import { type BackendKind, engines } from './engines.js'
 import { countPromptTokens } from './prompt-count.js'
@@ -108,7 +117,14 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     )
   }
   const declared = options.kvPoolTokens ?? null
-  const found = await discover(options.kind, http, options.backendModel ?? null, declared)
+  const localMaxModelLen = localModelLength(options.tokenizerDir)
+  const found = await discover(
+    options.kind,
+    http,
+    options.backendModel ?? null,
+    declared,
+    localMaxModelLen,
+  )
   const { backendModel } = found
   logCapacitySource(options, found.capacity)
   let capacity = found.capacity
@@ -132,7 +148,12 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
 
   let checks: SelfChecks
   try {
-    checks = await startSelfChecks(options, () => ({ http, backendModel, contextWindow: window }))
+    checks = await startSelfChecks(options, () => ({
+      http,
+      backendModel,
+      contextWindow: window,
+      nameRequest: engines[options.kind].nameRequest,
+    }))
   } catch (err) {
     if (timer !== null) clearInterval(timer)
     http.close()
@@ -163,7 +184,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     lastSelfCheck: () => isolation.last(),
     contextWindow: () => window,
     refusal: () => null,
-    unavailableReason: () => Promise.resolve(null),
+    unavailableReason: () => engineHealth(http),
     serverInfo: () =>
       Promise.resolve({
         effectiveCapacityTokens: capacity.capacityTokens,
@@ -217,7 +238,9 @@ async function rediscovered(
 ): Promise<{ capacity: BackendCapacity; window: number } | null> {
   try {
     const declared = options.kvPoolTokens ?? null
-    const capacity = (await discover(options.kind, http, backendModel, declared)).capacity
+    const localMaxModelLen = localModelLength(options.tokenizerDir)
+    const capacity = (await discover(options.kind, http, backendModel, declared, localMaxModelLen))
+      .capacity
     return { capacity, window: decideWindow(capacity, false, http.base, options) }
   } catch (err) {
     options.log.warn(
@@ -233,6 +256,11 @@ async function rediscovered(
 function logCapacitySource(options: GatewayOptions, c: BackendCapacity): void {
   const { kind, log } = options
   const declared = options.kvPoolTokens
+  if (c.maxModelLen === null) {
+    log.warn(
+      `${kind} backend reports no model length and tokenizerDir has no config.json max_position_embeddings: the window rests on the KV capacity alone; set contextWindow to the model's length`,
+    )
+  }
   if (c.reportedCapacityTokens === null) {
     log.warn(
       { capacityTokens: c.capacityTokens },
@@ -285,5 +313,32 @@ async function startSelfChecks(
     stop: () => {
       if (timer !== null) clearInterval(timer)
     },
+  }
+}
+
+/** Deadline of the engine's `/health` read behind the router's own, ms. */
+const healthTimeoutMs = 2_000
+
+/** Why the engine cannot serve now, from its own `GET /health` (every engine fronted has one:
+ *  SGLang, vLLM, llama.cpp, TGI, `transformers serve`), or null when it answers 2xx; an engine
+ *  without the endpoint (404) is taken as serving. */
+async function engineHealth(http: EngineHttp): Promise<string | null> {
+  const res = await http
+    .call('/health', 'GET', null, AbortSignal.timeout(healthTimeoutMs))
+    .catch((err: unknown) => messageOf(err))
+  if (typeof res === 'string') return `the engine at ${http.base} does not answer: ${res}`
+  if ((res.status >= 200 && res.status < 300) || res.status === 404) return null
+  return `the engine at ${http.base} answered /health with HTTP ${res.status}`
+}
+
+/** `max_position_embeddings` of the `config.json` beside the local tokenizer, when there is one
+ *  (a Hugging Face model directory): the model's length where the engine does not say it. */
+function localModelLength(tokenizerDir: string | undefined): number | null {
+  if (tokenizerDir === undefined) return null
+  try {
+    const config = asObject(json(readFileSync(join(tokenizerDir, 'config.json'), 'utf8')))
+    return positive(config?.max_position_embeddings)
+  } catch {
+    return null
   }
 }

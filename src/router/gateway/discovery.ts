@@ -27,7 +27,9 @@ export interface Discovery {
 /** Reads the engine's model (`backendModel` when given, else the first of its `/v1/models`) and
  *  capacity. `declaredPoolTokens` is the KV capacity the operator declared (`backend.kvPoolTokens`):
  *  it stands in where the engine reports none and caps what it reports (the smaller wins: a
- *  declaration is a promise about the deployment, a report about the process). Throws
+ *  declaration is a promise about the deployment, a report about the process).
+ *  `localMaxModelLen` (the local tokenizer directory's `config.json` `max_position_embeddings`)
+ *  stands in for a model length the engine does not report. Throws
  *  `worker_unavailable` when it lists no model or refuses the key (401/403), saying how
  *  `/v1/models` answered, or when neither the engine nor the operator gives a KV capacity. */
 export async function discover(
@@ -35,6 +37,7 @@ export async function discover(
   http: EngineHttp,
   backendModel: string | null,
   declaredPoolTokens: number | null = null,
+  localMaxModelLen: number | null = null,
 ): Promise<Discovery> {
   const models = await http.call('/v1/models', 'GET', null).catch((err: unknown) => err as Error)
   const listed =
@@ -70,7 +73,7 @@ export async function discover(
     capacity: {
       capacityTokens,
       reportedCapacityTokens: report.capacityTokens,
-      maxModelLen: report.maxModelLen ?? positive(entry?.max_model_len),
+      maxModelLen: report.maxModelLen ?? positive(entry?.max_model_len) ?? localMaxModelLen,
       maxInputTokens: report.maxInputTokens,
     },
   }

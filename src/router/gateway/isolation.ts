@@ -56,6 +56,13 @@ export function createPathIsolationGuard(options: PathIsolationOptions): PathIso
         if (problem !== null) problems.push(problem)
       }
       report = next
+      const unanswered = next.paths.filter((p) => p.isUnanswered)
+      if (isStart && unanswered.length > 0 && unanswered.length === next.paths.length) {
+        throw new KvfenceError(
+          'worker_unavailable',
+          `${options.kind} backend did not answer the isolation self-check: ${unanswered[0].detail}`,
+        )
+      }
       if (isStart && problems.length > 0) {
         throw new KvfenceError(
           'guard_violation',

@@ -32,6 +32,8 @@ export interface PathCheck {
   /** `cached_tokens` of tenant A's second request and of tenant B's (null: not reported). */
   readonly ownCachedTokens: number | null
   readonly otherCachedTokens: number | null
+  /** True when the engine gave no HTTP answer at all (refused or dropped the connection). */
+  readonly isUnanswered: boolean
 }
 
 /** One run of the self-check over every path, and what it cost. */
@@ -65,6 +67,9 @@ export const enginePaths: { readonly [E in Endpoint]: string } = {
 export interface SelfCheckContext {
   http: EngineHttp
   backendModel: string
+  /** Names each request as the gateway names tenants' requests on this engine (SGLang's `rid`),
+   *  so that the check sends what tenants' requests will carry. */
+  nameRequest(body: Record<string, unknown>, rid: string): void
   /** The advertised window, tokens: the prompt's words are at most an eighth of it. */
   contextWindow: number
 }
@@ -116,14 +121,21 @@ async function checkPath(
       text: reply.body.slice(0, 200),
     }
   }
+
+  const first = await send(saltA)
   const result = (
     r: PathIsolation,
     detail: string,
     own: number | null = null,
     other: number | null = null,
-  ): PathCheck => ({ endpoint, result: r, detail, ownCachedTokens: own, otherCachedTokens: other })
-
-  const first = await send(saltA)
+  ): PathCheck => ({
+    endpoint,
+    result: r,
+    detail,
+    ownCachedTokens: own,
+    otherCachedTokens: other,
+    isUnanswered: first.status === 0,
+  })
   if (first.status !== 200) {
     if (first.status < 400 || first.status >= 500) {
       return result('cannot-tell', `the engine answered HTTP ${first.status}: ${first.text}`)
@@ -179,6 +191,7 @@ function requestBody(
   body.max_tokens = completionTokens
   body.temperature = 0
   if (salt !== null) body.cache_salt = salt
+  c.nameRequest(body, randomBytes(16).toString('hex'))
   return body
 }
 

@@ -7,6 +7,9 @@ import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import OpenAI from 'openai'
 import { KvfenceError } from '../../../src/common/errors.js'
+import { BackendSection } from '../../../src/config/cluster.js'
+import { repoRoot } from '../../helpers/paths.js'
+import { join } from 'node:path'
 import type { RunningRouter } from '../../../src/router/start.js'
 import { engineReplyText, startEngine } from '../../helpers/engines.js'
 import { startGatewayRouter } from './engines.js'
@@ -269,6 +272,111 @@ describe('gateway isolation self-check', () => {
     } finally {
       await router.close()
       await engine.close()
+    }
+  })
+})
+
+describe('gateway self-check: what the trial found', () => {
+  it('an engine that does not answer at all is refused at start, not served as "cannot tell"', async () => {
+    const engine = await startEngine('openai', { poolTokens: 512, maxModelLen: 512 })
+    const url = engine.url
+    await engine.close() // nothing listens there now
+    await assert.rejects(
+      startGatewayRouter(
+        { ...engine, url },
+        { backendModel: 'tiny-engine', kvPoolTokens: 512, tokenizerDir: writeTestTokenizer() },
+      ),
+      (err: unknown) => {
+        assert.ok(err instanceof KvfenceError)
+        assert.equal(err.code, 'worker_unavailable')
+        assert.match(
+          err.message,
+          /openai backend did not answer the isolation self-check: .*ECONNREFUSED/,
+        )
+        return true
+      },
+    )
+  })
+
+  it("the router's /health follows the engine's: 503 with the reason once the engine is gone", async () => {
+    const engine = await startEngine('vllm', { poolTokens: 1024, maxModelLen: 1024 })
+    const router = await startGatewayRouter(engine)
+    try {
+      assert.equal((await fetch(`${router.url}/health`)).status, 200)
+      await engine.close()
+      const res = await fetch(`${router.url}/health`)
+      assert.equal(res.status, 503)
+      assert.match(await res.text(), /the engine at http:\/\/127\.0\.0\.1:\d+ does not answer/)
+    } finally {
+      await router.close()
+    }
+  })
+
+  it("the self-check's requests are named as tenants' are (SGLang's rid), so it sends what they will", async () => {
+    const engine = await startEngine('sglang', { poolTokens: 1024, maxModelLen: 1024 })
+    const router = await startGatewayRouter(engine, { tokenizerDir: writeTestTokenizer() })
+    try {
+      assert.equal(engine.selfChecks.length, 6)
+      for (const body of engine.selfChecks) assert.match(String(body.rid), /^[0-9a-f]{32}$/)
+    } finally {
+      await router.close()
+      await engine.close()
+    }
+  })
+
+  it("a plain server's window is the model's length from tokenizerDir's config.json, not the declared pool", async () => {
+    const engine = await startEngine('openai', { poolTokens: 32_768, maxModelLen: 32_768 })
+    const logs = captureLogs()
+    const router = await startGatewayRouter(engine, {
+      backendModel: 'tiny-engine',
+      kvPoolTokens: 32_768,
+      tokenizerDir: join(repoRoot, 'models', 'echo-tiny'), // max_position_embeddings 1024
+      allowUnsalted: ['chat', 'completion'],
+      log: logs.log,
+    })
+    try {
+      assert.equal(router.config.contextWindow, 1024)
+      assert.doesNotMatch(logs.text(), /reports no model length/)
+    } finally {
+      await router.close()
+      await engine.close()
+    }
+    // Without a config.json beside the tokenizer, the start-up says the length is unknown.
+    const engine2 = await startEngine('openai', { poolTokens: 512, maxModelLen: 512 })
+    const logs2 = captureLogs()
+    const router2 = await startGatewayRouter(engine2, {
+      backendModel: 'tiny-engine',
+      kvPoolTokens: 512,
+      tokenizerDir: writeTestTokenizer(),
+      allowUnsalted: ['chat', 'completion'],
+      log: logs2.log,
+    })
+    try {
+      assert.match(logs2.text(), /reports no model length and tokenizerDir has no config\.json/)
+    } finally {
+      await router2.close()
+      await engine2.close()
+    }
+  })
+
+  it('selfCheckIntervalMs is 0 or at least 10 s in the cluster file', () => {
+    const parsed = BackendSection.safeParse({
+      kind: 'vllm',
+      url: 'http://127.0.0.1:8000',
+      selfCheckIntervalMs: 5,
+    })
+    assert.equal(parsed.success, false)
+    assert.match(
+      parsed.error!.issues[0].message,
+      /must be 0 \(at start only\) or at least 10000 ms/,
+    )
+    for (const ms of [0, 10_000]) {
+      const ok = BackendSection.safeParse({
+        kind: 'vllm',
+        url: 'http://127.0.0.1:8000',
+        selfCheckIntervalMs: ms,
+      })
+      assert.equal(ok.success, true)
     }
   })
 })
