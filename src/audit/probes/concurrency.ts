@@ -133,13 +133,21 @@ export const concurrencyProbe: Probe = {
       return inconclusive('no burst had two simultaneous requests answered', summary)
     }
     const numAccepted = acceptedPerBurst.reduce((a, b) => a + b, 0)
+    // Clean says only what was exercised: a burst with fewer than two answers (timeouts on a slow
+    // engine) proved nothing at its level.
+    const isExercised = (s: RampStep) => s.numAnswered >= Math.min(2, s.level)
+    const exercised = ramp.filter(isExercised).map((s) => s.level)
+    const unexercised = ramp.filter((s) => !isExercised(s)).map((s) => s.level)
     return [
       {
         probe: 'concurrency',
         verdict: 'clean',
         severity: 'info',
         title:
-          `${numAccepted} answers in bursts of ${ramp.map((s) => s.level).join(', ')} in flight carried only their own material` +
+          `${numAccepted} answers in bursts of ${exercised.join(', ')} in flight carried only their own material` +
+          (unexercised.length > 0
+            ? `; not exercised: bursts of ${unexercised.join(', ')} (fewer than two answered)`
+            : '') +
           (endpointLimit !== null
             ? ` (the endpoint shed load above ${endpointLimit} at once)`
             : ''),
