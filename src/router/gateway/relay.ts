@@ -8,7 +8,7 @@ import type http from 'node:http'
 import { KvfenceError, toOpenAiError } from '../../common/errors.js'
 import { type GenerationJob, markToken } from '../backend.js'
 import { coalesceWrites, drained, sendJson } from '../api/http.js'
-import { endingError, publicError } from '../api/public-errors.js'
+import { publicError } from '../api/public-errors.js'
 import type { FinishReason } from '../api/responses.js'
 import type { Endpoint } from '../api/schemas.js'
 import { type EngineHttp, asObject, json, messageOf } from './engine-http.js'
@@ -84,13 +84,17 @@ export async function relay(c: RelayContext, job: GenerationJob): Promise<void> 
     } else result = await relayStream(job, upstream)
   } catch (err) {
     if (job.signal.aborted) {
-      const ending = endingError(err, job.signal)
-      // The router ended it (drain): a started stream still ends with an error event.
-      if (ending.code !== 'request_aborted' && job.res.headersSent && !job.res.writableEnded) {
-        job.res.end(`data: ${JSON.stringify(toOpenAiError(publicError(ending, job.rid)))}\n\n`)
+      // The router ended it (drain) when the signal's reason says so; otherwise the client left,
+      // whatever the transport threw (an AbortError is not a server error: 499, not 500).
+      const reason: unknown = job.signal.reason
+      if (!(reason instanceof KvfenceError) || reason.code === 'request_aborted') {
+        throw new KvfenceError('request_aborted', `request ${job.rid} was aborted by the client`)
       }
-      if (ending.code !== 'request_aborted') throw ending
-      throw new KvfenceError('request_aborted', `request ${job.rid} was aborted by the client`)
+      // A started stream still ends with an error event.
+      if (job.res.headersSent && !job.res.writableEnded) {
+        job.res.end(`data: ${JSON.stringify(toOpenAiError(publicError(reason, job.rid)))}\n\n`)
+      }
+      throw reason
     }
     if (err instanceof KvfenceError) throw err
     throw new KvfenceError('worker_unavailable', `backend ${c.http.base}${path}: ${messageOf(err)}`)

@@ -7,7 +7,7 @@ import assert from 'node:assert/strict'
 import { createHmac, randomBytes } from 'node:crypto'
 import { describe, it } from 'node:test'
 import { startEngine } from '../../helpers/engines.js'
-import { keys, writeTestTokenizer } from '../helpers.js'
+import { keys, waitFor, writeTestTokenizer } from '../helpers.js'
 import { startGatewayRouter } from './engines.js'
 
 /** Posts a chat request as `key` with `headers` and `extra` body fields. */
@@ -162,6 +162,58 @@ describe('gateway scoping', () => {
           }
         }
       }
+    } finally {
+      await router.close()
+      await engine.close()
+    }
+  })
+
+  it('a client that leaves mid-answer is counted 499, not a server error (trial: 500 internal_error)', async () => {
+    const engine = await startEngine('vllm', {
+      poolTokens: 1024,
+      maxModelLen: 1024,
+      tokenDelayMs: 100,
+      numTokens: 50,
+    })
+    const router = await startGatewayRouter(engine)
+    try {
+      for (const stream of [true]) {
+        const leave = new AbortController()
+        const res = fetch(`${router.url}/v1/chat/completions`, {
+          method: 'POST',
+          headers: { authorization: `Bearer ${keys.alpha}`, 'content-type': 'application/json' },
+          body: JSON.stringify({
+            model: 'served',
+            messages: [{ role: 'user', content: 'hi' }],
+            stream,
+          }),
+          signal: leave.signal,
+        })
+        await new Promise((r) => setTimeout(r, 300))
+        leave.abort()
+        await res.then(
+          (r) => r.body?.cancel().catch(() => undefined),
+          () => undefined,
+        )
+      }
+      let metrics = ''
+      await waitFor(() => {
+        void fetch(`${router.url}/metrics`)
+          .then((r) => r.text())
+          .then((t) => (metrics = t))
+          .catch(() => undefined)
+        return /kvfence_router_requests_total\{endpoint="chat",tenant="alpha",status="499"\} 1/.test(
+          metrics,
+        )
+      }, 10_000).catch(() =>
+        assert.fail(
+          metrics
+            .split('\n')
+            .filter((l) => l.includes('requests_total'))
+            .join('\n'),
+        ),
+      )
+      assert.doesNotMatch(metrics, /status="500"/)
     } finally {
       await router.close()
       await engine.close()
