@@ -116,15 +116,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       `${options.kind} backend: the engine cannot count prompts (no /tokenize); set backend.tokenizerDir to a directory with its tokenizer.json, so that G2 can count them`,
     )
   }
-  const declared = options.kvPoolTokens ?? null
-  const localMaxModelLen = localModelLength(options.tokenizerDir)
-  const found = await discover(
-    options.kind,
-    http,
-    options.backendModel ?? null,
-    declared,
-    localMaxModelLen,
-  )
+  const found = await discoverEngine(options, http, options.backendModel ?? null)
   const { backendModel } = found
   logCapacitySource(options, found.capacity)
   let capacity = found.capacity
@@ -237,10 +229,7 @@ async function rediscovered(
   backendModel: string,
 ): Promise<{ capacity: BackendCapacity; window: number } | null> {
   try {
-    const declared = options.kvPoolTokens ?? null
-    const localMaxModelLen = localModelLength(options.tokenizerDir)
-    const capacity = (await discover(options.kind, http, backendModel, declared, localMaxModelLen))
-      .capacity
+    const capacity = (await discoverEngine(options, http, backendModel)).capacity
     return { capacity, window: decideWindow(capacity, false, http.base, options) }
   } catch (err) {
     options.log.warn(
@@ -329,6 +318,17 @@ async function engineHealth(http: EngineHttp): Promise<string | null> {
   if (typeof res === 'string') return `the engine at ${http.base} does not answer: ${res}`
   if ((res.status >= 200 && res.status < 300) || res.status === 404) return null
   return `the engine at ${http.base} answered /health with HTTP ${res.status}`
+}
+
+/** {@link discover} with what the operator declared and the local model's length. */
+function discoverEngine(
+  options: GatewayOptions,
+  http: EngineHttp,
+  backendModel: string | null,
+): ReturnType<typeof discover> {
+  const declared = options.kvPoolTokens ?? null
+  const localMaxModelLen = localModelLength(options.tokenizerDir)
+  return discover(options.kind, http, backendModel, declared, localMaxModelLen)
 }
 
 /** `max_position_embeddings` of the `config.json` beside the local tokenizer, when there is one
