@@ -30,6 +30,10 @@ const byProbe: Readonly<Record<FindingSource, FindingControls>> = {
   // After eviction: a page loaded back from an offload tier must be verified before use (G4).
   'evict-then-return': { aisvs: [aisvsKvPartitioning], guards: ['G4'] },
   'error-handling': { aisvs: [], guards: ['G2'] },
+  // Layers beside and in front of the engine: no KV page is involved, no guard applies.
+  'operational-endpoints': { aisvs: [], guards: [] },
+  'near-duplicates': { aisvs: [], guards: [] },
+  'request-ids': { aisvs: [], guards: [] },
   availability: { aisvs: [], guards: [] },
 }
 

@@ -25,6 +25,9 @@ export const probeNames = [
   'warm-equals-cold',
   'evict-then-return',
   'error-handling',
+  'operational-endpoints',
+  'near-duplicates',
+  'request-ids',
 ] as const
 export type ProbeName = (typeof probeNames)[number]
 

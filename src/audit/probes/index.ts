@@ -15,6 +15,9 @@ import { pageLeakProbe } from './page-leak.js'
 import { prefixTimingProbe } from './prefix-timing.js'
 import { queueingProbe } from './queueing.js'
 import { warmEqualsColdProbe } from './warm-equals-cold.js'
+import { nearDuplicatesProbe } from './near-duplicates.js'
+import { operationalEndpointsProbe } from './operational-endpoints.js'
+import { requestIdsProbe } from './request-ids.js'
 
 export const probes: Readonly<Record<ProbeName, Probe>> = {
   capacity: capacityProbe,
@@ -31,4 +34,7 @@ export const probes: Readonly<Record<ProbeName, Probe>> = {
   'warm-equals-cold': warmEqualsColdProbe,
   'evict-then-return': evictThenReturnProbe,
   'error-handling': errorHandlingProbe,
+  'operational-endpoints': operationalEndpointsProbe,
+  'near-duplicates': nearDuplicatesProbe,
+  'request-ids': requestIdsProbe,
 }

@@ -1,0 +1,269 @@
+/** Probe `request-ids`: client request ids colliding across tenants (sglang PR #19035, vLLM PR
+ *  #27987) and stream events crossing between clients (LiteLLM#35023). Both tenants stream
+ *  canary prompts at once, the second sent while the first is in flight, with the client id
+ *  fields engines and gateways take (`rid`, `request_id`, `user`, the `X-Request-Id` header):
+ *  1. `distinct`: each its own ids (the baseline; a crossing here is a relay mixing streams);
+ *  2. `colliding`: the same ids for both;
+ *  3. `colliding, first aborted`: the same ids, the first cut after two events; the second's
+ *     answer must be the one it got in `distinct` (same prompt, temperature 0).
+ *  Every event is checked (streams.ts) for the other stream's canary and id: a crossing is a
+ *  `content-leak`; a 4xx/5xx only under collision is `availability`; the second cut short when
+ *  the first was aborted is `integrity`. Positive control: both requests of each arm in flight at
+ *  once and answered.
+ *  Knows the auditor's requests and streams.ts; knows nothing of how servers route ids. */
+import { plantingMaterial } from '../canaries.js'
+import type { Probe } from '../probe.js'
+import { inconclusiveRemediation } from '../probe.js'
+import { createRng } from '../rng.js'
+import { checkStreams, crossingEvidence, type StreamUnderCheck } from '../streams.js'
+import { isAnsweredWhole, type CompletionResult, type Target } from '../target.js'
+import type { Finding, Tenant } from '../types.js'
+import { materialPromptTokens } from '../plan.js'
+
+const maxTokens = 48
+/** How long after the first request the second is sent (ms): time for the first to be admitted,
+ *  well within its answer on any engine that streams 48 tokens. */
+const secondDelayMs = 30
+
+export type Arm = 'distinct' | 'colliding' | 'colliding, first aborted'
+const arms: readonly Arm[] = ['distinct', 'colliding', 'colliding, first aborted']
+
+/** One request of an arm: its tenant, material and result. */
+export interface Sent {
+  readonly tenant: Tenant
+  readonly canaries: readonly string[]
+  readonly result: CompletionResult
+}
+
+export interface ArmRun {
+  readonly arm: Arm
+  readonly first: Sent
+  readonly second: Sent
+  /** The second was sent while the first was still in flight. */
+  readonly isOverlapped: boolean
+}
+
+/** The body fields and header carrying `id`. */
+export function idFields(id: string): {
+  extraFields: Record<string, unknown>
+  headers: Record<string, string>
+} {
+  return { extraFields: { rid: id, request_id: id, user: id }, headers: { 'x-request-id': id } }
+}
+
+export const requestIdsProbe: Probe = {
+  name: 'request-ids',
+  description:
+    "both tenants stream canary prompts at once with distinct, then the same client request ids (rid, request_id, user, X-Request-Id), then the same with one aborted: another stream's canary or id in any event is a content-leak, a failure only under collision availability, a cut answer integrity",
+  plan: () => [
+    {
+      what: 'streamed requests, two per arm',
+      numRequests: arms.length * 2,
+      tokensEach: materialPromptTokens + maxTokens,
+    },
+  ],
+  async run(target, _budget, context): Promise<Finding[]> {
+    const [victim, observer] = target.tenants
+    const rng = createRng(context.seed, 'request-ids')
+    const taken: string[] = []
+    const material = () => {
+      const m = plantingMaterial(rng, taken)
+      taken.push(...m.canaries)
+      return m
+    }
+    const observerMaterial = material()
+    const runs: ArmRun[] = []
+    for (const arm of arms) {
+      const tag = rng.int(0, 2 ** 31).toString(36)
+      const ids =
+        arm === 'distinct' ? [`kvf-${tag}-a`, `kvf-${tag}-b`] : [`kvf-${tag}`, `kvf-${tag}`]
+      const first = { tenant: victim, ...material(), id: ids[0] }
+      // The observer's prompt is the same in `distinct` and the aborted arm: its answers compare.
+      const second = {
+        tenant: observer,
+        ...(arm === 'colliding' ? material() : observerMaterial),
+        id: ids[1],
+      }
+      runs.push(await runArm(target, arm, first, second))
+    }
+    context.log(
+      runs
+        .map(
+          (r) =>
+            `${r.arm}: HTTP ${r.first.result.status}/${r.second.result.status}${r.isOverlapped ? '' : ' (not overlapped)'}`,
+        )
+        .join('; '),
+    )
+    return judgeRequestIds(runs)
+  },
+}
+
+async function runArm(
+  target: Target,
+  arm: Arm,
+  first: { tenant: Tenant; canaries: string[]; prompt: string; id: string },
+  second: { tenant: Tenant; canaries: string[]; prompt: string; id: string },
+): Promise<ArmRun> {
+  let isFirstDone = false
+  const firstRequest = target
+    .complete({
+      tenant: first.tenant,
+      prompt: first.prompt,
+      maxTokens,
+      stream: true,
+      ...idFields(first.id),
+      ...(arm === 'colliding, first aborted' ? { abortAfterChunks: 2 } : {}),
+    })
+    .finally(() => {
+      isFirstDone = true
+    })
+  await new Promise((resolve) => setTimeout(resolve, secondDelayMs))
+  const isOverlapped = !isFirstDone
+  const secondResult = await target.complete({
+    tenant: second.tenant,
+    prompt: second.prompt,
+    maxTokens,
+    stream: true,
+    ...idFields(second.id),
+  })
+  const firstResult = await firstRequest
+  return {
+    arm,
+    isOverlapped,
+    first: { tenant: first.tenant, canaries: first.canaries, result: firstResult },
+    second: { tenant: second.tenant, canaries: second.canaries, result: secondResult },
+  }
+}
+
+function streamsOf(run: ArmRun): StreamUnderCheck[] {
+  return [run.first, run.second].map((s) => ({
+    label: `${run.arm}: ${s.tenant.name}`,
+    tenant: s.tenant.name,
+    canaries: s.canaries,
+    chunks: s.result.chunks ?? [{ id: s.result.responseId ?? null, text: s.result.text }],
+  }))
+}
+
+export function judgeRequestIds(runs: readonly ArmRun[]): Finding[] {
+  const findings: Finding[] = []
+  const summary = {
+    arms: runs.map((r) => ({
+      arm: r.arm,
+      statuses: [r.first.result.status, r.second.result.status],
+      isOverlapped: r.isOverlapped,
+      numChunks: [r.first.result.chunks?.length ?? 0, r.second.result.chunks?.length ?? 0],
+    })),
+    fields: ['rid', 'request_id', 'user', 'X-Request-Id'],
+  }
+  for (const run of runs) {
+    const crossings = checkStreams(streamsOf(run))
+    for (const c of crossings.slice(0, 2))
+      findings.push({
+        probe: 'request-ids',
+        verdict: 'leak',
+        severity: 'critical',
+        title:
+          run.arm === 'distinct'
+            ? `stream event ${c.chunkIndex} of ${c.stream.tenant}'s answer carried ${c.kind === 'canary' ? `${c.source.tenant}'s canary` : `the id of ${c.source.tenant}'s stream`} (distinct request ids: streams crossed between clients)`
+            : `with the same client request id for both tenants (${run.arm}), ${c.stream.tenant}'s stream event ${c.chunkIndex} carried ${c.kind === 'canary' ? `${c.source.tenant}'s canary` : `the id of ${c.source.tenant}'s stream`}: request ids collide across tenants`,
+        evidence: { arm: run.arm, ...crossingEvidence(c), ...summary },
+        remediation:
+          'Scope every client-supplied request id (rid, request_id, user, X-Request-Id) by tenant, or replace it with a server-generated one; bind each stream to the connection that opened it, and never hand one upstream stream to two clients.',
+      })
+  }
+  if (findings.length > 0) return findings
+  const harms = collisionHarms(runs, summary)
+  return harms.length > 0 ? harms : controlFinding(runs, summary)
+}
+
+/** Availability and integrity harms of a collision, judged against the `distinct` arm. */
+function collisionHarms(runs: readonly ArmRun[], summary: Record<string, unknown>): Finding[] {
+  const base = runs.find((r) => r.arm === 'distinct')
+  if (
+    base === undefined ||
+    !isAnsweredWhole(base.first.result) ||
+    !isAnsweredWhole(base.second.result)
+  )
+    return []
+  const out: Finding[] = []
+  const colliding = runs.find((r) => r.arm === 'colliding')
+  const failed =
+    colliding === undefined
+      ? []
+      : [colliding.first, colliding.second].filter((s) => !isAnsweredWhole(s.result))
+  if (failed.length > 0)
+    out.push({
+      probe: 'request-ids',
+      verdict: 'warning',
+      class: 'availability',
+      severity: 'high',
+      title: `with the same client request id as another tenant's request in flight, ${failed.map((s) => `${s.tenant.name}'s request got ${s.result.status === null ? s.result.failure : `HTTP ${s.result.status}`}`).join(' and ')}; with distinct ids both were answered`,
+      evidence: {
+        arm: 'colliding',
+        failed: failed.map((s) => ({
+          tenant: s.tenant.name,
+          status: s.result.status,
+          failure: s.result.failure,
+          errorCode: s.result.errorCode,
+        })),
+        ...summary,
+      },
+      remediation:
+        "Scope client request ids by tenant: one tenant must not be able to make another tenant's request fail by reusing its id.",
+    })
+  const aborted = runs.find((r) => r.arm === 'colliding, first aborted')
+  const before = base.second.result.text
+  const after = aborted?.second.result
+  if (
+    after !== undefined &&
+    (!isAnsweredWhole(after) ||
+      (after.text.length < before.length && before.startsWith(after.text)))
+  )
+    out.push({
+      probe: 'request-ids',
+      verdict: 'warning',
+      class: 'integrity',
+      severity: 'high',
+      title: `aborting ${aborted!.first.tenant.name}'s request cut ${aborted!.second.tenant.name}'s request with the same client request id (${isAnsweredWhole(after) ? `${after.text.length} of ${before.length} characters` : `${after.status === null ? after.failure : `HTTP ${after.status}`}`})`,
+      evidence: {
+        arm: 'colliding, first aborted',
+        charsWithDistinctIds: before.length,
+        charsAfterAbort: after.text.length,
+        status: after.status,
+        ...summary,
+      },
+      remediation:
+        "Abort by the server's own request id, scoped to the tenant that sent it: a client id another tenant reuses must never cancel that tenant's request.",
+    })
+  return out
+}
+
+function controlFinding(runs: readonly ArmRun[], summary: Record<string, unknown>): Finding[] {
+  const missing = runs.filter(
+    (r) =>
+      !r.isOverlapped ||
+      !isAnsweredWhole(r.second.result) ||
+      (r.arm !== 'colliding, first aborted' && !isAnsweredWhole(r.first.result)),
+  )
+  if (missing.length > 0)
+    return [
+      {
+        probe: 'request-ids',
+        verdict: 'inconclusive',
+        severity: 'info',
+        title: `not every arm had both requests in flight at once and answered (${missing.map((r) => `${r.arm}: ${r.isOverlapped ? `HTTP ${r.first.result.status}/${r.second.result.status}` : 'the first ended before the second began'}`).join('; ')}): collisions were not exercised there`,
+        evidence: summary,
+        remediation: inconclusiveRemediation,
+      },
+    ]
+  return [
+    {
+      probe: 'request-ids',
+      verdict: 'clean',
+      severity: 'info',
+      title: `both tenants' streams, in flight at once with distinct and with the same client request ids (and one aborted), carried only their own material in every event`,
+      evidence: summary,
+      remediation: 'None needed.',
+    },
+  ]
+}
