@@ -54,7 +54,11 @@ export function findSecrets(
   for (const m of body.matchAll(bearer))
     hits.push({ kind: 'bearer-token', field: 'Bearer token', length: m[1].length })
   for (const m of body.matchAll(privateKeyBlock))
-    hits.push({ kind: 'private-key', field: m[0].slice(5, -5).trim(), length: m[0].length })
+    hits.push({
+      kind: 'private-key',
+      field: m[0].slice('-----BEGIN '.length, -'-----'.length),
+      length: m[0].length,
+    })
   return hits
 }
 

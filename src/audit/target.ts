@@ -43,6 +43,9 @@ export interface GetOptions {
   /** More request headers (a client request id such as `x-request-id`); never `authorization`,
    *  which only `tenant` sets. */
   readonly headers?: Readonly<Record<string, string>>
+  /** Called once when the response body's first byte arrives (a stream's first event): a probe
+   *  sends what must overlap a request in flight then. */
+  readonly onFirstByte?: () => void
 }
 
 // ─── Completions ─────────────────────────────────────────────────────────────────────────────
@@ -64,8 +67,9 @@ export interface CompletionRequest {
   /** The sender's estimate of the prompt's tokens, for when the answer reports none (what the
    *  prompt ceiling and the outage finding go by). */
   readonly estimatedPromptTokens?: number
-  /** More request headers (see {@link GetOptions}). */
+  /** More request headers, and a call at the first byte (see {@link GetOptions}). */
   readonly headers?: Readonly<Record<string, string>>
+  readonly onFirstByte?: () => void
 }
 
 /** One server-sent event of a streamed answer, in the order it arrived: its `id` (OpenAI's
@@ -279,7 +283,7 @@ export function createTarget(options: TargetOptions): Target {
         contentType = res.headers.get('content-type') ?? ''
         const cap = opts.maxBodyBytes ?? maxBodyBytes
         const isTruncated = await Promise.race([
-          readCapped(res, sentAt, read, opts.abortAfterChunks ?? null, cut, cap),
+          readCapped(res, sentAt, read, opts.abortAfterChunks ?? null, cut, cap, opts.onFirstByte),
           onAbort,
         ])
         const atMs = Date.now() - budget.timeOrigin
@@ -347,6 +351,7 @@ export function createTarget(options: TargetOptions): Target {
       abortAfterChunks: request.abortAfterChunks,
       maxBodyBytes: completionBodyCap(request.maxTokens),
       headers: request.headers,
+      onFirstByte: request.onFirstByte,
     })
     const result = parseCompletion(http, request.stream, scrub)
     ledger?.record(request.tenant.name, request.isValid ?? true, result, budget.remainingMs === 0)
@@ -368,6 +373,7 @@ async function readCapped(
   abortAfterChunks: number | null,
   cut: AbortController,
   capBytes: number,
+  onFirstByte?: () => void,
 ): Promise<boolean> {
   if (!res.body) return false
   const decoder = new TextDecoder()
@@ -375,7 +381,10 @@ async function readCapped(
   let numChunks = 0
   if (abortAfterChunks === 0) cut.abort()
   for await (const chunk of res.body as unknown as AsyncIterable<Uint8Array>) {
-    into.firstByteMs ??= Math.round((performance.now() - sentAt) * 1000) / 1000
+    if (into.firstByteMs === null) {
+      into.firstByteMs = Math.round((performance.now() - sentAt) * 1000) / 1000
+      onFirstByte?.()
+    }
     numBytes += chunk.byteLength
     if (numBytes > capBytes) {
       // Keep what fits; leaving the loop cancels the body (the connection is dropped).

@@ -156,7 +156,7 @@ describe('request-ids', () => {
   })
 })
 
-test('--plan counts the new probes: 3 reads per operational path and 2 plants; 8 near-duplicate requests; 6 streamed requests', async () => {
+test('--plan counts the new probes: 3 reads per operational path and 2 plants; 8 near-duplicate requests; 4 id-field checks and 6 streamed requests', async () => {
   const standIn = await startLayerStandIn({})
   try {
     const plan = await planAudit({
@@ -167,13 +167,13 @@ test('--plan counts the new probes: 3 reads per operational path and 2 plants; 8
     const counts = Object.fromEntries(plan.probes.map((p) => [p.probe, p.numRequests]))
     assert.equal(counts['operational-endpoints'], operationalPaths.length * 3 + 2)
     assert.equal(counts['near-duplicates'], 8)
-    assert.equal(counts['request-ids'], 6)
+    assert.equal(counts['request-ids'], 10)
     assert.deepEqual(
       plan.shares?.map((s) => [s.probe, s.numRequests]),
       [
         ['operational-endpoints', 44],
         ['near-duplicates', 8],
-        ['request-ids', 6],
+        ['request-ids', 10],
       ],
     )
     assert.ok(

@@ -27,15 +27,21 @@ export interface NearDuplicate {
   readonly prompt: string
 }
 
-/** The victim's prompt: four sentences of filler words, the canary inside the first two (so
- *  that an answer echoing the start of its prompt carries it). */
+/** Filler words in the victim's prompt: short enough that its recased and respaced copies (which
+ *  tokenize to more tokens) fit the smallest context an engine serves. */
+const numFillerWords = 16
+
+/** The victim's prompt: four sentences of {@link numFillerWords} filler words, the canary the
+ *  fourth word (so that an answer echoing the start of its prompt carries it). */
 export function victimPrompt(rng: Rng, canary: string): string {
-  const words = plantingPrompt(rng, [canary]).split(' ')
+  const filler = plantingPrompt(rng, [canary])
+    .split(' ')
+    .filter((w) => w !== canary)
+    .slice(0, numFillerWords)
+  const words = [...filler.slice(0, 3), canary, ...filler.slice(3)]
   const sentences: string[] = []
   for (let i = 0; i < words.length; i += Math.ceil(words.length / 4))
     sentences.push(words.slice(i, i + Math.ceil(words.length / 4)).join(' ') + '.')
-  const at = sentences.findIndex((s) => s.includes(canary))
-  if (at > 1) [sentences[1], sentences[at]] = [sentences[at], sentences[1]]
   return sentences.join(' ')
 }
 
@@ -63,7 +69,9 @@ export function nearDuplicates(prompt: string, canary: string, ownCanary: string
     { label: 'recased', prompt: swapCase(prompt) },
     {
       label: 'recased, whitespace changed',
-      prompt: swapCase(prompt).replace(/ /g, '  ').replace(/\. {2}/g, '.\n'),
+      prompt: swapCase(prompt)
+        .replace(/ /g, '  ')
+        .replace(/\. {2}/g, '.\n'),
     },
     { label: 'sentences reordered, recased', prompt: swapCase(reorder(prompt)) },
     { label: 'sentences reordered, own canary', prompt: reorder(own) },
@@ -130,6 +138,7 @@ export function judgeNearDuplicates(seen: {
     nearDuplicates: answers.map((a) => ({
       label: a.duplicate.label,
       status: a.result.status,
+      errorCode: a.result.errorCode,
       sameAnswerIdAsVictim: first.responseId != null && a.result.responseId === first.responseId,
     })),
   }

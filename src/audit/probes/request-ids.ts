@@ -16,14 +16,11 @@ import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
 import { checkStreams, crossingEvidence, type StreamUnderCheck } from '../streams.js'
-import { isAnsweredWhole, type CompletionResult, type Target } from '../target.js'
+import { isAnsweredWhole, outcomeOf, type CompletionResult, type Target } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
 import { materialPromptTokens } from '../plan.js'
 
 const maxTokens = 48
-/** How long after the first request the second is sent (ms): time for the first to be admitted,
- *  well within its answer on any engine that streams 48 tokens. */
-const secondDelayMs = 30
 
 export type Arm = 'distinct' | 'colliding' | 'colliding, first aborted'
 const arms: readonly Arm[] = ['distinct', 'colliding', 'colliding, first aborted']
@@ -43,12 +40,45 @@ export interface ArmRun {
   readonly isOverlapped: boolean
 }
 
-/** The body fields and header carrying `id`. */
-export function idFields(id: string): {
-  extraFields: Record<string, unknown>
-  headers: Record<string, string>
-} {
-  return { extraFields: { rid: id, request_id: id, user: id }, headers: { 'x-request-id': id } }
+/** The body fields that may carry a client request id (the `X-Request-Id` header always does). */
+export const idBodyFields = ['rid', 'request_id', 'user'] as const
+export type IdBodyField = (typeof idBodyFields)[number]
+
+/** The body fields in `fields` and the header, each carrying `id`. */
+export function idFields(
+  id: string,
+  fields: readonly IdBodyField[],
+): { extraFields: Record<string, unknown>; headers: Record<string, string> } {
+  return {
+    extraFields: Object.fromEntries(fields.map((f) => [f, id])),
+    headers: { 'x-request-id': id },
+  }
+}
+
+/** Which id fields the endpoint takes: one short request with all of them; when it is refused
+ *  (kvfence refuses client-chosen `rid` and `request_id`: they cannot collide), one with each
+ *  alone. A refused field is safe from collisions and is left out of the arms. */
+async function acceptedFields(
+  target: Target,
+  tenant: Tenant,
+  tag: string,
+): Promise<{ accepted: IdBodyField[]; refused: IdBodyField[] }> {
+  const ask = async (fields: readonly IdBodyField[]) => {
+    const result = await target.complete({
+      tenant,
+      prompt: 'the river and the stone',
+      maxTokens: 1,
+      stream: false,
+      // Sent to learn whether it is refused: a refusal is an answer here, not a failure.
+      isValid: false,
+      ...idFields(`kvf-${tag}-check-${fields.join('-')}`, fields),
+    })
+    return outcomeOf(result)
+  }
+  if ((await ask(idBodyFields)) !== 'rejected') return { accepted: [...idBodyFields], refused: [] }
+  const accepted: IdBodyField[] = []
+  for (const field of idBodyFields) if ((await ask([field])) === 'accepted') accepted.push(field)
+  return { accepted, refused: idBodyFields.filter((f) => !accepted.includes(f)) }
 }
 
 export const requestIdsProbe: Probe = {
@@ -56,6 +86,11 @@ export const requestIdsProbe: Probe = {
   description:
     "both tenants stream canary prompts at once with distinct, then the same client request ids (rid, request_id, user, X-Request-Id), then the same with one aborted: another stream's canary or id in any event is a content-leak, a failure only under collision availability, a cut answer integrity",
   plan: () => [
+    {
+      what: 'id-field checks: all fields at once, then each alone when refused',
+      numRequests: 1 + idBodyFields.length,
+      tokensEach: 8,
+    },
     {
       what: 'streamed requests, two per arm',
       numRequests: arms.length * 2,
@@ -72,6 +107,7 @@ export const requestIdsProbe: Probe = {
       return m
     }
     const observerMaterial = material()
+    const fields = await acceptedFields(target, victim, rng.int(0, 2 ** 31).toString(36))
     const runs: ArmRun[] = []
     for (const arm of arms) {
       const tag = rng.int(0, 2 ** 31).toString(36)
@@ -84,7 +120,7 @@ export const requestIdsProbe: Probe = {
         ...(arm === 'colliding' ? material() : observerMaterial),
         id: ids[1],
       }
-      runs.push(await runArm(target, arm, first, second))
+      runs.push(await runArm(target, arm, first, second, fields.accepted))
     }
     context.log(
       runs
@@ -94,7 +130,7 @@ export const requestIdsProbe: Probe = {
         )
         .join('; '),
     )
-    return judgeRequestIds(runs)
+    return judgeRequestIds(runs, fields)
   },
 }
 
@@ -103,28 +139,34 @@ async function runArm(
   arm: Arm,
   first: { tenant: Tenant; canaries: string[]; prompt: string; id: string },
   second: { tenant: Tenant; canaries: string[]; prompt: string; id: string },
+  fields: readonly IdBodyField[],
 ): Promise<ArmRun> {
   let isFirstDone = false
+  let onFirstByte = (): void => {}
+  const firstByte = new Promise<void>((resolve) => (onFirstByte = resolve))
   const firstRequest = target
     .complete({
       tenant: first.tenant,
       prompt: first.prompt,
       maxTokens,
       stream: true,
-      ...idFields(first.id),
+      ...idFields(first.id, fields),
       ...(arm === 'colliding, first aborted' ? { abortAfterChunks: 2 } : {}),
+      onFirstByte,
     })
     .finally(() => {
       isFirstDone = true
     })
-  await new Promise((resolve) => setTimeout(resolve, secondDelayMs))
+  // The second goes out once the first is streaming (its first event arrived): admitted, with
+  // its id registered wherever the endpoint keeps one.
+  await Promise.race([firstByte, firstRequest])
   const isOverlapped = !isFirstDone
   const secondResult = await target.complete({
     tenant: second.tenant,
     prompt: second.prompt,
     maxTokens,
     stream: true,
-    ...idFields(second.id),
+    ...idFields(second.id, fields),
   })
   const firstResult = await firstRequest
   return {
@@ -144,7 +186,10 @@ function streamsOf(run: ArmRun): StreamUnderCheck[] {
   }))
 }
 
-export function judgeRequestIds(runs: readonly ArmRun[]): Finding[] {
+export function judgeRequestIds(
+  runs: readonly ArmRun[],
+  fields: { readonly accepted: readonly IdBodyField[]; readonly refused: readonly IdBodyField[] },
+): Finding[] {
   const findings: Finding[] = []
   const summary = {
     arms: runs.map((r) => ({
@@ -153,7 +198,8 @@ export function judgeRequestIds(runs: readonly ArmRun[]): Finding[] {
       isOverlapped: r.isOverlapped,
       numChunks: [r.first.result.chunks?.length ?? 0, r.second.result.chunks?.length ?? 0],
     })),
-    fields: ['rid', 'request_id', 'user', 'X-Request-Id'],
+    fieldsSent: [...fields.accepted, 'X-Request-Id'],
+    fieldsRefused: fields.refused,
   }
   for (const run of runs) {
     const crossings = checkStreams(streamsOf(run))
@@ -261,7 +307,7 @@ function controlFinding(runs: readonly ArmRun[], summary: Record<string, unknown
       probe: 'request-ids',
       verdict: 'clean',
       severity: 'info',
-      title: `both tenants' streams, in flight at once with distinct and with the same client request ids (and one aborted), carried only their own material in every event`,
+      title: `both tenants' streams, in flight at once with distinct and with the same client request ids (${(summary.fieldsSent as string[]).join(', ')}; and with one aborted), carried only their own material in every event${(summary.fieldsRefused as string[]).length > 0 ? `; refused as fields a client may not set: ${(summary.fieldsRefused as string[]).join(', ')}` : ''}`,
       evidence: summary,
       remediation: 'None needed.',
     },
