@@ -1,7 +1,7 @@
 /** Stand-ins for the layers beside and in front of an engine, each with its correct twin, on
  *  127.0.0.1 port 0, for the `operational-endpoints`, `near-duplicates` and `request-ids` probes.
- *  Not a test file itself. The "model" echoes: its answer is the first `max_tokens` words of the
- *  prompt, streamed one word per event (`chunkDelayMs` apart) with the answer's `cmpl-N` id.
+ *  Not a test file itself. The "model" echoes: its answer is `max_tokens` words, the prompt's
+ *  over and over, streamed one word per event (`chunkDelayMs` apart) with the answer's `cmpl-N` id.
  *  Tenants are the keys of standins.ts; `/health` needs no key, everything else does.
  *  - `slots`: llama.cpp's `/slots` (on by default): `prompts` shows each slot's last prompt, as
  *    llama-server does; `hidden`, the twin, shows the slots without their prompts.
@@ -130,10 +130,12 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
   ): void => {
     const prompt = typeof body.prompt === 'string' ? body.prompt : ''
     const maxTokens = typeof body.max_tokens === 'number' ? body.max_tokens : 16
-    const answer = prompt
-      .split(/\s+/)
-      .filter((w) => w !== '')
-      .slice(0, maxTokens)
+    // The prompt's words again and again up to max_tokens: a stream long enough to overlap another.
+    const promptWords = prompt.split(/\s+/).filter((w) => w !== '')
+    const answer = Array.from(
+      { length: promptWords.length === 0 ? 0 : maxTokens },
+      (_, i) => promptWords[i % promptWords.length],
+    )
     slotPrompts[numAnswers % slotPrompts.length] = prompt
     if (body.stream === true) return stream(req, res, tenant, body, answer)
     const cacheKey =

@@ -10,7 +10,7 @@
  *  answered 200: the others are listed as not exercised, and with none read the probe is
  *  inconclusive.
  *  Knows the auditor's requests and secrets.ts; knows nothing of any engine's insides. */
-import { findCanaries, plantingMaterial } from '../canaries.js'
+import { findCanaries, makeCanaries } from '../canaries.js'
 import type { Probe } from '../probe.js'
 import { createRng } from '../rng.js'
 import { findSecrets, type SecretHit } from '../secrets.js'
@@ -74,9 +74,10 @@ export const operationalEndpointsProbe: Probe = {
   async run(target, budget, context): Promise<Finding[]> {
     const [victim, observer] = target.tenants
     const rng = createRng(context.seed, 'operational-endpoints')
-    const first = plantingMaterial(rng)
-    const second = plantingMaterial(rng, first.canaries)
-    const canaries = [...first.canaries, ...second.canaries]
+    // Short prompts (4 canaries, ~100 characters): they fit the smallest pool with their answer.
+    const canaries = makeCanaries(rng, 8)
+    const first = { prompt: canaries.slice(0, 4).join(' ') }
+    const second = { prompt: canaries.slice(4).join(' ') }
     const reads: Read[] = []
     const plant = await target.complete({
       tenant: victim,

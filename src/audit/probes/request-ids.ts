@@ -11,7 +11,7 @@
  *  the first was aborted is `integrity`. Positive control: both requests of each arm in flight at
  *  once and answered.
  *  Knows the auditor's requests and streams.ts; knows nothing of how servers route ids. */
-import { plantingMaterial } from '../canaries.js'
+import { makeCanaries } from '../canaries.js'
 import type { Probe } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
@@ -21,6 +21,10 @@ import type { Finding, Tenant } from '../types.js'
 import { materialPromptTokens } from '../plan.js'
 
 const maxTokens = 48
+/** Canaries in each prompt: ~100 characters, so that prompt and answer fit the smallest pool
+ *  (kvfence's character-level model counts a token a character) and every arm's prompts are
+ *  alike in size (a refusal by size is never mistaken for one caused by a collision). */
+const numCanaries = 4
 
 export type Arm = 'distinct' | 'colliding' | 'colliding, first aborted'
 const arms: readonly Arm[] = ['distinct', 'colliding', 'colliding, first aborted']
@@ -102,9 +106,9 @@ export const requestIdsProbe: Probe = {
     const rng = createRng(context.seed, 'request-ids')
     const taken: string[] = []
     const material = () => {
-      const m = plantingMaterial(rng, taken)
-      taken.push(...m.canaries)
-      return m
+      const canaries = makeCanaries(rng, numCanaries, taken)
+      taken.push(...canaries)
+      return { canaries, prompt: canaries.join(' ') }
     }
     const observerMaterial = material()
     const fields = await acceptedFields(target, victim, rng.int(0, 2 ** 31).toString(36))
