@@ -129,6 +129,7 @@ describe('request-ids', () => {
     assert.ok(
       leaks.some((f) => f.evidence.streamTenant === 'bob' && f.evidence.sourceTenant === 'alice'),
     )
+    assert.ok(leaks.every((f) => typeof f.evidence.requestNumber === 'number'))
   })
 
   test("a relay writing one stream's event to another client: content-leak with distinct ids, naming the event", async () => {

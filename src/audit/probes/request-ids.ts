@@ -216,7 +216,13 @@ export function judgeRequestIds(
           run.arm === 'distinct'
             ? `stream event ${c.chunkIndex} of ${c.stream.tenant}'s answer carried ${c.kind === 'canary' ? `${c.source.tenant}'s canary` : `the id of ${c.source.tenant}'s stream`} (distinct request ids: streams crossed between clients)`
             : `with the same client request id for both tenants (${run.arm}), ${c.stream.tenant}'s stream event ${c.chunkIndex} carried ${c.kind === 'canary' ? `${c.source.tenant}'s canary` : `the id of ${c.source.tenant}'s stream`}: request ids collide across tenants`,
-        evidence: { arm: run.arm, ...crossingEvidence(c), ...summary },
+        evidence: {
+          arm: run.arm,
+          requestNumber: (c.stream.tenant === run.first.tenant.name ? run.first : run.second).result
+            .requestNumber,
+          ...crossingEvidence(c),
+          ...summary,
+        },
         remediation:
           'Scope every client-supplied request id (rid, request_id, user, X-Request-Id) by tenant, or replace it with a server-generated one; bind each stream to the connection that opened it, and never hand one upstream stream to two clients.',
       })
