@@ -15,7 +15,10 @@
  *    hit returns the stored answer, id and all.
  *  - `requestIds`: a gateway that joins a streamed request to the one in flight with the same
  *    client id (`x-request-id`, else `rid`, `request_id`, `user`): `shared` across tenants (the
- *    second gets the first's events, and the first's abort ends both); `per-tenant`, the twin.
+ *    second gets the first's events, and the first's abort ends both); `reject` refuses a second
+ *    request with an id in flight with 409 (any tenant's); `cancel` streams each on its own but
+ *    an abort ends every stream with its id (any tenant's); `per-tenant`, the twin, joins only a
+ *    tenant's own.
  *  - `relay`: `crossing` writes the 3rd event of a stream to another client's stream in flight
  *    (LiteLLM#35023); `clean`, the twin (the default). */
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http'
@@ -26,7 +29,7 @@ export interface LayerOptions {
   readonly slots?: 'prompts' | 'hidden'
   readonly serverInfo?: 'api-key' | 'clean'
   readonly responseCache?: 'shared-exact' | 'shared-semantic' | 'per-tenant'
-  readonly requestIds?: 'shared' | 'per-tenant'
+  readonly requestIds?: 'shared' | 'reject' | 'cancel' | 'per-tenant'
   readonly relay?: 'crossing' | 'clean'
   /** Between streamed events (ms); default 8. */
   readonly chunkDelayMs?: number
@@ -76,6 +79,7 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
   let numAnswers = 0
   const cache = new Map<string, { words: string[]; body: unknown }>()
   const inFlight = new Map<string, Upstream>()
+  const cancelGroups = new Map<string, (() => void)[]>()
   const streams = new Set<ServerResponse>()
   const tenantOf = (req: IncomingMessage): string | null => {
     const auth = req.headers.authorization ?? ''
@@ -170,20 +174,25 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
     body: Record<string, unknown>,
     answer: string[],
   ): void => {
-    res.writeHead(200, { 'content-type': 'text/event-stream' })
-    streams.add(res)
-    res.on('close', () => streams.delete(res))
     const clientId = [req.headers['x-request-id'], body.rid, body.request_id, body.user].find(
       (v) => typeof v === 'string',
     )
     const key =
       clientId === undefined || options.requestIds === undefined
         ? null
-        : options.requestIds === 'shared'
+        : options.requestIds !== 'per-tenant'
           ? clientId
           : `${tenant}\n${clientId}`
     const joined = key === null ? undefined : inFlight.get(key)
-    if (joined !== undefined && !joined.isDone) {
+    if (options.requestIds === 'reject' && joined !== undefined && !joined.isDone)
+      return json(res, 409, {
+        error: { message: `request id ${clientId} is in use`, type: 'conflict', code: 409 },
+      })
+    res.writeHead(200, { 'content-type': 'text/event-stream' })
+    streams.add(res)
+    res.on('close', () => streams.delete(res))
+    const isJoining = options.requestIds === 'shared' || options.requestIds === 'per-tenant'
+    if (isJoining && joined !== undefined && !joined.isDone) {
       joined.clients.add(res)
       return
     }
@@ -193,7 +202,9 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
       isDone: false,
       stop: () => {},
     }
-    if (key !== null) inFlight.set(key, upstream)
+    if (key !== null && (joined === undefined || joined.isDone)) inFlight.set(key, upstream)
+    if (key !== null && options.requestIds === 'cancel')
+      cancelGroups.set(key, [...(cancelGroups.get(key) ?? []), () => finish()])
     let index = 0
     const timer = setInterval(() => {
       if (index >= answer.length) return finish()
@@ -213,9 +224,13 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
       for (const client of upstream.clients)
         if (!client.writableEnded) client.end('data: [DONE]\n\n')
     }
-    // The first client's abort stops the upstream (and so every client joined to it).
+    // The first client's abort stops the upstream (and so every client joined to it); `cancel`
+    // stops every stream with its id.
     res.on('close', () => {
-      if (!res.writableFinished && !upstream.isDone) finish()
+      if (res.writableFinished || upstream.isDone) return
+      finish()
+      if (key !== null && options.requestIds === 'cancel')
+        for (const stop of cancelGroups.get(key) ?? []) stop()
     })
   }
 

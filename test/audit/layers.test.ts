@@ -145,6 +145,32 @@ describe('request-ids', () => {
     )
   })
 
+  test('a gateway refusing an id another tenant has in flight: availability under collision only', async () => {
+    const report = await audit({ requestIds: 'reject' }, 'request-ids')
+    assert.deepEqual(
+      report.findings.map((f) => [f.verdict, f.class, f.title]),
+      [
+        [
+          'warning',
+          'availability',
+          "with the same client request id as another tenant's request in flight, bob's request got HTTP 409; with distinct ids both were answered",
+        ],
+      ],
+    )
+  })
+
+  test("a gateway whose abort ends every stream with the id: integrity, bob's answer cut", async () => {
+    const report = await audit({ requestIds: 'cancel' }, 'request-ids')
+    const found = report.findings.map((f) => [f.verdict, f.class, f.evidence.charsWithDistinctIds])
+    assert.equal(found.length, 1)
+    assert.deepEqual(found[0].slice(0, 2), ['warning', 'integrity'])
+    assert.match(
+      report.findings[0].title,
+      /^aborting alice's request cut bob's request with the same client request id/,
+    )
+    assert.ok((report.findings[0].evidence.charsAfterAbort as number) < (found[0][2] as number))
+  })
+
   test('the twins (ids scoped by tenant; a clean relay) are clean, with both requests of every arm in flight at once', async () => {
     for (const options of [{ requestIds: 'per-tenant' }, { relay: 'clean' }] as const) {
       const report = await audit({ ...options, chunkDelayMs: 15 }, 'request-ids')

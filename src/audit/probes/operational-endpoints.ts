@@ -198,7 +198,7 @@ export function judgeReads(
       probe: 'operational-endpoints',
       verdict: 'clean',
       severity: 'info',
-      title: `${exercised.length} operational endpoints read (${exercised.join(', ')}): no canary of ${victim.name} and no secret in any body${notExercised.length > 0 ? `; not exercised (not served): ${notExercised.join(', ')}` : ''}`,
+      title: `${exercised.length} operational endpoints read (${exercised.join(', ')}): no canary of ${victim.name} and no secret in any body${notExercised.length > 0 ? `; not exercised (no 200 with either key or none): ${notExercised.join(', ')}` : ''}`,
       evidence: coverage,
       remediation: 'None needed.',
     },

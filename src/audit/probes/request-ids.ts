@@ -243,19 +243,23 @@ function collisionHarms(runs: readonly ArmRun[], summary: Record<string, unknown
     return []
   const out: Finding[] = []
   const colliding = runs.find((r) => r.arm === 'colliding')
-  const failed =
-    colliding === undefined
-      ? []
-      : [colliding.first, colliding.second].filter((s) => !isAnsweredWhole(s.result))
+  const aborted = runs.find((r) => r.arm === 'colliding, first aborted')
+  // Refused or failed outright (no 2xx): the collision's availability harm, in either colliding
+  // arm; a 2xx cut short after the other's abort is the integrity harm below.
+  const isRefused = (s: Sent) => s.result.status === null || s.result.status >= 300
+  const failed = [
+    ...(colliding === undefined ? [] : [colliding.first, colliding.second]),
+    ...(aborted === undefined ? [] : [aborted.second]),
+  ].filter((s) => isRefused(s) || (s === colliding?.first && !isAnsweredWhole(s.result)))
+  const failedTenants = [...new Set(failed.map((s) => s.tenant.name))]
   if (failed.length > 0)
     out.push({
       probe: 'request-ids',
       verdict: 'warning',
       class: 'availability',
       severity: 'high',
-      title: `with the same client request id as another tenant's request in flight, ${failed.map((s) => `${s.tenant.name}'s request got ${s.result.status === null ? s.result.failure : `HTTP ${s.result.status}`}`).join(' and ')}; with distinct ids both were answered`,
+      title: `with the same client request id as another tenant's request in flight, ${failedTenants.map((name) => `${name}'s request got ${[...new Set(failed.filter((s) => s.tenant.name === name).map((s) => (s.result.status === null ? s.result.failure : `HTTP ${s.result.status}`)))].join(', ')}`).join(' and ')}; with distinct ids both were answered`,
       evidence: {
-        arm: 'colliding',
         failed: failed.map((s) => ({
           tenant: s.tenant.name,
           status: s.result.status,
@@ -267,25 +271,25 @@ function collisionHarms(runs: readonly ArmRun[], summary: Record<string, unknown
       remediation:
         "Scope client request ids by tenant: one tenant must not be able to make another tenant's request fail by reusing its id.",
     })
-  const aborted = runs.find((r) => r.arm === 'colliding, first aborted')
   const before = base.second.result.text
-  const after = aborted?.second.result
+  const after = aborted?.second
   if (
     after !== undefined &&
-    (!isAnsweredWhole(after) ||
-      (after.text.length < before.length && before.startsWith(after.text)))
+    !isRefused(after) &&
+    (!isAnsweredWhole(after.result) ||
+      (after.result.text.length < before.length && before.startsWith(after.result.text)))
   )
     out.push({
       probe: 'request-ids',
       verdict: 'warning',
       class: 'integrity',
       severity: 'high',
-      title: `aborting ${aborted!.first.tenant.name}'s request cut ${aborted!.second.tenant.name}'s request with the same client request id (${isAnsweredWhole(after) ? `${after.text.length} of ${before.length} characters` : `${after.status === null ? after.failure : `HTTP ${after.status}`}`})`,
+      title: `aborting ${aborted!.first.tenant.name}'s request cut ${after.tenant.name}'s request with the same client request id (${after.result.failure === null ? `${after.result.text.length} of ${before.length} characters` : `HTTP ${after.result.status}, ${after.result.failure}`})`,
       evidence: {
         arm: 'colliding, first aborted',
         charsWithDistinctIds: before.length,
-        charsAfterAbort: after.text.length,
-        status: after.status,
+        charsAfterAbort: after.result.text.length,
+        status: after.result.status,
         ...summary,
       },
       remediation:
@@ -317,7 +321,7 @@ function controlFinding(runs: readonly ArmRun[], summary: Record<string, unknown
       probe: 'request-ids',
       verdict: 'clean',
       severity: 'info',
-      title: `both tenants' streams, in flight at once with distinct and with the same client request ids (${(summary.fieldsSent as string[]).join(', ')}; and with one aborted), carried only their own material in every event${(summary.fieldsRefused as string[]).length > 0 ? `; refused as fields a client may not set: ${(summary.fieldsRefused as string[]).join(', ')}` : ''}`,
+      title: `both tenants' streams, in flight at once with distinct and with the same client request ids (${(summary.fieldsSent as string[]).join(', ')}; and with one aborted), carried only their own material in every event${(summary.fieldsRefused as string[]).length > 0 ? `; refused by the endpoint (so they cannot collide): ${(summary.fieldsRefused as string[]).join(', ')}` : ''}`,
       evidence: summary,
       remediation: 'None needed.',
     },
