@@ -551,8 +551,9 @@ function planProbes(
     isAggressive,
     chunkedPrefillTokens: discovery.chunkedPrefillTokens,
   }
-  const isSized = planned.some((p) => probesThatSize.includes(p))
-  const probePlans = planned.map((name) => probePlan(name, probes[name].plan?.(input) ?? []))
+  // The audit's calibration completions are sent for the probes that size prompts in tokens.
+  const isSized = planned.some((p) => probes[p].isSizing === true)
+  const probePlans = planned.map((name) => probePlan(name, probes[name].plan(input)))
   const isCompletionSent =
     isSized || probePlans.some((p) => p.requests.some((r) => r.numRequests > 0 && r.tokensEach > 0))
   const own = probePlan('audit', [
@@ -587,16 +588,6 @@ function probeShares(
   const shares = shareBudget(probePlans, config.budget, own.numRequests)
   return new Map(shares.map((s) => [s.probe, { requests: s.numRequests, ms: s.seconds * 1000 }]))
 }
-
-/** Probes that calibrate token counts (the audit's calibration completions are theirs). */
-const probesThatSize: readonly ProbeName[] = [
-  'boundary',
-  'canary',
-  'abort-retry',
-  'prefix-timing',
-  'warm-equals-cold',
-  'evict-then-return',
-]
 
 /** The exit code `kvfence audit` uses: 1 when the endpoint went down during the audit (an
  *  outage finding fails every gate), or when a finding fails the gate `failOn` (gate.ts: by

@@ -16,7 +16,7 @@ import { BudgetExhaustedError, runUntilExhausted } from '../budget.js'
 import { makeCanaries } from '../canaries.js'
 import type { Budget } from '../budget.js'
 import type { Probe, ProbeContext } from '../probe.js'
-import { inconclusiveRemediation } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import { firstCeilingTokens } from '../prompt-ceiling.js'
 import { ksTwoSample, median, type KsResult } from '../stats.js'
@@ -62,6 +62,11 @@ export const prefixTimingProbe: Probe = {
   name: 'prefix-timing',
   description:
     "TTFT of another tenant's prefix (hit) vs a fresh one (miss), two-sample Kolmogorov–Smirnov test with the same tenant's reuse as positive control; cached_tokens read as a direct signal; and whether another tenant's flood of prefixes evicts one's own (cached_tokens)",
+  class: 'side-channel',
+  // kvfence's prefix cache is keyed by a salt the server derives from the tenant: a design
+  // property, not one of the numbered guards.
+  controls: { aisvs: [aisvsKvPartitioning], guards: [] },
+  isSizing: true,
   plan: ({ limits, poolTokens, contextTokens }) => {
     const sizes = [poolTokens, contextTokens].filter((n) => n !== null)
     const prefixTokens = Math.min(
