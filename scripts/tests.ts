@@ -29,11 +29,9 @@ if (files === undefined) {
   process.stderr.write(`tests: give a tier: all, unit or process (got ${String(tier)})\n`)
   process.exit(2)
 }
-// Unit files compute, but many of them also wait (a stand-in's pace between tokens, an audit's
-// requests one at a time, a connection left idle past a timeout): two per core keeps the cores
-// busy while some wait (on two cores: 1 m 41 s with one per core, 50 s of it CPU). Process files
-// mostly wait on their clusters: three at a time on two cores, as before the tiers.
-const unitConcurrency = 2 * availableParallelism()
+// Unit files only compute: one per core. Process files mostly wait on their clusters: three at a
+// time on two cores, as before the tiers.
+const unitConcurrency = availableParallelism()
 const run = spawnSync(
   process.execPath,
   [
