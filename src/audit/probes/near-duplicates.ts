@@ -83,6 +83,9 @@ export function nearDuplicates(prompt: string, canary: string, ownCanary: string
 
 export const nearDuplicatesProbe: Probe = {
   name: 'near-duplicates',
+  class: 'content-leak',
+  // Layers beside and in front of the engine: no KV page is involved, no guard applies.
+  controls: { aisvs: [], guards: [] },
   description:
     "tenant A sends a canary prompt and repeats it (a cache's positive control); tenant B sends near-duplicates without A's canary (recased, reordered, a word added or dropped): A's canary or A's answer in B's answer is a content-leak (a response or semantic cache keyed without the tenant)",
   plan: () => [

@@ -57,6 +57,9 @@ const secretRemediation =
 
 export const operationalEndpointsProbe: Probe = {
   name: 'operational-endpoints',
+  class: 'content-leak',
+  // Layers beside and in front of the engine: no KV page is involved, no guard applies.
+  controls: { aisvs: [], guards: [] },
   description:
     "reads every read-only operational endpoint (/slots, /props, /server_info, /metrics, …) as tenant B and with no key, after and while tenant A's canary requests run: A's canary in a body is a content-leak, a served secret a credential-exposure (redacted)",
   plan: () => [

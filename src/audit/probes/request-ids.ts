@@ -87,6 +87,9 @@ async function acceptedFields(
 
 export const requestIdsProbe: Probe = {
   name: 'request-ids',
+  class: 'content-leak',
+  // Layers beside and in front of the engine: no KV page is involved, no guard applies.
+  controls: { aisvs: [], guards: [] },
   description:
     "both tenants stream canary prompts at once with distinct, then the same client request ids (rid, request_id, user, X-Request-Id), then the same with one aborted: another stream's canary or id in any event is a content-leak, a failure only under collision availability, a cut answer integrity",
   plan: () => [
