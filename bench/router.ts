@@ -29,7 +29,20 @@
  *    system) over each throughput run ÷ the requests it completed, and `router_to_direct_cpu_ratio`
  *    (direct ÷ via router). On a shared machine the rates swing with other processes' load,
  *    while the CPU a request costs moves far less: the better figure to compare two versions by.
- *  Every figure is the median over `--repeats` (default 5) repeats.
+ *  Every figure is the median over `--repeats` (default 5) repeats; every ratio is the median of
+ *  per-repeat ratios of its two sides run beside each other (which goes first alternating), with
+ *  its spread (`NAME_spread`: min, quartiles, max, n; bench/ratio.ts).
+ *  - The floor (router-floors.ts): the same streamed request through nginx and haproxy in front of
+ *    the same router, per triple with the router and the direct path: the router's added latency
+ *    and CPU per streamed request beside a plain relay's, and `router_minus_floor_p50_ms` (goals:
+ *    ≤ 0.2 ms over the floor, ≤ 0.3 ms added). A floor whose binary is absent says so.
+ *  - The Responses path and the gateway (router-responses.ts): added latency of a streamed
+ *    `/v1/responses` through the router and through the gateway, and the gateway's isolation
+ *    self-check's cost (requests, tokens, seconds).
+ *  - `--baseline DIR` (router-baseline.ts): this build's router against another build's (DIR's
+ *    `dist/bench/router.js`), CPU per streamed request as a ratio with its spread.
+ *  - `load_average_at_start`/`_at_end`: the machine's load (1, 5, 15 min) around the run: a
+ *    figure without its load cannot be compared with another.
  *  The stand-ins name their transfer port in each `reserved` event, as kvfence's decode worker
  *  does (an older worker's `/server_info`-only address would add a round trip the bench is not
  *  about).
@@ -52,8 +65,9 @@
  *  The router reaches the stand-ins over the control channel, which they serve as workers do.
  *
  *  Args: `--repeats N` (default 5), `--requests N` per repeat and path (default 400),
- *  `--seconds S` of each throughput run (default 3), `--clients N` (default 64),
- *  `--part floor`. */
+ *  `--seconds S` of each throughput run (default 3), `--clients N` (default 64), `--baseline DIR`,
+ *  `--part P` to run one part only: main, https, redis, relay-floors, responses, baseline (with
+ *  `--baseline`), or floor (the control-plane floor above, never run by default). */
 import { fork } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
