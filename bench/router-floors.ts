@@ -22,6 +22,7 @@ import type http from 'node:http'
 import { fileURLToPath } from 'node:url'
 import { pino } from 'pino'
 import { startRouter } from '../src/router/start.js'
+import { forkTokenizer } from '../src/router/tokenize/tokenizer-fork.js'
 import { apiKeyDigest } from '../src/router/tenants/tenants.js'
 import { keys, writeTestTokenizer } from '../test/router/helpers.js'
 import { type AbsentFloor, type FloorName, type RelayFloor, startFloor } from './relay-floors.js'
@@ -199,6 +200,7 @@ async function serveLoneRouter(e: Endpoints): Promise<void> {
     log: pino({ level: 'warn' }),
     workerWaitMs: 0,
     tokenizerProcessesOnDemand: true,
+    startTokenizer: forkTokenizer, // as `kvfence router` starts them
     queue: { maxConcurrentRequests: 256, maxQueuedRequests: 1024 },
     logContent: false,
   })

@@ -83,6 +83,7 @@ import { type Limiter, createLimiter } from '../src/router/admission/limits.js'
 import { queueLimitDefaults } from '../src/router/admission/queue-limits.js'
 import { createRedisLimitStore } from '../src/router/admission/redis-limits.js'
 import { startRouter } from '../src/router/start.js'
+import { forkTokenizer } from '../src/router/tokenize/tokenizer-fork.js'
 import { apiKeyDigest } from '../src/router/tenants/tenants.js'
 import { initCerts } from '../src/cli/certs.js'
 import { GenerateRequest, PrefillRequest } from '../src/control/messages.js'
@@ -417,6 +418,8 @@ async function serve(certs: string): Promise<void> {
     log: h.logs.log,
     workerWaitMs: 0,
     https: { cert: join(certs, 'router.crt'), key: join(certs, 'router.key') },
+    startTokenizer: forkTokenizer,
+    tokenizerProcessesOnDemand: true, // the bench's prompts are short: tokenized inline
   })
   // Count the router's socket writes to its clients (server-side sockets on the router's port).
   let numWrites = 0
