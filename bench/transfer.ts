@@ -27,7 +27,7 @@ import { fileURLToPath } from 'node:url'
 import { createAuthority, issuePartCert, validityDays } from '../src/cli/certs.js'
 import { buildFaultConfig } from '../src/engine/faults.js'
 import { generateLocal } from '../src/engine/local-engine.js'
-import { createWorkerCore, gatherPage, scatterPage } from '../src/engine/worker-core.js'
+import { createWorkerCore, gatherPage, pageSlices, scatterPage } from '../src/engine/worker-core.js'
 import { makeGuards } from '../src/kv/guards.js'
 import { KvPool, type PoolShape } from '../src/kv/pool.js'
 import { loadModel } from '../src/model/weights.js'
@@ -107,6 +107,10 @@ async function runChild(): Promise<void> {
         writePage: (ordinal, tokens, payload) => {
           pool.noteWrite(lease, ordinal * shape.pageSize, tokens)
           scatterPage(pool, lease.pages[ordinal].page, payload)
+        },
+        placePage: (ordinal, tokens) => {
+          pool.noteWrite(lease, ordinal * shape.pageSize, tokens)
+          return pageSlices(pool, lease.pages[ordinal].page)
         },
         complete: done,
         abort: done,
