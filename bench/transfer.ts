@@ -184,6 +184,10 @@ async function timeTransfer(client: TransferClient, pool: KvPool, shape: Shape):
       gatherPage(pool, ordinal, dst)
       return Math.min(shape.pageSize, shape.numTokens - ordinal * shape.pageSize)
     },
+    viewPage: (ordinal) => ({
+      tokensOnPage: Math.min(shape.pageSize, shape.numTokens - ordinal * shape.pageSize),
+      views: pageSlices(pool, ordinal),
+    }),
   })
   return (performance.now() - t0) / 1000
 }

@@ -371,17 +371,12 @@ export class DecodeWorker {
       pool.unpin(promptPages)
       return true
     }
-    return {
+    const reservation: Reservation = {
       pageSize: pool.shape.pageSize,
       writePage: (ordinal, tokensOnPage, payload) => {
         if (isSettled) throw ended()
         if (entry.cancel !== null) throw entry.cancel // → NACK, then abort() frees the pages
         this.writePage(info, promptPages, { ordinal, tokensOnPage, payload })
-      },
-      placePage: (ordinal, tokensOnPage) => {
-        if (isSettled) throw ended()
-        if (entry.cancel !== null) throw entry.cancel // → NACK, then abort() frees the pages
-        return this.placePage(info, promptPages, ordinal, tokensOnPage)
       },
       complete: (firstTokenId) => {
         if (isSettled) throw ended()
@@ -412,6 +407,17 @@ export class DecodeWorker {
         entry.settle(err)
       },
     }
+    // The copy-free path (payloads land in the pool's slices). Not enumerable: a wrapper that
+    // spreads this reservation and replaces writePage must still see every page through it.
+    Object.defineProperty(reservation, 'placePage', {
+      enumerable: false,
+      value: (ordinal: number, tokensOnPage: number): Uint8Array[] => {
+        if (isSettled) throw ended()
+        if (entry.cancel !== null) throw entry.cancel // → NACK, then abort() frees the pages
+        return this.placePage(info, promptPages, ordinal, tokensOnPage)
+      },
+    })
+    return reservation
   }
 
   /** Write one received page into the prompt's pages: bounds first (whatever the guards), then

@@ -112,6 +112,16 @@ export class FrameParser {
     return this.numAssembled + (this.streaming?.numSmall ?? 0)
   }
 
+  /** Stop delivering the PAGES frame being streamed: the rest of its bytes are consumed unseen, and
+   *  nothing more is copied into the views handed out for it (their owner may have let go of
+   *  them). No effect between frames. */
+  skipPages(): void {
+    const s = this.streaming
+    if (s === null) return
+    s.part = 'skip'
+    s.views = []
+  }
+
   /** Assert the parser's invariants. @throws Error naming the broken one. */
   check(): void {
     if (this.numAssembled > this.assembly.length)

@@ -1,8 +1,10 @@
 /** The receiving side (D) of one transfer connection, without the socket: bytes in through
- *  `push`, frames out through `io.write`. It verifies every transfer (G4, G10), copies verified
- *  pages into the reservation the hooks hand out, and ends every transfer it started exactly once:
- *  `complete` (then ACK) or `abort` (after NACK, ABORT, teardown or close) — and `abort` only once
- *  nothing more can be written into that reservation (G7).
+ *  `push`, frames out through `io.write`. It verifies every transfer (G4, G10), receives its pages
+ *  into the reservation the hooks hand out (straight into the reserved pages with `placePage`: a
+ *  page is checked at its head, copied once from the socket's chunks, then its checksum verified
+ *  where it landed; a page that fails ends the transfer), and ends every transfer it started
+ *  exactly once: `complete` (then ACK) or `abort` (after NACK, ABORT, teardown or close) — and
+ *  `abort` only once nothing more can be written into that reservation (G7).
  *  Knows frames, checks and the hooks' contract; knows nothing of TCP, pools or the model.
  *
  *  The checks, in the order they run, each with the guard that switches it (`always` = memory
@@ -608,6 +610,12 @@ export class ReceiveSession {
 
   /** Take `t` out of the active set: no frame reaches its reservation after this. */
   private end(t: ActiveTransfer): void {
+    if (this.receiving === t) {
+      // Ended mid-frame (stall timer): not one more byte may land in pages it no longer holds.
+      this.receiving = null
+      this.arriving = null
+      this.parser.skipPages()
+    }
     t.isOpen = false
     clearTimeout(t.timer)
     this.transfers.delete(t.info.transferId)

@@ -7,7 +7,7 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import fc from 'fast-check'
-import type { BeginInfo, Reservation } from '../../src/transfer/receive-session.js'
+import { waitUntil } from '../helpers/poll.js'
 import { pageChecksum, pageChecksumOf } from '../../src/transfer/checksum.js'
 import {
   encodeAck,
@@ -17,8 +17,7 @@ import {
 } from '../../src/transfer/frames.js'
 import { FrameParser } from '../../src/transfer/parser.js'
 import {
-  RecordingHooks,
-  RecordingReservation,
+  PlacedHooks,
   SessionHarness,
   beginBytes,
   endBytes,
@@ -27,6 +26,8 @@ import {
   pagesBytes,
   rid,
   tid,
+  viewsOf,
+  type PlacedReservation,
 } from './fixtures.js'
 
 /** What arrived of one page, and whether its checksum held. */
@@ -38,29 +39,9 @@ interface Received {
   isIntact: boolean
 }
 
-/** `stream` cut at `cuts` (offsets, any order, duplicates allowed). */
-function chunked(stream: Uint8Array, cuts: number[]): Uint8Array[] {
-  const at = [...new Set(cuts.map((c) => c % (stream.length + 1)))].sort((a, b) => a - b)
-  const chunks: Uint8Array[] = []
-  let from = 0
-  for (const cut of [...at, stream.length]) {
-    chunks.push(stream.subarray(from, cut))
-    from = cut
-  }
-  return chunks
-}
-
-/** Views of `bytes` cut at `cuts` (empty views included, as a pool may hand out none). */
-function viewsOf(bytes: Uint8Array, cuts: number[]): Uint8Array[] {
-  const at = cuts.map((c) => c % (bytes.length + 1)).sort((a, b) => a - b)
-  const views: Uint8Array[] = []
-  let from = 0
-  for (const cut of [...at, bytes.length]) {
-    views.push(bytes.subarray(from, cut))
-    from = cut
-  }
-  return views
-}
+/** `stream` cut at `cuts` into chunks (empty ones included: a socket never sends them, the
+ *  parser must not mind). */
+const chunked = viewsOf
 
 /** Parse `chunks` streaming PAGES into views cut at `viewCuts`. */
 function streamPages(chunks: Uint8Array[], viewCuts: number[]) {
@@ -216,42 +197,6 @@ describe('PAGES streamed into page views', () => {
   })
 })
 
-/** A reservation that takes payloads in place, in views of its own memory. */
-class PlacedReservation extends RecordingReservation {
-  readonly memory: Uint8Array
-  constructor(
-    info: BeginInfo,
-    pageSize: number,
-    private readonly viewCuts: number[],
-  ) {
-    super(info, pageSize)
-    this.memory = new Uint8Array(info.numPages * info.pageBytes)
-  }
-
-  placePage(ordinal: number, tokensOnPage: number): Uint8Array[] {
-    if (this.isEnded) this.violations.push(`placePage(${ordinal}) after the transfer ended`)
-    this.events.push(`place ${ordinal}`)
-    const page = this.memory.subarray(
-      ordinal * this.info.pageBytes,
-      (ordinal + 1) * this.info.pageBytes,
-    )
-    this.written.set(ordinal, { tokensOnPage, payload: page })
-    return viewsOf(page, this.viewCuts)
-  }
-}
-
-class PlacedHooks extends RecordingHooks {
-  constructor(private readonly viewCuts: number[]) {
-    super()
-  }
-  override begin(info: BeginInfo): Reservation {
-    if (this.refuseBegin) throw this.refuseBegin
-    const r = new PlacedReservation(info, this.pageSize, this.viewCuts)
-    this.reservations.push(r)
-    return r
-  }
-}
-
 describe('receive session with placePage', () => {
   const specArb = fc.record({
     numTokens: fc.integer({ min: 1, max: 40 }),
@@ -318,5 +263,36 @@ describe('receive session with placePage', () => {
       }),
       { numRuns: 150 },
     )
+  })
+})
+
+describe('a transfer ended mid-frame', () => {
+  it('gets no more bytes in its pages: the rest of the frame is skipped (stalled)', async () => {
+    const spec = makeSpec(8, 4, 1000)
+    const hooks = new PlacedHooks([300])
+    const h = new SessionHarness({ stallTimeoutMs: 50 }, hooks)
+    hooks.expect(spec)
+    const frame = pagesBytes(spec, [0, 1])
+    const cut = 8 + 34 + 20 + 500 // halfway through page 0's payload
+    h.push(helloBytes(), beginBytes(spec), frame.subarray(0, cut))
+    const r = hooks.of(spec.transferId) as PlacedReservation
+    assert.deepEqual(
+      Buffer.from(r.memory.subarray(0, 500)),
+      Buffer.from(spec.pages[0].subarray(0, 500)),
+    )
+    await waitUntil(() => h.nackReasonsFor(spec.transferId).length > 0, {
+      timeoutMs: 30_000,
+      intervalMs: 20,
+      what: 'the stall NACK',
+    })
+    assert.deepEqual(h.nackReasonsFor(spec.transferId), ['stalled'])
+    h.push(frame.subarray(cut), endBytes(spec))
+    assert.ok(
+      r.memory.subarray(500).every((b) => b === 0),
+      'bytes landed after the transfer ended',
+    )
+    assert.equal(r.numAborts, 1)
+    assert.equal(r.completedWith, null)
+    assert.deepEqual(hooks.violations, [])
   })
 })
