@@ -28,7 +28,7 @@ import { fileURLToPath } from 'node:url'
 import { createAuthority, issuePartCert, validityDays } from '../src/cli/certs.js'
 import { buildFaultConfig } from '../src/engine/faults.js'
 import { generateLocal } from '../src/engine/local-engine.js'
-import { createWorkerCore, gatherPage, scatterPage } from '../src/engine/worker-core.js'
+import { createWorkerCore, gatherPage, pageSlices, scatterPage } from '../src/engine/worker-core.js'
 import { makeGuards } from '../src/kv/guards.js'
 import { KvPool, type PoolShape } from '../src/kv/pool.js'
 import { loadModel } from '../src/model/weights.js'
@@ -110,6 +110,10 @@ async function runChild(): Promise<void> {
           pool.noteWrite(lease, ordinal * shape.pageSize, tokens)
           scatterPage(pool, lease.pages[ordinal].page, payload)
         },
+        placePage: (ordinal, tokens) => {
+          pool.noteWrite(lease, ordinal * shape.pageSize, tokens)
+          return pageSlices(pool, lease.pages[ordinal].page)
+        },
         complete: done,
         abort: done,
       }
@@ -182,6 +186,10 @@ async function timeTransfer(client: TransferClient, pool: KvPool, shape: Shape):
       gatherPage(pool, ordinal, dst)
       return Math.min(shape.pageSize, shape.numTokens - ordinal * shape.pageSize)
     },
+    viewPage: (ordinal) => ({
+      tokensOnPage: Math.min(shape.pageSize, shape.numTokens - ordinal * shape.pageSize),
+      views: pageSlices(pool, ordinal),
+    }),
   })
   return (performance.now() - t0) / 1000
 }
