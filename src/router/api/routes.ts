@@ -1,7 +1,7 @@
 /** The router's HTTP API: an OpenAI-compatible gateway in front of a {@link Backend} — kvfence's
  *  own workers, or (gateway mode) another engine's OpenAI API.
  *  `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (plain and SSE),
- *  `GET|DELETE /v1/responses/{id}` (../responses/), `GET /v1/models`,
+ *  `GET|DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` (../responses/), `GET /v1/models`,
  *  `GET /v1/models/{id}`, `GET|HEAD /health`, `GET /server_info`, `GET /metrics`.
  *  While the router drains (../drain.ts), generation and model requests get 503 `shutting_down`
  *  and `/health` 503; `/server_info` and `/metrics` still answer, for the operator.
@@ -20,7 +20,12 @@ import type { Backend } from '../backend.js'
 import type { RouterConfig } from '../config.js'
 import { type Drain, ShuttingDownError } from '../drain.js'
 import { type GenerationRoute, completionRoutes, serveGeneration } from '../generation.js'
-import { deleteResponse, responsesRoute, retrieveResponse } from '../responses/api.js'
+import {
+  deleteResponse,
+  listInputItems,
+  responsesRoute,
+  retrieveResponse,
+} from '../responses/api.js'
 import { ResponseStore } from '../responses/store.js'
 import { sendError, sendJson } from './http.js'
 import type { Limiter } from '../admission/limits.js'
@@ -121,6 +126,10 @@ async function route(deps: Routes, req: IncomingMessage, res: ServerResponse): P
     const tenant = authenticate(deps.tenants, req)
     if (req.method === 'GET') return retrieveResponse(deps.store, tenant, responseId, res)
     return deleteResponse(deps.store, tenant, responseId, res)
+  }
+  const listedId = inputItemsIdOf(path)
+  if (listedId !== null && req.method === 'GET') {
+    return listInputItems(deps.store, authenticate(deps.tenants, req), listedId, req.url, res)
   }
   if (req.method === 'GET' && path.startsWith('/v1/models/')) {
     authenticate(deps.tenants, req)
@@ -227,6 +236,15 @@ function storedResponseIdOf(path: string): string | null {
   if (!path.startsWith(prefix)) return null
   const id = path.slice(prefix.length)
   return id.includes('/') ? null : id
+}
+
+/** The `{id}` of `/v1/responses/{id}/input_items`, or null for another path. */
+function inputItemsIdOf(path: string): string | null {
+  const prefix = '/v1/responses/'
+  const suffix = '/input_items'
+  if (!path.startsWith(prefix) || !path.endsWith(suffix)) return null
+  const id = path.slice(prefix.length, -suffix.length)
+  return id === '' || id.includes('/') ? null : id
 }
 
 /** The decoded path of a request URL ('' when it does not parse or has a dot segment: it then
