@@ -2,7 +2,8 @@
  *  own workers, or (gateway mode) another engine's OpenAI API.
  *  `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (plain and SSE),
  *  `GET|DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` (../responses/), `GET /v1/models`,
- *  `GET /v1/models/{id}`, `GET|HEAD /health`, `GET /server_info`, `GET /metrics`.
+ *  `GET /v1/models/{id}`, `GET|HEAD /health`, `GET /server_info`, `GET /metrics`, and the
+ *  operator's `POST /isolation_self_check` (./operator.ts: the cluster token, never a tenant key).
  *  While the router drains (../drain.ts), generation and model requests get 503 `shutting_down`
  *  and `/health` 503; `/server_info` and `/metrics` still answer, for the operator.
  *  No endpoint takes a request id from a client: ids are drawn here (128 random bits), and a
@@ -28,6 +29,7 @@ import {
 } from '../responses/api.js'
 import { ResponseStore } from '../responses/store.js'
 import { sendError, sendJson } from './http.js'
+import { runSelfCheckNow, selfCheckPath } from './operator.js'
 import type { Limiter } from '../admission/limits.js'
 import type { Sentinel } from '../sentinel/sentinel.js'
 import type { RouterMetrics } from '../metrics/metrics.js'
@@ -52,6 +54,9 @@ export interface RouterDeps {
   sentinel: Sentinel
   /** The Responses API's stored responses (a new, empty store when not given). */
   responseStore?: ResponseStore
+  /** The cluster token that authenticates operator actions (./operator.ts); null or absent:
+   *  they are off. */
+  operatorToken?: string | null
 }
 
 /** A `node:http` request handler. */
@@ -120,6 +125,8 @@ async function route(deps: Routes, req: IncomingMessage, res: ServerResponse): P
       )
     case 'POST /v1/responses':
       return serveGeneration(deps, deps.responsesRoute, req, res, authenticate(deps.tenants, req))
+    case `POST ${selfCheckPath}`:
+      return runSelfCheckNow(deps.operatorToken ?? null, backend, deps.log, req, res)
   }
   const responseId = storedResponseIdOf(path)
   if (responseId !== null && (req.method === 'GET' || req.method === 'DELETE')) {
@@ -227,6 +234,7 @@ const allowedMethods = new Map([
   ['/v1/chat/completions', 'POST'],
   ['/v1/completions', 'POST'],
   ['/v1/responses', 'POST'],
+  [selfCheckPath, 'POST'],
 ])
 
 /** The `{id}` of `/v1/responses/{id}` (any string but one holding a slash: the store judges
