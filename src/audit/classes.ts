@@ -96,6 +96,7 @@ export const probeClass: Readonly<Record<FindingSource, FindingClass>> = {
   'warm-equals-cold': 'integrity',
   'evict-then-return': 'integrity',
   'error-handling': 'error-handling',
+  entrypoints: 'content-leak',
   availability: 'availability',
 }
 

@@ -30,6 +30,8 @@ const byProbe: Readonly<Record<FindingSource, FindingControls>> = {
   // After eviction: a page loaded back from an offload tier must be verified before use (G4).
   'evict-then-return': { aisvs: [aisvsKvPartitioning], guards: ['G4'] },
   'error-handling': { aisvs: [], guards: ['G2'] },
+  // Every entrypoint keys its caches by the tenant, as completions does: a design property.
+  entrypoints: { aisvs: [aisvsKvPartitioning], guards: [] },
   availability: { aisvs: [], guards: [] },
 }
 

@@ -25,6 +25,7 @@ export const probeNames = [
   'warm-equals-cold',
   'evict-then-return',
   'error-handling',
+  'entrypoints',
 ] as const
 export type ProbeName = (typeof probeNames)[number]
 

@@ -9,6 +9,7 @@ import { canaryProbe } from './canary.js'
 import { capacityProbe } from './capacity.js'
 import { concurrencyProbe } from './concurrency.js'
 import { determinismProbe } from './determinism.js'
+import { entrypointsProbe } from './entrypoints.js'
 import { errorHandlingProbe } from './error-handling.js'
 import { evictThenReturnProbe } from './evict-then-return.js'
 import { pageLeakProbe } from './page-leak.js'
@@ -31,4 +32,5 @@ export const probes: Readonly<Record<ProbeName, Probe>> = {
   'warm-equals-cold': warmEqualsColdProbe,
   'evict-then-return': evictThenReturnProbe,
   'error-handling': errorHandlingProbe,
+  entrypoints: entrypointsProbe,
 }
