@@ -156,9 +156,9 @@ describe('--plan', () => {
       // 384-token pool: 9 × 197 + 384 + 6 × 229 + 6 × 1024.
       assert.deepEqual(planRow(run.stdout, 'canary'), ['22', '9675', '0.0242'])
       // entrypoints: a 3-word prompt (8 tokens) to each of 7 entrypoints; 13 trials of 3 requests
-      // (7 same-path, 6 from the hub) of 2 × 165 + 40 + 8; the tool round trip, 4 × (370 + 80 + 8).
-      assert.deepEqual(planRow(run.stdout, 'entrypoints'), ['50', '16630', '0.0416'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['530', '105487', '0.2637'])
+      // (7 same-path, 6 from the hub) of 165 + 50 + 8; the tool round trip, 4 × (215 + 80 + 8).
+      assert.deepEqual(planRow(run.stdout, 'entrypoints'), ['50', '9965', '0.0249'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['530', '98822', '0.2471'])
       // The default budget (500 requests) no longer covers the whole default plan: the plan says
       // so and which probe gets less (the largest need, page-leak's 128, is cut to 98).
       assert.match(run.stdout, /the plan's 530 requests exceed --max-requests 500/)

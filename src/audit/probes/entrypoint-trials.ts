@@ -16,7 +16,7 @@ import { inconclusiveRemediation } from '../probe.js'
 import type { Finding } from '../types.js'
 import type { EntrypointAnswer } from './entrypoint-shapes.js'
 
-/** Cached tokens that count as reuse of a ~150-token prefix: one 16-token page (vLLM's default
+/** Cached tokens that count as reuse of the shared prefix (tens of tokens at least): one 16-token page (vLLM's default
  *  block) is the coarsest granularity engines cache at. */
 export const minReusedTokens = 16
 

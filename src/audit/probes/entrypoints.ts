@@ -6,7 +6,7 @@
  *     entrypoint-shapes.ts; an answer of the entrypoint's shape means served, anything else
  *     (404, 405, a refusal) not served. Nothing heavy is ever sent.
  *  2. Trials (entrypoint-trials.ts) on each served path and from the first served one (the hub)
- *     to each other: A primes a fresh ~150-token prefix of filler words plus canaries of its own
+ *     to each other: A primes a fresh prefix of filler words (at most 300 characters, fewer where the limits the endpoint reports are small) plus canaries of its own
  *     on one path, B sends the same prefix with its own canaries on another (or the same) path,
  *     then A does the same as B (the positive control: A's own reuse shows).
  *  3. The Responses tool-call round trip (entrypoint-tools.ts) where Responses is served.
@@ -15,6 +15,7 @@
 import { makeCanaries, plantingPrompt } from '../canaries.js'
 import { runUntilExhausted } from '../budget.js'
 import { materialPromptTokens, type PlannedRequests } from '../plan.js'
+import type { Discovery } from '../discovery.js'
 import type { Probe } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import type { Target } from '../target.js'
@@ -62,7 +63,7 @@ const toolRequests = 4
 
 function planRequests(): PlannedRequests[] {
   const n = entrypointNames.length
-  const prompt = 2 * materialPromptTokens + 40
+  const prompt = materialPromptTokens + tailAndTemplateTokens / 2
   return [
     { what: 'discovery: a 3-word prompt per entrypoint', numRequests: n, tokensEach: 8 },
     {
@@ -113,10 +114,35 @@ async function sendTo(
   return parseEntrypointAnswer(name, http)
 }
 
-/** Draws the probe's material: fresh ~150-token prefixes of filler, canary tails per tenant. */
-function materialDrawer(rng: Rng, taken: { A: string[]; B: string[] }) {
+/** Longest shared prefix (characters of filler words): long enough to span several 16-token
+ *  pages, short enough that prefix, tail and a chat template fit the smallest limit the endpoint
+ *  reports, counting a token per character (the worst case: the bundled model's tokenizer), and
+ *  that a trial's three prompts fit the KV pool together with room to spare (on a small pool the
+ *  second tenant's prompt would otherwise evict the prime before the control reads it). */
+export function prefixChars(discovery: Discovery): number {
+  const limits = [discovery.contextTokens, discovery.inputLimitTokens]
+    .filter((n): n is number => n !== null)
+    .map((n) => n - answerMaxTokens - tailAndTemplateTokens)
+  if (discovery.poolTokens !== null)
+    limits.push(Math.floor(discovery.poolTokens / 4) - tailAndTemplateTokens / 2)
+  return Math.max(48, Math.min(maxPrefixChars, ...limits))
+}
+const maxPrefixChars = 300
+/** Two canaries (at most 49 characters) and a chat template's own tokens. */
+const tailAndTemplateTokens = 100
+
+/** Draws the probe's material: fresh prefixes of filler words, canary tails per tenant. */
+function materialDrawer(rng: Rng, taken: { A: string[]; B: string[] }, maxChars: number) {
   return {
-    prefix: () => `${plantingPrompt(rng, [])} ${plantingPrompt(rng, [])}`,
+    prefix: () => {
+      const words = `${plantingPrompt(rng, [])} ${plantingPrompt(rng, [])}`.split(' ')
+      let out = words[0]
+      for (const word of words.slice(1)) {
+        if (out.length + 1 + word.length > maxChars) break
+        out += ` ${word}`
+      }
+      return out
+    },
     tail: (who: 'A' | 'B') => {
       const canaries = makeCanaries(rng, 2, [...taken.A, ...taken.B])
       taken[who].push(...canaries)
@@ -164,7 +190,7 @@ export const entrypointsProbe: Probe = {
   async run(target, _budget, context): Promise<Finding[]> {
     const rng = createRng(context.seed, 'entrypoints')
     const taken = { A: [] as string[], B: [] as string[] }
-    const draw = materialDrawer(rng, taken)
+    const draw = materialDrawer(rng, taken, prefixChars(context.discovery))
     let table: EntrypointStatus[] = []
     const trials: Trial[] = []
     const exchanges: Exchange[] = []
