@@ -41,8 +41,9 @@ export interface EntrypointStandInOptions {
   readonly saltless?: readonly SaltlessPath[]
   /** True: the saltless entrypoints answer from a prompt-keyed answer cache (a content leak). */
   readonly answerCache?: boolean
-  /** False: Responses refuses a non-empty `tools` with 400 (as kvfence). Default true. */
-  readonly acceptsTools?: boolean
+  /** False: Responses refuses a non-empty `tools` with 400 (as kvfence); `fails`: answers it
+   *  500. Default true. */
+  readonly acceptsTools?: boolean | 'fails'
 }
 
 export interface EntrypointStandIn {
@@ -119,6 +120,8 @@ export async function startEntrypointStandIn(
     const tools = Array.isArray(body.tools) ? body.tools : []
     if (tools.length > 0 && options.acceptsTools === false)
       return send(400, { error: { message: "Invalid 'tools'", type: 'invalid_request_error' } })
+    if (tools.length > 0 && options.acceptsTools === 'fails')
+      return send(500, { error: { message: 'internal error', type: 'server_error' } })
     const items: readonly Item[] =
       typeof body.input === 'string' ? [{ content: body.input }] : (body.input ?? [])
     const isContinuation = items.some((i: Item) => i.type === 'function_call_output')

@@ -126,3 +126,14 @@ test('only completions and chat served, tools refused: the others listed as not 
     ],
   )
 })
+
+test('a tool request that fails (500) is not "not served": the round trip is inconclusive, naming the status', async () => {
+  const report = await audit({ serves: ['responses'], acceptsTools: 'fails' })
+  assert.deepEqual(rows(report), [
+    cleanRow('POST /v1/completions'),
+    cleanRow('POST /v1/responses'),
+    cleanRow('POST /v1/responses (stream)'),
+    [toolEndpoint, 'inconclusive', 'side-channel'],
+  ])
+  assert.match(report.findings[3].title, /the first request with a tool failed \(500\)/)
+})

@@ -58,6 +58,13 @@ export interface EntrypointAnswer {
 const withModel = (model: string | null): Record<string, unknown> =>
   model === null ? {} : { model }
 
+const responsesBody: Entrypoint['body'] = (prompt, maxTokens, model) => ({
+  ...withModel(model),
+  input: prompt,
+  max_output_tokens: maxTokens,
+  temperature: 0,
+})
+
 export const entrypoints: Readonly<Record<EntrypointName, Entrypoint>> = {
   completions: {
     name: 'completions',
@@ -82,23 +89,12 @@ export const entrypoints: Readonly<Record<EntrypointName, Entrypoint>> = {
   responses: {
     name: 'responses',
     path: '/v1/responses',
-    body: (prompt, maxTokens, model) => ({
-      ...withModel(model),
-      input: prompt,
-      max_output_tokens: maxTokens,
-      temperature: 0,
-    }),
+    body: (...args) => responsesBody(...args),
   },
   'responses-stream': {
     name: 'responses-stream',
     path: '/v1/responses',
-    body: (prompt, maxTokens, model) => ({
-      ...withModel(model),
-      input: prompt,
-      max_output_tokens: maxTokens,
-      temperature: 0,
-      stream: true,
-    }),
+    body: (...args) => ({ ...(responsesBody(...args) as object), stream: true }),
   },
   messages: {
     name: 'messages',

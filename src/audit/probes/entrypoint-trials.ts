@@ -74,7 +74,7 @@ export function judgePath(
     probe: 'entrypoints',
     verdict: 'leak',
     severity: 'critical',
-    title: `${endpoint}: tenant ${e.tenant === 'B' ? 'B' : 'A'}'s answer carried ${matches.length} canary(ies) only tenant ${e.tenant === 'B' ? 'A' : 'B'} sent`,
+    title: `${endpoint}: tenant ${e.tenant}'s answer carried ${matches.length} canary(ies) only tenant ${e.tenant === 'B' ? 'A' : 'B'} sent`,
     evidence: {
       endpoint,
       entrypoint: path,

@@ -16,7 +16,7 @@ import { makeCanaries, plantingPrompt } from '../canaries.js'
 import { runUntilExhausted } from '../budget.js'
 import { materialPromptTokens, type PlannedRequests } from '../plan.js'
 import type { Discovery } from '../discovery.js'
-import type { Probe } from '../probe.js'
+import { inconclusiveRemediation, type Probe } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import type { Target } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
@@ -255,6 +255,17 @@ function judgeAll(
       served,
     ),
   )
+  // A refusal (4xx) of the first tool request says tools are not served; a failure says nothing.
+  if (tools?.kind === 'not-served' && (tools.status === null || tools.status >= 500))
+    findings.push({
+      probe: 'entrypoints',
+      verdict: 'inconclusive',
+      class: 'side-channel',
+      severity: 'medium',
+      title: `POST /v1/responses (tool-call continuation): not exercised: the first request with a tool failed (${tools.status ?? 'no answer'})`,
+      evidence: { endpoint: 'POST /v1/responses (tool-call continuation)', entrypoints: served },
+      remediation: inconclusiveRemediation,
+    })
   if (findings.length > 0 && stoppedBy === null) return findings
   const why =
     stoppedBy ?? 'no generation entrypoint answered a 3-word prompt (every one refused or failed)'
