@@ -73,6 +73,7 @@ test('the salt dropped on /v1/messages alone: a side channel on POST /v1/message
     JSON.stringify(report.findings.map((f) => f.title)),
   )
   const side = report.findings.find((f) => f.verdict === 'warning')!
+  assert.match(side.title, /tenant bob was served cached tokens of a prefix only tenant alice sent/)
   const trials = side.evidence.trials as { primedOn: string; testCachedTokens: number }[]
   // Primed on messages itself (the same path); from completions (salted) nothing is shared.
   assert.deepEqual(

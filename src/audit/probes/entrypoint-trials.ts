@@ -39,9 +39,11 @@ export interface Trial {
   readonly test: EntrypointAnswer
 }
 
+/** Each tenant's canaries, and its name (for titles). */
 export interface Canaries {
   readonly A: readonly string[]
   readonly B: readonly string[]
+  readonly names: { readonly A: string; readonly B: string }
 }
 
 const leakRemediation =
@@ -74,7 +76,7 @@ export function judgePath(
     probe: 'entrypoints',
     verdict: 'leak',
     severity: 'critical',
-    title: `${endpoint}: tenant ${e.tenant}'s answer carried ${matches.length} canary(ies) only tenant ${e.tenant === 'B' ? 'A' : 'B'} sent`,
+    title: `${endpoint}: tenant ${canaries.names[e.tenant]}'s answer carried ${matches.length} canary(ies) only tenant ${canaries.names[e.tenant === 'B' ? 'A' : 'B']} sent`,
     evidence: {
       endpoint,
       entrypoint: path,
@@ -97,7 +99,7 @@ export function judgePath(
       verdict: 'warning',
       class: 'side-channel',
       severity: 'high',
-      title: `${endpoint}: tenant B was served cached tokens of a prefix only tenant A sent (primed on ${shared.map((t) => t.primedOn).join(', ')}): the prefix cache is shared across tenants here`,
+      title: `${endpoint}: tenant ${canaries.names.B} was served cached tokens of a prefix only tenant ${canaries.names.A} sent (primed on ${shared.map((t) => t.primedOn).join(', ')}): the prefix cache is shared across tenants here`,
       evidence: {
         endpoint,
         entrypoint: path,
@@ -107,7 +109,7 @@ export function judgePath(
       remediation: sideRemediation,
     })
   if (findings.length > 0) return findings
-  return [cleanOrInconclusive(path, endpoint, trials, here, served)]
+  return [cleanOrInconclusive(path, endpoint, trials, here, served, canaries.names)]
 }
 
 function cleanOrInconclusive(
@@ -116,6 +118,7 @@ function cleanOrInconclusive(
   trials: readonly Trial[],
   here: readonly Exchange[],
   served: readonly Record<string, unknown>[],
+  names: Canaries['names'],
 ): Finding {
   const numWhole = here.filter((e) => e.answer.isAnswered).length
   const controlled = trials.filter((t) => (t.control.cachedTokens ?? 0) >= minReusedTokens)
@@ -127,7 +130,7 @@ function cleanOrInconclusive(
   if (same === undefined) gaps.push('no same-path trial ran')
   else if (!controlled.includes(same))
     gaps.push(
-      `tenant A's own repeat showed no reused prefix (cached tokens: ${same.control.cachedTokens ?? 'not reported'}), so cache isolation was not exercised`,
+      `tenant ${names.A}'s own repeat showed no reused prefix (cached tokens: ${same.control.cachedTokens ?? 'not reported'}), so cache isolation was not exercised`,
     )
   const evidence = {
     endpoint,
@@ -154,7 +157,7 @@ function cleanOrInconclusive(
     probe: 'entrypoints',
     verdict: 'clean',
     severity: 'info',
-    title: `${endpoint}: no foreign canary in ${here.length} answers; tenant B was served none of tenant A's cached prefixes primed on ${controlled.map((t) => t.primedOn).join(', ')} (A's own repeats reused ${controlled.map((t) => t.control.cachedTokens).join(', ')} tokens)${crossNote}`,
+    title: `${endpoint}: no foreign canary in ${here.length} answers; tenant ${names.B} was served none of tenant ${names.A}'s cached prefixes primed on ${controlled.map((t) => t.primedOn).join(', ')} (${names.A}'s own repeats reused ${controlled.map((t) => t.control.cachedTokens).join(', ')} tokens)${crossNote}`,
     evidence,
     remediation: 'None needed.',
   }

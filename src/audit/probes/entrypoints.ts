@@ -28,7 +28,7 @@ import {
   type EntrypointName,
 } from './entrypoint-shapes.js'
 import { runToolArm, toolPath, toolSender, type ToolArm } from './entrypoint-tools.js'
-import { judgePath, type Exchange, type Trial } from './entrypoint-trials.js'
+import { judgePath, type Canaries, type Exchange, type Trial } from './entrypoint-trials.js'
 
 /** Tokens an answer may have: enough for a canary to show, never a long generation. */
 export const answerMaxTokens = 8
@@ -215,7 +215,8 @@ export const entrypointsProbe: Probe = {
           answerMaxTokens,
         )
     })
-    return judgeAll(table, trials, exchanges, arm.tools, taken, stoppedBy)
+    const names = { A: target.tenants[0].name, B: target.tenants[1].name }
+    return judgeAll(table, trials, exchanges, arm.tools, { ...taken, names }, stoppedBy)
   },
 }
 
@@ -226,7 +227,7 @@ function judgeAll(
   trials: readonly Trial[],
   exchanges: readonly Exchange[],
   tools: ToolArm | null,
-  canaries: { A: string[]; B: string[] },
+  canaries: Canaries,
   stoppedBy: string | null,
 ): Finding[] {
   const served: Record<string, unknown>[] = table.map((r) => ({ ...r }))
