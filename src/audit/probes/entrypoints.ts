@@ -16,7 +16,7 @@ import { makeCanaries, plantingPrompt } from '../canaries.js'
 import { runUntilExhausted } from '../budget.js'
 import { materialPromptTokens, type PlannedRequests } from '../plan.js'
 import type { Discovery } from '../discovery.js'
-import { inconclusiveRemediation, type Probe } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation, type Probe } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import type { Target } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
@@ -186,6 +186,10 @@ export const entrypointsProbe: Probe = {
   name: 'entrypoints',
   description:
     'finds which generation entrypoints are served (completions, chat, Responses streamed or not, /v1/messages, /generate, /completion); on each and across them tenant A primes a prefix and tenant B sends it: A canaries in B answers are a leak, B served A cached prefix a side channel; and a Responses tool-call round trip',
+  class: 'content-leak',
+  // kvfence derives one salt from the tenant for completions, chat and Responses alike: a design
+  // property, not one of the numbered guards.
+  controls: { aisvs: [aisvsKvPartitioning], guards: [] },
   plan: () => planRequests(),
   async run(target, _budget, context): Promise<Finding[]> {
     const rng = createRng(context.seed, 'entrypoints')
