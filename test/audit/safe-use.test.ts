@@ -155,9 +155,17 @@ describe('--plan', () => {
       // and an over-capacity one (at most 960 + 64), and one plant of 352 + 32 covering the
       // 384-token pool: 9 × 197 + 384 + 6 × 229 + 6 × 1024.
       assert.deepEqual(planRow(run.stdout, 'canary'), ['22', '9675', '0.0242'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['480', '88857', '0.2221'])
-      // The default budget (500 requests) covers the default plan: nothing is said about it.
-      assert.doesNotMatch(run.stdout, /exceed --max-requests/)
+      // entrypoints: a 3-word prompt (8 tokens) to each of 7 entrypoints; 13 trials of 3 requests
+      // (7 same-path, 6 from the hub) of 165 + 50 + 8; the tool round trip, 4 × (215 + 80 + 8).
+      assert.deepEqual(planRow(run.stdout, 'entrypoints'), ['50', '9965', '0.0249'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['530', '98822', '0.2471'])
+      // The default budget (500 requests) no longer covers the whole default plan: the plan says
+      // so and which probe gets less (the largest need, page-leak's 128, is cut to 98).
+      assert.match(run.stdout, /the plan's 530 requests exceed --max-requests 500/)
+      assert.match(
+        run.stdout,
+        /page-leak needs up to 128 requests \(1672 tokens\); its share is 98/,
+      )
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
     } finally {
       await standIn.close()

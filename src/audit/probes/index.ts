@@ -21,6 +21,7 @@ import { canaryProbe } from './canary.js'
 import { capacityProbe } from './capacity.js'
 import { concurrencyProbe } from './concurrency.js'
 import { determinismProbe } from './determinism.js'
+import { entrypointsProbe } from './entrypoints.js'
 import { errorHandlingProbe } from './error-handling.js'
 import { evictThenReturnProbe } from './evict-then-return.js'
 import { pageLeakProbe } from './page-leak.js'
@@ -49,6 +50,7 @@ export const probes = {
   'operational-endpoints': operationalEndpointsProbe,
   'near-duplicates': nearDuplicatesProbe,
   'request-ids': requestIdsProbe,
+  entrypoints: entrypointsProbe,
   'error-handling': errorHandlingProbe,
 } as const satisfies Readonly<Record<string, Probe>>
 
