@@ -88,6 +88,7 @@ export const probeClass: Readonly<Record<FindingSource, FindingClass>> = {
   'abort-race': 'content-leak',
   'abort-retry': 'content-leak',
   concurrency: 'content-leak',
+  'race-load': 'content-leak',
   queueing: 'content-leak',
   'page-leak': 'resource-leak',
   determinism: 'integrity',
@@ -96,6 +97,7 @@ export const probeClass: Readonly<Record<FindingSource, FindingClass>> = {
   'warm-equals-cold': 'integrity',
   'evict-then-return': 'integrity',
   'error-handling': 'error-handling',
+  stall: 'availability',
   availability: 'availability',
 }
 

@@ -17,6 +17,9 @@ const byProbe: Readonly<Record<FindingSource, FindingControls>> = {
   // G5: the prefix cache publishes only pages a completed prefill filled and sealed.
   'abort-retry': { aisvs: [aisvsKvPartitioning], guards: ['G5'] },
   concurrency: { aisvs: [aisvsKvPartitioning], guards: ['G4'] },
+  // Races under continuous load: page identities checked on every load (G4), pages freed only
+  // after every reader ended (G7).
+  'race-load': { aisvs: [aisvsKvPartitioning], guards: ['G4', 'G7'] },
   queueing: { aisvs: [aisvsKvPartitioning], guards: ['G7'] },
   'page-leak': { aisvs: [], guards: ['G7', 'G8'] },
   determinism: { aisvs: [], guards: [] },
@@ -30,6 +33,8 @@ const byProbe: Readonly<Record<FindingSource, FindingControls>> = {
   // After eviction: a page loaded back from an offload tier must be verified before use (G4).
   'evict-then-return': { aisvs: [aisvsKvPartitioning], guards: ['G4'] },
   'error-handling': { aisvs: [], guards: ['G2'] },
+  // One admission check against the smallest limit of every worker (G1, G2).
+  stall: { aisvs: [], guards: ['G1', 'G2'] },
   availability: { aisvs: [], guards: [] },
 }
 

@@ -17,6 +17,7 @@ export const probeNames = [
   'abort-race',
   'abort-retry',
   'concurrency',
+  'race-load',
   'queueing',
   'page-leak',
   'determinism',
@@ -25,6 +26,7 @@ export const probeNames = [
   'warm-equals-cold',
   'evict-then-return',
   'error-handling',
+  'stall',
 ] as const
 export type ProbeName = (typeof probeNames)[number]
 

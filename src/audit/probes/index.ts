@@ -14,6 +14,8 @@ import { evictThenReturnProbe } from './evict-then-return.js'
 import { pageLeakProbe } from './page-leak.js'
 import { prefixTimingProbe } from './prefix-timing.js'
 import { queueingProbe } from './queueing.js'
+import { raceLoadProbe } from './race-load.js'
+import { stallProbe } from './stall.js'
 import { warmEqualsColdProbe } from './warm-equals-cold.js'
 
 export const probes: Readonly<Record<ProbeName, Probe>> = {
@@ -23,6 +25,7 @@ export const probes: Readonly<Record<ProbeName, Probe>> = {
   'abort-race': abortRaceProbe,
   'abort-retry': abortRetryProbe,
   concurrency: concurrencyProbe,
+  'race-load': raceLoadProbe,
   queueing: queueingProbe,
   'page-leak': pageLeakProbe,
   determinism: determinismProbe,
@@ -31,4 +34,5 @@ export const probes: Readonly<Record<ProbeName, Probe>> = {
   'warm-equals-cold': warmEqualsColdProbe,
   'evict-then-return': evictThenReturnProbe,
   'error-handling': errorHandlingProbe,
+  stall: stallProbe,
 }
