@@ -3,7 +3,7 @@
 import assert from 'node:assert/strict'
 import { describe, test } from 'node:test'
 import { runAudit, type AuditReport, type ProbeName } from '../../src/audit/index.js'
-import { stallSizes } from '../../src/audit/probes/stall.js'
+import { stallSizes, testedTop } from '../../src/audit/probes/stall.js'
 import { startLoadStandIn, type LoadStandInOptions } from './load-standins.js'
 import { standInTenants } from './standins.js'
 
@@ -89,8 +89,13 @@ describe('race-load', () => {
 describe('stall', () => {
   const sizes = { contextTokens: 4096, poolTokens: 8192 }
 
-  test('the ladder: doubling from 128 to the advertised limit', () => {
-    assert.deepEqual(stallSizes(4088), [128, 256, 512, 1024, 2048, 4088])
+  test('the ladder: doubling from 512 to the advertised limit, capped at 32,768 by default', () => {
+    assert.deepEqual(stallSizes(4088), [512, 1024, 2048, 4088])
+    assert.deepEqual(
+      stallSizes(testedTop(681_272, false)),
+      [512, 1024, 2048, 4096, 8192, 16384, 32768],
+    )
+    assert.equal(testedTop(681_272, true), 681_272)
   })
 
   test('prefill limit 900 under an advertised 4,096: availability naming 1,024, and the pages kept: resource-leak', async () => {
@@ -113,6 +118,9 @@ describe('stall', () => {
     const { report, stats } = await audit('stall', { ...sizes, prefillLimitTokens: 4096 })
     assert.equal(stats.numStalled, 0)
     assert.deepEqual(rows(report), [['stall', 'clean', 'availability', 'info']])
-    assert.match(report.findings[0].title, /128, 256, 512, 1024, 2048, 4088 tokens/)
+    assert.match(
+      report.findings[0].title,
+      /^prompts of 512, 1024, 2048, 4088 tokens were each answered within their bound \(the 4088 advertised\)$/,
+    )
   })
 })

@@ -14,7 +14,7 @@
  *  about 31 % of requests corrupted at 512 in flight; sglang#17259: first tokens crossed under
  *  load in PD disaggregation); bursts alone (`concurrency`) do not open them.
  *  Knows canaries, the budget and the endpoint's public reports; knows nothing of any engine. */
-import { runUntilExhausted } from '../budget.js'
+import { BudgetExhaustedError, runUntilExhausted } from '../budget.js'
 import type { Probe, ProbeContext } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
@@ -39,13 +39,15 @@ const shortChars = 160
 /** A long prompt's tokens at most under the default options, and with `--aggressive`. */
 export const defaultLongTokens = 2048
 export const aggressiveLongTokens = 8192
-/** Arrivals per level, per request the level keeps in flight. */
+/** Arrivals per level, per request the level keeps in flight: the levels below the top are the
+ *  ramp (grown only while answers stay 2xx), the top is where the load is held. */
 export const arrivalsPerSlot = 2
+export const rampArrivalsPerSlot = 1
 /** Requests sent alone before the load: one to see whether structured output is accepted, and
  *  greedy twins of that many requests of the load. */
-export const numTwins = 4
-/** Reads of the endpoint's own limit (server info, SGLang server info, llama.cpp props). */
-export const numLimitReads = 3
+export const numTwins = 3
+/** Reads of the endpoint's own limit (server info, llama.cpp props). */
+export const numLimitReads = 2
 /** Arrivals come this much faster than Little's law needs, so that the level is reached even
  *  when answers come faster under load than alone (at 1.5, one seed in three stayed a request
  *  short of 8 in flight against the stand-in); those that find every slot busy wait for one. */
@@ -61,6 +63,12 @@ export interface RaceRequest {
   readonly stream: boolean
   /** Sent alone too, before the load: its greedy twin. */
   readonly hasTwin: boolean
+}
+
+/** One level of the ramp: requests it keeps in flight, and its arrivals in order. */
+export interface PlannedLevel {
+  readonly level: number
+  readonly arrivals: readonly RaceRequest[]
 }
 
 /** The endpoint's own limit on requests in flight, and where it was read; null when none. */
@@ -102,12 +110,17 @@ export function longPromptTokens(
  *  twins, and the structured-output check. */
 export function raceRequestCount(top: number): number {
   const levels = rampLevels(Math.max(2, top)).filter((n) => n >= 2)
-  return levels.reduce((s, n) => s + arrivalsPerSlot * n, 0) + numTwins + 1
+  return levels.reduce((s, n) => s + arrivalsAt(n, levels), 0) + numTwins + 1
+}
+
+/** Arrivals at `level` of a ramp through `levels`. */
+export function arrivalsAt(level: number, levels: readonly number[]): number {
+  return (level === levels[levels.length - 1] ? arrivalsPerSlot : rampArrivalsPerSlot) * level
 }
 
 /** Plans the load's requests for `levels` (seeded): half long, a third structured where
  *  accepted, half streamed (never a structured one: its JSON is judged whole), tenants in turn;
- *  the last {@link numTwins} (the highest level, where a race is likeliest) get a twin. A long prompt's characters never exceed its token
+ *  {@link numTwins} of the top level (where a race is likeliest), once its load is full, get a twin. A long prompt's characters never exceed its token
  *  bound (a token is at least one byte), so it fits wherever the bound does. */
 export function planRace(
   rng: Rng,
@@ -115,12 +128,15 @@ export function planRace(
   levels: readonly number[],
   longTokens: number,
   isStructuredAccepted: boolean,
-): RaceRequest[][] {
+): PlannedLevel[] {
   const material = denseMaterial(rng, [])
   let n = 0
-  const total = levels.reduce((s, level) => s + arrivalsPerSlot * level, 0)
-  return levels.map((level) =>
-    Array.from({ length: arrivalsPerSlot * level }, (): RaceRequest => {
+  // The twins: the top level's arrivals right after its first `top` ones, when its load is full.
+  const top = levels[levels.length - 1]
+  const firstTwin = levels.reduce((s, level) => s + arrivalsAt(level, levels), 0) - top
+  return levels.map((level) => ({
+    level,
+    arrivals: Array.from({ length: arrivalsAt(level, levels) }, (): RaceRequest => {
       const i = n++
       const isLong = rng.next() < 0.5
       // Every draw is made whatever is accepted, so that a plan made before and after the
@@ -133,17 +149,16 @@ export function planRace(
         isLong,
         isStructured,
         stream: !isStructured && isStreamed,
-        hasTwin: i >= total - numTwins,
+        hasTwin: i >= firstTwin && i < firstTwin + numTwins,
       }
     }),
-  )
+  }))
 }
 
 /** The endpoint's own limit on requests in flight, from its public reports. */
 export async function readEndpointLimit(target: Target): Promise<EndpointLimit> {
   const reads: [string, string][] = [
     ['/server_info', 'max_running_requests'],
-    ['/get_server_info', 'max_running_requests'],
     ['/props', 'total_slots'],
   ]
   for (const [path, field] of reads) {
@@ -226,79 +241,100 @@ export interface LoadRun {
   readonly stoppedBy: string | null
 }
 
-/** Sends the levels' arrivals as a seeded Poisson process of rate `arrivalBoost · level /
- *  latency`, never more than `level` in flight (an arrival that finds them all busy waits for the
- *  first to end: the in-flight count measured is the endpoint's). Stops at the first 429, 503
- *  or other 5xx, or when the budget ends. */
+/** One level's row of {@link LoadRun.levels}. */
+export interface LevelRow {
+  level: number
+  numSent: number
+  numAnswered: number
+  maxInFlight: number
+}
+
+/** Sends the levels' arrivals in turn; stops at the first 429, 503 or other 5xx (arrivals after
+ *  it are not sent, nor any higher level), or when the budget ends. */
 async function sendLoad(
   target: Target,
   context: ProbeContext,
   budget: Parameters<Probe['run']>[1],
-  plan: readonly RaceRequest[][],
+  plan: readonly PlannedLevel[],
   latencyMs: number,
   rng: Rng,
 ): Promise<LoadRun> {
   const observed: LoadObserved[] = []
-  const levels: LoadRun['levels'] = []
-  let stoppedBy: string | null = null
-  let maxInFlight = 0
-  for (const arrivals of plan) {
-    if (stoppedBy !== null) break
-    const level = arrivals.length / arrivalsPerSlot
-    const row = { level, numSent: 0, numAnswered: 0, maxInFlight: 0 }
+  const levels: LevelRow[] = []
+  const stop: { by: string | null } = { by: null }
+  for (const { level, arrivals } of plan) {
+    if (stop.by !== null) break
+    const row: LevelRow = { level, numSent: 0, numAnswered: 0, maxInFlight: 0 }
     levels.push(row)
-    const meanGapMs = latencyMs / (arrivalBoost * level)
-    let inFlight = 0
-    let dueMs = 0
-    const levelStart = performance.now()
-    const freed: (() => void)[] = []
-    const running: Promise<void>[] = []
-    const exhausted = await budget.withInFlightLimit(level, () =>
-      runUntilExhausted(async () => {
-        for (const r of arrivals) {
-          if (stoppedBy !== null) break
-          // Due times on one clock from the level's start: a timer that fires late (a busy
-          // machine) makes the next arrivals due at once, so lateness does not thin the load.
-          dueMs += -Math.log(1 - rng.next()) * meanGapMs
-          await sleep(dueMs - (performance.now() - levelStart))
-          while (inFlight >= level) await new Promise<void>((resolve) => freed.push(resolve))
-          inFlight++
-          row.numSent++
-          row.maxInFlight = Math.max(row.maxInFlight, inFlight)
-          running.push(
-            send(target, r)
-              .then((result) => {
-                observed.push({
-                  planted: r.planted,
-                  label: `${level} in flight`,
-                  stream: r.stream,
-                  result,
-                  request: r,
-                  level,
-                })
-                if (isAnsweredWhole(result)) row.numAnswered++
-                const status = result.status
-                if (status !== null && (status === 429 || status >= 500))
-                  stoppedBy ??= `HTTP ${status} at ${inFlight} in flight`
-              })
-              .finally(() => {
-                inFlight--
-                freed.shift()?.()
-              }),
-          )
-        }
-        const settled = await Promise.allSettled(running)
-        const failed = settled.find((s) => s.status === 'rejected')
-        if (failed) throw failed.reason
-      }),
+    await budget.withInFlightLimit(level, () =>
+      sendLevel(target, arrivals, row, latencyMs / (arrivalBoost * level), rng, stop, observed),
     )
-    stoppedBy ??= exhausted
-    maxInFlight = Math.max(maxInFlight, row.maxInFlight)
     context.log(
       `race-load: level ${level}: ${row.numAnswered}/${row.numSent} answered, ${row.maxInFlight} in flight at most`,
     )
   }
-  return { observed, maxInFlight, levels, stoppedBy }
+  const maxInFlight = Math.max(0, ...levels.map((l) => l.maxInFlight))
+  return { observed, maxInFlight, levels, stoppedBy: stop.by }
+}
+
+/** One level: arrivals as a seeded Poisson process of mean gap `meanGapMs`, never more than
+ *  `row.level` in flight (an arrival that finds them all busy waits for the first to end, so the
+ *  count measured is what the endpoint has in flight). Every request's end is caught where it is
+ *  sent (a budget that ends mid-level stops arrivals, it is no rejection left unhandled). */
+async function sendLevel(
+  target: Target,
+  arrivals: readonly RaceRequest[],
+  row: LevelRow,
+  meanGapMs: number,
+  rng: Rng,
+  stop: { by: string | null },
+  observed: LoadObserved[],
+): Promise<void> {
+  const { level } = row
+  let inFlight = 0
+  let dueMs = 0
+  const levelStart = performance.now()
+  const freed: (() => void)[] = []
+  const running: Promise<void>[] = []
+  let failure: unknown = null
+  for (const r of arrivals) {
+    // Due times on one clock from the level's start: a timer that fires late (a busy machine)
+    // makes the next arrivals due at once, so lateness does not thin the load.
+    dueMs += -Math.log(1 - rng.next()) * meanGapMs
+    await sleep(dueMs - (performance.now() - levelStart))
+    while (inFlight >= level) await new Promise<void>((resolve) => freed.push(resolve))
+    if (stop.by !== null) break
+    inFlight++
+    row.numSent++
+    row.maxInFlight = Math.max(row.maxInFlight, inFlight)
+    const ended = send(target, r).then((result) => {
+      observed.push({
+        planted: r.planted,
+        label: `${level} in flight`,
+        stream: r.stream,
+        result,
+        request: r,
+        level,
+      })
+      if (isAnsweredWhole(result)) row.numAnswered++
+      const status = result.status
+      if (status !== null && (status === 429 || status >= 500))
+        stop.by ??= `HTTP ${status} at ${inFlight} in flight`
+    })
+    running.push(
+      ended
+        .catch((err: unknown) => {
+          if (err instanceof BudgetExhaustedError) stop.by ??= err.message
+          else failure ??= err
+        })
+        .finally(() => {
+          inFlight--
+          freed.shift()?.()
+        }),
+    )
+  }
+  await Promise.all(running)
+  if (failure !== null) throw failure
 }
 
 function sleep(ms: number): Promise<void> {
@@ -449,7 +485,7 @@ export const raceLoadProbe: Probe = {
       )
       alone = await sendAlone(
         target,
-        twinPlan.flat().filter((r) => r.hasTwin),
+        twinPlan.flatMap((l) => l.arrivals).filter((r) => r.hasTwin),
       )
       const plan = planRace(
         createRng(context.seed, 'race-load plan'),

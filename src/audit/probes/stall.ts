@@ -22,15 +22,26 @@ import { boundedPrompt, promptLimit, sizerOrNull } from './sized-material.js'
 
 export const stallMaxTokens = 8
 /** The ladder's first size (tokens). */
-export const firstStallTokens = 128
+export const firstStallTokens = 512
 /** A size's bound: this many times the latency the answered ones predict for it, and never less
  *  than {@link minBoundMs} (a loaded engine's jitter), never more than the request timeout. */
 export const boundFactor = 4
 export const minBoundMs = 3000
 /** After a stall: reads of pool usage and running requests (one each), this far apart, until they
  *  are back where they were. */
-export const numSettleReads = 4
-const settleGapMs = 500
+export const numSettleReads = 2
+const settleGapMs = 1000
+/** Reads before the ladder: pool usage (up to three endpoints tried) and requests running. */
+const numBaselineReads = 4
+/** The largest prompt sent under the default options (tokens); `--aggressive` goes up to the
+ *  advertised limit itself. Enough for the reported case (a 9,217-token prefill limit under a
+ *  decode that took ~10^6) without sending a pool-sized prompt to a production engine. */
+export const defaultStallCapTokens = 32_768
+
+/** The largest size the ladder sends for an advertised `top`. */
+export function testedTop(top: number, isAggressive: boolean): number {
+  return isAggressive ? top : Math.min(top, defaultStallCapTokens)
+}
 
 /** The sizes (tokens) the ladder sends, smallest first: doubling from {@link firstStallTokens},
  *  the last one `top` itself. */
@@ -152,6 +163,7 @@ export function isHeld(before: Reserved, after: Reserved): boolean {
 export function judgeStall(
   rungs: readonly Rung[],
   top: number,
+  tested: number,
   before: Reserved | null,
   after: Reserved | null,
   evidence: Record<string, unknown>,
@@ -194,7 +206,7 @@ export function judgeStall(
     return findings
   }
   const last = rungs[rungs.length - 1]
-  if (last === undefined || last.fate !== 'answered' || last.tokens < top)
+  if (last === undefined || last.fate !== 'answered' || last.tokens < tested)
     return [
       {
         probe: 'stall',
@@ -203,7 +215,7 @@ export function judgeStall(
         title:
           last === undefined
             ? 'no prompt of the ladder was sent'
-            : `the ladder stopped at ${last.tokens} tokens (${last.fate}${last.status === null ? '' : `, HTTP ${last.status}`}) before the ${top} advertised`,
+            : `the ladder stopped at ${last.tokens} tokens (${last.fate}${last.status === null ? '' : `, HTTP ${last.status}`}) before ${tested} (the endpoint advertises ${top})`,
         evidence: all,
         remediation: inconclusiveRemediation,
       },
@@ -213,7 +225,11 @@ export function judgeStall(
       probe: 'stall',
       verdict: 'clean',
       severity: 'info',
-      title: `prompts of ${rungs.map((r) => r.tokens).join(', ')} tokens (up to the ${top} advertised) were each answered within their bound`,
+      title:
+        `prompts of ${rungs.map((r) => r.tokens).join(', ')} tokens were each answered within their bound` +
+        (tested < top
+          ? `; not tried: sizes over ${tested} up to the ${top} advertised (--aggressive)`
+          : ` (the ${top} advertised)`),
       evidence: all,
       remediation: 'None needed.',
     },
@@ -227,16 +243,17 @@ export const stallProbe: Probe = {
   plan: (input) => {
     const top = promptLimit(input, stallMaxTokens)
     if (top === null) return []
-    const sizes = stallSizes(top)
+    const tested = testedTop(top, input.isAggressive)
+    const sizes = stallSizes(tested)
     return [
       {
-        what: `prompts of ${sizes[0]} to ${top} tokens, one at a time`,
+        what: `prompts of ${sizes[0]} to ${tested} tokens, one at a time`,
         numRequests: sizes.length,
-        tokensEach: top + stallMaxTokens,
+        tokensEach: tested + stallMaxTokens,
       },
       {
         what: 'reads of pool usage and running requests',
-        numRequests: 2 * (1 + numSettleReads),
+        numRequests: numBaselineReads + 2 * numSettleReads,
         tokensEach: 0,
       },
     ]
@@ -268,7 +285,7 @@ export const stallProbe: Probe = {
       rungs = await sendLadder(
         target,
         sizer,
-        stallSizes(top),
+        stallSizes(testedTop(top, context.isAggressive ?? false)),
         () => budget.remainingMs,
         canary,
         context.seed,
@@ -278,7 +295,7 @@ export const stallProbe: Probe = {
         after = await settle(target, before)
     })
     context.log(`stall: ${rungs.map((r) => `${r.tokens}:${r.fate}`).join(' ')}`)
-    return judgeStall(rungs, top, before, after, {
+    return judgeStall(rungs, top, testedTop(top, context.isAggressive ?? false), before, after, {
       top,
       stoppedBy: stopped,
       remainingMs: budget.remainingMs,
