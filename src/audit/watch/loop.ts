@@ -25,6 +25,7 @@ import {
 import { HourlyBudget, PacingBucket, type Spend } from './hourly.js'
 import type { WatchMetrics } from './metrics.js'
 import type { WatchConfig } from './options.js'
+import { armOf, rotation } from './rotation.js'
 import { alertEvidence, postWebhook, webhookBody, type AlertStatus } from './webhook.js'
 
 /** A cycle may spend up to this many times its average share of the hourly budget (so a cycle
@@ -62,6 +63,9 @@ export function cycleCostBound(config: WatchConfig): {
   /** The least a cycle must be allowed to start (its reads, the plant and one look): an hourly
    *  budget below it skips every cycle. */
   readonly minCycle: Spend
+  /** The costliest rotating arm (rotation.ts), sent besides `maxRequests` and `maxCanaryTokens`
+   *  when what the cycle has left holds it. */
+  readonly rotationArm: Spend
 } {
   // The plant and the cut stream are whole canary prompts; five observer prompts (the look, the
   // fresh request after the cut, the burst of three); one over-capacity or boundary prompt; and,
@@ -73,6 +77,15 @@ export function cycleCostBound(config: WatchConfig): {
       (1 + maxFollowUpRounds) * plantTokenBound + cutTokenBound + 5 * observerTokenBound,
     allowance: pacing(config).capacity,
     minCycle: { tokens: minCycleTokens, requests: maxReadRequests + 2 },
+    rotationArm: rotation
+      .map((arm) => arm.cost({ poolTokens: null, contextTokens: null }))
+      .reduce(
+        (a, b) => ({
+          tokens: Math.max(a.tokens, b.tokens),
+          requests: Math.max(a.requests, b.requests),
+        }),
+        { tokens: 0, requests: 0 },
+      ),
   }
 }
 
@@ -135,6 +148,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
         requestTimeoutMs: config.requestTimeoutMs,
         concurrency: config.concurrency,
         maxSeconds: Math.max(config.cycleSeconds, config.requestTimeoutMs / 1000),
+        arm: armOf(cycle),
       }).catch((err: unknown) =>
         skippedReport(`cycle failed: ${err instanceof Error ? err.message : String(err)}`),
       )
@@ -167,6 +181,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
         cycle,
         outcome,
         triggers: report.triggers,
+        ...(report.arm !== null ? { arm: report.arm } : {}),
         spent: report.spent,
         ...(report.refusedTokens > 0 ? { refusedTokens: report.refusedTokens } : {}),
         ...(report.followUps > 0 ? { followUps: report.followUps } : {}),
@@ -207,6 +222,7 @@ function skippedReport(reason: string): CycleReport {
     steps: [],
     refusedTokens: 0,
     followUps: 0,
+    arm: null,
   }
 }
 
