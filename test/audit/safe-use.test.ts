@@ -155,9 +155,25 @@ describe('--plan', () => {
       // and an over-capacity one (at most 960 + 64), and one plant of 352 + 32 covering the
       // 384-token pool: 9 × 197 + 384 + 6 × 229 + 6 × 1024.
       assert.deepEqual(planRow(run.stdout, 'canary'), ['22', '9675', '0.0242'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['480', '88857', '0.2221'])
-      // The default budget (500 requests) covers the default plan: nothing is said about it.
-      assert.doesNotMatch(run.stdout, /exceed --max-requests/)
+      // race-load: 2 reads of the endpoint's limit; alone, a structured check and 3 twins; then
+      // arrivals ramped 2, 4, 8 (one each per slot) and held at 16 (two per slot): 46. Its long
+      // prompts are the short ones' 160 tokens here (half the 384-token pool shared among 16 in
+      // flight is 12): 50 × (160 + 32).
+      assert.deepEqual(planRow(run.stdout, 'race-load'), ['52', '9600', '0.0240'])
+      // stall: the smallest limit (pool 384) − max_tokens 8 = 376, under the ladder's first size
+      // 512: one prompt of 376 + 8; 4 reads before it and 2 × 2 after a stall.
+      assert.deepEqual(planRow(run.stdout, 'stall'), ['9', '384', '0.0010'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['541', '98841', '0.2471'])
+      // Over the default budget (500 requests) by 41: the two largest needs are cut to their
+      // shares (page-leak 88 of 128, prefix-timing 87 of 88), said before any request.
+      assert.match(
+        run.stdout,
+        /^ {2}page-leak needs up to 128 requests \(1672 tokens\); its share is 88 /m,
+      )
+      assert.match(
+        run.stdout,
+        /^ {2}prefix-timing needs up to 88 requests \(18608 tokens\); its share is 87 /m,
+      )
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
     } finally {
       await standIn.close()

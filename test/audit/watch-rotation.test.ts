@@ -4,7 +4,7 @@ import assert from 'node:assert/strict'
 import { describe, test } from 'node:test'
 import { createRng } from '../../src/audit/rng.js'
 import { runCycle } from '../../src/audit/watch/cycle.js'
-import { cycleCostBound } from '../../src/audit/watch/loop.js'
+import { cycleCostBound, watchOutage } from '../../src/audit/watch/loop.js'
 import { validateWatchOptions } from '../../src/audit/watch/options.js'
 import { formatWatchPlan } from '../../src/audit/watch/plan.js'
 import { armOf, raceArm, rotation } from '../../src/audit/watch/rotation.js'
@@ -33,8 +33,8 @@ async function cycleAgainst(options: LoadStandInOptions, seed: number) {
   }
 }
 
-// The arm's long prompt is 400 characters of canaries (about 20 words, a short one 100, about 6); every answer waits 50 ms.
-const engine = { contextTokens: 4096, poolTokens: 4096, delayMs: 50 }
+// The arm's long prompt is 400 characters of canaries (about 20 words, a short one 100, about 6); every answer waits 200 ms, so that the arrivals (10 ms apart on average) overlap.
+const engine = { contextTokens: 4096, poolTokens: 4096, delayMs: 200 }
 
 describe('the rotation', () => {
   test('cycles take the arms in order, from the first', () => {
@@ -100,5 +100,50 @@ describe('the rotation', () => {
     } finally {
       await standIn.close()
     }
+  })
+})
+
+describe("the watch's outage check (the audit's, across cycles)", () => {
+  const request = {
+    tenant: standInTenants[0],
+    prompt: 'a b c',
+    maxTokens: 16,
+    stream: false,
+  }
+  const result = (status: number | null, n: number) => ({
+    status,
+    failure: status === null ? ('network' as const) : null,
+    text: status === 200 ? 'a b c' : '',
+    promptTokens: status === 200 ? 4 : null,
+    cachedTokens: null,
+    ttftMs: null,
+    requestNumber: n,
+    atMs: 0,
+    errorCode: null,
+    errorMessage: null,
+  })
+
+  test('six valid requests failing in a row after an answer: an availability alert; an answer ends it', () => {
+    const outage = watchOutage()
+    outage.onCompletion(request, result(200, 1))
+    for (let n = 1; n <= 5; n++) outage.onCompletion(request, result(500, n))
+    assert.deepEqual(outage.findings(), [])
+    outage.onCompletion(request, result(null, 6))
+    const [alert] = outage.findings()
+    assert.equal(alert.key, 'warning:outage')
+    assert.equal(alert.finding.probe, 'availability')
+    assert.match(
+      alert.finding.title,
+      /at request #2 .*the 6 valid requests from then on failed \(HTTP 500 ×5, network ×1\)/,
+    )
+    outage.onCompletion(request, result(200, 7))
+    assert.deepEqual(outage.findings(), [])
+  })
+
+  test('prompts sent to be refused (isValid false) failing count for nothing', () => {
+    const outage = watchOutage()
+    outage.onCompletion(request, result(200, 1))
+    for (let n = 1; n <= 8; n++) outage.onCompletion({ ...request, isValid: false }, result(500, n))
+    assert.deepEqual(outage.findings(), [])
   })
 })

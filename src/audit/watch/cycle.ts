@@ -29,6 +29,7 @@ import {
   createTarget,
   outcomeOf,
   isAnsweredWhole,
+  type CompletionRequest,
   type CompletionResult,
   type Target,
 } from '../target.js'
@@ -451,6 +452,8 @@ export interface CycleInput {
   readonly maxSeconds: number
   /** The cycle's rotating arm (rotation.ts); absent or null: none. */
   readonly arm?: RotationArm | null
+  /** Called with every completion as it ends (the watch's outage check, as the audit's). */
+  readonly onCompletion?: (request: CompletionRequest, result: CompletionResult) => void
 }
 
 const calibrationTokenBound = 2 * (promptTokenBound('a '.repeat(64)) + 1)
@@ -483,6 +486,7 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
       tenants: input.tenants,
       budget,
       requestTimeoutMs: input.requestTimeoutMs,
+      onCompletion: input.onCompletion,
     })
   const read = await readEndpoint(input, budget, targetOf)
   if ('outcome' in read) return read
@@ -582,6 +586,8 @@ async function runGroup(state: CycleState, group: readonly Step[]): Promise<void
           maxTokens: step.maxTokens,
           stream: step.stream,
           abortAfterChunks: step.abortAfterChunks,
+          isValid: !step.mustReject,
+          estimatedPromptTokens: promptTokenBound(step.planted.prompt),
         })
       } catch (err) {
         if (err instanceof BudgetExhaustedError) return

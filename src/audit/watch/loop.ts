@@ -26,6 +26,8 @@ import { HourlyBudget, PacingBucket, type Spend } from './hourly.js'
 import type { WatchMetrics } from './metrics.js'
 import type { WatchConfig } from './options.js'
 import { armOf, rotation } from './rotation.js'
+import { OutageWatch } from '../outage.js'
+import type { CompletionRequest, CompletionResult } from '../target.js'
 import { alertEvidence, postWebhook, webhookBody, type AlertStatus } from './webhook.js'
 
 /** A cycle may spend up to this many times its average share of the hourly budget (so a cycle
@@ -78,7 +80,7 @@ export function cycleCostBound(config: WatchConfig): {
     allowance: pacing(config).capacity,
     minCycle: { tokens: minCycleTokens, requests: maxReadRequests + 2 },
     rotationArm: rotation
-      .map((arm) => arm.cost({ poolTokens: null, contextTokens: null }))
+      .map((arm) => arm.cost({ poolTokens: Infinity, contextTokens: Infinity }))
       .reduce(
         (a, b) => ({
           tokens: Math.max(a.tokens, b.tokens),
@@ -107,6 +109,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
   const hourly = new HourlyBudget(config.maxTokensPerHour, config.maxRequestsPerHour)
   const bucket = pacing(config)
   const alerts = new AlertTracker(config.resolveAfterCycles)
+  const outage = watchOutage()
   const idleReadings: number[] = []
   let idleUnit: string | null = null
   let sizer: PromptSizer | null = null
@@ -149,6 +152,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
         concurrency: config.concurrency,
         maxSeconds: Math.max(config.cycleSeconds, config.requestTimeoutMs / 1000),
         arm: armOf(cycle),
+        onCompletion: outage.onCompletion,
       }).catch((err: unknown) =>
         skippedReport(`cycle failed: ${err instanceof Error ? err.message : String(err)}`),
       )
@@ -160,7 +164,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
     }
     sizer = report.sizer ?? sizer
     usageEndpoint = report.poolUsage?.endpoint ?? usageEndpoint
-    const findings = [...report.findings]
+    const findings = [...report.findings, ...outage.findings()]
     if (report.poolUsage !== null) {
       const unit = `${report.poolUsage.field} (${report.poolUsage.unit})`
       if (unit !== idleUnit) idleReadings.length = 0
@@ -204,6 +208,42 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
     }
     const waitMs = config.cycleSeconds * 1000 * (1 - jitter + 2 * jitter * rng.next())
     await sleep(waitMs, signal)
+  }
+}
+
+/** The audit's outage check (outage.ts) over the watch's completions across cycles: valid
+ *  requests failing with a 5xx or no answer, six or more in a row over at least 10 s after the
+ *  endpoint had answered, are an availability alert, numbered across the whole watch. */
+export function watchOutage(): {
+  onCompletion: (request: CompletionRequest, result: CompletionResult) => void
+  findings: () => WatchFinding[]
+} {
+  const watch = new OutageWatch()
+  const startedAt = Date.now()
+  let numSent = 0
+  return {
+    onCompletion: (request, result) => {
+      watch.observe(
+        request.isValid ?? true,
+        {
+          requestNumber: ++numSent,
+          atMs: Date.now() - startedAt,
+          probe: null,
+          tenant: request.tenant.name,
+          promptTokens: result.promptTokens ?? request.estimatedPromptTokens ?? null,
+          promptChars: request.prompt.length,
+          maxTokens: request.maxTokens,
+          isStream: request.stream,
+          status: result.status,
+          failure: result.failure,
+        },
+        result,
+      )
+    },
+    findings: () => {
+      const finding = watch.isDown() ? watch.finding({ before: null, after: null }) : null
+      return finding === null ? [] : [{ key: 'warning:outage', finding }]
+    },
   }
 }
 

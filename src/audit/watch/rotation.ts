@@ -10,6 +10,7 @@
  *  bound.
  *  Knows the audit's material and targets; knows nothing of any engine. */
 import type { Discovery } from '../discovery.js'
+import { firstCeilingTokens } from '../prompt-ceiling.js'
 import {
   crossingRemediation,
   denseMaterial,
@@ -66,10 +67,12 @@ const raceArmShortChars = 100
 const raceArmGapMs = 10
 
 /** Characters of the race arm's long prompt: {@link raceArmLongChars}, less where the smallest
- *  limit known would not hold it (a token is at least one byte, plus four special tokens). */
+ *  limit known would not hold it (a token is at least one byte, plus four special tokens), and
+ *  where none is known, what the prompt ceiling allows before anything was answered
+ *  (prompt-ceiling.ts: an engine that validates nothing is never sent more). */
 function raceArmLong(discovery: Pick<Discovery, 'poolTokens' | 'contextTokens'>): number {
   const known = [discovery.poolTokens, discovery.contextTokens].filter((n) => n !== null)
-  const limit = known.length === 0 ? Infinity : Math.min(...known)
+  const limit = known.length === 0 ? firstCeilingTokens : Math.min(...known)
   return Math.max(raceArmShortChars, Math.min(raceArmLongChars, limit - raceArmMaxTokens - 8))
 }
 
