@@ -12,6 +12,7 @@ import { buildFaultConfig, faultBanner } from '../engine/faults.js'
 import { KvfenceError } from '../common/errors.js'
 import { bundledModelDir } from '../common/paths.js'
 import { type StartRouterOptions, startRouter } from '../router/index.js'
+import { forkTokenizer } from '../router/tokenize/tokenizer-fork.js'
 import { redactedUrl, type UnavailablePolicy } from '../router/admission/redis-limits.js'
 import { refuseNativeSaltSecretFile, saltSecretFrom } from '../router/tenants/salt-secret.js'
 import type { SentinelMode } from '../router/sentinel/sentinel.js'
@@ -185,6 +186,7 @@ async function runRouter(flags: RouterFlags, command: Command): Promise<void> {
     ...sentinelFlags(flags, source.sentinel),
     clusterToken: clusterTokenFrom(process.env),
     ...httpsOption(flags),
+    startTokenizer: forkTokenizer,
     log,
   })
   // The first SIGTERM (or SIGINT from a shell) drains (running requests finish, up to

@@ -29,6 +29,7 @@ import {
   type WorkerValues,
 } from '../engine/worker-options.js'
 import { routerConfigDefaults } from '../router/config.js'
+import { forkTokenizer } from '../router/tokenize/tokenizer-fork.js'
 
 /** A worker of role `R` in a plan: forked here with the options a worker entry of the cluster
  *  file sets (`pages` and, for prefill, its prefix cache: src/engine/worker-options.ts), or
@@ -189,7 +190,9 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
     let routerProcess: ChildProcess | undefined
     const r = plan.router
     if (r.runs === 'here') {
-      const workers = r.options.gateway ? {} : { modelDir: plan.modelDir, prefillUrls, decodeUrls }
+      const workers = r.options.gateway
+        ? {}
+        : { modelDir: plan.modelDir, prefillUrls, decodeUrls, startTokenizer: forkTokenizer }
       router = await startRouter({ ...r.options, ...workers, host: plan.host, clusterToken })
       routerUrl = router.url
     } else {

@@ -27,7 +27,7 @@ import { createCapacityMonitor, defaultCapacityRecheckMs } from './native/capaci
 import { createRouter } from './api/routes.js'
 import { createRouterSentinel } from './sentinel/router-sentinel.js'
 import type { SentinelSettings } from './sentinel/sentinel.js'
-import { createTokenizerPool } from './tokenize/tokenizer-pool.js'
+import { type StartTokenizer, createTokenizerPool } from './tokenize/tokenizer-pool.js'
 import {
   type TenantRecord,
   type TenantsWatcher,
@@ -102,6 +102,11 @@ export interface StartRouterOptions {
   drainSeconds?: number
   /** The response sentinel's settings, over `sentinelDefaults` (src/router/sentinel/). */
   sentinel?: Partial<SentinelSettings>
+  /** How the router starts each tokenizer of its pool (tokenize/tokenizer-pool.ts): `forkTokenizer`
+   *  of tokenize/tokenizer-fork.ts (a child process, what `kvfence router` and `serve` pass).
+   *  Required with workers; given here, not imported, so that a test can run the router with an
+   *  in-process one and start no process. */
+  startTokenizer?: StartTokenizer
   /** Processes tokenizing long prompts (default `defaultNumProcesses` of tokenize/tokenizer-pool.ts). */
   tokenizerProcesses?: number
   /** Start the tokenizer processes with the first long prompt rather than with the router
@@ -277,6 +282,8 @@ async function startNativeBackend(
       'a kvfence router needs a model directory, prefill worker URLs and decode worker URLs',
     )
   }
+  if (options.startTokenizer === undefined)
+    throw new KvfenceError('config_invalid', 'a kvfence router needs a way to start tokenizers')
   if (!options.workerTls)
     checkPlaintextLinks({
       part: 'router',
@@ -328,6 +335,7 @@ async function startNativeBackend(
       tokenizer,
       tokenizerPool: createTokenizerPool({
         modelDir: options.modelDir,
+        startTokenizer: options.startTokenizer,
         tokenizer,
         ...(options.tokenizerProcesses === undefined
           ? {}

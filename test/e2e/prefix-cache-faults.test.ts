@@ -19,19 +19,20 @@
  *    a run where it landed later (the prefill had finished) is retried with a fresh prompt, at most
  *    three times. */
 import assert from 'node:assert/strict'
-import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs'
-import { tmpdir } from 'node:os'
+import { readdirSync, readFileSync, writeFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import OpenAI from 'openai'
 import { startCluster, type Cluster, type ClusterOptions } from '../../src/config/launch.js'
-import { buildFaultConfig } from '../../src/engine/faults.js'
-import { generateLocal } from '../../src/engine/local-engine.js'
-import { createWorkerCore } from '../../src/engine/worker-core.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
-import { loadModel } from '../../src/model/weights.js'
 import { openaiClient, pagesUsed, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
+import {
+  echoOracle,
+  floodPrompts,
+  offloadDiskDir,
+  stoneGardenPrompt,
+} from '../helpers/prefix-cache.js'
 
 const {
   dir,
@@ -41,17 +42,12 @@ const {
 const unsafeEnv = { ...process.env, KVFENCE_ALLOW_FAULTS: '1' }
 
 /** BOS + 110 characters: 111 tokens, 6 full pages of 16. */
-const promptA =
-  'system: you answer in the voice of the stone garden, Lm4Nb8Vc1Xz0 is the gate code. user: what opens the gate?'
+const promptA = stoneGardenPrompt
 /** B's two prompts: 6 full pages each, so A's 6 pages all leave the 8-page cache. */
-const promptsB = [0, 1].map(
-  (i) =>
-    `${i}${i}${i} flood: the river carries salt past the mill at dawn, again and again, while the wheel turns. `,
-)
+const promptsB = floodPrompts(2)
 
 /** A directory of its own (0700, as mkdtemp makes it) for each disk tier. */
-const diskDir = (name: string) => mkdtempSync(join(tmpdir(), `kvfence-offload-${name}-`))
-const loadAsHitDirs = { on: diskDir('on'), off: diskDir('off') }
+const loadAsHitDirs = { on: offloadDiskDir('on'), off: offloadDiskDir('off') }
 
 const small: Partial<ClusterOptions> = { prefillPages: 64, decodePages: 64, prefixCachePages: 8 }
 const diskArgs = (d: string) => [
@@ -155,21 +151,11 @@ async function complete(cluster: Cluster, key: string, prompt: string, maxTokens
 }
 
 const tokenizer = loadTokenizer(echoModelDir)
-const local = createWorkerCore({
-  model: loadModel(echoModelDir),
-  numPages: 64,
-  pageSize: 16,
-  faults: buildFaultConfig([], false, {}),
-})
-/** The single-process engine's text for `prompt` at temperature 0. */
+const oracle = echoOracle()
+/** The single-process engine's text for `prompt` at temperature 0 (all `maxTokens`, past an end
+ *  of sequence). */
 function oracleText(prompt: string, maxTokens: number): string {
-  const text = tokenizer.decode(
-    generateLocal(local, tokenizer.encode(prompt), {
-      maxTokens,
-      sampling: { temperature: 0, topP: 1, seed: null },
-      stopTokenIds: [],
-    }).tokenIds,
-  )
+  const text = oracle(prompt, maxTokens, { stopAtEos: false })
   // An empty oracle would make every comparison below pass on a broken model.
   assert.ok(text.trim().length > 0, 'the single-process engine gave no text')
   return text

@@ -11,34 +11,17 @@ import assert from 'node:assert/strict'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { startCluster, type Cluster } from '../../src/config/launch.js'
-import { buildFaultConfig } from '../../src/engine/faults.js'
-import { generateLocal } from '../../src/engine/local-engine.js'
 import { prefillChunkTokens } from '../../src/engine/prefill-worker.js'
-import { createWorkerCore } from '../../src/engine/worker-core.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
-import { loadModel } from '../../src/model/weights.js'
 import { openaiClient, serverInfo, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
+import { echoOracle } from '../helpers/prefix-cache.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-prefix-lengths-')
 const pageSize = 16
 const tokenizer = loadTokenizer(echoModelDir)
-const local = createWorkerCore({
-  model: loadModel(echoModelDir),
-  numPages: 128,
-  pageSize,
-  faults: buildFaultConfig([], false, {}),
-})
-
 /** The single-process engine's text for `prompt` (greedy, no cache). */
-function expected(prompt: string, maxTokens: number): string {
-  const out = generateLocal(local, tokenizer.encode(prompt), {
-    maxTokens,
-    sampling: { temperature: 0, topP: 1, seed: null },
-    stopTokenIds: tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId],
-  })
-  return tokenizer.decode(out.tokenIds)
-}
+const expected = echoOracle(128)
 
 /** A prompt of exactly `numTokens` tokens (BOS + one token per character) that starts with
  *  `head`, so that no two prompts of the test share a first page. */

@@ -15,63 +15,37 @@
  *  in that same state, so every quiet round is alike. A's answers are the single-process engine's
  *  (temperature 0) every time. Two clusters, one after the other. */
 import assert from 'node:assert/strict'
-import { mkdtempSync } from 'node:fs'
-import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { describe, it } from 'node:test'
 import { startCluster } from '../../src/config/launch.js'
-import { buildFaultConfig } from '../../src/engine/faults.js'
-import { generateLocal } from '../../src/engine/local-engine.js'
-import { createWorkerCore } from '../../src/engine/worker-core.js'
-import { loadTokenizer } from '../../src/model/tokenizer.js'
-import { loadModel } from '../../src/model/weights.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
+import { loadTokenizer } from '../../src/model/tokenizer.js'
 import { echoModelDir } from '../helpers/paths.js'
+import {
+  echoOracle,
+  echoPageBytes,
+  floodPrompts,
+  metricSum,
+  offloadDiskDir,
+  stoneGardenPrompt,
+} from '../helpers/prefix-cache.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-offload-tenants-')
 
 /** A's two prompts: BOS + 110 characters, 111 tokens, 6 full pages each, no page in common. */
 const promptsA = [
-  'system: you answer in the voice of the stone garden, Lm4Nb8Vc1Xz0 is the gate code. user: what opens the gate?',
+  stoneGardenPrompt,
   'notes: the lighthouse keeper logs each ship by flag and hour, Qr7Tp2Ws9Ke5 is the ledger key. user: who sailed',
 ]
 /** B's flood: 6 prompts of 6 full pages each, no two sharing a first page: 36 pages. */
-const promptsB = Array.from(
-  { length: 6 },
-  (_, i) =>
-    `${i}${i}${i} flood: the river carries salt past the mill at dawn, again and again, while the wheel turns. `,
-)
+const promptsB = floodPrompts(6)
 
-const tokenizer = loadTokenizer(echoModelDir)
-const local = createWorkerCore({
-  model: loadModel(echoModelDir),
-  numPages: 64,
-  pageSize: 16,
-  faults: buildFaultConfig([], false, {}),
-})
-
-/** echo-tiny's page: 2 layers × K and V × 16 tokens × 2 KV heads × 32 floats × 4 bytes. */
-const pageBytes = 2 * 2 * 16 * 2 * 32 * 4
 /** A tenant's disk share: about 8 files of a page and its header. */
 const diskShare = 160_000
 
-function expected(prompt: string, maxTokens: number): string {
-  const out = generateLocal(local, tokenizer.encode(prompt), {
-    maxTokens,
-    sampling: { temperature: 0, topP: 1, seed: null },
-    stopTokenIds: tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId],
-  })
-  return tokenizer.decode(out.tokenIds)
-}
-
-/** Sum of the samples of `name` in `text` (Prometheus exposition) whose labels include `labels`. */
-function sample(text: string, name: string, labels: string[] = []): number {
-  return text
-    .split('\n')
-    .filter((l) => l.startsWith(`${name}{`) || l.startsWith(`${name} `))
-    .filter((l) => labels.every((x) => l.includes(x)))
-    .reduce((sum, l) => sum + Number(l.slice(l.lastIndexOf(' ') + 1)), 0)
-}
+/** The single-process engine's text (greedy, no cache). */
+const expected = echoOracle()
+const tokenizer = loadTokenizer(echoModelDir)
 
 /** Three rounds of A's, B's flood, a fourth round of A's, and B's first prompt again, against a
  *  cluster of `prefixCachePages` and `prefillArgs`. Per round of A's: its cached tokens and its
@@ -92,14 +66,14 @@ async function run(name: string, prefixCachePages: number, prefillArgs: string[]
     const metrics = async () => {
       const text = await (await fetch(`${cluster.prefillUrl}/metrics`)).text()
       const loads = (tier: string) =>
-        sample(text, 'kvfence_prefix_cache_offload_loads_total', [
+        metricSum(text, 'kvfence_prefix_cache_offload_loads_total', [
           'outcome="hit"',
           `tier="${tier}"`,
         ])
-      const refused = sample(text, 'kvfence_prefix_cache_offload_loads_total', [
+      const refused = metricSum(text, 'kvfence_prefix_cache_offload_loads_total', [
         'outcome="refused"',
       ])
-      const evicted = sample(text, 'kvfence_prefix_cache_evictions_total')
+      const evicted = metricSum(text, 'kvfence_prefix_cache_evictions_total')
       return { host: loads('host'), disk: loads('disk'), refused, evicted }
     }
     const complete = async (tenant: number, prompt: string, maxTokens: number) => {
@@ -140,9 +114,9 @@ async function run(name: string, prefixCachePages: number, prefillArgs: string[]
 /** Flags of a host ring of `hostPages` pages above a fresh disk tier of `diskBytes`. */
 const tiers = (hostPages: number, diskBytes: number) => [
   '--prefix-cache-offload-bytes',
-  String(hostPages * pageBytes),
+  String(hostPages * echoPageBytes),
   '--prefix-cache-offload-dir',
-  mkdtempSync(join(tmpdir(), 'kvfence-offload-tenants-disk-')),
+  offloadDiskDir('tenants-disk'),
   '--prefix-cache-offload-disk-bytes',
   String(diskBytes),
 ]

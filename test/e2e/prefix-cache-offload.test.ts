@@ -7,46 +7,37 @@
  *  evicted, its answer is exactly the single-process engine's (the cold answer, temperature 0),
  *  and the prefill worker counts the verified loads of each tier. Clusters one after another. */
 import assert from 'node:assert/strict'
-import { mkdtempSync } from 'node:fs'
-import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { startCluster, type Cluster } from '../../src/config/launch.js'
-import { buildFaultConfig } from '../../src/engine/faults.js'
-import { generateLocal } from '../../src/engine/local-engine.js'
-import { createWorkerCore } from '../../src/engine/worker-core.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
-import { loadModel } from '../../src/model/weights.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
+import {
+  echoOracle,
+  echoPageBytes,
+  floodPrompts,
+  offloadDiskDir,
+  stoneGardenPrompt,
+} from '../helpers/prefix-cache.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-prefix-offload-')
 
 /** BOS + 110 characters: 111 tokens, 6 full pages of 16. */
-const promptA =
-  'system: you answer in the voice of the stone garden, Lm4Nb8Vc1Xz0 is the gate code. user: what opens the gate?'
+const promptA = stoneGardenPrompt
 /** B's two prompts: 6 full pages each, so A's 6 pages are all evicted from the 8-page cache. */
-const promptsB = [0, 1].map(
-  (i) =>
-    `${i}${i}${i} flood: the river carries salt past the mill at dawn, again and again, while the wheel turns. `,
-)
+const promptsB = floodPrompts(2)
 
 const tokenizer = loadTokenizer(echoModelDir)
-const local = createWorkerCore({
-  model: loadModel(echoModelDir),
-  numPages: 64,
-  pageSize: 16,
-  faults: buildFaultConfig([], false, {}),
-})
+/** The single-process engine's text (greedy, no cache). */
+const expected = echoOracle()
 
 const diskArgs = () => [
   '--prefix-cache-offload-dir',
-  mkdtempSync(join(tmpdir(), 'kvfence-offload-e2e-')),
+  offloadDiskDir('e2e'),
   '--prefix-cache-offload-disk-bytes',
   String(1 << 20),
 ]
-/** echo-tiny's page: 2 layers × K and V × 16 tokens × 2 KV heads × 32 floats × 4 bytes. */
-const pageBytes = 2 * 2 * 16 * 2 * 32 * 4
 
 /** Each tier's flags and the verified loads A's 6 pages must count, by tier. */
 const tiers = {
@@ -54,7 +45,7 @@ const tiers = {
   disk: { args: diskArgs(), hits: { host: 0, disk: 6 } },
   // Two pages of host memory: A's last-evicted pages stay there until B's push them down.
   'host+disk': {
-    args: ['--prefix-cache-offload-bytes', String(2 * pageBytes), ...diskArgs()],
+    args: ['--prefix-cache-offload-bytes', String(2 * echoPageBytes), ...diskArgs()],
     hits: { host: 0, disk: 6 },
   },
 }
@@ -89,13 +80,7 @@ for (const [tier, { args, hits }] of Object.entries(tiers))
 
     it('pages evicted by another tenant come back verified; the answer is the single-process one', async () => {
       assert.equal(tokenizer.encode(promptA).length, 111)
-      const want = tokenizer.decode(
-        generateLocal(local, tokenizer.encode(promptA), {
-          maxTokens: 16,
-          sampling: { temperature: 0, topP: 1, seed: null },
-          stopTokenIds: tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId],
-        }).tokenIds,
-      )
+      const want = expected(promptA, 16)
       assert.deepEqual(await complete(0, promptA, 16), { text: want, cached: 0 })
       for (const p of promptsB) assert.equal((await complete(1, p, 1)).cached, 0)
       // 6 whole pages short of the last token, all loaded back from the ring.

@@ -10,43 +10,26 @@ import { readFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { describe, it } from 'node:test'
 import { startCluster, type Cluster } from '../../src/config/launch.js'
-import { buildFaultConfig } from '../../src/engine/faults.js'
-import { generateLocal } from '../../src/engine/local-engine.js'
-import { createWorkerCore } from '../../src/engine/worker-core.js'
-import { loadTokenizer } from '../../src/model/tokenizer.js'
-import { loadModel } from '../../src/model/weights.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
+import { loadTokenizer } from '../../src/model/tokenizer.js'
 import { echoModelDir } from '../helpers/paths.js'
+import {
+  echoOracle,
+  floodPrompts,
+  stoneGardenPrompt,
+  stoneGardenSystem,
+} from '../helpers/prefix-cache.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-prefix-tenants-')
 
-const shared =
-  'system: you answer in the voice of the stone garden, Lm4Nb8Vc1Xz0 is the gate code. '
 /** 111 and 108 tokens (BOS + characters): 6 full pages each, 5 of them shared, so A caches 7. */
-const promptsA = [`${shared}user: what opens the gate?`, `${shared}user: and who keeps it?`]
+const promptsA = [stoneGardenPrompt, `${stoneGardenSystem}user: and who keeps it?`]
 /** B's flood: 4 prompts of 6 full pages each, no two sharing a first page: 24 pages. */
-const promptsB = Array.from(
-  { length: 4 },
-  (_, i) =>
-    `${i}${i}${i} flood: the river carries salt past the mill at dawn, again and again, while the wheel turns. `,
-)
+const promptsB = floodPrompts(4)
 
+/** The single-process engine's text (greedy, no cache). */
+const expected = echoOracle()
 const tokenizer = loadTokenizer(echoModelDir)
-const local = createWorkerCore({
-  model: loadModel(echoModelDir),
-  numPages: 64,
-  pageSize: 16,
-  faults: buildFaultConfig([], false, {}),
-})
-
-function expected(prompt: string, maxTokens: number): string {
-  const out = generateLocal(local, tokenizer.encode(prompt), {
-    maxTokens,
-    sampling: { temperature: 0, topP: 1, seed: null },
-    stopTokenIds: tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId],
-  })
-  return tokenizer.decode(out.tokenIds)
-}
 
 /** A's rounds and B's flood against a cluster whose prefill worker gets `prefillArgs`. Returns
  *  A's cached tokens per round (first, quiet, after B's flood), B's, and the pages cached at the

@@ -8,36 +8,16 @@ import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import { startCluster, type Cluster } from '../../src/config/launch.js'
 import { ServerInfo } from '../../src/control/messages.js'
-import { buildFaultConfig } from '../../src/engine/faults.js'
-import { generateLocal } from '../../src/engine/local-engine.js'
-import { createWorkerCore } from '../../src/engine/worker-core.js'
-import { loadTokenizer } from '../../src/model/tokenizer.js'
-import { loadModel } from '../../src/model/weights.js'
 import { openaiClient, twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
+import { echoOracle, stoneGardenPrompt, stoneGardenSystem } from '../helpers/prefix-cache.js'
 
 const { dir, tenants, tenantsFile } = twoTenants('kvfence-prefix-cache-')
 
-const shared =
-  'system: you answer in the voice of the stone garden, Lm4Nb8Vc1Xz0 is the gate code. '
-const prompts = [`${shared}user: what opens the gate?`, `${shared}user: and who keeps it?`]
+const prompts = [stoneGardenPrompt, `${stoneGardenSystem}user: and who keeps it?`]
 
-const tokenizer = loadTokenizer(echoModelDir)
-const local = createWorkerCore({
-  model: loadModel(echoModelDir),
-  numPages: 64,
-  pageSize: 16,
-  faults: buildFaultConfig([], false, {}),
-})
-
-function expected(prompt: string, maxTokens: number): string {
-  const out = generateLocal(local, tokenizer.encode(prompt), {
-    maxTokens,
-    sampling: { temperature: 0, topP: 1, seed: null },
-    stopTokenIds: tokenizer.eosTokenId === null ? [] : [tokenizer.eosTokenId],
-  })
-  return tokenizer.decode(out.tokenIds)
-}
+/** The single-process engine's text (greedy, no cache). */
+const expected = echoOracle()
 
 describe('prefix cache across a real cluster', () => {
   let cluster: Cluster

@@ -23,6 +23,7 @@ import { captureLogs, type LogCapture } from '../helpers/logs.js'
 import { waitUntil } from '../helpers/poll.js'
 import { type RunningRouter, type StartRouterOptions, startRouter } from '../../src/router/start.js'
 import { tempDir } from '../helpers/temp-dir.js'
+import { inProcessTokenizer } from '../helpers/in-process-tokenizer.js'
 
 // ---------------------------------------------------------------------------------------------
 // A char-level tokenizer: 0 <pad>, 1 <s>, 2 </s>, 3 <sep>, 4 "\n", 5.. printable ASCII
@@ -504,6 +505,7 @@ export async function startHarness(
       log: logs.log,
       workerWaitMs: 0,
       tokenizerProcessesOnDemand: true, // most tests send no long prompt
+      startTokenizer: inProcessTokenizer,
       ...routerOptions,
     })
   } catch (err) {

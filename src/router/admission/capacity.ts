@@ -1,6 +1,6 @@
 /** G1: the context window the router may advertise, from what every worker reports.
  *  Knows worker `ServerInfo`s and the operator's wishes; knows nothing of HTTP or requests. */
-import type { ServerInfo } from '../../control/messages.js'
+import type { WorkerReport } from '../../control/worker-probe.js'
 import { KvfenceError } from '../../common/errors.js'
 
 /** What the operator asked for. */
@@ -23,11 +23,9 @@ export interface ContextWindowDecision {
   warnings: string[]
 }
 
-/** A worker's report, tagged with where it came from (for messages). */
-export interface WorkerReport {
-  url: string
-  info: ServerInfo
-}
+/** A worker's report, tagged with where it came from (for messages): one type, the control
+ *  plane's. */
+export type { WorkerReport }
 
 /** Decides the advertised context window (G1). Throws `guard_violation` with a one-line message
  *  naming both numbers when the window exceeds the effective capacity and neither clamping nor

@@ -12,13 +12,17 @@
  *  tokenized inline: sending them to a process costs more than they do. Queued prompts are taken
  *  from the tenants in turn, so one tenant's many long prompts delay another tenant's by at most
  *  one prompt per process.
+ *  How a member starts is the caller's {@link StartTokenizer}: `forkTokenizer`
+ *  (tokenizer-fork.ts) in the router, so that this module starts no process itself.
  *  Knows parsed requests, tenants' names and the tokenizer; knows nothing of HTTP or workers. */
-import { type ChildProcess, fork } from 'node:child_process'
 import { availableParallelism } from 'node:os'
 import { KvfenceError, isErrorCode } from '../../common/errors.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
 import { checkedPromptTokenIds } from './prompt-ids.js'
 import type { ParsedRequest } from '../api/schemas.js'
+import type { TokenizerJob, TokenizerReply } from './tokenizer-job.js'
+
+export type { TokenizerJob, TokenizerReply } from './tokenizer-job.js'
 
 /** Tokenizes prompts; see the module's header. */
 export interface TokenizerPool {
@@ -49,10 +53,37 @@ export interface TokenizedPrompt {
   ids: Int32Array | null
 }
 
+/** The pool's handle on one tokenizer it started (a child process in the router). */
+export interface TokenizerChild {
+  /** Hands it a job; its reply comes to the `message` event given to {@link StartTokenizer}. */
+  send(job: TokenizerJob): void
+  /** Whether it keeps the event loop alive (while a prompt waits on it, not while idle). */
+  hold(isHeld: boolean): void
+  /** Ends it at once (SIGKILL for a process); `gone` follows. */
+  kill(): void
+  /** Whether it has ended. */
+  hasExited(): boolean
+  /** Resolves when it has ended. */
+  exited: Promise<void>
+}
+
+/** Starts one tokenizer for the model directory `modelDir`: it says `{ ready: true }` once it has
+ *  loaded the tokenizer, then one {@link TokenizerReply} per job, through `events.message`;
+ *  `events.gone` hears how it ended (once or twice: a failed send's error, then its exit). */
+export type StartTokenizer = (
+  modelDir: string,
+  events: {
+    message: (message: TokenizerReply | { ready: true }) => void
+    gone: (how: string) => void
+  },
+) => TokenizerChild
+
 /** Options of {@link createTokenizerPool}. */
 export interface TokenizerPoolOptions {
   /** The model directory the processes load the tokenizer from (the same one as `tokenizer`). */
   modelDir: string
+  /** Starts a member (`forkTokenizer` of tokenizer-fork.ts: a child process). */
+  startTokenizer: StartTokenizer
   /** The main thread's tokenizer, for inline prompts. */
   tokenizer: Tokenizer
   /** Processes (default {@link defaultNumProcesses}). */
@@ -86,20 +117,6 @@ export const defaultAnswerTimeoutMs = 60_000
  *  a process's round trip, over a pipe, costs more still. */
 export const defaultInlineMaxChars = 512
 
-/** A job for a tokenizer process: keep the ids only below `keepBelow` tokens. */
-export interface TokenizerJob {
-  id: number
-  parsed: ParsedRequest
-  keepBelow: number
-}
-
-/** A message from a tokenizer process: the ids of job `id` (or only their number, when not
- *  kept), or the error it threw. */
-export type TokenizerReply =
-  | { id: number; tokenIds: Int32Array }
-  | { id: number; numTokens: number }
-  | { id: number; error: { code: string; message: string; param: string | null } }
-
 interface Job {
   id: number
   parsed: ParsedRequest
@@ -129,21 +146,14 @@ function isInline(parsed: ParsedRequest, inlineMaxChars: number): boolean {
 }
 
 /** Whether `member` keeps the event loop alive: while it starts or tokenizes (a prompt waits for
- *  it), not while idle. Both handles: its channel, and the process itself, whose exit is what
- *  answers a prompt when it dies (its channel closes first). */
+ *  it), not while idle. */
 function holdsLoop(member: Member, isHeld: boolean): void {
-  if (isHeld) {
-    member.child.ref()
-    member.child.channel?.ref()
-  } else {
-    member.child.unref()
-    member.child.channel?.unref()
-  }
+  member.child.hold(isHeld)
 }
 
 /** One process of the pool. */
 interface Member {
-  child: ChildProcess
+  child: TokenizerChild
   /** Whether it has loaded its tokenizer (said `{ ready: true }`). */
   isReady: boolean
   /** The prompt it is tokenizing. */
@@ -154,30 +164,25 @@ interface Member {
   killedFor: string | null
 }
 
-/** Forks one tokenizer process: `onMessage` hears what it says, `onGone` how it ended (once or
- *  twice: a failed send's 'error', then its 'exit'). */
+/** Starts one member with `startTokenizer`: `onMessage` hears what it says, `onGone` how it
+ *  ended. */
 function startMember(
+  startTokenizer: StartTokenizer,
   modelDir: string,
   onMessage: (member: Member, message: TokenizerReply | { ready: true }) => void,
   onGone: (member: Member, how: string) => void,
 ): Member {
-  const child = fork(new URL('./tokenizer-process.js', import.meta.url), [modelDir], {
-    execArgv: ['--single-threaded-gc'],
-    serialization: 'advanced', // the ids come back as an Int32Array, not a JSON array
-    stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
-  })
   const member: Member = {
-    child,
+    child: undefined as unknown as TokenizerChild, // set below, before any event can come
     isReady: false,
     job: null,
     answerTimer: undefined,
     killedFor: null,
   }
-  child.on('message', (message: TokenizerReply | { ready: true }) => onMessage(member, message))
-  child.on('error', (err) => onGone(member, `failed: ${err.message}`))
-  child.on('exit', (code, signal) =>
-    onGone(member, `exited (${signal ?? `code ${code ?? 'unknown'}`})`),
-  )
+  member.child = startTokenizer(modelDir, {
+    message: (message) => onMessage(member, message),
+    gone: (how) => onGone(member, how),
+  })
   return member
 }
 
@@ -191,7 +196,7 @@ function awaitAnswerOf(member: Member, timeoutMs: number | null): void {
       ? undefined
       : setTimeout(() => {
           member.killedFor = `did not answer within ${timeoutMs} ms and was killed`
-          member.child.kill('SIGKILL')
+          member.child.kill()
         }, timeoutMs).unref() // the process's own handles hold the loop while it owes one
 }
 
@@ -264,8 +269,7 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
     members.splice(at, 1)
     awaitAnswer(member, false)
     // An 'error' (a send that failed) may come from a process still running: not to be left.
-    if (member.child.exitCode === null && member.child.signalCode === null)
-      member.child.kill('SIGKILL')
+    if (!member.child.hasExited()) member.child.kill()
     const err = new KvfenceError(
       'internal_error',
       `the tokenizer process ${member.killedFor ?? how}`,
@@ -288,7 +292,7 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
     dispatch()
   }
   const start = (): Member => {
-    const member = startMember(options.modelDir, onMessage, onExit)
+    const member = startMember(options.startTokenizer, options.modelDir, onMessage, onExit)
     members.push(member)
     awaitAnswer(member, true) // its tokenizer loaded
     return member
@@ -347,11 +351,10 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
         awaitAnswer(member, false)
         if (member.job !== null) member.job.reject(stopped)
         const { child } = member
-        if (child.exitCode !== null || child.signalCode !== null) return Promise.resolve()
-        const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()))
+        if (child.hasExited()) return Promise.resolve()
         holdsLoop(member, true) // its exit is awaited
-        child.kill('SIGKILL')
-        return exited
+        child.kill()
+        return child.exited
       })
       await Promise.all(exits)
     },

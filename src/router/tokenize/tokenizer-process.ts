@@ -5,10 +5,9 @@
  *  too) runs on its one niced thread.
  *  Knows the tokenizer and parsed requests; knows nothing of tenants, HTTP or workers. */
 import { setPriority } from 'node:os'
-import { KvfenceError } from '../../common/errors.js'
 import { loadTokenizer } from '../../model/tokenizer.js'
-import { checkedPromptTokenIds } from './prompt-ids.js'
-import { type TokenizerJob, type TokenizerReply, tokenizerNiceness } from './tokenizer-pool.js'
+import { type TokenizerJob, type TokenizerReply, answerJob } from './tokenizer-job.js'
+import { tokenizerNiceness } from './tokenizer-pool.js'
 
 /** Serves the pool over the IPC channel (the process's entry point). */
 function serve(modelDir: string): void {
@@ -29,21 +28,7 @@ function serve(modelDir: string): void {
     // Not allowed here (a sandbox): the process still keeps its load off the router's thread.
   }
   const tokenizer = loadTokenizer(modelDir)
-  process.on('message', ({ id, parsed, keepBelow }: TokenizerJob) => {
-    let reply: TokenizerReply
-    try {
-      const ids = checkedPromptTokenIds(tokenizer, parsed)
-      reply =
-        ids.length >= keepBelow
-          ? { id, numTokens: ids.length }
-          : { id, tokenIds: Int32Array.from(ids) }
-    } catch (err) {
-      const e =
-        err instanceof KvfenceError ? err : new KvfenceError('internal_error', String(err), null)
-      reply = { id, error: { code: e.code, message: e.message, param: e.param } }
-    }
-    send(reply)
-  })
+  process.on('message', (job: TokenizerJob) => send(answerJob(tokenizer, job)))
   send({ ready: true })
 }
 

@@ -5,7 +5,6 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 import fc from 'fast-check'
-import { roomPollMs } from '../../../src/router/admission/fair-queue.js'
 import { LimitError } from '../../../src/router/admission/limit-error.js'
 import { type Slot } from '../../../src/router/admission/queue-limits.js'
 import { createLimiter } from '../../../src/router/admission/limits.js'
@@ -137,7 +136,17 @@ describe('fair queue', () => {
     limiter.check()
   })
 
-  it('waits for a full KV pool get room in arrival order, and each ended request wakes one waiter', async () => {
+  it('waits for a full KV pool get room in arrival order, and each ended request wakes one waiter', async (t) => {
+    // The clock stands still (mocked timers, never ticked): the room poll never fires, so only
+    // the wake-ups the ends make count.
+    t.mock.timers.enable({ apis: ['setTimeout'] })
+    /** Lets promise callbacks and immediates run until `predicate` holds (at most 1000 turns). */
+    const turnsUntil = async (predicate: () => boolean) => {
+      for (let turn = 0; !predicate(); turn++) {
+        assert.ok(turn < 1000, 'never came')
+        await new Promise((resolve) => setImmediate(resolve))
+      }
+    }
     const limiter = createLimiter({
       maxConcurrentRequests: 100,
       maxQueuedRequests: 0,
@@ -148,7 +157,6 @@ describe('fair queue', () => {
     let numRefusals = 0
     const gotRoom: number[] = []
     const holders: { slot: Slot; index: number }[] = []
-    const startedMs = performance.now()
     // Each request asks the pool (a refusal waits for its turn), and keeps its room until the
     // test ends it.
     const requests = Array.from({ length: 10 }, async (_, index) => {
@@ -167,53 +175,58 @@ describe('fair queue', () => {
         turn.end(true)
       }
     })
-    await waitFor(() => gotRoom.length === poolSize)
+    await turnsUntil(() => gotRoom.length === poolSize)
     while (holders.length > 0) {
       const holder = holders.shift()!
       numInPool--
       holder.slot.release()
       await new Promise((resolve) => setImmediate(resolve))
-      if (gotRoom.length < 10) await waitFor(() => holders.length > 0)
+      if (gotRoom.length < 10) await turnsUntil(() => holders.length > 0)
     }
     await Promise.all(requests)
-    const elapsedMs = performance.now() - startedMs
     assert.deepEqual(gotRoom, [...Array(10).keys()], 'room goes to the waiters in arrival order')
     // All ten ask at once: 2 get room, 8 are refused and wait. Each of the 8 ends that room
     // needs wakes one waiter, who gets room and wakes the next, who is refused (but after the
-    // last): 8 + 7. The first waiter's poll may add one per roomPollMs on a machine slow enough
-    // to leave it idle that long. Waking every waiter at each end made 8 + 7 + 6 + … + 1.
-    assert.ok(
-      numRefusals >= 15 && numRefusals <= 15 + Math.floor(elapsedMs / roomPollMs),
-      `${numRefusals} refusals in ${elapsedMs.toFixed(0)} ms`,
-    )
+    // last): 8 + 7, with no poll (every roomPollMs) in between. Waking every waiter at each
+    // end made 8 + 7 + 6 + … + 1.
+    assert.equal(numRefusals, 15)
     limiter.check()
   })
 
-  it('a request waits at most maxQueueWaitMs in all, the queue and the pool together: then 503', async () => {
+  it('a request waits at most maxQueueWaitMs in all, the queue and the pool together: then 503', async (t) => {
+    // A mocked clock (the timers and Date, which the limiter reads): the wait is counted in
+    // exact milliseconds, not measured.
+    t.mock.timers.enable({ apis: ['setTimeout', 'Date'], now: 0 })
     const maxQueueWaitMs = 400
-    const limiter = createLimiter({
-      maxConcurrentRequests: 1,
-      maxQueuedRequests: 4,
-      maxQueueWaitMs,
-    })
+    const limiter = createLimiter(
+      { maxConcurrentRequests: 1, maxQueuedRequests: 4, maxQueueWaitMs },
+      () => Date.now(),
+    )
     const running = await limiter.acquireSlot(never)
     const signal = new AbortController().signal
-    const startedMs = performance.now()
     const pending = limiter.acquireSlot(signal)
-    setTimeout(() => running.release(), 300)
-    const slot = await pending // waited about 300 ms in the queue
+    t.mock.timers.tick(300)
+    running.release()
+    const slot = await pending // waited 300 ms in the queue
     // The workers found the pool full: the wait for room has only what is left of the 400 ms.
-    await assert.rejects(limiter.waitForRoom(signal, true), (err: unknown) => {
+    let isSettled = false
+    const room = limiter.waitForRoom(signal, true)
+    room.then(
+      () => (isSettled = true),
+      () => (isSettled = true),
+    )
+    t.mock.timers.tick(99)
+    await new Promise((resolve) => setImmediate(resolve))
+    assert.equal(isSettled, false, 'gave up before 400 ms in all')
+    t.mock.timers.tick(1)
+    await assert.rejects(room, (err: unknown) => {
       assert.ok(err instanceof LimitError)
       assert.equal(err.status, 503)
       assert.equal(err.retryAfterSec, 1)
       assert.match(err.message, /waited 400 ms in all/)
       return true
     })
-    const waitedMs = performance.now() - startedMs
-    assert.ok(waitedMs >= maxQueueWaitMs - 1, `waited ${waitedMs} ms`)
-    // A slow machine fires timers late, never early; 300 ms more would be a second full wait.
-    assert.ok(waitedMs <= maxQueueWaitMs + 200, `waited ${waitedMs} ms`)
+    assert.equal(Date.now(), maxQueueWaitMs)
     slot.release()
     limiter.check()
   })
@@ -505,7 +518,9 @@ describe('fair queue at the router', () => {
   async function start(betaWeight?: number) {
     return startHarness(
       {
-        tokenDelayMs: 10,
+        // Each request is held after its first token until the test lets it end: the order of
+        // the slots is decided by the queue alone, never by how fast a reply streams.
+        isHoldingReplies: true,
         reply: (ids) =>
           ids.length === 23 ? Array<number>(100).fill(charIds('a')[0]) : defaultReply,
       },
@@ -535,6 +550,11 @@ describe('fair queue at the router', () => {
     for (const [i, tenant] of tenants.entries()) {
       all.push(h.client(keys[tenant]).chat.completions.create(chat))
       await waitForQueued(h, i + 1)
+    }
+    // Each release ends the running request, whose slot goes to the next one the queue picks.
+    for (let numEnded = 0; numEnded < all.length; numEnded++) {
+      await waitFor(() => h.workers.numHeld() === 1)
+      h.workers.releaseHeld()
     }
     await Promise.all(all)
     return h.workers.generateRequests.map((r) => r.tenant)

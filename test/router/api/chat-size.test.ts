@@ -20,6 +20,7 @@ import {
   inlineMaxMessages,
 } from '../../../src/router/tokenize/tokenizer-pool.js'
 import { type Harness, startHarness, writeTestTokenizer } from '../helpers.js'
+import { inProcessTokenizer } from '../../helpers/in-process-tokenizer.js'
 
 const emptyMessages = (n: number) =>
   Array.from({ length: n }, () => ({ role: 'user', content: '' }))
@@ -138,10 +139,15 @@ describe('where a chat prompt is tokenized', () => {
     })
   after(() => rmSync(dir, { recursive: true, force: true }))
 
-  it(`inline up to ${inlineMaxMessages} messages, in a process past that even with no characters`, async () => {
+  it(`inline up to ${inlineMaxMessages} messages, by a pool member (not the main tokenizer) past that even with no characters`, async () => {
     assert.equal(inlineMaxMessages, 8)
     const main = counting(loadTokenizer(dir))
-    const pool = createTokenizerPool({ modelDir: dir, tokenizer: main.tokenizer, numProcesses: 1 })
+    const pool = createTokenizerPool({
+      modelDir: dir,
+      startTokenizer: inProcessTokenizer,
+      tokenizer: main.tokenizer,
+      numProcesses: 1,
+    })
     try {
       const signal = new AbortController().signal
       const few = chatOf(8)

@@ -16,6 +16,7 @@ import {
   tokenizerNiceness,
 } from '../../../src/router/tokenize/tokenizer-pool.js'
 import { pollUntil } from '../../helpers/poll.js'
+import { forkTokenizer } from '../../../src/router/tokenize/tokenizer-fork.js'
 import {
   charIds,
   keys,
@@ -26,7 +27,12 @@ import {
 import { isRunning } from '../../helpers/processes.js'
 
 test("a tenant's small request is answered while another tenant's long prompt is still being tokenized", async () => {
-  const h = await startHarness({}, { modelDir: tokenizerWithLongToken() })
+  // A process, as the router runs it: the point is that the long prompt is tokenized off the
+  // router's event loop.
+  const h = await startHarness(
+    {},
+    { modelDir: tokenizerWithLongToken(), startTokenizer: forkTokenizer },
+  )
   try {
     const order: string[] = []
     // 900,000 characters: over the window (a 400 once counted), under the length bound.
@@ -53,6 +59,7 @@ test("the pool's processes take queued prompts tenant by tenant, first come firs
   const modelDir = writeTestTokenizer()
   const pool = createTokenizerPool({
     modelDir,
+    startTokenizer: forkTokenizer,
     tokenizer: loadTokenizer(modelDir),
     numProcesses: 1,
     inlineMaxChars: 0, // every prompt goes to the process
@@ -106,6 +113,7 @@ function poolOfOne(answerTimeoutMs?: number) {
   const modelDir = writeTestTokenizer()
   const pool = createTokenizerPool({
     modelDir,
+    startTokenizer: forkTokenizer,
     tokenizer: loadTokenizer(modelDir),
     numProcesses: 1,
     inlineMaxChars: 0,
@@ -128,6 +136,7 @@ test('a pool starts its processes at once by default, so that the first long pro
   const modelDir = writeTestTokenizer()
   const pool = createTokenizerPool({
     modelDir,
+    startTokenizer: forkTokenizer,
     tokenizer: loadTokenizer(modelDir),
     numProcesses: 2,
   })
@@ -293,16 +302,18 @@ test('a router process killed with SIGKILL leaves no tokenizer process behind', 
   // killed: the process sees its channel close and exits.
   const modelDir = writeTestTokenizer()
   const poolUrl = new URL('../../../src/router/tokenize/tokenizer-pool.js', import.meta.url).href
+  const forkUrl = new URL('../../../src/router/tokenize/tokenizer-fork.js', import.meta.url).href
   const tokUrl = new URL('../../../src/model/tokenizer.js', import.meta.url).href
   const stopUrl = new URL('../../../src/cli/stop-children.js', import.meta.url).href
   const schemasUrl = new URL('../../../src/router/api/schemas.js', import.meta.url).href
   const parent = [
     `const { createTokenizerPool } = await import(${JSON.stringify(poolUrl)})`,
+    `const { forkTokenizer } = await import(${JSON.stringify(forkUrl)})`,
     `const { loadTokenizer } = await import(${JSON.stringify(tokUrl)})`,
     `const { childPids } = await import(${JSON.stringify(stopUrl)})`,
     `const { requestParsers } = await import(${JSON.stringify(schemasUrl)})`,
     `const modelDir = ${JSON.stringify(modelDir)}`,
-    'const pool = createTokenizerPool({ modelDir, tokenizer: loadTokenizer(modelDir), numProcesses: 1, inlineMaxChars: 0 })',
+    'const pool = createTokenizerPool({ modelDir, startTokenizer: forkTokenizer, tokenizer: loadTokenizer(modelDir), numProcesses: 1, inlineMaxChars: 0 })',
     "const warm = requestParsers.completion({ model: 'echo-test', prompt: 'warm' })",
     "await pool.tokenize(warm, 'alpha', new AbortController().signal)",
     "process.stdout.write(childPids().join(' ') + '\\n')",
