@@ -96,6 +96,8 @@ describe('stall', () => {
       [512, 1024, 2048, 4096, 8192, 16384, 32768],
     )
     assert.equal(testedTop(681_272, true), 681_272)
+    // A small top is never the first size: its bound comes from a measured answer.
+    assert.deepEqual(stallSizes(376), [94, 188, 376])
   })
 
   test('prefill limit 900 under an advertised 4,096: availability naming 1,024, and the pages kept: resource-leak', async () => {

@@ -160,11 +160,11 @@ describe('--plan', () => {
       // prompts are the short ones' 160 tokens here (half the 384-token pool shared among 16 in
       // flight is 12): 50 × (160 + 32).
       assert.deepEqual(planRow(run.stdout, 'race-load'), ['52', '9600', '0.0240'])
-      // stall: the smallest limit (pool 384) − max_tokens 8 = 376, under the ladder's first size
-      // 512: one prompt of 376 + 8; 4 reads before it and 2 × 2 after a stall.
-      assert.deepEqual(planRow(run.stdout, 'stall'), ['9', '384', '0.0010'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['541', '98841', '0.2471'])
-      // Over the default budget (500 requests) by 41: the two largest needs are cut to their
+      // stall: the smallest limit (pool 384) − max_tokens 8 = 376; the ladder starts at a quarter
+      // of it: 94, 188, 376, each bound at 376 + 8; 4 reads before it and 2 × 2 after a stall.
+      assert.deepEqual(planRow(run.stdout, 'stall'), ['11', '1152', '0.0029'])
+      assert.deepEqual(planRow(run.stdout, 'total'), ['543', '99609', '0.2490'])
+      // Over the default budget (500 requests) by 43: the two largest needs are cut to their
       // shares (page-leak 88 of 128, prefix-timing 87 of 88), said before any request.
       assert.match(
         run.stdout,

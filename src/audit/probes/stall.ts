@@ -21,12 +21,13 @@ import type { Finding } from '../types.js'
 import { boundedPrompt, promptLimit, sizerOrNull } from './sized-material.js'
 
 export const stallMaxTokens = 8
-/** The ladder's first size (tokens). */
+/** The ladder's first size (tokens), or a quarter of the top where that is smaller: the top is
+ *  never the first size, so that its bound comes from a measured answer. */
 export const firstStallTokens = 512
 /** A size's bound: this many times the latency the answered ones predict for it, and never less
  *  than {@link minBoundMs} (a loaded engine's jitter), never more than the request timeout. */
 export const boundFactor = 4
-export const minBoundMs = 3000
+export const minBoundMs = 10_000
 /** After a stall: reads of pool usage and running requests (one each), this far apart, until they
  *  are back where they were. */
 export const numSettleReads = 2
@@ -43,11 +44,12 @@ export function testedTop(top: number, isAggressive: boolean): number {
   return isAggressive ? top : Math.min(top, defaultStallCapTokens)
 }
 
-/** The sizes (tokens) the ladder sends, smallest first: doubling from {@link firstStallTokens},
- *  the last one `top` itself. */
+/** The sizes (tokens) the ladder sends, smallest first: doubling from {@link firstStallTokens}
+ *  (or a quarter of `top`, 16 at least), the last one `top` itself. */
 export function stallSizes(top: number): number[] {
   const sizes: number[] = []
-  for (let n = firstStallTokens; n < top; n *= 2) sizes.push(n)
+  const first = Math.min(firstStallTokens, Math.max(16, Math.floor(top / 4)))
+  for (let n = first; n < top; n *= 2) sizes.push(n)
   if (top >= 16) sizes.push(top)
   return sizes
 }
