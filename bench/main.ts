@@ -1,5 +1,6 @@
 /** `npm run bench -- NAME [--json FILE] [args]`: run one benchmark (or all with no NAME) and print
- *  its JSON. Each benchmark measures its ratios within one run, on this machine, as medians. */
+ *  its JSON. Each benchmark measures its ratios within one run, on this machine, as the medians of
+ *  per-repeat ratios of sides run beside each other, with their spreads (ratio.ts). */
 import { existsSync, writeFileSync } from 'node:fs'
 import { dirname, join } from 'node:path'
 import { fileURLToPath } from 'node:url'

@@ -24,7 +24,12 @@
  *
  *  prefill_vs_gemm_peak: the prefill's FLOP/s (its linears, attention over the causal pairs and the
  *  last token's LM head) over the best FLOP/s one linear of the model's own shapes reaches at the
- *  prefill's token count with the same kernels and threads, in the same repeat. */
+ *  prefill's token count with the same kernels and threads, measured right beside the prefill in
+ *  each repeat (after it in even repeats, before it in odd ones).
+ *
+ *  Each ratio is the median of its per-repeat ratios with its spread (`NAME_spread`); a ratio to
+ *  a bound also says whether the bound held (`NAME_bound_holds`; when not, `NAME_defect`: the
+ *  "bound" as measured is no bound, a defect of the bench, not a figure above 1 to read). */
 import { makeGuards } from '../src/kv/guards.js'
 import { KvPool } from '../src/kv/pool.js'
 import { parseModelConfig } from '../src/model/config.js'
@@ -34,6 +39,7 @@ import type { RawTensor } from '../src/model/safetensors.js'
 import { loadModel, modelFromTensors, type Model } from '../src/model/weights.js'
 import { echoModelDir } from '../test/helpers/paths.js'
 import { lastLevelCacheBytes, openCopyMeter, type CopyMeter } from './copy-bandwidth.js'
+import { boundFields, ratioFields } from './ratio.js'
 import { openReadMeter, type ReadMeter } from './read-bandwidth.js'
 
 /** SmolLM2-135M's config.json (HuggingFaceTB/SmolLM2-135M), max positions cut to what is run. */
@@ -188,8 +194,11 @@ function rateOver(minMs: number, runOnce: () => [number, number]): number {
   return tokens / seconds
 }
 
-/** A function that measures one repeat (batch-1 decode, batch-8 decode, prefill) of `model`. */
-function repeatOf(model: Model, o: Options): () => Rates {
+/** A function that measures one repeat (batch-1 decode, batch-8 decode, prefill, the GEMM peak)
+ *  of `model`; `sampleBandwidth` is called right after the decode in even repeats and right
+ *  before it in odd ones, and the GEMM peak runs right after the prefill in even repeats and
+ *  right before it in odd ones: each figure sits beside its bound, alternately first. */
+function repeatOf(model: Model, o: Options): (r: number, sampleBandwidth: () => void) => Rates {
   const c = model.config
   const numPromptTokens = Math.min(o.numPromptTokens, c.maxPositionEmbeddings - 1)
   const pageSize = 16
@@ -219,8 +228,8 @@ function repeatOf(model: Model, o: Options): () => Rates {
     }
   }
   const seconds = (t0: bigint) => Number(process.hrtime.bigint() - t0) / 1e9
-  return () => ({
-    decode: rateOver(o.minMs, () =>
+  const decode = () =>
+    rateOver(o.minMs, () =>
       run((seq) => {
         const prompt = ids.slice(0, 16)
         forward(model, rope, pool, seq, prompt, 0)
@@ -232,19 +241,32 @@ function repeatOf(model: Model, o: Options): () => Rates {
         }
         return [o.decodeTokens, seconds(t0)]
       }),
-    ),
-    batch8: rateOver(o.minMs, () =>
-      decodeBatch(model, rope, pool, ids.slice(0, 16), o.decodeTokens),
-    ),
-    prefill: rateOver(o.minMs, () =>
+    )
+  const prefill = () =>
+    rateOver(o.minMs, () =>
       run((seq) => {
         const t0 = process.hrtime.bigint()
         forward(model, rope, pool, seq, ids, 0)
         return [numPromptTokens, seconds(t0)]
       }),
-    ),
-    gemm: gemm(),
-  })
+    )
+  return (r, sampleBandwidth) => {
+    const isEven = r % 2 === 0
+    if (!isEven) sampleBandwidth()
+    const decodeRate = decode()
+    if (isEven) sampleBandwidth()
+    const batch8 = rateOver(o.minMs, () =>
+      decodeBatch(model, rope, pool, ids.slice(0, 16), o.decodeTokens),
+    )
+    const gemmFirst = isEven ? 0 : gemm()
+    const prefillRate = prefill()
+    return {
+      decode: decodeRate,
+      batch8,
+      prefill: prefillRate,
+      gemm: isEven ? gemm() : gemmFirst,
+    }
+  }
 }
 
 /** A function that measures the best FLOP/s of one linear over the distinct shapes of the
@@ -273,17 +295,33 @@ function gemmPeakOf(model: Model, n: number, minMs: number): () => number {
 }
 
 /** A row of the JSON from a model's repeats, against the read and copy bandwidths (GB/s) of its
- *  thread count. */
+ *  thread count sampled beside each repeat's decode (`samples.read[r]` beside `rates[r]`). The
+ *  ratios to a bound are the medians of per-repeat ratios, with their spreads and whether the
+ *  bound held (bench/ratio.ts). */
 function summarise(
   model: Model,
   storage: string,
-  bandwidth: { read: number; copy: number },
+  samples: { read: number[]; copy: number[] },
   rates: Rates[],
   o: Options,
-): Measured {
+): Measured & Record<string, unknown> {
+  const bandwidth = { read: median(samples.read), copy: median(samples.copy) }
   const bytes = decodeWeightBytes(model)
   const bound = (bandwidth.read * 1e9) / bytes
-  const copyBound = (bandwidth.copy * 1e9) / bytes
+  const numTokens = Math.min(o.numPromptTokens, model.config.maxPositionEmbeddings - 1)
+  const flopsPerToken = prefillFlops(model, numTokens) / numTokens
+  const decodeBound = boundFields(
+    'decode_bound_ratio',
+    rates.map((x, r) => x.decode / ((samples.read[r] * 1e9) / bytes)),
+  )
+  const decodeCopy = ratioFields(
+    'decode_copy_bound_ratio',
+    rates.map((x, r) => x.decode / ((samples.copy[r] * 1e9) / bytes)),
+  )
+  const gemmPeak = boundFields(
+    'prefill_vs_gemm_peak',
+    rates.map((x) => (x.prefill * flopsPerToken) / x.gemm),
+  )
   const decode = median(rates.map((r) => r.decode))
   const batch8 = median(rates.map((r) => r.batch8))
   const numPromptTokens = Math.min(o.numPromptTokens, model.config.maxPositionEmbeddings - 1)
@@ -300,15 +338,18 @@ function summarise(
     copy_bandwidth_gb_per_s: round(bandwidth.copy, 2),
     decode_tokens_per_s: round(decode),
     decode_bound_tokens_per_s: round(bound),
-    decode_bound_ratio: round(decode / bound, 3),
-    decode_copy_bound_ratio: round(decode / copyBound, 3),
+    decode_bound_ratio: decodeBound.decode_bound_ratio as number,
+    ...decodeBound,
+    decode_copy_bound_ratio: decodeCopy.decode_copy_bound_ratio as number,
+    ...decodeCopy,
     decode_tokens_per_s_batch8: round(batch8),
     decode_batch8_speedup: round(batch8 / decode, 2),
     prefill_tokens: numPromptTokens,
     prefill_tokens_per_s: round(prefill),
     prefill_gflop_per_s: round(prefillFlopPerS / 1e9, 2),
     gemm_peak_gflop_per_s: round(gemm / 1e9, 2),
-    prefill_vs_gemm_peak: round(prefillFlopPerS / gemm, 3),
+    prefill_vs_gemm_peak: gemmPeak.prefill_vs_gemm_peak as number,
+    ...gemmPeak,
   }
 }
 
@@ -383,9 +424,10 @@ export async function benchModel(args: string[]): Promise<object> {
   const results: Measured[] = []
   /** Measure one checkpoint at every thread count, each in its own kernels (closed after). The
    *  thread counts take turns within each repeat after one untimed warm-up each, so that neither
-   *  JIT warm-up nor a change in the machine's load favours the one measured later; each timed
-   *  repeat is followed by a read- and a copy-bandwidth sample with the same thread count, so
-   *  that a row's bound is measured under the load its speeds were. */
+   *  JIT warm-up nor a change in the machine's load favours the one measured later; within each
+   *  timed repeat a read- and a copy-bandwidth sample with the same thread count is taken right
+   *  beside the decode (after it in even repeats, before it in odd ones), so that a row's bound
+   *  is measured under the load its speed was, and each ratio is taken per repeat. */
   const measureAll = (make: (threads: number) => Model, storage: string) => {
     const models: Model[] = []
     try {
@@ -396,21 +438,22 @@ export async function benchModel(args: string[]): Promise<object> {
         read: [],
         copy: [],
       }))
-      for (const m of models) repeatOf(m, warmUp)()
+      for (const m of models) repeatOf(m, warmUp)(0, () => {})
       for (let r = 0; r < o.repeats; r++)
         repeats.forEach((once, i) => {
-          rates[i].push(once())
           const threads = models[i].kernels.threads
-          const read = readMeters.get(threads)!.measure(bandwidthRounds)
-          const copy = copyMeters.get(threads)!.measure(bandwidthRounds)
-          rowSamples[i].read.push(read)
-          rowSamples[i].copy.push(copy)
-          readSamples.get(threads)!.push(read)
-          copySamples.get(threads)!.push(copy)
+          const sampleBandwidth = () => {
+            const read = readMeters.get(threads)!.measure(bandwidthRounds)
+            const copy = copyMeters.get(threads)!.measure(bandwidthRounds)
+            rowSamples[i].read.push(read)
+            rowSamples[i].copy.push(copy)
+            readSamples.get(threads)!.push(read)
+            copySamples.get(threads)!.push(copy)
+          }
+          rates[i].push(once(r, sampleBandwidth))
         })
       models.forEach((m, i) => {
-        const bandwidth = { read: median(rowSamples[i].read), copy: median(rowSamples[i].copy) }
-        results.push(summarise(m, storage, bandwidth, rates[i], o))
+        results.push(summarise(m, storage, rowSamples[i], rates[i], o))
       })
     } finally {
       for (const m of models) m.kernels.close()
@@ -483,7 +526,7 @@ export async function benchModel(args: string[]): Promise<object> {
       'threads: the WebAssembly SIMD kernels split each linear by output rows (attention by heads) between the calling thread and threads − 1 helper threads over one shared memory; results are bit-identical to 1 thread',
       "decode_bound = read bandwidth / weight bytes read per token; the read bandwidth of a row is measured in this run with as many threads as the row computes with (the kernels' compute threads summing chunks of a buffer ≥ 4× the last-level cache with 128-bit SIMD loads; median of 3 rounds after each timed repeat, median over the repeats); a model whose weights fit in the caches (the bundled echo model: 1.5 MB) is not bound by it and can pass 1",
       'decode_copy_bound_ratio: decode over copy bandwidth / weight bytes (each thread copying its own share between two private buffers); a copy reads and writes every byte, so this is no bound for decode, which only reads',
-      "prefill_vs_gemm_peak: prefill FLOP/s (2 per weight per token in the layers, 4 x headDim per head per causal pair in attention, the last token's LM head) over the best FLOP/s of one linear of the model's layer shapes at the prefill's token count, same kernels and threads, same repeat",
+      "prefill_vs_gemm_peak: prefill FLOP/s (2 per weight per token in the layers, 4 x headDim per head per causal pair in attention, the last token's LM head) over the best FLOP/s of one linear of the model's layer shapes at the prefill's token count, same kernels and threads, beside the prefill in each repeat (alternately first); the median of per-repeat ratios; _bound_holds false means the peak as measured is no bound (a defect of the bench)",
       'each figure is timed over ≥ --min-ms of whole runs per repeat; the thread counts of a model take turns within each repeat after a short untimed warm-up each',
     ],
   }

@@ -29,7 +29,20 @@
  *    system) over each throughput run ÷ the requests it completed, and `router_to_direct_cpu_ratio`
  *    (direct ÷ via router). On a shared machine the rates swing with other processes' load,
  *    while the CPU a request costs moves far less: the better figure to compare two versions by.
- *  Every figure is the median over `--repeats` (default 5) repeats.
+ *  Every figure is the median over `--repeats` (default 5) repeats; every ratio is the median of
+ *  per-repeat ratios of its two sides run beside each other (which goes first alternating), with
+ *  its spread (`NAME_spread`: min, quartiles, max, n; bench/ratio.ts).
+ *  - The floor (router-floors.ts): the same streamed request through nginx and haproxy in front of
+ *    the same router, per triple with the router and the direct path: the router's added latency
+ *    and CPU per streamed request beside a plain relay's, and `router_minus_floor_p50_ms` (goals:
+ *    ≤ 0.2 ms over the floor, ≤ 0.3 ms added). A floor whose binary is absent says so.
+ *  - The Responses path and the gateway (router-responses.ts): added latency of a streamed
+ *    `/v1/responses` through the router and through the gateway, and the gateway's isolation
+ *    self-check's cost (requests, tokens, seconds).
+ *  - `--baseline DIR` (router-baseline.ts): this build's router against another build's (DIR's
+ *    `dist/bench/router.js`), CPU per streamed request as a ratio with its spread.
+ *  - `load_average_at_start`/`_at_end`: the machine's load (1, 5, 15 min) around the run: a
+ *    figure without its load cannot be compared with another.
  *  The stand-ins name their transfer port in each `reserved` event, as kvfence's decode worker
  *  does (an older worker's `/server_info`-only address would add a round trip the bench is not
  *  about).
@@ -52,16 +65,17 @@
  *  The router reaches the stand-ins over the control channel, which they serve as workers do.
  *
  *  Args: `--repeats N` (default 5), `--requests N` per repeat and path (default 400),
- *  `--seconds S` of each throughput run (default 3), `--clients N` (default 64),
- *  `--part floor`. */
-import { fork, type ChildProcess } from 'node:child_process'
+ *  `--seconds S` of each throughput run (default 3), `--clients N` (default 64), `--baseline DIR`,
+ *  `--part P` to run one part only: main, https, redis, relay-floors, responses, baseline (with
+ *  `--baseline`), or floor (the control-plane floor above, never run by default). */
+import { fork } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
 import http from 'node:http'
 import https from 'node:https'
 import net from 'node:net'
 import { performance } from 'node:perf_hooks'
-import { tmpdir } from 'node:os'
+import { loadavg, tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { pino } from 'pino'
@@ -69,11 +83,10 @@ import { type Limiter, createLimiter } from '../src/router/admission/limits.js'
 import { queueLimitDefaults } from '../src/router/admission/queue-limits.js'
 import { createRedisLimitStore } from '../src/router/admission/redis-limits.js'
 import { startRouter } from '../src/router/start.js'
+import { forkTokenizer } from '../src/router/tokenize/tokenizer-fork.js'
 import { apiKeyDigest } from '../src/router/tenants/tenants.js'
 import { initCerts } from '../src/cli/certs.js'
-import { openChannel, type ControlChannel } from '../src/control/channel-client.js'
 import { GenerateRequest, PrefillRequest } from '../src/control/messages.js'
-import { KvfenceError } from '../src/common/errors.js'
 import { sseTemplate, textCompletion } from '../src/router/api/responses.js'
 import {
   bosId,
@@ -85,36 +98,62 @@ import {
   startHarness,
 } from '../test/router/helpers.js'
 import { redisSkipReason, startRedis } from '../test/router/admission/redis-helpers.js'
+import { quantile, ratioFields } from './ratio.js'
+import {
+  type DirectChannels,
+  type Endpoints,
+  childCounts,
+  closedLoopRate,
+  directRequest,
+  idleSocketMs,
+  intFlag,
+  maxTokens,
+  openDirectChannels,
+  prompt,
+  readAll,
+  round,
+  routerRequest,
+  stop,
+  stringFlag,
+  timed,
+} from './router-paths.js'
+import { benchBaseline } from './router-baseline.js'
+import { type FloorContext, benchRelayFloors } from './router-floors.js'
+import { benchResponses } from './router-responses.js'
 
-/** What the child reports once listening. */
-interface Endpoints {
-  routerUrl: string
-  /** The second router, serving HTTPS. */
-  httpsRouterUrl: string
-  prefillUrl: string
-  decodeUrl: string
-  transferPort: number
+/** The parts of `bench -- router` that `--part` can name (all of them but `floor` run by
+ *  default; `baseline` needs `--baseline DIR`). */
+const parts = ['main', 'https', 'redis', 'relay-floors', 'responses', 'baseline', 'floor'] as const
+type Part = (typeof parts)[number]
+
+/** The run's options, from the command line. */
+interface RouterBenchOptions {
+  repeats: number
+  numRequests: number
+  seconds: number
+  numClients: number
+  /** A kvfence build to compare with (its root: `dist/` built), or null. */
+  baselineDir: string | null
 }
-
-const prompt = 'Hello, workers!' // 15 characters: 16 prompt tokens with BOS
-/** How long the clients keep an idle pooled connection, ms: below the servers' keep-alive. */
-const idleSocketMs = 2_000
-const maxTokens = 15
 
 /** Runs the benchmark and returns its JSON. */
 export async function benchRouter(args: string[]): Promise<object> {
-  const repeats = intFlag(args, '--repeats', 5)
-  const numRequests = intFlag(args, '--requests', 400)
-  const seconds = intFlag(args, '--seconds', 3)
-  const numClients = intFlag(args, '--clients', 64)
-  const partAt = args.indexOf('--part')
-  if (partAt !== -1) {
-    if (args[partAt + 1] !== 'floor') {
-      throw new Error(`--part takes floor, got ${String(args[partAt + 1])}`)
-    }
-    return benchFloor(repeats, seconds, numClients)
+  const o: RouterBenchOptions = {
+    repeats: intFlag(args, '--repeats', 5),
+    numRequests: intFlag(args, '--requests', 400),
+    seconds: intFlag(args, '--seconds', 3),
+    numClients: intFlag(args, '--clients', 64),
+    baselineDir: stringFlag(args, '--baseline'),
   }
-
+  const part = stringFlag(args, '--part')
+  if (part !== null && !(parts as readonly string[]).includes(part)) {
+    throw new Error(`--part takes one of ${parts.join(', ')}, got ${part}`)
+  }
+  if (part === 'floor') return benchFloor(o.repeats, o.seconds, o.numClients)
+  if (part === 'baseline' && o.baselineDir === null)
+    throw new Error('--part baseline needs --baseline DIR')
+  const isRun = (p: Part) =>
+    part === null ? p !== 'floor' && (p !== 'baseline' || o.baselineDir !== null) : part === p
   const certs = mkdtempSync(join(tmpdir(), 'kvfence-bench-router-'))
   await initCerts(certs)
   const child = fork(fileURLToPath(import.meta.url), ['--serve', certs], {
@@ -130,88 +169,121 @@ export async function benchRouter(args: string[]): Promise<object> {
     // load average 25, where a turn of the loop can take seconds).
     const agent = new http.Agent({ keepAlive: true, maxSockets: Infinity, timeout: idleSocketMs })
     const channels = await openDirectChannels(endpoints)
-    const viaRouter = () => routerRequest(agent, endpoints, false)
-    const direct = () => directRequest(channels, endpoints)
-
-    // Warm up both paths (JIT, connections).
-    for (let i = 0; i < 200; i++) await Promise.all([viaRouter(), direct()])
-
-    const latency = []
-    const throughput = []
-    for (let r = 0; r < repeats; r++) {
-      const routerMs: number[] = []
-      const directMs: number[] = []
-      for (let i = 0; i < numRequests; i++) {
-        if (i % 2 === 0) {
-          routerMs.push(await timed(viaRouter))
-          directMs.push(await timed(direct))
-        } else {
-          directMs.push(await timed(direct))
-          routerMs.push(await timed(viaRouter))
-        }
+    const c = { ...o, child, agent, endpoints, channels }
+    const results: object[] = [{ load_average_at_start: loadavg().map((x) => round(x, 2)) }]
+    try {
+      if (isRun('main')) results.push(await benchMain(c))
+      if (isRun('relay-floors')) results.push(await benchRelayFloors(c))
+      if (isRun('responses')) results.push(await benchResponses(c))
+      if (isRun('https')) {
+        results.push(await benchHttps(agent, endpoints, certs, o.repeats, o.numRequests))
       }
-      const addedMs = routerMs.map((ms, i) => ms - directMs[i])
-      latency.push({
-        addedP50: quantile(addedMs, 0.5),
-        addedP99: quantile(addedMs, 0.99),
-        routerP50: quantile(routerMs, 0.5),
-        routerP99: quantile(routerMs, 0.99),
-        directP50: quantile(directMs, 0.5),
-        directP99: quantile(directMs, 0.99),
-      })
-      const before = await childCounts(child)
-      const viaRouterStreamed = await closedLoopRate(
-        () => routerRequest(agent, endpoints, true),
-        numClients,
-        seconds,
-      )
-      const between = await childCounts(child)
-      const directRun = await closedLoopRate(direct, numClients, seconds)
-      const after = await childCounts(child)
-      throughput.push({
-        router: viaRouterStreamed.rate,
-        direct: directRun.rate,
-        writesPerRequest: (between.numWrites - before.numWrites) / viaRouterStreamed.numDone,
-        routerCpuMs: (between.cpuMs - before.cpuMs) / viaRouterStreamed.numDone,
-        directCpuMs: (after.cpuMs - between.cpuMs) / directRun.numDone,
-      })
+    } finally {
+      agent.destroy()
+      channels.decode.close()
+      channels.prefill.close()
     }
-    const httpsAdded = await benchHttps(agent, endpoints, certs, repeats, numRequests)
-    agent.destroy()
-    channels.decode.close()
-    channels.prefill.close()
-    const med = (values: number[]) => round(quantile(values, 0.5), 3)
-    const redisLimits = await benchRedisLimits(repeats, numRequests)
-    return {
-      ...redisLimits,
-      ...httpsAdded,
-      router_added_latency_ms_p50: med(latency.map((l) => l.addedP50)),
-      router_added_latency_ms_p99: med(latency.map((l) => l.addedP99)),
-      router_added_latency_target_ms_p50: 0.5,
-      router_added_latency_is:
-        'percentiles of per-pair (router − direct) ms, pairs sent back to back',
-      router_latency_ms_p50: med(latency.map((l) => l.routerP50)),
-      router_latency_ms_p99: med(latency.map((l) => l.routerP99)),
-      direct_latency_ms_p50: med(latency.map((l) => l.directP50)),
-      direct_latency_ms_p99: med(latency.map((l) => l.directP99)),
-      streaming_requests_per_s: med(throughput.map((t) => t.router)),
-      direct_requests_per_s: med(throughput.map((t) => t.direct)),
-      router_to_direct_throughput_ratio: med(throughput.map((t) => t.router / t.direct)),
-      router_socket_writes_per_streamed_request: med(throughput.map((t) => t.writesPerRequest)),
-      child_cpu_ms_per_streamed_request_via_router: med(throughput.map((t) => t.routerCpuMs)),
-      child_cpu_ms_per_request_direct: med(throughput.map((t) => t.directCpuMs)),
-      router_to_direct_cpu_ratio: med(throughput.map((t) => t.directCpuMs / t.routerCpuMs)),
-      clients: numClients,
-      repeats,
-      requests_per_repeat: numRequests,
-      throughput_seconds: seconds,
-      prompt_tokens: prompt.length + 1,
-      completion_tokens: maxTokens,
-      note: 'stand-in workers (no model) in one child process with the router; clients here',
-    }
+    if (isRun('redis')) results.push(await benchRedisLimits(o.repeats, o.numRequests))
+    if (isRun('baseline')) results.push(await benchBaseline(o.baselineDir!, o))
+    results.push({ load_average_at_end: loadavg().map((x) => round(x, 2)) })
+    return Object.assign({}, ...results) as object
   } finally {
     await stop(child)
     rmSync(certs, { recursive: true, force: true })
+  }
+}
+
+/** The router's own figures against the direct path: added latency (whole completions, pairs),
+ *  streamed throughput, socket writes and CPU per streamed request (see the module's header). */
+async function benchMain(c: FloorContext): Promise<object> {
+  const { child, agent, endpoints, channels, repeats, numRequests, seconds, numClients } = c
+  const viaRouter = () => routerRequest(agent, endpoints, false)
+  const direct = () => directRequest(channels, endpoints)
+
+  // Warm up both paths (JIT, connections).
+  for (let i = 0; i < 200; i++) await Promise.all([viaRouter(), direct()])
+
+  const latency = []
+  const throughput = []
+  for (let r = 0; r < repeats; r++) {
+    const routerMs: number[] = []
+    const directMs: number[] = []
+    for (let i = 0; i < numRequests; i++) {
+      if (i % 2 === 0) {
+        routerMs.push(await timed(viaRouter))
+        directMs.push(await timed(direct))
+      } else {
+        directMs.push(await timed(direct))
+        routerMs.push(await timed(viaRouter))
+      }
+    }
+    const addedMs = routerMs.map((ms, i) => ms - directMs[i])
+    latency.push({
+      addedP50: quantile(addedMs, 0.5),
+      addedP99: quantile(addedMs, 0.99),
+      routerP50: quantile(routerMs, 0.5),
+      routerP99: quantile(routerMs, 0.99),
+      directP50: quantile(directMs, 0.5),
+      directP99: quantile(directMs, 0.99),
+    })
+    // Which path runs first alternates repeat by repeat, so that drift weighs on both alike.
+    const streamed = async (path: 'router' | 'direct') => {
+      const before = await childCounts(child)
+      const send = path === 'router' ? () => routerRequest(agent, endpoints, true) : direct
+      const run = await closedLoopRate(send, numClients, seconds)
+      const after = await childCounts(child)
+      const perRequest = (x: number, y: number) => (x - y) / run.numDone
+      return {
+        rate: run.rate,
+        cpuMs: perRequest(after.cpuMs, before.cpuMs),
+        writes: perRequest(after.numWrites, before.numWrites),
+      }
+    }
+    const order = r % 2 === 0 ? (['router', 'direct'] as const) : (['direct', 'router'] as const)
+    const runs = {
+      router: { rate: 0, cpuMs: 0, writes: 0 },
+      direct: { rate: 0, cpuMs: 0, writes: 0 },
+    }
+    for (const path of order) runs[path] = await streamed(path)
+    throughput.push({
+      router: runs.router.rate,
+      direct: runs.direct.rate,
+      writesPerRequest: runs.router.writes,
+      routerCpuMs: runs.router.cpuMs,
+      directCpuMs: runs.direct.cpuMs,
+    })
+  }
+  const med = (values: number[]) => round(quantile(values, 0.5), 3)
+  return {
+    router_added_latency_ms_p50: med(latency.map((l) => l.addedP50)),
+    router_added_latency_ms_p99: med(latency.map((l) => l.addedP99)),
+    router_added_latency_target_ms_p50: 0.5,
+    router_added_latency_is:
+      'percentiles of per-pair (router − direct) ms, pairs sent back to back',
+    router_latency_ms_p50: med(latency.map((l) => l.routerP50)),
+    router_latency_ms_p99: med(latency.map((l) => l.routerP99)),
+    direct_latency_ms_p50: med(latency.map((l) => l.directP50)),
+    direct_latency_ms_p99: med(latency.map((l) => l.directP99)),
+    streaming_requests_per_s: med(throughput.map((t) => t.router)),
+    direct_requests_per_s: med(throughput.map((t) => t.direct)),
+    ...ratioFields(
+      'router_to_direct_throughput_ratio',
+      throughput.map((t) => t.router / t.direct),
+    ),
+    router_socket_writes_per_streamed_request: med(throughput.map((t) => t.writesPerRequest)),
+    child_cpu_ms_per_streamed_request_via_router: med(throughput.map((t) => t.routerCpuMs)),
+    child_cpu_ms_per_request_direct: med(throughput.map((t) => t.directCpuMs)),
+    ...ratioFields(
+      'router_to_direct_cpu_ratio',
+      throughput.map((t) => t.directCpuMs / t.routerCpuMs),
+    ),
+    clients: numClients,
+    repeats,
+    requests_per_repeat: numRequests,
+    throughput_seconds: seconds,
+    prompt_tokens: prompt.length + 1,
+    completion_tokens: maxTokens,
+    note: 'stand-in workers (no model) in one child process with the router; clients here',
   }
 }
 
@@ -308,113 +380,6 @@ async function benchRedisLimits(repeats: number, numRequests: number): Promise<o
 }
 
 // ---------------------------------------------------------------------------------------------
-// The two paths
-
-/** One completion through the router; the body is read to its end. */
-async function routerRequest(
-  agent: http.Agent | https.Agent,
-  e: Endpoints,
-  isStream: boolean,
-): Promise<void> {
-  const body = JSON.stringify({
-    model: 'echo-test',
-    prompt,
-    max_tokens: maxTokens,
-    temperature: 0,
-    stream: isStream,
-  })
-  const res = await post(agent, `${e.routerUrl}/v1/completions`, body, {
-    authorization: `Bearer ${keys.alpha}`,
-  })
-  const text = await readAll(res)
-  if (res.statusCode !== 200) throw new Error(`router: HTTP ${res.statusCode}: ${text}`)
-}
-
-/** The direct path's own control channels, one to each stand-in (as the router holds one). */
-interface DirectChannels {
-  decode: ControlChannel
-  prefill: ControlChannel
-}
-
-async function openDirectChannels(e: Endpoints): Promise<DirectChannels> {
-  const open = (url: string, role: 'prefill' | 'decode') =>
-    openChannel({
-      url,
-      role,
-      tls: null,
-      clusterToken: null,
-      connectTimeoutMs: 5_000,
-      refusal: (status) => new KvfenceError('worker_unavailable', `${role}: HTTP ${status}`),
-    })
-  const [decode, prefill] = await Promise.all([
-    open(e.decodeUrl, 'decode'),
-    open(e.prefillUrl, 'prefill'),
-  ])
-  return { decode, prefill }
-}
-
-/** The router's control-plane steps for the same request, by hand. */
-async function directRequest(c: DirectChannels, e: Endpoints): Promise<void> {
-  const request: GenerateRequest = {
-    requestId: randomBytes(16).toString('hex'),
-    tenant: 'alpha',
-    promptTokenIds: [bosId, ...charIds(prompt)],
-    maxTokens,
-    sampling: { temperature: 0, topP: 1, seed: null },
-    stopTokenIds: [],
-    transferSecret: randomBytes(32).toString('hex'),
-  }
-  const signal = new AbortController().signal
-  let prefill: Promise<unknown> | null = null
-  let isDone = false
-  for await (const event of c.decode.generate(request, signal)) {
-    if (event.type === 'reserved') {
-      const { maxTokens: _, stopTokenIds: __, ...rest } = request
-      const decode = { host: '127.0.0.1', port: e.transferPort }
-      prefill = c.prefill.prefill({ ...rest, decode }, signal)
-      prefill.catch(() => {}) // awaited below: not an unhandled rejection meanwhile
-    } else if (event.type === 'done') isDone = true
-  }
-  await prefill
-  if (!isDone) throw new Error('direct: the decode stand-in ended without done')
-}
-
-/** Completed requests per second of `numClients` clients sending back to back for `seconds`, and
- *  how many completed. */
-async function closedLoopRate(
-  request: () => Promise<void>,
-  numClients: number,
-  seconds: number,
-): Promise<{ rate: number; numDone: number }> {
-  const startMs = performance.now()
-  const endMs = startMs + seconds * 1000
-  let numDone = 0
-  await Promise.all(
-    Array.from({ length: numClients }, async () => {
-      while (performance.now() < endMs) {
-        await request()
-        numDone++
-      }
-    }),
-  )
-  return { rate: numDone / ((performance.now() - startMs) / 1000), numDone }
-}
-
-/** The child's count of socket writes to the router's clients so far, and the CPU time it has
- *  used (user + system, ms). */
-function childCounts(child: ChildProcess): Promise<{ numWrites: number; cpuMs: number }> {
-  return new Promise((resolve) => {
-    const onMessage = (m: { type?: string; numWrites?: number; cpuMs?: number }) => {
-      if (m.type !== 'writes') return
-      child.off('message', onMessage)
-      resolve({ numWrites: m.numWrites!, cpuMs: m.cpuMs! })
-    }
-    child.on('message', onMessage)
-    child.send({ type: 'writes' })
-  })
-}
-
-// ---------------------------------------------------------------------------------------------
 // The child: stand-ins and a router
 
 /** The router options of the child's routers. */
@@ -453,6 +418,8 @@ async function serve(certs: string): Promise<void> {
     log: h.logs.log,
     workerWaitMs: 0,
     https: { cert: join(certs, 'router.crt'), key: join(certs, 'router.key') },
+    startTokenizer: forkTokenizer,
+    tokenizerProcessesOnDemand: true, // the bench's prompts are short: tokenized inline
   })
   // Count the router's socket writes to its clients (server-side sockets on the router's port).
   let numWrites = 0
@@ -529,7 +496,9 @@ async function benchFloor(repeats: number, seconds: number, numClients: number):
     for (let i = 0; i < 200; i++) await Promise.all(floorPaths.map((path) => requests[path]()))
     const runs = floorPaths.map(() => [] as { rate: number; cpuMs: number }[])
     for (let r = 0; r < repeats; r++) {
-      for (const [i, path] of floorPaths.entries()) {
+      // Forward in even repeats, reversed in odd ones: drift weighs on every path alike.
+      const inTurn = [...floorPaths.entries()]
+      for (const [i, path] of r % 2 === 0 ? inTurn : inTurn.reverse()) {
         const before = await childCounts(child)
         const run = await closedLoopRate(requests[path], numClients, seconds)
         const after = await childCounts(child)
@@ -541,13 +510,17 @@ async function benchFloor(repeats: number, seconds: number, numClients: number):
     channels.prefill.close()
     const med = (values: number[]) => round(quantile(values, 0.5), 3)
     const direct = runs[floorPaths.indexOf('direct')]
-    const figures: Record<string, number | string> = {}
+    const figures: Record<string, unknown> = {}
     for (const [i, path] of floorPaths.entries()) {
       figures[`floor_child_cpu_ms_per_request_${path}`] = med(runs[i].map((x) => x.cpuMs))
       figures[`floor_requests_per_s_${path}`] = med(runs[i].map((x) => x.rate))
       if (path !== 'direct') {
-        figures[`floor_${path}_to_direct_throughput_ratio`] = med(
-          runs[i].map((x, r) => x.rate / direct[r].rate),
+        Object.assign(
+          figures,
+          ratioFields(
+            `floor_${path}_to_direct_throughput_ratio`,
+            runs[i].map((x, r) => x.rate / direct[r].rate),
+          ),
         )
       }
     }
@@ -798,77 +771,6 @@ function listenLocal(server: net.Server): Promise<number> {
   return new Promise((resolve) =>
     server.listen(0, '127.0.0.1', () => resolve((server.address() as net.AddressInfo).port)),
   )
-}
-
-// ---------------------------------------------------------------------------------------------
-// Plumbing
-
-function post(
-  agent: http.Agent | https.Agent,
-  url: string,
-  body: string,
-  headers: Record<string, string> = {},
-): Promise<http.IncomingMessage> {
-  return new Promise((resolve, reject) => {
-    const request = url.startsWith('https:') ? https.request : http.request
-    const req = request(
-      url,
-      {
-        method: 'POST',
-        agent,
-        headers: {
-          'content-type': 'application/json',
-          'content-length': Buffer.byteLength(body),
-          ...headers,
-        },
-      },
-      resolve,
-    )
-    req.on('error', reject)
-    req.end(body)
-  })
-}
-
-async function readAll(res: http.IncomingMessage): Promise<string> {
-  let text = ''
-  res.setEncoding('utf8')
-  for await (const chunk of res as AsyncIterable<string>) text += chunk
-  return text
-}
-
-async function timed(f: () => Promise<void>): Promise<number> {
-  const start = performance.now()
-  await f()
-  return performance.now() - start
-}
-
-/** The `q` quantile of `values` (nearest rank), in their unit. */
-function quantile(values: readonly number[], q: number): number {
-  const sorted = [...values].sort((a, b) => a - b)
-  return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil(q * sorted.length) - 1))]
-}
-
-function round(value: number, digits: number): number {
-  return Number(value.toFixed(digits))
-}
-
-function intFlag(args: readonly string[], name: string, fallback: number): number {
-  const at = args.indexOf(name)
-  if (at === -1) return fallback
-  const value = Number(args[at + 1])
-  if (!Number.isSafeInteger(value) || value < 1) {
-    throw new Error(`${name} needs a positive integer, got ${String(args[at + 1])}`)
-  }
-  return value
-}
-
-async function stop(child: ChildProcess): Promise<void> {
-  if (child.exitCode !== null) return
-  const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()))
-  child.disconnect()
-  const timer = setTimeout(() => child.kill('SIGKILL'), 5_000)
-  await exited
-  clearTimeout(timer)
 }
 
 if (process.argv[1] === fileURLToPath(import.meta.url) && process.argv[2] === '--serve-floor') {

@@ -42,6 +42,7 @@ import { incidentShape } from '../test/helpers/cluster.js'
 import { echoModelDir } from '../test/helpers/paths.js'
 import { ownText } from '../test/helpers/workload.js'
 import { keys, startHarness } from '../test/router/helpers.js'
+import { ratioFields } from './ratio.js'
 import { benchWatchDetection } from './sentinel-watch.js'
 
 const licence =
@@ -115,8 +116,8 @@ async function measureThroughput(repeats: number, seconds: number, numClients: n
     }
     agent.destroy()
     return {
-      sentinel_throughput_ratio: round(median(ratios), 3),
-      sentinel_cpu_ratio: round(median(cpuRatios), 3),
+      ...ratioFields('sentinel_throughput_ratio', ratios),
+      ...ratioFields('sentinel_cpu_ratio', cpuRatios),
       router_cpu_ms_per_request_off: round(median(cpuMs.map((c) => c.off)), 3),
       router_cpu_ms_per_request_observe: round(median(cpuMs.map((c) => c.observe)), 3),
       streamed_requests_per_s_off: round(median(rates.map((r) => r.off)), 1),

@@ -1,5 +1,6 @@
 /** Transfer benchmark (`npm run bench -- transfer [--json FILE]`), four ratios measured in one run,
- *  each a median over repeats:
+ *  each the median of per-repeat ratios of its two sides measured beside each other (the order
+ *  alternating), with its spread (`NAME_spread`: min, quartiles, max, n; bench/ratio.ts):
  *  - `transfer_vs_loopback_ratio`: P → D throughput of a 1,000-token prompt's KV (kvfence's framed,
  *    checksummed, authenticated transfer, from a KV pool into a KV pool in another Node process)
  *    ÷ raw loopback TCP carrying the same bytes between the same two processes. Target ≥ 0.7.
@@ -27,7 +28,7 @@ import { fileURLToPath } from 'node:url'
 import { createAuthority, issuePartCert, validityDays } from '../src/cli/certs.js'
 import { buildFaultConfig } from '../src/engine/faults.js'
 import { generateLocal } from '../src/engine/local-engine.js'
-import { createWorkerCore, gatherPage, scatterPage } from '../src/engine/worker-core.js'
+import { createWorkerCore, gatherPage, pageSlices, scatterPage } from '../src/engine/worker-core.js'
 import { makeGuards } from '../src/kv/guards.js'
 import { KvPool, type PoolShape } from '../src/kv/pool.js'
 import { loadModel } from '../src/model/weights.js'
@@ -35,6 +36,7 @@ import type { TlsMaterial } from '../src/link/tls.js'
 import { pageChecksum } from '../src/transfer/checksum.js'
 import { TransferClient, TransferServer } from '../src/transfer/index.js'
 import { echoModelDir } from '../test/helpers/paths.js'
+import { interleavedPairsSync, pairRatios, ratioFields } from './ratio.js'
 
 const childFlag = '--kvfence-transfer-bench-child'
 const secret = Buffer.alloc(32, 7) // a fixed per-run secret shared with the child (benchmark only)
@@ -108,6 +110,10 @@ async function runChild(): Promise<void> {
           pool.noteWrite(lease, ordinal * shape.pageSize, tokens)
           scatterPage(pool, lease.pages[ordinal].page, payload)
         },
+        placePage: (ordinal, tokens) => {
+          pool.noteWrite(lease, ordinal * shape.pageSize, tokens)
+          return pageSlices(pool, lease.pages[ordinal].page)
+        },
         complete: done,
         abort: done,
       }
@@ -180,6 +186,10 @@ async function timeTransfer(client: TransferClient, pool: KvPool, shape: Shape):
       gatherPage(pool, ordinal, dst)
       return Math.min(shape.pageSize, shape.numTokens - ordinal * shape.pageSize)
     },
+    viewPage: (ordinal) => ({
+      tokensOnPage: Math.min(shape.pageSize, shape.numTokens - ordinal * shape.pageSize),
+      views: pageSlices(pool, ordinal),
+    }),
   })
   return (performance.now() - t0) / 1000
 }
@@ -199,9 +209,9 @@ async function timeRaw(socket: net.Socket, numBytes: number, chunk: Buffer): Pro
   return (performance.now() - t0) / 1000
 }
 
-/** Bytes/s of `fn` over `numBytes`, median of `repeats` after one warm-up. */
-function rate(repeats: number, numBytes: number, fn: () => void): number {
-  fn()
+/** Bytes/s of `fn` over `numBytes`, median of `repeats` (after one warm-up unless `isWarm`). */
+function rate(repeats: number, numBytes: number, fn: () => void, isWarm = true): number {
+  if (isWarm) fn()
   const rates: number[] = []
   for (let r = 0; r < repeats; r++) {
     const t0 = performance.now()
@@ -256,10 +266,15 @@ export async function benchTransfer(args: string[]): Promise<object> {
     await timeTransfer(client, pool, shape) // warm-up
     await timeRaw(socket, numBytes, chunk)
     await timeTransfer(tlsClient, pool, shape) // warm-up, handshake included
+    // The three in turn, the order reversed every other repeat (transfer, raw, TLS; TLS, raw,
+    // transfer): each ratio's two sides are measured beside each other, alternately first.
+    const runs = [
+      async () => transferRates.push(numBytes / (await timeTransfer(client, pool, shape))),
+      async () => rawRates.push(numBytes / (await timeRaw(socket, numBytes, chunk))),
+      async () => tlsRates.push(numBytes / (await timeTransfer(tlsClient, pool, shape))),
+    ]
     for (let r = 0; r < repeats; r++) {
-      transferRates.push(numBytes / (await timeTransfer(client, pool, shape)))
-      rawRates.push(numBytes / (await timeRaw(socket, numBytes, chunk)))
-      tlsRates.push(numBytes / (await timeTransfer(tlsClient, pool, shape)))
+      for (const run of r % 2 === 0 ? runs : [...runs].reverse()) await run()
     }
   } finally {
     socket.destroy()
@@ -280,12 +295,21 @@ export async function benchTransfer(args: string[]): Promise<object> {
   // The copy goes to distinct destination pages, as the receiver's scatter into its pool does.
   const copyDst = new Uint8Array(numBytes)
   let sink = 0n
-  const checksumBps = rate(repeats, numBytes, () => {
+  const checksumPass = () => {
     for (const page of pages) sink = (sink + pageChecksum(page)) & 0xffff_ffff_ffff_ffffn
-  })
-  const memcpyBps = rate(repeats, numBytes, () => {
+  }
+  const memcpyPass = () => {
     for (let o = 0; o < numPages; o++) copyDst.set(pages[o], o * pool.pageBytes)
-  })
+  }
+  checksumPass() // warm-up
+  memcpyPass()
+  const hashCopyPairs = interleavedPairsSync(
+    repeats,
+    () => rate(1, numBytes, checksumPass, false),
+    () => rate(1, numBytes, memcpyPass, false),
+  )
+  const checksumBps = median(hashCopyPairs.map((p) => p.numerator))
+  const memcpyBps = median(hashCopyPairs.map((p) => p.denominator))
 
   // 3. Decode with guards on vs off (single-process engine on the bundled model).
   const decodeTokens = flag(args, '--decode-tokens', 300)
@@ -344,17 +368,29 @@ export async function benchTransfer(args: string[]): Promise<object> {
     repeats,
     transfer_gb_per_s: gb(transferBps),
     loopback_gb_per_s: gb(rawBps),
-    transfer_vs_loopback_ratio: Number((transferBps / rawBps).toFixed(3)),
+    ...ratioFields(
+      'transfer_vs_loopback_ratio',
+      transferRates.map((x, r) => x / rawRates[r]),
+    ),
     tls_transfer_gb_per_s: gb(tlsBps),
-    tls_vs_plain_transfer_ratio: Number((tlsBps / transferBps).toFixed(3)),
+    ...ratioFields(
+      'tls_vs_plain_transfer_ratio',
+      tlsRates.map((x, r) => x / transferRates[r]),
+    ),
     checksum_gb_per_s: gb(checksumBps),
     memcpy_gb_per_s: gb(memcpyBps),
-    checksum_vs_memcpy_ratio: Number((checksumBps / memcpyBps).toFixed(3)),
+    ...ratioFields(
+      'checksum_vs_memcpy_ratio',
+      pairRatios(hashCopyPairs, (x) => x),
+    ),
     decode_tokens: decodeTokens,
     decode_repeats: decodeRepeats,
     decode_guards_on_tokens_per_s: Number(median(onRates).toFixed(1)),
     decode_guards_off_tokens_per_s: Number(median(offRates).toFixed(1)),
-    guard_overhead_ratio: Number((median(onRates) / median(offRates)).toFixed(3)),
+    ...ratioFields(
+      'guard_overhead_ratio',
+      onRates.map((x, r) => x / offRates[r]),
+    ),
     targets: {
       transfer_vs_loopback_ratio: 0.7,
       tls_vs_plain_transfer_ratio: 0.6,

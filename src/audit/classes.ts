@@ -3,6 +3,7 @@
  *  answers "did the probe see it" (types.ts). `leak` is the verdict of `content-leak` alone: a
  *  side channel, a changed answer or a refused pool is a `warning` of its own class.
  *  Knows the probes' names and the verdicts; knows nothing of how probes judge answers. */
+import { probes } from './probes/index.js'
 import type { Finding, FindingSource, Severity } from './types.js'
 
 export const findingClasses = [
@@ -79,26 +80,11 @@ export const classTable: Readonly<Record<FindingClass, ClassInfo>> = {
   },
 }
 
-/** The class of every finding of a probe unless the finding names its own (a clean or
- *  inconclusive finding's class is the harm its probe looks for). */
-export const probeClass: Readonly<Record<FindingSource, FindingClass>> = {
-  capacity: 'misconfiguration',
-  boundary: 'misconfiguration',
-  canary: 'content-leak',
-  'abort-race': 'content-leak',
-  'abort-retry': 'content-leak',
-  concurrency: 'content-leak',
-  'race-load': 'content-leak',
-  queueing: 'content-leak',
-  'page-leak': 'resource-leak',
-  determinism: 'integrity',
-  'prefix-timing': 'side-channel',
-  'cache-fields': 'side-channel',
-  'warm-equals-cold': 'integrity',
-  'evict-then-return': 'integrity',
-  'error-handling': 'error-handling',
-  stall: 'availability',
-  availability: 'availability',
+/** The class of every finding of `source` unless the finding names its own (a clean or
+ *  inconclusive finding's class is the harm its probe looks for): its probe's (the registry,
+ *  probes/index.ts), `availability` for the audit's own check. */
+export function probeClass(source: FindingSource): FindingClass {
+  return source === 'availability' ? 'availability' : probes[source].class
 }
 
 /** Marks on a finding that a gate can name besides classes and severities.
@@ -114,7 +100,7 @@ export function withClass<F extends Omit<Finding, 'class' | 'cwe'> & { class?: F
   finding: F,
 ): F & { class: FindingClass; cwe: readonly string[] } {
   const cls =
-    finding.verdict === 'leak' ? 'content-leak' : (finding.class ?? probeClass[finding.probe])
+    finding.verdict === 'leak' ? 'content-leak' : (finding.class ?? probeClass(finding.probe))
   return { ...finding, class: cls, cwe: classTable[cls].cwe }
 }
 

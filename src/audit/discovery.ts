@@ -38,7 +38,7 @@ import {
 } from './pool-usage.js'
 import { readSurface, type SurfaceReading } from './surfaces.js'
 import { tryJson, type HttpResult, type Target } from './target.js'
-import { AuditError } from './types.js'
+import { AuditError } from './errors.js'
 
 /** One number read from the endpoint, and where. */
 export interface CapacitySource {

@@ -6,7 +6,8 @@ import type { PlanInput, PlannedRequests } from './plan.js'
 import type { PromptCeiling } from './prompt-ceiling.js'
 import type { PromptSizer } from './sizer.js'
 import type { Target } from './target.js'
-import type { Finding, ProbeName } from './types.js'
+import type { FindingClass } from './classes.js'
+import type { Finding, FindingControls, ProbeName } from './types.js'
 
 export interface ProbeContext {
   readonly seed: number
@@ -26,16 +27,30 @@ export interface ProbeContext {
   log(line: string): void
 }
 
+/** A probe, as registered in probes/index.ts (the one registry: see there how to add one). Its
+ *  `run` sends, then judges what came back, in separate functions of its module. */
 export interface Probe {
   readonly name: ProbeName
   /** One line for `--list-probes`: what it sends and what it concludes. */
   readonly description: string
+  /** The class of its findings (classes.ts) unless a finding names its own: for a clean or
+   *  inconclusive finding, the kind of harm it looks for. */
+  readonly class: FindingClass
+  /** The controls its findings map to (controls.ts): OWASP AISVS ids and kvfence's guards. */
+  readonly controls: FindingControls
+  /** True when it sizes prompts in tokens: the audit then calibrates token counts before it runs
+   *  (the calibration completions count in the plan). Absent: false. */
+  readonly isSizing?: boolean
   /** Throws `BudgetExhaustedError` only when it has nothing at all to report. */
   run(target: Target, budget: Budget, context: ProbeContext): Promise<Finding[]>
-  /** What `run` would send at most (`kvfence audit --plan`), from the flags and discovery's
-   *  numbers alone. Optional for probes defined elsewhere; every built-in probe has one. */
-  plan?(input: PlanInput): PlannedRequests[]
+  /** What `run` would send at most (`kvfence audit --plan` and its budget share), from the flags
+   *  and discovery's numbers alone. */
+  plan(input: PlanInput): PlannedRequests[]
 }
+
+/** OWASP AISVS 5.5.5: KV-cache partitioning by authenticated session/tenant identity (the
+ *  requirement probes about one tenant's KV-cache data reaching another name in `controls`). */
+export const aisvsKvPartitioning = '5.5.5'
 
 /** Advice shared by findings that concern the rejection path. */
 export const rejectionRemediation =

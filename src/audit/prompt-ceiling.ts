@@ -31,15 +31,24 @@ export class PromptCeiling {
   ) {}
 
   /** Takes one completion as it ends. `promptTokens`: the server's count, else the sender's
-   *  estimate (null: unknown, then the answer does not raise the ceiling). */
-  observe(isValid: boolean, promptTokens: number | null, result: CompletionResult): void {
+   *  estimate (null: unknown, then the answer does not raise the ceiling). `isCutByAudit`: it
+   *  ended with the audit's own time (its deadline, the running probe's share, an interruption),
+   *  so a missing answer is ours, not the engine's refusal, and does not stop the growth. */
+  observe(
+    isValid: boolean,
+    promptTokens: number | null,
+    result: CompletionResult,
+    isCutByAudit = false,
+  ): void {
     const status = result.status
     const isAnswered = status !== null && status >= 200 && status < 300 && result.failure === null
     if (isAnswered && promptTokens !== null)
       this.largestAnsweredTokens = Math.max(this.largestAnsweredTokens, promptTokens)
     const isServerFailure =
       (status !== null && status >= 500) ||
-      (status === null && (result.failure === 'network' || result.failure === 'timeout'))
+      (status === null &&
+        !isCutByAudit &&
+        (result.failure === 'network' || result.failure === 'timeout'))
     if (isValid && isServerFailure) this.stoppedAt ??= result.requestNumber
   }
 

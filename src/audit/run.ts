@@ -130,6 +130,66 @@ interface ProbeOutcome {
 }
 
 export async function runAudit(options: AuditOptions): Promise<AuditReport> {
+  const session = await openSession(options)
+  await runProbes(session)
+  const { config, budget, outcomes } = session
+  if (session.outage.isDown() && !budget.isStopped) {
+    markNotRun(session, 'not run: the endpoint went down before it (availability)')
+  }
+  if (budget.isStopped) {
+    const by = session.interruptedBy()
+    markNotRun(session, `not run: the audit was interrupted${by ? ` (${by})` : ''} before it`)
+    return reportOf(session, 'interrupted')
+  }
+  const healthReading = await checkAvailability(session)
+  if (budget.isStopped) return reportOf(session, 'interrupted')
+  const message = noAnswerMessage(
+    session.ledger.answerSummary(),
+    config.baseUrl,
+    budget,
+    healthReading,
+  )
+  if (message !== null) {
+    // Nothing this run did was audited: its probes stay pending, so --resume runs them again.
+    const kept = new Set(session.point?.kept ?? [])
+    for (const [name, outcome] of outcomes)
+      if (!kept.has(name)) outcomes.set(name, { ...outcome, isComplete: false })
+    const failed = {
+      ...reportOf(session, 'tool-error'),
+      toolError: { code: 'no_completion_answered' as const, message },
+    }
+    throw new AuditError('no_completion_answered', message, failed)
+  }
+  return reportOf(session, 'finished')
+}
+
+/** One audit in progress: what it was given and read before its probes, and what they found. */
+interface Session {
+  readonly options: AuditOptions
+  readonly config: AuditConfig
+  readonly point: ResumePoint | null
+  readonly seed: number
+  readonly startedAt: Date
+  readonly budget: Budget
+  readonly ledger: Ledger
+  readonly outage: OutageWatch
+  readonly discovery: Discovery
+  readonly target: Target
+  readonly ceiling: PromptCeiling
+  /** `/health` as read before any probe, so that one that turns bad during the audit is seen. */
+  readonly healthBefore: HealthReading
+  /** The read of `/health` the first failed valid completion asked for (null: none failed). */
+  readonly healthOnFailure: { value: Promise<HealthReading> | null }
+  readonly outcomes: Map<ProbeName, ProbeOutcome>
+  /** Findings of the audit's own checks (availability), after the probes'. */
+  readonly extraFindings: Finding[]
+  interruptedBy(): 'SIGINT' | 'SIGTERM' | undefined
+}
+
+/** Validates the options, wires the budget, the ledger and the watches, reads what the endpoint
+ *  says about itself, checks the keys and the model, and keeps what a resumed report
+ *  established. */
+async function openSession(options: AuditOptions): Promise<Session> {
   const startedAt = new Date()
   const config = validate(options)
   const point =
@@ -142,7 +202,6 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
           seed: options.seed ?? null,
           model: config.model,
         })
-  const seed = point?.seed ?? config.seed
   const budget = new Budget(config.budget, startedAt.getTime(), point?.origin)
   const interruptedBy = (): 'SIGINT' | 'SIGTERM' | undefined => {
     const reason: unknown = options.signal?.reason
@@ -153,16 +212,16 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
 
   // The first valid completion that fails asks /health once: a health check that says all is
   // well while requests fail keeps a load balancer sending traffic here.
-  let health: Promise<HealthReading> | null = null
+  const healthOnFailure: Session['healthOnFailure'] = { value: null }
   // A target seen to serve no completion (a static file server, a wrong path prefix, a closed
-  // port) sends nothing more: the gate's tool error below says why, after a few requests.
+  // port) sends nothing more: the gate's tool error says why, after a few requests.
   const notServed = new NoAnswerWatch()
   const ledger = new Ledger({
     onRecord: (isValid, result) => {
       if (notServed.observe(isValid, result)) budget.close()
     },
     onFailure: () => {
-      health ??= readHealth(target)
+      healthOnFailure.value ??= readHealth(target)
     },
   })
   ledger.addEarlier(point?.completions ?? [])
@@ -179,7 +238,8 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
     onCompletion: (request: CompletionRequest, result: CompletionResult) => {
       const isValid = request.isValid ?? true
       const promptTokens = result.promptTokens ?? request.estimatedPromptTokens ?? null
-      ceiling?.observe(isValid, promptTokens, result)
+      // With the time spent (as the ledger reads a cut: ledger.ts), a missing answer is ours.
+      ceiling?.observe(isValid, promptTokens, result, budget.remainingMs === 0)
       const sent = sentRequest(request, result, promptTokens, ledger.currentProbe)
       if (outage.observe(isValid, sent, result)) budget.close()
     },
@@ -194,44 +254,66 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
   ceiling = new PromptCeiling(knownLimitTokens(discovery), options.isAggressive === true)
   await checkKeys(target)
   await checkModelServed(target, discovery, config.model)
-  // Read before any probe, so that a health check that turns bad during the audit is seen.
   const healthBefore = await readHealth(target)
-
   const outcomes = new Map<ProbeName, ProbeOutcome>()
   for (const run of point?.probeRuns ?? []) {
     // A version-1 report's findings have no class: they get it as this audit would give it.
-    const findings = (point as ResumePoint).findings
-      .filter((f) => f.probe === run.probe)
-      .map((f) => withClass(f))
+    const findings = point!.findings.filter((f) => f.probe === run.probe).map((f) => withClass(f))
     outcomes.set(run.probe, { run, findings, isComplete: true })
   }
-  const extraFindings: Finding[] = []
-  const report = (state: AuditState): AuditReport => {
-    const findings = config.probes.flatMap((name) => outcomes.get(name)?.findings ?? [])
-    return {
-      schemaVersion: 2,
-      tool: 'kvfence audit',
-      target: config.baseUrl,
-      model: discovery.model,
-      startedAt: point?.startedAt ?? startedAt.toISOString(),
-      durationMs: Date.now() - budget.timeOrigin,
-      seed,
-      budget: config.budget,
-      requestsSent: budget.requestsSent + (point?.origin.requestsBefore ?? 0),
-      probeRuns: config.probes.flatMap((name) => outcomes.get(name)?.run ?? []),
-      findings: [...findings, ...extraFindings],
-      completions: ledger.timeline(),
-      tenants: config.tenants.map((t) => t.name),
-      probes: config.probes,
-      state,
-      pendingProbes: config.probes.filter((name) => outcomes.get(name)?.isComplete !== true),
-      ...(state === 'interrupted' && interruptedBy() ? { interruptedBy: interruptedBy() } : {}),
-      ...(point === null ? {} : { resumed: resumedFrom(point, startedAt) }),
-    }
+  return {
+    options,
+    config,
+    point,
+    seed: point?.seed ?? config.seed,
+    startedAt,
+    budget,
+    ledger,
+    outage,
+    discovery,
+    target,
+    ceiling,
+    healthBefore,
+    healthOnFailure,
+    outcomes,
+    extraFindings: [],
+    interruptedBy,
   }
+}
 
+/** The report as it stands, in `state`. */
+function reportOf(session: Session, state: AuditState): AuditReport {
+  const { config, outcomes, point, budget, startedAt } = session
+  const findings = config.probes.flatMap((name) => outcomes.get(name)?.findings ?? [])
+  const interruptedBy = session.interruptedBy()
+  return {
+    schemaVersion: 2,
+    tool: 'kvfence audit',
+    target: config.baseUrl,
+    model: session.discovery.model,
+    startedAt: point?.startedAt ?? startedAt.toISOString(),
+    durationMs: Date.now() - budget.timeOrigin,
+    seed: session.seed,
+    budget: config.budget,
+    requestsSent: budget.requestsSent + (point?.origin.requestsBefore ?? 0),
+    probeRuns: config.probes.flatMap((name) => outcomes.get(name)?.run ?? []),
+    findings: [...findings, ...session.extraFindings],
+    completions: session.ledger.timeline(),
+    tenants: config.tenants.map((t) => t.name),
+    probes: config.probes,
+    state,
+    pendingProbes: config.probes.filter((name) => outcomes.get(name)?.isComplete !== true),
+    ...(state === 'interrupted' && interruptedBy ? { interruptedBy } : {}),
+    ...(point === null ? {} : { resumed: resumedFrom(point, startedAt) }),
+  }
+}
+
+/** Runs the chosen probes not kept from a resumed report, in the registry's order, each with its
+ *  share of the budget held back for the ones after it; a report after each. */
+async function runProbes(session: Session): Promise<void> {
+  const { config, discovery, budget, ledger, outcomes, options } = session
   let sizing: Promise<PromptSizer | null> | null = null
-  const sizer = () => (sizing ??= calibrate(target))
+  const sizer = () => (sizing ??= calibrate(session.target))
   // Each probe's share, held back for it while the probes before it run.
   const toRun = config.probes.filter((name) => !outcomes.has(name))
   const shares = probeShares(config, discovery, toRun, options.isAggressive === true)
@@ -243,82 +325,61 @@ export async function runAudit(options: AuditOptions): Promise<AuditReport> {
       later.reduce((s, x) => s + x.requests, 0),
       later.reduce((s, x) => s + x.ms, 0),
     )
-    const outcome = await runProbe(name, target, budget, ledger, {
-      seed,
+    const outcome = await runProbe(name, session.target, budget, ledger, {
+      seed: session.seed,
       overCapacityAttempts: config.overCapacityAttempts,
       isAggressive: options.isAggressive === true,
       discovery,
-      ceiling,
+      ceiling: session.ceiling,
       sizer,
       emit: options.onProgress ?? (() => {}),
-      interruptedBy,
+      interruptedBy: session.interruptedBy,
     })
     outcomes.set(name, outcome)
     if (budget.isStopped || budget.isClosed) break
-    await options.onReport?.(report('running'))
+    await options.onReport?.(reportOf(session, 'running'))
   }
   budget.holdBack(0, 0)
   ledger.setProbe(null)
-  if (outage.isDown() && !budget.isStopped) {
-    for (const name of config.probes) {
-      if (outcomes.has(name)) continue
-      const finding = notRunFinding(
-        name,
-        'not run: the endpoint went down before it (availability)',
-      )
-      outcomes.set(name, {
-        run: emptyRun(name, finding.title),
-        findings: [finding],
-        isComplete: false,
-      })
-    }
-  }
+}
 
-  if (budget.isStopped) {
-    const why = `the audit was interrupted${interruptedBy() ? ` (${interruptedBy()})` : ''}`
-    for (const name of config.probes) {
-      if (outcomes.has(name)) continue
-      const finding = notRunFinding(name, `not run: ${why} before it`)
-      outcomes.set(name, {
-        run: emptyRun(name, finding.title),
-        findings: [finding],
-        isComplete: false,
-      })
-    }
-    return report('interrupted')
+/** Every chosen probe without an outcome gets an inconclusive one titled `title`. */
+function markNotRun(session: Session, title: string): void {
+  for (const name of session.config.probes) {
+    if (session.outcomes.has(name)) continue
+    const finding = notRunFinding(name, title)
+    session.outcomes.set(name, {
+      run: emptyRun(name, finding.title),
+      findings: [finding],
+      isComplete: false,
+    })
   }
+}
 
+/** The audit's own availability checks after its probes: an answer check when no probe sent a
+ *  valid completion, `/health` read again, and the outage and availability findings. Returns the
+ *  health read the first failure asked for (null: none failed). */
+async function checkAvailability(session: Session): Promise<HealthReading | null> {
+  const { target, ledger, outage, healthBefore, healthOnFailure } = session
   // Probes that sent no valid completion (capacity reads discovery only) prove nothing about
   // whether the target answers one: one short completion of the audit's own does.
   if (ledger.answerSummary().numExpected === 0) await sendAnswerCheck(target)
-  if (ledger.validSummary().numFailed > 0) health ??= readHealth(target)
-  const healthReading = health === null ? null : await (health as Promise<HealthReading>)
-  if (budget.isStopped) return report('interrupted')
+  if (ledger.validSummary().numFailed > 0) healthOnFailure.value ??= readHealth(target)
+  const healthReading = healthOnFailure.value === null ? null : await healthOnFailure.value
+  if (session.budget.isStopped) return healthReading
   const healthAfter =
     healthBefore.status === 200 || outage.isDown() ? await readHealth(target) : null
   const outageFinding = outage.finding({
     before: healthBefore.status === 'budget' ? null : healthBefore.status,
     after: healthAfter === null || healthAfter.status === 'budget' ? null : healthAfter.status,
   })
-  extraFindings.push(
+  session.extraFindings.push(
     ...[
       ...(outageFinding === null ? [] : [outageFinding]),
       ...availabilityFindings(ledger, healthReading),
     ].map((f) => withClass({ ...f, controls: controlsOf(f.probe) })),
   )
-  const message = noAnswerMessage(ledger.answerSummary(), config.baseUrl, budget, healthReading)
-  if (message !== null) {
-    // Nothing this run did was audited: its probes stay pending, so --resume runs them again.
-    const kept = new Set(point?.kept ?? [])
-    for (const [name, outcome] of outcomes)
-      if (!kept.has(name)) outcomes.set(name, { ...outcome, isComplete: false })
-    const failed = {
-      ...report('tool-error'),
-      toolError: { code: 'no_completion_answered' as const, message },
-    }
-    throw new AuditError('no_completion_answered', message, failed)
-  }
-  return report('finished')
+  return healthReading
 }
 
 /** Runs one probe within the deadline (abandoned {@link probeGraceMs} after it, or at once when
@@ -551,8 +612,9 @@ function planProbes(
     isAggressive,
     chunkedPrefillTokens: discovery.chunkedPrefillTokens,
   }
-  const isSized = planned.some((p) => probesThatSize.includes(p))
-  const probePlans = planned.map((name) => probePlan(name, probes[name].plan?.(input) ?? []))
+  // The audit's calibration completions are sent for the probes that size prompts in tokens.
+  const isSized = planned.some((p) => probes[p].isSizing === true)
+  const probePlans = planned.map((name) => probePlan(name, probes[name].plan(input)))
   const isCompletionSent =
     isSized || probePlans.some((p) => p.requests.some((r) => r.numRequests > 0 && r.tokensEach > 0))
   const own = probePlan('audit', [
@@ -587,16 +649,6 @@ function probeShares(
   const shares = shareBudget(probePlans, config.budget, own.numRequests)
   return new Map(shares.map((s) => [s.probe, { requests: s.numRequests, ms: s.seconds * 1000 }]))
 }
-
-/** Probes that calibrate token counts (the audit's calibration completions are theirs). */
-const probesThatSize: readonly ProbeName[] = [
-  'boundary',
-  'canary',
-  'abort-retry',
-  'prefix-timing',
-  'warm-equals-cold',
-  'evict-then-return',
-]
 
 /** The exit code `kvfence audit` uses: 1 when the endpoint went down during the audit (an
  *  outage finding fails every gate), or when a finding fails the gate `failOn` (gate.ts: by

@@ -215,86 +215,7 @@ export function createTarget(options: TargetOptions): Target {
   }
 
   const send = (path: string, init: RequestInit, opts: GetOptions): Promise<HttpResult> =>
-    budget.spend(async (remainingMs, requestNumber) => {
-      const headers = new Headers(init.headers)
-      if (opts.tenant) headers.set('authorization', `Bearer ${opts.tenant.key}`)
-      const cut = new AbortController()
-      // One plain controller with its own timer, not AbortSignal.any(AbortSignal.timeout(...)):
-      // on Node 20 those composed signals can be garbage-collected before they fire, and the
-      // request then hangs for ever (seen here under load; nodejs/node#55428).
-      const stop = new AbortController()
-      const deadline = setTimeout(
-        () => stop.abort(new DOMException('request timed out', 'TimeoutError')),
-        Math.min(requestTimeoutMs, remainingMs),
-      )
-      cut.signal.addEventListener('abort', () => stop.abort(new DOMException('cut', 'AbortError')))
-      // An interrupted audit cuts what is in flight as its deadline would.
-      const onStopped = () => stop.abort(new DOMException('audit interrupted', 'TimeoutError'))
-      if (budget.isStopped) onStopped()
-      else budget.stopped.addEventListener('abort', onStopped, { once: true })
-      const signal = stop.signal
-      const cutTimer =
-        opts.abortAfterMs === undefined
-          ? null
-          : setTimeout(() => cut.abort(), Math.max(0, opts.abortAfterMs))
-      const sentAt = performance.now()
-      let status: number | null = null
-      let contentType = ''
-      const read: { body: string; firstByteMs: number | null } = { body: '', firstByteMs: null }
-      // Settles when `signal` aborts, whatever fetch does: on Node 20 a fetch or a body read
-      // aborted at the wrong moment can stay pending for ever, and with the deadline spent no
-      // handle is left, so the process ended with exit code 13 in the middle of an audit.
-      const onAbort = new Promise<never>((_, reject) => {
-        const fail = () => reject(signal.reason)
-        if (signal.aborted) fail()
-        else signal.addEventListener('abort', fail, { once: true })
-      })
-      onAbort.catch(() => {})
-      try {
-        const res = await Promise.race([
-          fetch(`${baseUrl}${path}`, { ...init, headers, signal }),
-          onAbort,
-        ])
-        status = res.status
-        contentType = res.headers.get('content-type') ?? ''
-        const cap = opts.maxBodyBytes ?? maxBodyBytes
-        const isTruncated = await Promise.race([
-          readCapped(res, sentAt, read, opts.abortAfterChunks ?? null, cut, cap),
-          onAbort,
-        ])
-        const atMs = Date.now() - budget.timeOrigin
-        return {
-          status,
-          failure: isTruncated ? 'truncated' : null,
-          failureDetail: isTruncated ? `body cut at ${cap} bytes: it did not end` : null,
-          contentType,
-          ...read,
-          requestNumber,
-          atMs,
-        }
-      } catch (err) {
-        const isCut = cut.signal.aborted
-        // The server sees a cut only when the disconnect reaches it: hold the concurrency slot a
-        // little longer so that the budget's limit also holds from the server's side.
-        if (isCut) await new Promise((r) => setTimeout(r, abortGraceMs))
-        const isTimeout =
-          err instanceof Error && (err.name === 'TimeoutError' || err.name === 'AbortError')
-        return {
-          // A cut stream keeps its status and what arrived before the cut.
-          status: isCut ? status : null,
-          failure: isCut ? 'aborted' : isTimeout ? 'timeout' : 'network',
-          failureDetail: isCut ? 'cut by the auditor' : scrub(describeNetworkError(err)),
-          contentType,
-          ...read,
-          requestNumber,
-          atMs: Date.now() - budget.timeOrigin,
-        }
-      } finally {
-        if (cutTimer) clearTimeout(cutTimer)
-        clearTimeout(deadline)
-        budget.stopped.removeEventListener('abort', onStopped)
-      }
-    })
+    sendHttp({ baseUrl, budget, requestTimeoutMs, scrub }, path, init, opts)
 
   const get = (path: string, opts: GetOptions = {}): Promise<HttpResult> =>
     send(path, { method: 'GET' }, opts)
@@ -334,6 +255,104 @@ export function createTarget(options: TargetOptions): Target {
   }
 
   return Object.freeze({ baseUrl, model, tenants, get, postJson, postRaw, complete, scrub })
+}
+
+/** One HTTP request through the budget: the tenant's key as bearer token, cut at the request's
+ *  time limit, the audit's deadline, an interruption, or on purpose (`abortAfterMs`,
+ *  `abortAfterChunks`); the body read to its cap. Never throws for what the network does: a
+ *  failure is in the result. */
+function sendHttp(
+  wire: {
+    readonly baseUrl: string
+    readonly budget: Budget
+    readonly requestTimeoutMs: number
+    readonly scrub: (text: string) => string
+  },
+  path: string,
+  init: RequestInit,
+  opts: GetOptions,
+): Promise<HttpResult> {
+  const { baseUrl, budget, requestTimeoutMs, scrub } = wire
+  return budget.spend(async (remainingMs, requestNumber) => {
+    const headers = new Headers(init.headers)
+    if (opts.tenant) headers.set('authorization', `Bearer ${opts.tenant.key}`)
+    const cut = new AbortController()
+    // One plain controller with its own timer, not AbortSignal.any(AbortSignal.timeout(...)):
+    // on Node 20 those composed signals can be garbage-collected before they fire, and the
+    // request then hangs for ever (seen here under load; nodejs/node#55428).
+    const stop = new AbortController()
+    const deadline = setTimeout(
+      () => stop.abort(new DOMException('request timed out', 'TimeoutError')),
+      Math.min(requestTimeoutMs, remainingMs),
+    )
+    cut.signal.addEventListener('abort', () => stop.abort(new DOMException('cut', 'AbortError')))
+    // An interrupted audit cuts what is in flight as its deadline would.
+    const onStopped = () => stop.abort(new DOMException('audit interrupted', 'TimeoutError'))
+    if (budget.isStopped) onStopped()
+    else budget.stopped.addEventListener('abort', onStopped, { once: true })
+    const signal = stop.signal
+    const cutTimer =
+      opts.abortAfterMs === undefined
+        ? null
+        : setTimeout(() => cut.abort(), Math.max(0, opts.abortAfterMs))
+    const sentAt = performance.now()
+    let status: number | null = null
+    let contentType = ''
+    const read: { body: string; firstByteMs: number | null } = { body: '', firstByteMs: null }
+    // Settles when `signal` aborts, whatever fetch does: on Node 20 a fetch or a body read
+    // aborted at the wrong moment can stay pending for ever, and with the deadline spent no
+    // handle is left, so the process ended with exit code 13 in the middle of an audit.
+    const onAbort = new Promise<never>((_, reject) => {
+      const fail = () => reject(signal.reason)
+      if (signal.aborted) fail()
+      else signal.addEventListener('abort', fail, { once: true })
+    })
+    onAbort.catch(() => {})
+    try {
+      const res = await Promise.race([
+        fetch(`${baseUrl}${path}`, { ...init, headers, signal }),
+        onAbort,
+      ])
+      status = res.status
+      contentType = res.headers.get('content-type') ?? ''
+      const cap = opts.maxBodyBytes ?? maxBodyBytes
+      const isTruncated = await Promise.race([
+        readCapped(res, sentAt, read, opts.abortAfterChunks ?? null, cut, cap),
+        onAbort,
+      ])
+      const atMs = Date.now() - budget.timeOrigin
+      return {
+        status,
+        failure: isTruncated ? 'truncated' : null,
+        failureDetail: isTruncated ? `body cut at ${cap} bytes: it did not end` : null,
+        contentType,
+        ...read,
+        requestNumber,
+        atMs,
+      }
+    } catch (err) {
+      const isCut = cut.signal.aborted
+      // The server sees a cut only when the disconnect reaches it: hold the concurrency slot a
+      // little longer so that the budget's limit also holds from the server's side.
+      if (isCut) await new Promise((r) => setTimeout(r, abortGraceMs))
+      const isTimeout =
+        err instanceof Error && (err.name === 'TimeoutError' || err.name === 'AbortError')
+      return {
+        // A cut stream keeps its status and what arrived before the cut.
+        status: isCut ? status : null,
+        failure: isCut ? 'aborted' : isTimeout ? 'timeout' : 'network',
+        failureDetail: isCut ? 'cut by the auditor' : scrub(describeNetworkError(err)),
+        contentType,
+        ...read,
+        requestNumber,
+        atMs: Date.now() - budget.timeOrigin,
+      }
+    } finally {
+      if (cutTimer) clearTimeout(cutTimer)
+      clearTimeout(deadline)
+      budget.stopped.removeEventListener('abort', onStopped)
+    }
+  })
 }
 
 /** Reads the body into `into` (at most `capBytes`), noting when its first byte came; aborts `cut`

@@ -1,6 +1,8 @@
 /** The auditor's vocabulary: tenants, findings, verdicts and the report.
  *  Knows nothing of HTTP or of any serving engine; every other audit module speaks these words. */
 import type { FindingClass, FindingTag } from './classes.js'
+import type { AuditErrorCode } from './errors.js'
+import type { ProbeName } from './probes/index.js'
 
 /** What a probe concluded. `inconclusive` means "could not tell" and never counts as clean.
  *  `leak` is only ever the verdict of a `content-leak` (another tenant's material crossed); every
@@ -9,26 +11,10 @@ export type Verdict = 'leak' | 'clean' | 'inconclusive' | 'warning'
 
 export type Severity = 'critical' | 'high' | 'medium' | 'low' | 'info'
 
-/** Every probe, in the order an audit runs them. */
-export const probeNames = [
-  'capacity',
-  'boundary',
-  'canary',
-  'abort-race',
-  'abort-retry',
-  'concurrency',
-  'race-load',
-  'queueing',
-  'page-leak',
-  'determinism',
-  'prefix-timing',
-  'cache-fields',
-  'warm-equals-cold',
-  'evict-then-return',
-  'error-handling',
-  'stall',
-] as const
-export type ProbeName = (typeof probeNames)[number]
+/** Every probe's name, in the order an audit runs them: derived from the one registry,
+ *  probes/index.ts. */
+export { probeNames } from './probes/index.js'
+export type { ProbeName }
 
 /** A tenant of the audited endpoint. `key` is sent as a bearer token and never printed or stored. */
 export interface Tenant {
@@ -190,32 +176,4 @@ export const verdictRank: Readonly<Record<Verdict, number>> = {
   leak: 3,
 }
 
-/** `no_completion_answered`: the target answered none of the valid completions the audit sent
- *  whole, or none could be sent (not an OpenAI endpoint, a wrong path prefix, an engine failing
- *  every request, answers that never end, a budget spent before any).
- *  `model_not_served`: `--model` is not one `/v1/models` lists and a completion naming it was
- *  not answered. `unauthorized_target`: a non-loopback target nobody authorized (authorize.ts).
- *  `cannot_resume`: the report given to `--resume` is not one this audit can continue. */
-export type AuditErrorCode =
-  | 'invalid_options'
-  | 'invalid_config'
-  | 'target_unreachable'
-  | 'no_completion_answered'
-  | 'model_not_served'
-  | 'unauthorized_target'
-  | 'cannot_resume'
-
-/** A tool error: the audit could not run at all (bad options, target unreachable). The message
- *  is one line, names tenants but never keys. */
-export class AuditError extends Error {
-  /** `report`: what the audit saw before it gave up, when it got that far (for
-   *  `no_completion_answered`). */
-  constructor(
-    readonly code: AuditErrorCode,
-    message: string,
-    readonly report?: AuditReport,
-  ) {
-    super(message)
-    this.name = 'AuditError'
-  }
-}
+export { AuditError, type AuditErrorCode } from './errors.js'

@@ -9,7 +9,7 @@ import type { DecodeEvent, GenerateRequest } from '../control/messages.js'
 import { DecodeScheduler } from './decode-scheduler.js'
 import { RequestSampler } from './request-sampler.js'
 import { Sequence } from './sequence.js'
-import { failureReason, scatterPage, type WorkerCore } from './worker-core.js'
+import { failureReason, pageSlices, scatterPage, type WorkerCore } from './worker-core.js'
 
 /** How long a reservation waits for its transfer to begin before it is given up (ms). Only a
  *  transfer that never began may be given up on a timer: its pages cannot be written any more. */
@@ -371,7 +371,7 @@ export class DecodeWorker {
       pool.unpin(promptPages)
       return true
     }
-    return {
+    const reservation: Reservation = {
       pageSize: pool.shape.pageSize,
       writePage: (ordinal, tokensOnPage, payload) => {
         if (isSettled) throw ended()
@@ -407,6 +407,17 @@ export class DecodeWorker {
         entry.settle(err)
       },
     }
+    // The copy-free path (payloads land in the pool's slices). Not enumerable: a wrapper that
+    // spreads this reservation and replaces writePage must still see every page through it.
+    Object.defineProperty(reservation, 'placePage', {
+      enumerable: false,
+      value: (ordinal: number, tokensOnPage: number): Uint8Array[] => {
+        if (isSettled) throw ended()
+        if (entry.cancel !== null) throw entry.cancel // → NACK, then abort() frees the pages
+        return this.placePage(info, promptPages, ordinal, tokensOnPage)
+      },
+    })
+    return reservation
   }
 
   /** Write one received page into the prompt's pages: bounds first (whatever the guards), then
@@ -416,23 +427,47 @@ export class DecodeWorker {
     promptPages: PageLease,
     page: { ordinal: number; tokensOnPage: number; payload: Uint8Array },
   ): void {
+    const { payload, ordinal } = page
+    this.claimPage(info, promptPages, page.ordinal, page.tokensOnPage, payload.byteLength)
+    scatterPage(this.core.pool, promptPages.pages[ordinal].page, payload)
+  }
+
+  /** Claim one prompt page for a payload the receiver copies in itself (the copy-free path):
+   *  the same bounds and claim as {@link writePage}; returns the page's slices of the pool. */
+  private placePage(
+    info: BeginInfo,
+    promptPages: PageLease,
+    ordinal: number,
+    tokensOnPage: number,
+  ): Uint8Array[] {
     const { pool } = this.core
-    const { ordinal, tokensOnPage, payload } = page
+    this.claimPage(info, promptPages, ordinal, tokensOnPage, pool.pageBytes)
+    return pageSlices(pool, promptPages.pages[ordinal].page)
+  }
+
+  /** Bounds first (whatever the guards), then the owner's claim (G5). */
+  private claimPage(
+    info: BeginInfo,
+    promptPages: PageLease,
+    ordinal: number,
+    tokensOnPage: number,
+    numPayloadBytes: number,
+  ): void {
+    const { pool } = this.core
     // Bounds are checked whatever the guards: a write outside the reservation is never possible.
     if (
       ordinal < 0 ||
       ordinal >= promptPages.pages.length ||
       tokensOnPage > pool.shape.pageSize ||
-      payload.byteLength !== pool.pageBytes
+      numPayloadBytes !== pool.pageBytes
     ) {
       throw new KvfenceError(
         'transfer_failed',
-        `transfer ${info.transferId}: page ${ordinal} (${tokensOnPage} tokens, ${payload.byteLength} bytes) is outside the reservation`,
+        `transfer ${info.transferId}: page ${ordinal} (${tokensOnPage} tokens, ${numPayloadBytes} bytes) is outside the reservation`,
       )
     }
     // Claim first (owner, epoch, no gap: G5), then write.
     pool.noteWrite(promptPages, ordinal * pool.shape.pageSize, tokensOnPage)
-    scatterPage(pool, promptPages.pages[ordinal].page, payload)
   }
 
   /** At END: every prompt position holds KV that arrived for this request (G4), and the first

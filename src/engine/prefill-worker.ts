@@ -15,7 +15,7 @@ import type { PrefillRequest, PrefillResult } from '../control/messages.js'
 import { PrefillScheduler } from './prefill-scheduler.js'
 import { RequestSampler, type SampledToken } from './request-sampler.js'
 import { Sequence } from './sequence.js'
-import { failureReason, gatherPage, type WorkerCore } from './worker-core.js'
+import { failureReason, gatherPage, pageSlices, type WorkerCore } from './worker-core.js'
 
 /** Prompt tokens per prefill step, over all prompts being prefilled: long prompts are prefilled in
  *  chunks so that other prompts and aborts are served between them. */
@@ -288,6 +288,9 @@ export class PrefillWorker {
       : this.core.hasFault('truncate-transfer')
         ? Array.from({ length: Math.max(1, numPages - 1) }, (_, i) => i)
         : undefined
+    // A placeholder page claims to be full: "the full KV has arrived".
+    const tokensOn = (ordinal: number): number =>
+      isPlaceholder ? pageSize : Math.min(pageSize, numPromptTokens - ordinal * pageSize)
     const client = this.clientFor(req.decode.host, req.decode.port)
     await this.countTransfer(
       ordinalsToSend?.length ?? numPages,
@@ -303,10 +306,13 @@ export class PrefillWorker {
           firstTokenId,
           readPage: (ordinal, dst) => {
             gatherPage(pool, seq.lease.pages[ordinal].page, dst)
-            // A placeholder page claims to be full: "the full KV has arrived".
-            if (isPlaceholder) return pageSize
-            return Math.min(pageSize, numPromptTokens - ordinal * pageSize)
+            return tokensOn(ordinal)
           },
+          // The pages are sealed and pinned until the send settles: sent from the pool as they lie.
+          viewPage: (ordinal) => ({
+            tokensOnPage: tokensOn(ordinal),
+            views: pageSlices(pool, seq.lease.pages[ordinal].page),
+          }),
           ordinalsToSend,
           corruptPayload: this.core.hasFault('corrupt-transfer'),
         },

@@ -188,6 +188,20 @@ export function scatterPage(pool: KvPool, page: number, payload: Uint8Array): vo
   }
 }
 
+/** Byte views of page `page` in transfer payload order (for each layer, K then V), over the pool's
+ *  own memory: where a payload is sent from, or received into, without a copy. Checks nothing;
+ *  the caller holds the page (pinned, claimed). */
+export function pageSlices(pool: KvPool, page: number): Uint8Array[] {
+  const numBytes = pool.pageStride * Float32Array.BYTES_PER_ELEMENT
+  const slices: Uint8Array[] = []
+  for (let layer = 0; layer < pool.shape.numLayers; layer++)
+    slices.push(
+      pageBytesOf(pool.k[layer], page, numBytes),
+      pageBytesOf(pool.v[layer], page, numBytes),
+    )
+  return slices
+}
+
 /** A byte view of page `page` of one layer's K or V storage. */
 function pageBytesOf(store: Float32Array, page: number, numBytes: number): Uint8Array {
   return new Uint8Array(store.buffer, store.byteOffset + page * numBytes, numBytes)

@@ -12,6 +12,20 @@ export function pageChecksum(payload: Uint8Array): bigint {
   return xxh64(payload)
 }
 
+/** xxh64 (seed 0) of the concatenation of `views`, hashed in place, view by view: equal to
+ *  {@link pageChecksum} of the joined bytes (a page that sits in the pool as one slice per layer's
+ *  K and V is hashed where it lies). @throws TypeError if a view is not a Uint8Array. */
+export function pageChecksumOf(views: readonly Uint8Array[]): bigint {
+  if (views.length === 1) return pageChecksum(views[0])
+  const hasher = new Xxh64()
+  for (const view of views) {
+    if (!(view instanceof Uint8Array))
+      throw new TypeError('pageChecksumOf takes Uint8Array views of the payload bytes')
+    hasher.update(view)
+  }
+  return hasher.digest()
+}
+
 /** Builds the manifest checksum incrementally: xxh64 (seed 0) over the pages' checksums, each as
  *  8 bytes big-endian, in the order added (the caller adds them in ordinal order).
  *  Equal to {@link manifestChecksum} of the same list. */

@@ -658,37 +658,90 @@ function decodeBeginBody(b: Buffer, malformed: Malformed): DecodeResult {
   }
 }
 
+/** The start of a PAGES body: its ids and how many page entries follow. */
+export interface PagesHead {
+  transferId: string
+  requestId: string
+  numPagesInFrame: number
+}
+
+/** One page entry's head (everything but the payload). */
+export interface PageEntryHead {
+  ordinal: number
+  tokensOnPage: number
+  /** Bytes of the payload that follows the head. */
+  payloadBytes: number
+  checksum: bigint
+}
+
+/** The PAGES body head in `b` (its first {@link PAGES_HEAD_BYTES} bytes, the caller guarantees
+ *  them), or the reason the frame is malformed. Never throws. */
+export function decodePagesHead(
+  b: Buffer,
+): { ok: true; head: PagesHead } | { ok: false; error: FrameError } {
+  const id = peekId('pages', b)
+  if (id === null) return fail('malformed_frame', 'pages frame: the zero transfer id is reserved')
+  const numPagesInFrame = b.readUInt16BE(32)
+  if (numPagesInFrame < 1 || numPagesInFrame > MAX_PAGES_PER_FRAME)
+    return fail(
+      'malformed_frame',
+      `pages frame: ${numPagesInFrame} pages in one frame (want 1..${MAX_PAGES_PER_FRAME})`,
+      id,
+    )
+  return { ok: true, head: { transferId: id, requestId: readId(b, 16), numPagesInFrame } }
+}
+
+/** Read page entry `index` (of `numPagesInFrame`) whose head starts at `offset` of `b`, in a body
+ *  of which `numBodyLeft` bytes start at `offset` (the head's own bytes included). Returns the head
+ *  or the message of the malformation: a truncated head, an empty payload, a payload longer than
+ *  what remains, or bytes left after the last entry. Never throws. */
+export function readPageEntryHead(
+  b: Buffer,
+  offset: number,
+  index: number,
+  numPagesInFrame: number,
+  numBodyLeft: number,
+  bodyOffset: number,
+): PageEntryHead | string {
+  if (numBodyLeft < PAGE_HEAD_BYTES) return `page entry ${index} is truncated at byte ${bodyOffset}`
+  const payloadBytes = b.readUInt32BE(offset + 8)
+  if (payloadBytes < 1) return `page entry ${index} has an empty payload`
+  const numRemain = numBodyLeft - PAGE_HEAD_BYTES
+  if (numRemain < payloadBytes)
+    return `page entry ${index} declares ${payloadBytes} payload bytes, ${numRemain} remain`
+  if (index === numPagesInFrame - 1 && numRemain > payloadBytes)
+    return `${numRemain - payloadBytes} bytes after the last page entry`
+  return {
+    ordinal: b.readUInt32BE(offset),
+    tokensOnPage: b.readUInt32BE(offset + 4),
+    payloadBytes,
+    checksum: b.readBigUInt64BE(offset + 12),
+  }
+}
+
 function decodePagesBody(b: Buffer, malformed: Malformed): DecodeResult {
   if (b.length < PAGES_HEAD_BYTES)
     return malformed(`body is ${b.length} bytes, want at least ${PAGES_HEAD_BYTES}`)
-  const numPagesInFrame = b.readUInt16BE(32)
-  if (numPagesInFrame < 1 || numPagesInFrame > MAX_PAGES_PER_FRAME)
-    return malformed(`${numPagesInFrame} pages in one frame (want 1..${MAX_PAGES_PER_FRAME})`)
+  const decoded = decodePagesHead(b)
+  if (!decoded.ok) return { ok: false, error: decoded.error }
+  const { numPagesInFrame } = decoded.head
   const pages: PageEntry[] = []
   let offset = PAGES_HEAD_BYTES
   for (let i = 0; i < numPagesInFrame; i++) {
-    if (b.length - offset < PAGE_HEAD_BYTES)
-      return malformed(`page entry ${i} is truncated at byte ${offset}`)
-    const payloadBytes = b.readUInt32BE(offset + 8)
-    if (payloadBytes < 1) return malformed(`page entry ${i} has an empty payload`)
+    const entry = readPageEntryHead(b, offset, i, numPagesInFrame, b.length - offset, offset)
+    if (typeof entry === 'string') return malformed(entry)
     const payloadStart = offset + PAGE_HEAD_BYTES
-    if (b.length - payloadStart < payloadBytes)
-      return malformed(
-        `page entry ${i} declares ${payloadBytes} payload bytes, ${b.length - payloadStart} remain`,
-      )
+    const { ordinal, tokensOnPage, checksum, payloadBytes } = entry
     pages.push({
-      ordinal: b.readUInt32BE(offset),
-      tokensOnPage: b.readUInt32BE(offset + 4),
-      checksum: b.readBigUInt64BE(offset + 12),
+      ordinal,
+      tokensOnPage,
+      checksum,
       payload: b.subarray(payloadStart, payloadStart + payloadBytes),
     })
     offset = payloadStart + payloadBytes
   }
-  if (offset !== b.length) return malformed(`${b.length - offset} bytes after the last page entry`)
-  return {
-    ok: true,
-    frame: { kind: 'pages', transferId: readId(b, 0), requestId: readId(b, 16), pages },
-  }
+  const { transferId, requestId } = decoded.head
+  return { ok: true, frame: { kind: 'pages', transferId, requestId, pages } }
 }
 
 function decodeEndBody(b: Buffer, malformed: Malformed): DecodeResult {

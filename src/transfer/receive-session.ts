@@ -1,8 +1,10 @@
 /** The receiving side (D) of one transfer connection, without the socket: bytes in through
- *  `push`, frames out through `io.write`. It verifies every transfer (G4, G10), copies verified
- *  pages into the reservation the hooks hand out, and ends every transfer it started exactly once:
- *  `complete` (then ACK) or `abort` (after NACK, ABORT, teardown or close) — and `abort` only once
- *  nothing more can be written into that reservation (G7).
+ *  `push`, frames out through `io.write`. It verifies every transfer (G4, G10), receives its pages
+ *  into the reservation the hooks hand out (straight into the reserved pages with `placePage`: a
+ *  page is checked at its head, copied once from the socket's chunks, then its checksum verified
+ *  where it landed; a page that fails ends the transfer), and ends every transfer it started
+ *  exactly once: `complete` (then ACK) or `abort` (after NACK, ABORT, teardown or close) — and
+ *  `abort` only once nothing more can be written into that reservation (G7).
  *  Knows frames, checks and the hooks' contract; knows nothing of TCP, pools or the model.
  *
  *  The checks, in the order they run, each with the guard that switches it (`always` = memory
@@ -37,7 +39,7 @@
  *  pages); with G4 off it binds only the checksums claimed. */
 import { KvfenceError } from '../common/errors.js'
 import { EndMacBuilder, verifyBeginMac } from './auth.js'
-import { ManifestHasher, pageChecksum } from './checksum.js'
+import { ManifestHasher, pageChecksumOf } from './checksum.js'
 import {
   PROTOCOL_VERSION,
   ZERO_TRANSFER_ID,
@@ -50,10 +52,11 @@ import {
   type EndFrame,
   type Frame,
   type FrameError,
-  type PageEntry,
+  type PageEntryHead,
   type PagesFrame,
+  type PagesHead,
 } from './frames.js'
-import { FrameParser } from './parser.js'
+import { FrameParser, type PagesSink } from './parser.js'
 import { asKvfenceError, refusal, TransferError } from './refusals.js'
 
 // ─── The hooks' contract ────────────────────────────────────────────────────────────────────────
@@ -77,6 +80,13 @@ export interface Reservation {
   /** Copy a page's payload (pageBytes bytes, tokensOnPage tokens) into the pool; ordinal in
    *  [0, numPages). `payload` is valid only during the call. May throw (→ NACK + `abort`). */
   writePage(ordinal: number, tokensOnPage: number, payload: Uint8Array): void
+  /** Optional, the copy-free path: claim page `ordinal` for `tokensOnPage` tokens and return the
+   *  byte views its payload goes to (in payload order, lengths summing to pageBytes: the page's
+   *  slices of the pool). The receiver copies the payload from the socket's chunks straight into
+   *  them and verifies it there; a page that fails verification ends the transfer (NACK, then
+   *  `abort`), so bytes that landed are never used. Without it, the payload is received into a
+   *  scratch page and handed to `writePage`. May throw (→ NACK + `abort`). */
+  placePage?(ordinal: number, tokensOnPage: number): readonly Uint8Array[]
   /** END verified; called before ACK is sent. May throw KvfenceError (→ NACK, then `abort`). */
   complete(firstTokenId: number): void
   /** The transfer is over without success (NACK sent, ABORT received, connection torn down,
@@ -148,6 +158,14 @@ interface ActiveTransfer {
   isOpen: boolean
 }
 
+/** The page whose payload is arriving: its head, and where it goes. */
+interface Arriving {
+  readonly entry: PageEntryHead
+  readonly views: readonly Uint8Array[]
+  /** The views are the reservation's own (placePage); else `scratch`, for writePage. */
+  readonly isPlaced: boolean
+}
+
 /** One connection's receiving side. */
 export class ReceiveSession {
   private phase: SessionPhase = 'awaiting_hello'
@@ -156,6 +174,11 @@ export class ReceiveSession {
   private readonly endedIds = new Set<string>()
   private readonly parser: FrameParser
   private readonly helloTimer: NodeJS.Timeout
+  /** The transfer of the PAGES frame being received, and its page in progress. */
+  private receiving: ActiveTransfer | null = null
+  private arriving: Arriving | null = null
+  /** Receives a payload for a reservation without `placePage`; grown to pageBytes, reused. */
+  private scratch: Uint8Array = new Uint8Array(0)
 
   constructor(
     private readonly hooks: ReceiverHooks,
@@ -164,7 +187,11 @@ export class ReceiveSession {
     private readonly counters: ReceiverCounters,
   ) {
     this.parser = new FrameParser(
-      { frame: (f) => this.onFrame(f), error: (e, isFatal) => this.onFrameError(e, isFatal) },
+      {
+        frame: (f) => this.onFrame(f),
+        error: (e, isFatal) => this.onFrameError(e, isFatal),
+        pages: this.pagesSink,
+      },
       { maxFrameBytes: config.maxFrameBytes },
     )
     this.helloTimer = setTimeout(
@@ -346,40 +373,137 @@ export class ReceiveSession {
     }
   }
 
-  private onPages(frame: PagesFrame): void {
-    const t = this.activeFor(frame)
-    if (t === undefined) return
+  /** PAGES frames, streamed by the parser: the transfer is looked up at the frame's head, each
+   *  page is checked at its entry's head (before any payload byte is copied), received into its
+   *  views, then verified (checksum) and counted. Every hook returns "skip" once the transfer or
+   *  the connection ended. */
+  private readonly pagesSink: PagesSink = {
+    begin: (head) => this.onPagesHead(head),
+    page: (entry) => this.onPageHead(entry),
+    pageDone: () => this.onPageDone(),
+  }
+
+  private onPagesHead(head: PagesHead): boolean {
+    this.receiving = null
+    this.arriving = null
+    if (this.phase !== 'open') {
+      if (this.phase === 'awaiting_hello')
+        this.fail(refusal('unexpected_frame', 'first frame must be HELLO, got pages'))
+      return false
+    }
+    const t = this.activeFor({ kind: 'pages', ...head })
+    if (t === undefined) return false
     t.timer.refresh()
+    this.receiving = t
+    return true
+  }
+
+  private onPageHead(entry: PageEntryHead): readonly Uint8Array[] | null {
+    const t = this.receiving
+    if (t === null || !t.isOpen) return null
     const id = t.info.transferId
-    for (const page of frame.pages) {
-      const refused = this.checkPage(t, page)
-      if (refused !== null) return this.refuse(id, refused)
-      try {
-        t.reservation.writePage(page.ordinal, page.tokensOnPage, page.payload)
-      } catch (err) {
-        return this.refuse(id, asKvfenceError(err, 'writePage'))
+    const refused = this.checkPage(t, entry)
+    if (refused !== null) {
+      this.refuse(id, refused)
+      return null
+    }
+    if (t.reservation.placePage === undefined) {
+      if (this.scratch.length !== entry.payloadBytes)
+        this.scratch = new Uint8Array(entry.payloadBytes)
+      this.arriving = { entry, views: [this.scratch], isPlaced: false }
+      return this.arriving.views
+    }
+    let views: readonly Uint8Array[]
+    try {
+      views = t.reservation.placePage(entry.ordinal, entry.tokensOnPage)
+    } catch (err) {
+      this.refuse(id, asKvfenceError(err, 'placePage'))
+      return null
+    }
+    if (!t.isOpen) return null
+    let numBytes = 0
+    for (const view of views) numBytes += view instanceof Uint8Array ? view.length : NaN
+    if (numBytes !== entry.payloadBytes) {
+      this.refuse(
+        id,
+        refusal(
+          'hook_failed',
+          `placePage(${entry.ordinal}) gave ${numBytes} bytes for a ${entry.payloadBytes}-byte page`,
+          'internal_error',
+        ),
+      )
+      return null
+    }
+    this.arriving = { entry, views, isPlaced: true }
+    return views
+  }
+
+  private onPageDone(): boolean {
+    const t = this.receiving
+    const page = this.arriving
+    this.arriving = null
+    if (t === null || page === null || !t.isOpen) return false
+    const { entry } = page
+    const id = t.info.transferId
+    if (this.config.verifyManifest) {
+      const got = pageChecksumOf(page.views)
+      if (got !== entry.checksum) {
+        this.refuse(
+          id,
+          refusal(
+            'checksum_mismatch',
+            `transfer ${id} page ${entry.ordinal}: want ${hex64(entry.checksum)}, got ${hex64(got)}`,
+          ),
+        )
+        return false
       }
-      if (!t.isOpen) return
-      t.numPagesWritten++
-      t.manifest.add(page.checksum)
-      t.endMac?.add(page.checksum)
+    }
+    if (!page.isPlaced) {
+      try {
+        t.reservation.writePage(entry.ordinal, entry.tokensOnPage, page.views[0])
+      } catch (err) {
+        this.refuse(id, asKvfenceError(err, 'writePage'))
+        return false
+      }
+      if (!t.isOpen) return false
+    }
+    t.numPagesWritten++
+    t.manifest.add(entry.checksum)
+    t.endMac?.add(entry.checksum)
+    return true
+  }
+
+  /** A PAGES frame the parser delivered whole (it streams every frame that can hold a page, so
+   *  this one is only reached by a sink without streaming): fed through the same steps. */
+  private onPages(frame: PagesFrame): void {
+    if (!this.onPagesHead({ ...frame, numPagesInFrame: frame.pages.length })) return
+    for (const page of frame.pages) {
+      const entry = { ...page, payloadBytes: page.payload.length }
+      const views = this.onPageHead(entry)
+      if (views === null) return
+      let at = 0
+      for (const view of views) {
+        view.set(page.payload.subarray(at, at + view.length))
+        at += view.length
+      }
+      if (!this.onPageDone()) return
     }
   }
 
-  /** The refusal a page earns, or null if it may be written. */
-  private checkPage(t: ActiveTransfer, page: PageEntry): KvfenceError | null {
+  /** The refusal a page earns from its entry's head, or null if its payload may be received. */
+  private checkPage(t: ActiveTransfer, page: PageEntryHead): KvfenceError | null {
     const { transferId: id, numPages, pageBytes, numTokens } = t.info
     const { pageSize } = t.reservation
-    const { ordinal, tokensOnPage, payload } = page
+    const { ordinal, tokensOnPage, payloadBytes } = page
     if (ordinal >= numPages)
       return refusal(
         'ordinal_out_of_range',
         `transfer ${id} page ${ordinal}: the reservation has ${numPages} pages`,
       )
-    if (payload.length !== pageBytes)
+    if (payloadBytes !== pageBytes)
       return refusal(
         'page_bytes_mismatch',
-        `transfer ${id} page ${ordinal}: ${payload.length} bytes, want ${pageBytes}`,
+        `transfer ${id} page ${ordinal}: ${payloadBytes} bytes, want ${pageBytes}`,
       )
     if (tokensOnPage > pageSize)
       return refusal(
@@ -397,12 +521,6 @@ export class ReceiveSession {
       return refusal(
         'tokens_mismatch',
         `transfer ${id} page ${ordinal}: ${tokensOnPage} tokens, want ${wantTokens}`,
-      )
-    const got = pageChecksum(payload)
-    if (got !== page.checksum)
-      return refusal(
-        'checksum_mismatch',
-        `transfer ${id} page ${ordinal}: want ${hex64(page.checksum)}, got ${hex64(got)}`,
       )
     return null
   }
@@ -465,7 +583,9 @@ export class ReceiveSession {
   /** The active transfer a PAGES/END frame belongs to, or undefined after dealing with a frame for
    *  an unknown transfer (NACK), a transfer that already ended (dropped) or a request id that is
    *  not BEGIN's (NACK + abort). */
-  private activeFor(frame: PagesFrame | EndFrame): ActiveTransfer | undefined {
+  private activeFor(
+    frame: Pick<PagesFrame | EndFrame, 'kind' | 'transferId' | 'requestId'>,
+  ): ActiveTransfer | undefined {
     const id = frame.transferId
     const t = this.transfers.get(id)
     if (t === undefined) {
@@ -490,6 +610,12 @@ export class ReceiveSession {
 
   /** Take `t` out of the active set: no frame reaches its reservation after this. */
   private end(t: ActiveTransfer): void {
+    if (this.receiving === t) {
+      // Ended mid-frame (stall timer): not one more byte may land in pages it no longer holds.
+      this.receiving = null
+      this.arriving = null
+      this.parser.skipPages()
+    }
     t.isOpen = false
     clearTimeout(t.timer)
     this.transfers.delete(t.info.transferId)

@@ -13,8 +13,13 @@
 interface Waiter {
   owner: object
   minBytes: number
+  /** Waiting for a byte reservation (views written without a copy), not a buffer. */
+  isReservation: boolean
   resolve: (buffer: Buffer | null) => void
 }
+
+/** What a reservation waiter is resolved with (it holds no buffer). */
+const reserved = Buffer.alloc(0)
 
 /** A byte-budgeted pool of equal-sized send buffers. */
 export class SendBuffers {
@@ -24,6 +29,8 @@ export class SendBuffers {
   private numInUseBytesNow = 0
   private numAllocatedNow = 0
   private maxInUseBytesNow = 0
+  /** The largest reservation granted (one is allowed even above the budget). */
+  private maxReservedNow = 0
   private isClosed = false
 
   /** @param bufferBytes size of each buffer, bytes (grown when a frame needs more).
@@ -41,6 +48,31 @@ export class SendBuffers {
     if (!Number.isInteger(budgetBytes) || budgetBytes < 1)
       throw new RangeError(`budgetBytes must be ≥ 1, got ${budgetBytes}`)
     this.bufferBytesNow = bufferBytes
+  }
+
+  /** Count `numBytes` of the caller's own memory (page views written without a copy) against the
+   *  budget now, as a buffer of that size would be; false if the budget is spent, others are
+   *  waiting first, or the pool is closed. As with buffers, one reservation is always allowed. */
+  tryReserve(numBytes: number): boolean {
+    if (this.isClosed || this.waiters.length > 0) return false
+    return this.takeBytes(numBytes)
+  }
+
+  /** {@link tryReserve}, waiting (first come, first served) while the budget is spent. Resolves
+   *  false if `cancel(owner)` or `close()` is called first. */
+  async reserve(numBytes: number, owner: object): Promise<boolean> {
+    if (this.tryReserve(numBytes)) return true
+    if (this.isClosed) return false
+    const got = await new Promise<Buffer | null>((resolve) =>
+      this.waiters.push({ owner, minBytes: numBytes, isReservation: true, resolve }),
+    )
+    return got !== null
+  }
+
+  /** Give back a reservation from `tryReserve`/`reserve`, once its bytes were written. */
+  unreserve(numBytes: number): void {
+    this.numInUseBytesNow -= numBytes
+    this.serveWaiters()
   }
 
   /** Size of the buffers handed out now, bytes. */
@@ -75,7 +107,9 @@ export class SendBuffers {
   acquire(minBytes: number, owner: object): Promise<Buffer | null> {
     const now = this.tryAcquire(minBytes)
     if (now !== null || this.isClosed) return Promise.resolve(now)
-    return new Promise((resolve) => this.waiters.push({ owner, minBytes, resolve }))
+    return new Promise((resolve) =>
+      this.waiters.push({ owner, minBytes, isReservation: false, resolve }),
+    )
   }
 
   /** Give back a buffer from `tryAcquire`/`acquire` (after its write completed, or unused). */
@@ -105,7 +139,7 @@ export class SendBuffers {
   check(): void {
     if (this.numInUseBytesNow < 0)
       throw new Error(`buffers released twice: ${this.numInUseBytesNow} bytes in use`)
-    const limit = Math.max(this.budgetBytes, this.bufferBytesNow)
+    const limit = Math.max(this.budgetBytes, this.bufferBytesNow, this.maxReservedNow)
     if (this.numInUseBytesNow > limit)
       throw new Error(`${this.numInUseBytesNow} bytes in use exceed the budget of ${limit}`)
     if (this.free.some((b) => b.length !== this.bufferBytesNow))
@@ -132,9 +166,19 @@ export class SendBuffers {
 
   private serveWaiters(): void {
     while (!this.isClosed && this.waiters.length > 0) {
-      const buffer = this.take(this.waiters[0].minBytes)
-      if (buffer === null) return
-      this.waiters.shift()!.resolve(buffer)
+      const { minBytes, isReservation } = this.waiters[0]
+      const got = isReservation ? (this.takeBytes(minBytes) ? reserved : null) : this.take(minBytes)
+      if (got === null) return
+      this.waiters.shift()!.resolve(got)
     }
+  }
+
+  private takeBytes(numBytes: number): boolean {
+    if (this.numInUseBytesNow > 0 && this.numInUseBytesNow + numBytes > this.budgetBytes)
+      return false
+    this.numInUseBytesNow += numBytes
+    this.maxInUseBytesNow = Math.max(this.maxInUseBytesNow, this.numInUseBytesNow)
+    this.maxReservedNow = Math.max(this.maxReservedNow, numBytes)
+    return true
   }
 }

@@ -1,9 +1,10 @@
 /** The sending side (P) of one transfer connection, without the socket: frames out through
  *  `io.write`, bytes in through `push`. It runs every transfer on the connection: BEGIN, PAGES
- *  read page by page straight into reused send buffers under a byte budget (G9), END with the
+ *  read page by page straight into reused send buffers, or written from P's own memory as page
+ *  views (`viewPage`, through `io.writev`), under a byte budget (G9), END with the
  *  manifest (G4) and its MAC (G10); and it settles each transfer exactly once — on ACK, NACK,
- *  abort, stall or teardown — and only once no `readPage` of it can follow, so P may unpin its
- *  pages then (G7). The mirror of session.ts; sender.ts holds the socket.
+ *  abort, stall or teardown — and only once no `readPage` of it can follow and the socket holds
+ *  none of its page views, so P may unpin its pages then (G7). The mirror of session.ts; sender.ts holds the socket.
  *  Knows frames, the byte budget and transfers' phases; knows nothing of TCP, pools or the model:
  *  pages are read through {@link OutgoingTransfer.readPage}.
  *
@@ -28,7 +29,7 @@
  *  returned, so that D sees no frame of the transfer after it. */
 import { KvfenceError } from '../common/errors.js'
 import { beginMac, EndMacBuilder } from './auth.js'
-import { ManifestHasher, pageChecksum } from './checksum.js'
+import { ManifestHasher, pageChecksum, pageChecksumOf } from './checksum.js'
 import {
   HEADER_BYTES,
   PAGES_HEAD_BYTES,
@@ -60,6 +61,12 @@ export interface OutgoingTransfer extends BeginFields {
   firstTokenId: number
   /** Copy page `ordinal`'s payload into dst (dst.length === pageBytes); return tokens on that page. */
   readPage(ordinal: number, dst: Uint8Array): number
+  /** Optional, the copy-free path: page `ordinal`'s payload as views of P's own memory (in payload
+   *  order, lengths summing to pageBytes) and the tokens on it. The views are hashed where they
+   *  lie and handed to the socket as they are; they must not change until the transfer settles
+   *  (it settles only once every write of them reached the kernel or was dropped with the
+   *  connection). Used instead of `readPage` when the connection can write a list of chunks. */
+  viewPage?(ordinal: number): { tokensOnPage: number; views: readonly Uint8Array[] }
   /** Fault injection only: which ordinals to actually send (default: all, in order). */
   ordinalsToSend?: number[]
   /** Fault injection only: flip one bit in each payload after its checksum was computed (the top
@@ -132,6 +139,9 @@ export interface SendIo {
   /** Queue `bytes` to the peer. `onWritten`, if given, runs once the bytes were handed to the
    *  kernel (or dropped with the connection): only then may that memory be reused. */
   write(bytes: Uint8Array, onWritten?: () => void): void
+  /** Optional: queue `chunks` in order as one write (corked, so the kernel gets them in one
+   *  writev); `onWritten` as for {@link write}, once all of them were handed over or dropped. */
+  writev?(chunks: readonly Uint8Array[], onWritten: () => void): void
   /** Close the connection now; what is queued may be lost. */
   destroy(): void
   /** Whether transfers are in flight, so that the connection may keep the process alive. */
@@ -153,6 +163,10 @@ interface Outgoing {
   needsAbortFrame: boolean
   /** True once the pump returned: no readPage call can happen any more. */
   isPumpDone: boolean
+  /** Writes of the transfer's page views not yet handed to the kernel (copy-free path), and who
+   *  waits for them to reach 0 before the transfer settles for its caller. */
+  numUnwritten: number
+  onAllWritten: (() => void) | null
   readonly outcome: Promise<KvfenceError | null>
   settle(err: KvfenceError | null): void
   readonly timer: NodeJS.Timeout
@@ -223,7 +237,8 @@ export class SendSession {
   /** Send `t` (its BEGIN bytes from {@link prepareBegin}). Resolves on ACK; rejects with a
    *  KvfenceError on NACK (message = D's "<reason>: <detail> [decode worker: code]"), teardown,
    *  stall, a duplicate transfer id, or when `signal` aborts (`request_aborted`, ABORT sent).
-   *  Settles only after the last `readPage` call returned. */
+   *  Settles only after the last `readPage` call returned and every write of its page views was
+   *  handed to the kernel or dropped with the connection. */
   async send(t: OutgoingTransfer, begin: Buffer, signal?: AbortSignal): Promise<void> {
     const s = this.start(t, begin)
     const onAbort = (): void => this.fail(s, abortedError(t.transferId, signal!), true)
@@ -231,6 +246,8 @@ export class SendSession {
     try {
       await this.pump(s)
       const err = await s.outcome
+      // The socket may still hold views of P's pages: they stay pinned until it let go of them.
+      await this.allWritten(s)
       if (err !== null) throw err
     } finally {
       signal?.removeEventListener('abort', onAbort)
@@ -288,6 +305,8 @@ export class SendSession {
       failure: null,
       needsAbortFrame: false,
       isPumpDone: false,
+      numUnwritten: 0,
+      onAllWritten: null,
       outcome,
       settle,
       timer: setTimeout(() => this.onStall(s), this.config.stallTimeoutMs),
@@ -329,8 +348,22 @@ export class SendSession {
       }
       let numSent = 0
       const minBytes = pagesFrameBytes(1, t.pageBytes)
+      const isCopyFree = this.isCopyFree(t)
+      // Copy-free frames are at most half the budget, so the next is built while one is written.
+      const maxViewed = Math.max(
+        1,
+        Math.min(maxPerFrame, Math.floor(this.config.maxBytesInFlight / 2 / entryBytes)),
+      )
       while (numSent < numToSend) {
         if (s.failure !== null || this.isClosed) return
+        if (isCopyFree) {
+          const numPages = Math.min(maxViewed, numToSend - numSent)
+          const numBuilt = await this.sendViews(s, numSent, numPages, digests)
+          if (s.failure !== null || numBuilt === 0) return
+          numSent += numBuilt
+          s.timer.refresh()
+          continue
+        }
         if (!this.makeRoom(minBytes)) {
           if (!(await this.waitForBuffer(s, minBytes))) return
           continue // re-check synchronously: other transfers ran meanwhile
@@ -393,7 +426,17 @@ export class SendSession {
    *  next transfer; D, seeing this one close, aborts every transfer it had on it. No ABORT is sent:
    *  D may not be reading, and its teardown ends the transfer as well. */
   private onStall(s: Outgoing): void {
-    if (s.phase === 'settled') return
+    if (s.phase === 'settled') {
+      // Settled, but the socket has held its page views for stallTimeoutMs: D stopped reading.
+      if (s.numUnwritten > 0)
+        this.destroy(
+          refusal(
+            'connection_closed',
+            `connection to ${this.name} closed: transfer ${s.t.transferId}'s pages were not taken for ${this.config.stallTimeoutMs} ms`,
+          ),
+        )
+      return
+    }
     const { transferId } = s.t
     const ms = this.config.stallTimeoutMs
     this.fail(s, refusal('stalled', `transfer ${transferId}: no progress for ${ms} ms`), false)
@@ -540,6 +583,77 @@ export class SendSession {
       this.isEncoding = false
       this.appendDeferred()
     }
+  }
+
+  /** Whether `t`'s pages go out as views of P's memory: it offers them, the connection writes
+   *  lists of chunks, and no fault needs a private copy to corrupt. */
+  private isCopyFree(t: OutgoingTransfer): boolean {
+    return t.viewPage !== undefined && this.io.writev !== undefined && t.corruptPayload !== true
+  }
+
+  /** Send one PAGES frame of `numPages` pages (from send position `first`) as views of P's memory:
+   *  its heads in one small buffer, each payload as the views `viewPage` names, hashed where they
+   *  lie, all in one corked write under a byte reservation (G9). Returns the pages sent; 0 (nothing
+   *  written) if the transfer failed or the connection closed first.
+   *  @throws RangeError if `viewPage` gives views that do not sum to pageBytes. */
+  private async sendViews(
+    s: Outgoing,
+    first: number,
+    numPages: number,
+    digests: PageDigests,
+  ): Promise<number> {
+    const { t } = s
+    const frameBytes = pagesFrameBytes(numPages, t.pageBytes)
+    if (!this.buffers.tryReserve(frameBytes) && !(await this.buffers.reserve(frameBytes, s)))
+      return 0
+    const heads = Buffer.allocUnsafe(HEADER_BYTES + PAGES_HEAD_BYTES + numPages * PAGE_HEAD_BYTES)
+    const chunks: Uint8Array[] = [heads.subarray(0, HEADER_BYTES + PAGES_HEAD_BYTES)]
+    let headAt = HEADER_BYTES + PAGES_HEAD_BYTES
+    let isWritten = false
+    this.isEncoding = true
+    try {
+      for (let i = 0; i < numPages && s.failure === null; i++) {
+        const ordinal = t.ordinalsToSend?.[first + i] ?? first + i
+        const { tokensOnPage, views } = t.viewPage!(ordinal)
+        let numBytes = 0
+        for (const view of views) numBytes += view.length
+        if (numBytes !== t.pageBytes)
+          throw new RangeError(`viewPage(${ordinal}) gave ${numBytes} bytes, want ${t.pageBytes}`)
+        const checksum = pageChecksumOf(views)
+        writePageHead(heads, headAt, ordinal, tokensOnPage, t.pageBytes, checksum)
+        chunks.push(heads.subarray(headAt, headAt + PAGE_HEAD_BYTES), ...views)
+        headAt += PAGE_HEAD_BYTES
+        digests.manifest.add(checksum)
+        digests.endMac.add(checksum)
+      }
+      if (s.failure !== null || this.isClosed) return 0
+      writeHeader(heads, 0, 'pages', frameBytes - HEADER_BYTES)
+      writePagesHead(heads, HEADER_BYTES, t.transferId, t.requestId, numPages)
+      this.flush() // what was queued before (BEGIN) goes first
+      s.numUnwritten++
+      this.counters.numWrites++
+      this.counters.numBytesWritten += frameBytes
+      this.counters.maxBytesInFlight = Math.max(
+        this.counters.maxBytesInFlight,
+        this.buffers.numInUseBytes,
+      )
+      isWritten = true
+      this.io.writev!(chunks, () => {
+        this.buffers.unreserve(frameBytes)
+        if (--s.numUnwritten === 0) s.onAllWritten?.()
+      })
+      return numPages
+    } finally {
+      if (!isWritten) this.buffers.unreserve(frameBytes)
+      this.isEncoding = false
+      this.appendDeferred()
+    }
+  }
+
+  /** Resolves once no write of `s`'s page views is pending. */
+  private allWritten(s: Outgoing): Promise<void> {
+    if (s.numUnwritten === 0) return Promise.resolve()
+    return new Promise((resolve) => (s.onAllWritten = resolve))
   }
 
   /** Queue a small control frame after everything queued so far. */

@@ -129,7 +129,8 @@ export class TransferClient {
    *  (a TransferError, whose `reason` names the check): `transfer_failed` on NACK (message = the
    *  receiver's "<reason>: <detail> [decode worker: code]"), connection teardown or stall;
    *  `request_aborted` when `signal` aborts (an ABORT frame is sent).
-   *  Settles only after the last `readPage` call has returned: P may unpin its pages then.
+   *  Settles only after the last `readPage` call has returned and the socket let go of every page
+   *  view (`viewPage`) it was given: P may unpin its pages then.
    *  Rejects with TypeError/RangeError, before any page is read, on a malformed transfer (ids,
    *  counts, secret shorter than 16 bytes, a page too large for one frame). */
   async send(t: OutgoingTransfer, signal?: AbortSignal): Promise<void> {
@@ -192,6 +193,13 @@ class Connection {
       {
         write: (bytes, onWritten) => {
           socket.write(bytes, onWritten)
+        },
+        writev: (chunks, onWritten) => {
+          socket.cork()
+          const last = chunks.length - 1
+          for (let i = 0; i < last; i++) socket.write(chunks[i])
+          socket.write(chunks[last], onWritten)
+          socket.uncork()
         },
         destroy: () => socket.destroy(),
         setBusy: (isBusy) => (isBusy ? socket.ref() : socket.unref()),

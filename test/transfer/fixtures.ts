@@ -229,6 +229,59 @@ export class RecordingHooks implements ReceiverHooks {
   }
 }
 
+// ─── D side: reservations that take payloads in place ───────────────────────────────────────────
+
+/** `bytes` cut into views at `cuts` (offsets modulo its length + 1; empty views included, as a
+ *  pool may hand out none). */
+export function viewsOf(bytes: Uint8Array, cuts: number[]): Uint8Array[] {
+  const at = cuts.map((c) => c % (bytes.length + 1)).sort((a, b) => a - b)
+  const views: Uint8Array[] = []
+  let from = 0
+  for (const cut of [...at, bytes.length]) {
+    views.push(bytes.subarray(from, cut))
+    from = cut
+  }
+  return views
+}
+
+/** A reservation whose pages are views of its own memory, cut at `cuts` (placePage). */
+export class PlacedReservation extends RecordingReservation {
+  readonly memory: Uint8Array
+  numPlaced = 0
+  constructor(
+    info: BeginInfo,
+    pageSize: number,
+    private readonly cuts: number[],
+  ) {
+    super(info, pageSize)
+    this.memory = new Uint8Array(info.numPages * info.pageBytes)
+  }
+
+  placePage(ordinal: number, tokensOnPage: number): Uint8Array[] {
+    if (this.isEnded) this.violations.push(`placePage(${ordinal}) after the transfer ended`)
+    this.events.push(`place ${ordinal}`)
+    this.numPlaced++
+    const { pageBytes } = this.info
+    const page = this.memory.subarray(ordinal * pageBytes, (ordinal + 1) * pageBytes)
+    this.written.set(ordinal, { tokensOnPage, payload: page })
+    return viewsOf(page, this.cuts)
+  }
+}
+
+/** RecordingHooks whose reservations take payloads in place, in views cut at `cuts`. */
+export class PlacedHooks extends RecordingHooks {
+  constructor(public cuts: number[] = []) {
+    super()
+  }
+
+  override begin(info: BeginInfo): Reservation {
+    if (this.refuseBegin) throw this.refuseBegin
+    const r = new PlacedReservation(info, this.pageSize, this.cuts)
+    this.reservations.push(r)
+    return r
+  }
+}
+
 // ─── P side: a page source ──────────────────────────────────────────────────────────────────────
 
 /** An OutgoingTransfer reading `spec.pages`, counting reads and reads after `markSettled()`. */

@@ -7,7 +7,7 @@
 import { materialPromptTokens } from '../plan.js'
 import { runUntilExhausted, type Budget } from '../budget.js'
 import type { Probe } from '../probe.js'
-import { inconclusiveRemediation } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import { isAnsweredWhole, type CompletionRequest } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
@@ -42,6 +42,8 @@ export const abortRaceProbe: Probe = {
   name: 'abort-race',
   description:
     "the victim's streams are cut at random points and non-streamed requests abandoned while others run; fresh requests of other tenants must carry none of the aborted canaries",
+  class: 'content-leak',
+  controls: { aisvs: [aisvsKvPartitioning], guards: ['G5', 'G6', 'G7', 'G8'] },
   plan: ({ numTenants, limits }) => [
     {
       what: 'requests cut, each beside another tenant’s',

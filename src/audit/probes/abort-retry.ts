@@ -26,7 +26,7 @@ import { BudgetExhaustedError, runUntilExhausted } from '../budget.js'
 import { makeCanaries } from '../canaries.js'
 import type { PlanInput } from '../plan.js'
 import type { Probe, ProbeContext } from '../probe.js'
-import { inconclusiveRemediation } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import { firstCeilingTokens, unknownLimitTokens } from '../prompt-ceiling.js'
 import type { PromptSizer } from '../sizer.js'
@@ -120,6 +120,10 @@ export const abortRetryProbe: Probe = {
   name: 'abort-retry',
   description:
     'a prompt over one prefill chunk is cut during prefill, then sent again at once by the same tenant and another; temperature-0 answers must equal the cold answer and carry no other request’s canary',
+  class: 'content-leak',
+  // G5: the prefix cache publishes only pages a completed prefill filled and sealed.
+  controls: { aisvs: [aisvsKvPartitioning], guards: ['G5'] },
+  isSizing: true,
   plan: (input) => {
     // With no limit known, the prompts grow from answered ones up to the ceiling's cap at most.
     const { headTokens } = sizing(input, input.isAggressive ? null : unknownLimitTokens)

@@ -23,7 +23,7 @@ import { runUntilExhausted } from '../budget.js'
 import { makeCanaries } from '../canaries.js'
 import { materialPromptTokens } from '../plan.js'
 import type { Probe } from '../probe.js'
-import { inconclusiveRemediation } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import { outcomeOf, type CompletionResult, type Target } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
@@ -81,6 +81,10 @@ export const cacheFieldsProbe: Probe = {
   name: 'cache-fields',
   description:
     "a tenant sends fields that steer the cache (cache_salt, extra_key; engine-internal ones under --aggressive), including another tenant's salt value; they must be refused or ignored, never honoured",
+  class: 'side-channel',
+  // kvfence's prefix cache is keyed by a salt the server derives from the tenant: a design
+  // property, not one of the numbered guards.
+  controls: { aisvs: [aisvsKvPartitioning], guards: [] },
   plan: ({ isAggressive }) => [
     { what: 'plain control', numRequests: 1, tokensEach: materialPromptTokens + maxTokens },
     {

@@ -17,10 +17,10 @@ import { materialPromptTokens } from '../plan.js'
 import { runUntilExhausted, type Budget } from '../budget.js'
 import { findCanaries, plantingMaterial, redact, type CanaryMatch } from '../canaries.js'
 import type { Discovery } from '../discovery.js'
-import type { Probe } from '../probe.js'
-import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
+import type { Probe, ProbeContext } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation, rejectionRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
-import { outcomeOf, type CompletionResult, type Outcome } from '../target.js'
+import { outcomeOf, type CompletionResult, type Outcome, type Target } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
 import { denseMaterial } from './material.js'
 import { promptLimit } from './sized-material.js'
@@ -66,6 +66,9 @@ export const canaryProbe: Probe = {
   name: 'canary',
   description:
     "tenant A plants unique canaries; tenant B sends normal and over-capacity prompts, streamed and not; any A canary fragment in B's output is a leak",
+  class: 'content-leak',
+  controls: { aisvs: [aisvsKvPartitioning], guards: ['G1', 'G2', 'G3', 'G4', 'G5', 'G6'] },
+  isSizing: true,
   plan: (input) => {
     const { overCapacityAttempts, poolTokens, contextTokens } = input
     const sizes = overCapacitySizes(
@@ -105,241 +108,314 @@ export const canaryProbe: Probe = {
   },
   async run(target, budget, context): Promise<Finding[]> {
     const [victim, observer] = target.tenants
-    const rounds = context.overCapacityAttempts
-
-    // Everything random is drawn first, so the seed alone fixes canaries, prompts and sizes.
-    const rng = createRng(context.seed, 'canary')
-    const victimCanaries: string[][] = []
-    const plantPrompts: string[] = []
-    for (let i = 0; i < numPlantingPrompts; i++) {
-      const material = plantingMaterial(rng, victimCanaries.flat())
-      victimCanaries.push(material.canaries)
-      plantPrompts.push(material.prompt)
-    }
-    const observerCanaries: string[][] = []
-    const normalPrompts: string[] = []
-    for (let i = 0; i < rounds; i++) {
-      const material = plantingMaterial(rng, [...victimCanaries.flat(), ...observerCanaries.flat()])
-      observerCanaries.push(material.canaries)
-      normalPrompts.push(material.prompt)
-    }
-    const sizes = overCapacitySizes(context.discovery, rounds, (lo, hi) => rng.int(lo, hi))
-
-    const exchanges: Exchange[] = []
-    const coverPrompts: string[] = []
-    const send = async (
-      tenant: Tenant,
-      kind: Kind,
-      prompt: string,
-      stream: boolean,
-      aimedTokens: number | null,
-    ): Promise<void> => {
-      const maxTokens = tenant === victim ? plantMaxTokens : observerMaxTokens
-      const isValid = kind !== 'over-capacity'
-      const result = await target.complete({ tenant, prompt, maxTokens, stream, isValid })
-      exchanges.push({
-        tenant,
-        kind,
-        promptTokens: aimedTokens ?? result.promptTokens,
-        stream,
-        result,
-      })
-    }
-
-    let overCapacityPlan = 'none'
-    // Replaced once the plants are sent; stays when no over-capacity prompt is (or the budget ran
-    // out first).
-    let coverSummary: Record<string, unknown> = { sent: false, why: 'no over-capacity prompt sent' }
-    const stoppedBy = await runUntilExhausted(async () => {
-      const sizer = sizes.length > 0 ? await context.sizer() : null
-      overCapacityPlan =
-        sizes.length === 0
-          ? 'KV pool and context window unknown'
-          : sizer === null
-            ? 'token counts could not be calibrated'
-            : sizes.join(', ')
-      for (let i = 0; i < plantPrompts.length; i++) {
-        await send(victim, 'plant', plantPrompts[i], false, null)
-      }
-      const numRounds = sizer === null ? Math.min(rounds, 2) : rounds
-      if (sizer !== null) {
-        coverSummary = await coverPool({
-          budget,
-          discovery: context.discovery,
-          // The plants above cost what their answers say: the rate the covering ones are sized by.
-          plants: exchanges.map((e, i) => ({
-            numChars: plantPrompts[i].length,
-            promptTokens: outcomeOf(e.result) === 'accepted' ? e.result.promptTokens : null,
-          })),
-          reserveRequests: 3 * numRounds,
-          material: denseMaterial(createRng(context.seed, 'canary-cover'), [
-            ...victimCanaries.flat(),
-            ...observerCanaries.flat(),
-          ]),
-          plant: async (material) => {
-            victimCanaries.push(material.canaries)
-            coverPrompts.push(material.prompt)
-            await send(victim, 'plant', material.prompt, false, null)
-          },
-        })
-      }
-      for (let r = 0; r < numRounds; r++) {
-        await send(observer, 'normal', normalPrompts[r], r % 2 === 1, null)
-        await send(victim, 'plant', plantPrompts[r % plantPrompts.length], r % 2 === 0, null)
-        if (sizer !== null) {
-          await send(observer, 'over-capacity', sizer.build(sizes[r], 'up'), r % 2 === 0, sizes[r])
-        }
-      }
-    })
-
-    const knownCanaries = [...victimCanaries.flat(), ...observerCanaries.flat()]
-    const leaks: Leak[] = []
-    for (const exchange of exchanges) {
-      const isVictim = exchange.tenant === victim
-      const foreign = isVictim ? observerCanaries.flat() : victimCanaries.flat()
-      const matches = findCanaries(exchange.result.text, foreign)
-      if (matches.length > 0) {
-        leaks.push({ victim: isVictim ? observer : victim, observer: exchange, matches })
-      }
-    }
-    const observerRequests = exchanges
-      .filter((e) => e.tenant === observer)
-      .map((e) => ({
-        kind: e.kind,
-        promptTokens: e.promptTokens,
-        stream: e.stream,
-        status: e.result.status,
-        outcome: outcomeOf(e.result),
-        errorCode: e.result.errorCode,
-        failure: e.result.failure,
-      }))
-    const plants = exchanges.filter((e) => e.kind === 'plant')
-    const numPlanted = plants.filter((e) => outcomeOf(e.result) === 'accepted').length
-    const summary = {
-      plantingTenant: victim.name,
-      probingTenant: observer.name,
-      numCanaries: {
-        victim: victimCanaries.flat().length,
-        observer: observerCanaries.flat().length,
-      },
-      numVictimPromptsAccepted: numPlanted,
-      victimStatuses: plants.map((e) => e.result.status ?? e.result.failure),
-      overCapacityPlan,
-      poolCover: coverSummary,
-      stoppedBy,
-      observerRequests,
-    }
+    const material = drawMaterial(context, victim, observer)
+    const sent = await sendTraffic(target, budget, context, material)
+    const summary = summarize(material, sent)
     context.log(
-      `${observer.name}: ${observerRequests.map((r) => `${r.kind === 'normal' ? 'n' : 'o'}${r.status ?? r.failure}`).join(' ')}`,
+      `${observer.name}: ${summary.observerRequests.map((r) => `${r.kind === 'normal' ? 'n' : 'o'}${r.status ?? r.failure}`).join(' ')}`,
     )
+    const leaks = findLeaks(material, sent.exchanges)
+    if (leaks.length > 0) return leakFindings(leaks, material, sent, summary)
+    return judgeRefusals(material, sent, summary, context.discovery)
+  },
+}
 
-    if (leaks.length > 0) {
-      // Every leaking answer (the findings list at most maxLeakFindings), for the HTML matrix.
-      const crossings = leaks.map((leak) => ({
-        observer: leak.observer.tenant.name,
-        source: leak.victim.name,
-        requestNumber: leak.observer.result.requestNumber,
-      }))
-      const findings: Finding[] = leaks.slice(0, maxLeakFindings).map((leak) => {
-        const [first, ...others] = leak.matches
-        const { result, kind, promptTokens, stream, tenant } = leak.observer
-        return {
-          probe: 'canary',
-          verdict: 'leak',
-          severity: 'critical',
-          title: `${tenant.name}'s output contained a canary planted by ${leak.victim.name} (${kind} prompt, HTTP ${result.status})`,
-          evidence: {
-            victimTenant: leak.victim.name,
-            observerTenant: tenant.name,
-            request: { kind, promptTokens, stream, status: result.status },
-            requestNumber: result.requestNumber,
-            atMs: result.atMs,
-            canary: first.canary,
-            matchedFragment: first.fragment,
-            excerpt: redact(
-              result.text,
-              knownCanaries,
-              first.index,
-              160,
-              leak.victim === victim ? [...plantPrompts, ...coverPrompts] : normalPrompts,
-            ),
-            otherCanariesMatched: others.map((m) => m.canary),
-            numLeakingRequests: leaks.length,
-            crossings,
-            ...summary,
-          },
-          remediation: leakRemediation,
-        }
+/** What the probe sends, drawn before anything is sent, so the seed alone fixes canaries,
+ *  prompts and sizes. The pool-covering plants' canaries and prompts are added as they are sent. */
+interface Material {
+  readonly victim: Tenant
+  readonly observer: Tenant
+  readonly victimCanaries: string[][]
+  readonly plantPrompts: readonly string[]
+  readonly coverPrompts: string[]
+  readonly observerCanaries: readonly string[][]
+  readonly normalPrompts: readonly string[]
+  /** Over-capacity prompt sizes (tokens). */
+  readonly sizes: readonly number[]
+  readonly rounds: number
+}
+
+function drawMaterial(context: ProbeContext, victim: Tenant, observer: Tenant): Material {
+  const rounds = context.overCapacityAttempts
+  const rng = createRng(context.seed, 'canary')
+  const victimCanaries: string[][] = []
+  const plantPrompts: string[] = []
+  for (let i = 0; i < numPlantingPrompts; i++) {
+    const material = plantingMaterial(rng, victimCanaries.flat())
+    victimCanaries.push(material.canaries)
+    plantPrompts.push(material.prompt)
+  }
+  const observerCanaries: string[][] = []
+  const normalPrompts: string[] = []
+  for (let i = 0; i < rounds; i++) {
+    const material = plantingMaterial(rng, [...victimCanaries.flat(), ...observerCanaries.flat()])
+    observerCanaries.push(material.canaries)
+    normalPrompts.push(material.prompt)
+  }
+  const sizes = overCapacitySizes(context.discovery, rounds, (lo, hi) => rng.int(lo, hi))
+  return {
+    victim,
+    observer,
+    victimCanaries,
+    plantPrompts,
+    coverPrompts: [],
+    observerCanaries,
+    normalPrompts,
+    sizes,
+    rounds,
+  }
+}
+
+/** What was sent and how it went. */
+interface Sent {
+  readonly exchanges: readonly Exchange[]
+  readonly overCapacityPlan: string
+  readonly coverSummary: Record<string, unknown>
+  /** Why the budget stopped the probe, or null. */
+  readonly stoppedBy: string | null
+}
+
+/** Sends the plants, the pool-covering plants (when token counts are known), then per round the
+ *  observer's normal prompt, a plant again and the observer's over-capacity prompt. */
+async function sendTraffic(
+  target: Target,
+  budget: Budget,
+  context: ProbeContext,
+  material: Material,
+): Promise<Sent> {
+  const { victim, observer, plantPrompts, normalPrompts, sizes } = material
+  const exchanges: Exchange[] = []
+  const send = async (
+    tenant: Tenant,
+    kind: Kind,
+    prompt: string,
+    stream: boolean,
+    aimedTokens: number | null,
+  ): Promise<void> => {
+    const maxTokens = tenant === victim ? plantMaxTokens : observerMaxTokens
+    const isValid = kind !== 'over-capacity'
+    const result = await target.complete({ tenant, prompt, maxTokens, stream, isValid })
+    exchanges.push({
+      tenant,
+      kind,
+      promptTokens: aimedTokens ?? result.promptTokens,
+      stream,
+      result,
+    })
+  }
+  let overCapacityPlan = 'none'
+  // Replaced once the plants are sent; stays when no over-capacity prompt is (or the budget ran
+  // out first).
+  let coverSummary: Record<string, unknown> = { sent: false, why: 'no over-capacity prompt sent' }
+  const stoppedBy = await runUntilExhausted(async () => {
+    const sizer = sizes.length > 0 ? await context.sizer() : null
+    overCapacityPlan =
+      sizes.length === 0
+        ? 'KV pool and context window unknown'
+        : sizer === null
+          ? 'token counts could not be calibrated'
+          : sizes.join(', ')
+    for (const prompt of plantPrompts) await send(victim, 'plant', prompt, false, null)
+    const numRounds = sizer === null ? Math.min(material.rounds, 2) : material.rounds
+    if (sizer !== null) {
+      coverSummary = await coverPool({
+        budget,
+        discovery: context.discovery,
+        // The plants above cost what their answers say: the rate the covering ones are sized by.
+        plants: exchanges.map((e, i) => ({
+          numChars: plantPrompts[i].length,
+          promptTokens: outcomeOf(e.result) === 'accepted' ? e.result.promptTokens : null,
+        })),
+        reserveRequests: 3 * numRounds,
+        material: denseMaterial(createRng(context.seed, 'canary-cover'), [
+          ...material.victimCanaries.flat(),
+          ...material.observerCanaries.flat(),
+        ]),
+        plant: async (cover) => {
+          material.victimCanaries.push(cover.canaries)
+          material.coverPrompts.push(cover.prompt)
+          await send(victim, 'plant', cover.prompt, false, null)
+        },
       })
-      return findings
     }
+    for (let r = 0; r < numRounds; r++) {
+      await send(observer, 'normal', normalPrompts[r], r % 2 === 1, null)
+      await send(victim, 'plant', plantPrompts[r % plantPrompts.length], r % 2 === 0, null)
+      if (sizer !== null) {
+        await send(observer, 'over-capacity', sizer.build(sizes[r], 'up'), r % 2 === 0, sizes[r])
+      }
+    }
+  })
+  return { exchanges, overCapacityPlan, coverSummary, stoppedBy }
+}
 
-    const overCapacity = exchanges.filter((e) => e.kind === 'over-capacity')
-    const outcomes: Outcome[] = overCapacity.map((e) => outcomeOf(e.result))
-    const numAccepted = outcomes.filter((o) => o === 'accepted').length
-    const inconclusive = (title: string): Finding[] => [
+/** Every answer that carried the other tenant's canaries. */
+function findLeaks(material: Material, exchanges: readonly Exchange[]): Leak[] {
+  const { victim, observer } = material
+  const leaks: Leak[] = []
+  for (const exchange of exchanges) {
+    const isVictim = exchange.tenant === victim
+    const foreign = isVictim ? material.observerCanaries.flat() : material.victimCanaries.flat()
+    const matches = findCanaries(exchange.result.text, foreign)
+    if (matches.length > 0) {
+      leaks.push({ victim: isVictim ? observer : victim, observer: exchange, matches })
+    }
+  }
+  return leaks
+}
+
+/** The evidence every finding carries. */
+type Summary = ReturnType<typeof summarize>
+
+function summarize(material: Material, sent: Sent) {
+  const { victim, observer } = material
+  const observerRequests = sent.exchanges
+    .filter((e) => e.tenant === observer)
+    .map((e) => ({
+      kind: e.kind,
+      promptTokens: e.promptTokens,
+      stream: e.stream,
+      status: e.result.status,
+      outcome: outcomeOf(e.result),
+      errorCode: e.result.errorCode,
+      failure: e.result.failure,
+    }))
+  const plants = sent.exchanges.filter((e) => e.kind === 'plant')
+  return {
+    plantingTenant: victim.name,
+    probingTenant: observer.name,
+    numCanaries: {
+      victim: material.victimCanaries.flat().length,
+      observer: material.observerCanaries.flat().length,
+    },
+    numVictimPromptsAccepted: plants.filter((e) => outcomeOf(e.result) === 'accepted').length,
+    victimStatuses: plants.map((e) => e.result.status ?? e.result.failure),
+    overCapacityPlan: sent.overCapacityPlan,
+    poolCover: sent.coverSummary,
+    stoppedBy: sent.stoppedBy,
+    observerRequests,
+  }
+}
+
+/** A leak finding per leaking answer (at most {@link maxLeakFindings}; each names them all). */
+function leakFindings(
+  leaks: readonly Leak[],
+  material: Material,
+  sent: Sent,
+  summary: Summary,
+): Finding[] {
+  const knownCanaries = [...material.victimCanaries.flat(), ...material.observerCanaries.flat()]
+  // Every leaking answer (the findings list at most maxLeakFindings), for the HTML matrix.
+  const crossings = leaks.map((leak) => ({
+    observer: leak.observer.tenant.name,
+    source: leak.victim.name,
+    requestNumber: leak.observer.result.requestNumber,
+  }))
+  return leaks.slice(0, maxLeakFindings).map((leak) => {
+    const [first, ...others] = leak.matches
+    const { result, kind, promptTokens, stream, tenant } = leak.observer
+    const planted =
+      leak.victim === material.victim
+        ? [...material.plantPrompts, ...material.coverPrompts]
+        : material.normalPrompts
+    return {
+      probe: 'canary',
+      verdict: 'leak',
+      severity: 'critical',
+      title: `${tenant.name}'s output contained a canary planted by ${leak.victim.name} (${kind} prompt, HTTP ${result.status})`,
+      evidence: {
+        victimTenant: leak.victim.name,
+        observerTenant: tenant.name,
+        request: { kind, promptTokens, stream, status: result.status },
+        requestNumber: result.requestNumber,
+        atMs: result.atMs,
+        canary: first.canary,
+        matchedFragment: first.fragment,
+        excerpt: redact(result.text, knownCanaries, first.index, 160, planted),
+        otherCanariesMatched: others.map((m) => m.canary),
+        numLeakingRequests: leaks.length,
+        crossings,
+        ...summary,
+      },
+      remediation: leakRemediation,
+    }
+  })
+}
+
+/** With no canary crossed: what the over-capacity prompts' answers say. Clean only when every
+ *  one was refused with a 4xx while the observer's normal prompts, sent the same way, were
+ *  answered (the positive control that the 4xx is about size). */
+function judgeRefusals(
+  material: Material,
+  sent: Sent,
+  summary: Summary,
+  discovery: Discovery,
+): Finding[] {
+  const { victim, observer } = material
+  const { exchanges } = sent
+  const overCapacity = exchanges.filter((e) => e.kind === 'over-capacity')
+  const outcomes: Outcome[] = overCapacity.map((e) => outcomeOf(e.result))
+  const numAccepted = outcomes.filter((o) => o === 'accepted').length
+  const finding = (verdict: 'inconclusive' | 'clean', title: string): Finding[] => [
+    {
+      probe: 'canary',
+      verdict,
+      severity: verdict === 'clean' ? 'info' : 'medium',
+      title,
+      evidence: summary,
+      remediation: verdict === 'clean' ? 'None needed.' : inconclusiveRemediation,
+    },
+  ]
+  if (summary.numVictimPromptsAccepted === 0) {
+    return finding('inconclusive', `${victim.name}'s canaries could not be planted`)
+  }
+  if (overCapacity.length === 0) {
+    return finding(
+      'inconclusive',
+      `no over-capacity prompt was sent (${sent.stoppedBy ?? sent.overCapacityPlan})`,
+    )
+  }
+  if (numAccepted > 0) {
+    return [
       {
         probe: 'canary',
-        verdict: 'inconclusive',
-        severity: 'medium',
-        title,
+        verdict: 'warning',
+        class: 'misconfiguration',
+        // Sized over the reported pool whenever one is reported (overCapacitySizes).
+        ...(discovery.poolTokens === null ? {} : { tags: ['over-pool-accepted' as const] }),
+        severity: 'high',
+        title: `accepted ${numAccepted} of ${overCapacity.length} over-capacity prompts; no canary seen in ${exchanges.length} outputs`,
         evidence: summary,
-        remediation: inconclusiveRemediation,
+        remediation: rejectionRemediation,
       },
     ]
-    if (numPlanted === 0) return inconclusive(`${victim.name}'s canaries could not be planted`)
-    if (overCapacity.length === 0) {
-      return inconclusive(`no over-capacity prompt was sent (${stoppedBy ?? overCapacityPlan})`)
-    }
-    if (numAccepted > 0) {
-      return [
-        {
-          probe: 'canary',
-          verdict: 'warning',
-          class: 'misconfiguration',
-          // Sized over the reported pool whenever one is reported (overCapacitySizes).
-          ...(context.discovery.poolTokens === null
-            ? {}
-            : { tags: ['over-pool-accepted' as const] }),
-          severity: 'high',
-          title: `accepted ${numAccepted} of ${overCapacity.length} over-capacity prompts; no canary seen in ${exchanges.length} outputs`,
-          evidence: summary,
-          remediation: rejectionRemediation,
-        },
-      ]
-    }
-    // The 4xx must be about size: the observer's normal prompts, sent the same way (streamed or
-    // not), must have been accepted.
-    const isControlled = overCapacity.every((o) =>
-      exchanges.some(
-        (e) =>
-          e.tenant === observer &&
-          e.kind === 'normal' &&
-          e.stream === o.stream &&
-          outcomeOf(e.result) === 'accepted',
-      ),
+  }
+  const isControlled = overCapacity.every((o) =>
+    exchanges.some(
+      (e) =>
+        e.tenant === observer &&
+        e.kind === 'normal' &&
+        e.stream === o.stream &&
+        outcomeOf(e.result) === 'accepted',
+    ),
+  )
+  const numRejected = outcomes.filter((o) => o === 'rejected').length
+  if (numRejected === outcomes.length && !isControlled) {
+    return finding(
+      'inconclusive',
+      `${observer.name}'s normal prompts were refused too, so the 4xx for over-capacity ones proves nothing`,
     )
-    if (outcomes.every((o) => o === 'rejected') && !isControlled) {
-      return inconclusive(
-        `${observer.name}'s normal prompts were refused too, so the 4xx for over-capacity ones proves nothing`,
-      )
-    }
-    if (outcomes.every((o) => o === 'rejected')) {
-      return [
-        {
-          probe: 'canary',
-          verdict: 'clean',
-          severity: 'info',
-          title: `rejected all ${overCapacity.length} over-capacity prompts with a 4xx; no canary crossed tenants`,
-          evidence: summary,
-          remediation: 'None needed.',
-        },
-      ]
-    }
-    return inconclusive(
-      `${overCapacity.length - outcomes.filter((o) => o === 'rejected').length} of ${overCapacity.length} over-capacity prompts failed without a 4xx (server error or timeout)`,
+  }
+  if (numRejected === outcomes.length) {
+    return finding(
+      'clean',
+      `rejected all ${overCapacity.length} over-capacity prompts with a 4xx; no canary crossed tenants`,
     )
-  },
+  }
+  return finding(
+    'inconclusive',
+    `${overCapacity.length - numRejected} of ${overCapacity.length} over-capacity prompts failed without a 4xx (server error or timeout)`,
+  )
 }
 
 /** Prompt sizes (tokens) for the over-capacity attempts: between the pool and the context when

@@ -74,6 +74,8 @@ export const capacityProbe: Probe = {
   name: 'capacity',
   description:
     'advertised context window versus the smallest KV pool the endpoint reports (no request of its own); a context the pool cannot hold is a warning',
+  class: 'misconfiguration',
+  controls: { aisvs: [], guards: ['G1'] },
   plan: () => [],
   async run(_target, _budget, { discovery }): Promise<Finding[]> {
     const { contextTokens, poolTokens, advertised, pools, endpoints } = discovery

@@ -7,7 +7,7 @@
 import { materialPromptTokens } from '../plan.js'
 import { BudgetExhaustedError } from '../budget.js'
 import type { Probe } from '../probe.js'
-import { inconclusiveRemediation } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
 import { isAnsweredWhole } from '../target.js'
 import type { Finding } from '../types.js'
@@ -43,6 +43,8 @@ export const concurrencyProbe: Probe = {
   name: 'concurrency',
   description:
     'bursts of simultaneous requests from every tenant (up to --concurrency); each answer, first tokens included, must carry only its own material',
+  class: 'content-leak',
+  controls: { aisvs: [aisvsKvPartitioning], guards: ['G4'] },
   plan: ({ limits }) => {
     const levels = rampLevels(Math.max(limits.concurrency, limits.maxConcurrency ?? 0))
     return [

@@ -27,6 +27,8 @@ export const determinismProbe: Probe = {
   name: 'determinism',
   description:
     'one temperature-0 prompt twice alone and twice beside other requests; output that changes with load is a warning with advice, never a leak',
+  class: 'integrity',
+  controls: { aisvs: [], guards: [] },
   plan: ({ limits }) => [
     // Each of the subject's requests is asked once more after a 429 or 503.
     {

@@ -9,10 +9,16 @@
  *  long), and answers a body it cannot parse with a 500 carrying an error object (a refusal:
  *  nothing was generated, noted beside the verdict). */
 import { runUntilExhausted } from '../budget.js'
-import type { Probe } from '../probe.js'
+import type { Probe, ProbeContext } from '../probe.js'
 import { inconclusiveRemediation, rejectionRemediation } from '../probe.js'
 import { fillerText } from '../sizer.js'
-import { outcomeOf, tryJson, type CompletionResult, type HttpResult } from '../target.js'
+import {
+  outcomeOf,
+  tryJson,
+  type CompletionResult,
+  type HttpResult,
+  type Target,
+} from '../target.js'
 import type { Finding, Severity } from '../types.js'
 
 interface Case {
@@ -48,6 +54,8 @@ export const errorHandlingProbe: Probe = {
   name: 'error-handling',
   description:
     'malformed JSON, a missing prompt, bad max_tokens and over-length prompts must get a 4xx, never a 200 carrying an error text',
+  class: 'error-handling',
+  controls: { aisvs: [], guards: ['G2'] },
   plan: ({ poolTokens, contextTokens, isAggressive }) => {
     const sizes = [poolTokens, contextTokens].filter((n) => n !== null)
     const limit = sizes.length === 0 ? null : Math.min(...sizes)
@@ -70,200 +78,236 @@ export const errorHandlingProbe: Probe = {
     ]
   },
   async run(target, _budget, context): Promise<Finding[]> {
-    const tenant = target.tenants[target.tenants.length - 1]
-    const { contextTokens, poolTokens } = context.discovery
-    const model = target.model === null ? {} : { model: target.model }
-    const json = (o: Record<string, unknown>) => JSON.stringify({ ...model, ...o })
-    const known = [contextTokens, poolTokens].filter((n) => n !== null)
-    const limit = known.length === 0 ? null : Math.min(...known)
-    const overMaxTokens = overContextMaxTokens(limit, context.isAggressive === true)
-    const cases: Case[] = [
-      {
-        name: 'malformed JSON',
-        body: `{"prompt": "hello", "max_tokens": `,
-        isAcceptTolerated: false,
-        acceptSeverity: 'low',
-        isMalformed: true,
-      },
-      {
-        name: 'missing prompt',
-        body: json({ max_tokens: 4 }),
-        isAcceptTolerated: false,
-        acceptSeverity: 'low',
-        isMalformed: true,
-      },
-      // A value an engine may read its own way (llama.cpp: no limit, or its default): a normal
-      // answer is tolerated; an error text in a 200 is not.
-      {
-        name: 'negative max_tokens',
-        body: json({ prompt: 'hello', max_tokens: -1, stream: true }),
-        isAcceptTolerated: true,
-        acceptSeverity: 'info',
-        isMalformed: true,
-        isCutEarly: true,
-      },
-      {
-        name: 'max_tokens not a number',
-        body: json({ prompt: 'hello', max_tokens: 'many', stream: true }),
-        isAcceptTolerated: true,
-        acceptSeverity: 'info',
-        isMalformed: true,
-        isCutEarly: true,
-      },
-    ]
-    if (overMaxTokens !== null) {
-      cases.push({
-        name: 'max_tokens over the context',
-        body: json({ prompt: 'hello', max_tokens: overMaxTokens }),
-        isAcceptTolerated: true,
-        acceptSeverity: 'info',
-        isMalformed: false,
-      })
-    }
-    // What was not sent, and why: a clean verdict names it.
-    const notSent =
-      overMaxTokens === null
-        ? [
-            'max_tokens over the context (no context window known: an engine that does not validate max_tokens would generate it all; give --context-window, or --aggressive)',
-          ]
-        : []
-    if (limit !== null) {
-      // Every filler word costs at least one token, so 2 × limit words are over the limit.
-      cases.push({
-        name: 'prompt twice the limit',
-        body: json({ prompt: fillerText(2 * limit), max_tokens: 1 }),
-        isAcceptTolerated: false,
-        acceptSeverity: 'high',
-        isMalformed: false,
-      })
-    }
-
-    const results: {
-      case: string
-      status: number | null
-      result: Result
-      detail: string | null
-    }[] = []
-    let isControlAccepted = false
-    let control: CompletionResult | null = null
-    const stoppedBy = await runUntilExhausted(async () => {
-      // Control: a valid request must be answered, else a 5xx says nothing about validation.
-      control = await target.complete({
-        tenant,
-        prompt: 'hello',
-        maxTokens: 1,
-        stream: false,
-      })
-      isControlAccepted = outcomeOf(control) === 'accepted'
-      for (const c of cases) {
-        const http = await target.postRaw('/v1/completions', c.body, 'application/json', {
-          tenant,
-          ...(c.isCutEarly ? { abortAfterChunks: 1 } : {}),
-        })
-        const result = classify(http, c.isMalformed)
-        results.push({
-          case: c.name,
-          status: http.status,
-          result,
-          detail: detailOf(http, result, target.scrub),
-        })
-      }
-    })
+    const { cases, notSent } = planCases(target.model, context)
+    const sent = await sendCases(target, cases)
     context.log(
-      results.length === 0
-        ? `no invalid request sent (${stoppedBy ?? 'the control was not answered'})`
-        : results.map((r) => `${r.case}: ${r.status ?? 'none'} ${r.result}`).join('; '),
+      sent.results.length === 0
+        ? `no invalid request sent (${sent.stoppedBy ?? 'the control was not answered'})`
+        : sent.results.map((r) => `${r.case}: ${r.status ?? 'none'} ${r.result}`).join('; '),
     )
-    const controlAnswer = control === null ? null : describeAnswer(control)
-    const evidence = {
-      isControlAccepted,
-      control: controlAnswer,
-      cases: results,
-      notSent,
-      stoppedBy,
-    }
+    return judge(cases, notSent, sent)
+  },
+}
 
-    const findings: Finding[] = []
-    const as200 = results.filter((r) => r.result === 'error-as-200')
-    if (as200.length > 0) {
-      findings.push({
-        probe: 'error-handling',
-        verdict: 'warning',
-        severity: 'medium',
-        title: `answered 200 with an error text instead of a 4xx: ${as200.map((r) => r.case).join(', ')}`,
-        evidence,
-        remediation:
-          'Return errors with a 4xx status and the OpenAI error shape ({"error": {message, type, ' +
-          'code}}), or in a stream as an explicit error event; never as a 200 completion.',
+/** The invalid requests to send, from what is known of the limits, and what is not sent (and
+ *  why: a clean verdict names it). */
+function planCases(
+  modelName: string | null,
+  context: ProbeContext,
+): { cases: Case[]; notSent: string[] } {
+  const { contextTokens, poolTokens } = context.discovery
+  const model = modelName === null ? {} : { model: modelName }
+  const json = (o: Record<string, unknown>) => JSON.stringify({ ...model, ...o })
+  const known = [contextTokens, poolTokens].filter((n) => n !== null)
+  const limit = known.length === 0 ? null : Math.min(...known)
+  const overMaxTokens = overContextMaxTokens(limit, context.isAggressive === true)
+  const cases: Case[] = [
+    {
+      name: 'malformed JSON',
+      body: `{"prompt": "hello", "max_tokens": `,
+      isAcceptTolerated: false,
+      acceptSeverity: 'low',
+      isMalformed: true,
+    },
+    {
+      name: 'missing prompt',
+      body: json({ max_tokens: 4 }),
+      isAcceptTolerated: false,
+      acceptSeverity: 'low',
+      isMalformed: true,
+    },
+    // A value an engine may read its own way (llama.cpp: no limit, or its default): a normal
+    // answer is tolerated; an error text in a 200 is not.
+    {
+      name: 'negative max_tokens',
+      body: json({ prompt: 'hello', max_tokens: -1, stream: true }),
+      isAcceptTolerated: true,
+      acceptSeverity: 'info',
+      isMalformed: true,
+      isCutEarly: true,
+    },
+    {
+      name: 'max_tokens not a number',
+      body: json({ prompt: 'hello', max_tokens: 'many', stream: true }),
+      isAcceptTolerated: true,
+      acceptSeverity: 'info',
+      isMalformed: true,
+      isCutEarly: true,
+    },
+  ]
+  if (overMaxTokens !== null) {
+    cases.push({
+      name: 'max_tokens over the context',
+      body: json({ prompt: 'hello', max_tokens: overMaxTokens }),
+      isAcceptTolerated: true,
+      acceptSeverity: 'info',
+      isMalformed: false,
+    })
+  }
+  const notSent =
+    overMaxTokens === null
+      ? [
+          'max_tokens over the context (no context window known: an engine that does not validate max_tokens would generate it all; give --context-window, or --aggressive)',
+        ]
+      : []
+  if (limit !== null) {
+    // Every filler word costs at least one token, so 2 × limit words are over the limit.
+    cases.push({
+      name: 'prompt twice the limit',
+      body: json({ prompt: fillerText(2 * limit), max_tokens: 1 }),
+      isAcceptTolerated: false,
+      acceptSeverity: 'high',
+      isMalformed: false,
+    })
+  }
+  return { cases, notSent }
+}
+
+/** What the invalid requests got, after the valid control. */
+interface Sent {
+  readonly results: readonly CaseResult[]
+  readonly control: CompletionResult | null
+  readonly isControlAccepted: boolean
+  readonly stoppedBy: string | null
+}
+
+interface CaseResult {
+  readonly case: string
+  readonly status: number | null
+  readonly result: Result
+  readonly detail: string | null
+}
+
+/** Sends the valid control (a valid request must be answered, else a 5xx says nothing about
+ *  validation), then every case, as the last tenant. */
+async function sendCases(target: Target, cases: readonly Case[]): Promise<Sent> {
+  const tenant = target.tenants[target.tenants.length - 1]
+  const results: CaseResult[] = []
+  let control: CompletionResult | null = null
+  const stoppedBy = await runUntilExhausted(async () => {
+    control = await target.complete({ tenant, prompt: 'hello', maxTokens: 1, stream: false })
+    for (const c of cases) {
+      const http = await target.postRaw('/v1/completions', c.body, 'application/json', {
+        tenant,
+        ...(c.isCutEarly ? { abortAfterChunks: 1 } : {}),
+      })
+      const result = classify(http, c.isMalformed)
+      results.push({
+        case: c.name,
+        status: http.status,
+        result,
+        detail: detailOf(http, result, target.scrub),
       })
     }
-    const accepted = results.filter((r) => r.result === 'accepted')
-    const worst = accepted
-      .map((r) => cases.find((c) => c.name === r.case) as Case)
-      .filter((c) => !c.isAcceptTolerated)
-    if (worst.length > 0) {
-      const isOverLength = worst.some((c) => c.acceptSeverity === 'high')
-      findings.push({
-        probe: 'error-handling',
-        verdict: 'warning',
-        severity: isOverLength ? 'high' : 'low',
-        title: `accepted invalid requests with a 200: ${worst.map((c) => c.name).join(', ')}`,
-        evidence,
-        remediation: isOverLength
-          ? rejectionRemediation
-          : 'Validate request bodies at the boundary and refuse invalid ones with 400 invalid_request_error.',
-      })
-    }
-    const serverErrors = results.filter((r) => r.result === 'server-error')
-    if (serverErrors.length > 0 && isControlAccepted) {
-      findings.push({
-        probe: 'error-handling',
-        verdict: 'warning',
-        severity: 'low',
-        title: `answered invalid requests with a server error instead of a 4xx: ${serverErrors.map((r) => r.case).join(', ')}`,
-        evidence,
-        remediation:
-          'Validate requests before they reach the engine; a 5xx hides a client error and gets retried.',
-      })
-    }
-    if (findings.length > 0) return findings
-    const refusedBy5xx = results.filter((r) => r.result === 'rejected-5xx')
-    if (
-      !isControlAccepted ||
-      results.length < cases.length ||
-      results.some((r) => r.result === 'no-answer' || r.result === 'server-error')
-    ) {
-      return [
-        {
-          probe: 'error-handling',
-          verdict: 'inconclusive',
-          severity: 'low',
-          title: isControlAccepted
-            ? `${results.filter((r) => r.result === 'no-answer' || r.result === 'server-error').length + cases.length - results.length} of ${cases.length} invalid requests got no usable answer`
-            : controlAnswer === null
-              ? `not run: ${stoppedBy ?? 'no request could be sent'} before the valid control request was sent`
-              : `the valid control request was not answered (${controlAnswer}), so answers to invalid ones would prove nothing`,
-          evidence,
-          remediation: inconclusiveRemediation,
-        },
-      ]
-    }
+  })
+  const answered = control as CompletionResult | null
+  const isControlAccepted = answered !== null && outcomeOf(answered) === 'accepted'
+  return { results, control: answered, isControlAccepted, stoppedBy }
+}
+
+/** The findings: a warning per kind of mishandling seen; else clean when the control was
+ *  answered and every case was refused, inconclusive when not. */
+function judge(cases: readonly Case[], notSent: readonly string[], sent: Sent): Finding[] {
+  const { results, isControlAccepted, stoppedBy } = sent
+  const controlAnswer = sent.control === null ? null : describeAnswer(sent.control)
+  const evidence = {
+    isControlAccepted,
+    control: controlAnswer,
+    cases: results,
+    notSent,
+    stoppedBy,
+  }
+  const findings = mishandlings(cases, results, isControlAccepted, evidence)
+  if (findings.length > 0) return findings
+  const refusedBy5xx = results.filter((r) => r.result === 'rejected-5xx')
+  const numUnusable = results.filter(
+    (r) => r.result === 'no-answer' || r.result === 'server-error',
+  ).length
+  if (!isControlAccepted || results.length < cases.length || numUnusable > 0) {
     return [
       {
         probe: 'error-handling',
-        verdict: 'clean',
-        severity: 'info',
-        title:
-          `refused all ${cases.length} invalid requests with a 4xx (or clamped max_tokens)` +
-          (refusedBy5xx.length === 0
-            ? ''
-            : `; refused with a 5xx and an error object instead of a 4xx: ${refusedBy5xx.map((r) => r.case).join(', ')}`) +
-          (notSent.length === 0 ? '' : `; not sent: ${notSent.join('; ')}`),
+        verdict: 'inconclusive',
+        severity: 'low',
+        title: isControlAccepted
+          ? `${numUnusable + cases.length - results.length} of ${cases.length} invalid requests got no usable answer`
+          : controlAnswer === null
+            ? `not run: ${stoppedBy ?? 'no request could be sent'} before the valid control request was sent`
+            : `the valid control request was not answered (${controlAnswer}), so answers to invalid ones would prove nothing`,
         evidence,
-        remediation: 'None needed.',
+        remediation: inconclusiveRemediation,
       },
     ]
-  },
+  }
+  return [
+    {
+      probe: 'error-handling',
+      verdict: 'clean',
+      severity: 'info',
+      title:
+        `refused all ${cases.length} invalid requests with a 4xx (or clamped max_tokens)` +
+        (refusedBy5xx.length === 0
+          ? ''
+          : `; refused with a 5xx and an error object instead of a 4xx: ${refusedBy5xx.map((r) => r.case).join(', ')}`) +
+        (notSent.length === 0 ? '' : `; not sent: ${notSent.join('; ')}`),
+      evidence,
+      remediation: 'None needed.',
+    },
+  ]
+}
+
+/** A warning for each kind of mishandling: an error text in a 200, an invalid request accepted
+ *  (not tolerated), a server error (only when the valid control was answered). */
+function mishandlings(
+  cases: readonly Case[],
+  results: readonly CaseResult[],
+  isControlAccepted: boolean,
+  evidence: Record<string, unknown>,
+): Finding[] {
+  const findings: Finding[] = []
+  const as200 = results.filter((r) => r.result === 'error-as-200')
+  if (as200.length > 0) {
+    findings.push({
+      probe: 'error-handling',
+      verdict: 'warning',
+      severity: 'medium',
+      title: `answered 200 with an error text instead of a 4xx: ${as200.map((r) => r.case).join(', ')}`,
+      evidence,
+      remediation:
+        'Return errors with a 4xx status and the OpenAI error shape ({"error": {message, type, ' +
+        'code}}), or in a stream as an explicit error event; never as a 200 completion.',
+    })
+  }
+  const accepted = results.filter((r) => r.result === 'accepted')
+  const worst = accepted
+    .map((r) => cases.find((c) => c.name === r.case) as Case)
+    .filter((c) => !c.isAcceptTolerated)
+  if (worst.length > 0) {
+    const isOverLength = worst.some((c) => c.acceptSeverity === 'high')
+    findings.push({
+      probe: 'error-handling',
+      verdict: 'warning',
+      severity: isOverLength ? 'high' : 'low',
+      title: `accepted invalid requests with a 200: ${worst.map((c) => c.name).join(', ')}`,
+      evidence,
+      remediation: isOverLength
+        ? rejectionRemediation
+        : 'Validate request bodies at the boundary and refuse invalid ones with 400 invalid_request_error.',
+    })
+  }
+  const serverErrors = results.filter((r) => r.result === 'server-error')
+  if (serverErrors.length > 0 && isControlAccepted) {
+    findings.push({
+      probe: 'error-handling',
+      verdict: 'warning',
+      severity: 'low',
+      title: `answered invalid requests with a server error instead of a 4xx: ${serverErrors.map((r) => r.case).join(', ')}`,
+      evidence,
+      remediation:
+        'Validate requests before they reach the engine; a 5xx hides a client error and gets retried.',
+    })
+  }
+  return findings
 }
 
 const notARejection = new Set([401, 403, 404, 408, 429])

@@ -28,7 +28,7 @@
 import { runUntilExhausted, type Budget } from '../budget.js'
 import { makeCanaries } from '../canaries.js'
 import type { Probe } from '../probe.js'
-import { inconclusiveRemediation } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import type { PromptSizer } from '../sizer.js'
 import { isAnsweredWhole, type CompletionResult, type Target } from '../target.js'
@@ -104,6 +104,10 @@ export function churnSize(poolTokens: number | null, limitTokens: number | null)
 export const evictThenReturnProbe: Probe = {
   name: 'evict-then-return',
   description: `a tenant caches canary-bearing prefixes; every tenant's traffic (its own included) of ${churnFactor} × the largest reported KV pool evicts them; at 1, 2 and ${churnFactor} × another tenant sends one (its cached_tokens must not show a hit, its answer must equal the cold one); then the tenant returns: temperature-0 answers equal to the cold ones, no other tenant's material`,
+  class: 'integrity',
+  // After eviction: a page loaded back from an offload tier must be verified before use (G4).
+  controls: { aisvs: [aisvsKvPartitioning], guards: ['G4'] },
+  isSizing: true,
   plan: (input) => {
     const churn = churnSize(input.largestPoolTokens ?? null, promptLimit(input, maxTokens))
     if (churn === null || churn.numRequests > maxChurnRequests) return []

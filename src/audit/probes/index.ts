@@ -1,6 +1,18 @@
-/** The probes, by name, in the order they run. */
+/** The probe registry: the one place a probe is registered. Everything else derives from it: the
+ *  probe names and their order (`probeNames`, `ProbeName`), `--list-probes` (each description),
+ *  `--probes` and the config file's validation, `--plan` and each probe's budget share (each
+ *  `plan`), the class and controls of its findings, and whether the audit calibrates token counts
+ *  for it.
+ *
+ *  To add a probe:
+ *    1. write `src/audit/probes/NAME.ts` exporting a `Probe` (probe.ts) whose `name` is NAME:
+ *       its `description`, `class`, `controls`, `plan` (what it sends at most, from discovery's
+ *       numbers alone) and `run`, which sends (a function of its own) and then judges what came
+ *       back (another: a pure function of the answers, so a test can judge recorded answers);
+ *    2. add one line `NAME: nameProbe,` to {@link probes} below, where in the order it should run.
+ *  Nothing else: no list of names elsewhere, no table keyed by probe. test/audit/registry.test.ts
+ *  checks that each key is its probe's name. */
 import type { Probe } from '../probe.js'
-import type { ProbeName } from '../types.js'
 import { abortRaceProbe } from './abort-race.js'
 import { abortRetryProbe } from './abort-retry.js'
 import { boundaryProbe } from './boundary.js'
@@ -18,7 +30,8 @@ import { raceLoadProbe } from './race-load.js'
 import { stallProbe } from './stall.js'
 import { warmEqualsColdProbe } from './warm-equals-cold.js'
 
-export const probes: Readonly<Record<ProbeName, Probe>> = {
+/** Every probe by its name, in the order an audit runs them. */
+export const probes = {
   capacity: capacityProbe,
   boundary: boundaryProbe,
   canary: canaryProbe,
@@ -35,4 +48,11 @@ export const probes: Readonly<Record<ProbeName, Probe>> = {
   'evict-then-return': evictThenReturnProbe,
   'error-handling': errorHandlingProbe,
   stall: stallProbe,
-}
+} as const satisfies Readonly<Record<string, Probe>>
+
+/** A probe's name: a key of {@link probes}. */
+export type ProbeName = keyof typeof probes
+
+/** Every probe's name, in the order an audit runs them (the registry's order: string keys keep
+ *  their insertion order). A non-empty tuple's type, as `z.enum` wants. */
+export const probeNames = Object.keys(probes) as [ProbeName, ...ProbeName[]]

@@ -7,11 +7,12 @@
  *  are such a workload too, which is why the baseline is taken before them.
  *  A warning, never a leak: no data was seen crossing. */
 import { materialPromptTokens } from '../plan.js'
-import { BudgetExhaustedError } from '../budget.js'
+import { BudgetExhaustedError, type Budget } from '../budget.js'
 import { readPoolUsage, readRunning, type PoolUsage } from '../pool-usage.js'
-import type { Probe } from '../probe.js'
+import type { Probe, ProbeContext } from '../probe.js'
 import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
+import type { Target } from '../target.js'
 import type { Finding } from '../types.js'
 import { plantMaterial } from './material.js'
 
@@ -40,6 +41,8 @@ export const pageLeakProbe: Probe = {
   name: 'page-leak',
   description:
     'KV pool usage (kvfence /server_info, vLLM/SGLang /metrics) must return to its idle baseline after a workload of normal and aborted requests',
+  class: 'resource-leak',
+  controls: { aisvs: [], guards: ['G7', 'G8'] },
   plan: () => [
     { what: 'long generation', numRequests: 1, tokensEach: materialPromptTokens + 128 },
     {
@@ -54,174 +57,242 @@ export const pageLeakProbe: Probe = {
     },
   ],
   async run(target, budget, context): Promise<Finding[]> {
-    const startedAt = performance.now()
-    const samples: UsageSample[] = []
-    let source: Omit<PoolUsage, 'used'> | null = null
-    const sample = async (phase: UsageSample['phase']): Promise<number | null> => {
-      const usage = await readPoolUsage(target, source?.endpoint)
-      if (usage === null) return null
-      source ??= { endpoint: usage.endpoint, field: usage.field, unit: usage.unit }
-      samples.push({ tMs: Math.round(performance.now() - startedAt), phase, used: usage.used })
-      return usage.used
-    }
-    const inconclusive = (title: string, evidence: Record<string, unknown>): Finding[] => [
-      inconclusiveFinding(title, evidence),
-    ]
-    /** Pages over the pre-audit baseline before this probe sent anything: waits (polling) for
-     *  them to be released; the finding when they are not, null when they were. */
-    const heldPages = async (preAudit: number, first: number): Promise<Finding[] | null> => {
-      const waitUntil = performance.now() + Math.min(maxSettleMs, budget.remainingMs - 500)
-      let now = first
-      for (let polls = 0; polls < maxPolls && now > preAudit; polls++) {
-        if (performance.now() >= waitUntil) break
-        await new Promise((r) => setTimeout(r, pollIntervalMs))
-        now = (await sample('idle')) ?? now
-      }
-      if (now <= preAudit) return null
-      const numRunning = await readRunning(target)
-      const elapsedMs = Math.round(performance.now() - startedAt)
-      return [heldPagesFinding(source, preAudit, now, numRunning, elapsedMs, samples)]
-    }
-
-    let stoppedBy: string | null = null
-    let baseline: number | null = null
-    let settled: number | null = null
-    // The pool as discovery read it, before any probe ran (null when read from another source).
-    const before = context.discovery.idleUsage
-    let preAudit: number | null = null
+    const sampler = new Sampler(target)
+    const state: Readings = { preAudit: null, baseline: null, settled: null, stoppedBy: null }
     try {
-      const first = await sample('idle')
-      if (first === null) {
-        return inconclusive('the endpoint exposes no KV pool usage', { samples })
-      }
-      const src = source as Omit<PoolUsage, 'used'> | null
-      if (before !== null && src?.endpoint === before.endpoint && src.field === before.field)
-        preAudit = before.used
-      if (preAudit !== null && first < preAudit) {
-        return inconclusive(
-          `pool usage moved while idle (${preAudit} before the audit, ${first} now): other traffic hides the baseline`,
-          { source, preAuditUsage: preAudit, samples },
-        )
-      }
-      if (preAudit !== null && first > preAudit) {
-        const held = await heldPages(preAudit, first)
-        if (held !== null) return held
-      }
-      const last = samples[samples.length - 1].used
-      const second = await sample('idle')
-      if (second !== last) {
-        return inconclusive(
-          `pool usage moved while idle (${last} then ${second}): other traffic hides the baseline`,
-          { source, samples },
-        )
-      }
-      baseline = preAudit ?? last
-
-      const rng = createRng(context.seed, 'page-leak')
-      const planted = plantMaterial(
-        rng,
-        target.tenants,
-        Array.from({ length: numWorkload }, (_, i) => `w${i}`),
-      )
-      // One long generation keeps pages busy while usage is sampled (so the metric is seen to
-      // move); of the other requests, every other one is cut after its first chunk.
-      const send = (i: number, extra: { maxTokens: number; abortAfterChunks?: number }) =>
-        target.complete({
-          tenant: planted[i].tenant,
-          prompt: planted[i].prompt,
-          stream: i % 2 === 0,
-          ...extra,
-        })
-      const long = send(0, { maxTokens: 128 })
-      // A sample that runs out of budget skips the allSettled below; the requests' own
-      // rejections must not then go unhandled (that would end the process).
-      long.catch(() => {})
-      // The other requests run at most (concurrency − 2) at a time: one slot is the long
-      // generation's, one stays free so that samples are not queued behind the workload (they
-      // would only run once it had ended, and see an idle pool).
-      const width = Math.max(1, budget.limits.concurrency - 2)
-      const queue = planted.slice(1).map((_, k) => k + 1)
-      const lane = async (): Promise<void> => {
-        for (let i = queue.shift(); i !== undefined; i = queue.shift())
-          await send(i, { maxTokens: 32, ...(i % 2 === 0 ? { abortAfterChunks: 1 } : {}) })
-      }
-      const rest = Array.from({ length: width }, lane)
-      for (const r of rest) r.catch(() => {})
-      let isWorkloadDone = false
-      const workload = Promise.allSettled([long, ...rest]).finally(() => (isWorkloadDone = true))
-      for (let n = 0; n < maxWorkloadSamples && !isWorkloadDone; n++) {
-        await sample('workload')
-        await new Promise((r) => setTimeout(r, workloadSampleGapMs))
-      }
-      for (const r of await workload)
-        if (r.status === 'rejected' && !(r.reason instanceof BudgetExhaustedError)) throw r.reason
-
-      const settleUntil = performance.now() + Math.min(maxSettleMs, budget.remainingMs - 500)
-      for (let polls = 0; polls < maxPolls && performance.now() < settleUntil; polls++) {
-        settled = await sample('settle')
-        if (settled !== null && settled <= baseline) break
-        await new Promise((r) => setTimeout(r, pollIntervalMs))
-      }
+      const early = await readBaseline(sampler, budget, context, state)
+      if (early !== null) return early
+      await sendWorkload(sampler, target, budget, context.seed)
+      await settle(sampler, budget, state)
     } catch (err) {
       if (!(err instanceof BudgetExhaustedError)) throw err
-      stoppedBy = err.message
+      state.stoppedBy = err.message
     }
+    return judge(sampler, state, context)
+  },
+}
 
-    // null, not Math.max()'s -Infinity, when no sample was read (out of budget before the first).
-    const peak = samples.length === 0 ? null : Math.max(...samples.map((s) => s.used))
-    const evidence = {
-      source,
-      preAuditUsage: preAudit,
-      baseline,
-      peak,
-      settled,
-      stoppedBy,
-      samples,
-    }
-    context.log(
-      samples.length === 0
-        ? `pool usage not read (${stoppedBy ?? 'no answer'})`
-        : `pool usage: idle ${baseline ?? '?'}, peak ${peak}, after ${settled ?? '?'}`,
-    )
-    if (baseline === null || settled === null) {
-      return inconclusive(
+/** Reads of pool usage in time, from the source the first read found. */
+class Sampler {
+  readonly startedAt = performance.now()
+  readonly samples: UsageSample[] = []
+  source: Omit<PoolUsage, 'used'> | null = null
+
+  constructor(readonly target: Target) {}
+
+  async sample(phase: UsageSample['phase']): Promise<number | null> {
+    const usage = await readPoolUsage(this.target, this.source?.endpoint)
+    if (usage === null) return null
+    this.source ??= { endpoint: usage.endpoint, field: usage.field, unit: usage.unit }
+    this.samples.push({
+      tMs: Math.round(performance.now() - this.startedAt),
+      phase,
+      used: usage.used,
+    })
+    return usage.used
+  }
+
+  get elapsedMs(): number {
+    return Math.round(performance.now() - this.startedAt)
+  }
+}
+
+/** What the probe read: the pool before the audit (when discovery read the same source), the
+ *  idle baseline, the usage after the workload settled, and why the budget stopped it. */
+interface Readings {
+  preAudit: number | null
+  baseline: number | null
+  settled: number | null
+  stoppedBy: string | null
+}
+
+/** Sets the idle baseline; returns the finding when there is none to set (no usage exposed,
+ *  usage moving while idle, pages held from before the probe), else null. */
+async function readBaseline(
+  sampler: Sampler,
+  budget: Budget,
+  context: ProbeContext,
+  state: Readings,
+): Promise<Finding[] | null> {
+  // The pool as discovery read it, before any probe ran (null when read from another source).
+  const before = context.discovery.idleUsage
+  const first = await sampler.sample('idle')
+  if (first === null) {
+    return [
+      inconclusiveFinding('the endpoint exposes no KV pool usage', { samples: sampler.samples }),
+    ]
+  }
+  const src = sampler.source
+  if (before !== null && src?.endpoint === before.endpoint && src.field === before.field)
+    state.preAudit = before.used
+  const { preAudit } = state
+  if (preAudit !== null && first < preAudit) {
+    return [
+      inconclusiveFinding(
+        `pool usage moved while idle (${preAudit} before the audit, ${first} now): other traffic hides the baseline`,
+        { source: sampler.source, preAuditUsage: preAudit, samples: sampler.samples },
+      ),
+    ]
+  }
+  if (preAudit !== null && first > preAudit) {
+    const held = await heldPages(sampler, budget, preAudit, first)
+    if (held !== null) return held
+  }
+  const last = sampler.samples[sampler.samples.length - 1].used
+  const second = await sampler.sample('idle')
+  if (second !== last) {
+    return [
+      inconclusiveFinding(
+        `pool usage moved while idle (${last} then ${second}): other traffic hides the baseline`,
+        { source: sampler.source, samples: sampler.samples },
+      ),
+    ]
+  }
+  state.baseline = preAudit ?? last
+  return null
+}
+
+/** Pages over the pre-audit baseline before this probe sent anything: waits (polling) for them
+ *  to be released; the finding when they are not, null when they were. */
+async function heldPages(
+  sampler: Sampler,
+  budget: Budget,
+  preAudit: number,
+  first: number,
+): Promise<Finding[] | null> {
+  const waitUntil = performance.now() + Math.min(maxSettleMs, budget.remainingMs - 500)
+  let now = first
+  for (let polls = 0; polls < maxPolls && now > preAudit; polls++) {
+    if (performance.now() >= waitUntil) break
+    await new Promise((r) => setTimeout(r, pollIntervalMs))
+    now = (await sampler.sample('idle')) ?? now
+  }
+  if (now <= preAudit) return null
+  const numRunning = await readRunning(sampler.target)
+  return [
+    heldPagesFinding(sampler.source, preAudit, now, numRunning, sampler.elapsedMs, sampler.samples),
+  ]
+}
+
+/** One long generation keeps pages busy while usage is sampled (so the metric is seen to move);
+ *  of the other requests, every other one is cut after its first chunk. */
+async function sendWorkload(
+  sampler: Sampler,
+  target: Target,
+  budget: Budget,
+  seed: number,
+): Promise<void> {
+  const rng = createRng(seed, 'page-leak')
+  const planted = plantMaterial(
+    rng,
+    target.tenants,
+    Array.from({ length: numWorkload }, (_, i) => `w${i}`),
+  )
+  const send = (i: number, extra: { maxTokens: number; abortAfterChunks?: number }) =>
+    target.complete({
+      tenant: planted[i].tenant,
+      prompt: planted[i].prompt,
+      stream: i % 2 === 0,
+      ...extra,
+    })
+  const long = send(0, { maxTokens: 128 })
+  // A sample that runs out of budget skips the allSettled below; the requests' own
+  // rejections must not then go unhandled (that would end the process).
+  long.catch(() => {})
+  // The other requests run at most (concurrency − 2) at a time: one slot is the long
+  // generation's, one stays free so that samples are not queued behind the workload (they
+  // would only run once it had ended, and see an idle pool).
+  const width = Math.max(1, budget.limits.concurrency - 2)
+  const queue = planted.slice(1).map((_, k) => k + 1)
+  const lane = async (): Promise<void> => {
+    for (let i = queue.shift(); i !== undefined; i = queue.shift())
+      await send(i, { maxTokens: 32, ...(i % 2 === 0 ? { abortAfterChunks: 1 } : {}) })
+  }
+  const rest = Array.from({ length: width }, lane)
+  for (const r of rest) r.catch(() => {})
+  let isWorkloadDone = false
+  const workload = Promise.allSettled([long, ...rest]).finally(() => (isWorkloadDone = true))
+  for (let n = 0; n < maxWorkloadSamples && !isWorkloadDone; n++) {
+    await sampler.sample('workload')
+    await new Promise((r) => setTimeout(r, workloadSampleGapMs))
+  }
+  for (const r of await workload)
+    if (r.status === 'rejected' && !(r.reason instanceof BudgetExhaustedError)) throw r.reason
+}
+
+/** Polls until usage is back at the baseline (or the polls or the budget's time end). */
+async function settle(sampler: Sampler, budget: Budget, state: Readings): Promise<void> {
+  const settleUntil = performance.now() + Math.min(maxSettleMs, budget.remainingMs - 500)
+  for (let polls = 0; polls < maxPolls && performance.now() < settleUntil; polls++) {
+    state.settled = await sampler.sample('settle')
+    if (state.settled !== null && state.settled <= state.baseline!) break
+    await new Promise((r) => setTimeout(r, pollIntervalMs))
+  }
+}
+
+/** Clean when usage moved during the workload and came back to the baseline; a warning when it
+ *  did not come back; inconclusive when it could not be read to the end or never moved. */
+function judge(sampler: Sampler, state: Readings, context: ProbeContext): Finding[] {
+  const { samples, source } = sampler
+  const { preAudit, baseline, settled, stoppedBy } = state
+  // null, not Math.max()'s -Infinity, when no sample was read (out of budget before the first).
+  const peak = samples.length === 0 ? null : Math.max(...samples.map((s) => s.used))
+  const evidence = {
+    source,
+    preAuditUsage: preAudit,
+    baseline,
+    peak,
+    settled,
+    stoppedBy,
+    samples,
+  }
+  context.log(
+    samples.length === 0
+      ? `pool usage not read (${stoppedBy ?? 'no answer'})`
+      : `pool usage: idle ${baseline ?? '?'}, peak ${peak}, after ${settled ?? '?'}`,
+  )
+  if (baseline === null || settled === null) {
+    return [
+      inconclusiveFinding(
         `pool usage could not be read to the end (${stoppedBy ?? 'no answer'})`,
         evidence,
-      )
-    }
-    if (settled > baseline) {
-      const unit = (source as PoolUsage | null)?.unit === 'pages' ? ' pages' : ''
-      return [
-        {
-          probe: 'page-leak',
-          verdict: 'warning',
-          severity: 'high',
-          title: `KV pool usage did not return to its idle baseline: ${baseline}${unit} before, ${settled}${unit} after every request ended`,
-          evidence,
-          remediation:
-            'Find the release path that forgets pages (abort, client disconnect, timeout, failed ' +
-            'transfer): every page must go back to the free list, scrubbed, once nothing can ' +
-            'still write into it. Until then the pool shrinks and stale pages accumulate.',
-        },
-      ]
-    }
-    if (peak === null || peak <= baseline) {
-      return inconclusive(
-        'pool usage never moved during the workload: the metric may not be live',
-        evidence,
-      )
-    }
+      ),
+    ]
+  }
+  if (settled > baseline) {
+    const unit = source?.unit === 'pages' ? ' pages' : ''
     return [
       {
         probe: 'page-leak',
-        verdict: 'clean',
-        severity: 'info',
-        title: `KV pool usage returned to its idle baseline (${baseline}) after the workload (peak ${peak})`,
+        verdict: 'warning',
+        severity: 'high',
+        title: `KV pool usage did not return to its idle baseline: ${baseline}${unit} before, ${settled}${unit} after every request ended`,
         evidence,
-        remediation: 'None needed.',
+        remediation:
+          'Find the release path that forgets pages (abort, client disconnect, timeout, failed ' +
+          'transfer): every page must go back to the free list, scrubbed, once nothing can ' +
+          'still write into it. Until then the pool shrinks and stale pages accumulate.',
       },
     ]
-  },
+  }
+  if (peak === null || peak <= baseline) {
+    return [
+      inconclusiveFinding(
+        'pool usage never moved during the workload: the metric may not be live',
+        evidence,
+      ),
+    ]
+  }
+  return [
+    {
+      probe: 'page-leak',
+      verdict: 'clean',
+      severity: 'info',
+      title: `KV pool usage returned to its idle baseline (${baseline}) after the workload (peak ${peak})`,
+      evidence,
+      remediation: 'None needed.',
+    },
+  ]
 }
 
 const inconclusiveRemediationOfPool =

@@ -16,7 +16,7 @@ import { BudgetExhaustedError, runUntilExhausted } from '../budget.js'
 import { makeCanaries } from '../canaries.js'
 import type { Budget } from '../budget.js'
 import type { Probe, ProbeContext } from '../probe.js'
-import { inconclusiveRemediation } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import { firstCeilingTokens } from '../prompt-ceiling.js'
 import { ksTwoSample, median, type KsResult } from '../stats.js'
@@ -62,6 +62,11 @@ export const prefixTimingProbe: Probe = {
   name: 'prefix-timing',
   description:
     "TTFT of another tenant's prefix (hit) vs a fresh one (miss), two-sample Kolmogorov–Smirnov test with the same tenant's reuse as positive control; cached_tokens read as a direct signal; and whether another tenant's flood of prefixes evicts one's own (cached_tokens)",
+  class: 'side-channel',
+  // kvfence's prefix cache is keyed by a salt the server derives from the tenant: a design
+  // property, not one of the numbered guards.
+  controls: { aisvs: [aisvsKvPartitioning], guards: [] },
+  isSizing: true,
   plan: ({ limits, poolTokens, contextTokens }) => {
     const sizes = [poolTokens, contextTokens].filter((n) => n !== null)
     const prefixTokens = Math.min(
@@ -139,14 +144,13 @@ function prefixTokensFor(context: ProbeContext): number {
   return Math.max(1, Math.min(maxPrefixTokens, ceiling, ...limits.map((n) => Math.floor(n / 2))))
 }
 
-/** The membership arms (the module's header). */
+/** The membership arms (the module's header): sends, then judges. */
 async function runMembership(
   target: Target,
   budget: Budget,
   context: ProbeContext,
 ): Promise<Finding[]> {
   const [victim, observer] = target.tenants
-  const rng = createRng(context.seed, 'prefix-timing')
   const sizer = await context.sizer().catch((err: unknown) => {
     if (err instanceof BudgetExhaustedError) return null
     throw err
@@ -154,7 +158,49 @@ async function runMembership(
   const prefixTokens = prefixTokensFor(context)
   const prefixWords = sizer === null ? defaultPrefixWords : sizer.wordsFor(prefixTokens, 'down')
   const numSamples = Math.min(maxSamples, Math.floor(budget.remainingRequests / 6))
+  const rng = createRng(context.seed, 'prefix-timing')
+  const { control, cross, stoppedBy } = await sendMembership(target, rng, prefixWords, numSamples)
+  const controlTest = compare(control)
+  const crossTest = compare(cross)
+  const evidence = {
+    victimTenant: victim.name,
+    observerTenant: observer.name,
+    prefixWords,
+    prefixTokensEstimate: sizer?.estimate(prefixWords) ?? null,
+    numSamples,
+    alpha,
+    control: {
+      ...controlTest,
+      ttftMs: { hit: control.hitMs, miss: control.missMs },
+      cachedTokens: control.hitCachedTokens,
+    },
+    cross: {
+      ...crossTest,
+      ttftMs: { hit: cross.hitMs, miss: cross.missMs },
+      cachedTokens: cross.hitCachedTokens,
+    },
+    stoppedBy,
+  }
+  context.log(
+    `control p=${fmt(controlTest.p)} (hit ${fmt(controlTest.medianHitMs)} ms, miss ${fmt(controlTest.medianMissMs)} ms); ` +
+      `cross p=${fmt(crossTest.p)} (hit ${fmt(crossTest.medianHitMs)} ms, miss ${fmt(crossTest.medianMissMs)} ms)`,
+  )
+  return judgeMembership(
+    { victim, observer, control, cross, controlTest, crossTest, numSamples },
+    evidence,
+  )
+}
 
+/** Per sample, for each arm (the victim's own reuse: the control; the observer's: the cross
+ *  arm), the victim primes a prefix, then the arm's reader sends it (a hit) and a fresh one (a
+ *  miss), in alternating order. */
+async function sendMembership(
+  target: Target,
+  rng: Rng,
+  prefixWords: number,
+  numSamples: number,
+): Promise<{ control: TimingArm; cross: TimingArm; stoppedBy: string | null }> {
+  const [victim, observer] = target.tenants
   const control: TimingArm = { hitMs: [], missMs: [], hitCachedTokens: [], missCachedTokens: [] }
   const cross: TimingArm = { hitMs: [], missMs: [], hitCachedTokens: [], missCachedTokens: [] }
   const send = (tenant: Tenant, prompt: string, maxTokens = 1): Promise<CompletionResult> =>
@@ -187,43 +233,36 @@ async function runMembership(
       }
     }
   })
+  return { control, cross, stoppedBy }
+}
 
-  const controlTest = compare(control)
-  const crossTest = compare(cross)
+const sharedRemediation =
+  'Key the prefix (KV) cache by tenant: vLLM: set a per-tenant cache_salt in the gateway (never ' +
+  'from the client, see CVE-2025-46570); SGLang and others: isolate the radix/prefix cache per ' +
+  'tenant or disable cross-tenant prefix sharing. Otherwise any tenant can test whether another ' +
+  'tenant sent a given prompt prefix (Gu et al., ICML 2025).'
+
+/** What the membership arms measured. */
+interface Membership {
+  readonly victim: Tenant
+  readonly observer: Tenant
+  readonly control: TimingArm
+  readonly cross: TimingArm
+  readonly controlTest: Comparison
+  readonly crossTest: Comparison
+  readonly numSamples: number
+}
+
+/** cached_tokens first (a hit another tenant's prefix was served is the side channel), then
+ *  TTFT; clean only when the control showed caching (its positive control) and the cross arm
+ *  did not. */
+function judgeMembership(m: Membership, evidence: Record<string, unknown>): Finding[] {
+  const { victim, observer, control, cross, controlTest, crossTest, numSamples } = m
   const cachedHit = Math.max(0, ...cross.hitCachedTokens.map((n) => n ?? 0))
   const cachedMiss = Math.max(0, ...cross.missCachedTokens.map((n) => n ?? 0))
   const isCachedReported = [...control.hitCachedTokens, ...cross.hitCachedTokens].some(
     (n) => n !== null,
   )
-  const evidence = {
-    victimTenant: victim.name,
-    observerTenant: observer.name,
-    prefixWords,
-    prefixTokensEstimate: sizer?.estimate(prefixWords) ?? null,
-    numSamples,
-    alpha,
-    control: {
-      ...controlTest,
-      ttftMs: { hit: control.hitMs, miss: control.missMs },
-      cachedTokens: control.hitCachedTokens,
-    },
-    cross: {
-      ...crossTest,
-      ttftMs: { hit: cross.hitMs, miss: cross.missMs },
-      cachedTokens: cross.hitCachedTokens,
-    },
-    stoppedBy,
-  }
-  context.log(
-    `control p=${fmt(controlTest.p)} (hit ${fmt(controlTest.medianHitMs)} ms, miss ${fmt(controlTest.medianMissMs)} ms); ` +
-      `cross p=${fmt(crossTest.p)} (hit ${fmt(crossTest.medianHitMs)} ms, miss ${fmt(crossTest.medianMissMs)} ms)`,
-  )
-  const sharedRemediation =
-    'Key the prefix (KV) cache by tenant: vLLM: set a per-tenant cache_salt in the gateway (never ' +
-    'from the client, see CVE-2025-46570); SGLang and others: isolate the radix/prefix cache per ' +
-    'tenant or disable cross-tenant prefix sharing. Otherwise any tenant can test whether another ' +
-    'tenant sent a given prompt prefix (Gu et al., ICML 2025).'
-
   if (cachedHit > cachedMiss) {
     return [
       {

@@ -16,7 +16,7 @@
  *  Knows canaries, the budget and the endpoint's public reports; knows nothing of any engine. */
 import { BudgetExhaustedError, runUntilExhausted } from '../budget.js'
 import type { Probe, ProbeContext } from '../probe.js'
-import { inconclusiveRemediation } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import { isAnsweredWhole, tryJson, type CompletionResult, type Target } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
@@ -431,6 +431,10 @@ export function judgeRace(
 
 export const raceLoadProbe: Probe = {
   name: 'race-load',
+  class: 'content-leak',
+  // Races under continuous load: page identities checked on every load (G4), pages freed only
+  // after every reader ended (G7).
+  controls: { aisvs: [aisvsKvPartitioning], guards: ['G4', 'G7'] },
   description:
     "Poisson arrivals ramped to the endpoint's own limit, long prompts beside short, structured beside plain; any foreign material is a leak, an answer changed under load an integrity warning",
   plan: (input) => {

@@ -240,6 +240,10 @@ export function judgeStall(
 
 export const stallProbe: Probe = {
   name: 'stall',
+  class: 'availability',
+  // One admission check against the smallest limit of every worker (G1, G2).
+  controls: { aisvs: [], guards: ['G1', 'G2'] },
+  isSizing: true,
   description:
     'prompts doubling up to the size the endpoint advertises, one at a time: one that never answers is an availability finding naming its size, what it leaves reserved a resource leak',
   plan: (input) => {

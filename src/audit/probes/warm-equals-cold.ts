@@ -18,7 +18,7 @@
 import { runUntilExhausted } from '../budget.js'
 import { makeCanaries } from '../canaries.js'
 import type { Probe, ProbeContext } from '../probe.js'
-import { inconclusiveRemediation } from '../probe.js'
+import { aisvsKvPartitioning, inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import { firstCeilingTokens, unknownLimitTokens } from '../prompt-ceiling.js'
 import type { PromptSizer } from '../sizer.js'
@@ -97,6 +97,11 @@ export const warmEqualsColdProbe: Probe = {
   name: 'warm-equals-cold',
   description:
     'prompts on the page and chunk sizes the endpoint reports (else powers of two 16–1,024) and ±1, sent cold then warm at temperature 0 after another tenant sent the same length; a warm answer must equal the cold one (with foreign material a leak, without a warning; a fresh cache_salt tells a key bug from a content bug)',
+  class: 'integrity',
+  // A warm answer that is not the cold one: a cache entry served under the wrong key or a page
+  // reused without its checks (G4: checksums and identities of every page loaded; G5: epochs).
+  controls: { aisvs: [aisvsKvPartitioning], guards: ['G4', 'G5'] },
+  isSizing: true,
   plan: (input) => {
     const edges = cacheEdges(
       input.pageSizes ?? [],
