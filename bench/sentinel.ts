@@ -9,6 +9,14 @@
  *    off, gave 1.02 and an A/B run 1.21 within minutes), so `sentinel_cpu_ratio` — the child's CPU
  *    time per request, off ÷ observe, per repeat — is given beside it: it does not depend on
  *    how much of the CPU the child got.
+ *  - Fingerprint work per token: the sentinel alone (token mode, observe), in this process, over
+ *    the throughput part's workload — each request's prompt (BOS and the licence paragraph with a
+ *    unique tail, one token a character as the stand-ins' tokenizer has it) admitted, and its
+ *    64-token answer (the prompt's first 64 tokens, as the stand-in echoes them) checked token by
+ *    token. `sentinel_ns_per_token`: the median over `--repeats` rounds of 2,000 requests of the
+ *    process's CPU time ÷ (prompt + answer tokens); `sentinel_us_per_request` the same per
+ *    request. The store
+ *    keeps every round's fingerprints (as a router's does within its window).
  *  - A real kvfence cluster (bundled echo model, real prefill and decode processes) with
  *    `placeholder-forward` injected and guards off; three tenants (tenant-a a canary tenant):
  *    first a benign run of `--benign-seconds` (default 15) — a shared system prompt, a shared
@@ -41,7 +49,8 @@ import { newApiKey } from '../src/router/tenants/tenant-keys.js'
 import { incidentShape } from '../test/helpers/cluster.js'
 import { echoModelDir } from '../test/helpers/paths.js'
 import { ownText } from '../test/helpers/workload.js'
-import { keys, startHarness } from '../test/router/helpers.js'
+import { bosId, charIds, keys, startHarness } from '../test/router/helpers.js'
+import { buildSentinelSettings, createSentinel } from '../src/router/sentinel/sentinel.js'
 import { ratioFields } from './ratio.js'
 import { benchWatchDetection } from './sentinel-watch.js'
 
@@ -54,6 +63,7 @@ const overCapacityPrompt = 'b '.repeat(225) // 451 tokens: over the prefill pool
 /** Runs the benchmark and returns its JSON. */
 export async function benchSentinel(args: string[]): Promise<object> {
   const isWatchOnly = args.includes('--watch-only')
+  const fingerprintWork = isWatchOnly ? {} : measureFingerprintWork(intFlag(args, '--repeats', 9))
   const throughput = isWatchOnly
     ? {}
     : await measureThroughput(
@@ -75,6 +85,7 @@ export async function benchSentinel(args: string[]): Promise<object> {
   // triggered, and both shipped clusters' before their faults were switched on.
   return {
     ...throughput,
+    ...fingerprintWork,
     ...cluster,
     ...watch,
     false_alarms: cluster.false_alarms + watch.false_alarms_as_shipped,
@@ -214,6 +225,52 @@ async function serve(): Promise<void> {
     process.send?.({ type: 'cpu', cpuMs: (user + system) / 1000 })
   })
   process.send?.(urls)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fingerprint work per token
+
+/** Requests per round of {@link measureFingerprintWork}. */
+const requestsPerRound = 2_000
+
+/** The sentinel's own time per token and per request, on the throughput part's workload. */
+function measureFingerprintWork(repeats: number) {
+  const sentinel = createSentinel({
+    settings: buildSentinelSettings({ mode: 'observe' }),
+    unit: 'token',
+    onEvent: () => undefined,
+  })
+  const runRound = (r: number): { nsPerToken: number; usPerRequest: number } => {
+    // The prompts are drawn before the clock starts: only the sentinel's work is timed.
+    const prompts = Array.from({ length: requestsPerRound }, () => {
+      const text = `${licence} ${randomBytes(24).toString('hex')}`
+      return { text, ids: [bosId, ...charIds(text)] }
+    })
+    let numTokens = 0
+    // CPU time, not wall time: on a machine shared with other work the wall clock counts the
+    // time this process waited for a core.
+    const cpuBefore = process.cpuUsage()
+    for (const [i, { text, ids }] of prompts.entries()) {
+      const check = sentinel.admit('alpha', false, `r${r}-${i}`, {
+        texts: [text],
+        tokenIds: ids,
+        numTokens: ids.length,
+      })
+      const answer = ids.slice(1, 65)
+      for (const id of answer) check.push(String.fromCharCode(id), [id])
+      check.finish()
+      numTokens += ids.length + answer.length
+    }
+    const cpu = process.cpuUsage(cpuBefore)
+    const ns = (cpu.user + cpu.system) * 1000
+    return { nsPerToken: ns / numTokens, usPerRequest: ns / requestsPerRound / 1000 }
+  }
+  runRound(-1) // warm-up
+  const rounds = Array.from({ length: repeats }, (_, r) => runRound(r))
+  return {
+    sentinel_ns_per_token: round(median(rounds.map((x) => x.nsPerToken)), 1),
+    sentinel_us_per_request: round(median(rounds.map((x) => x.usPerRequest)), 2),
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ export const findingClasses = [
   'resource-leak',
   'misconfiguration',
   'error-handling',
+  'credential-exposure',
 ] as const
 export type FindingClass = (typeof findingClasses)[number]
 
@@ -38,6 +39,7 @@ export interface ClassInfo {
  *    Memory after Effective Lifetime;
  *  - CWE-1284 Improper Validation of Specified Quantity in Input (a prompt over the pool taken),
  *    CWE-20 Improper Input Validation;
+ *  - CWE-522 Insufficiently Protected Credentials (a status body serializing `api_key`);
  *  - CWE-755 Improper Handling of Exceptional Conditions, CWE-754 Improper Check for Unusual or
  *    Exceptional Conditions. */
 export const classTable: Readonly<Record<FindingClass, ClassInfo>> = {
@@ -77,6 +79,12 @@ export const classTable: Readonly<Record<FindingClass, ClassInfo>> = {
     meaning: 'an invalid request was not refused with a clear error',
     cwe: ['CWE-755', 'CWE-754'],
     example: 'an invalid request was answered 200 with an error text',
+  },
+  'credential-exposure': {
+    meaning:
+      'a credential (an API key, a password, a token, a private key) is served to a tenant or to anyone',
+    cwe: ['CWE-522', 'CWE-200'],
+    example: "GET /server_info with bob's key served the server's admin_api_key",
   },
 }
 

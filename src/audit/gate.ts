@@ -255,9 +255,14 @@ export const failOnTerms: readonly FailOnTerm[] = [
   ...verdictTerms,
 ]
 
-/** The default gate: another tenant's material seen, and the incident's precondition (a prompt
- *  over the reported KV pool accepted with 200, no other tier reported). */
-export const defaultFailOn: readonly FailOnTerm[] = ['content-leak', 'over-pool-accepted']
+/** The default gate: another tenant's material seen, a credential served (operational-endpoints),
+ *  and the incident's precondition (a prompt over the reported KV pool accepted with 200, no other
+ *  tier reported). */
+export const defaultFailOn: readonly FailOnTerm[] = [
+  'content-leak',
+  'credential-exposure',
+  'over-pool-accepted',
+]
 
 /** `--fail-on`'s text (terms separated by commas, spaces allowed) as terms; throws
  *  `AuditError('invalid_options')` naming an unknown term and the known ones. */
@@ -308,7 +313,7 @@ export function isInconclusiveGated(terms: readonly FailOnTerm[]): boolean {
   return terms.includes('inconclusive')
 }
 
-/** The gate as one line (`content-leak, over-pool-accepted`). */
+/** The gate as one line (`content-leak, credential-exposure, over-pool-accepted`). */
 export function formatFailOn(terms: readonly FailOnTerm[]): string {
   return terms.join(',')
 }

@@ -40,6 +40,12 @@ export interface GetOptions {
   /** Largest body read (bytes, default {@link maxBodyBytes}); past it the request is cut and its
    *  failure is `truncated`. */
   readonly maxBodyBytes?: number
+  /** More request headers (a client request id such as `x-request-id`); never `authorization`,
+   *  which only `tenant` sets. */
+  readonly headers?: Readonly<Record<string, string>>
+  /** Called once when the response body's first byte arrives (a stream's first event): a probe
+   *  sends what must overlap a request in flight then. */
+  readonly onFirstByte?: () => void
 }
 
 // ─── Completions ─────────────────────────────────────────────────────────────────────────────
@@ -61,6 +67,16 @@ export interface CompletionRequest {
   /** The sender's estimate of the prompt's tokens, for when the answer reports none (what the
    *  prompt ceiling and the outage finding go by). */
   readonly estimatedPromptTokens?: number
+  /** More request headers, and a call at the first byte (see {@link GetOptions}). */
+  readonly headers?: Readonly<Record<string, string>>
+  readonly onFirstByte?: () => void
+}
+
+/** One server-sent event of a streamed answer, in the order it arrived: its `id` (OpenAI's
+ *  `cmpl-…`/`chatcmpl-…`, null when the event has none) and the text it carried. */
+export interface StreamChunk {
+  readonly id: string | null
+  readonly text: string
 }
 
 export interface CompletionResult {
@@ -86,6 +102,11 @@ export interface CompletionResult {
   readonly errorCode: string | null
   /** The server's error message, keys scrubbed, at most 200 characters. */
   readonly errorMessage: string | null
+  /** The answer's `id` (of a whole answer, or of a stream's first event that has one); absent or
+   *  null when it had none. A response cache hands back the stored answer with its old id. */
+  readonly responseId?: string | null
+  /** A streamed answer's events one by one (streams.ts checks them); absent for a whole answer. */
+  readonly chunks?: readonly StreamChunk[]
 }
 
 /** What became of a request, as far as isolation is concerned:
@@ -138,6 +159,7 @@ const Choice = z.looseObject({
   message: z.looseObject({ content: z.string().nullish() }).nullish(),
 })
 const CompletionBody = z.looseObject({
+  id: z.unknown().optional(),
   choices: z.array(Choice).optional(),
   usage: Usage.nullish(),
 })
@@ -247,6 +269,8 @@ export function createTarget(options: TargetOptions): Target {
       abortAfterMs: request.abortAfterMs,
       abortAfterChunks: request.abortAfterChunks,
       maxBodyBytes: completionBodyCap(request.maxTokens),
+      headers: request.headers,
+      onFirstByte: request.onFirstByte,
     })
     const result = parseCompletion(http, request.stream, scrub)
     ledger?.record(request.tenant.name, request.isValid ?? true, result, budget.remainingMs === 0)
@@ -275,6 +299,8 @@ function sendHttp(
   const { baseUrl, budget, requestTimeoutMs, scrub } = wire
   return budget.spend(async (remainingMs, requestNumber) => {
     const headers = new Headers(init.headers)
+    for (const [name, value] of Object.entries(opts.headers ?? {}))
+      if (name.toLowerCase() !== 'authorization') headers.set(name, value)
     if (opts.tenant) headers.set('authorization', `Bearer ${opts.tenant.key}`)
     const cut = new AbortController()
     // One plain controller with its own timer, not AbortSignal.any(AbortSignal.timeout(...)):
@@ -317,7 +343,7 @@ function sendHttp(
       contentType = res.headers.get('content-type') ?? ''
       const cap = opts.maxBodyBytes ?? maxBodyBytes
       const isTruncated = await Promise.race([
-        readCapped(res, sentAt, read, opts.abortAfterChunks ?? null, cut, cap),
+        readCapped(res, sentAt, read, opts.abortAfterChunks ?? null, cut, cap, opts.onFirstByte),
         onAbort,
       ])
       const atMs = Date.now() - budget.timeOrigin
@@ -366,6 +392,7 @@ async function readCapped(
   abortAfterChunks: number | null,
   cut: AbortController,
   capBytes: number,
+  onFirstByte?: () => void,
 ): Promise<boolean> {
   if (!res.body) return false
   const decoder = new TextDecoder()
@@ -373,7 +400,10 @@ async function readCapped(
   let numChunks = 0
   if (abortAfterChunks === 0) cut.abort()
   for await (const chunk of res.body as unknown as AsyncIterable<Uint8Array>) {
-    into.firstByteMs ??= Math.round((performance.now() - sentAt) * 1000) / 1000
+    if (into.firstByteMs === null) {
+      into.firstByteMs = Math.round((performance.now() - sentAt) * 1000) / 1000
+      onFirstByte?.()
+    }
     numBytes += chunk.byteLength
     if (numBytes > capBytes) {
       // Keep what fits; leaving the loop cancels the body (the connection is dropped).
@@ -469,6 +499,7 @@ function parseJsonCompletion(http: HttpResult, scrub: (t: string) => string): Pa
     ttftMs: null,
     errorCode: null,
     errorMessage: null,
+    responseId: typeof parsed.data.id === 'string' ? parsed.data.id : null,
   }
 }
 
@@ -477,6 +508,7 @@ function parseEvents(http: HttpResult, scrub: (t: string) => string): ParsedBody
   let promptTokens: number | null = null
   let cachedTokens: number | null = null
   let streamError: { errorCode: string | null; errorMessage: string | null } | null = null
+  const chunks: StreamChunk[] = []
   for (const line of http.body.split(/\r?\n/)) {
     if (!line.startsWith('data:')) continue
     const data = line.slice(5).trim()
@@ -488,11 +520,22 @@ function parseEvents(http: HttpResult, scrub: (t: string) => string): ParsedBody
     }
     const parsed = CompletionBody.safeParse(json)
     if (!parsed.success) continue
-    text += (parsed.data.choices ?? []).map(choiceText).join('')
+    const chunkText = (parsed.data.choices ?? []).map(choiceText).join('')
+    chunks.push({ id: typeof parsed.data.id === 'string' ? parsed.data.id : null, text: chunkText })
+    text += chunkText
     promptTokens = parsed.data.usage?.prompt_tokens ?? promptTokens
     cachedTokens = parsed.data.usage?.prompt_tokens_details?.cached_tokens ?? cachedTokens
   }
-  const common = { status: http.status, text, promptTokens, cachedTokens, ttftMs: null }
+  const responseId = chunks.find((c) => c.id !== null)?.id ?? null
+  const common = {
+    status: http.status,
+    text,
+    promptTokens,
+    cachedTokens,
+    ttftMs: null,
+    responseId,
+    chunks,
+  }
   if (streamError) return { ...common, failure: 'stream_error', ...streamError }
   return {
     ...common,

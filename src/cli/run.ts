@@ -23,6 +23,7 @@ const registrars: readonly [names: readonly string[], load: () => Promise<Regist
   [['soak'], async () => (await import('./soak.js')).registerSoak],
   [['audit'], async () => (await import('./audit.js')).registerAudit],
   [['watch'], async () => (await import('./watch.js')).registerWatch],
+  [['self-check'], async () => (await import('./self-check.js')).registerSelfCheck],
 ]
 
 /** Where commander's own messages (help, version, refused flags) and the one-line refusal of a

@@ -7,6 +7,8 @@ export const errorCodes = {
   context_length_exceeded: { status: 400, type: 'invalid_request_error' },
   model_not_found: { status: 404, type: 'invalid_request_error' },
   invalid_api_key: { status: 401, type: 'authentication_error' },
+  /** An operator action on a router where operator actions are off (no cluster token). */
+  permission_denied: { status: 403, type: 'invalid_request_error' },
   not_found: { status: 404, type: 'invalid_request_error' },
   method_not_allowed: { status: 405, type: 'invalid_request_error' },
   /** The HTTP parser's limit on the request's headers (Node's `maxHeaderSize`). */

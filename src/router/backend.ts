@@ -33,6 +33,10 @@ export interface Backend {
    *  to {@link GenerationJob.answerCheck} (and prepares prompts with token ids), else
    *  `character`. */
   readonly sentinelUnit: SentinelUnit
+  /** Gateway mode: runs the engine's isolation self-check now and applies it at once (paths
+   *  refused or served from its result on), resolving with its report — the value of
+   *  `/server_info`'s `isolationSelfCheck`. Null where there is none (kvfence's own workers). */
+  readonly runIsolationSelfCheck: (() => Promise<object>) | null
   /** Text of token ids by the model's tokenizer, when the router holds it; else null. */
   readonly detokenize: ((ids: readonly number[]) => string) | null
   /** Counts (and when the backend needs them, tokenizes) a request's prompt; `tenant` (its name)

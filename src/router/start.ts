@@ -218,7 +218,15 @@ async function startWithTenants(
       started.metrics,
       log,
     )
-    const deps = { tenants, backend, limiter, metrics: started.metrics, log, sentinel }
+    const deps = {
+      tenants,
+      backend,
+      limiter,
+      metrics: started.metrics,
+      log,
+      sentinel,
+      operatorToken: options.clusterToken ?? null,
+    }
     return await listenRouter(options, config, deps, async () => {
       watcher?.close()
       store?.close()

@@ -58,7 +58,7 @@ describe('--fail-on', () => {
     const f = reports.overPool.findings.find((x) => x.tags?.includes('over-pool-accepted'))
     assert.ok(f, JSON.stringify(reports.overPool.findings.map((x) => x.title)))
     assert.deepEqual([f.verdict, f.class], ['warning', 'misconfiguration'])
-    assert.deepEqual(defaultFailOn, ['content-leak', 'over-pool-accepted'])
+    assert.deepEqual(defaultFailOn, ['content-leak', 'credential-exposure', 'over-pool-accepted'])
     assert.equal(exitCodeFor(reports.overPool), 1)
     assert.equal(exitCodeFor(reports.overPool, parseFailOn('content-leak')), 0)
     assert.equal(exitCodeFor(reports.overPool, parseFailOn('misconfiguration')), 1)

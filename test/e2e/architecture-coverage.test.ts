@@ -57,7 +57,7 @@ const borrowedWeights: Record<string, string> = { mistral: 'llama-gqa-4-1' }
  *  data is involved, so its architecture coverage is that of the guard behind it. */
 const outsidePairPath: Record<string, string> = {
   'drop-abort':
-    'acts in the control server (worker-server.ts ignores the router closing the request), which the in-process pair does not use; test/e2e/faults.test.ts › drop-abort',
+    'acts in the control server (worker-server.ts ignores the router closing the request), which the in-process pair does not use; test/engine/faults-cluster.test.ts › drop-abort',
   'publish-partial':
     "acts in the prefill worker's prefix cache (an aborted prefill's pages published), which the matrix's pairs run without; test/kv/prefix-cache-publish.test.ts",
   'offload-load-as-hit':

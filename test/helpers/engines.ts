@@ -12,7 +12,8 @@
  *    {'cache_salt'}"}`, and its streams end without `data: [DONE]`.
  *  - prefix cache (`prefixCache`): `cached_tokens` is the longest run of words a prompt shares with
  *    an earlier one under the same key — the `cache_salt` (`salted`) or nothing (`shared`, an
- *    engine that ignores the salt); absent: `prompt_tokens_details: null`.
+ *    engine that ignores the salt; `saltIgnoredOn` names paths that ignore it under `salted`);
+ *    absent: `prompt_tokens_details: null`.
  *  - bodies (pydantic models of sglang/srt/entrypoints/openai/protocol.py and
  *    vllm/entrypoints/openai/protocol.py, dumped as those servers dump them): non-streamed replies
  *    with every field, None as null (SGLang `matched_stop`, `tool_calls: null`, `metadata`, usage
@@ -45,6 +46,9 @@ export interface Engine {
   poolTokens: number
   /** How its prefix cache keys prompts (null: it has none); may be changed while running. */
   prefixCache: 'salted' | 'shared' | null
+  /** Paths on which a salted cache ignores the salt all the same (one entrypoint that drops it,
+   *  as vLLM PR #51818 found); may be changed while running. */
+  saltIgnoredOn: Set<'chat' | 'completion'>
   /** Set to make completions fail (see {@link EngineFailure}); null: answer normally. */
   failure: EngineFailure | null
   /** Bodies of the completion requests received (the gateway's self-check's apart). */
@@ -95,6 +99,7 @@ export async function startEngine(kind: EngineKind, options: EngineOptions): Pro
     kind,
     poolTokens: options.poolTokens,
     prefixCache: options.prefixCache ?? null,
+    saltIgnoredOn: new Set(),
     failure: null,
     completions: [],
     completionHeaders: [],
@@ -243,7 +248,15 @@ export async function startEngine(kind: EngineKind, options: EngineOptions): Pro
       prompt_tokens_details:
         engine.prefixCache === null
           ? null
-          : { cached_tokens: cachedWords(cache, cacheKey(engine.prefixCache, body), promptText) },
+          : {
+              cached_tokens: cachedWords(
+                cache,
+                engine.saltIgnoredOn.has(isChat ? 'chat' : 'completion')
+                  ? cacheKey('shared', body)
+                  : cacheKey(engine.prefixCache, body),
+                promptText,
+              ),
+            },
       ...(kind === 'sglang' ? { reasoning_tokens: 0 } : {}),
     }
     if (!body.stream) {

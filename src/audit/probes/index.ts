@@ -29,6 +29,9 @@ import { queueingProbe } from './queueing.js'
 import { raceLoadProbe } from './race-load.js'
 import { stallProbe } from './stall.js'
 import { warmEqualsColdProbe } from './warm-equals-cold.js'
+import { nearDuplicatesProbe } from './near-duplicates.js'
+import { operationalEndpointsProbe } from './operational-endpoints.js'
+import { requestIdsProbe } from './request-ids.js'
 
 /** Every probe by its name, in the order an audit runs them. */
 export const probes = {
@@ -46,6 +49,9 @@ export const probes = {
   'cache-fields': cacheFieldsProbe,
   'warm-equals-cold': warmEqualsColdProbe,
   'evict-then-return': evictThenReturnProbe,
+  'operational-endpoints': operationalEndpointsProbe,
+  'near-duplicates': nearDuplicatesProbe,
+  'request-ids': requestIdsProbe,
   'error-handling': errorHandlingProbe,
   stall: stallProbe,
 } as const satisfies Readonly<Record<string, Probe>>

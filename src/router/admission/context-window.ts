@@ -6,7 +6,7 @@ import { type ParsedRequest, promptNumChars, promptParamOf } from '../api/schema
 
 /** Where the counts came from, for the error's `param` and message. */
 export interface AdmissionFields {
-  promptParam: 'messages' | 'prompt'
+  promptParam: 'messages' | 'prompt' | 'input'
   maxTokensParam: 'max_tokens' | 'max_completion_tokens' | 'max_output_tokens'
 }
 
@@ -22,13 +22,17 @@ export function admit(
   const numGenerated = maxTokens ?? Math.max(1, contextWindow - numPromptTokens)
   const numRequested = numPromptTokens + numGenerated
   if (numRequested <= contextWindow) return numGenerated
-  const where = fields.promptParam === 'messages' ? 'messages' : 'prompt'
+  const where = fields.promptParam
   const completion = maxTokens === null ? 'at least 1' : String(maxTokens)
+  // A Responses request names its own fields: its output is bounded by `max_output_tokens`.
+  const output = fields.maxTokensParam === 'max_output_tokens' ? 'output' : 'completion'
+  const reduce =
+    fields.maxTokensParam === 'max_output_tokens' ? 'max_output_tokens' : 'the completion'
   throw new KvfenceError(
     'context_length_exceeded',
     `This model's maximum context length is ${contextWindow} tokens. However, you requested ` +
-      `${numRequested} tokens (${numPromptTokens} in the ${where}, ${completion} in the completion). ` +
-      `Please reduce the length of the ${where} or the completion.`,
+      `${numRequested} tokens (${numPromptTokens} in the ${where}, ${completion} in the ${output}). ` +
+      `Please reduce the length of the ${where} or ${reduce}.`,
     maxTokens === null || numPromptTokens >= contextWindow
       ? fields.promptParam
       : fields.maxTokensParam,

@@ -1,8 +1,9 @@
 /** The router's HTTP API: an OpenAI-compatible gateway in front of a {@link Backend} — kvfence's
  *  own workers, or (gateway mode) another engine's OpenAI API.
  *  `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (plain and SSE),
- *  `GET|DELETE /v1/responses/{id}` (../responses/), `GET /v1/models`,
- *  `GET /v1/models/{id}`, `GET|HEAD /health`, `GET /server_info`, `GET /metrics`.
+ *  `GET|DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` (../responses/), `GET /v1/models`,
+ *  `GET /v1/models/{id}`, `GET|HEAD /health`, `GET /server_info`, `GET /metrics`, and the
+ *  operator's `POST /isolation_self_check` (./operator.ts: the cluster token, never a tenant key).
  *  While the router drains (../drain.ts), generation and model requests get 503 `shutting_down`
  *  and `/health` 503; `/server_info` and `/metrics` still answer, for the operator.
  *  No endpoint takes a request id from a client: ids are drawn here (128 random bits), and a
@@ -20,9 +21,15 @@ import type { Backend } from '../backend.js'
 import type { RouterConfig } from '../config.js'
 import { type Drain, ShuttingDownError } from '../drain.js'
 import { type GenerationRoute, completionRoutes, serveGeneration } from '../generation.js'
-import { deleteResponse, responsesRoute, retrieveResponse } from '../responses/api.js'
+import {
+  deleteResponse,
+  listInputItems,
+  responsesRoute,
+  retrieveResponse,
+} from '../responses/api.js'
 import { ResponseStore } from '../responses/store.js'
 import { sendError, sendJson } from './http.js'
+import { runSelfCheckNow, selfCheckPath } from './operator.js'
 import type { Limiter } from '../admission/limits.js'
 import type { Sentinel } from '../sentinel/sentinel.js'
 import type { RouterMetrics } from '../metrics/metrics.js'
@@ -47,6 +54,9 @@ export interface RouterDeps {
   sentinel: Sentinel
   /** The Responses API's stored responses (a new, empty store when not given). */
   responseStore?: ResponseStore
+  /** The cluster token that authenticates operator actions (./operator.ts); null or absent:
+   *  they are off. */
+  operatorToken?: string | null
 }
 
 /** A `node:http` request handler. */
@@ -115,12 +125,18 @@ async function route(deps: Routes, req: IncomingMessage, res: ServerResponse): P
       )
     case 'POST /v1/responses':
       return serveGeneration(deps, deps.responsesRoute, req, res, authenticate(deps.tenants, req))
+    case `POST ${selfCheckPath}`:
+      return runSelfCheckNow(deps.operatorToken ?? null, backend, deps.log, req, res)
   }
   const responseId = storedResponseIdOf(path)
   if (responseId !== null && (req.method === 'GET' || req.method === 'DELETE')) {
     const tenant = authenticate(deps.tenants, req)
     if (req.method === 'GET') return retrieveResponse(deps.store, tenant, responseId, res)
     return deleteResponse(deps.store, tenant, responseId, res)
+  }
+  const listedId = inputItemsIdOf(path)
+  if (listedId !== null && req.method === 'GET') {
+    return listInputItems(deps.store, authenticate(deps.tenants, req), listedId, req.url, res)
   }
   if (req.method === 'GET' && path.startsWith('/v1/models/')) {
     authenticate(deps.tenants, req)
@@ -218,6 +234,7 @@ const allowedMethods = new Map([
   ['/v1/chat/completions', 'POST'],
   ['/v1/completions', 'POST'],
   ['/v1/responses', 'POST'],
+  [selfCheckPath, 'POST'],
 ])
 
 /** The `{id}` of `/v1/responses/{id}` (any string but one holding a slash: the store judges
@@ -227,6 +244,15 @@ function storedResponseIdOf(path: string): string | null {
   if (!path.startsWith(prefix)) return null
   const id = path.slice(prefix.length)
   return id.includes('/') ? null : id
+}
+
+/** The `{id}` of `/v1/responses/{id}/input_items`, or null for another path. */
+function inputItemsIdOf(path: string): string | null {
+  const prefix = '/v1/responses/'
+  const suffix = '/input_items'
+  if (!path.startsWith(prefix) || !path.endsWith(suffix)) return null
+  const id = path.slice(prefix.length, -suffix.length)
+  return id === '' || id.includes('/') ? null : id
 }
 
 /** The decoded path of a request URL ('' when it does not parse or has a dot segment: it then

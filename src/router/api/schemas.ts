@@ -32,6 +32,10 @@ export interface GenerationParams {
 export interface ParsedChatRequest extends GenerationParams {
   endpoint: 'chat'
   messages: ChatMessage[]
+  /** The field the messages came from, for errors' `param`: `input` for a Responses request run
+   *  as chat (then `instructions` and the continued conversation count in it too); absent:
+   *  `messages`. */
+  promptParam?: 'input'
 }
 
 /** A parsed `POST /v1/completions` body: one prompt, as text or as token ids. */
@@ -56,8 +60,10 @@ export const requestParsers: { readonly [E in Endpoint]: (body: unknown) => Pars
 const promptParams = { chat: 'messages', completion: 'prompt' } as const
 
 /** The field holding a request's prompt, for errors' `param`. */
-export function promptParamOf(parsed: ParsedRequest): 'messages' | 'prompt' {
-  return promptParams[parsed.endpoint]
+export function promptParamOf(parsed: ParsedRequest): 'messages' | 'prompt' | 'input' {
+  return (
+    (parsed.endpoint === 'chat' ? parsed.promptParam : undefined) ?? promptParams[parsed.endpoint]
+  )
 }
 
 /** The characters of a request's prompt text (0 for a prompt given as token ids). */

@@ -86,8 +86,8 @@ export interface Gateway extends Backend {
   capacity(): BackendCapacity
   /** Re-reads the engine's capacity now (also done every `discoveryIntervalMs`). */
   rediscover(): Promise<void>
-  /** Runs the isolation self-check now (also at start and every `selfCheckIntervalMs`) and
-   *  applies it; resolves with its report. */
+  /** Runs the isolation self-check now (also at start and every `selfCheckIntervalMs`; after the
+   *  run under way, if any) and applies it; resolves with its report. */
   selfCheck(): Promise<SelfCheckReport>
   /** The last self-check's report. */
   lastSelfCheck(): SelfCheckReport | null
@@ -188,6 +188,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     // Answers arrive as text: the sentinel matches characters, converted with the prompts' own
     // characters per token (counted by the tokenizer, local or the engine's).
     sentinelUnit: 'character',
+    runIsolationSelfCheck: () => checks.run(),
     detokenize: tokenizer === null ? null : (ids) => tokenizer.decode(ids),
     async preparePrompt(parsed, _tenant, signal) {
       const context = {
@@ -283,7 +284,7 @@ async function startSelfChecks(
     kind: options.kind,
     log: options.log,
   })
-  const run = async (isStart = false) => {
+  const runOnce = async (isStart: boolean) => {
     const report = await runSelfCheck(context(), proxiedEndpoints)
     options.log.info(
       { numRequests: report.numRequests, numTokens: report.numTokens, ms: report.durationMs },
@@ -292,13 +293,21 @@ async function startSelfChecks(
     isolation.apply(report, isStart)
     return report
   }
-  await run(true)
+  // One run at a time (the engine serves tenants meanwhile): a run asked for while another is
+  // under way starts after it, so that its result is of the engine as it is after the request.
+  let previous: Promise<unknown> = Promise.resolve()
+  const run = (): Promise<SelfCheckReport> => {
+    const next = previous.then(() => runOnce(false))
+    previous = next.catch(() => undefined)
+    return next
+  }
+  await runOnce(true)
   const everyMs = options.selfCheckIntervalMs ?? defaultSelfCheckIntervalMs
   const timer = everyMs > 0 ? setInterval(() => void run(), everyMs) : null
   timer?.unref()
   return {
     isolation,
-    run: () => run(),
+    run,
     stop: () => {
       if (timer !== null) clearInterval(timer)
     },

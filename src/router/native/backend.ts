@@ -65,6 +65,7 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
     serverInfo: () => serverInfo(options),
     maxTokenChars: tokenizer.maxTokenChars,
     sentinelUnit: 'token',
+    runIsolationSelfCheck: null,
     detokenize: (ids) => tokenizer.decode(ids),
     async preparePrompt(parsed, tenant, signal, contextWindow) {
       const { numTokens, ids } = await options.tokenizerPool.tokenize(parsed, tenant, signal, {

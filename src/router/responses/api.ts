@@ -1,11 +1,13 @@
 /** OpenAI's Responses API on the router: `POST /v1/responses` (a generation route: parsed here,
  *  then admitted, run as chat and accounted as every generation is, ../generation.ts),
- *  `GET /v1/responses/{id}` and `DELETE /v1/responses/{id}` (the tenant's own stored responses).
+ *  `GET /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and `DELETE /v1/responses/{id}`
+ *  (the tenant's own stored responses).
  *  Knows the Responses request, the store and the writer; knows nothing of backends or keys. */
 import type { ServerResponse } from 'node:http'
 import type { GenerationRoute } from '../generation.js'
 import { sendJson } from '../api/http.js'
 import type { Tenant } from '../tenants/tenants.js'
+import { inputItemList, inputItemsOf, parseInputItemsQuery } from './input-items.js'
 import { chatRequestOf, parseResponsesRequest } from './parse.js'
 import { type ResponseShape, deletedBody } from './render.js'
 import type { ResponseStore } from './store.js'
@@ -44,7 +46,7 @@ export function responsesRoute(store: ResponseStore): GenerationRoute {
       const writer = responsesWriter(shape, (response, text) => {
         if (!request.store) return
         const conversation = [...history, ...request.input, { role: 'assistant', content: text }]
-        store.put(tenant.name, response, conversation)
+        store.put(tenant.name, response, conversation, inputItemsOf(request.inputMessages))
       })
       return { parsed: chatRequestOf(request, history), writer }
     },
@@ -59,6 +61,20 @@ export function retrieveResponse(
   res: ServerResponse,
 ): void {
   sendJson(res, 200, store.get(tenant.name, id, null).body)
+}
+
+/** `GET /v1/responses/{id}/input_items` (`url`: the request's, for its query): a page of the
+ *  tenant's stored response's input items; another tenant's id is the same 404 as an unknown one
+ *  (the store's lookup comes before the query is read, so a bad query tells nothing either). */
+export function listInputItems(
+  store: ResponseStore,
+  tenant: Tenant,
+  id: string,
+  url: string | undefined,
+  res: ServerResponse,
+): void {
+  const { inputItems } = store.get(tenant.name, id, null)
+  sendJson(res, 200, inputItemList(inputItems, parseInputItemsQuery(url)))
 }
 
 /** `DELETE /v1/responses/{id}`: deletes the tenant's stored response. */

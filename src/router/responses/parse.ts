@@ -5,6 +5,7 @@
 import { z } from 'zod'
 import { KvfenceError } from '../../common/errors.js'
 import type { ChatMessage } from '../../model/tokenizer.js'
+import type { InputMessage } from './input-items.js'
 import {
   type InertField,
   type ParsedChatRequest,
@@ -22,6 +23,8 @@ export interface ParsedResponsesRequest {
   instructions: string | null
   /** This turn's input as chat messages (a string input is one user message). */
   input: ChatMessage[]
+  /** The same input as the request gave it, parts apart (what `input_items` lists). */
+  inputMessages: InputMessage[]
   /** `max_output_tokens`; null = the rest of the window. */
   maxOutputTokens: number | null
   temperature: number
@@ -102,17 +105,24 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
   const object = checkFields(body, Object.keys(CreateResponseBody.shape), inertFields)
   checkInputSize(object.input)
   const data = parseWith(CreateResponseBody, object)
+  const inputMessages: InputMessage[] =
+    typeof data.input === 'string'
+      ? [{ role: 'user', parts: [{ type: 'input_text', text: data.input }] }]
+      : data.input.map((m) => ({
+          role: m.role,
+          parts:
+            typeof m.content === 'string'
+              ? [{ type: m.role === 'assistant' ? 'output_text' : 'input_text', text: m.content }]
+              : m.content.map((p) => ({ type: p.type, text: p.text })),
+        }))
   return {
     model: data.model,
     instructions: data.instructions ?? null,
-    input:
-      typeof data.input === 'string'
-        ? [{ role: 'user', content: data.input }]
-        : data.input.map((m) => ({
-            role: m.role,
-            content:
-              typeof m.content === 'string' ? m.content : m.content.map((p) => p.text).join(''),
-          })),
+    input: inputMessages.map((m) => ({
+      role: m.role,
+      content: m.parts.map((p) => p.text).join(''),
+    })),
+    inputMessages,
     maxOutputTokens: data.max_output_tokens ?? null,
     temperature: data.temperature ?? 1,
     topP: data.top_p ?? 1,
@@ -171,5 +181,6 @@ export function chatRequestOf(
     isStream: parsed.isStream,
     isUsageStreamed: false,
     messages: [...instructions, ...history, ...parsed.input],
+    promptParam: 'input',
   }
 }

@@ -1,5 +1,5 @@
 /** Stored responses (`store: true`), in memory, each owned by the tenant that created it: what
- *  `GET /v1/responses/{id}` returns and what `previous_response_id` continues.
+ *  `GET /v1/responses/{id}` (and `…/input_items`) returns and what `previous_response_id` continues.
  *  Bounded per tenant in count and bytes; when a new response would pass either bound, that
  *  tenant's oldest responses are evicted first (one tenant's traffic never evicts another's).
  *  A lookup answers the same for an unknown id and another tenant's id (404 `not_found`, the same
@@ -8,6 +8,7 @@
  *  Holds prompt text; logs none of it. Knows tenants' names; knows nothing of HTTP or backends. */
 import { KvfenceError } from '../../common/errors.js'
 import type { ChatMessage } from '../../model/tokenizer.js'
+import type { InputItem } from './input-items.js'
 
 /** A response as stored. */
 export interface StoredResponse {
@@ -17,6 +18,8 @@ export interface StoredResponse {
   /** The conversation a continuation starts from: every earlier turn's input and output and this
    *  response's own (never `instructions`, which a continuation does not inherit). */
   readonly conversation: readonly ChatMessage[]
+  /** This response's own input items, in input order (`GET …/input_items`). */
+  readonly inputItems: readonly InputItem[]
   /** What the entry counts against its tenant's byte bound. */
   readonly numBytes: number
 }
@@ -56,16 +59,21 @@ export class ResponseStore {
     return this.entries.size
   }
 
-  /** Stores `body` (whose `id` is its key) for `tenant`, evicting the tenant's oldest entries
+  /** Stores `body` (whose `id` is its key), its conversation and its input items for `tenant`,
+   *  evicting the tenant's oldest entries
    *  while a bound would be passed. Returns false (nothing stored) when the entry alone is larger
    *  than the byte bound. */
   put(
     tenant: string,
     body: Record<string, unknown>,
     conversation: readonly ChatMessage[],
+    inputItems: readonly InputItem[] = [],
   ): boolean {
     const id = String(body.id)
-    const numBytes = Buffer.byteLength(JSON.stringify(body)) + conversationBytes(conversation)
+    const numBytes =
+      Buffer.byteLength(JSON.stringify(body)) +
+      conversationBytes(conversation) +
+      inputItems.reduce((n, item) => n + Buffer.byteLength(JSON.stringify(item)), 0)
     if (numBytes > this.limits.maxBytesPerTenant) return false
     let shelf = this.shelves.get(tenant)
     if (shelf === undefined) {
@@ -80,7 +88,7 @@ export class ResponseStore {
       const oldest = shelf.ids.values().next().value as string
       this.remove(shelf, oldest)
     }
-    this.entries.set(id, { tenant, body, conversation, numBytes })
+    this.entries.set(id, { tenant, body, conversation, inputItems, numBytes })
     shelf.ids.add(id)
     shelf.numBytes += numBytes
     return true

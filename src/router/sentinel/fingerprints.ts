@@ -3,13 +3,14 @@
  *  sentinel.
  *  A fingerprint is a 31-bit keyed hash of `n` consecutive units, under a secret drawn once per
  *  process (never logged, never written): the store holds no text and no token ids, and a
- *  fingerprint means nothing without the key. 31 bits keep every key and value a small integer
- *  in V8 (no boxed number per entry, which made the store the router's largest cost); a chance
+ *  fingerprint means nothing without the key. 31 bits fit the store's typed tables
+ *  (fingerprint-table.ts), with one 32-bit value left over to mark an empty slot; a chance
  *  match is then ~1 in 1,000 per n-gram at 2 M stored fingerprints, and a run needs 9 in a row.
  *  Which unit a router uses is the sentinel's business (sentinel.ts, docs/monitoring.md).
  *  Knows tenants' names and numbers; knows nothing of HTTP or of the text itself once hashed. */
 import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
+import { FingerprintTable } from './fingerprint-table.js'
 
 /** Units to hash: a text (its UTF-16 code units) or token ids (integers). */
 export type Units = string | ArrayLike<number>
@@ -74,9 +75,9 @@ export function fingerprintsOf(hash: NgramHasher, units: Units, n: number): Int3
   return out
 }
 
-/** Estimated bytes one stored fingerprint costs: a V8 Map entry of small integers (key, value,
- *  chain: 24 bytes) and its share of the hash table's buckets and spare room. An estimate, for
- *  the cap and the gauge, not a measurement. */
+/** Estimated bytes one stored fingerprint costs: a slot of a {@link FingerprintTable} (key and
+ *  value, 8 bytes) at its lowest load (1/4). An estimate, for the cap and the gauge, and an upper
+ *  bound of the tables' own bytes. */
 export const bytesPerFingerprint = 32
 
 /** What the window knows of one fingerprint. */
@@ -141,21 +142,25 @@ export function createFingerprintStore(options: FingerprintStoreOptions): Finger
     return n
   }
   // fingerprint → tenant number × 2 + (1 when shared). `newer` is written; `older` only read.
-  let newer = new Map<number, number>()
-  let older = new Map<number, number>()
+  let newer = new FingerprintTable()
+  let older = new FingerprintTable()
   let rotatedAtMs = now()
   const rotate = () => {
     older = newer
-    newer = new Map()
+    newer = new FingerprintTable()
     rotatedAtMs = now()
     options.onGenerations?.('rotate')
   }
-  const valueOf = (fp: number) => newer.get(fp) ?? older.get(fp)
+  /** The value of `fp` (-1: absent); the newer generation knows at least what the older does. */
+  const valueOf = (fp: number) => {
+    const value = newer.get(fp)
+    return value !== -1 ? value : older.get(fp)
+  }
   const expire = () => {
     const elapsedMs = now() - rotatedAtMs
     if (elapsedMs >= options.windowMs) {
-      older = new Map()
-      newer = new Map()
+      older = new FingerprintTable()
+      newer = new FingerprintTable()
       rotatedAtMs = now()
       options.onGenerations?.('clear')
     } else if (elapsedMs >= options.windowMs / 2) rotate()
@@ -164,14 +169,19 @@ export function createFingerprintStore(options: FingerprintStoreOptions): Finger
     add(tenant, fingerprints) {
       expire()
       const own = numberOf(tenant) * 2
-      for (const fp of fingerprints) {
-        const known = valueOf(fp)
-        const value = known === undefined || known === own ? own : own | 1
-        if (newer.get(fp) !== value) newer.set(fp, value)
+      for (let i = 0; i < fingerprints.length; i++) {
+        const fp = fingerprints[i]
+        // One probe for a fingerprint the newer generation holds (a shared prompt's, every
+        // request); two and an insert for a new one.
+        const inNewer = newer.get(fp)
+        const known = inNewer !== -1 ? inNewer : older.get(fp)
+        const value = known === -1 || known === own ? own : own | 1
+        if (inNewer === value) continue
+        newer.set(fp, value)
         // The cap: the older generation goes first, then the newer starts afresh.
         if (newer.size + older.size > maxFingerprints) {
           if (older.size > 0) {
-            older = new Map()
+            older = new FingerprintTable()
             options.onGenerations?.('drop-older')
           } else rotate()
         }
@@ -179,27 +189,27 @@ export function createFingerprintStore(options: FingerprintStoreOptions): Finger
     },
     holderOf(fp) {
       const value = valueOf(fp)
-      if (value === undefined) return null
+      if (value === -1) return null
       return { tenant: tenantNames[value >> 1], isShared: (value & 1) === 1 }
     },
     isEvidence(tenant, fp) {
       const value = valueOf(fp)
-      return value !== undefined && (value & 1) === 0 && tenantNames[value >> 1] !== tenant
+      return value !== -1 && (value & 1) === 0 && tenantNames[value >> 1] !== tenant
     },
     expire,
     get numBytes() {
       return (newer.size + older.size) * bytesPerFingerprint
     },
     check() {
-      for (const [fp, value] of newer) {
+      newer.forEach((value, fp) => {
         const before = older.get(fp)
-        if (before === undefined) continue
+        if (before === -1) return
         // What the older generation knew is never lost: same tenant, or shared.
         assert(
           (value & 1) === 1 || before === value,
           `fingerprint ${fp}: ${before} became ${value}`,
         )
-      }
+      })
       assert(newer.size + older.size <= maxFingerprints, 'fingerprints over the cap')
     },
   }

@@ -27,6 +27,8 @@ export async function startGatewayRouter(
     saltSecret?: Uint8Array
     /** The isolation self-check's interval, ms (default 0: only at start). */
     selfCheckIntervalMs?: number
+    /** The cluster token (`KVFENCE_CLUSTER_TOKEN`): operator actions' credential. */
+    clusterToken?: string
     log?: import('pino').Logger
   } = {},
 ): Promise<RunningRouter> {
@@ -50,6 +52,7 @@ export async function startGatewayRouter(
       { name: 'beta', keySha256: apiKeyDigest(keys.beta) },
     ],
     port: 0,
+    ...(extra.clusterToken === undefined ? {} : { clusterToken: extra.clusterToken }),
     log: extra.log ?? captureLogs().log,
   })
 }

@@ -3,7 +3,7 @@
  *  with finish reason `length`. Each Responses request reaches the engine as a streamed chat
  *  completion carrying the tenant's `cache_salt` and the router's id; the answer is rebuilt in the
  *  Responses shape (checked against OpenAI's OpenAPI description); a continued response sends
- *  the stored conversation; and the response sentinel checks the Responses path as it does chat:
+ *  the stored conversation; its input items are listed to their tenant alone; and the response sentinel checks the Responses path as it does chat:
  *  in block mode an answer carrying another tenant's recent prompt is withheld. */
 import assert from 'node:assert/strict'
 import { after, before, describe, it } from 'node:test'
@@ -111,6 +111,24 @@ for (const kind of ['vllm', 'llamacpp'] as EngineKind[]) {
         (e: unknown) => e,
       )
       assert.ok(err instanceof OpenAI.NotFoundError)
+      // Its input items: the request's own input (instructions are no item), to alpha alone.
+      const listed = await client.responses.inputItems.list(response.id)
+      assert.deepEqual(
+        listed.data.map(({ id: _, ...item }) => item),
+        [
+          {
+            type: 'message',
+            status: 'completed',
+            role: 'user',
+            content: [{ type: 'input_text', text: 'Hello there' }],
+          },
+        ],
+      )
+      const foreign = await beta.responses.inputItems.list(response.id).then(
+        () => null,
+        (e: unknown) => e,
+      )
+      assert.ok(foreign instanceof OpenAI.NotFoundError)
     })
   })
 }

@@ -281,6 +281,130 @@ describe('the Responses API on kvfence workers', { skip: specSkip }, () => {
     assert.equal(await refused({ frequency_penalty: 1 }), 'frequency_penalty')
   })
 
+  it("lists a response's input items (order, after, limit), to its own tenant only", async () => {
+    const input = [
+      { role: 'system' as const, content: 'Be brief.' },
+      { role: 'user' as const, content: [{ type: 'input_text' as const, text: 'one' }] },
+      { role: 'assistant' as const, content: 'two' },
+      {
+        role: 'user' as const,
+        content: [
+          { type: 'input_text' as const, text: 'three' },
+          { type: 'input_text' as const, text: ' four' },
+        ],
+      },
+    ]
+    const response = await h.client().responses.create({ model, input, instructions: 'Hi' })
+    const expected = [
+      { role: 'system', content: [{ type: 'input_text', text: 'Be brief.' }] },
+      { role: 'user', content: [{ type: 'input_text', text: 'one' }] },
+      {
+        role: 'assistant',
+        content: [{ type: 'output_text', text: 'two', annotations: [], logprobs: [] }],
+      },
+      {
+        role: 'user',
+        content: [
+          { type: 'input_text', text: 'three' },
+          { type: 'input_text', text: ' four' },
+        ],
+      },
+    ].map((item) => ({ type: 'message', status: 'completed', ...item }))
+    const items = h.client().responses.inputItems
+    const page = await items.list(response.id, { order: 'asc' })
+    const body = (await items
+      .list(response.id, { order: 'asc' })
+      .asResponse()
+      .then((r) => r.json())) as Record<string, unknown>
+    check('ResponseItemList', body)
+    assert.deepEqual(body.data, page.data)
+    const withoutIds = page.data.map(({ id: _, ...rest }) => rest)
+    assert.deepEqual(withoutIds, expected)
+    const ids = page.data.map((item) => item.id!)
+    assert.equal(new Set(ids).size, 4)
+    for (const id of ids) assert.match(id, /^msg_[0-9a-f]{32}$/)
+    assert.deepEqual(body.first_id, ids[0])
+    assert.deepEqual(body.last_id, ids[3])
+    assert.equal(body.has_more, false)
+    // The default order is desc: the last input item first.
+    assert.deepEqual(
+      (await items.list(response.id)).data.map((item) => item.id),
+      [...ids].reverse(),
+    )
+    const second = await items.list(response.id, { order: 'asc', after: ids[0], limit: 2 })
+    assert.deepEqual(
+      second.data.map((item) => item.id),
+      ids.slice(1, 3),
+    )
+    assert.equal(second.has_more, true)
+    // The SDK's own paging follows `after` to the end.
+    const paged: string[] = []
+    for await (const item of items.list(response.id, { order: 'asc', limit: 1 }))
+      paged.push(item.id!)
+    assert.deepEqual(paged, ids)
+    // Another tenant's id is the unknown id's 404, body for body but the id.
+    const foreign = await failure(h.client(keys.beta).responses.inputItems.list(response.id))
+    const unknownId = `resp_${'0'.repeat(32)}`
+    const unknown = await failure(h.client(keys.beta).responses.inputItems.list(unknownId))
+    assert.equal(foreign.status, 404)
+    assert.deepEqual(
+      JSON.parse(JSON.stringify(foreign.error).replaceAll(response.id, unknownId)),
+      unknown.error,
+    )
+    // Bad queries name their parameter.
+    for (const [query, param] of [
+      ['limit=0', 'limit'],
+      ['limit=101', 'limit'],
+      ['order=up', 'order'],
+      [`after=msg_${'f'.repeat(32)}`, 'after'],
+      ['before=x', 'before'],
+    ]) {
+      const res = await fetch(`${h.router.url}/v1/responses/${response.id}/input_items?${query}`, {
+        headers: { authorization: `Bearer ${keys.alpha}` },
+      })
+      assert.equal(res.status, 400, query)
+      const json = (await res.json()) as { error: { param: string } }
+      check('ErrorResponse', json)
+      assert.equal(json.error.param, param, query)
+    }
+  })
+
+  it("refuses a request over the window (G2) naming Responses' fields, never chat's", async () => {
+    const refusal = async (body: Record<string, unknown>) => {
+      const res = await h.post('/v1/responses', { model, ...body })
+      assert.equal(res.status, 400)
+      const json = (await res.json()) as { error: { message: string; param: string; code: string } }
+      check('ErrorResponse', json)
+      assert.equal(json.error.code, 'context_length_exceeded')
+      return json.error
+    }
+    const window = 64 * 16 // the harness's pool: 64 pages of 16 tokens
+    const numHi = promptIds([['user', 'Hi']]).length
+    assert.deepEqual(await refusal({ input: 'Hi', max_output_tokens: window }), {
+      code: 'context_length_exceeded',
+      type: 'invalid_request_error',
+      param: 'max_output_tokens',
+      message:
+        `This model's maximum context length is ${window} tokens. However, you requested ` +
+        `${numHi + window} tokens (${numHi} in the input, ${window} in the output). ` +
+        'Please reduce the length of the input or max_output_tokens.',
+    })
+    const long = 'a'.repeat(window)
+    const numLong = promptIds([
+      ['system', 'Be brief.'],
+      ['user', long],
+    ]).length
+    const tooLong = await refusal({ instructions: 'Be brief.', input: long })
+    assert.equal(tooLong.param, 'input')
+    assert.equal(
+      tooLong.message,
+      `This model's maximum context length is ${window} tokens. However, you requested ` +
+        `${numLong + 1} tokens (${numLong} in the input, at least 1 in the output). ` +
+        'Please reduce the length of the input or max_output_tokens.',
+    )
+    assert.doesNotMatch(tooLong.message, /messages|max_tokens/)
+  })
+
   it('counts the requests under endpoint "responses" in the metrics', async () => {
     await h.client(keys.beta).responses.create({ model, input: 'Hi' })
     const metrics = await (await fetch(`${h.router.url}/metrics`)).text()
