@@ -10,7 +10,7 @@
  *    - { name: alice, keyEnv: TENANT_A_KEY }
  *    - { name: bob, keyEnv: TENANT_B_KEY }
  *  probes: [capacity, boundary, canary] # optional, default all
- *  budget: { maxRequests: 500, maxSeconds: 300, concurrency: 4 }
+ *  budget: { maxRequests: 800, maxSeconds: 300, concurrency: 4 }
  *  seed: 42
  *  failOn: [content-leak, availability] # classes, severities, tags or verdicts (gate.ts)
  *  reports: { json: audit.json, junit: audit.xml, html: audit.html }

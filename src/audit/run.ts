@@ -114,7 +114,7 @@ export type ProgressEvent =
   | { readonly type: 'probe-end'; readonly probe: ProbeName; readonly findings: readonly Finding[] }
 
 export const auditDefaults = Object.freeze({
-  maxRequests: 500,
+  maxRequests: 800,
   maxSeconds: 300,
   concurrency: 4,
   maxConcurrency: 16,

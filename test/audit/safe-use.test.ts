@@ -158,14 +158,18 @@ describe('--plan', () => {
       // entrypoints: a 3-word prompt (8 tokens) to each of 7 entrypoints; 13 trials of 3 requests
       // (7 same-path, 6 from the hub) of 165 + 50 + 8; the tool round trip, 4 × (215 + 80 + 8).
       assert.deepEqual(planRow(run.stdout, 'entrypoints'), ['50', '9965', '0.0249'])
-      assert.deepEqual(planRow(run.stdout, 'total'), ['530', '98822', '0.2471'])
-      // The default budget (500 requests) no longer covers the whole default plan: the plan says
-      // so and which probe gets less (the largest need, page-leak's 128, is cut to 98).
-      assert.match(run.stdout, /the plan's 530 requests exceed --max-requests 500/)
-      assert.match(
-        run.stdout,
-        /page-leak needs up to 128 requests \(1672 tokens\); its share is 98/,
-      )
+      // race-load: 2 reads of the endpoint's limit; alone, a structured check and 3 twins; then
+      // arrivals ramped 2, 4, 8 (one each per slot) and held at 16 (two per slot): 46. Its long
+      // prompts are the short ones' 160 tokens here (half the 384-token pool shared among 16 in
+      // flight is 12): 50 × (160 + 32).
+      assert.deepEqual(planRow(run.stdout, 'race-load'), ['52', '9600', '0.0240'])
+      // stall: the smallest limit (pool 384) − max_tokens 8 = 376; the ladder starts at a quarter
+      // of it: 94, 188, 376, each bound at 376 + 8; 4 reads before it and 2 × 2 after a stall.
+      assert.deepEqual(planRow(run.stdout, 'stall'), ['11', '1152', '0.0029'])
+      // With operational-endpoints, near-duplicates and request-ids (62 requests, their rows not
+      // worked here): 655 requests, within the default budget (800), so no probe's share is cut.
+      assert.deepEqual(planRow(run.stdout, 'total'), ['655', '113046', '0.2826'])
+      assert.doesNotMatch(run.stdout, /exceed --max-requests/)
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
     } finally {
       await standIn.close()

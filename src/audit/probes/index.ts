@@ -27,6 +27,8 @@ import { evictThenReturnProbe } from './evict-then-return.js'
 import { pageLeakProbe } from './page-leak.js'
 import { prefixTimingProbe } from './prefix-timing.js'
 import { queueingProbe } from './queueing.js'
+import { raceLoadProbe } from './race-load.js'
+import { stallProbe } from './stall.js'
 import { warmEqualsColdProbe } from './warm-equals-cold.js'
 import { nearDuplicatesProbe } from './near-duplicates.js'
 import { operationalEndpointsProbe } from './operational-endpoints.js'
@@ -40,6 +42,7 @@ export const probes = {
   'abort-race': abortRaceProbe,
   'abort-retry': abortRetryProbe,
   concurrency: concurrencyProbe,
+  'race-load': raceLoadProbe,
   queueing: queueingProbe,
   'page-leak': pageLeakProbe,
   determinism: determinismProbe,
@@ -52,6 +55,7 @@ export const probes = {
   'request-ids': requestIdsProbe,
   entrypoints: entrypointsProbe,
   'error-handling': errorHandlingProbe,
+  stall: stallProbe,
 } as const satisfies Readonly<Record<string, Probe>>
 
 /** A probe's name: a key of {@link probes}. */

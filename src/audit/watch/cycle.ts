@@ -29,11 +29,13 @@ import {
   createTarget,
   outcomeOf,
   isAnsweredWhole,
+  type CompletionRequest,
   type CompletionResult,
   type Target,
 } from '../target.js'
 import { AuditError, type Finding, type ProbeName, type Tenant } from '../types.js'
 import type { Spend } from './hourly.js'
+import type { ArmResult, RotationArm } from './rotation.js'
 
 /** The triggers a cycle may run besides the plant, and the audit probe each one imitates. */
 export const triggerProbes = {
@@ -413,6 +415,8 @@ export interface CycleReport {
   readonly refusedTokens: number
   /** Follow-up rounds run (a plant and an over-capacity read each; see maxFollowUpRounds). */
   readonly followUps: number
+  /** The rotating arm that ran this cycle (rotation.ts), or null. */
+  readonly arm: string | null
 }
 
 /** One completion of a cycle, without its text. */
@@ -446,9 +450,26 @@ export interface CycleInput {
   readonly concurrency: number
   /** The cycle's requests are all cut by then (s). */
   readonly maxSeconds: number
+  /** The cycle's rotating arm (rotation.ts); absent or null: none. */
+  readonly arm?: RotationArm | null
+  /** Called with every completion as it ends (the watch's outage check, as the audit's). */
+  readonly onCompletion?: (request: CompletionRequest, result: CompletionResult) => void
 }
 
 const calibrationTokenBound = 2 * (promptTokenBound('a '.repeat(64)) + 1)
+
+type Seen = Observed & { readonly step: Step }
+
+/** What a cycle's completions left: every answer with its step, latencies, tokens settled and
+ *  refused. Filled as the cycle's groups, follow-ups and arm run. */
+interface CycleState {
+  readonly target: Target
+  readonly budget: Budget
+  readonly observed: Seen[]
+  readonly latencies: { trigger: TriggerName; seconds: number }[]
+  tokens: number
+  refusedTokens: number
+}
 
 /** Runs one cycle. Never throws for what it sees: an endpoint that does not answer is an
  *  `unreachable` report. */
@@ -465,107 +486,145 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
       tenants: input.tenants,
       budget,
       requestTimeoutMs: input.requestTimeoutMs,
+      onCompletion: input.onCompletion,
     })
-  const empty = {
-    findings: [],
-    triggers: [],
-    skipped: [],
-    discovery: null,
-    poolUsage: null,
+  const read = await readEndpoint(input, budget, targetOf)
+  if ('outcome' in read) return read
+  const { discovery, poolUsage } = read
+  const state: CycleState = {
+    target: targetOf(discovery.model),
+    budget,
+    observed: [],
     latencies: [],
-    sizer: input.sizer,
-    steps: [],
+    tokens: 0,
     refusedTokens: 0,
-    followUps: 0,
   }
-  const spentSoFar = (tokens: number): Spend => ({ tokens, requests: budget.requestsSent })
-  let discovery: Discovery
-  let poolUsage: PoolUsage | null
-  try {
-    discovery = await discover(targetOf(null), input.model, input.given)
-    poolUsage = await readPoolUsage(targetOf(discovery.model), input.usageEndpoint)
-  } catch (err) {
-    if (err instanceof AuditError && err.code === 'target_unreachable') {
-      return { ...empty, outcome: 'unreachable', spent: spentSoFar(0), reason: err.message }
-    }
-    if (err instanceof BudgetExhaustedError) {
-      return { ...empty, outcome: 'skipped', spent: spentSoFar(0), reason: err.message }
-    }
-    throw err
-  }
-  const target = targetOf(discovery.model)
-  let tokens = 0
   let sizer = input.sizer
   const needsSizer = discovery.poolTokens !== null || discovery.contextTokens !== null
   if (sizer === null && needsSizer && input.allowance.tokens > calibrationTokenBound) {
-    sizer = await calibrate(target).catch(() => null)
-    tokens += calibrationTokenBound
+    sizer = await calibrate(state.target).catch(() => null)
+    state.tokens += calibrationTokenBound
   }
   const plan = planCycle(input.rng, input.tenants, discovery, sizer, {
-    tokens: input.allowance.tokens - tokens,
+    tokens: input.allowance.tokens - state.tokens,
     requests: input.allowance.requests - budget.requestsSent,
   })
-  const base = {
-    ...empty,
-    discovery,
-    poolUsage,
-    sizer,
-    triggers: plan.triggers,
-    skipped: plan.skipped,
-  }
+  const base = { ...emptyReport(input.sizer), discovery, poolUsage, sizer }
   const findings = capacityFindings(discovery)
+  const skipped = [...plan.skipped]
   if (plan.groups.length === 0) {
-    return {
-      ...base,
-      findings,
-      outcome: 'skipped',
-      spent: spentSoFar(tokens),
-      reason: plan.skipped[0],
-    }
+    const spent = { tokens: state.tokens, requests: budget.requestsSent }
+    return { ...base, findings, skipped, outcome: 'skipped', spent, reason: plan.skipped[0] }
   }
-  const observed: (Observed & { readonly step: Step })[] = []
-  const latencies: { trigger: TriggerName; seconds: number }[] = []
-  let refusedTokens = 0
-  const runGroup = (group: readonly Step[]) =>
-    Promise.all(
-      group.map(async (step) => {
-        const startedAt = performance.now()
-        let result
-        try {
-          result = await target.complete({
-            tenant: step.planted.tenant,
-            prompt: step.planted.prompt,
-            maxTokens: step.maxTokens,
-            stream: step.stream,
-            abortAfterChunks: step.abortAfterChunks,
-          })
-        } catch (err) {
-          if (err instanceof BudgetExhaustedError) return
-          throw err
-        }
-        latencies.push({ trigger: step.trigger, seconds: (performance.now() - startedAt) / 1000 })
-        // Settle to the count the server reported when it took the prompt; else the bound. A
-        // prompt refused with a 4xx before any token was computed costs the endpoint none (its
-        // bound was reserved all the same, so the hourly limit held while it was in flight).
-        const reported = isAnsweredWhole(result) ? result.promptTokens : null
-        if (isRefused(result)) refusedTokens += step.tokenBound
-        else
-          tokens +=
-            reported === null
-              ? step.tokenBound
-              : Math.min(step.tokenBound, reported + step.maxTokens)
-        observed.push({
-          planted: step.planted,
-          label: step.label,
+  for (const group of plan.groups) await runGroup(state, group)
+  const followUps = await runFollowUps(input, state, discovery, sizer)
+  const arm = await runArm(input, state, discovery, skipped)
+  findings.push(
+    ...answerFindings(state.observed, plan, discovery),
+    ...availabilityFindings(state.observed),
+    ...(arm?.findings ?? []),
+  )
+  return concludeCycle(state, {
+    ...base,
+    findings,
+    triggers: plan.triggers,
+    skipped,
+    followUps,
+    arm: arm === null ? null : (input.arm?.name ?? null),
+  })
+}
+
+/** A report with nothing seen and nothing spent. */
+function emptyReport(sizer: PromptSizer | null) {
+  return {
+    findings: [] as WatchFinding[],
+    triggers: [] as TriggerName[],
+    skipped: [] as string[],
+    discovery: null,
+    poolUsage: null,
+    latencies: [],
+    sizer,
+    steps: [],
+    refusedTokens: 0,
+    followUps: 0,
+    arm: null,
+  }
+}
+
+/** Discovery and pool usage, or the cycle's report when the endpoint could not be read. */
+async function readEndpoint(
+  input: CycleInput,
+  budget: Budget,
+  targetOf: (model: string | null) => Target,
+): Promise<{ discovery: Discovery; poolUsage: PoolUsage | null } | CycleReport> {
+  const spent = { tokens: 0, requests: 0 }
+  try {
+    const discovery = await discover(targetOf(null), input.model, input.given)
+    const poolUsage = await readPoolUsage(targetOf(discovery.model), input.usageEndpoint)
+    return { discovery, poolUsage }
+  } catch (err) {
+    const at = { ...emptyReport(input.sizer), spent: { ...spent, requests: budget.requestsSent } }
+    if (err instanceof AuditError && err.code === 'target_unreachable')
+      return { ...at, outcome: 'unreachable', reason: err.message }
+    if (err instanceof BudgetExhaustedError)
+      return { ...at, outcome: 'skipped', reason: err.message }
+    throw err
+  }
+}
+
+/** Sends a group's steps at once; each answer joins `state` (a step the budget refused is
+ *  dropped). */
+async function runGroup(state: CycleState, group: readonly Step[]): Promise<void> {
+  await Promise.all(
+    group.map(async (step) => {
+      const startedAt = performance.now()
+      let result
+      try {
+        result = await state.target.complete({
+          tenant: step.planted.tenant,
+          prompt: step.planted.prompt,
+          maxTokens: step.maxTokens,
           stream: step.stream,
-          result,
-          step,
+          abortAfterChunks: step.abortAfterChunks,
+          isValid: !step.mustReject,
+          estimatedPromptTokens: promptTokenBound(step.planted.prompt),
         })
-      }),
-    )
-  for (const group of plan.groups) await runGroup(group)
-  // A prompt over the limit answered 200 and no leak seen: follow-up rounds while the allowance
-  // lasts, until one shows a leak (see maxFollowUpRounds).
+      } catch (err) {
+        if (err instanceof BudgetExhaustedError) return
+        throw err
+      }
+      state.latencies.push({
+        trigger: step.trigger,
+        seconds: (performance.now() - startedAt) / 1000,
+      })
+      // Settle to the count the server reported when it took the prompt; else the bound. A
+      // prompt refused with a 4xx before any token was computed costs the endpoint none (its
+      // bound was reserved all the same, so the hourly limit held while it was in flight).
+      const reported = isAnsweredWhole(result) ? result.promptTokens : null
+      if (isRefused(result)) state.refusedTokens += step.tokenBound
+      else
+        state.tokens +=
+          reported === null ? step.tokenBound : Math.min(step.tokenBound, reported + step.maxTokens)
+      state.observed.push({
+        planted: step.planted,
+        label: step.label,
+        stream: step.stream,
+        result,
+        step,
+      })
+    }),
+  )
+}
+
+/** A prompt over the limit answered 200 and no leak seen: follow-up rounds while the allowance
+ *  lasts, until one shows a leak (see maxFollowUpRounds). Resolves the rounds run. */
+async function runFollowUps(
+  input: CycleInput,
+  state: CycleState,
+  discovery: Discovery,
+  sizer: PromptSizer | null,
+): Promise<number> {
+  const { observed, budget } = state
   let followUps = 0
   while (
     followUps < maxFollowUpRounds &&
@@ -581,14 +640,60 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
     const round = groups.flat()
     const bound = round.reduce((n, step) => n + step.tokenBound, 0)
     if (
-      tokens + bound > input.allowance.tokens ||
+      state.tokens + bound > input.allowance.tokens ||
       budget.requestsSent + round.length > input.allowance.requests
     )
       break
     followUps++
-    for (const group of groups) await runGroup(group)
+    for (const group of groups) await runGroup(state, group)
   }
-  findings.push(...answerFindings(observed, plan, discovery), ...availabilityFindings(observed))
+  return followUps
+}
+
+/** The cycle's rotating arm (rotation.ts), when it fits what the allowance has left; else a
+ *  line in `skipped`. Null when none ran. */
+async function runArm(
+  input: CycleInput,
+  state: CycleState,
+  discovery: Discovery,
+  skipped: string[],
+): Promise<ArmResult | null> {
+  const arm = input.arm
+  if (arm === undefined || arm === null) return null
+  const cost = arm.cost(discovery)
+  const left = {
+    tokens: input.allowance.tokens - state.tokens,
+    requests: input.allowance.requests - state.budget.requestsSent,
+  }
+  if (cost.tokens > left.tokens || cost.requests > left.requests) {
+    skipped.push(
+      `${arm.name} arm skipped: it needs ~${cost.tokens} tokens and ${cost.requests} requests, this cycle has ${left.tokens} tokens and ${left.requests} requests left`,
+    )
+    return null
+  }
+  try {
+    const result = await arm.run({
+      target: state.target,
+      rng: input.rng,
+      discovery,
+      planted: state.observed.map((o) => o.planted),
+    })
+    state.tokens += result.spent.tokens
+    return result
+  } catch (err) {
+    if (!(err instanceof BudgetExhaustedError)) throw err
+    state.tokens += cost.tokens
+    skipped.push(`${arm.name} arm cut: ${err.message}`)
+    return null
+  }
+}
+
+/** The cycle's report from what it saw: its steps without text, and its outcome. */
+function concludeCycle(
+  state: CycleState,
+  base: Omit<CycleReport, 'outcome' | 'reason' | 'spent' | 'latencies' | 'steps' | 'refusedTokens'>,
+): CycleReport {
+  const { observed } = state
   const carriers = new Set(
     findCrossings(
       observed,
@@ -606,20 +711,19 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
     answerCharacters: result.text.length,
     carriesCanary: carriers.has(observed[i]),
   }))
-  const spent = spentSoFar(tokens)
-  const result = { ...base, findings, spent, latencies, steps, refusedTokens, followUps }
+  const spent = { tokens: state.tokens, requests: state.budget.requestsSent }
+  const { latencies, refusedTokens } = state
+  const result = { ...base, spent, latencies, steps, refusedTokens }
   const completions = observed.map((o) => o.result)
   if (
     completions.length > 0 &&
     completions.every((r) => r.status === null && r.failure === 'network')
   ) {
-    return {
-      ...result,
-      outcome: 'unreachable',
-      reason: completions[0].errorMessage ?? 'no answer to any completion',
-    }
+    const reason = completions[0].errorMessage ?? 'no answer to any completion'
+    return { ...result, outcome: 'unreachable', reason }
   }
   const reason = inconclusiveReason(observed)
+  const { findings } = base
   // Failing requests are a finding, but a cycle that could not check isolation stays
   // inconclusive (isolation was not checked: no successful cycle).
   if (

@@ -25,6 +25,9 @@ import {
 import { HourlyBudget, PacingBucket, type Spend } from './hourly.js'
 import type { WatchMetrics } from './metrics.js'
 import type { WatchConfig } from './options.js'
+import { armOf, rotation } from './rotation.js'
+import { OutageWatch } from '../outage.js'
+import type { CompletionRequest, CompletionResult } from '../target.js'
 import { alertEvidence, postWebhook, webhookBody, type AlertStatus } from './webhook.js'
 
 /** A cycle may spend up to this many times its average share of the hourly budget (so a cycle
@@ -62,6 +65,9 @@ export function cycleCostBound(config: WatchConfig): {
   /** The least a cycle must be allowed to start (its reads, the plant and one look): an hourly
    *  budget below it skips every cycle. */
   readonly minCycle: Spend
+  /** The costliest rotating arm (rotation.ts), sent besides `maxRequests` and `maxCanaryTokens`
+   *  when what the cycle has left holds it. */
+  readonly rotationArm: Spend
 } {
   // The plant and the cut stream are whole canary prompts; five observer prompts (the look, the
   // fresh request after the cut, the burst of three); one over-capacity or boundary prompt; and,
@@ -73,6 +79,15 @@ export function cycleCostBound(config: WatchConfig): {
       (1 + maxFollowUpRounds) * plantTokenBound + cutTokenBound + 5 * observerTokenBound,
     allowance: pacing(config).capacity,
     minCycle: { tokens: minCycleTokens, requests: maxReadRequests + 2 },
+    rotationArm: rotation
+      .map((arm) => arm.cost({ poolTokens: Infinity, contextTokens: Infinity }))
+      .reduce(
+        (a, b) => ({
+          tokens: Math.max(a.tokens, b.tokens),
+          requests: Math.max(a.requests, b.requests),
+        }),
+        { tokens: 0, requests: 0 },
+      ),
   }
 }
 
@@ -94,6 +109,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
   const hourly = new HourlyBudget(config.maxTokensPerHour, config.maxRequestsPerHour)
   const bucket = pacing(config)
   const alerts = new AlertTracker(config.resolveAfterCycles)
+  const outage = watchOutage()
   const idleReadings: number[] = []
   let idleUnit: string | null = null
   let sizer: PromptSizer | null = null
@@ -135,6 +151,8 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
         requestTimeoutMs: config.requestTimeoutMs,
         concurrency: config.concurrency,
         maxSeconds: Math.max(config.cycleSeconds, config.requestTimeoutMs / 1000),
+        arm: armOf(cycle),
+        onCompletion: outage.onCompletion,
       }).catch((err: unknown) =>
         skippedReport(`cycle failed: ${err instanceof Error ? err.message : String(err)}`),
       )
@@ -146,7 +164,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
     }
     sizer = report.sizer ?? sizer
     usageEndpoint = report.poolUsage?.endpoint ?? usageEndpoint
-    const findings = [...report.findings]
+    const findings = [...report.findings, ...outage.findings()]
     if (report.poolUsage !== null) {
       const unit = `${report.poolUsage.field} (${report.poolUsage.unit})`
       if (unit !== idleUnit) idleReadings.length = 0
@@ -167,6 +185,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
         cycle,
         outcome,
         triggers: report.triggers,
+        ...(report.arm !== null ? { arm: report.arm } : {}),
         spent: report.spent,
         ...(report.refusedTokens > 0 ? { refusedTokens: report.refusedTokens } : {}),
         ...(report.followUps > 0 ? { followUps: report.followUps } : {}),
@@ -192,6 +211,42 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
   }
 }
 
+/** The audit's outage check (outage.ts) over the watch's completions across cycles: valid
+ *  requests failing with a 5xx or no answer, six or more in a row over at least 10 s after the
+ *  endpoint had answered, are an availability alert, numbered across the whole watch. */
+export function watchOutage(): {
+  onCompletion: (request: CompletionRequest, result: CompletionResult) => void
+  findings: () => WatchFinding[]
+} {
+  const watch = new OutageWatch()
+  const startedAt = Date.now()
+  let numSent = 0
+  return {
+    onCompletion: (request, result) => {
+      watch.observe(
+        request.isValid ?? true,
+        {
+          requestNumber: ++numSent,
+          atMs: Date.now() - startedAt,
+          probe: null,
+          tenant: request.tenant.name,
+          promptTokens: result.promptTokens ?? request.estimatedPromptTokens ?? null,
+          promptChars: request.prompt.length,
+          maxTokens: request.maxTokens,
+          isStream: request.stream,
+          status: result.status,
+          failure: result.failure,
+        },
+        result,
+      )
+    },
+    findings: () => {
+      const finding = watch.isDown() ? watch.finding({ before: null, after: null }) : null
+      return finding === null ? [] : [{ key: 'warning:outage', finding }]
+    },
+  }
+}
+
 function skippedReport(reason: string): CycleReport {
   return {
     outcome: 'skipped',
@@ -207,6 +262,7 @@ function skippedReport(reason: string): CycleReport {
     steps: [],
     refusedTokens: 0,
     followUps: 0,
+    arm: null,
   }
 }
 
