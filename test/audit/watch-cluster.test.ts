@@ -1,7 +1,7 @@
 /** `kvfence watch` against the real kvfence cluster (router, prefill and decode workers as OS
  *  processes, KV pages over TCP, the bundled model): with the incident's fault injected and guards
  *  off it alerts (a leak finding in the log, the metric, the webhook body); as shipped it stays
- *  quiet through several cycles of every trigger. */
+ *  quiet through several cycles of every trigger and every arm of the rotation. */
 import assert from 'node:assert/strict'
 import { rmSync } from 'node:fs'
 import { join } from 'node:path'
@@ -136,12 +136,24 @@ describe('kvfence watch against the real cluster', () => {
         const isDone = () => {
           const cycles = watch.lines.filter((l) => l.msg === 'cycle' && l.outcome === 'clean')
           const triggers = new Set(cycles.flatMap((l) => l.triggers as string[]))
-          return cycles.length >= 6 && triggers.size === 5
+          const arms = new Set(cycles.map((l) => l.arm))
+          return cycles.length >= 6 && triggers.size === 5 && arms.size === 4
         }
-        await watch.waitFor(() => isDone(), 150_000, 'of six clean cycles running every trigger')
+        await watch.waitFor(
+          () => isDone(),
+          150_000,
+          'of six clean cycles running every trigger and every arm of the rotation',
+        )
         const metrics = await scrape(await watch.metricsUrl())
         assert.deepEqual(
           watch.lines.filter((l) => l.msg === 'finding' || l.outcome === 'finding'),
+          [],
+        )
+        // Each arm exercised what it checks: its positive control showed (none could not tell).
+        assert.deepEqual(
+          watch.lines.flatMap((l) =>
+            ((l.skipped as string[] | undefined) ?? []).filter((s) => s.includes('arm ')),
+          ),
           [],
         )
         // Every prompt over the limit was refused: no follow-up round ran.

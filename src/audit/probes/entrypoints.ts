@@ -32,7 +32,8 @@ import { judgePath, type Canaries, type Exchange, type Trial } from './entrypoin
 
 /** Tokens an answer may have: enough for a canary to show, never a long generation. */
 export const answerMaxTokens = 8
-const discoveryPrompt = 'Say hello briefly.'
+/** The discovery request's prompt (answered with one token). */
+export const discoveryPrompt = 'Say hello briefly.'
 /** Largest answer body read: 8 tokens of any shape, streamed or not, fit many times over. */
 const maxAnswerBytes = 256 * 1024
 
@@ -119,7 +120,9 @@ async function sendTo(
  *  reports, counting a token per character (the worst case: the bundled model's tokenizer), and
  *  that a trial's three prompts fit the KV pool together with room to spare (on a small pool the
  *  second tenant's prompt would otherwise evict the prime before the control reads it). */
-export function prefixChars(discovery: Discovery): number {
+export function prefixChars(
+  discovery: Pick<Discovery, 'contextTokens' | 'inputLimitTokens' | 'poolTokens'>,
+): number {
   const limits = [discovery.contextTokens, discovery.inputLimitTokens]
     .filter((n): n is number => n !== null)
     .map((n) => n - answerMaxTokens - tailAndTemplateTokens)
@@ -129,10 +132,11 @@ export function prefixChars(discovery: Discovery): number {
 }
 const maxPrefixChars = 300
 /** Two canaries (at most 49 characters) and a chat template's own tokens. */
-const tailAndTemplateTokens = 100
+export const tailAndTemplateTokens = 100
 
-/** Draws the probe's material: fresh prefixes of filler words, canary tails per tenant. */
-function materialDrawer(rng: Rng, taken: { A: string[]; B: string[] }, maxChars: number) {
+/** Draws the probe's material: fresh prefixes of filler words (at most `maxChars` characters),
+ *  canary tails per tenant (two canaries each, recorded in `taken`). */
+export function materialDrawer(rng: Rng, taken: { A: string[]; B: string[] }, maxChars: number) {
   return {
     prefix: () => {
       const words = `${plantingPrompt(rng, [])} ${plantingPrompt(rng, [])}`.split(' ')
@@ -151,8 +155,9 @@ function materialDrawer(rng: Rng, taken: { A: string[]; B: string[] }, maxChars:
   }
 }
 
-/** Runs the trials in order, into `trials` and `exchanges` (so a budget cut keeps what ran). */
-async function runTrials(
+/** Runs the trials in order, three requests each (A primes, B tests, A's control), into
+ *  `trials` and `exchanges` (so a budget cut keeps what ran). */
+export async function runTrials(
   target: Target,
   plan: readonly [EntrypointName, EntrypointName][],
   draw: ReturnType<typeof materialDrawer>,

@@ -16,7 +16,8 @@ import { isAnsweredWhole, type CompletionResult } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
 import { materialPromptTokens } from '../plan.js'
 
-const maxTokens = 48
+/** Tokens each answer may have. */
+export const answerMaxTokens = 48
 /** Answers this long or longer that are equal are not equal by chance at temperature 0 when they
  *  also carry the same answer id. */
 const minVerbatimChars = 16
@@ -92,12 +93,12 @@ export const nearDuplicatesProbe: Probe = {
     {
       what: "the victim's prompt and its exact repeat",
       numRequests: 2,
-      tokensEach: materialPromptTokens + maxTokens,
+      tokensEach: materialPromptTokens + answerMaxTokens,
     },
     {
       what: "the observer's near-duplicates",
       numRequests: 6,
-      tokensEach: materialPromptTokens + maxTokens,
+      tokensEach: materialPromptTokens + answerMaxTokens,
     },
   ],
   async run(target, _budget, context): Promise<Finding[]> {
@@ -106,7 +107,7 @@ export const nearDuplicatesProbe: Probe = {
     const [canary, ownCanary] = makeCanaries(rng, 2)
     const prompt = victimPrompt(rng, canary)
     const send = (tenant: Tenant, p: string) =>
-      target.complete({ tenant, prompt: p, maxTokens, stream: false })
+      target.complete({ tenant, prompt: p, maxTokens: answerMaxTokens, stream: false })
     const first = await send(victim, prompt)
     const repeat = await send(victim, prompt)
     const answers: { duplicate: NearDuplicate; result: CompletionResult }[] = []

@@ -37,12 +37,13 @@ export const operationalPaths = [
   '/debug/requests',
 ] as const
 
-const plantMaxTokens = 16
+/** Tokens the victim's planting request may answer with. */
+export const plantMaxTokens = 16
 /** Long enough that the reads during it find it in flight on a streaming engine. */
 const inFlightMaxTokens = 64
 
 /** One GET: which path, as whom, when. */
-interface Read {
+export interface Read {
   readonly path: string
   /** The tenant whose key was sent, or null (no key). */
   readonly reader: Tenant | null

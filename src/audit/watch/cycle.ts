@@ -679,6 +679,8 @@ async function runArm(
       planted: state.observed.map((o) => o.planted),
     })
     state.tokens += result.spent.tokens
+    // What the arm could not tell is said in the log line, never passed over as clean.
+    skipped.push(...(result.notes ?? []).map((note) => `${arm.name} arm could not tell: ${note}`))
     return result
   } catch (err) {
     if (!(err instanceof BudgetExhaustedError)) throw err

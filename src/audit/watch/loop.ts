@@ -25,7 +25,7 @@ import {
 import { HourlyBudget, PacingBucket, type Spend } from './hourly.js'
 import type { WatchMetrics } from './metrics.js'
 import type { WatchConfig } from './options.js'
-import { armOf, rotation } from './rotation.js'
+import { armOf, createRotation, rotation } from './rotation.js'
 import { OutageWatch } from '../outage.js'
 import type { CompletionRequest, CompletionResult } from '../target.js'
 import { alertEvidence, postWebhook, webhookBody, type AlertStatus } from './webhook.js'
@@ -80,7 +80,9 @@ export function cycleCostBound(config: WatchConfig): {
     allowance: pacing(config).capacity,
     minCycle: { tokens: minCycleTokens, requests: maxReadRequests + 2 },
     rotationArm: rotation
-      .map((arm) => arm.cost({ poolTokens: Infinity, contextTokens: Infinity }))
+      .map((arm) =>
+        arm.cost({ poolTokens: Infinity, contextTokens: Infinity, inputLimitTokens: Infinity }),
+      )
       .reduce(
         (a, b) => ({
           tokens: Math.max(a.tokens, b.tokens),
@@ -110,6 +112,8 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
   const bucket = pacing(config)
   const alerts = new AlertTracker(config.resolveAfterCycles)
   const outage = watchOutage()
+  // One rotation a watch: its arms remember what earlier cycles did (entrypoints served, turns).
+  const arms = createRotation()
   const idleReadings: number[] = []
   let idleUnit: string | null = null
   let sizer: PromptSizer | null = null
@@ -151,7 +155,7 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
         requestTimeoutMs: config.requestTimeoutMs,
         concurrency: config.concurrency,
         maxSeconds: Math.max(config.cycleSeconds, config.requestTimeoutMs / 1000),
-        arm: armOf(cycle),
+        arm: armOf(cycle, arms),
         onCompletion: outage.onCompletion,
       }).catch((err: unknown) =>
         skippedReport(`cycle failed: ${err instanceof Error ? err.message : String(err)}`),
