@@ -33,7 +33,7 @@ function trialTokens(discovery: ArmDiscovery): number {
   return trialRequests * (prefixChars(discovery) + tailAndTemplateTokens + answerMaxTokens)
 }
 
-/** Canaries of the cycle's plant and looks sent by anyone but `tenant`. */
+/** Canaries of the cycle's plant and looks sent by anyone but `notBy`. */
 function plantedBy(planted: readonly Planted[], notBy: Tenant): string[] {
   return planted.filter((p) => p.tenant.name !== notBy.name).flatMap((p) => p.canaries)
 }
@@ -70,16 +70,14 @@ export function createEntrypointArm(): RotationArm {
       }
       const served = table.filter((r) => r.isServed)
       const row = served[turn++ % served.length]
-      const taken = { A: [] as string[], B: [] as string[] }
+      // Each side's canaries start with the cycle's material an answer to the other side must
+      // not carry; the trial's own are drawn apart from them and added.
+      const taken = { A: plantedBy(planted, b), B: plantedBy(planted, a) }
       const draw = materialDrawer(rng, taken, prefixChars(discovery))
       const trials: Trial[] = []
       const exchanges: Exchange[] = []
       await runTrials(target, [[row.entrypoint, row.entrypoint]], draw, trials, exchanges)
-      const canaries = {
-        A: [...taken.A, ...plantedBy(planted, b)],
-        B: [...taken.B, ...plantedBy(planted, a)],
-        names: { A: a.name, B: b.name },
-      }
+      const canaries = { ...taken, names: { A: a.name, B: b.name } }
       const rows = table.map((r) => ({ ...r }))
       const judged = judgePath(row.entrypoint, row.endpoint, trials, exchanges, canaries, rows)
       const findings: ArmFinding[] = judged
