@@ -21,7 +21,7 @@ import { readFile } from 'node:fs/promises'
 import { parse as parseYaml } from 'yaml'
 import { z } from 'zod'
 import { maxAuditSeconds, minAuditSeconds } from './budget.js'
-import { failOnTerms, type FailOnTerm } from './gate.js'
+import { failOnFault, type FailOnTerm } from './gate.js'
 import { AuditError, probeNames, type ProbeName, type Tenant } from './types.js'
 
 /** The range of the budget's integers, inclusive: the same as `runAudit` checks, here so that a
@@ -68,11 +68,12 @@ const ConfigFile = z.strictObject({
     .max(2 ** 32 - 1)
     .optional(),
   // One term or a list of them (`failOn: high`, `failOn: [content-leak, availability]`).
+  // Terms are checked after (failOnFault), so that an unknown one is named with the known ones
+  // rather than as zod's "Invalid input" of the union.
   failOn: z
-    .union([
-      z.enum(failOnTerms as [FailOnTerm, ...FailOnTerm[]]),
-      z.array(z.enum(failOnTerms as [FailOnTerm, ...FailOnTerm[]])).min(1),
-    ])
+    .union([z.string(), z.array(z.string()).min(1)], {
+      error: 'must be a term or a list of terms (classes, severities, tags or verdicts)',
+    })
     .optional(),
   authorized_targets: z.array(z.string().min(1)).optional(),
   // `kvfence watch`'s section (its own parser checks it): one file serves the audit and the watch.
@@ -167,6 +168,11 @@ export function parseAuditConfig(
     throw new AuditError('invalid_config', `config ${file}: ${where}: ${issue.message}`)
   }
   const c = parsed.data
+  const failOn =
+    c.failOn === undefined ? undefined : typeof c.failOn === 'string' ? [c.failOn] : c.failOn
+  const failOnFaultText = failOn === undefined ? null : failOnFault(failOn)
+  if (failOnFaultText !== null)
+    throw new AuditError('invalid_config', `config ${file}: failOn: ${failOnFaultText}`)
   const tenants = c.tenants?.map(({ name, keyEnv }) => {
     const key = env[keyEnv]
     if (key === undefined || key === '') {
@@ -190,8 +196,7 @@ export function parseAuditConfig(
     // Present only when given, so a file without them reads as before.
     ...(c.budget?.maxConcurrency === undefined ? {} : { maxConcurrency: c.budget.maxConcurrency }),
     seed: c.seed,
-    failOn:
-      c.failOn === undefined ? undefined : typeof c.failOn === 'string' ? [c.failOn] : c.failOn,
+    failOn: failOn as FailOnTerm[] | undefined,
     reports: c.reports,
     ...(c.authorized_targets === undefined ? {} : { authorizedTargets: c.authorized_targets }),
   }

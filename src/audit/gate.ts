@@ -276,14 +276,18 @@ export function parseFailOn(text: string): FailOnTerm[] {
       'invalid_options',
       `--fail-on needs at least one of ${failOnTerms.join(', ')}`,
     )
-  for (const term of terms) {
-    if (!(failOnTerms as readonly string[]).includes(term))
-      throw new AuditError(
-        'invalid_options',
-        `--fail-on: unknown term ${JSON.stringify(term)} (known: ${failOnTerms.join(', ')})`,
-      )
-  }
+  const fault = failOnFault(terms)
+  if (fault !== null) throw new AuditError('invalid_options', `--fail-on: ${fault}`)
   return [...new Set(terms)] as FailOnTerm[]
+}
+
+/** The fault of the first term of `terms` that `--fail-on` does not take (`unknown term "x"
+ *  (known: content-leak, …)`), or null when it takes them all: the one wording of the flag and of
+ *  the config file's `failOn`. */
+export function failOnFault(terms: readonly string[]): string | null {
+  const unknown = terms.find((term) => !(failOnTerms as readonly string[]).includes(term))
+  if (unknown === undefined) return null
+  return `unknown term ${JSON.stringify(unknown)} (known: ${failOnTerms.join(', ')})`
 }
 
 /** Whether `finding` fails a gate of `terms` (see {@link FailOnTerm}). */

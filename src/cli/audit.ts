@@ -175,6 +175,10 @@ async function audit(flags: AuditFlags): Promise<number> {
     return 0
   }
   const { numbers, file, resume, options } = await auditInputs(flags)
+  // Parsed before --plan too: a plan that passed a gate the audit refuses would promise a run
+  // that never starts.
+  const failOn: readonly FailOnTerm[] =
+    flags.failOn === undefined ? (file.failOn ?? defaultFailOn) : parseFailOn(flags.failOn)
   if (flags.plan) {
     process.stdout.write(
       `${formatPlan(await planAudit({ ...options, resume, pricePerMillionTokens: numbers.price }))}\n`,
@@ -184,8 +188,6 @@ async function audit(flags: AuditFlags): Promise<number> {
   if (flags.pricePerMillionTokens !== undefined) {
     throw new AuditError('invalid_options', '--price-per-million-tokens is only read with --plan')
   }
-  const failOn: readonly FailOnTerm[] =
-    flags.failOn === undefined ? (file.failOn ?? defaultFailOn) : parseFailOn(flags.failOn)
   const reports = {
     json: flags.json ?? file.reports?.json ?? flags.resume,
     junit: flags.junit ?? file.reports?.junit,
