@@ -4,6 +4,7 @@
 export {
   runAudit,
   planAudit,
+  checkTenantKeys,
   exitCodeFor,
   auditDefaults,
   type AuditOptions,

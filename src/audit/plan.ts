@@ -140,9 +140,11 @@ export function formatPlan(plan: AuditPlan): string {
       ? ''.padStart(30)
       : `${String(share.numRequests).padStart(9)}${String(share.numTokens).padStart(11)}${share.seconds.toFixed(1).padStart(10)}`
   }
+  // The name column holds the longest probe name (operational-endpoints is 21) and a space.
+  const nameWidth = Math.max(16, ...plan.probes.map((p) => p.probe.length + 1))
   const rows = plan.probes.map(
     (p) =>
-      `${p.probe.padEnd(16)}${String(p.numRequests).padStart(9)}${String(p.numTokens).padStart(11)}${price(p.numTokens)}${shareCells(p.probe)}`,
+      `${p.probe.padEnd(nameWidth)}${String(p.numRequests).padStart(9)}${String(p.numTokens).padStart(11)}${price(p.numTokens)}${shareCells(p.probe)}`,
   )
   const numShared = (plan.shares ?? []).reduce((s, p) => s + p.numTokens, 0)
   const read = plan.endpoints.map((e) => `${e.endpoint} ${e.status}`).join(', ')
@@ -154,9 +156,9 @@ export function formatPlan(plan: AuditPlan): string {
       ? []
       : [`resumed: kept from the report, not sent again: ${kept.join(', ')}`]),
     `read from the flags and from discovery (${read}): context ${size(plan.contextTokens)}, KV pool ${size(plan.poolTokens)}`,
-    `${'probe'.padEnd(16)}${'requests'.padStart(9)}${'tokens'.padStart(11)}${isPriced ? 'cost'.padStart(10) : ''}${'share: req'.padStart(11)}${'tokens'.padStart(10)}${'seconds'.padStart(9)}`,
+    `${'probe'.padEnd(nameWidth)}${'requests'.padStart(9)}${'tokens'.padStart(11)}${isPriced ? 'cost'.padStart(10) : ''}${'share: req'.padStart(11)}${'tokens'.padStart(10)}${'seconds'.padStart(9)}`,
     ...rows,
-    `${'total'.padEnd(16)}${String(plan.numRequests).padStart(9)}${String(plan.numTokens).padStart(11)}${price(plan.numTokens)}${String(plan.numRequestsCapped).padStart(9)}${String(numShared + (plan.probes.find((p) => p.probe === 'audit')?.numTokens ?? 0)).padStart(11)}${plan.limits.maxSeconds.toFixed(1).padStart(10)}`,
+    `${'total'.padEnd(nameWidth)}${String(plan.numRequests).padStart(9)}${String(plan.numTokens).padStart(11)}${price(plan.numTokens)}${String(plan.numRequestsCapped).padStart(9)}${String(numShared + (plan.probes.find((p) => p.probe === 'audit')?.numTokens ?? 0)).padStart(11)}${plan.limits.maxSeconds.toFixed(1).padStart(10)}`,
     ...(plan.numRequests > plan.limits.maxRequests
       ? [
           `the plan's ${plan.numRequests} requests exceed --max-requests ${plan.limits.maxRequests}: each probe gets its share (every probe runs; none starves the ones after it), and these get less than they ask:`,

@@ -872,6 +872,26 @@ export function normalizeBaseUrl(raw: string, fail: (message: string) => never):
   return `${url.protocol}//${url.host}${path}`
 }
 
+/** The audit's key check ({@link checkKeys}) on its own, for `kvfence watch` before its first
+ *  cycle: a watch with a refused key would spend the other tenants' budget on cycles that can see
+ *  nothing. Its own budget: one request per tenant, each within `requestTimeoutMs`. Resolves with
+ *  the number of requests sent (for the watch's hourly budget). Throws
+ *  `AuditError('invalid_options')` naming the first tenant refused (401 or 403); a target that
+ *  does not answer passes (the cycles say it is unreachable). */
+export async function checkTenantKeys(
+  baseUrl: string,
+  tenants: readonly Tenant[],
+  requestTimeoutMs: number,
+): Promise<number> {
+  const budget = new Budget({
+    maxRequests: tenants.length,
+    maxSeconds: (tenants.length * requestTimeoutMs) / 1000 + 1,
+    concurrency: 1,
+  })
+  await checkKeys(createTarget({ baseUrl, tenants, budget, requestTimeoutMs, model: null }))
+  return budget.requestsSent
+}
+
 /** Every tenant's key must be accepted: with a refused key each probe would only say
  *  "inconclusive", and a CI gate on leaks would pass without having tested anything. One
  *  `GET /v1/models` per tenant; a 401 or 403 is a tool error (exit 2) naming the tenant. */

@@ -8,7 +8,7 @@
 import { randomInt } from 'node:crypto'
 import { Option, type Command } from 'commander'
 import pino from 'pino'
-import { AuditError, checkAuthorizedTarget } from '../audit/index.js'
+import { AuditError, checkAuthorizedTarget, checkTenantKeys } from '../audit/index.js'
 import {
   createWatchMetrics,
   cycleCostBound,
@@ -180,6 +180,13 @@ async function watch(flags: WatchFlags): Promise<number> {
     process.stdout.write(`${formatWatchPlan(config)}\n`)
     return 0
   }
+  // As the audit's, before any cycle: a refused key is one line and exit 2, not an hour of
+  // cycles spending the other tenants' budget on requests that can see nothing.
+  const numKeyChecks = await checkTenantKeys(
+    config.baseUrl,
+    config.tenants,
+    config.requestTimeoutMs,
+  )
   const log = pino(
     { name: 'kvfence-watch', level: flags.logLevel },
     pino.destination({ dest: 1, sync: true }),
@@ -219,7 +226,12 @@ async function watch(flags: WatchFlags): Promise<number> {
     },
     `watch started: one cycle costs at most ${cost.maxRequests} requests and ${cost.maxCanaryTokens} tokens of canary prompts (plus any over-capacity or boundary prompt); a cycle may spend ${cost.allowance.tokens} tokens and ${cost.allowance.requests} requests`,
   )
-  await runWatch(config, { log, metrics, signal: stop.signal })
+  await runWatch(config, {
+    log,
+    metrics,
+    signal: stop.signal,
+    spentAtStart: { tokens: 0, requests: numKeyChecks },
+  })
   served.server.closeAllConnections()
   await new Promise<void>((resolve) => served.server.close(() => resolve()))
   log.info('watch stopped')

@@ -59,6 +59,28 @@ function planRow(stdout: string, probe: string): string[] {
   return line.trim().split(/\s+/).slice(1, 4)
 }
 
+/** Each row of the plan's table, from the header to the total, ends its requests and tokens
+ *  cells where the header ends `requests` and `tokens`: a probe name longer than the name
+ *  column (operational-endpoints, 21 characters) pushed its cells right. */
+function assertColumnsAligned(stdout: string): void {
+  const lines = stdout.split('\n')
+  const first = lines.findIndex((l) => l.startsWith('probe '))
+  const last = lines.findIndex((l) => l.startsWith('total '))
+  assert.ok(first >= 0 && last > first, stdout)
+  const ends = (line: string): number[] =>
+    [...line.matchAll(/\S+/g)].map((m) => m.index + m[0].length)
+  const [, requestsEnd, tokensEnd] = ends(lines[first])
+  const rows = lines.slice(first + 1, last + 1)
+  assert.ok(
+    rows.some((l) => l.startsWith('operational-endpoints ')),
+    stdout,
+  )
+  for (const row of rows) {
+    const [, requests, tokens] = ends(row)
+    assert.deepEqual([requests, tokens], [requestsEnd, tokensEnd], row)
+  }
+}
+
 describe('--plan', () => {
   test("a refused key or an unlisted --model is the audit's tool error: one line, exit 2, no completion", async () => {
     const standIn = await startStandIn('leaky')
@@ -169,6 +191,7 @@ describe('--plan', () => {
       // With operational-endpoints, near-duplicates and request-ids (62 requests, their rows not
       // worked here): 655 requests, within the default budget (800), so no probe's share is cut.
       assert.deepEqual(planRow(run.stdout, 'total'), ['655', '113046', '0.2826'])
+      assertColumnsAligned(run.stdout)
       assert.doesNotMatch(run.stdout, /exceed --max-requests/)
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))
     } finally {
@@ -368,19 +391,67 @@ describe('authorized targets', () => {
     }
   })
 
-  test('kvfence watch: authorized_targets in the config, or --authorized, lets it start', async () => {
-    // Authorized, the watch starts (its start-up line, before any request); it is then stopped.
+  test('kvfence watch: authorized_targets in the config, or --authorized, lets it through', async () => {
+    // Authorized, the watch gets past the check to its plan, which reads nothing: its start checks
+    // the tenants' keys with a request, and no test sends one to an address not loopback.
     const dir = await mkdtemp(join(tmpdir(), 'kvfence-watch-auth-'))
     try {
       const file = join(dir, 'audit.yaml')
       await writeFile(file, 'authorized_targets: ["192.0.2.1:9"]\n')
-      const target = ['--target', 'http://192.0.2.1:9', ...tenantFlags, '--metrics-port', '0']
+      const target = ['--target', 'http://192.0.2.1:9', ...tenantFlags, '--plan']
       for (const extra of [['--config', file], ['--authorized']]) {
-        const line = await watchStartLine(['watch', ...target, ...extra])
-        assert.match(line, /"msg":"watch started: /, extra.join(' '))
+        const run = await kvfence(['watch', ...target, ...extra])
+        assert.equal(run.code, 0, `${extra.join(' ')}: ${run.stderr}`)
+        assert.match(run.stdout, /a cycle sends at most \d+ requests/, extra.join(' '))
       }
     } finally {
       await rm(dir, { recursive: true, force: true })
+    }
+  })
+
+  test("kvfence watch refuses a tenant's refused key at start as the audit does: one line, exit 2, no cycle", async () => {
+    const standIn = await startStandIn('safe')
+    try {
+      const run = await kvfenceWithEnv(
+        { KVFENCE_TEST_KEY_A: tenantKeys.alice },
+        'watch',
+        '--target',
+        standIn.url,
+        '--tenant',
+        'alice=env:KVFENCE_TEST_KEY_A',
+        '--tenant',
+        'bob=wrong',
+        '--metrics-port',
+        '0',
+      )
+      assert.equal(run.code, 2, run.stdout)
+      assert.equal(run.stdout, '')
+      assert.equal(
+        run.stderr,
+        "kvfence watch: tenant bob's key was refused by the target (HTTP 401)\n",
+      )
+      // The audit's check, nothing more: one GET /v1/models per tenant, no completion.
+      assert.deepEqual(standIn.stats.paths, ['GET /v1/models', 'GET /v1/models'])
+    } finally {
+      await standIn.close()
+    }
+  })
+
+  test('kvfence watch with accepted keys starts after the same check', async () => {
+    const standIn = await startStandIn('safe')
+    try {
+      const line = await watchStartLine([
+        'watch',
+        '--target',
+        standIn.url,
+        ...tenantFlags,
+        '--metrics-port',
+        '0',
+      ])
+      assert.match(line, /"msg":"watch started: /)
+      assert.deepEqual(standIn.stats.paths.slice(0, 2), ['GET /v1/models', 'GET /v1/models'])
+    } finally {
+      await standIn.close()
     }
   })
 

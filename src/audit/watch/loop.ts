@@ -55,6 +55,9 @@ export interface WatchDeps {
   readonly metrics: WatchMetrics
   /** Aborting it ends the loop. */
   readonly signal: AbortSignal
+  /** Sent before the loop (the tenants' key checks at start): counted in the hourly budget and
+   *  the requests metric as a cycle's spending is. */
+  readonly spentAtStart?: Spend
 }
 
 /** What one cycle costs at most, for the start-up line, and what a cycle may spend. */
@@ -119,6 +122,10 @@ export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<vo
   let sizer: PromptSizer | null = null
   let usageEndpoint: string | undefined
   let isUnreachable = false
+  const atStart = deps.spentAtStart ?? { tokens: 0, requests: 0 }
+  hourly.reserve(atStart)?.settle(atStart)
+  bucket.take(atStart)
+  metrics.requestsSent.inc(atStart.requests)
   metrics.budgetLimit.set({ resource: 'tokens' }, config.maxTokensPerHour)
   metrics.budgetLimit.set({ resource: 'requests' }, config.maxRequestsPerHour)
   const stopped = new Promise<'stopped'>((resolve) => {
