@@ -54,6 +54,8 @@ export interface StandInStats {
 export interface StandIn {
   readonly url: string
   readonly stats: StandInStats
+  /** Stops accepting `key` from now on (a key revoked while a client runs); startStandIn's only. */
+  revokeKey?(key: string): void
   close(): Promise<void>
 }
 
@@ -698,6 +700,7 @@ export async function startStandIn(
   return {
     url: `http://127.0.0.1:${port}`,
     stats,
+    revokeKey: (key) => void keys.delete(key),
     close: () =>
       new Promise<void>((resolve) => {
         for (const timer of holdTimers) clearTimeout(timer)

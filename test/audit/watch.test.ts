@@ -259,9 +259,7 @@ describe('kvfence watch against a stand-in failing valid requests', () => {
 })
 
 describe('kvfence watch with a key the endpoint refuses', () => {
-  test('the inconclusive cycles name the tenant whose key was refused', async (t) => {
-    // A trial's wrong key for one tenant gave "no other tenant's answer was read whole" and "the
-    // plant was not accepted (401)": nothing said which key, or that it was a key.
+  test("at start: the process exits 2 with the audit's one line, and no completion is sent", async () => {
     const standIn = await startStandIn('safe')
     const watch = startWatch(
       [
@@ -276,16 +274,45 @@ describe('kvfence watch with a key the endpoint refuses', () => {
       ],
       { KVFENCE_TEST_BOB_KEY: 'sk-not-a-key-of-this-endpoint' },
     )
+    try {
+      assert.deepEqual(await watch.exited, { code: 2, signal: null })
+      assert.equal(
+        watch.stderr(),
+        "kvfence watch: tenant bob's key was refused by the target (HTTP 401)\n",
+      )
+      assert.deepEqual(standIn.stats.paths, ['GET /v1/models', 'GET /v1/models'])
+    } finally {
+      watch.child.kill('SIGKILL')
+      await standIn.close()
+    }
+  })
+
+  test('revoked while it runs: the inconclusive cycles name the tenant whose key was refused', async (t) => {
+    // A trial's wrong key for one tenant gave "no other tenant's answer was read whole" and "the
+    // plant was not accepted (401)": nothing said which key, or that it was a key.
+    const standIn = await startStandIn('safe')
+    const watch = startWatch(
+      ['--target', standIn.url, ...tenantFlags, ...fastCycles, ...ampleBudget],
+      env,
+    )
     t.after(async () => {
       watch.child.kill('SIGKILL')
       await standIn.close()
     })
+    await watch.waitFor(isCycle('clean'), 60_000, 'of a clean cycle')
+    standIn.revokeKey!(tenantKeys.bob)
+    const numBefore = watch.lines.length
     await watch.waitFor(
-      (l) => isCycle('inconclusive')(l) && Number(l.cycle) >= 2,
+      (l) => isCycle('inconclusive')(l) && watch.lines.indexOf(l) >= numBefore,
       60_000,
-      'of a second inconclusive cycle',
+      'of an inconclusive cycle after the revocation',
     )
-    const reasons = new Set(watch.lines.filter(isCycle('inconclusive')).map((l) => l.reason))
+    const reasons = new Set(
+      watch.lines
+        .slice(numBefore)
+        .filter(isCycle('inconclusive'))
+        .map((l) => l.reason),
+    )
     assert.deepEqual(
       [...reasons],
       ["bob's key was refused (HTTP 401): check the key and that the endpoint has this tenant"],
