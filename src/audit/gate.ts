@@ -185,17 +185,29 @@ export function isOutageFinding(finding: Finding): boolean {
   return finding.probe === 'availability' && finding.evidence.outage !== undefined
 }
 
-/** Valid completions that failed (5xx, timeouts, broken or endless streams) are a warning
+/** Failed valid requests that make a pattern: one is an event (a timeout, a dropped
+ *  connection), two or more are what `kvfence watch` reports of a cycle too (watch/cycle.ts). */
+export const failurePatternMin = 2
+
+/** Valid completions that failed (5xx, timeouts, broken or endless streams) are one warning
  *  whatever the probes made of them: a probe that could not tell says inconclusive, but an
- *  endpoint failing valid requests is itself a finding. A `/health` that answered 200 meanwhile
- *  is another. Over the whole audit (a resumed one's earlier completions too). */
+ *  endpoint failing valid requests is itself a finding; a single one is named (its request
+ *  number, probe and endpoint). A `/health` that answered 200 meanwhile is another, once the
+ *  failures are a pattern ({@link failurePatternMin}): one failed request does not show a health
+ *  check blind, and a `/health` that itself turned bad is the outage finding's (outage.ts). Over
+ *  the whole audit (a resumed one's earlier completions too). */
 export function availabilityFindings(ledger: Ledger, health: HealthReading | null): Finding[] {
   const valid = ledger.validSummary()
   if (valid.numFailed === 0) return []
-  const byCause = Object.entries(valid.failedBy)
-    .sort(([, a], [, b]) => b - a)
-    .map(([cause, n]) => `${cause} ×${n}`)
-    .join(', ')
+  const first = valid.firstFailed
+  const byCause =
+    Object.entries(valid.failedBy)
+      .sort(([, a], [, b]) => b - a)
+      .map(([cause, n]) => `${cause} ×${n}`)
+      .join(', ') +
+    (valid.numFailed === 1 && first !== null
+      ? `: request #${first.requestNumber}, ${first.probe ?? 'the audit'}, ${first.endpoint ?? 'POST /v1/completions'}`
+      : '')
   const evidence = {
     numValidSent: valid.numSent,
     numValidAnswered: valid.numAnswered,
@@ -218,7 +230,7 @@ export function availabilityFindings(ledger: Ledger, health: HealthReading | nul
         'transfer or decode path is where stale pages get read.',
     },
   ]
-  if (health !== null && health.status === 200) {
+  if (health !== null && health.status === 200 && valid.numFailed >= failurePatternMin) {
     findings.push({
       probe: 'availability',
       verdict: 'warning',

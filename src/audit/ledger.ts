@@ -85,8 +85,15 @@ export class Ledger {
   }
 
   /** Records one completion. `isValid`: a request the endpoint should answer (false for prompts
-   *  sent to be refused, e.g. over capacity). */
-  record(tenant: string, isValid: boolean, result: CompletionResult, isDeadline: boolean): void {
+   *  sent to be refused, e.g. over capacity, or to learn whether an entrypoint is served);
+   *  `endpoint`: where it was sent, as `POST /v1/messages`. */
+  record(
+    tenant: string,
+    isValid: boolean,
+    result: CompletionResult,
+    isDeadline: boolean,
+    endpoint: string,
+  ): void {
     const fate = fateOf(result, isDeadline)
     this.entries.push({
       isEarlier: false,
@@ -94,6 +101,7 @@ export class Ledger {
       atMs: result.atMs,
       tenant,
       probe: this.probe,
+      endpoint,
       isValid,
       status: result.status,
       failure: result.failure,
@@ -125,6 +133,8 @@ export class Ledger {
     failedBy: Record<string, number>
     refusedBy: Record<string, number>
     failedByProbe: Record<string, number>
+    /** The first that failed (request number, probe, endpoint), null when none did. */
+    firstFailed: CompletionEntry | null
   } {
     const valid = this.entries.filter((e) => e.isValid && e.fate !== 'cut')
     const tally = (list: Entry[], key: (e: Entry) => string): Record<string, number> => {
@@ -143,6 +153,7 @@ export class Ledger {
         causeOf,
       ),
       failedByProbe: tally(failed, (e) => e.probe ?? '(none)'),
+      firstFailed: failed.length === 0 ? null : (({ isEarlier: _e, ...entry }) => entry)(failed[0]),
     }
   }
 

@@ -179,8 +179,9 @@ export function formatPlan(plan: AuditPlan): string {
  *    probe that needs little always gets it, and the largest need is cut first.
  *  - tokens: the plan's tokens times share ÷ need (rounded down; all of them when the share is
  *    the need).
- *  - seconds: `maxSeconds` split in proportion to share + 1 (so a probe that sends no completion
- *    still has time for its reads), rounded down to the millisecond.
+ *  - seconds: `maxSeconds` split in proportion to share + 1 + its tokens ÷
+ *    {@link tokensWorthARequest} (a probe that sends no completion still has time for its reads;
+ *    one whose prompts are long has time to prefill them), rounded down to the millisecond.
  *  A probe's share is held back for it while earlier probes run; what a probe leaves unspent
  *  passes to the ones after it. */
 export function shareBudget(
@@ -207,20 +208,28 @@ export function shareBudget(
     shares.set(p.probe, level + (extra > 0 ? 1 : 0))
     extra--
   }
-  const weight = probes.reduce((s, p) => s + shares.get(p.probe)! + 1, 0)
-  return probes.map((p) => {
+  const given = probes.map((p) => {
     const numRequests = shares.get(p.probe)!
-    return {
-      probe: p.probe,
-      numRequests,
-      numTokens:
-        numRequests >= p.numRequests
-          ? p.numTokens
-          : Math.floor((p.numTokens * numRequests) / p.numRequests),
-      seconds: Math.floor((limits.maxSeconds * 1000 * (numRequests + 1)) / weight) / 1000,
-    }
+    const numTokens =
+      numRequests >= p.numRequests
+        ? p.numTokens
+        : Math.floor((p.numTokens * numRequests) / p.numRequests)
+    return { probe: p.probe, numRequests, numTokens }
   })
+  const timeWeight = (g: { numRequests: number; numTokens: number }) =>
+    g.numRequests + 1 + g.numTokens / tokensWorthARequest
+  const weight = given.reduce((s, g) => s + timeWeight(g), 0)
+  return given.map((g) => ({
+    ...g,
+    seconds: Math.floor((limits.maxSeconds * 1000 * timeWeight(g)) / weight) / 1000,
+  }))
 }
+
+/** Tokens that weigh as much as one request in the split of `maxSeconds`: an engine's time
+ *  follows the tokens it prefills as well as the requests it answers. Split by requests alone,
+ *  canary's 16 pool-covering prompts of ~1,000 tokens got 14 s of a 300 s audit against
+ *  transformers serve and were cut, while the audit ended after 62 s (trial). */
+export const tokensWorthARequest = 256
 
 /** What each probe's plan asks beyond its share, one line each ('' when every plan fits). */
 export function formatShortfalls(plan: AuditPlan): string[] {

@@ -448,6 +448,10 @@ async function runProbe(
     !budget.isStopped &&
     budget.remainingMs > 0 &&
     (budget.numRefused === refusedBefore || findings.every((f) => f.verdict !== 'inconclusive'))
+  // A probe left pending (its time ran out, or the audit stopped) is not proven clean: what it
+  // exercised before the cut is kept in the title, the verdict is inconclusive (a clean verdict
+  // beside "pending" was reported against transformers serve: 0 of 8 in its last burst).
+  if (hasReturned && !isComplete) findings = findings.map((f) => notProvenClean(f, budget))
   const run: ProbeRun = {
     probe: name,
     durationMs: Math.round(performance.now() - probeStartedAt),
@@ -722,6 +726,23 @@ function overranProbe(probe: ProbeName, budget: Budget): Finding {
     severity: 'medium',
     title: `not run to the end: still running ${probeGraceMs / 1000} s after the ${seconds} s time budget`,
     evidence: { maxSeconds: seconds, graceMs: probeGraceMs },
+    remediation: inconclusiveRemediation,
+  }
+}
+
+/** A clean finding of a probe that did not run to its end, as inconclusive; other verdicts (a
+ *  leak or a warning is evidence found, whatever stopped the probe after it) unchanged. */
+function notProvenClean(finding: Finding, budget: Budget): Finding {
+  if (finding.verdict !== 'clean') return finding
+  const cut = budget.isStopped
+    ? 'the audit stopped'
+    : budget.remainingMs <= 0
+      ? 'its time ran out'
+      : 'its share of the budget ran out'
+  return {
+    ...finding,
+    verdict: 'inconclusive',
+    title: `not run to the end (${cut}), so not proven clean; before the cut: ${finding.title}`,
     remediation: inconclusiveRemediation,
   }
 }

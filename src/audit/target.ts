@@ -194,8 +194,27 @@ export interface Target {
   ): Promise<HttpResult>
   /** Budget-checked `POST /v1/completions` at temperature 0 (throws `BudgetExhaustedError`). */
   complete(request: CompletionRequest): Promise<CompletionResult>
+  /** Budget-checked POST of a generation request on another entrypoint (chat, Responses,
+   *  Messages, `/generate`, ...), recorded in the ledger under `POST path` as a completion is:
+   *  `isAnswered` says whether a 2xx held an answer of the entrypoint's shape (one that did not
+   *  is a `bad_response`). Throws `BudgetExhaustedError`. */
+  postGeneration(
+    path: string,
+    body: unknown,
+    options: GenerationOptions,
+    isAnswered: (http: HttpResult) => boolean,
+  ): Promise<HttpResult>
   /** Replaces every tenant key in `text` (for anything the server sends back that we keep). */
   scrub(text: string): string
+}
+
+/** How a generation request on any entrypoint is sent and counted. */
+export interface GenerationOptions {
+  readonly tenant: Tenant
+  /** False for a request sent to learn whether the entrypoint is served (a 404 then is an
+   *  answer, not a failure); default true. */
+  readonly isValid?: boolean
+  readonly maxBodyBytes?: number
 }
 
 export interface TargetOptions {
@@ -273,12 +292,66 @@ export function createTarget(options: TargetOptions): Target {
       onFirstByte: request.onFirstByte,
     })
     const result = parseCompletion(http, request.stream, scrub)
-    ledger?.record(request.tenant.name, request.isValid ?? true, result, budget.remainingMs === 0)
+    const isDeadline = budget.remainingMs === 0
+    ledger?.record(request.tenant.name, request.isValid ?? true, result, isDeadline, completionsAt)
     onCompletion?.(request, result)
     return result
   }
 
-  return Object.freeze({ baseUrl, model, tenants, get, postJson, postRaw, complete, scrub })
+  const postGeneration = async (
+    path: string,
+    body: unknown,
+    opts: GenerationOptions,
+    isAnswered: (http: HttpResult) => boolean,
+  ): Promise<HttpResult> => {
+    const http = await postJson(path, body, {
+      tenant: opts.tenant,
+      maxBodyBytes: opts.maxBodyBytes,
+    })
+    const result = generationResult(http, isAnswered(http))
+    ledger?.record(
+      opts.tenant.name,
+      opts.isValid ?? true,
+      result,
+      budget.remainingMs === 0,
+      `POST ${path}`,
+    )
+    return http
+  }
+
+  return Object.freeze({
+    baseUrl,
+    model,
+    tenants,
+    get,
+    postJson,
+    postRaw,
+    complete,
+    postGeneration,
+    scrub,
+  })
+}
+
+/** The ledger's endpoint for {@link Target.complete}. */
+const completionsAt = 'POST /v1/completions'
+
+/** What the ledger keeps of an answer on another entrypoint: its status and failure (a 2xx
+ *  without an answer of the entrypoint's shape is a `bad_response`); its text is the probe's. */
+function generationResult(http: HttpResult, isAnswered: boolean): CompletionResult {
+  const isOk = http.status !== null && http.status >= 200 && http.status < 300
+  return {
+    status: http.status,
+    failure: http.failure ?? (isOk && !isAnswered ? 'bad_response' : null),
+    text: '',
+    promptTokens: null,
+    cachedTokens: null,
+    ttftMs: isOk ? http.firstByteMs : null,
+    requestNumber: http.requestNumber,
+    atMs: http.atMs,
+    failureDetail: http.failureDetail,
+    errorCode: null,
+    errorMessage: null,
+  }
 }
 
 /** One HTTP request through the budget: the tenant's key as bearer token, cut at the request's

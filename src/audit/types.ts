@@ -91,6 +91,9 @@ export interface CompletionEntry {
   readonly tenant: string
   /** The probe that sent it (null: the audit's own requests). */
   readonly probe: ProbeName | null
+  /** Where it was sent, as `POST /v1/chat/completions`; absent in reports written before it was
+   *  recorded (they hold `POST /v1/completions` only). */
+  readonly endpoint?: string
   readonly status: number | null
   readonly failure: string | null
   readonly fate: CompletionFate

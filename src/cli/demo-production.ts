@@ -160,10 +160,13 @@ export function productionLines(o: ProductionOutcome): string[] {
   const at = (ms: number | null) =>
     ms === null ? 'not seen' : `+${((ms - o.faultOnAtMs) / 1000).toFixed(1)} s`
   const first = firstContaminatedMs(o)
+  // Say which answer the delay is counted from: when only the sentinel saw one, "after the first"
+  // beside "tenant-b received tenant-a's text: not seen" read as a contradiction (trial).
+  const firstWhat = first === o.contaminatedAtMs ? "tenant-b's answer" : "the sentinel's flag"
   const watchDelay =
     o.watchAtMs === null || first === null
       ? ''
-      : `, ${((o.watchAtMs - first) / 1000).toFixed(1)} s after the first`
+      : `, ${((o.watchAtMs - first) / 1000).toFixed(1)} s after ${firstWhat}`
   return [
     `fault switched on (redeploy, same URL)   at 0.0 s`,
     `sentinel: first ${o.sentinelKind ?? 'event'} cross-tenant answer`.padEnd(40) +

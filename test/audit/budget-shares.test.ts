@@ -24,15 +24,19 @@ function expectedShares(plan: AuditPlan): BudgetShare[] {
     if (p.numRequests <= level) return p.numRequests
     return level + (leftover-- > 0 ? 1 : 0)
   })
-  const weight = requests.reduce((s, n) => s + n + 1, 0)
+  const tokens = probes.map((p, i) =>
+    requests[i] >= p.numRequests
+      ? p.numTokens
+      : Math.floor((p.numTokens * requests[i]) / p.numRequests),
+  )
+  // Time follows requests and prefilled tokens: 256 tokens weigh as one request.
+  const weights = requests.map((n, i) => n + 1 + tokens[i] / 256)
+  const weight = weights.reduce((s, w) => s + w, 0)
   return probes.map((p, i) => ({
     probe: p.probe as BudgetShare['probe'],
     numRequests: requests[i],
-    numTokens:
-      requests[i] >= p.numRequests
-        ? p.numTokens
-        : Math.floor((p.numTokens * requests[i]) / p.numRequests),
-    seconds: Math.floor((plan.limits.maxSeconds * 1000 * (requests[i] + 1)) / weight) / 1000,
+    numTokens: tokens[i],
+    seconds: Math.floor((plan.limits.maxSeconds * 1000 * weights[i]) / weight) / 1000,
   }))
 }
 

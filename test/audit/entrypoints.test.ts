@@ -8,6 +8,7 @@ import { test } from 'node:test'
 import { runAudit, type AuditReport } from '../../src/audit/index.js'
 import { entrypointNames } from '../../src/audit/probes/entrypoint-shapes.js'
 import { startEntrypointStandIn, type EntrypointStandInOptions } from './entrypoint-standins.js'
+import { reportValidator } from './schema-validator.js'
 import { standInTenants } from './standins.js'
 
 async function audit(options: EntrypointStandInOptions, seed = 1): Promise<AuditReport> {
@@ -137,4 +138,39 @@ test('a tool request that fails (500) is not "not served": the round trip is inc
     [toolEndpoint, 'inconclusive', 'side-channel'],
   ])
   assert.match(report.findings[3].title, /the first request with a tool failed \(500\)/)
+})
+
+test("every generation request of the probe is in the report's completions, with its endpoint: per path, the stand-in's count; the probe run counts them all", async () => {
+  const standIn = await startEntrypointStandIn({ serves: all })
+  let report: AuditReport
+  try {
+    report = await runAudit({
+      target: standIn.url,
+      tenants: standInTenants,
+      seed: 1,
+      probes: ['entrypoints'],
+    })
+  } finally {
+    await standIn.close()
+  }
+  const { validate, errorsOf } = reportValidator()
+  assert.ok(validate(JSON.parse(JSON.stringify(report))), errorsOf())
+  // What the stand-in received, per POST path, is what the report lists per endpoint.
+  const tally = (list: readonly string[]) => {
+    const out: Record<string, number> = {}
+    for (const key of list) out[key] = (out[key] ?? 0) + 1
+    return out
+  }
+  const received = tally(standIn.routes.filter((r) => r.startsWith('POST ')))
+  assert.deepEqual(tally(report.completions.map((c) => String(c.endpoint))), received)
+  // Every entrypoint was sent to (Responses streamed or not on one path).
+  assert.deepEqual(
+    Object.keys(received).sort(),
+    [...new Set(endpoints.map((e) => e.split(' (')[0]))].sort(),
+  )
+  const run = report.probeRuns.find((r) => r.probe === 'entrypoints')!
+  const ofProbe = report.completions.filter((c) => c.probe === 'entrypoints')
+  assert.equal(run.completions.sent, ofProbe.length)
+  assert.equal(run.completions.sent, run.requestsSent)
+  assert.equal(run.completions.answered, ofProbe.length)
 })

@@ -20,7 +20,8 @@
  *    an abort ends every stream with its id (any tenant's); `per-tenant`, the twin, joins only a
  *    tenant's own.
  *  - `relay`: `crossing` writes the 3rd event of a stream to another client's stream in flight
- *    (LiteLLM#35023); `clean`, the twin (the default). */
+ *    (LiteLLM#35023); `clean`, the twin (the default).
+ *  - `hangsOnce`: one streamed request never answered (a request lost once, not a collision). */
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http'
 import type { AddressInfo } from 'node:net'
 import { tenantKeys } from './standins.js'
@@ -33,6 +34,9 @@ export interface LayerOptions {
   readonly relay?: 'crossing' | 'clean'
   /** Between streamed events (ms); default 8. */
   readonly chunkDelayMs?: number
+  /** The streamed request of this number (1 = the first) gets no answer at all, not even its
+   *  headers, until its client leaves: one request hanging past the client's timeout, once. */
+  readonly hangsOnce?: number
 }
 
 export interface LayerStandIn {
@@ -174,6 +178,7 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
     body: Record<string, unknown>,
     answer: string[],
   ): void => {
+    if (++numStreamed === options.hangsOnce) return
     const clientId = [req.headers['x-request-id'], body.rid, body.request_id, body.user].find(
       (v) => typeof v === 'string',
     )
@@ -234,6 +239,7 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
     })
   }
 
+  let numStreamed = 0
   const server = createServer((req, res) => {
     const path = (req.url ?? '/').split('?')[0]
     requests.push(`${req.method} ${path}`)

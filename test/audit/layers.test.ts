@@ -171,6 +171,41 @@ describe('request-ids', () => {
     assert.ok((report.findings[0].evidence.charsAfterAbort as number) < (found[0][2] as number))
   })
 
+  test("one request hanging past the client's timeout, once, under collision: request-ids could not tell; one availability finding names the request, and none for /health", async () => {
+    const standIn = await startLayerStandIn({ requestIds: 'per-tenant', hangsOnce: 4 })
+    let report: AuditReport
+    try {
+      report = await runAudit({
+        target: standIn.url,
+        tenants: standInTenants,
+        seed: 1,
+        probes: ['request-ids'],
+        requestTimeoutMs: 2_000,
+      })
+    } finally {
+      await standIn.close()
+    }
+    // The 4th streamed request is the colliding arm's second (bob's): distinct answered both.
+    const timedOut = report.completions.filter((c) => c.failure === 'timeout')
+    assert.equal(timedOut.length, 1)
+    assert.deepEqual(
+      report.findings.map((f) => [f.probe, f.verdict]),
+      [
+        ['request-ids', 'inconclusive'],
+        ['availability', 'warning'],
+      ],
+      JSON.stringify(report.findings.map((f) => f.title)),
+    )
+    assert.match(report.findings[0].title, /colliding: HTTP 200\/timeout/)
+    const numValid = report.completions.filter(
+      (c) => c.isValid !== false && c.fate !== 'cut',
+    ).length
+    assert.equal(
+      report.findings[1].title,
+      `1 of ${numValid} valid requests failed (timeout ×1: request #${timedOut[0].requestNumber}, request-ids, POST /v1/completions)`,
+    )
+  })
+
   test('the twins (ids scoped by tenant; a clean relay) are clean, with both requests of every arm in flight at once', async () => {
     for (const options of [{ requestIds: 'per-tenant' }, { relay: 'clean' }] as const) {
       const report = await audit({ ...options, chunkDelayMs: 15 }, 'request-ids')

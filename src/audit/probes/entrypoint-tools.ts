@@ -90,7 +90,12 @@ export function toolSender(
   maxBodyBytes: number,
 ): (tenant: Tenant, body: unknown) => Promise<EntrypointAnswer> {
   return async (tenant, body) => {
-    const http = await target.postJson('/v1/responses', body, { tenant, maxBodyBytes })
+    const http = await target.postGeneration(
+      '/v1/responses',
+      body,
+      { tenant, maxBodyBytes },
+      (h) => parseEntrypointAnswer('responses', h).isAnswered,
+    )
     return parseEntrypointAnswer('responses', http)
   }
 }

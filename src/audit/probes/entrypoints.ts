@@ -108,10 +108,13 @@ async function sendTo(
   requestId: string,
 ): Promise<EntrypointAnswer> {
   const { path, body } = entrypoints[name]
-  const http = await target.postJson(path, body(prompt, maxTokens, target.model, requestId), {
-    tenant,
-    maxBodyBytes: maxAnswerBytes,
-  })
+  const http = await target.postGeneration(
+    path,
+    body(prompt, maxTokens, target.model, requestId),
+    // Discovery asks whether the entrypoint is served: a 404 is an answer there.
+    { tenant, maxBodyBytes: maxAnswerBytes, isValid: requestId !== 'discovery' },
+    (h) => parseEntrypointAnswer(name, h).isAnswered,
+  )
   return parseEntrypointAnswer(name, http)
 }
 

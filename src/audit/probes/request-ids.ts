@@ -247,13 +247,16 @@ function collisionHarms(runs: readonly ArmRun[], summary: Record<string, unknown
   const out: Finding[] = []
   const colliding = runs.find((r) => r.arm === 'colliding')
   const aborted = runs.find((r) => r.arm === 'colliding, first aborted')
-  // Refused or failed outright (no 2xx): the collision's availability harm, in either colliding
-  // arm; a 2xx cut short after the other's abort is the integrity harm below.
-  const isRefused = (s: Sent) => s.result.status === null || s.result.status >= 300
+  // Refused or failed with an HTTP status (no 2xx) in either colliding arm, where the distinct
+  // arm was answered: the collision's availability harm. No status at all (a client-side timeout,
+  // a dropped connection) is not evidence of the collision: one request can time out for any
+  // reason, so that arm could not tell (the control finding says so). A 2xx cut short after the
+  // other's abort is the integrity harm below.
+  const isRefused = (s: Sent) => s.result.status !== null && s.result.status >= 300
   const failed = [
     ...(colliding === undefined ? [] : [colliding.first, colliding.second]),
     ...(aborted === undefined ? [] : [aborted.second]),
-  ].filter((s) => isRefused(s) || (s === colliding?.first && !isAnsweredWhole(s.result)))
+  ].filter(isRefused)
   const failedTenants = [...new Set(failed.map((s) => s.tenant.name))]
   if (failed.length > 0)
     out.push({
@@ -278,7 +281,7 @@ function collisionHarms(runs: readonly ArmRun[], summary: Record<string, unknown
   const after = aborted?.second
   if (
     after !== undefined &&
-    !isRefused(after) &&
+    isOk(after) &&
     (!isAnsweredWhole(after.result) ||
       (after.result.text.length < before.length && before.startsWith(after.result.text)))
   )
@@ -301,6 +304,16 @@ function collisionHarms(runs: readonly ArmRun[], summary: Record<string, unknown
   return out
 }
 
+/** A 2xx answer began (whole or cut short later). */
+function isOk(s: Sent): boolean {
+  return s.result.status !== null && s.result.status >= 200 && s.result.status < 300
+}
+
+/** `HTTP 200`, or the failure of a request that got no status (`timeout`). */
+function statusText(result: Sent['result']): string {
+  return result.status === null ? (result.failure ?? 'no answer') : `HTTP ${result.status}`
+}
+
 function controlFinding(runs: readonly ArmRun[], summary: Record<string, unknown>): Finding[] {
   const missing = runs.filter(
     (r) =>
@@ -314,7 +327,7 @@ function controlFinding(runs: readonly ArmRun[], summary: Record<string, unknown
         probe: 'request-ids',
         verdict: 'inconclusive',
         severity: 'info',
-        title: `not every arm had both requests in flight at once and answered (${missing.map((r) => `${r.arm}: ${r.isOverlapped ? `HTTP ${r.first.result.status}/${r.second.result.status}` : 'the first ended before the second began'}`).join('; ')}): collisions were not exercised there`,
+        title: `not every arm had both requests in flight at once and answered (${missing.map((r) => `${r.arm}: ${r.isOverlapped ? `${statusText(r.first.result)}/${statusText(r.second.result)}` : 'the first ended before the second began'}`).join('; ')}): collisions were not exercised there`,
         evidence: summary,
         remediation: inconclusiveRemediation,
       },

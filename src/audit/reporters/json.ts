@@ -54,7 +54,17 @@ export const jsonFieldOrder = {
     'remediation',
   ],
   controls: ['aisvs', 'guards'],
-  completion: ['requestNumber', 'atMs', 'tenant', 'probe', 'status', 'failure', 'fate', 'isValid'],
+  completion: [
+    'requestNumber',
+    'atMs',
+    'tenant',
+    'probe',
+    'endpoint',
+    'status',
+    'failure',
+    'fate',
+    'isValid',
+  ],
   toolError: ['code', 'message'],
   resumed: ['probes', 'resumedAt', 'previousDurationMs', 'previousRequestsSent'],
 } as const
