@@ -162,7 +162,7 @@ export function productionLines(o: ProductionOutcome): string[] {
   const first = firstContaminatedMs(o)
   // Say which answer the delay is counted from: when only the sentinel saw one, "after the first"
   // beside "tenant-b received tenant-a's text: not seen" read as a contradiction (trial).
-  const firstWhat = first === o.contaminatedAtMs ? "tenant-b's answer" : "the sentinel's flag"
+  const firstWhat = first === o.contaminatedAtMs ? 'tenant-b' : 'the sentinel'
   const watchDelay =
     o.watchAtMs === null || first === null
       ? ''

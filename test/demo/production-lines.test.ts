@@ -16,20 +16,21 @@ const base: ProductionOutcome = {
   watchAlert: 'warning:capacity',
 }
 
-test('only the sentinel saw a contaminated answer: the delay is after its flag', () => {
+test('only the sentinel saw a contaminated answer: the delay is after its flag, within 78 columns (the demo indents by 2)', () => {
   const lines = productionLines(base)
   assert.equal(lines[2], `tenant-b received tenant-a's text`.padEnd(40) + ' not seen')
   assert.equal(
     lines[4],
-    'watch: leak alert (canary probe)'.padEnd(40) + " +5.0 s, 3.6 s after the sentinel's flag",
+    'watch: leak alert (canary probe)'.padEnd(40) + ' +5.0 s, 3.6 s after the sentinel',
   )
-  for (const line of lines) assert.ok(line.length <= 80, line)
+  for (const line of lines) assert.ok(line.length <= 78, line)
 })
 
 test("tenant-b's answer came first: the delay is after it", () => {
-  const lines = productionLines({ ...base, contaminatedAtMs: 11_000 })
+  const lines = productionLines({ ...base, contaminatedAtMs: 11_000, watchAtMs: 25_000 })
   assert.equal(
     lines[4],
-    'watch: leak alert (canary probe)'.padEnd(40) + " +5.0 s, 4.0 s after tenant-b's answer",
+    'watch: leak alert (canary probe)'.padEnd(40) + ' +15.0 s, 14.0 s after tenant-b',
   )
+  for (const line of lines) assert.ok(line.length <= 78, line)
 })
