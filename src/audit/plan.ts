@@ -138,7 +138,7 @@ export function formatPlan(plan: AuditPlan): string {
     const share = shares.get(probe)
     return share === undefined
       ? ''.padStart(30)
-      : `${String(share.numRequests).padStart(9)}${String(share.numTokens).padStart(11)}${share.seconds.toFixed(1).padStart(10)}`
+      : `${String(share.numRequests).padStart(11)}${String(share.numTokens).padStart(10)}${share.seconds.toFixed(1).padStart(9)}`
   }
   // The name column holds the longest probe name (operational-endpoints is 21) and a space.
   const nameWidth = Math.max(16, ...plan.probes.map((p) => p.probe.length + 1))
@@ -158,7 +158,7 @@ export function formatPlan(plan: AuditPlan): string {
     `read from the flags and from discovery (${read}): context ${size(plan.contextTokens)}, KV pool ${size(plan.poolTokens)}`,
     `${'probe'.padEnd(nameWidth)}${'requests'.padStart(9)}${'tokens'.padStart(11)}${isPriced ? 'cost'.padStart(10) : ''}${'share: req'.padStart(11)}${'tokens'.padStart(10)}${'seconds'.padStart(9)}`,
     ...rows,
-    `${'total'.padEnd(nameWidth)}${String(plan.numRequests).padStart(9)}${String(plan.numTokens).padStart(11)}${price(plan.numTokens)}${String(plan.numRequestsCapped).padStart(9)}${String(numShared + (plan.probes.find((p) => p.probe === 'audit')?.numTokens ?? 0)).padStart(11)}${plan.limits.maxSeconds.toFixed(1).padStart(10)}`,
+    `${'total'.padEnd(nameWidth)}${String(plan.numRequests).padStart(9)}${String(plan.numTokens).padStart(11)}${price(plan.numTokens)}${String(plan.numRequestsCapped).padStart(11)}${String(numShared + (plan.probes.find((p) => p.probe === 'audit')?.numTokens ?? 0)).padStart(10)}${plan.limits.maxSeconds.toFixed(1).padStart(9)}`,
     ...(plan.numRequests > plan.limits.maxRequests
       ? [
           `the plan's ${plan.numRequests} requests exceed --max-requests ${plan.limits.maxRequests}: each probe gets its share (every probe runs; none starves the ones after it), and these get less than they ask:`,

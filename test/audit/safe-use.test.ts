@@ -79,6 +79,19 @@ function assertColumnsAligned(stdout: string): void {
     const [, requests, tokens] = ends(row)
     assert.deepEqual([requests, tokens], [requestsEnd, tokensEnd], row)
   }
+  // The share cells too: 'share: req' is two words of the header, a row's share cells three.
+  const headerEnds = [...lines[first].matchAll(/\S+/g)]
+    .filter((m) => m[0] !== 'share:')
+    .map((m) => m.index + m[0].length)
+  for (const row of rows) {
+    const cells = ends(row)
+    if (cells.length === headerEnds.length)
+      assert.deepEqual(cells.slice(1), headerEnds.slice(1), row)
+  }
+  assert.ok(
+    rows.some((row) => ends(row).length === headerEnds.length),
+    stdout,
+  )
 }
 
 describe('--plan', () => {
