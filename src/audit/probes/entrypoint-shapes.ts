@@ -7,7 +7,7 @@
  *  - OpenAI Responses (`input`, `max_output_tokens`): `output[]` items of type `message` with
  *    `output_text` parts, `usage.input_tokens_details.cached_tokens`; streamed, the
  *    `response.output_text.delta` events and the usage of `response.completed`
- *    (/work/shared/specs: OpenAI's OpenAPI document; src/router/responses);
+ *    (OpenAI's OpenAPI description of the Responses API; src/router/responses);
  *  - Anthropic messages (`model`, `max_tokens`, `messages`): `content[]` text blocks,
  *    `usage.input_tokens` (uncached only) and `usage.cache_read_input_tokens`;
  *  - SGLang's native `/generate` (`text`, `sampling_params.max_new_tokens`, `rid`): `text`,
