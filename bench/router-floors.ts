@@ -15,7 +15,7 @@
  *  CPU per streamed request: closed-loop runs (64 clients) of each path in turn (the order
  *  alternating repeat by repeat); the router's is its
  *  process's own CPU per request, the floor's the proxy process's own; their ratio is taken per
- *  repeat. */
+ *  repeat. `KVFENCE_BENCH_CPU_PROF=DIR` writes the router process's V8 CPU profile to DIR. */
 import { type ChildProcess, fork } from 'node:child_process'
 import { rmSync } from 'node:fs'
 import type http from 'node:http'
