@@ -61,8 +61,10 @@ for (const seed of auditSeeds(process.env.KVFENCE_AUDIT_SEEDS)) {
       for (const f of report.findings) verdicts[f.verdict] = (verdicts[f.verdict] ?? 0) + 1
       const prompt = counter(metrics, 'kvfence_router_prompt_tokens_total')
       const generated = counter(metrics, 'kvfence_router_completion_tokens_total')
+      const unsure = report.findings.filter((f) => f.verdict === 'inconclusive')
       t.diagnostic(
-        `seed ${seed}: ${JSON.stringify(verdicts)}; ${report.requestsSent} requests; ` +
+        `seed ${seed}: ${JSON.stringify(verdicts)}` +
+          `${unsure.map((f) => ` [${f.probe}: ${f.title}]`).join('')}; ${report.requestsSent} requests; ` +
           `${prompt} prompt + ${generated} generated tokens admitted; ${(report.durationMs / 1000).toFixed(1)} s`,
       )
       assert.equal(report.seed, seed)
