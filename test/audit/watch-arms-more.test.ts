@@ -6,6 +6,7 @@
 import assert from 'node:assert/strict'
 import { describe, test } from 'node:test'
 import { runAudit } from '../../src/audit/index.js'
+import { parseEntrypointAnswer } from '../../src/audit/probes/entrypoint-shapes.js'
 import { createRng } from '../../src/audit/rng.js'
 import { createEntrypointArm } from '../../src/audit/watch/arms/entrypoint.js'
 import { operationalArm } from '../../src/audit/watch/arms/operational.js'
@@ -251,5 +252,62 @@ describe('what an arm is charged', () => {
       ['race', 'entrypoint', 'operational', 'near-duplicate', 'request-ids'],
     )
     for (const r of runs) assert.ok(r.runs >= 1 && r.runs <= 24, `${r.name}: ${r.runs}`)
+  })
+})
+
+describe('streamed /v1/messages and /generate read event by event', () => {
+  const sse = (body: string) => ({
+    status: 200,
+    failure: null,
+    failureDetail: null,
+    contentType: 'text/event-stream',
+    body,
+    firstByteMs: 1,
+    requestNumber: 1,
+    atMs: 1,
+  })
+  const data = (values: unknown[]) => values.map((v) => `data: ${JSON.stringify(v)}\n\n`).join('')
+
+  test("SGLang's events, each the answer so far: the last one's text; its meta_info's counts", () => {
+    const meta = { prompt_tokens: 40, cached_tokens: 32 }
+    const body = `${data([
+      { text: 'the', meta_info: meta },
+      { text: 'the river', meta_info: meta },
+      { text: 'the river runs', meta_info: meta },
+    ])}data: [DONE]\n\n`
+    const answer = parseEntrypointAnswer('generate-stream', sse(body))
+    assert.deepEqual(
+      [answer.isAnswered, answer.text, answer.promptTokens, answer.cachedTokens],
+      [true, 'the river runs', 40, 32],
+    )
+  })
+
+  test('events carrying only the new part (--incremental-streaming-output): joined', () => {
+    const meta = { prompt_tokens: 9, cached_tokens: 0 }
+    const body = `${data([
+      { text: 'the', meta_info: meta },
+      { text: ' river', meta_info: meta },
+    ])}data: [DONE]\n\n`
+    assert.equal(parseEntrypointAnswer('generate-stream', sse(body)).text, 'the river')
+  })
+
+  test('no [DONE]: not an answer', () => {
+    const body = data([{ text: 'the', meta_info: { prompt_tokens: 3 } }])
+    assert.equal(parseEntrypointAnswer('generate-stream', sse(body)).isAnswered, false)
+  })
+
+  test("Anthropic's stream: text deltas joined, prompt tokens = input + cache reads + writes", () => {
+    const usage = { input_tokens: 5, cache_read_input_tokens: 32, cache_creation_input_tokens: 3 }
+    const body = data([
+      { type: 'message_start', message: { id: 'msg_1', content: [], usage } },
+      { type: 'content_block_delta', index: 0, delta: { type: 'text_delta', text: 'the ' } },
+      { type: 'content_block_delta', index: 0, delta: { type: 'text_delta', text: 'river' } },
+      { type: 'message_stop' },
+    ])
+    const answer = parseEntrypointAnswer('messages-stream', sse(body))
+    assert.deepEqual(
+      [answer.isAnswered, answer.text, answer.promptTokens, answer.cachedTokens],
+      [true, 'the river', 40, 32],
+    )
   })
 })
