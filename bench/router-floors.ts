@@ -15,7 +15,7 @@
  *  CPU per streamed request: closed-loop runs (64 clients) of each path in turn (the order
  *  alternating repeat by repeat); the router's is its
  *  process's own CPU per request, the floor's the proxy process's own; their ratio is taken per
- *  repeat. */
+ *  repeat. `KVFENCE_BENCH_CPU_PROF=DIR` writes the router process's V8 CPU profile to DIR. */
 import { type ChildProcess, fork } from 'node:child_process'
 import { rmSync } from 'node:fs'
 import type http from 'node:http'
@@ -65,8 +65,12 @@ const orders: readonly (readonly Path[])[] = [
 
 /** Each floor's figures (or why it is absent) and nginx's as the top-level floor fields. */
 export async function benchRelayFloors(c: FloorContext): Promise<object> {
+  // A CPU profile of the router's process on request (`KVFENCE_BENCH_CPU_PROF=DIR`): the
+  // evidence for what its CPU per request goes to, which a shared machine's wall clock is not.
+  const profileDir = process.env.KVFENCE_BENCH_CPU_PROF
   const router = fork(fileURLToPath(import.meta.url), [serveFlag, JSON.stringify(c.endpoints)], {
     stdio: ['ignore', 'ignore', 'inherit', 'ipc'],
+    execArgv: profileDir ? ['--cpu-prof', `--cpu-prof-dir=${profileDir}`] : [],
   })
   const results: Record<string, object> = {}
   try {

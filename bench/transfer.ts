@@ -6,8 +6,13 @@
  *    ÷ raw loopback TCP carrying the same bytes between the same two processes. Target ≥ 0.7.
  *  - `tls_vs_plain_transfer_ratio`: the same transfer over mutual TLS 1.3 (certificates made in
  *    memory, as `kvfence certs init` makes them) ÷ over plaintext TCP, alternating. Target ≥ 0.6.
+ *  - `view_vs_copy_path_ratio`: the transfer as the prefill worker sends it (each page from the
+ *    pool as it lies, `viewPage`: its per-layer slices written and hashed in place) ÷ the same
+ *    transfer gathering each page into one buffer first (`readPage` alone), alternating; with
+ *    `sender_cpu_s_per_gb_view_path` / `_copy_path`, this process's (P's) CPU seconds per GB sent.
  *  - `checksum_vs_memcpy_ratio`: xxh64 (`pageChecksum`) over the pages ÷ copying the same pages.
- *    Target ≥ 0.5.
+ *    Target ≥ 0.5. `xxh3_vs_xxh64_ratio`: the same package's xxh3 (64-bit) ÷ xxh64 over the same
+ *    pages (the case for or against changing the wire's checksum kind).
  *  - `guard_overhead_ratio`: decode tokens/s of the bundled model with every guard on ÷ all off
  *    (single-process engine, same prompt, alternating runs). Target ≥ 0.98.
  *
@@ -23,6 +28,7 @@
  *  TCP sink there. */
 import { fork, type ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
+import { xxh3 } from '@node-rs/xxhash'
 import net from 'node:net'
 import { fileURLToPath } from 'node:url'
 import { createAuthority, issuePartCert, validityDays } from '../src/cli/certs.js'
@@ -169,9 +175,19 @@ async function startChild(
   return { child, ...ports }
 }
 
-/** Seconds for one P → D transfer of the whole prompt. */
-async function timeTransfer(client: TransferClient, pool: KvPool, shape: Shape): Promise<number> {
+/** One P → D transfer of the whole prompt: its seconds, and this process's (P's) CPU seconds.
+ *  `path` `view` sends the pages from the pool as they lie (`viewPage`, the prefill worker's
+ *  path); `copy` gathers each page into one buffer first (`readPage` alone). */
+async function timeTransfer(
+  client: TransferClient,
+  pool: KvPool,
+  shape: Shape,
+  path: 'view' | 'copy' = 'view',
+): Promise<{ seconds: number; cpuSeconds: number }> {
   const numPages = Math.ceil(shape.numTokens / shape.pageSize)
+  const tokensOn = (ordinal: number) =>
+    Math.min(shape.pageSize, shape.numTokens - ordinal * shape.pageSize)
+  const cpu0 = process.cpuUsage()
   const t0 = performance.now()
   await client.send({
     transferId: randomBytes(16).toString('hex'),
@@ -184,14 +200,18 @@ async function timeTransfer(client: TransferClient, pool: KvPool, shape: Shape):
     firstTokenId: 1,
     readPage: (ordinal, dst) => {
       gatherPage(pool, ordinal, dst)
-      return Math.min(shape.pageSize, shape.numTokens - ordinal * shape.pageSize)
+      return tokensOn(ordinal)
     },
-    viewPage: (ordinal) => ({
-      tokensOnPage: Math.min(shape.pageSize, shape.numTokens - ordinal * shape.pageSize),
-      views: pageSlices(pool, ordinal),
+    ...(path === 'view' && {
+      viewPage: (ordinal: number) => ({
+        tokensOnPage: tokensOn(ordinal),
+        views: pageSlices(pool, ordinal),
+      }),
     }),
   })
-  return (performance.now() - t0) / 1000
+  const seconds = (performance.now() - t0) / 1000
+  const cpu = process.cpuUsage(cpu0)
+  return { seconds, cpuSeconds: (cpu.user + cpu.system) / 1e6 }
 }
 
 /** Seconds to push `numBytes` through a raw socket in 1 MiB writes until the sink's one-byte reply. */
@@ -262,16 +282,25 @@ export async function benchTransfer(args: string[]): Promise<object> {
   const transferRates: number[] = []
   const rawRates: number[] = []
   const tlsRates: number[] = []
+  const copyRates: number[] = []
+  const cpuPerGb = { view: [] as number[], copy: [] as number[] }
+  const transferOn = async (path: 'view' | 'copy', rates: number[]) => {
+    const t = await timeTransfer(client, pool, shape, path)
+    rates.push(numBytes / t.seconds)
+    cpuPerGb[path].push(t.cpuSeconds / (numBytes / 1e9))
+  }
   try {
     await timeTransfer(client, pool, shape) // warm-up
     await timeRaw(socket, numBytes, chunk)
     await timeTransfer(tlsClient, pool, shape) // warm-up, handshake included
-    // The three in turn, the order reversed every other repeat (transfer, raw, TLS; TLS, raw,
-    // transfer): each ratio's two sides are measured beside each other, alternately first.
+    await timeTransfer(client, pool, shape, 'copy')
+    // The four in turn, the order reversed every other repeat (transfer, raw, TLS, copy path;
+    // copy path, TLS, raw, transfer): each ratio's two sides are measured beside each other.
     const runs = [
-      async () => transferRates.push(numBytes / (await timeTransfer(client, pool, shape))),
+      () => transferOn('view', transferRates),
       async () => rawRates.push(numBytes / (await timeRaw(socket, numBytes, chunk))),
-      async () => tlsRates.push(numBytes / (await timeTransfer(tlsClient, pool, shape))),
+      async () => tlsRates.push(numBytes / (await timeTransfer(tlsClient, pool, shape)).seconds),
+      () => transferOn('copy', copyRates),
     ]
     for (let r = 0; r < repeats; r++) {
       for (const run of r % 2 === 0 ? runs : [...runs].reverse()) await run()
@@ -307,6 +336,16 @@ export async function benchTransfer(args: string[]): Promise<object> {
     repeats,
     () => rate(1, numBytes, checksumPass, false),
     () => rate(1, numBytes, memcpyPass, false),
+  )
+  // The checksum kind: xxh3 (the same package's) against the xxh64 the wire uses, same pages.
+  const xxh3Pass = () => {
+    for (const page of pages) sink = (sink + xxh3.xxh64(page)) & 0xffff_ffff_ffff_ffffn
+  }
+  xxh3Pass()
+  const xxh3Pairs = interleavedPairsSync(
+    repeats,
+    () => rate(1, numBytes, xxh3Pass, false),
+    () => rate(1, numBytes, checksumPass, false),
   )
   const checksumBps = median(hashCopyPairs.map((p) => p.numerator))
   const memcpyBps = median(hashCopyPairs.map((p) => p.denominator))
@@ -372,6 +411,13 @@ export async function benchTransfer(args: string[]): Promise<object> {
       'transfer_vs_loopback_ratio',
       transferRates.map((x, r) => x / rawRates[r]),
     ),
+    copy_path_transfer_gb_per_s: gb(median(copyRates)),
+    ...ratioFields(
+      'view_vs_copy_path_ratio',
+      transferRates.map((x, r) => x / copyRates[r]),
+    ),
+    sender_cpu_s_per_gb_view_path: Number(median(cpuPerGb.view).toFixed(3)),
+    sender_cpu_s_per_gb_copy_path: Number(median(cpuPerGb.copy).toFixed(3)),
     tls_transfer_gb_per_s: gb(tlsBps),
     ...ratioFields(
       'tls_vs_plain_transfer_ratio',
@@ -382,6 +428,11 @@ export async function benchTransfer(args: string[]): Promise<object> {
     ...ratioFields(
       'checksum_vs_memcpy_ratio',
       pairRatios(hashCopyPairs, (x) => x),
+    ),
+    checksum_xxh3_gb_per_s: gb(median(xxh3Pairs.map((p) => p.numerator))),
+    ...ratioFields(
+      'xxh3_vs_xxh64_ratio',
+      pairRatios(xxh3Pairs, (x) => x),
     ),
     decode_tokens: decodeTokens,
     decode_repeats: decodeRepeats,

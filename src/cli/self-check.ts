@@ -4,7 +4,8 @@
  *  The credential is the cluster token, read from `KVFENCE_CLUSTER_TOKEN` (never a flag: argv is
  *  visible to every local user) and never printed.
  *  Exit status: 0 when no path was found unisolated, 1 when one was (`shared` or
- *  `salt-refused`: the router now refuses it unless `allowUnsalted` names it), 2 when the router
+ *  `salt-refused`: the router now refuses it unless `allowUnsalted` names it; the line says
+ *  which, and 1 stands either way: the engine does not isolate that path), 2 when the router
  *  refused or did not answer (one line saying why). */
 import { InvalidArgumentError, type Command } from 'commander'
 import { clusterTokenEnv, clusterTokenFrom, clusterTokenHeader } from '../control/cluster-token.js'
@@ -16,7 +17,7 @@ interface SelfCheckFlags {
 
 /** The part of the router's report printed here. */
 interface Report {
-  paths: { endpoint: string; result: string; detail: string }[]
+  paths: { endpoint: string; result: string; detail: string; standing?: string }[]
   numRequests: number
   numTokens: number
   durationMs: number
@@ -63,9 +64,17 @@ async function askRouter(url: string, token: string): Promise<Report> {
   return body
 }
 
-/** One line per path, then the cost. */
+/** What the router does with a path that is not isolated, as the router's report says it. */
+const standingWords: Record<string, string> = {
+  'served-anyway': ': served anyway (allowUnsalted or guards off)',
+  refused: ': refused by the router',
+}
+
+/** One line per path (a path not isolated says whether the router serves it), then the cost. */
 function describe(report: Report): string {
-  const lines = report.paths.map((p) => `${p.endpoint}: ${p.result} (${p.detail})`)
+  const lines = report.paths.map(
+    (p) => `${p.endpoint}: ${p.result} (${p.detail})${standingWords[p.standing ?? ''] ?? ''}`,
+  )
   lines.push(
     `${report.numRequests} requests, ${report.numTokens} tokens, ${(report.durationMs / 1000).toFixed(2)} s`,
   )

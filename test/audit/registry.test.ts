@@ -1,11 +1,15 @@
 /** The probe registry (src/audit/probes/index.ts), the one place a probe is registered: every
  *  list of probes, every table about them and every budget share derives from it, and each of its
- *  modules loads on its own, whichever a program imports first. */
+ *  modules loads on its own, whichever a program imports first. "First" is checked in a worker
+ *  thread per module: each has its own module graph, as a fresh process has, at a fraction of a
+ *  process's start (a control below shows a worker catching an import cycle that one process
+ *  importing the modules in turn would not). */
 import assert from 'node:assert/strict'
-import { execFile } from 'node:child_process'
-import { readdirSync } from 'node:fs'
+import { mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { promisify } from 'node:util'
+import { pathToFileURL } from 'node:url'
+import { Worker } from 'node:worker_threads'
 import { describe, test } from 'node:test'
 import { probeClass } from '../../src/audit/classes.js'
 import { parseAuditConfig } from '../../src/audit/config.js'
@@ -15,7 +19,16 @@ import { shareBudget, probePlan } from '../../src/audit/plan.js'
 import { probeNames as namesOfTypes } from '../../src/audit/types.js'
 import { repoRoot } from '../helpers/paths.js'
 
-const run = promisify(execFile)
+/** Imports the module at `file` first in a fresh worker thread (its own module graph). Resolves
+ *  with null once the worker exited 0, or with the error's first line. */
+function importFirst(file: string): Promise<string | null> {
+  const worker = new Worker(`import(${JSON.stringify(pathToFileURL(file).href)})`, { eval: true })
+  return new Promise((resolve) => {
+    let error: string | null = null
+    worker.once('error', (e) => (error = String(e).split('\n')[0]))
+    worker.once('exit', (code) => resolve(error ?? (code === 0 ? null : `exit ${code}`)))
+  })
+}
 
 describe('the probe registry', () => {
   test('each key is its probe’s name, and the names are the keys in the registry’s order', () => {
@@ -66,7 +79,23 @@ describe('the probe registry', () => {
     )
   })
 
-  test('every audit module loads first in a fresh process (no probe read before its module ran)', async () => {
+  test('a worker importing a module first catches what one process importing in turn would not', async () => {
+    // The control: a registry and a probe reading it at load (a cycle). Imported first, either
+    // module meets the other's binding uninitialised; a process that had already loaded one
+    // would load the other from its cache without a word.
+    const dir = mkdtempSync(join(tmpdir(), 'kvfence-registry-cycle-'))
+    try {
+      writeFileSync(join(dir, 'index.js'), "import { p } from './p.js'\nexport const registry = { p }\n")
+      writeFileSync(join(dir, 'p.js'), "import { registry } from './index.js'\nexport const p = 1\nexport const n = Object.keys(registry).length\n")
+      writeFileSync(join(dir, 'package.json'), '{ "type": "module" }\n')
+      assert.equal(await importFirst(join(dir, 'p.js')), "ReferenceError: Cannot access 'p' before initialization")
+      assert.equal(await importFirst(join(dir, 'index.js')), "ReferenceError: Cannot access 'registry' before initialization")
+    } finally {
+      rmSync(dir, { recursive: true, force: true })
+    }
+  }) // prettier-ignore
+
+  test('every audit module loads first in a fresh module graph (no probe read before its module ran)', async () => {
     const dir = join(repoRoot, 'dist', 'src', 'audit')
     const modules = [
       ...readdirSync(join(dir, 'probes')).map((f) => join(dir, 'probes', f)),
@@ -75,17 +104,8 @@ describe('the probe registry', () => {
     assert.ok(modules.length > 30)
     const failed: string[] = []
     for (const file of modules) {
-      try {
-        await run(process.execPath, [
-          '--input-type=module',
-          '-e',
-          `await import(${JSON.stringify(`file://${file}`)})`,
-        ])
-      } catch (e) {
-        failed.push(
-          `${file}: ${(e as { stderr?: string }).stderr?.split('\n').find((l) => /Error/.test(l)) ?? String(e)}`,
-        )
-      }
+      const error = await importFirst(file)
+      if (error !== null) failed.push(`${file}: ${error}`)
     }
     assert.deepEqual(failed, [])
   })

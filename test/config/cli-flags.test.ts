@@ -1,8 +1,11 @@
 /** Bad flag values are refused by the CLI before any part starts: one line naming the flag and
  *  the value, exit 2 (they used to surface from Node or pino after workers started, or not at
- *  all). The table runs the CLI in this process (test/helpers/cli.ts); one case runs it as a
- *  process, to show the refusal reaches the exit status and stderr of `kvfence` itself. Also what the CLI says at start that fresh-user trials misread: serve's queue flags,
- *  generate's blank completions, the gateway's failed /v1/models. */
+ *  all). Also what the CLI says at start that fresh-user trials misread: serve's queue flags,
+ *  generate's blank completions, the gateway's failed /v1/models.
+ *  Refusals and the in-process generate run the CLI in this process (test/helpers/cli.ts: the same
+ *  parsing, actions and lines); a process is spawned where only one shows the behaviour: one
+ *  refusal (exit status and stderr of `kvfence` itself), generate's whitespace completion on a real
+ *  stdout, and serve's queue flags reaching the router it forks. */
 import assert from 'node:assert/strict'
 import { execFile, fork } from 'node:child_process'
 import { once } from 'node:events'
@@ -116,13 +119,13 @@ describe('serve checks the model folder and its port before any part starts', ()
   it('a model folder without config.json: one line, exit 2 (was the worker line plus "exited")', async () => {
     const empty = join(dir, 'empty-model')
     mkdirSync(empty)
-    const res = await run(['serve', '--tenants', tenantsFile, '--model', empty])
+    const res = await kvfence('serve', '--tenants', tenantsFile, '--model', empty)
     assert.equal(res.code, 2)
     assert.equal(res.stderr.trim(), `kvfence: no config.json in model directory ${empty}`)
   })
 
   it('--prefix-cache-pages over --prefill-pages: one line, exit 2', async () => {
-    const res = await run(['serve', '--tenants', tenantsFile, '--prefix-cache-pages', '65'])
+    const res = await kvfence('serve', '--tenants', tenantsFile, '--prefix-cache-pages', '65')
     assert.equal(res.code, 2)
     assert.equal(res.stderr.trim(), 'kvfence: --prefix-cache-pages 65 exceeds --prefill-pages 64')
   })
@@ -132,7 +135,7 @@ describe('serve checks the model folder and its port before any part starts', ()
     await new Promise<void>((resolve) => taken.listen(0, '127.0.0.1', resolve))
     const { port } = taken.address() as { port: number }
     try {
-      const res = await run(['serve', '--tenants', tenantsFile, '--port', String(port)])
+      const res = await kvfence('serve', '--tenants', tenantsFile, '--port', String(port))
       assert.equal(res.code, 2)
       assert.equal(
         res.stderr.trim(),
@@ -186,36 +189,26 @@ describe('serve --max-concurrent, --max-queued and --reserved-slots reach its ro
 
   const small = { model: 'echo-tiny', prompt: 'hi', max_tokens: 1 }
 
-  it('one running, none queued: a second request while the first streams gets 503', async () => {
-    await withServe(['--max-concurrent', '1', '--max-queued', '0'], async (url) => {
+  // One cluster for both: 3 slots, 2 reserved, none queued. With any of the three flags lost on
+  // the way (the defaults queue, allow more and reserve 1), a case below answers otherwise.
+  const flags = ['--max-concurrent', '3', '--max-queued', '0', '--reserved-slots', '2']
+
+  it('none queued: a second request from a tenant while its first streams gets 503; it runs once the first ended', async () => {
+    await withServe(flags, async (url) => {
       const first = openaiClient(url, tenants[0].key)
-      const second = openaiClient(url, tenants[1].key)
       const chunks = await holdSlot(first)
-      await assert.rejects(second.completions.create(small), {
+      await assert.rejects(first.completions.create(small), {
         status: 503,
         message: '503 The server is busy: 1 requests running and 0 queued; retry later.',
       })
+      // 3 slots, 2 reserved, tenant-a holding the one open to all: another tenant runs (the
+      // default reserves 1, which would have run tenant-a's second request above).
+      const other = await openaiClient(url, tenants[1].key).completions.create(small)
+      assert.equal(other.choices.length, 1)
       while (!(await chunks.next()).done);
       // The slot is free again once the first has ended.
-      const answer = await second.completions.create(small)
+      const answer = await first.completions.create(small)
       assert.equal(answer.choices.length, 1)
-    })
-  })
-
-  it('3 slots, 2 reserved: a busy tenant gets 503 for a second request, another tenant runs', async () => {
-    const flags = ['--max-concurrent', '3', '--max-queued', '0', '--reserved-slots', '2']
-    await withServe(flags, async (url) => {
-      const busy = openaiClient(url, tenants[0].key)
-      const chunks = await holdSlot(busy)
-      // One slot is open to all and tenant-a holds it; the 2 reserved (the default reserves 1,
-      // which would run this) are for a tenant with none running.
-      await assert.rejects(busy.completions.create(small), {
-        status: 503,
-        message: '503 The server is busy: 1 requests running and 0 queued; retry later.',
-      })
-      const answer = await openaiClient(url, tenants[1].key).completions.create(small)
-      assert.equal(answer.choices.length, 1)
-      while (!(await chunks.next()).done);
     })
   })
 })
@@ -233,7 +226,7 @@ describe('generate says on stderr when its completion prints as nothing', () => 
 
   it('a prompt it can copy from: the copy on stdout, nothing on stderr', async () => {
     const prompt = 'the code is 8Vc1XzQ7. Repeat: the code is'
-    const res = await run(['generate', '--prompt', prompt, '--max-tokens', '10'])
+    const res = await kvfence('generate', '--prompt', prompt, '--max-tokens', '10')
     assert.equal(res.code, 0, res.stderr)
     assert.equal(res.stdout, ' 8Vc1XzQ7.\n')
     assert.equal(res.stderr, '')
@@ -269,7 +262,7 @@ describe('the gateway says how /v1/models answered when it found no model there'
         }),
       )
       try {
-        const res = await run(['router', '--config', file, '--port', '0'])
+        const res = await kvfence('router', '--config', file, '--port', '0')
         assert.equal(res.code, 2, res.stderr)
         assert.equal(res.stderr, `kvfence: vllm backend ${base}: ${reason}\n`)
       } finally {
@@ -297,7 +290,7 @@ describe('a salt secret file for native workers is refused, not ignored', () => 
   )
   for (const command of ['serve', 'router']) {
     it(`kvfence ${command} --config with router.saltSecretFile`, async () => {
-      const res = await run([command, '--config', file])
+      const res = await kvfence(command, '--config', file)
       assert.equal(res.code, 2, res.stderr)
       assert.equal(
         res.stderr,

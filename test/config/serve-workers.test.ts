@@ -192,7 +192,7 @@ describe('kvfence serve --config with workers started from { pages }', () => {
       // Valid YAML that G1 refuses once the started workers report their pools.
       'a window larger than the pools',
       { router: { port: 0, contextWindow: 512, logLevel: 'warn' }, workers, tenants },
-      /^kvfence: G1: context window 512 exceeds the effective KV capacity 384 tokens \(limited by prefill worker .* \(48 pages × 8 tokens\)\); lower the context window to 384 or pass --clamp-context\n$/,
+      /^kvfence: G1: context window 512 exceeds the effective KV capacity 384 tokens \(limited by prefill worker .* \(48 pages × 8 tokens\)\); lower the context window to 384, or clamp it: --clamp-context \(router\.clampContext: true in a cluster file\)\n$/,
     ],
   ]
   for (const [what, value, pattern] of badConfigs) {

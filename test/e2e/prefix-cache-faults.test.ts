@@ -1,6 +1,9 @@
-/** The prefix cache's three faults injected into real processes (router, prefill and decode workers
- *  as OS processes, KV over loopback TCP), two tenants talking through the official `openai`
- *  client, each shown both ways as in faults.test.ts. The reference for every answer is the
+/** The prefix cache's three faults injected into real clusters (router, prefill and decode workers,
+ *  control channel and KV over loopback TCP), two tenants talking through the official `openai`
+ *  client, each shown both ways as in faults.test.ts. The offload faults' clusters run in this
+ *  process (test/helpers/in-process-cluster.ts: no part is killed, signalled or timed); the
+ *  publish-partial clusters are OS processes, since the client's abort must reach P while P
+ *  computes the prompt, which one event loop running both cannot show. The reference for every answer is the
  *  single-process engine (`generateLocal`, no cache) at temperature 0.
  *
  *  - `offload-load-as-hit`, with the offload tier on disk only: tenant A's prompt, evicted from an
@@ -23,9 +26,15 @@ import { readdirSync, readFileSync, writeFileSync } from 'node:fs'
 import { join } from 'node:path'
 import { after, before, describe, it } from 'node:test'
 import OpenAI from 'openai'
-import { startCluster, type Cluster, type ClusterOptions } from '../../src/config/launch.js'
+import { startCluster } from '../../src/config/launch.js'
 import { loadTokenizer } from '../../src/model/tokenizer.js'
+import { loadModel } from '../../src/model/weights.js'
 import { openaiClient, pagesUsed, twoTenants } from '../helpers/cluster.js'
+import {
+  startInProcessCluster,
+  type InProcessCluster as Cluster,
+  type InProcessClusterOptions,
+} from '../helpers/in-process-cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 import {
   echoOracle,
@@ -39,7 +48,6 @@ const {
   tenants: [tenantA, tenantB],
   tenantsFile,
 } = twoTenants('kvfence-prefix-faults-')
-const unsafeEnv = { ...process.env, KVFENCE_ALLOW_FAULTS: '1' }
 
 /** BOS + 110 characters: 111 tokens, 6 full pages of 16. */
 const promptA = stoneGardenPrompt
@@ -49,73 +57,88 @@ const promptsB = floodPrompts(2)
 /** A directory of its own (0700, as mkdtemp makes it) for each disk tier. */
 const loadAsHitDirs = { on: offloadDiskDir('on'), off: offloadDiskDir('off') }
 
-const small: Partial<ClusterOptions> = { prefillPages: 64, decodePages: 64, prefixCachePages: 8 }
-const diskArgs = (d: string) => [
-  '--prefix-cache-offload-dir',
-  d,
-  '--prefix-cache-offload-disk-bytes',
-  String(1 << 20),
-]
-/** publish-partial: room in P for the cache's 59 pages beside the prompt's 60. */
-const large: Partial<ClusterOptions> = {
+type Shape = Pick<
+  InProcessClusterOptions,
+  'prefillPages' | 'decodePages' | 'prefillFaults' | 'disableGuards' | 'prefixCache'
+>
+const unsafeEnv = { ...process.env, KVFENCE_ALLOW_FAULTS: '1' }
+
+// Every cluster here shares one prefix-cache budget between tenants (`--prefix-cache-shared`):
+// the faults act on eviction to the offload tier by another tenant's prompts, and publish-partial
+// needs the whole cache for one tenant's 59 pages, which a default partition would halve.
+const small = { prefillPages: 64, decodePages: 64 }
+/** The disk tier only (`--prefix-cache-offload-dir`, `--prefix-cache-offload-disk-bytes`). */
+const disk = (d: string) => ({
+  prefixCachePages: 8,
+  prefixCacheShared: true,
+  prefixCacheOffloadDir: d,
+  prefixCacheOffloadDiskBytes: 1 << 20,
+})
+/** The host ring only (`--prefix-cache-offload-bytes`). */
+const host = { prefixCachePages: 8, prefixCacheShared: true, prefixCacheOffloadBytes: 1 << 20 }
+/** publish-partial, as OS processes: room in P for the cache's 59 pages beside the prompt's 60. */
+const large = {
+  modelDir: echoModelDir,
+  pageSize: 16,
   prefillPages: 128,
   decodePages: 64,
   prefixCachePages: 64,
   prefillFaults: ['publish-partial'],
   prefillArgs: ['--prefix-cache-shared'],
+  tenantsFile,
+  logLevel: 'warn' as const,
+  env: unsafeEnv,
 }
 
-// Every cluster here shares one prefix-cache budget between tenants (`--prefix-cache-shared`):
-// the faults act on eviction to the offload tier by another tenant's prompts, and publish-partial
-// needs the whole cache for one tenant's 59 pages, which a default partition would halve.
 const configs = {
   loadAsHitOn: {
     ...small,
     prefillFaults: ['offload-load-as-hit'],
-    prefillArgs: [...diskArgs(loadAsHitDirs.on), '--prefix-cache-shared'],
+    prefixCache: disk(loadAsHitDirs.on),
   },
   loadAsHitOff: {
     ...small,
     prefillFaults: ['offload-load-as-hit'],
-    prefillArgs: [...diskArgs(loadAsHitDirs.off), '--prefix-cache-shared'],
+    prefixCache: disk(loadAsHitDirs.off),
     disableGuards: true,
   },
   keyWithoutTenantOn: {
     ...small,
     prefillFaults: ['offload-key-without-tenant'],
-    prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20), '--prefix-cache-shared'],
+    prefixCache: host,
   },
   keyWithoutTenantOff: {
     ...small,
     prefillFaults: ['offload-key-without-tenant'],
-    prefillArgs: ['--prefix-cache-offload-bytes', String(1 << 20), '--prefix-cache-shared'],
+    prefixCache: host,
     disableGuards: true,
   },
-  publishPartialOn: large,
-  publishPartialOff: { ...large, disableGuards: true },
-} satisfies Record<string, Partial<ClusterOptions>>
-type ConfigName = keyof typeof configs
+} satisfies Record<string, Shape>
+type ConfigName = keyof typeof configs | 'publishPartialOn' | 'publishPartialOff'
 
+const model = loadModel(echoModelDir)
 const clusters = new Map<ConfigName, Cluster>()
 before(async () => {
-  // One after another: the processes' start-up (model load, wasm compile) is CPU-bound.
-  for (const [name, extra] of Object.entries(configs)) {
-    const cluster = await startCluster({
+  for (const [name, shape] of Object.entries(configs)) {
+    const cluster = await startInProcessCluster({
       modelDir: echoModelDir,
+      model,
       pageSize: 16,
-      prefillPages: 64,
-      decodePages: 64,
       tenantsFile,
-      logLevel: 'warn',
-      ...extra,
-      logDir: join(dir, name),
-      env: unsafeEnv,
+      ...shape,
     })
     clusters.set(name as ConfigName, cluster)
   }
+  // One after another: the processes' start-up (model load, wasm compile) is CPU-bound.
+  clusters.set('publishPartialOn', await startCluster({ ...large, logDir: join(dir, 'on') }))
+  clusters.set(
+    'publishPartialOff',
+    await startCluster({ ...large, disableGuards: true, logDir: join(dir, 'off') }),
+  )
 })
 after(async () => {
   await Promise.all([...clusters.values()].map((c) => c.stop()))
+  model.kernels.close()
 })
 
 function get(name: ConfigName): Cluster {

@@ -10,7 +10,7 @@ import type http from 'node:http'
 import pino from 'pino'
 import { DecodeWorker } from '../../src/engine/decode-worker.js'
 import { buildFaultConfig } from '../../src/engine/faults.js'
-import { PrefillWorker } from '../../src/engine/prefill-worker.js'
+import { PrefillWorker, type PrefillWorkerOptions } from '../../src/engine/prefill-worker.js'
 import { createWorkerCore } from '../../src/engine/worker-core.js'
 import { createWorkerServer, listen } from '../../src/engine/worker-server.js'
 import type { Model } from '../../src/model/weights.js'
@@ -36,6 +36,16 @@ export interface InProcessClusterOptions {
   disableGuards?: boolean
   /** P's transfer timeout (`--transfer-timeout-ms` of the prefill worker), ms. */
   prefillTransferTimeoutMs?: number
+  /** P's prefix cache as `kvfence prefill`'s `--prefix-cache-*` flags set it; unset fields keep
+   *  the worker's defaults (a quarter of P's pool, partitioned by tenant, no offload tier). */
+  prefixCache?: Pick<
+    PrefillWorkerOptions,
+    | 'prefixCachePages'
+    | 'prefixCacheShared'
+    | 'prefixCacheOffloadBytes'
+    | 'prefixCacheOffloadDir'
+    | 'prefixCacheOffloadDiskBytes'
+  >
 }
 
 /** A running in-process cluster. */
@@ -77,6 +87,7 @@ export async function startInProcessCluster(
     transferTimeoutMs: opts.prefillTransferTimeoutMs,
     // The worker's default (src/cli/worker.ts): a quarter of the pool.
     prefixCachePages: Math.floor(opts.prefillPages / 4),
+    ...opts.prefixCache,
   })
   const servers: http.Server[] = []
   const serve = async (server: http.Server) => {

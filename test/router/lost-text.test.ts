@@ -38,3 +38,37 @@ test('emoji in a chat message or a prompt: 400 invalid_request naming the charac
     await h.close()
   }
 })
+
+test('emoji in a Responses request: the error names the input item, the string input or the instructions it is in', async () => {
+  const h = await startHarness()
+  try {
+    const cases: [Parameters<OpenAI['responses']['create']>[0], string][] = [
+      [
+        {
+          model: 'echo-test',
+          input: [
+            { role: 'user', content: 'Hi' },
+            { role: 'user', content: [{ type: 'input_text', text: '🙂' }] },
+          ],
+        },
+        'input[1].content',
+      ],
+      [{ model: 'echo-test', input: 'Hi 🙂' }, 'input'],
+      [{ model: 'echo-test', instructions: 'Be 🙂', input: 'Hi' }, 'instructions'],
+    ]
+    for (const [body, param] of cases) {
+      await assert.rejects(h.client().responses.create(body), (err: unknown) => {
+        assert.ok(err instanceof OpenAI.BadRequestError)
+        assert.equal(err.param, param)
+        assert.equal(
+          err.message,
+          `400 ${param} holds characters this model's tokenizer cannot represent (the first: "🙂", U+1F642); they would be dropped from the prompt`,
+        )
+        return true
+      })
+    }
+    assert.equal(h.workers.numInternalRequests(), 0)
+  } finally {
+    await h.close()
+  }
+})

@@ -68,7 +68,7 @@ export function decideContextWindow(
   }
   throw new KvfenceError(
     'guard_violation',
-    `G1: ${excess}; lower the context window to ${effective} or pass --clamp-context`,
+    `G1: ${excess}; lower the context window to ${effective}, or clamp it: --clamp-context (router.clampContext: true in a cluster file)`,
   )
 }
 

@@ -121,20 +121,27 @@ export async function admitRequest(
 /** Runs one step of admission; a refusal it throws (for load or for length — not the client
  *  going away) is counted under `reason` (or `limit_store_unavailable` when the shared limit store
  *  could not be reached: not the tenant's limit), the one place admission counts. */
-async function countRefusal<T>(
+function countRefusal<T>(
   metrics: RouterMetrics,
   reason: RejectionReason,
   step: () => T | Promise<T>,
-): Promise<T> {
-  try {
-    return await step()
-  } catch (err) {
+): T | Promise<T> {
+  const count = (err: unknown): never => {
     if (isRefusal(err))
       metrics.admissionRejections.inc({
         reason: err instanceof LimitStoreUnavailableError ? 'limit_store_unavailable' : reason,
       })
     throw err
   }
+  // A step that answers at once (most of them) costs no promise here.
+  let result: T | Promise<T>
+  try {
+    result = step()
+  } catch (err) {
+    return count(err)
+  }
+  const isThenable = typeof (result as { then?: unknown } | null)?.then === 'function'
+  return isThenable ? Promise.resolve(result).catch(count) : result
 }
 
 function isRefusal(err: unknown): boolean {

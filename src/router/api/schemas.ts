@@ -36,6 +36,10 @@ export interface ParsedChatRequest extends GenerationParams {
    *  as chat (then `instructions` and the continued conversation count in it too); absent:
    *  `messages`. */
   promptParam?: 'input'
+  /** For errors about one message: the field each message came from (`instructions`,
+   *  `previous_response_id` for the continued conversation, `input[0].content`); absent:
+   *  `messages[i].content`. */
+  messageParams?: string[]
 }
 
 /** A parsed `POST /v1/completions` body: one prompt, as text or as token ids. */

@@ -26,8 +26,12 @@ import { type BackendKind, engines } from './engines.js'
 import { countPromptTokens } from './prompt-count.js'
 import { createCacheSalts, relay } from './relay.js'
 import { relayText } from './relay-text.js'
-import { type PathIsolationGuard, createPathIsolationGuard } from './isolation.js'
-import { type SelfCheckContext, type SelfCheckReport, runSelfCheck } from './self-check.js'
+import {
+  type GuardedSelfCheckReport,
+  type PathIsolationGuard,
+  createPathIsolationGuard,
+} from './isolation.js'
+import { type SelfCheckContext, runSelfCheck } from './self-check.js'
 import type { Endpoint } from '../api/schemas.js'
 
 export type { BackendKind } from './engines.js'
@@ -87,10 +91,10 @@ export interface Gateway extends Backend {
   /** Re-reads the engine's capacity now (also done every `discoveryIntervalMs`). */
   rediscover(): Promise<void>
   /** Runs the isolation self-check now (also at start and every `selfCheckIntervalMs`; after the
-   *  run under way, if any) and applies it; resolves with its report. */
-  selfCheck(): Promise<SelfCheckReport>
-  /** The last self-check's report. */
-  lastSelfCheck(): SelfCheckReport | null
+   *  run under way, if any) and applies it; resolves with its report, each path's standing in it. */
+  selfCheck(): Promise<GuardedSelfCheckReport>
+  /** The last self-check's report, each path's standing in it. */
+  lastSelfCheck(): GuardedSelfCheckReport | null
 }
 
 /** Interval of the periodic re-discovery, ms. */
@@ -267,7 +271,7 @@ function logCapacitySource(options: GatewayOptions, c: BackendCapacity): void {
 /** The isolation self-checks of a gateway: the guard they feed, a run now, and the timer. */
 interface SelfChecks {
   readonly isolation: PathIsolationGuard
-  run(): Promise<SelfCheckReport>
+  run(): Promise<GuardedSelfCheckReport>
   stop(): void
 }
 
@@ -291,12 +295,12 @@ async function startSelfChecks(
       'isolation self-check done',
     )
     isolation.apply(report, isStart)
-    return report
+    return isolation.last()!
   }
   // One run at a time (the engine serves tenants meanwhile): a run asked for while another is
   // under way starts after it, so that its result is of the engine as it is after the request.
   let previous: Promise<unknown> = Promise.resolve()
-  const run = (): Promise<SelfCheckReport> => {
+  const run = (): Promise<GuardedSelfCheckReport> => {
     const next = previous.then(() => runOnce(false))
     previous = next.catch(() => undefined)
     return next

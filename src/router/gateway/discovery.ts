@@ -125,7 +125,7 @@ export function decideWindow(
   if (isStart && !options.clampContext) {
     throw new KvfenceError(
       'guard_violation',
-      `G1: ${excess}; lower the context window to ${effective} or pass --clamp-context`,
+      `G1: ${excess}; lower the context window to ${effective}, or clamp it: --clamp-context (router.clampContext: true in a cluster file)`,
     )
   }
   options.log.warn(`G1: ${excess}; clamped to ${effective}`)

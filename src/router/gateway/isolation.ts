@@ -14,10 +14,21 @@ import { KvfenceError } from '../../common/errors.js'
 import type { Endpoint } from '../api/schemas.js'
 import { type PathCheck, type SelfCheckReport, enginePaths } from './self-check.js'
 
+/** What the gateway does with a path after a self-check: `served` (isolated, or no cache seen to
+ *  test), `served-anyway` (not isolated, but allowed by `allowUnsalted` or guards off), or
+ *  `refused`. */
+export type PathStanding = 'served' | 'served-anyway' | 'refused'
+
+/** A self-check's report with the gateway's standing on each path (what `/server_info` and
+ *  `POST /isolation_self_check` show). */
+export interface GuardedSelfCheckReport extends SelfCheckReport {
+  readonly paths: readonly (PathCheck & { readonly standing: PathStanding })[]
+}
+
 /** The gateway's standing on each path after the last self-check. */
 export interface PathIsolationGuard {
-  /** The last self-check (null before the first). */
-  last(): SelfCheckReport | null
+  /** The last self-check, each path with its standing (null before the first). */
+  last(): GuardedSelfCheckReport | null
   /** Whether the tenant's salt goes to the engine on `endpoint`. */
   isSalted(endpoint: Endpoint): boolean
   /** Throws `path_refused` when `endpoint` must not be served now. */
@@ -38,7 +49,7 @@ export interface PathIsolationOptions {
 
 /** A guard with no report yet: every path salted and served. */
 export function createPathIsolationGuard(options: PathIsolationOptions): PathIsolationGuard {
-  let report: SelfCheckReport | null = null
+  let report: GuardedSelfCheckReport | null = null
   const unsalted = new Set<Endpoint>()
   const refused = new Map<Endpoint, string>()
   const isAllowed = (e: Endpoint) => options.allowUnsalted.includes(e) || !options.guardsEnabled
@@ -55,7 +66,10 @@ export function createPathIsolationGuard(options: PathIsolationOptions): PathIso
         const problem = decide(path, isAllowed(path.endpoint), options, { unsalted, refused })
         if (problem !== null) problems.push(problem)
       }
-      report = next
+      report = {
+        ...next,
+        paths: next.paths.map((p) => ({ ...p, standing: standingOf(p, refused) })),
+      }
       const unanswered = next.paths.filter((p) => p.isUnanswered)
       if (isStart && unanswered.length > 0 && unanswered.length === next.paths.length) {
         throw new KvfenceError(
@@ -71,6 +85,11 @@ export function createPathIsolationGuard(options: PathIsolationOptions): PathIso
       }
     },
   }
+}
+
+function standingOf(path: PathCheck, refused: ReadonlyMap<Endpoint, string>): PathStanding {
+  if (refused.has(path.endpoint)) return 'refused'
+  return path.result === 'isolated' || path.result === 'cannot-tell' ? 'served' : 'served-anyway'
 }
 
 /** Applies one path's result to the sets; returns the refusal's reason, or null. Logs each

@@ -97,6 +97,14 @@ interface Probed {
   text: string
 }
 
+/** A failed answer in words: no answer at all (status 0: the connection failed) is said as such,
+ *  not as an HTTP status. */
+function whatCameBack(p: Probed): string {
+  return p.status === 0
+    ? `the engine did not answer (${p.text})`
+    : `the engine answered HTTP ${p.status}: ${p.text}`
+}
+
 /** The three requests of one path, and its result. */
 async function checkPath(
   c: SelfCheckContext,
@@ -138,7 +146,7 @@ async function checkPath(
   })
   if (first.status !== 200) {
     if (first.status < 400 || first.status >= 500) {
-      return result('cannot-tell', `the engine answered HTTP ${first.status}: ${first.text}`)
+      return result('cannot-tell', whatCameBack(first))
     }
     const unsalted = await send(null)
     return unsalted.status === 200
@@ -151,7 +159,8 @@ async function checkPath(
   const own = await send(saltA)
   const other = await send(saltB)
   if (own.status !== 200 || other.status !== 200) {
-    return result('cannot-tell', `the engine answered HTTP ${own.status} and ${other.status}`)
+    const failed = own.status !== 200 ? own : other
+    return result('cannot-tell', whatCameBack(failed))
   }
   if (own.cachedTokens === null || own.cachedTokens === 0) {
     const why = own.cachedTokens === null ? 'reports no cached_tokens' : 'reused nothing'

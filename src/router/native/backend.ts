@@ -82,7 +82,7 @@ export function createNativeBackend(options: NativeBackendOptions): Backend {
               `the ids of a prompt of ${numTokens} tokens were not kept (its window: ${contextWindow} tokens)`,
             )
           }
-          return (tokenIds ??= Array.from(ids))
+          return (tokenIds ??= Array.isArray(ids) ? (ids as number[]) : Array.from(ids))
         },
       }
     },

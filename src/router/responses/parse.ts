@@ -23,6 +23,8 @@ export interface ParsedResponsesRequest {
   instructions: string | null
   /** This turn's input as chat messages (a string input is one user message). */
   input: ChatMessage[]
+  /** True when `input` was given as one string (then errors name `input`, not an item). */
+  inputIsText: boolean
   /** The same input as the request gave it, parts apart (what `input_items` lists). */
   inputMessages: InputMessage[]
   /** `max_output_tokens`; null = the rest of the window. */
@@ -122,6 +124,7 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
       role: m.role,
       content: m.parts.map((p) => p.text).join(''),
     })),
+    inputIsText: typeof data.input === 'string',
     inputMessages,
     maxOutputTokens: data.max_output_tokens ?? null,
     temperature: data.temperature ?? 1,
@@ -142,6 +145,7 @@ function checkInputSize(input: unknown): void {
   for (let i = 0; i < input.length; i++) {
     const content = (input[i] as { content?: unknown } | null)?.content
     if (Array.isArray(content)) numParts += content.length
+    if (numParts <= maxChatContentParts && Array.isArray(content)) checkPartTypes(content, i)
     if (numParts > maxChatContentParts) {
       throw new KvfenceError(
         'invalid_request',
@@ -149,6 +153,21 @@ function checkInputSize(input: unknown): void {
         `input[${i}].content`,
       )
     }
+  }
+}
+
+/** Refuses a part of a kind this text-only server cannot take (`input_image`, `input_file`,
+ *  `input_audio`), naming the part and its kind: the schema's union would otherwise answer only
+ *  that `input` is not a list of message items. */
+function checkPartTypes(content: readonly unknown[], i: number): void {
+  for (const [j, part] of content.entries()) {
+    const type = (part as { type?: unknown } | null)?.type
+    if (typeof type !== 'string' || type === 'input_text' || type === 'output_text') continue
+    throw new KvfenceError(
+      'invalid_request',
+      `input[${i}].content[${j}] is an ${JSON.stringify(type)} part: this server's model takes text only (input_text parts)`,
+      `input[${i}].content[${j}].type`,
+    )
   }
 }
 
@@ -182,5 +201,10 @@ export function chatRequestOf(
     isUsageStreamed: false,
     messages: [...instructions, ...history, ...parsed.input],
     promptParam: 'input',
+    messageParams: [
+      ...instructions.map(() => 'instructions'),
+      ...history.map(() => 'previous_response_id'),
+      ...parsed.input.map((_, i) => (parsed.inputIsText ? 'input' : `input[${i}].content`)),
+    ],
   }
 }

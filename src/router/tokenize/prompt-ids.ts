@@ -9,7 +9,7 @@ import {
   type Tokenizer,
   unrepresentableTextError,
 } from '../../model/tokenizer.js'
-import type { ParsedRequest } from '../api/schemas.js'
+import type { ParsedChatRequest, ParsedRequest } from '../api/schemas.js'
 
 /** Prompt token ids of a chat: the chat template's text, encoded. BOS is added by the encoder
  *  unless the template already wrote it (so that it is never doubled). */
@@ -70,7 +70,7 @@ export function checkedPromptTokenIds(tokenizer: Tokenizer, parsed: ParsedReques
     const { ids, lost } = tokenizer.encodeChecked(text, {
       addSpecialTokens: !hasLeadingBos(tokenizer, text),
     })
-    if (lost !== null) throw lostInMessages(tokenizer, parsed.messages, lost)
+    if (lost !== null) throw lostInMessages(tokenizer, parsed, lost)
     return ids
   }
   if (!('text' in parsed.prompt)) return completionPromptTokenIds(tokenizer, parsed.prompt)
@@ -84,12 +84,13 @@ export function checkedPromptTokenIds(tokenizer: Tokenizer, parsed: ParsedReques
  *  the template's own text) the messages as a whole. */
 function lostInMessages(
   tokenizer: Tokenizer,
-  messages: readonly { content: string }[],
+  parsed: ParsedChatRequest,
   lost: string,
 ): KvfenceError {
-  for (const [i, m] of messages.entries()) {
+  for (const [i, m] of parsed.messages.entries()) {
     const first = tokenizer.firstLostCharacter(m.content)
-    if (first !== null) return unrepresentableTextError(first, `messages[${i}].content`)
+    const param = parsed.messageParams?.[i] ?? `messages[${i}].content`
+    if (first !== null) return unrepresentableTextError(first, param)
   }
-  return unrepresentableTextError(lost, 'messages')
+  return unrepresentableTextError(lost, parsed.promptParam ?? 'messages')
 }

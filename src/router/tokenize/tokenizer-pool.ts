@@ -27,8 +27,9 @@ export type { TokenizerJob, TokenizerReply } from './tokenizer-job.js'
 /** Tokenizes prompts; see the module's header. */
 export interface TokenizerPool {
   /** The prompt's token ids (as `promptTokenIds`) and their number, after refusing text the
-   *  tokenizer would drop. The ids come as an Int32Array (a prompt refused for its length is never
-   *  turned into an array), and from a process only when fewer than `keepBelow` (tokens; default:
+   *  tokenizer would drop. The ids of a prompt tokenized in a process come as an Int32Array (a
+   *  prompt refused for its length is never turned into an array), those of one tokenized here
+   *  as the array the tokenizer made; and from a process only when fewer than `keepBelow` (tokens; default:
    *  always): a 1 MB prompt over the window is ~1M ids, 4 MB to carry back and collect for
    *  nothing. Rejects with the `invalid_request` either throws, `request_aborted` when `signal`
    *  fires while the prompt waits for a process, or `internal_error` when its process exits
@@ -50,7 +51,7 @@ export interface TokenizerPool {
 export interface TokenizedPrompt {
   numTokens: number
   /** The ids; null when not kept (`keepBelow`). */
-  ids: Int32Array | null
+  ids: Int32Array | readonly number[] | null
 }
 
 /** The pool's handle on one tokenizer it started (a child process in the router). */
@@ -330,7 +331,8 @@ export function createTokenizerPool(options: TokenizerPoolOptions): TokenizerPoo
   return {
     async tokenize(parsed, tenant, signal, { keepBelow = Infinity } = {}) {
       if (isInline(parsed, inlineMaxChars)) {
-        const ids = Int32Array.from(checkedPromptTokenIds(options.tokenizer, parsed))
+        // Kept as the array the router sends on: no round trip through an Int32Array.
+        const ids = checkedPromptTokenIds(options.tokenizer, parsed)
         return { numTokens: ids.length, ids }
       }
       if (isClosed) throw new KvfenceError('internal_error', 'the tokenizer pool is closed')

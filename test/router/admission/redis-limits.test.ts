@@ -116,10 +116,13 @@ async function rejections(url: string, reason: string): Promise<number> {
   return line === undefined ? 0 : Number(line.slice(prefix.length))
 }
 
+/** The fail-closed pair, shared: its `budget` tenant has a budget of 1 token, which the tokens
+ *  test reads a request's cost from (the pair's other tests send as `four` only). */
+let urls: string[]
+
 describe('limits shared by router replicas through Redis', { skip: skip ?? false }, () => {
-  let urls: string[]
   before(async () => {
-    urls = await startReplicas('closed', 'fail-closed')
+    urls = await startReplicas('closed', 'fail-closed', 1)
   })
 
   it('refuses a tenant limited to 4 at once its 5th request on either replica', async () => {
@@ -177,10 +180,10 @@ describe('limits shared by router replicas through Redis', { skip: skip ?? false
 describe('a tokens-per-minute budget shared by router replicas', { skip: skip ?? false }, () => {
   it('holds across both replicas', async () => {
     // What one request costs as the router counts it (prompt tokens as the engine's /tokenize
-    // counts the templated chat, + max_tokens), from its refusal under a budget of 1 token.
+    // counts the templated chat, + max_tokens), from its refusal under a budget of 1 token (the
+    // fail-closed pair's).
     const maxTokens = 3 // the stand-in's non-streamed reply uses all of them: nothing is refunded
-    const [probe] = await startReplicas('probe', 'fail-closed', 1)
-    const refused = await chat(probe!, tenants.budget.key, false, maxTokens)
+    const refused = await chat(urls[0], tenants.budget.key, false, maxTokens)
     assert.equal(refused.status, 429)
     const cost = Number(/may use (\d+) tokens/.exec(await refused.text())?.[1])
     assert.ok(cost > maxTokens, `a request costs ${cost} tokens`)

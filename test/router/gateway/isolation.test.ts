@@ -293,7 +293,7 @@ describe('gateway self-check: what the trial found', () => {
         assert.equal(err.code, 'worker_unavailable')
         assert.match(
           err.message,
-          /openai backend did not answer the isolation self-check: .*ECONNREFUSED/,
+          /^openai backend did not answer the isolation self-check: the engine did not answer \([^)]*ECONNREFUSED[^)]*\)$/,
         )
         return true
       },

@@ -45,15 +45,47 @@ describe('kvfence self-check', () => {
     engine.saltIgnoredOn.add('completion')
     const found = await kvfence('self-check', '--url', router.url, '--json')
     assert.equal(found.code, 1)
-    const report = JSON.parse(found.stdout) as { paths: { endpoint: string; result: string }[] }
+    const report = JSON.parse(found.stdout) as {
+      paths: { endpoint: string; result: string; standing: string }[]
+    }
     assert.deepEqual(
-      report.paths.map((p) => [p.endpoint, p.result]),
+      report.paths.map((p) => [p.endpoint, p.result, p.standing]),
       [
-        ['chat', 'isolated'],
-        ['completion', 'shared'],
+        ['chat', 'isolated', 'served'],
+        ['completion', 'shared', 'refused'],
       ],
     )
+    const said = await kvfence('self-check', '--url', router.url)
+    assert.equal(said.code, 1)
+    assert.match(said.stdout.split('\n')[1], /^completion: shared \(.*\): refused by the router$/)
     engine.saltIgnoredOn.clear()
+  })
+
+  it('a path the operator allowed unsalted: its line says it is served anyway, exit 1 still', async () => {
+    const shared = await startEngine('vllm', {
+      poolTokens: 1024,
+      maxModelLen: 1024,
+      prefixCache: 'salted',
+    })
+    shared.saltIgnoredOn.add('completion')
+    const allowing = await startGatewayRouter(shared, {
+      clusterToken: token,
+      allowUnsalted: ['completion'],
+    })
+    try {
+      process.env[clusterTokenEnv] = token
+      const result = await kvfence('self-check', '--url', allowing.url)
+      assert.equal(result.code, 1)
+      const lines = result.stdout.trimEnd().split('\n')
+      assert.match(lines[0], /^chat: isolated \([^)]*\)$/)
+      assert.match(
+        lines[1],
+        /^completion: shared \(.*\): served anyway \(allowUnsalted or guards off\)$/,
+      )
+    } finally {
+      await allowing.close()
+      await shared.close()
+    }
   })
 
   it('refuses in one line without the token, with a wrong one, and with a bad URL', async () => {

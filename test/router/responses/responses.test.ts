@@ -194,6 +194,37 @@ describe('the Responses API on kvfence workers', { skip: specSkip }, () => {
     assert.equal(response.output_text, defaultReplyText.slice(0, 3))
   })
 
+  it('an input_image part: 400 naming the part and its kind, nothing generated', async () => {
+    const before = h.workers.generateRequests.length
+    const image = await failure(
+      h.client().responses.create({
+        model,
+        input: [
+          { role: 'user', content: 'Hi' },
+          {
+            role: 'user',
+            content: [
+              { type: 'input_text', text: 'What is this?' },
+              { type: 'input_image', image_url: 'https://example.com/a.png', detail: 'auto' },
+            ],
+          },
+        ],
+      }),
+    )
+    assert.deepEqual(image, {
+      status: 400,
+      error: {
+        message:
+          'input[1].content[1] is an "input_image" part: this server\'s model takes text only (input_text parts)',
+        type: 'invalid_request_error',
+        param: 'input[1].content[1].type',
+        code: 'invalid_request',
+      },
+    })
+    check('ErrorResponse', { error: image.error })
+    assert.equal(h.workers.generateRequests.length, before)
+  })
+
   it("another tenant's id, an unknown id and a deleted id get the same 404; a malformed id a 400", async () => {
     const mine = await h.client(keys.alpha).responses.create({ model, input: 'Secret' })
     const unknown = `resp_${'0'.repeat(32)}`
