@@ -69,6 +69,7 @@ export class Budget {
   private heldMs = 0
   private numSent = 0
   private numRefusedNow = 0
+  private numEndedOutOfTimeNow = 0
   private numInFlight = 0
   private mostInFlight = 0
   /** Requests in flight at most now: `limits.concurrency`, raised up to `limits.maxConcurrency`
@@ -153,6 +154,15 @@ export class Budget {
     return this.numRefusedNow
   }
 
+  /** Requests that ended when the running probe's time was up ({@link remainingMs} 0): cut by
+   *  their deadline, or answered just then; either way the time, not the probe, may have ended
+   *  them. A probe whose count did not rise while it ran was not cut by its time, even when its
+   *  time was up as it returned (the first probe's share is a fraction of a second, which
+   *  discovery on a busy host can spend before it starts). */
+  get numEndedOutOfTime(): number {
+    return this.numEndedOutOfTimeNow
+  }
+
   get remainingRequests(): number {
     return Math.max(0, this.limits.maxRequests - this.numSent - this.heldRequests)
   }
@@ -198,7 +208,11 @@ export class Budget {
         throw new BudgetExhaustedError('seconds')
       }
       this.numSent++
-      return await send(remainingMs, this.requestsBefore + this.numSent)
+      try {
+        return await send(remainingMs, this.requestsBefore + this.numSent)
+      } finally {
+        if (this.remainingMs <= 0) this.numEndedOutOfTimeNow++
+      }
     } finally {
       this.releaseSlot()
     }

@@ -50,6 +50,9 @@ export class OutageWatch {
   /** What ended just before the streak's first request. */
   private before: SentRequest[] = []
 
+  /** `during`: what the titles say the endpoint went down during (the audit, or the watch). */
+  constructor(readonly during: 'audit' | 'watch' = 'audit') {}
+
   /** Takes one completion as it ends; true when the endpoint now counts as down for good (the
    *  run of failures is long enough in requests and in time: stop sending). */
   observe(isValid: boolean, sent: SentRequest, result: CompletionResult): boolean {
@@ -97,9 +100,11 @@ export class OutageWatch {
     )
     const title =
       first === null
-        ? `the endpoint's health turned bad during the audit (${healthText})`
-        : `the endpoint went down during the audit at request #${first.requestNumber} (${(first.atMs / 1000).toFixed(1)} s in, ${first.probe ?? 'the audit'}): the ${this.streak.length} valid requests from then on failed (${statuses}) and none was answered again; ${healthText}` +
-          (largest === null ? '' : `; the largest request just before: ${describe(largest)}`)
+        ? `the endpoint's health turned bad during the ${this.during} (${healthText})`
+        : `the endpoint went down during the ${this.during} at request #${first.requestNumber} (${(first.atMs / 1000).toFixed(1)} s in, ${first.probe ?? `the ${this.during}`}): the ${this.streak.length} valid requests from then on failed (${statuses}) and none was answered again; ${healthText}` +
+          (largest === null
+            ? ''
+            : `; the largest request just before: ${describe(largest, this.during)}`)
     return {
       probe: 'availability',
       verdict: 'warning',
@@ -124,8 +129,8 @@ export class OutageWatch {
   }
 }
 
-function describe(s: SentRequest): string {
+function describe(s: SentRequest, during: 'audit' | 'watch'): string {
   const prompt =
     s.promptTokens === null ? `${s.promptChars} characters` : `${s.promptTokens} tokens`
-  return `#${s.requestNumber} (${s.probe ?? 'the audit'}, ${s.tenant}: a prompt of ${prompt}, max_tokens ${s.maxTokens}, ${s.status === null ? (s.failure ?? 'no answer') : `HTTP ${s.status}`})`
+  return `#${s.requestNumber} (${s.probe ?? `the ${during}`}, ${s.tenant}: a prompt of ${prompt}, max_tokens ${s.maxTokens}, ${s.status === null ? (s.failure ?? 'no answer') : `HTTP ${s.status}`})`
 }

@@ -400,6 +400,7 @@ async function runProbe(
   const probeStartedAt = performance.now()
   const requestsBefore = budget.requestsSent
   const refusedBefore = budget.numRefused
+  const outOfTimeBefore = budget.numEndedOutOfTime
   budget.takeMostInFlight()
   emit({ type: 'probe-start', probe: name })
   ledger.setProbe(name)
@@ -442,11 +443,12 @@ async function runProbe(
   )
   // Stopped by its share (a request of its was refused), a probe that could not tell is run again
   // by --resume; one that told, or that spent exactly its share and could not tell anyway, is
-  // done.
+  // done. Its time was up only if a request of its ended then (capacity sends none, yet its
+  // sliver of the time was often spent by discovery on a busy host: "not proven clean").
   const isComplete =
     hasReturned &&
     !budget.isStopped &&
-    budget.remainingMs > 0 &&
+    (budget.remainingMs > 0 || budget.numEndedOutOfTime === outOfTimeBefore) &&
     (budget.numRefused === refusedBefore || findings.every((f) => f.verdict !== 'inconclusive'))
   // A probe left pending (its time ran out, or the audit stopped) is not proven clean: what it
   // exercised before the cut is kept in the title, the verdict is inconclusive (a clean verdict

@@ -30,7 +30,8 @@ export interface PromptSizer {
   refine(observation: Observation): PromptSizer
 }
 
-const fillerAlphabet = 'abcdefghijklmnop'
+/** The filler's words: single letters, one token each after a space in common tokenizers. */
+export const fillerAlphabet = 'abcdefghijklmnop'
 /** Filler words of the calibration's completions (`max_tokens: 1` each). */
 export const calibrationWords = [16, 64] as const
 

@@ -215,6 +215,14 @@ export interface GenerationOptions {
    *  answer, not a failure); default true. */
   readonly isValid?: boolean
   readonly maxBodyBytes?: number
+  /** The prompt's text, `max_tokens` and whether it streams, for the outage watch and the prompt
+   *  ceiling (as a completion's); absent: the body's JSON stands for the prompt's characters
+   *  (and the answer grows no ceiling), 0 and false. */
+  readonly prompt?: string
+  readonly maxTokens?: number
+  readonly stream?: boolean
+  /** The prompt tokens the answer reported (null: none). */
+  readonly promptTokensOf?: (http: HttpResult) => number | null
 }
 
 export interface TargetOptions {
@@ -226,8 +234,8 @@ export interface TargetOptions {
   readonly requestTimeoutMs: number
   /** Where every completion's fate is recorded; none when omitted. */
   readonly ledger?: Ledger
-  /** Called with every completion as it ends, after the ledger (the prompt ceiling and the
-   *  outage watch); none when omitted. */
+  /** Called with every completion (and every generation request on another entrypoint) as it
+   *  ends, after the ledger (the prompt ceiling and the outage watch); none when omitted. */
   readonly onCompletion?: (request: CompletionRequest, result: CompletionResult) => void
 }
 
@@ -308,13 +316,33 @@ export function createTarget(options: TargetOptions): Target {
       tenant: opts.tenant,
       maxBodyBytes: opts.maxBodyBytes,
     })
-    const result = generationResult(http, isAnswered(http))
+    const result = {
+      ...generationResult(http, isAnswered(http)),
+      promptTokens: opts.promptTokensOf?.(http) ?? null,
+    }
     ledger?.record(
       opts.tenant.name,
       opts.isValid ?? true,
       result,
       budget.remainingMs === 0,
       `POST ${path}`,
+    )
+    // Every entrypoint counts in the outage watch and the prompt ceiling as completions do.
+    const prompt = opts.prompt ?? JSON.stringify(body)
+    onCompletion?.(
+      {
+        tenant: opts.tenant,
+        prompt,
+        maxTokens: opts.maxTokens ?? 0,
+        stream: opts.stream ?? false,
+        isValid: opts.isValid ?? true,
+        // A body standing for the prompt bounds its size for the outage's evidence only: it
+        // must not grow the prompt ceiling.
+        ...(opts.prompt === undefined
+          ? {}
+          : { estimatedPromptTokens: Buffer.byteLength(prompt, 'utf8') + 4 }),
+      },
+      result,
     )
     return http
   }

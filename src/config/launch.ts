@@ -14,12 +14,7 @@ import { forkPart, stopAll } from '../engine/processes.js'
 import { KvfenceError } from '../common/errors.js'
 import { bundledModelDir } from '../common/paths.js'
 import { loadTlsMaterial, type TlsFiles, type TlsMaterial } from '../link/tls.js'
-import {
-  type GatewayBackendOptions,
-  type RunningRouter,
-  type StartRouterOptions,
-  startRouter,
-} from '../router/start.js'
+import type { GatewayBackendOptions, RunningRouter, StartRouterOptions } from '../router/start.js'
 import { type ClusterConfig, loadClusterConfig } from './cluster.js'
 import { refuseNativeSaltSecretFile, saltSecretFrom } from '../router/tenants/salt-secret.js'
 import {
@@ -190,6 +185,9 @@ export async function launchCluster(plan: LaunchPlan): Promise<LaunchedCluster> 
     let routerProcess: ChildProcess | undefined
     const r = plan.router
     if (r.runs === 'here') {
+      // Loaded only here: the router's modules cost a process ~0.4 s of CPU to load, and a
+      // launcher that forks its router (`serve --tenants`, the demo, tests) never runs them.
+      const { startRouter } = await import('../router/start.js')
       const workers = r.options.gateway
         ? {}
         : { modelDir: plan.modelDir, prefillUrls, decodeUrls, startTokenizer: forkTokenizer }

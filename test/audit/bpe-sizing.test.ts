@@ -10,9 +10,10 @@ import { after, before, describe, test } from 'node:test'
 import { Budget } from '../../src/audit/budget.js'
 import { makeCanary } from '../../src/audit/canaries.js'
 import { runAudit, type AuditReport } from '../../src/audit/index.js'
+import { plantRequest, tailUpperTokens } from '../../src/audit/probes/abort-retry.js'
 import { boundedPrompt, measureCanary, sizedPrompt } from '../../src/audit/probes/sized-material.js'
 import { createRng } from '../../src/audit/rng.js'
-import { calibrate, type PromptSizer } from '../../src/audit/sizer.js'
+import { calibrate, fillerText, type PromptSizer } from '../../src/audit/sizer.js'
 import { createTarget } from '../../src/audit/target.js'
 import { loadTokenizer, type Tokenizer } from '../../src/model/tokenizer.js'
 import { qwen3TokenizerDir } from '../helpers/qwen3.js'
@@ -90,6 +91,26 @@ describe('sized prompts land at the intended token counts under a real BPE token
       for (const numTokens of [64, 128, 383]) {
         const real = countTokens(boundedPrompt(rng, sizer, numTokens, canary))
         assert.ok(real <= numTokens, `bounded ${numTokens}: ${real}`)
+      }
+    }
+  })
+
+  test("abort-retry's keyed filler costs what the sizer's own filler does: prompts land where they did", () => {
+    // A keyed filler is random letters of the sizer's alphabet: under this BPE each costs one
+    // token after a space, whatever precedes it, so the prompt costs exactly what the same prompt
+    // with the sizer's cycle "a b c … p" costs, and its filler exactly the words asked.
+    const rng = createRng(5, 'bpe-keyed-filler')
+    for (const headTokens of [16, 127, 128, 129, 264, 512, 1000]) {
+      for (const tenant of standInTenants) {
+        const planted = plantRequest(rng, sizer, headTokens, 'a0', tenant)
+        const filler = planted.filler as string
+        const numWords = sizer.wordsFor(headTokens, 'up') - 1
+        assert.equal(filler.split(' ').length, numWords)
+        assert.equal(countTokens(` ${filler}`), numWords)
+        const cycle = planted.prompt.replace(filler, fillerText(numWords))
+        assert.notEqual(cycle, planted.prompt)
+        assert.equal(countTokens(planted.prompt), countTokens(cycle), `${headTokens} tokens`)
+        assert.ok(countTokens(planted.prompt) <= headTokens + tailUpperTokens)
       }
     }
   })

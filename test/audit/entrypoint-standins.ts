@@ -11,12 +11,18 @@
  *  under the same key; the key is the tenant (its bearer key) on every entrypoint except the ones
  *  of `saltless`, where it is one for everybody, as an entrypoint that drops the cache salt
  *  (vllm#46688 `/v1/messages`; vLLM PR #51818 Responses tool continuations: `responses-tools`).
+ *  Streamed `/v1/messages` (Anthropic events) and `/generate` (SGLang's: each event the whole
+ *  answer so far, then `[DONE]`) are served wherever their plain twin is; each name in `saltless` is
+ *  one path: `messages-stream` drops the salt on the streamed path only, `messages` on the plain.
  *  `answerCache` makes those entrypoints also answer from a cache keyed by the prompt's first
  *  `answerCacheWords` words alone: the earlier tenant's answer, its canaries in it. Not a test
  *  file itself. */
 import http from 'node:http'
 import type { AddressInfo } from 'node:net'
-import type { EntrypointName } from '../../src/audit/probes/entrypoint-shapes.js'
+import {
+  streamedEntrypoints,
+  type EntrypointName,
+} from '../../src/audit/probes/entrypoint-shapes.js'
 
 /** A request body as the stand-in reads it (fields checked where used). */
 interface Body {
@@ -44,6 +50,9 @@ export interface EntrypointStandInOptions {
   /** False: Responses refuses a non-empty `tools` with 400 (as kvfence); `fails`: answers it
    *  500. Default true. */
   readonly acceptsTools?: boolean | 'fails'
+  /** A `/v1/messages` prompt of more than this many words kills the engine: that request and
+   *  every one after it, on any path, get 500 (none when omitted). */
+  readonly messagesDiesOverWords?: number
 }
 
 export interface EntrypointStandIn {
@@ -65,7 +74,9 @@ export async function startEntrypointStandIn(
   const answers = new Map<string, string>()
   const stored = new Map<string, { key: string; text: string }>()
   let numIds = 0
-  const isServed = (name: EntrypointName) => name === 'completions' || options.serves.includes(name)
+  let isDead = false
+  const isServed = (name: EntrypointName) =>
+    name === 'completions' || options.serves.includes(plainOf(name))
   const isSaltless = (p: SaltlessPath) => (options.saltless ?? []).includes(p)
 
   /** The answer's text and counts for `text` under `key`, through the caches. */
@@ -97,16 +108,26 @@ export async function startEntrypointStandIn(
       res.end(JSON.stringify(body))
     }
     const tenant = String(req.headers.authorization ?? '')
+    const dead = () => send(500, { error: { message: 'engine died', type: 'server_error' } })
+    if (isDead) return dead()
     if (route === 'GET /v1/models')
       return send(200, { object: 'list', data: [{ id: 'tiny', object: 'model' }] })
-    const name = entrypointOf(route)
-    if (name === null || !isServed(name)) return send(404, { detail: 'Not Found' })
+    const plain = entrypointOf(route)
+    if (plain === null || !isServed(plain)) return send(404, { detail: 'Not Found' })
     const body = JSON.parse(Buffer.concat(chunks).toString('utf8') || '{}') as Body
     const keyFor = (p: SaltlessPath) => (isSaltless(p) ? '' : tenant)
-    if (name === 'responses') return serveResponses(body, tenant, keyFor, res, send)
-    const text = promptOf(name, body)
+    if (plain === 'responses') return serveResponses(body, tenant, keyFor, res, send)
+    const name = body.stream === true ? streamedOf(plain) : plain
+    const text = promptOf(plain, body)
+    const diesOver = options.messagesDiesOverWords
+    if (plain === 'messages' && diesOver !== undefined && text.split(/\s+/).length > diesOver) {
+      isDead = true
+      return dead()
+    }
     const g = generate(text, keyFor(name), name)
-    send(200, shapeOf(name, g))
+    if (name === 'messages-stream') return streamMessages(res, g)
+    if (name === 'generate-stream') return streamGenerate(res, g)
+    send(200, shapeOf(plain, g))
   })
 
   /** Responses: plain, streamed, with tools and continuations. */
@@ -137,7 +158,11 @@ export async function startEntrypointStandIn(
         })
       text = `${earlier.text} ${text}`
     }
-    const path: SaltlessPath = isContinuation ? 'responses-tools' : 'responses'
+    const path: SaltlessPath = isContinuation
+      ? 'responses-tools'
+      : body.stream === true
+        ? 'responses-stream'
+        : 'responses'
     const g = generate(text, keyFor(path), path)
     const id = `resp_${++numIds}`
     stored.set(id, { key: tenant, text })
@@ -202,6 +227,68 @@ export async function startEntrypointStandIn(
       await new Promise((r) => server.close(r))
     },
   }
+}
+
+function plainOf(name: EntrypointName): EntrypointName {
+  return streamedEntrypoints[name] ?? name
+}
+
+function streamedOf(plain: EntrypointName): EntrypointName {
+  const found = Object.entries(streamedEntrypoints).find(([, p]) => p === plain)
+  return (found?.[0] as EntrypointName | undefined) ?? plain
+}
+
+type Generated = { answer: string; promptTokens: number; cachedTokens: number }
+
+/** Anthropic's streamed message: usage on `message_start`, a text delta a word. */
+function streamMessages(res: http.ServerResponse, g: Generated): void {
+  res.writeHead(200, { 'content-type': 'text/event-stream' })
+  const event = (value: Record<string, unknown>) =>
+    res.write(`event: ${String(value.type)}\ndata: ${JSON.stringify(value)}\n\n`)
+  const usage = {
+    input_tokens: g.promptTokens - g.cachedTokens,
+    cache_read_input_tokens: g.cachedTokens,
+    cache_creation_input_tokens: 0,
+    output_tokens: 1,
+  }
+  event({
+    type: 'message_start',
+    message: { id: 'msg_1', type: 'message', role: 'assistant', content: [], usage },
+  })
+  event({ type: 'content_block_start', index: 0, content_block: { type: 'text', text: '' } })
+  for (const word of g.answer.split(' '))
+    event({
+      type: 'content_block_delta',
+      index: 0,
+      delta: { type: 'text_delta', text: `${word} ` },
+    })
+  event({ type: 'content_block_stop', index: 0 })
+  event({
+    type: 'message_delta',
+    delta: { stop_reason: 'max_tokens' },
+    usage: { output_tokens: answerWords },
+  })
+  event({ type: 'message_stop' })
+  res.end()
+}
+
+/** SGLang's streamed `/generate`: each event the whole answer so far, then `[DONE]`. */
+function streamGenerate(res: http.ServerResponse, g: Generated): void {
+  res.writeHead(200, { 'content-type': 'text/event-stream' })
+  const words = g.answer.split(' ')
+  for (let i = 1; i <= words.length; i++) {
+    const meta_info = {
+      id: 'rid',
+      prompt_tokens: g.promptTokens,
+      cached_tokens: g.cachedTokens,
+      completion_tokens: i,
+    }
+    res.write(
+      `data: ${JSON.stringify({ text: words.slice(0, i).join(' '), meta_info, index: 0 })}\n\n`,
+    )
+  }
+  res.write('data: [DONE]\n\n')
+  res.end()
 }
 
 function entrypointOf(route: string): EntrypointName | null {

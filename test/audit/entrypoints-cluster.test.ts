@@ -57,7 +57,9 @@ test('kvfence as shipped: completions, chat and Responses (streamed and not) ser
       table.filter((r) => !r.isServed).map((r) => [r.entrypoint, r.status]),
       [
         ['messages', 404],
+        ['messages-stream', 404],
         ['generate', 404],
+        ['generate-stream', 404],
         ['completion', 404],
         // kvfence accepts `tools` only empty: the round trip is not served.
         ['responses-tools', 400],

@@ -40,7 +40,9 @@ const endpoints = [
   'POST /v1/responses',
   'POST /v1/responses (stream)',
   'POST /v1/messages',
+  'POST /v1/messages (stream)',
   'POST /generate',
+  'POST /generate (stream)',
   'POST /completion',
 ]
 const toolEndpoint = 'POST /v1/responses (tool-call continuation)'
@@ -123,7 +125,9 @@ test('only completions and chat served, tools refused: the others listed as not 
       ['responses', 404],
       ['responses-stream', 404],
       ['messages', 404],
+      ['messages-stream', 404],
       ['generate', 404],
+      ['generate-stream', 404],
       ['completion', 404],
     ],
   )

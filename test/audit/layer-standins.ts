@@ -4,7 +4,9 @@
  *  over and over, streamed one word per event (`chunkDelayMs` apart) with the answer's `cmpl-N` id.
  *  Tenants are the keys of standins.ts; `/health` needs no key, everything else does.
  *  - `slots`: llama.cpp's `/slots` (on by default): `prompts` shows each slot's last prompt, as
- *    llama-server does; `hidden`, the twin, shows the slots without their prompts.
+ *    llama-server does; `hidden`, the twin, shows the slots without their prompts;
+ *    `in-flight` shows the prompt of a streamed request only while it is in flight (a slot
+ *    cleared when its request ends).
  *  - `serverInfo`: SGLang's `/server_info` and `/get_server_info`: `api-key` serializes the whole
  *    server arguments with `api_key`, `admin_api_key` (sglang#30166); `clean`, the twin, nulls
  *    them. Both carry `eos_token` and `tokenizer_path` strings (not secrets).
@@ -27,7 +29,7 @@ import type { AddressInfo } from 'node:net'
 import { tenantKeys } from './standins.js'
 
 export interface LayerOptions {
-  readonly slots?: 'prompts' | 'hidden'
+  readonly slots?: 'prompts' | 'hidden' | 'in-flight'
   readonly serverInfo?: 'api-key' | 'clean'
   readonly responseCache?: 'shared-exact' | 'shared-semantic' | 'per-tenant'
   readonly requestIds?: 'shared' | 'reject' | 'cancel' | 'per-tenant'
@@ -80,6 +82,8 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
   const chunkDelayMs = options.chunkDelayMs ?? 8
   const requests: string[] = []
   const slotPrompts: string[] = ['', '']
+  /** Prompts of the streams in flight (`slots: 'in-flight'`). */
+  const processing = new Set<string>()
   let numAnswers = 0
   const cache = new Map<string, { words: string[]; body: unknown }>()
   const inFlight = new Map<string, Upstream>()
@@ -99,6 +103,11 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
       res.end(`standin_answers_total ${numAnswers}\n`)
       return
     }
+    if (path === '/slots' && options.slots === 'in-flight')
+      return json(res, 200, [
+        ...[...processing].map((prompt, id) => ({ id, n_ctx: 4096, is_processing: true, prompt })),
+        { id: processing.size, n_ctx: 4096, is_processing: false },
+      ])
     if (path === '/slots' && options.slots !== undefined)
       return json(
         res,
@@ -208,6 +217,8 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
       stop: () => {},
     }
     if (key !== null && (joined === undefined || joined.isDone)) inFlight.set(key, upstream)
+    const prompt = typeof body.prompt === 'string' ? body.prompt : ''
+    processing.add(prompt)
     if (key !== null && options.requestIds === 'cancel')
       cancelGroups.set(key, [...(cancelGroups.get(key) ?? []), () => finish()])
     let index = 0
@@ -224,6 +235,7 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
     }, chunkDelayMs)
     const finish = (): void => {
       clearInterval(timer)
+      processing.delete(prompt)
       upstream.isDone = true
       if (key !== null && inFlight.get(key) === upstream) inFlight.delete(key)
       for (const client of upstream.clients)

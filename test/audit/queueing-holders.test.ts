@@ -45,6 +45,7 @@ test('a holder that fails during the pause before the queued requests: inconclus
   const findings = await queueingProbe.run(target, budget, {
     seed: 1,
     overCapacityAttempts: 0,
+    discovery: { contextTokens: null },
     log: () => undefined,
   } as unknown as ProbeContext)
   assert.equal(findings.length, 1)

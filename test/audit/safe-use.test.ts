@@ -190,9 +190,9 @@ describe('--plan', () => {
       // and an over-capacity one (at most 960 + 64), and one plant of 352 + 32 covering the
       // 384-token pool: 9 × 197 + 384 + 6 × 229 + 6 × 1024.
       assert.deepEqual(planRow(run.stdout, 'canary'), ['22', '9675', '0.0242'])
-      // entrypoints: a 3-word prompt (8 tokens) to each of 7 entrypoints; 13 trials of 3 requests
-      // (7 same-path, 6 from the hub) of 165 + 50 + 8; the tool round trip, 4 × (215 + 80 + 8).
-      assert.deepEqual(planRow(run.stdout, 'entrypoints'), ['50', '9965', '0.0249'])
+      // entrypoints: a 3-word prompt (8 tokens) to each of 9 entrypoints; 17 trials of 3 requests
+      // (9 same-path, 8 from the hub) of 165 + 50 + 8; the tool round trip, 4 × (215 + 80 + 8).
+      assert.deepEqual(planRow(run.stdout, 'entrypoints'), ['64', '12657', '0.0316'])
       // race-load: 2 reads of the endpoint's limit; alone, a structured check and 3 twins; then
       // arrivals ramped 2, 4, 8 (one each per slot) and held at 16 (two per slot): 46. Its long
       // prompts are the short ones' 160 tokens here (half the 384-token pool shared among 16 in
@@ -202,8 +202,8 @@ describe('--plan', () => {
       // of it: 94, 188, 376, each bound at 376 + 8; 4 reads before it and 2 × 2 after a stall.
       assert.deepEqual(planRow(run.stdout, 'stall'), ['11', '1152', '0.0029'])
       // With operational-endpoints, near-duplicates and request-ids (62 requests, their rows not
-      // worked here): 655 requests, within the default budget (800), so no probe's share is cut.
-      assert.deepEqual(planRow(run.stdout, 'total'), ['655', '113046', '0.2826'])
+      // worked here): 669 requests, within the default budget (800), so no probe's share is cut.
+      assert.deepEqual(planRow(run.stdout, 'total'), ['669', '115738', '0.2893'])
       assertColumnsAligned(run.stdout)
       assert.doesNotMatch(run.stdout, /exceed --max-requests/)
       for (const key of Object.values(tenantKeys)) assert.ok(!run.stdout.includes(key))

@@ -111,6 +111,10 @@ export interface StandInOptions {
   readonly abortLeakMinRunning?: number
   /** A completion started while another runs begins with the other one's words (crossed slots). */
   readonly isCrossTalk?: boolean
+  /** After at least this many completions in a row from one tenant (a flood), the next from
+   *  another tenant is answered with the first words of the flood's last prompt (a buffer a
+   *  burst left behind, served to the wrong tenant). */
+  readonly answerAfterFlood?: number
   /** With `isCrossTalk`: slots cross only when this many completions (this one included) are
    *  running at once (a race that opens at a batch size only). */
   readonly crossTalkMinRunning?: number
@@ -174,6 +178,10 @@ export interface ChunkedPrefill {
   readonly isUnwrittenBlank?: boolean
   /** Report `cached_tokens` (the whole prompt on a hit in the tenant's cache, else 0). */
   readonly isCachedTokensReported?: boolean
+  /** The answer is `max_tokens` words from the middle of a prompt instead of the pages' last
+   *  words: the request's own (`own`), or the last one another tenant sent (`other`; its own
+   *  while no other tenant has sent one): a leak of words alone, no canary among them. */
+  readonly answerFrom?: 'own' | 'other'
 }
 
 /** The `kvCache` stand-in: what it keeps and which bug it has. */
@@ -335,9 +343,12 @@ export async function startStandIn(
   const prefixCache = new Map<string, Set<string>>()
   /** `chunkedPrefill`'s cache: tenant and prompt → the prompt's words as its pages hold them. */
   const chunkCache = new Map<string, string[]>()
+  const chunkLastWords = new Map<string, readonly string[]>()
   let numRunning = 0
   const queue: (() => void)[] = []
   let abortedWords: string[] | null = null
+  /** `answerAfterFlood`: the tenant of the latest completions, how many in a row, its last words. */
+  let streak = { tenant: '', count: 0, words: [] as string[] }
   const runningWords = new Set<string[]>()
   const keys = new Set(Object.values(tenantKeys))
   let numRateLimitedSeen = 0
@@ -547,6 +558,7 @@ export async function startStandIn(
         ...options.chunkedPrefill,
         pool,
         cache: chunkCache,
+        lastWords: chunkLastWords,
       })
     }
     let output: string[]
@@ -566,6 +578,12 @@ export async function startStandIn(
       pool.splice(0, words.length + 1, '<bos>', ...words)
       pool.length = poolTokens
       output = words.slice(0, request.max_tokens)
+    }
+    if (options.answerAfterFlood !== undefined) {
+      const tenant = req.headers.authorization ?? ''
+      if (streak.tenant !== tenant && streak.count >= options.answerAfterFlood)
+        output = streak.words.slice(0, request.max_tokens)
+      streak = { tenant, count: streak.tenant === tenant ? streak.count + 1 : 1, words }
     }
     // Queue behind a full batch, then hold pages while "generating".
     if (options.maxBatch !== undefined && numRunning >= options.maxBatch) {
@@ -728,7 +746,12 @@ async function serveChunkedPrefill(
   request: { max_tokens: number; stream?: boolean },
   words: readonly string[],
   tenant: string,
-  setup: ChunkedPrefill & { pool: string[]; cache: Map<string, string[]> },
+  setup: ChunkedPrefill & {
+    pool: string[]
+    cache: Map<string, string[]>
+    /** Per tenant, the words of its last prompt answered (in the order tenants last sent). */
+    lastWords: Map<string, readonly string[]>
+  },
 ): Promise<void> {
   const { pool, cache, chunkTokens, stepMs, isPartialPublished, isUnwrittenBlank } = setup
   const key = `${tenant}\n${words.join(' ')}`
@@ -759,7 +782,17 @@ async function serveChunkedPrefill(
     cache.set(key, written)
     pages = written
   }
-  const output = pages.slice(Math.max(1, pages.length - request.max_tokens))
+  setup.lastWords.delete(tenant)
+  setup.lastWords.set(tenant, words)
+  const output =
+    setup.answerFrom === undefined
+      ? pages.slice(Math.max(1, pages.length - request.max_tokens))
+      : middleWords(
+          setup.answerFrom === 'own'
+            ? words
+            : ([...setup.lastWords].filter(([t]) => t !== tenant).pop()?.[1] ?? words),
+          request.max_tokens,
+        )
   const usage = {
     prompt_tokens: prompt.length,
     completion_tokens: output.length,
@@ -783,6 +816,12 @@ async function serveChunkedPrefill(
   }
   res.write(`data: ${JSON.stringify({ object: 'text_completion', choices: [], usage })}\n\n`)
   res.end('data: [DONE]\n\n')
+}
+
+/** `count` words from the middle of `words`. */
+function middleWords(words: readonly string[], count: number): string[] {
+  const from = Math.max(0, Math.floor((words.length - count) / 2))
+  return words.slice(from, from + count)
 }
 
 /** A URL on which nothing listens: a port bound and released. */

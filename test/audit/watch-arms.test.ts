@@ -75,8 +75,8 @@ describe('the entrypoint arm', () => {
     assert.equal(second.arm, 'entrypoint')
     assert.equal(second.outcome, 'finding')
     assert.ok(second.findings.some((f) => f.key === 'leak:entrypoints:chat'))
-    // Discovered once: one request to /v1/messages (not served) in two cycles.
-    assert.equal(routes.filter((r) => r === 'POST /v1/messages').length, 1)
+    // Discovered once: two requests to /v1/messages (plain and streamed; not served) in two cycles.
+    assert.equal(routes.filter((r) => r === 'POST /v1/messages').length, 2)
   })
 
   test('chat shares its prefix cache across tenants: a side-channel warning on chat', async () => {
@@ -186,16 +186,23 @@ describe('the near-duplicate arm', () => {
   })
 })
 
-test('watch --plan lists the four arms; the bound is the costliest (operational reads, entrypoint discovery)', () => {
+test('watch --plan lists the five arms; the bound is the costliest (operational reads, entrypoint discovery)', () => {
   const config = validateWatchOptions(
     { target: 'http://127.0.0.1:8000', tenants: standInTenants },
     1,
   )
   const cost = cycleCostBound(config)
-  // operational: a plant and 14 paths read twice; entrypoint: 7 discovery requests of
+  // operational: a streamed plant and 14 paths read twice; entrypoint: 9 discovery requests of
   // 18 + 100 + 1 tokens, then a trial of 3 × (300 + 100 + 8).
-  assert.deepEqual(cost.rotationArm, { requests: 29, tokens: 7 * 119 + 3 * 408 })
+  assert.deepEqual(cost.rotationArm, { requests: 29, tokens: 9 * 119 + 3 * 408 })
   const plan = formatWatchPlan(config)
-  assert.match(plan, /at most 29 requests and 2057 tokens\): 1\. race \(/)
-  assert.match(plan, /; 2\. entrypoint \(.*; 3\. operational \(.*; 4\. near-duplicate \(/)
+  assert.match(plan, /at most 29 requests and 2295 tokens\), charged what it spent: 1\. race \(/)
+  assert.match(
+    plan,
+    /; 2\. entrypoint \(.*; 3\. operational \(.*; 4\. near-duplicate \(.*; 5\. request-ids \(/,
+  )
+  assert.match(
+    plan,
+    /^at start: each tenant's key checked with one GET of \/v1\/models \(2 requests, no tokens\)/m,
+  )
 })

@@ -10,6 +10,7 @@ import { startCluster, type ClusterOptions } from '../../src/config/launch.js'
 import { twoTenants } from '../helpers/cluster.js'
 import { echoModelDir } from '../helpers/paths.js'
 import { metricValue, scrape, startReceiver, startWatch, type LogLine } from './watch-process.js'
+import { rotation } from '../../src/audit/watch/rotation.js'
 
 /** The incident's shape scaled down: a 384-token prefill pool, a 1024-token context. */
 const shape = {
@@ -137,7 +138,7 @@ describe('kvfence watch against the real cluster', () => {
           const cycles = watch.lines.filter((l) => l.msg === 'cycle' && l.outcome === 'clean')
           const triggers = new Set(cycles.flatMap((l) => l.triggers as string[]))
           const arms = new Set(cycles.map((l) => l.arm))
-          return cycles.length >= 6 && triggers.size === 5 && arms.size === 4
+          return cycles.length >= 6 && triggers.size === 5 && arms.size === rotation.length
         }
         await watch.waitFor(
           () => isDone(),

@@ -13,12 +13,14 @@
  *  3. the first tenant sends the prompt streamed and disconnects at a fraction of the cold TTFT;
  *     the cut landed during prefill when nothing of the answer had arrived;
  *  4. the first tenant, then the second, send it again, whole.
- *  The prompt is filler over more than one chunk (the size the endpoint reports: kvfence's
+ *  The prompt is the request's own filler (random single letters, attributable to it) over more
+ *  than one chunk (the size the endpoint reports: kvfence's
  *  `prefillChunkTokens`, SGLang's `chunked_prefill_size`; else {@link defaultChunkTokens}), then
  *  canaries, then the start of the first canary again, so that a model that copies (the bundled
  *  echo model) answers from the pages past the first chunk: the ones an aborted prefill leaves
  *  unwritten.
- *  Verdicts: a retry's (or the cold) answer holding another request's canary is a leak; a retry
+ *  Verdicts: a retry's (or the cold) answer holding another request's canary, or a run of its
+ *  filler, is a leak naming whose; a retry
  *  answer that differs from the cold one is a warning (half-written pages reused); no cut that
  *  landed during prefill, or no answer to compare, is inconclusive with the reason.
  *  Knows the audit's probes' shared material and the target; nothing of any engine inside. */
@@ -30,12 +32,12 @@ import { aisvsKvPartitioning, inconclusiveRemediation } from '../probe.js'
 import { createRng, type Rng } from '../rng.js'
 import { firstCeilingTokens, unknownLimitTokens } from '../prompt-ceiling.js'
 import type { PromptSizer } from '../sizer.js'
-import { fillerText } from '../sizer.js'
 import { isAnsweredWhole, type CompletionResult, type Target } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
 import {
   crossingRemediation,
   findCrossings,
+  keyedFiller,
   leakFindings,
   requestLog,
   type Observed,
@@ -88,7 +90,7 @@ interface Sizing {
 /** Upper bound of the tokens beyond the filler (ASCII costs at most one token a character): the
  *  fresh first word (a canary of at most 24 characters and a space) and the tail
  *  ` key: C1 C2. key: ` (13 characters and two canaries) with the cue. */
-const tailUpperTokens = 25 + 13 + 2 * 24 + cueChars + 2
+export const tailUpperTokens = 25 + 13 + 2 * 24 + cueChars + 2
 
 /** `ceilingTokens`: a request's tokens at most where the endpoint reports no limit (the prompt
  *  ceiling's, or null for none). */
@@ -197,12 +199,22 @@ interface Attempt {
   readonly retries: Observed[]
 }
 
-/** Filler of `headTokens` tokens behind a fresh first word, then the canaries, then the first
- *  canary's start again. */
-function promptOf(sizer: PromptSizer, headTokens: number, canaries: readonly string[]): string {
+/** A request's material: its own filler ({@link keyedFiller}) of `headTokens` tokens behind a
+ *  fresh first word, then the canaries, then the first canary's start again. The filler costs
+ *  the sizer's tokens per word (the prompt lands where filler of the sizer's own would), and is
+ *  the request's: an answer that repeats it elsewhere names whose it was. */
+export function plantRequest(
+  rng: Rng,
+  sizer: PromptSizer,
+  headTokens: number,
+  id: string,
+  tenant: Tenant,
+): Planted {
+  const canaries = makeCanaries(rng, 3)
   const [nonce, first, second] = canaries
-  const filler = fillerText(Math.max(1, sizer.wordsFor(headTokens, 'up') - 1))
-  return `${nonce} ${filler} key: ${first} ${second}. key: ${first.slice(0, cueChars)}`
+  const filler = keyedFiller(rng, Math.max(1, sizer.wordsFor(headTokens, 'up') - 1))
+  const prompt = `${nonce} ${filler} key: ${first} ${second}. key: ${first.slice(0, cueChars)}`
+  return { id, tenant, canaries, prompt, filler }
 }
 
 function plantAttempt(
@@ -214,22 +226,11 @@ function plantAttempt(
   cutFraction: number,
 ): Attempt {
   const roles = { cut: tenants[0], other: tenants[1], reference: tenants[2] ?? tenants[1] }
-  const [subjectCanaries, primingCanaries] = [makeCanaries(rng, 3), makeCanaries(rng, 3)]
   return {
     index,
     cutFraction,
-    subject: {
-      id: `a${index}`,
-      tenant: roles.cut,
-      canaries: subjectCanaries,
-      prompt: promptOf(sizer, size.headTokens, subjectCanaries),
-    },
-    priming: {
-      id: `p${index}`,
-      tenant: roles.other,
-      canaries: primingCanaries,
-      prompt: promptOf(sizer, size.headTokens, primingCanaries),
-    },
+    subject: plantRequest(rng, sizer, size.headTokens, `a${index}`, roles.cut),
+    priming: plantRequest(rng, sizer, size.headTokens, `p${index}`, roles.other),
     roles,
     observed: [],
     promptTokens: size.headTokens + tailUpperTokens,

@@ -10,8 +10,12 @@
  *    (OpenAI's OpenAPI description of the Responses API; src/router/responses);
  *  - Anthropic messages (`model`, `max_tokens`, `messages`): `content[]` text blocks,
  *    `usage.input_tokens` (uncached only) and `usage.cache_read_input_tokens`;
+ *  - Anthropic messages streamed (`stream: true`): `message_start` (its `message.usage`),
+ *    `content_block_delta` text deltas, `message_stop`;
  *  - SGLang's native `/generate` (`text`, `sampling_params.max_new_tokens`, `rid`): `text`,
- *    `meta_info.prompt_tokens` and `meta_info.cached_tokens`;
+ *    `meta_info.prompt_tokens` and `meta_info.cached_tokens`; streamed (`stream: true`), events
+ *    of the same shape whose `text` is the whole answer so far (SGLang's default; the
+ *    `--incremental-streaming-output` server sends only the new part), then `data: [DONE]`;
  *  - llama.cpp's `/completion` (`prompt`, `n_predict`, `cache_prompt`): `content`,
  *    `timings.prompt_n` + `timings.cache_n` (newer servers) or `tokens_evaluated` and
  *    `tokens_cached`.
@@ -25,7 +29,9 @@ export const entrypointNames = [
   'responses',
   'responses-stream',
   'messages',
+  'messages-stream',
   'generate',
+  'generate-stream',
   'completion',
 ] as const
 export type EntrypointName = (typeof entrypointNames)[number]
@@ -65,6 +71,27 @@ const responsesBody: Entrypoint['body'] = (prompt, maxTokens, model) => ({
   temperature: 0,
 })
 
+const messagesBody: Entrypoint['body'] = (prompt, maxTokens, model) => ({
+  // Anthropic's API requires a model; a server with one model takes any id.
+  model: model ?? 'default',
+  max_tokens: maxTokens,
+  messages: [{ role: 'user', content: prompt }],
+  temperature: 0,
+})
+
+const generateBody: Entrypoint['body'] = (prompt, maxTokens, _model, requestId) => ({
+  text: prompt,
+  sampling_params: { max_new_tokens: maxTokens, temperature: 0 },
+  rid: requestId,
+})
+
+/** The streamed entrypoints: the same path as their plain twin, with `stream: true`. */
+export const streamedEntrypoints: Readonly<Partial<Record<EntrypointName, EntrypointName>>> = {
+  'responses-stream': 'responses',
+  'messages-stream': 'messages',
+  'generate-stream': 'generate',
+}
+
 export const entrypoints: Readonly<Record<EntrypointName, Entrypoint>> = {
   completions: {
     name: 'completions',
@@ -99,22 +126,22 @@ export const entrypoints: Readonly<Record<EntrypointName, Entrypoint>> = {
   messages: {
     name: 'messages',
     path: '/v1/messages',
-    body: (prompt, maxTokens, model) => ({
-      // Anthropic's API requires a model; a server with one model takes any id.
-      model: model ?? 'default',
-      max_tokens: maxTokens,
-      messages: [{ role: 'user', content: prompt }],
-      temperature: 0,
-    }),
+    body: (...args) => messagesBody(...args),
+  },
+  'messages-stream': {
+    name: 'messages-stream',
+    path: '/v1/messages',
+    body: (...args) => ({ ...(messagesBody(...args) as object), stream: true }),
   },
   generate: {
     name: 'generate',
     path: '/generate',
-    body: (prompt, maxTokens, _model, requestId) => ({
-      text: prompt,
-      sampling_params: { max_new_tokens: maxTokens, temperature: 0 },
-      rid: requestId,
-    }),
+    body: (...args) => generateBody(...args),
+  },
+  'generate-stream': {
+    name: 'generate-stream',
+    path: '/generate',
+    body: (...args) => ({ ...(generateBody(...args) as object), stream: true }),
   },
   completion: {
     name: 'completion',
@@ -145,7 +172,8 @@ export function parseEntrypointAnswer(name: EntrypointName, http: HttpResult): E
   const json = isSse ? null : tryJson(http.body)
   if (isSse) return { ...none, ...parseEvents(http.body) }
   if (json === null || typeof json !== 'object') return none
-  const read = readers[name === 'responses-stream' ? 'responses' : name](json as Json)
+  const plainName = (streamedEntrypoints[name] ?? name) as keyof typeof readers
+  const read = readers[plainName](json as Json)
   return read === null ? none : { ...none, ...read, isAnswered: true }
 }
 
@@ -168,7 +196,10 @@ const plain = (text: string, promptTokens: number | null, cachedTokens: number |
 })
 
 const readers: Readonly<
-  Record<Exclude<EntrypointName, 'responses-stream'>, (j: Json) => Read | null>
+  Record<
+    Exclude<EntrypointName, 'responses-stream' | 'messages-stream' | 'generate-stream'>,
+    (j: Json) => Read | null
+  >
 > = {
   completions: readChoices,
   chat: readChoices,
@@ -232,7 +263,9 @@ function readResponse(j: Json): Read | null {
 
 /** A stream's text and counts, from whichever of these events it carries: Responses
  *  (`response.output_text.delta`, usage on `response.completed`), Anthropic
- *  (`content_block_delta`, usage on `message_start`), OpenAI chunks (`choices[]`). A stream that
+ *  (`content_block_delta`, usage on `message_start`), OpenAI chunks (`choices[]`), SGLang
+ *  `/generate` (`text` and `meta_info`: the whole answer so far in each event, or only the new
+ *  part; an event whose text starts with what was read so far replaces it). A stream that
  *  carried an error event, or no completion event, is not an answer. */
 function parseEvents(body: string): Partial<EntrypointAnswer> {
   let text = ''
@@ -247,7 +280,13 @@ function parseEvents(body: string): Partial<EntrypointAnswer> {
       return { isAnswered: false, text }
     if (event.type === 'response.output_text.delta') text += str(event.delta)
     if (event.type === 'content_block_delta') text += str(obj(event.delta).text)
+    if (event.type === 'message_start')
+      read = readers.messages({ content: [], ...obj(event.message) })
     if (Array.isArray(event.choices)) text += readChoices(event)?.text ?? ''
+    if (typeof event.text === 'string' && 'meta_info' in event) {
+      text = event.text.startsWith(text) ? event.text : text + event.text
+      read = readers.generate(event)
+    }
     if (event.type === 'response.completed' || event.type === 'response.incomplete') {
       read = readResponse(obj(event.response))
       isDone = true

@@ -25,6 +25,7 @@ import {
   entrypoints,
   parseEntrypointAnswer,
   type EntrypointAnswer,
+  streamedEntrypoints,
   type EntrypointName,
 } from './entrypoint-shapes.js'
 import { runToolArm, toolPath, toolSender, type ToolArm } from './entrypoint-tools.js'
@@ -90,7 +91,7 @@ export async function discoverEntrypoints(
     const answer = await sendTo(target, tenant, name, discoveryPrompt, 1, 'discovery')
     out.push({
       entrypoint: name,
-      endpoint: `POST ${entrypoints[name].path}${name === 'responses-stream' ? ' (stream)' : ''}`,
+      endpoint: `POST ${entrypoints[name].path}${name in streamedEntrypoints ? ' (stream)' : ''}`,
       status: answer.status,
       isServed: answer.isAnswered,
       isCacheReported: answer.isAnswered ? answer.cachedTokens !== null : null,
@@ -112,7 +113,15 @@ async function sendTo(
     path,
     body(prompt, maxTokens, target.model, requestId),
     // Discovery asks whether the entrypoint is served: a 404 is an answer there.
-    { tenant, maxBodyBytes: maxAnswerBytes, isValid: requestId !== 'discovery' },
+    {
+      tenant,
+      maxBodyBytes: maxAnswerBytes,
+      isValid: requestId !== 'discovery',
+      prompt,
+      maxTokens,
+      stream: name in streamedEntrypoints,
+      promptTokensOf: (h) => parseEntrypointAnswer(name, h).promptTokens,
+    },
     (h) => parseEntrypointAnswer(name, h).isAnswered,
   )
   return parseEntrypointAnswer(name, http)
@@ -193,7 +202,7 @@ export async function runTrials(
 export const entrypointsProbe: Probe = {
   name: 'entrypoints',
   description:
-    'finds which generation entrypoints are served (completions, chat, Responses streamed or not, /v1/messages, /generate, /completion); on each and across them tenant A primes a prefix and tenant B sends it: A canaries in B answers are a leak, B served A cached prefix a side channel; and a Responses tool-call round trip',
+    'finds which generation entrypoints are served (completions, chat, Responses, /v1/messages and /generate, each streamed or not, /completion); on each and across them tenant A primes a prefix and tenant B sends it: A canaries in B answers are a leak, B served A cached prefix a side channel; and a Responses tool-call round trip',
   class: 'content-leak',
   // kvfence derives one salt from the tenant for completions, chat and Responses alike: a design
   // property, not one of the numbered guards.

@@ -15,6 +15,7 @@ import {
   type CanaryMatch,
 } from '../canaries.js'
 import type { Rng } from '../rng.js'
+import { fillerAlphabet } from '../sizer.js'
 import { outcomeOf, type CompletionResult } from '../target.js'
 import type { Finding, ProbeName, Tenant } from '../types.js'
 
@@ -24,6 +25,9 @@ export interface Planted {
   readonly tenant: Tenant
   readonly canaries: readonly string[]
   readonly prompt: string
+  /** The request's own filler ({@link keyedFiller}), when its prompt has filler: an answer
+   *  repeating {@link minFillerWords} of its words in a row carries this request's material. */
+  readonly filler?: string
 }
 
 /** One request's answer, with the material it was sent with. */
@@ -39,7 +43,8 @@ export interface Observed {
 export interface Crossing {
   readonly observed: Observed
   readonly source: Planted
-  readonly match: CanaryMatch
+  /** `isFiller`: the match is a run of the source's filler words, not a canary fragment. */
+  readonly match: CanaryMatch & { readonly isFiller?: boolean }
 }
 
 /** Leak findings listed one by one; the rest are counted. */
@@ -98,7 +103,58 @@ export function denseMaterial(
   }
 }
 
-/** Every output that holds another request's canary (or a ≥ 8-character fragment of one). */
+/** Filler words an answer must repeat in a row to be matched to a request's filler: 12 letters
+ *  drawn from 16 (16^12 ≈ 2.8·10^14 sequences) do not recur by chance in an audit's filler (a
+ *  few 10^5 words in all), while an audit's 16-token answers hold 12 of them. */
+export const minFillerWords = 12
+
+/** Filler of `numWords` words for one request alone: single letters drawn from the sizer's
+ *  alphabet (sizer.ts), so that it costs the sizer's tokens per word as its own filler does (a
+ *  letter after a space is one token in common tokenizers, BPE ones included, whatever letter
+ *  precedes it), yet unlike that filler it is the request's own: {@link findFillerRun} tells
+ *  which request's filler an answer repeats, and so whose. */
+export function keyedFiller(rng: Rng, numWords: number): string {
+  const words = new Array<string>(numWords)
+  for (let i = 0; i < numWords; i++)
+    words[i] = fillerAlphabet[rng.int(0, fillerAlphabet.length - 1)]
+  return words.join(' ')
+}
+
+/** The longest run of at least `minWords` whitespace-separated words of `text` that occurs, in
+ *  order, in `filler` (single-space separated); null when none does. `index`: where the run's
+ *  first word starts in `text`. */
+export function findFillerRun(
+  text: string,
+  filler: string,
+  minWords: number = minFillerWords,
+): CanaryMatch | null {
+  const words: { word: string; index: number }[] = []
+  for (const m of text.matchAll(/\S+/g)) words.push({ word: m[0], index: m.index })
+  const haystack = ` ${filler} `
+  const occurs = (from: number, to: number): boolean =>
+    haystack.includes(
+      ` ${words
+        .slice(from, to)
+        .map((w) => w.word)
+        .join(' ')} `,
+    )
+  let best: { from: number; to: number } | null = null
+  for (let from = 0; from + minWords <= words.length; from++) {
+    if (!occurs(from, from + minWords)) continue
+    let to = from + minWords
+    while (to < words.length && occurs(from, to + 1)) to++
+    if (best === null || to - from > best.to - best.from) best = { from, to }
+  }
+  if (best === null) return null
+  const run = words
+    .slice(best.from, best.to)
+    .map((w) => w.word)
+    .join(' ')
+  return { canary: run, fragment: run, index: words[best.from].index }
+}
+
+/** Every output that holds another request's canary (or a ≥ 8-character fragment of one), or a
+ *  run of its filler ({@link findFillerRun}). */
 export function findCrossings(
   observed: readonly Observed[],
   planted: readonly Planted[],
@@ -108,7 +164,12 @@ export function findCrossings(
     for (const source of planted) {
       if (source.id === o.planted.id) continue
       const [match] = findCanaries(o.result.text, source.canaries)
-      if (match) out.push({ observed: o, source, match })
+      if (match) {
+        out.push({ observed: o, source, match })
+        continue
+      }
+      const run = source.filler === undefined ? null : findFillerRun(o.result.text, source.filler)
+      if (run !== null) out.push({ observed: o, source, match: { ...run, isFiller: true } })
     }
   }
   return out
@@ -133,21 +194,25 @@ export function leakFindings(
   return sorted.slice(0, maxLeakFindings).map((c) => {
     const { observed, source, match } = c
     const sameTenant = isSameTenant(c)
+    const what = match.isFiller
+      ? `${match.fragment.split(' ').length} words in a row of filler`
+      : 'a canary'
     return {
       probe,
       verdict: 'leak',
       severity: sameTenant ? 'high' : 'critical',
       title: sameTenant
-        ? `a ${observed.label} answer to ${observed.planted.tenant.name} carried another of its requests' canary (requests crossed)`
-        : `${observed.planted.tenant.name}'s ${observed.label} answer (HTTP ${observed.result.status}) carried a canary planted by ${source.tenant.name}`,
+        ? `a ${observed.label} answer to ${observed.planted.tenant.name} carried ${match.isFiller ? `${what} another of its requests sent` : "another of its requests' canary"} (requests crossed)`
+        : `${observed.planted.tenant.name}'s ${observed.label} answer (HTTP ${observed.result.status}) carried ${what} planted by ${source.tenant.name}`,
       evidence: {
         victimTenant: source.tenant.name,
         observerTenant: observed.planted.tenant.name,
         request: { label: observed.label, stream: observed.stream, status: observed.result.status },
         requestNumber: observed.result.requestNumber,
         atMs: observed.result.atMs,
-        canary: match.canary,
+        canary: match.isFiller ? null : match.canary,
         matchedFragment: match.fragment,
+        ...(match.isFiller ? { matchedFiller: true } : {}),
         excerpt: redact(observed.result.text, allCanaries, match.index, 160, [source.prompt]),
         numCrossings: crossings.length,
         numCrossTenant: crossings.filter((x) => !isSameTenant(x)).length,

@@ -40,7 +40,7 @@ export const operationalPaths = [
 /** Tokens the victim's planting request may answer with. */
 export const plantMaxTokens = 16
 /** Long enough that the reads during it find it in flight on a streaming engine. */
-const inFlightMaxTokens = 64
+export const inFlightMaxTokens = 64
 
 /** One GET: which path, as whom, when. */
 export interface Read {
@@ -105,7 +105,7 @@ export const operationalEndpointsProbe: Probe = {
 
 /** Starts a streamed victim request and reads `paths` as the observer until all are read;
  *  returns the reads made while the request was still in flight, and the request's result. */
-async function readWhileInFlight(
+export async function readWhileInFlight(
   target: Target,
   victim: Tenant,
   observer: Tenant,

@@ -5,7 +5,9 @@
  *  broken (abort, timeout or transfer-failure paths): a pool that shrinks until the server
  *  refuses work, and pages that may later be read without being written. Earlier probes' aborts
  *  are such a workload too, which is why the baseline is taken before them.
- *  A warning, never a leak: no data was seen crossing. */
+ *  On usage, a warning at most: no data was seen crossing. The workload is tenants' canary
+ *  prompts, though, and every answer is checked for another request's canary: one found (a cut
+ *  request's pages handed on unscrubbed) is a leak (`content-leak`) beside that verdict. */
 import { materialPromptTokens } from '../plan.js'
 import { BudgetExhaustedError, type Budget } from '../budget.js'
 import { readPoolUsage, readRunning, type PoolUsage } from '../pool-usage.js'
@@ -14,7 +16,15 @@ import { inconclusiveRemediation } from '../probe.js'
 import { createRng } from '../rng.js'
 import type { Target } from '../target.js'
 import type { Finding } from '../types.js'
-import { plantMaterial } from './material.js'
+import {
+  crossingRemediation,
+  findCrossings,
+  leakFindings,
+  plantMaterial,
+  requestLog,
+  type Observed,
+  type Planted,
+} from './material.js'
 
 export { readPoolUsage, usageFromMetrics, type PoolUsage } from '../pool-usage.js'
 
@@ -59,16 +69,31 @@ export const pageLeakProbe: Probe = {
   async run(target, budget, context): Promise<Finding[]> {
     const sampler = new Sampler(target)
     const state: Readings = { preAudit: null, baseline: null, settled: null, stoppedBy: null }
+    const traffic: { planted: Planted[]; observed: Observed[] } = { planted: [], observed: [] }
     try {
       const early = await readBaseline(sampler, budget, context, state)
       if (early !== null) return early
-      await sendWorkload(sampler, target, budget, context.seed)
+      await sendWorkload(sampler, target, budget, { seed: context.seed, traffic })
       await settle(sampler, budget, state)
     } catch (err) {
       if (!(err instanceof BudgetExhaustedError)) throw err
       state.stoppedBy = err.message
     }
-    return judge(sampler, state, context)
+    // The workload is tenants' canary prompts, half of them cut: an answer carrying another
+    // request's canary (a cut request's pages handed on unscrubbed) is a leak beside the verdict
+    // on the pool's usage.
+    const crossings = findCrossings(traffic.observed, traffic.planted)
+    const leaks =
+      crossings.length === 0
+        ? []
+        : leakFindings(
+            'page-leak',
+            crossings,
+            traffic.planted,
+            { requests: requestLog(traffic.observed) },
+            crossingRemediation,
+          )
+    return [...leaks, ...judge(sampler, state, context)]
   },
 }
 
@@ -180,7 +205,7 @@ async function sendWorkload(
   sampler: Sampler,
   target: Target,
   budget: Budget,
-  seed: number,
+  { seed, traffic }: { seed: number; traffic: { planted: Planted[]; observed: Observed[] } },
 ): Promise<void> {
   const rng = createRng(seed, 'page-leak')
   const planted = plantMaterial(
@@ -188,13 +213,19 @@ async function sendWorkload(
     target.tenants,
     Array.from({ length: numWorkload }, (_, i) => `w${i}`),
   )
-  const send = (i: number, extra: { maxTokens: number; abortAfterChunks?: number }) =>
-    target.complete({
+  traffic.planted.push(...planted)
+  const send = async (i: number, extra: { maxTokens: number; abortAfterChunks?: number }) => {
+    const stream = i % 2 === 0
+    const result = await target.complete({
       tenant: planted[i].tenant,
       prompt: planted[i].prompt,
-      stream: i % 2 === 0,
+      stream,
       ...extra,
     })
+    const label = `workload ${i}${extra.abortAfterChunks === undefined ? '' : ', cut'}`
+    traffic.observed.push({ planted: planted[i], label, stream, result })
+    return result
+  }
   const long = send(0, { maxTokens: 128 })
   // A sample that runs out of budget skips the allSettled below; the requests' own
   // rejections must not then go unhandled (that would end the process).

@@ -10,7 +10,6 @@
  *  (null), the membership arms' finding stands alone.
  *
  *  Knows HTTP completions through the target; knows nothing of the engine. */
-import type { Rng } from '../rng.js'
 import { outcomeOf, type CompletionResult } from '../target.js'
 import type { Finding, Tenant } from '../types.js'
 
@@ -33,30 +32,32 @@ export interface EvictionRound {
 }
 
 /** Runs the arm (see the module's header) and returns its rounds; stops early at `maxRounds` or
- *  when `canRun(requestsNeeded)` says the budget has no room for one more round. */
-export async function runEvictionArm(options: {
+ *  when `canRun(requestsNeeded)` says the budget has no room for one more round. `prefix(tenant)`
+ *  makes a fresh prefix of that tenant's (its material: the caller records whose it is), `send`
+ *  sends one, `label` saying which request of the round it is. */
+export async function runEvictionArm<P>(options: {
   observer: Tenant
   other: Tenant
   numFlood: number
   maxRounds: number
-  prefix: () => string
-  rng: Rng
-  send: (tenant: Tenant, prompt: string) => Promise<CompletionResult>
+  prefix: (tenant: Tenant) => P
+  send: (tenant: Tenant, prefix: P, label: string) => Promise<CompletionResult>
   canRun: (numRequests: number) => boolean
 }): Promise<EvictionRound[]> {
-  const { observer, other, send, rng } = options
+  const { observer, other, send } = options
   const cached = (r: CompletionResult) => (outcomeOf(r) === 'accepted' ? r.cachedTokens : null)
   const rounds: EvictionRound[] = []
   for (let i = 0; i < options.maxRounds && options.canRun(4 + options.numFlood); i++) {
-    const own = options.prefix()
-    const ask = async () => cached(await send(observer, `${own} q${rng.int(0, 9999)}`))
-    await ask()
-    const reuse = await ask()
-    const quiet = await ask()
+    const own = options.prefix(observer)
+    const ask = async (label: string) =>
+      cached(await send(observer, own, `eviction round ${i}, ${label}`))
+    await ask('first')
+    const reuse = await ask('reuse')
+    const quiet = await ask('after a quiet pause')
     for (let j = 0; j < options.numFlood; j++) {
-      await send(other, `${options.prefix()} q${rng.int(0, 9999)}`)
+      await send(other, options.prefix(other), `eviction round ${i}, flood ${j}`)
     }
-    rounds.push({ reuse, quiet, flooded: await ask() })
+    rounds.push({ reuse, quiet, flooded: await ask('after the flood') })
   }
   return rounds
 }

@@ -29,6 +29,14 @@ import {
   type EvictionRound,
 } from './prefix-eviction.js'
 import type { Finding, Tenant } from '../types.js'
+import {
+  crossingRemediation,
+  findCrossings,
+  leakFindings,
+  requestLog,
+  type Observed,
+  type Planted,
+} from './material.js'
 
 /** Pairs (hit, miss) per arm, at most: a two-sample KS test of 12 against 12 reaches p < 0.001
  *  on a clean separation even with a few samples lost to noise. */
@@ -89,14 +97,73 @@ export const prefixTimingProbe: Probe = {
     ]
   },
   async run(target, budget, context): Promise<Finding[]> {
-    const findings = await runMembership(target, budget, context)
-    const eviction = await runEviction(target, budget, context)
-    if (eviction.finding !== null) return [...findings, eviction.finding]
+    const traffic: Traffic = { planted: [], observed: [] }
+    const findings = await runMembership(target, budget, context, traffic)
+    const eviction = await runEviction(target, budget, context, traffic)
+    const leaks = trafficLeaks(traffic)
+    if (eviction.finding !== null) return [...leaks, ...findings, eviction.finding]
     // Quiet: what the arm saw goes with the membership finding, for the report's reader.
     const [first, ...rest] = findings
     const { numFlood, rounds } = eviction
-    return [{ ...first, evidence: { ...first.evidence, eviction: { numFlood, rounds } } }, ...rest]
+    return [
+      ...leaks,
+      { ...first, evidence: { ...first.evidence, eviction: { numFlood, rounds } } },
+      ...rest,
+    ]
   },
+}
+
+/** Every prefix the probe sent, as the material of the tenant that made it, and every answer:
+ *  membership and eviction traffic alike. */
+interface Traffic {
+  readonly planted: Planted[]
+  readonly observed: Observed[]
+}
+
+/** A fresh prefix of `tenant`'s, recorded in `traffic`: a canary, then `words` random single
+ *  letters (unique, sized like the sizer's filler, and the prefix's own: an answer repeating
+ *  them names whose they were). */
+function plantPrefix(traffic: Traffic, rng: Rng, words: number, tenant: Tenant): Planted {
+  const [canary] = makeCanaries(rng, 1)
+  const letters = Array.from({ length: words }, () => String.fromCharCode(97 + rng.int(0, 25)))
+  const filler = letters.join(' ')
+  const planted = {
+    id: `t${traffic.planted.length}`,
+    tenant,
+    canaries: [canary],
+    prompt: `${canary} ${filler}`,
+    filler,
+  }
+  traffic.planted.push(planted)
+  return planted
+}
+
+/** Sends `prefix` (with a fresh suffix) as `tenant`, who may be another tenant than the one that
+ *  made it (the reader of a hit: it sends that prefix as its own request), and records the
+ *  answer. */
+async function sendPrefix(
+  target: Target,
+  traffic: Traffic,
+  rng: Rng,
+  request: { tenant: Tenant; prefix: Planted; label: string; maxTokens?: number },
+): Promise<CompletionResult> {
+  const { tenant, prefix, label } = request
+  const result = await target.complete({
+    tenant,
+    prompt: `${prefix.prompt} ${suffix(rng)}`,
+    maxTokens: request.maxTokens ?? 1,
+    stream: false,
+  })
+  traffic.observed.push({ planted: { ...prefix, tenant }, label, stream: false, result })
+  return result
+}
+
+/** Leak findings for answers that carried another request's canary or letters (none: []). */
+function trafficLeaks(traffic: Traffic): Finding[] {
+  const crossings = findCrossings(traffic.observed, traffic.planted)
+  if (crossings.length === 0) return []
+  const summary = { numSent: traffic.observed.length, requests: requestLog(traffic.observed) }
+  return leakFindings('prefix-timing', crossings, traffic.planted, summary, crossingRemediation)
 }
 
 /** The eviction arm (prefix-eviction.ts) with the membership arms' prefix size: its rounds, and
@@ -105,6 +172,7 @@ async function runEviction(
   target: Target,
   budget: Budget,
   context: ProbeContext,
+  traffic: Traffic,
 ): Promise<{ finding: Finding | null; numFlood: number; rounds: EvictionRound[] }> {
   const [victim, observer] = target.tenants
   const rng = createRng(context.seed, 'prefix-eviction')
@@ -120,9 +188,8 @@ async function runEviction(
       other: victim,
       numFlood,
       maxRounds: evictionRounds,
-      prefix: () => randomPrefix(rng, prefixWords),
-      rng,
-      send: (tenant, prompt) => target.complete({ tenant, prompt, maxTokens: 1, stream: false }),
+      prefix: (tenant) => plantPrefix(traffic, rng, prefixWords, tenant),
+      send: (tenant, prefix, label) => sendPrefix(target, traffic, rng, { tenant, prefix, label }),
       canRun: (n) => budget.remainingRequests >= n,
     })
   })
@@ -149,6 +216,7 @@ async function runMembership(
   target: Target,
   budget: Budget,
   context: ProbeContext,
+  traffic: Traffic,
 ): Promise<Finding[]> {
   const [victim, observer] = target.tenants
   const sizer = await context.sizer().catch((err: unknown) => {
@@ -159,7 +227,12 @@ async function runMembership(
   const prefixWords = sizer === null ? defaultPrefixWords : sizer.wordsFor(prefixTokens, 'down')
   const numSamples = Math.min(maxSamples, Math.floor(budget.remainingRequests / 6))
   const rng = createRng(context.seed, 'prefix-timing')
-  const { control, cross, stoppedBy } = await sendMembership(target, rng, prefixWords, numSamples)
+  const { control, cross, stoppedBy } = await sendMembership(
+    target,
+    { rng, traffic },
+    prefixWords,
+    numSamples,
+  )
   const controlTest = compare(control)
   const crossTest = compare(cross)
   const evidence = {
@@ -196,15 +269,15 @@ async function runMembership(
  *  miss), in alternating order. */
 async function sendMembership(
   target: Target,
-  rng: Rng,
+  { rng, traffic }: { rng: Rng; traffic: Traffic },
   prefixWords: number,
   numSamples: number,
 ): Promise<{ control: TimingArm; cross: TimingArm; stoppedBy: string | null }> {
   const [victim, observer] = target.tenants
   const control: TimingArm = { hitMs: [], missMs: [], hitCachedTokens: [], missCachedTokens: [] }
   const cross: TimingArm = { hitMs: [], missMs: [], hitCachedTokens: [], missCachedTokens: [] }
-  const send = (tenant: Tenant, prompt: string, maxTokens = 1): Promise<CompletionResult> =>
-    target.complete({ tenant, prompt, maxTokens, stream: false })
+  const send = (tenant: Tenant, prefix: Planted, label: string, maxTokens = 1) =>
+    sendPrefix(target, traffic, rng, { tenant, prefix, label, maxTokens })
   const record = (arm: TimingArm, kind: 'hit' | 'miss', r: CompletionResult): void => {
     if (outcomeOf(r) !== 'accepted' || r.ttftMs === null) return
     arm[kind === 'hit' ? 'hitMs' : 'missMs'].push(r.ttftMs)
@@ -212,17 +285,17 @@ async function sendMembership(
   }
   const stoppedBy = await runUntilExhausted(async () => {
     for (let i = 0; i < numSamples; i++) {
-      for (const [arm, reader] of [
-        [control, victim],
-        [cross, observer],
+      for (const [arm, reader, name] of [
+        [control, victim, 'control'],
+        [cross, observer, 'cross'],
       ] as const) {
-        const primed = randomPrefix(rng, prefixWords)
-        const fresh = randomPrefix(rng, prefixWords)
-        await send(victim, `${primed} ${suffix(rng)}`, primeMaxTokens)
+        const primed = plantPrefix(traffic, rng, prefixWords, victim)
+        const fresh = plantPrefix(traffic, rng, prefixWords, reader)
+        await send(victim, primed, `${name} sample ${i}, priming`, primeMaxTokens)
         // Alternate the order of hit and miss so that drift in load affects both alike.
         const hitFirst = i % 2 === 0
-        const hit = () => send(reader, `${primed} ${suffix(rng)}`)
-        const miss = () => send(reader, `${fresh} ${suffix(rng)}`)
+        const hit = () => send(reader, primed, `${name} sample ${i}, hit`)
+        const miss = () => send(reader, fresh, `${name} sample ${i}, miss`)
         if (hitFirst) {
           record(arm, 'hit', await hit())
           record(arm, 'miss', await miss())
@@ -428,12 +501,6 @@ function compare(arm: TimingArm): Comparison {
 
 function isFaster(c: Comparison): boolean {
   return c.medianHitMs !== null && c.medianMissMs !== null && c.medianHitMs < c.medianMissMs
-}
-
-/** A canary, then `words` random single letters: unique, and sized like the sizer's filler. */
-function randomPrefix(rng: Rng, words: number): string {
-  const letters = Array.from({ length: words }, () => String.fromCharCode(97 + rng.int(0, 25)))
-  return `${makeCanaries(rng, 1)[0]} ${letters.join(' ')}`
 }
 
 function suffix(rng: Rng): string {

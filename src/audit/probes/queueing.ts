@@ -70,7 +70,7 @@ export const queueingProbe: Probe = {
   ],
   async run(target, budget, context): Promise<Finding[]> {
     const traffic = plantTraffic(target.tenants, budget.limits.concurrency, context.seed)
-    const stoppedBy = await sendTraffic(target, traffic)
+    const stoppedBy = await sendTraffic(target, traffic, context.discovery.contextTokens)
     const reading = readWaits(traffic, stoppedBy)
     const { unloadedMs, queuedTtftMs, refusals } = reading
     const ms = (n: number) => n.toFixed(1)
@@ -114,9 +114,32 @@ function plantTraffic(tenants: readonly Tenant[], concurrency: number, seed: num
   return { victim, others, baseline, holders, waiters, planted, observed: [] }
 }
 
+/** A holder's `max_tokens`: {@link holderMaxTokens}, less where the advertised context
+ *  (`contextTokens`, null: unknown) leaves no room for that many after its prompt — a holder
+ *  refused for its length holds nothing. The prompt's tokens are estimated from the baseline's
+ *  reported tokens per character (+10 %), never above one token per character (the material is
+ *  ASCII: every token covers at least a byte), plus 8 for the template's special tokens. */
+export function holderMaxTokensFor(
+  prompt: string,
+  contextTokens: number | null,
+  baseline: readonly { promptChars: number; promptTokens: number | null }[],
+): number {
+  if (contextTokens === null) return holderMaxTokens
+  const ratios = baseline
+    .filter((b) => b.promptTokens !== null && b.promptChars > 0)
+    .map((b) => (b.promptTokens as number) / b.promptChars)
+  const perChar = ratios.length === 0 ? 1 : Math.min(1, Math.max(...ratios) * 1.1)
+  const promptTokens = Math.ceil(prompt.length * perChar) + 8
+  return Math.max(1, Math.min(holderMaxTokens, contextTokens - promptTokens))
+}
+
 /** Sends the baseline one by one, then the holders, and once they reached the server the
  *  waiters; returns why the budget stopped it, or null. */
-async function sendTraffic(target: Target, traffic: Traffic): Promise<string | null> {
+async function sendTraffic(
+  target: Target,
+  traffic: Traffic,
+  contextTokens: number | null,
+): Promise<string | null> {
   const { baseline, holders, waiters, planted, observed } = traffic
   const send = async (i: number, label: string, maxTokens: number, stream: boolean) => {
     const p = planted[i]
@@ -125,8 +148,17 @@ async function sendTraffic(target: Target, traffic: Traffic): Promise<string | n
   }
   return runUntilExhausted(async () => {
     for (let i = 0; i < baseline.length; i++) await send(i, 'unloaded', waiterMaxTokens, true)
-    const holding = holders.map((_, i) =>
-      send(baseline.length + i, 'holding the batch', holderMaxTokens, true),
+    const measured = observed.map((o) => ({
+      promptChars: o.planted.prompt.length,
+      promptTokens: o.result.promptTokens,
+    }))
+    const holding = holders.map((h, i) =>
+      send(
+        baseline.length + i,
+        'holding the batch',
+        holderMaxTokensFor(h.prompt, contextTokens, measured),
+        true,
+      ),
     )
     // Handled now: a holder that fails (the budget running out) during the pause below would
     // otherwise be an unhandled rejection, which ends the process; Promise.all still sees it.

@@ -20,11 +20,12 @@ import { isAnsweredWhole, outcomeOf, type CompletionResult, type Target } from '
 import type { Finding, Tenant } from '../types.js'
 import { materialPromptTokens } from '../plan.js'
 
-const maxTokens = 48
+/** `max_tokens` of every streamed request. */
+export const maxTokens = 48
 /** Canaries in each prompt: ~100 characters, so that prompt and answer fit the smallest pool
  *  (kvfence's character-level model counts a token a character) and every arm's prompts are
  *  alike in size (a refusal by size is never mistaken for one caused by a collision). */
-const numCanaries = 4
+export const numCanaries = 4
 
 export type Arm = 'distinct' | 'colliding' | 'colliding, first aborted'
 const arms: readonly Arm[] = ['distinct', 'colliding', 'colliding, first aborted']
@@ -62,7 +63,7 @@ export function idFields(
 /** Which id fields the endpoint takes: one short request with all of them; when it is refused
  *  (kvfence refuses client-chosen `rid` and `request_id`: they cannot collide), one with each
  *  alone. A refused field is safe from collisions and is left out of the arms. */
-async function acceptedFields(
+export async function acceptedFields(
   target: Target,
   tenant: Tenant,
   tag: string,
@@ -141,7 +142,8 @@ export const requestIdsProbe: Probe = {
   },
 }
 
-async function runArm(
+/** Runs one arm: `first` streams, `second` goes out once the first's first event arrived. */
+export async function runArm(
   target: Target,
   arm: Arm,
   first: { tenant: Tenant; canaries: string[]; prompt: string; id: string },

@@ -479,6 +479,8 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
     maxSeconds: input.maxSeconds,
     concurrency: input.concurrency,
   })
+  // Meters the rotating arm's completions (it runs alone, last): it is charged what it spent.
+  const armMeter = { isOn: false, tokens: 0 }
   const targetOf = (model: string | null): Target =>
     createTarget({
       baseUrl: input.baseUrl,
@@ -486,7 +488,10 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
       tenants: input.tenants,
       budget,
       requestTimeoutMs: input.requestTimeoutMs,
-      onCompletion: input.onCompletion,
+      onCompletion: (request, result) => {
+        if (armMeter.isOn) armMeter.tokens += tokensCharged(request, result)
+        input.onCompletion?.(request, result)
+      },
     })
   const read = await readEndpoint(input, budget, targetOf)
   if ('outcome' in read) return read
@@ -518,7 +523,7 @@ export async function runCycle(input: CycleInput): Promise<CycleReport> {
   }
   for (const group of plan.groups) await runGroup(state, group)
   const followUps = await runFollowUps(input, state, discovery, sizer)
-  const arm = await runArm(input, state, discovery, skipped)
+  const arm = await runArm(input, state, discovery, skipped, armMeter)
   findings.push(
     ...answerFindings(state.observed, plan, discovery),
     ...availabilityFindings(state.observed),
@@ -657,6 +662,7 @@ async function runArm(
   state: CycleState,
   discovery: Discovery,
   skipped: string[],
+  meter: { isOn: boolean; tokens: number },
 ): Promise<ArmResult | null> {
   const arm = input.arm
   if (arm === undefined || arm === null) return null
@@ -671,6 +677,7 @@ async function runArm(
     )
     return null
   }
+  meter.isOn = true
   try {
     const result = await arm.run({
       target: state.target,
@@ -678,16 +685,28 @@ async function runArm(
       discovery,
       planted: state.observed.map((o) => o.planted),
     })
-    state.tokens += result.spent.tokens
     // What the arm could not tell is said in the log line, never passed over as clean.
     skipped.push(...(result.notes ?? []).map((note) => `${arm.name} arm could not tell: ${note}`))
     return result
   } catch (err) {
     if (!(err instanceof BudgetExhaustedError)) throw err
-    state.tokens += cost.tokens
     skipped.push(`${arm.name} arm cut: ${err.message}`)
     return null
+  } finally {
+    meter.isOn = false
+    state.tokens += Math.min(cost.tokens, meter.tokens)
   }
+}
+
+/** What one completion of an arm costs the hourly budget: a prompt the endpoint refused (4xx)
+ *  none, as the cycle's own; else the prompt tokens it reported plus `max_tokens`, never more
+ *  than the bound (UTF-8 bytes + 4, or the sender's estimate, plus `max_tokens`). */
+export function tokensCharged(request: CompletionRequest, result: CompletionResult): number {
+  if (isRefused(result)) return 0
+  const bound =
+    (request.estimatedPromptTokens ?? promptTokenBound(request.prompt)) + request.maxTokens
+  const reported = result.status === 200 ? result.promptTokens : null
+  return reported === null ? bound : Math.min(bound, reported + request.maxTokens)
 }
 
 /** The cycle's report from what it saw: its steps without text, and its outcome. */

@@ -98,14 +98,18 @@ export function cycleCostBound(config: WatchConfig): {
 
 /** The bucket that paces cycles: a cycle's allowance is at most `cycleShareFactor` average
  *  shares, and never less than one cycle of reads and a plant (when the hour allows that). */
-function pacing(config: WatchConfig): PacingBucket {
+export function pacing(config: WatchConfig, now: () => number = Date.now): PacingBucket {
   const cyclesPerHour = 3600 / config.cycleSeconds
   const share = (perHour: number) => Math.ceil((cycleShareFactor * perHour) / cyclesPerHour)
   const perHour = { tokens: config.maxTokensPerHour, requests: config.maxRequestsPerHour }
-  return new PacingBucket(perHour, {
-    tokens: Math.min(perHour.tokens, Math.max(share(perHour.tokens), 2 * minCycleTokens)),
-    requests: Math.min(perHour.requests, Math.max(share(perHour.requests), 2 * maxReadRequests)),
-  })
+  return new PacingBucket(
+    perHour,
+    {
+      tokens: Math.min(perHour.tokens, Math.max(share(perHour.tokens), 2 * minCycleTokens)),
+      requests: Math.min(perHour.requests, Math.max(share(perHour.requests), 2 * maxReadRequests)),
+    },
+    now,
+  )
 }
 
 export async function runWatch(config: WatchConfig, deps: WatchDeps): Promise<void> {
@@ -229,7 +233,7 @@ export function watchOutage(): {
   onCompletion: (request: CompletionRequest, result: CompletionResult) => void
   findings: () => WatchFinding[]
 } {
-  const watch = new OutageWatch()
+  const watch = new OutageWatch('watch')
   const startedAt = Date.now()
   let numSent = 0
   return {

@@ -32,11 +32,11 @@ export interface ArmContext {
   readonly planted: readonly Planted[]
 }
 
-/** What an arm did: its findings, its completions' token bound (what the cycle is charged) and
- *  how many completions it sent. */
+/** What an arm did: its findings and how many completions it read whole. What it spent is
+ *  metered by the cycle (cycle.ts: the requests sent, and each completion's tokens as the
+ *  endpoint reported them, else their bound). */
 export interface ArmResult {
   readonly findings: readonly ArmFinding[]
-  readonly spent: Spend
   /** Completions answered whole (an arm that read none proved nothing). */
   readonly numAnswered: number
   /** What the arm could not tell (its positive control did not show, nothing was served), one
@@ -49,7 +49,8 @@ export interface RotationArm {
   readonly probe: ProbeName
   /** One line for `watch --plan`. */
   readonly description: string
-  /** Requests and tokens the arm's next run sends at most. */
+  /** Requests and tokens the arm's next run sends at most: it runs only when what the cycle has
+   *  left holds this; it is then charged what it really spent. */
   cost(discovery: ArmDiscovery): Spend
   run(context: ArmContext): Promise<ArmResult>
 }

@@ -54,7 +54,6 @@ export function createEntrypointArm(): RotationArm {
       }
     },
     async run({ target, rng, discovery, planted }): Promise<ArmResult> {
-      const spent = this.cost(discovery)
       const [a, b] = target.tenants
       if (table === null) {
         const found = await discoverEntrypoints(target, a)
@@ -63,7 +62,6 @@ export function createEntrypointArm(): RotationArm {
         else
           return {
             findings: [],
-            spent,
             numAnswered: 0,
             notes: ['no generation entrypoint answered a 3-word prompt: nothing was exercised'],
           }
@@ -86,7 +84,6 @@ export function createEntrypointArm(): RotationArm {
       const notes = judged.filter((f) => f.verdict === 'inconclusive').map((f) => f.title)
       return {
         findings,
-        spent,
         numAnswered: exchanges.filter((e) => e.answer.isAnswered).length,
         ...(notes.length > 0 ? { notes } : {}),
       }

@@ -89,7 +89,6 @@ export function createNearDuplicateArm(): RotationArm {
       const notes = judged.filter((f) => f.verdict === 'inconclusive').map((f) => f.title)
       return {
         findings: [...findings, ...crossings],
-        spent: this.cost({ poolTokens: null, contextTokens: null, inputLimitTokens: null }),
         numAnswered: [first, repeat, result].filter((r) => r.status === 200).length,
         ...(notes.length > 0 ? { notes } : {}),
       }

@@ -60,6 +60,6 @@ export const raceArm: RotationArm = {
     )
     const findings = crossingFindings('race-load', 'race', observed, [...planted, ...mine])
     const numAnswered = observed.filter((o) => o.result.status === 200).length
-    return { findings, spent: this.cost(discovery), numAnswered }
+    return { findings, numAnswered }
   },
 }
