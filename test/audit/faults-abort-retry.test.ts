@@ -34,7 +34,7 @@ const publishPartialShape: Partial<ClusterOptions> = {
   contextWindow: 2048,
 }
 
-test('abort-retry, kvfence as shipped (guards on, the demo shape): no difference after cuts during prefill, but inconclusive: its prefix cache served nothing (cached_tokens 0), so no positive control', async () => {
+test('abort-retry, kvfence as shipped (guards on, the demo shape): no difference after cuts during prefill; clean only with a cache hit seen, else inconclusive', async () => {
   const cluster = await startCluster({
     modelDir: echoModelDir,
     pageSize: 16,
@@ -49,16 +49,21 @@ test('abort-retry, kvfence as shipped (guards on, the demo shape): no difference
   try {
     const report = await runAudit(options(cluster.routerUrl, { probes: ['abort-retry'] }))
     const [finding] = report.findings
-    // This shape's prefix cache served no request from cache, not even the control (a prompt
-    // answered whole, sent again by its tenant): equal retries prove nothing about reuse.
-    assert.deepEqual(
-      report.findings.map((f) => [f.probe, f.verdict]),
-      [['abort-retry', 'inconclusive']],
-      `${finding.title} ${JSON.stringify(finding.evidence).slice(0, 600)}`,
-    )
+    // This shape's small prefix cache (6 pages) mostly serves nothing, not even the control (a
+    // prompt answered whole, sent again by its tenant), and then equal retries prove nothing
+    // about reuse: inconclusive. Whether a page of the tenant's own prompt survives to its retry
+    // depends on the machine's timing (seen: 16 cached tokens at load 10): then the retries'
+    // equality stands on a cache hit, and the verdict is clean, naming it. Never a leak or warning.
+    const why = `${finding.title} ${JSON.stringify(finding.evidence).slice(0, 600)}`
+    assert.equal(report.findings.length, 1)
+    assert.equal(finding.probe, 'abort-retry')
+    assert.ok(['clean', 'inconclusive'].includes(finding.verdict), why)
     assert.match(
       finding.title,
-      /prompts cut during prefill and \d+ retries answered the cold answer, but no request was seen served from a prefix cache \(cached_tokens always 0/,
+      finding.verdict === 'clean'
+        ? /^\d+ prompts cut during prefill; \d+ retries by the same and another tenant answered exactly the cold answer \(positive control: the prefix cache served [1-9]\d* cached tokens\)$/
+        : /prompts cut during prefill and \d+ retries answered the cold answer, but no request was seen served from a prefix cache \(cached_tokens always 0/,
+      why,
     )
     // The chunk kvfence's prefill worker reports in /server_info (prefillChunkTokens).
     assert.equal(finding.evidence.chunkTokens, 256)

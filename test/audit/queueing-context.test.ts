@@ -32,7 +32,9 @@ test('holders ask what the context leaves after their prompt, from the baseline 
 test('a context of 200 tokens: every holder is answered and the queued requests are seen waiting: clean', async () => {
   // The safe stand-in's context is its pool: 200 tokens, a canary prompt ~40 of them; 256
   // generated tokens on top were refused with 400.
-  const standIn = await startStandIn('safe', { maxBatch: 1, tokenDelayMs: 2, poolTokens: 200 })
+  // Tokens at 10 ms: a holder of ~150 tokens holds the batch for 1.5 s, a wait that stands out
+  // from the unloaded time on a loaded machine.
+  const standIn = await startStandIn('safe', { maxBatch: 1, tokenDelayMs: 10, poolTokens: 200 })
   try {
     const report = await runAudit({ target: standIn.url, tenants, seed: 77, probes: ['queueing'] })
     const finding = report.findings.find((f) => f.probe === 'queueing')!
