@@ -6,7 +6,8 @@
  *  Exit status: 0 when no path was found unisolated, 1 when one was (`shared` or
  *  `salt-refused`: the router now refuses it unless `allowUnsalted` names it; the line says
  *  which, and 1 stands either way: the engine does not isolate that path), 2 when the router
- *  refused or did not answer (one line saying why). */
+ *  refused or did not answer, or the engine answered none of the checks (one line saying why;
+ *  the router then keeps each path's earlier standing). */
 import { InvalidArgumentError, type Command } from 'commander'
 import { clusterTokenEnv, clusterTokenFrom, clusterTokenHeader } from '../control/cluster-token.js'
 
@@ -17,7 +18,13 @@ interface SelfCheckFlags {
 
 /** The part of the router's report printed here. */
 interface Report {
-  paths: { endpoint: string; result: string; detail: string; standing?: string }[]
+  paths: {
+    endpoint: string
+    result: string
+    detail: string
+    standing?: string
+    isUnanswered?: boolean
+  }[]
   numRequests: number
   numTokens: number
   durationMs: number
@@ -41,7 +48,13 @@ export function registerSelfCheck(program: Command): void {
       }
       const report = await askRouter(flags.url, token)
       process.stdout.write(flags.json ? `${JSON.stringify(report, null, 2)}\n` : describe(report))
-      if (report.paths.some((p) => unisolated.has(p.result))) process.exitCode = 1
+      if (report.paths.length > 0 && report.paths.every((p) => p.isUnanswered === true)) {
+        // Nothing was checked: the router keeps each path's earlier standing.
+        process.stderr.write(
+          `kvfence: the engine behind ${flags.url} did not answer the self-check; each path keeps its earlier standing\n`,
+        )
+        process.exitCode = 2
+      } else if (report.paths.some((p) => unisolated.has(p.result))) process.exitCode = 1
     })
 }
 

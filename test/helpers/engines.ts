@@ -51,6 +51,9 @@ export interface Engine {
   saltIgnoredOn: Set<'chat' | 'completion'>
   /** Set to make completions fail (see {@link EngineFailure}); null: answer normally. */
   failure: EngineFailure | null
+  /** True: every connection is dropped without an answer (an engine down or redeploying, its
+   *  port still open); may be changed while running. */
+  isDown: boolean
   /** Bodies of the completion requests received (the gateway's self-check's apart). */
   completions: Record<string, unknown>[]
   /** Headers of the completion requests, in the order of {@link Engine.completions}. */
@@ -101,6 +104,7 @@ export async function startEngine(kind: EngineKind, options: EngineOptions): Pro
     prefixCache: options.prefixCache ?? null,
     saltIgnoredOn: new Set(),
     failure: null,
+    isDown: false,
     completions: [],
     completionHeaders: [],
     routes: [],
@@ -130,7 +134,7 @@ export async function startEngine(kind: EngineKind, options: EngineOptions): Pro
   const cache = new Map<string, string[][]>()
   const deadSockets = new WeakSet<object>()
   const server = http.createServer(async (req, res) => {
-    if (deadSockets.has(req.socket)) return req.socket.destroy()
+    if (deadSockets.has(req.socket) || engine.isDown) return req.socket.destroy()
     const chunks: Buffer[] = []
     for await (const c of req as AsyncIterable<Buffer>) chunks.push(c)
     const body = chunks.length > 0 ? JSON.parse(Buffer.concat(chunks).toString('utf8')) : null

@@ -7,7 +7,8 @@
  *    `path_refused` — unless the operator names the path in `allowUnsalted`: then `shared` is
  *    served (salted, uselessly) and `salt-refused` is served without the salt, each with a
  *    warning. With guards off nothing is refused.
- *  The check runs at start, every `intervalMs`, and on demand (`recheck`).
+ *  A path the engine did not answer for (down, redeploying) keeps the standing of the last
+ *  answered check. The check runs at start, every `intervalMs`, and on demand (`recheck`).
  *  Knows endpoints and self-check results; knows nothing of tenants or requests' bodies. */
 import type { Logger } from 'pino'
 import { KvfenceError } from '../../common/errors.js'
@@ -62,13 +63,30 @@ export function createPathIsolationGuard(options: PathIsolationOptions): PathIso
     },
     apply(next, isStart) {
       const problems: string[] = []
+      const previous = report
+      const kept = (p: PathCheck) =>
+        p.isUnanswered ? previous?.paths.find((q) => q.endpoint === p.endpoint) : undefined
       for (const path of next.paths) {
+        // An engine that did not answer (down, redeploying) showed nothing of its isolation:
+        // the path keeps the standing the last answered check gave it (its salt, or its
+        // refusal), rather than being served salted as "cannot tell".
+        const before = kept(path)
+        if (before !== undefined) {
+          options.log.warn(
+            { endpoint: path.endpoint, standing: before.standing },
+            `isolation self-check: ${options.kind} backend did not answer (${path.detail}); the path keeps its standing`,
+          )
+          continue
+        }
         const problem = decide(path, isAllowed(path.endpoint), options, { unsalted, refused })
         if (problem !== null) problems.push(problem)
       }
       report = {
         ...next,
-        paths: next.paths.map((p) => ({ ...p, standing: standingOf(p, refused) })),
+        paths: next.paths.map((p) => ({
+          ...p,
+          standing: kept(p)?.standing ?? standingOf(p, refused),
+        })),
       }
       const unanswered = next.paths.filter((p) => p.isUnanswered)
       if (isStart && unanswered.length > 0 && unanswered.length === next.paths.length) {

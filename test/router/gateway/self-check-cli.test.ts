@@ -7,6 +7,7 @@ import { clusterTokenEnv, newClusterToken } from '../../../src/control/cluster-t
 import type { RunningRouter } from '../../../src/router/start.js'
 import { kvfence } from '../../helpers/cli.js'
 import { type Engine, startEngine } from '../../helpers/engines.js'
+import { keys, writeTestTokenizer } from '../helpers.js'
 import { startGatewayRouter } from './engines.js'
 
 describe('kvfence self-check', () => {
@@ -85,6 +86,54 @@ describe('kvfence self-check', () => {
     } finally {
       await allowing.close()
       await shared.close()
+    }
+  })
+
+  it('a check the engine does not answer keeps each path as it was (a salt-refusing engine stays unsalted); exit 2', async () => {
+    // Hugging Face transformers serve refuses cache_salt with 422 (the openai stand-in does too);
+    // the operator allows both paths unsalted. A check while it is down used to serve both
+    // paths salted as "cannot tell": once it was back, every request got its 422.
+    const plain = await startEngine('openai', { poolTokens: 512, maxModelLen: 512 })
+    const allowing = await startGatewayRouter(plain, {
+      backendModel: 'tiny-engine',
+      kvPoolTokens: 512,
+      tokenizerDir: writeTestTokenizer(),
+      clusterToken: token,
+      allowUnsalted: ['chat', 'completion'],
+    })
+    try {
+      process.env[clusterTokenEnv] = token
+      const before = JSON.parse(
+        (await kvfence('self-check', '--url', allowing.url, '--json')).stdout,
+      )
+      const standings = (r: { paths: { endpoint: string; result: string; standing: string }[] }) =>
+        r.paths.map((p) => [p.endpoint, p.result, p.standing])
+      assert.deepEqual(standings(before), [
+        ['chat', 'salt-refused', 'served-anyway'],
+        ['completion', 'salt-refused', 'served-anyway'],
+      ])
+      plain.isDown = true
+      const down = await kvfence('self-check', '--url', allowing.url, '--json')
+      assert.equal(down.code, 2)
+      assert.equal(
+        down.stderr,
+        `kvfence: the engine behind ${allowing.url} did not answer the self-check; each path keeps its earlier standing\n`,
+      )
+      assert.deepEqual(standings(JSON.parse(down.stdout)), [
+        ['chat', 'cannot-tell', 'served-anyway'],
+        ['completion', 'cannot-tell', 'served-anyway'],
+      ])
+      plain.isDown = false
+      const res = await fetch(`${allowing.url}/v1/completions`, {
+        method: 'POST',
+        headers: { authorization: `Bearer ${keys.alpha}`, 'content-type': 'application/json' },
+        body: JSON.stringify({ model: 'served', prompt: 'one two', max_tokens: 2 }),
+      })
+      assert.equal(res.status, 200, await res.clone().text())
+      assert.equal('cache_salt' in plain.completions.at(-1)!, false)
+    } finally {
+      await allowing.close()
+      await plain.close()
     }
   })
 
