@@ -5,7 +5,7 @@
  *  Knows parsed requests and the engine's `/tokenize`; knows nothing of tenants or limits. */
 import { KvfenceError } from '../../common/errors.js'
 import type { Tokenizer } from '../../model/tokenizer.js'
-import { promptTokenIds } from '../tokenize/prompt-ids.js'
+import { checkedPromptTokenIds } from '../tokenize/prompt-ids.js'
 import { type ParsedRequest, promptParamOf } from '../api/schemas.js'
 import { type EngineHttp, asObject, json, messageOf, positive } from './engine-http.js'
 
@@ -23,7 +23,9 @@ export interface PromptCountContext {
 }
 
 /** The prompt's token count; throws `context_length_exceeded` (400) when it exceeds the engine's
- *  longest accepted input (guards on), `worker_unavailable` when the engine cannot count it. */
+ *  longest accepted input (guards on), `invalid_request` when the local tokenizer would drop
+ *  characters of it (as the native router does: never a silently shortened prompt) or it encodes
+ *  to nothing, `worker_unavailable` when the engine cannot count it. */
 export async function countPromptTokens(
   c: PromptCountContext,
   parsed: ParsedRequest,
@@ -33,7 +35,7 @@ export async function countPromptTokens(
     parsed.endpoint === 'completion' && 'tokenIds' in parsed.prompt
       ? parsed.prompt.tokenIds.length
       : c.tokenizer !== null
-        ? promptTokenIds(c.tokenizer, parsed).length
+        ? checkedPromptTokenIds(c.tokenizer, parsed).length
         : c.engineTokenize === 'llamacpp'
           ? await countByLlamaCpp(c, parsed, signal)
           : await countByEngine(c, tokenizeBody(parsed, c.backendModel), signal)
