@@ -171,6 +171,11 @@ export function judgeReads(
         remediation: leakRemediation,
       })
     }
+    for (const path of unisolatedPaths(read)) {
+      if (seen.has(`unisolated ${path.endpoint}`)) continue
+      seen.add(`unisolated ${path.endpoint}`)
+      findings.push(unisolatedFinding(read, path, coverage))
+    }
     for (const hit of findSecrets(read.http.body, tenants)) {
       const key = `secret ${read.path} ${hit.field} ${hit.tenant ?? ''}`
       if (seen.has(key)) continue
@@ -207,6 +212,66 @@ export function judgeReads(
       remediation: 'None needed.',
     },
   ]
+}
+
+/** A path a gateway's published isolation self-check (kvfence's `/server_info`
+ *  `isolationSelfCheck.paths`) found not isolated (`shared`: the engine ignores the tenant's
+ *  salt; `salt-refused`: it refuses the field) and serves all the same. */
+interface UnisolatedPath {
+  readonly endpoint: string
+  readonly result: string
+  readonly detail: string
+}
+
+function unisolatedPaths(read: Read): UnisolatedPath[] {
+  let value: unknown
+  try {
+    value = JSON.parse(read.http.body)
+  } catch {
+    return []
+  }
+  const paths = (value as { isolationSelfCheck?: { paths?: unknown } } | null)?.isolationSelfCheck
+    ?.paths
+  if (!Array.isArray(paths)) return []
+  return paths
+    .map((p) => p as Partial<Record<'endpoint' | 'result' | 'detail' | 'standing', unknown>>)
+    .filter(
+      (p) =>
+        (p.result === 'shared' || p.result === 'salt-refused') &&
+        p.standing !== 'refused' &&
+        typeof p.endpoint === 'string',
+    )
+    .map((p) => ({
+      endpoint: p.endpoint as string,
+      result: p.result as string,
+      detail: typeof p.detail === 'string' ? p.detail : '',
+    }))
+}
+
+/** The layer's own report that a path shares the engine's prefix cache between tenants: a side
+ *  channel (cache hits observable across tenants), stated by the layer itself. */
+function unisolatedFinding(
+  read: Read,
+  path: UnisolatedPath,
+  coverage: Record<string, unknown>,
+): Finding {
+  return {
+    probe: 'operational-endpoints',
+    verdict: 'warning',
+    class: 'side-channel',
+    severity: 'high',
+    title: `GET ${read.path} reports that the engine behind it does not keep tenants' prefix caches apart on the ${path.endpoint} path (${path.result}: ${path.detail}), and the path is served`,
+    evidence: {
+      endpoint: read.path,
+      path: path.endpoint,
+      result: path.result,
+      detail: path.detail,
+      requestNumber: read.http.requestNumber,
+      ...coverage,
+    },
+    remediation:
+      "Run an engine that keys its prefix cache by the tenant's salt on every path (vLLM cache_salt, SGLang extra_key), or refuse the path: remove it from the gateway's allowUnsalted.",
+  }
 }
 
 function secretFinding(
