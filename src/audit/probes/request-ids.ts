@@ -7,9 +7,11 @@
  *  3. `colliding, first aborted`: the same ids, the first cut after two events; the second's
  *     answer must be the one it got in `distinct` (same prompt, temperature 0).
  *  Every event is checked (streams.ts) for the other stream's canary and id: a crossing is a
- *  `content-leak`; a 4xx/5xx only under collision is `availability`; the second cut short when
- *  the first was aborted is `integrity`. Positive control: both requests of each arm in flight at
- *  once and answered.
+ *  `content-leak`; a 4xx/5xx only under collision is `availability`, and so is a hang there when
+ *  the collision shows beyond it (a hang in each colliding arm, or the partner's stream carrying
+ *  the hung request's tokens); a stream with more text events than `max_tokens` is `integrity`
+ *  (another request's tokens in it), as is the second cut short when the first was aborted.
+ *  Positive control: both requests of each arm in flight at once and answered.
  *  Knows the auditor's requests and streams.ts; knows nothing of how servers route ids. */
 import { makeCanaries } from '../canaries.js'
 import type { Probe } from '../probe.js'
@@ -237,28 +239,48 @@ export function judgeRequestIds(
   return harms.length > 0 ? harms : controlFinding(runs, summary)
 }
 
+/** Events of a stream that carried text: one per token on every engine seen (an engine may send
+ *  fewer, never more), so more than `max_tokens` of them is another request's tokens. */
+export function numTextEvents(result: CompletionResult): number {
+  return (result.chunks ?? []).filter((c) => c.text !== '').length
+}
+
 /** Availability and integrity harms of a collision, judged against the `distinct` arm. */
 function collisionHarms(runs: readonly ArmRun[], summary: Record<string, unknown>): Finding[] {
+  const out: Finding[] = overlongStreams(runs, summary)
   const base = runs.find((r) => r.arm === 'distinct')
   if (
     base === undefined ||
     !isAnsweredWhole(base.first.result) ||
     !isAnsweredWhole(base.second.result)
   )
-    return []
-  const out: Finding[] = []
+    return out
   const colliding = runs.find((r) => r.arm === 'colliding')
   const aborted = runs.find((r) => r.arm === 'colliding, first aborted')
   // Refused or failed with an HTTP status (no 2xx) in either colliding arm, where the distinct
-  // arm was answered: the collision's availability harm. No status at all (a client-side timeout,
-  // a dropped connection) is not evidence of the collision: one request can time out for any
-  // reason, so that arm could not tell (the control finding says so). A 2xx cut short after the
-  // other's abort is the integrity harm below.
+  // arm was answered: the collision's availability harm. A request with no status at all (a
+  // client-side timeout) counts only where the collision shows in more than that one failure:
+  // a hang in each colliding arm, or its partner's stream carrying more than its own tokens (the
+  // hung request's tokens went there). One hang alone can happen for any reason: could not tell.
   const isRefused = (s: Sent) => s.result.status !== null && s.result.status >= 300
-  const failed = [
-    ...(colliding === undefined ? [] : [colliding.first, colliding.second]),
-    ...(aborted === undefined ? [] : [aborted.second]),
-  ].filter(isRefused)
+  const isHung = (s: Sent) => s.result.status === null && s.result.failure !== 'aborted'
+  const candidates = [
+    ...(colliding === undefined || !colliding.isOverlapped
+      ? []
+      : [colliding.first, colliding.second]),
+    ...(aborted === undefined || !aborted.isOverlapped ? [] : [aborted.second]),
+  ]
+  const hung = candidates.filter(isHung)
+  const armsHung = new Set(
+    runs.filter((r) => r.arm !== 'distinct' && [r.first, r.second].some((s) => hung.includes(s))),
+  )
+  const partnerOverlong = runs.some(
+    (r) =>
+      armsHung.has(r) &&
+      [r.first, r.second].some((s) => !hung.includes(s) && numTextEvents(s.result) > maxTokens),
+  )
+  const isCollisionHang = armsHung.size > 1 || partnerOverlong
+  const failed = candidates.filter((s) => isRefused(s) || (isCollisionHang && hung.includes(s)))
   const failedTenants = [...new Set(failed.map((s) => s.tenant.name))]
   if (failed.length > 0)
     out.push({
@@ -266,10 +288,11 @@ function collisionHarms(runs: readonly ArmRun[], summary: Record<string, unknown
       verdict: 'warning',
       class: 'availability',
       severity: 'high',
-      title: `with the same client request id as another tenant's request in flight, ${failedTenants.map((name) => `${name}'s request got ${[...new Set(failed.filter((s) => s.tenant.name === name).map((s) => (s.result.status === null ? s.result.failure : `HTTP ${s.result.status}`)))].join(', ')}`).join(' and ')}; with distinct ids both were answered`,
+      title: `a request failing only under an id collision: with the same client request id (${(summary.fieldsSent as string[]).join(', ')}) as another tenant's request in flight, ${failedTenants.map((name) => `${name}'s request got ${[...new Set(failed.filter((s) => s.tenant.name === name).map((s) => statusText(s.result)))].join(', ')}`).join(' and ')}; with distinct ids both were answered`,
       evidence: {
         failed: failed.map((s) => ({
           tenant: s.tenant.name,
+          requestNumber: s.result.requestNumber,
           status: s.result.status,
           failure: s.result.failure,
           errorCode: s.result.errorCode,
@@ -306,6 +329,47 @@ function collisionHarms(runs: readonly ArmRun[], summary: Record<string, unknown
   return out
 }
 
+/** A stream with more text events than `max_tokens` allows: another request's tokens in it. */
+function overlongStreams(runs: readonly ArmRun[], summary: Record<string, unknown>): Finding[] {
+  return runs.flatMap((run) =>
+    [run.first, run.second]
+      .filter((s) => numTextEvents(s.result) > maxTokens)
+      .map((s): Finding => {
+        const other = s === run.first ? run.second : run.first
+        return {
+          probe: 'request-ids',
+          verdict: 'warning',
+          class: 'integrity',
+          severity: 'high',
+          title: `${s.tenant.name}'s stream carried ${numTextEvents(s.result)} text events for max_tokens ${maxTokens} (${run.arm === 'distinct' ? 'distinct request ids' : `the same client request id (${(summary.fieldsSent as string[]).join(', ')}) as ${other.tenant.name}'s request in flight`}): another request's tokens in its stream`,
+          evidence: {
+            arm: run.arm,
+            tenant: s.tenant.name,
+            requestNumber: s.result.requestNumber,
+            numTextEvents: numTextEvents(s.result),
+            maxTokens,
+            otherTenant: other.tenant.name,
+            otherStatus: other.result.status,
+            otherFailure: other.result.failure,
+            ...summary,
+          },
+          remediation:
+            "Scope every client-supplied request id by tenant, or replace it with a server-generated one: one request id must never name two requests, and each stream must carry only its own request's tokens.",
+        }
+      }),
+  )
+}
+
+/** What an arm lacked for its collision to count as exercised. */
+function lacked(run: ArmRun): string {
+  if (!run.isOverlapped) return `${run.arm}: the first ended before the second began`
+  const missing = [run.first, run.second].filter(
+    (s) =>
+      !isAnsweredWhole(s.result) && !(run.arm === 'colliding, first aborted' && s === run.first),
+  )
+  return `${run.arm}: both in flight, ${missing.map((s) => `${s.tenant.name}'s request not answered (${statusText(s.result)})`).join(', ')}`
+}
+
 /** A 2xx answer began (whole or cut short later). */
 function isOk(s: Sent): boolean {
   return s.result.status !== null && s.result.status >= 200 && s.result.status < 300
@@ -329,7 +393,7 @@ function controlFinding(runs: readonly ArmRun[], summary: Record<string, unknown
         probe: 'request-ids',
         verdict: 'inconclusive',
         severity: 'info',
-        title: `not every arm had both requests in flight at once and answered (${missing.map((r) => `${r.arm}: ${r.isOverlapped ? `${statusText(r.first.result)}/${statusText(r.second.result)}` : 'the first ended before the second began'}`).join('; ')}): collisions were not exercised there`,
+        title: `could not tell whether the same client request id harms another tenant's request (${missing.map(lacked).join('; ')}): one failure alone can have any cause, and no other harm of the collision was seen`,
         evidence: summary,
         remediation: inconclusiveRemediation,
       },

@@ -5,8 +5,10 @@
  *  first event arrived, B streams its own with the same client request id (`rid`, `request_id`,
  *  `user` where taken, and `X-Request-Id`). Judged by the probe's own `judgeRequestIds`, every
  *  event checked (streams.ts), and both answers checked for the cycle's plant and looks.
- *  Alerts: a crossing is `leak:request-ids:<victim>-><observer>`; a pair not in flight at once
- *  or not answered is "could not tell".
+ *  Alerts: a crossing is `leak:request-ids:<victim>-><observer>`; a stream with more text
+ *  events than its `max_tokens` (the other request's tokens in it) is
+ *  `warning:request-ids:integrity:<tenant>`; a pair not in flight at once or not answered is
+ *  "could not tell".
  *  Knows the probe's send and judge functions; knows nothing of any engine. */
 import { makeCanaries } from '../../canaries.js'
 import type { Observed, Planted } from '../../probes/material.js'
@@ -55,12 +57,23 @@ export function createRequestIdsArm(): RotationArm {
       })
       const run = await runArm(target, 'colliding', a, b, fields.accepted)
       const judged = judgeRequestIds([run], fields)
-      const findings: ArmFinding[] = judged
-        .filter((f) => f.verdict === 'leak')
-        .map((finding) => ({
-          key: `leak:request-ids:${String(finding.evidence.sourceTenant)}->${String(finding.evidence.streamTenant)}`,
-          finding,
-        }))
+      const findings: ArmFinding[] = judged.flatMap((finding): ArmFinding[] =>
+        finding.verdict === 'leak'
+          ? [
+              {
+                key: `leak:request-ids:${String(finding.evidence.sourceTenant)}->${String(finding.evidence.streamTenant)}`,
+                finding,
+              },
+            ]
+          : finding.verdict === 'warning'
+            ? [
+                {
+                  key: `warning:request-ids:${finding.class ?? 'integrity'}:${String(finding.evidence.tenant)}`,
+                  finding,
+                },
+              ]
+            : [],
+      )
       const mine: Planted[] = [a, b].map((s, i) => ({
         id: `request-ids-arm-${i}`,
         tenant: s.tenant,
