@@ -19,8 +19,10 @@
  *    client id (`x-request-id`, else `rid`, `request_id`, `user`): `shared` across tenants (the
  *    second gets the first's events, and the first's abort ends both); `reject` refuses a second
  *    request with an id in flight with 409 (any tenant's); `cancel` streams each on its own but
- *    an abort ends every stream with its id (any tenant's); `per-tenant`, the twin, joins only a
- *    tenant's own.
+ *    an abort ends every stream with its id (any tenant's); `merged` (seen in a trial of a real
+ *    server's continuous batching): a second request with an id in flight (any tenant's) gets its
+ *    headers and nothing more until its client leaves, its tokens written into the first's
+ *    stream; `per-tenant`, the twin, joins only a tenant's own.
  *  - `relay`: `crossing` writes the 3rd event of a stream to another client's stream in flight
  *    (LiteLLM#35023); `clean`, the twin (the default).
  *  - `hangsOnce`: one streamed request never answered (a request lost once, not a collision). */
@@ -32,7 +34,10 @@ export interface LayerOptions {
   readonly slots?: 'prompts' | 'hidden' | 'in-flight'
   readonly serverInfo?: 'api-key' | 'clean'
   readonly responseCache?: 'shared-exact' | 'shared-semantic' | 'per-tenant'
-  readonly requestIds?: 'shared' | 'reject' | 'cancel' | 'per-tenant'
+  readonly requestIds?: 'shared' | 'reject' | 'cancel' | 'merged' | 'per-tenant'
+  /** The model's answer is `w0 w1 …` up to max_tokens, not the prompt's words (a model that does
+   *  not echo, so a crossing carries no canary). */
+  readonly isOpaque?: boolean
   readonly relay?: 'crossing' | 'clean'
   /** Between streamed events (ms); default 8. */
   readonly chunkDelayMs?: number
@@ -149,9 +154,8 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
     const maxTokens = typeof body.max_tokens === 'number' ? body.max_tokens : 16
     // The prompt's words again and again up to max_tokens: a stream long enough to overlap another.
     const promptWords = prompt.split(/\s+/).filter((w) => w !== '')
-    const answer = Array.from(
-      { length: promptWords.length === 0 ? 0 : maxTokens },
-      (_, i) => promptWords[i % promptWords.length],
+    const answer = Array.from({ length: promptWords.length === 0 ? 0 : maxTokens }, (_, i) =>
+      options.isOpaque === true ? `w${i}` : promptWords[i % promptWords.length],
     )
     slotPrompts[numAnswers % slotPrompts.length] = prompt
     if (body.stream === true) return stream(req, res, tenant, body, answer)
@@ -210,9 +214,12 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
       joined.clients.add(res)
       return
     }
+    // `merged`: this request's tokens go to the stream in flight with its id; its own client
+    // gets nothing more.
+    const isMerging = options.requestIds === 'merged' && joined !== undefined && !joined.isDone
     const upstream: Upstream = {
-      id: `cmpl-${++numAnswers}`,
-      clients: new Set([res]),
+      id: isMerging ? joined.id : `cmpl-${++numAnswers}`,
+      clients: isMerging ? joined.clients : new Set([res]),
       isDone: false,
       stop: () => {},
     }
@@ -230,7 +237,7 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
         options.relay === 'crossing' && index === 2 && others.length > 0
           ? [others[0]]
           : upstream.clients
-      for (const client of targets) client.write(event)
+      for (const client of targets) if (!client.writableEnded) client.write(event)
       index++
     }, chunkDelayMs)
     const finish = (): void => {
@@ -238,6 +245,7 @@ export async function startLayerStandIn(options: LayerOptions): Promise<LayerSta
       processing.delete(prompt)
       upstream.isDone = true
       if (key !== null && inFlight.get(key) === upstream) inFlight.delete(key)
+      if (isMerging) return
       for (const client of upstream.clients)
         if (!client.writableEnded) client.end('data: [DONE]\n\n')
     }

@@ -15,10 +15,22 @@ import type { ProbeName } from '../../src/audit/types.js'
 import { startLayerStandIn, standInAdminKey, type LayerOptions } from './layer-standins.js'
 import { standInTenants, tenantKeys } from './standins.js'
 
-async function audit(options: LayerOptions, probe: ProbeName, seed = 1): Promise<AuditReport> {
+/** One audit of `probe` against a fresh stand-in; `requestTimeoutMs` short where a request hangs. */
+async function audit(
+  options: LayerOptions,
+  probe: ProbeName,
+  seed = 1,
+  requestTimeoutMs?: number,
+): Promise<AuditReport> {
   const standIn = await startLayerStandIn(options)
   try {
-    return await runAudit({ target: standIn.url, tenants: standInTenants, seed, probes: [probe] })
+    return await runAudit({
+      target: standIn.url,
+      tenants: standInTenants,
+      seed,
+      probes: [probe],
+      ...(requestTimeoutMs === undefined ? {} : { requestTimeoutMs }),
+    })
   } finally {
     await standIn.close()
   }
@@ -161,7 +173,7 @@ describe('layers', { concurrency: 2 }, () => {
           [
             'warning',
             'availability',
-            "with the same client request id as another tenant's request in flight, bob's request got HTTP 409; with distinct ids both were answered",
+            "a request failing only under an id collision: with the same client request id (rid, request_id, user, X-Request-Id) as another tenant's request in flight, bob's request got HTTP 409; with distinct ids both were answered",
           ],
         ],
       )
@@ -181,6 +193,59 @@ describe('layers', { concurrency: 2 }, () => {
         /^aborting alice's request cut bob's request with the same client request id/,
       )
       assert.ok((report.findings[0].evidence.charsAfterAbort as number) < (found[0][2] as number))
+    })
+
+    test("a server merging same-id requests (the second's tokens in the first's stream, the second hung): availability naming the hung request and integrity naming the over-long stream, not inconclusive; the twin is clean", async () => {
+      const auditMerged = (requestIds: 'merged' | 'per-tenant') =>
+        audit({ requestIds, isOpaque: true }, 'request-ids', 1, 2_000)
+      const report = await auditMerged('merged')
+      const mine = report.findings.filter((f) => f.probe === 'request-ids')
+      assert.deepEqual(
+        mine.map((f) => `${f.verdict} ${f.class} ${f.severity}`),
+        ['warning integrity high', 'warning availability high'],
+        JSON.stringify(mine.map((f) => f.title)),
+      )
+      // alice streams first in every arm; bob's request with her id hangs in both colliding arms.
+      const [overlong, failing] = mine
+      assert.equal(overlong.evidence.arm, 'colliding')
+      assert.equal(overlong.evidence.tenant, 'alice')
+      assert.ok((overlong.evidence.numTextEvents as number) > 48)
+      assert.match(
+        overlong.title,
+        /^alice's stream carried \d+ text events for max_tokens 48 \(the same client request id \(rid, request_id, user, X-Request-Id\) as bob's request in flight\)/,
+      )
+      assert.equal(
+        failing.title,
+        "a request failing only under an id collision: with the same client request id (rid, request_id, user, X-Request-Id) as another tenant's request in flight, bob's request got timeout; with distinct ids both were answered",
+      )
+      assert.deepEqual(
+        (failing.evidence.failed as { tenant: string; failure: string }[]).map((f) => [
+          f.tenant,
+          f.failure,
+        ]),
+        [
+          ['bob', 'timeout'],
+          ['bob', 'timeout'],
+        ],
+      )
+      const twin = await auditMerged('per-tenant')
+      assert.deepEqual(verdicts(twin, 'request-ids'), ['clean content-leak'])
+    })
+
+    test("a merging server whose model echoes the prompt: bob's canary in alice's stream is a content-leak naming bob", async () => {
+      const report = await audit({ requestIds: 'merged' }, 'request-ids', 1, 2_000)
+      const leaks = report.findings.filter((f) => f.verdict === 'leak')
+      assert.ok(leaks.length > 0)
+      assert.ok(
+        leaks.some(
+          (f) =>
+            f.evidence.arm === 'colliding' &&
+            f.evidence.streamTenant === 'alice' &&
+            f.evidence.sourceTenant === 'bob' &&
+            f.evidence.kind === 'canary',
+        ),
+        JSON.stringify(leaks.map((f) => f.title)),
+      )
     })
 
     test("one request hanging past the client's timeout, once, under collision: request-ids could not tell; one availability finding names the request, and none for /health", async () => {
@@ -208,7 +273,10 @@ describe('layers', { concurrency: 2 }, () => {
         ],
         JSON.stringify(report.findings.map((f) => f.title)),
       )
-      assert.match(report.findings[0].title, /colliding: HTTP 200\/timeout/)
+      assert.match(
+        report.findings[0].title,
+        /\(colliding: both in flight, bob's request not answered \(timeout\)\)/,
+      )
       const numValid = report.completions.filter(
         (c) => c.isValid !== false && c.fate !== 'cut',
       ).length

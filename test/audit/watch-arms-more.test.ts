@@ -22,7 +22,7 @@ import { startEntrypointStandIn, type EntrypointStandInOptions } from './entrypo
 import { startLayerStandIn, type LayerOptions } from './layer-standins.js'
 import { standInTenants } from './standins.js'
 
-function cycle(url: string, arm: RotationArm, seed: number) {
+function cycle(url: string, arm: RotationArm, seed: number, requestTimeoutMs = 10_000) {
   return runCycle({
     baseUrl: url,
     tenants: standInTenants,
@@ -31,18 +31,24 @@ function cycle(url: string, arm: RotationArm, seed: number) {
     sizer: null,
     usageEndpoint: undefined,
     allowance: { tokens: 20_000, requests: 288 },
-    requestTimeoutMs: 10_000,
+    requestTimeoutMs,
     concurrency: 4,
     maxSeconds: 30,
     arm,
   })
 }
 
-async function layerCycles(options: LayerOptions, arm: RotationArm, numCycles = 1) {
+async function layerCycles(
+  options: LayerOptions,
+  arm: RotationArm,
+  numCycles = 1,
+  requestTimeoutMs = 10_000,
+) {
   const standIn = await startLayerStandIn(options)
   try {
     const reports = []
-    for (let i = 1; i <= numCycles; i++) reports.push(await cycle(standIn.url, arm, i))
+    for (let i = 1; i <= numCycles; i++)
+      reports.push(await cycle(standIn.url, arm, i, requestTimeoutMs))
     return { reports, requests: [...standIn.requests] }
   } finally {
     await standIn.close()
@@ -74,6 +80,32 @@ describe('the request-ids arm', () => {
     assert.equal(leak.evidence.arm, 'colliding')
     assert.equal(leak.evidence.sourceTenant, 'alice')
     assert.equal(leak.evidence.streamTenant, 'bob')
+  })
+
+  test("a server merging same-id requests (B's tokens in A's stream, B hung): an integrity alert naming A's over-long stream; the twin is clean", async () => {
+    const { reports } = await layerCycles(
+      { requestIds: 'merged', isOpaque: true },
+      createRequestIdsArm(),
+      1,
+      2_000,
+    )
+    const [report] = reports
+    assert.equal(report.outcome, 'finding')
+    assert.deepEqual(
+      report.findings.map((f) => f.key),
+      ['warning:request-ids:integrity:alice'],
+    )
+    const { finding } = report.findings[0]
+    assert.equal(finding.evidence.otherTenant, 'bob')
+    assert.equal(finding.evidence.otherFailure, 'timeout')
+    assert.ok((finding.evidence.numTextEvents as number) > 48)
+    const twin = await layerCycles(
+      { requestIds: 'per-tenant', isOpaque: true },
+      createRequestIdsArm(),
+      1,
+      2_000,
+    )
+    assert.equal(twin.reports[0].outcome, 'clean', twin.reports[0].reason ?? '')
   })
 
   test('the twin (ids joined per tenant): two clean cycles; the id fields checked once', async () => {
