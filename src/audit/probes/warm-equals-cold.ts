@@ -297,9 +297,11 @@ function judge(
   const differing = compared.filter((r) => r.isEqual === false)
   const landed = new Set(compared.map((r) => r.promptTokens))
   // An edge every prompt of which was refused is past what the endpoint takes: not missed.
-  const refusedEdges = edges.filter((e) =>
-    runs.filter((r) => r.edge === e.tokens).every((r) => r.outcome === 'refused'),
-  )
+  // Refused: sent, and every one refused (an edge the budget stopped before it is not refused).
+  const refusedEdges = edges.filter((e) => {
+    const sent = runs.filter((r) => r.edge === e.tokens)
+    return sent.length > 0 && sent.every((r) => r.outcome === 'refused')
+  })
   const missedEdges = edges.filter((e) => !landed.has(e.tokens) && !refusedEdges.includes(e))
   const evidence = {
     ...base,
@@ -320,7 +322,7 @@ function judge(
     list.length === 0 ? 'none' : list.map((e) => e.tokens).join(', ')
   const landedEdges = edges.filter((e) => landed.has(e.tokens))
   context.log(
-    `${compared.length} of ${runs.length} lengths compared, ${differing.length} differ; edges landed on ${edgeList(landedEdges)}` +
+    `${compared.length} of ${edges.length * offsets.length} lengths compared (${runs.length} sent), ${differing.length} differ; edges landed on ${edgeList(landedEdges)}` +
       (missedEdges.length > 0 ? `; missed ${edgeList(missedEdges)}` : '') +
       (refusedEdges.length > 0 ? `; refused ${edgeList(refusedEdges)}` : ''),
   )
