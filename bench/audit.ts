@@ -64,6 +64,9 @@ export const probesFor: Readonly<Record<FaultName, readonly ProbeName[]>> = {
   'offload-load-as-hit': ['determinism', 'evict-then-return'],
   // Another tenant's evicted prefix found in the tier: that tenant's cached_tokens for it.
   'offload-key-without-tenant': ['evict-then-return'],
+  // No effect of its own (D sees every abort and frees the reservation): the probes that would
+  // see pages a cut before BEGIN left held.
+  'delay-begin': ['abort-race', 'page-leak'],
 }
 
 /** Per fault, what its effect needs beyond the demo's shape:

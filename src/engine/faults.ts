@@ -24,7 +24,15 @@ export const faultDescriptions = {
     'a prefix-cache page loaded back from the offload tier is used although its verification failed (a failed load counted as a hit)',
   'offload-key-without-tenant':
     'the offload tier keys prefix-cache pages by their tokens alone, leaving out the tenant’s salt',
+  'delay-begin':
+    'prefill holds the start of each transfer (its BEGIN) for a fixed delay after the prefill, as a slow transfer handshake would',
 } as const
+
+/** How long `delay-begin` holds each transfer's BEGIN, ms: far longer than the router takes to
+ *  reserve on D and pass a client's cut on, so that a cut in the first few milliseconds of a
+ *  request always lands before BEGIN (an abort then never races the transfer). An abort during
+ *  the delay ends it at once. */
+export const delayBeginMs = 300
 
 /** The name of an injectable fault. */
 export type FaultName = keyof typeof faultDescriptions

@@ -2,8 +2,10 @@
  *  and sends the prompt's KV pages to the decode worker, keeping them pinned until it acknowledges.
  *  Knows token ids, tenants and the transfer client; knows nothing of HTTP, API keys or text. */
 import { randomBytes } from 'node:crypto'
+import { setTimeout as sleep } from 'node:timers/promises'
 import { Counter, Gauge } from 'prom-client'
 import { KvfenceError } from '../common/errors.js'
+import { delayBeginMs } from './faults.js'
 import type { PageLease } from '../kv/pool.js'
 import { OffloadRing, TieredOffload, type OffloadTier } from '../kv/offload.js'
 import { OffloadDisk } from '../kv/offload-disk.js'
@@ -292,6 +294,7 @@ export class PrefillWorker {
     const tokensOn = (ordinal: number): number =>
       isPlaceholder ? pageSize : Math.min(pageSize, numPromptTokens - ordinal * pageSize)
     const client = this.clientFor(req.decode.host, req.decode.port)
+    if (this.core.hasFault('delay-begin')) await delayBegin(signal)
     await this.countTransfer(
       ordinalsToSend?.length ?? numPages,
       client.send(
@@ -476,5 +479,15 @@ function makePrefixCacheMetrics(core: WorkerCore, numPages: () => number): Prefi
       labelNames: ['outcome', 'tier'] as const,
       registers,
     }),
+  }
+}
+
+/** Fault `delay-begin`: waits {@link delayBeginMs} before a transfer starts.
+ *  @throws KvfenceError `request_aborted` as soon as `signal` fires (no BEGIN is sent then). */
+async function delayBegin(signal: AbortSignal): Promise<void> {
+  try {
+    await sleep(delayBeginMs, undefined, { signal })
+  } catch {
+    throw new KvfenceError('request_aborted', 'request aborted before its transfer began')
   }
 }

@@ -32,43 +32,165 @@ const verdicts = (report: AuditReport): string[][] =>
 const unique = (rows: string[][]): string[][] =>
   [...new Set(rows.map((r) => r.join(' ')))].map((r) => r.split(' '))
 
-describe('abort-race', () => {
-  test("an aborted request's words served to the next request: leak, critical, alice → bob", async () => {
-    const report = await audit('abort-race', { isAbortLeak: true, tokenDelayMs: 3 })
-    const [first] = report.findings
-    assert.deepEqual(verdicts(report)[0], ['abort-race', 'leak', 'critical'])
-    assert.equal(first.evidence.victimTenant, 'alice')
-    assert.equal(first.evidence.observerTenant, 'bob')
-    const excerpt = first.evidence.excerpt as string
-    assert.ok(excerpt.includes(first.evidence.canary as string))
-    assert.ok(excerpt.includes(redactionMark) || excerpt.length >= 8)
+// Every test here audits a stand-in of its own, mostly waiting on its delays: two groups run at
+// once. Not more: the audits share this process's event loop, and with many at once their
+// timers and reads ran late enough to change verdicts (a discovery read timing out, a cut not
+// seen before the slot was given back).
+describe('probes', { concurrency: 2 }, () => {
+  describe('abort-race', () => {
+    test("an aborted request's words served to the next request: leak, critical, alice → bob", async () => {
+      const report = await audit('abort-race', { isAbortLeak: true, tokenDelayMs: 3 })
+      const [first] = report.findings
+      assert.deepEqual(verdicts(report)[0], ['abort-race', 'leak', 'critical'])
+      assert.equal(first.evidence.victimTenant, 'alice')
+      assert.equal(first.evidence.observerTenant, 'bob')
+      const excerpt = first.evidence.excerpt as string
+      assert.ok(excerpt.includes(first.evidence.canary as string))
+      assert.ok(excerpt.includes(redactionMark) || excerpt.length >= 8)
+    })
+
+    test('aborts handled cleanly: clean, with requests really cut', async () => {
+      const report = await audit('abort-race', { tokenDelayMs: 3 })
+      assert.deepEqual(verdicts(report), [['abort-race', 'clean', 'info']])
+      assert.ok((report.findings[0].evidence.numCutBeforeEnd as number) >= 1)
+    })
   })
 
-  test('aborts handled cleanly: clean, with requests really cut', async () => {
-    const report = await audit('abort-race', { tokenDelayMs: 3 })
-    assert.deepEqual(verdicts(report), [['abort-race', 'clean', 'info']])
-    assert.ok((report.findings[0].evidence.numCutBeforeEnd as number) >= 1)
+  describe('concurrency', () => {
+    test('crossed batch slots (first words of another request): leak, critical', async () => {
+      const report = await audit('concurrency', { isCrossTalk: true, tokenDelayMs: 2 })
+      assert.ok(report.findings.length >= 1)
+      assert.ok(report.findings.every((f) => f.verdict === 'leak'))
+      assert.deepEqual(verdicts(report)[0], ['concurrency', 'leak', 'critical'])
+    })
+
+    test('separate requests stay separate: clean; --concurrency 1 cannot tell: inconclusive', async () => {
+      assert.deepEqual(verdicts(await audit('concurrency', { tokenDelayMs: 2 })), [
+        ['concurrency', 'clean', 'info'],
+      ])
+      assert.deepEqual(verdicts(await audit('concurrency', {}, { concurrency: 1 })), [
+        ['concurrency', 'inconclusive', 'medium'],
+      ])
+    })
+  })
+
+  describe('page-leak', () => {
+    test('pages lost on abort (kvfence /server_info): warning with the numbers and the samples', async () => {
+      const report = await audit(
+        'page-leak',
+        { isPageLeakOnAbort: true, tokenDelayMs: 3 },
+        // The leaked pages never come back: the probe polls until its time is spent (the budget less
+        // 0.5 s); 6 s leaves that wait a few seconds even while the other tests of this file run.
+        { maxSeconds: 6 },
+      )
+      assert.deepEqual(verdicts(report), [['page-leak', 'warning', 'high']])
+      const e = report.findings[0].evidence as {
+        baseline: number
+        settled: number
+        source: { field: string }
+      }
+      assert.equal(e.baseline, 0)
+      assert.ok(e.settled > 0)
+      assert.equal(e.source.field, 'workers[].numPagesUsed')
+      assert.match(
+        report.findings[0].title,
+        /^KV pool usage did not return to its idle baseline: 0 pages before, \d+ pages after/,
+      )
+    })
+
+    test('pages all returned: clean; read from SGLang /metrics sglang:token_usage too', async () => {
+      assert.deepEqual(verdicts(await audit('page-leak', { tokenDelayMs: 3 })), [
+        ['page-leak', 'clean', 'info'],
+      ])
+      const sglang = await audit('page-leak', { tokenDelayMs: 3, flavour: 'sglang' })
+      assert.deepEqual(verdicts(sglang), [['page-leak', 'clean', 'info']])
+      assert.deepEqual(sglang.findings[0].evidence.source, {
+        endpoint: '/metrics',
+        field: 'sglang:token_usage',
+        unit: 'fraction',
+      })
+    })
+
+    test('no usage exposed (vLLM flavour without usage metric): inconclusive', async () => {
+      assert.deepEqual(verdicts(await audit('page-leak', { flavour: 'vllm' })), [
+        ['page-leak', 'inconclusive', 'medium'],
+      ])
+    })
+  })
+
+  describe('determinism', () => {
+    test('output that changes under load is a warning, never a leak; stable output is clean', async () => {
+      assert.deepEqual(
+        verdicts(await audit('determinism', { isLoadSensitive: true, tokenDelayMs: 2 })),
+        [['determinism', 'warning', 'low']],
+      )
+      assert.deepEqual(verdicts(await audit('determinism', { tokenDelayMs: 2 })), [
+        ['determinism', 'clean', 'info'],
+      ])
+    })
+  })
+
+  describe('error-handling', () => {
+    test('errors answered 200 with an error text: warning naming every case', async () => {
+      const report = await audit('error-handling', { isErrorAs200: true })
+      assert.deepEqual(verdicts(report), [['error-handling', 'warning', 'medium']])
+      assert.equal(
+        report.findings[0].title,
+        'answered 200 with an error text instead of a 4xx: malformed JSON, missing prompt, negative max_tokens, max_tokens not a number, max_tokens over the context, prompt twice the limit',
+      )
+    })
+
+    test("a correct engine whose answers carry error: null and a model that writes 'error' mid-text: clean", async () => {
+      // llama.cpp's surface answers max_tokens over the context (generation stops there): that
+      // answer's text is the model's, not an error, and its null error field is no error.
+      const report = await audit('error-handling', {
+        flavour: 'llamacpp',
+        answerFields: { error: null },
+        answerSuffix: ' and no error was found, as the maximum was',
+      })
+      assert.deepEqual(verdicts(report), [['error-handling', 'clean', 'info']])
+      const cases = report.findings[0].evidence.cases as { case: string; result: string }[]
+      assert.equal(cases.find((c) => c.case === 'max_tokens over the context')?.result, 'accepted')
+    })
+
+    test('every invalid request refused with a 4xx: clean', async () => {
+      const report = await audit('error-handling', {})
+      assert.deepEqual(verdicts(report), [['error-handling', 'clean', 'info']])
+      const cases = report.findings[0].evidence.cases as { status: number }[]
+      assert.deepEqual(
+        cases.map((c) => c.status),
+        [400, 400, 400, 400, 400, 400],
+      )
+    })
+  })
+
+  test('no probe ever reports a leak against the safe stand-in (all probes, 2 seeds)', async () => {
+    // The two audits are independent (a stand-in each) and run at once. No verdict here rests on
+    // timing (cached_tokens decide prefix-timing), so a miss costs 2 ms rather than 40.
+    await Promise.all(
+      [1, 2].map(async (seed) => {
+        const standIn = await startStandIn('safe', {
+          tokenDelayMs: 1,
+          prefixCache: 'per-tenant',
+          missDelayMs: 2,
+        })
+        try {
+          const report = await runAudit({ target: standIn.url, tenants, seed })
+          assert.deepEqual(
+            unique(verdicts(report).filter((v) => v[1] === 'leak')),
+            [],
+            `seed ${seed}`,
+          )
+        } finally {
+          await standIn.close()
+        }
+      }),
+    )
   })
 })
 
-describe('concurrency', () => {
-  test('crossed batch slots (first words of another request): leak, critical', async () => {
-    const report = await audit('concurrency', { isCrossTalk: true, tokenDelayMs: 2 })
-    assert.ok(report.findings.length >= 1)
-    assert.ok(report.findings.every((f) => f.verdict === 'leak'))
-    assert.deepEqual(verdicts(report)[0], ['concurrency', 'leak', 'critical'])
-  })
-
-  test('separate requests stay separate: clean; --concurrency 1 cannot tell: inconclusive', async () => {
-    assert.deepEqual(verdicts(await audit('concurrency', { tokenDelayMs: 2 })), [
-      ['concurrency', 'clean', 'info'],
-    ])
-    assert.deepEqual(verdicts(await audit('concurrency', {}, { concurrency: 1 })), [
-      ['concurrency', 'inconclusive', 'medium'],
-    ])
-  })
-})
-
+// Decided by how long answers take (a request seen waiting; TTFT): run alone, after the group
+// above, so that no other audit in this process delays the answers they time.
 describe('queueing', () => {
   test('requests queued behind a batch of one are seen waiting and checked: clean', async () => {
     const report = await audit('queueing', { maxBatch: 1, tokenDelayMs: 2 })
@@ -108,60 +230,6 @@ describe('queueing', () => {
   })
 })
 
-describe('page-leak', () => {
-  test('pages lost on abort (kvfence /server_info): warning with the numbers and the samples', async () => {
-    const report = await audit(
-      'page-leak',
-      { isPageLeakOnAbort: true, tokenDelayMs: 3 },
-      { maxSeconds: 3 },
-    )
-    assert.deepEqual(verdicts(report), [['page-leak', 'warning', 'high']])
-    const e = report.findings[0].evidence as {
-      baseline: number
-      settled: number
-      source: { field: string }
-    }
-    assert.equal(e.baseline, 0)
-    assert.ok(e.settled > 0)
-    assert.equal(e.source.field, 'workers[].numPagesUsed')
-    assert.match(
-      report.findings[0].title,
-      /^KV pool usage did not return to its idle baseline: 0 pages before, \d+ pages after/,
-    )
-  })
-
-  test('pages all returned: clean; read from SGLang /metrics sglang:token_usage too', async () => {
-    assert.deepEqual(verdicts(await audit('page-leak', { tokenDelayMs: 3 })), [
-      ['page-leak', 'clean', 'info'],
-    ])
-    const sglang = await audit('page-leak', { tokenDelayMs: 3, flavour: 'sglang' })
-    assert.deepEqual(verdicts(sglang), [['page-leak', 'clean', 'info']])
-    assert.deepEqual(sglang.findings[0].evidence.source, {
-      endpoint: '/metrics',
-      field: 'sglang:token_usage',
-      unit: 'fraction',
-    })
-  })
-
-  test('no usage exposed (vLLM flavour without usage metric): inconclusive', async () => {
-    assert.deepEqual(verdicts(await audit('page-leak', { flavour: 'vllm' })), [
-      ['page-leak', 'inconclusive', 'medium'],
-    ])
-  })
-})
-
-describe('determinism', () => {
-  test('output that changes under load is a warning, never a leak; stable output is clean', async () => {
-    assert.deepEqual(
-      verdicts(await audit('determinism', { isLoadSensitive: true, tokenDelayMs: 2 })),
-      [['determinism', 'warning', 'low']],
-    )
-    assert.deepEqual(verdicts(await audit('determinism', { tokenDelayMs: 2 })), [
-      ['determinism', 'clean', 'info'],
-    ])
-  })
-})
-
 describe('prefix-timing (Gu et al.)', () => {
   test('a prefix cache shared across tenants that reports cached_tokens: side channel (direct signal)', async () => {
     const report = await audit('prefix-timing', { prefixCache: 'shared' })
@@ -194,7 +262,9 @@ describe('prefix-timing (Gu et al.)', () => {
     assert.deepEqual(verdicts(report), [['prefix-timing', 'warning', 'high']])
     assert.equal(report.findings[0].class, 'side-channel')
     assert.match(report.findings[0].title, /^timing side channel/)
-    const cross = report.findings[0].evidence.cross as { ttftMs: { hit: number[]; miss: number[] } }
+    const cross = report.findings[0].evidence.cross as {
+      ttftMs: { hit: number[]; miss: number[] }
+    }
     assert.equal(cross.ttftMs.hit.length, 12)
     assert.equal(cross.ttftMs.miss.length, 12)
   })
@@ -280,50 +350,4 @@ describe('prefix-timing (Gu et al.)', () => {
     const report = await audit('prefix-timing', {})
     assert.deepEqual(verdicts(report), [['prefix-timing', 'inconclusive', 'low']])
   })
-})
-
-describe('error-handling', () => {
-  test('errors answered 200 with an error text: warning naming every case', async () => {
-    const report = await audit('error-handling', { isErrorAs200: true })
-    assert.deepEqual(verdicts(report), [['error-handling', 'warning', 'medium']])
-    assert.equal(
-      report.findings[0].title,
-      'answered 200 with an error text instead of a 4xx: malformed JSON, missing prompt, negative max_tokens, max_tokens not a number, max_tokens over the context, prompt twice the limit',
-    )
-  })
-
-  test("a correct engine whose answers carry error: null and a model that writes 'error' mid-text: clean", async () => {
-    // llama.cpp's surface answers max_tokens over the context (generation stops there): that
-    // answer's text is the model's, not an error, and its null error field is no error.
-    const report = await audit('error-handling', {
-      flavour: 'llamacpp',
-      answerFields: { error: null },
-      answerSuffix: ' and no error was found, as the maximum was',
-    })
-    assert.deepEqual(verdicts(report), [['error-handling', 'clean', 'info']])
-    const cases = report.findings[0].evidence.cases as { case: string; result: string }[]
-    assert.equal(cases.find((c) => c.case === 'max_tokens over the context')?.result, 'accepted')
-  })
-
-  test('every invalid request refused with a 4xx: clean', async () => {
-    const report = await audit('error-handling', {})
-    assert.deepEqual(verdicts(report), [['error-handling', 'clean', 'info']])
-    const cases = report.findings[0].evidence.cases as { status: number }[]
-    assert.deepEqual(
-      cases.map((c) => c.status),
-      [400, 400, 400, 400, 400, 400],
-    )
-  })
-})
-
-test('no probe ever reports a leak against the safe stand-in (all probes, 2 seeds)', async () => {
-  for (const seed of [1, 2]) {
-    const standIn = await startStandIn('safe', { tokenDelayMs: 1, prefixCache: 'per-tenant' })
-    try {
-      const report = await runAudit({ target: standIn.url, tenants, seed })
-      assert.deepEqual(unique(verdicts(report).filter((v) => v[1] === 'leak')), [], `seed ${seed}`)
-    } finally {
-      await standIn.close()
-    }
-  }
 })

@@ -64,6 +64,8 @@ const outsidePairPath: Record<string, string> = {
     "acts in the prefix cache's offload tier, which the matrix's pairs run without; test/kv/prefix-cache-offload.test.ts",
   'offload-key-without-tenant':
     "acts in the prefix cache's offload tier, which the matrix's pairs run without; test/kv/prefix-cache-offload.test.ts",
+  'delay-begin':
+    "a timing fault with no effect of its own (it only holds P's BEGIN, so that a client's cut lands before it); paired with drop-abort in test/audit/faults.test.ts › drop-abort",
 }
 
 /** 8-token pages keep every prompt a few pages long inside the smallest model's 64 positions. */

@@ -13,9 +13,10 @@ import {
 const allow = { KVFENCE_ALLOW_FAULTS: '1' }
 
 describe('fault and guard switches', () => {
-  it('implements exactly the eight faults of DESIGN.md §5 and the prefix cache’s three', () => {
+  it('implements exactly the eight faults of DESIGN.md §5, the prefix cache’s three and delay-begin', () => {
     assert.deepEqual([...implementedFaults].sort(), [
       'corrupt-transfer',
+      'delay-begin',
       'drop-abort',
       'early-release',
       'lost-ack',
