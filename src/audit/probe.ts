@@ -60,6 +60,7 @@ export const rejectionRemediation =
   'Disaggregated SGLang: upgrade to v0.5.22 or later.'
 
 export const inconclusiveRemediation =
-  'Re-run with a larger budget (--max-requests, --max-seconds), check that both tenant keys are ' +
-  'valid and that the endpoint serves POST /v1/completions with usage.prompt_tokens, or pass ' +
-  '--model. Until then isolation is not proven.'
+  'Re-run with a larger budget (--max-requests, --max-seconds); where the endpoint does not ' +
+  'report its limits, give them (--context-window, --kv-pool-tokens); check that both tenant ' +
+  'keys are valid and that the endpoint serves POST /v1/completions with usage.prompt_tokens, ' +
+  'or pass --model. Until then isolation is not proven.'

@@ -109,11 +109,15 @@ describe('cache edges and churn, from what the endpoint reports', () => {
     // 16 tokens: BOS + 6 head letters + 8 characters of canary + 1 filler word.
     const at16 = sizedPrompt(createRng(1, 't'), sizer, 16, canary)
     assert.equal(at16.hasCanary, true)
-    assert.deepEqual(words(at16.prompt).slice(6), ['AbCdEfGh', 'a'])
+    assert.deepEqual(words(at16.prompt).slice(6), ['AbCdEfGh', at16.filler])
+    assert.equal(at16.filler.length, 1)
     // 15 tokens: a piece of 7 characters would be too short to find; head and 8 filler words.
     const at15 = sizedPrompt(createRng(1, 't'), sizer, 15, canary)
     assert.equal(at15.hasCanary, false)
-    assert.deepEqual(words(at15.prompt).slice(6), 'abcdefgh'.split(''))
+    // The filler is the prompt's own (keyed): 8 letters of the sizer's alphabet.
+    assert.deepEqual(words(at15.prompt).slice(6), at15.filler.split(' '))
+    assert.equal(at15.filler.split(' ').length, 8)
+    assert.ok(at15.filler.split(' ').every((w) => 'abcdefghijklmnop'.includes(w)))
     // 40 tokens: the whole canary and 13 filler words (1 + 6 + 20 + 13).
     const at40 = sizedPrompt(createRng(1, 't'), sizer, 40, canary)
     assert.equal(words(at40.prompt)[6], canary.canary)

@@ -279,7 +279,9 @@ class Session {
   }
 
   private plant(id: string, tenant: Tenant, prompt: string, canaries: string[]): Planted {
-    const planted = { id, tenant, canaries, prompt }
+    // The prompt's words are its own (head, canary, keyed filler), so the prompt is its filler:
+    // an answer replaying a run of it names this request, the churn's included.
+    const planted = { id, tenant, canaries, prompt, filler: prompt }
     this.planted.push(planted)
     return planted
   }

@@ -26,7 +26,9 @@ export interface Planted {
   readonly canaries: readonly string[]
   readonly prompt: string
   /** The request's own filler ({@link keyedFiller}), when its prompt has filler: an answer
-   *  repeating {@link minFillerWords} of its words in a row carries this request's material. */
+   *  repeating {@link minFillerWords} of its words in a row carries this request's material.
+   *  Several fillers (one per prompt, where the id stands for a tenant's several prompts) are
+   *  separated by newlines: a run never spans two of them. */
   readonly filler?: string
 }
 
@@ -121,7 +123,8 @@ export function keyedFiller(rng: Rng, numWords: number): string {
 }
 
 /** The longest run of at least `minWords` whitespace-separated words of `text` that occurs, in
- *  order, in `filler` (single-space separated); null when none does. `index`: where the run's
+ *  order, in `filler` (single-space separated words; newlines separate fillers, which a run never
+ *  spans); null when none does. `index`: where the run's
  *  first word starts in `text`. */
 export function findFillerRun(
   text: string,
@@ -130,7 +133,7 @@ export function findFillerRun(
 ): CanaryMatch | null {
   const words: { word: string; index: number }[] = []
   for (const m of text.matchAll(/\S+/g)) words.push({ word: m[0], index: m.index })
-  const haystack = ` ${filler} `
+  const haystack = ` ${filler.split('\n').join(' \n ')} `
   const occurs = (from: number, to: number): boolean =>
     haystack.includes(
       ` ${words

@@ -3,8 +3,10 @@
  *
  *  A prompt is `head canary filler`: `head` is a few random single letters (unique per prompt,
  *  so that no two prompts share a first page and every first answer is cold), `canary` is the
- *  tenant's (what another tenant's answer must never carry), `filler` the sizer's words. Letters
- *  and filler cost the sizer's tokens per word; a canary's cost is measured once per tenant from
+ *  tenant's (what another tenant's answer must never carry), `filler` the prompt's own keyed
+ *  filler (material.ts: random letters of the sizer's alphabet, so that an answer replaying it
+ *  names the request, and so the tenant, that sent it). Letters and filler cost the sizer's
+ *  tokens per word, as the sizer's own filler does; a canary's cost is measured once per tenant from
  *  `usage.prompt_tokens` (`measureCanary`), since no sizer knows how a random string tokenizes.
  *  Where the canary does not fit a short length, a piece of it does, or head and filler alone.
  *  Also the lengths where caches cut prompts: page and prefill-chunk sizes the endpoint reports,
@@ -13,9 +15,10 @@
 import { BudgetExhaustedError } from '../budget.js'
 import { minFragmentLength } from '../canaries.js'
 import type { Rng } from '../rng.js'
-import { fillerText, type PromptSizer } from '../sizer.js'
+import { type PromptSizer } from '../sizer.js'
 import { outcomeOf, type Target } from '../target.js'
 import type { Tenant } from '../types.js'
+import { keyedFiller } from './material.js'
 
 /** Random letters heading each prompt: 26^6 ≈ 3·10^8 heads, so two prompts of one audit share
  *  none by chance. */
@@ -33,7 +36,15 @@ export function randomHead(rng: Rng): string {
   return Array.from({ length: headWords }, () => String.fromCharCode(97 + rng.int(0, 25))).join(' ')
 }
 
-/** A prompt estimated at `numTokens` tokens: a fresh head, the canary, then filler. Where the
+/** A sized prompt: its text, whether it carries the canary (or a piece), and its keyed filler
+ *  (the words after the canary; what {@link findFillerRun} matches an answer against). */
+export interface SizedPrompt {
+  readonly prompt: string
+  readonly hasCanary: boolean
+  readonly filler: string
+}
+
+/** A prompt estimated at `numTokens` tokens: a fresh head, the canary, then keyed filler. Where the
  *  whole canary leaves no room for a filler word, its longest leading piece of at least
  *  {@link minFragmentLength} characters that does (a piece that long is found in an answer as
  *  the canary is; its cost is taken in proportion to the measured whole's); where none does,
@@ -47,7 +58,7 @@ export function sizedPrompt(
   sizer: PromptSizer,
   numTokens: number,
   canary: TenantCanary | null,
-): { readonly prompt: string; readonly hasCanary: boolean } {
+): SizedPrompt {
   const head = randomHead(rng)
   if (canary !== null && canary.canaryTokens !== null) {
     const { length } = canary.canary
@@ -59,31 +70,32 @@ export function sizedPrompt(
         const numFiller = numWords - headWords
         if (numFiller < 1) continue
         const estimate = sizer.estimate(numWords) + cost
-        if (estimate === numTokens) return withCanary(head, canary.canary, numChars, numFiller)
+        if (estimate === numTokens) return withCanary(rng, head, canary.canary, numChars, numFiller)
         if (nearly === null && numWords === words && estimate <= numTokens + 1)
           nearly = { numChars, numFiller }
       }
     }
-    if (nearly !== null) return withCanary(head, canary.canary, nearly.numChars, nearly.numFiller)
+    if (nearly !== null)
+      return withCanary(rng, head, canary.canary, nearly.numChars, nearly.numFiller)
   }
   const numFiller = Math.max(1, sizer.wordsFor(numTokens, 'nearest') - headWords)
-  return { prompt: `${head} ${fillerText(numFiller)}`, hasCanary: false }
+  const filler = keyedFiller(rng, numFiller)
+  return { prompt: `${head} ${filler}`, hasCanary: false, filler }
 }
 
 function withCanary(
+  rng: Rng,
   head: string,
   canary: string,
   numChars: number,
   numFiller: number,
-): { readonly prompt: string; readonly hasCanary: boolean } {
-  return {
-    prompt: `${head} ${canary.slice(0, numChars)} ${fillerText(numFiller)}`,
-    hasCanary: true,
-  }
+): SizedPrompt {
+  const filler = keyedFiller(rng, numFiller)
+  return { prompt: `${head} ${canary.slice(0, numChars)} ${filler}`, hasCanary: true, filler }
 }
 
-/** A prompt of at most `numTokens` tokens that always carries `canary`, for traffic whose size
- *  only has to be large: the canary is counted at two tokens per character plus two (more than
+/** A prompt of at most `numTokens` tokens that always carries `canary` and keyed filler (its own,
+ *  so that any stretch of it names whose it was), for traffic whose size only has to be large: the canary is counted at two tokens per character plus two (more than
  *  any tokenizer spends on a random string, its neighbours' merges included), so the prompt never
  *  passes `numTokens`. */
 export function boundedPrompt(
@@ -94,7 +106,8 @@ export function boundedPrompt(
 ): string {
   const canaryBound = 2 * canary.length + 2
   const numFiller = Math.max(1, sizer.wordsFor(numTokens - canaryBound, 'down') - headWords)
-  return `${randomHead(rng)} ${canary} ${fillerText(numFiller)}`
+  const head = randomHead(rng)
+  return `${head} ${canary} ${keyedFiller(rng, numFiller)}`
 }
 
 /** Filler words between two copies of a prompt's canary in a {@link markedPrompt}: fewer than
@@ -126,9 +139,12 @@ export function markedPrompt(
   let numRepeats = 0
   while (cost(numRepeats + 2, (numRepeats + 1) * markEveryWords) <= numTokens) numRepeats++
   if (numRepeats === 0) return boundedPrompt(rng, sizer, numTokens, canary)
-  const segment = `${fillerText(markEveryWords)} ${canary}`
-  const segments = Array.from({ length: numRepeats }, () => segment).join(' ')
-  return `${randomHead(rng)} ${canary} ${segments}`
+  const head = randomHead(rng)
+  const segments = Array.from(
+    { length: numRepeats },
+    () => `${keyedFiller(rng, markEveryWords)} ${canary}`,
+  ).join(' ')
+  return `${head} ${canary} ${segments}`
 }
 
 /** Measures what `canary` costs in tokens: one completion (`max_tokens: 1`) of head, canary and
@@ -144,7 +160,7 @@ export async function measureCanary(
   const numFiller = 16
   const r = await target.complete({
     tenant,
-    prompt: `${randomHead(rng)} ${canary} ${fillerText(numFiller)}`,
+    prompt: `${randomHead(rng)} ${canary} ${keyedFiller(rng, numFiller)}`,
     maxTokens: 1,
     stream: false,
   })

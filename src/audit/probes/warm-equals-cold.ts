@@ -7,8 +7,9 @@
  *
  *  Per length: another tenant first sends a prompt of that same length (material a wrong key
  *  could serve), then the observer sends its own prompt twice at temperature 0, cold then warm.
- *  The warm answer must equal the cold one. A difference that carries another tenant's canary is
- *  a leak; one without is a warning. Where answers differ, a fresh `cache_salt` is the control
+ *  The warm answer must equal the cold one. Any answer that carries another tenant's canary, or
+ *  a run of the keyed filler one of its prompts carried, is a leak naming that tenant; a
+ *  difference without is a warning. Where answers differ, a fresh `cache_salt` is the control
  *  (vLLM takes one; where the endpoint refuses or ignores it, the cause stays undetermined): the
  *  same prompt under a key nothing else shares, twice. If the difference goes away, the cache
  *  served an entry it should not have matched (a key bug); if it stays, the warm path computes
@@ -36,6 +37,7 @@ import {
   measureCanary,
   promptLimit,
   sizedPrompt,
+  type SizedPrompt,
   sizerOrNull,
   type CacheEdge,
   type TenantCanary,
@@ -165,6 +167,8 @@ class Session {
   readonly planted: Planted[] = []
   readonly observed: Observed[] = []
   readonly runs: LengthRun[] = []
+  /** Each tenant's prompts' keyed fillers: what an answer to another tenant must not replay. */
+  private readonly fillers = new Map<string, string[]>()
   private readonly colds = new Map<LengthRun, { tenant: Tenant; prompt: string; text: string }>()
 
   constructor(
@@ -217,9 +221,9 @@ class Session {
     const observer = this.canaries[observerIndex]
     const source = this.canaries[(observerIndex + 1) % tenants.length]
     const label = `${numTokens}-token (${edge.why}${numTokens === edge.tokens ? '' : ` ${numTokens > edge.tokens ? '+' : '−'} 1`})`
-    const other = sizedPrompt(this.rng, this.sizer, aim, source)
+    const other = this.sized(aim, source)
     await this.send(source.tenant, other.prompt, `another tenant's ${label}`)
-    const own = sizedPrompt(this.rng, this.sizer, aim, observer)
+    const own = this.sized(aim, observer)
     const cold = await this.send(observer.tenant, own.prompt, `cold ${label}`)
     const common = {
       targetTokens: numTokens,
@@ -247,6 +251,22 @@ class Session {
     }
     this.colds.set(run, { tenant: observer.tenant, prompt: own.prompt, text: cold.text })
     return run
+  }
+
+  /** A prompt of `aim` tokens for `canary`'s tenant, its filler recorded as the tenant's. */
+  private sized(aim: number, canary: TenantCanary): SizedPrompt {
+    const sized = sizedPrompt(this.rng, this.sizer, aim, canary)
+    const name = canary.tenant.name
+    this.fillers.set(name, [...(this.fillers.get(name) ?? []), sized.filler])
+    return sized
+  }
+
+  /** Each tenant's material: its canary and every filler its prompts carried. */
+  material(): Planted[] {
+    return this.planted.map((p) => {
+      const fillers = this.fillers.get(p.tenant.name) ?? []
+      return fillers.length === 0 ? p : { ...p, filler: fillers.join('\n') }
+    })
   }
 
   /** The same prompt under a fresh `cache_salt`, twice (see the module's header). */
@@ -297,9 +317,11 @@ function judge(
   const differing = compared.filter((r) => r.isEqual === false)
   const landed = new Set(compared.map((r) => r.promptTokens))
   // An edge every prompt of which was refused is past what the endpoint takes: not missed.
-  const refusedEdges = edges.filter((e) =>
-    runs.filter((r) => r.edge === e.tokens).every((r) => r.outcome === 'refused'),
-  )
+  // Refused: sent, and every one refused (an edge the budget stopped before it is not refused).
+  const refusedEdges = edges.filter((e) => {
+    const sent = runs.filter((r) => r.edge === e.tokens)
+    return sent.length > 0 && sent.every((r) => r.outcome === 'refused')
+  })
   const missedEdges = edges.filter((e) => !landed.has(e.tokens) && !refusedEdges.includes(e))
   const evidence = {
     ...base,
@@ -320,17 +342,18 @@ function judge(
     list.length === 0 ? 'none' : list.map((e) => e.tokens).join(', ')
   const landedEdges = edges.filter((e) => landed.has(e.tokens))
   context.log(
-    `${compared.length} of ${runs.length} lengths compared, ${differing.length} differ; edges landed on ${edgeList(landedEdges)}` +
+    `${compared.length} of ${edges.length * offsets.length} lengths compared (${runs.length} sent), ${differing.length} differ; edges landed on ${edgeList(landedEdges)}` +
       (missedEdges.length > 0 ? `; missed ${edgeList(missedEdges)}` : '') +
       (refusedEdges.length > 0 ? `; refused ${edgeList(refusedEdges)}` : ''),
   )
-  const crossings = findCrossings(session.observed, session.planted)
+  const material = session.material()
+  const crossings = findCrossings(session.observed, material)
   if (crossings.length > 0) {
     const causes = [...new Set(differing.map((r) => r.cause ?? 'not tried'))]
     return leakFindings(
       'warm-equals-cold',
       crossings,
-      session.planted,
+      material,
       { ...evidence, causes: causes.map((c) => `${c}: ${causeText[c]}`) },
       remediation,
     )
